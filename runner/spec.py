@@ -1,0 +1,108 @@
+"""What a pipeline declares about its KV cache; the pool is sized from this alone."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SpecError(ValueError):
+    """A KV cache spec is inconsistent; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class KVBranch:
+    """One independent KV history per session, e.g. CFG's ``cond`` and ``uncond``.
+
+    ``local_index`` is the branch's position in the pipeline's batch, so a
+    pipeline can map a batch row to the branch whose history it reads.
+    """
+
+    name: str
+    local_index: int
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV shape a pipeline needs per session.
+
+    One pool block holds one frame's tokens for every layer. A session keeps
+    ``sink_frames`` blocks forever plus a sliding window of ``window_frames``
+    recent blocks, per branch. ``reset_at_boundary`` drops the whole history
+    (sink included) when the window is full instead of sliding it.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tokens_per_frame: int
+    frames_per_chunk: int
+    sink_frames: int
+    window_frames: int
+    kv_branches: tuple[KVBranch, ...] = (KVBranch("main", 0),)
+    session_capacity: int = 64
+    cross_attention_lengths: Mapping[str, int] = field(default_factory=dict)
+    model_owned_bytes_per_session: int = 0
+    reset_at_boundary: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_size",
+            "tokens_per_frame",
+            "frames_per_chunk",
+            "window_frames",
+            "session_capacity",
+        ):
+            _positive(name, getattr(self, name))
+        if not isinstance(self.sink_frames, int) or self.sink_frames < 0:
+            raise SpecError(f"sink_frames must be an integer >= 0, got {self.sink_frames!r}")
+        if self.window_frames < self.frames_per_chunk:
+            raise SpecError(
+                f"window_frames ({self.window_frames}) must hold at least one chunk "
+                f"(frames_per_chunk={self.frames_per_chunk})"
+            )
+        if not self.kv_branches:
+            raise SpecError("kv_branches must name at least one branch")
+        names = [b.name for b in self.kv_branches]
+        if len(set(names)) != len(names):
+            raise SpecError(f"kv_branches names must be unique, got {names}")
+        indices = sorted(b.local_index for b in self.kv_branches)
+        if indices != list(range(len(indices))):
+            raise SpecError(f"kv_branches local_index values must be 0..{len(indices) - 1}, got {indices}")
+        for name, length in self.cross_attention_lengths.items():
+            _positive(f"cross_attention_lengths[{name!r}]", length)
+        if self.model_owned_bytes_per_session < 0:
+            raise SpecError("model_owned_bytes_per_session must be >= 0")
+        if not self.dtype.is_floating_point:
+            raise SpecError(f"dtype must be a floating point dtype, got {self.dtype}")
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.kv_branches)
+
+    @property
+    def resident_frames(self) -> int:
+        """Frames a session keeps between chunks, per branch."""
+        return self.sink_frames + self.window_frames
+
+    @property
+    def block_bytes(self) -> int:
+        """K plus V for one frame's tokens across all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.tokens_per_frame * self.num_kv_heads * self.head_size * elem
+
+    @property
+    def cross_attention_bytes_per_session(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
+        return sum(self.cross_attention_lengths.values()) * per_token * len(self.kv_branches)

@@ -1,0 +1,46 @@
+"""The runner's request and result types: what crosses the worker boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TickRequest:
+    """Ask for one chunk of one session.
+
+    ``controls`` and ``prompt`` are the session's current values, already
+    validated by the transport. ``reset`` releases the session's KV and model
+    state before the chunk runs; ``close`` releases it after.
+    """
+
+    session_id: str
+    request_id: int
+    controls: dict[str, Any] = field(default_factory=dict)
+    prompt: str | None = None
+    seed: int | None = None
+    reset: bool = False
+    close: bool = False
+    applied_event_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """One generated chunk.
+
+    ``frames`` is uint8 ``[F, H, W, 3]``. ``chunk_index`` counts chunks since
+    the session's rollout began; 0 means a new rollout (first chunk, reset or
+    after the session was evicted). ``compute_s`` is the bound forward's wall
+    time including the device sync.
+    """
+
+    session_id: str
+    request_id: int
+    chunk_index: int
+    frames: np.ndarray
+    compute_s: float
+    new_rollout: bool
+    applied_event_ids: tuple[int, ...] = ()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything the tests need on a fresh Debian machine, then runs them.
+# Used by the README's test command and by CI (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/pip install -q --upgrade pip
+# torch pinned first so pip takes the local CPU build rather than a CUDA one.
+.venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/pip install -q -e ".[test]"
+
+exec .venv/bin/python -m pytest -q "$@"
