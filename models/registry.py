@@ -24,9 +24,16 @@ def _tiny_world(device: torch.device, **options: Any) -> ARPipeline:
     return load_tiny_world(device=device, **options)
 
 
+def _toy_attention(device: torch.device, **options: Any) -> ARPipeline:
+    from models.toy_attention import ToyAttentionPipeline
+
+    return ToyAttentionPipeline(**options)
+
+
 PIPELINES: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,
     "fake-kv": _fake_kv,
+    "toy-attention": _toy_attention,
 }
 
 

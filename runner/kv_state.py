@@ -1,8 +1,10 @@
 """One session's view of the paged pool, handed to a pipeline for one forward.
 
 A chunk is produced by several forward *passes*: denoising passes write the
-chunk's K/V to shared scratch blocks and leave the timeline alone; the one
-committing pass writes to freshly allocated blocks and advances it. Frame
+chunk's K/V to the pool's scratch (staging area) and leave the timeline alone;
+the one committing pass also copies them into freshly allocated blocks and
+advances it. The session's history is gathered from its blocks into the
+staging area once per chunk, so every pass reads contiguous K/V. Frame
 positions are absolute and keep counting after old frames leave the window,
 so a pipeline can apply RoPE with :attr:`frame_start`.
 
@@ -43,9 +45,11 @@ class SessionKVState:
         self.released = False
         self._in_pass = False
         self._commit = False
-        self._current: dict[str, list[int]] = {}
-        self._gather_index: dict[str, torch.Tensor] = {}
-        self._write_index: dict[str, torch.Tensor] = {}
+        # Bumped whenever the block tables change, so stale staging is regathered.
+        self._history_version = 0
+        self._history_tokens = 0
+        self._chunk_tokens = self.spec.frames_per_chunk * self.spec.tokens_per_frame
+        self._chunk_shape = (self.spec.frames_per_chunk, self.spec.tokens_per_frame)
         self.cross_slot: int | None = pool.allocate_slot() if self.spec.cross_attention_lengths else None
         self.cross_written: set[str] = set()
 
@@ -71,23 +75,31 @@ class SessionKVState:
             raise PassStateError(f"session {self.session_id!r} was released; no pass can begin")
         if self._in_pass:
             raise PassStateError("begin_pass called twice; expected end_pass first")
-        fpc = self.spec.frames_per_chunk
-        if commit and self.spec.reset_at_boundary and self.history_frames(self.spec.branch_names[0]) + fpc > (
-            self.spec.resident_frames
-        ):
+        spec = self.spec
+        if commit and spec.reset_at_boundary and self.history_frames(spec.branch_names[0]) + (
+            spec.frames_per_chunk
+        ) > spec.resident_frames:
             self._drop_history()
-        for branch in self.spec.branch_names:
-            if commit:
-                self.pending[branch] = self.pool.allocate(fpc)
-                current = self.pending[branch]
-            else:
-                current = self.pool.scratch_ids[branch]
-            self._current[branch] = current
-            history = self.sink[branch] + self.window[branch]
-            self._gather_index[branch] = torch.tensor(history + current, dtype=torch.long, device=self.pool.device)
-            self._write_index[branch] = torch.tensor(current, dtype=torch.long, device=self.pool.device)
+        owner = (id(self), self._history_version)
+        if self.pool.staging_owner != owner:
+            self._gather_history()
+            self.pool.staging_owner = owner
+        if commit:
+            for branch in spec.branch_names:
+                self.pending[branch] = self.pool.allocate(spec.frames_per_chunk)
         self._commit = commit
         self._in_pass = True
+
+    def _gather_history(self) -> None:
+        """Copy sink + window blocks (all layers, K and V) into the staging area."""
+        spec = self.spec
+        for branch in spec.branch_names:
+            history = self.sink[branch] + self.window[branch]
+            self._history_tokens = len(history) * spec.tokens_per_frame
+            if history:
+                index = torch.tensor(history, dtype=torch.long, device=self.pool.device)
+                gathered = self.pool.kv.index_select(2, index)
+                self.pool.staging[branch][:, :, : self._history_tokens] = gathered.flatten(2, 3)
 
     def write_and_gather(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, branch: str = "main"
@@ -96,21 +108,17 @@ class SessionKVState:
 
         ``k`` and ``v`` are ``[frames_per_chunk * tokens_per_frame, kv_heads,
         head_size]``; the result is ``[visible_tokens, kv_heads, head_size]``
-        in frame order (sink, window, current chunk).
+        in frame order (sink, window, current chunk). The results are views of
+        the staging area: valid until the next write to the same layer.
         """
         if not self._in_pass:
             raise PassStateError("write_and_gather called outside a pass; expected begin_pass first")
-        spec = self.spec
-        blocks = k.reshape(spec.frames_per_chunk, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
-        index = self._write_index[branch]
-        self.pool.k[layer].index_copy_(0, index, blocks)
-        self.pool.v[layer].index_copy_(
-            0, index, v.reshape(spec.frames_per_chunk, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
-        )
-        gather = self._gather_index[branch]
-        k_all = self.pool.k[layer].index_select(0, gather).flatten(0, 1)
-        v_all = self.pool.v[layer].index_select(0, gather).flatten(0, 1)
-        return k_all, v_all
+        staging = self.pool.staging_layers[branch][layer]
+        start = self._history_tokens
+        end = start + self._chunk_tokens
+        staging[0, start:end] = k
+        staging[1, start:end] = v
+        return staging[0, :end], staging[1, :end]
 
     def end_pass(self) -> None:
         if not self._in_pass:
@@ -118,18 +126,23 @@ class SessionKVState:
         self._in_pass = False
         if not self._commit:
             return
-        for branch in self.spec.branch_names:
+        spec = self.spec
+        start, end = self._history_tokens, self._history_tokens + self._chunk_tokens
+        for branch in spec.branch_names:
             new = self.pending[branch]
+            chunk = self.pool.staging[branch][:, :, start:end].unflatten(2, self._chunk_shape)
+            self.pool.kv.index_copy_(2, torch.tensor(new, dtype=torch.long, device=self.pool.device), chunk)
             self.pending[branch] = []
-            room_in_sink = self.spec.sink_frames - len(self.sink[branch])
+            room_in_sink = spec.sink_frames - len(self.sink[branch])
             self.sink[branch].extend(new[:room_in_sink])
             self.window[branch].extend(new[max(room_in_sink, 0) :])
-            overflow = len(self.window[branch]) - self.spec.window_frames
+            overflow = len(self.window[branch]) - spec.window_frames
             if overflow > 0:
                 evicted = self.window[branch][:overflow]
                 del self.window[branch][:overflow]
                 self.pool.free(evicted)
-        self.frames_committed += self.spec.frames_per_chunk
+        self._history_version += 1
+        self.frames_committed += spec.frames_per_chunk
         self.chunks_committed += 1
 
     # ---- cross attention ----------------------------------------------------------
@@ -151,6 +164,7 @@ class SessionKVState:
             self.pool.free(self.sink[branch] + self.window[branch])
             self.sink[branch] = []
             self.window[branch] = []
+        self._history_version += 1
 
     def release(self) -> None:
         """Return every block and the cross slot to the pool; safe to call twice."""
@@ -158,6 +172,8 @@ class SessionKVState:
             return
         self.released = True
         self._in_pass = False
+        if self.pool.staging_owner is not None and self.pool.staging_owner[0] == id(self):
+            self.pool.staging_owner = None
         held = self.held_blocks()
         for branch in self.spec.branch_names:
             self.sink[branch], self.window[branch], self.pending[branch] = [], [], []

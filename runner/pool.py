@@ -1,7 +1,8 @@
 """The preallocated, paged KV block pool and how it is sized from a budget.
 
-Storage layout is ``[layers, blocks, tokens_per_frame, kv_heads, head_size]``
-for K and V separately, so one layer's blocks gather with one ``index_select``.
+Storage layout is ``[layers, 2 (K, V), blocks, tokens_per_frame, kv_heads,
+head_size]``, so a session's whole history (every layer, K and V) gathers with
+one ``index_select`` and a committed chunk scatters with one ``index_copy_``.
 Block ids are handed out lowest-first and freed ids go to the back of the
 free queue (as in vLLM's block pool), which keeps allocation order predictable
 for tests.
@@ -32,7 +33,11 @@ class BlockStateError(RuntimeError):
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How a budget is split: blocks for sessions, one in-flight chunk, scratch."""
+    """How a budget is split: blocks for sessions, one in-flight chunk, scratch.
+
+    Scratch is the staging area of the one forward in flight: the visible
+    history plus the current chunk, per branch (``resident + chunk`` frames).
+    """
 
     session_capacity: int
     num_blocks: int
@@ -55,7 +60,8 @@ def plan_pool(spec: KVCacheSpec, budget_bytes: int) -> PoolPlan:
     """
     branches = len(spec.kv_branches)
     chunk_blocks = spec.frames_per_chunk * branches
-    fixed_bytes = 2 * chunk_blocks * spec.block_bytes
+    scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches
+    fixed_bytes = (chunk_blocks + scratch_blocks) * spec.block_bytes
     per_session = (
         spec.resident_frames * branches * spec.block_bytes
         + spec.cross_attention_bytes_per_session
@@ -74,7 +80,7 @@ def plan_pool(spec: KVCacheSpec, budget_bytes: int) -> PoolPlan:
     return PoolPlan(
         session_capacity=capacity,
         num_blocks=capacity * spec.resident_frames * branches + chunk_blocks,
-        scratch_blocks=chunk_blocks,
+        scratch_blocks=scratch_blocks,
         block_bytes=spec.block_bytes,
         per_session_bytes=per_session,
         budget_bytes=budget_bytes,
@@ -101,31 +107,35 @@ def resolve_budget_bytes(
 
 
 class PagedKVPool:
-    """Preallocated K/V blocks plus a free queue.
+    """Preallocated K/V blocks, a free queue, and the forward's staging area.
 
-    Blocks ``0 .. num_blocks-1`` are allocatable; the ``scratch_blocks`` after
-    them hold the K/V of non-committing denoise forwards and are never in the
-    free queue.
+    Blocks ``0 .. num_blocks-1`` are allocatable. ``staging[branch]`` is a
+    contiguous ``[layers, 2, (resident + chunk) * tokens, heads, size]`` buffer
+    (the scratch): a bound forward gathers the session's history into it once
+    per chunk and writes the current chunk's K/V behind it, so attention reads
+    zero-copy slices exactly like a dense cache.
     """
 
     def __init__(self, spec: KVCacheSpec, plan: PoolPlan, device: torch.device) -> None:
         self.spec = spec
         self.plan = plan
         self.device = device
-        total = plan.num_blocks + plan.scratch_blocks
-        shape = (spec.num_layers, total, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        shape = (spec.num_layers, 2, plan.num_blocks, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
+        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
+        staging_tokens = (spec.resident_frames + spec.frames_per_chunk) * spec.tokens_per_frame
+        self.staging: dict[str, torch.Tensor] = {
+            b.name: torch.zeros(
+                (spec.num_layers, 2, staging_tokens, spec.num_kv_heads, spec.head_size), dtype=spec.dtype, device=device
+            )
+            for b in spec.kv_branches
+        }
+        # Per-layer views avoid re-slicing the staging tensors on every call.
+        self.staging_layers: dict[str, list[torch.Tensor]] = {b: list(t.unbind(0)) for b, t in self.staging.items()}
+        # Who the staging area currently holds: (state object id, its history version).
+        self.staging_owner: tuple[int, int] | None = None
         self._free: deque[int] = deque(range(plan.num_blocks))
         self._allocated: set[int] = set()
         branches = len(spec.kv_branches)
-        first_scratch = plan.num_blocks
-        fpc = spec.frames_per_chunk
-        self.scratch_ids: dict[str, list[int]] = {
-            b.name: list(range(first_scratch + b.local_index * fpc, first_scratch + (b.local_index + 1) * fpc))
-            for b in spec.kv_branches
-        }
-        assert len(self.scratch_ids) == branches
         self.cross_k: dict[str, torch.Tensor] = {}
         self.cross_v: dict[str, torch.Tensor] = {}
         for name, length in spec.cross_attention_lengths.items():
@@ -133,6 +143,15 @@ class PagedKVPool:
             self.cross_k[name] = torch.zeros(cshape, dtype=spec.dtype, device=device)
             self.cross_v[name] = torch.zeros(cshape, dtype=spec.dtype, device=device)
         self._free_slots: deque[int] = deque(range(plan.session_capacity))
+
+    @property
+    def k(self) -> torch.Tensor:
+        """``[layers, blocks, tokens, heads, size]`` view of the keys."""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
 
     @property
     def num_blocks(self) -> int:
