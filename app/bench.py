@@ -1,0 +1,325 @@
+"""``arstream bench serve``: end-to-end load test of the server against the bare runner.
+
+    arstream bench serve --sessions 4 --model fake-kv --chunks 64 --model-options '{"compute_delay_s": 0.02}'
+
+It starts a real server (``python -m app.cli serve --port 0``) as a
+subprocess, opens N concurrent sessions over loopback that pace themselves like
+real clients (at most two ticks in flight, an ``input`` every few ticks), and
+then, with the server idle, runs the same number of chunks of the same model
+through a bare :class:`runner.runner.ARRunner` built in this process. The ratio
+of the two chunk throughputs is the server's overhead in one number: 1.0 means
+the transport costs nothing. Repetitions alternate server and runner phases so
+that drift (thermal, other load) hits both alike.
+
+Clients here parse frame headers but do not decode JPEG, so the load generator
+takes as little CPU as possible from the server it measures.
+
+The last line printed is one JSON object with the figures (medians over
+repetitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app import wire
+from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
+
+LISTENING_MARKER = "ARSTREAM_LISTENING "
+SERVER_START_TIMEOUT_S = 600.0
+TICKS_IN_FLIGHT = 2
+WARMUP_CHUNKS = 4
+
+
+# ---- the server subprocess ----------------------------------------------------------
+
+
+class ServerStartError(RuntimeError):
+    """The server subprocess exited or timed out before printing its listening line."""
+
+
+class ServerProcess:
+    """``python -m app.cli serve ... --port 0`` as a context manager; ``base_url`` once it listens.
+
+    The server's output is drained by a thread (so a chatty server never blocks
+    on a full pipe) and the last lines are kept for error messages.
+    """
+
+    def __init__(self, serve_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
+        self.command = [sys.executable, "-m", "app.cli", "serve", "--port", "0", *serve_args]
+        self.env = env
+        self.base_url = ""
+        self.output: deque[str] = deque(maxlen=200)
+        self._listening = threading.Event()
+        self._process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self._process = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not self._listening.wait(0.1):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                tail = "\n".join(self.output)
+                raise ServerStartError(f"server did not start ({' '.join(self.command)}); its output:\n{tail}")
+        return self
+
+    def _drain(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            self.output.append(line.rstrip("\n"))
+            if LISTENING_MARKER in line and not self._listening.is_set():
+                self.base_url = line.split(LISTENING_MARKER, 1)[1].split()[0]
+                self._listening.set()
+
+    @property
+    def sessions_url(self) -> str:
+        return wire.session_url(self.base_url)
+
+    def get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base_url + path, timeout=30) as response:
+            return json.load(response)
+
+    def __exit__(self, *exc_info: object) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# ---- server phase: N paced sessions -------------------------------------------------
+
+
+@dataclass
+class SessionFigures:
+    """One benchmark session's measurements (seconds, perf_counter clock)."""
+
+    chunks: int
+    frames: int
+    first_tick_at: float
+    last_frame_at: float
+    time_to_first_frame_s: float
+    chunk_latencies_s: list[float]
+    action_to_frame_s: list[float]
+
+    @property
+    def fps(self) -> float:
+        return self.frames / (self.last_frame_at - self.first_tick_at)
+
+
+def model_keys(model_card: dict[str, Any]) -> list[str]:
+    """Key names the model's controls schema allows (empty when it has no ``keys`` enum)."""
+    keys = model_card.get("controls", {}).get("properties", {}).get("keys", {})
+    return [str(k) for k in keys.get("items", {}).get("enum", [])]
+
+
+async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) -> SessionFigures:
+    """Run ``chunks`` ticks with at most two in flight; press a different key every ``input_every`` ticks."""
+    import websockets
+
+    connect_started = time.perf_counter()
+    async with websockets.connect(url, max_size=MAX_MESSAGE_BYTES) as ws:
+        session = SessionClient(ws, decode=False)
+        await session.start(codec=codec)
+        keys = model_keys(session.model)
+        in_flight_limit = min(TICKS_IN_FLIGHT, session.max_pending_ticks)
+        first_tick_at = time.perf_counter()
+        sent = received = frames = 0
+        last_frame_at = first_tick_at
+        while received < chunks:
+            while sent < chunks and session.ticks_in_flight < in_flight_limit:
+                if keys and input_every and sent % input_every == 0:
+                    # Cycle through single keys and "no key", so every input really changes the controls.
+                    press = (keys + [None])[(sent // input_every) % (len(keys) + 1)]
+                    await session.send_input(controls={"keys": [press] if press else []})
+                await session.send_tick()
+                sent += 1
+            chunk = await session.receive_chunk()
+            received += 1
+            frames += len(chunk.frames)
+            last_frame_at = chunk.last_frame_at
+        await session.close()
+    return SessionFigures(
+        chunks=received,
+        frames=frames,
+        first_tick_at=first_tick_at,
+        last_frame_at=last_frame_at,
+        time_to_first_frame_s=session.first_frame_at - connect_started,
+        chunk_latencies_s=session.chunk_latencies_s,
+        action_to_frame_s=session.action_to_frame_s,
+    )
+
+
+async def server_phase(url: str, *, sessions: int, chunks: int, input_every: int, codec: str) -> list[SessionFigures]:
+    return list(
+        await asyncio.gather(
+            *(paced_session(url, chunks=chunks, input_every=input_every, codec=codec) for _ in range(sessions))
+        )
+    )
+
+
+def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
+    """All sessions' chunks over the wall time from the first tick sent to the last frame received."""
+    started = min(f.first_tick_at for f in figures)
+    ended = max(f.last_frame_at for f in figures)
+    return sum(f.chunks for f in figures) / (ended - started)
+
+
+# ---- runner phase: the same chunks without the server --------------------------------
+
+
+class BareRunner:
+    """The same model in this process, driven straight through ARRunner.execute_tick."""
+
+    def __init__(self, model: str, options: dict[str, Any], *, device: str, kv_budget_bytes: int) -> None:
+        from models.registry import load_pipeline
+        from runner.runner import ARRunner
+
+        self.runner = ARRunner(load_pipeline(model, device, **options), device=device, kv_budget_bytes=kv_budget_bytes)
+        self.runner.warmup()
+        self.keys = model_keys(self.runner.model_card())
+        self._next_request = 0
+
+    def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
+        """Run ``sessions * chunks`` chunks round robin (as the worker would); return chunks per second."""
+        from runner.types import TickRequest
+
+        if self.runner.session_capacity < sessions:
+            raise RuntimeError(
+                f"the bare runner's KV budget holds {self.runner.session_capacity} sessions, the bench needs {sessions}"
+            )
+        session_ids = [f"bench-{i}" for i in range(sessions)]
+        started = time.perf_counter()
+        for step in range(chunks):
+            press = (self.keys + [None])[(step // input_every) % (len(self.keys) + 1)] if self.keys else None
+            controls = {"keys": [press] if press else []} if self.keys else {}
+            for session_id in session_ids:
+                self._next_request += 1
+                self.runner.execute_tick(
+                    TickRequest(session_id=session_id, request_id=self._next_request, controls=controls)
+                )
+        elapsed = time.perf_counter() - started
+        for session_id in session_ids:
+            self.runner.close_session(session_id)
+        return sessions * chunks / elapsed
+
+
+# ---- the command --------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isnan(seconds) else round(seconds * 1000, 2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arstream bench serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=1, help="concurrent sessions (default 1)")
+    parser.add_argument("--model", default="tiny-world")
+    parser.add_argument("--chunks", type=int, default=64, help="chunks per session per repetition (default 64)")
+    parser.add_argument("--model-options", default="{}", help="JSON options for the model, given to both sides")
+    parser.add_argument("--repeat", type=int, default=3, help="alternating server/runner repetitions (default 3)")
+    parser.add_argument("--input-every", type=int, default=4, help="send an input every N ticks (default 4)")
+    parser.add_argument("--codec", choices=sorted(wire.CODEC_IDS), default="jpeg")
+    parser.add_argument("--device", default="cpu", help="device of the bare runner (default cpu)")
+    parser.add_argument(
+        "--kv-budget-bytes", type=int, help="bare runner's KV budget (default: the server's pool size from /v1/stats)"
+    )
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="extra argument for `arstream serve` (repeatable)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    options = json.loads(args.model_options)
+    if args.sessions < 1 or args.chunks < 1 or args.repeat < 1 or args.input_every < 1:
+        print("arstream bench serve: --sessions, --chunks, --repeat and --input-every must be >= 1", file=sys.stderr)
+        return 2
+    serve_args = ["--model", args.model, "--model-options", json.dumps(options), *args.serve_arg]
+    server_rates: list[float] = []
+    runner_rates: list[float] = []
+    ratios: list[float] = []
+    all_figures: list[SessionFigures] = []
+    with ServerProcess(serve_args) as server:
+        url = server.sessions_url
+        print(f"server: {server.base_url} ({' '.join(serve_args)})")
+        budget = args.kv_budget_bytes or int(server.get_json("/v1/stats")["kv"]["pool_bytes"])
+        bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=budget)
+        asyncio.run(server_phase(url, sessions=1, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec))
+        for repetition in range(args.repeat):
+            figures = asyncio.run(
+                server_phase(
+                    url, sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec
+                )
+            )
+            server_rate = server_chunks_per_s(figures)
+            # The server is idle now: every session above has closed.
+            runner_rate = bare.chunks_per_s(sessions=args.sessions, chunks=args.chunks, input_every=args.input_every)
+            server_rates.append(server_rate)
+            runner_rates.append(runner_rate)
+            ratios.append(server_rate / runner_rate)
+            all_figures.extend(figures)
+            print(
+                f"repetition {repetition + 1}/{args.repeat}: server {server_rate:.1f} chunks/s, "
+                f"bare runner {runner_rate:.1f} chunks/s, ratio {server_rate / runner_rate:.3f}"
+            )
+            for index, f in enumerate(figures):
+                print(
+                    f"  session {index}: {f.fps:.1f} fps, ttff {f.time_to_first_frame_s * 1000:.1f} ms, "
+                    f"chunk p50 {percentile(f.chunk_latencies_s, 50) * 1000:.1f} ms "
+                    f"p99 {percentile(f.chunk_latencies_s, 99) * 1000:.1f} ms, "
+                    f"action-to-frame p50 {percentile(f.action_to_frame_s, 50) * 1000:.1f} ms "
+                    f"p99 {percentile(f.action_to_frame_s, 99) * 1000:.1f} ms"
+                )
+    chunk_latencies = [x for f in all_figures for x in f.chunk_latencies_s]
+    action_latencies = [x for f in all_figures for x in f.action_to_frame_s]
+    summary = {
+        "model": args.model,
+        "model_options": options,
+        "sessions": args.sessions,
+        "chunks_per_session": args.chunks,
+        "repetitions": args.repeat,
+        "server_chunks_per_s": round(_median(server_rates), 2),
+        "runner_chunks_per_s": round(_median(runner_rates), 2),
+        "server_vs_runner_ratio": round(_median(ratios), 4),
+        "server_vs_runner_ratios": [round(r, 4) for r in ratios],
+        "fps_per_session": round(_median([f.fps for f in all_figures]), 2),
+        "ttff_ms": _ms(_median([f.time_to_first_frame_s for f in all_figures])),
+        "chunk_ms_p50": _ms(percentile(chunk_latencies, 50)),
+        "chunk_ms_p99": _ms(percentile(chunk_latencies, 99)),
+        "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
+        "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
+    }
+    print(json.dumps(summary))
+    return 0
