@@ -1,0 +1,127 @@
+"""SessionKVState: block tables, sink-protected sliding window, scratch, release."""
+
+import pytest
+import torch
+
+from runner.kv_state import PassStateError, SessionKVState
+from runner.pool import PagedKVPool, plan_pool
+from runner.spec import KVCacheSpec
+
+
+def make_pool(**overrides: object) -> PagedKVPool:
+    fields: dict = dict(
+        num_layers=2, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=4
+    )
+    fields.update(overrides)
+    spec = KVCacheSpec(**fields)
+    return PagedKVPool(spec, plan_pool(spec, 1 << 14), torch.device("cpu"))
+
+
+def chunk_kv(codes: list[float]) -> torch.Tensor:
+    return torch.tensor(codes, dtype=torch.float32)[:, None, None].expand(-1, 1, 2).clone()
+
+
+def commit_chunk(state: SessionKVState, codes: list[float]) -> list[float]:
+    """Commit a chunk whose K (= V) rows carry ``codes``; return the keys layer 0 saw."""
+    state.begin_pass(commit=True)
+    seen: list[float] = []
+    for layer in range(state.spec.num_layers):
+        k_all, _ = state.write_and_gather(layer, chunk_kv(codes), chunk_kv(codes))
+        if layer == 0:
+            seen = k_all[:, 0, 0].tolist()
+    state.end_pass()
+    return seen
+
+
+def test_sink_stays_and_window_slides_with_exact_block_ids() -> None:
+    pool = make_pool()
+    state = SessionKVState(pool, "a")
+    commit_chunk(state, [0, 1])
+    assert (state.sink["main"], state.window["main"]) == ([0], [1])
+    commit_chunk(state, [2, 3])
+    assert state.window["main"] == [1, 2, 3]
+    commit_chunk(state, [4, 5])
+    assert (state.sink["main"], state.window["main"]) == ([0], [2, 3, 4, 5])
+    # block 1 went to the back of the free queue, so the next chunk gets 6 and 7
+    commit_chunk(state, [6, 7])
+    assert (state.sink["main"], state.window["main"]) == ([0], [4, 5, 6, 7])
+    assert pool.num_used == 5
+    assert (state.frame_start, state.chunk_index) == (8, 4)
+
+
+def test_each_chunk_sees_sink_plus_window_plus_itself() -> None:
+    state = SessionKVState(make_pool(), "a")
+    seen = [commit_chunk(state, [2 * i, 2 * i + 1]) for i in range(5)]
+    assert seen[0] == [0, 1]
+    assert seen[2] == [0, 1, 2, 3, 4, 5]
+    assert seen[4] == [0, 4, 5, 6, 7, 8, 9]
+
+
+def test_denoise_passes_use_scratch_and_do_not_advance() -> None:
+    pool = make_pool()
+    state = SessionKVState(pool, "a")
+    commit_chunk(state, [0, 1])
+    used = pool.num_used
+    state.begin_pass(commit=False)
+    k_all, _ = state.write_and_gather(0, chunk_kv([-5, -6]), chunk_kv([-5, -6]))
+    state.end_pass()
+    assert k_all[:, 0, 0].tolist() == [0, 1, -5, -6]
+    assert (pool.num_used, state.frame_start) == (used, 2)
+    # the poisoned scratch never reaches history
+    assert commit_chunk(state, [2, 3]) == [0, 1, 2, 3]
+
+
+def test_another_session_between_passes_does_not_corrupt_staging() -> None:
+    pool = make_pool()
+    a, b = SessionKVState(pool, "a"), SessionKVState(pool, "b")
+    commit_chunk(a, [0, 1])
+    commit_chunk(b, [100, 101])
+    assert commit_chunk(a, [2, 3]) == [0, 1, 2, 3]
+    assert commit_chunk(b, [102, 103]) == [100, 101, 102, 103]
+
+
+def test_reset_at_boundary_drops_the_whole_history_when_full() -> None:
+    pool = make_pool(reset_at_boundary=True)
+    state = SessionKVState(pool, "a")
+    assert commit_chunk(state, [0, 1]) == [0, 1]
+    assert commit_chunk(state, [2, 3]) == [0, 1, 2, 3]
+    # 4 frames held + 2 would exceed sink + window (5): start over, positions keep counting
+    assert commit_chunk(state, [4, 5]) == [4, 5]
+    assert commit_chunk(state, [6, 7]) == [4, 5, 6, 7]
+    assert state.frame_start == 8
+    assert pool.num_used == 4
+
+
+def test_release_returns_everything_even_mid_pass_and_twice() -> None:
+    pool = make_pool()
+    start = pool.num_free
+    state = SessionKVState(pool, "a")
+    commit_chunk(state, [0, 1])
+    state.begin_pass(commit=True)
+    state.release()
+    state.release()
+    assert pool.num_free == start
+    with pytest.raises(PassStateError, match="released"):
+        state.begin_pass(commit=False)
+
+
+def test_out_of_order_calls_name_the_expected_call() -> None:
+    state = SessionKVState(make_pool(), "a")
+    with pytest.raises(PassStateError, match="expected begin_pass"):
+        state.write_and_gather(0, chunk_kv([0, 1]), chunk_kv([0, 1]))
+    with pytest.raises(PassStateError, match="without begin_pass"):
+        state.end_pass()
+    state.begin_pass(commit=False)
+    with pytest.raises(PassStateError, match="expected end_pass"):
+        state.begin_pass(commit=False)
+
+
+def test_cross_attention_slot_is_held_and_returned() -> None:
+    pool = make_pool(cross_attention_lengths={"text": 3})
+    state = SessionKVState(pool, "a")
+    k, v = state.cross_kv("text", layer=1)
+    assert k.shape == (3, 1, 2)
+    k.fill_(7.0)
+    assert pool.cross_k["text"][state.cross_slot, 0, 1].eq(7.0).all()
+    state.release()
+    assert len(pool._free_slots) == pool.plan.session_capacity

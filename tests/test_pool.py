@@ -1,0 +1,94 @@
+"""PagedKVPool and plan_pool as plain data structures, with exact block ids."""
+
+import pytest
+import torch
+
+from runner.pool import BlockStateError, PagedKVPool, PoolBudgetError, PoolExhausted, plan_pool
+from runner.spec import KVBranch, KVCacheSpec, SpecError
+
+
+def tiny_spec(**overrides: object) -> KVCacheSpec:
+    fields: dict = dict(
+        num_layers=1, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=4
+    )
+    fields.update(overrides)
+    return KVCacheSpec(**fields)
+
+
+def test_block_bytes_counts_k_and_v_across_layers() -> None:
+    spec = tiny_spec(num_layers=3, num_kv_heads=2, head_size=4, tokens_per_frame=5)
+    assert spec.block_bytes == 2 * 3 * 5 * 2 * 4 * 4
+
+
+def test_plan_fits_largest_session_count() -> None:
+    spec = tiny_spec()  # 16-byte blocks, 5 resident frames, chunk of 2, staging of 7
+    per_session = 5 * 16
+    fixed = (2 + 7) * 16
+    plan = plan_pool(spec, fixed + 3 * per_session + per_session - 1)
+    assert plan.session_capacity == 3
+    assert plan.num_blocks == 3 * 5 + 2
+    assert plan.scratch_blocks == 7
+    assert plan.pool_bytes == (plan.num_blocks + plan.scratch_blocks) * 16
+
+
+def test_plan_is_capped_by_spec_session_capacity() -> None:
+    plan = plan_pool(tiny_spec(session_capacity=2), 1 << 20)
+    assert plan.session_capacity == 2
+    assert plan.num_blocks == 2 * 5 + 2
+
+
+def test_plan_counts_every_branch_and_model_owned_bytes() -> None:
+    spec = tiny_spec(kv_branches=(KVBranch("cond", 0), KVBranch("uncond", 1)), model_owned_bytes_per_session=100)
+    plan = plan_pool(spec, 1 << 16)
+    assert plan.per_session_bytes == 5 * 2 * 16 + 100
+    assert plan.num_blocks == plan.session_capacity * 10 + 4
+
+
+def test_budget_below_one_session_fails_with_the_numbers() -> None:
+    with pytest.raises(PoolBudgetError, match="cannot hold one session.*224 bytes"):
+        plan_pool(tiny_spec(), 223)
+
+
+def test_allocation_is_lowest_first_and_freed_ids_go_to_the_back() -> None:
+    pool = PagedKVPool(tiny_spec(), plan_pool(tiny_spec(), 1 << 12), torch.device("cpu"))
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    pool.free([1, 0])
+    assert pool.num_used == 3
+    rest = pool.allocate(pool.num_free)
+    assert rest[-2:] == [1, 0]
+    assert pool.num_free == 0
+
+
+def test_double_free_and_foreign_ids_are_refused() -> None:
+    pool = PagedKVPool(tiny_spec(), plan_pool(tiny_spec(), 1 << 12), torch.device("cpu"))
+    ids = pool.allocate(2)
+    pool.free(ids)
+    with pytest.raises(BlockStateError):
+        pool.free(ids)
+    with pytest.raises(BlockStateError):
+        pool.free([10_000])
+
+
+def test_over_allocation_says_how_many_are_free() -> None:
+    pool = PagedKVPool(tiny_spec(), plan_pool(tiny_spec(), 1 << 12), torch.device("cpu"))
+    with pytest.raises(PoolExhausted, match=f"{pool.num_free} free"):
+        pool.allocate(pool.num_free + 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_layers": 0}, "num_layers must be an integer >= 1"),
+        ({"window_frames": 1}, "must hold at least one chunk"),
+        ({"sink_frames": -1}, "sink_frames"),
+        ({"kv_branches": ()}, "at least one branch"),
+        ({"kv_branches": (KVBranch("a", 0), KVBranch("a", 1))}, "unique"),
+        ({"kv_branches": (KVBranch("a", 1),)}, "local_index"),
+        ({"dtype": torch.int32}, "floating point"),
+        ({"cross_attention_lengths": {"text": 0}}, "cross_attention_lengths"),
+    ],
+)
+def test_inconsistent_specs_say_what_was_expected(overrides: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        tiny_spec(**overrides)

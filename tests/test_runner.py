@@ -1,0 +1,218 @@
+"""ARRunner lifecycle with FakeKVPipeline, whose frames depend on the KV it reads."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from models.fake import FakeForwardError, FakeKVPipeline, expected_frame_value, frame_code
+from runner.pool import PoolBudgetError
+from runner.runner import ARRunner, ChunkShapeError, UnsupportedConfiguration
+from runner.types import TickRequest
+
+BUDGET = 1 << 20
+
+
+def make_runner(**pipeline_options: object) -> tuple[ARRunner, FakeKVPipeline]:
+    pipeline = FakeKVPipeline(**pipeline_options)
+    return ARRunner(pipeline, kv_budget_bytes=BUDGET), pipeline
+
+
+def tick(session: str, request_id: int = 0, **fields: object) -> TickRequest:
+    return TickRequest(session_id=session, request_id=request_id, **fields)
+
+
+def dense_expected_values(controls_per_chunk: list[dict], sink: int, window: int, fpc: int) -> list[int]:
+    """What FakeKVPipeline must emit, from a dense list of all frame codes."""
+    codes: list[float] = []
+    values: list[int] = []
+    for controls in controls_per_chunk:
+        history = codes[:sink] + codes[sink:][-window:] if len(codes) > sink else list(codes)
+        chunk = [frame_code(len(codes) + i, controls) for i in range(fpc)]
+        values += [expected_frame_value(history + chunk[: i + 1]) for i in range(fpc)]
+        codes += chunk
+    return values
+
+
+def test_frames_follow_the_dense_sink_plus_window_reference() -> None:
+    runner, _ = make_runner(sink_frames=1, window_frames=4)
+    controls = [{"keys": ["wasd"[i % 4]]} for i in range(10)]
+    got = [
+        int(v)
+        for i, c in enumerate(controls)
+        for v in runner.execute_tick(tick("a", i, controls=c)).frames[:, 0, 0, 0]
+    ]
+    assert got == dense_expected_values(controls, sink=1, window=4, fpc=2)
+
+
+def test_lru_eviction_closes_the_least_recently_used_session() -> None:
+    runner, pipeline = make_runner(session_capacity=2)
+    evicted: list[str] = []
+    runner.on_evict = evicted.append
+    runner.execute_tick(tick("a"))
+    runner.execute_tick(tick("b"))
+    runner.execute_tick(tick("a", 1))  # a is now most recent
+    result = runner.execute_tick(tick("c"))
+    assert runner.resident_sessions() == ["a", "c"]
+    assert evicted == ["b"] and ("close", "b") in pipeline.events
+    assert runner.stats().evictions_total == 1
+    assert result.new_rollout and result.chunk_index == 0
+    again = runner.execute_tick(tick("b", 1))
+    assert again.new_rollout and again.chunk_index == 0
+    assert runner.resident_sessions() == ["c", "b"]
+
+
+def test_reset_releases_kv_and_restarts_the_rollout() -> None:
+    runner, pipeline = make_runner()
+    first = [runner.execute_tick(tick("a", i)).frames for i in range(3)]
+    result = runner.execute_tick(tick("a", 3, reset=True))
+    assert (result.chunk_index, result.new_rollout) == (0, True)
+    assert ("reset", "a") in pipeline.events
+    np.testing.assert_array_equal(result.frames, first[0])
+    assert runner.pool.num_used == 2
+
+
+def test_close_flag_releases_after_the_chunk() -> None:
+    runner, pipeline = make_runner()
+    result = runner.execute_tick(tick("a", close=True))
+    assert result.frames.shape == (2, 8, 8, 3)
+    assert not runner.is_resident("a") and ("close", "a") in pipeline.events
+    assert runner.pool.num_free == runner.blocks_free_at_start
+
+
+def test_failure_mid_forward_fails_closed() -> None:
+    runner, pipeline = make_runner()
+    runner.execute_tick(tick("a", 0))
+    runner.execute_tick(tick("b", 0))
+    with pytest.raises(FakeForwardError):
+        runner.execute_tick(tick("a", 1, controls={"fail": True}))
+    assert not runner.is_resident("a") and runner.is_resident("b")
+    assert ("close", "a") in pipeline.events
+    assert runner.stats().failures_total == 1
+    runner.close_session("b")
+    assert runner.pool.num_free == runner.blocks_free_at_start
+    assert runner.execute_tick(tick("a", 2)).chunk_index == 0
+
+
+def test_failure_at_the_device_sync_fails_closed() -> None:
+    calls = {"n": 0}
+
+    def failing_sync(device: torch.device) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fault surfaced at sync")
+
+    runner = ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET, sync=failing_sync)
+    runner.execute_tick(tick("a", 0))
+    with pytest.raises(RuntimeError, match="surfaced at sync"):
+        runner.execute_tick(tick("a", 1))
+    assert not runner.is_resident("a")
+    assert runner.pool.num_free == runner.blocks_free_at_start
+
+
+class ClosingFailsPipeline(FakeKVPipeline):
+    """A fake whose close notification raises, to check the other cleanup still runs."""
+
+    def close_session(self, session_id: str) -> None:
+        raise OSError("pipeline close failed")
+
+
+def test_release_frees_blocks_even_when_the_pipeline_close_raises() -> None:
+    runner = ARRunner(ClosingFailsPipeline(), kv_budget_bytes=BUDGET)
+    runner.execute_tick(tick("a"))
+    with pytest.raises(OSError, match="pipeline close failed"):
+        runner.close_session("a")
+    assert runner.pool.num_free == runner.blocks_free_at_start
+    with pytest.raises(FakeForwardError):  # the failure path suppresses cleanup errors, keeps the cause
+        runner.execute_tick(tick("b", controls={"fail": True}))
+    assert runner.pool.num_free == runner.blocks_free_at_start
+
+
+def test_warmup_runs_the_real_path_and_restores_the_pool() -> None:
+    runner, pipeline = make_runner()
+    assert runner.warmup() == 3
+    stats = runner.stats()
+    assert stats.blocks_free == runner.blocks_free_at_start
+    assert (stats.sessions_resident, stats.chunks_total) == (0, 0)
+    assert ("close", "__arstream_warmup__") in pipeline.events
+
+
+def test_one_timing_entry_per_chunk() -> None:
+    runner, _ = make_runner()
+    for i in range(4):
+        runner.execute_tick(tick("a", i))
+    assert len(runner.chunk_times_s) == 4 and runner.stats().chunks_total == 4
+    assert all(t > 0 for t in runner.chunk_times_s)
+
+
+def test_capacity_comes_from_the_budget() -> None:
+    pipeline = FakeKVPipeline()
+    spec = pipeline.kv_cache_spec()
+    fixed = (spec.frames_per_chunk + spec.resident_frames + spec.frames_per_chunk) * spec.block_bytes
+    runner = ARRunner(pipeline, kv_budget_bytes=fixed + 3 * spec.resident_frames * spec.block_bytes)
+    assert runner.session_capacity == 3
+
+
+def test_refused_configurations_say_why() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="does not implement the ARPipeline contract"):
+        ARRunner(object(), kv_budget_bytes=BUDGET)  # type: ignore[arg-type]
+    with pytest.raises(PoolBudgetError, match="cannot hold one session"):
+        ARRunner(FakeKVPipeline(), kv_budget_bytes=100)
+    with pytest.raises(PoolBudgetError, match="must be given in bytes"):
+        ARRunner(FakeKVPipeline())
+
+
+class WrongSpecPipeline(FakeKVPipeline):
+    """A fake that returns something other than a KVCacheSpec."""
+
+    def kv_cache_spec(self):  # type: ignore[no-untyped-def]
+        return {"num_layers": 2}
+
+
+def test_a_spec_of_the_wrong_type_is_refused() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="must return KVCacheSpec"):
+        ARRunner(WrongSpecPipeline(), kv_budget_bytes=BUDGET)
+
+
+class BadFramesPipeline(FakeKVPipeline):
+    """A fake that returns float frames."""
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        return super().generate_chunk(tick).astype(np.float32)
+
+
+class NoCommitPipeline(FakeKVPipeline):
+    """A fake that never runs the committing pass."""
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        return np.zeros((2, 8, 8, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("pipeline_class", "error", "message"),
+    [(BadFramesPipeline, ChunkShapeError, "uint8"), (NoCommitPipeline, RuntimeError, "commit exactly one chunk")],
+)
+def test_contract_violations_fail_closed(pipeline_class: type, error: type, message: str) -> None:
+    runner = ARRunner(pipeline_class(), kv_budget_bytes=BUDGET)
+    with pytest.raises(error, match=message):
+        runner.execute_tick(tick("a"))
+    assert runner.pool.num_free == runner.blocks_free_at_start and not runner.is_resident("a")
+
+
+class InterruptedBindPipeline(FakeKVPipeline):
+    """A fake whose bind context raises on exit, after a successful forward."""
+
+    @contextmanager
+    def bind_session_state(self, session_id, state) -> Iterator[None]:  # type: ignore[no-untyped-def]
+        with super().bind_session_state(session_id, state):
+            yield
+        raise RuntimeError("unbind failed")
+
+
+def test_failure_while_unbinding_releases_the_session() -> None:
+    runner = ARRunner(InterruptedBindPipeline(), kv_budget_bytes=BUDGET)
+    with pytest.raises(RuntimeError, match="unbind failed"):
+        runner.execute_tick(tick("a"))
+    assert runner.pool.num_free == runner.blocks_free_at_start
