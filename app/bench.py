@@ -43,6 +43,8 @@ LISTENING_MARKER = "ARSTREAM_LISTENING "
 SERVER_START_TIMEOUT_S = 600.0
 TICKS_IN_FLIGHT = 2
 WARMUP_CHUNKS = 4
+# Both sides get the same explicit budget, so that on a GPU the two pools fit side by side.
+DEFAULT_KV_BUDGET_BYTES = 256 * 2**20
 
 
 # ---- the server subprocess ----------------------------------------------------------
@@ -66,6 +68,7 @@ class ServerProcess:
         self.output: deque[str] = deque(maxlen=200)
         self._listening = threading.Event()
         self._process: subprocess.Popen[str] | None = None
+        self._drainer: threading.Thread | None = None
 
     def __enter__(self) -> ServerProcess:
         self._process = subprocess.Popen(
@@ -76,7 +79,8 @@ class ServerProcess:
             env=self.env,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, name="server-output", daemon=True)
+        self._drainer.start()
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while not self._listening.wait(0.1):
             if self._process.poll() is not None or time.monotonic() > deadline:
@@ -103,14 +107,21 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         process = self._process
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        # The drainer ends at EOF once the process is gone; only then is the pipe closed.
+        if self._drainer is not None:
+            self._drainer.join(timeout=10)
+        if process.stdout is not None and (self._drainer is None or not self._drainer.is_alive()):
+            process.stdout.close()
+        self._process = None
 
 
 # ---- server phase: N paced sessions -------------------------------------------------
@@ -250,9 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3, help="alternating server/runner repetitions (default 3)")
     parser.add_argument("--input-every", type=int, default=4, help="send an input every N ticks (default 4)")
     parser.add_argument("--codec", choices=sorted(wire.CODEC_IDS), default="jpeg")
-    parser.add_argument("--device", default="cpu", help="device of the bare runner (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device for the server and the bare runner")
     parser.add_argument(
-        "--kv-budget-bytes", type=int, help="bare runner's KV budget (default: the server's pool size from /v1/stats)"
+        "--kv-budget-bytes",
+        type=int,
+        default=DEFAULT_KV_BUDGET_BYTES,
+        help="KV pool budget for the server and the bare runner alike (default 256 MiB)",
     )
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra argument for `arstream serve` (repeatable)"
@@ -266,7 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sessions < 1 or args.chunks < 1 or args.repeat < 1 or args.input_every < 1:
         print("arstream bench serve: --sessions, --chunks, --repeat and --input-every must be >= 1", file=sys.stderr)
         return 2
-    serve_args = ["--model", args.model, "--model-options", json.dumps(options), *args.serve_arg]
+    serve_args = [
+        "--model", args.model,
+        "--model-options", json.dumps(options),
+        "--device", args.device,
+        "--kv-budget-bytes", str(args.kv_budget_bytes),
+        "--log-level", "warning",
+        *args.serve_arg,
+    ]  # fmt: skip
     server_rates: list[float] = []
     runner_rates: list[float] = []
     ratios: list[float] = []
@@ -274,8 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ServerProcess(serve_args) as server:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")
-        budget = args.kv_budget_bytes or int(server.get_json("/v1/stats")["kv"]["pool_bytes"])
-        bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=budget)
+        bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=args.kv_budget_bytes)
         asyncio.run(server_phase(url, sessions=1, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec))
         for repetition in range(args.repeat):
             figures = asyncio.run(

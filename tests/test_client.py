@@ -1,0 +1,239 @@
+"""The example client, its key-script parser, the client wire helpers and the serve benchmark.
+
+Integration tests run the real server (``python -m app.cli serve``) on a free
+loopback port with the fake-kv pipeline. That fake paints every pixel of a
+frame with (R: a KV-derived value, G: the frame's absolute position, B: a bit
+per held key: w=1, a=2, s=4, d=8), so saved frames show exactly which chunk and
+which controls they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app import bench, client, wire
+from models.fake import KEYS
+
+KEY_BITS = {key: 1 << index for index, key in enumerate(KEYS)}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[bench.ServerProcess]:
+    with bench.ServerProcess(["--model", "fake-kv", "--model-options", '{"compute_delay_s": 0.005}']) as process:
+        yield process
+
+
+# ---- key script ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("d*20", [client.KeySegment(("d",), 20)]),
+        ("w+d*5,-*3", [client.KeySegment(("w", "d"), 5), client.KeySegment((), 3)]),
+        ("none*2, a * 4", [client.KeySegment((), 2), client.KeySegment(("a",), 4)]),
+        ("s", [client.KeySegment(("s",), 1)]),
+        ("NONE*1", [client.KeySegment((), 1)]),
+    ],
+)
+def test_parse_key_script(script: str, expected: list[client.KeySegment]) -> None:
+    assert client.parse_key_script(script) == expected
+
+
+@pytest.mark.parametrize(
+    ("script", "complaint"),
+    [
+        ("", "empty segment"),
+        ("d*2,,w*1", "empty segment"),
+        ("d*x", "must be an integer"),
+        ("d*0", "at least 1"),
+        ("d*-2", "at least 1"),
+        ("w+*2", "empty key name"),
+        ("w+w*2", "repeated"),
+    ],
+)
+def test_parse_key_script_rejects(script: str, complaint: str) -> None:
+    with pytest.raises(client.KeyScriptError, match=complaint):
+        client.parse_key_script(script)
+
+
+def test_keys_per_tick_expands_counts_in_order() -> None:
+    segments = client.parse_key_script("d*2,-*1,w+a*2")
+    assert client.keys_per_tick(segments) == [("d",), ("d",), (), ("w", "a"), ("w", "a")]
+
+
+def test_percentile_interpolates() -> None:
+    assert client.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert client.percentile([1.0, 2.0, 3.0], 100) == 3.0
+    assert client.percentile([7.0], 99) == 7.0
+
+
+# ---- wire helpers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("typed", "token", "expected"),
+    [
+        ("ws://127.0.0.1:8000/v1/sessions", None, "ws://127.0.0.1:8000/v1/sessions"),
+        ("http://127.0.0.1:8000", None, "ws://127.0.0.1:8000/v1/sessions"),
+        ("https://example.com/", None, "wss://example.com/v1/sessions"),
+        ("127.0.0.1:9000", "s3cret", "ws://127.0.0.1:9000/v1/sessions?token=s3cret"),
+        ("ws://h:1/v1/sessions?token=old", "new", "ws://h:1/v1/sessions?token=new"),
+    ],
+)
+def test_session_url(typed: str, token: str | None, expected: str) -> None:
+    assert wire.session_url(typed, token=token) == expected
+
+
+def test_session_url_rejects_other_schemes() -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        wire.session_url("ftp://127.0.0.1:8000")
+
+
+def _frame_message(codec: int, payload: bytes, *, width: int = 2, height: int = 1, magic: bytes = b"ARF1") -> bytes:
+    return struct.pack("<4sBBHIIHH", magic, codec, 1, 1, 7, 42, width, height) + payload
+
+
+def test_parse_frame_reads_every_header_field() -> None:
+    header, payload = wire.parse_frame(_frame_message(wire.CODEC_RAW, bytes(range(6))))
+    assert header == wire.FrameHeader(
+        codec=wire.CODEC_RAW, last_in_chunk=True, frame_index=1, chunk_index=7, tick_id=42, width=2, height=1
+    )
+    image = wire.decode_frame(header, payload)
+    assert image.shape == (1, 2, 3)
+    assert image.tolist() == [[[0, 1, 2], [3, 4, 5]]]
+
+
+@pytest.mark.parametrize(
+    ("message", "complaint"),
+    [
+        (b"ARF1", "shorter than"),
+        (_frame_message(wire.CODEC_RAW, bytes(6), magic=b"XXXX"), "magic"),
+        (_frame_message(9, bytes(6)), "codec id"),
+        (_frame_message(wire.CODEC_RAW, bytes(5)), "raw payload is 5 bytes"),
+    ],
+)
+def test_parse_frame_rejects(message: bytes, complaint: str) -> None:
+    with pytest.raises(wire.WireError, match=complaint):
+        wire.parse_frame(message)
+
+
+def test_messages_are_strict_json() -> None:
+    assert json.loads(wire.tick_message(3, reset=True)) == {"type": "tick", "tick_id": 3, "reset": True}
+    assert json.loads(wire.input_message(5, controls={"keys": ["w"]})) == {
+        "type": "input",
+        "event_id": 5,
+        "controls": {"keys": ["w"]},
+    }
+    with pytest.raises(ValueError, match="tick_id"):
+        wire.tick_message(2**32)
+    with pytest.raises(ValueError, match="event_id"):
+        wire.input_message(-1)
+
+
+# ---- the client against a real server -----------------------------------------------
+
+
+def _saved_frames(out: Path) -> list[np.ndarray]:
+    paths = sorted(out.glob("frame_*.png"))
+    return [np.asarray(Image.open(path).convert("RGB")) for path in paths]
+
+
+def test_client_saves_every_frame_and_prints_latencies(
+    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = server.get_json("/v1/model")
+    ticks = 3 + 2 + 1
+    code = client.main([server.base_url, "--keys", "d*3,w+a*2,-*1", "--out", str(tmp_path / "out")])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    frames = _saved_frames(tmp_path / "out")
+    assert len(frames) == ticks * model["frames_per_chunk"]
+    assert {frame.shape for frame in frames} == {(model["height"], model["width"], 3)}
+    assert "time to first frame:" in output
+    assert "chunk latency" in output and "p50" in output and "p90" in output and "p99" in output
+    # Three distinct held-key sets, so three inputs, each applied by some chunk.
+    assert "action-to-frame" in output and "n=3" in output
+    assert "frames/s:" in output
+
+
+def test_raw_frames_show_the_held_keys_in_order(
+    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = client.main([server.sessions_url, "--codec", "raw", "--keys", "d*3,-*3", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr()
+    frames = _saved_frames(tmp_path)
+    assert len(frames) == 12
+    # G is the frame's absolute position: every frame arrived, once, in order.
+    assert [int(frame[0, 0, 1]) for frame in frames] == list(range(12))
+    blue = [int(frame[0, 0, 2]) for frame in frames]
+    # The "d" input went out before tick 0. The "no key" input went out with tick 3, after
+    # chunk 0 had arrived, so chunk 0 shows d and ticks 3..5 show no key; ticks 1-2 may show either.
+    assert blue[:2] == [KEY_BITS["d"]] * 2
+    assert blue[6:] == [0] * 6
+    assert set(blue[2:6]) <= {0, KEY_BITS["d"]}
+
+
+def test_client_writes_a_video_when_pyav_is_installed(
+    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    av = pytest.importorskip("av")
+    assert client.main([server.base_url, "--keys", "s*4", "--out", str(tmp_path)]) == 0
+    assert "saved video" in capsys.readouterr().out
+    with av.open(str(tmp_path / client.VIDEO_NAME)) as container:
+        decoded = list(container.decode(video=0))
+    assert len(decoded) == 8
+
+
+def test_client_reports_a_server_error_clearly(
+    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = client.main([server.base_url, "--keys", "x*2", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "invalid_controls" in captured.err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_client_rejects_a_bad_key_script_before_connecting(capsys: pytest.CaptureFixture[str]) -> None:
+    # Port 9 (discard) is never contacted: the script error comes first.
+    assert client.main(["ws://127.0.0.1:9/v1/sessions", "--keys", "d*0", "--out", "/nonexistent"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+
+
+def test_client_leaves_no_kv_behind(server: bench.ServerProcess, tmp_path: Path) -> None:
+    assert client.main([server.base_url, "--keys", "w*3", "--out", str(tmp_path)]) == 0
+    kv = server.get_json("/v1/stats")["kv"]
+    assert kv["sessions_resident"] == 0
+    assert kv["blocks_used"] == 0
+
+
+# ---- the serve benchmark ------------------------------------------------------------
+
+
+def test_bench_serve_ends_with_a_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "fake-kv", "--sessions", "2", "--chunks", "6", "--repeat", "1"]
+    assert bench.main([*argv, "--model-options", '{"compute_delay_s": 0.005}', "--kv-budget-bytes", "4194304"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in (
+        "server_vs_runner_ratio",
+        "sessions",
+        "fps_per_session",
+        "ttff_ms",
+        "chunk_ms_p50",
+        "chunk_ms_p99",
+        "action_to_frame_ms_p50",
+        "action_to_frame_ms_p99",
+    ):
+        assert isinstance(summary[key], (int, float)), key
+    assert summary["sessions"] == 2
+    assert summary["server_vs_runner_ratio"] > 0
+    assert sum(line.startswith("  session ") for line in lines) == 2
