@@ -1,0 +1,459 @@
+"""One WebSocket connection: handshake, the receive loop, and the single writer that keeps frames whole.
+
+Flow: auth and origin checks, then the ``start`` handshake (within
+``start_timeout_s``), admission, ``ready``; then a receive loop that answers
+each message at once (ack, pong, error) and hands accepted ticks to the
+worker. Everything the session sends goes through its :class:`Outbox` and
+one writer task, so immediate replies keep their order and a chunk's frames
+are never interleaved with anything. A tick's credit comes back only when its
+last frame (or its error) has been written to the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.websockets import WebSocket
+
+from app import auth
+from app.protocol import (
+    CLOSE_NORMAL,
+    ERROR_CLOSE_CODES,
+    CloseMessage,
+    CloseReason,
+    ErrorCode,
+    InputMessage,
+    PingMessage,
+    ProtocolError,
+    StartMessage,
+    TickMessage,
+    ack_message,
+    chunk_message,
+    closed_message,
+    dumps,
+    error_message,
+    parse_client_message,
+    pong_message,
+    ready_message,
+)
+from app.session import Session, SessionState
+from app.worker import OutcomeKind, TickOutcome
+
+if TYPE_CHECKING:
+    from app.hub import SessionHub
+
+log = logging.getLogger("arstream.session")
+
+# Immediate replies queued behind a client that does not read, before the receive loop waits.
+REPLY_BACKLOG_LIMIT = 64
+CLOSE_GOING_AWAY = 1001
+
+
+@dataclass(frozen=True)
+class _Text:
+    text: str
+    is_reply: bool = False
+    returns_credit: bool = False
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    outcome: TickOutcome
+
+
+@dataclass(frozen=True)
+class _Close:
+    code: int
+    reason: CloseReason | None  # None: no `closed` message (the session never started)
+
+
+_Item = _Text | _Chunk | _Close
+
+
+class Outbox:
+    """A session's send queue. Replies are bounded (the receive loop waits); chunks are bounded by credits."""
+
+    def __init__(self, reply_limit: int = REPLY_BACKLOG_LIMIT) -> None:
+        self._items: deque[_Item] = deque()
+        self._reply_limit = reply_limit
+        self._replies_queued = 0
+        self._has_items = asyncio.Event()
+        self._reply_space = asyncio.Event()
+        self._reply_space.set()
+
+    def push(self, item: _Item) -> None:
+        if isinstance(item, _Text) and item.is_reply:
+            self._replies_queued += 1
+        self._items.append(item)
+        self._has_items.set()
+
+    async def push_reply(self, text: str) -> None:
+        while self._replies_queued >= self._reply_limit:
+            self._reply_space.clear()
+            await self._reply_space.wait()
+        self.push(_Text(text, is_reply=True))
+
+    async def get(self) -> _Item:
+        while not self._items:
+            self._has_items.clear()
+            await self._has_items.wait()
+        item = self._items.popleft()
+        if isinstance(item, _Text) and item.is_reply:
+            self._replies_queued -= 1
+            self._reply_space.set()
+        return item
+
+
+class Connection:
+    """Serves one WebSocket for its whole life; :meth:`run` returns when it is closed."""
+
+    def __init__(self, websocket: WebSocket, hub: SessionHub) -> None:
+        self.ws = websocket
+        self.hub = hub
+        self.settings = hub.settings
+        self.metrics = hub.metrics
+        self.session: Session | None = None
+        self.session_id = "s-" + secrets.token_hex(8)
+        self.outbox = Outbox()
+        self._writer: asyncio.Task[None] | None = None
+        self._released = False
+        self._disconnected = False
+
+    # ---- entry point -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.metrics.websocket_connections.inc()
+        self.metrics.websocket_open.inc()
+        try:
+            await self._serve()
+        except Exception:  # noqa: BLE001 - a server fault: tell the client, then close 1011
+            log.exception("session=%s server fault", self.session_id)
+            if self.session is None:
+                await self._refuse(ErrorCode.INTERNAL, "internal server error")
+            else:
+                self._fatal(ErrorCode.INTERNAL, "internal server error")
+        finally:
+            await self._finish()
+            self.metrics.websocket_open.dec()
+
+    async def _serve(self) -> None:
+        ws = self.ws
+        server_port = ws.scope.get("server", (None, None))[1]
+        refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token) or auth.origin_refusal(
+            ws.headers, self.settings.origin_allow_list(), server_port
+        )
+        await ws.accept()
+        if refusal is not None:
+            log.info("session=%s refused: %s", self.session_id, refusal)
+            await self._refuse(ErrorCode.UNAUTHORIZED, refusal)
+            return
+        start = await self._await_start()
+        if start is None:
+            return
+        refusal = self.hub.admission_refusal()
+        if refusal is not None:
+            log.info("session=%s not admitted: %s", self.session_id, refusal)
+            await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+            return
+        session = Session(
+            self.session_id,
+            codec=start.codec or self.settings.codec,
+            quality=start.quality or self.settings.jpeg_quality,
+            seed=start.seed,
+            prompt=start.prompt,
+            max_pending_ticks=self.settings.max_pending_ticks,
+        )
+        session.transition(SessionState.ACTIVE)
+        self.session = session
+        self.hub.register(self)
+        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
+        self.outbox.push(
+            _Text(
+                dumps(
+                    ready_message(
+                        session_id=self.session_id,
+                        model_card=self.hub.model_card,
+                        codec=session.codec,
+                        max_pending_ticks=self.settings.max_pending_ticks,
+                        max_message_bytes=self.settings.max_message_bytes,
+                        idle_timeout_s=self.settings.idle_timeout_s,
+                    )
+                ),
+                is_reply=True,
+            )
+        )
+        log.info("session=%s started codec=%s", self.session_id, session.codec)
+        await self._receive_loop(session)
+
+    # ---- before the session exists -----------------------------------------------------
+
+    async def _refuse(self, code: ErrorCode, message: str) -> None:
+        """Error then close, for a connection that never became a session."""
+        self.metrics.errors.labels(code=str(code)).inc()
+        try:
+            await self.ws.send_text(dumps(error_message(code, message)))
+            await self.ws.close(ERROR_CLOSE_CODES[code])
+        except Exception:  # noqa: BLE001 - the client may already be gone
+            log.debug("session=%s gone before its refusal was sent", self.session_id)
+
+    def _too_large(self, text: str) -> bool:
+        limit = self.settings.max_message_bytes
+        return len(text) > limit or len(text.encode()) > limit
+
+    async def _await_start(self) -> StartMessage | None:
+        """The `start` message, or None after refusing the connection (or on disconnect)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.start_timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                await self._refuse(
+                    ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
+                )
+                return None
+            if message["type"] == "websocket.disconnect":
+                self._disconnected = True
+                return None
+            text = message.get("text")
+            if text is None:
+                await self._refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
+                return None
+            if self._too_large(text):
+                await self._refuse(
+                    ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {self.settings.max_message_bytes} bytes"
+                )
+                return None
+            try:
+                parsed = parse_client_message(text)
+            except ProtocolError as exc:
+                if exc.message_type == "start":
+                    # A malformed start is still a start: say what is wrong and keep waiting.
+                    self.metrics.errors.labels(code=str(exc.code)).inc()
+                    await self.ws.send_text(dumps(error_message(exc.code, exc.message)))
+                    continue
+                await self._refuse(ErrorCode.START_REQUIRED, f"the first message must be start ({exc.message})")
+                return None
+            if not isinstance(parsed, StartMessage):
+                await self._refuse(ErrorCode.START_REQUIRED, f"the first message must be start, got {parsed.type}")
+                return None
+            return parsed
+
+    # ---- the session's receive loop ---------------------------------------------------------
+
+    async def _receive_loop(self, session: Session) -> None:
+        while session.live:
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), self.settings.idle_timeout_s)
+            except TimeoutError:
+                if session.live:
+                    self._fatal(
+                        ErrorCode.IDLE_TIMEOUT,
+                        f"no message for {self.settings.idle_timeout_s} s",
+                        reason=CloseReason.IDLE_TIMEOUT,
+                    )
+                return
+            if message["type"] == "websocket.disconnect":
+                self._disconnected = True
+                return
+            if session.live:
+                await self._handle(session, message)
+
+    async def _reply(self, payload: dict[str, Any]) -> None:
+        await self.outbox.push_reply(dumps(payload))
+
+    async def _reply_error(self, error: ProtocolError) -> None:
+        self.metrics.errors.labels(code=str(error.code)).inc()
+        await self._reply(error_message(error.code, error.message, tick_id=error.tick_id))
+
+    async def _handle(self, session: Session, message: dict[str, Any]) -> None:
+        text = message.get("text")
+        if text is None:
+            if message.get("bytes") is not None:
+                await self._reply_error(
+                    ProtocolError(ErrorCode.INVALID_MESSAGE, "binary messages from the client are not part of protocol 1")
+                )
+            return
+        if self._too_large(text):
+            self._fatal(
+                ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {self.settings.max_message_bytes} bytes"
+            )
+            return
+        try:
+            parsed = parse_client_message(text)
+            if isinstance(parsed, TickMessage):
+                self._validate_controls(parsed.controls, tick_id=parsed.tick_id)
+                job = session.accept_tick(parsed)
+                assert self.hub.worker is not None
+                self.hub.worker.submit(job)
+            elif isinstance(parsed, InputMessage):
+                self._validate_controls(parsed.controls, tick_id=None)
+                duplicate = session.accept_event(parsed)
+                await self._reply(ack_message(parsed.event_id, duplicate=duplicate))
+            elif isinstance(parsed, PingMessage):
+                await self._reply(pong_message(parsed.t))
+            elif isinstance(parsed, CloseMessage):
+                log.info("session=%s closed by the client", self.session_id)
+                self._close(CLOSE_NORMAL, CloseReason.CLIENT)
+            else:
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
+        except ProtocolError as exc:
+            await self._reply_error(exc)
+
+    def _validate_controls(self, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
+        if controls is None or self.hub.controls_validator is None:
+            return
+        error = next(iter(self.hub.controls_validator.iter_errors(controls)), None)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "controls"
+            raise ProtocolError(ErrorCode.INVALID_CONTROLS, f"{where}: {error.message}", tick_id=tick_id)
+
+    # ---- outcomes from the worker (event loop) ------------------------------------------------
+
+    def on_outcome(self, outcome: TickOutcome) -> None:
+        session = self.session
+        if session is None or not session.live:
+            return  # closing: its queued ticks were dropped and nothing more is sent
+        job = outcome.job
+        if outcome.kind is OutcomeKind.CHUNK:
+            self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
+            self.metrics.queue_wait_seconds.observe(outcome.queue_s)
+            self.outbox.push(_Chunk(outcome))
+        elif outcome.kind is OutcomeKind.INTERNAL:
+            log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
+            self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
+            return
+        else:
+            if outcome.kind is OutcomeKind.MODEL_FAILED:
+                session.note_failure(job.tick_id)
+                detail = f"the model failed on tick {job.tick_id} ({outcome.error}); its KV was released"
+            else:
+                detail = f"tick {job.tick_id} was not run: the session failed before it"
+            self.metrics.errors.labels(code=str(ErrorCode.SESSION_FAILED)).inc()
+            message = error_message(
+                ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", tick_id=job.tick_id
+            )
+            self.outbox.push(_Text(dumps(message), returns_credit=True))
+        if job.close:
+            log.info("session=%s closing after tick %d (close: true)", self.session_id, job.tick_id)
+            self._close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
+
+    # ---- closing --------------------------------------------------------------------------
+
+    def _close(self, code: int, reason: CloseReason) -> None:
+        """Queue `closed` and the close frame; drop queued ticks and release the KV now."""
+        session = self.session
+        if session is None or not session.live:
+            return
+        session.transition(SessionState.CLOSING)
+        self.outbox.push(_Close(code, reason))
+        self._release()
+
+    def _fatal(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        tick_id: int | None = None,
+        reason: CloseReason = CloseReason.ERROR,
+        returns_credit: bool = False,
+    ) -> None:
+        self.metrics.errors.labels(code=str(code)).inc()
+        session = self.session
+        if session is None or not session.live:
+            return
+        self.outbox.push(_Text(dumps(error_message(code, message, tick_id=tick_id)), returns_credit=returns_credit))
+        self._close(ERROR_CLOSE_CODES[code], reason)
+
+    def close_for_shutdown(self) -> None:
+        self._close(CLOSE_GOING_AWAY, CloseReason.SERVER_SHUTDOWN)
+
+    async def wait_sent(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the writer to send everything queued, then stop it."""
+        writer = self._writer
+        if writer is None or writer.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(writer), timeout_s)
+        except TimeoutError:
+            log.warning("session=%s client did not take its last messages within %.1f s", self.session_id, timeout_s)
+            writer.cancel()
+        except Exception:  # noqa: BLE001 - the writer logs its own failure
+            pass
+
+    def _release(self) -> None:
+        if self._released or self.session is None:
+            return
+        self._released = True
+        assert self.hub.worker is not None
+        dropped = self.hub.worker.drop_session(self.session_id)
+        log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
+
+    async def _finish(self) -> None:
+        session = self.session
+        if session is not None:
+            if self._disconnected:
+                log.info("session=%s disconnected", self.session_id)
+            if session.state is not SessionState.CLOSING and session.state is not SessionState.CLOSED:
+                session.transition(SessionState.CLOSING)
+            self._release()
+            self.hub.unregister(self)
+            if self._disconnected and self._writer is not None:
+                self._writer.cancel()
+            await self.wait_sent(self.settings.shutdown_grace_s)
+            if session.state is not SessionState.CLOSED:
+                session.transition(SessionState.CLOSED)
+
+    # ---- the writer ---------------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        session = self.session
+        assert session is not None
+        try:
+            while True:
+                item = await self.outbox.get()
+                if isinstance(item, _Text):
+                    await self.ws.send_text(item.text)
+                    if item.returns_credit:
+                        session.release_credit()
+                elif isinstance(item, _Chunk):
+                    await self._send_chunk(session, item.outcome)
+                else:
+                    if item.reason is not None:
+                        await self.ws.send_text(dumps(closed_message(item.reason)))
+                    await self.ws.close(item.code)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
+            log.debug("session=%s writer stopped: %s", self.session_id, exc)
+
+    async def _send_chunk(self, session: Session, outcome: TickOutcome) -> None:
+        job = outcome.job
+        header = chunk_message(
+            tick_id=job.tick_id,
+            chunk_index=outcome.chunk_index,
+            frames=len(outcome.frame_messages),
+            applied_event_ids=outcome.applied_event_ids,
+            restarted=outcome.restarted,
+            queue_ms=outcome.queue_s * 1e3,
+            compute_ms=outcome.compute_s * 1e3,
+            encode_ms=outcome.encode_s * 1e3,
+        )
+        await self.ws.send_text(dumps(header))
+        for index, frame in enumerate(outcome.frame_messages):
+            await self.ws.send_bytes(frame)
+            if index == 0 and outcome.events:
+                sent_at = time.perf_counter()
+                for event in outcome.events:
+                    self.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+            self.metrics.frames_sent.inc()
+            self.metrics.bytes_sent.inc(len(frame))
+        self.metrics.chunks.inc()
+        session.release_credit()

@@ -1,0 +1,190 @@
+"""The app-wide session hub: model readiness, admission, outcome routing, stats and shutdown.
+
+One hub per app. It starts the :class:`~app.worker.ModelWorker` (which loads
+and warms the model on its own thread), admits connections up to the
+runner's session capacity, routes each tick outcome back to its connection,
+and closes every session with ``server_shutdown`` when the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+
+from app.metrics import ServerMetrics
+from app.settings import Settings
+from app.worker import ModelWorker, TickOutcome
+from models.registry import load_pipeline
+from runner.contract import ARPipeline
+from runner.runner import ARRunner
+
+if TYPE_CHECKING:
+    from app.connection import Connection
+
+log = logging.getLogger("arstream.hub")
+
+WORKER_STOP_TIMEOUT_S = 10.0
+
+
+class SessionHub:
+    """State shared by every connection of one app."""
+
+    def __init__(self, settings: Settings, pipeline: ARPipeline | None = None) -> None:
+        self.settings = settings
+        self._pipeline = pipeline
+        self.connections: dict[str, Connection] = {}
+        self.worker: ModelWorker | None = None
+        self.ready = False
+        self.not_ready_reason = "the model is loading and warming up"
+        self.load_error: BaseException | None = None
+        self.shutting_down = False
+        self.model_card: dict[str, Any] = {}
+        self.controls_validator: jsonschema.protocols.Validator | None = None
+        self.metrics = ServerMetrics(
+            stats=lambda: self.worker.runner_stats if self.worker else None, connected=lambda: len(self.connections)
+        )
+        self._loaded: asyncio.Event | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the worker; the model loads in the background while /readyz says 503."""
+        self._loaded = asyncio.Event()
+        self.worker = ModelWorker(
+            self._build_runner,
+            loop=asyncio.get_running_loop(),
+            deliver=self._deliver,
+            on_ready=self._on_model_ready,
+            max_pending_ticks=self.settings.max_pending_ticks,
+        )
+        self.worker.start()
+
+    def _build_runner(self) -> ARRunner:
+        """Runs on the worker thread: load the pipeline, build the pool, warm up."""
+        settings = self.settings
+        pipeline = self._pipeline
+        if pipeline is None:
+            pipeline = load_pipeline(settings.model, settings.device, **settings.model_options)
+        runner = ARRunner(
+            pipeline,
+            device=settings.device,
+            kv_budget_bytes=settings.resolved_kv_budget_bytes(),
+            memory_fraction=settings.memory_fraction,
+        )
+        warmed = runner.warmup()
+        log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
+        return runner
+
+    def _on_model_ready(self, error: BaseException | None) -> None:
+        assert self._loaded is not None and self.worker is not None
+        if error is not None:
+            self.load_error = error
+            self.not_ready_reason = f"the model failed to load: {type(error).__name__}: {error}"
+        else:
+            card = self.worker.model_card or {}
+            try:
+                schema = card.get("controls", {})
+                validator_class = jsonschema.validators.validator_for(schema)
+                validator_class.check_schema(schema)
+                self.controls_validator = validator_class(schema)
+                self.model_card = card
+                self.ready = True
+                self.not_ready_reason = ""
+            except jsonschema.SchemaError as exc:
+                self.load_error = exc
+                self.not_ready_reason = f"the model card's controls schema is invalid: {exc.message}"
+        if self.load_error is not None:
+            log.error("%s", self.not_ready_reason)
+        self._loaded.set()
+
+    async def wait_loaded(self) -> None:
+        """Until the model is ready or failed to load (check ``load_error``)."""
+        assert self._loaded is not None, "the hub has not started"
+        await self._loaded.wait()
+
+    async def close_sessions(self) -> None:
+        """Send ``closed`` (server_shutdown) to every session and wait, bounded, for each to go out."""
+        self.shutting_down = True
+        if not self.ready:
+            self.not_ready_reason = "the server is shutting down"
+        self.ready = False
+        connections = list(self.connections.values())
+        for connection in connections:
+            connection.close_for_shutdown()
+        if connections:
+            await asyncio.gather(*(c.wait_sent(self.settings.shutdown_grace_s) for c in connections))
+
+    async def stop(self) -> None:
+        await self.close_sessions()
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop, WORKER_STOP_TIMEOUT_S)
+
+    # ---- sessions --------------------------------------------------------------------
+
+    @property
+    def session_capacity(self) -> int:
+        stats = self.worker.runner_stats if self.worker else None
+        return stats.session_capacity if stats else 0
+
+    def admission_refusal(self) -> str | None:
+        """Why a new session cannot start now, or None when a slot is free."""
+        if self.shutting_down:
+            return "the server is shutting down"
+        if not self.ready:
+            return self.not_ready_reason
+        if len(self.connections) >= self.session_capacity:
+            return f"all {self.session_capacity} session slots are in use; try again later"
+        return None
+
+    def register(self, connection: Connection) -> None:
+        self.connections[connection.session_id] = connection
+
+    def unregister(self, connection: Connection) -> None:
+        self.connections.pop(connection.session_id, None)
+
+    def _deliver(self, outcome: TickOutcome) -> None:
+        connection = self.connections.get(outcome.job.session.id)
+        if connection is not None:
+            connection.on_outcome(outcome)
+
+    # ---- stats -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any] | None:
+        """The /v1/stats document (PROTOCOL.md), or None before the model is loaded."""
+        worker = self.worker
+        runner_stats = worker.runner_stats if worker else None
+        if worker is None or runner_stats is None:
+            return None
+        p50, p99 = worker.compute_ms_percentiles()
+        sessions = [c.session for c in self.connections.values() if c.session is not None]
+        return {
+            "kv": {
+                "blocks_total": runner_stats.blocks_total,
+                "blocks_free": runner_stats.blocks_free,
+                "blocks_used": runner_stats.blocks_used,
+                "block_bytes": runner_stats.block_bytes,
+                "pool_bytes": runner_stats.pool_bytes,
+                "session_capacity": runner_stats.session_capacity,
+                "sessions_resident": runner_stats.sessions_resident,
+                "sink_frames": runner_stats.sink_frames,
+                "window_frames": runner_stats.window_frames,
+                "frames_per_chunk": runner_stats.frames_per_chunk,
+                "scratch_blocks": runner_stats.scratch_blocks,
+            },
+            "sessions": {
+                "connected": len(sessions),
+                "active": sum(1 for s in sessions if s.pending_ticks > 0),
+                "evictions_total": runner_stats.evictions_total,
+                "failures_total": runner_stats.failures_total,
+                "pending_ticks": sum(s.pending_ticks for s in sessions),
+            },
+            "queue": {"depth": worker.queue_depth},
+            "chunks": {
+                "total": runner_stats.chunks_total,
+                "compute_ms_p50": None if p50 is None else round(p50, 3),
+                "compute_ms_p99": None if p99 is None else round(p99, 3),
+            },
+        }

@@ -1,0 +1,274 @@
+"""Wire protocol v1 (shared/PROTOCOL.md): strict JSON parsing, client message models, server messages.
+
+Errors a client can cause, as raised here and answered by the server::
+
+    ProtocolError(code, message, tick_id=None)
+      code is an ErrorCode; ERROR_CLOSE_CODES says whether it is fatal and
+      which WebSocket close code follows it.
+
+Parsing is strict: only JSON objects, no NaN/Infinity or numbers that
+overflow a float, nesting at most 32 levels, ids are integers (never bools)
+in ``0 <= id < 2**32``, ``prompt`` is a string or null. Unknown fields are
+ignored so clients may send additive extensions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROTOCOL_VERSION = 1
+MAX_JSON_DEPTH = 32
+ID_LIMIT = 2**32
+
+
+class ErrorCode(StrEnum):
+    INVALID_MESSAGE = "invalid_message"
+    INVALID_CONTROLS = "invalid_controls"
+    STALE_TICK = "stale_tick"
+    TOO_MANY_TICKS = "too_many_ticks"
+    STALE_EVENT = "stale_event"
+    SESSION_FAILED = "session_failed"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    START_REQUIRED = "start_required"
+    UNAUTHORIZED = "unauthorized"
+    OVER_CAPACITY = "over_capacity"
+    IDLE_TIMEOUT = "idle_timeout"
+    INTERNAL = "internal"
+
+
+# Fatal codes and the WebSocket close code that follows their `error` message.
+ERROR_CLOSE_CODES: dict[ErrorCode, int] = {
+    ErrorCode.MESSAGE_TOO_LARGE: 1009,
+    ErrorCode.START_REQUIRED: 1008,
+    ErrorCode.UNAUTHORIZED: 1008,
+    ErrorCode.OVER_CAPACITY: 1013,
+    ErrorCode.IDLE_TIMEOUT: 4001,
+    ErrorCode.INTERNAL: 1011,
+}
+CLOSE_NORMAL = 1000
+
+
+class CloseReason(StrEnum):
+    CLIENT = "client"
+    TICK_CLOSE = "tick_close"
+    IDLE_TIMEOUT = "idle_timeout"
+    SERVER_SHUTDOWN = "server_shutdown"
+    ERROR = "error"
+
+
+class ProtocolError(Exception):
+    """A client message the server refuses; ``code`` decides fatality and close code."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, *, tick_id: int | None = None, message_type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.tick_id = tick_id
+        # The refused message's `type` when it had a known one (a malformed `start` is not "no start").
+        self.message_type = message_type
+
+    @property
+    def fatal(self) -> bool:
+        return self.code in ERROR_CLOSE_CODES
+
+
+# ---- strict JSON ---------------------------------------------------------------------
+
+# Possessive, and an unterminated string runs to the end: linear time on hostile input.
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.?)*+(?:"|\Z)', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _nests_deeper_than(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit`` (checked before parsing, so
+    hostile input can neither recurse in the parser nor cost more than linear time here)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` that refuses NaN, Infinity, overflowing numbers and deep nesting."""
+    if _nests_deeper_than(text, MAX_JSON_DEPTH):
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+def dumps(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"), allow_nan=False)
+
+
+# ---- client messages -------------------------------------------------------------------
+
+WireId = Annotated[int, Field(ge=0, lt=ID_LIMIT)]
+
+
+class _ClientMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class StartMessage(_ClientMessage):
+    type: Literal["start"]
+    prompt: str | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    codec: Literal["jpeg", "raw"] | None = None
+    quality: Annotated[int, Field(ge=1, le=100)] | None = None
+
+
+class TickMessage(_ClientMessage):
+    type: Literal["tick"]
+    tick_id: WireId
+    controls: dict[str, Any] | None = None
+    prompt: str | None = None
+    reset: bool = False
+    close: bool = False
+
+
+class InputMessage(_ClientMessage):
+    type: Literal["input"]
+    event_id: WireId
+    controls: dict[str, Any] | None = None
+    prompt: str | None = None
+
+
+class CloseMessage(_ClientMessage):
+    type: Literal["close"]
+
+
+class PingMessage(_ClientMessage):
+    type: Literal["ping"]
+    t: float | None = None
+
+
+ClientMessage = StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage
+
+MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
+    "start": StartMessage,
+    "tick": TickMessage,
+    "input": InputMessage,
+    "close": CloseMessage,
+    "ping": PingMessage,
+}
+
+
+def _tick_id_of(obj: dict[str, Any]) -> int | None:
+    """The tick id to echo in an error, when the message carried a usable one."""
+    value = obj.get("tick_id")
+    if type(value) is int and 0 <= value < ID_LIMIT:
+        return value
+    return None
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_url=False):
+        where = ".".join(str(p) for p in item["loc"]) or "message"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def parse_client_message(text: str) -> ClientMessage:
+    """Parse one text message; raises :class:`ProtocolError` (``invalid_message``) on anything off-spec."""
+    try:
+        obj = loads_strict(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"not strict JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"expected a JSON object, got {type(obj).__name__}")
+    kind = obj.get("type")
+    model = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"unknown message type {kind!r}; expected one of {sorted(MESSAGE_TYPES)}",
+            tick_id=_tick_id_of(obj),
+        )
+    try:
+        return model.model_validate(obj)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"invalid {kind} message: {_describe(exc)}",
+            tick_id=_tick_id_of(obj),
+            message_type=kind,
+        ) from None
+
+
+# ---- server messages -------------------------------------------------------------------
+
+
+def ready_message(
+    *, session_id: str, model_card: dict[str, Any], codec: str, max_pending_ticks: int, max_message_bytes: int,
+    idle_timeout_s: float,
+) -> dict[str, Any]:
+    return {
+        "type": "ready",
+        "protocol": PROTOCOL_VERSION,
+        "session_id": session_id,
+        "model": model_card,
+        "codec": codec,
+        "limits": {
+            "max_pending_ticks": max_pending_ticks,
+            "max_message_bytes": max_message_bytes,
+            "idle_timeout_s": idle_timeout_s,
+        },
+    }
+
+
+def chunk_message(
+    *, tick_id: int, chunk_index: int, frames: int, applied_event_ids: list[int], restarted: str | None,
+    queue_ms: float, compute_ms: float, encode_ms: float,
+) -> dict[str, Any]:
+    return {
+        "type": "chunk",
+        "tick_id": tick_id,
+        "chunk_index": chunk_index,
+        "frames": frames,
+        "applied_event_ids": applied_event_ids,
+        "restarted": restarted,
+        "timings": {"queue_ms": round(queue_ms, 3), "compute_ms": round(compute_ms, 3), "encode_ms": round(encode_ms, 3)},
+    }
+
+
+def ack_message(event_id: int, *, duplicate: bool) -> dict[str, Any]:
+    return {"type": "ack", "event_id": event_id, "status": "duplicate" if duplicate else "accepted"}
+
+
+def pong_message(t: float | None) -> dict[str, Any]:
+    return {"type": "pong", "t": t, "server_time": time.time()}
+
+
+def error_message(code: ErrorCode, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
+    return {"type": "error", "code": str(code), "message": message, "tick_id": tick_id, "fatal": code in ERROR_CLOSE_CODES}
+
+
+def closed_message(reason: CloseReason) -> dict[str, Any]:
+    return {"type": "closed", "reason": str(reason)}

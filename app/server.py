@@ -1,0 +1,175 @@
+"""``arstream serve``: the FastAPI app factory, its HTTP routes and WebSocket endpoint, and the CLI.
+
+Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``GET /v1/stats``,
+``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz`` and the demo page at
+``/`` (the repository's ``static/`` directory).
+
+:class:`ARStreamServer` is uvicorn's server with one change: on shutdown it
+first sends every open session ``closed`` (``server_shutdown``) and a close
+frame, then lets uvicorn close what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.connection import Connection
+from app.hub import SessionHub
+from app.settings import Settings, settings_from_argv
+from runner.contract import ARPipeline
+
+log = logging.getLogger("arstream.server")
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+LISTENING_MARKER = "ARSTREAM_LISTENING"
+
+
+def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAPI:
+    """An app serving ``pipeline`` (or the one ``settings.model`` names, loaded at startup)."""
+    hub = SessionHub(settings, pipeline)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await hub.start()
+        try:
+            yield
+        finally:
+            await hub.stop()
+
+    app = FastAPI(title="ARStream", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.hub = hub
+
+    @app.websocket("/v1/sessions")
+    async def sessions(websocket: WebSocket) -> None:
+        await Connection(websocket, hub).run()
+
+    @app.get("/v1/stats")
+    async def stats() -> JSONResponse:
+        document = hub.stats()
+        if document is None:
+            return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
+        return JSONResponse(document)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(hub.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/model")
+    async def model() -> JSONResponse:
+        if not hub.model_card:
+            return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
+        return JSONResponse(hub.model_card)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        refusal = hub.admission_refusal()
+        if refusal is not None:
+            return JSONResponse({"ready": False, "reason": refusal}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    # Last, so the API routes win; check_dir=False keeps the app up while static/ is still empty.
+    app.mount("/", StaticFiles(directory=STATIC_DIR, html=True, check_dir=False), name="static")
+    return app
+
+
+class ARStreamServer(uvicorn.Server):
+    """uvicorn's server, closing sessions with ``server_shutdown`` before connections are cut."""
+
+    def __init__(self, config: uvicorn.Config, hub: SessionHub) -> None:
+        super().__init__(config)
+        self.hub = hub
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # stop accepting before saying goodbye
+        await self.hub.close_sessions()
+        await super().shutdown(sockets)
+
+    @property
+    def bound_port(self) -> int:
+        """The port actually listened on (differs from the configured one with port 0)."""
+        for server in self.servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        raise RuntimeError("the server is not listening")
+
+
+def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvicorn.Config:
+    """One worker, no per-message deflate, and a frame limit just above the protocol's message limit."""
+    options: dict[str, object] = {
+        "host": settings.host,
+        "port": settings.port,
+        "workers": 1,
+        "lifespan": "on",
+        "ws_per_message_deflate": False,
+        "ws_max_size": settings.ws_max_size,
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": settings.shutdown_grace_s + 1.0,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+
+
+def build_server(settings: Settings, pipeline: ARPipeline | None = None, **config_overrides: object) -> ARStreamServer:
+    app = create_app(settings, pipeline)
+    return ARStreamServer(uvicorn_config(app, settings, **config_overrides), app.state.hub)
+
+
+def display_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+async def serve(server: ARStreamServer) -> int:
+    """Run until stopped; print the listening line once the port is bound and the model is ready."""
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if serving.done():
+        await serving
+        return 1
+    loaded = asyncio.create_task(server.hub.wait_loaded())
+    await asyncio.wait({serving, loaded}, return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done() and server.hub.load_error is None:
+        url = f"http://{display_host(server.config.host)}:{server.bound_port}"
+        print(f"{LISTENING_MARKER} {url}", flush=True)
+        print(f"ARStream demo: open {url}/ in a browser", flush=True)
+    elif loaded.done():
+        print(f"arstream serve: {server.hub.not_ready_reason}", file=sys.stderr, flush=True)
+        server.should_exit = True
+    else:
+        loaded.cancel()
+    await serving
+    return 1 if server.hub.load_error is not None else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = settings_from_argv(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    server = build_server(settings)
+    return asyncio.run(serve(server))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""One client session: its state machine, tick credits, event ids and staged control updates.
+
+The event loop owns a :class:`Session`. The worker thread touches only the
+staging area (controls, prompt, pending input events), through
+:meth:`Session.take_chunk_inputs` under the session's lock, because the
+chunk boundary is the moment the worker picks the session's next tick.
+
+Latest wins: every update (a tick's or an input event's controls/prompt) gets
+an arrival number on the event loop; at a chunk boundary an update only
+replaces a value that came from an older update.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from app.protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
+
+# Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
+RECENT_EVENT_IDS = 256
+
+
+class SessionState(Enum):
+    """Where a session is in its lifecycle (PROTOCOL.md, "Session lifecycle")."""
+
+    AWAITING_START = "awaiting_start"
+    ACTIVE = "active"
+    FAILED = "failed"  # the model failed; only a tick with reset: true is accepted
+    DRAINING = "draining"  # a tick with close: true was accepted; its chunk is the last
+    CLOSING = "closing"  # `closed` is queued; nothing more is sent
+    CLOSED = "closed"
+
+
+# Legal transitions; anything else is a bug that SessionStateError names.
+TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.AWAITING_START: frozenset({SessionState.ACTIVE, SessionState.CLOSING, SessionState.CLOSED}),
+    SessionState.ACTIVE: frozenset(
+        {SessionState.FAILED, SessionState.DRAINING, SessionState.CLOSING, SessionState.CLOSED}
+    ),
+    SessionState.FAILED: frozenset(
+        {SessionState.ACTIVE, SessionState.DRAINING, SessionState.CLOSING, SessionState.CLOSED}
+    ),
+    SessionState.DRAINING: frozenset({SessionState.FAILED, SessionState.CLOSING, SessionState.CLOSED}),
+    SessionState.CLOSING: frozenset({SessionState.CLOSED}),
+    SessionState.CLOSED: frozenset(),
+}
+
+# States in which the session still sends chunks and replies.
+LIVE_STATES = frozenset({SessionState.ACTIVE, SessionState.FAILED, SessionState.DRAINING})
+
+
+class SessionStateError(RuntimeError):
+    """An operation or transition not allowed in the session's current state."""
+
+    def __init__(self, operation: str, expected: frozenset[SessionState] | set[SessionState], actual: SessionState):
+        names = " or ".join(sorted(s.value for s in expected)) or "no state"
+        super().__init__(f"cannot {operation}: expected session state {names}, but it is {actual.value}")
+        self.expected = expected
+        self.actual = actual
+
+
+@dataclass(frozen=True)
+class Update:
+    """A controls and/or prompt change with its arrival number (for latest-wins)."""
+
+    seq: int
+    controls: dict[str, Any] | None = None
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class PendingEvent:
+    event_id: int
+    update: Update
+    arrived_at: float  # time.perf_counter() on arrival, for the action-to-frame histogram
+
+
+@dataclass(frozen=True)
+class ChunkInputs:
+    """What one chunk is conditioned on, taken at its chunk boundary."""
+
+    controls: dict[str, Any]
+    prompt: str | None
+    events: tuple[PendingEvent, ...]
+
+    @property
+    def applied_event_ids(self) -> tuple[int, ...]:
+        return tuple(e.event_id for e in self.events)
+
+
+@dataclass(frozen=True)
+class TickJob:
+    """An accepted tick on its way to the worker."""
+
+    session: Session
+    tick_id: int
+    update: Update
+    reset: bool
+    close: bool
+    accepted_at: float = field(default_factory=time.perf_counter)
+
+
+class Session:
+    """A session's protocol state; see the module docstring for the thread split."""
+
+    def __init__(
+        self, session_id: str, *, codec: str, quality: int, seed: int | None, prompt: str | None, max_pending_ticks: int
+    ) -> None:
+        self.id = session_id
+        self.codec = codec
+        self.quality = quality
+        self.seed = seed
+        self.max_pending_ticks = max_pending_ticks
+        self.state = SessionState.AWAITING_START
+        self.last_tick_id: int | None = None
+        self._last_reset_tick_id: int | None = None
+        self.event_floor: int | None = None
+        self._recent_events: deque[int] = deque(maxlen=RECENT_EVENT_IDS)
+        self._recent_event_set: set[int] = set()
+        # Ticks accepted and not yet written out in full (the credits in use).
+        self.pending_ticks = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._controls: dict[str, Any] = {}
+        self._controls_seq = -1
+        self._prompt = prompt
+        self._prompt_seq = -1
+        self._pending_events: list[PendingEvent] = []
+
+    # ---- state machine -----------------------------------------------------------
+
+    def transition(self, new_state: SessionState) -> None:
+        allowed = TRANSITIONS[self.state]
+        if new_state not in allowed:
+            sources = {state for state in SessionState if new_state in TRANSITIONS[state]}
+            raise SessionStateError(f"move to {new_state.value}", sources, self.state)
+        self.state = new_state
+
+    def expect(self, operation: str, *states: SessionState) -> None:
+        if self.state not in states:
+            raise SessionStateError(operation, frozenset(states), self.state)
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    # ---- messages (event loop) ----------------------------------------------------
+
+    def _next_update(self, controls: dict[str, Any] | None, prompt: str | None) -> Update:
+        self._seq += 1
+        return Update(self._seq, controls, prompt)
+
+    def accept_tick(self, message: TickMessage) -> TickJob:
+        """Check a tick against the session's state, id floor and credits; on success it holds a credit.
+
+        Controls must already be validated against the model's schema. A
+        refused tick changes nothing (the id floor stays where it was).
+        """
+        tick_id = message.tick_id
+        if self.state is SessionState.DRAINING:
+            raise ProtocolError(
+                ErrorCode.INVALID_MESSAGE, "the session is closing after a tick with close: true", tick_id=tick_id
+            )
+        self.expect("accept a tick", SessionState.ACTIVE, SessionState.FAILED)
+        if self.last_tick_id is not None and tick_id <= self.last_tick_id:
+            raise ProtocolError(
+                ErrorCode.STALE_TICK,
+                f"tick_id {tick_id} is not greater than the last accepted tick_id {self.last_tick_id}",
+                tick_id=tick_id,
+            )
+        if self.state is SessionState.FAILED and not message.reset:
+            raise ProtocolError(
+                ErrorCode.SESSION_FAILED,
+                "the model failed on this session; send a tick with reset: true to start a new rollout",
+                tick_id=tick_id,
+            )
+        if self.pending_ticks >= self.max_pending_ticks:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_TICKS,
+                f"{self.pending_ticks} ticks already queued or running; the limit is {self.max_pending_ticks}",
+                tick_id=tick_id,
+            )
+        self.last_tick_id = tick_id
+        self.pending_ticks += 1
+        if message.reset:
+            self._last_reset_tick_id = tick_id
+        if self.state is SessionState.FAILED:
+            self.transition(SessionState.ACTIVE)
+        if message.close:
+            self.transition(SessionState.DRAINING)
+        return TickJob(self, tick_id, self._next_update(message.controls, message.prompt), message.reset, message.close)
+
+    def accept_event(self, message: InputMessage) -> bool:
+        """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again)."""
+        event_id = message.event_id
+        if self.event_floor is not None and event_id <= self.event_floor:
+            if event_id in self._recent_event_set:
+                return True
+            raise ProtocolError(
+                ErrorCode.STALE_EVENT,
+                f"event_id {event_id} is not greater than the last accepted event_id {self.event_floor} "
+                "and is not a recent duplicate",
+            )
+        self.event_floor = event_id
+        if len(self._recent_events) == self._recent_events.maxlen:
+            self._recent_event_set.discard(self._recent_events[0])
+        self._recent_events.append(event_id)
+        self._recent_event_set.add(event_id)
+        event = PendingEvent(event_id, self._next_update(message.controls, message.prompt), time.perf_counter())
+        with self._lock:
+            self._pending_events.append(event)
+        return False
+
+    def note_failure(self, tick_id: int) -> None:
+        """The model failed on ``tick_id``: refuse non-reset ticks unless a later reset is already queued."""
+        recovering = self._last_reset_tick_id is not None and self._last_reset_tick_id > tick_id
+        if self.state is SessionState.ACTIVE and not recovering:
+            self.transition(SessionState.FAILED)
+
+    def release_credit(self) -> None:
+        if self.pending_ticks <= 0:
+            raise RuntimeError(f"session {self.id} returned a tick credit it did not hold")
+        self.pending_ticks -= 1
+
+    # ---- chunk boundary (worker thread) --------------------------------------------
+
+    def _apply(self, update: Update) -> None:
+        if update.controls is not None and update.seq > self._controls_seq:
+            self._controls, self._controls_seq = update.controls, update.seq
+        if update.prompt is not None and update.seq > self._prompt_seq:
+            self._prompt, self._prompt_seq = update.prompt, update.seq
+
+    def take_chunk_inputs(self, job: TickJob) -> ChunkInputs:
+        """Apply the tick's own update and every pending input event, newest last; return the result."""
+        with self._lock:
+            events = tuple(self._pending_events)
+            self._pending_events.clear()
+            for update in sorted([job.update, *(e.update for e in events)], key=lambda u: u.seq):
+                self._apply(update)
+            return ChunkInputs(dict(self._controls), self._prompt, events)
+
+    def restore_events(self, events: tuple[PendingEvent, ...]) -> None:
+        """Put back the events of a chunk that failed, so the next chunk lists them as applied.
+
+        Their values were already applied to the current controls, which is
+        what the next chunk uses anyway.
+        """
+        if not events:
+            return
+        with self._lock:
+            self._pending_events[:0] = events
+
+
+def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool) -> str | None:
+    """The chunk's ``restarted`` field (PROTOCOL.md, `chunk`)."""
+    if reset:
+        return "reset"
+    if new_rollout and produced_before:
+        return "evicted"
+    return None

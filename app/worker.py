@@ -1,0 +1,300 @@
+"""The model worker: one thread owns the runner, the pipeline and the device.
+
+The event loop never runs model code. It hands the worker accepted ticks
+(:meth:`ModelWorker.submit`) and session releases (:meth:`ModelWorker.drop_session`);
+the worker answers with :class:`TickOutcome` objects through
+``loop.call_soon_threadsafe``.
+
+Scheduling: control jobs (releases) run first at every chunk boundary, so a
+session that went away frees its KV before anyone else's chunk needs room.
+Sessions with queued ticks are served round robin, one tick per session per
+round. The queue is bounded by the sessions' credits (sessions x
+``max_pending_ticks``); the event loop enforces the credits and the worker
+checks the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from app import frames as frame_codec
+from app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
+from runner.runner import ARRunner, RunnerStats
+from runner.types import TickRequest
+
+log = logging.getLogger("arstream.worker")
+
+COMPUTE_TIMES_KEPT = 4096
+
+
+class OutcomeKind(Enum):
+    CHUNK = "chunk"
+    MODEL_FAILED = "model_failed"  # this tick's forward raised; the runner released the session
+    SKIPPED_FAILED = "skipped_failed"  # queued behind a failed tick and not a reset: not run
+    INTERNAL = "internal"  # a server fault after the forward (e.g. encoding)
+
+
+@dataclass(frozen=True)
+class TickOutcome:
+    """What became of one tick; delivered on the event loop."""
+
+    job: TickJob
+    kind: OutcomeKind
+    chunk_index: int = 0
+    frame_messages: tuple[bytes, ...] = ()
+    events: tuple[PendingEvent, ...] = ()
+    restarted: str | None = None
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    error: str = ""
+
+    @property
+    def applied_event_ids(self) -> list[int]:
+        return [e.event_id for e in self.events]
+
+
+class WorkerNotReady(RuntimeError):
+    """The worker was used before its model finished loading."""
+
+
+class QueueBoundExceeded(RuntimeError):
+    """More ticks were queued than the sessions' credits allow (a server bug)."""
+
+
+@dataclass
+class _Lane:
+    """One session's queued ticks, plus what the worker remembers about it."""
+
+    jobs: deque[TickJob] = field(default_factory=deque)
+
+
+class ModelWorker:
+    """Runs every runner call on one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        build_runner: Callable[[], ARRunner],
+        *,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[TickOutcome], None],
+        on_ready: Callable[[BaseException | None], None],
+        max_pending_ticks: int,
+    ) -> None:
+        self._build_runner = build_runner
+        self._loop = loop
+        self._deliver = deliver
+        self._on_ready = on_ready
+        self._max_pending_ticks = max_pending_ticks
+        self._cond = threading.Condition()
+        self._lanes: dict[str, _Lane] = {}
+        self._ready_order: deque[str] = deque()
+        self._controls: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._queued = 0
+        self._running: TickJob | None = None
+        self.runner: ARRunner | None = None
+        self.runner_stats: RunnerStats | None = None
+        self.model_card: dict | None = None
+        # Worker-thread bookkeeping per session id: had a failed forward / chunks generated.
+        self._failed: set[str] = set()
+        self._generated: dict[str, int] = {}
+        self._times_lock = threading.Lock()
+        self._compute_times: deque[float] = deque(maxlen=COMPUTE_TIMES_KEPT)
+        self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
+
+    # ---- event-loop side ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Ticks queued and not yet running."""
+        return self._queued
+
+    def submit(self, job: TickJob) -> None:
+        """Queue an accepted tick behind the session's earlier ones."""
+        with self._cond:
+            if self._stopping:
+                return
+            lane = self._lanes.setdefault(job.session.id, _Lane())
+            if len(lane.jobs) >= self._max_pending_ticks:
+                raise QueueBoundExceeded(
+                    f"session {job.session.id} already has {len(lane.jobs)} queued ticks "
+                    f"(max_pending_ticks={self._max_pending_ticks})"
+                )
+            if not lane.jobs:
+                self._ready_order.append(job.session.id)
+            lane.jobs.append(job)
+            self._queued += 1
+            self._cond.notify()
+
+    def drop_session(self, session_id: str) -> int:
+        """Drop the session's queued ticks and release its KV on the worker; returns ticks dropped."""
+        with self._cond:
+            lane = self._lanes.pop(session_id, None)
+            dropped = len(lane.jobs) if lane else 0
+            self._queued -= dropped
+            if lane and lane.jobs:
+                self._ready_order.remove(session_id)
+            self._controls.append(lambda: self._release(session_id))
+            self._cond.notify()
+        return dropped
+
+    def compute_ms_percentiles(self) -> tuple[float | None, float | None]:
+        with self._times_lock:
+            times = list(self._compute_times)
+        if not times:
+            return None, None
+        if len(times) == 1:
+            return times[0] * 1e3, times[0] * 1e3
+        cuts = statistics.quantiles(times, n=100, method="inclusive")
+        return cuts[49] * 1e3, cuts[98] * 1e3
+
+    def stop(self, timeout_s: float) -> None:
+        """Finish the running job and queued releases, drop queued ticks, end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._lanes.clear()
+            self._ready_order.clear()
+            self._queued = 0
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("model worker still busy after %.1f s; leaving it (daemon thread)", timeout_s)
+
+    # ---- worker thread ------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.runner = self._build_runner()
+            self.runner.on_evict = self._on_evict
+            self.model_card = self.runner.model_card()
+            self._publish_stats()
+        except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
+            log.exception("model failed to load")
+            self._loop.call_soon_threadsafe(self._on_ready, exc)
+            return
+        self._loop.call_soon_threadsafe(self._on_ready, None)
+        while True:
+            with self._cond:
+                while not (self._stopping or self._controls or self._ready_order):
+                    self._cond.wait()
+                if self._controls:
+                    control = self._controls.popleft()
+                    job = None
+                elif self._stopping:
+                    return
+                else:
+                    control = None
+                    session_id = self._ready_order.popleft()
+                    lane = self._lanes[session_id]
+                    job = lane.jobs.popleft()
+                    self._queued -= 1
+                    if lane.jobs:
+                        # Back of the line: one tick per session per round.
+                        self._ready_order.append(session_id)
+                    else:
+                        del self._lanes[session_id]
+                    self._running = job
+            try:
+                if control is not None:
+                    control()
+                else:
+                    assert job is not None
+                    self._run_tick(job)
+            except BaseException:  # noqa: BLE001 - the worker must outlive any one job
+                log.exception("worker job failed")
+            finally:
+                self._running = None
+                self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        if self.runner is not None:
+            self.runner_stats = self.runner.stats()
+
+    def _on_evict(self, session_id: str) -> None:
+        log.info("session=%s evicted from the KV pool (least recently used, no connection holds it)", session_id)
+
+    def _release(self, session_id: str) -> None:
+        assert self.runner is not None
+        self._failed.discard(session_id)
+        self._generated.pop(session_id, None)
+        if self.runner.is_resident(session_id):
+            self.runner.close_session(session_id)
+            log.info("session=%s released its KV", session_id)
+
+    def _send(self, outcome: TickOutcome) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, outcome)
+
+    def _run_tick(self, job: TickJob) -> None:
+        assert self.runner is not None
+        session = job.session
+        started = time.perf_counter()
+        queue_s = started - job.accepted_at
+        if session.id in self._failed and not job.reset:
+            self._send(TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed"))
+            return
+        inputs: ChunkInputs = session.take_chunk_inputs(job)
+        tick = TickRequest(
+            session_id=session.id,
+            request_id=job.tick_id,
+            controls=inputs.controls,
+            prompt=inputs.prompt,
+            seed=session.seed,
+            reset=job.reset,
+            close=job.close,
+            applied_event_ids=inputs.applied_event_ids,
+        )
+        produced_before = self._generated.get(session.id, 0) > 0
+        try:
+            result = self.runner.execute_tick(tick)
+        except Exception as exc:  # noqa: BLE001 - the runner failed closed; the client hears session_failed
+            self._failed.add(session.id)
+            session.restore_events(inputs.events)
+            log.warning("session=%s tick=%d model failed: %s", session.id, job.tick_id, exc)
+            self._send(
+                TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=f"{type(exc).__name__}: {exc}")
+            )
+            return
+        self._failed.discard(session.id)
+        self._generated[session.id] = self._generated.get(session.id, 0) + 1
+        with self._times_lock:
+            self._compute_times.append(result.compute_s)
+        restarted = restart_reason(reset=job.reset, new_rollout=result.new_rollout, produced_before=produced_before)
+        encode_started = time.perf_counter()
+        try:
+            messages = frame_codec.encode_chunk(
+                result.frames,
+                codec=frame_codec.Codec.from_name(session.codec),
+                quality=session.quality,
+                chunk_index=result.chunk_index,
+                tick_id=job.tick_id,
+            )
+        except Exception as exc:  # noqa: BLE001 - a server fault: the session ends with `internal`
+            log.exception("session=%s tick=%d frame encoding failed", session.id, job.tick_id)
+            self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=queue_s, error=f"frame encoding failed: {exc}"))
+            return
+        self._send(
+            TickOutcome(
+                job,
+                OutcomeKind.CHUNK,
+                chunk_index=result.chunk_index,
+                frame_messages=tuple(messages),
+                events=inputs.events,
+                restarted=restarted,
+                queue_s=queue_s,
+                compute_s=result.compute_s,
+                encode_s=time.perf_counter() - encode_started,
+            )
+        )
