@@ -379,13 +379,16 @@ class Connection:
         writer = self._writer
         if writer is None or writer.done():
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(writer), timeout_s)
-        except TimeoutError:
+        done, _ = await asyncio.wait({writer}, timeout=timeout_s)
+        if not done:
             log.warning("session=%s client did not take its last messages within %.1f s", self.session_id, timeout_s)
+            await self._stop_writer()
+
+    async def _stop_writer(self) -> None:
+        writer = self._writer
+        if writer is not None and not writer.done():
             writer.cancel()
-        except Exception:  # noqa: BLE001 - the writer logs its own failure
-            pass
+            await asyncio.wait({writer})
 
     def _release(self) -> None:
         if self._released or self.session is None:
@@ -404,8 +407,8 @@ class Connection:
                 session.transition(SessionState.CLOSING)
             self._release()
             self.hub.unregister(self)
-            if self._disconnected and self._writer is not None:
-                self._writer.cancel()
+            if self._disconnected:
+                await self._stop_writer()
             await self.wait_sent(self.settings.shutdown_grace_s)
             if session.state is not SessionState.CLOSED:
                 session.transition(SessionState.CLOSED)

@@ -244,6 +244,11 @@ class Session:
                 self._apply(update)
             return ChunkInputs(dict(self._controls), self._prompt, events)
 
+    def absorb_update(self, job: TickJob) -> None:
+        """Apply the update of an accepted tick that will not run; pending events wait for the next chunk."""
+        with self._lock:
+            self._apply(job.update)
+
     def restore_events(self, events: tuple[PendingEvent, ...]) -> None:
         """Put back the events of a chunk that failed, so the next chunk lists them as applied.
 

@@ -243,6 +243,7 @@ class ModelWorker:
         started = time.perf_counter()
         queue_s = started - job.accepted_at
         if session.id in self._failed and not job.reset:
+            session.absorb_update(job)
             self._send(TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed"))
             return
         inputs: ChunkInputs = session.take_chunk_inputs(job)

@@ -1,0 +1,276 @@
+"""Run a real ARStream server on a free loopback port, for tests.
+
+``running_server(...)`` starts uvicorn in-process on a background thread
+(fast: torch is already imported) and yields a :class:`LiveServer`;
+``server_process(...)`` runs ``python -m app.cli serve --port 0`` as a
+subprocess and waits for its ``ARSTREAM_LISTENING`` line. Both stop the
+server gracefully on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from app.frames import FrameHeader, decode_frame
+from app.server import LISTENING_MARKER, ARStreamServer, build_server
+from app.settings import Settings
+from models.fake import FakeKVPipeline
+from runner.contract import ARPipeline
+from runner.runner import WARMUP_SESSION_ID
+from runner.types import TickRequest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Hang guards only: these bound waits on a broken server, they assert nothing about speed.
+STARTUP_GUARD_S = 120.0
+STOP_GUARD_S = 30.0
+RECEIVE_GUARD_S = 30.0
+
+
+@dataclass
+class LiveServer:
+    """A started server: its URLs, and (in-process) the uvicorn server object."""
+
+    base_url: str
+    server: ARStreamServer | None = None
+    thread: threading.Thread | None = None
+    process: subprocess.Popen[str] | None = None
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://", 1) + "/v1/sessions"
+
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=10.0, **kwargs)
+
+    def stats(self) -> dict[str, Any]:
+        response = self.get("/v1/stats")
+        response.raise_for_status()
+        return response.json()
+
+    def wait_for_stats(self, predicate: Any, *, attempts: int = 400, interval_s: float = 0.025) -> dict[str, Any]:
+        """Poll /v1/stats until ``predicate(stats)`` holds; returns the stats that satisfied it."""
+        stats = self.stats()
+        for _ in range(attempts):
+            if predicate(stats):
+                return stats
+            time.sleep(interval_s)
+            stats = self.stats()
+        raise AssertionError(f"/v1/stats never satisfied the condition; last: {json.dumps(stats)}")
+
+
+def fake_settings(**overrides: Any) -> Settings:
+    """Settings for a fake-kv server on a free loopback port (no environment leaks in)."""
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "model": "fake-kv", "log_level": "warning"}
+    values.update(overrides)
+    return Settings(**values)
+
+
+@contextmanager
+def running_server(settings: Settings | None = None, pipeline: ARPipeline | None = None) -> Iterator[LiveServer]:
+    """An in-process server on a background thread, stopped (gracefully) on exit."""
+    settings = settings or fake_settings()
+    server = build_server(settings, pipeline, log_config=None)
+    thread = threading.Thread(target=server.run, name="arstream-test-server", daemon=True)
+    thread.start()
+    hub = server.hub
+    deadline = time.monotonic() + STARTUP_GUARD_S
+    while not (server.started and (hub.ready or hub.load_error is not None)):
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    if hub.load_error is not None:
+        server.should_exit = True
+        thread.join(STOP_GUARD_S)
+        raise RuntimeError(f"the test server's model did not load: {hub.load_error}")
+    live = LiveServer(f"http://127.0.0.1:{server.bound_port}", server=server, thread=thread)
+    try:
+        yield live
+    finally:
+        server.should_exit = True
+        thread.join(STOP_GUARD_S)
+        if thread.is_alive():
+            raise RuntimeError("the test server did not stop")
+
+
+@contextmanager
+def server_process(args: list[str], env: dict[str, str] | None = None) -> Iterator[LiveServer]:
+    """``python -m app.cli serve --port 0 ARGS`` as a subprocess; SIGINT (graceful) on exit."""
+    command = [sys.executable, "-m", "app.cli", "serve", "--port", "0", *args]
+    process_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert process.stdout is not None
+    output: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            output.append(line)
+            if LISTENING_MARKER in line and not url:
+                url.append(line.split(LISTENING_MARKER, 1)[1].strip())
+                found.set()
+        found.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    found.wait(STARTUP_GUARD_S)
+    if not url:
+        process.kill()
+        process.wait()
+        raise RuntimeError("server did not start:\n" + "".join(output))
+    live = LiveServer(url[0], process=process, output=output)
+    try:
+        yield live
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(STOP_GUARD_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        reader.join(STOP_GUARD_S)
+        process.stdout.close()
+
+
+# ---- a test fake that the test can hold at the chunk boundary ------------------------------
+
+
+class GatedFakePipeline(FakeKVPipeline):
+    """FakeKVPipeline whose forwards wait for :attr:`gate` (warm-up excepted) and log session order.
+
+    With the gate closed a test can queue ticks deterministically, then open
+    it and read :attr:`order` (the session id of every forward, in order).
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.gate = threading.Event()
+        self.order: list[str] = []
+        self.waiting = threading.Event()
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        if tick.session_id != WARMUP_SESSION_ID:
+            self.order.append(tick.session_id)
+            self.waiting.set()
+            if not self.gate.wait(STOP_GUARD_S):
+                raise RuntimeError("the test never opened the gate")
+            self.waiting.clear()
+        return super().generate_chunk(tick)
+
+
+# ---- a WebSocket session client for tests ---------------------------------------------------
+
+
+@dataclass
+class ClosedBy:
+    """How the server ended a connection: its close code and the text messages before it."""
+
+    code: int | None
+    messages: list[dict[str, Any]]
+
+
+class SessionClient:
+    """A thin test client over a real ``websockets`` connection; every wait has a hang guard."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.ready: dict[str, Any] | None = None
+
+    async def send(self, **message: Any) -> None:
+        await self.ws.send(json.dumps(message))
+
+    async def send_text(self, text: str) -> None:
+        await self.ws.send(text)
+
+    async def recv(self) -> str | bytes:
+        return await asyncio.wait_for(self.ws.recv(), RECEIVE_GUARD_S)
+
+    async def recv_json(self) -> dict[str, Any]:
+        message = await self.recv()
+        assert isinstance(message, str), f"expected a text message, got {len(message)} binary bytes"
+        return json.loads(message)
+
+    async def recv_chunk(self) -> tuple[dict[str, Any], list[tuple[FrameHeader, np.ndarray]]]:
+        """A `chunk` message and exactly its frames (asserting nothing else comes in between)."""
+        chunk = await self.recv_json()
+        assert chunk["type"] == "chunk", f"expected a chunk, got {chunk}"
+        frames = []
+        for _ in range(chunk["frames"]):
+            message = await self.recv()
+            assert isinstance(message, bytes), f"expected a binary frame, got {message!r}"
+            frames.append(decode_frame(message))
+        return chunk, frames
+
+    async def start(self, **fields: Any) -> dict[str, Any]:
+        await self.send(type="start", **fields)
+        self.ready = await self.recv_json()
+        assert self.ready["type"] == "ready", self.ready
+        return self.ready
+
+    async def closed_by_server(self) -> ClosedBy:
+        """Read text messages until the server closes; binary frames are skipped."""
+        messages: list[dict[str, Any]] = []
+        while True:
+            try:
+                message = await self.recv()
+            except ConnectionClosed as closed:
+                return ClosedBy(closed.rcvd.code if closed.rcvd else None, messages)
+            if isinstance(message, str):
+                messages.append(json.loads(message))
+
+    def abort(self) -> None:
+        """Drop the TCP connection without a close frame (an abrupt disconnect)."""
+        self.ws.transport.abort()
+
+
+@asynccontextmanager
+async def session_client(
+    url: str,
+    *,
+    start: dict[str, Any] | None = None,
+    headers: Iterable[tuple[str, str]] | None = None,
+    origin: str | None = None,
+    max_queue: int | None = 16,
+) -> AsyncIterator[SessionClient]:
+    """Connect (and, when ``start`` is given, send it and read `ready`)."""
+    async with connect(
+        url,
+        additional_headers=list(headers or []),
+        origin=origin,  # type: ignore[arg-type]
+        compression=None,
+        proxy=None,
+        max_queue=max_queue,
+        max_size=None,
+        open_timeout=RECEIVE_GUARD_S,
+        close_timeout=5,
+    ) as ws:
+        client = SessionClient(ws)
+        if start is not None:
+            await client.start(**start)
+        yield client
