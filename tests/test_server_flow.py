@@ -1,0 +1,282 @@
+"""Scheduling, flow control, eviction, server faults and shutdown, over a real server.
+
+Most tests use :class:`GatedFakePipeline`, a fake whose forwards wait for the
+test to open a gate, so ticks can be queued deterministically (no sleeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from app import frames as frame_codec
+from models.fake import controls_code
+from servers import (
+    GatedFakePipeline,
+    LiveServer,
+    SessionClient,
+    fake_settings,
+    running_server,
+    session_client,
+)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def gated() -> Iterator[tuple[LiveServer, GatedFakePipeline]]:
+    pipeline = GatedFakePipeline()
+    with running_server(fake_settings(max_pending_ticks=4), pipeline) as live:
+        try:
+            yield live, pipeline
+        finally:
+            pipeline.gate.set()
+
+
+def settled(server: LiveServer, blocks_free: int) -> dict[str, Any]:
+    return server.wait_for_stats(
+        lambda s: s["kv"]["blocks_free"] == blocks_free
+        and s["kv"]["sessions_resident"] == 0
+        and s["sessions"]["connected"] == 0
+    )
+
+
+async def wait_until(predicate: Any, attempts: int = 2000) -> None:
+    """Yield to the event loop until ``predicate()`` holds (a hang guard bounds the attempts)."""
+    for _ in range(attempts):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+async def wait_stats(server: LiveServer, predicate: Any) -> dict[str, Any]:
+    return await asyncio.to_thread(server.wait_for_stats, predicate)
+
+
+def test_too_many_ticks_then_credit_returns_after_the_chunk(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
+    server, pipeline = gated
+    start_free = server.stats()["kv"]["blocks_free"]
+
+    async def scenario() -> None:
+        async with session_client(server.ws_url, start={}) as client:
+            for tick_id in range(1, 5):
+                await client.send(type="tick", tick_id=tick_id)
+            await client.send(type="tick", tick_id=5)
+            refusal = await client.recv_json()
+            assert refusal["code"] == "too_many_ticks" and refusal["tick_id"] == 5 and refusal["fatal"] is False
+            stats = await wait_stats(server, lambda s: s["queue"]["depth"] == 3)
+            assert stats["sessions"]["pending_ticks"] == 4
+            pipeline.gate.set()
+            for tick_id in range(1, 5):
+                chunk, _ = await client.recv_chunk()
+                assert chunk["tick_id"] == tick_id
+            # the refused id did not move the floor, and credits are back
+            await client.send(type="tick", tick_id=5)
+            chunk, _ = await client.recv_chunk()
+            assert chunk["tick_id"] == 5 and chunk["chunk_index"] == 4
+
+    run(scenario())
+    settled(server, start_free)
+
+
+def test_two_sessions_are_served_round_robin(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
+    server, pipeline = gated
+
+    async def scenario() -> tuple[str, str, list[str]]:
+        async with session_client(server.ws_url, start={}) as a, session_client(server.ws_url, start={}) as b:
+            assert a.ready and b.ready
+            for tick_id in range(4):
+                await a.send(type="tick", tick_id=tick_id)
+            await wait_until(pipeline.waiting.is_set)  # a's first tick is running, the rest queued
+            for tick_id in range(4):
+                await b.send(type="tick", tick_id=tick_id)
+            await wait_stats(server, lambda s: s["queue"]["depth"] == 7)
+            pipeline.gate.set()
+            for _ in range(4):
+                await a.recv_chunk()
+                await b.recv_chunk()
+            return a.ready["session_id"], b.ready["session_id"], list(pipeline.order)
+
+    a_id, b_id, order = run(scenario())
+    assert order[0] == a_id
+    queued = order[1:]
+    assert sorted(queued) == sorted([a_id] * 3 + [b_id] * 4)
+    for index in range(1, len(queued)):
+        if queued[index] == queued[index - 1]:
+            other = b_id if queued[index] == a_id else a_id
+            assert other not in queued[index:], f"{queued[index]} ran twice in a row while the other waited: {queued}"
+
+
+def test_queued_input_wins_over_an_earlier_ticks_controls(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
+    """Latest wins at the chunk boundary: an input sent after a queued tick overrides the tick's controls."""
+    server, pipeline = gated
+
+    async def scenario() -> list[Any]:
+        async with session_client(server.ws_url, start={"codec": "raw"}) as client:
+            await client.send(type="tick", tick_id=1, controls={"keys": ["w"]})
+            await wait_until(pipeline.waiting.is_set)
+            await client.send(type="tick", tick_id=2, controls={"keys": ["a"]})
+            await client.send(type="input", event_id=1, controls={"keys": ["s"]})
+            assert (await client.recv_json())["status"] == "accepted"
+            pipeline.gate.set()
+            return [await client.recv_chunk(), await client.recv_chunk()]
+
+    (first, first_frames), (second, second_frames) = run(scenario())
+    assert (first_frames[0][1][:, :, 2] == controls_code({"keys": ["w"]})).all()
+    assert second["applied_event_ids"] == [1]
+    assert (second_frames[0][1][:, :, 2] == controls_code({"keys": ["s"]})).all()
+
+
+def test_close_drops_queued_ticks_and_releases(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
+    server, pipeline = gated
+    start_free = server.stats()["kv"]["blocks_free"]
+
+    async def scenario() -> Any:
+        async with session_client(server.ws_url, start={}) as client:
+            for tick_id in range(3):
+                await client.send(type="tick", tick_id=tick_id)
+            await wait_until(pipeline.waiting.is_set)
+            await client.send(type="close")
+            closed = await client.closed_by_server()
+            pipeline.gate.set()
+            return closed
+
+    closed = run(scenario())
+    assert closed.code == 1000
+    assert closed.messages == [{"type": "closed", "reason": "client"}]
+    stats = settled(server, start_free)
+    assert stats["queue"]["depth"] == 0
+    assert len(pipeline.order) == 1  # the two queued ticks never ran
+
+
+def test_disconnected_but_resident_session_is_reclaimed_without_touching_connected_ones() -> None:
+    """Capacity 2: A stays, B disconnects while its chunk runs (still resident), C is admitted and runs."""
+    pipeline = GatedFakePipeline(session_capacity=2)
+    with running_server(fake_settings(), pipeline) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> list[dict[str, Any]]:
+            chunks_of_a: list[dict[str, Any]] = []
+            async with session_client(server.ws_url, start={}) as a:
+                pipeline.gate.set()
+                for tick_id in range(2):
+                    await a.send(type="tick", tick_id=tick_id)
+                    chunks_of_a.append((await a.recv_chunk())[0])
+                async with session_client(server.ws_url, start={}) as b:
+                    await b.send(type="tick", tick_id=0)
+                    await b.recv_chunk()
+                    pipeline.gate.clear()
+                    await b.send(type="tick", tick_id=1)
+                    await wait_until(pipeline.waiting.is_set)
+                    b.abort()
+                stats = await wait_stats(server, lambda s: s["sessions"]["connected"] == 1)
+                assert stats["kv"]["sessions_resident"] == 2  # B is gone but its chunk still holds KV
+                async with session_client(server.ws_url, start={}) as c:
+                    stats = await wait_stats(server, lambda s: s["sessions"]["connected"] == 2)
+                    assert stats["kv"]["sessions_resident"] == 2
+                    await c.send(type="tick", tick_id=0)
+                    pipeline.gate.set()
+                    chunk_of_c, _ = await c.recv_chunk()
+                    assert chunk_of_c["chunk_index"] == 0 and chunk_of_c["restarted"] is None
+                    await a.send(type="tick", tick_id=2)
+                    chunks_of_a.append((await a.recv_chunk())[0])
+                    stats = await wait_stats(server, lambda s: s["kv"]["sessions_resident"] == 2)
+                    assert stats["sessions"]["connected"] == 2
+            return chunks_of_a
+
+        try:
+            chunks_of_a = run(scenario())
+        finally:
+            pipeline.gate.set()
+        assert [c["chunk_index"] for c in chunks_of_a] == [0, 1, 2]
+        assert all(c["restarted"] is None for c in chunks_of_a)
+        settled(server, start_free)
+
+
+def test_a_client_that_stops_reading_does_not_stall_another() -> None:
+    """The slow client never reads: its credits stay held (writes block) while the other keeps streaming."""
+    settings = fake_settings(
+        codec="raw", max_pending_ticks=4, model_options={"width": 256, "height": 256}, shutdown_grace_s=0.5
+    )
+    with running_server(settings) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> int:
+            async with session_client(server.ws_url, start={"codec": "raw"}, max_queue=1) as slow:
+                held = None
+                for tick_id in range(2000):
+                    await slow.send(type="tick", tick_id=tick_id)
+                    await asyncio.sleep(0.002)
+                    if tick_id % 10 == 9:
+                        stats = await asyncio.to_thread(server.stats)
+                        if stats["sessions"]["pending_ticks"] == 4 and stats["queue"]["depth"] == 0:
+                            held = stats
+                            break
+                assert held is not None, "the slow client's writes never blocked"
+                async with session_client(server.ws_url, start={"codec": "raw"}) as fast:
+                    for tick_id in range(12):
+                        await fast.send(type="tick", tick_id=tick_id)
+                        chunk, frames = await fast.recv_chunk()
+                        assert chunk["tick_id"] == tick_id and len(frames) == 2
+                    # the slow session still holds all its credits: its chunks are stuck in the socket
+                    stats = await asyncio.to_thread(server.stats)
+                    assert stats["sessions"]["pending_ticks"] == 4
+                    assert stats["sessions"]["active"] == 1
+                slow.abort()
+                return tick_id
+
+        run(scenario())
+        settled(server, start_free)
+
+
+def test_server_fault_is_internal_1011_and_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_encoder(*args: Any, **kwargs: Any) -> list[bytes]:
+        raise RuntimeError("encoder fault injected by the test")
+
+    with running_server(fake_settings()) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+        monkeypatch.setattr(frame_codec, "encode_chunk", broken_encoder)
+
+        async def scenario() -> Any:
+            async with session_client(server.ws_url, start={}) as client:
+                await client.send(type="tick", tick_id=7)
+                return await client.closed_by_server()
+
+        closed = run(scenario())
+        assert closed.code == 1011
+        error, farewell = closed.messages
+        assert error["type"] == "error" and error["code"] == "internal" and error["fatal"] is True
+        assert error["tick_id"] == 7
+        assert farewell == {"type": "closed", "reason": "error"}
+        settled(server, start_free)
+
+
+def test_graceful_shutdown_sends_closed_server_shutdown() -> None:
+    pipeline = GatedFakePipeline()
+    with running_server(fake_settings(), pipeline) as server:
+
+        async def scenario() -> list[Any]:
+            async with session_client(server.ws_url, start={}) as busy, session_client(server.ws_url, start={}) as idle:
+                for tick_id in range(3):
+                    await busy.send(type="tick", tick_id=tick_id)
+                await wait_stats(server, lambda s: s["sessions"]["connected"] == 2 and s["queue"]["depth"] == 2)
+                assert server.server is not None
+                server.server.should_exit = True  # what SIGINT/SIGTERM do
+                results = [await busy.closed_by_server(), await idle.closed_by_server()]
+                pipeline.gate.set()
+                return results
+
+        closed_results = run(scenario())
+        assert server.thread is not None
+        server.thread.join(30)
+        assert not server.thread.is_alive()
+
+    for closed in closed_results:
+        assert closed.messages == [{"type": "closed", "reason": "server_shutdown"}]
+        assert closed.code == 1001
