@@ -1,0 +1,126 @@
+"""Quality measures for generated (or rendered) frames: motion, colour drift, contrast.
+
+* :func:`phase_correlation_shift`: the global content shift between two frames.
+* :func:`responsiveness`: how often consecutive frames move the way the held keys say.
+* :func:`color_histogram` / :func:`total_variation`: colour drift between two stretches.
+* :func:`frame_stats`: contrast, pixel noise and palette adherence, to tell a
+  healthy frame from a collapse to grey, noise or a frozen pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from models.tiny_world.world import PALETTE, velocity
+
+MIN_SHIFT_PX = 0.5
+
+
+def _luma(frame: np.ndarray) -> np.ndarray:
+    return frame.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+
+
+def _subpixel(left: float, centre: float, right: float) -> float:
+    denom = left - 2 * centre + right
+    return 0.0 if denom == 0 else 0.5 * (left - right) / denom
+
+
+def phase_correlation_shift(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """``(dx, dy)`` by which content moved on screen from frame ``a`` to frame ``b`` (pixels).
+
+    Positive ``dx`` means content moved right, positive ``dy`` down. Frames are
+    ``[H, W, 3]`` uint8; a Hann window keeps the crop edges from dominating.
+    """
+    la, lb = _luma(a), _luma(b)
+    h, w = la.shape
+    window = np.outer(np.hanning(h), np.hanning(w))
+    fa = np.fft.fft2((la - la.mean()) * window)
+    fb = np.fft.fft2((lb - lb.mean()) * window)
+    cross = fb * np.conj(fa)
+    cross /= np.maximum(np.abs(cross), 1e-9)
+    corr = np.fft.ifft2(cross).real
+    py, px = np.unravel_index(int(np.argmax(corr)), corr.shape)
+    dy = py + _subpixel(corr[(py - 1) % h, px], corr[py, px], corr[(py + 1) % h, px])
+    dx = px + _subpixel(corr[py, (px - 1) % w], corr[py, px], corr[py, (px + 1) % w])
+    dy = dy - h if dy > h / 2 else dy
+    dx = dx - w if dx > w / 2 else dx
+    return float(dx), float(dy)
+
+
+def expected_content_motion(keys: Iterable[str]) -> tuple[int, int]:
+    """On-screen content motion per frame for held keys (the camera's opposite)."""
+    dx, dy = velocity(keys)
+    return -dx, -dy
+
+
+def shifts(frames: np.ndarray) -> np.ndarray:
+    """``[N - 1, 2]`` content shifts between consecutive frames."""
+    return np.array([phase_correlation_shift(frames[i], frames[i + 1]) for i in range(len(frames) - 1)])
+
+
+def responsiveness(frames: np.ndarray, keys: Sequence[str]) -> dict[str, float]:
+    """With ``keys`` held throughout: share of frame pairs moving the right way by >= 0.5 px.
+
+    "The right way" is the measured shift projected on the expected direction.
+    With no key held the figure of merit is the mean shift magnitude instead.
+    """
+    s = shifts(frames)
+    magnitude = np.hypot(s[:, 0], s[:, 1])
+    ex, ey = expected_content_motion(keys)
+    norm = float(np.hypot(ex, ey))
+    result = {"pairs": float(len(s)), "mean_dx": float(s[:, 0].mean()), "mean_dy": float(s[:, 1].mean())}
+    result["mean_shift"] = float(magnitude.mean())
+    if norm > 0:
+        along = (s[:, 0] * ex + s[:, 1] * ey) / norm
+        result["fraction_right_way"] = float((along >= MIN_SHIFT_PX).mean())
+        result["mean_along"] = float(along.mean())
+    return result
+
+
+def color_histogram(frames: np.ndarray, bins: int = 8) -> np.ndarray:
+    """Normalised ``bins**3`` RGB histogram over all pixels of ``frames`` ``[..., 3]`` uint8."""
+    q = (frames.reshape(-1, 3).astype(np.int64) * bins) // 256
+    index = (q[:, 0] * bins + q[:, 1]) * bins + q[:, 2]
+    hist = np.bincount(index, minlength=bins**3).astype(np.float64)
+    return hist / hist.sum()
+
+
+def total_variation(p: np.ndarray, q: np.ndarray) -> float:
+    return float(0.5 * np.abs(p - q).sum())
+
+
+def palette_fraction(frames: np.ndarray, tolerance: float = 40.0) -> float:
+    """Share of pixels within ``tolerance`` (RGB distance) of a world palette colour."""
+    px = frames.reshape(-1, 3).astype(np.float64)
+    dist = np.linalg.norm(px[:, None, :] - PALETTE[None].astype(np.float64), axis=-1).min(axis=1)
+    return float((dist <= tolerance).mean())
+
+
+def frame_stats(frames: np.ndarray) -> dict[str, float]:
+    """Mean per-frame contrast (luma std), pixel noise (mean |neighbour difference|), palette share."""
+    luma = np.stack([_luma(f) for f in frames])
+    contrast = luma.reshape(len(frames), -1).std(axis=1)
+    noise = 0.5 * (np.abs(np.diff(luma, axis=1)).mean(axis=(1, 2)) + np.abs(np.diff(luma, axis=2)).mean(axis=(1, 2)))
+    return {
+        "contrast": float(contrast.mean()),
+        "min_contrast": float(contrast.min()),
+        "pixel_noise": float(noise.mean()),
+        "palette_fraction": palette_fraction(frames),
+    }
+
+
+def drift_report(frames: np.ndarray, moving: bool = True) -> dict[str, float]:
+    """Compare the first and last quarter of a rollout: histogram TV, contrast, noise, motion."""
+    n = len(frames) // 4
+    first, last = frames[:n], frames[-n:]
+    tv = total_variation(color_histogram(first), color_histogram(last))
+    a, b = frame_stats(first), frame_stats(last)
+    report = {"tv_first_last_quarter": tv, "frames": float(len(frames))}
+    report.update({f"first_{k}": v for k, v in a.items()})
+    report.update({f"last_{k}": v for k, v in b.items()})
+    if moving:
+        s = shifts(last)
+        report["last_mean_shift"] = float(np.hypot(s[:, 0], s[:, 1]).mean())
+    return report

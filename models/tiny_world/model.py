@@ -1,0 +1,244 @@
+"""The tiny-world network: a small causal diffusion transformer over 8x8 patch tokens.
+
+One *pass* runs the current chunk's tokens (``frames_per_chunk`` frames) through
+every block. At each layer the chunk's keys and values (keys already rotated
+with their absolute frame position) go to a ``kv`` callback that stores them
+and returns everything the chunk may see: the history the KV source keeps
+(sink + window frames) followed by the chunk itself. Attention is therefore
+bidirectional within the chunk and causal across chunks, and the same code runs
+against the runner's paged pool at inference and a dense batched history in
+training (:class:`models.tiny_world.history.DenseChunkKV`).
+
+Each frame carries its own diffusion time and camera direction; both condition
+the frame's tokens through adaLN modulation. The network predicts the clean
+frame (x0) in [-1, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KVCallback = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+NUM_DIRECTIONS = 9
+TEMPORAL_ROPE_PAIRS = 4
+TEMPORAL_ROPE_BASE = 10_000.0
+
+
+@dataclass(frozen=True)
+class TinyWorldConfig:
+    """Architecture and sampling settings; saved next to the weights as config.json."""
+
+    image_size: int = 64
+    patch_size: int = 8
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    frames_per_chunk: int = 2
+    sink_frames: int = 1
+    window_frames: int = 4
+    # diffusion times of the few-step sampler, highest first; the last x0 estimate is the output
+    denoise_times: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+    # noise level at which a finished chunk is re-encoded into the KV history
+    context_noise: float = 0.1
+    # "ddim": reuse the predicted noise between steps; "renoise": fresh noise each step
+    sampler: str = "renoise"
+    fps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of num_heads {self.num_heads}")
+        times = list(self.denoise_times)
+        if not times or any(not 0 < t <= 1 for t in times) or times != sorted(times, reverse=True):
+            raise ValueError(f"denoise_times must be decreasing values in (0, 1], got {times}")
+        if not 0 <= self.context_noise < 1:
+            raise ValueError(f"context_noise must be in [0, 1), got {self.context_noise}")
+        if self.sampler not in ("ddim", "renoise"):
+            raise ValueError(f"sampler must be 'ddim' or 'renoise', got {self.sampler!r}")
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.patch_size * self.patch_size * 3
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["denoise_times"] = list(self.denoise_times)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TinyWorldConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; expected a subset of {sorted(known)}")
+        values = dict(data)
+        if "denoise_times" in values:
+            values["denoise_times"] = tuple(float(t) for t in values["denoise_times"])
+        return cls(**values)
+
+
+def timestep_features(t: torch.Tensor, dim: int = 128) -> torch.Tensor:
+    """Sinusoidal features of diffusion time ``t`` in [0, 1]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    angles = (t.float() * 1000.0)[..., None] * freqs
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+class RotaryPositions(nn.Module):
+    """3-D rotary angles: absolute frame index, patch row, patch column.
+
+    The head's rotation pairs are split into a temporal part (few, long
+    wavelengths, so an old sink frame at any distance looks alike) and two
+    spatial parts (relative patch offsets are what a camera shift needs).
+    """
+
+    def __init__(self, head_size: int, grid: int) -> None:
+        super().__init__()
+        pairs = head_size // 2
+        spatial = (pairs - TEMPORAL_ROPE_PAIRS) // 2
+        if TEMPORAL_ROPE_PAIRS + 2 * spatial != pairs:
+            raise ValueError(f"head_size {head_size} does not split into temporal + 2 equal spatial rotary parts")
+        inv_t = TEMPORAL_ROPE_BASE ** (-torch.arange(TEMPORAL_ROPE_PAIRS, dtype=torch.float32) / TEMPORAL_ROPE_PAIRS)
+        inv_s = 16.0 ** (-torch.arange(spatial, dtype=torch.float32) / max(spatial - 1, 1))
+        rows = torch.arange(grid, dtype=torch.float32).repeat_interleave(grid)
+        cols = torch.arange(grid, dtype=torch.float32).repeat(grid)
+        spatial_angles = torch.cat([rows[:, None] * inv_s, cols[:, None] * inv_s], dim=-1)
+        self.register_buffer("inv_t", inv_t, persistent=False)
+        self.register_buffer("spatial_angles", spatial_angles, persistent=False)
+
+    def forward(self, frame_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[frames * tokens, pairs]`` for frames at the given absolute positions."""
+        tokens = self.spatial_angles.shape[0]
+        temporal = frame_positions.float()[:, None] * self.inv_t
+        temporal = temporal.repeat_interleave(tokens, dim=0)
+        spatial = self.spatial_angles.repeat(frame_positions.shape[0], 1)
+        angles = torch.cat([temporal, spatial], dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, N, heads, head_size]`` by angles ``[N, head_size / 2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with per-frame adaLN-zero modulation."""
+
+    def __init__(self, cfg: TinyWorldConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.num_heads = cfg.num_heads
+        self.head_size = cfg.head_size
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(approximate="tanh"), nn.Linear(cfg.mlp_ratio * d, d))
+        self.ada = nn.Linear(d, 6 * d)
+        nn.init.zeros_(self.ada.weight)
+        nn.init.zeros_(self.ada.bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cond: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        kv: KVCallback,
+    ) -> torch.Tensor:
+        b, frames, tokens, d = x.shape
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond)[:, :, None, :].chunk(6, dim=-1)
+        h = self.norm1(x) * (1 + scale1) + shift1
+        q, k, v = self.qkv(h.reshape(b, frames * tokens, d)).view(b, frames * tokens, 3, self.num_heads, self.head_size).unbind(2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_all, v_all = kv(layer, k, v)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2))
+        attn = attn.transpose(1, 2).reshape(b, frames, tokens, d)
+        x = x + gate1 * self.proj(attn)
+        h = self.norm2(x) * (1 + scale2) + shift2
+        return x + gate2 * self.mlp(h)
+
+
+class TinyWorldDiT(nn.Module):
+    """Predicts clean frames for one chunk given its noisy frames, times, directions and the KV history."""
+
+    def __init__(self, cfg: TinyWorldConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.patch_embed = nn.Linear(cfg.patch_dim, d)
+        self.pos_embed = nn.Parameter(torch.randn(cfg.tokens_per_frame, d) * 0.02)
+        self.time_mlp = nn.Sequential(nn.Linear(128, d), nn.SiLU(), nn.Linear(d, d))
+        self.direction_embed = nn.Embedding(NUM_DIRECTIONS, d)
+        self.rotary = RotaryPositions(cfg.head_size, cfg.grid)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.final_ada = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, cfg.patch_dim)
+        nn.init.zeros_(self.final_ada.weight)
+        nn.init.zeros_(self.final_ada.bias)
+
+    def patchify(self, frames: torch.Tensor) -> torch.Tensor:
+        """``[B, F, H, W, 3]`` -> ``[B, F, tokens, patch_dim]``."""
+        b, f = frames.shape[:2]
+        g, p = self.cfg.grid, self.cfg.patch_size
+        x = frames.reshape(b, f, g, p, g, p, 3).permute(0, 1, 2, 4, 3, 5, 6)
+        return x.reshape(b, f, g * g, p * p * 3)
+
+    def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, f = tokens.shape[:2]
+        g, p = self.cfg.grid, self.cfg.patch_size
+        x = tokens.reshape(b, f, g, g, p, p, 3).permute(0, 1, 2, 4, 3, 5, 6)
+        return x.reshape(b, f, g * p, g * p, 3)
+
+    def forward(
+        self,
+        noisy: torch.Tensor,
+        t: torch.Tensor,
+        direction: torch.Tensor,
+        frame_positions: torch.Tensor,
+        kv: KVCallback,
+    ) -> torch.Tensor:
+        """One pass over a chunk.
+
+        ``noisy`` ``[B, F, H, W, 3]`` in [-1, 1]; ``t`` ``[B, F]`` diffusion
+        times; ``direction`` ``[B, F]`` indices 0..8; ``frame_positions``
+        ``[F]`` absolute frame indices. Returns predicted clean frames.
+        """
+        x = self.patch_embed(self.patchify(noisy)) + self.pos_embed
+        cond = F.silu(self.time_mlp(timestep_features(t)) + self.direction_embed(direction))
+        cos, sin = self.rotary(frame_positions)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cond, cos, sin, layer, kv)
+        shift, scale = self.final_ada(cond)[:, :, None, :].chunk(2, dim=-1)
+        x = self.out(self.final_norm(x) * (1 + scale) + shift)
+        return self.unpatchify(x)

@@ -1,0 +1,144 @@
+"""TinyWorldPipeline: the shipped tiny-world model behind the runner's pipeline contract.
+
+The runner owns the KV memory: each chunk's passes read and write the bound
+:class:`~runner.kv_state.SessionKVState`. The pipeline owns only the weights
+and, per session, the noise generator (seeded from the session's seed on the
+first chunk of a rollout) and the last controls; both are dropped on reset and
+close. Given the same seed and controls, a session replays the same frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
+from models.tiny_world.sampling import PagedKV, sample_chunk, to_uint8
+from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
+from models.tiny_world.world import KEYS, direction_index
+from runner.kv_state import SessionKVState
+from runner.spec import KVCacheSpec
+from runner.types import TickRequest
+
+DEFAULT_SEED = 0
+
+CONTROLS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {
+        "keys": {"type": "array", "items": {"enum": list(KEYS)}, "uniqueItems": True, "maxItems": 4},
+    },
+    "additionalProperties": False,
+}
+
+__all__ = ["TinyWorldPipeline", "WeightsError", "load_tiny_world", "CONTROLS_SCHEMA"]
+
+
+@dataclass
+class _Session:
+    """What the model keeps per session between chunks (the KV lives in the runner)."""
+
+    generator: torch.Generator
+    controls: dict[str, Any]
+
+
+class TinyWorldPipeline:
+    """Implements ``ARPipeline`` and ``SupportsWarmup`` for a loaded :class:`TinyWorldDiT`."""
+
+    def __init__(self, model: TinyWorldDiT, device: torch.device, *, session_capacity: int = 64) -> None:
+        self.model = model.to(device).eval()
+        self.cfg: TinyWorldConfig = model.cfg
+        self.device = device
+        self.session_capacity = session_capacity
+        self._bound: dict[str, SessionKVState] = {}
+        self._sessions: dict[str, _Session] = {}
+
+    # ---- contract -------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        cfg = self.cfg
+        return KVCacheSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_heads,
+            head_size=cfg.head_size,
+            tokens_per_frame=cfg.tokens_per_frame,
+            frames_per_chunk=cfg.frames_per_chunk,
+            sink_frames=cfg.sink_frames,
+            window_frames=cfg.window_frames,
+            session_capacity=self.session_capacity,
+        )
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "name": "tiny-world",
+            "width": self.cfg.image_size,
+            "height": self.cfg.image_size,
+            "fps": self.cfg.fps,
+            "frames_per_chunk": self.cfg.frames_per_chunk,
+            "controls": CONTROLS_SCHEMA,
+        }
+
+    @contextmanager
+    def bind_session_state(self, session_id: str, state: SessionKVState) -> Iterator[None]:
+        self._bound[session_id] = state
+        try:
+            yield
+        finally:
+            self._bound.pop(session_id, None)
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        state = self._bound.get(tick.session_id)
+        if state is None:
+            raise RuntimeError(f"session {tick.session_id!r} has no bound KV state; call within bind_session_state")
+        session = self._sessions.get(tick.session_id)
+        if session is None or state.chunk_index == 0:
+            seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
+            session = _Session(generator=torch.Generator().manual_seed(seed), controls={})
+            self._sessions[tick.session_id] = session
+        session.controls = dict(tick.controls)
+        direction = direction_index(tick.controls.get("keys", []))
+        directions = torch.full((1, self.cfg.frames_per_chunk), direction, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            clean = sample_chunk(self.model, PagedKV(state), directions, session.generator)
+        return to_uint8(clean[0]).cpu().numpy()
+
+    def reset_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def close_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
+        keys = ([], ["d"], ["w", "a"])
+        return [TickRequest(session_id=session_id, request_id=i, controls={"keys": k}) for i, k in enumerate(keys)]
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def session_ids(self) -> list[str]:
+        """Sessions with model-owned state (for tests of release on reset/close)."""
+        return list(self._sessions)
+
+
+def load_tiny_world(
+    device: torch.device | str = "cpu",
+    weights_path: str | Path | None = None,
+    *,
+    config_path: str | Path | None = None,
+    session_capacity: int = 64,
+    **options: Any,
+) -> TinyWorldPipeline:
+    """Load the shipped (or given) weights; raise :class:`WeightsError` naming the bad file.
+
+    ``config_path`` defaults to ``config.json`` next to the weights.
+    """
+    if options:
+        raise TypeError(f"load_tiny_world got unknown options {sorted(options)}; expected config_path, session_capacity")
+    path = Path(weights_path) if weights_path is not None else DEFAULT_WEIGHTS
+    model, _training = load_model(path, Path(config_path) if config_path is not None else None)
+    return TinyWorldPipeline(model, torch.device(device), session_capacity=session_capacity)

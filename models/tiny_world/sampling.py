@@ -1,0 +1,196 @@
+"""The few-step chunk sampler and the KV sources it runs against.
+
+:func:`sample_chunk` is the whole generation recipe for one chunk: a few
+non-committing denoising passes predicting the clean frames, then one
+committing pass that writes the finished chunk, re-noised to the context noise
+level, into the KV history. The pipeline runs it against the runner's paged
+pool (:class:`PagedKV`); training runs it (and its own teacher-forced passes)
+against :class:`DenseChunkKV`, a batched in-memory history with the same
+sink + sliding-window rule, so what is trained is what is served.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
+from runner.kv_state import SessionKVState
+
+
+class ChunkKV(Protocol):
+    """What the sampler needs from a KV history."""
+
+    @property
+    def frame_start(self) -> int:
+        """Absolute index of the chunk's first frame."""
+
+    def begin_pass(self, *, commit: bool) -> None: ...
+
+    def kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def end_pass(self) -> None: ...
+
+
+class PagedKV:
+    """Adapts the runner's :class:`SessionKVState` (one session, batch 1) to :class:`ChunkKV`."""
+
+    def __init__(self, state: SessionKVState) -> None:
+        self.state = state
+
+    @property
+    def frame_start(self) -> int:
+        return self.state.frame_start
+
+    def begin_pass(self, *, commit: bool) -> None:
+        self.state.begin_pass(commit=commit)
+
+    def kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_all, v_all = self.state.write_and_gather(layer, k[0], v[0])
+        return k_all[None], v_all[None]
+
+    def end_pass(self) -> None:
+        self.state.end_pass()
+
+
+class DenseChunkKV:
+    """Batched per-frame K/V history with the runner's sink + window rule, kept in autograd.
+
+    A pass may run ``R = m * batch`` rows (e.g. a noisy query copy and a
+    context copy of the same chunk); every row sees the same history, and on
+    a committing pass only the rows in ``commit_rows`` become history.
+    """
+
+    def __init__(self, cfg: TinyWorldConfig, batch: int, frame_start: int = 0) -> None:
+        self.cfg = cfg
+        self.batch = batch
+        self._frame_start = frame_start
+        # each entry is one frame: per layer (k, v) with shape [batch, tokens, heads, head_size]
+        self.sink: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.window: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._commit = False
+        self._commit_rows: slice = slice(None)
+        self._visible: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    @property
+    def frame_start(self) -> int:
+        return self._frame_start
+
+    def jump_to(self, frame_start: int) -> None:
+        """Continue at a later absolute frame, dropping the window (as if it had slid past)."""
+        self.window = []
+        self._frame_start = frame_start
+
+    def begin_pass(self, *, commit: bool, commit_rows: slice = slice(None)) -> None:
+        self._commit = commit
+        self._commit_rows = commit_rows
+        self._pending = []
+        frames = self.sink + self.window
+        self._visible = []
+        for layer in range(self.cfg.num_layers):
+            if frames:
+                k = torch.cat([f[layer][0] for f in frames], dim=1)
+                v = torch.cat([f[layer][1] for f in frames], dim=1)
+                self._visible.append((k, v))
+            else:
+                self._visible.append(None)
+
+    def kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._commit:
+            self._pending.append((k[self._commit_rows], v[self._commit_rows]))
+        history = self._visible[layer]
+        if history is None:
+            return k, v
+        hk, hv = history
+        repeat = k.shape[0] // hk.shape[0]
+        if repeat > 1:
+            hk, hv = hk.repeat(repeat, 1, 1, 1), hv.repeat(repeat, 1, 1, 1)
+        return torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1)
+
+    def end_pass(self) -> None:
+        self._visible = []
+        if not self._commit:
+            return
+        tokens = self.cfg.tokens_per_frame
+        for f in range(self.cfg.frames_per_chunk):
+            frame = [(k[:, f * tokens : (f + 1) * tokens], v[:, f * tokens : (f + 1) * tokens]) for k, v in self._pending]
+            if len(self.sink) < self.cfg.sink_frames:
+                self.sink.append(frame)
+            else:
+                self.window.append(frame)
+        del self.window[: max(len(self.window) - self.cfg.window_frames, 0)]
+        self._pending = []
+        self._frame_start += self.cfg.frames_per_chunk
+
+    def detach(self) -> None:
+        """Cut the history out of the autograd graph."""
+        self.sink = [[(k.detach(), v.detach()) for k, v in f] for f in self.sink]
+        self.window = [[(k.detach(), v.detach()) for k, v in f] for f in self.window]
+
+
+def chunk_positions(kv: ChunkKV, cfg: TinyWorldConfig) -> torch.Tensor:
+    return torch.arange(kv.frame_start, kv.frame_start + cfg.frames_per_chunk)
+
+
+def noise_like(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Gaussian noise drawn on the CPU generator (so a seed means the same frames on any device)."""
+    return torch.randn(shape, generator=generator).to(device)
+
+
+def commit_chunk(
+    model: TinyWorldDiT,
+    kv: ChunkKV,
+    clean: torch.Tensor,
+    direction: torch.Tensor,
+    generator: torch.Generator | None,
+) -> None:
+    """Write ``clean`` ``[B, F, H, W, 3]`` into the history at the context noise level."""
+    cfg = model.cfg
+    level = cfg.context_noise
+    noisy = (1 - level) * clean + level * noise_like(tuple(clean.shape), generator, clean.device)
+    t = torch.full(direction.shape, level, device=clean.device)
+    kv.begin_pass(commit=True)
+    model(noisy, t, direction, chunk_positions(kv, cfg).to(clean.device), kv.kv)
+    kv.end_pass()
+
+
+def sample_chunk(
+    model: TinyWorldDiT,
+    kv: ChunkKV,
+    direction: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Generate and commit one chunk; returns its clean frames ``[B, F, H, W, 3]`` in [-1, 1].
+
+    ``direction`` ``[B, F]`` holds each frame's camera direction index.
+    """
+    cfg = model.cfg
+    shape = (direction.shape[0], cfg.frames_per_chunk, cfg.image_size, cfg.image_size, 3)
+    device = direction.device
+    positions = chunk_positions(kv, cfg).to(device)
+    x = noise_like(shape, generator, device)
+    times = cfg.denoise_times
+    clean = x
+    for i, t in enumerate(times):
+        kv.begin_pass(commit=False)
+        clean = model(x, torch.full(direction.shape, t, device=device), direction, positions, kv.kv).clamp(-1, 1)
+        kv.end_pass()
+        if i + 1 < len(times):
+            t_next = times[i + 1]
+            if cfg.sampler == "ddim":
+                eps = (x - (1 - t) * clean) / t
+            else:
+                eps = noise_like(shape, generator, device)
+            x = (1 - t_next) * clean + t_next * eps
+    commit_chunk(model, kv, clean, direction, generator)
+    return clean
+
+
+def to_uint8(frames: torch.Tensor) -> torch.Tensor:
+    return ((frames.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+def from_uint8(frames: torch.Tensor) -> torch.Tensor:
+    return frames.float() / 127.5 - 1

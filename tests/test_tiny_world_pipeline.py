@@ -1,0 +1,131 @@
+"""TinyWorldPipeline under the real ARRunner: contract, determinism, KV use and release."""
+
+from __future__ import annotations
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from models.tiny_world.evaluate import make_runner, rollout
+from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
+from models.tiny_world.sampling import DenseChunkKV, sample_chunk, to_uint8
+from models.tiny_world.world import direction_index
+from runner.contract import ARPipeline, SupportsWarmup
+from runner.runner import ARRunner
+from runner.types import TickRequest
+
+KEYS_SEQUENCE = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"], ["s"], ["s"], ["a"]]
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> TinyWorldPipeline:
+    return load_tiny_world(torch.device("cpu"))
+
+
+@pytest.fixture
+def runner(pipeline: TinyWorldPipeline) -> ARRunner:
+    return make_runner(pipeline, sessions=3)
+
+
+def test_implements_the_contract(pipeline: TinyWorldPipeline) -> None:
+    assert isinstance(pipeline, ARPipeline)
+    assert isinstance(pipeline, SupportsWarmup)
+
+
+def test_model_card_and_controls_schema(pipeline: TinyWorldPipeline) -> None:
+    card = pipeline.model_card()
+    assert {k: card[k] for k in ("name", "width", "height", "frames_per_chunk")} == {
+        "name": "tiny-world",
+        "width": 64,
+        "height": 64,
+        "frames_per_chunk": pipeline.kv_cache_spec().frames_per_chunk,
+    }
+    assert card["fps"] > 0
+    validator = jsonschema.Draft202012Validator(card["controls"])
+    jsonschema.Draft202012Validator.check_schema(card["controls"])
+    assert validator.is_valid({"keys": ["w", "d"]})
+    assert validator.is_valid({"keys": []})
+    assert not validator.is_valid({"keys": ["x"]})
+    assert not validator.is_valid({"keys": ["w", "w"]})
+    assert not validator.is_valid({"keys": ["w"], "fail": True})
+
+
+def test_kv_spec_is_one_block_per_frame(pipeline: TinyWorldPipeline) -> None:
+    spec = pipeline.kv_cache_spec()
+    cfg = pipeline.cfg
+    assert spec.tokens_per_frame == (64 // cfg.patch_size) ** 2
+    assert spec.num_layers == cfg.num_layers
+    assert spec.num_kv_heads * spec.head_size == cfg.d_model
+    assert spec.sink_frames >= 1 and spec.window_frames >= spec.frames_per_chunk
+
+
+def test_chunks_are_uint8_frames(runner: ARRunner) -> None:
+    result = runner.execute_tick(TickRequest("s", 0, controls={"keys": ["d"]}, seed=1))
+    assert result.frames.dtype == np.uint8
+    assert result.frames.shape == (runner.spec.frames_per_chunk, 64, 64, 3)
+    assert result.new_rollout and result.chunk_index == 0
+
+
+def test_same_seed_and_controls_replay_the_same_frames(runner: ARRunner) -> None:
+    keys = [[k] for k in "ddwwaass"]
+    first = rollout(runner, keys, seed=7, session_id="one")
+    second = rollout(runner, keys, seed=7, session_id="two")
+    other_seed = rollout(runner, keys, seed=8, session_id="three")
+    assert np.array_equal(first, second)
+    assert not np.array_equal(first, other_seed)
+
+
+def test_reset_starts_the_same_rollout_again(runner: ARRunner) -> None:
+    ticks = [TickRequest("s", i, controls={"keys": ["s"]}, seed=3) for i in range(3)]
+    before = [runner.execute_tick(t).frames for t in ticks]
+    replay = [TickRequest("s", 10, controls={"keys": ["s"]}, seed=3, reset=True)] + ticks[1:]
+    after = [runner.execute_tick(t).frames for t in replay]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_controls_change_the_frames(runner: ARRunner) -> None:
+    right = rollout(runner, [["d"]] * 3, seed=5, session_id="r")
+    left = rollout(runner, [["d"], ["a"], ["a"]], seed=5, session_id="l")
+    assert np.array_equal(right[:2], left[:2])
+    assert not np.array_equal(right[2:], left[2:])
+
+
+def test_paged_runner_matches_a_dense_reference(pipeline: TinyWorldPipeline, runner: ARRunner) -> None:
+    """Past the window (eviction included) the runner's paged KV gives the frames a dense history gives."""
+    paged = rollout(runner, KEYS_SEQUENCE, seed=11)
+    kv = DenseChunkKV(pipeline.cfg, batch=1)
+    generator = torch.Generator().manual_seed(11)
+    dense = []
+    with torch.inference_mode():
+        for keys in KEYS_SEQUENCE:
+            directions = torch.full((1, pipeline.cfg.frames_per_chunk), direction_index(keys))
+            dense.append(to_uint8(sample_chunk(pipeline.model, kv, directions, generator))[0].numpy())
+    assert np.array_equal(paged, np.concatenate(dense))
+
+
+def test_pool_and_model_state_return_to_baseline(pipeline: TinyWorldPipeline, runner: ARRunner) -> None:
+    free = runner.pool.num_free
+    assert runner.warmup() == 3
+    assert runner.pool.num_free == free
+    for sid in ("a", "b"):
+        for i in range(4):
+            runner.execute_tick(TickRequest(sid, i, controls={"keys": ["d"]}))
+    assert runner.pool.num_free < free
+    assert {"a", "b"} <= set(pipeline.session_ids())
+    runner.reset_session("a")
+    assert "a" not in pipeline.session_ids()
+    runner.close_session("b")
+    assert "b" not in pipeline.session_ids()
+    assert runner.pool.num_free == free
+    assert runner.stats().sessions_resident == 0
+
+
+def test_eviction_releases_model_state(pipeline: TinyWorldPipeline) -> None:
+    runner = make_runner(pipeline, sessions=1)
+    assert runner.session_capacity == 1
+    runner.execute_tick(TickRequest("first", 0))
+    runner.execute_tick(TickRequest("second", 0))
+    assert "first" not in pipeline.session_ids()
+    runner.close_session("second")
+    assert "second" not in pipeline.session_ids()

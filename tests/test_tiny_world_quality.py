@@ -1,0 +1,51 @@
+"""Short versions of the shipped model's quality checks, through the real runner.
+
+``arstream eval tiny-world`` runs the long versions (more frames, more seeds,
+a 320-frame square walk) whose figures are in the README.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.tiny_world.evaluate import (
+    MAX_TV,
+    RESPONSIVE_SHARE,
+    drift_checks,
+    hold,
+    make_runner,
+    rollout,
+    square_walk,
+)
+from models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, responsiveness
+from models.tiny_world.pipeline import load_tiny_world
+from runner.runner import ARRunner
+
+HOLD_FRAMES = 24
+SQUARE_FRAMES = 96
+
+
+@pytest.fixture(scope="module")
+def runner() -> ARRunner:
+    return make_runner(load_tiny_world(torch.device("cpu")), sessions=1)
+
+
+@pytest.mark.parametrize("key", ["w", "a", "s", "d"])
+def test_held_key_moves_the_content_the_right_way(runner: ARRunner, key: str) -> None:
+    frames = rollout(runner, hold([key], HOLD_FRAMES, runner.spec.frames_per_chunk), seed=21)
+    result = responsiveness(frames, [key])
+    assert result["fraction_right_way"] >= RESPONSIVE_SHARE, result
+
+
+def test_no_key_holds_still(runner: ARRunner) -> None:
+    frames = rollout(runner, hold([], HOLD_FRAMES, runner.spec.frames_per_chunk), seed=22)
+    result = responsiveness(frames, [])
+    assert result["mean_shift"] < MIN_SHIFT_PX, result
+
+
+def test_square_walk_does_not_drift(runner: ARRunner) -> None:
+    frames = rollout(runner, square_walk(SQUARE_FRAMES, runner.spec.frames_per_chunk), seed=23)
+    report = drift_report(frames)
+    assert report["tv_first_last_quarter"] <= MAX_TV, report
+    assert all(drift_checks(report).values()), (drift_checks(report), report)
