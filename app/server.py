@@ -83,8 +83,16 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
             return JSONResponse({"ready": False, "reason": refusal}, status_code=503)
         return JSONResponse({"ready": True})
 
-    # Last, so the API routes win; check_dir=False keeps the app up while static/ is still empty.
-    app.mount("/", StaticFiles(directory=STATIC_DIR, html=True, check_dir=False), name="static")
+    if STATIC_DIR.is_dir():
+        # Last, so the API routes win.
+        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
+    else:
+        log.warning("no demo page: %s is missing", STATIC_DIR)
+
+        @app.get("/")
+        async def no_demo_page() -> JSONResponse:
+            return JSONResponse({"detail": f"the demo page is not installed ({STATIC_DIR} is missing)"}, 404)
+
     return app
 
 
@@ -100,6 +108,8 @@ class ARStreamServer(uvicorn.Server):
             server.close()  # stop accepting before saying goodbye
         await self.hub.close_sessions()
         await super().shutdown(sockets)
+        # uvicorn re-raises the stop signal after serving; a completed graceful stop exits 0 instead.
+        self._captured_signals.clear()
 
     @property
     def bound_port(self) -> int:

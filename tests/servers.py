@@ -88,15 +88,20 @@ def fake_settings(**overrides: Any) -> Settings:
 
 
 @contextmanager
-def running_server(settings: Settings | None = None, pipeline: ARPipeline | None = None) -> Iterator[LiveServer]:
-    """An in-process server on a background thread, stopped (gracefully) on exit."""
+def running_server(
+    settings: Settings | None = None, pipeline: ARPipeline | None = None, *, wait_ready: bool = True
+) -> Iterator[LiveServer]:
+    """An in-process server on a background thread, stopped (gracefully) on exit.
+
+    With ``wait_ready=False`` it returns once the port is bound, while the model may still be loading.
+    """
     settings = settings or fake_settings()
     server = build_server(settings, pipeline, log_config=None)
     thread = threading.Thread(target=server.run, name="arstream-test-server", daemon=True)
     thread.start()
     hub = server.hub
     deadline = time.monotonic() + STARTUP_GUARD_S
-    while not (server.started and (hub.ready or hub.load_error is not None)):
+    while not (server.started and (not wait_ready or hub.ready or hub.load_error is not None)):
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
