@@ -54,6 +54,8 @@
       resetNext: false,
       lastSentKeys: '',           // the held keys as last sent; a new session starts with none
       failed: false,              // after session_failed only a reset tick is accepted
+      fatalError: null,           // text of a fatal error, shown again when the close follows
+      framesDrawn: 0,
       ended: false,
       receiving: null,            // {message, expected, frames} while a chunk's frames arrive
       queue: [],                  // jitter buffer: frames waiting to be drawn, in order
@@ -152,8 +154,9 @@
     log(`connection closed (code ${event.code}${why})`, clean ? 'info' : 'fatal');
     if (s === session) {
       setState('closed');
-      showOverlay(clean ? 'Session closed. Press Connect to play again.'
-        : `Connection closed: code ${event.code}${why}`, !clean);
+      if (s.fatalError) showOverlay(`${s.fatalError} (connection closed, code ${event.code})`, true);
+      else if (clean) showOverlay('Session closed. Press Connect to play again.');
+      else showOverlay(`Connection closed: code ${event.code}${why}`, true);
     }
   }
 
@@ -187,7 +190,7 @@
     canvas.style.height = `${model.height * scale}px`;
     $('hud-model').textContent = `${model.name} ${model.width}×${model.height} @ ${model.fps} fps`;
     log(`ready: session ${message.session_id}, model ${model.name}, codec ${message.codec}`);
-    overlay.classList.add('hidden');
+    showOverlay('Generating the first frames…');
     setState('streaming');
     sendHeldKeys(s);
     pump(s);
@@ -225,8 +228,9 @@
       setState('failed');
       showOverlay('The model failed on this session. Press Reset to start a new rollout.', true);
     } else if (message.fatal) {
+      s.fatalError = `${message.code}: ${message.message}`;
       setState('failed');
-      showOverlay(`${message.code}: ${message.message}`, true);
+      showOverlay(s.fatalError, true);
     } else {
       pump(s);
     }
@@ -365,6 +369,8 @@
       ctx.putImageData(entry.raw, 0, 0);
     }
     debug.framesDrawn += 1;
+    s.framesDrawn += 1;
+    if (s.framesDrawn === 1 && !s.failed) overlay.classList.add('hidden');
     hud.drawnAt.push(now);
     for (const id of entry.applied) {
       const sentAt = s.eventsSentAt.get(id);
