@@ -1,0 +1,128 @@
+"""The model worker on its own: one thread for every runner call, eviction reporting, bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.protocol import TickMessage
+from app.session import Session, SessionState
+from app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
+from models.fake import FakeKVPipeline
+from runner.runner import ARRunner
+from runner.types import TickRequest
+from servers import GatedFakePipeline, fake_settings, running_server, session_client
+
+WORKER_THREAD = "arstream-model-worker"
+
+
+class ThreadRecordingFakePipeline(FakeKVPipeline):
+    """FakeKVPipeline that notes which thread made each pipeline call."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.calls: list[tuple[str, str]] = []
+
+    def _note(self, call: str) -> None:
+        self.calls.append((call, threading.current_thread().name))
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        self._note("generate_chunk")
+        return super().generate_chunk(tick)
+
+    def reset_session(self, session_id: str) -> None:
+        self._note("reset_session")
+        super().reset_session(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self._note("close_session")
+        super().close_session(session_id)
+
+    def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
+        self._note("warmup_requests")
+        return super().warmup_requests(session_id)
+
+
+def test_every_pipeline_call_runs_on_the_worker_thread() -> None:
+    pipeline = ThreadRecordingFakePipeline()
+    with running_server(fake_settings(), pipeline) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={}) as client:
+                for tick_id, reset in ((0, False), (1, True), (2, False)):
+                    await client.send(type="tick", tick_id=tick_id, reset=reset)
+                    await client.recv_chunk()
+                client.abort()
+
+        asyncio.run(scenario())
+        server.wait_for_stats(lambda s: s["kv"]["blocks_free"] == start_free and s["kv"]["sessions_resident"] == 0)
+    kinds = {call for call, _ in pipeline.calls}
+    assert {"generate_chunk", "reset_session", "close_session", "warmup_requests"} <= kinds
+    assert {thread for _, thread in pipeline.calls} == {WORKER_THREAD}
+
+
+def make_session(session_id: str) -> Session:
+    session = Session(session_id, codec="raw", quality=80, seed=None, prompt=None, max_pending_ticks=4)
+    session.transition(SessionState.ACTIVE)
+    return session
+
+
+async def with_worker(pipeline: FakeKVPipeline, body: Any) -> Any:
+    loop = asyncio.get_running_loop()
+    outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
+    loaded: asyncio.Future[BaseException | None] = loop.create_future()
+    worker = ModelWorker(
+        lambda: ARRunner(pipeline, kv_budget_bytes=1 << 20),
+        loop=loop,
+        deliver=outcomes.put_nowait,
+        on_ready=loaded.set_result,
+        max_pending_ticks=4,
+    )
+    worker.start()
+    try:
+        assert await loaded is None
+        return await body(worker, outcomes)
+    finally:
+        await asyncio.to_thread(worker.stop, 10)
+
+
+def test_a_session_whose_kv_was_evicted_reports_restarted_evicted() -> None:
+    """Capacity 1 and sessions submitted straight to the worker (no admission) force an LRU eviction."""
+
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> list[tuple[str, int, Any]]:
+        a, b = make_session("s-a"), make_session("s-b")
+        seen = []
+        for session, tick_id in ((a, 0), (a, 1), (b, 0), (a, 2)):
+            worker.submit(session.accept_tick(TickMessage(type="tick", tick_id=tick_id)))
+            outcome = await asyncio.wait_for(outcomes.get(), 30)
+            assert outcome.kind is OutcomeKind.CHUNK
+            seen.append((outcome.job.session.id, outcome.chunk_index, outcome.restarted))
+        assert worker.runner_stats is not None and worker.runner_stats.evictions_total == 2
+        return seen
+
+    seen = asyncio.run(with_worker(FakeKVPipeline(session_capacity=1), body))
+    assert seen == [("s-a", 0, None), ("s-a", 1, None), ("s-b", 0, None), ("s-a", 0, "evicted")]
+
+
+def test_queue_is_bounded_by_credits() -> None:
+    pipeline = GatedFakePipeline()
+
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> None:
+        session = make_session("s-a")
+        session.max_pending_ticks = 10  # a buggy caller that ignores the configured credits
+        jobs = [session.accept_tick(TickMessage(type="tick", tick_id=i)) for i in range(6)]
+        try:
+            with pytest.raises(QueueBoundExceeded):
+                for job in jobs:  # the gate holds the first forward, so at most one job leaves the queue
+                    worker.submit(job)
+        finally:
+            worker.drop_session("s-a")
+            pipeline.gate.set()
+
+    asyncio.run(with_worker(pipeline, body))
