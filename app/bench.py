@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import websockets
+
 from app import wire
 from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
 
@@ -152,8 +154,6 @@ def model_keys(model_card: dict[str, Any]) -> list[str]:
 
 async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) -> SessionFigures:
     """Run ``chunks`` ticks with at most two in flight; press a different key every ``input_every`` ticks."""
-    import websockets
-
     connect_started = time.perf_counter()
     async with websockets.connect(url, max_size=MAX_MESSAGE_BYTES) as ws:
         session = SessionClient(ws, decode=False)

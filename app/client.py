@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import websockets
 
 from app import wire
 
@@ -270,8 +271,6 @@ class SessionClient:
                 self.action_to_frame_s.append(chunk.first_frame_at - sent_at)
 
     async def _recv(self) -> str | bytes:
-        import websockets
-
         try:
             return await self.ws.recv()
         except websockets.ConnectionClosed as exc:
@@ -320,8 +319,6 @@ async def run_script(
     token: str | None = None,
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got."""
-    import websockets
-
     connect_started = time.perf_counter()
     async with websockets.connect(wire.session_url(url, token=token), max_size=MAX_MESSAGE_BYTES) as ws:
         session = SessionClient(ws)
@@ -433,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""
         print(f"arstream client: {exc}{hint}", file=sys.stderr)
         return 1
-    except (SessionClosed, wire.WireError, OSError) as exc:
+    except (SessionClosed, wire.WireError, websockets.InvalidHandshake, OSError) as exc:
         print(f"arstream client: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     paths = save_pngs(result.frames, args.out)

@@ -240,3 +240,11 @@ def test_bench_serve_ends_with_a_summary_line(capsys: pytest.CaptureFixture[str]
     assert summary["sessions"] == 2
     assert summary["server_vs_runner_ratio"] > 0
     assert sum(line.startswith("  session ") for line in lines) == 2
+
+
+def test_client_sends_the_token_and_reports_unauthorized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with bench.ServerProcess(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
+        assert client.main([secured.base_url, "--keys", "a*2", "--out", str(tmp_path / "no")]) == 1
+        assert "unauthorized" in capsys.readouterr().err
+        assert client.main([secured.base_url, "--token", "t0ken", "--keys", "a*2", "--out", str(tmp_path / "ok")]) == 0
+        assert len(list((tmp_path / "ok").glob("frame_*.png"))) == 4
