@@ -253,7 +253,9 @@ def _ms(seconds: float) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arstream bench serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="arstream bench serve", description="Load-test the server and compare it with the bare runner."
+    )
     parser.add_argument("--sessions", type=int, default=1, help="concurrent sessions (default 1)")
     parser.add_argument("--model", default="tiny-world")
     parser.add_argument("--chunks", type=int, default=64, help="chunks per session per repetition (default 64)")

@@ -403,7 +403,7 @@ def report(result: RunResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arstream client", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="arstream client", description="Run one scripted session and save its frames.")
     parser.add_argument("url", help="ws://HOST:PORT/v1/sessions, or http://HOST:PORT")
     parser.add_argument("--keys", default="-*10", help='key script, e.g. "d*20,w+d*5,-*3" (default: "-*10")')
     parser.add_argument("--out", type=Path, required=True, help="directory for frame_NNNNNN.png (and video.mp4)")
