@@ -86,15 +86,28 @@ class Outbox:
         self._has_items = asyncio.Event()
         self._reply_space = asyncio.Event()
         self._reply_space.set()
+        self._closed = False
+
+    def close(self) -> None:
+        """The writer is gone: drop whatever comes next and wake anyone waiting for space."""
+        self._closed = True
+        self._items.clear()
+        self._reply_space.set()
+
+    @property
+    def replies_queued(self) -> int:
+        return self._replies_queued
 
     def push(self, item: _Item) -> None:
+        if self._closed:
+            return
         if isinstance(item, _Text) and item.is_reply:
             self._replies_queued += 1
         self._items.append(item)
         self._has_items.set()
 
     async def push_reply(self, text: str) -> None:
-        while self._replies_queued >= self._reply_limit:
+        while self._replies_queued >= self._reply_limit and not self._closed:
             self._reply_space.clear()
             await self._reply_space.wait()
         self.push(_Text(text, is_reply=True))
@@ -432,10 +445,10 @@ class Connection:
                         await self.ws.send_text(dumps(closed_message(item.reason)))
                     await self.ws.close(item.code)
                     return
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
             log.debug("session=%s writer stopped: %s", self.session_id, exc)
+        finally:
+            self.outbox.close()
 
     async def _send_chunk(self, session: Session, outcome: TickOutcome) -> None:
         job = outcome.job

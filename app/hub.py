@@ -180,6 +180,7 @@ class SessionHub:
                 "evictions_total": runner_stats.evictions_total,
                 "failures_total": runner_stats.failures_total,
                 "pending_ticks": sum(s.pending_ticks for s in sessions),
+                "replies_queued": sum(c.outbox.replies_queued for c in self.connections.values()),
             },
             "queue": {"depth": worker.queue_depth},
             "chunks": {

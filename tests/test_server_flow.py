@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from app import frames as frame_codec
+from app.connection import REPLY_BACKLOG_LIMIT
 from models.fake import controls_code
 from servers import (
     GatedFakePipeline,
@@ -228,6 +229,10 @@ def test_a_client_that_stops_reading_does_not_stall_another() -> None:
                     stats = await asyncio.to_thread(server.stats)
                     assert stats["sessions"]["pending_ticks"] == 4
                     assert stats["sessions"]["active"] == 1
+                # replies back up behind the stuck frames until the receive loop waits; a disconnect still ends it
+                for _ in range(REPLY_BACKLOG_LIMIT + 10):
+                    await slow.send(type="ping", t=0)
+                await wait_stats(server, lambda s: s["sessions"]["replies_queued"] == REPLY_BACKLOG_LIMIT)
                 slow.abort()
                 return tick_id
 
