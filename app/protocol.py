@@ -165,7 +165,7 @@ class CloseMessage(_ClientMessage):
 
 class PingMessage(_ClientMessage):
     type: Literal["ping"]
-    t: float | None = None
+    t: int | float | None = None  # echoed back as sent
 
 
 ClientMessage = StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage
@@ -238,7 +238,7 @@ def ready_message(
         "limits": {
             "max_pending_ticks": max_pending_ticks,
             "max_message_bytes": max_message_bytes,
-            "idle_timeout_s": idle_timeout_s,
+            "idle_timeout_s": int(idle_timeout_s) if float(idle_timeout_s).is_integer() else idle_timeout_s,
         },
     }
 
@@ -262,7 +262,7 @@ def ack_message(event_id: int, *, duplicate: bool) -> dict[str, Any]:
     return {"type": "ack", "event_id": event_id, "status": "duplicate" if duplicate else "accepted"}
 
 
-def pong_message(t: float | None) -> dict[str, Any]:
+def pong_message(t: int | float | None) -> dict[str, Any]:
     return {"type": "pong", "t": t, "server_time": time.time()}
 
 

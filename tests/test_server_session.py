@@ -78,7 +78,7 @@ def test_ready_describes_session_model_and_limits(server: LiveServer, baseline: 
     assert ready["model"] == server.get("/v1/model").json()
     assert ready["model"]["name"] == "fake-kv"
     assert ready["codec"] == "jpeg"
-    assert ready["limits"] == {"max_pending_ticks": 4, "max_message_bytes": 65536, "idle_timeout_s": 60.0}
+    assert ready["limits"] == {"max_pending_ticks": 4, "max_message_bytes": 65536, "idle_timeout_s": 60}
 
 
 @pytest.mark.parametrize("codec", ["raw", "jpeg"])
