@@ -271,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool budget for the server and the bare runner alike (default 256 MiB)",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads on both sides (server via OMP_NUM_THREADS); default: torch's own choice",
+    )
+    parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra argument for `arstream serve` (repeatable)"
     )
     return parser
@@ -279,9 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = json.loads(args.model_options)
-    if args.sessions < 1 or args.chunks < 1 or args.repeat < 1 or args.input_every < 1:
-        print("arstream bench serve: --sessions, --chunks, --repeat and --input-every must be >= 1", file=sys.stderr)
+    if min(args.sessions, args.chunks, args.repeat, args.input_every, args.threads or 1) < 1:
+        print("arstream bench serve: counts must be >= 1", file=sys.stderr)
         return 2
+    server_env = None
+    if args.threads is not None:
+        import torch
+
+        # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
+        # cores, so a fair comparison pins both sides to the same count.
+        torch.set_num_threads(args.threads)
+        server_env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     serve_args = [
         "--model", args.model,
         "--model-options", json.dumps(options),
@@ -294,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner_rates: list[float] = []
     ratios: list[float] = []
     all_figures: list[SessionFigures] = []
-    with ServerProcess(serve_args) as server:
+    with ServerProcess(serve_args, env=server_env) as server:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")
         bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=args.kv_budget_bytes)
@@ -332,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sessions": args.sessions,
         "chunks_per_session": args.chunks,
         "repetitions": args.repeat,
+        "threads": args.threads,
         "server_chunks_per_s": round(_median(server_rates), 2),
         "runner_chunks_per_s": round(_median(runner_rates), 2),
         "server_vs_runner_ratio": round(_median(ratios), 4),
