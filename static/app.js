@@ -36,6 +36,7 @@
     chunksReceived: 0,
     framesReceived: 0,
     framesDrawn: 0,
+    maxTicksInFlight: 0,
     errors: [],
     lastClose: null,
   };
@@ -305,6 +306,7 @@
         overlay.classList.add('hidden');
       }
       s.ticksInFlight.set(tick.tick_id, performance.now());
+      debug.maxTicksInFlight = Math.max(debug.maxTicksInFlight, s.ticksInFlight.size);
       pushBounded(debug.sentTickIds, tick.tick_id);
       send(s, tick);
     }
@@ -405,7 +407,8 @@
   function refreshHud() {
     const now = performance.now();
     while (hud.drawnAt.length && hud.drawnAt[0] < now - 1000) hud.drawnAt.shift();
-    $('hud-fps').textContent = session && session.ready && !session.ended ? `${hud.drawnAt.length}` : '–';
+    const live = session && session.ready && !session.ended;
+    $('hud-fps').textContent = live ? `${hud.drawnAt.length} of ${session.ready.model.fps}` : '–';
     const last = (values) => values[values.length - 1];
     $('hud-chunk').textContent = hud.chunkLatency.length
       ? `${ms(last(hud.chunkLatency))} (median ${ms(median(hud.chunkLatency))})` : '–';

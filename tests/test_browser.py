@@ -109,6 +109,7 @@ def test_page_streams_frames_and_a_key_press_reaches_the_screen(server: ServerPr
     page.keyboard.up("d")
     page.wait_for_function(f"window.arstreamDebug.appliedEventIds.includes({event_id + 1})", timeout=WAIT_MS)
     debug = _debug(page)
+    assert 1 <= debug["maxTicksInFlight"] <= 2
     assert debug["sentEventIds"] == sorted(set(debug["sentEventIds"])), "event ids must strictly increase"
     assert debug["sentTickIds"] == sorted(set(debug["sentTickIds"])), "tick ids must strictly increase"
     assert debug["errors"] == []
@@ -142,8 +143,8 @@ def test_raw_codec_reset_and_close(server: ServerProcess, page: Any) -> None:
     page.select_option("#codec", "raw")
     page.click("#connect")
     _wait_frames_drawn(page, 4)
-    page.keyboard.down("d")
-    # Raw frames are exact: the d bit in blue, nothing else.
+    page.keyboard.down("ArrowRight")
+    # Raw frames are exact: the d bit (ArrowRight is d) in blue, nothing else.
     page.wait_for_function(
         f"""() => {{
             const c = document.getElementById('screen');
@@ -151,6 +152,13 @@ def test_raw_codec_reset_and_close(server: ServerProcess, page: Any) -> None:
         }}""",
         timeout=WAIT_MS,
     )
+    page.keyboard.up("ArrowRight")
+    sent_before = len(_debug(page)["sentEventIds"])
+    page.fill("#prompt", "a snowy forest")
+    page.press("#prompt", "Enter")
+    page.wait_for_function(f"window.arstreamDebug.sentEventIds.length === {sent_before + 1}", timeout=WAIT_MS)
+    prompt_event = _debug(page)["sentEventIds"][-1]
+    page.wait_for_function(f"window.arstreamDebug.appliedEventIds.includes({prompt_event})", timeout=WAIT_MS)
     page.click("#reset")
     page.wait_for_function(
         "Array.from(document.querySelectorAll('#log li')).some(li => li.textContent.includes('new rollout (reset)'))",
@@ -158,7 +166,9 @@ def test_raw_codec_reset_and_close(server: ServerProcess, page: Any) -> None:
     )
     page.click("#close")
     page.wait_for_function("window.arstreamDebug.state === 'closed'", timeout=WAIT_MS)
-    assert _debug(page)["lastClose"]["code"] == 1000
+    debug = _debug(page)
+    assert debug["lastClose"]["code"] == 1000
+    assert debug["errors"] == []
     assert "Session closed" in page.inner_text("#overlay")
     page.wait_for_function("!document.getElementById('connect').disabled", timeout=WAIT_MS)
 
