@@ -41,8 +41,13 @@
     lastClose: null,
   };
   window.arstreamDebug = debug;
+  // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
+  debug.sendInput = (fields) => {
+    if (session && session.ready && !session.ended) sendInput(session, fields);
+  };
 
   let session = null;  // the live session's state, null when disconnected
+  const hud = { chunkLatency: [], actionLatency: [], compute: [], drawnAt: [] };  // recent samples
 
   function newSession(ws) {
     return {
@@ -55,6 +60,7 @@
       resetNext: false,
       lastSentKeys: '',           // the held keys as last sent; a new session starts with none
       failed: false,              // after session_failed only a reset tick is accepted
+      lastResetTickId: -1,
       fatalError: null,           // text of a fatal error, shown again when the close follows
       framesDrawn: 0,
       ended: false,
@@ -224,7 +230,9 @@
     log(text, message.fatal ? 'fatal' : 'error');
     // A refused tick never runs: free its credit.
     if (message.tick_id !== undefined) s.ticksInFlight.delete(message.tick_id);
-    if (message.code === 'session_failed') {
+    if (message.code === 'session_failed' && message.tick_id < s.lastResetTickId) {
+      pump(s);  // a tick queued before our reset was skipped; the reset tick is already on its way
+    } else if (message.code === 'session_failed') {
       s.failed = true;
       setState('failed');
       showOverlay('The model failed on this session. Press Reset to start a new rollout.', true);
@@ -300,6 +308,7 @@
       const tick = { type: 'tick', tick_id: s.nextTickId++ };
       if (s.resetNext) {
         tick.reset = true;
+        s.lastResetTickId = tick.tick_id;
         s.resetNext = false;
         s.failed = false;
         setState('streaming');
@@ -360,8 +369,6 @@
   });
 
   // ---- playback: the jitter buffer drained at the model's fps ---------------------------
-
-  const hud = { chunkLatency: [], actionLatency: [], compute: [], drawnAt: [] };
 
   function draw(s, entry, now) {
     if (entry.image) {

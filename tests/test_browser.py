@@ -173,6 +173,27 @@ def test_raw_codec_reset_and_close(server: ServerProcess, page: Any) -> None:
     page.wait_for_function("!document.getElementById('connect').disabled", timeout=WAIT_MS)
 
 
+def test_model_failure_is_shown_and_reset_recovers(server: ServerProcess, page: Any) -> None:
+    page.goto(server.base_url + "/")
+    _wait_frames_drawn(page, 2)
+    # The fake pipeline raises inside the forward when its controls say so.
+    page.evaluate("window.arstreamDebug.sendInput({controls: {keys: [], fail: true}})")
+    page.wait_for_function("window.arstreamDebug.state === 'failed'", timeout=WAIT_MS)
+    assert "Press Reset" in page.inner_text("#overlay")
+    assert "session_failed" in page.inner_text("#log")
+    assert {error["code"] for error in _debug(page)["errors"]} == {"session_failed"}
+
+    page.evaluate("window.arstreamDebug.sendInput({controls: {keys: [], fail: false}})")
+    chunks = _debug(page)["chunksReceived"]
+    page.click("#reset")
+    page.wait_for_function(
+        f"window.arstreamDebug.state === 'streaming' && window.arstreamDebug.chunksReceived > {chunks + 2}",
+        timeout=WAIT_MS,
+    )
+    assert page.locator("#overlay.hidden").count() == 1
+    assert "new rollout (reset)" in page.inner_text("#log")
+
+
 def test_missing_token_is_shown_as_a_fatal_close_and_the_token_param_works(browser: Any) -> None:
     with ServerProcess(["--model", "fake-kv", "--auth-token", "let-me-in"]) as secured:
         context = browser.new_context()
