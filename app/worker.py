@@ -235,6 +235,8 @@ class ModelWorker:
             log.info("session=%s released its KV", session_id)
 
     def _send(self, outcome: TickOutcome) -> None:
+        # Stats first, so a client that has its chunk sees the pool as that chunk left it.
+        self._publish_stats()
         self._loop.call_soon_threadsafe(self._deliver, outcome)
 
     def _run_tick(self, job: TickJob) -> None:
