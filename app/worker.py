@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from app import frames as frame_codec
@@ -62,19 +62,8 @@ class TickOutcome:
         return [e.event_id for e in self.events]
 
 
-class WorkerNotReady(RuntimeError):
-    """The worker was used before its model finished loading."""
-
-
 class QueueBoundExceeded(RuntimeError):
     """More ticks were queued than the sessions' credits allow (a server bug)."""
-
-
-@dataclass
-class _Lane:
-    """One session's queued ticks, plus what the worker remembers about it."""
-
-    jobs: deque[TickJob] = field(default_factory=deque)
 
 
 class ModelWorker:
@@ -95,12 +84,12 @@ class ModelWorker:
         self._on_ready = on_ready
         self._max_pending_ticks = max_pending_ticks
         self._cond = threading.Condition()
-        self._lanes: dict[str, _Lane] = {}
+        # Each session's queued ticks, in order; a session is in _ready_order while its lane is non-empty.
+        self._lanes: dict[str, deque[TickJob]] = {}
         self._ready_order: deque[str] = deque()
         self._controls: deque[Callable[[], None]] = deque()
         self._stopping = False
         self._queued = 0
-        self._running: TickJob | None = None
         self.runner: ARRunner | None = None
         self.runner_stats: RunnerStats | None = None
         self.model_card: dict | None = None
@@ -126,15 +115,15 @@ class ModelWorker:
         with self._cond:
             if self._stopping:
                 return
-            lane = self._lanes.setdefault(job.session.id, _Lane())
-            if len(lane.jobs) >= self._max_pending_ticks:
+            lane = self._lanes.setdefault(job.session.id, deque())
+            if len(lane) >= self._max_pending_ticks:
                 raise QueueBoundExceeded(
-                    f"session {job.session.id} already has {len(lane.jobs)} queued ticks "
+                    f"session {job.session.id} already has {len(lane)} queued ticks "
                     f"(max_pending_ticks={self._max_pending_ticks})"
                 )
-            if not lane.jobs:
+            if not lane:
                 self._ready_order.append(job.session.id)
-            lane.jobs.append(job)
+            lane.append(job)
             self._queued += 1
             self._cond.notify()
 
@@ -142,9 +131,9 @@ class ModelWorker:
         """Drop the session's queued ticks and release its KV on the worker; returns ticks dropped."""
         with self._cond:
             lane = self._lanes.pop(session_id, None)
-            dropped = len(lane.jobs) if lane else 0
+            dropped = len(lane) if lane else 0
             self._queued -= dropped
-            if lane and lane.jobs:
+            if lane:
                 self._ready_order.remove(session_id)
             self._controls.append(lambda: self._release(session_id))
             self._cond.notify()
@@ -199,14 +188,13 @@ class ModelWorker:
                     control = None
                     session_id = self._ready_order.popleft()
                     lane = self._lanes[session_id]
-                    job = lane.jobs.popleft()
+                    job = lane.popleft()
                     self._queued -= 1
-                    if lane.jobs:
+                    if lane:
                         # Back of the line: one tick per session per round.
                         self._ready_order.append(session_id)
                     else:
                         del self._lanes[session_id]
-                    self._running = job
             try:
                 if control is not None:
                     control()
@@ -216,7 +204,6 @@ class ModelWorker:
             except BaseException:  # noqa: BLE001 - the worker must outlive any one job
                 log.exception("worker job failed")
             finally:
-                self._running = None
                 self._publish_stats()
 
     def _publish_stats(self) -> None:

@@ -18,7 +18,6 @@ from models.fake import controls_code
 from servers import (
     GatedFakePipeline,
     LiveServer,
-    SessionClient,
     fake_settings,
     running_server,
     session_client,
