@@ -44,7 +44,7 @@ from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
 LISTENING_MARKER = "ARSTREAM_LISTENING "
 SERVER_START_TIMEOUT_S = 600.0
 TICKS_IN_FLIGHT = 2
-WARMUP_CHUNKS = 4
+WARMUP_CHUNKS = 8
 # Both sides get the same explicit budget, so that on a GPU the two pools fit side by side.
 DEFAULT_KV_BUDGET_BYTES = 256 * 2**20
 
@@ -311,7 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")
         bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=args.kv_budget_bytes)
-        asyncio.run(server_phase(url, sessions=1, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec))
+        # One untimed round on each side first, at full concurrency, so neither pays for first-use costs.
+        asyncio.run(
+            server_phase(url, sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec)
+        )
+        bare.chunks_per_s(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every)
         for repetition in range(args.repeat):
             figures = asyncio.run(
                 server_phase(
