@@ -323,7 +323,8 @@ async def run_script(
     async with websockets.connect(wire.session_url(url, token=token), max_size=MAX_MESSAGE_BYTES) as ws:
         session = SessionClient(ws)
         await session.start(codec=codec, seed=seed, prompt=prompt)
-        # Leave one credit spare so that a slow chunk never makes our next tick a too_many_ticks error.
+        # Enough ticks queued to keep the model busy, with one credit spare for a reset or close tick
+        # that an interactive client may need to send at any moment.
         in_flight_limit = max(1, session.max_pending_ticks - 1)
         frames: list[np.ndarray] = []
         held: tuple[str, ...] = ()
