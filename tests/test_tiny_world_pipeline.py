@@ -9,8 +9,8 @@ import torch
 
 from models.tiny_world.evaluate import make_runner, rollout
 from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
-from models.tiny_world.sampling import DenseChunkKV, sample_chunk, to_uint8
-from models.tiny_world.world import direction_index
+from models.tiny_world.sampling import DenseChunkKV, canvas_origin, crop_view, sample_chunk, to_uint8
+from models.tiny_world.world import direction_index, velocity
 from runner.contract import ARPipeline, SupportsWarmup
 from runner.runner import ARRunner
 from runner.types import TickRequest
@@ -54,7 +54,8 @@ def test_model_card_and_controls_schema(pipeline: TinyWorldPipeline) -> None:
 def test_kv_spec_is_one_block_per_frame(pipeline: TinyWorldPipeline) -> None:
     spec = pipeline.kv_cache_spec()
     cfg = pipeline.cfg
-    assert spec.tokens_per_frame == (64 // cfg.patch_size) ** 2
+    assert spec.tokens_per_frame == cfg.canvas_cells**2
+    assert cfg.canvas_cells * cfg.patch_size >= 64 + cfg.patch_size - 1
     assert spec.num_layers == cfg.num_layers
     assert spec.num_kv_heads * spec.head_size == cfg.d_model
     assert spec.sink_frames >= 1 and spec.window_frames >= spec.frames_per_chunk
@@ -94,14 +95,22 @@ def test_controls_change_the_frames(runner: ARRunner) -> None:
 def test_paged_runner_matches_a_dense_reference(pipeline: TinyWorldPipeline, runner: ARRunner) -> None:
     """Past the window (eviction included) the runner's paged KV gives the frames a dense history gives."""
     paged = rollout(runner, KEYS_SEQUENCE, seed=11)
-    kv = DenseChunkKV(pipeline.cfg, batch=1)
+    cfg = pipeline.cfg
+    kv = DenseChunkKV(cfg, batch=1)
     generator = torch.Generator().manual_seed(11)
+    x = y = 0
     dense = []
     with torch.inference_mode():
         for keys in KEYS_SEQUENCE:
-            directions = torch.full((1, pipeline.cfg.frames_per_chunk), direction_index(keys))
-            dense.append(to_uint8(sample_chunk(pipeline.model, kv, directions, generator))[0].numpy())
-    assert np.array_equal(paged, np.concatenate(dense))
+            directions = torch.full((1, cfg.frames_per_chunk), direction_index(keys))
+            geometry = []
+            for _ in range(cfg.frames_per_chunk):
+                x, y = x + velocity(keys)[0], y + velocity(keys)[1]
+                geometry.append(canvas_origin(x, y, cfg.patch_size))
+            cells = torch.tensor([[(g[0], g[1]) for g in geometry]])
+            canvases = sample_chunk(pipeline.model, kv, directions, cells, generator)[0]
+            dense.extend(to_uint8(crop_view(c, g[2], g[3], cfg.image_size)).numpy() for c, g in zip(canvases, geometry))
+    assert np.array_equal(paged, np.stack(dense))
 
 
 def test_pool_and_model_state_return_to_baseline(pipeline: TinyWorldPipeline, runner: ARRunner) -> None:

@@ -55,10 +55,10 @@ def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
 
 
 def test_visibility_mask_follows_the_camera() -> None:
-    cams = np.array([[[10, 10], [10 + CAMERA_SPEED, 10], [10 + 2 * CAMERA_SPEED, 10 - CAMERA_SPEED]]])
-    mask = train.visibility_mask(cams, cams[:, :1]).numpy()
+    origins = np.array([[[10, 10], [10 + CAMERA_SPEED, 10], [10 + 2 * CAMERA_SPEED, 10 - CAMERA_SPEED]]])
+    mask = train.visibility_mask(origins, origins[:, :1], 64).numpy()
     assert mask[0, 0].all()
-    # after moving right the rightmost columns show world the reference frame never saw
+    # after moving right the rightmost columns show world the reference crop never saw
     assert mask[0, 1][:, : 64 - CAMERA_SPEED].all() and not mask[0, 1][:, 64 - CAMERA_SPEED :].any()
     # after moving up as well, the top rows are new too
     assert not mask[0, 2][:CAMERA_SPEED].any() and mask[0, 2][CAMERA_SPEED:, : 64 - 2 * CAMERA_SPEED].all()

@@ -1,17 +1,26 @@
-"""The tiny-world network: a small causal diffusion transformer over 8x8 patch tokens.
+"""The tiny-world network: a small causal diffusion transformer over world-aligned patch tokens.
 
-One *pass* runs the current chunk's tokens (``frames_per_chunk`` frames) through
-every block. At each layer the chunk's keys and values (keys already rotated
-with their absolute frame position) go to a ``kv`` callback that stores them
-and returns everything the chunk may see: the history the KV source keeps
-(sink + window frames) followed by the chunk itself. Attention is therefore
-bidirectional within the chunk and causal across chunks, and the same code runs
-against the runner's paged pool at inference and a dense batched history in
-training (:class:`models.tiny_world.history.DenseChunkKV`).
+A frame is represented by a *canvas*: the ``canvas_cells x canvas_cells`` grid
+of 8x8 world cells that contains the 64x64 view. Cells are aligned to the
+world (not the screen), and each token's rotary position is its world cell
+coordinate, integrated from the controls (:class:`CameraTrack` in the pipeline).
+So a cell that stays in view keeps its position from frame to frame, and the
+network's job is to keep what it has shown consistent and to invent what
+enters the view; the pipeline crops the view out of the canvas.
+
+One *pass* runs the current chunk's tokens (``frames_per_chunk`` canvases)
+through every block. At each layer the chunk's keys and values (keys already
+rotated with their absolute frame index and world cell) go to a ``kv``
+callback that stores them and returns everything the chunk may see: the
+history the KV source keeps (sink + window frames) followed by the chunk
+itself. Attention is therefore bidirectional within the chunk and causal
+across chunks, and the same code runs against the runner's paged pool at
+inference and a dense batched history in training
+(:class:`models.tiny_world.sampling.DenseChunkKV`).
 
 Each frame carries its own diffusion time and camera direction; both condition
 the frame's tokens through adaLN modulation. The network predicts the clean
-frame (x0) in [-1, 1].
+canvas (x0) in [-1, 1].
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ class TinyWorldConfig:
 
     image_size: int = 64
     patch_size: int = 8
+    # world cells per canvas side; the canvas must hold the view at any sub-cell offset
+    canvas_cells: int = 9
     d_model: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -54,8 +65,11 @@ class TinyWorldConfig:
     fps: int = 16
 
     def __post_init__(self) -> None:
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.canvas_size < self.image_size + self.patch_size - 1:
+            raise ValueError(
+                f"canvas of {self.canvas_cells} cells x {self.patch_size} px cannot hold a {self.image_size} px view "
+                f"at every sub-cell offset"
+            )
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of num_heads {self.num_heads}")
         times = list(self.denoise_times)
@@ -68,7 +82,11 @@ class TinyWorldConfig:
 
     @property
     def grid(self) -> int:
-        return self.image_size // self.patch_size
+        return self.canvas_cells
+
+    @property
+    def canvas_size(self) -> int:
+        return self.canvas_cells * self.patch_size
 
     @property
     def tokens_per_frame(self) -> int:
@@ -108,43 +126,50 @@ def timestep_features(t: torch.Tensor, dim: int = 128) -> torch.Tensor:
 
 
 class RotaryPositions(nn.Module):
-    """3-D rotary angles: absolute frame index, patch row, patch column.
+    """3-D rotary angles: absolute frame index, world cell row, world cell column.
 
     The head's rotation pairs are split into a temporal part (few, long
-    wavelengths, so an old sink frame at any distance looks alike) and two
-    spatial parts (relative patch offsets are what a camera shift needs).
+    wavelengths) and two spatial parts. Spatial positions are world cells, so
+    attention sees where a token is in the world, not on the screen.
     """
 
     def __init__(self, head_size: int, grid: int) -> None:
         super().__init__()
         pairs = head_size // 2
         spatial = (pairs - TEMPORAL_ROPE_PAIRS) // 2
-        if TEMPORAL_ROPE_PAIRS + 2 * spatial != pairs:
+        if spatial < 1 or TEMPORAL_ROPE_PAIRS + 2 * spatial != pairs:
             raise ValueError(f"head_size {head_size} does not split into temporal + 2 equal spatial rotary parts")
-        inv_t = TEMPORAL_ROPE_BASE ** (-torch.arange(TEMPORAL_ROPE_PAIRS, dtype=torch.float32) / TEMPORAL_ROPE_PAIRS)
-        inv_s = 16.0 ** (-torch.arange(spatial, dtype=torch.float32) / max(spatial - 1, 1))
-        rows = torch.arange(grid, dtype=torch.float32).repeat_interleave(grid)
-        cols = torch.arange(grid, dtype=torch.float32).repeat(grid)
-        spatial_angles = torch.cat([rows[:, None] * inv_s, cols[:, None] * inv_s], dim=-1)
+        inv_t = TEMPORAL_ROPE_BASE ** (-torch.arange(TEMPORAL_ROPE_PAIRS, dtype=torch.float64) / TEMPORAL_ROPE_PAIRS)
+        inv_s = 16.0 ** (-torch.arange(spatial, dtype=torch.float64) / max(spatial - 1, 1))
         self.register_buffer("inv_t", inv_t, persistent=False)
-        self.register_buffer("spatial_angles", spatial_angles, persistent=False)
+        self.register_buffer("inv_s", inv_s, persistent=False)
+        self.register_buffer("local_rows", torch.arange(grid).repeat_interleave(grid), persistent=False)
+        self.register_buffer("local_cols", torch.arange(grid).repeat(grid), persistent=False)
 
-    def forward(self, frame_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[frames * tokens, pairs]`` for frames at the given absolute positions."""
-        tokens = self.spatial_angles.shape[0]
-        temporal = frame_positions.float()[:, None] * self.inv_t
-        temporal = temporal.repeat_interleave(tokens, dim=0)
-        spatial = self.spatial_angles.repeat(frame_positions.shape[0], 1)
-        angles = torch.cat([temporal, spatial], dim=-1)
-        return angles.cos(), angles.sin()
+    def forward(self, frame_positions: torch.Tensor, cell_origins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, frames * tokens, pairs]``.
+
+        ``frame_positions`` ``[F]`` absolute frame indices; ``cell_origins``
+        ``[B, F, 2]`` world cell ``(x, y)`` of each canvas's top-left token.
+        Angles are formed in float64 so far-travelled positions stay exact.
+        """
+        b, f = cell_origins.shape[:2]
+        tokens = self.local_rows.shape[0]
+        origins = cell_origins.to(torch.float64)
+        rows = origins[:, :, 1:2] + self.local_rows.to(torch.float64)
+        cols = origins[:, :, 0:1] + self.local_cols.to(torch.float64)
+        temporal = (frame_positions.to(torch.float64)[:, None] * self.inv_t)[None, :, None, :].expand(b, f, tokens, -1)
+        angles = torch.cat([temporal, rows[..., None] * self.inv_s, cols[..., None] * self.inv_s], dim=-1)
+        angles = angles.reshape(b, f * tokens, -1)
+        return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, N, heads, head_size]`` by angles ``[N, head_size / 2]``."""
+    """Rotate ``x`` ``[B, N, heads, head_size]`` by angles ``[B, N, head_size / 2]``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos = cos[:, :, None, :]
+    sin = sin[:, :, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -208,7 +233,7 @@ class TinyWorldDiT(nn.Module):
         nn.init.zeros_(self.final_ada.bias)
 
     def patchify(self, frames: torch.Tensor) -> torch.Tensor:
-        """``[B, F, H, W, 3]`` -> ``[B, F, tokens, patch_dim]``."""
+        """Canvases ``[B, F, C, C, 3]`` -> ``[B, F, tokens, patch_dim]``."""
         b, f = frames.shape[:2]
         g, p = self.cfg.grid, self.cfg.patch_size
         x = frames.reshape(b, f, g, p, g, p, 3).permute(0, 1, 2, 4, 3, 5, 6)
@@ -226,17 +251,19 @@ class TinyWorldDiT(nn.Module):
         t: torch.Tensor,
         direction: torch.Tensor,
         frame_positions: torch.Tensor,
+        cell_origins: torch.Tensor,
         kv: KVCallback,
     ) -> torch.Tensor:
         """One pass over a chunk.
 
-        ``noisy`` ``[B, F, H, W, 3]`` in [-1, 1]; ``t`` ``[B, F]`` diffusion
-        times; ``direction`` ``[B, F]`` indices 0..8; ``frame_positions``
-        ``[F]`` absolute frame indices. Returns predicted clean frames.
+        ``noisy`` canvases ``[B, F, C, C, 3]`` in [-1, 1]; ``t`` ``[B, F]``
+        diffusion times; ``direction`` ``[B, F]`` indices 0..8;
+        ``frame_positions`` ``[F]`` absolute frame indices; ``cell_origins``
+        ``[B, F, 2]`` world cells of the canvases. Returns predicted clean canvases.
         """
         x = self.patch_embed(self.patchify(noisy)) + self.pos_embed
         cond = F.silu(self.time_mlp(timestep_features(t)) + self.direction_embed(direction))
-        cos, sin = self.rotary(frame_positions)
+        cos, sin = self.rotary(frame_positions, cell_origins)
         for layer, block in enumerate(self.blocks):
             x = block(x, cond, cos, sin, layer, kv)
         shift, scale = self.final_ada(cond)[:, :, None, :].chunk(2, dim=-1)

@@ -3,8 +3,10 @@
 The runner owns the KV memory: each chunk's passes read and write the bound
 :class:`~runner.kv_state.SessionKVState`. The pipeline owns only the weights
 and, per session, the noise generator (seeded from the session's seed on the
-first chunk of a rollout) and the last controls; both are dropped on reset and
-close. Given the same seed and controls, a session replays the same frames.
+first chunk of a rollout) and the controls: the last ones and the camera
+position they add up to, which places the world-aligned canvas and the view
+inside it. All of it is dropped on reset and close. Given the same seed and
+controls, a session replays the same frames.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import numpy as np
 import torch
 
 from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from models.tiny_world.sampling import PagedKV, sample_chunk, to_uint8
+from models.tiny_world.sampling import PagedKV, canvas_origin, crop_view, sample_chunk, to_uint8
 from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
-from models.tiny_world.world import KEYS, direction_index
+from models.tiny_world.world import KEYS, direction_index, velocity
 from runner.kv_state import SessionKVState
 from runner.spec import KVCacheSpec
 from runner.types import TickRequest
@@ -46,6 +48,9 @@ class _Session:
 
     generator: torch.Generator
     controls: dict[str, Any]
+    # camera pixel position, the running sum of the controls' motion since the rollout began
+    camera_x: int = 0
+    camera_y: int = 0
 
 
 class TinyWorldPipeline:
@@ -102,11 +107,22 @@ class TinyWorldPipeline:
             session = _Session(generator=torch.Generator().manual_seed(seed), controls={})
             self._sessions[tick.session_id] = session
         session.controls = dict(tick.controls)
-        direction = direction_index(tick.controls.get("keys", []))
-        directions = torch.full((1, self.cfg.frames_per_chunk), direction, dtype=torch.long, device=self.device)
+        keys = tick.controls.get("keys", [])
+        dx, dy = velocity(keys)
+        cells, offsets = [], []
+        for _ in range(self.cfg.frames_per_chunk):
+            session.camera_x += dx
+            session.camera_y += dy
+            cell_x, cell_y, off_x, off_y = canvas_origin(session.camera_x, session.camera_y, self.cfg.patch_size)
+            cells.append((cell_x, cell_y))
+            offsets.append((off_x, off_y))
+        fpc = self.cfg.frames_per_chunk
+        directions = torch.full((1, fpc), direction_index(keys), dtype=torch.long, device=self.device)
+        cell_origins = torch.tensor([cells], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            clean = sample_chunk(self.model, PagedKV(state), directions, session.generator)
-        return to_uint8(clean[0]).cpu().numpy()
+            canvases = sample_chunk(self.model, PagedKV(state), directions, cell_origins, session.generator)
+        views = [crop_view(canvases[0, f], ox, oy, self.cfg.image_size) for f, (ox, oy) in enumerate(offsets)]
+        return to_uint8(torch.stack(views)).cpu().numpy()
 
     def reset_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -139,20 +139,31 @@ def noise_like(shape: tuple[int, ...], generator: torch.Generator | None, device
     return torch.randn(shape, generator=generator).to(device)
 
 
+def canvas_origin(x: int, y: int, patch_size: int) -> tuple[int, int, int, int]:
+    """For a camera at pixel ``(x, y)``: the world cell of the canvas's corner and the view's offset in it."""
+    return x // patch_size, y // patch_size, x % patch_size, y % patch_size
+
+
+def crop_view(canvas: torch.Tensor, offset_x: int, offset_y: int, view: int) -> torch.Tensor:
+    """The ``view x view`` camera image inside a canvas ``[..., C, C, 3]``."""
+    return canvas[..., offset_y : offset_y + view, offset_x : offset_x + view, :]
+
+
 def commit_chunk(
     model: TinyWorldDiT,
     kv: ChunkKV,
     clean: torch.Tensor,
     direction: torch.Tensor,
+    cell_origins: torch.Tensor,
     generator: torch.Generator | None,
 ) -> None:
-    """Write ``clean`` ``[B, F, H, W, 3]`` into the history at the context noise level."""
+    """Write clean canvases ``[B, F, C, C, 3]`` into the history at the context noise level."""
     cfg = model.cfg
     level = cfg.context_noise
     noisy = (1 - level) * clean + level * noise_like(tuple(clean.shape), generator, clean.device)
     t = torch.full(direction.shape, level, device=clean.device)
     kv.begin_pass(commit=True)
-    model(noisy, t, direction, chunk_positions(kv, cfg).to(clean.device), kv.kv)
+    model(noisy, t, direction, chunk_positions(kv, cfg).to(clean.device), cell_origins, kv.kv)
     kv.end_pass()
 
 
@@ -160,14 +171,16 @@ def sample_chunk(
     model: TinyWorldDiT,
     kv: ChunkKV,
     direction: torch.Tensor,
+    cell_origins: torch.Tensor,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Generate and commit one chunk; returns its clean frames ``[B, F, H, W, 3]`` in [-1, 1].
+    """Generate and commit one chunk; returns its clean canvases ``[B, F, C, C, 3]`` in [-1, 1].
 
-    ``direction`` ``[B, F]`` holds each frame's camera direction index.
+    ``direction`` ``[B, F]`` holds each frame's camera direction index and
+    ``cell_origins`` ``[B, F, 2]`` the world cell of each canvas's corner.
     """
     cfg = model.cfg
-    shape = (direction.shape[0], cfg.frames_per_chunk, cfg.image_size, cfg.image_size, 3)
+    shape = (direction.shape[0], cfg.frames_per_chunk, cfg.canvas_size, cfg.canvas_size, 3)
     device = direction.device
     positions = chunk_positions(kv, cfg).to(device)
     x = noise_like(shape, generator, device)
@@ -175,7 +188,8 @@ def sample_chunk(
     clean = x
     for i, t in enumerate(times):
         kv.begin_pass(commit=False)
-        clean = model(x, torch.full(direction.shape, t, device=device), direction, positions, kv.kv).clamp(-1, 1)
+        t_frames = torch.full(direction.shape, t, device=device)
+        clean = model(x, t_frames, direction, positions, cell_origins, kv.kv).clamp(-1, 1)
         kv.end_pass()
         if i + 1 < len(times):
             t_next = times[i + 1]
@@ -184,7 +198,7 @@ def sample_chunk(
             else:
                 eps = noise_like(shape, generator, device)
             x = (1 - t_next) * clean + t_next * eps
-    commit_chunk(model, kv, clean, direction, generator)
+    commit_chunk(model, kv, clean, direction, cell_origins, generator)
     return clean
 
 

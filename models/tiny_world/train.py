@@ -41,18 +41,19 @@ import torch.nn.functional as F
 from models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
 from models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
 from models.tiny_world.weights import save_weights
-from models.tiny_world.world import VIEW_SIZE, ProceduralWorld, keys_for_direction
+from models.tiny_world.world import ProceduralWorld, keys_for_direction
 
 STILL = 4
 
 
 @dataclass
 class Batch:
-    frames: torch.Tensor  # [B, L, H, W, 3] in [-1, 1]
+    frames: torch.Tensor  # canvases [B, L, C, C, 3] in [-1, 1]
     directions: torch.Tensor  # [B, L]
-    cams: np.ndarray  # [B, L, 2] camera positions (unwrapped)
-    stale_sink: torch.Tensor | None  # [B, F, H, W, 3] frames of an old chunk elsewhere, or None
+    cells: torch.Tensor  # [B, L, 2] world cell of each canvas's corner (unwrapped)
+    stale_sink: torch.Tensor | None  # [B, F, C, C, 3] canvases of an old chunk elsewhere, or None
     stale_directions: torch.Tensor | None
+    stale_cells: torch.Tensor | None
     frame_start: int  # absolute index of frames[:, 0]
 
 
@@ -79,24 +80,29 @@ class TrajectorySampler:
         return int(self.rng.choice([d for d in range(NUM_DIRECTIONS) if d != STILL]))
 
     def _walk(self, world: ProceduralWorld, chunks: int) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """Canvases, directions and canvas cells of one random walk."""
         dirs = self._directions(chunks)
         x, y = (int(v) for v in self.rng.integers(0, world.size, size=2))
-        frames, cams = world.rollout(x, y, [keys_for_direction(d) for d in dirs])
-        return frames, dirs, cams
+        _frames, cams = world.rollout(x, y, [keys_for_direction(d) for d in dirs])
+        p = self.cfg.patch_size
+        cells = np.floor_divide(cams, p)
+        canvases = np.stack([world.render(cx * p, cy * p, self.cfg.canvas_size) for cx, cy in cells])
+        return canvases, dirs, cells
 
     def sample(self, batch: int, chunks: int, stale: bool) -> Batch:
-        frames, dirs, cams, old_frames, old_dirs = [], [], [], [], []
+        frames, dirs, cells, old_frames, old_dirs, old_cells = [], [], [], [], [], []
         fpc = self.cfg.frames_per_chunk
         for _ in range(batch):
             world = self.worlds[int(self.rng.integers(len(self.worlds)))]
             f, d, c = self._walk(world, chunks)
             frames.append(f)
             dirs.append(d)
-            cams.append(c)
+            cells.append(c)
             if stale:
-                of, od, _ = self._walk(world, 1)
+                of, od, oc = self._walk(world, 1)
                 old_frames.append(of)
                 old_dirs.append(od)
+                old_cells.append(oc)
         frame_start = 0
         if stale:
             # a long-running session: log-uniform position, chunk aligned, past the window
@@ -106,9 +112,10 @@ class TrajectorySampler:
         return Batch(
             frames=from_uint8(torch.from_numpy(np.stack(frames))),
             directions=torch.tensor(dirs),
-            cams=np.stack(cams),
+            cells=torch.from_numpy(np.stack(cells)),
             stale_sink=from_uint8(torch.from_numpy(np.stack(old_frames))) if stale else None,
             stale_directions=torch.tensor(old_dirs) if stale else None,
+            stale_cells=torch.from_numpy(np.stack(old_cells)) if stale else None,
             frame_start=frame_start,
         )
 
@@ -136,7 +143,7 @@ def prime_history(model: TinyWorldDiT, kv: DenseChunkKV, batch: Batch, gen: torc
     """For a continuing session: commit an old chunk from elsewhere, keep its first frame as the sink."""
     if batch.stale_sink is None:
         return
-    commit_chunk(model, kv, batch.stale_sink, batch.stale_directions, gen)
+    commit_chunk(model, kv, batch.stale_sink, batch.stale_directions, batch.stale_cells, gen)
     kv.jump_to(batch.frame_start)
 
 
@@ -170,23 +177,28 @@ def diffusion_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generat
         x = torch.cat(rows_x)
         t = torch.cat(rows_t)[:, None].expand(-1, fpc)
         kv.begin_pass(commit=commit, commit_rows=slice(x.shape[0] - b, x.shape[0]))
-        pred = model(x, t, dirs.repeat(len(rows_x), 1), positions, kv.kv)
+        cells = batch.cells[:, sl].repeat(len(rows_x), 1, 1)
+        pred = model(x, t, dirs.repeat(len(rows_x), 1), positions, cells, kv.kv)
         kv.end_pass()
         if train_query:
             losses.append(F.mse_loss(pred[:b], clean))
     return torch.stack(losses).mean()
 
 
-def visibility_mask(cams: np.ndarray, ref_cams: np.ndarray, view: int = VIEW_SIZE) -> torch.Tensor:
-    """``[B, L, view, view]``: which pixels of each frame show world seen in any reference frame."""
-    b, length = cams.shape[:2]
-    mask = np.zeros((b, length, view, view), dtype=bool)
-    grid = np.arange(view)
+def visibility_mask(origins: np.ndarray, ref_origins: np.ndarray, size: int) -> torch.Tensor:
+    """``[B, L, size, size]``: which pixels of each square crop show world seen in any reference crop.
+
+    ``origins`` ``[B, L, 2]`` and ``ref_origins`` ``[B, K, 2]`` are the crops'
+    top-left world pixels ``(x, y)``.
+    """
+    b, length = origins.shape[:2]
+    mask = np.zeros((b, length, size, size), dtype=bool)
+    grid = np.arange(size)
     for i in range(b):
         for j in range(length):
-            for rx, ry in ref_cams[i]:
-                cols = (cams[i, j, 0] + grid - rx >= 0) & (cams[i, j, 0] + grid - rx < view)
-                rows = (cams[i, j, 1] + grid - ry >= 0) & (cams[i, j, 1] + grid - ry < view)
+            for rx, ry in ref_origins[i]:
+                cols = (origins[i, j, 0] + grid - rx >= 0) & (origins[i, j, 0] + grid - rx < size)
+                rows = (origins[i, j, 1] + grid - ry >= 0) & (origins[i, j, 1] + grid - ry < size)
                 mask[i, j] |= rows[:, None] & cols[None, :]
     return torch.from_numpy(mask)
 
@@ -199,8 +211,9 @@ def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator) -
     kv = DenseChunkKV(cfg, b)
     with torch.no_grad():
         prime_history(model, kv, batch, gen)
-        commit_chunk(model, kv, batch.frames[:, :fpc], batch.directions[:, :fpc], gen)
-    mask = visibility_mask(batch.cams, batch.cams[:, :fpc])[..., None].float()
+        commit_chunk(model, kv, batch.frames[:, :fpc], batch.directions[:, :fpc], batch.cells[:, :fpc], gen)
+    origins = batch.cells.numpy() * cfg.patch_size
+    mask = visibility_mask(origins, origins[:, :fpc], cfg.canvas_size)[..., None].float()
     losses = []
     for c in range(1, chunks):
         sl = slice(c * fpc, (c + 1) * fpc)
@@ -209,13 +222,14 @@ def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator) -
         t = sample_times(b, cfg, gen)
         positions = torch.arange(kv.frame_start, kv.frame_start + fpc)
         kv.begin_pass(commit=False)
-        pred = model(noised(clean, t, gen), t[:, None].expand(-1, fpc), dirs, positions, kv.kv)
+        cells = batch.cells[:, sl]
+        pred = model(noised(clean, t, gen), t[:, None].expand(-1, fpc), dirs, positions, cells, kv.kv)
         kv.end_pass()
         m = mask[:, sl]
         losses.append(((pred - clean) ** 2 * m).sum() / (m.sum() * 3).clamp_min(1.0))
         if c < chunks - 1:
             with torch.no_grad():
-                sample_chunk(model, kv, dirs, gen)
+                sample_chunk(model, kv, dirs, cells, gen)
     return torch.stack(losses).mean()
 
 

@@ -91,14 +91,18 @@ class ProceduralWorld:
         edges = np.cumsum(CLASS_SHARES)[:-1]
         self.classes = np.searchsorted(edges, height, side="right").astype(np.uint8)
         self.map = PALETTE[self.classes]
-        # wrap padding lets every crop be a plain slice
-        self._padded = np.pad(self.map, ((0, view), (0, view), (0, 0)), mode="wrap")
+        # wrap padding lets every crop (views, and the slightly larger model canvases) be a plain slice
+        self._pad = 2 * view
+        self._padded = np.pad(self.map, ((0, self._pad), (0, self._pad), (0, 0)), mode="wrap")
 
-    def render(self, x: int, y: int) -> np.ndarray:
-        """uint8 ``[view, view, 3]`` crop whose top-left map pixel is ``(x, y)`` (wrapping)."""
+    def render(self, x: int, y: int, size: int | None = None) -> np.ndarray:
+        """uint8 ``[size, size, 3]`` crop (default: the view) whose top-left map pixel is ``(x, y)``, wrapping."""
+        size = self.view if size is None else size
+        if size > self._pad:
+            raise ValueError(f"crop size {size} exceeds the supported {self._pad}")
         x %= self.size
         y %= self.size
-        return self._padded[y : y + self.view, x : x + self.view]
+        return self._padded[y : y + size, x : x + size]
 
     def rollout(self, x: int, y: int, keys_per_frame: Sequence[Iterable[str]]) -> tuple[np.ndarray, np.ndarray]:
         """Frames after each step of held keys, and the camera position of each frame.
