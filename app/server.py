@@ -108,6 +108,10 @@ class ARStreamServer(uvicorn.Server):
             server.close()  # stop accepting before saying goodbye
         await self.hub.close_sessions()
         await super().shutdown(sockets)
+        # A peer that never read what it was sent keeps its transport waiting to flush: cut it.
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()
+        await asyncio.sleep(0.05)  # let the aborted transports report connection_lost before the loop closes
         # uvicorn re-raises the stop signal after serving; a completed graceful stop exits 0 instead.
         self._captured_signals.clear()
 

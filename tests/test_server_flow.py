@@ -18,6 +18,7 @@ from models.fake import controls_code
 from servers import (
     GatedFakePipeline,
     LiveServer,
+    SessionClient,
     fake_settings,
     running_server,
     session_client,
@@ -199,26 +200,34 @@ def test_disconnected_but_resident_session_is_reclaimed_without_touching_connect
         settled(server, start_free)
 
 
+STALLING_SETTINGS = {
+    "codec": "raw",
+    "max_pending_ticks": 4,
+    "model_options": {"width": 256, "height": 256},  # big frames fill the socket buffers quickly
+    "shutdown_grace_s": 0.5,
+}
+
+
+async def stall_writes(server: LiveServer, client: SessionClient) -> int:
+    """Send ticks from a client that never reads until the server holds all its credits; returns the last tick id."""
+    for tick_id in range(2000):
+        await client.send(type="tick", tick_id=tick_id)
+        await asyncio.sleep(0.002)
+        if tick_id % 10 == 9:
+            stats = await asyncio.to_thread(server.stats)
+            if stats["sessions"]["pending_ticks"] == 4 and stats["queue"]["depth"] == 0:
+                return tick_id
+    raise AssertionError("the slow client's writes never blocked")
+
+
 def test_a_client_that_stops_reading_does_not_stall_another() -> None:
     """The slow client never reads: its credits stay held (writes block) while the other keeps streaming."""
-    settings = fake_settings(
-        codec="raw", max_pending_ticks=4, model_options={"width": 256, "height": 256}, shutdown_grace_s=0.5
-    )
-    with running_server(settings) as server:
+    with running_server(fake_settings(**STALLING_SETTINGS)) as server:
         start_free = server.stats()["kv"]["blocks_free"]
 
         async def scenario() -> int:
             async with session_client(server.ws_url, start={"codec": "raw"}, max_queue=1) as slow:
-                held = None
-                for tick_id in range(2000):
-                    await slow.send(type="tick", tick_id=tick_id)
-                    await asyncio.sleep(0.002)
-                    if tick_id % 10 == 9:
-                        stats = await asyncio.to_thread(server.stats)
-                        if stats["sessions"]["pending_ticks"] == 4 and stats["queue"]["depth"] == 0:
-                            held = stats
-                            break
-                assert held is not None, "the slow client's writes never blocked"
+                tick_id = await stall_writes(server, slow)
                 async with session_client(server.ws_url, start={"codec": "raw"}) as fast:
                     for tick_id in range(12):
                         await fast.send(type="tick", tick_id=tick_id)
@@ -284,3 +293,18 @@ def test_graceful_shutdown_sends_closed_server_shutdown() -> None:
     for closed in closed_results:
         assert closed.messages == [{"type": "closed", "reason": "server_shutdown"}]
         assert closed.code == 1001
+
+
+def test_shutdown_does_not_hang_on_a_client_that_stops_reading() -> None:
+    with running_server(fake_settings(**STALLING_SETTINGS)) as server:
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={"codec": "raw"}, max_queue=1) as slow:
+                await stall_writes(server, slow)
+                assert server.server is not None and server.thread is not None
+                server.server.should_exit = True
+                await asyncio.to_thread(server.thread.join, 60)  # a hang guard, not a timing assertion
+                assert not server.thread.is_alive()
+                slow.abort()
+
+        run(scenario())
