@@ -20,7 +20,7 @@ def run(coro: Any) -> Any:
 @pytest.fixture(scope="module")
 def quick() -> Iterator[LiveServer]:
     """Short start timeout and a small message limit."""
-    with running_server(fake_settings(start_timeout_s=0.3, max_message_bytes=1024)) as live:
+    with running_server(fake_settings(start_timeout_s=1.0, max_message_bytes=1024)) as live:
         yield live
 
 
@@ -120,12 +120,12 @@ def test_message_too_large_before_start(quick: LiveServer) -> None:
 
 
 def test_idle_session_gets_idle_timeout_4001() -> None:
-    with running_server(fake_settings(idle_timeout_s=0.3)) as server:
+    with running_server(fake_settings(idle_timeout_s=1.0)) as server:
         start_free = server.stats()["kv"]["blocks_free"]
 
         async def scenario() -> Any:
             async with session_client(server.ws_url, start={}) as client:
-                assert client.ready is not None and client.ready["limits"]["idle_timeout_s"] == 0.3
+                assert client.ready is not None and client.ready["limits"]["idle_timeout_s"] == 1
                 await client.send(type="tick", tick_id=1)
                 await client.recv_chunk()
                 return await client.closed_by_server()
