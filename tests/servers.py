@@ -69,6 +69,14 @@ class LiveServer:
         response.raise_for_status()
         return response.json()
 
+    def wait_ready(self, *, attempts: int = 2000, interval_s: float = 0.025) -> None:
+        """Poll /readyz until it answers 200."""
+        for _ in range(attempts):
+            if self.get("/readyz").status_code == 200:
+                return
+            time.sleep(interval_s)
+        raise AssertionError("/readyz never became ready")
+
     def wait_for_stats(self, predicate: Any, *, attempts: int = 400, interval_s: float = 0.025) -> dict[str, Any]:
         """Poll /v1/stats until ``predicate(stats)`` holds; returns the stats that satisfied it."""
         stats = self.stats()

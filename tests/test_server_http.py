@@ -55,12 +55,7 @@ def test_not_ready_while_warming_up_then_ready() -> None:
             assert closed.code == 1013 and closed.messages[0]["code"] == "over_capacity"
         finally:
             pipeline.release_warmup.set()
-        assert server.server is not None
-        hub = server.server.hub
-        for _ in range(2000):
-            if hub.ready:
-                break
-            threading.Event().wait(0.01)
+        server.wait_ready()
         assert server.get("/readyz").json() == {"ready": True}
         assert server.get("/v1/model").json()["name"] == "fake-kv"
 

@@ -160,7 +160,7 @@ def test_over_capacity_1013_until_a_slot_frees() -> None:
 
         refused, chunk = run(scenario())
         error = assert_fatal(refused, "over_capacity", 1013)
-        assert "1" in error["message"]
+        assert "all 1 session slots are in use" in error["message"]
         assert chunk["chunk_index"] == 0
         assert server.get("/readyz").status_code == 200
 
