@@ -303,3 +303,42 @@ def test_close_flag_drains_the_session() -> None:
 )
 def test_restart_reason(reset: bool, new_rollout: bool, produced_before: bool, expected: str | None) -> None:
     assert restart_reason(reset=reset, new_rollout=new_rollout, produced_before=produced_before) == expected
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("tick"), st.integers(0, 40), st.booleans()),
+            st.tuples(st.just("event"), st.integers(0, 40), st.booleans()),
+            st.tuples(st.just("done"), st.just(0), st.just(False)),
+        ),
+        max_size=60,
+    )
+)
+def test_random_message_sequences_keep_credits_and_floors(operations: list[tuple[str, int, bool]]) -> None:
+    """Credits never exceed the limit or go negative; floors only rise; every staged event is applied once."""
+    session = active_session(max_pending_ticks=3)
+    accepted_events: list[int] = []
+    applied: list[int] = []
+    jobs = []
+    for kind, number, flag in operations:
+        tick_floor, event_floor = session.last_tick_id, session.event_floor
+        try:
+            if kind == "tick":
+                jobs.append(session.accept_tick(tick(number, controls={"keys": ["w"] if flag else []})))
+            elif kind == "event":
+                if not session.accept_event(event(number)):
+                    accepted_events.append(number)
+            elif jobs:
+                applied.extend(session.take_chunk_inputs(jobs.pop(0)).applied_event_ids)
+                session.release_credit()
+        except ProtocolError:
+            assert (session.last_tick_id, session.event_floor) == (tick_floor, event_floor)
+        assert 0 <= session.pending_ticks <= 3
+        assert session.pending_ticks == len(jobs)
+        if tick_floor is not None:
+            assert session.last_tick_id is not None and session.last_tick_id >= tick_floor
+    # one more chunk boundary takes whatever is still pending
+    for job in jobs or [session.accept_tick(tick(1000))]:
+        applied.extend(session.take_chunk_inputs(job).applied_event_ids)
+    assert applied == accepted_events == sorted(set(accepted_events))
