@@ -341,6 +341,9 @@ async def run_script(
             chunk = await session.receive_chunk()
             chunks_received += 1
             frames.extend(chunk.frames)
+            if chunk.message.get("restarted") == "evicted":
+                # The server reclaimed this session's KV (it was idle and the pool was full): a new rollout began.
+                print(f"note: tick {chunk.tick_id} started a new rollout after the session was evicted", file=sys.stderr)
         streaming_s = time.perf_counter() - ticking_started
         closed_reason = await session.close()
     return RunResult(
