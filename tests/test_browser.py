@@ -118,7 +118,6 @@ def test_page_streams_frames_and_a_key_press_reaches_the_screen(server: ServerPr
         "/^\\d+ ms \\(median \\d+ ms\\)$/.test(document.getElementById('hud-action').textContent)",
         timeout=WAIT_MS,
     )
-    page.screenshot(path="/tmp/arstream_demo.png")
 
 
 def test_hud_shows_model_latency_and_kv_blocks(server: ServerProcess, page: Any) -> None:
