@@ -36,10 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import websockets
 
 from app import wire
 from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
+from app.settings import Settings
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
 SERVER_START_TIMEOUT_S = 600.0
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads",
         type=int,
-        help="torch CPU threads on both sides (server via OMP_NUM_THREADS); default: torch's own choice",
+        help="torch CPU threads on both sides (default: the server's default, CPU cores - 1, at least 1)",
     )
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra argument for `arstream serve` (repeatable)"
@@ -287,15 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.sessions, args.chunks, args.repeat, args.input_every, args.threads or 1) < 1:
         print("arstream bench serve: counts must be >= 1", file=sys.stderr)
         return 2
-    server_env = None
-    if args.threads is not None:
-        import torch
-
-        # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
-        # cores, so a fair comparison pins both sides to the same count.
-        torch.set_num_threads(args.threads)
-        server_env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
+    # cores, so a fair comparison pins both sides to the same count.
+    threads = args.threads or Settings(torch_threads=None).resolved_torch_threads()
+    torch.set_num_threads(threads)
     serve_args = [
+        "--torch-threads", str(threads),
         "--model", args.model,
         "--model-options", json.dumps(options),
         "--device", args.device,
@@ -307,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner_rates: list[float] = []
     ratios: list[float] = []
     all_figures: list[SessionFigures] = []
-    with ServerProcess(serve_args, env=server_env) as server:
+    with ServerProcess(serve_args) as server:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")
         bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=args.kv_budget_bytes)
@@ -349,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sessions": args.sessions,
         "chunks_per_session": args.chunks,
         "repetitions": args.repeat,
-        "threads": args.threads,
+        "threads": threads,
         "server_chunks_per_s": round(_median(server_rates), 2),
         "runner_chunks_per_s": round(_median(runner_rates), 2),
         "server_vs_runner_ratio": round(_median(ratios), 4),

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
+import torch
 
 from app.metrics import ServerMetrics
 from app.settings import Settings
@@ -65,6 +66,7 @@ class SessionHub:
     def _build_runner(self) -> ARRunner:
         """Runs on the worker thread: load the pipeline, build the pool, warm up."""
         settings = self.settings
+        torch.set_num_threads(settings.resolved_torch_threads())
         pipeline = self._pipeline
         if pipeline is None:
             pipeline = load_pipeline(settings.model, settings.device, **settings.model_options)

@@ -107,3 +107,13 @@ def test_serve_with_an_unknown_model_exits_nonzero() -> None:
     assert result.returncode == 1
     assert "unknown model 'no-such-model'" in result.stderr
     assert "ARSTREAM_LISTENING" not in result.stdout
+
+
+def test_torch_threads_leave_a_core_free_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert Settings().resolved_torch_threads() == 7
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert Settings().resolved_torch_threads() == 1
+    assert settings_from_argv(["--torch-threads", "3"]).resolved_torch_threads() == 3
+    monkeypatch.setenv("ARSTREAM_TORCH_THREADS", "2")
+    assert Settings().resolved_torch_threads() == 2
