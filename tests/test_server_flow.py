@@ -86,6 +86,29 @@ def test_too_many_ticks_then_credit_returns_after_the_chunk(gated: tuple[LiveSer
     settled(server, start_free)
 
 
+def test_tick_with_close_flag_sends_its_chunk_then_closes(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
+    server, pipeline = gated
+    start_free = server.stats()["kv"]["blocks_free"]
+
+    async def scenario() -> Any:
+        async with session_client(server.ws_url, start={}) as client:
+            await client.send(type="tick", tick_id=1)
+            await client.send(type="tick", tick_id=2, close=True)
+            await client.send(type="tick", tick_id=3)
+            # the gate holds the forwards, so tick 3 surely arrives before the session closes
+            refusal = await client.recv_json()
+            assert (refusal["type"], refusal["code"], refusal["tick_id"]) == ("error", "invalid_message", 3)
+            pipeline.gate.set()
+            return await client.closed_by_server()
+
+    closed = run(scenario())
+    assert [m["tick_id"] for m in closed.messages if m["type"] == "chunk"] == [1, 2]
+    assert not [m for m in closed.messages if m["type"] == "error"]
+    assert closed.messages[-1] == {"type": "closed", "reason": "tick_close"}
+    assert closed.code == 1000
+    settled(server, start_free)
+
+
 def test_two_sessions_are_served_round_robin(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
     server, pipeline = gated
 

@@ -324,23 +324,6 @@ def test_close_message_sends_closed_client_and_1000(server: LiveServer, baseline
     assert closed.messages == [{"type": "closed", "reason": "client"}]
 
 
-def test_tick_with_close_flag_sends_its_chunk_then_closes(server: LiveServer, baseline: int) -> None:
-    async def scenario() -> Any:
-        async with session_client(server.ws_url, start={}) as client:
-            await client.send(type="tick", tick_id=1)
-            await client.send(type="tick", tick_id=2, close=True)
-            await client.send(type="tick", tick_id=3)
-            return await client.closed_by_server()
-
-    closed = run(scenario())
-    chunks = [m["tick_id"] for m in closed.messages if m["type"] == "chunk"]
-    refusals = [(m["code"], m["tick_id"]) for m in closed.messages if m["type"] == "error"]
-    assert chunks == [1, 2]
-    assert refusals == [("invalid_message", 3)]  # no ticks after the closing one
-    assert closed.messages[-1] == {"type": "closed", "reason": "tick_close"}
-    assert closed.code == 1000
-
-
 def test_abrupt_disconnect_releases_the_session(server: LiveServer, baseline: int) -> None:
     async def scenario() -> None:
         async with session_client(server.ws_url, start={}) as client:
