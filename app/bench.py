@@ -41,7 +41,7 @@ import websockets
 
 from app import wire
 from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
-from app.settings import Settings
+from runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
 SERVER_START_TIMEOUT_S = 600.0
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
     # cores, so a fair comparison pins both sides to the same count.
-    threads = args.threads or Settings(torch_threads=None).resolved_torch_threads()
+    threads = args.threads or default_torch_threads()
     torch.set_num_threads(threads)
     serve_args = [
         "--torch-threads", str(threads),

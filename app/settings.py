@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.registry import DEFAULT_MODEL
+from runner.threads import default_torch_threads
 
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
 # uvicorn's frame limit sits a little above ours so an oversized text message reaches the
@@ -58,12 +58,10 @@ class Settings(BaseSettings):
         return CPU_KV_BUDGET_BYTES
 
     def resolved_torch_threads(self) -> int:
-        """Leave a core to the event loop and frame encoding: on a small CPU host, torch
-        using every core stalls whenever anything else runs (measured: 2 threads on 2 busy
-        cores ran tiny-world 7-17x slower than 1 thread)."""
+        """Explicit, else leave a core to the event loop and frame encoding."""
         if self.torch_threads is not None:
             return self.torch_threads
-        return max(1, (os.cpu_count() or 1) - 1)
+        return default_torch_threads()
 
     def origin_allow_list(self) -> list[str]:
         """Configured origins; empty means the same-host default (see :mod:`app.auth`)."""

@@ -19,6 +19,7 @@ import torch
 
 from models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
 from runner.runner import ARRunner
+from runner.threads import default_torch_threads
 from runner.types import TickRequest
 
 
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=60, help="chunks per measurement (several windows long)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="denoise passes per chunk (plus one commit)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--threads", type=int, default=default_torch_threads(), help="torch threads (default: CPU cores - 1, at least 1)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
