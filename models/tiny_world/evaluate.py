@@ -25,8 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, responsiveness
+from models.tiny_world.metrics import (
+    MIN_SHIFT_PX,
+    color_histogram,
+    drift_report,
+    responsiveness,
+    total_variation,
+)
 from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
+from models.tiny_world.world import ProceduralWorld
 from runner.runner import ARRunner
 from runner.types import TickRequest
 
@@ -100,12 +107,23 @@ def drift_checks(report: dict[str, float]) -> dict[str, bool]:
     }
 
 
+def ground_truth_walks(frames: int, seeds: Sequence[int], frames_per_chunk: int) -> list[np.ndarray]:
+    """The same square walk rendered by the procedural world (held-out seeds), for reference figures."""
+    keys = [k for k in square_walk(frames, frames_per_chunk) for _ in range(frames_per_chunk)]
+    return [ProceduralWorld(seed).rollout(0, 0, keys)[0] for seed in seeds]
+
+
 def evaluate_drift(runner: ARRunner, frames: int, seeds: Sequence[int]) -> dict[str, Any]:
     fpc = runner.spec.frames_per_chunk
+    truth = ground_truth_walks(frames, seeds, fpc)
+    truth_hist = color_histogram(np.concatenate(truth))
     runs = []
     for seed in seeds:
-        report = drift_report(rollout(runner, square_walk(frames, fpc), seed))
+        generated = rollout(runner, square_walk(frames, fpc), seed)
+        report = drift_report(generated)
         report["checks"] = drift_checks(report)
+        # how far the generated colours are from the real world's (reported, not a pass/fail check)
+        report["tv_vs_ground_truth"] = total_variation(color_histogram(generated), truth_hist)
         runs.append(report)
     keys = [k for k in runs[0] if k != "checks"]
     summary: dict[str, Any] = {k: float(np.mean([r[k] for r in runs])) for k in keys}
@@ -114,6 +132,8 @@ def evaluate_drift(runner: ARRunner, frames: int, seeds: Sequence[int]) -> dict[
     summary["runs"] = len(runs)
     summary["failed_checks"] = sorted({k for r in runs for k, ok in r["checks"].items() if not ok})
     summary["pass"] = summary["runs_passing"] == len(runs)
+    reference = [drift_report(t) for t in truth]
+    summary["ground_truth"] = {k: float(np.mean([r[k] for r in reference])) for k in reference[0]}
     return summary
 
 
@@ -149,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         f"last-quarter motion {drift['last_mean_shift']:.2f} px/frame"
     )
     print(f"  runs passing every check: {drift['runs_passing']}/{drift['runs']} (failed: {drift['failed_checks']})")
+    truth = drift["ground_truth"]
+    print(
+        f"  ground truth, same walk: TV {truth['tv_first_last_quarter']:.3f}, contrast {truth['last_contrast']:.1f}, "
+        f"pixel noise {truth['last_pixel_noise']:.2f}, palette share {truth['last_palette_fraction']:.2f}; "
+        f"generated colours vs ground truth: TV {drift['tv_vs_ground_truth']:.3f}"
+    )
     result = {
         "responsiveness": resp,
         "drift": drift,
