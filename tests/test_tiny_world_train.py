@@ -29,10 +29,11 @@ def run(tmp_path: Path, steps: int, *extra: str) -> int:
 
 
 def test_train_checkpoints_resumes_and_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(tmp_path, 2) == 0
+    assert run(tmp_path, 3, "--stop-at", "2") == 0
     first = capsys.readouterr().out
-    assert "step 1/2 loss" in first and "diffusion-forcing" in first and "ETA" in first
-    assert "step 2/2 loss" in first and "self-forcing" in first
+    assert "step 1/3 loss" in first and "diffusion-forcing" in first and "ETA" in first
+    assert "step 2/3 loss" in first and "self-forcing" in first
+    assert "step 3/3" not in first
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert ckpt["step"] == 2
 

@@ -246,9 +246,10 @@ def ema_decay(step: int, target: float) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arstream train tiny-world", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=2400, help="total optimiser steps")
-    p.add_argument("--self-forcing-from", type=int, default=1500, help="step at which self-forcing steps begin")
-    p.add_argument("--self-forcing-share", type=float, default=0.6, help="share of steps that self-force after that")
+    p.add_argument("--steps", type=int, default=1850, help="total optimiser steps (the learning-rate schedule's length)")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step (to resume later)")
+    p.add_argument("--self-forcing-from", type=int, default=900, help="step at which self-forcing steps begin")
+    p.add_argument("--self-forcing-share", type=float, default=0.5, help="share of steps that self-force after that")
     p.add_argument("--chunks", type=int, default=4, help="chunks per diffusion-forcing trajectory")
     p.add_argument("--rollout-chunks", type=int, default=6, help="chunks per self-forcing rollout")
     p.add_argument("--batch-size", type=int, default=8)
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     run_start_step = step
     last_ckpt = time.perf_counter()
     recent: list[float] = []
-    while step < args.steps and not stop["now"]:
+    last_step = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    while step < last_step and not stop["now"]:
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
