@@ -13,14 +13,13 @@ raise inside the forward, and ``compute_delay_s`` simulates a slow model.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
-from runner.kv_state import SessionKVState
+from runner.binding import SessionStateBinding
 from runner.spec import KVCacheSpec
 from runner.types import TickRequest
 
@@ -47,7 +46,7 @@ def expected_frame_value(visible_codes: list[float]) -> int:
     return int(round(sum(visible_codes))) % 251
 
 
-class FakeKVPipeline:
+class FakeKVPipeline(SessionStateBinding):
     """Implements the ARPipeline contract with a few KB of KV per session."""
 
     def __init__(
@@ -62,6 +61,7 @@ class FakeKVPipeline:
         compute_delay_s: float = 0.0,
         denoise_passes: int = 1,
     ) -> None:
+        super().__init__()
         self.spec = KVCacheSpec(
             num_layers=2,
             num_kv_heads=1,
@@ -76,7 +76,6 @@ class FakeKVPipeline:
         self.height = height
         self.compute_delay_s = compute_delay_s
         self.denoise_passes = denoise_passes
-        self._bound: dict[str, SessionKVState] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[str, str]] = []
 
@@ -101,16 +100,8 @@ class FakeKVPipeline:
             },
         }
 
-    @contextmanager
-    def bind_session_state(self, session_id: str, state: SessionKVState) -> Iterator[None]:
-        self._bound[session_id] = state
-        try:
-            yield
-        finally:
-            del self._bound[session_id]
-
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        state = self._bound[tick.session_id]
+        state = self.bound_state(tick.session_id)
         self.sessions.setdefault(tick.session_id, {"seed": tick.seed})
         spec = self.spec
         tokens = spec.frames_per_chunk * spec.tokens_per_frame

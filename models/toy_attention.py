@@ -11,14 +11,14 @@ the two outputs; ``arstream bench runner`` compares their speed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.binding import SessionStateBinding
 from runner.kv_state import SessionKVState
 from runner.spec import KVCacheSpec
 from runner.types import TickRequest
@@ -146,14 +146,14 @@ def chunk_noise(spec: KVCacheSpec, dim: int, generator: torch.Generator) -> torc
     return torch.randn(spec.frames_per_chunk * spec.tokens_per_frame, dim, generator=generator)
 
 
-class ToyAttentionPipeline:
+class ToyAttentionPipeline(SessionStateBinding):
     """ARPipeline over :class:`ToyAttentionModel`; frames are a grey-level view of the latent."""
 
     def __init__(self, *, steps: int = 3, seed: int = 0, **spec_overrides: Any) -> None:
+        super().__init__()
         self.spec = toy_spec(**spec_overrides)
         self.model = ToyAttentionModel(self.spec, seed=seed)
         self.steps = steps
-        self._bound: dict[str, SessionKVState] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.last_latent: torch.Tensor | None = None
         self._side = int((self.spec.tokens_per_frame * self.model.dim) ** 0.5)
@@ -172,16 +172,8 @@ class ToyAttentionPipeline:
             "controls": {"type": "object", "additionalProperties": True},
         }
 
-    @contextmanager
-    def bind_session_state(self, session_id: str, state: SessionKVState) -> Iterator[None]:
-        self._bound[session_id] = state
-        try:
-            yield
-        finally:
-            del self._bound[session_id]
-
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        state = self._bound[tick.session_id]
+        state = self.bound_state(tick.session_id)
         generator = self._generators.get(tick.session_id)
         if generator is None:
             generator = torch.Generator().manual_seed(tick.seed or 0)
