@@ -11,8 +11,7 @@ controls, a session replays the same frames.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
 from models.tiny_world.sampling import PagedKV, canvas_origin, crop_view, sample_chunk, to_uint8
 from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
 from models.tiny_world.world import KEYS, direction_index, velocity
-from runner.kv_state import SessionKVState
+from runner.binding import SessionStateBinding
 from runner.spec import KVCacheSpec
 from runner.types import TickRequest
 
@@ -53,15 +52,15 @@ class _Session:
     camera_y: int = 0
 
 
-class TinyWorldPipeline:
+class TinyWorldPipeline(SessionStateBinding):
     """Implements ``ARPipeline`` and ``SupportsWarmup`` for a loaded :class:`TinyWorldDiT`."""
 
     def __init__(self, model: TinyWorldDiT, device: torch.device, *, session_capacity: int = 64) -> None:
+        super().__init__()
         self.model = model.to(device).eval()
         self.cfg: TinyWorldConfig = model.cfg
         self.device = device
         self.session_capacity = session_capacity
-        self._bound: dict[str, SessionKVState] = {}
         self._sessions: dict[str, _Session] = {}
 
     # ---- contract -------------------------------------------------------------------
@@ -89,18 +88,8 @@ class TinyWorldPipeline:
             "controls": CONTROLS_SCHEMA,
         }
 
-    @contextmanager
-    def bind_session_state(self, session_id: str, state: SessionKVState) -> Iterator[None]:
-        self._bound[session_id] = state
-        try:
-            yield
-        finally:
-            self._bound.pop(session_id, None)
-
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        state = self._bound.get(tick.session_id)
-        if state is None:
-            raise RuntimeError(f"session {tick.session_id!r} has no bound KV state; call within bind_session_state")
+        state = self.bound_state(tick.session_id)
         session = self._sessions.get(tick.session_id)
         if session is None or state.chunk_index == 0:
             seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
