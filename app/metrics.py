@@ -37,21 +37,23 @@ class RunnerCollector(Collector):
         blocks.add_metric(["free"], stats.blocks_free)
         blocks.add_metric(["used"], stats.blocks_used)
         yield blocks
-        pool_bytes = GaugeMetricFamily("arstream_kv_pool_bytes", "Bytes preallocated for the KV pool")
-        pool_bytes.add_metric([], stats.pool_bytes)
-        yield pool_bytes
-        capacity = GaugeMetricFamily("arstream_session_capacity", "Sessions the KV pool can hold")
-        capacity.add_metric([], stats.session_capacity)
-        yield capacity
-        resident = GaugeMetricFamily("arstream_sessions_resident", "Sessions holding KV in the pool")
-        resident.add_metric([], stats.sessions_resident)
-        yield resident
-        evictions = CounterMetricFamily("arstream_evictions", "Sessions evicted from the pool (LRU)")
-        evictions.add_metric([], stats.evictions_total)
-        yield evictions
-        failures = CounterMetricFamily("arstream_failures", "Chunk forwards that failed (session released)")
-        failures.add_metric([], stats.failures_total)
-        yield failures
+        # (family, name, help, value): one sample each, straight from the runner's stats
+        single_samples = (
+            (GaugeMetricFamily, "arstream_kv_pool_bytes", "Bytes preallocated for the KV pool", stats.pool_bytes),
+            (GaugeMetricFamily, "arstream_session_capacity", "Sessions the KV pool can hold", stats.session_capacity),
+            (GaugeMetricFamily, "arstream_sessions_resident", "Sessions holding KV in the pool", stats.sessions_resident),
+            (CounterMetricFamily, "arstream_evictions", "Sessions evicted from the pool (LRU)", stats.evictions_total),
+            (
+                CounterMetricFamily,
+                "arstream_failures",
+                "Chunk forwards that failed (session released)",
+                stats.failures_total,
+            ),
+        )
+        for family, name, help_text, value in single_samples:
+            metric = family(name, help_text)
+            metric.add_metric([], value)
+            yield metric
 
 
 class ServerMetrics:

@@ -95,7 +95,8 @@ class ModelWorker:
         self.model_card: dict | None = None
         # Worker-thread bookkeeping per session id: had a failed forward / chunks generated.
         self._failed: set[str] = set()
-        self._generated: dict[str, int] = {}
+        # sessions that have produced a chunk in this connection (an evicted restart says so)
+        self._produced: set[str] = set()
         self._times_lock = threading.Lock()
         self._compute_times: deque[float] = deque(maxlen=COMPUTE_TIMES_KEPT)
         self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
@@ -216,7 +217,7 @@ class ModelWorker:
     def _release(self, session_id: str) -> None:
         assert self.runner is not None
         self._failed.discard(session_id)
-        self._generated.pop(session_id, None)
+        self._produced.discard(session_id)
         if self.runner.is_resident(session_id):
             self.runner.close_session(session_id)
             log.info("session=%s released its KV", session_id)
@@ -246,7 +247,7 @@ class ModelWorker:
             close=job.close,
             applied_event_ids=inputs.applied_event_ids,
         )
-        produced_before = self._generated.get(session.id, 0) > 0
+        produced_before = session.id in self._produced
         try:
             result = self.runner.execute_tick(tick)
         except Exception as exc:  # noqa: BLE001 - the runner failed closed; the client hears session_failed
@@ -258,7 +259,7 @@ class ModelWorker:
             )
             return
         self._failed.discard(session.id)
-        self._generated[session.id] = self._generated.get(session.id, 0) + 1
+        self._produced.add(session.id)
         with self._times_lock:
             self._compute_times.append(result.compute_s)
         restarted = restart_reason(reset=job.reset, new_rollout=result.new_rollout, produced_before=produced_before)
