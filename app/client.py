@@ -197,7 +197,7 @@ class SessionClient:
         self, *, codec: str = "jpeg", seed: int | None = None, prompt: str | None = None
     ) -> dict[str, Any]:
         """Send ``start``; return the ``ready`` message."""
-        await self.ws.send(wire.start_message(codec=codec, seed=seed, prompt=prompt))
+        await self._send(wire.start_message(codec=codec, seed=seed, prompt=prompt))
         message = await self._next_control_message()
         if message["type"] != "ready":
             raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")
@@ -211,7 +211,7 @@ class SessionClient:
         tick_id = self.next_tick_id
         self.next_tick_id += 1
         self.tick_sent_at[tick_id] = time.perf_counter()
-        await self.ws.send(wire.tick_message(tick_id, **fields))
+        await self._send(wire.tick_message(tick_id, **fields))
         return tick_id
 
     async def send_input(self, *, controls: dict[str, Any] | None = None, prompt: str | None = None) -> int:
@@ -219,7 +219,7 @@ class SessionClient:
         event_id = self.next_event_id
         self.next_event_id += 1
         self.event_sent_at[event_id] = time.perf_counter()
-        await self.ws.send(wire.input_message(event_id, controls=controls, prompt=prompt))
+        await self._send(wire.input_message(event_id, controls=controls, prompt=prompt))
         return event_id
 
     async def receive_chunk(self) -> Chunk:
@@ -249,7 +249,10 @@ class SessionClient:
 
     async def close(self) -> str:
         """Send ``close``; skip what is still in flight; return the ``closed`` reason."""
-        await self.ws.send(wire.close_message())
+        try:
+            await self.ws.send(wire.close_message())
+        except websockets.ConnectionClosed:
+            pass  # already closed by the server: read what it said before closing
         while True:
             try:
                 data = await self._recv()
@@ -269,6 +272,21 @@ class SessionClient:
             sent_at = self.event_sent_at.pop(event_id, None)
             if sent_at is not None:
                 self.action_to_frame_s.append(chunk.first_frame_at - sent_at)
+
+    async def _send(self, text: str) -> None:
+        try:
+            await self.ws.send(text)
+        except websockets.ConnectionClosed:
+            # The server may have refused the session (an ``error``, then the close) before this
+            # message went out; that reason is still queued for reading, so report it instead.
+            while True:
+                data = await self._recv()  # raises SessionClosed once nothing is left to read
+                if isinstance(data, str):
+                    message = json.loads(data)
+                    if message.get("type") == "error":
+                        raise ServerError(message) from None
+                    if message.get("type") == "closed":
+                        raise SessionClosed(f"server closed the session (reason {message.get('reason')!r})") from None
 
     async def _recv(self) -> str | bytes:
         try:

@@ -9,6 +9,7 @@ which controls they came from.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import time
@@ -248,3 +249,20 @@ def test_client_sends_the_token_and_reports_unauthorized(tmp_path: Path, capsys:
         assert "unauthorized" in capsys.readouterr().err
         assert client.main([secured.base_url, "--token", "t0ken", "--keys", "a*2", "--out", str(tmp_path / "ok")]) == 0
         assert len(list((tmp_path / "ok").glob("frame_*.png"))) == 4
+
+
+def test_a_refusal_that_closes_before_start_is_reported_with_its_code() -> None:
+    """The server may send ``error`` and close before the client's ``start`` goes out (CI hit this race).
+
+    The client waits until the connection is closed, so ``start`` always meets a closed socket here.
+    """
+
+    async def start_after_refusal(url: str) -> None:
+        async with client.websockets.connect(wire.session_url(url)) as ws:
+            await ws.wait_closed()
+            await client.SessionClient(ws).start()
+
+    with bench.ServerProcess(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
+        with pytest.raises(client.ServerError) as refused:
+            asyncio.run(start_after_refusal(secured.base_url))
+    assert refused.value.code == "unauthorized"
