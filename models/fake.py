@@ -8,18 +8,22 @@ reference (:func:`expected_frame_value`).
 
 It also serves integration tests of the server: controls ``{"fail": true}``
 raise inside the forward, and ``compute_delay_s`` simulates a slow model.
+It batches sessions (``generate_chunks``): one forward runs every row's passes,
+and a row asking to fail fails the whole batched forward, as a real model's
+error would; the runner then retries each session alone.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from runner.binding import SessionStateBinding
+from runner.kv_state import write_and_gather_rows
 from runner.spec import KVCacheSpec
 from runner.types import TickRequest
 
@@ -47,7 +51,7 @@ def expected_frame_value(visible_codes: list[float]) -> int:
 
 
 class FakeKVPipeline(SessionStateBinding):
-    """Implements the ARPipeline contract with a few KB of KV per session."""
+    """Implements ARPipeline and SupportsBatchedChunks with a few KB of KV per session."""
 
     def __init__(
         self,
@@ -101,39 +105,58 @@ class FakeKVPipeline(SessionStateBinding):
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        state = self.bound_state(tick.session_id)
-        self.sessions.setdefault(tick.session_id, {"seed": tick.seed})
+        return self._forward([tick])[0]
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        """The batched forward: every pass runs all rows, row ``i`` on ``ticks[i]``'s session KV."""
+        return self._forward(ticks)
+
+    def _forward(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        states = [self.bound_state(t.session_id) for t in ticks]
         spec = self.spec
-        tokens = spec.frames_per_chunk * spec.tokens_per_frame
+        rows, fpc, tpf = len(ticks), spec.frames_per_chunk, spec.tokens_per_frame
         for _ in range(self.denoise_passes):
             # Scratch gets a poison value: if it ever leaked into history the frames would be off.
-            state.begin_pass(commit=False)
-            poison = torch.full((tokens, 1, spec.head_size), SCRATCH_POISON)
+            for state in states:
+                state.begin_pass(commit=False)
+            poison = torch.full((rows, fpc * tpf, 1, spec.head_size), SCRATCH_POISON)
             for layer in range(spec.num_layers):
-                state.write_and_gather(layer, poison, poison)
-            state.end_pass()
+                write_and_gather_rows(states, layer, poison, poison)
+            for state in states:
+                state.end_pass()
         if self.compute_delay_s:
             time.sleep(self.compute_delay_s)
-        if tick.controls.get("fail"):
-            raise FakeForwardError(f"fake pipeline asked to fail on session {tick.session_id}")
-        state.begin_pass(commit=True)
-        codes = [frame_code(state.frame_start + i, tick.controls) for i in range(spec.frames_per_chunk)]
-        kv = torch.tensor(codes).repeat_interleave(spec.tokens_per_frame)[:, None, None].expand(-1, 1, spec.head_size)
-        values: list[int] = []
+        failing = [t.session_id for t in ticks if t.controls.get("fail")]
+        if failing:
+            raise FakeForwardError(f"fake pipeline asked to fail on session(s) {', '.join(failing)}")
+        frame_starts = [state.frame_start for state in states]
+        codes = [[frame_code(start + i, t.controls) for i in range(fpc)] for start, t in zip(frame_starts, ticks)]
+        kv = torch.tensor(codes).repeat_interleave(tpf, dim=1)[:, :, None, None].expand(-1, -1, 1, spec.head_size)
+        for state in states:
+            state.begin_pass(commit=True)
+        values: list[list[int]] = []
         for layer in range(spec.num_layers):
-            _k, v_all = state.write_and_gather(layer, kv.clone(), kv.clone())
-            per_frame = v_all[:, 0, 0].reshape(-1, spec.tokens_per_frame)[:, 0].tolist()
-            history = per_frame[: len(per_frame) - spec.frames_per_chunk]
+            _k, v_all = write_and_gather_rows(states, layer, kv.clone(), kv.clone())
+            per_frame = v_all[:, :, 0, 0].reshape(rows, -1, tpf)[:, :, 0].tolist()
             if layer == spec.num_layers - 1:
                 # Frame i sees the history plus the chunk's frames up to and including itself.
-                values = [expected_frame_value(history + codes[: i + 1]) for i in range(spec.frames_per_chunk)]
-        state.end_pass()
-        frames = np.zeros((spec.frames_per_chunk, self.height, self.width, 3), dtype=np.uint8)
-        for i, value in enumerate(values):
-            frames[i, :, :, 0] = value
-            frames[i, :, :, 1] = (state.frame_start - spec.frames_per_chunk + i) % 256
-            frames[i, :, :, 2] = controls_code(tick.controls)
-        return frames
+                values = [
+                    [expected_frame_value(seen[: len(seen) - fpc] + row_codes[: i + 1]) for i in range(fpc)]
+                    for seen, row_codes in zip(per_frame, codes)
+                ]
+        for state in states:
+            state.end_pass()
+        for tick in ticks:  # model-owned state changes only once the whole forward went through
+            self.sessions.setdefault(tick.session_id, {"seed": tick.seed})
+        chunks = []
+        for start, row_values, tick in zip(frame_starts, values, ticks):
+            frames = np.zeros((fpc, self.height, self.width, 3), dtype=np.uint8)
+            for i, value in enumerate(row_values):
+                frames[i, :, :, 0] = value
+                frames[i, :, :, 1] = (start + i) % 256
+                frames[i, :, :, 2] = controls_code(tick.controls)
+            chunks.append(frames)
+        return chunks
 
     def reset_session(self, session_id: str) -> None:
         self.events.append(("reset", session_id))

@@ -1,11 +1,11 @@
 """Model-neutral AR-diffusion runtime: paged KV pool, sessions, fail-closed forwards."""
 
-from runner.contract import ARPipeline, SupportsWarmup
-from runner.kv_state import SessionKVState
+from runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
+from runner.kv_state import SessionKVState, write_and_gather_rows
 from runner.pool import PagedKVPool, PoolBudgetError, plan_pool
 from runner.runner import ARRunner, RunnerStats, UnsupportedConfiguration
 from runner.spec import KVBranch, KVCacheSpec, SpecError
-from runner.types import ChunkResult, TickRequest
+from runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 
 __all__ = [
     "ARPipeline",
@@ -18,8 +18,12 @@ __all__ = [
     "RunnerStats",
     "SessionKVState",
     "SpecError",
+    "SupportsBatchedChunks",
     "SupportsWarmup",
+    "TickFailure",
     "TickRequest",
+    "TickResult",
     "UnsupportedConfiguration",
     "plan_pool",
+    "write_and_gather_rows",
 ]

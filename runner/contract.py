@@ -7,7 +7,7 @@ any small per-session state (RNG, last controls). The runner binds a session's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -49,3 +49,27 @@ class SupportsWarmup(Protocol):
 
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
         """Ticks for a synthetic session; the runner releases it afterwards."""
+
+
+@runtime_checkable
+class SupportsBatchedChunks(Protocol):
+    """Optional: one forward that produces a chunk for each of several sessions.
+
+    The runner calls :meth:`generate_chunks` with ticks of distinct sessions
+    that are all bound (``bind_session_state``) for this forward and whose
+    visible histories have the same length, so their rows stack without
+    padding. Each session's :class:`SessionKVState` writes to its own staging
+    row; the pipeline runs each row's passes on that row's state exactly as
+    ``generate_chunk`` would (one committing pass per session).
+
+    All or nothing for model-owned state: if ``generate_chunks`` raises, no
+    session's model-owned state (noise generator, camera, last controls, ...)
+    may have advanced, because the runner then retries every tick of the batch
+    alone with ``generate_chunk`` and the retry must produce the chunk the
+    session would have got had it never been batched. Snapshot such state and
+    restore it on failure, or update it only after the whole forward succeeded.
+    (The runner undoes the KV side itself.)
+    """
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        """One uint8 ``[F, H, W, 3]`` array per tick, in the order of ``ticks``."""

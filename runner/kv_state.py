@@ -17,9 +17,17 @@ Use from a pipeline, per chunk::
     state.begin_pass(commit=True)
     ...
     state.end_pass()
+
+A batched forward gives each session its own staging row
+(:meth:`SessionKVState.prepare_forward`) and holds each committed chunk back
+until the runner accepts the whole batch (:meth:`SessionKVState.accept_chunk`);
+if the batch fails, :meth:`SessionKVState.abort_forward` returns the chunk's
+blocks and leaves the history as it was, so the tick can be retried alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -40,9 +48,14 @@ class SessionKVState:
         self.sink: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.window: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.pending: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
+        # History dropped at a reset boundary: still held until the chunk joins the history.
+        self.dropped: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.frames_committed = 0
         self.chunks_committed = 0
         self.released = False
+        self.staging_row = 0
+        self._hold_commit = False
+        self._chunk_held = False
         self._in_pass = False
         self._commit = False
         # Bumped whenever the block tables change, so stale staging is regathered.
@@ -68,6 +81,61 @@ class SessionKVState:
         """Frames of history visible to the current chunk."""
         return len(self.sink[branch]) + len(self.window[branch])
 
+    @property
+    def in_pass(self) -> bool:
+        return self._in_pass
+
+    @property
+    def chunk_held(self) -> bool:
+        """A committed chunk waits for :meth:`accept_chunk` (batched forwards only)."""
+        return self._chunk_held
+
+    # ---- the forward ----------------------------------------------------------------
+
+    def prepare_forward(self, *, staging_row: int = 0, hold_commit: bool = False) -> None:
+        """Set up the coming forward: which staging row it uses, and whether its chunk waits.
+
+        With ``hold_commit`` the committing pass stores the chunk in its new
+        blocks but the chunk joins the history (frame counter, block tables,
+        window eviction) only at :meth:`accept_chunk`: a batched forward
+        succeeds or fails as a whole, and a failed one must leave every
+        session's history as it was.
+        """
+        if self._in_pass or self._chunk_held:
+            raise PassStateError("prepare_forward called inside a forward; expected end_pass or abort_forward first")
+        if not 0 <= staging_row < self.pool.staging_rows:
+            raise PassStateError(f"staging row {staging_row} does not exist; the pool has {self.pool.staging_rows}")
+        self.staging_row = staging_row
+        self._hold_commit = hold_commit
+
+    def accept_chunk(self) -> None:
+        """Let a held chunk join the history (the batched forward it came from succeeded)."""
+        if not self._chunk_held:
+            raise PassStateError("accept_chunk called with no held chunk; expected a committing pass first")
+        self._chunk_held = False
+        self._publish_chunk()
+
+    def abort_forward(self) -> None:
+        """Undo the forward's unfinished work so the tick can run again.
+
+        An open pass is closed, a committed-but-held chunk is dropped, the
+        chunk's blocks go back to the pool, and a history dropped at a reset
+        boundary is restored: block tables and frame counter are as they were
+        before the forward. Only a held chunk can be undone this way; one that
+        joined the history already (``hold_commit=False``) is part of it.
+        """
+        self._in_pass = False
+        self._chunk_held = False
+        pending = [i for b in self.spec.branch_names for i in self.pending[b]]
+        for branch in self.spec.branch_names:
+            self.pending[branch] = []
+            if self.dropped[branch]:
+                self.sink[branch], self.window[branch] = self._split_history(self.dropped[branch])
+                self.dropped[branch] = []
+        # The staging row may hold the chunk's K/V or an emptied history: gather afresh next time.
+        self._history_version += 1
+        self.pool.free(pending)
+
     # ---- passes -----------------------------------------------------------------
 
     def begin_pass(self, *, commit: bool) -> None:
@@ -75,15 +143,17 @@ class SessionKVState:
             raise PassStateError(f"session {self.session_id!r} was released; no pass can begin")
         if self._in_pass:
             raise PassStateError("begin_pass called twice; expected end_pass first")
+        if self._chunk_held:
+            raise PassStateError("begin_pass after this forward's chunk was committed; one commit per forward")
         spec = self.spec
         if commit and spec.reset_at_boundary and self.history_frames(spec.branch_names[0]) + (
             spec.frames_per_chunk
         ) > spec.resident_frames:
             self._drop_history()
         owner = (id(self), self._history_version)
-        if self.pool.staging_owner != owner:
+        if self.pool.staging_owners[self.staging_row] != owner:
             self._gather_history()
-            self.pool.staging_owner = owner
+            self.pool.staging_owners[self.staging_row] = owner
         if commit:
             for branch in spec.branch_names:
                 self.pending[branch] = self.pool.allocate(spec.frames_per_chunk)
@@ -91,7 +161,7 @@ class SessionKVState:
         self._in_pass = True
 
     def _gather_history(self) -> None:
-        """Copy sink + window blocks (all layers, K and V) into the staging area."""
+        """Copy sink + window blocks (all layers, K and V) into this forward's staging row."""
         spec = self.spec
         for branch in spec.branch_names:
             history = self.sink[branch] + self.window[branch]
@@ -99,7 +169,7 @@ class SessionKVState:
             if history:
                 index = torch.tensor(history, dtype=torch.long, device=self.pool.device)
                 gathered = self.pool.kv.index_select(2, index)
-                self.pool.staging[branch][:, :, : self._history_tokens] = gathered.flatten(2, 3)
+                self.pool.staging[branch][self.staging_row, :, :, : self._history_tokens] = gathered.flatten(2, 3)
 
     def write_and_gather(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, branch: str = "main"
@@ -113,7 +183,7 @@ class SessionKVState:
         """
         if not self._in_pass:
             raise PassStateError("write_and_gather called outside a pass; expected begin_pass first")
-        staging = self.pool.staging_layers[branch][layer]
+        staging = self.pool.staging_layers[self.staging_row][branch][layer]
         start = self._history_tokens
         end = start + self._chunk_tokens
         staging[0, start:end] = k
@@ -121,21 +191,35 @@ class SessionKVState:
         return staging[0, :end], staging[1, :end]
 
     def end_pass(self) -> None:
+        """Close the pass; a committing pass stores the chunk in its new blocks.
+
+        The chunk then joins the history at once, or at :meth:`accept_chunk`
+        when the forward holds its commit.
+        """
         if not self._in_pass:
             raise PassStateError("end_pass called without begin_pass")
         self._in_pass = False
         if not self._commit:
             return
-        spec = self.spec
         start, end = self._history_tokens, self._history_tokens + self._chunk_tokens
+        for branch in self.spec.branch_names:
+            chunk = self.pool.staging[branch][self.staging_row, :, :, start:end].unflatten(2, self._chunk_shape)
+            index = torch.tensor(self.pending[branch], dtype=torch.long, device=self.pool.device)
+            self.pool.kv.index_copy_(2, index, chunk)
+        if self._hold_commit:
+            self._chunk_held = True
+        else:
+            self._publish_chunk()
+
+    def _publish_chunk(self) -> None:
+        """The stored chunk joins the history: block tables, window eviction, frame counter."""
+        spec = self.spec
         for branch in spec.branch_names:
             new = self.pending[branch]
-            chunk = self.pool.staging[branch][:, :, start:end].unflatten(2, self._chunk_shape)
-            self.pool.kv.index_copy_(2, torch.tensor(new, dtype=torch.long, device=self.pool.device), chunk)
             self.pending[branch] = []
-            room_in_sink = spec.sink_frames - len(self.sink[branch])
-            self.sink[branch].extend(new[:room_in_sink])
-            self.window[branch].extend(new[max(room_in_sink, 0) :])
+            self.pool.free(self.dropped[branch])
+            self.dropped[branch] = []
+            self.sink[branch], self.window[branch] = self._split_history(self.sink[branch] + self.window[branch] + new)
             overflow = len(self.window[branch]) - spec.window_frames
             if overflow > 0:
                 evicted = self.window[branch][:overflow]
@@ -144,6 +228,10 @@ class SessionKVState:
         self._history_version += 1
         self.frames_committed += spec.frames_per_chunk
         self.chunks_committed += 1
+
+    def _split_history(self, blocks: list[int]) -> tuple[list[int], list[int]]:
+        """Blocks in frame order -> (sink, window): the first ``sink_frames`` are the sink."""
+        return blocks[: self.spec.sink_frames], blocks[self.spec.sink_frames :]
 
     # ---- cross attention ----------------------------------------------------------
 
@@ -157,11 +245,16 @@ class SessionKVState:
     # ---- release ------------------------------------------------------------------
 
     def held_blocks(self) -> list[int]:
-        return [i for b in self.spec.branch_names for i in self.sink[b] + self.window[b] + self.pending[b]]
+        return [
+            i
+            for b in self.spec.branch_names
+            for i in self.sink[b] + self.window[b] + self.pending[b] + self.dropped[b]
+        ]
 
     def _drop_history(self) -> None:
+        """Start the history over at a reset boundary; the old blocks are freed when the chunk joins."""
         for branch in self.spec.branch_names:
-            self.pool.free(self.sink[branch] + self.window[branch])
+            self.dropped[branch] = self.sink[branch] + self.window[branch]
             self.sink[branch] = []
             self.window[branch] = []
         self._history_version += 1
@@ -172,14 +265,31 @@ class SessionKVState:
             return
         self.released = True
         self._in_pass = False
-        if self.pool.staging_owner is not None and self.pool.staging_owner[0] == id(self):
-            self.pool.staging_owner = None
+        self._chunk_held = False
+        owners = self.pool.staging_owners
+        for row, owner in enumerate(owners):
+            if owner is not None and owner[0] == id(self):
+                owners[row] = None
         held = self.held_blocks()
         for branch in self.spec.branch_names:
-            self.sink[branch], self.window[branch], self.pending[branch] = [], [], []
+            self.sink[branch], self.window[branch], self.pending[branch], self.dropped[branch] = [], [], [], []
         try:
             self.pool.free(held)
         finally:
             if self.cross_slot is not None:
                 slot, self.cross_slot = self.cross_slot, None
                 self.pool.free_slot(slot)
+
+
+def write_and_gather_rows(
+    states: Sequence[SessionKVState], layer: int, k: torch.Tensor, v: torch.Tensor, branch: str = "main"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`SessionKVState.write_and_gather` for a batch whose row ``i`` belongs to ``states[i]``.
+
+    ``k`` and ``v`` are ``[rows, chunk_tokens, kv_heads, head_size]``; the
+    result stacks each row's history + chunk into ``[rows, visible_tokens,
+    kv_heads, head_size]``, so the sessions' histories must be equally long
+    (the runner batches only such sessions).
+    """
+    gathered = [state.write_and_gather(layer, k[row], v[row], branch) for row, state in enumerate(states)]
+    return torch.stack([kv[0] for kv in gathered]), torch.stack([kv[1] for kv in gathered])

@@ -33,10 +33,11 @@ class BlockStateError(RuntimeError):
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How a budget is split: blocks for sessions, one in-flight chunk, scratch.
+    """How a budget is split: blocks for sessions, the in-flight chunks, scratch.
 
-    Scratch is the staging area of the one forward in flight: the visible
-    history plus the current chunk, per branch (``resident + chunk`` frames).
+    Scratch is one staging row per session a forward may batch
+    (``staging_rows``): the visible history plus the current chunk, per branch
+    (``resident + chunk`` frames each).
     """
 
     session_capacity: int
@@ -45,22 +46,27 @@ class PoolPlan:
     block_bytes: int
     per_session_bytes: int
     budget_bytes: int
+    staging_rows: int = 1
 
     @property
     def pool_bytes(self) -> int:
         return (self.num_blocks + self.scratch_blocks) * self.block_bytes
 
 
-def plan_pool(spec: KVCacheSpec, budget_bytes: int) -> PoolPlan:
+def plan_pool(spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1) -> PoolPlan:
     """Largest session count whose resident KV fits ``budget_bytes``.
 
     Each resident session holds sink + window blocks per branch plus its
-    cross-attention and model-owned bytes. The committing chunk's blocks and
-    the denoise scratch are counted once, because one forward runs at a time.
+    cross-attention and model-owned bytes. One forward runs at a time, but it
+    may batch up to ``max_batch_sessions`` sessions, so their committing
+    chunks' blocks and their staging rows (the denoise scratch) are counted
+    that many times.
     """
+    if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
+        raise PoolBudgetError(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
     branches = len(spec.kv_branches)
-    chunk_blocks = spec.frames_per_chunk * branches
-    scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches
+    chunk_blocks = spec.frames_per_chunk * branches * max_batch_sessions
+    scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches * max_batch_sessions
     fixed_bytes = (chunk_blocks + scratch_blocks) * spec.block_bytes
     per_session = (
         spec.resident_frames * branches * spec.block_bytes
@@ -73,7 +79,7 @@ def plan_pool(spec: KVCacheSpec, budget_bytes: int) -> PoolPlan:
         raise PoolBudgetError(
             f"KV budget of {budget_bytes} bytes cannot hold one session: one session needs "
             f"{need} bytes ({spec.resident_frames} resident frames x {branches} branch(es) x "
-            f"{spec.block_bytes} bytes per block, plus one in-flight chunk and scratch). "
+            f"{spec.block_bytes} bytes per block, plus {max_batch_sessions} in-flight chunk(s) and scratch). "
             f"Raise the KV budget or shrink the window."
         )
     capacity = min(int(fitting), spec.session_capacity)
@@ -84,6 +90,7 @@ def plan_pool(spec: KVCacheSpec, budget_bytes: int) -> PoolPlan:
         block_bytes=spec.block_bytes,
         per_session_bytes=per_session,
         budget_bytes=budget_bytes,
+        staging_rows=max_batch_sessions,
     )
 
 
@@ -107,13 +114,14 @@ def resolve_budget_bytes(
 
 
 class PagedKVPool:
-    """Preallocated K/V blocks, a free queue, and the forward's staging area.
+    """Preallocated K/V blocks, a free queue, and the forward's staging rows.
 
     Blocks ``0 .. num_blocks-1`` are allocatable. ``staging[branch]`` is a
-    contiguous ``[layers, 2, (resident + chunk) * tokens, heads, size]`` buffer
-    (the scratch): a bound forward gathers the session's history into it once
-    per chunk and writes the current chunk's K/V behind it, so attention reads
-    zero-copy slices exactly like a dense cache.
+    contiguous ``[rows, layers, 2, (resident + chunk) * tokens, heads, size]``
+    buffer (the scratch), one row per session of a batched forward: a bound
+    session gathers its history into its row once per chunk and writes the
+    current chunk's K/V behind it, so attention reads zero-copy slices exactly
+    like a dense cache.
     """
 
     def __init__(self, spec: KVCacheSpec, plan: PoolPlan, device: torch.device) -> None:
@@ -123,16 +131,21 @@ class PagedKVPool:
         shape = (spec.num_layers, 2, plan.num_blocks, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         staging_tokens = (spec.resident_frames + spec.frames_per_chunk) * spec.tokens_per_frame
+        rows = plan.staging_rows
         self.staging: dict[str, torch.Tensor] = {
             b.name: torch.zeros(
-                (spec.num_layers, 2, staging_tokens, spec.num_kv_heads, spec.head_size), dtype=spec.dtype, device=device
+                (rows, spec.num_layers, 2, staging_tokens, spec.num_kv_heads, spec.head_size),
+                dtype=spec.dtype,
+                device=device,
             )
             for b in spec.kv_branches
         }
-        # Per-layer views avoid re-slicing the staging tensors on every call.
-        self.staging_layers: dict[str, list[torch.Tensor]] = {b: list(t.unbind(0)) for b, t in self.staging.items()}
-        # Who the staging area currently holds: (state object id, its history version).
-        self.staging_owner: tuple[int, int] | None = None
+        # Per-row, per-layer views avoid re-slicing the staging tensors on every call.
+        self.staging_layers: list[dict[str, list[torch.Tensor]]] = [
+            {b: list(t[row].unbind(0)) for b, t in self.staging.items()} for row in range(rows)
+        ]
+        # Whose history each row currently holds: (state object id, its history version).
+        self.staging_owners: list[tuple[int, int] | None] = [None] * rows
         self._free: deque[int] = deque(range(plan.num_blocks))
         self._allocated: set[int] = set()
         branches = len(spec.kv_branches)
@@ -152,6 +165,10 @@ class PagedKVPool:
     @property
     def v(self) -> torch.Tensor:
         return self.kv[:, 1]
+
+    @property
+    def staging_rows(self) -> int:
+        return self.plan.staging_rows
 
     @property
     def num_blocks(self) -> int:

@@ -5,6 +5,13 @@ pipeline's :class:`KVCacheSpec`, keeps sessions in LRU order, and binds a
 session's :class:`SessionKVState` for one forward at a time. Every path that
 ends a session (reset, close, eviction, failure) goes through
 :meth:`ARRunner._release`, which attempts each cleanup step even when one fails.
+
+Cross-session batching (:meth:`ARRunner.execute`): with ``max_batch_sessions``
+above 1 and a pipeline that implements :class:`SupportsBatchedChunks`, ticks of
+distinct sessions whose visible histories are equally long share one forward.
+A batch is all or nothing: if its forward raises, every session's KV is put
+back as it was and each tick runs again alone, where a failure releases only
+that tick's session.
 """
 
 from __future__ import annotations
@@ -13,18 +20,18 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from runner.contract import ARPipeline, SupportsWarmup
+from runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
 from runner.kv_state import SessionKVState
 from runner.pool import PagedKVPool, plan_pool, resolve_budget_bytes
 from runner.spec import KVCacheSpec
-from runner.types import ChunkResult, TickRequest
+from runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 
 log = logging.getLogger("arstream.runner")
 
@@ -56,6 +63,9 @@ class RunnerStats:
     evictions_total: int
     failures_total: int
     chunks_total: int
+    max_batch_sessions: int = 1
+    batched_forwards_total: int = 0
+    batch_fallbacks_total: int = 0
 
 
 def _device_sync(device: torch.device) -> None:
@@ -74,6 +84,7 @@ class ARRunner:
         kv_budget_bytes: int | None = None,
         memory_fraction: float | None = None,
         sync: Callable[[torch.device], None] = _device_sync,
+        max_batch_sessions: int = 1,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise UnsupportedConfiguration(
@@ -87,26 +98,36 @@ class ARRunner:
         self.device = torch.device(device)
         self.pipeline = pipeline
         self.spec = spec
+        if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
+            raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
+        self.max_batch_sessions = max_batch_sessions
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
-        self.plan = plan_pool(spec, budget)
+        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions)
         self.pool = PagedKVPool(spec, self.plan, self.device)
         self.blocks_free_at_start = self.pool.num_free
         self._sync = sync
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
-        # One entry per chunk, bounded so a long-running server does not grow.
+        # One entry per chunk, bounded so a long-running server does not grow. A batched
+        # forward adds one entry per chunk, each its whole wall time (what every row waited).
         self.chunk_times_s: deque[float] = deque(maxlen=CHUNK_TIMES_KEPT)
         self.chunks_total = 0
         self.evictions_total = 0
         self.failures_total = 0
+        self.batched_forwards_total = 0
+        # batched forwards that raised; their ticks were run again one by one
+        self.batch_fallbacks_total = 0
         self.on_evict: Callable[[str], None] | None = None
         log.info(
-            "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d",
+            "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
+            "up to %d session(s) per forward%s",
             self.plan.num_blocks,
             self.plan.block_bytes,
             self.plan.scratch_blocks,
             self.plan.session_capacity,
             spec.sink_frames,
             spec.window_frames,
+            self.batch_limit,
+            "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
         )
 
     # ---- sessions -----------------------------------------------------------------
@@ -114,6 +135,25 @@ class ARRunner:
     @property
     def session_capacity(self) -> int:
         return self.plan.session_capacity
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`execute` may put several sessions in one forward."""
+        return self.max_batch_sessions > 1 and isinstance(self.pipeline, SupportsBatchedChunks)
+
+    @property
+    def batch_limit(self) -> int:
+        """Most sessions in one forward.
+
+        Never above the session capacity: binding a batch's new sessions must
+        not LRU-evict another member of the same batch.
+        """
+        return min(self.max_batch_sessions, self.session_capacity) if self.batches else 1
+
+    def history_frames(self, session_id: str) -> int:
+        """Frames of history the session's next chunk sees (0 for a session that is not resident)."""
+        state = self._sessions.get(session_id)
+        return 0 if state is None else state.history_frames(self.spec.branch_names[0])
 
     def resident_sessions(self) -> list[str]:
         """Session ids from least to most recently used."""
@@ -172,6 +212,7 @@ class ARRunner:
         """Bind the session's KV for one forward; on any failure release it, then re-raise."""
         state = self._get_or_create(session_id)
         try:
+            state.prepare_forward(staging_row=0, hold_commit=False)
             with self.pipeline.bind_session_state(session_id, state):
                 yield state
             self._sync(self.device)
@@ -183,18 +224,65 @@ class ARRunner:
 
     # ---- execution ----------------------------------------------------------------
 
-    def execute(self, ticks: Sequence[TickRequest]) -> list[ChunkResult]:
-        """Run ticks in order, one forward each.
+    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
+        """Run ticks of any sessions; one result per tick, in the order of ``ticks``.
 
-        The list form is where cross-session batching will go; today each tick
-        is its own forward so every one fails closed on its own.
+        Ticks of one session run in the order given. Among ticks of distinct
+        sessions, resets run first; then sessions whose visible histories are
+        equally long share one forward (up to :attr:`batch_limit`, when the
+        pipeline batches), so their rows stack without padding: new sessions
+        batch with new ones, long-running ones (all at sink + window) with
+        each other. Closes run after the chunks.
+
+        A tick whose forward (or reset, or close) raises gets a
+        :class:`TickFailure` in its place and its session is released, as
+        with :meth:`execute_tick`; the other ticks' results are unaffected.
         """
-        return [self.execute_tick(t) for t in ticks]
+        results: list[TickResult | None] = [None] * len(ticks)
+        for run in _distinct_session_runs(ticks):
+            for i in run:
+                if ticks[i].reset:
+                    results[i] = self._attempt(ticks[i], lambda tick: self.reset_session(tick.session_id))
+            waiting = [i for i in run if results[i] is None]
+            while waiting:
+                # Recomputed each round: a batch of new sessions may have evicted a waiting one.
+                history = self.history_frames(ticks[waiting[0]].session_id)
+                group = [i for i in waiting if self.history_frames(ticks[i].session_id) == history][: self.batch_limit]
+                waiting = [i for i in waiting if i not in group]
+                group_ticks = [ticks[i] for i in group]
+                forwarded = self._forward_batch(group_ticks) if len(group) > 1 else [self._forward_or_failure(group_ticks[0])]
+                for i, result in zip(group, forwarded):
+                    results[i] = result
+                    if ticks[i].close and isinstance(result, ChunkResult):
+                        closed = self._attempt(ticks[i], lambda tick: self.close_session(tick.session_id))
+                        results[i] = result if closed is None else closed
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
 
     def execute_tick(self, tick: TickRequest) -> ChunkResult:
-        """Reset before (if asked), one bound forward, close after (if asked)."""
+        """Reset before (if asked), one bound forward, close after (if asked); raises if the forward does."""
         if tick.reset:
             self.reset_session(tick.session_id)
+        result = self._forward_alone(tick)
+        if tick.close:
+            self.close_session(tick.session_id)
+        return result
+
+    def _attempt(self, tick: TickRequest, step: Callable[[TickRequest], object]) -> TickFailure | None:
+        try:
+            step(tick)
+        except Exception as exc:  # noqa: BLE001 - reported in the tick's place
+            return TickFailure(tick.session_id, tick.request_id, exc)
+        return None
+
+    def _forward_or_failure(self, tick: TickRequest) -> TickResult:
+        try:
+            return self._forward_alone(tick)
+        except Exception as exc:  # noqa: BLE001 - the session was released; reported in the tick's place
+            return TickFailure(tick.session_id, tick.request_id, exc)
+
+    def _forward_alone(self, tick: TickRequest) -> ChunkResult:
+        """One bound forward of one session with ``generate_chunk``; fails closed."""
         new_rollout = tick.session_id not in self._sessions or self._sessions[tick.session_id].chunks_committed == 0
         started = time.perf_counter()
         with self._bound(tick.session_id) as state:
@@ -208,8 +296,6 @@ class ARRunner:
         compute_s = time.perf_counter() - started
         self.chunk_times_s.append(compute_s)
         self.chunks_total += 1
-        if tick.close:
-            self.close_session(tick.session_id)
         return ChunkResult(
             session_id=tick.session_id,
             request_id=tick.request_id,
@@ -219,6 +305,72 @@ class ARRunner:
             new_rollout=new_rollout,
             applied_event_ids=tick.applied_event_ids,
         )
+
+    def _forward_batch(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
+        """One forward for distinct sessions with equally long histories; if it raises, each tick alone.
+
+        Each session gets its own staging row and its chunk is held until the
+        whole forward (device sync included) succeeded, so a failed batch can
+        be undone for every session and retried one by one: only a session
+        whose own forward fails is released.
+        """
+        assert isinstance(self.pipeline, SupportsBatchedChunks)
+        states: list[SessionKVState] = []
+        started = time.perf_counter()
+        try:
+            with ExitStack() as bindings:
+                for row, tick in enumerate(ticks):
+                    state = self._get_or_create(tick.session_id)
+                    states.append(state)
+                    state.prepare_forward(staging_row=row, hold_commit=True)
+                    bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
+                frames = self.pipeline.generate_chunks(ticks)
+                _check_batch(frames, states, self.spec)
+            self._sync(self.device)
+        except BaseException as exc:
+            aborted = self._abort_batch(ticks, states, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return [aborted.get(t.session_id) or self._forward_or_failure(t) for t in ticks]
+        for state in states:
+            state.accept_chunk()
+        compute_s = time.perf_counter() - started
+        self.batched_forwards_total += 1
+        self.chunks_total += len(ticks)
+        self.chunk_times_s.extend([compute_s] * len(ticks))
+        return [
+            ChunkResult(
+                session_id=tick.session_id,
+                request_id=tick.request_id,
+                chunk_index=state.chunk_index - 1,
+                frames=chunk,
+                compute_s=compute_s,
+                new_rollout=state.chunk_index == 1,
+                applied_event_ids=tick.applied_event_ids,
+            )
+            for tick, state, chunk in zip(ticks, states, frames)
+        ]
+
+    def _abort_batch(
+        self, ticks: Sequence[TickRequest], states: list[SessionKVState], error: BaseException
+    ) -> dict[str, TickFailure]:
+        """Put every session of a failed batch back as it was; a session that cannot be is released."""
+        self.batch_fallbacks_total += 1
+        log.warning(
+            "batched forward of %d sessions failed (%s: %s); running each alone",
+            len(ticks),
+            type(error).__name__,
+            error,
+        )
+        failed: dict[str, TickFailure] = {}
+        for tick, state in zip(ticks, states):
+            try:
+                state.abort_forward()
+            except Exception as exc:  # noqa: BLE001 - fail closed: release rather than retry from doubtful KV
+                self.failures_total += 1
+                self._release(tick.session_id, reset_model=False, reason="batch_abort_failed", suppress_errors=True)
+                failed[tick.session_id] = TickFailure(tick.session_id, tick.request_id, exc)
+        return failed
 
     def warmup(self) -> int:
         """Run the pipeline's warm-up ticks through the real path; return how many ran.
@@ -238,6 +390,8 @@ class ARRunner:
             # Warm-up chunks are not traffic: keep the counters users see clean.
             self.chunk_times_s.clear()
             self.chunks_total = 0
+            self.batched_forwards_total = 0
+            self.batch_fallbacks_total = 0
         if self.pool.num_free != free_before:
             raise RuntimeError(f"warm-up did not restore the KV pool (free {free_before} -> {self.pool.num_free})")
         return ran
@@ -258,6 +412,9 @@ class ARRunner:
             evictions_total=self.evictions_total,
             failures_total=self.failures_total,
             chunks_total=self.chunks_total,
+            max_batch_sessions=self.batch_limit,
+            batched_forwards_total=self.batched_forwards_total,
+            batch_fallbacks_total=self.batch_fallbacks_total,
         )
 
     def model_card(self) -> dict[str, Any]:
@@ -270,3 +427,28 @@ def _check_frames(frames: object, spec: KVCacheSpec) -> None:
         raise ChunkShapeError(f"pipeline must return uint8 [F, H, W, 3] frames, got {got}")
     if frames.shape[0] != spec.frames_per_chunk:
         raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, spec says {spec.frames_per_chunk}")
+
+
+def _check_batch(frames: object, states: Sequence[SessionKVState], spec: KVCacheSpec) -> None:
+    if not isinstance(frames, list) or len(frames) != len(states):
+        got = len(frames) if isinstance(frames, list) else type(frames).__name__
+        raise ChunkShapeError(f"generate_chunks must return a list of {len(states)} frame arrays, got {got}")
+    for chunk in frames:
+        _check_frames(chunk, spec)
+    for state in states:
+        if state.in_pass or not state.chunk_held:
+            raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")
+
+
+def _distinct_session_runs(ticks: Sequence[TickRequest]) -> Iterator[list[int]]:
+    """Indices of ``ticks`` cut into consecutive runs in which no session appears twice."""
+    run: list[int] = []
+    seen: set[str] = set()
+    for i, tick in enumerate(ticks):
+        if tick.session_id in seen:
+            yield run
+            run, seen = [], set()
+        run.append(i)
+        seen.add(tick.session_id)
+    if run:
+        yield run

@@ -44,3 +44,19 @@ class ChunkResult:
     compute_s: float
     new_rollout: bool
     applied_event_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TickFailure:
+    """A tick whose forward raised; the runner released its session (fail closed).
+
+    :meth:`runner.runner.ARRunner.execute` returns it in the failed tick's
+    place, so the other ticks of the same call keep their results.
+    """
+
+    session_id: str
+    request_id: int
+    error: Exception
+
+
+TickResult = ChunkResult | TickFailure
