@@ -149,16 +149,19 @@ class RotaryPositions(nn.Module):
     def forward(self, frame_positions: torch.Tensor, cell_origins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, frames * tokens, pairs]``.
 
-        ``frame_positions`` ``[F]`` absolute frame indices; ``cell_origins``
-        ``[B, F, 2]`` world cell ``(x, y)`` of each canvas's top-left token.
-        Angles are formed in float64 so far-travelled positions stay exact.
+        ``frame_positions`` absolute frame indices, ``[F]`` shared by every
+        row or ``[B, F]`` per row (batched sessions are at different points of
+        their rollouts); ``cell_origins`` ``[B, F, 2]`` world cell ``(x, y)``
+        of each canvas's top-left token. Angles are formed in float64 so
+        far-travelled positions stay exact.
         """
         b, f = cell_origins.shape[:2]
         tokens = self.local_rows.shape[0]
         origins = cell_origins.to(torch.float64)
         rows = origins[:, :, 1:2] + self.local_rows.to(torch.float64)
         cols = origins[:, :, 0:1] + self.local_cols.to(torch.float64)
-        temporal = (frame_positions.to(torch.float64)[:, None] * self.inv_t)[None, :, None, :].expand(b, f, tokens, -1)
+        positions = frame_positions.to(torch.float64).expand(b, f)
+        temporal = (positions[:, :, None] * self.inv_t)[:, :, None, :].expand(b, f, tokens, -1)
         angles = torch.cat([temporal, rows[..., None] * self.inv_s, cols[..., None] * self.inv_s], dim=-1)
         angles = angles.reshape(b, f * tokens, -1)
         return angles.cos().float(), angles.sin().float()
@@ -258,7 +261,7 @@ class TinyWorldDiT(nn.Module):
 
         ``noisy`` canvases ``[B, F, C, C, 3]`` in [-1, 1]; ``t`` ``[B, F]``
         diffusion times; ``direction`` ``[B, F]`` indices 0..8;
-        ``frame_positions`` ``[F]`` absolute frame indices; ``cell_origins``
+        ``frame_positions`` ``[F]`` or ``[B, F]`` absolute frame indices; ``cell_origins``
         ``[B, F, 2]`` world cells of the canvases. Returns predicted clean canvases.
         """
         x = self.patch_embed(self.patchify(noisy)) + self.pos_embed

@@ -7,11 +7,17 @@ first chunk of a rollout) and the controls: the last ones and the camera
 position they add up to, which places the world-aligned canvas and the view
 inside it. All of it is dropped on reset and close. Given the same seed and
 controls, a session replays the same frames.
+
+Sessions batch (``generate_chunks``): rows are sessions, each with its own
+noise generator, frame positions, camera and KV history, so a batched chunk
+is the chunk the session would get alone (up to float rounding). Model-owned
+state changes only once the whole batched forward succeeded; on failure the
+generators are rewound, as the runner's batching contract asks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +26,7 @@ import numpy as np
 import torch
 
 from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from models.tiny_world.sampling import PagedKV, canvas_origin, crop_view, sample_chunk, to_uint8
+from models.tiny_world.sampling import ChunkKV, PagedKV, PagedKVRows, canvas_origin, crop_view, sample_chunk, to_uint8
 from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
 from models.tiny_world.world import KEYS, direction_index, velocity
 from runner.binding import SessionStateBinding
@@ -50,6 +56,21 @@ class _Session:
     # camera pixel position, the running sum of the controls' motion since the rollout began
     camera_x: int = 0
     camera_y: int = 0
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """One session's inputs to a chunk, worked out before the forward and applied only after it."""
+
+    session_id: str
+    session: _Session
+    controls: dict[str, Any]
+    direction: int
+    camera_x: int
+    camera_y: int
+    # per frame: the canvas corner's world cell and the view's pixel offset inside the canvas
+    cells: tuple[tuple[int, int], ...]
+    offsets: tuple[tuple[int, int], ...]
 
 
 class TinyWorldPipeline(SessionStateBinding):
@@ -89,29 +110,56 @@ class TinyWorldPipeline(SessionStateBinding):
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        return self._generate([tick], PagedKV(self.bound_state(tick.session_id)))[0]
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        """One forward for several bound sessions (equal history lengths); row ``i`` is ``ticks[i]``."""
+        return self._generate(ticks, PagedKVRows([self.bound_state(t.session_id) for t in ticks]))
+
+    def _plan(self, tick: TickRequest) -> _ChunkPlan:
         state = self.bound_state(tick.session_id)
         session = self._sessions.get(tick.session_id)
         if session is None or state.chunk_index == 0:
             seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
             session = _Session(generator=torch.Generator().manual_seed(seed), controls={})
-            self._sessions[tick.session_id] = session
-        session.controls = dict(tick.controls)
         keys = tick.controls.get("keys", [])
         dx, dy = velocity(keys)
+        x, y = session.camera_x, session.camera_y
         cells, offsets = [], []
         for _ in range(self.cfg.frames_per_chunk):
-            session.camera_x += dx
-            session.camera_y += dy
-            cell_x, cell_y, off_x, off_y = canvas_origin(session.camera_x, session.camera_y, self.cfg.patch_size)
+            x, y = x + dx, y + dy
+            cell_x, cell_y, off_x, off_y = canvas_origin(x, y, self.cfg.patch_size)
             cells.append((cell_x, cell_y))
             offsets.append((off_x, off_y))
+        return _ChunkPlan(
+            tick.session_id, session, dict(tick.controls), direction_index(keys), x, y, tuple(cells), tuple(offsets)
+        )
+
+    def _generate(self, ticks: Sequence[TickRequest], kv: ChunkKV) -> list[np.ndarray]:
+        plans = [self._plan(tick) for tick in ticks]
+        generators = [plan.session.generator for plan in plans]
+        rewind = [g.get_state() for g in generators]
         fpc = self.cfg.frames_per_chunk
-        directions = torch.full((1, fpc), direction_index(keys), dtype=torch.long, device=self.device)
-        cell_origins = torch.tensor([cells], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            canvases = sample_chunk(self.model, PagedKV(state), directions, cell_origins, session.generator)
-        views = [crop_view(canvases[0, f], ox, oy, self.cfg.image_size) for f, (ox, oy) in enumerate(offsets)]
-        return to_uint8(torch.stack(views)).cpu().numpy()
+        directions = torch.tensor([[plan.direction] * fpc for plan in plans], dtype=torch.long, device=self.device)
+        cell_origins = torch.tensor([plan.cells for plan in plans], dtype=torch.long, device=self.device)
+        try:
+            with torch.inference_mode():
+                canvases = sample_chunk(self.model, kv, directions, cell_origins, generators)
+            chunks = [
+                to_uint8(
+                    torch.stack([crop_view(canvases[row, f], ox, oy, self.cfg.image_size) for f, (ox, oy) in enumerate(plan.offsets)])
+                ).cpu().numpy()
+                for row, plan in enumerate(plans)
+            ]
+        except BaseException:
+            for generator, state in zip(generators, rewind):
+                generator.set_state(state)
+            raise
+        for plan in plans:
+            plan.session.controls = plan.controls
+            plan.session.camera_x, plan.session.camera_y = plan.camera_x, plan.camera_y
+            self._sessions[plan.session_id] = plan.session
+        return chunks
 
     def reset_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -6,25 +6,31 @@ committing pass that writes the finished chunk, re-noised to the context noise
 level, into the KV history. The pipeline runs it against the runner's paged
 pool (:class:`PagedKV`); training runs it (and its own teacher-forced passes)
 against :class:`DenseChunkKV`, a batched in-memory history with the same
-sink + sliding-window rule, so what is trained is what is served.
+sink + sliding-window rule, so what is trained is what is served. Batched
+server sessions run against :class:`PagedKVRows`: one row per session, each
+with its own history, frame positions and noise generator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from runner.kv_state import SessionKVState
+from runner.kv_state import SessionKVState, write_and_gather_rows
+
+# One generator for the whole batch (training), one per row (batched server sessions, so a
+# session's noise does not depend on who it shares a forward with), or None (global RNG).
+Noise = torch.Generator | Sequence[torch.Generator] | None
 
 
 class ChunkKV(Protocol):
     """What the sampler needs from a KV history."""
 
-    @property
-    def frame_start(self) -> int:
-        """Absolute index of the chunk's first frame."""
+    def chunk_positions(self, frames_per_chunk: int) -> torch.Tensor:
+        """Absolute frame indices of the chunk: ``[F]`` shared by every row, or ``[B, F]`` per row."""
 
     def begin_pass(self, *, commit: bool) -> None: ...
 
@@ -39,9 +45,8 @@ class PagedKV:
     def __init__(self, state: SessionKVState) -> None:
         self.state = state
 
-    @property
-    def frame_start(self) -> int:
-        return self.state.frame_start
+    def chunk_positions(self, frames_per_chunk: int) -> torch.Tensor:
+        return torch.arange(self.state.frame_start, self.state.frame_start + frames_per_chunk)
 
     def begin_pass(self, *, commit: bool) -> None:
         self.state.begin_pass(commit=commit)
@@ -52,6 +57,31 @@ class PagedKV:
 
     def end_pass(self) -> None:
         self.state.end_pass()
+
+
+class PagedKVRows:
+    """Adapts several sessions' :class:`SessionKVState` (row ``i`` = ``states[i]``) to :class:`ChunkKV`.
+
+    The sessions' histories must be equally long (the runner batches only
+    such sessions); their frame positions may differ.
+    """
+
+    def __init__(self, states: Sequence[SessionKVState]) -> None:
+        self.states = list(states)
+
+    def chunk_positions(self, frames_per_chunk: int) -> torch.Tensor:
+        return torch.stack([torch.arange(s.frame_start, s.frame_start + frames_per_chunk) for s in self.states])
+
+    def begin_pass(self, *, commit: bool) -> None:
+        for state in self.states:
+            state.begin_pass(commit=commit)
+
+    def kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return write_and_gather_rows(self.states, layer, k, v)
+
+    def end_pass(self) -> None:
+        for state in self.states:
+            state.end_pass()
 
 
 class DenseChunkKV:
@@ -77,6 +107,9 @@ class DenseChunkKV:
     @property
     def frame_start(self) -> int:
         return self._frame_start
+
+    def chunk_positions(self, frames_per_chunk: int) -> torch.Tensor:
+        return torch.arange(self._frame_start, self._frame_start + frames_per_chunk)
 
     def jump_to(self, frame_start: int) -> None:
         """Continue at a later absolute frame, dropping the window (as if it had slid past)."""
@@ -131,12 +164,20 @@ class DenseChunkKV:
 
 
 def chunk_positions(kv: ChunkKV, cfg: TinyWorldConfig) -> torch.Tensor:
-    return torch.arange(kv.frame_start, kv.frame_start + cfg.frames_per_chunk)
+    return kv.chunk_positions(cfg.frames_per_chunk)
 
 
-def noise_like(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Gaussian noise drawn on the CPU generator (so a seed means the same frames on any device)."""
-    return torch.randn(shape, generator=generator).to(device)
+def noise_like(shape: tuple[int, ...], generator: Noise, device: torch.device) -> torch.Tensor:
+    """Gaussian noise drawn on the CPU generator(s) (so a seed means the same frames on any device).
+
+    With one generator per row, row ``i`` gets exactly the numbers a batch of
+    one would draw from ``generator[i]``.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator).to(device)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]} rows")
+    return torch.stack([torch.randn(shape[1:], generator=g) for g in generator]).to(device)
 
 
 def canvas_origin(x: int, y: int, patch_size: int) -> tuple[int, int, int, int]:
@@ -155,7 +196,7 @@ def commit_chunk(
     clean: torch.Tensor,
     direction: torch.Tensor,
     cell_origins: torch.Tensor,
-    generator: torch.Generator | None,
+    generator: Noise,
 ) -> None:
     """Write clean canvases ``[B, F, C, C, 3]`` into the history at the context noise level."""
     cfg = model.cfg
@@ -172,7 +213,7 @@ def sample_chunk(
     kv: ChunkKV,
     direction: torch.Tensor,
     cell_origins: torch.Tensor,
-    generator: torch.Generator | None,
+    generator: Noise,
 ) -> torch.Tensor:
     """Generate and commit one chunk; returns its clean canvases ``[B, F, C, C, 3]`` in [-1, 1].
 
