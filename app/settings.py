@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     kv_budget_bytes: int | None = Field(None, gt=0, description="default: 256 MiB on CPU, memory_fraction on CUDA")
     memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
     max_pending_ticks: int = Field(4, ge=1, le=1024)
+    max_batch_sessions: int = Field(
+        4, ge=1, le=256, description="sessions whose chunks may share one forward; 1 disables batching"
+    )
     idle_timeout_s: float = Field(60.0, gt=0)
     start_timeout_s: float = Field(10.0, gt=0)
     auth_token: str | None = None
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-budget-bytes", type=int, help="KV pool budget in bytes (default 256 MiB on CPU)")
     add("--memory-fraction", type=float, help="fraction of free CUDA memory for the KV pool")
     add("--max-pending-ticks", type=int, help="ticks a session may have queued or running (default 4)")
+    add("--max-batch-sessions", type=int, help="sessions per batched forward (default 4; 1 disables batching)")
     add("--idle-timeout-s", type=float, help="close a session after this long without a message (default 60)")
     add("--start-timeout-s", type=float, help="time allowed for the first message, `start` (default 10)")
     add("--auth-token", help="require this bearer token (header or ?token=)")

@@ -8,9 +8,14 @@ the worker answers with :class:`TickOutcome` objects through
 Scheduling: control jobs (releases) run first at every chunk boundary, so a
 session that went away frees its KV before anyone else's chunk needs room.
 Sessions with queued ticks are served round robin, one tick per session per
-round. The queue is bounded by the sessions' credits (sessions x
-``max_pending_ticks``); the event loop enforces the credits and the worker
-checks the bound.
+round. At each chunk boundary the worker takes the next tick of each of up to
+``runner.batch_limit`` sessions (the ``max_batch_sessions`` setting, when the
+model batches) and hands them to :meth:`ARRunner.execute` together, which
+runs sessions with equally long histories as one forward; every tick still
+gets its own outcome, and a model failure fails only its own session. Frames
+are encoded here, tick by tick, after the forward. The queue is bounded by
+the sessions' credits (sessions x ``max_pending_ticks``); the event loop
+enforces the credits and the worker checks the bound.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from enum import Enum
 from app import frames as frame_codec
 from app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
 from runner.runner import ARRunner, RunnerStats
-from runner.types import TickRequest
+from runner.types import ChunkResult, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
 
@@ -182,30 +187,38 @@ class ModelWorker:
                     self._cond.wait()
                 if self._controls:
                     control = self._controls.popleft()
-                    job = None
+                    jobs: list[TickJob] = []
                 elif self._stopping:
                     return
                 else:
                     control = None
-                    session_id = self._ready_order.popleft()
-                    lane = self._lanes[session_id]
-                    job = lane.popleft()
-                    self._queued -= 1
-                    if lane:
-                        # Back of the line: one tick per session per round.
-                        self._ready_order.append(session_id)
-                    else:
-                        del self._lanes[session_id]
+                    jobs = self._take_round(self.runner.batch_limit)
             try:
                 if control is not None:
                     control()
                 else:
-                    assert job is not None
-                    self._run_tick(job)
+                    self._run_jobs(jobs)
             except BaseException:  # noqa: BLE001 - the worker must outlive any one job
                 log.exception("worker job failed")
             finally:
                 self._publish_stats()
+
+    def _take_round(self, sessions: int) -> list[TickJob]:
+        """The next tick of each of the first ``sessions`` sessions in line (call with the lock held)."""
+        jobs: list[TickJob] = []
+        still_queued: list[str] = []
+        while self._ready_order and len(jobs) < sessions:
+            session_id = self._ready_order.popleft()
+            lane = self._lanes[session_id]
+            jobs.append(lane.popleft())
+            self._queued -= 1
+            if lane:
+                still_queued.append(session_id)
+            else:
+                del self._lanes[session_id]
+        # Back of the line: one tick per session per round.
+        self._ready_order.extend(still_queued)
+        return jobs
 
     def _publish_stats(self) -> None:
         if self.runner is not None:
@@ -227,42 +240,66 @@ class ModelWorker:
         self._publish_stats()
         self._loop.call_soon_threadsafe(self._deliver, outcome)
 
-    def _run_tick(self, job: TickJob) -> None:
+    def _run_jobs(self, jobs: list[TickJob]) -> None:
+        """Run one round's ticks (distinct sessions) through the runner together; one outcome per tick."""
         assert self.runner is not None
-        session = job.session
         started = time.perf_counter()
-        queue_s = started - job.accepted_at
-        if session.id in self._failed and not job.reset:
-            session.absorb_update(job)
-            self._send(TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed"))
-            return
-        inputs: ChunkInputs = session.take_chunk_inputs(job)
-        tick = TickRequest(
-            session_id=session.id,
-            request_id=job.tick_id,
-            controls=inputs.controls,
-            prompt=inputs.prompt,
-            seed=session.seed,
-            reset=job.reset,
-            close=job.close,
-            applied_event_ids=inputs.applied_event_ids,
-        )
-        produced_before = session.id in self._produced
-        try:
-            result = self.runner.execute_tick(tick)
-        except Exception as exc:  # noqa: BLE001 - the runner failed closed; the client hears session_failed
-            self._failed.add(session.id)
-            session.restore_events(inputs.events)
-            log.warning("session=%s tick=%d model failed: %s", session.id, job.tick_id, exc)
-            self._send(
-                TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=f"{type(exc).__name__}: {exc}")
+        runnable: list[tuple[TickJob, ChunkInputs, TickRequest]] = []
+        for job in jobs:
+            session = job.session
+            if session.id in self._failed and not job.reset:
+                session.absorb_update(job)
+                self._send(
+                    TickOutcome(
+                        job, OutcomeKind.SKIPPED_FAILED, queue_s=started - job.accepted_at, error="the session had failed"
+                    )
+                )
+                continue
+            inputs: ChunkInputs = session.take_chunk_inputs(job)
+            tick = TickRequest(
+                session_id=session.id,
+                request_id=job.tick_id,
+                controls=inputs.controls,
+                prompt=inputs.prompt,
+                seed=session.seed,
+                reset=job.reset,
+                close=job.close,
+                applied_event_ids=inputs.applied_event_ids,
             )
+            runnable.append((job, inputs, tick))
+        if not runnable:
             return
-        self._failed.discard(session.id)
-        self._produced.add(session.id)
-        with self._times_lock:
-            self._compute_times.append(result.compute_s)
-        restarted = restart_reason(reset=job.reset, new_rollout=result.new_rollout, produced_before=produced_before)
+        produced_before = {job.session.id: job.session.id in self._produced for job, _, _ in runnable}
+        results = self.runner.execute([tick for _, _, tick in runnable])
+        for (job, inputs, _tick), result in zip(runnable, results):
+            queue_s = started - job.accepted_at
+            if isinstance(result, TickFailure):
+                self._model_failed(job, inputs, result, queue_s)
+                continue
+            self._failed.discard(job.session.id)
+            self._produced.add(job.session.id)
+            with self._times_lock:
+                self._compute_times.append(result.compute_s)
+            restarted = restart_reason(
+                reset=job.reset, new_rollout=result.new_rollout, produced_before=produced_before[job.session.id]
+            )
+            self._encode_and_send(job, inputs, result, restarted, queue_s)
+
+    def _model_failed(self, job: TickJob, inputs: ChunkInputs, failure: TickFailure, queue_s: float) -> None:
+        """The runner failed closed for this tick's session; the client hears session_failed."""
+        session = job.session
+        self._failed.add(session.id)
+        session.restore_events(inputs.events)
+        error = failure.error
+        log.warning("session=%s tick=%d model failed: %s", session.id, job.tick_id, error)
+        self._send(
+            TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=f"{type(error).__name__}: {error}")
+        )
+
+    def _encode_and_send(
+        self, job: TickJob, inputs: ChunkInputs, result: ChunkResult, restarted: str | None, queue_s: float
+    ) -> None:
+        session = job.session
         encode_started = time.perf_counter()
         try:
             messages = frame_codec.encode_chunk(

@@ -9,9 +9,10 @@ ends a session (reset, close, eviction, failure) goes through
 Cross-session batching (:meth:`ARRunner.execute`): with ``max_batch_sessions``
 above 1 and a pipeline that implements :class:`SupportsBatchedChunks`, ticks of
 distinct sessions whose visible histories are equally long share one forward.
-A batch is all or nothing: if its forward raises, every session's KV is put
+A batch is all or nothing: if the model raises, every session's KV is put
 back as it was and each tick runs again alone, where a failure releases only
-that tick's session.
+that tick's session (see :meth:`ARRunner._forward_batch` for failures after
+the model returned).
 """
 
 from __future__ import annotations
@@ -307,15 +308,20 @@ class ARRunner:
         )
 
     def _forward_batch(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
-        """One forward for distinct sessions with equally long histories; if it raises, each tick alone.
+        """One forward for distinct sessions with equally long histories; if the model raises, each tick alone.
 
         Each session gets its own staging row and its chunk is held until the
-        whole forward (device sync included) succeeded, so a failed batch can
-        be undone for every session and retried one by one: only a session
-        whose own forward fails is released.
+        whole forward (device sync included) succeeded. If ``generate_chunks``
+        raises, the pipeline's contract says no model-owned state advanced, so
+        the runner undoes the KV side for every session and retries each tick
+        alone: only a session whose own forward fails is released. A failure
+        after ``generate_chunks`` returned (wrong frames, a missing commit,
+        an error surfacing at the device sync) cannot be pinned on one row and
+        the model state has moved on, so every session of the batch fails closed.
         """
         assert isinstance(self.pipeline, SupportsBatchedChunks)
         states: list[SessionKVState] = []
+        generated = False
         started = time.perf_counter()
         try:
             with ExitStack() as bindings:
@@ -325,9 +331,15 @@ class ARRunner:
                     state.prepare_forward(staging_row=row, hold_commit=True)
                     bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
                 frames = self.pipeline.generate_chunks(ticks)
+                generated = True
                 _check_batch(frames, states, self.spec)
             self._sync(self.device)
         except BaseException as exc:
+            if generated:
+                failures = self._fail_batch(ticks, exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return list(failures)
             aborted = self._abort_batch(ticks, states, exc)
             if not isinstance(exc, Exception):
                 raise
@@ -350,6 +362,20 @@ class ARRunner:
             )
             for tick, state, chunk in zip(ticks, states, frames)
         ]
+
+    def _fail_batch(self, ticks: Sequence[TickRequest], error: BaseException) -> list[TickFailure]:
+        """Release every session of a batch that failed after the pipeline's forward returned."""
+        self.failures_total += len(ticks)
+        for tick in ticks:
+            self._release(tick.session_id, reset_model=False, reason="forward_exception", suppress_errors=True)
+        log.warning(
+            "batched forward of %d sessions failed after the model ran (%s: %s); all of them were released",
+            len(ticks),
+            type(error).__name__,
+            error,
+        )
+        exc = error if isinstance(error, Exception) else RuntimeError(str(error))
+        return [TickFailure(t.session_id, t.request_id, exc) for t in ticks]
 
     def _abort_batch(
         self, ticks: Sequence[TickRequest], states: list[SessionKVState], error: BaseException

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,23 +178,35 @@ class GatedFakePipeline(FakeKVPipeline):
     """FakeKVPipeline whose forwards wait for :attr:`gate` (warm-up excepted) and log session order.
 
     With the gate closed a test can queue ticks deterministically, then open
-    it and read :attr:`order` (the session id of every forward, in order).
+    it and read :attr:`order` (the session id of every forward's rows, in
+    order; a batched forward adds all its sessions) and :attr:`batches` (the
+    session ids of each batched forward).
     """
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.gate = threading.Event()
         self.order: list[str] = []
+        self.batches: list[list[str]] = []
         self.waiting = threading.Event()
 
+    def _wait_at_gate(self, session_ids: list[str]) -> None:
+        if WARMUP_SESSION_ID in session_ids:
+            return
+        self.order.extend(session_ids)
+        self.waiting.set()
+        if not self.gate.wait(STOP_GUARD_S):
+            raise RuntimeError("the test never opened the gate")
+        self.waiting.clear()
+
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        if tick.session_id != WARMUP_SESSION_ID:
-            self.order.append(tick.session_id)
-            self.waiting.set()
-            if not self.gate.wait(STOP_GUARD_S):
-                raise RuntimeError("the test never opened the gate")
-            self.waiting.clear()
+        self._wait_at_gate([tick.session_id])
         return super().generate_chunk(tick)
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        self._wait_at_gate([t.session_id for t in ticks])
+        self.batches.append([t.session_id for t in ticks])
+        return super().generate_chunks(ticks)
 
 
 # ---- a WebSocket session client for tests ---------------------------------------------------
