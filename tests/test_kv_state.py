@@ -125,3 +125,98 @@ def test_cross_attention_slot_is_held_and_returned() -> None:
     assert pool.cross_k["text"][state.cross_slot, 0, 1].eq(7.0).all()
     state.release()
     assert len(pool._free_slots) == pool.plan.session_capacity
+
+
+def make_batch_pool(rows: int = 2, **overrides: object) -> PagedKVPool:
+    fields: dict = dict(
+        num_layers=2, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=4
+    )
+    fields.update(overrides)
+    spec = KVCacheSpec(**fields)
+    return PagedKVPool(spec, plan_pool(spec, 1 << 14, max_batch_sessions=rows), torch.device("cpu"))
+
+
+def tables(state: SessionKVState) -> tuple[list[int], list[int], int, int]:
+    return state.sink["main"], state.window["main"], state.frame_start, state.chunk_index
+
+
+def test_sessions_in_different_staging_rows_run_their_passes_interleaved() -> None:
+    pool = make_batch_pool(rows=2)
+    a, b = SessionKVState(pool, "a"), SessionKVState(pool, "b")
+    commit_chunk(a, [0, 1])
+    commit_chunk(b, [100, 101])
+    a.prepare_forward(staging_row=0)
+    b.prepare_forward(staging_row=1)
+    a.begin_pass(commit=True)
+    b.begin_pass(commit=True)
+    seen_a, _ = a.write_and_gather(0, chunk_kv([2, 3]), chunk_kv([2, 3]))
+    seen_b, _ = b.write_and_gather(0, chunk_kv([102, 103]), chunk_kv([102, 103]))
+    assert seen_a[:, 0, 0].tolist() == [0, 1, 2, 3]
+    assert seen_b[:, 0, 0].tolist() == [100, 101, 102, 103]
+
+
+def test_held_chunk_joins_the_history_only_when_accepted() -> None:
+    pool = make_batch_pool()
+    state = SessionKVState(pool, "a")
+    for i in range(3):
+        commit_chunk(state, [2 * i, 2 * i + 1])
+    before = tables(state)
+    state.prepare_forward(staging_row=1, hold_commit=True)
+    commit_chunk(state, [6, 7])
+    assert state.chunk_held and tables(state) == before
+    assert state.pending["main"] == [6, 7] and pool.num_used == 7
+    with pytest.raises(PassStateError, match="one commit per forward"):
+        state.begin_pass(commit=True)
+    state.accept_chunk()
+    assert tables(state) == ([0], [4, 5, 6, 7], 8, 4)
+    assert pool.num_used == 5
+    state.prepare_forward(staging_row=0)
+    assert commit_chunk(state, [8, 9]) == [0, 4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("stage", ["open_pass", "held_chunk"])
+def test_abort_forward_returns_the_chunk_blocks_and_keeps_the_history(stage: str) -> None:
+    pool = make_batch_pool()
+    state = SessionKVState(pool, "a")
+    for i in range(3):
+        commit_chunk(state, [2 * i, 2 * i + 1])
+    before, free_before = tables(state), pool.num_free
+    state.prepare_forward(staging_row=1, hold_commit=True)
+    state.begin_pass(commit=True)
+    for layer in range(2):
+        state.write_and_gather(layer, chunk_kv([-9, -9]), chunk_kv([-9, -9]))
+    if stage == "held_chunk":
+        state.end_pass()
+    state.abort_forward()
+    assert tables(state) == before and pool.num_free == free_before
+    assert not state.in_pass and not state.chunk_held
+    # the retry, alone in row 0, sees the history as it was and nothing of the aborted chunk
+    state.prepare_forward(staging_row=0)
+    assert commit_chunk(state, [6, 7]) == [0, 2, 3, 4, 5, 6, 7]
+
+
+def test_abort_forward_restores_a_history_dropped_at_a_reset_boundary() -> None:
+    pool = make_batch_pool(reset_at_boundary=True)
+    state = SessionKVState(pool, "a")
+    commit_chunk(state, [0, 1])
+    commit_chunk(state, [2, 3])
+    before, used = tables(state), pool.num_used
+    state.prepare_forward(hold_commit=True)
+    state.begin_pass(commit=True)
+    assert state.history_frames() == 0 and pool.num_used == used + 2  # dropped but still held
+    state.abort_forward()
+    assert tables(state) == before and pool.num_used == used
+    state.prepare_forward()
+    assert commit_chunk(state, [4, 5]) == [4, 5]
+    assert pool.num_used == 2
+
+
+def test_prepare_forward_refuses_a_missing_row_and_a_running_forward() -> None:
+    state = SessionKVState(make_batch_pool(rows=2), "a")
+    with pytest.raises(PassStateError, match="staging row 2 does not exist"):
+        state.prepare_forward(staging_row=2)
+    state.begin_pass(commit=False)
+    with pytest.raises(PassStateError, match="inside a forward"):
+        state.prepare_forward(staging_row=1)
+    with pytest.raises(PassStateError, match="no held chunk"):
+        state.accept_chunk()

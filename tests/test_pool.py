@@ -92,3 +92,26 @@ def test_over_allocation_says_how_many_are_free() -> None:
 def test_inconsistent_specs_say_what_was_expected(overrides: dict, message: str) -> None:
     with pytest.raises(SpecError, match=message):
         tiny_spec(**overrides)
+
+
+def test_plan_counts_an_in_flight_chunk_and_a_staging_row_per_batched_session() -> None:
+    spec = tiny_spec()  # 16-byte blocks, 5 resident frames, chunk of 2, staging of 7
+    per_session = 5 * 16
+    fixed = 3 * (2 + 7) * 16
+    plan = plan_pool(spec, fixed + 4 * per_session + per_session - 1, max_batch_sessions=3)
+    assert plan.session_capacity == 4
+    assert plan.num_blocks == 4 * 5 + 3 * 2
+    assert (plan.scratch_blocks, plan.staging_rows) == (3 * 7, 3)
+    assert plan.pool_bytes == (plan.num_blocks + plan.scratch_blocks) * 16
+    with pytest.raises(PoolBudgetError, match="3 in-flight chunk"):
+        plan_pool(spec, fixed + per_session - 1, max_batch_sessions=3)
+    with pytest.raises(PoolBudgetError, match="max_batch_sessions must be an integer >= 1"):
+        plan_pool(spec, 1 << 20, max_batch_sessions=0)
+
+
+def test_pool_has_one_staging_row_per_batched_session() -> None:
+    spec = tiny_spec(num_layers=2)
+    pool = PagedKVPool(spec, plan_pool(spec, 1 << 12, max_batch_sessions=3), torch.device("cpu"))
+    assert pool.staging["main"].shape == (3, 2, 2, 7, 1, 2)
+    assert len(pool.staging_layers) == 3 and len(pool.staging_layers[2]["main"]) == 2
+    assert pool.staging_owners == [None, None, None]

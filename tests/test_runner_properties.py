@@ -1,21 +1,29 @@
-"""Random session operations never leak or double-free a KV block (hypothesis)."""
+"""Random session operations never leak or double-free a KV block (hypothesis).
+
+The runner batches up to three sessions per forward, so rounds of ticks run
+through the batched path too, including batches that fail before and after
+their rows committed.
+"""
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from models.fake import FakeForwardError, FakeKVPipeline
+from models.fake import FakeForwardError
 from runner.runner import ARRunner
-from runner.types import TickRequest
+from runner.types import ChunkResult, TickFailure, TickRequest
+from runner_fakes import RaisingAfterCommitFakePipeline
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e"])
+# (session, fail, reset, close) per tick of a round
+ROUND_TICKS = st.lists(st.tuples(SESSIONS, st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=6)
 
 
 class RunnerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pipeline = FakeKVPipeline(session_capacity=3, sink_frames=1, window_frames=4)
-        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20)
+        self.pipeline = RaisingAfterCommitFakePipeline(session_capacity=3, sink_frames=1, window_frames=4)
+        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3)
         self.request_id = 0
 
     def _tick(self, session: str, **fields: object) -> None:
@@ -37,6 +45,26 @@ class RunnerMachine(RuleBasedStateMachine):
             raise AssertionError("the fake was asked to fail")
         assert not self.runner.is_resident(session)
 
+    @rule(round_ticks=ROUND_TICKS, fault_after_commit=st.booleans())
+    def execute_round(self, round_ticks: list[tuple[str, bool, bool, bool]], fault_after_commit: bool) -> None:
+        ticks = []
+        for session, fail, reset, close in round_ticks:
+            self.request_id += 1
+            controls = {"fail": True} if fail else {}
+            ticks.append(TickRequest(session, self.request_id, controls=controls, reset=reset, close=close))
+        self.pipeline.raise_next_batch = fault_after_commit
+        try:
+            results = self.runner.execute(ticks)
+        finally:
+            self.pipeline.raise_next_batch = False
+        assert [(r.session_id, r.request_id) for r in results] == [(t.session_id, t.request_id) for t in ticks]
+        for t, result in zip(ticks, results):
+            assert isinstance(result, TickFailure if t.controls else ChunkResult), (t, result)
+        last_of_session = {t.session_id: t for t in ticks}
+        for session, t in last_of_session.items():
+            if t.controls or t.close:
+                assert not self.runner.is_resident(session)
+
     @rule(session=SESSIONS)
     def close(self, session: str) -> None:
         self.runner.close_session(session)
@@ -53,6 +81,12 @@ class RunnerMachine(RuleBasedStateMachine):
         assert sorted(held) == sorted(pool._allocated)
         assert pool.num_free + len(held) == pool.num_blocks
         assert len(set(pool._free)) == pool.num_free
+
+    @invariant()
+    def no_forward_is_left_open_between_calls(self) -> None:
+        for state in self.runner._sessions.values():
+            assert not state.in_pass and not state.chunk_held
+            assert all(not state.pending[b] and not state.dropped[b] for b in state.spec.branch_names)
 
     @invariant()
     def no_resident_session_means_start_up_free_count(self) -> None:
