@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from models.tiny_world import sampling
 from models.tiny_world.evaluate import make_runner, rollout
 from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
 from models.tiny_world.sampling import DenseChunkKV, canvas_origin, crop_view, sample_chunk, to_uint8
 from models.tiny_world.world import direction_index, velocity
 from runner.contract import ARPipeline, SupportsWarmup
 from runner.runner import ARRunner
-from runner.types import TickRequest
+from runner.types import ChunkResult, TickRequest
 
 KEYS_SEQUENCE = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"], ["s"], ["s"], ["a"]]
 
@@ -138,3 +139,69 @@ def test_eviction_releases_model_state(pipeline: TinyWorldPipeline) -> None:
     assert "first" not in pipeline.session_ids()
     runner.close_session("second")
     assert "second" not in pipeline.session_ids()
+
+
+def batching_runner(pipeline: TinyWorldPipeline, sessions: int, max_batch_sessions: int) -> ARRunner:
+    spec = pipeline.kv_cache_spec()
+    in_flight = max_batch_sessions * (2 * spec.frames_per_chunk + spec.resident_frames)
+    budget = (sessions * spec.resident_frames + in_flight) * spec.block_bytes
+    return ARRunner(pipeline, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
+
+
+def staggered_sessions(runner: ARRunner, prefix: str) -> list[str]:
+    """Three sessions past the window, at different frame positions, seeds and camera positions."""
+    ids = []
+    for n, (head_start, keys) in enumerate(((3, ["d"]), (5, ["w", "a"]), (4, ["s"]))):
+        sid = f"{prefix}{n}"
+        for i in range(head_start):
+            runner.execute_tick(TickRequest(sid, i, controls={"keys": keys}, seed=20 + n))
+        ids.append(sid)
+    return ids
+
+
+def assert_frames_close(batched: np.ndarray, alone: np.ndarray) -> None:
+    """Batched rows are the same math as one row; only float summation order may differ."""
+    diff = np.abs(batched.astype(np.int16) - alone.astype(np.int16))
+    assert diff.max() <= 2 and diff.mean() < 0.01, (diff.max(), diff.mean())
+
+
+ROUND_KEYS = ([["d"], [], ["a", "s"]], [["w"], ["d"], ["d"]])
+
+
+def test_batched_chunks_match_each_session_alone(pipeline: TinyWorldPipeline) -> None:
+    batched = batching_runner(pipeline, sessions=6, max_batch_sessions=3)
+    solo = batching_runner(pipeline, sessions=6, max_batch_sessions=1)
+    batched_ids, solo_ids = staggered_sessions(batched, "batched-"), staggered_sessions(solo, "solo-")
+    assert len({batched._sessions[s].frame_start for s in batched_ids}) == 3
+    for round_, keys in enumerate(ROUND_KEYS):
+        results = batched.execute([TickRequest(s, 10 + round_, controls={"keys": k}) for s, k in zip(batched_ids, keys)])
+        for result, sid, k in zip(results, solo_ids, keys):
+            assert isinstance(result, ChunkResult)
+            assert_frames_close(result.frames, solo.execute_tick(TickRequest(sid, 10 + round_, controls={"keys": k})).frames)
+    assert batched.stats().batched_forwards_total == len(ROUND_KEYS)
+
+
+def test_a_batch_that_raises_leaves_model_state_as_it_was(
+    pipeline: TinyWorldPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit pass raises after every row drew its noise; the retries alone must not see advanced state."""
+    batched = batching_runner(pipeline, sessions=6, max_batch_sessions=3)
+    solo = batching_runner(pipeline, sessions=6, max_batch_sessions=1)
+    batched_ids, solo_ids = staggered_sessions(batched, "batched-"), staggered_sessions(solo, "solo-")
+    real_commit = sampling.commit_chunk
+    calls = {"n": 0}
+
+    def commit_failing_once(*args: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("fault in the committing pass")
+        real_commit(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling, "commit_chunk", commit_failing_once)
+    keys = ROUND_KEYS[0]
+    results = batched.execute([TickRequest(s, 10, controls={"keys": k}) for s, k in zip(batched_ids, keys)])
+    monkeypatch.undo()
+    assert batched.stats().batch_fallbacks_total == 1 and calls["n"] == 4
+    for result, sid, k in zip(results, solo_ids, keys):
+        assert isinstance(result, ChunkResult)
+        np.testing.assert_array_equal(result.frames, solo.execute_tick(TickRequest(sid, 10, controls={"keys": k})).frames)
