@@ -25,6 +25,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_from_argv([])
     assert (settings.host, settings.port, settings.model, settings.device) == ("127.0.0.1", 8000, "tiny-world", "cpu")
     assert (settings.max_pending_ticks, settings.idle_timeout_s, settings.start_timeout_s) == (4, 60.0, 10.0)
+    assert settings.max_batch_sessions == 4
     assert (settings.codec, settings.jpeg_quality, settings.max_message_bytes) == ("jpeg", 80, 65536)
     assert settings.auth_token is None and settings.origin_allow_list() == []
     assert settings.resolved_kv_budget_bytes() == CPU_KV_BUDGET_BYTES == 256 * 1024 * 1024
@@ -44,6 +45,14 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.model_options == {"compute_delay_s": 0.05, "session_capacity": 2}
     assert settings.origin_allow_list() == ["http://a.example", "http://b.example"]
     assert settings.resolved_kv_budget_bytes() == 1048576
+
+
+def test_max_batch_sessions_from_environment_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARSTREAM_MAX_BATCH_SESSIONS", "1")
+    assert settings_from_argv([]).max_batch_sessions == 1
+    assert settings_from_argv(["--max-batch-sessions", "8"]).max_batch_sessions == 8
+    with pytest.raises(ValueError, match="max_batch_sessions"):
+        settings_from_argv(["--max-batch-sessions", "0"])
 
 
 def test_cuda_budget_defaults_to_the_memory_fraction() -> None:

@@ -331,3 +331,61 @@ def test_shutdown_does_not_hang_on_a_client_that_stops_reading() -> None:
                 slow.abort()
 
         run(scenario())
+
+
+def test_a_round_of_sessions_runs_as_one_batch_and_a_failing_one_fails_alone() -> None:
+    """Three sessions queue ticks behind a held forward; the next round batches them; one of them fails."""
+    pipeline = GatedFakePipeline()
+    with running_server(fake_settings(max_batch_sessions=4), pipeline) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+        failures_before = server.stats()["sessions"]["failures_total"]
+        pipeline.gate.set()
+
+        async def scenario() -> dict[str, list[Any]]:
+            raw = {"codec": "raw"}
+            async with (
+                session_client(server.ws_url, start=raw) as a,
+                session_client(server.ws_url, start=raw) as doomed,
+                session_client(server.ws_url, start=raw) as c,
+                session_client(server.ws_url, start=raw) as blocker,
+            ):
+                for client in (a, doomed, c):
+                    await client.send(type="tick", tick_id=0)
+                    await client.recv_chunk()
+                pipeline.gate.clear()
+                await blocker.send(type="tick", tick_id=0)
+                await wait_until(pipeline.waiting.is_set)  # the blocker's forward holds the worker
+                await a.send(type="tick", tick_id=1, controls={"keys": ["d"]})
+                await doomed.send(type="tick", tick_id=1, controls={"fail": True})
+                await c.send(type="tick", tick_id=1)
+                await wait_stats(server, lambda s: s["queue"]["depth"] == 3)
+                pipeline.gate.set()
+                await blocker.recv_chunk()
+                seen: dict[str, list[Any]] = {"a": [await a.recv_chunk()], "c": [await c.recv_chunk()]}
+                seen["doomed"] = [await doomed.recv_json()]
+                await doomed.send(type="tick", tick_id=2)
+                seen["doomed"].append(await doomed.recv_json())
+                for name, client in (("a", a), ("c", c)):
+                    await client.send(type="tick", tick_id=2)
+                    seen[name].append(await client.recv_chunk())
+                ids = [client.ready["session_id"] for client in (a, doomed, c) if client.ready]
+                seen["ids"] = ids
+                return seen
+
+        seen = run(scenario())
+        a_id, doomed_id, c_id = seen["ids"]
+        assert [a_id, doomed_id, c_id] in pipeline.batches
+        for name in ("a", "c"):
+            chunks = [chunk for chunk, _ in seen[name]]
+            assert [(m["tick_id"], m["chunk_index"], m["restarted"]) for m in chunks] == [(1, 1, None), (2, 2, None)]
+            # G is the frame's absolute position: the sessions' chunks follow on from their histories
+            positions = [int(pixels[0, 0, 1]) for _, frames in seen[name] for _, pixels in frames]
+            assert positions == [2, 3, 4, 5]
+        a_keys = [int(pixels[0, 0, 2]) for _, pixels in seen["a"][0][1]]
+        assert a_keys == [controls_code({"keys": ["d"]})] * 2
+        failed, skipped = seen["doomed"]
+        assert (failed["type"], failed["code"], failed["tick_id"]) == ("error", "session_failed", 1)
+        assert (skipped["code"], skipped["tick_id"]) == ("session_failed", 2)
+        stats = server.stats()
+        assert stats["sessions"]["failures_total"] == failures_before + 1
+        settled(server, start_free)
