@@ -41,6 +41,7 @@ import websockets
 
 from app import wire
 from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
+from app.settings import Settings
 from runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
@@ -208,20 +209,27 @@ def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
 
 
 class BareRunner:
-    """The same model in this process, driven straight through ARRunner.execute_tick."""
+    """The same model in this process, driven straight through ARRunner.execute, one call per chunk boundary."""
 
-    def __init__(self, model: str, options: dict[str, Any], *, device: str, kv_budget_bytes: int) -> None:
+    def __init__(
+        self, model: str, options: dict[str, Any], *, device: str, kv_budget_bytes: int, max_batch_sessions: int
+    ) -> None:
         from models.registry import load_pipeline
         from runner.runner import ARRunner
 
-        self.runner = ARRunner(load_pipeline(model, device, **options), device=device, kv_budget_bytes=kv_budget_bytes)
+        self.runner = ARRunner(
+            load_pipeline(model, device, **options),
+            device=device,
+            kv_budget_bytes=kv_budget_bytes,
+            max_batch_sessions=max_batch_sessions,
+        )
         self.runner.warmup()
         self.keys = model_keys(self.runner.model_card())
         self._next_request = 0
 
     def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
-        """Run ``sessions * chunks`` chunks round robin (as the worker would); return chunks per second."""
-        from runner.types import TickRequest
+        """Run ``sessions * chunks`` chunks, every session's next tick per call (as the worker would); chunks per second."""
+        from runner.types import ChunkResult, TickRequest
 
         if self.runner.session_capacity < sessions:
             raise RuntimeError(
@@ -232,11 +240,13 @@ class BareRunner:
         for step in range(chunks):
             press = (self.keys + [None])[(step // input_every) % (len(self.keys) + 1)] if self.keys else None
             controls = {"keys": [press] if press else []} if self.keys else {}
+            ticks = []
             for session_id in session_ids:
                 self._next_request += 1
-                self.runner.execute_tick(
-                    TickRequest(session_id=session_id, request_id=self._next_request, controls=controls)
-                )
+                ticks.append(TickRequest(session_id=session_id, request_id=self._next_request, controls=controls))
+            for result in self.runner.execute(ticks):
+                if not isinstance(result, ChunkResult):
+                    raise RuntimeError(f"bare runner chunk failed: {result.error!r}")
         elapsed = time.perf_counter() - started
         for session_id in session_ids:
             self.runner.close_session(session_id)
@@ -278,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads on both sides (default: the server's default, CPU cores - 1, at least 1)",
     )
     parser.add_argument(
+        "--max-batch-sessions",
+        type=int,
+        default=Settings.model_fields["max_batch_sessions"].default,
+        help="sessions per batched forward, for the server and the bare runner alike (default: the server's)",
+    )
+    parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra argument for `arstream serve` (repeatable)"
     )
     return parser
@@ -286,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = json.loads(args.model_options)
-    if min(args.sessions, args.chunks, args.repeat, args.input_every, args.threads or 1) < 1:
+    if min(args.sessions, args.chunks, args.repeat, args.input_every, args.threads or 1, args.max_batch_sessions) < 1:
         print("arstream bench serve: counts must be >= 1", file=sys.stderr)
         return 2
     # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
@@ -299,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-options", json.dumps(options),
         "--device", args.device,
         "--kv-budget-bytes", str(args.kv_budget_bytes),
+        "--max-batch-sessions", str(args.max_batch_sessions),
         "--log-level", "warning",
         *args.serve_arg,
     ]  # fmt: skip
@@ -309,7 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ServerProcess(serve_args) as server:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")
-        bare = BareRunner(args.model, options, device=args.device, kv_budget_bytes=args.kv_budget_bytes)
+        bare = BareRunner(
+            args.model,
+            options,
+            device=args.device,
+            kv_budget_bytes=args.kv_budget_bytes,
+            max_batch_sessions=args.max_batch_sessions,
+        )
         # One untimed round on each side first, at full concurrency, so neither pays for first-use costs.
         asyncio.run(
             server_phase(url, sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec)
@@ -349,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "chunks_per_session": args.chunks,
         "repetitions": args.repeat,
         "threads": threads,
+        "max_batch_sessions": args.max_batch_sessions,
         "server_chunks_per_s": round(_median(server_rates), 2),
         "runner_chunks_per_s": round(_median(runner_rates), 2),
         "server_vs_runner_ratio": round(_median(ratios), 4),

@@ -1,4 +1,4 @@
-"""`arstream bench runner` runs end to end and ends with its JSON summary line."""
+"""`arstream bench runner` and `bench model` run end to end and end with their JSON summary line."""
 
 import json
 
@@ -19,3 +19,15 @@ def test_bench_runner_prints_a_json_summary_last(capsys: pytest.CaptureFixture[s
 def test_unknown_subcommand_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["frobnicate"]) == 2
     assert "usage: arstream" in capsys.readouterr().err
+
+
+def test_bench_model_compares_batched_streams_with_round_robin(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "model", "--streams", "2", "--chunks", "2", "--repeats", "2", "--threads", "1"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["streams"] == 2 and summary["fps"] > 0
+    assert summary["fps_total_streams"] > 0 and summary["fps_total_batched"] > 0
+    assert summary["batched_vs_round_robin_ratio"] > 0
+    modes = [line.split()[1] for line in lines if line.split()[:1] == ["2"]]
+    assert modes == ["round_robin", "batched", "batched", "round_robin"]  # alternating repetitions

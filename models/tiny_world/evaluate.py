@@ -46,12 +46,12 @@ MIN_PALETTE_FRACTION = 0.7
 MAX_NOISE_RATIO = 2.0
 
 
-def make_runner(pipeline: TinyWorldPipeline, sessions: int = 4) -> ARRunner:
-    """A runner whose KV budget holds exactly ``sessions`` resident sessions (plus chunk and scratch)."""
+def make_runner(pipeline: TinyWorldPipeline, sessions: int = 4, max_batch_sessions: int = 1) -> ARRunner:
+    """A runner whose KV budget holds exactly ``sessions`` resident sessions (plus chunks and scratch in flight)."""
     spec = pipeline.kv_cache_spec()
-    in_flight = spec.frames_per_chunk + spec.resident_frames + spec.frames_per_chunk
+    in_flight = max_batch_sessions * (spec.frames_per_chunk + spec.resident_frames + spec.frames_per_chunk)
     budget = (sessions * spec.resident_frames + in_flight) * spec.block_bytes
-    return ARRunner(pipeline, device=pipeline.device, kv_budget_bytes=budget)
+    return ARRunner(pipeline, device=pipeline.device, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
 
 
 def rollout(runner: ARRunner, keys_per_chunk: Sequence[Sequence[str]], seed: int, session_id: str = "eval") -> np.ndarray:
