@@ -228,7 +228,7 @@ class BareRunner:
         self._next_request = 0
 
     def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
-        """Run ``sessions * chunks`` chunks, every session's next tick per call (as the worker would); chunks per second."""
+        """Run ``sessions * chunks`` chunks, each session's next tick in one call (as the worker does); chunks/s."""
         from runner.types import ChunkResult, TickRequest
 
         if self.runner.session_capacity < sessions:

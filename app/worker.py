@@ -249,11 +249,9 @@ class ModelWorker:
             session = job.session
             if session.id in self._failed and not job.reset:
                 session.absorb_update(job)
-                self._send(
-                    TickOutcome(
-                        job, OutcomeKind.SKIPPED_FAILED, queue_s=started - job.accepted_at, error="the session had failed"
-                    )
-                )
+                queue_s = started - job.accepted_at
+                skipped = TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed")
+                self._send(skipped)
                 continue
             inputs: ChunkInputs = session.take_chunk_inputs(job)
             tick = TickRequest(
@@ -292,9 +290,8 @@ class ModelWorker:
         session.restore_events(inputs.events)
         error = failure.error
         log.warning("session=%s tick=%d model failed: %s", session.id, job.tick_id, error)
-        self._send(
-            TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=f"{type(error).__name__}: {error}")
-        )
+        message = f"{type(error).__name__}: {error}"
+        self._send(TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=message))
 
     def _encode_and_send(
         self, job: TickJob, inputs: ChunkInputs, result: ChunkResult, restarted: str | None, queue_s: float

@@ -251,7 +251,10 @@ class ARRunner:
                 group = [i for i in waiting if self.history_frames(ticks[i].session_id) == history][: self.batch_limit]
                 waiting = [i for i in waiting if i not in group]
                 group_ticks = [ticks[i] for i in group]
-                forwarded = self._forward_batch(group_ticks) if len(group) > 1 else [self._forward_or_failure(group_ticks[0])]
+                if len(group) > 1:
+                    forwarded = self._forward_batch(group_ticks)
+                else:
+                    forwarded = [self._forward_or_failure(group_ticks[0])]
                 for i, result in zip(group, forwarded):
                     results[i] = result
                     if ticks[i].close and isinstance(result, ChunkResult):
@@ -336,10 +339,10 @@ class ARRunner:
             self._sync(self.device)
         except BaseException as exc:
             if generated:
-                failures = self._fail_batch(ticks, exc)
+                self._fail_batch(ticks, exc)
                 if not isinstance(exc, Exception):
                     raise
-                return list(failures)
+                return [TickFailure(t.session_id, t.request_id, exc) for t in ticks]
             aborted = self._abort_batch(ticks, states, exc)
             if not isinstance(exc, Exception):
                 raise
@@ -363,7 +366,7 @@ class ARRunner:
             for tick, state, chunk in zip(ticks, states, frames)
         ]
 
-    def _fail_batch(self, ticks: Sequence[TickRequest], error: BaseException) -> list[TickFailure]:
+    def _fail_batch(self, ticks: Sequence[TickRequest], error: BaseException) -> None:
         """Release every session of a batch that failed after the pipeline's forward returned."""
         self.failures_total += len(ticks)
         for tick in ticks:
@@ -374,8 +377,6 @@ class ARRunner:
             type(error).__name__,
             error,
         )
-        exc = error if isinstance(error, Exception) else RuntimeError(str(error))
-        return [TickFailure(t.session_id, t.request_id, exc) for t in ticks]
 
     def _abort_batch(
         self, ticks: Sequence[TickRequest], states: list[SessionKVState], error: BaseException

@@ -128,11 +128,8 @@ def test_cross_attention_slot_is_held_and_returned() -> None:
 
 
 def make_batch_pool(rows: int = 2, **overrides: object) -> PagedKVPool:
-    fields: dict = dict(
-        num_layers=2, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=4
-    )
-    fields.update(overrides)
-    spec = KVCacheSpec(**fields)
+    """The pool of :func:`make_pool` with ``rows`` staging rows."""
+    spec = make_pool(**overrides).spec
     return PagedKVPool(spec, plan_pool(spec, 1 << 14, max_batch_sessions=rows), torch.device("cpu"))
 
 

@@ -163,7 +163,9 @@ def test_a_fault_at_the_device_sync_fails_the_whole_batch_closed() -> None:
         if syncs["n"] == 3:
             raise RuntimeError("device fault surfaced at sync")
 
-    runner = ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET, max_batch_sessions=2, sync=sync_failing_on_the_third_call)
+    runner = ARRunner(
+        FakeKVPipeline(), kv_budget_bytes=BUDGET, max_batch_sessions=2, sync=sync_failing_on_the_third_call
+    )
     chunks([runner.execute_tick(tick("a")), runner.execute_tick(tick("b"))])
     results = runner.execute([tick("a", 1), tick("b", 1)])
     assert [type(r) for r in results] == [TickFailure, TickFailure]

@@ -174,10 +174,12 @@ def test_batched_chunks_match_each_session_alone(pipeline: TinyWorldPipeline) ->
     batched_ids, solo_ids = staggered_sessions(batched, "batched-"), staggered_sessions(solo, "solo-")
     assert len({batched._sessions[s].frame_start for s in batched_ids}) == 3
     for round_, keys in enumerate(ROUND_KEYS):
-        results = batched.execute([TickRequest(s, 10 + round_, controls={"keys": k}) for s, k in zip(batched_ids, keys)])
+        request = 10 + round_
+        results = batched.execute([TickRequest(s, request, controls={"keys": k}) for s, k in zip(batched_ids, keys)])
         for result, sid, k in zip(results, solo_ids, keys):
             assert isinstance(result, ChunkResult)
-            assert_frames_close(result.frames, solo.execute_tick(TickRequest(sid, 10 + round_, controls={"keys": k})).frames)
+            alone = solo.execute_tick(TickRequest(sid, request, controls={"keys": k}))
+            assert_frames_close(result.frames, alone.frames)
     assert batched.stats().batched_forwards_total == len(ROUND_KEYS)
 
 
@@ -187,7 +189,7 @@ def test_a_batch_that_raises_leaves_model_state_as_it_was(
     """The commit pass raises after every row drew its noise; the retries alone must not see advanced state."""
     batched = batching_runner(pipeline, sessions=6, max_batch_sessions=3)
     solo = batching_runner(pipeline, sessions=6, max_batch_sessions=1)
-    batched_ids, solo_ids = staggered_sessions(batched, "batched-"), staggered_sessions(solo, "solo-")
+    batched_ids, solo_ids = staggered_sessions(batched, "retried-"), staggered_sessions(solo, "alone-")
     real_commit = sampling.commit_chunk
     calls = {"n": 0}
 
@@ -204,4 +206,5 @@ def test_a_batch_that_raises_leaves_model_state_as_it_was(
     assert batched.stats().batch_fallbacks_total == 1 and calls["n"] == 4
     for result, sid, k in zip(results, solo_ids, keys):
         assert isinstance(result, ChunkResult)
-        np.testing.assert_array_equal(result.frames, solo.execute_tick(TickRequest(sid, 10, controls={"keys": k})).frames)
+        alone = solo.execute_tick(TickRequest(sid, 10, controls={"keys": k}))
+        np.testing.assert_array_equal(result.frames, alone.frames)

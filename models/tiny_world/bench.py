@@ -32,7 +32,7 @@ KEY_CYCLE = (["d"], ["d"], ["s"], ["w", "a"], [])
 
 
 def run_streams(runner: ARRunner, streams: int, chunks: int, rep: int, name: str) -> tuple[float, list[float]]:
-    """Wall seconds for ``chunks`` chunks per stream, one runner call per chunk boundary, and each chunk's compute time."""
+    """Wall seconds for ``chunks`` chunks per stream, one runner call per chunk boundary; each chunk's compute time."""
     ids = [f"bench-{name}-{rep}-{i}" for i in range(streams)]
     times = []
     started = time.perf_counter()
@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     fps: dict[str, list[float]] = {}
     chunk_ms: dict[str, list[float]] = {}
-    print(f"{'streams':>7} {'mode':>11} {'rep':>3} {'frames':>6} {'wall s':>7} {'fps total':>9} {'fps/stream':>10} {'chunk ms p50':>12}")
+    print(
+        f"{'streams':>7} {'mode':>11} {'rep':>3} {'frames':>6} {'wall s':>7} {'fps total':>9} "
+        f"{'fps/stream':>10} {'chunk ms p50':>12}"
+    )
 
     def measure(label: str, runner: ARRunner, n: int, rep: int) -> float:
         wall, times = run_streams(runner, n, args.chunks, rep, label)
@@ -96,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = frames / wall
         fps.setdefault(label, []).append(rate)
         chunk_ms.setdefault(label, []).extend(t * 1000 for t in times)
-        mode = "one" if label == "one" else label
         p50 = statistics.median(times) * 1000
-        print(f"{n:>7} {mode:>11} {rep:>3} {frames:>6} {wall:>7.2f} {rate:>9.1f} {rate / n:>10.1f} {p50:>12.1f}")
+        print(f"{n:>7} {label:>11} {rep:>3} {frames:>6} {wall:>7.2f} {rate:>9.1f} {rate / n:>10.1f} {p50:>12.1f}")
         return rate
 
     for rep in range(args.repeats):
@@ -130,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["batched_chunk_ms_p50"] = round(statistics.median(chunk_ms["batched"]), 2)
         summary["batched_vs_round_robin_ratio"] = round(statistics.median(ratios), 3)
         print(
-            f"{streams} streams: round robin {summary['fps_total_streams']} fps, batched {summary['fps_total_batched']} "
-            f"fps in total; median ratio {summary['batched_vs_round_robin_ratio']}"
+            f"{streams} streams: round robin {summary['fps_total_streams']} fps, "
+            f"batched {summary['fps_total_batched']} fps in total; median ratio {summary['batched_vs_round_robin_ratio']}"
         )
     print(json.dumps(summary))
     return 0

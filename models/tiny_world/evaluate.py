@@ -47,7 +47,7 @@ MAX_NOISE_RATIO = 2.0
 
 
 def make_runner(pipeline: TinyWorldPipeline, sessions: int = 4, max_batch_sessions: int = 1) -> ARRunner:
-    """A runner whose KV budget holds exactly ``sessions`` resident sessions (plus chunks and scratch in flight)."""
+    """A runner whose KV budget holds exactly ``sessions`` resident sessions (plus in-flight chunks and scratch)."""
     spec = pipeline.kv_cache_spec()
     in_flight = max_batch_sessions * (spec.frames_per_chunk + spec.resident_frames + spec.frames_per_chunk)
     budget = (sessions * spec.resident_frames + in_flight) * spec.block_bytes

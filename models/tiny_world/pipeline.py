@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from models.tiny_world.sampling import ChunkKV, PagedKV, PagedKVRows, canvas_origin, crop_view, sample_chunk, to_uint8
+from models.tiny_world.sampling import (
+    ChunkKV,
+    PagedKV,
+    PagedKVRows,
+    canvas_origin,
+    crop_view,
+    sample_chunk,
+    to_uint8,
+)
 from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
 from models.tiny_world.world import KEYS, direction_index, velocity
 from runner.binding import SessionStateBinding
@@ -145,12 +153,7 @@ class TinyWorldPipeline(SessionStateBinding):
         try:
             with torch.inference_mode():
                 canvases = sample_chunk(self.model, kv, directions, cell_origins, generators)
-            chunks = [
-                to_uint8(
-                    torch.stack([crop_view(canvases[row, f], ox, oy, self.cfg.image_size) for f, (ox, oy) in enumerate(plan.offsets)])
-                ).cpu().numpy()
-                for row, plan in enumerate(plans)
-            ]
+            chunks = [self._views(canvases[row], plan) for row, plan in enumerate(plans)]
         except BaseException:
             for generator, state in zip(generators, rewind):
                 generator.set_state(state)
@@ -160,6 +163,12 @@ class TinyWorldPipeline(SessionStateBinding):
             plan.session.camera_x, plan.session.camera_y = plan.camera_x, plan.camera_y
             self._sessions[plan.session_id] = plan.session
         return chunks
+
+    def _views(self, canvases: torch.Tensor, plan: _ChunkPlan) -> np.ndarray:
+        """The camera's uint8 views ``[F, H, W, 3]`` cropped out of one row's canvases ``[F, C, C, 3]``."""
+        size = self.cfg.image_size
+        views = [crop_view(canvases[f], ox, oy, size) for f, (ox, oy) in enumerate(plan.offsets)]
+        return to_uint8(torch.stack(views)).cpu().numpy()
 
     def reset_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
