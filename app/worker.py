@@ -268,7 +268,14 @@ class ModelWorker:
         if not runnable:
             return
         produced_before = {job.session.id: job.session.id in self._produced for job, _, _ in runnable}
-        results = self.runner.execute([tick for _, _, tick in runnable])
+        try:
+            results = self.runner.execute([tick for _, _, tick in runnable])
+        except Exception as exc:  # noqa: BLE001 - model errors come back per tick; this is a server fault
+            log.exception("runner failed outside any one forward")
+            for job, _, _ in runnable:
+                error = f"runner failed: {type(exc).__name__}: {exc}"
+                self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
+            return
         for (job, inputs, _tick), result in zip(runnable, results):
             queue_s = started - job.accepted_at
             if isinstance(result, TickFailure):

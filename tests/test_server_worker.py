@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from app.session import Session, SessionState
 from app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
 from models.fake import FakeKVPipeline
 from runner.runner import ARRunner
-from runner.types import TickRequest
+from runner.types import TickRequest, TickResult
 from servers import GatedFakePipeline, fake_settings, running_server, session_client
 
 WORKER_THREAD = "arstream-model-worker"
@@ -73,12 +73,12 @@ def make_session(session_id: str) -> Session:
     return session
 
 
-async def with_worker(pipeline: FakeKVPipeline, body: Any) -> Any:
+async def with_worker(pipeline: FakeKVPipeline, body: Any, runner_class: type[ARRunner] = ARRunner) -> Any:
     loop = asyncio.get_running_loop()
     outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
     loaded: asyncio.Future[BaseException | None] = loop.create_future()
     worker = ModelWorker(
-        lambda: ARRunner(pipeline, kv_budget_bytes=1 << 20),
+        lambda: runner_class(pipeline, kv_budget_bytes=1 << 20),
         loop=loop,
         deliver=outcomes.put_nowait,
         on_ready=loaded.set_result,
@@ -126,3 +126,20 @@ def test_queue_is_bounded_by_credits() -> None:
             pipeline.gate.set()
 
     asyncio.run(with_worker(pipeline, body))
+
+
+class ExecuteRaisingFakeRunner(ARRunner):
+    """A runner whose execute raises outside any forward, as a runner bug would."""
+
+    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
+        raise RuntimeError("runner bug")
+
+
+def test_a_runner_fault_outside_any_forward_still_answers_every_tick() -> None:
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> list[tuple[OutcomeKind, str]]:
+        worker.submit(make_session("s-a").accept_tick(TickMessage(type="tick", tick_id=0)))
+        outcome = await asyncio.wait_for(outcomes.get(), 30)
+        return [(outcome.kind, outcome.error)]
+
+    seen = asyncio.run(with_worker(FakeKVPipeline(), body, runner_class=ExecuteRaisingFakeRunner))
+    assert seen == [(OutcomeKind.INTERNAL, "runner failed: RuntimeError: runner bug")]
