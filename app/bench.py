@@ -41,7 +41,7 @@ import websockets
 
 from app import wire
 from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
-from app.settings import Settings
+from app.settings import default_max_batch_sessions
 from runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
@@ -290,7 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-batch-sessions",
         type=int,
-        default=Settings.model_fields["max_batch_sessions"].default,
         help="sessions per batched forward, for the server and the bare runner alike (default: the server's)",
     )
     parser.add_argument(
@@ -302,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = json.loads(args.model_options)
+    if args.max_batch_sessions is None:
+        args.max_batch_sessions = default_max_batch_sessions(args.device)
     if min(args.sessions, args.chunks, args.repeat, args.input_every, args.threads or 1, args.max_batch_sessions) < 1:
         print("arstream bench serve: counts must be >= 1", file=sys.stderr)
         return 2

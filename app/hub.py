@@ -75,7 +75,7 @@ class SessionHub:
             device=settings.device,
             kv_budget_bytes=settings.resolved_kv_budget_bytes(),
             memory_fraction=settings.memory_fraction,
-            max_batch_sessions=settings.max_batch_sessions,
+            max_batch_sessions=settings.resolved_max_batch_sessions(),
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)

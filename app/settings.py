@@ -34,8 +34,11 @@ class Settings(BaseSettings):
     kv_budget_bytes: int | None = Field(None, gt=0, description="default: 256 MiB on CPU, memory_fraction on CUDA")
     memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
     max_pending_ticks: int = Field(4, ge=1, le=1024)
-    max_batch_sessions: int = Field(
-        4, ge=1, le=256, description="sessions whose chunks may share one forward; 1 disables batching"
+    max_batch_sessions: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
     idle_timeout_s: float = Field(60.0, gt=0)
     start_timeout_s: float = Field(10.0, gt=0)
@@ -59,6 +62,12 @@ class Settings(BaseSettings):
         if self.device.startswith("cuda"):
             return None
         return CPU_KV_BUDGET_BYTES
+
+    def resolved_max_batch_sessions(self) -> int:
+        """Explicit, else :func:`default_max_batch_sessions` for the device."""
+        if self.max_batch_sessions is not None:
+            return self.max_batch_sessions
+        return default_max_batch_sessions(self.device)
 
     def resolved_torch_threads(self) -> int:
         """Explicit, else leave a core to the event loop and frame encoding."""
@@ -100,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-budget-bytes", type=int, help="KV pool budget in bytes (default 256 MiB on CPU)")
     add("--memory-fraction", type=float, help="fraction of free CUDA memory for the KV pool")
     add("--max-pending-ticks", type=int, help="ticks a session may have queued or running (default 4)")
-    add("--max-batch-sessions", type=int, help="sessions per batched forward (default 4; 1 disables batching)")
+    add("--max-batch-sessions", type=int, help="sessions per batched forward (default 1 on CPU, 4 on other devices; 1 disables batching)")
     add("--idle-timeout-s", type=float, help="close a session after this long without a message (default 60)")
     add("--start-timeout-s", type=float, help="time allowed for the first message, `start` (default 10)")
     add("--auth-token", help="require this bearer token (header or ?token=)")
@@ -117,3 +126,14 @@ def settings_from_argv(argv: list[str]) -> Settings:
     args = build_parser().parse_args(argv)
     overrides = {name: value for name, value in vars(args).items() if value is not None}
     return Settings(**overrides)
+
+
+def default_max_batch_sessions(device: str) -> int:
+    """1 on CPU, 4 on accelerators.
+
+    A CPU forward is compute-bound: measured with tiny-world on one thread, four
+    sessions batched gave 2-8 % more frames in total than round robin but nearly
+    doubled action-to-frame latency (every session waits for the whole batch).
+    Accelerators have idle width to fill, which is what batching is for.
+    """
+    return 1 if device.split(":")[0] == "cpu" else 4

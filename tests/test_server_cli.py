@@ -25,7 +25,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_from_argv([])
     assert (settings.host, settings.port, settings.model, settings.device) == ("127.0.0.1", 8000, "tiny-world", "cpu")
     assert (settings.max_pending_ticks, settings.idle_timeout_s, settings.start_timeout_s) == (4, 60.0, 10.0)
-    assert settings.max_batch_sessions == 4
+    assert settings.max_batch_sessions is None and settings.resolved_max_batch_sessions() == 1
+    assert Settings(device="cuda").resolved_max_batch_sessions() == 4
     assert (settings.codec, settings.jpeg_quality, settings.max_message_bytes) == ("jpeg", 80, 65536)
     assert settings.auth_token is None and settings.origin_allow_list() == []
     assert settings.resolved_kv_budget_bytes() == CPU_KV_BUDGET_BYTES == 256 * 1024 * 1024
