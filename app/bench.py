@@ -2,11 +2,11 @@
 
     arstream bench serve --sessions 4 --model fake-kv --chunks 64 --model-options '{"compute_delay_s": 0.02}'
 
-It starts a real server (``python -m app.cli serve --port 0``) as a
+It starts a real server (``python -m arstream serve --port 0``) as a
 subprocess, opens N concurrent sessions over loopback that pace themselves like
 real clients (at most two ticks in flight, an ``input`` every few ticks), and
 then, with the server idle, runs the same number of chunks of the same model
-through a bare :class:`runner.runner.ARRunner` built in this process. The ratio
+through a bare :class:`arstream.runner.runner.ARRunner` built in this process. The ratio
 of the two chunk throughputs is the server's overhead in one number: 1.0 means
 the transport costs nothing. Repetitions alternate server and runner phases so
 that drift (thermal, other load) hits both alike.
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import websockets
 
-from app import wire
-from app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
-from app.settings import default_max_batch_sessions
-from runner.threads import default_torch_threads
+from arstream.app import wire
+from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
+from arstream.app.settings import default_max_batch_sessions
+from arstream.runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
 SERVER_START_TIMEOUT_S = 600.0
@@ -60,14 +60,14 @@ class ServerStartError(RuntimeError):
 
 
 class ServerProcess:
-    """``python -m app.cli serve ... --port 0`` as a context manager; ``base_url`` once it listens.
+    """``python -m arstream serve ... --port 0`` as a context manager; ``base_url`` once it listens.
 
     The server's output is drained by a thread (so a chatty server never blocks
     on a full pipe) and the last lines are kept for error messages.
     """
 
     def __init__(self, serve_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
-        self.command = [sys.executable, "-m", "app.cli", "serve", "--port", "0", *serve_args]
+        self.command = [sys.executable, "-m", "arstream", "serve", "--port", "0", *serve_args]
         self.env = env
         self.base_url = ""
         self.output: deque[str] = deque(maxlen=200)
@@ -214,8 +214,8 @@ class BareRunner:
     def __init__(
         self, model: str, options: dict[str, Any], *, device: str, kv_budget_bytes: int, max_batch_sessions: int
     ) -> None:
-        from models.registry import load_pipeline
-        from runner.runner import ARRunner
+        from arstream.models.registry import load_pipeline
+        from arstream.runner.runner import ARRunner
 
         self.runner = ARRunner(
             load_pipeline(model, device, **options),
@@ -229,7 +229,7 @@ class BareRunner:
 
     def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
         """Run ``sessions * chunks`` chunks, each session's next tick in one call (as the worker does); chunks/s."""
-        from runner.types import ChunkResult, TickRequest
+        from arstream.runner.types import ChunkResult, TickRequest
 
         if self.runner.session_capacity < sessions:
             raise RuntimeError(

@@ -7,13 +7,13 @@ import sys
 
 # subcommand words -> module whose ``main(argv)`` handles the rest of the line
 COMMANDS: dict[tuple[str, ...], str] = {
-    ("serve",): "app.server",
-    ("client",): "app.client",
-    ("bench", "runner"): "runner.bench",
-    ("bench", "model"): "models.tiny_world.bench",
-    ("bench", "serve"): "app.bench",
-    ("train", "tiny-world"): "models.tiny_world.train",
-    ("eval", "tiny-world"): "models.tiny_world.evaluate",
+    ("serve",): "arstream.app.server",
+    ("client",): "arstream.app.client",
+    ("bench", "runner"): "arstream.runner.bench",
+    ("bench", "model"): "arstream.models.tiny_world.bench",
+    ("bench", "serve"): "arstream.app.bench",
+    ("train", "tiny-world"): "arstream.models.tiny_world.train",
+    ("eval", "tiny-world"): "arstream.models.tiny_world.evaluate",
 }
 
 USAGE = "usage: arstream {serve | client URL | bench runner|model|serve | train tiny-world | eval tiny-world} [options]"

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import websockets
 
-from app import wire
+from arstream.app import wire
 
 NO_KEYS = ("-", "none")
 VIDEO_NAME = "video.mp4"

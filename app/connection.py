@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocket
 
-from app import auth
-from app.protocol import (
+from arstream.app import auth
+from arstream.app.protocol import (
     CLOSE_NORMAL,
     ERROR_CLOSE_CODES,
     CloseMessage,
@@ -42,11 +42,11 @@ from app.protocol import (
     pong_message,
     ready_message,
 )
-from app.session import Session, SessionState
-from app.worker import OutcomeKind, TickOutcome
+from arstream.app.session import Session, SessionState
+from arstream.app.worker import OutcomeKind, TickOutcome
 
 if TYPE_CHECKING:
-    from app.hub import SessionHub
+    from arstream.app.hub import SessionHub
 
 log = logging.getLogger("arstream.session")
 

@@ -1,6 +1,6 @@
 """The app-wide session hub: model readiness, admission, outcome routing, stats and shutdown.
 
-One hub per app. It starts the :class:`~app.worker.ModelWorker` (which loads
+One hub per app. It starts the :class:`~arstream.app.worker.ModelWorker` (which loads
 and warms the model on its own thread), admits connections up to the
 runner's session capacity, routes each tick outcome back to its connection,
 and closes every session with ``server_shutdown`` when the server stops.
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import torch
 
-from app.metrics import ServerMetrics
-from app.settings import Settings
-from app.worker import ModelWorker, TickOutcome
-from models.registry import load_pipeline
-from runner.contract import ARPipeline
-from runner.runner import ARRunner
+from arstream.app.metrics import ServerMetrics
+from arstream.app.settings import Settings
+from arstream.app.worker import ModelWorker, TickOutcome
+from arstream.models.registry import load_pipeline
+from arstream.runner.contract import ARPipeline
+from arstream.runner.runner import ARRunner
 
 if TYPE_CHECKING:
-    from app.connection import Connection
+    from arstream.app.connection import Connection
 
 log = logging.getLogger("arstream.hub")
 

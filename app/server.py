@@ -25,10 +25,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.connection import Connection
-from app.hub import SessionHub
-from app.settings import Settings, settings_from_argv
-from runner.contract import ARPipeline
+from arstream.app.connection import Connection
+from arstream.app.hub import SessionHub
+from arstream.app.settings import Settings, settings_from_argv
+from arstream.runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from app.protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
+from arstream.app.protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from models.registry import DEFAULT_MODEL
-from runner.threads import default_torch_threads
+from arstream.models.registry import DEFAULT_MODEL
+from arstream.runner.threads import default_torch_threads
 
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
 # uvicorn's frame limit sits a little above ours so an oversized text message reaches the
@@ -76,7 +76,7 @@ class Settings(BaseSettings):
         return default_torch_threads()
 
     def origin_allow_list(self) -> list[str]:
-        """Configured origins; empty means the same-host default (see :mod:`app.auth`)."""
+        """Configured origins; empty means the same-host default (see :mod:`arstream.app.auth`)."""
         return [origin.strip().rstrip("/") for origin in self.allowed_origins.split(",") if origin.strip()]
 
     @property

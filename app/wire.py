@@ -1,7 +1,7 @@
 """Client-side helpers for the ARStream wire protocol (version 1, see PROTOCOL.md).
 
-Shared by the example client (:mod:`app.client`) and the load generator
-(:mod:`app.bench`): build the JSON messages a client sends, parse the 20-byte
+Shared by the example client (:mod:`arstream.app.client`) and the load generator
+(:mod:`arstream.app.bench`): build the JSON messages a client sends, parse the 20-byte
 header of binary frame messages, decode their payloads, and turn the URL a
 user typed into the session WebSocket URL. The server has its own module; this
 one only knows what a client needs.

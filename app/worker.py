@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from app import frames as frame_codec
-from app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
-from runner.runner import ARRunner, RunnerStats
-from runner.types import ChunkResult, TickFailure, TickRequest
+from arstream.app import frames as frame_codec
+from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
+from arstream.runner.runner import ARRunner, RunnerStats
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
 

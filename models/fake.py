@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.binding import SessionStateBinding
-from runner.kv_state import write_and_gather_rows
-from runner.spec import KVCacheSpec
-from runner.types import TickRequest
+from arstream.runner.binding import SessionStateBinding
+from arstream.runner.kv_state import write_and_gather_rows
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import TickRequest
 
 KEYS = ("w", "a", "s", "d")
 SCRATCH_POISON = -1.0e6

@@ -7,25 +7,25 @@ from typing import Any
 
 import torch
 
-from runner.contract import ARPipeline
+from arstream.runner.contract import ARPipeline
 
 DEFAULT_MODEL = "tiny-world"
 
 
 def _fake_kv(device: torch.device, **options: Any) -> ARPipeline:
-    from models.fake import FakeKVPipeline
+    from arstream.models.fake import FakeKVPipeline
 
     return FakeKVPipeline(**options)
 
 
 def _tiny_world(device: torch.device, **options: Any) -> ARPipeline:
-    from models.tiny_world.pipeline import load_tiny_world
+    from arstream.models.tiny_world.pipeline import load_tiny_world
 
     return load_tiny_world(device=device, **options)
 
 
 def _toy_attention(device: torch.device, **options: Any) -> ARPipeline:
-    from models.toy_attention import ToyAttentionPipeline
+    from arstream.models.toy_attention import ToyAttentionPipeline
 
     return ToyAttentionPipeline(**options)
 

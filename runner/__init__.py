@@ -1,11 +1,11 @@
 """Model-neutral AR-diffusion runtime: paged KV pool, sessions, fail-closed forwards."""
 
-from runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
-from runner.kv_state import SessionKVState, write_and_gather_rows
-from runner.pool import PagedKVPool, PoolBudgetError, plan_pool
-from runner.runner import ARRunner, RunnerStats, UnsupportedConfiguration
-from runner.spec import KVBranch, KVCacheSpec, SpecError
-from runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
+from arstream.runner.kv_state import SessionKVState, write_and_gather_rows
+from arstream.runner.pool import PagedKVPool, PoolBudgetError, plan_pool
+from arstream.runner.runner import ARRunner, RunnerStats, UnsupportedConfiguration
+from arstream.runner.spec import KVBranch, KVCacheSpec, SpecError
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 
 __all__ = [
     "ARPipeline",

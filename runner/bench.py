@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
-from runner.runner import ARRunner
-from runner.threads import default_torch_threads
-from runner.types import TickRequest
+from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
+from arstream.runner.runner import ARRunner
+from arstream.runner.threads import default_torch_threads
+from arstream.runner.types import TickRequest
 
 
 def _interleaved_chunk_s(pipeline: ToyAttentionPipeline, chunks: int, session: str) -> tuple[float, float]:

@@ -2,7 +2,7 @@
 
 The runner owns KV memory and session lifetime; a pipeline owns its weights and
 any small per-session state (RNG, last controls). The runner binds a session's
-:class:`~runner.kv_state.SessionKVState` for exactly one forward.
+:class:`~arstream.runner.kv_state.SessionKVState` for exactly one forward.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from runner.spec import KVCacheSpec
-from runner.types import TickRequest
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import TickRequest
 
 if TYPE_CHECKING:
-    from runner.kv_state import SessionKVState
+    from arstream.runner.kv_state import SessionKVState
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runner.pool import PagedKVPool
+from arstream.runner.pool import PagedKVPool
 
 
 class PassStateError(RuntimeError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.spec import KVCacheSpec
+from arstream.runner.spec import KVCacheSpec
 
 
 class PoolBudgetError(ValueError):

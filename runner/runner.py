@@ -28,11 +28,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
-from runner.kv_state import SessionKVState
-from runner.pool import PagedKVPool, plan_pool, resolve_budget_bytes
-from runner.spec import KVCacheSpec
-from runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
+from arstream.runner.kv_state import SessionKVState
+from arstream.runner.pool import PagedKVPool, plan_pool, resolve_budget_bytes
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 
 log = logging.getLogger("arstream.runner")
 

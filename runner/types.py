@@ -50,7 +50,7 @@ class ChunkResult:
 class TickFailure:
     """A tick whose forward raised; the runner released its session (fail closed).
 
-    :meth:`runner.runner.ARRunner.execute` returns it in the failed tick's
+    :meth:`arstream.runner.runner.ARRunner.execute` returns it in the failed tick's
     place, so the other ticks of the same call keep their results.
     """
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from models.fake import FakeKVPipeline
-from runner.types import TickRequest
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner.types import TickRequest
 
 
 class BatchRecordingFakePipeline(FakeKVPipeline):

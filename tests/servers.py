@@ -2,7 +2,7 @@
 
 ``running_server(...)`` starts uvicorn in-process on a background thread
 (fast: torch is already imported) and yields a :class:`LiveServer`;
-``server_process(...)`` runs ``python -m app.cli serve --port 0`` as a
+``server_process(...)`` runs ``python -m arstream serve --port 0`` as a
 subprocess and waits for its ``ARSTREAM_LISTENING`` line. Both stop the
 server gracefully on exit.
 """
@@ -28,13 +28,13 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from app.frames import FrameHeader, decode_frame
-from app.server import LISTENING_MARKER, ARStreamServer, build_server
-from app.settings import Settings
-from models.fake import FakeKVPipeline
-from runner.contract import ARPipeline
-from runner.runner import WARMUP_SESSION_ID
-from runner.types import TickRequest
+from arstream.app.frames import FrameHeader, decode_frame
+from arstream.app.server import LISTENING_MARKER, ARStreamServer, build_server
+from arstream.app.settings import Settings
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner.contract import ARPipeline
+from arstream.runner.runner import WARMUP_SESSION_ID
+from arstream.runner.types import TickRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Hang guards only: these bound waits on a broken server, they assert nothing about speed.
@@ -129,8 +129,8 @@ def running_server(
 
 @contextmanager
 def server_process(args: list[str], env: dict[str, str] | None = None) -> Iterator[LiveServer]:
-    """``python -m app.cli serve --port 0 ARGS`` as a subprocess; SIGINT (graceful) on exit."""
-    command = [sys.executable, "-m", "app.cli", "serve", "--port", "0", *args]
+    """``python -m arstream serve --port 0 ARGS`` as a subprocess; SIGINT (graceful) on exit."""
+    command = [sys.executable, "-m", "arstream", "serve", "--port", "0", *args]
     process_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
         command, cwd=REPO_ROOT, env=process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from app.bench import ServerProcess
+from arstream.app.bench import ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -1,6 +1,6 @@
 """The example client, its key-script parser, the client wire helpers and the serve benchmark.
 
-Integration tests run the real server (``python -m app.cli serve``) on a free
+Integration tests run the real server (``python -m arstream serve``) on a free
 loopback port with the fake-kv pipeline. That fake paints every pixel of a
 frame with (R: a KV-derived value, G: the frame's absolute position, B: a bit
 per held key: w=1, a=2, s=4, d=8), so saved frames show exactly which chunk and
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app import bench, client, wire
-from models.fake import KEYS
+from arstream.app import bench, client, wire
+from arstream.models.fake import KEYS
 
 KEY_BITS = {key: 1 << index for index, key in enumerate(KEYS)}
 

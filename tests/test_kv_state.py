@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from runner.kv_state import PassStateError, SessionKVState
-from runner.pool import PagedKVPool, plan_pool
-from runner.spec import KVCacheSpec
+from arstream.runner.kv_state import PassStateError, SessionKVState
+from arstream.runner.pool import PagedKVPool, plan_pool
+from arstream.runner.spec import KVCacheSpec
 
 
 def make_pool(**overrides: object) -> PagedKVPool:

@@ -2,9 +2,9 @@
 
 import torch
 
-from models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk, toy_spec
-from runner.runner import ARRunner
-from runner.types import TickRequest
+from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk, toy_spec
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import TickRequest
 
 
 def dense_rollout(pipeline: ToyAttentionPipeline, chunks: int, seed: int, spec=None) -> list[torch.Tensor]:

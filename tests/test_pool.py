@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from runner.pool import BlockStateError, PagedKVPool, PoolBudgetError, PoolExhausted, plan_pool
-from runner.spec import KVBranch, KVCacheSpec, SpecError
+from arstream.runner.pool import BlockStateError, PagedKVPool, PoolBudgetError, PoolExhausted, plan_pool
+from arstream.runner.spec import KVBranch, KVCacheSpec, SpecError
 
 
 def tiny_spec(**overrides: object) -> KVCacheSpec:

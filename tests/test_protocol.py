@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.frames import HEADER_BYTES, Codec, FrameFormatError, FrameHeader, decode_frame, encode_chunk
-from app.protocol import (
+from arstream.app.frames import HEADER_BYTES, Codec, FrameFormatError, FrameHeader, decode_frame, encode_chunk
+from arstream.app.protocol import (
     ERROR_CLOSE_CODES,
     MAX_JSON_DEPTH,
     ErrorCode,
@@ -23,7 +23,7 @@ from app.protocol import (
     loads_strict,
     parse_client_message,
 )
-from app.session import RECENT_EVENT_IDS, Session, SessionState, SessionStateError, restart_reason
+from arstream.app.session import RECENT_EVENT_IDS, Session, SessionState, SessionStateError, restart_reason
 
 
 def parse(obj: object) -> object:

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.fake import FakeForwardError, FakeKVPipeline, expected_frame_value, frame_code
-from runner.pool import PoolBudgetError
-from runner.runner import ARRunner, ChunkShapeError, UnsupportedConfiguration
-from runner.types import TickRequest
+from arstream.models.fake import FakeForwardError, FakeKVPipeline, expected_frame_value, frame_code
+from arstream.runner.pool import PoolBudgetError
+from arstream.runner.runner import ARRunner, ChunkShapeError, UnsupportedConfiguration
+from arstream.runner.types import TickRequest
 
 BUDGET = 1 << 20
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from models.fake import FakeForwardError, FakeKVPipeline
-from models.toy_attention import ToyAttentionPipeline
+from arstream.models.fake import FakeForwardError, FakeKVPipeline
+from arstream.models.toy_attention import ToyAttentionPipeline
 from runner_fakes import BatchRecordingFakePipeline, RaisingAfterCommitFakePipeline
-from runner.runner import ARRunner, ChunkShapeError
-from runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.runner import ARRunner, ChunkShapeError
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 
 BUDGET = 1 << 20
 KEYS = ["w", "a", "s", "d"]

@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from models.fake import FakeForwardError
-from runner.runner import ARRunner
-from runner.types import ChunkResult, TickFailure, TickRequest
+from arstream.models.fake import FakeForwardError
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 from runner_fakes import RaisingAfterCommitFakePipeline
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e"])

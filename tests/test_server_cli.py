@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from app.settings import CPU_KV_BUDGET_BYTES, Settings, settings_from_argv
+from arstream.app.settings import CPU_KV_BUDGET_BYTES, Settings, settings_from_argv
 from servers import REPO_ROOT, server_process, session_client
 
 # A hang guard for subprocesses that should exit on their own.
@@ -108,7 +108,7 @@ def test_serve_subprocess_prints_listening_line_and_shuts_down_gracefully_on_sig
 
 def test_serve_with_an_unknown_model_exits_nonzero() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--model", "no-such-model", "--port", "0"],
+        [sys.executable, "-m", "arstream", "serve", "--model", "no-such-model", "--port", "0"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

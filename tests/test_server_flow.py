@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from app import frames as frame_codec
-from app.connection import REPLY_BACKLOG_LIMIT
-from models.fake import controls_code
+from arstream.app import frames as frame_codec
+from arstream.app.connection import REPLY_BACKLOG_LIMIT
+from arstream.models.fake import controls_code
 from servers import (
     GatedFakePipeline,
     LiveServer,

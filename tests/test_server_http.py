@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import server as server_module
-from app.server import create_app
-from models.fake import FakeKVPipeline
-from runner.types import TickRequest
+from arstream.app import server as server_module
+from arstream.app.server import create_app
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner.types import TickRequest
 from servers import fake_settings, running_server, session_client
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from app.frames import Codec
-from models.fake import controls_code
+from arstream.app.frames import Codec
+from arstream.models.fake import controls_code
 from servers import LiveServer, SessionClient, fake_settings, running_server, session_client
 
 FRAMES_PER_CHUNK = 2

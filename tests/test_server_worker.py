@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.protocol import TickMessage
-from app.session import Session, SessionState
-from app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
-from models.fake import FakeKVPipeline
-from runner.runner import ARRunner
-from runner.types import TickRequest, TickResult
+from arstream.app.protocol import TickMessage
+from arstream.app.session import Session, SessionState
+from arstream.app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import TickRequest, TickResult
 from servers import GatedFakePipeline, fake_settings, running_server, session_client
 
 WORKER_THREAD = "arstream-model-worker"

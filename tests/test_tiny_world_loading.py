@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.registry import DEFAULT_MODEL, load_pipeline
-from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
-from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, save_weights
+from arstream.models.registry import DEFAULT_MODEL, load_pipeline
+from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
+from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
+from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, save_weights
 
 SMALL = TinyWorldConfig(d_model=32, num_layers=1, num_heads=2)
 MAX_SHIPPED_BYTES = 20 * 1024 * 1024

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from models.tiny_world import sampling
-from models.tiny_world.evaluate import make_runner, rollout
-from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
-from models.tiny_world.sampling import DenseChunkKV, canvas_origin, crop_view, sample_chunk, to_uint8
-from models.tiny_world.world import direction_index, velocity
-from runner.contract import ARPipeline, SupportsWarmup
-from runner.runner import ARRunner
-from runner.types import ChunkResult, TickRequest
+from arstream.models.tiny_world import sampling
+from arstream.models.tiny_world.evaluate import make_runner, rollout
+from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
+from arstream.models.tiny_world.sampling import DenseChunkKV, canvas_origin, crop_view, sample_chunk, to_uint8
+from arstream.models.tiny_world.world import direction_index, velocity
+from arstream.runner.contract import ARPipeline, SupportsWarmup
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import ChunkResult, TickRequest
 
 KEYS_SEQUENCE = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"], ["s"], ["s"], ["a"]]
 

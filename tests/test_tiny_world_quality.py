@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.tiny_world.evaluate import (
+from arstream.models.tiny_world.evaluate import (
     MAX_TV,
     RESPONSIVE_SHARE,
     drift_checks,
@@ -18,9 +18,9 @@ from models.tiny_world.evaluate import (
     rollout,
     square_walk,
 )
-from models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, responsiveness
-from models.tiny_world.pipeline import load_tiny_world
-from runner.runner import ARRunner
+from arstream.models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, responsiveness
+from arstream.models.tiny_world.pipeline import load_tiny_world
+from arstream.runner.runner import ARRunner
 
 HOLD_FRAMES = 24
 SQUARE_FRAMES = 96

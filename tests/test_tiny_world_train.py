@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.tiny_world import train
-from models.tiny_world.model import TinyWorldConfig
-from models.tiny_world.pipeline import load_tiny_world
-from models.tiny_world.world import CAMERA_SPEED
+from arstream.models.tiny_world import train
+from arstream.models.tiny_world.model import TinyWorldConfig
+from arstream.models.tiny_world.pipeline import load_tiny_world
+from arstream.models.tiny_world.world import CAMERA_SPEED
 
 SMALL = {"d_model": 32, "num_layers": 1, "num_heads": 2}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.tiny_world.metrics import (
+from arstream.models.tiny_world.metrics import (
     color_histogram,
     drift_report,
     frame_stats,
@@ -13,7 +13,7 @@ from models.tiny_world.metrics import (
     responsiveness,
     total_variation,
 )
-from models.tiny_world.world import (
+from arstream.models.tiny_world.world import (
     CAMERA_SPEED,
     PALETTE,
     ProceduralWorld,

@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from models.tiny_world.evaluate import make_runner
-from models.tiny_world.pipeline import load_tiny_world
-from runner.runner import ARRunner
-from runner.types import ChunkResult, TickRequest
+from arstream.models.tiny_world.evaluate import make_runner
+from arstream.models.tiny_world.pipeline import load_tiny_world
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import ChunkResult, TickRequest
 
 KEY_CYCLE = (["d"], ["d"], ["s"], ["w", "a"], [])
 

@@ -25,17 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.tiny_world.metrics import (
+from arstream.models.tiny_world.metrics import (
     MIN_SHIFT_PX,
     color_histogram,
     drift_report,
     responsiveness,
     total_variation,
 )
-from models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
-from models.tiny_world.world import ProceduralWorld
-from runner.runner import ARRunner
-from runner.types import TickRequest
+from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
+from arstream.models.tiny_world.world import ProceduralWorld
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import TickRequest
 
 RESPONSIVE_SHARE = 0.8
 MAX_TV = 0.35

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from models.tiny_world.world import PALETTE, velocity
+from arstream.models.tiny_world.world import PALETTE, velocity
 
 MIN_SHIFT_PX = 0.5
 

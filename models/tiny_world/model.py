@@ -16,7 +16,7 @@ history the KV source keeps (sink + window frames) followed by the chunk
 itself. Attention is therefore bidirectional within the chunk and causal
 across chunks, and the same code runs against the runner's paged pool at
 inference and a dense batched history in training
-(:class:`models.tiny_world.sampling.DenseChunkKV`).
+(:class:`arstream.models.tiny_world.sampling.DenseChunkKV`).
 
 Each frame carries its own diffusion time and camera direction; both condition
 the frame's tokens through adaLN modulation. The network predicts the clean

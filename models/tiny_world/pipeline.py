@@ -1,7 +1,7 @@
 """TinyWorldPipeline: the shipped tiny-world model behind the runner's pipeline contract.
 
 The runner owns the KV memory: each chunk's passes read and write the bound
-:class:`~runner.kv_state.SessionKVState`. The pipeline owns only the weights
+:class:`~arstream.runner.kv_state.SessionKVState`. The pipeline owns only the weights
 and, per session, the noise generator (seeded from the session's seed on the
 first chunk of a rollout) and the controls: the last ones and the camera
 position they add up to, which places the world-aligned canvas and the view
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from models.tiny_world.sampling import (
+from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
+from arstream.models.tiny_world.sampling import (
     ChunkKV,
     PagedKV,
     PagedKVRows,
@@ -35,11 +35,11 @@ from models.tiny_world.sampling import (
     sample_chunk,
     to_uint8,
 )
-from models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
-from models.tiny_world.world import KEYS, direction_index, velocity
-from runner.binding import SessionStateBinding
-from runner.spec import KVCacheSpec
-from runner.types import TickRequest
+from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
+from arstream.models.tiny_world.world import KEYS, direction_index, velocity
+from arstream.runner.binding import SessionStateBinding
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import TickRequest
 
 DEFAULT_SEED = 0
 

@@ -38,10 +38,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
-from models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
-from models.tiny_world.weights import save_weights
-from models.tiny_world.world import ProceduralWorld, keys_for_direction
+from arstream.models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
+from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
+from arstream.models.tiny_world.weights import save_weights
+from arstream.models.tiny_world.world import ProceduralWorld, keys_for_direction
 
 STILL = 4
 

@@ -1,0 +1,14 @@
+"""ARStream: a realtime server for autoregressive video diffusion world models.
+
+The distribution installs one import namespace: ``arstream.app`` (transport),
+``arstream.runner`` (model-neutral AR runtime) and ``arstream.models``
+(pipelines). The source folders stay at the top of the repository
+(``app/``, ``runner/``, ``models/``); ``pyproject.toml`` maps them here.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("arstream")
+except PackageNotFoundError:  # running from a checkout that was never installed
+    __version__ = "0+unknown"
