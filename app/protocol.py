@@ -1,4 +1,4 @@
-"""Wire protocol v1 (shared/PROTOCOL.md): strict JSON parsing, client message models, server messages.
+"""Wire protocol v1 (docs/PROTOCOL.md): strict JSON parsing, client message models, server messages.
 
 Errors a client can cause, as raised here and answered by the server::
 
@@ -23,9 +23,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PROTOCOL_VERSION = 1
+from arstream.app.wire import PROTOCOL_VERSION
+
 MAX_JSON_DEPTH = 32
 ID_LIMIT = 2**32
+MAX_RESUME_TOKEN_CHARS = 256
 
 
 class ErrorCode(StrEnum):
@@ -40,6 +42,8 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     OVER_CAPACITY = "over_capacity"
     IDLE_TIMEOUT = "idle_timeout"
+    RESUME_FAILED = "resume_failed"
+    TAKEN_OVER = "taken_over"
     INTERNAL = "internal"
 
 
@@ -50,6 +54,8 @@ ERROR_CLOSE_CODES: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHORIZED: 1008,
     ErrorCode.OVER_CAPACITY: 1013,
     ErrorCode.IDLE_TIMEOUT: 4001,
+    ErrorCode.RESUME_FAILED: 4002,
+    ErrorCode.TAKEN_OVER: 4003,
     ErrorCode.INTERNAL: 1011,
 }
 CLOSE_NORMAL = 1000
@@ -60,6 +66,7 @@ class CloseReason(StrEnum):
     TICK_CLOSE = "tick_close"
     IDLE_TIMEOUT = "idle_timeout"
     SERVER_SHUTDOWN = "server_shutdown"
+    TAKEN_OVER = "taken_over"
     ERROR = "error"
 
 
@@ -141,6 +148,8 @@ class StartMessage(_ClientMessage):
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     codec: Literal["jpeg", "raw"] | None = None
     quality: Annotated[int, Field(ge=1, le=100)] | None = None
+    # A resume ticket's token (PROTOCOL.md, "Resume after a dropped connection").
+    resume: Annotated[str, Field(min_length=1, max_length=MAX_RESUME_TOKEN_CHARS)] | None = None
 
 
 class TickMessage(_ClientMessage):
@@ -227,9 +236,10 @@ def parse_client_message(text: str) -> ClientMessage:
 
 def ready_message(
     *, session_id: str, model_card: dict[str, Any], codec: str, max_pending_ticks: int, max_message_bytes: int,
-    idle_timeout_s: float,
+    idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
 ) -> dict[str, Any]:
-    return {
+    """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off)."""
+    message = {
         "type": "ready",
         "protocol": PROTOCOL_VERSION,
         "session_id": session_id,
@@ -241,6 +251,11 @@ def ready_message(
             "idle_timeout_s": int(idle_timeout_s) if float(idle_timeout_s).is_integer() else idle_timeout_s,
         },
     }
+    if resume is not None:
+        message["resume"] = resume
+    if resumed:
+        message["resumed"] = True
+    return message
 
 
 def chunk_message(
