@@ -57,13 +57,14 @@ class FakeKVPipeline(SessionStateBinding):
         self,
         *,
         sink_frames: int = 1,
-        window_frames: int = 4,
+        window_frames: int = 6,
         frames_per_chunk: int = 2,
         session_capacity: int = 64,
         width: int = 8,
         height: int = 8,
         compute_delay_s: float = 0.0,
         denoise_passes: int = 1,
+        reads_prompt: bool = False,
     ) -> None:
         super().__init__()
         self.spec = KVCacheSpec(
@@ -80,6 +81,8 @@ class FakeKVPipeline(SessionStateBinding):
         self.height = height
         self.compute_delay_s = compute_delay_s
         self.denoise_passes = denoise_passes
+        # The fake ignores prompts; ``reads_prompt`` only changes its card, so tests can show the demo's prompt box.
+        self.reads_prompt = reads_prompt
         self.sessions: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[str, str]] = []
 
@@ -93,6 +96,7 @@ class FakeKVPipeline(SessionStateBinding):
             "height": self.height,
             "fps": 16,
             "frames_per_chunk": self.spec.frames_per_chunk,
+            "reads_prompt": self.reads_prompt,
             "controls": {
                 "$schema": "https://json-schema.org/draft/2020-12/schema",
                 "type": "object",

@@ -120,7 +120,7 @@ def toy_spec(**overrides: Any) -> KVCacheSpec:
         tokens_per_frame=16,
         frames_per_chunk=2,
         sink_frames=1,
-        window_frames=6,
+        window_frames=8,
         session_capacity=16,
     )
     base.update(overrides)
@@ -169,6 +169,7 @@ class ToyAttentionPipeline(SessionStateBinding):
             "height": side,
             "fps": 16,
             "frames_per_chunk": self.spec.frames_per_chunk,
+            "reads_prompt": False,
             "controls": {"type": "object", "additionalProperties": True},
         }
 

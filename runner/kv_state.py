@@ -220,7 +220,7 @@ class SessionKVState:
             self.pool.free(self.dropped[branch])
             self.dropped[branch] = []
             self.sink[branch], self.window[branch] = self._split_history(self.sink[branch] + self.window[branch] + new)
-            overflow = len(self.window[branch]) - spec.window_frames
+            overflow = len(self.window[branch]) - spec.history_window_frames
             if overflow > 0:
                 evicted = self.window[branch][:overflow]
                 del self.window[branch][:overflow]

@@ -53,15 +53,8 @@ class PoolPlan:
         return (self.num_blocks + self.scratch_blocks) * self.block_bytes
 
 
-def plan_pool(spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1) -> PoolPlan:
-    """Largest session count whose resident KV fits ``budget_bytes``.
-
-    Each resident session holds sink + window blocks per branch plus its
-    cross-attention and model-owned bytes. One forward runs at a time, but it
-    may batch up to ``max_batch_sessions`` sessions, so their committing
-    chunks' blocks and their staging rows (the denoise scratch) are counted
-    that many times.
-    """
+def _budget_terms(spec: KVCacheSpec, max_batch_sessions: int) -> tuple[int, int, int, int]:
+    """``(chunk_blocks, scratch_blocks, fixed_bytes, per_session_bytes)``: what every budget pays once, and per session."""
     if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
         raise PoolBudgetError(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
     branches = len(spec.kv_branches)
@@ -73,7 +66,38 @@ def plan_pool(spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int =
         + spec.cross_attention_bytes_per_session
         + spec.model_owned_bytes_per_session
     )
-    fitting = (budget_bytes - fixed_bytes) // per_session if budget_bytes > fixed_bytes else 0
+    return chunk_blocks, scratch_blocks, fixed_bytes, per_session
+
+
+def budget_for_sessions(spec: KVCacheSpec, sessions: int, *, max_batch_sessions: int = 1) -> int:
+    """The smallest byte budget with room for ``sessions`` resident sessions (:func:`plan_pool` inverted).
+
+    For tools that want a pool of a given size (benches, evaluation) rather than
+    a pool that fills a memory budget.
+    """
+    if sessions < 1:
+        raise PoolBudgetError(f"a pool needs room for at least one session, got {sessions}")
+    _, _, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions)
+    return fixed_bytes + max(sessions * per_session, 1)
+
+
+def plan_pool(spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1) -> PoolPlan:
+    """Largest session count whose resident KV fits ``budget_bytes``.
+
+    Each resident session holds sink + window blocks per branch plus its
+    cross-attention and model-owned bytes. One forward runs at a time, but it
+    may batch up to ``max_batch_sessions`` sessions, so their committing
+    chunks' blocks and their staging rows (the denoise scratch) are counted
+    that many times.
+    """
+    chunk_blocks, scratch_blocks, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions)
+    branches = len(spec.kv_branches)
+    if budget_bytes <= fixed_bytes:
+        fitting = 0
+    elif per_session == 0:  # no history and no model-owned state: sessions cost nothing between chunks
+        fitting = spec.session_capacity
+    else:
+        fitting = (budget_bytes - fixed_bytes) // per_session
     if fitting < 1:
         need = fixed_bytes + per_session
         raise PoolBudgetError(

@@ -33,10 +33,15 @@ def _positive(name: str, value: int) -> None:
 class KVCacheSpec:
     """The KV shape a pipeline needs per session.
 
-    One pool block holds one frame's tokens for every layer. A session keeps
-    ``sink_frames`` blocks forever plus a sliding window of ``window_frames``
-    recent blocks, per branch. ``reset_at_boundary`` drops the whole history
-    (sink included) when the window is full instead of sliding it.
+    One pool block holds one frame's tokens for every layer (a *latent*
+    frame: the KV unit, which need not be what the client sees). A chunk
+    attends to the ``sink_frames`` first frames plus the last
+    ``window_frames`` frames *including itself*, as vLLM-Omni's runner and
+    Matrix-Game's ``local_attn_size`` count it; so between chunks a session
+    keeps ``sink_frames`` blocks forever plus the last
+    :attr:`history_window_frames` (``window_frames - frames_per_chunk``)
+    blocks, per branch. ``reset_at_boundary`` drops the whole history (sink
+    included) when it is full instead of sliding it.
     """
 
     num_layers: int
@@ -69,7 +74,7 @@ class KVCacheSpec:
         if self.window_frames < self.frames_per_chunk:
             raise SpecError(
                 f"window_frames ({self.window_frames}) must hold at least one chunk "
-                f"(frames_per_chunk={self.frames_per_chunk})"
+                f"(frames_per_chunk={self.frames_per_chunk}): the window counts the current chunk"
             )
         if not self.kv_branches:
             raise SpecError("kv_branches must name at least one branch")
@@ -91,9 +96,14 @@ class KVCacheSpec:
         return tuple(b.name for b in self.kv_branches)
 
     @property
+    def history_window_frames(self) -> int:
+        """Non-sink frames a session keeps between chunks: the window minus the chunk itself."""
+        return self.window_frames - self.frames_per_chunk
+
+    @property
     def resident_frames(self) -> int:
         """Frames a session keeps between chunks, per branch."""
-        return self.sink_frames + self.window_frames
+        return self.sink_frames + self.history_window_frames
 
     @property
     def block_bytes(self) -> int:

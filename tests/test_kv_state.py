@@ -10,7 +10,7 @@ from arstream.runner.spec import KVCacheSpec
 
 def make_pool(**overrides: object) -> PagedKVPool:
     fields: dict = dict(
-        num_layers=2, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=4
+        num_layers=2, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=6
     )
     fields.update(overrides)
     spec = KVCacheSpec(**fields)
@@ -55,6 +55,30 @@ def test_each_chunk_sees_sink_plus_window_plus_itself() -> None:
     assert seen[0] == [0, 1]
     assert seen[2] == [0, 1, 2, 3, 4, 5]
     assert seen[4] == [0, 4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize(
+    ("sink", "window", "fpc", "span"),
+    [
+        (1, 6, 2, 7),  # sink + 4 history frames + the chunk
+        (0, 6, 3, 6),  # Matrix-Game: local_attn_size 6 = 3 history frames + the chunk, no sink
+        (0, 4, 3, 4),  # a history shorter than the chunk (1 frame)
+        (1, 2, 2, 3),  # window = chunk: the sink and the chunk itself, no sliding history
+    ],
+)
+def test_the_window_counts_the_current_chunk(sink: int, window: int, fpc: int, span: int) -> None:
+    """A chunk attends to the sink plus the last ``window_frames`` frames including itself."""
+    pool = make_pool(sink_frames=sink, window_frames=window, frames_per_chunk=fpc)
+    assert pool.spec.history_window_frames == window - fpc
+    assert pool.spec.resident_frames == sink + window - fpc
+    state = SessionKVState(pool, "a")
+    seen = [commit_chunk(state, [float(fpc * c + i) for i in range(fpc)]) for c in range(6)]
+    last = 5 * fpc + fpc  # frames written after six chunks
+    assert seen[-1] == [float(f) for f in range(sink)] + [float(f) for f in range(last - (span - sink), last)]
+    assert max(len(s) for s in seen) == span
+    assert state.history_frames() == sink + window - fpc
+    state.release()
+    assert pool.num_used == 0
 
 
 def test_denoise_passes_use_scratch_and_do_not_advance() -> None:

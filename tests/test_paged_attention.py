@@ -17,8 +17,8 @@ def dense_rollout(pipeline: ToyAttentionPipeline, chunks: int, seed: int, spec=N
 
 
 def test_paged_rollout_matches_dense_reference_over_many_windows() -> None:
-    pipeline = ToyAttentionPipeline(sink_frames=1, window_frames=4)
-    chunks = 12  # 24 frames: several times the 4-frame window
+    pipeline = ToyAttentionPipeline(sink_frames=1, window_frames=6)
+    chunks = 12  # 24 frames: several times the 6-frame window (4 of history)
     runner = ARRunner(pipeline, kv_budget_bytes=16 << 20)
     paged: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     for i in range(chunks):
@@ -34,11 +34,11 @@ def test_paged_rollout_matches_dense_reference_over_many_windows() -> None:
 
 def test_the_comparison_detects_a_wrong_window() -> None:
     """Negative control: a dense cache with a shorter window diverges from the paged rollout."""
-    pipeline = ToyAttentionPipeline(sink_frames=1, window_frames=4)
+    pipeline = ToyAttentionPipeline(sink_frames=1, window_frames=6)
     runner = ARRunner(pipeline, kv_budget_bytes=16 << 20)
     paged = []
     for i in range(6):
         runner.execute_tick(TickRequest(session_id="a", request_id=i, seed=1))
         paged.append(pipeline.last_latent.clone())
-    wrong = dense_rollout(pipeline, 6, seed=1, spec=toy_spec(sink_frames=1, window_frames=2))
+    wrong = dense_rollout(pipeline, 6, seed=1, spec=toy_spec(sink_frames=1, window_frames=4))
     assert not torch.allclose(paged[-1], wrong[-1], atol=1e-3)

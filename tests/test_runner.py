@@ -25,11 +25,15 @@ def tick(session: str, request_id: int = 0, **fields: object) -> TickRequest:
 
 
 def dense_expected_values(controls_per_chunk: list[dict], sink: int, window: int, fpc: int) -> list[int]:
-    """What FakeKVPipeline must emit, from a dense list of all frame codes."""
+    """What FakeKVPipeline must emit, from a dense list of all frame codes.
+
+    A chunk sees the sink frames plus the last ``window`` frames including its own ``fpc``.
+    """
     codes: list[float] = []
     values: list[int] = []
     for controls in controls_per_chunk:
-        history = codes[:sink] + codes[sink:][-window:] if len(codes) > sink else list(codes)
+        recent = codes[sink:]
+        history = codes[:sink] + recent[max(len(recent) - (window - fpc), 0) :]
         chunk = [frame_code(len(codes) + i, controls) for i in range(fpc)]
         values += [expected_frame_value(history + chunk[: i + 1]) for i in range(fpc)]
         codes += chunk
@@ -37,14 +41,14 @@ def dense_expected_values(controls_per_chunk: list[dict], sink: int, window: int
 
 
 def test_frames_follow_the_dense_sink_plus_window_reference() -> None:
-    runner, _ = make_runner(sink_frames=1, window_frames=4)
+    runner, _ = make_runner(sink_frames=1, window_frames=6)
     controls = [{"keys": ["wasd"[i % 4]]} for i in range(10)]
     got = [
         int(v)
         for i, c in enumerate(controls)
         for v in runner.execute_tick(tick("a", i, controls=c)).frames[:, 0, 0, 0]
     ]
-    assert got == dense_expected_values(controls, sink=1, window=4, fpc=2)
+    assert got == dense_expected_values(controls, sink=1, window=6, fpc=2)
 
 
 def test_lru_eviction_closes_the_least_recently_used_session() -> None:

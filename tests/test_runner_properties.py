@@ -22,7 +22,7 @@ ROUND_TICKS = st.lists(st.tuples(SESSIONS, st.booleans(), st.booleans(), st.bool
 class RunnerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pipeline = RaisingAfterCommitFakePipeline(session_capacity=3, sink_frames=1, window_frames=4)
+        self.pipeline = RaisingAfterCommitFakePipeline(session_capacity=3, sink_frames=1, window_frames=6)
         self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3)
         self.request_id = 0
 

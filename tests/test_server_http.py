@@ -80,7 +80,7 @@ def test_stats_document_has_the_protocol_fields() -> None:
     assert {"total", "compute_ms_p50", "compute_ms_p99"} <= set(stats["chunks"])
     assert stats["kv"]["blocks_free"] == stats["kv"]["blocks_total"]  # warm-up left the pool as it found it
     assert stats["chunks"]["total"] == 0  # warm-up chunks are not traffic
-    assert (stats["kv"]["sink_frames"], stats["kv"]["window_frames"], stats["kv"]["frames_per_chunk"]) == (1, 4, 2)
+    assert (stats["kv"]["sink_frames"], stats["kv"]["window_frames"], stats["kv"]["frames_per_chunk"]) == (1, 6, 2)
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -103,7 +103,7 @@ class TinyWorldPipeline(SessionStateBinding):
             tokens_per_frame=cfg.tokens_per_frame,
             frames_per_chunk=cfg.frames_per_chunk,
             sink_frames=cfg.sink_frames,
-            window_frames=cfg.window_frames,
+            window_frames=cfg.window_frames + cfg.frames_per_chunk,  # the runner's window counts the chunk
             session_capacity=self.session_capacity,
         )
 
@@ -114,6 +114,8 @@ class TinyWorldPipeline(SessionStateBinding):
             "height": self.cfg.image_size,
             "fps": self.cfg.fps,
             "frames_per_chunk": self.cfg.frames_per_chunk,
+            "reads_prompt": False,
+            "description": "a top-down map seen through a camera that you move",
             "controls": CONTROLS_SCHEMA,
         }
 
