@@ -42,6 +42,7 @@ from arstream.app.protocol import (
     pong_message,
     ready_message,
 )
+from arstream.app.resume import Resumed, ResumeRefused, token_hint
 from arstream.app.session import Session, SessionState
 from arstream.app.worker import OutcomeKind, TickOutcome
 
@@ -169,20 +170,28 @@ class Connection:
         start = await self._await_start()
         if start is None:
             return
-        refusal = self.hub.admission_refusal()
-        if refusal is not None:
-            log.info("session=%s not admitted: %s", self.session_id, refusal)
-            await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
-            return
-        session = Session(
-            self.session_id,
-            codec=start.codec or self.settings.codec,
-            quality=start.quality or self.settings.jpeg_quality,
-            seed=start.seed,
-            prompt=start.prompt,
-            max_pending_ticks=self.settings.max_pending_ticks,
-        )
-        session.transition(SessionState.ACTIVE)
+        resume_token = start.resume or ws.query_params.get("resume")
+        if resume_token is not None:
+            resumed = await self._adopt(resume_token, start)
+            if resumed is None:
+                return
+            session, next_chunk_index = resumed.session, resumed.next_chunk_index
+        else:
+            refusal = self.hub.admission_refusal()
+            if refusal is not None:
+                log.info("session=%s not admitted: %s", self.session_id, refusal)
+                await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+                return
+            session = Session(
+                self.session_id,
+                codec=start.codec or self.settings.codec,
+                quality=start.quality or self.settings.jpeg_quality,
+                seed=start.seed,
+                prompt=start.prompt,
+                max_pending_ticks=self.settings.max_pending_ticks,
+            )
+            session.transition(SessionState.ACTIVE)
+            next_chunk_index = 0
         self.session = session
         self.hub.register(self)
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
@@ -196,6 +205,8 @@ class Connection:
                         max_pending_ticks=self.settings.max_pending_ticks,
                         max_message_bytes=self.settings.max_message_bytes,
                         idle_timeout_s=self.settings.idle_timeout_s,
+                        resume=self.hub.resume.ticket(self, next_chunk_index),
+                        resumed=resume_token is not None,
                     )
                 ),
                 is_reply=True,
@@ -203,6 +214,25 @@ class Connection:
         )
         log.info("session=%s started codec=%s", self.session_id, session.codec)
         await self._receive_loop(session)
+
+    async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
+        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
+        url_token = self.ws.query_params.get("resume")
+        try:
+            if start.resume is not None and url_token is not None and url_token != start.resume:
+                raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)
+        except ResumeRefused as exc:
+            log.info("session=%s resume with token %s refused: %s", self.session_id, token_hint(token), exc)
+            await self._refuse(ErrorCode.RESUME_FAILED, str(exc))
+            return None
+        self.session_id = resumed.session.id
+        return resumed
+
+    def take_over(self) -> None:
+        """Another connection resumed this session: end this one with taken_over (4003); the KV stays."""
+        self._released = True  # the resuming connection holds the session's KV now
+        self._fatal(ErrorCode.TAKEN_OVER, "another connection resumed this session", reason=CloseReason.TAKEN_OVER)
 
     # ---- before the session exists -----------------------------------------------------
 
@@ -331,8 +361,8 @@ class Connection:
 
     def on_outcome(self, outcome: TickOutcome) -> None:
         session = self.session
-        if session is None or not session.live:
-            return  # closing: its queued ticks were dropped and nothing more is sent
+        if session is None or not session.live or outcome.job.session is not session:
+            return  # closing (its queued ticks were dropped), or a tick of the connection this one resumed
         job = outcome.job
         if outcome.kind is OutcomeKind.CHUNK:
             self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
@@ -407,6 +437,7 @@ class Connection:
         if self._released or self.session is None:
             return
         self._released = True
+        self.hub.resume.forget(self)
         assert self.hub.worker is not None
         dropped = self.hub.worker.drop_session(self.session_id)
         log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
@@ -416,6 +447,8 @@ class Connection:
         if session is not None:
             if self._disconnected:
                 log.info("session=%s disconnected", self.session_id)
+            if not self._released and self.hub.resume.detach(self):
+                self._released = True  # detached: kept with its KV for a resume, released by the registry
             if session.state is not SessionState.CLOSING and session.state is not SessionState.CLOSED:
                 session.transition(SessionState.CLOSING)
             self._release()

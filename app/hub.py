@@ -16,6 +16,7 @@ import jsonschema
 import torch
 
 from arstream.app.metrics import ServerMetrics
+from arstream.app.resume import ResumeRegistry
 from arstream.app.settings import Settings
 from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.registry import load_pipeline
@@ -44,8 +45,13 @@ class SessionHub:
         self.shutting_down = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
+        self.resume = ResumeRegistry(
+            replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
+        )
         self.metrics = ServerMetrics(
-            stats=lambda: self.worker.runner_stats if self.worker else None, connected=lambda: len(self.connections)
+            stats=lambda: self.worker.runner_stats if self.worker else None,
+            connected=lambda: len(self.connections),
+            detached=lambda: self.resume.detached_count,
         )
         self._loaded: asyncio.Event | None = None
 
@@ -117,6 +123,7 @@ class SessionHub:
         connections = list(self.connections.values())
         for connection in connections:
             connection.close_for_shutdown()
+        self.resume.release_all()
         if connections:
             await asyncio.gather(*(c.wait_sent(self.settings.shutdown_grace_s) for c in connections))
 
@@ -138,15 +145,19 @@ class SessionHub:
             return "the server is shutting down"
         if not self.ready:
             return self.not_ready_reason
-        if len(self.connections) >= self.session_capacity:
+        # Detached sessions do not block a new one: the longest-detached gives way (see register).
+        if len(self.connections) + self.resume.resuming_count >= self.session_capacity:
             return f"all {self.session_capacity} session slots are in use; try again later"
         return None
 
     def register(self, connection: Connection) -> None:
         self.connections[connection.session_id] = connection
+        self.resume.make_room(len(self.connections), self.session_capacity)
 
     def unregister(self, connection: Connection) -> None:
-        self.connections.pop(connection.session_id, None)
+        # A resumed session is registered under the same id by its new connection.
+        if self.connections.get(connection.session_id) is connection:
+            del self.connections[connection.session_id]
 
     def _deliver(self, outcome: TickOutcome) -> None:
         connection = self.connections.get(outcome.job.session.id)
@@ -179,6 +190,7 @@ class SessionHub:
             },
             "sessions": {
                 "connected": len(sessions),
+                "detached": self.resume.detached_count,
                 "active": sum(1 for s in sessions if s.pending_ticks > 0),
                 "evictions_total": runner_stats.evictions_total,
                 "failures_total": runner_stats.failures_total,

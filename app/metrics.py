@@ -22,14 +22,22 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class RunnerCollector(Collector):
     """KV blocks, capacity, residency, evictions and failures from the runner's stats snapshot."""
 
-    def __init__(self, stats: Callable[[], RunnerStats | None], connected: Callable[[], int]) -> None:
+    def __init__(
+        self, stats: Callable[[], RunnerStats | None], connected: Callable[[], int], detached: Callable[[], int]
+    ) -> None:
         self._stats = stats
         self._connected = connected
+        self._detached = detached
 
     def collect(self) -> Iterable[Metric]:
         connected = GaugeMetricFamily("arstream_sessions_connected", "Sessions with an open, started connection")
         connected.add_metric([], self._connected())
         yield connected
+        detached = GaugeMetricFamily(
+            "arstream_sessions_detached", "Sessions whose connection dropped, kept for a resume (they hold KV)"
+        )
+        detached.add_metric([], self._detached())
+        yield detached
         stats = self._stats()
         if stats is None:
             return
@@ -59,7 +67,9 @@ class RunnerCollector(Collector):
 class ServerMetrics:
     """Every metric one app exports, on its own registry (so tests can run several apps)."""
 
-    def __init__(self, stats: Callable[[], RunnerStats | None], connected: Callable[[], int]) -> None:
+    def __init__(
+        self, stats: Callable[[], RunnerStats | None], connected: Callable[[], int], detached: Callable[[], int]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.chunks = Counter("arstream_chunks", "Chunks sent to clients", registry=registry)
@@ -85,7 +95,7 @@ class ServerMetrics:
             "arstream_websocket_connections", "WebSocket connections opened", registry=registry
         )
         self.websocket_open = Gauge("arstream_websocket_open", "WebSocket connections open now", registry=registry)
-        registry.register(RunnerCollector(stats, connected))
+        registry.register(RunnerCollector(stats, connected, detached))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ replaces a value that came from an older update.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import deque
@@ -259,6 +260,26 @@ class Session:
             return
         with self._lock:
             self._pending_events[:0] = events
+
+    def carry_over(self, *, codec: str, quality: int, failed: bool) -> Session:
+        """This session's state for the connection that resumes it (PROTOCOL.md, "Resume ...").
+
+        Everything the protocol keeps across a resume comes along (controls,
+        prompt, seed, id floors, input events waiting for their chunk); what
+        belonged to the old connection does not: its tick credits (its queued
+        ticks were dropped) and its state. A copy rather than the same object,
+        so the old connection, still winding down, cannot touch the new one's.
+        """
+        with self._lock:
+            resumed = copy.copy(self)
+            for name, value in vars(self).items():
+                if isinstance(value, (list, dict, set, deque)):
+                    setattr(resumed, name, copy.copy(value))
+        resumed._lock = threading.Lock()
+        resumed.codec, resumed.quality = codec, quality
+        resumed.pending_ticks = 0
+        resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
+        return resumed
 
 
 def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import socket
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -16,6 +18,15 @@ CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
 # uvicorn's frame limit sits a little above ours so an oversized text message reaches the
 # handler and gets a `message_too_large` error instead of a bare protocol close.
 WS_FRAME_SLACK_BYTES = 4096
+
+
+REPLICA_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+def default_replica_id() -> str:
+    """The host name's first label, made safe for a resume token prefix (``r0.``-style, no dots)."""
+    label = socket.gethostname().split(".")[0]
+    return re.sub(r"[^A-Za-z0-9_-]", "-", label)[:64] or "r0"
 
 
 class Settings(BaseSettings):
@@ -49,6 +60,15 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(65536, ge=256)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     shutdown_grace_s: float = Field(2.0, ge=0, description="how long shutdown waits for each session's last bytes")
+    replica_id: str = Field(
+        default_factory=default_replica_id,
+        pattern=REPLICA_ID_PATTERN,
+        description="this replica's name; resume tokens begin with it and a dot so a load balancer can route "
+        "them (letters, digits, - and _); default: the host name's first label",
+    )
+    resume_grace_s: float = Field(
+        30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -67,6 +67,20 @@ class TickOutcome:
         return [e.event_id for e in self.events]
 
 
+@dataclass(frozen=True)
+class SessionPosition:
+    """Where a session's rollout stands at a chunk boundary (for a resume ticket)."""
+
+    next_chunk_index: int
+    failed: bool  # its last forward failed: only a tick with reset: true runs next
+    evicted: bool  # it had produced chunks and the pool reclaimed its KV
+
+
+def _resolve(future: asyncio.Future[SessionPosition], position: SessionPosition) -> None:
+    if not future.done():  # the waiter may have been cancelled
+        future.set_result(position)
+
+
 class QueueBoundExceeded(RuntimeError):
     """More ticks were queued than the sessions' credits allow (a server bug)."""
 
@@ -136,14 +150,51 @@ class ModelWorker:
     def drop_session(self, session_id: str) -> int:
         """Drop the session's queued ticks and release its KV on the worker; returns ticks dropped."""
         with self._cond:
-            lane = self._lanes.pop(session_id, None)
-            dropped = len(lane) if lane else 0
-            self._queued -= dropped
-            if lane:
-                self._ready_order.remove(session_id)
+            dropped = len(self._take_lane(session_id))
             self._controls.append(lambda: self._release(session_id))
             self._cond.notify()
         return dropped
+
+    def drop_ticks(self, session_id: str) -> tuple[TickJob, ...]:
+        """Take the session's queued ticks out of line and keep its KV (a detached session); returns them."""
+        with self._cond:
+            return self._take_lane(session_id)
+
+    def _take_lane(self, session_id: str) -> tuple[TickJob, ...]:
+        """Remove the session's queued ticks (call with the lock held)."""
+        lane = self._lanes.pop(session_id, None)
+        if not lane:
+            return ()
+        self._queued -= len(lane)
+        self._ready_order.remove(session_id)
+        return tuple(lane)
+
+    def session_position(self, session_id: str) -> asyncio.Future[SessionPosition]:
+        """Resolves on the event loop with where the session stands once none of its ticks is running.
+
+        It is a control job: it runs at the next chunk boundary, and the outcomes of
+        the session's earlier ticks reach the event loop before it resolves.
+        """
+        future: asyncio.Future[SessionPosition] = self._loop.create_future()
+
+        def report() -> None:
+            assert self.runner is not None
+            position = SessionPosition(
+                next_chunk_index=self.runner.next_chunk_index(session_id),
+                failed=session_id in self._failed,
+                evicted=session_id in self._produced
+                and session_id not in self._failed
+                and not self.runner.is_resident(session_id),
+            )
+            self._loop.call_soon_threadsafe(_resolve, future, position)
+
+        with self._cond:
+            if self._stopping:
+                future.set_exception(RuntimeError("the model worker is stopping"))
+                return future
+            self._controls.append(report)
+            self._cond.notify()
+        return future
 
     def compute_ms_percentiles(self) -> tuple[float | None, float | None]:
         with self._times_lock:

@@ -163,6 +163,11 @@ class ARRunner:
     def is_resident(self, session_id: str) -> bool:
         return session_id in self._sessions
 
+    def next_chunk_index(self, session_id: str) -> int:
+        """The ``chunk_index`` the session's next chunk will have (0 when it is not resident: a new rollout)."""
+        state = self._sessions.get(session_id)
+        return 0 if state is None else state.chunk_index
+
     def _get_or_create(self, session_id: str) -> SessionKVState:
         state = self._sessions.get(session_id)
         if state is None:

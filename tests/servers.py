@@ -91,6 +91,8 @@ class LiveServer:
 def fake_settings(**overrides: Any) -> Settings:
     """Settings for a fake-kv server on a free loopback port (no environment leaks in)."""
     values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "model": "fake-kv", "log_level": "warning"}
+    # Resume off unless a test asks for it: tests that drop a connection expect its session released at once.
+    values["resume_grace_s"] = 0.0
     values.update(overrides)
     return Settings(**values)
 

@@ -1,0 +1,265 @@
+"""Resume after a dropped connection (PROTOCOL.md, "Resume after a dropped connection").
+
+Every started session has one *ticket*: a one-use token that ``ready`` hands
+the client. When the connection drops while the session is live, the session
+is *detached*: the worker drops its queued ticks but keeps its KV and model
+state, and the registry keeps its protocol state (the :class:`Session`) for
+``resume_grace_s``. A new connection that presents the current token adopts
+it (:meth:`ResumeRegistry.resume`); if the old connection is still open (a
+half-open socket) it is taken over. Anything else ends as on close: grace
+expiry, the server shutting down, or a new session needing the slot (the
+longest-detached session goes first). Each of those releases the KV through
+:meth:`ModelWorker.drop_session`, the one release path.
+
+Tokens are ``<replica_id>.<32 random bytes, url-safe base64>``: the prefix
+lets HAProxy route a resume to the replica that holds the session, the rest
+is unguessable. The registry keeps only each token's SHA-256 digest, and logs
+show :func:`token_hint` (the prefix and four characters), never a whole token.
+
+Slots: detached sessions hold KV, so they count against session capacity
+(:meth:`ResumeRegistry.make_room`); a resume in progress keeps its slot too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from arstream.app.session import Session, SessionState
+
+if TYPE_CHECKING:
+    from arstream.app.worker import ModelWorker
+
+log = logging.getLogger("arstream.resume")
+
+TOKEN_RANDOM_BYTES = 32
+
+
+class ResumeRefused(Exception):
+    """A resume the server cannot honour; the message says why (sent with ``resume_failed``)."""
+
+
+class ResumableConnection(Protocol):
+    """What the registry needs of a connection (:class:`arstream.app.connection.Connection`)."""
+
+    session_id: str
+    session: Session | None
+
+    def take_over(self) -> None:
+        """Another connection resumed this session: end this one with ``taken_over``, keeping the KV."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A session adopted by a resuming connection, and the index its next chunk will have."""
+
+    session: Session
+    next_chunk_index: int
+
+
+@dataclass
+class _Entry:
+    """One resumable session: attached to a live connection, or detached and waiting."""
+
+    digest: bytes
+    connection: ResumableConnection | None = None
+    session: Session | None = None  # the detached session's protocol state
+    detached_at: float = 0.0
+    timer: asyncio.TimerHandle | None = None
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def token_hint(token: str) -> str:
+    """A token as logs may show it: its replica prefix and the first four random characters."""
+    prefix, dot, rest = token.partition(".")
+    return f"{prefix}{dot}{rest[:4]}…" if dot else f"{token[:4]}…"
+
+
+class ResumeRegistry:
+    """Tickets and detached sessions of one server; lives on the event loop (no locking)."""
+
+    def __init__(self, *, replica_id: str, grace_s: float, worker: Callable[[], ModelWorker | None]) -> None:
+        self.replica_id = replica_id
+        self.grace_s = grace_s
+        self._worker = worker
+        self._entries: dict[str, _Entry] = {}  # session id -> its entry
+        self._by_digest: dict[bytes, str] = {}  # current token digest -> session id
+        self._detached: dict[str, None] = {}  # detached session ids, longest-detached first
+        self._resuming: set[str] = set()  # claimed, not yet attached to the new connection
+        self._closed = False  # shutting down: nothing is detached any more
+
+    @property
+    def enabled(self) -> bool:
+        return self.grace_s > 0
+
+    @property
+    def detached_count(self) -> int:
+        return len(self._detached)
+
+    @property
+    def resuming_count(self) -> int:
+        return len(self._resuming)
+
+    # ---- tickets ------------------------------------------------------------------------
+
+    def ticket(self, connection: ResumableConnection, next_chunk_index: int) -> dict[str, Any] | None:
+        """A fresh ticket for the connection's session (for its `ready`); None when resume is off."""
+        if not self.enabled:
+            return None
+        session_id = connection.session_id
+        token = f"{self.replica_id}.{secrets.token_urlsafe(TOKEN_RANDOM_BYTES)}"
+        self._forget_entry(session_id)
+        entry = _Entry(digest=_digest(token), connection=connection)
+        self._entries[session_id] = entry
+        self._by_digest[entry.digest] = session_id
+        grace = int(self.grace_s) if float(self.grace_s).is_integer() else self.grace_s
+        return {"token": token, "grace_s": grace, "next_chunk_index": next_chunk_index}
+
+    def forget(self, connection: ResumableConnection) -> None:
+        """The session ended through ``connection`` (closed, failed, shut down): its ticket is void."""
+        entry = self._entries.get(connection.session_id)
+        if entry is not None and entry.connection is connection:
+            self._forget_entry(connection.session_id)
+
+    def _forget_entry(self, session_id: str) -> _Entry | None:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._by_digest.pop(entry.digest, None)
+            self._detached.pop(session_id, None)
+            if entry.timer is not None:
+                entry.timer.cancel()
+        return entry
+
+    # ---- detaching and releasing ------------------------------------------------------------
+
+    def detach(self, connection: ResumableConnection) -> bool:
+        """The connection dropped with its session live: keep the session for the grace period.
+
+        Returns False (the caller releases the session) when it is not to be
+        kept: resume is off, the server is shutting down, or the session was
+        ending anyway (a close: true tick, a fatal error).
+        """
+        session = connection.session
+        entry = self._entries.get(connection.session_id)
+        if session is None or entry is None or entry.connection is not connection or self._closed:
+            return False
+        if session.state not in (SessionState.ACTIVE, SessionState.FAILED):
+            return False
+        worker = self._worker()
+        assert worker is not None
+        # The dropped ticks never run, but their controls and prompt were accepted: keep them.
+        for job in worker.drop_ticks(session.id):
+            session.absorb_update(job)
+        loop = asyncio.get_running_loop()
+        entry.connection = None
+        entry.session = session
+        entry.detached_at = loop.time()
+        entry.timer = loop.call_later(self.grace_s, self._expire, session.id)
+        self._detached[session.id] = None
+        log.info("session=%s detached; resumable for %s s", session.id, self.grace_s)
+        return True
+
+    def _expire(self, session_id: str) -> None:
+        self._release_detached(session_id, "its grace period ended")
+
+    def _release_detached(self, session_id: str, why: str) -> None:
+        if session_id not in self._detached:
+            return
+        self._forget_entry(session_id)
+        worker = self._worker()
+        assert worker is not None
+        worker.drop_session(session_id)
+        log.info("session=%s released while detached: %s", session_id, why)
+
+    def make_room(self, sessions_held: int, capacity: int) -> None:
+        """Release longest-detached sessions until held + detached sessions fit the capacity."""
+        while self._detached and sessions_held + self.resuming_count + self.detached_count > capacity:
+            oldest = next(iter(self._detached))
+            self._release_detached(oldest, "a new session needed its slot")
+
+    def release_all(self) -> None:
+        """Server shutdown: release every detached session, and detach no more."""
+        self._closed = True
+        for session_id in list(self._detached):
+            self._release_detached(session_id, "the server is shutting down")
+
+    # ---- resuming ---------------------------------------------------------------------------
+
+    async def resume(self, token: str, connection: ResumableConnection, *, codec: str | None, quality: int | None) -> Resumed:
+        """Adopt the session that ``token`` names for ``connection``; raises :class:`ResumeRefused`.
+
+        The token is spent at once (one use). A live holder is taken over. Then,
+        at the worker's next chunk boundary, the session's queued ticks are gone
+        and nothing of it runs, so its position is exact and the earlier ticks'
+        outcomes have already been delivered (to nobody: the session has no
+        connection until the caller registers the new one).
+        """
+        session_id, entry = self._claim(token)
+        worker = self._worker()
+        assert worker is not None
+        self._resuming.add(session_id)
+        released = False
+        try:
+            source = self._take(session_id, entry)
+            for job in worker.drop_ticks(session_id):
+                source.absorb_update(job)
+            position = await worker.session_position(session_id)
+            if position.evicted:
+                released = True
+                worker.drop_session(session_id)
+                raise ResumeRefused("the session's KV was evicted; start a new session")
+            session = source.carry_over(
+                codec=codec or source.codec, quality=quality or source.quality, failed=position.failed
+            )
+        except BaseException:
+            # Nobody holds a ticket for it any more: release it rather than leak its KV.
+            if not released:
+                worker.drop_session(session_id)
+            raise
+        finally:
+            self._resuming.discard(session_id)
+        log.info(
+            "session=%s resumed with token %s at chunk %d", session_id, token_hint(token), position.next_chunk_index
+        )
+        return Resumed(session, position.next_chunk_index)
+
+    def _claim(self, token: str) -> tuple[str, _Entry]:
+        """Spend ``token``: the session it names and that session's entry, or :class:`ResumeRefused`."""
+        if not self.enabled:
+            raise ResumeRefused("resume is disabled on this server (resume_grace_s is 0)")
+        prefix, dot, _ = token.partition(".")
+        if not dot:
+            raise ResumeRefused("malformed resume token (expected REPLICA.RANDOM)")
+        if prefix != self.replica_id:
+            raise ResumeRefused(f"the resume token belongs to replica {prefix!r}; this is {self.replica_id!r}")
+        session_id = self._by_digest.get(_digest(token))
+        if session_id is None:
+            raise ResumeRefused("unknown resume token: expired, already used, or the session has ended")
+        entry = self._entries[session_id]
+        if entry.session is None:
+            holder = entry.connection
+            session = holder.session if holder is not None else None
+            # A session closing on its own (a close: true tick, a fatal error) keeps its connection.
+            if session is None or session.state not in (SessionState.ACTIVE, SessionState.FAILED):
+                raise ResumeRefused("the session is closing")
+        self._forget_entry(session_id)
+        return session_id, entry
+
+    @staticmethod
+    def _take(session_id: str, entry: _Entry) -> Session:
+        """The session to carry over: the detached one, or the live one once its connection is taken over."""
+        if entry.session is not None:
+            return entry.session
+        holder = entry.connection
+        assert holder is not None and holder.session is not None
+        log.info("session=%s taken over by a resuming connection", session_id)
+        holder.take_over()
+        return holder.session

@@ -1,0 +1,415 @@
+"""Resume after a dropped connection (PROTOCOL.md), over a real server and real ``websockets`` clients.
+
+fake-kv is deterministic and each frame's value depends on every frame its
+rollout has seen and on the controls, so a resumed rollout that continues
+the pre-drop one paints exactly the frames an uninterrupted session paints
+at the same chunk indexes. A drop is ``transport.abort()``: TCP goes away
+without a close frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from servers import GatedFakePipeline, LiveServer, SessionClient, fake_settings, running_server, session_client
+
+GRACE_S = 30.0
+SEED = 7
+HELD = {"keys": ["d"]}
+
+
+def resume_settings(**overrides: Any) -> Any:
+    values: dict[str, Any] = {"replica_id": "r0", "resume_grace_s": GRACE_S}
+    values.update(overrides)
+    return fake_settings(**values)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(resume_settings()) as live:
+        yield live
+
+
+@pytest.fixture
+def baseline(server: LiveServer) -> Iterator[int]:
+    """Free KV blocks at start-up; after the test every session's blocks must be back."""
+    start_free = server.stats()["kv"]["blocks_free"]
+    yield start_free
+    settled(server, start_free)
+
+
+def settled(server: LiveServer, blocks_free: int) -> dict[str, Any]:
+    return server.wait_for_stats(
+        lambda s: s["kv"]["blocks_free"] == blocks_free
+        and s["kv"]["sessions_resident"] == 0
+        and s["sessions"]["connected"] == 0
+        and s["sessions"]["detached"] == 0
+        and s["queue"]["depth"] == 0
+    )
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def resume_url(server: LiveServer, token: str) -> str:
+    return f"{server.ws_url}?resume={token}"
+
+
+async def chunk_frames(client: SessionClient) -> tuple[dict[str, Any], list[np.ndarray]]:
+    chunk, frames = await client.recv_chunk()
+    return chunk, [pixels for _header, pixels in frames]
+
+
+async def reference_rollout(server: LiveServer, chunks: int) -> list[list[np.ndarray]]:
+    """The frames of an uninterrupted session holding ``HELD``, by chunk index."""
+    async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+        frames = []
+        for tick_id in range(chunks):
+            await client.send(type="tick", tick_id=tick_id, controls=HELD if tick_id == 0 else None)
+            chunk, pixels = await chunk_frames(client)
+            assert chunk["chunk_index"] == tick_id
+            frames.append(pixels)
+        await client.send(type="close")
+        await client.closed_by_server()
+    return frames
+
+
+async def expect_fatal(client: SessionClient, code: str, close_code: int) -> dict[str, Any]:
+    closed = await client.closed_by_server()
+    assert closed.code == close_code, closed
+    errors = [m for m in closed.messages if m["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["code"] == code and errors[0]["fatal"] is True, closed.messages
+    return errors[0]
+
+
+async def try_resume(server: LiveServer, token: str, *, url_token: str | None = None) -> dict[str, Any]:
+    """Resume with ``token`` and expect resume_failed (4002); returns the error message."""
+    async with session_client(resume_url(server, url_token or token)) as client:
+        await client.send(type="start", resume=token)
+        return await expect_fatal(client, "resume_failed", 4002)
+
+
+async def detached_session(server: LiveServer, chunks: int) -> tuple[str, str]:
+    """A session that ran ``chunks`` chunks holding ``HELD`` and then lost its TCP connection."""
+    async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+        assert client.ready is not None
+        for tick_id in range(chunks):
+            await client.send(type="tick", tick_id=tick_id, controls=HELD if tick_id == 0 else None)
+            await client.recv_chunk()
+        client.abort()
+    await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+    return client.ready["session_id"], client.ready["resume"]["token"]
+
+
+# ---- resuming -----------------------------------------------------------------------------
+
+
+def test_ready_carries_a_ticket_and_stats_count_detached(server: LiveServer, baseline: int) -> None:
+    async def scenario() -> None:
+        async with session_client(server.ws_url, start={}) as client:
+            assert client.ready is not None
+            ticket = client.ready["resume"]
+            assert ticket["grace_s"] == GRACE_S and ticket["next_chunk_index"] == 0
+            token = ticket["token"]
+            assert token.startswith("r0.") and len(token) >= len("r0.") + 43  # 32 random bytes, base64
+            assert "resumed" not in client.ready
+            client.abort()
+        stats = await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+        assert stats["sessions"]["connected"] == 0
+        assert "arstream_sessions_detached 1.0" in server.get("/metrics").text
+        async with session_client(resume_url(server, token), start={"resume": token}) as client:
+            await client.send(type="close")
+            await client.closed_by_server()
+
+    run(scenario())
+
+
+def test_drop_and_resume_continues_the_same_rollout(server: LiveServer, baseline: int) -> None:
+    k, total = 3, 6
+
+    async def scenario() -> None:
+        reference = await reference_rollout(server, total)
+        async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+            assert client.ready is not None
+            session_id, token = client.ready["session_id"], client.ready["resume"]["token"]
+            await client.send(type="input", event_id=5, controls=HELD)
+            assert (await client.recv_json())["type"] == "ack"
+            for tick_id in range(k):
+                await client.send(type="tick", tick_id=tick_id)
+                chunk, frames = await chunk_frames(client)
+                assert np.array_equal(np.stack(frames), np.stack(reference[tick_id]))
+            client.abort()
+        await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+
+        async with session_client(resume_url(server, token), start={"resume": token, "codec": "raw"}) as client:
+            ready = client.ready
+            assert ready is not None
+            assert ready["session_id"] == session_id and ready["resumed"] is True
+            assert ready["resume"]["next_chunk_index"] == k
+            assert ready["resume"]["token"] != token and ready["resume"]["token"].startswith("r0.")
+            # The floors stayed: ids must keep increasing past them.
+            await client.send(type="tick", tick_id=k - 1)
+            stale = await client.recv_json()
+            assert stale["code"] == "stale_tick", stale
+            await client.send(type="input", event_id=5)
+            assert (await client.recv_json()) == {"type": "ack", "event_id": 5, "status": "duplicate"}
+            for tick_id in range(k, total):
+                await client.send(type="tick", tick_id=tick_id)  # no controls: the held "d" must still apply
+                chunk, frames = await chunk_frames(client)
+                assert chunk["chunk_index"] == tick_id and chunk["restarted"] is None, chunk
+                assert np.array_equal(np.stack(frames), np.stack(reference[tick_id])), f"chunk {tick_id} differs"
+            await client.send(type="close")
+            closed = await client.closed_by_server()
+            assert closed.messages[-1] == {"type": "closed", "reason": "client"}
+
+    run(scenario())
+
+
+def test_ticks_in_flight_at_the_drop_are_dropped_and_the_ticket_says_where_it_continues() -> None:
+    pipeline = GatedFakePipeline()
+    with running_server(resume_settings(), pipeline) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+                assert client.ready is not None
+                token = client.ready["resume"]["token"]
+                for tick_id in range(3):
+                    await client.send(type="tick", tick_id=tick_id, controls=HELD if tick_id == 0 else None)
+                await asyncio.to_thread(pipeline.waiting.wait, 30)  # tick 0 runs; ticks 1 and 2 are queued
+                client.abort()
+            await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+            pipeline.gate.set()  # tick 0 completes (the rollout moves on), its chunk goes nowhere
+            async with session_client(resume_url(server, token), start={"resume": token, "codec": "raw"}) as client:
+                assert client.ready is not None and client.ready["resume"]["next_chunk_index"] == 1
+                await client.send(type="tick", tick_id=3)
+                chunk, frames = await chunk_frames(client)
+                assert (chunk["tick_id"], chunk["chunk_index"], chunk["restarted"]) == (3, 1, None)
+                await client.send(type="close")
+                await client.closed_by_server()
+            return frames
+
+        frames = run(scenario())
+        reference = run(reference_rollout(server, 2))
+        assert np.array_equal(np.stack(frames), np.stack(reference[1]))
+        settled(server, start_free)
+
+
+def test_resume_by_url_alone_and_a_new_codec() -> None:
+    with running_server(resume_settings()) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            session_id, token = await detached_session(server, 1)
+            async with session_client(resume_url(server, token), start={"codec": "jpeg"}) as client:
+                assert client.ready is not None
+                assert client.ready["session_id"] == session_id and client.ready["codec"] == "jpeg"
+                await client.send(type="tick", tick_id=1)
+                chunk, _ = await client.recv_chunk()
+                assert chunk["chunk_index"] == 1
+                await client.send(type="close")
+                await client.closed_by_server()
+
+        run(scenario())
+        settled(server, start_free)
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+def test_forged_malformed_and_other_replica_tokens_fail_and_spend_nothing(server: LiveServer, baseline: int) -> None:
+    async def scenario() -> None:
+        session_id, token = await detached_session(server, 2)
+        random_part = token.split(".", 1)[1]
+        refusals = [
+            await try_resume(server, "r0." + secrets.token_urlsafe(32)),  # forged
+            await try_resume(server, "not-a-token"),  # malformed
+            await try_resume(server, "r1." + random_part),  # another replica's prefix
+            await try_resume(server, "r0." + random_part[:-1]),  # one character short
+            await try_resume(server, token, url_token="r0." + secrets.token_urlsafe(32)),  # URL and start disagree
+        ]
+        assert "replica 'r1'" in refusals[2]["message"]
+        assert server.stats()["sessions"]["detached"] == 1
+        # None of that spent the real ticket (a negative control for the refusals above).
+        async with session_client(resume_url(server, token), start={"resume": token}) as client:
+            assert client.ready is not None and client.ready["session_id"] == session_id
+            await client.send(type="close")
+            await client.closed_by_server()
+
+    run(scenario())
+
+
+def test_a_token_is_good_for_one_resume(server: LiveServer, baseline: int) -> None:
+    async def scenario() -> None:
+        session_id, first = await detached_session(server, 1)
+        async with session_client(resume_url(server, first), start={"resume": first}) as client:
+            assert client.ready is not None
+            second = client.ready["resume"]["token"]
+            client.abort()
+        await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+        await try_resume(server, first)
+        async with session_client(resume_url(server, second), start={"resume": second}) as client:
+            assert client.ready is not None and client.ready["session_id"] == session_id
+            await client.send(type="close")
+            await client.closed_by_server()
+        # Closed on purpose: the last ticket died with it.
+        await try_resume(server, client.ready["resume"]["token"])
+
+    run(scenario())
+
+
+def test_resume_after_the_grace_period_fails_and_the_kv_is_back() -> None:
+    with running_server(resume_settings(resume_grace_s=0.2)) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={}) as client:
+                assert client.ready is not None
+                token = client.ready["resume"]["token"]
+                await client.send(type="tick", tick_id=0)
+                await client.recv_chunk()
+                client.abort()
+            # Detached, then released when the grace period ends.
+            await asyncio.to_thread(settled, server, start_free)
+            error = await try_resume(server, token)
+            assert "unknown resume token" in error["message"]
+
+        run(scenario())
+        settled(server, start_free)
+
+
+def test_resume_disabled_releases_on_drop_and_refuses_tokens() -> None:
+    with running_server(resume_settings(resume_grace_s=0)) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={}) as client:
+                assert client.ready is not None and "resume" not in client.ready
+                await client.send(type="tick", tick_id=0)
+                await client.recv_chunk()
+                client.abort()
+            await asyncio.to_thread(settled, server, start_free)
+            error = await try_resume(server, "r0." + secrets.token_urlsafe(32))
+            assert "disabled" in error["message"]
+
+        run(scenario())
+        settled(server, start_free)
+
+
+def test_a_session_that_closed_or_is_closing_cannot_be_resumed(server: LiveServer, baseline: int) -> None:
+    async def scenario() -> None:
+        async with session_client(server.ws_url, start={}) as client:
+            assert client.ready is not None
+            token = client.ready["resume"]["token"]
+            await client.send(type="tick", tick_id=0, close=True)
+            await client.recv_chunk()
+            client.abort()  # dropped after a close: true tick: ended, not detached
+        await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["connected"] == 0)
+        assert server.stats()["sessions"]["detached"] == 0
+        await try_resume(server, token)
+
+    run(scenario())
+
+
+# ---- takeover and capacity ------------------------------------------------------------------
+
+
+def test_resuming_a_live_session_takes_it_over(server: LiveServer, baseline: int) -> None:
+    async def scenario() -> None:
+        reference = await reference_rollout(server, 3)
+        async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as old:
+            assert old.ready is not None
+            token = old.ready["resume"]["token"]
+            await old.send(type="tick", tick_id=0, controls=HELD)
+            await old.recv_chunk()
+            # The old socket looks alive to the server (half-open from the client's side).
+            async with session_client(resume_url(server, token), start={"resume": token, "codec": "raw"}) as new:
+                assert new.ready is not None and new.ready["resumed"] is True
+                assert new.ready["session_id"] == old.ready["session_id"]
+                assert new.ready["resume"]["next_chunk_index"] == 1
+                closed = await old.closed_by_server()
+                assert closed.code == 4003
+                assert [m["type"] for m in closed.messages] == ["error", "closed"]
+                assert closed.messages[0]["code"] == "taken_over" and closed.messages[0]["fatal"] is True
+                assert closed.messages[1] == {"type": "closed", "reason": "taken_over"}
+                stats = server.stats()["sessions"]
+                assert (stats["connected"], stats["detached"]) == (1, 0)
+                for tick_id in (1, 2):
+                    await new.send(type="tick", tick_id=tick_id)
+                    chunk, frames = await chunk_frames(new)
+                    assert chunk["chunk_index"] == tick_id and chunk["restarted"] is None
+                    assert np.array_equal(np.stack(frames), np.stack(reference[tick_id]))
+                await new.send(type="close")
+                await new.closed_by_server()
+
+    run(scenario())
+
+
+def test_detached_session_gives_its_slot_to_a_new_session() -> None:
+    with running_server(resume_settings(model_options={"session_capacity": 2})) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            _, token = await detached_session(server, 2)
+            async with session_client(server.ws_url, start={}) as b:
+                await b.send(type="tick", tick_id=0)
+                await b.recv_chunk()
+                assert server.stats()["sessions"]["detached"] == 1  # a free slot: nobody had to give way
+                async with session_client(server.ws_url, start={}) as c:
+                    await c.send(type="tick", tick_id=0)
+                    await c.recv_chunk()
+                    stats = server.stats()
+                    assert (stats["sessions"]["connected"], stats["sessions"]["detached"]) == (2, 0)
+                    assert stats["sessions"]["evictions_total"] == 0  # released, not LRU-evicted
+                    error = await try_resume(server, token)
+                    assert "unknown resume token" in error["message"]
+                    async with session_client(server.ws_url) as d:
+                        await d.send(type="start")
+                        await expect_fatal(d, "over_capacity", 1013)
+                    for client in (b, c):
+                        await client.send(type="close")
+                        await client.closed_by_server()
+
+        run(scenario())
+        settled(server, start_free)
+
+
+def test_shutdown_releases_detached_sessions() -> None:
+    with running_server(resume_settings()) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+        run(detached_session(server, 2))
+        assert server.server is not None
+        hub = server.server.hub
+        worker = hub.worker
+        assert worker is not None
+    # The server has stopped: the worker ran the release before it ended.
+    assert hub.resume.detached_count == 0
+    assert worker.runner is not None and worker.runner.pool.num_free == start_free
+
+
+def test_tokens_are_never_logged_whole(server: LiveServer, baseline: int, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="arstream")
+
+    async def scenario() -> list[str]:
+        _, first = await detached_session(server, 1)
+        await try_resume(server, "r0." + first.split(".", 1)[1][::-1])
+        async with session_client(resume_url(server, first), start={"resume": first}) as client:
+            assert client.ready is not None
+            second = client.ready["resume"]["token"]
+            await client.send(type="close")
+            await client.closed_by_server()
+        return [first, second]
+
+    tokens = run(scenario())
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "resumed with token r0." in logged  # the hint is there ...
+    for token in tokens:
+        assert token not in logged and token.split(".", 1)[1] not in logged  # ... the token is not
