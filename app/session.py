@@ -7,7 +7,10 @@ chunk boundary is the moment the worker picks the session's next tick.
 
 Latest wins: every update (a tick's or an input event's controls/prompt) gets
 an arrival number on the event loop; at a chunk boundary an update only
-replaces a value that came from an older update.
+replaces a value that came from an older update. Pending input events keep
+only their ids and arrival times: their values are merged on arrival into one
+staged update per field (the latest controls, the latest prompt), so a client
+that sends many large events and no tick holds one payload, not all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from arstream.app.protocol import ErrorCode, InputMessage, ProtocolError, TickMe
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256
+# Input events waiting for the next chunk; one more is refused until a chunk applies them.
+MAX_PENDING_EVENTS = 4096
 
 
 class SessionState(Enum):
@@ -74,10 +79,11 @@ class Update:
     prompt: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PendingEvent:
+    """An accepted input event waiting for its chunk; its values are already in the staged update."""
+
     event_id: int
-    update: Update
     arrived_at: float  # time.perf_counter() on arrival, for the action-to-frame histogram
 
 
@@ -132,6 +138,9 @@ class Session:
         self._prompt = prompt
         self._prompt_seq = -1
         self._pending_events: list[PendingEvent] = []
+        # The latest pending event values per field, with their arrival numbers (see the module docstring).
+        self._staged_controls: Update | None = None
+        self._staged_prompt: Update | None = None
 
     # ---- state machine -----------------------------------------------------------
 
@@ -207,14 +216,24 @@ class Session:
                 f"event_id {event_id} is not greater than the last accepted event_id {self.event_floor} "
                 "and is not a recent duplicate",
             )
+        if len(self._pending_events) >= MAX_PENDING_EVENTS:
+            # The closest code in protocol 1: too much is queued; a tick applies the pending events.
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_TICKS,
+                f"{len(self._pending_events)} input events are waiting for the next chunk; send a tick to apply them",
+            )
         self.event_floor = event_id
         if len(self._recent_events) == self._recent_events.maxlen:
             self._recent_event_set.discard(self._recent_events[0])
         self._recent_events.append(event_id)
         self._recent_event_set.add(event_id)
-        event = PendingEvent(event_id, self._next_update(message.controls, message.prompt), time.perf_counter())
+        update = self._next_update(message.controls, message.prompt)
         with self._lock:
-            self._pending_events.append(event)
+            self._pending_events.append(PendingEvent(event_id, time.perf_counter()))
+            if update.controls is not None:
+                self._staged_controls = update
+            if update.prompt is not None:
+                self._staged_prompt = update
         return False
 
     def note_failure(self, tick_id: int) -> None:
@@ -241,7 +260,9 @@ class Session:
         with self._lock:
             events = tuple(self._pending_events)
             self._pending_events.clear()
-            for update in sorted([job.update, *(e.update for e in events)], key=lambda u: u.seq):
+            staged = [u for u in (self._staged_controls, self._staged_prompt) if u is not None]
+            self._staged_controls = self._staged_prompt = None
+            for update in sorted([job.update, *staged], key=lambda u: u.seq):
                 self._apply(update)
             return ChunkInputs(dict(self._controls), self._prompt, events)
 

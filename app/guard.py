@@ -1,0 +1,349 @@
+"""The transport's bounds: connection caps, HTTP request heads, WebSocket closes and pongs, quiet refusals.
+
+uvicorn leaves these open, and a stranger can take each one (docs/public.md):
+
+- :class:`ConnectionGuard` counts open TCP connections, in all and per peer
+  address (trusted proxies exempt), and drops new ones past either cap at
+  once, before a byte is parsed. The default total stays under the process's
+  open-file limit, so the server never runs out of descriptors.
+- :class:`GuardedHttpProtocol` (uvicorn's httptools protocol) refuses a
+  request head larger than ``max_header_bytes`` with 431 and drops a
+  connection that has not sent a whole head within ``request_head_timeout_s``
+  (slowloris), on the first request and on every keep-alive request after it.
+- :class:`GuardedWebSocketProtocol` (uvicorn's websockets-sansio protocol)
+  drops a peer that has not completed a close ``close_timeout_s`` after the
+  app is done with it (a peer that never reads would otherwise keep its
+  unsent bytes forever), and answers at most one ping while the peer is not
+  reading what it was sent (RFC 6455 allows answering only the latest), so a
+  ping flood cannot grow the send buffer.
+- :class:`RefusalLog` logs the first refusal of each kind, then one count per
+  interval, never one line per attempt.
+
+The protocol classes subclass uvicorn internals (uvicorn >= 0.54, pinned in
+pyproject.toml); tests/test_hardening_http.py exercises each bound against a
+real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import logging
+import re
+import resource
+import time
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from arstream.app.settings import Settings
+
+log = logging.getLogger("arstream.guard")
+
+DEFAULT_MAX_CONNECTIONS = 1000
+# Descriptors kept for everything but client sockets: model files, pipes, logs, the listening socket.
+RESERVED_FDS = 128
+REFUSAL_LOG_INTERVAL_S = 10.0
+HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+SECRET_QUERY = re.compile(r"([?&](?:token|resume)=)[^&\s\"]*")
+
+
+class RefusalLog:
+    """Warn once per kind of refusal, then at most once per interval with the count since."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.counts: dict[str, int] = {}  # every refusal since start, by kind (tests read it)
+        self._pending: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def note(self, kind: str, detail: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self._pending[kind] = self._pending.get(kind, 0) + 1
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is None or now - last >= self.interval_s:
+            count = self._pending.pop(kind)
+            since = "" if last is None else f" ({count} in the last {now - last:.0f} s)"
+            log.warning("refused: %s%s", detail, since)
+            self._last[kind] = now
+
+
+class TrustedProxies:
+    """The ``forwarded_allow_ips`` setting as a membership test."""
+
+    def __init__(self, spec: str) -> None:
+        entries = [entry.strip() for entry in spec.split(",") if entry.strip()]
+        self.everyone = "*" in entries
+        self.networks = [ipaddress.ip_network(entry, strict=False) for entry in entries if entry != "*"]
+
+    def __contains__(self, host: object) -> bool:
+        if self.everyone:
+            return True
+        try:
+            address = ipaddress.ip_address(str(host))
+        except ValueError:
+            return False
+        return any(address in network for network in self.networks)
+
+
+def resolved_max_connections(settings: Settings) -> int:
+    """The total connection cap, raising the soft open-file limit as far as the hard one allows.
+
+    Raises ValueError when an explicit cap cannot fit under the hard limit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = (settings.max_connections or DEFAULT_MAX_CONNECTIONS) + RESERVED_FDS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    available = wanted if soft == resource.RLIM_INFINITY else soft - RESERVED_FDS
+    if settings.max_connections is not None:
+        if settings.max_connections > available:
+            raise ValueError(
+                f"max_connections {settings.max_connections} does not fit the open-file limit: {soft} descriptors, "
+                f"{RESERVED_FDS} kept for the server, so at most {available}; raise `ulimit -n` or lower the cap"
+            )
+        return settings.max_connections
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, available))
+
+
+class ConnectionGuard:
+    """Open TCP connections by peer address; :meth:`admit` says whether one more may stay."""
+
+    def __init__(self, settings: Settings, refusals: RefusalLog) -> None:
+        self.max_total = resolved_max_connections(settings)
+        self.max_per_peer = settings.max_connections_per_client
+        self.trusted = TrustedProxies(settings.forwarded_allow_ips)
+        self.refusals = refusals
+        self._peers: dict[asyncio.BaseTransport, str] = {}
+        self._per_peer: dict[str, int] = {}
+
+    @property
+    def open(self) -> int:
+        return len(self._peers)
+
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        if transport in self._peers:
+            return True  # the same connection, upgraded to a WebSocket
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if len(self._peers) >= self.max_total:
+            self.refusals.note("max_connections", f"{self.max_total} connections are open (max_connections)")
+            return False
+        held = self._per_peer.get(host, 0)
+        if self.max_per_peer is not None and held >= self.max_per_peer and host not in self.trusted:
+            self.refusals.note(
+                "max_connections_per_client",
+                f"{host} already holds {held} connections (max_connections_per_client {self.max_per_peer})",
+            )
+            return False
+        self._peers[transport] = host
+        self._per_peer[host] = held + 1
+        return True
+
+    def release(self, transport: asyncio.BaseTransport) -> None:
+        host = self._peers.pop(transport, None)
+        if host is None:
+            return
+        left = self._per_peer[host] - 1
+        if left:
+            self._per_peer[host] = left
+        else:
+            del self._per_peer[host]
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with connection caps, a head size limit and a head deadline."""
+
+    guard: ConnectionGuard
+    max_head_bytes: int
+    head_timeout_s: float
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._head_done = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._upgraded = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.guard.admit(transport):
+            transport.abort()
+            return
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        if not self._upgraded:
+            self.guard.release(self.transport)
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._head_bytes = 0
+        self._head_done = False
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        self.guard.refusals.note(
+            "request_head_timeout", f"no whole request head within {self.head_timeout_s} s (request_head_timeout_s)"
+        )
+        self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._head_done:
+            # Counts body bytes that come in the same read too: our routes take no body.
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self.guard.refusals.note(
+                    "max_header_bytes", f"a request head over {self.max_head_bytes} bytes (max_header_bytes)"
+                )
+                self._cancel_head_timer()
+                self._head_done = True
+                self.transport.write(HEAD_TOO_LARGE)
+                self.transport.close()
+                return
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._upgraded = True  # the WebSocket protocol owns the connection (and its guard slot) from here
+        super().handle_websocket_upgrade()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_head()  # a keep-alive connection's next request gets its own deadline
+
+
+class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol that drops peers slow to close and bounds pongs to a non-reading peer."""
+
+    guard: ConnectionGuard
+    close_timeout_s: float
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.close_timeout = self.close_timeout_s
+        self._drop_timer: asyncio.TimerHandle | None = None
+        self._ponged_while_paused = False
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.guard.admit(transport)  # admitted as HTTP already; records it if it came another way
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._drop_timer is not None:
+            self._drop_timer.cancel()
+            self._drop_timer = None
+        self.guard.release(self.transport)
+        super().connection_lost(exc)
+
+    def resume_writing(self) -> None:
+        self._ponged_while_paused = False
+        super().resume_writing()
+
+    def handle_ping(self) -> None:
+        output = self.conn.data_to_send()
+        if not self.writable.is_set():
+            # The peer is not reading what it was sent; answer one ping until it catches up.
+            if self._ponged_while_paused:
+                return
+            self._ponged_while_paused = True
+        self.transport.write(b"".join(output))
+
+    def _drop_after_close_timeout(self) -> None:
+        if self._drop_timer is None and not self.disconnected:
+            self._drop_timer = self.loop.call_later(self.close_timeout_s, self._drop)
+
+    def _drop(self) -> None:
+        self._drop_timer = None
+        if not self.disconnected:
+            self.guard.refusals.note(
+                "close_timeout", f"a WebSocket peer did not complete its close within {self.close_timeout_s} s"
+            )
+            self.transport.abort()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if message.get("type") == "websocket.close":
+            self._drop_after_close_timeout()
+
+    async def run_asgi(self) -> None:
+        await super().run_asgi()
+        self._drop_after_close_timeout()  # the app is done: the peer has close_timeout_s to let go
+
+
+def protocol_classes(settings: Settings, refusals: RefusalLog) -> tuple[type[GuardedHttpProtocol], type[GuardedWebSocketProtocol], ConnectionGuard]:
+    """This server's HTTP and WebSocket protocol classes, sharing one :class:`ConnectionGuard`."""
+    guard = ConnectionGuard(settings, refusals)
+    http = type(
+        "ARStreamHttpProtocol",
+        (GuardedHttpProtocol,),
+        {"guard": guard, "max_head_bytes": settings.max_header_bytes, "head_timeout_s": settings.request_head_timeout_s},
+    )
+    ws = type(
+        "ARStreamWebSocketProtocol",
+        (GuardedWebSocketProtocol,),
+        {"guard": guard, "close_timeout_s": settings.close_timeout_s},
+    )
+    return http, ws, guard
+
+
+class RedactSecrets(logging.Filter):
+    """Replaces ``?token=`` and ``?resume=`` values in log lines (uvicorn logs request paths with their query)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(
+                SECRET_QUERY.sub(r"\1<redacted>", arg) if isinstance(arg, str) else arg for arg in record.args
+            )
+        if isinstance(record.msg, str) and ("token=" in record.msg or "resume=" in record.msg):
+            record.msg = SECRET_QUERY.sub(r"\1<redacted>", record.msg)
+        return True
+
+
+def redact_uvicorn_logs() -> None:
+    """Install :class:`RedactSecrets` on uvicorn's access and error loggers (once)."""
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())
+
+
+RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+def quiet_resource_errors(loop: asyncio.AbstractEventLoop, refusals: RefusalLog) -> None:
+    """Route the loop's out-of-descriptors reports (one per failed accept) through :class:`RefusalLog`."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS:
+            refusals.note("out_of_resources", f"{context.get('message', 'accept failed')}: {exc}")
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
