@@ -1,477 +1,411 @@
-// ARStream browser demo: one session over WebSocket, protocol version 1 (see PROTOCOL.md).
+// ARStream demo page: wires the modules to the page. One session at a time
+// over WebSocket (docs/PROTOCOL.md); docs/demo.md describes the page.
 //
-// The flow: `start` -> `ready`; then keep one or two `tick`s in flight (each asks
-// for one chunk), send held keys as `input` events, read each `chunk` message and
-// its binary frames into a small jitter buffer, and play that buffer at the
-// model's fps on a canvas.
-'use strict';
+//   wire.js        ARF1 frame header parser
+//   decode.js      frame decoders by codec (JPEG, raw; a video codec slots in here)
+//   player.js      jitter buffer, playback at the model's fps, fit to screen, pacing
+//   session.js     one WebSocket session: start/ready, ticks, input, chunks and frames
+//   connection.js  reconnect with backoff, resume, waiting for a slot, hidden tabs
+//   input.js       keyboard, on-screen pad, drag steering, gamepad
+//   hud.js         badge and details numbers
+//   recorder.js    clip recording (MediaRecorder)
+//   messages.js    plain-language words for error and close codes
 
-(() => {
-  const KEY_FOR_CODE = {
-    KeyW: 'w', KeyA: 'a', KeyS: 's', KeyD: 'd',
-    ArrowUp: 'w', ArrowLeft: 'a', ArrowDown: 's', ArrowRight: 'd',
-  };
-  const TICKS_IN_FLIGHT = 2;
-  const HEADER_BYTES = 20;
-  const FLAG_LAST_FRAME = 1;
-  const STATS_POLL_MS = 1000;
-  const RECENT = 30;           // samples kept for the HUD medians
-  const DEBUG_KEEP = 1000;     // entries kept in window.arstreamDebug lists
-  const DISPLAY_PX = 512;
+import { Connection } from './connection.js';
+import { Controls, isTyping } from './input.js';
+import { Hud } from './hud.js';
+import { Player } from './player.js';
+import { ClipRecorder, recordingSupported } from './recorder.js';
+import { pushBounded } from './session.js';
 
-  const $ = (id) => document.getElementById(id);
-  const canvas = $('screen');
-  const ctx = canvas.getContext('2d');
+const TOKEN_KEY = 'arstream-token';
+const STATS_POLL_MS = 1000;
+const HUD_REFRESH_MS = 250;
+const NOTICE_MS = 5000;
+const MAX_SEED = 2 ** 32;
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+
+// A token in the URL moves to session storage and out of the address bar and history.
+if (params.has('token')) {
+  sessionStorage.setItem(TOKEN_KEY, params.get('token'));
+  params.delete('token');
+  const query = params.toString();
+  history.replaceState(null, '', `${location.pathname}${query ? `?${query}` : ''}${location.hash}`);
+}
+const token = () => sessionStorage.getItem(TOKEN_KEY);
+
+function pageSeed() {
+  const asked = Number(params.get('seed'));
+  if (params.has('seed') && Number.isInteger(asked) && asked >= 0) return asked;
+  return crypto.getRandomValues(new Uint32Array(1))[0] % MAX_SEED;
+}
+
+// Exposed for tests and for the curious (open the console).
+const debug = {
+  state: 'idle',
+  sessionId: null,
+  seed: pageSeed(),
+  sentTickIds: [],
+  sentEventIds: [],
+  appliedEventIds: [],
+  chunksReceived: 0,
+  framesReceived: 0,
+  framesDrawn: 0,
+  maxTicksInFlight: 0,
+  errors: [],
+  lastClose: null,
+  connects: 0,
+  resumed: 0,
+  stalls: 0,
+  heldKeys: [],
+  samples: { action: [], chunk: [] },
+  pacer: null,
+};
+window.arstreamDebug = debug;
+// Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
+debug.sendInput = (fields) => { if (connection.session) connection.session.sendInput(fields); };
+
+let model = null;  // the model card, from /v1/model or `ready`
+let recorder = null;
+let noticeTimer = null;
+
+// ---- page text ----------------------------------------------------------------------
+
+function log(text, kind = 'info') {
+  const item = document.createElement('li');
+  item.className = kind;
+  item.textContent = `${new Date().toLocaleTimeString()}  ${text}`;
+  const list = $('log');
+  list.prepend(item);
+  while (list.children.length > 100) list.lastChild.remove();
+}
+
+function notice(text) {
+  const box = $('notice');
+  box.textContent = text;
+  box.hidden = false;
+  log(text);
+  clearTimeout(noticeTimer);
+  noticeTimer = setTimeout(() => { box.hidden = true; }, NOTICE_MS);
+}
+
+const ACTIONS = {
+  play: ['Play', () => connection.play()],
+  'play-here': ['Play here', () => connection.play()],
+  'play-now': ['Reconnect now', () => connection.play()],
+  reset: ['Restart world', () => connection.reset()],
+};
+
+let softOverlay = false;  // shown until the first frame is drawn
+
+function showOverlay({ text, tone, action, soft }) {
   const overlay = $('overlay');
-  const pageParams = new URLSearchParams(location.search);
-  const token = pageParams.get('token');
-
-  // Exposed for tests and for the curious (open the console).
-  const debug = {
-    state: 'idle',
-    sessionId: null,
-    sentTickIds: [],
-    sentEventIds: [],
-    appliedEventIds: [],
-    chunksReceived: 0,
-    framesReceived: 0,
-    framesDrawn: 0,
-    maxTicksInFlight: 0,
-    errors: [],
-    lastClose: null,
-  };
-  window.arstreamDebug = debug;
-  // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
-  debug.sendInput = (fields) => {
-    if (session && session.ready && !session.ended) sendInput(session, fields);
-  };
-
-  let session = null;  // the live session's state, null when disconnected
-  const hud = { chunkLatency: [], actionLatency: [], compute: [], drawnAt: [] };  // recent samples
-
-  function newSession(ws) {
-    return {
-      ws,
-      ready: null,
-      nextTickId: 0,
-      nextEventId: 0,
-      ticksInFlight: new Map(),   // tick_id -> performance.now() when sent
-      eventsSentAt: new Map(),    // event_id -> when sent, until a chunk applies it
-      resetNext: false,
-      lastSentKeys: '',           // the held keys as last sent; a new session starts with none
-      failed: false,              // after session_failed only a reset tick is accepted
-      lastResetTickId: -1,
-      fatalError: null,           // text of a fatal error, shown again when the close follows
-      framesDrawn: 0,
-      ended: false,
-      receiving: null,            // {message, expected, frames} while a chunk's frames arrive
-      queue: [],                  // jitter buffer: frames waiting to be drawn, in order
-      nextDrawAt: 0,
-    };
+  if (!text) {
+    overlay.hidden = true;
+    return;
   }
+  $('overlay-text').textContent = text;
+  overlay.hidden = false;
+  overlay.dataset.tone = tone || 'info';
+  // Problems interrupt a screen reader; progress does not.
+  overlay.setAttribute('aria-live', tone === 'bad' ? 'assertive' : 'polite');
+  softOverlay = Boolean(soft);
+  const button = $('overlay-action');
+  button.hidden = !ACTIONS[action];
+  if (ACTIONS[action]) button.textContent = ACTIONS[action][0];
+  button.dataset.action = action || '';
+  $('token-form').hidden = action !== 'token';
+  if (action === 'token') $('token').value = token() || '';
+}
 
-  // ---- helpers ------------------------------------------------------------------------
+const LIVE_STATES = new Set(['connecting', 'streaming', 'failed', 'reconnecting', 'waiting']);
 
-  function pushBounded(list, value) {
-    list.push(value);
-    if (list.length > DEBUG_KEEP) list.shift();
+function onState(state, view) {
+  $('hud-status').textContent = state;
+  $('hud-status').className = state;
+  document.body.dataset.state = state;
+  $('play').textContent = LIVE_STATES.has(state) ? 'Stop' : 'Play';
+  $('play').classList.toggle('primary', !LIVE_STATES.has(state));
+  $('reset').disabled = !(connection.session && connection.session.live && ['streaming', 'failed'].includes(state));
+  $('record').disabled = !recorder && state !== 'streaming';
+  if (!['streaming', 'failed'].includes(state) && recorder) recorder.stop();
+  if (state === 'streaming' && !view.text && debug.framesDrawn > 0) {
+    showOverlay({});
+  } else {
+    showOverlay(view);
   }
+}
 
-  function median(values) {
-    if (!values.length) return NaN;
-    const sorted = [...values].sort((a, b) => a - b);
-    const mid = sorted.length >> 1;
-    return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+// ---- model card -------------------------------------------------------------------------
+
+function showModel(card) {
+  model = card;
+  const what = card.description ? `: ${card.description}` : '';
+  $('explain').textContent = `You are steering ${card.name}${what}. The model draws every frame as you play; `
+    + 'nothing is pre-recorded.';
+  $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);
+  $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
+  $('prompt-form').hidden = !card.reads_prompt;
+  const linked = params.get('model');
+  if (linked && linked !== card.name) notice(`This link was made for ${linked}; this server runs ${card.name}.`);
+  fit();
+}
+
+async function loadModelCard() {
+  try {
+    const response = await fetch('/v1/model', { cache: 'no-store' });
+    if (response.ok) showModel(await response.json());
+  } catch {
+    // The server is away: the connection's own retries say so.
   }
+}
 
-  function ms(value) {
-    return Number.isFinite(value) ? `${value.toFixed(0)} ms` : '–';
-  }
+// ---- the player -----------------------------------------------------------------------
 
-  function log(text, kind = 'info') {
-    const item = document.createElement('li');
-    item.className = kind;
-    item.textContent = `${new Date().toLocaleTimeString()}  ${text}`;
-    const list = $('log');
-    list.prepend(item);
-    while (list.children.length > 100) list.lastChild.remove();
-  }
-
-  function showOverlay(text, fatal = false) {
-    overlay.textContent = text;
-    overlay.classList.toggle('fatal', fatal);
-    overlay.classList.remove('hidden');
-  }
-
-  function setState(state) {
-    debug.state = state;
-    const status = $('hud-status');
-    status.textContent = state;
-    status.className = state;
-    const live = session !== null && !session.ended;
-    $('connect').disabled = live;
-    $('disconnect').disabled = !live;
-    $('reset').disabled = !(live && session.ready);
-    $('close').disabled = !(live && session.ready);
-  }
-
-  // ---- connection ---------------------------------------------------------------------
-
-  function sessionsUrl() {
-    const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
-    const query = token ? `?token=${encodeURIComponent(token)}` : '';
-    return `${scheme}://${location.host}/v1/sessions${query}`;
-  }
-
-  function connect() {
-    if (session && !session.ended) return;
-    const ws = new WebSocket(sessionsUrl());
-    ws.binaryType = 'arraybuffer';
-    session = newSession(ws);
-    const mine = session;
-    setState('connecting');
-    showOverlay('Connecting…');
-    ws.onopen = () => {
-      const start = { type: 'start', codec: $('codec').value };
-      const prompt = $('prompt').value.trim();
-      if (prompt) start.prompt = prompt;
-      send(mine, start);
-    };
-    ws.onmessage = (event) => {
-      if (typeof event.data === 'string') onText(mine, JSON.parse(event.data));
-      else onFrame(mine, event.data);
-    };
-    ws.onerror = () => log('WebSocket error (see the close below)', 'error');
-    ws.onclose = (event) => onClose(mine, event);
-  }
-
-  function disconnect() {
-    if (session && !session.ended) session.ws.close(1000, 'client disconnect');
-  }
-
-  function send(s, message) {
-    if (s.ws.readyState === WebSocket.OPEN) s.ws.send(JSON.stringify(message));
-  }
-
-  function onClose(s, event) {
-    s.ended = true;
-    debug.lastClose = { code: event.code, reason: event.reason };
-    const why = event.reason ? `, ${event.reason}` : '';
-    const clean = event.code === 1000;
-    log(`connection closed (code ${event.code}${why})`, clean ? 'info' : 'fatal');
-    if (s === session) {
-      setState('closed');
-      if (s.fatalError) showOverlay(`${s.fatalError} (connection closed, code ${event.code})`, true);
-      else if (clean) showOverlay('Session closed. Press Connect to play again.');
-      else showOverlay(`Connection closed: code ${event.code}${why}`, true);
-    }
-  }
-
-  // ---- messages from the server -------------------------------------------------------
-
-  function onText(s, message) {
-    switch (message.type) {
-      case 'ready': return onReady(s, message);
-      case 'chunk': return onChunk(s, message);
-      case 'error': return onError(s, message);
-      case 'closed':
-        log(`session closed by server (reason: ${message.reason})`, message.reason === 'client' ? 'info' : 'error');
-        return;
-      case 'ack':
-      case 'pong':
-        return;
-      default:
-        log(`unknown message type ${message.type}`, 'error');
-    }
-  }
-
-  function onReady(s, message) {
-    s.ready = message;
-    const model = message.model;
-    debug.sessionId = message.session_id;
-    canvas.width = model.width;
-    canvas.height = model.height;
-    // Largest whole-number scale that fits the stage keeps pixels square and crisp.
-    const scale = Math.max(1, Math.floor(DISPLAY_PX / Math.max(model.width, model.height)));
-    canvas.style.width = `${model.width * scale}px`;
-    canvas.style.height = `${model.height * scale}px`;
-    $('hud-model').textContent = `${model.name} ${model.width}×${model.height} @ ${model.fps} fps`;
-    log(`ready: session ${message.session_id}, model ${model.name}, codec ${message.codec}`);
-    showOverlay('Generating the first frames…');
-    setState('streaming');
-    sendHeldKeys(s);
-    pump(s);
-  }
-
-  function onChunk(s, message) {
-    const sentAt = s.ticksInFlight.get(message.tick_id);
-    s.ticksInFlight.delete(message.tick_id);
-    const now = performance.now();
-    if (sentAt !== undefined) hud.chunkLatency.push(now - sentAt);
-    if (hud.chunkLatency.length > RECENT) hud.chunkLatency.shift();
-    if (message.timings && Number.isFinite(message.timings.compute_ms)) {
-      hud.compute.push(message.timings.compute_ms);
-      if (hud.compute.length > RECENT) hud.compute.shift();
-    }
-    const applied = message.applied_event_ids || [];
-    for (const id of applied) pushBounded(debug.appliedEventIds, id);
-    if (message.restarted) log(`chunk ${message.chunk_index}: new rollout (${message.restarted})`);
-    debug.chunksReceived += 1;
-    $('hud-chunk-index').textContent = `${message.chunk_index} (tick ${message.tick_id})`;
-    s.receiving = { message, expected: message.frames, got: 0, applied };
-    // The next tick goes out now, so the server computes while this chunk plays.
-    pump(s);
-  }
-
-  function onError(s, message) {
-    const about = message.tick_id !== undefined && message.tick_id !== null ? ` (tick ${message.tick_id})` : '';
-    const text = `${message.fatal ? 'fatal ' : ''}error ${message.code}${about}: ${message.message}`;
-    pushBounded(debug.errors, message);
-    log(text, message.fatal ? 'fatal' : 'error');
-    // A refused tick never runs: free its credit.
-    if (message.tick_id !== undefined) s.ticksInFlight.delete(message.tick_id);
-    if (message.code === 'session_failed' && message.tick_id < s.lastResetTickId) {
-      pump(s);  // a tick queued before our reset was skipped; the reset tick is already on its way
-    } else if (message.code === 'session_failed') {
-      s.failed = true;
-      setState('failed');
-      showOverlay('The model failed on this session. Press Reset to start a new rollout.', true);
-    } else if (message.fatal) {
-      s.fatalError = `${message.code}: ${message.message}`;
-      setState('failed');
-      showOverlay(s.fatalError, true);
-    } else {
-      pump(s);
-    }
-  }
-
-  function onFrame(s, buffer) {
-    const chunk = s.receiving;
-    if (!chunk || buffer.byteLength < HEADER_BYTES) {
-      log(`unexpected binary message of ${buffer.byteLength} bytes`, 'error');
-      return;
-    }
-    const view = new DataView(buffer);
-    const magic = String.fromCharCode(view.getUint8(0), view.getUint8(1), view.getUint8(2), view.getUint8(3));
-    if (magic !== 'ARF1') {
-      log(`bad frame magic ${JSON.stringify(magic)}`, 'error');
-      return;
-    }
-    const header = {
-      codec: view.getUint8(4),
-      last: (view.getUint8(5) & FLAG_LAST_FRAME) !== 0,
-      frameIndex: view.getUint16(6, true),
-      chunkIndex: view.getUint32(8, true),
-      tickId: view.getUint32(12, true),
-      width: view.getUint16(16, true),
-      height: view.getUint16(18, true),
-    };
-    const payload = buffer.slice(HEADER_BYTES);
-    const entry = { image: null, raw: null, applied: header.frameIndex === 0 ? chunk.applied : [] };
-    if (header.codec === 1) {
-      // Decoding is asynchronous; the entry holds its place in the queue until it resolves.
-      createImageBitmap(new Blob([payload], { type: 'image/jpeg' }))
-        .then((bitmap) => { entry.image = bitmap; })
-        .catch((err) => { entry.broken = true; log(`JPEG decode failed: ${err}`, 'error'); });
-    } else {
-      entry.raw = rgbToImageData(new Uint8Array(payload), header.width, header.height);
-    }
-    s.queue.push(entry);
-    debug.framesReceived += 1;
-    chunk.got += 1;
-    if (header.last || chunk.got >= chunk.expected) s.receiving = null;
-  }
-
-  function rgbToImageData(rgb, width, height) {
-    const image = new ImageData(width, height);
-    for (let i = 0, j = 0; i < rgb.length; i += 3, j += 4) {
-      image.data[j] = rgb[i];
-      image.data[j + 1] = rgb[i + 1];
-      image.data[j + 2] = rgb[i + 2];
-      image.data[j + 3] = 255;
-    }
-    return image;
-  }
-
-  // ---- messages to the server ---------------------------------------------------------
-
-  // Tick pacing: one or two ticks in flight, and a tick goes out only while the
-  // frames buffered, arriving and asked for stay within two chunks, so a model
-  // faster than its fps waits for playback instead of piling up latency.
-  function pump(s) {
-    if (!s.ready || s.ended || (s.failed && !s.resetNext)) return;
-    const framesPerChunk = s.ready.model.frames_per_chunk;
-    const limit = Math.min(TICKS_IN_FLIGHT, s.ready.limits.max_pending_ticks);
-    const arriving = s.receiving ? s.receiving.expected - s.receiving.got : 0;
-    while (s.ticksInFlight.size < limit
-           && s.queue.length + arriving + (s.ticksInFlight.size + 1) * framesPerChunk <= 2 * framesPerChunk) {
-      const tick = { type: 'tick', tick_id: s.nextTickId++ };
-      if (s.resetNext) {
-        tick.reset = true;
-        s.lastResetTickId = tick.tick_id;
-        s.resetNext = false;
-        s.failed = false;
-        setState('streaming');
-        overlay.classList.add('hidden');
-      }
-      s.ticksInFlight.set(tick.tick_id, performance.now());
-      debug.maxTicksInFlight = Math.max(debug.maxTicksInFlight, s.ticksInFlight.size);
-      pushBounded(debug.sentTickIds, tick.tick_id);
-      send(s, tick);
-    }
-    $('hud-flight').textContent = `${s.ticksInFlight.size} / ${s.queue.length} frames`;
-  }
-
-  const held = new Set();       // physical key codes held down
-
-  function heldKeys() {
-    return [...new Set([...held].map((code) => KEY_FOR_CODE[code]))].sort();
-  }
-
-  function sendInput(s, fields) {
-    const message = { type: 'input', event_id: s.nextEventId++, ...fields };
-    s.eventsSentAt.set(message.event_id, performance.now());
-    pushBounded(debug.sentEventIds, message.event_id);
-    send(s, message);
-  }
-
-  function sendHeldKeys(s) {
-    const keys = heldKeys();
-    for (const el of document.querySelectorAll('.keys kbd')) el.classList.toggle('held', keys.includes(el.dataset.key));
-    const signature = keys.join('+');
-    if (!s || !s.ready || s.ended || signature === s.lastSentKeys) return;
-    s.lastSentKeys = signature;
-    sendInput(s, { controls: { keys } });
-  }
-
-  function isTyping(event) {
-    const tag = event.target && event.target.tagName;
-    return tag === 'INPUT' || tag === 'TEXTAREA' || tag === 'SELECT';
-  }
-
-  document.addEventListener('keydown', (event) => {
-    if (!(event.code in KEY_FOR_CODE) || isTyping(event) || event.ctrlKey || event.metaKey || event.altKey) return;
-    event.preventDefault();  // arrows would scroll the page
-    held.add(event.code);
-    sendHeldKeys(session);
-  });
-
-  document.addEventListener('keyup', (event) => {
-    if (!held.delete(event.code)) return;
-    event.preventDefault();
-    sendHeldKeys(session);
-  });
-
-  // Keys released while the window is not focused never send keyup: let go of everything.
-  window.addEventListener('blur', () => {
-    held.clear();
-    sendHeldKeys(session);
-  });
-
-  // ---- playback: the jitter buffer drained at the model's fps ---------------------------
-
-  function draw(s, entry, now) {
-    if (entry.image) {
-      ctx.drawImage(entry.image, 0, 0);
-      entry.image.close();
-    } else {
-      ctx.putImageData(entry.raw, 0, 0);
-    }
+const hud = new Hud($);
+const player = new Player($('screen'), {
+  onDraw(entry, now) {
     debug.framesDrawn += 1;
-    s.framesDrawn += 1;
-    if (s.framesDrawn === 1 && !s.failed) overlay.classList.add('hidden');
-    hud.drawnAt.push(now);
-    for (const id of entry.applied) {
-      const sentAt = s.eventsSentAt.get(id);
-      if (sentAt === undefined) continue;
-      s.eventsSentAt.delete(id);
-      hud.actionLatency.push(now - sentAt);
-      if (hud.actionLatency.length > RECENT) hud.actionLatency.shift();
+    hud.drawn(now);
+    const session = connection.session;
+    if (session) {
+      session.noteDrawn(entry, now);
+      if (session.pacer) session.pacer.noteDrawn();
     }
+    if (recorder) recorder.frame();
+    if (softOverlay && connection.state === 'streaming') showOverlay({});
+  },
+  onStall() {
+    const session = connection.session;
+    if (connection.state !== 'streaming' || !session || !session.pacer) return;
+    debug.stalls += 1;
+    session.pacer.noteStall();
+  },
+});
+
+/** Fit the player to the room the layout leaves it (or the whole screen in fullscreen). */
+function fit() {
+  const box = $('player');
+  if (document.fullscreenElement === box) {
+    player.fit(window.innerWidth, window.innerHeight);
+    return;
   }
+  const stage = box.parentElement;
+  const stacked = window.matchMedia('(max-width: 899px)').matches;
+  const coarse = window.matchMedia('(pointer: coarse)').matches;
+  const top = box.getBoundingClientRect().top + window.scrollY;
+  // Room under the player for the controls, and for the pad when it sits below on a touch screen.
+  let below = $('controls-bar').offsetHeight + 28;
+  if (stacked && coarse) below += $('pad').offsetHeight + 20;
+  const height = window.innerHeight - top - below;
+  player.fit(stage.clientWidth, Math.max(height, stacked ? stage.clientWidth * 0.6 : 240));
+}
 
-  function playback(now) {
-    const s = session;
-    if (s && s.ready) {
-      const interval = 1000 / s.ready.model.fps;
-      // Skip frames whose JPEG failed to decode; wait for one still decoding.
-      while (s.queue.length && s.queue[0].broken) s.queue.shift();
-      const head = s.queue[0];
-      if (head && (head.image || head.raw) && now >= s.nextDrawAt) {
-        s.queue.shift();
-        draw(s, head, now);
-        // Stay on the fps grid, but after a stall start again from now instead of bursting.
-        s.nextDrawAt = Math.max(s.nextDrawAt + interval, now - interval / 2);
-        pump(s);
-      }
-    }
-    requestAnimationFrame(playback);
-  }
-  requestAnimationFrame(playback);
+// ---- the connection ----------------------------------------------------------------------
 
-  // ---- HUD --------------------------------------------------------------------------------
-
-  function refreshHud() {
-    const now = performance.now();
-    while (hud.drawnAt.length && hud.drawnAt[0] < now - 1000) hud.drawnAt.shift();
-    const live = session && session.ready && !session.ended;
-    $('hud-fps').textContent = live ? `${hud.drawnAt.length} of ${session.ready.model.fps}` : '–';
-    const last = (values) => values[values.length - 1];
-    $('hud-chunk').textContent = hud.chunkLatency.length
-      ? `${ms(last(hud.chunkLatency))} (median ${ms(median(hud.chunkLatency))})` : '–';
-    $('hud-action').textContent = hud.actionLatency.length
-      ? `${ms(last(hud.actionLatency))} (median ${ms(median(hud.actionLatency))})` : '–';
-    $('hud-compute').textContent = hud.compute.length ? `${ms(median(hud.compute))} per chunk` : '–';
-    if (session) $('hud-flight').textContent = `${session.ticksInFlight.size} / ${session.queue.length} frames`;
-  }
-  setInterval(refreshHud, 250);
-
-  async function pollStats() {
-    try {
-      const headers = token ? { Authorization: `Bearer ${token}` } : {};
-      const response = await fetch('/v1/stats', { headers, cache: 'no-store' });
-      if (!response.ok) throw new Error(`HTTP ${response.status}`);
-      const stats = await response.json();
-      const kv = stats.kv || {};
-      const pct = kv.blocks_total ? ` (${Math.round((100 * kv.blocks_used) / kv.blocks_total)}%)` : '';
-      $('hud-kv').textContent = `${kv.blocks_used} / ${kv.blocks_total}${pct}`;
-      const sessions = stats.sessions || {};
-      $('hud-sessions').textContent = sessions.connected !== undefined
-        ? `${sessions.connected} connected, capacity ${kv.session_capacity}` : '–';
-    } catch (err) {
-      $('hud-kv').textContent = `unavailable (${err.message})`;
-    }
-  }
-  setInterval(() => { if (!document.hidden) pollStats(); }, STATS_POLL_MS);
-  pollStats();
-
-  // ---- buttons ----------------------------------------------------------------------------
-
-  $('connect').addEventListener('click', connect);
-  $('disconnect').addEventListener('click', disconnect);
-  $('reset').addEventListener('click', () => {
-    if (!session || !session.ready || session.ended) return;
-    session.resetNext = true;
-    log('reset requested: the next chunk starts a new rollout');
-    pump(session);
-  });
-  $('close').addEventListener('click', () => {
-    if (session && session.ready && !session.ended) send(session, { type: 'close' });
-  });
-  $('prompt-form').addEventListener('submit', (event) => {
-    event.preventDefault();
+const fixedChunks = Math.max(0, Math.floor(Number(params.get('buffer')) || 0));
+const connection = new Connection({
+  player,
+  token,
+  fixedChunks,
+  startFields: () => {
+    const fields = { codec: $('codec').value, seed: debug.seed };
     const prompt = $('prompt').value.trim();
-    if (!prompt) return;
-    if (session && session.ready && !session.ended) {
-      sendInput(session, { prompt });
-      log(`prompt sent: ${prompt}`);
-    } else {
-      log('prompt will be used when you connect');
-    }
-    $('prompt').blur();  // back to steering with the keys
-  });
+    if (model && model.reads_prompt && prompt) fields.prompt = prompt;
+    return fields;
+  },
+  hooks: {
+    onState,
+    onReady(_session, ready) {
+      showModel(ready.model);
+    },
+    onChunk(message) {
+      $('hud-chunk-index').textContent = `${message.chunk_index} (tick ${message.tick_id})`;
+      if (message.restarted) log(`chunk ${message.chunk_index}: new rollout (${message.restarted})`);
+    },
+    onSample(kind, value) {
+      hud.sample(kind, value);
+      if (debug.samples[kind]) pushBounded(debug.samples[kind], value);
+    },
+    log,
+    notice,
+  },
+  debug,
+});
 
-  setState('idle');
-  if (pageParams.get('autoconnect') !== '0') connect();
-  else showOverlay('Press Connect to start a session.');
-})();
+// ---- input ----------------------------------------------------------------------------
+
+const controls = new Controls({
+  onChange(keys) {
+    debug.heldKeys = keys;
+    for (const el of document.querySelectorAll('#pad [data-key]')) el.classList.toggle('held', keys.includes(el.dataset.key));
+    if (keys.length) $('hint').hidden = true;
+    connection.input(keys);
+  },
+  onTypingKey(target) {
+    if (target.id === 'prompt') showHint('Typing a prompt: press Esc or click the world to steer');
+  },
+});
+controls.attachKeyboard();
+controls.attachPad($('pad'));
+controls.attachDrag($('player'));
+
+function showHint(text) {
+  $('hint').textContent = text;
+  $('hint').hidden = false;
+}
+
+// Escape leaves a text field and hands the keys back to steering.
+document.addEventListener('keydown', (event) => {
+  if (event.key === 'Escape' && isTyping(event.target)) {
+    event.target.blur();
+    $('player').focus({ preventScroll: true });
+    $('hint').hidden = true;
+  }
+});
+
+// A mouse click leaves the focus on a button, and Space or Enter would press it again: hand it back.
+for (const button of document.querySelectorAll('.controls button, #overlay-action')) {
+  button.addEventListener('click', (event) => { if (event.detail > 0) button.blur(); });
+}
+$('codec').addEventListener('change', () => $('codec').blur());
+
+let gamepads = 0;
+window.addEventListener('gamepadconnected', () => { gamepads += 1; });
+window.addEventListener('gamepaddisconnected', () => { gamepads = Math.max(0, gamepads - 1); });
+
+// ---- controls ----------------------------------------------------------------------------
+
+$('play').addEventListener('click', () => {
+  if (LIVE_STATES.has(connection.state)) connection.stop();
+  else connection.play();
+});
+$('reset').addEventListener('click', () => connection.reset());
+$('overlay-action').addEventListener('click', () => {
+  const action = ACTIONS[$('overlay-action').dataset.action];
+  if (action) action[1]();
+});
+$('token-form').addEventListener('submit', (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(TOKEN_KEY, $('token').value.trim());
+  $('token').blur();
+  connection.play();
+});
+$('prompt-form').addEventListener('submit', (event) => {
+  event.preventDefault();
+  const prompt = $('prompt').value.trim();
+  if (!prompt) return;
+  if (connection.session && connection.session.live) {
+    connection.prompt(prompt);
+    log(`prompt sent: ${prompt}`);
+  } else {
+    log('the prompt is used when the next session starts');
+  }
+  $('prompt').blur();  // back to steering with the keys
+  $('hint').hidden = true;
+});
+
+function download(blob, extension) {
+  const stamp = new Date().toISOString().replace(/[:T]/g, '-').slice(0, 19);
+  const link = document.createElement('a');
+  link.href = URL.createObjectURL(blob);
+  link.download = `arstream-${model ? model.name : 'clip'}-seed${debug.seed}-${stamp}.${extension}`;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(link.href), 60000);
+  log(`clip saved: ${link.download} (${Math.round(blob.size / 1024)} KiB)`);
+}
+
+if (!recordingSupported()) $('record').hidden = true;
+$('record').addEventListener('click', () => {
+  if (recorder) {
+    recorder.stop();
+    return;
+  }
+  if (!model) return;
+  recorder = new ClipRecorder($('screen'), model.fps, (blob, extension) => {
+    recorder = null;
+    $('record').textContent = 'Record';
+    $('rec-dot').hidden = true;
+    onState(connection.state, {});
+    download(blob, extension);
+  });
+  $('record').textContent = 'Stop recording';
+  $('rec-dot').hidden = false;
+});
+
+if (!document.fullscreenEnabled) $('fullscreen').hidden = true;
+$('fullscreen').addEventListener('click', () => {
+  if (document.fullscreenElement) document.exitFullscreen();
+  else $('player').requestFullscreen().catch((error) => log(`fullscreen refused: ${error.message}`, 'error'));
+});
+document.addEventListener('fullscreenchange', () => {
+  $('fullscreen').textContent = document.fullscreenElement ? 'Exit fullscreen' : 'Fullscreen';
+  fit();
+});
+
+$('share').addEventListener('click', async () => {
+  const query = new URLSearchParams({ seed: String(debug.seed) });
+  if (model) query.set('model', model.name);
+  const link = `${location.origin}${location.pathname}?${query}`;
+  $('share-link').value = link;
+  $('share-box').hidden = false;
+  $('share-link').select();
+  try {
+    await navigator.clipboard.writeText(link);
+    notice('Link copied: it opens this model with the same seed.');
+  } catch {
+    notice('Copy the link below: it opens this model with the same seed.');
+  }
+});
+
+// ---- the page's life -------------------------------------------------------------------
+
+document.addEventListener('visibilitychange', () => {
+  if (document.hidden) {
+    controls.releaseAll();
+    connection.pause();
+  } else {
+    connection.wake();
+  }
+});
+
+new ResizeObserver(() => fit()).observe(document.querySelector('.layout'));
+window.addEventListener('resize', fit);
+
+function frame(now) {
+  if (gamepads) controls.pollGamepad();
+  player.tick(now);
+  connection.pump(now);
+  if (recorder) $('rec-time').textContent = `${Math.floor(recorder.seconds / 60)}:${String(Math.floor(recorder.seconds % 60)).padStart(2, '0')}`;
+  requestAnimationFrame(frame);
+}
+requestAnimationFrame(frame);
+
+setInterval(() => {
+  hud.render(connection.session, connection.session && connection.session.pacer);
+}, HUD_REFRESH_MS);
+
+async function pollStats() {
+  if (document.hidden || !$('details').open) return;
+  try {
+    const t = token();
+    const response = await fetch('/v1/stats', { headers: t ? { Authorization: `Bearer ${t}` } : {}, cache: 'no-store' });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    hud.stats(await response.json());
+  } catch (error) {
+    hud.stats(null, error.message);
+  }
+}
+setInterval(pollStats, STATS_POLL_MS);
+$('details').addEventListener('toggle', pollStats);
+
+loadModelCard();
+if (params.get('autoconnect') === '0') {
+  onState('idle', { text: 'Press Play to start a session.', action: 'play' });
+} else {
+  connection.play();
+}

@@ -1,0 +1,325 @@
+// The connection's life around sessions: start one, pick the same world up
+// again after a drop (resume, when the server offers it) or start afresh,
+// reconnect with bounded backoff while the server is away, wait for a free
+// slot on a full server, and let go while the tab is hidden.
+
+import { closeText, errorText, notReadyText } from './messages.js';
+import { Pacer } from './player.js';
+import { Session } from './session.js';
+
+const BACKOFF_FIRST_MS = 500;
+const BACKOFF_MAX_MS = 8000;
+const BACKOFF_ATTEMPTS = 40;   // about five minutes of trying, then a button
+const SLOT_POLL_MS = 2000;     // how often a page waiting for a free slot asks /readyz
+const REFUSALS_BEFORE_ASKING = 2;  // sockets refused before they open while /readyz says yes
+
+/**
+ * States: idle, connecting, streaming, failed (the model failed; Reset
+ * recovers), reconnecting, waiting (full server), paused (tab hidden),
+ * stopped, needs-token, taken-over, ended (needs a click to play again).
+ */
+export class Connection {
+  /**
+   * @param {object} options
+   * @param {import('./player.js').Player} options.player
+   * @param {() => string | null} options.token      the access token, if any
+   * @param {() => object} options.startFields      fields for a fresh `start` (codec, seed, prompt)
+   * @param {number} options.fixedChunks            0: adaptive buffer; N: keep N chunks ahead
+   * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
+   *                                onSample(kind, ms), log(text, kind), notice(text)
+   * @param {object} options.debug  window.arstreamDebug
+   */
+  constructor({ player, token, startFields, fixedChunks, hooks, debug }) {
+    this.player = player;
+    this.token = token;
+    this.startFields = startFields;
+    this.fixedChunks = fixedChunks;
+    this.hooks = hooks;
+    this.debug = debug;
+    this.session = null;
+    this.state = 'idle';
+    this.ids = { tick: 0, event: 0 };  // ids keep increasing across sessions, as resume requires
+    this.ticket = null;                // the resume token from the last `ready`, if any
+    this.attempts = 0;
+    this.refusals = 0;
+    this.timer = null;
+    this.waitingSince = 0;
+    this.keys = [];
+    this.afterDrop = false;            // the next `ready` follows a drop: say what happened
+  }
+
+  setState(state, view = {}) {
+    this.state = state;
+    this.debug.state = state;
+    this.hooks.onState(state, view);
+  }
+
+  clearTimer() {
+    clearTimeout(this.timer);
+    this.timer = null;
+  }
+
+  sessionsUrl() {
+    const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
+    const query = new URLSearchParams();
+    const token = this.token();
+    if (token) query.set('token', token);
+    if (this.ticket) query.set('resume', this.ticket);
+    const text = query.toString();
+    return `${scheme}://${location.host}/v1/sessions${text ? `?${text}` : ''}`;
+  }
+
+  // ---- what the page asks ----------------------------------------------------------------
+
+  /** Start playing: resume the last world when a ticket is held, else a fresh one. */
+  play() {
+    this.attempts = 0;
+    this.refusals = 0;
+    this.connect();
+  }
+
+  /** The one Stop control: end the session and let its slot go. */
+  stop() {
+    this.clearTimer();
+    this.ticket = null;
+    this.player.playing = false;
+    if (this.session && !this.session.ended) this.session.stop();
+    this.setState('stopped', { text: 'Stopped. Press Play to start again.', action: 'play' });
+  }
+
+  /** Restart the rollout; the reset tick carries the keys held now. */
+  reset() {
+    if (!this.session || !this.session.live) return;
+    this.session.requestReset(this.keys);
+    this.player.playing = true;
+    this.hooks.log('new rollout requested: the next chunk starts the world again');
+    if (this.state === 'failed') this.setState('streaming', {});
+  }
+
+  /** The held keys changed. */
+  input(keys) {
+    this.keys = keys;
+    if (this.session && this.session.live) this.session.sendInput({ controls: { keys } });
+  }
+
+  prompt(text) {
+    if (this.session && this.session.live) this.session.sendInput({ prompt: text });
+  }
+
+  /** The tab was hidden: give the slot back (keeping the resume ticket when there is one). */
+  pause() {
+    if (['idle', 'stopped', 'needs-token', 'taken-over', 'ended', 'paused'].includes(this.state)) return;
+    this.clearTimer();
+    this.player.playing = false;
+    const session = this.session;
+    this.setState('paused', { text: 'Paused while this tab was hidden.' });
+    if (session && !session.ended) {
+      if (session.live && this.ticket) session.drop('tab hidden');
+      else session.stop();
+    }
+  }
+
+  /** The tab is visible again. */
+  wake() {
+    if (this.state !== 'paused') return;
+    this.hooks.log(this.ticket ? 'tab visible again: picking the world up' : 'tab visible again: starting a new session');
+    this.play();
+  }
+
+  pump(now) {
+    if (this.session) this.session.pump(now);
+  }
+
+  // ---- sessions ----------------------------------------------------------------------
+
+  connect() {
+    this.clearTimer();
+    if (this.session && !this.session.ended) return;
+    const resuming = this.ticket !== null;
+    const start = { type: 'start', ...this.startFields() };
+    if (resuming) {
+      start.resume = this.ticket;
+      delete start.seed;    // the server keeps the session's own; sending them is harmless but misleading
+      delete start.prompt;
+    }
+    this.debug.connects += 1;
+    this.session = new Session({
+      url: this.sessionsUrl(),
+      start,
+      ids: this.ids,
+      player: this.player,
+      debug: this.debug,
+      hooks: {
+        onReady: (s, ready) => this.onReady(s, ready),
+        onChunk: (_s, message) => this.hooks.onChunk(message),
+        onError: (s, message) => this.onError(s, message),
+        onClose: (s, event) => this.onClose(s, event),
+        onSample: this.hooks.onSample,
+        log: this.hooks.log,
+      },
+    });
+    this.setState('connecting', { text: resuming ? 'Picking your world up again…' : 'Connecting…' });
+  }
+
+  onReady(session, ready) {
+    if (session !== this.session) return;
+    this.attempts = 0;
+    this.refusals = 0;
+    this.ticket = ready.resume && ready.resume.token ? ready.resume.token : null;
+    this.debug.sessionId = ready.session_id;
+    this.debug.resumed += ready.resumed ? 1 : 0;
+    this.player.configure(ready.model);
+    if (!ready.resumed) this.player.clear();  // a new world: frames of the old one must not play
+    this.player.playing = true;
+    session.pacer = new Pacer({
+      fps: ready.model.fps,
+      framesPerChunk: ready.model.frames_per_chunk,
+      fixedChunks: this.fixedChunks,
+    });
+    this.debug.pacer = session.pacer;
+    this.hooks.log(`ready: session ${ready.session_id}${ready.resumed ? ' (resumed)' : ''}, `
+      + `model ${ready.model.name}, codec ${ready.codec}`);
+    if (this.afterDrop) {
+      this.hooks.notice(ready.resumed
+        ? 'Reconnected: your world carried on where it was.'
+        : 'Reconnected with a new world (the server could not keep the old one).');
+      this.afterDrop = false;
+    }
+    this.hooks.onReady(session, ready);
+    // The server starts with the controls of the session it resumed, or none: tell it what is held now.
+    if (ready.resumed || this.keys.length) session.sendInput({ controls: { keys: this.keys } });
+    this.setState('streaming', ready.resumed ? {} : { text: 'Generating the first frames…', soft: true });
+  }
+
+  onError(session, message) {
+    if (session !== this.session) return;
+    const detail = message.tick_id !== undefined && message.tick_id !== null ? ` (tick ${message.tick_id})` : '';
+    this.hooks.log(`${message.fatal ? 'fatal ' : ''}error ${message.code}${detail}: ${message.message}`,
+      message.fatal ? 'fatal' : 'error');
+    if (message.code === 'session_failed' && session.failed) {
+      this.player.playing = false;
+      this.setState('failed', { text: errorText('session_failed'), tone: 'bad', action: 'reset' });
+    }
+  }
+
+  onClose(session, event) {
+    if (session !== this.session) return;
+    const code = event.code;
+    const fatal = session.fatal ? session.fatal.code : null;
+    this.debug.lastClose = { code, reason: event.reason, error: fatal };
+    const why = event.reason ? `, ${event.reason}` : '';
+    const clean = code === 1000 && (session.stopping || ['client', 'tick_close'].includes(session.closedReason));
+    this.hooks.log(`connection closed (code ${code}${why})`, clean ? 'info' : 'error');
+    if (this.state === 'paused' || this.state === 'stopped') return;  // we let it go on purpose
+    this.player.playing = false;
+    if (fatal) this.ticket = null;  // a fatal error ends the session for good: nothing to resume
+
+    if (clean) {
+      this.setState('stopped', { text: 'The session ended. Press Play to start again.', action: 'play' });
+    } else if (fatal === 'unauthorized') {
+      this.setState('needs-token', { text: errorText('unauthorized'), tone: 'warn', action: 'token' });
+    } else if (fatal === 'over_capacity' || code === 1013) {
+      this.waitForSlot();
+    } else if (fatal === 'resume_failed' || code === 4002) {
+      this.ticket = null;
+      this.hooks.notice(errorText('resume_failed'));
+      this.afterDrop = false;
+      this.connect();
+    } else if (fatal === 'taken_over' || code === 4003) {
+      this.ticket = null;
+      this.setState('taken-over', { text: errorText('taken_over'), action: 'play-here' });
+    } else if (fatal && fatal !== 'internal') {
+      // idle_timeout, start_required, message_too_large, anything new: say it, and let the person start again.
+      this.setState('ended', { text: errorText(fatal, session.fatal.message), tone: 'warn', action: 'play' });
+    } else if (!session.opened && code === 1006) {
+      this.refusedBeforeOpen();
+    } else {
+      this.afterDrop = true;
+      this.retry(fatal ? errorText(fatal) : closeText(code));
+    }
+  }
+
+  /**
+   * The socket closed before it opened. Either the server is away (retry), or
+   * it refused the upgrade itself (a bad token, an origin or a per-address
+   * limit answer before the WebSocket exists, so the page sees no code).
+   */
+  async refusedBeforeOpen() {
+    const ready = await this.readyz();
+    if (ready.ok) this.refusals += 1;
+    if (this.refusals >= REFUSALS_BEFORE_ASKING) {
+      this.setState('needs-token', {
+        text: 'The server refused the connection. It may need an access token, or this address '
+          + 'may have too many sessions open.',
+        tone: 'warn',
+        action: 'token',
+      });
+      return;
+    }
+    this.afterDrop = this.debug.connects > 1;
+    this.retry(closeText(1006));
+  }
+
+  /** Try again after a bounded, jittered backoff; /readyz says when the server is back. */
+  retry(why) {
+    this.clearTimer();
+    this.attempts += 1;
+    if (this.attempts > BACKOFF_ATTEMPTS) {
+      this.setState('ended', { text: `${why} The server has not come back; try again later.`, tone: 'warn', action: 'play' });
+      return;
+    }
+    const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** (this.attempts - 1)) * (0.8 + 0.4 * Math.random());
+    const seconds = Math.max(1, Math.round(delay / 1000));
+    this.setState('reconnecting', {
+      text: `${why} Reconnecting in ${seconds} s${this.ticket ? ', keeping your world' : ''}… (attempt ${this.attempts})`,
+      tone: 'warn',
+      action: 'play-now',
+    });
+    this.timer = setTimeout(() => this.probeThenConnect(why), delay);
+  }
+
+  async probeThenConnect(why) {
+    const ready = await this.readyz();
+    if (this.state !== 'reconnecting') return;
+    if (ready.ok || (ready.status === 503 && this.ticket)) {
+      this.connect();  // a resumed session already holds its slot
+    } else if (ready.status === 503 && /slot|capacity|full/i.test(ready.reason || '')) {
+      this.waitForSlot();
+    } else {
+      this.retry(ready.status ? notReadyText(ready.reason) : why);
+    }
+  }
+
+  /** A full server: ask /readyz every two seconds and join as soon as a slot is free. */
+  waitForSlot() {
+    this.clearTimer();
+    this.ticket = null;
+    if (this.state !== 'waiting') this.waitingSince = performance.now();
+    const waited = Math.round((performance.now() - this.waitingSince) / 1000);
+    this.setState('waiting', {
+      text: `${errorText('over_capacity')} Waiting for a free slot; you join by yourself as soon as one opens.`
+        + (waited ? ` (waiting ${waited} s)` : ''),
+      tone: 'warn',
+    });
+    this.timer = setTimeout(async () => {
+      const ready = await this.readyz();
+      if (this.state !== 'waiting') return;
+      if (ready.ok) this.connect();
+      else this.waitForSlot();
+    }, SLOT_POLL_MS);
+  }
+
+  /** GET /readyz: {ok, status, reason}; status 0 when the server did not answer. */
+  async readyz() {
+    try {
+      const response = await fetch('/readyz', { cache: 'no-store' });
+      let reason = '';
+      if (!response.ok) {
+        try { reason = (await response.json()).reason || ''; } catch { reason = ''; }
+      }
+      return { ok: response.ok, status: response.status, reason };
+    } catch {
+      return { ok: false, status: 0, reason: '' };
+    }
+  }
+}

@@ -1,0 +1,76 @@
+// The numbers: a badge on the player (fps, key-to-frame) and the details
+// panel (latencies, buffer, KV blocks and sessions from /v1/stats).
+
+const RECENT = 30;  // samples kept for the medians
+
+export function median(values) {
+  if (!values.length) return NaN;
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+function ms(value) {
+  return Number.isFinite(value) ? `${value.toFixed(0)} ms` : '–';
+}
+
+export class Hud {
+  /** @param {(id: string) => HTMLElement} $ */
+  constructor($) {
+    this.$ = $;
+    this.samples = { chunk: [], action: [], compute: [] };
+    this.drawnAt = [];
+  }
+
+  sample(kind, value) {
+    const list = this.samples[kind];
+    list.push(value);
+    if (list.length > RECENT) list.shift();
+  }
+
+  drawn(now) {
+    this.drawnAt.push(now);
+  }
+
+  set(id, text) {
+    const el = this.$(id);
+    if (el.textContent !== text) el.textContent = text;
+  }
+
+  /** Refresh from the live session (or null); cheap, runs a few times a second. */
+  render(session, pacer) {
+    const now = performance.now();
+    while (this.drawnAt.length && this.drawnAt[0] < now - 1000) this.drawnAt.shift();
+    const live = session && session.live;
+    const fps = live ? this.drawnAt.length : NaN;
+    const last = (values) => values[values.length - 1];
+    const withMedian = (values) => (values.length ? `${ms(last(values))} (median ${ms(median(values))})` : '–');
+    this.set('hud-fps', live ? `${fps} of ${session.ready.model.fps}` : '–');
+    this.set('hud-chunk', withMedian(this.samples.chunk));
+    this.set('hud-action', withMedian(this.samples.action));
+    this.set('hud-compute', this.samples.compute.length ? `${ms(median(this.samples.compute))} per chunk` : '–');
+    if (session && pacer) {
+      const queued = session.player.queue.length;
+      this.set('hud-flight', `${session.ticksInFlight.size} ticks / ${queued} frames, target ${ms(pacer.targetLeadMs())}`);
+    }
+    const keyToFrame = median(this.samples.action);
+    const badge = live ? [`${fps} fps`] : [];
+    if (live && Number.isFinite(keyToFrame)) badge.push(`key→frame ${ms(keyToFrame)}`);
+    this.set('badge', badge.join(' · '));
+    this.$('badge').hidden = !live;
+  }
+
+  /** Fill the KV and session rows from a /v1/stats document (or an error). */
+  stats(stats, error) {
+    if (error) {
+      this.set('hud-kv', `unavailable (${error})`);
+      return;
+    }
+    const kv = stats.kv || {};
+    const pct = kv.blocks_total ? ` (${Math.round((100 * kv.blocks_used) / kv.blocks_total)}%)` : '';
+    this.set('hud-kv', `${kv.blocks_used} / ${kv.blocks_total}${pct}`);
+    const sessions = stats.sessions || {};
+    this.set('hud-sessions', sessions.connected !== undefined
+      ? `${sessions.connected} connected, capacity ${kv.session_capacity}` : '–');
+  }
+}

@@ -1,0 +1,152 @@
+// Steering input: the keyboard, the on-screen pad (pointer events: hold to move,
+// several fingers at once), dragging on the player like a joystick, and a
+// gamepad. Every source adds to one set of held keys; `onChange` hears the
+// sorted list whenever it changes.
+
+export const KEYS = ['w', 'a', 's', 'd'];
+const KEY_FOR_CODE = {
+  KeyW: 'w', KeyA: 'a', KeyS: 's', KeyD: 'd',
+  ArrowUp: 'w', ArrowLeft: 'a', ArrowDown: 's', ArrowRight: 'd',
+};
+const DRAG_DEAD_ZONE_PX = 12;   // a drag shorter than this is a tap, not a steer
+const STICK_DEAD_ZONE = 0.5;
+const PAD_BUTTONS = { 12: 'w', 13: 's', 14: 'a', 15: 'd' };  // standard gamepad d-pad
+
+/** True when a key press belongs to a text field (the prompt, the token): steering must not take it. */
+export function isTyping(target) {
+  if (!target || !target.tagName) return false;
+  if (target.isContentEditable || target.tagName === 'TEXTAREA') return true;
+  return target.tagName === 'INPUT' && !['button', 'checkbox', 'radio', 'range', 'submit'].includes(target.type);
+}
+
+/** Keys a drag of (dx, dy) pixels holds: the drag's direction, like a joystick. */
+export function dragKeys(dx, dy) {
+  const keys = [];
+  if (Math.hypot(dx, dy) < DRAG_DEAD_ZONE_PX) return keys;
+  const angle = Math.atan2(dy, dx);
+  // Eight sectors: straight moves in a 45-degree cone, diagonals between them.
+  const sector = Math.round(angle / (Math.PI / 4));
+  const byAxis = { 0: ['d'], 1: ['d', 's'], 2: ['s'], 3: ['a', 's'], 4: ['a'], '-4': ['a'], '-3': ['a', 'w'], '-2': ['w'], '-1': ['d', 'w'] };
+  return byAxis[sector] || keys;
+}
+
+export class Controls {
+  constructor({ onChange, onTypingKey }) {
+    this.onChange = onChange;
+    this.onTypingKey = onTypingKey || (() => {});
+    this.keyboard = new Set();   // physical key codes held
+    this.pointers = new Map();   // pointerId -> keys held by that pointer (pad or drag)
+    this.gamepad = [];
+    this.last = '';
+  }
+
+  /** The held keys, sorted, without repeats. */
+  keys() {
+    const keys = new Set([...this.keyboard].map((code) => KEY_FOR_CODE[code]));
+    for (const held of this.pointers.values()) for (const key of held) keys.add(key);
+    for (const key of this.gamepad) keys.add(key);
+    return [...keys].sort();
+  }
+
+  changed() {
+    const keys = this.keys();
+    const signature = keys.join('+');
+    if (signature === this.last) return;
+    this.last = signature;
+    this.onChange(keys);
+  }
+
+  /** Let go of everything (the window lost focus, the page paused). */
+  releaseAll() {
+    this.keyboard.clear();
+    this.pointers.clear();
+    this.gamepad = [];
+    this.changed();
+  }
+
+  attachKeyboard(target = document) {
+    target.addEventListener('keydown', (event) => {
+      if (!(event.code in KEY_FOR_CODE) || event.ctrlKey || event.metaKey || event.altKey) return;
+      if (isTyping(event.target)) {
+        this.onTypingKey(event.target);
+        return;
+      }
+      event.preventDefault();  // arrows would scroll the page, or change a focused menu
+      this.keyboard.add(event.code);
+      this.changed();
+    });
+    target.addEventListener('keyup', (event) => {
+      if (!this.keyboard.delete(event.code)) return;
+      event.preventDefault();
+      this.changed();
+    });
+    // Keys released while the window has no focus never send keyup.
+    window.addEventListener('blur', () => this.releaseAll());
+  }
+
+  /** The on-screen pad: buttons with `data-key`; a finger may slide from one to the next. */
+  attachPad(pad) {
+    const keyAt = (event) => {
+      const el = document.elementFromPoint(event.clientX, event.clientY);
+      const button = el && el.closest('[data-key]');
+      return button && pad.contains(button) ? button.dataset.key : null;
+    };
+    const update = (event) => {
+      const key = keyAt(event);
+      this.pointers.set(event.pointerId, key ? [key] : []);
+      this.changed();
+    };
+    pad.addEventListener('pointerdown', (event) => {
+      event.preventDefault();  // no focus change, no text selection, no emulated mouse events
+      pad.setPointerCapture(event.pointerId);  // keep the moves even when the finger leaves the pad
+      update(event);
+    });
+    pad.addEventListener('pointermove', (event) => { if (this.pointers.has(event.pointerId)) update(event); });
+    const end = (event) => { if (this.pointers.delete(event.pointerId)) this.changed(); };
+    for (const type of ['pointerup', 'pointercancel', 'lostpointercapture']) pad.addEventListener(type, end);
+    pad.addEventListener('contextmenu', (event) => event.preventDefault());  // a long press is a hold
+  }
+
+  /** Dragging on the player steers: the drag's direction from where it began is held until release. */
+  attachDrag(surface) {
+    const origins = new Map();
+    surface.addEventListener('pointerdown', (event) => {
+      if (event.button !== 0 || event.target.closest('button, input, select, a, form')) return;
+      surface.setPointerCapture(event.pointerId);
+      origins.set(event.pointerId, [event.clientX, event.clientY]);
+      this.pointers.set(event.pointerId, []);
+    });
+    surface.addEventListener('pointermove', (event) => {
+      const origin = origins.get(event.pointerId);
+      if (!origin) return;
+      this.pointers.set(event.pointerId, dragKeys(event.clientX - origin[0], event.clientY - origin[1]));
+      this.changed();
+    });
+    const end = (event) => {
+      origins.delete(event.pointerId);
+      if (this.pointers.delete(event.pointerId)) this.changed();
+    };
+    for (const type of ['pointerup', 'pointercancel', 'lostpointercapture']) surface.addEventListener(type, end);
+  }
+
+  /** Read the first gamepad's left stick and d-pad; call once per animation frame. */
+  pollGamepad() {
+    const pads = navigator.getGamepads ? navigator.getGamepads() : [];
+    const pad = [...pads].find((p) => p && p.connected);
+    const keys = [];
+    if (pad) {
+      const [x = 0, y = 0] = pad.axes;
+      if (y < -STICK_DEAD_ZONE) keys.push('w');
+      if (y > STICK_DEAD_ZONE) keys.push('s');
+      if (x < -STICK_DEAD_ZONE) keys.push('a');
+      if (x > STICK_DEAD_ZONE) keys.push('d');
+      for (const [index, key] of Object.entries(PAD_BUTTONS)) {
+        if (pad.buttons[index] && pad.buttons[index].pressed && !keys.includes(key)) keys.push(key);
+      }
+    }
+    if (keys.join() !== this.gamepad.join()) {
+      this.gamepad = keys;
+      this.changed();
+    }
+  }
+}

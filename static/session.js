@@ -1,0 +1,227 @@
+// One session over one WebSocket (docs/PROTOCOL.md): `start` -> `ready`, then
+// ticks paced by the player's lead, held keys as `input` events, and each
+// `chunk` message with its binary frames decoded into the player's buffer.
+// What happens after the socket closes is connection.js's business.
+
+import { createDecoder } from './decode.js';
+import { FrameError, parseFrame } from './wire.js';
+
+const MAX_TICKS_IN_FLIGHT = 2;  // one running, one queued: the server never waits for the network
+const DEBUG_KEEP = 1000;        // entries kept in each window.arstreamDebug list
+
+export function pushBounded(list, value, keep = DEBUG_KEEP) {
+  list.push(value);
+  if (list.length > keep) list.shift();
+}
+
+export class Session {
+  /**
+   * @param {object} options
+   * @param {string} options.url        the WebSocket URL (token and resume ticket in the query)
+   * @param {object} options.start      the `start` message
+   * @param {object} options.ids        {tick, event}: the next ids, shared across resumed sessions
+   * @param {import('./player.js').Player} options.player
+   * @param {object} options.hooks      onReady, onChunk, onError, onClose, onSample, log
+   * @param {object} options.debug      window.arstreamDebug
+   */
+  constructor({ url, start, ids, player, hooks, debug }) {
+    this.start = start;
+    this.ids = ids;
+    this.player = player;
+    this.hooks = hooks;
+    this.debug = debug;
+    this.pacer = null;
+    this.ready = null;
+    this.opened = false;
+    this.ended = false;
+    this.stopping = false;          // we sent `close` (or closed a socket that never opened)
+    this.closedReason = null;       // the `closed` message's reason, if one came
+    this.fatal = null;              // the last fatal `error` message
+    this.failed = false;            // after session_failed only a reset tick is accepted
+    this.resetKeys = null;          // held keys for the reset tick, when one is wanted
+    this.lastResetTickId = -1;
+    this.ticksInFlight = new Map(); // tick_id -> performance.now() when sent
+    this.eventsSentAt = new Map();  // event_id -> when sent, until a drawn frame shows it
+    this.receiving = null;          // {expected, got, applied, tickId} while a chunk's frames arrive
+    this.decoder = null;
+    this.decoderCodec = -1;
+
+    this.ws = new WebSocket(url);
+    this.ws.binaryType = 'arraybuffer';
+    this.ws.onopen = () => {
+      this.opened = true;
+      this.send(this.start);
+    };
+    this.ws.onmessage = (event) => {
+      if (typeof event.data === 'string') this.onText(JSON.parse(event.data));
+      else this.onBinary(event.data);
+    };
+    this.ws.onclose = (event) => this.onClose(event);
+  }
+
+  get live() {
+    return this.ready !== null && !this.ended;
+  }
+
+  send(message) {
+    if (this.ws.readyState === WebSocket.OPEN) this.ws.send(JSON.stringify(message));
+  }
+
+  /** End the session politely: the server releases it and closes with 1000. */
+  stop() {
+    this.stopping = true;
+    if (this.live) this.send({ type: 'close' });
+    else this.ws.close(1000, 'client stop');
+  }
+
+  /** Close the socket without `close`: a server with resume keeps the session for its grace period. */
+  drop(reason) {
+    this.ws.close(1000, reason);
+  }
+
+  sendInput(fields) {
+    if (!this.live) return;
+    const message = { type: 'input', event_id: this.ids.event++, ...fields };
+    this.eventsSentAt.set(message.event_id, performance.now());
+    pushBounded(this.debug.sentEventIds, message.event_id);
+    this.send(message);
+  }
+
+  /** The next tick starts a new rollout, with these keys held. */
+  requestReset(keys) {
+    this.resetKeys = keys;
+    this.pump(performance.now());
+  }
+
+  // ---- from the server ---------------------------------------------------------------
+
+  onText(message) {
+    switch (message.type) {
+      case 'ready': return this.onReady(message);
+      case 'chunk': return this.onChunk(message);
+      case 'error': return this.onError(message);
+      case 'closed':
+        this.closedReason = message.reason;
+        this.hooks.log(`session closed by the server (reason: ${message.reason})`);
+        return undefined;
+      case 'ack':
+      case 'pong':
+        return undefined;
+      default:
+        this.hooks.log(`unknown message type ${message.type}`, 'error');
+        return undefined;
+    }
+  }
+
+  onReady(message) {
+    this.ready = message;
+    this.hooks.onReady(this, message);
+    this.pump(performance.now());
+  }
+
+  onChunk(message) {
+    const now = performance.now();
+    const sentAt = this.ticksInFlight.get(message.tick_id);
+    if (sentAt !== undefined) this.hooks.onSample('chunk', now - sentAt);
+    if (message.timings && Number.isFinite(message.timings.compute_ms)) {
+      this.hooks.onSample('compute', message.timings.compute_ms);
+    }
+    const applied = message.applied_event_ids || [];
+    for (const id of applied) pushBounded(this.debug.appliedEventIds, id);
+    this.debug.chunksReceived += 1;
+    this.receiving = { expected: message.frames, got: 0, applied, tickId: message.tick_id, sentAt };
+    this.hooks.onChunk(this, message);
+    if (message.frames === 0) this.chunkDone(now);
+  }
+
+  chunkDone(now) {
+    const { tickId, sentAt } = this.receiving;
+    this.receiving = null;
+    // A tick counts as in flight until its last frame is here: that is what the pacer must cover.
+    this.ticksInFlight.delete(tickId);
+    if (sentAt !== undefined && this.pacer) this.pacer.noteLatency(now - sentAt);
+    this.pump(now);
+  }
+
+  onError(message) {
+    pushBounded(this.debug.errors, message);
+    // A refused tick never runs: free its credit.
+    if (message.tick_id !== undefined && message.tick_id !== null) this.ticksInFlight.delete(message.tick_id);
+    if (message.fatal) this.fatal = message;
+    if (message.code === 'session_failed' && message.tick_id < this.lastResetTickId) {
+      // A tick queued before our reset was skipped; the reset tick is already on its way.
+    } else if (message.code === 'session_failed') {
+      this.failed = true;
+    }
+    this.hooks.onError(this, message);
+    this.pump(performance.now());
+  }
+
+  onBinary(buffer) {
+    const chunk = this.receiving;
+    let frame;
+    try {
+      if (!chunk) throw new FrameError(`a ${buffer.byteLength}-byte binary message outside any chunk`);
+      frame = parseFrame(buffer);
+      if (frame.header.codec !== this.decoderCodec) {
+        if (this.decoder) this.decoder.close();
+        this.decoder = createDecoder(frame.header.codec);
+        this.decoderCodec = frame.header.codec;
+      }
+    } catch (error) {
+      this.hooks.log(String(error.message || error), 'error');
+      return;
+    }
+    const applied = frame.header.frameIndex === 0 ? chunk.applied : [];
+    this.player.push(this.decoder.decode(frame.header, frame.payload), applied);
+    this.debug.framesReceived += 1;
+    chunk.got += 1;
+    if (frame.header.last || chunk.got >= chunk.expected) this.chunkDone(performance.now());
+  }
+
+  onClose(event) {
+    this.ended = true;
+    if (this.decoder) this.decoder.close();
+    this.hooks.onClose(this, event);
+  }
+
+  // ---- to the server -----------------------------------------------------------------
+
+  /**
+   * Send ticks while the playback in hand (frames queued, arriving and asked
+   * for) is within the pacer's target, at most two at a time.
+   */
+  pump(now) {
+    if (!this.live || !this.pacer || (this.failed && !this.resetKeys)) return;
+    const framesPerChunk = this.ready.model.frames_per_chunk;
+    const limit = Math.min(MAX_TICKS_IN_FLIGHT, this.ready.limits.max_pending_ticks);
+    for (;;) {
+      const arriving = this.receiving ? this.receiving.expected - this.receiving.got : 0;
+      const queuedTicks = this.ticksInFlight.size - (this.receiving ? 1 : 0);
+      const pending = arriving + queuedTicks * framesPerChunk;
+      if (this.ticksInFlight.size >= limit || this.player.leadMs(now, pending) > this.pacer.targetLeadMs()) break;
+      const tick = { type: 'tick', tick_id: this.ids.tick++ };
+      if (this.resetKeys) {
+        tick.reset = true;
+        tick.controls = { keys: this.resetKeys };  // replaces whatever controls the failed rollout had
+        this.lastResetTickId = tick.tick_id;
+        this.resetKeys = null;
+        this.failed = false;
+      }
+      this.ticksInFlight.set(tick.tick_id, now);
+      this.debug.maxTicksInFlight = Math.max(this.debug.maxTicksInFlight, this.ticksInFlight.size);
+      pushBounded(this.debug.sentTickIds, tick.tick_id);
+      this.send(tick);
+    }
+  }
+
+  /** Key-to-frame: a drawn frame shows the events its chunk applied. */
+  noteDrawn(entry, now) {
+    for (const id of entry.applied) {
+      const sentAt = this.eventsSentAt.get(id);
+      if (sentAt === undefined) continue;
+      this.eventsSentAt.delete(id);
+      this.hooks.onSample('action', now - sentAt);
+    }
+  }
+}
