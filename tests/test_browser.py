@@ -1,213 +1,262 @@
-"""The browser demo (static/) in Debian's Chromium, driven by Playwright, against a real server.
+"""The demo page (static/) in Debian's Chromium, driven by Playwright, against a real server.
 
-The server runs the fake-kv pipeline, whose 8x8 frames are one flat colour:
-G is the frame's absolute position (so the picture changes every frame) and B
-has a bit per held key (w=1, a=2, s=4, d=8), so a test can see a key press
-reach the screen. The page exposes ``window.arstreamDebug`` (sent and applied
-event ids, frames drawn, errors, the last close) for these checks.
+Desktop checks: streaming and steering, the details panel, codec/prompt/focus
+handling, reset and Stop, model failure in plain words, the token field, the
+page under the server's real CSP, fullscreen, recording and the share link.
+Phones are in test_browser_touch.py, recovery in test_browser_recovery.py.
 """
 
 from __future__ import annotations
 
-import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from arstream.app.bench import ServerProcess
+from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
+    KEY_BITS,
+    PageErrors,
+    browser,
+    browser_marks,
+    corner_blue,
+    debug,
+    new_page,
+    overlay_text,
+    wait,
+    wait_blue,
+    wait_frames_drawn,
+    wait_state,
+)
+from tests.servers import LiveServer, fake_settings, running_server
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-FAKE_OPTIONS = json.dumps({"compute_delay_s": 0.01})
-KEY_D_BIT = 8
-# Waits have no wall-clock limit (0 = none): pytest-timeout is the hang guard.
-WAIT_MS = 0
-
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium is not installed at /usr/bin/chromium"),
-]
+pytestmark = browser_marks
+EBML_MAGIC = bytes.fromhex("1a45dfa3")  # every WebM file starts with it
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(["--model", "fake-kv", "--model-options", FAKE_OPTIONS]) as process:
-        yield process
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+def server() -> Iterator[LiveServer]:
+    options = {"compute_delay_s": 0.01, "reads_prompt": True}
+    with running_server(fake_settings(model_options=options)) as live:
+        yield live
 
 
 @pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1100, "height": 760})
-    page = context.new_page()
-    page_errors: list[str] = []
-    page.on("pageerror", lambda error: page_errors.append(str(error)))
-    yield page
+def errors() -> Iterator[PageErrors]:
+    errors = PageErrors()
+    yield errors
+    errors.check()
+
+
+@pytest.fixture
+def context(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True, accept_downloads=True)
+    yield context
     context.close()
-    assert not page_errors, f"JavaScript errors on the page: {page_errors}"
 
 
-def _center_pixel(page: Any) -> list[int]:
+@pytest.fixture
+def page(context: Any, errors: PageErrors) -> Any:
+    return new_page(context, errors)
+
+
+def _log_count(page: Any, text: str) -> int:
     return page.evaluate(
-        """() => {
-            const c = document.getElementById('screen');
-            return Array.from(c.getContext('2d').getImageData(c.width >> 1, c.height >> 1, 1, 1).data);
-        }"""
+        "(text) => Array.from(document.querySelectorAll('#log li')).filter(li => li.textContent.includes(text)).length",
+        text,
     )
 
 
-def _debug(page: Any) -> dict[str, Any]:
-    return page.evaluate("() => JSON.parse(JSON.stringify(window.arstreamDebug))")
-
-
-def _wait_frames_drawn(page: Any, more_than: int) -> None:
-    page.wait_for_function(f"window.arstreamDebug.framesDrawn > {more_than}", timeout=WAIT_MS)
-
-
-def test_page_streams_frames_and_a_key_press_reaches_the_screen(server: ServerProcess, page: Any) -> None:
+def test_page_streams_frames_and_a_key_press_reaches_the_screen(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/")
-    _wait_frames_drawn(page, 2)
-    first = _center_pixel(page)
-    drawn = _debug(page)["framesDrawn"]
-    _wait_frames_drawn(page, drawn + 2)
-    assert _center_pixel(page) != first, "the canvas did not change between frames"
+    wait_frames_drawn(page, 2)
+    first = page.evaluate("() => Array.from(document.getElementById('screen').getContext('2d').getImageData(4, 4, 1, 1).data)")
+    drawn = debug(page)["framesDrawn"]
+    wait_frames_drawn(page, drawn + 2)
+    assert page.evaluate("() => Array.from(document.getElementById('screen').getContext('2d').getImageData(4, 4, 1, 1).data)") != first
+    assert debug(page)["sentEventIds"] == [], "no key held: the page sends no input"
 
     page.keyboard.down("d")
-    page.wait_for_function("window.arstreamDebug.sentEventIds.length > 0", timeout=WAIT_MS)
-    event_id = _debug(page)["sentEventIds"][-1]
-    page.wait_for_function(f"window.arstreamDebug.appliedEventIds.includes({event_id})", timeout=WAIT_MS)
-    # Frames of chunks that applied the press carry the d bit in blue (JPEG shifts flat colours a little).
-    page.wait_for_function(
-        f"""() => {{
-            const c = document.getElementById('screen');
-            const blue = c.getContext('2d').getImageData(0, 0, 1, 1).data[2];
-            return Math.abs(blue - {KEY_D_BIT}) <= 3;
-        }}""",
-        timeout=WAIT_MS,
-    )
+    wait(page, "window.arstreamDebug.sentEventIds.length === 1")
+    press = debug(page)["sentEventIds"][0]
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+    wait_blue(page, KEY_BITS["d"])
+    assert page.locator("#pad [data-key=d].held").count() == 1, "the pad shows the held key"
     page.keyboard.up("d")
-    page.wait_for_function(f"window.arstreamDebug.appliedEventIds.includes({event_id + 1})", timeout=WAIT_MS)
-    debug = _debug(page)
-    assert 1 <= debug["maxTicksInFlight"] <= 2
-    assert debug["sentEventIds"] == sorted(set(debug["sentEventIds"])), "event ids must strictly increase"
-    assert debug["sentTickIds"] == sorted(set(debug["sentTickIds"])), "tick ids must strictly increase"
-    assert debug["errors"] == []
-    # Key -> frame is measured when the first frame of the applying chunk is drawn, shown on the next HUD refresh.
-    page.wait_for_function(
-        "/^\\d+ ms \\(median \\d+ ms\\)$/.test(document.getElementById('hud-action').textContent)",
-        timeout=WAIT_MS,
-    )
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press + 1})")
+    wait_blue(page, 0)
+    state = debug(page)
+    assert 1 <= state["maxTicksInFlight"] <= 2
+    assert state["sentTickIds"] == sorted(set(state["sentTickIds"])), "tick ids must strictly increase"
+    assert state["errors"] == []
+    # Key -> frame is measured when the first frame of the applying chunk is drawn; the badge shows its median.
+    wait(page, "window.arstreamDebug.samples.action.length >= 1")
+    wait(page, "/key→frame \\d+ ms/.test(document.getElementById('badge').textContent)")
+    assert page.locator("#screen[role=img]").count() == 1
+    assert "fake-kv" in page.get_attribute("#screen", "aria-label")
+    assert page.get_attribute("#overlay", "role") == "status"
 
 
-def test_hud_shows_model_latency_and_kv_blocks(server: ServerProcess, page: Any) -> None:
+def test_details_show_model_latency_and_kv_blocks(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/")
-    _wait_frames_drawn(page, 8)
-    # Stats are polled every second: wait for a poll taken while the session holds KV blocks.
-    page.wait_for_function(
-        "(m => m && Number(m[1]) > 0)(/^(\\d+) \\/ \\d+/.exec(document.getElementById('hud-kv').textContent))",
-        timeout=WAIT_MS,
-    )
-    model = server.get_json("/v1/model")
+    wait_frames_drawn(page, 8)
+    assert not page.is_visible("#hud-kv"), "the developer numbers are folded away"
+    page.click("#details summary")
+    # Stats are polled every second while the details are open: wait for one taken while the session holds KV.
+    wait(page, "(m => m && Number(m[1]) > 0)(/^(\\d+) \\/ \\d+/.exec(document.getElementById('hud-kv').textContent))")
+    model = server.get("/v1/model").json()
     assert page.inner_text("#hud-model") == f"{model['name']} {model['width']}×{model['height']} @ {model['fps']} fps"
     assert re.search(r"\d+ ms", page.inner_text("#hud-chunk"))
     used, total = (int(n) for n in re.findall(r"\d+", page.inner_text("#hud-kv"))[:2])
-    assert total == server.get_json("/v1/stats")["kv"]["blocks_total"]
+    assert total == server.stats()["kv"]["blocks_total"]
     assert 0 < used <= total
     assert page.inner_text("#hud-status") == "streaming"
 
 
-def test_raw_codec_reset_and_close(server: ServerProcess, page: Any) -> None:
+def test_codec_prompt_focus_reset_and_stop(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/?autoconnect=0")
+    assert page.is_visible("#prompt-form"), "this model's card says it reads prompts"
+    page.click("#details summary")
     page.select_option("#codec", "raw")
-    page.click("#connect")
-    _wait_frames_drawn(page, 4)
+    page.click("#overlay-action")  # Play
+    wait_frames_drawn(page, 4)
+    # The codec menu gave the keys back: raw frames are exact, the d bit (ArrowRight is d) and nothing else.
     page.keyboard.down("ArrowRight")
-    # Raw frames are exact: the d bit (ArrowRight is d) in blue, nothing else.
-    page.wait_for_function(
-        f"""() => {{
-            const c = document.getElementById('screen');
-            return c.getContext('2d').getImageData(0, 0, 1, 1).data[2] === {KEY_D_BIT};
-        }}""",
-        timeout=WAIT_MS,
-    )
+    wait(page, f"document.getElementById('screen').getContext('2d').getImageData(0, 0, 1, 1).data[2] === {KEY_BITS['d']}")
     page.keyboard.up("ArrowRight")
-    sent_before = len(_debug(page)["sentEventIds"])
+    wait(page, "document.getElementById('screen').getContext('2d').getImageData(0, 0, 1, 1).data[2] === 0")
+
+    # A click into the prompt takes the keys; Escape gives them back without sending.
+    sent = len(debug(page)["sentEventIds"])
+    page.click("#prompt")
+    page.keyboard.type("wasd")
+    assert debug(page)["heldKeys"] == [] and len(debug(page)["sentEventIds"]) == sent
+    assert "Esc" in page.inner_text("#hint")
+    page.keyboard.press("Escape")
+    page.keyboard.down("a")
+    wait(page, f"document.getElementById('screen').getContext('2d').getImageData(0, 0, 1, 1).data[2] === {KEY_BITS['a']}")
+
     page.fill("#prompt", "a snowy forest")
     page.press("#prompt", "Enter")
-    page.wait_for_function(f"window.arstreamDebug.sentEventIds.length === {sent_before + 1}", timeout=WAIT_MS)
-    prompt_event = _debug(page)["sentEventIds"][-1]
-    page.wait_for_function(f"window.arstreamDebug.appliedEventIds.includes({prompt_event})", timeout=WAIT_MS)
+    wait(page, f"window.arstreamDebug.sentEventIds.length === {sent + 2}")  # the held a, then the prompt
+    prompt_event = debug(page)["sentEventIds"][-1]
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({prompt_event})")
+
+    # Restart world, clicked with the mouse; Space afterwards must not press it again.
     page.click("#reset")
-    page.wait_for_function(
-        "Array.from(document.querySelectorAll('#log li')).some(li => li.textContent.includes('new rollout (reset)'))",
-        timeout=WAIT_MS,
-    )
-    page.click("#close")
-    page.wait_for_function("window.arstreamDebug.state === 'closed'", timeout=WAIT_MS)
-    debug = _debug(page)
-    assert debug["lastClose"]["code"] == 1000
-    assert debug["errors"] == []
-    assert "Session closed" in page.inner_text("#overlay")
-    page.wait_for_function("!document.getElementById('connect').disabled", timeout=WAIT_MS)
+    wait(page, "Array.from(document.querySelectorAll('#log li')).some(li => li.textContent.includes('new rollout (reset)'))")
+    chunks = debug(page)["chunksReceived"]
+    page.keyboard.press("Space")
+    wait(page, f"window.arstreamDebug.chunksReceived > {chunks + 4}")
+    assert _log_count(page, "new rollout (reset)") == 1
+    assert corner_blue(page) == KEY_BITS["a"], "the world restarted with the held key"
+    page.keyboard.up("a")
+
+    assert page.inner_text("#play") == "Stop"
+    page.click("#play")
+    wait_state(page, "stopped")
+    wait(page, "window.arstreamDebug.lastClose !== null")
+    state = debug(page)
+    assert state["lastClose"]["code"] == 1000
+    assert state["errors"] == []
+    assert "Stopped" in overlay_text(page)
+    assert page.inner_text("#play") == "Play"
+    server.wait_for_stats(lambda stats: stats["sessions"]["connected"] == 0)
 
 
-def test_model_failure_is_shown_and_reset_recovers(server: ServerProcess, page: Any) -> None:
+def test_model_failure_in_plain_words_and_restart_recovers_with_the_held_keys(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/")
-    _wait_frames_drawn(page, 2)
-    # The fake pipeline raises inside the forward when its controls say so.
+    wait_frames_drawn(page, 2)
+    # The fake pipeline raises inside the forward while its controls say so.
     page.evaluate("window.arstreamDebug.sendInput({controls: {keys: [], fail: true}})")
-    page.wait_for_function("window.arstreamDebug.state === 'failed'", timeout=WAIT_MS)
-    assert "Press Reset" in page.inner_text("#overlay")
-    assert "session_failed" in page.inner_text("#log")
-    assert {error["code"] for error in _debug(page)["errors"]} == {"session_failed"}
+    wait_state(page, "failed")
+    text = overlay_text(page)
+    assert "The model failed" in text
+    assert "session_failed" not in text and "Error" not in text, "protocol words stay in the details log"
+    assert "session_failed" in (page.text_content("#log") or "")
+    assert page.inner_text("#overlay-action") == "Restart world"
 
-    page.evaluate("window.arstreamDebug.sendInput({controls: {keys: [], fail: false}})")
-    chunks = _debug(page)["chunksReceived"]
-    page.click("#reset")
-    page.wait_for_function(
-        f"window.arstreamDebug.state === 'streaming' && window.arstreamDebug.chunksReceived > {chunks + 2}",
-        timeout=WAIT_MS,
-    )
-    assert page.locator("#overlay.hidden").count() == 1
-    assert "new rollout (reset)" in page.inner_text("#log")
+    # The reset tick carries the held keys, which replace the controls that made the model fail.
+    page.keyboard.down("s")
+    page.click("#overlay-action")
+    wait_state(page, "streaming")
+    wait_blue(page, KEY_BITS["s"])
+    chunks = debug(page)["chunksReceived"]
+    wait(page, f"window.arstreamDebug.chunksReceived > {chunks + 3}")
+    page.keyboard.up("s")
+    assert {error["code"] for error in debug(page)["errors"]} == {"session_failed"}
+    assert len(debug(page)["errors"]) == 1
+    assert page.is_hidden("#overlay")
 
 
-def test_missing_token_is_shown_as_a_fatal_close_and_the_token_param_works(browser: Any) -> None:
-    with ServerProcess(["--model", "fake-kv", "--auth-token", "let-me-in"]) as secured:
-        context = browser.new_context()
+def test_token_field_on_unauthorized_and_token_kept_out_of_the_url(browser: Any, errors: PageErrors) -> None:
+    with running_server(fake_settings(auth_token="let-me-in")) as secured:
+        context = browser.new_context(bypass_csp=True)
         try:
-            page = context.new_page()
+            page = new_page(context, errors)
             page.goto(secured.base_url + "/")
-            page.wait_for_function("window.arstreamDebug.state === 'closed'", timeout=WAIT_MS)
-            debug = _debug(page)
-            assert debug["lastClose"]["code"] == 1008
-            assert "unauthorized" in page.inner_text("#overlay")
-            assert "1008" in page.inner_text("#overlay")
-            assert page.locator("#log li.fatal").count() >= 1
+            wait_state(page, "needs-token")
+            assert "access token" in overlay_text(page)
+            assert page.is_visible("#token")
+            page.fill("#token", "let-me-in")
+            page.press("#token", "Enter")
+            wait_frames_drawn(page, 2)
+            assert page.evaluate("sessionStorage.getItem('arstream-token')") == "let-me-in"
 
-            page.goto(secured.base_url + "/?token=let-me-in")
-            _wait_frames_drawn(page, 2)
-            assert _debug(page)["errors"] == []
+            second = new_page(context, errors)
+            second.goto(secured.base_url + "/?token=let-me-in&seed=5")
+            wait_frames_drawn(second, 2)
+            assert "token" not in second.url and "seed=5" in second.url, "the token leaves the address bar"
+            assert debug(second)["errors"] == []
         finally:
             context.close()
+
+
+def test_the_page_runs_under_the_servers_content_security_policy(server: LiveServer, browser: Any, errors: PageErrors) -> None:
+    context = browser.new_context()  # no CSP bypass: only evaluate (not eval) is used here
+    try:
+        page = new_page(context, errors)
+        violations: list[str] = []
+        page.on("console", lambda message: violations.append(message.text) if "Content Security Policy" in message.text else None)
+        response = page.goto(server.base_url + "/")
+        assert response is not None and "script-src 'self'" in response.headers["content-security-policy"]
+        while page.evaluate("window.arstreamDebug.framesDrawn") < 3:
+            time.sleep(0.05)
+        assert violations == []
+    finally:
+        context.close()
+
+
+def test_fullscreen_recording_download_and_share_link(server: LiveServer, context: Any, page: Any, errors: PageErrors) -> None:
+    page.goto(server.base_url + "/?seed=4242")
+    wait_frames_drawn(page, 4)
+    small = page.evaluate("document.getElementById('screen').getBoundingClientRect().height")
+
+    page.click("#fullscreen")
+    wait(page, "document.fullscreenElement && document.fullscreenElement.id === 'player'")
+    wait(page, f"document.getElementById('screen').getBoundingClientRect().height > {small}")
+    assert page.inner_text("#fullscreen") == "Exit fullscreen" or page.evaluate("document.fullscreenElement !== null")
+    page.evaluate("document.exitFullscreen()")
+    wait(page, "document.fullscreenElement === null")
+
+    page.click("#record")
+    assert page.is_visible("#rec-dot")
+    drawn = debug(page)["framesDrawn"]
+    wait_frames_drawn(page, drawn + 24)
+    with page.expect_download() as download_info:
+        page.click("#record")
+    download = download_info.value
+    assert re.fullmatch(r"arstream-fake-kv-seed4242-[\d-]+\.webm", download.suggested_filename)
+    clip = Path(download.path()).read_bytes()
+    assert clip[:4] == EBML_MAGIC and len(clip) > 1000
+    assert page.is_hidden("#rec-dot")
+
+    page.click("#share")
+    link = page.input_value("#share-link")
+    assert "seed=4242" in link and "model=fake-kv" in link and "token" not in link
+    opened = new_page(context, errors)
+    opened.goto(link)
+    wait_frames_drawn(opened, 2)
+    assert debug(opened)["seed"] == 4242
