@@ -6,7 +6,9 @@ the one committing pass also copies them into freshly allocated blocks and
 advances it. The session's history is gathered from its blocks into the
 staging area once per chunk, so every pass reads contiguous K/V. Frame
 positions are absolute and keep counting after old frames leave the window,
-so a pipeline can apply RoPE with :attr:`frame_start`.
+so a pipeline can apply RoPE with :attr:`frame_start`; a model with a finite
+rotary table stores K unrotated and rotates what it reads with
+:meth:`SessionKVState.frame_positions`, which stay inside the table.
 
 Use from a pipeline, per chunk::
 
@@ -52,6 +54,9 @@ class SessionKVState:
         self.dropped: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.frames_committed = 0
         self.chunks_committed = 0
+        # Absolute position of the first sink frame (not 0 after a reset boundary).
+        self.sink_start = 0
+        self._sink_start_before_drop = 0
         self.released = False
         self.staging_row = 0
         self._hold_commit = False
@@ -76,6 +81,26 @@ class SessionKVState:
     @property
     def chunk_index(self) -> int:
         return self.chunks_committed
+
+    def frame_positions(self, branch: str = "main") -> list[int]:
+        """Rotary positions of the visible frames in attention order: sink, window, current chunk.
+
+        Absolute while the chunk ends inside the rotary table
+        (``spec.max_position_frames``, or always when that is None). Past it,
+        the window and the chunk shift down so the chunk ends at the table's
+        end: distances inside the window (all a window-only model sees) are
+        unchanged, and the sink's distance to the window stops growing. Sink
+        frames keep their positions. A model that wants this stores K without
+        rotation and rotates the gathered K with these positions.
+        """
+        spec = self.spec
+        sink, window = len(self.sink[branch]), len(self.window[branch])
+        start = self.frames_committed
+        end = start + spec.frames_per_chunk
+        shift = 0 if spec.max_position_frames is None else max(0, end - spec.max_position_frames)
+        sink_shift = min(shift, self.sink_start)
+        sinks = [self.sink_start + i - sink_shift for i in range(sink)]
+        return sinks + [p - shift for p in range(start - window, end)]
 
     def history_frames(self, branch: str = "main") -> int:
         """Frames of history visible to the current chunk."""
@@ -132,6 +157,7 @@ class SessionKVState:
             if self.dropped[branch]:
                 self.sink[branch], self.window[branch] = self._split_history(self.dropped[branch])
                 self.dropped[branch] = []
+                self.sink_start = self._sink_start_before_drop
         # The staging row may hold the chunk's K/V or an emptied history: gather afresh next time.
         self._history_version += 1
         self.pool.free(pending)
@@ -214,6 +240,8 @@ class SessionKVState:
     def _publish_chunk(self) -> None:
         """The stored chunk joins the history: block tables, window eviction, frame counter."""
         spec = self.spec
+        if not self.sink[spec.branch_names[0]]:
+            self.sink_start = self.frames_committed
         for branch in spec.branch_names:
             new = self.pending[branch]
             self.pending[branch] = []
@@ -253,6 +281,7 @@ class SessionKVState:
 
     def _drop_history(self) -> None:
         """Start the history over at a reset boundary; the old blocks are freed when the chunk joins."""
+        self._sink_start_before_drop = self.sink_start
         for branch in self.spec.branch_names:
             self.dropped[branch] = self.sink[branch] + self.window[branch]
             self.sink[branch] = []

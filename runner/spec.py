@@ -42,6 +42,13 @@ class KVCacheSpec:
     :attr:`history_window_frames` (``window_frames - frames_per_chunk``)
     blocks, per branch. ``reset_at_boundary`` drops the whole history (sink
     included) when it is full instead of sliding it.
+
+    ``max_position_frames`` is the length (in frames) of the model's rotary
+    table, when it has one: the positions :meth:`SessionKVState.frame_positions`
+    hands out then stay below it however long a session runs (see there).
+    ``model_owned_bytes_per_session`` is state the pipeline keeps per session
+    besides the KV (e.g. a streaming VAE decoder's feature cache, action
+    caches); it is counted in capacity like the KV.
     """
 
     num_layers: int
@@ -57,6 +64,7 @@ class KVCacheSpec:
     model_owned_bytes_per_session: int = 0
     reset_at_boundary: bool = False
     dtype: torch.dtype = torch.float32
+    max_position_frames: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +96,11 @@ class KVCacheSpec:
             _positive(f"cross_attention_lengths[{name!r}]", length)
         if self.model_owned_bytes_per_session < 0:
             raise SpecError("model_owned_bytes_per_session must be >= 0")
+        if self.max_position_frames is not None and self.max_position_frames < self.sink_frames + self.window_frames:
+            raise SpecError(
+                f"max_position_frames ({self.max_position_frames}) must hold the sink and the window "
+                f"({self.sink_frames} + {self.window_frames} frames)"
+            )
         if not self.dtype.is_floating_point:
             raise SpecError(f"dtype must be a floating point dtype, got {self.dtype}")
 

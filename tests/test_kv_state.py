@@ -241,3 +241,46 @@ def test_prepare_forward_refuses_a_missing_row_and_a_running_forward() -> None:
         state.prepare_forward(staging_row=1)
     with pytest.raises(PassStateError, match="no held chunk"):
         state.accept_chunk()
+
+
+def test_frame_positions_are_absolute_inside_the_rotary_table() -> None:
+    state = SessionKVState(make_pool(), "a")
+    for c in range(4):
+        commit_chunk(state, [0.0, 0.0])
+    # sink frame 0, the window's 4 frames, the current chunk
+    assert state.frame_positions() == [0, 4, 5, 6, 7, 8, 9]
+
+
+def test_frame_positions_stay_inside_the_rotary_table_for_endless_sessions() -> None:
+    """Past the table the window shifts down: distances inside it are kept, the sink stays put."""
+    state = SessionKVState(make_pool(max_position_frames=10), "a")
+    seen = []
+    for c in range(40):
+        positions = state.frame_positions()
+        seen.append(positions)
+        commit_chunk(state, [0.0, 0.0])
+    assert all(max(p) < 10 for p in seen)
+    assert seen[-1] == [0, 4, 5, 6, 7, 8, 9]
+    assert all(p[0] == 0 and p[1:] == list(range(p[1], p[1] + len(p) - 1)) for p in seen[1:])
+
+
+def test_frame_positions_without_a_sink_keep_every_distance() -> None:
+    state = SessionKVState(make_pool(sink_frames=0, max_position_frames=8), "a")
+    for c in range(30):
+        positions = state.frame_positions()
+        assert positions == list(range(positions[0], positions[0] + len(positions))) and positions[-1] < 8
+        commit_chunk(state, [0.0, 0.0])
+    assert state.frame_start == 60
+
+
+def test_frame_positions_after_a_reset_boundary_start_at_the_new_sink() -> None:
+    state = SessionKVState(make_pool(reset_at_boundary=True), "a")
+    for c in range(3):
+        commit_chunk(state, [0.0, 0.0])
+    # the third chunk started the history over at frame 4
+    assert state.frame_positions() == [4, 5, 6, 7]
+
+
+def test_a_rotary_table_shorter_than_the_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_position_frames"):
+        make_pool(max_position_frames=6)

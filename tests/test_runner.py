@@ -220,3 +220,41 @@ def test_failure_while_unbinding_releases_the_session() -> None:
     with pytest.raises(RuntimeError, match="unbind failed"):
         runner.execute_tick(tick("a"))
     assert runner.pool.num_free == runner.blocks_free_at_start
+
+
+class VideoFramesFakePipeline(FakeKVPipeline):
+    """Two video frames per latent frame, one fewer on a rollout's first chunk (as a causal video VAE does)."""
+
+    def __init__(self, *, first_chunk_frames: int = 3, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.first_chunk_frames = first_chunk_frames
+
+    def model_card(self) -> dict:
+        card = super().model_card()
+        card.update(frames_per_chunk=2 * self.spec.frames_per_chunk, first_chunk_frames=self.first_chunk_frames)
+        return card
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        first = self.bound_state(tick.session_id).chunk_index == 0
+        frames = np.repeat(super().generate_chunk(tick), 2, axis=0)
+        return frames[1:] if first else frames
+
+
+def test_video_frames_per_chunk_come_from_the_model_card_and_the_first_chunk_may_differ() -> None:
+    runner = ARRunner(VideoFramesFakePipeline(), kv_budget_bytes=BUDGET)
+    assert (runner.video_frames(0), runner.video_frames(1)) == (3, 4)
+    counts = [runner.execute_tick(tick("a", i)).frames.shape[0] for i in range(3)]
+    assert counts == [3, 4, 4]
+    assert runner.stats().frames_per_chunk == 2  # the KV unit: latent frames
+
+
+def test_a_chunk_whose_frame_count_differs_from_the_card_fails_closed() -> None:
+    runner = ARRunner(VideoFramesFakePipeline(first_chunk_frames=4), kv_budget_bytes=BUDGET)
+    with pytest.raises(ChunkShapeError, match="returned 3 frames, the model card says 4"):
+        runner.execute_tick(tick("a"))
+    assert not runner.is_resident("a") and runner.pool.num_free == runner.blocks_free_at_start
+
+
+def test_a_model_card_with_a_bad_frame_count_is_refused() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="first_chunk_frames must be an integer >= 1"):
+        ARRunner(VideoFramesFakePipeline(first_chunk_frames=0), kv_budget_bytes=BUDGET)
