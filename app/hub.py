@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import torch
 
+from arstream.app.admission import RealtimeCapacity, chunk_period_s, realtime_capacity
 from arstream.app.metrics import ServerMetrics
 from arstream.app.resume import ResumeRegistry
 from arstream.app.settings import Settings
@@ -66,6 +67,7 @@ class SessionHub:
             deliver=self._deliver,
             on_ready=self._on_model_ready,
             max_pending_ticks=self.settings.max_pending_ticks,
+            encode_threads=self.settings.encode_threads,
         )
         self.worker.start()
 
@@ -148,7 +150,24 @@ class SessionHub:
         # Detached sessions do not block a new one: the longest-detached gives way (see register).
         if len(self.connections) + self.resume.resuming_count >= self.session_capacity:
             return f"all {self.session_capacity} session slots are in use; try again later"
+        if self.settings.admission == "realtime":
+            capacity = self.realtime_capacity()
+            if capacity is not None:
+                return capacity.refusal(len(self.connections) + self.resume.resuming_count)
         return None
+
+    def realtime_capacity(self) -> RealtimeCapacity | None:
+        """How many sessions can each get the model's fps at the measured round times (None before loading)."""
+        worker = self.worker
+        stats = worker.runner_stats if worker else None
+        if worker is None or stats is None or not self.model_card:
+            return None
+        return realtime_capacity(
+            worker.round_times.estimates(),
+            chunk_period_s=chunk_period_s(self.model_card),
+            batch_limit=stats.max_batch_sessions,
+            kv_capacity=stats.session_capacity,
+        )
 
     def register(self, connection: Connection) -> None:
         self.connections[connection.session_id] = connection
@@ -173,6 +192,7 @@ class SessionHub:
         if worker is None or runner_stats is None:
             return None
         p50, p99 = worker.compute_ms_percentiles()
+        capacity = self.realtime_capacity()
         sessions = [c.session for c in self.connections.values() if c.session is not None]
         return {
             "kv": {
@@ -191,6 +211,7 @@ class SessionHub:
             "sessions": {
                 "connected": len(sessions),
                 "detached": self.resume.detached_count,
+                "realtime_capacity": None if capacity is None else capacity.sessions,
                 "active": sum(1 for s in sessions if s.pending_ticks > 0),
                 "evictions_total": runner_stats.evictions_total,
                 "failures_total": runner_stats.failures_total,

@@ -51,6 +51,14 @@ class Settings(BaseSettings):
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
+    admission: Literal["kv", "realtime"] = Field(
+        "kv",
+        description="kv: admit while the KV pool has a session slot; realtime: also only while every admitted "
+        "session still gets the model's fps at the measured chunk times (docs/benchmarks.md)",
+    )
+    encode_threads: int | None = Field(
+        None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
+    )
     idle_timeout_s: float = Field(60.0, gt=0)
     start_timeout_s: float = Field(10.0, gt=0)
     auth_token: str | None = None

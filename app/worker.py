@@ -12,8 +12,14 @@ round. At each chunk boundary the worker takes the next tick of each of up to
 ``runner.batch_limit`` sessions (the ``max_batch_sessions`` setting, when the
 model batches) and hands them to :meth:`ARRunner.execute` together, which
 runs sessions with equally long histories as one forward; every tick still
-gets its own outcome, and a model failure fails only its own session. Frames
-are encoded here, tick by tick, after the forward. The queue is bounded by
+gets its own outcome, and a model failure fails only its own session.
+
+The worker runs forwards and nothing else: every outcome goes to the
+:class:`~arstream.app.encoding.EncoderPool`, whose threads encode frames and
+deliver to the event loop while the next forward runs, in order per session
+(each session's lane carries its chunks, its errors and its position reports).
+Each round's wall time is recorded per number of sessions in it, for realtime
+admission (:mod:`arstream.app.admission`). The queue is bounded by
 the sessions' credits (sessions x ``max_pending_ticks``); the event loop
 enforces the credits and the worker checks the bound.
 """
@@ -22,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import threading
 import time
 from collections import deque
@@ -30,8 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from arstream.app import frames as frame_codec
+from arstream.app.admission import RoundTimes
+from arstream.app.encoding import EncoderPool
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
+from arstream.measure import percentile
 from arstream.runner.runner import ARRunner, RunnerStats
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
@@ -96,6 +103,7 @@ class ModelWorker:
         deliver: Callable[[TickOutcome], None],
         on_ready: Callable[[BaseException | None], None],
         max_pending_ticks: int,
+        encode_threads: int | None = None,
     ) -> None:
         self._build_runner = build_runner
         self._loop = loop
@@ -118,6 +126,8 @@ class ModelWorker:
         self._produced: set[str] = set()
         self._times_lock = threading.Lock()
         self._compute_times: deque[float] = deque(maxlen=COMPUTE_TIMES_KEPT)
+        self.round_times = RoundTimes()
+        self._encoders = EncoderPool(encode_threads)
         self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
 
     # ---- event-loop side ------------------------------------------------------------
@@ -186,7 +196,8 @@ class ModelWorker:
                 and session_id not in self._failed
                 and not self.runner.is_resident(session_id),
             )
-            self._loop.call_soon_threadsafe(_resolve, future, position)
+            # Through the session's lane: after the outcomes of its earlier ticks.
+            self._encoders.submit(session_id, lambda: self._loop.call_soon_threadsafe(_resolve, future, position))
 
         with self._cond:
             if self._stopping:
@@ -201,10 +212,7 @@ class ModelWorker:
             times = list(self._compute_times)
         if not times:
             return None, None
-        if len(times) == 1:
-            return times[0] * 1e3, times[0] * 1e3
-        cuts = statistics.quantiles(times, n=100, method="inclusive")
-        return cuts[49] * 1e3, cuts[98] * 1e3
+        return percentile(times, 50) * 1e3, percentile(times, 99) * 1e3
 
     def stop(self, timeout_s: float) -> None:
         """Finish the running job and queued releases, drop queued ticks, end the thread."""
@@ -218,6 +226,8 @@ class ModelWorker:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("model worker still busy after %.1f s; leaving it (daemon thread)", timeout_s)
+        # Sessions are closed by now: what the encoders still hold would be dropped on delivery.
+        self._encoders.shutdown(wait=not self._thread.is_alive())
 
     # ---- worker thread ------------------------------------------------------------
 
@@ -226,6 +236,9 @@ class ModelWorker:
             self.runner = self._build_runner()
             self.runner.on_evict = self._on_evict
             self.model_card = self.runner.model_card()
+            # Warm-up's round time per batch size: realtime admission's first figures (a runtime without may omit it).
+            for sessions, seconds in getattr(self.runner, "warmup_round_s", {}).items():
+                self.round_times.record(sessions, seconds)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
             log.exception("model failed to load")
@@ -285,11 +298,11 @@ class ModelWorker:
         if self.runner.is_resident(session_id):
             self.runner.close_session(session_id)
             log.info("session=%s released its KV", session_id)
+        self._encoders.restart_stream(session_id)
 
     def _send(self, outcome: TickOutcome) -> None:
-        # Stats first, so a client that has its chunk sees the pool as that chunk left it.
-        self._publish_stats()
-        self._loop.call_soon_threadsafe(self._deliver, outcome)
+        """Deliver on the event loop, after the session's earlier outcomes."""
+        self._encoders.submit(outcome.job.session.id, lambda: self._loop.call_soon_threadsafe(self._deliver, outcome))
 
     def _run_jobs(self, jobs: list[TickJob]) -> None:
         """Run one round's ticks (distinct sessions) through the runner together; one outcome per tick."""
@@ -327,6 +340,9 @@ class ModelWorker:
                 error = f"runner failed: {type(exc).__name__}: {exc}"
                 self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
             return
+        self.round_times.record(len(runnable), time.perf_counter() - started)
+        # Before any outcome leaves, so a client that has its chunk sees the pool as that round left it.
+        self._publish_stats()
         for (job, inputs, _tick), result in zip(runnable, results):
             queue_s = started - job.accepted_at
             if isinstance(result, TickFailure):
@@ -354,21 +370,43 @@ class ModelWorker:
     def _encode_and_send(
         self, job: TickJob, inputs: ChunkInputs, result: ChunkResult, restarted: str | None, queue_s: float
     ) -> None:
+        """Queue the chunk on the session's encoder lane; the worker moves on to the next forward."""
+        session = job.session
+        # Read now, on the worker: a resume may change the codec before the lane runs this.
+        codec, quality = session.codec, session.quality
+        self._encoders.submit(
+            session.id, lambda: self._encode_and_deliver(job, inputs, result, restarted, queue_s, codec, quality)
+        )
+
+    def _encode_and_deliver(
+        self,
+        job: TickJob,
+        inputs: ChunkInputs,
+        result: ChunkResult,
+        restarted: str | None,
+        queue_s: float,
+        codec: str,
+        quality: int,
+    ) -> None:
+        """Runs on an encoder thread, in the session's lane."""
         session = job.session
         encode_started = time.perf_counter()
         try:
-            messages = frame_codec.encode_chunk(
+            messages = self._encoders.encode(
+                session.id,
                 result.frames,
-                codec=frame_codec.Codec.from_name(session.codec),
-                quality=session.quality,
+                codec=codec,
+                quality=quality,
                 chunk_index=result.chunk_index,
                 tick_id=job.tick_id,
             )
         except Exception as exc:  # noqa: BLE001 - a server fault: the session ends with `internal`
             log.exception("session=%s tick=%d frame encoding failed", session.id, job.tick_id)
-            self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=queue_s, error=f"frame encoding failed: {exc}"))
+            failed = TickOutcome(job, OutcomeKind.INTERNAL, queue_s=queue_s, error=f"frame encoding failed: {exc}")
+            self._loop.call_soon_threadsafe(self._deliver, failed)
             return
-        self._send(
+        self._loop.call_soon_threadsafe(
+            self._deliver,
             TickOutcome(
                 job,
                 OutcomeKind.CHUNK,
@@ -379,5 +417,5 @@ class ModelWorker:
                 queue_s=queue_s,
                 compute_s=result.compute_s,
                 encode_s=time.perf_counter() - encode_started,
-            )
+            ),
         )

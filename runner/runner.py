@@ -18,6 +18,7 @@ the model returned).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -102,7 +103,6 @@ class ARRunner:
         if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
             raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
         self.max_batch_sessions = max_batch_sessions
-        self.video_frames_per_chunk, self.first_chunk_frames = _video_frames(pipeline.model_card(), spec)
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
         self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions)
         self.pool = PagedKVPool(spec, self.plan, self.device)
@@ -119,6 +119,8 @@ class ARRunner:
         # batched forwards that raised; their ticks were run again one by one
         self.batch_fallbacks_total = 0
         self.on_evict: Callable[[str], None] | None = None
+        # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
+        self.warmup_round_s: dict[int, float] = {}
         log.info(
             "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
             "up to %d session(s) per forward%s",
@@ -151,10 +153,6 @@ class ARRunner:
         not LRU-evict another member of the same batch.
         """
         return min(self.max_batch_sessions, self.session_capacity) if self.batches else 1
-
-    def video_frames(self, chunk_index: int) -> int:
-        """Frames the client gets for the chunk with this index (the model card's counts)."""
-        return self.first_chunk_frames if chunk_index == 0 else self.video_frames_per_chunk
 
     def history_frames(self, session_id: str) -> int:
         """Frames of history the session's next chunk sees (0 for a session that is not resident)."""
@@ -302,7 +300,7 @@ class ARRunner:
         with self._bound(tick.session_id) as state:
             chunk_index = state.chunk_index
             frames = self.pipeline.generate_chunk(tick)
-            _check_frames(frames, self.video_frames(chunk_index))
+            _check_frames(frames, self.spec)
             if state.chunk_index != chunk_index + 1:
                 raise RuntimeError(
                     f"pipeline did not commit exactly one chunk (chunk index {chunk_index} -> {state.chunk_index})"
@@ -345,7 +343,7 @@ class ARRunner:
                     bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
                 frames = self.pipeline.generate_chunks(ticks)
                 generated = True
-                _check_batch(frames, states, [self.video_frames(s.chunk_index) for s in states])
+                _check_batch(frames, states, self.spec)
             self._sync(self.device)
         except BaseException as exc:
             if generated:
@@ -410,20 +408,40 @@ class ARRunner:
         return failed
 
     def warmup(self) -> int:
-        """Run the pipeline's warm-up ticks through the real path; return how many ran.
+        """Run the pipeline's warm-up ticks through the real path at every batch size; return the chunks run.
 
-        The synthetic session is always released and the pool must end as it began.
+        Size 1 runs the warm-up ticks for one synthetic session; each larger
+        size up to :attr:`batch_limit` runs them for that many sessions in lock
+        step (one :meth:`execute` call per step, as the worker does), so the first
+        crowded round meets no cold kernels. :attr:`warmup_round_s` keeps the
+        median time of one step per size: the first figures for realtime
+        admission. The synthetic sessions are always released and the pool
+        must end as it began.
         """
         if not isinstance(self.pipeline, SupportsWarmup):
             return 0
         free_before = self.pool.num_free
         ran = 0
+        session_ids = [WARMUP_SESSION_ID] + [f"{WARMUP_SESSION_ID}{row}" for row in range(1, self.batch_limit)]
         try:
-            for tick in self.pipeline.warmup_requests(WARMUP_SESSION_ID):
-                self.execute_tick(tick)
-                ran += 1
+            for size in range(1, self.batch_limit + 1):
+                rows = [list(self.pipeline.warmup_requests(session_id)) for session_id in session_ids[:size]]
+                steps: list[float] = []
+                for ticks in zip(*rows):
+                    started = time.perf_counter()
+                    for result in self.execute(ticks):
+                        if isinstance(result, TickFailure):
+                            raise result.error
+                    steps.append(time.perf_counter() - started)
+                    ran += size
+                if steps:
+                    self.warmup_round_s[size] = statistics.median(steps)
+                for session_id in session_ids[:size]:
+                    self._release(session_id, reset_model=False, reason="warmup_complete")
         finally:
-            self._release(WARMUP_SESSION_ID, reset_model=False, reason="warmup_complete", suppress_errors=True)
+            for session_id in session_ids:
+                if session_id in self._sessions:  # left over by a warm-up step that raised
+                    self._release(session_id, reset_model=False, reason="warmup_complete", suppress_errors=True)
             # Warm-up chunks are not traffic: keep the counters users see clean.
             self.chunk_times_s.clear()
             self.chunks_total = 0
@@ -458,36 +476,20 @@ class ARRunner:
         return self.pipeline.model_card()
 
 
-def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:
-    """(frames per chunk, frames of a rollout's first chunk) the client gets, from the model card.
-
-    The card's ``frames_per_chunk`` counts video frames, which a model with a
-    temporally compressed latent (Wan VAE: 4 video frames per latent frame,
-    fewer on the first chunk) produces from ``spec.frames_per_chunk`` latent
-    frames; ``first_chunk_frames`` is optional and defaults to it.
-    """
-    per_chunk = card.get("frames_per_chunk", spec.frames_per_chunk) if isinstance(card, dict) else None
-    first = card.get("first_chunk_frames", per_chunk) if isinstance(card, dict) else None
-    for name, value in (("frames_per_chunk", per_chunk), ("first_chunk_frames", first)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
-    return per_chunk, first
-
-
-def _check_frames(frames: object, expected: int) -> None:
+def _check_frames(frames: object, spec: KVCacheSpec) -> None:
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         got = f"{type(frames).__name__} {getattr(frames, 'dtype', '')} {getattr(frames, 'shape', '')}"
         raise ChunkShapeError(f"pipeline must return uint8 [F, H, W, 3] frames, got {got}")
-    if frames.shape[0] != expected:
-        raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, the model card says {expected}")
+    if frames.shape[0] != spec.frames_per_chunk:
+        raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, spec says {spec.frames_per_chunk}")
 
 
-def _check_batch(frames: object, states: Sequence[SessionKVState], expected: Sequence[int]) -> None:
+def _check_batch(frames: object, states: Sequence[SessionKVState], spec: KVCacheSpec) -> None:
     if not isinstance(frames, list) or len(frames) != len(states):
         got = len(frames) if isinstance(frames, list) else type(frames).__name__
         raise ChunkShapeError(f"generate_chunks must return a list of {len(states)} frame arrays, got {got}")
-    for chunk, count in zip(frames, expected):
-        _check_frames(chunk, count)
+    for chunk in frames:
+        _check_frames(chunk, spec)
     for state in states:
         if state.in_pass or not state.chunk_held:
             raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")

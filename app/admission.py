@@ -1,0 +1,151 @@
+"""Realtime admission: admit a session only while every admitted session still gets the model's fps.
+
+With ``admission = "realtime"`` the server promises each admitted session one
+chunk per *chunk period*, ``frames_per_chunk / fps`` seconds of video (the
+model card's figures). The worker serves sessions in rounds: each round runs
+the next tick of up to ``B`` sessions (the batch limit) as one
+:meth:`~arstream.runner.runner.ARRunner.execute` call. ``N`` sessions that all
+keep ticks queued therefore get one chunk each per *cycle* of ``N // B`` full
+rounds plus one round of ``N % B`` sessions::
+
+    cycle(N) = (N // B) * T(B) + T(N % B)        (T(0) = 0)
+
+where ``T(n)`` is the measured wall time of a round of ``n`` sessions. The
+realtime capacity is the largest ``N`` (at most the KV pool's session
+capacity) with ``cycle(n) <= chunk period`` for every ``n <= N``; session
+``N + 1`` is refused with ``over_capacity``.
+
+``T(n)`` comes from measurement only: warm-up runs every batch size once
+(:meth:`~arstream.runner.runner.ARRunner.warmup`), then every round of
+traffic adds its time, and the estimate is the median of the last
+:data:`ROUNDS_KEPT` rounds of that size. A size not measured yet borrows
+from its neighbours: the next larger measured size (a round of fewer sessions
+is not slower), else the largest smaller one scaled up in proportion (the
+pessimistic guess for a compute-bound model). With nothing measured at all
+(a pipeline without warm-up, before its first chunk) one session is admitted,
+so that the server can measure.
+
+What it does not see: a CPU too busy encoding frames, or a network too slow to
+carry them, slows delivery without slowing rounds; the encoder pool keeps
+encoding off the worker, and ``bench serve`` measures the whole path.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ROUNDS_KEPT = 32
+
+
+class RoundTimes:
+    """Recent wall times of worker rounds, per number of sessions in the round (thread-safe)."""
+
+    def __init__(self, kept: int = ROUNDS_KEPT) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._times: dict[int, deque[float]] = {}
+
+    def record(self, sessions: int, seconds: float) -> None:
+        if sessions < 1:
+            raise ValueError(f"a round has at least one session, got {sessions}")
+        with self._lock:
+            self._times.setdefault(sessions, deque(maxlen=self._kept)).append(seconds)
+
+    def estimates(self) -> dict[int, float]:
+        """Median round time in seconds per measured session count."""
+        with self._lock:
+            samples = {size: list(times) for size, times in self._times.items()}
+        return {size: statistics.median(times) for size, times in samples.items()}
+
+
+def round_estimate(estimates: Mapping[int, float], sessions: int) -> float | None:
+    """``T(sessions)``: measured, else borrowed from a neighbour (module docstring); None with no figures."""
+    if sessions in estimates:
+        return estimates[sessions]
+    larger = [size for size in estimates if size > sessions]
+    if larger:
+        return estimates[min(larger)]
+    smaller = [size for size in estimates if size < sessions]
+    if smaller:
+        size = max(smaller)
+        return estimates[size] * sessions / size
+    return None
+
+
+def cycle_seconds(estimates: Mapping[int, float], sessions: int, batch_limit: int) -> float | None:
+    """Time for ``sessions`` busy sessions to get one chunk each: ``cycle(N)`` in the module docstring."""
+    full_rounds, rest = divmod(sessions, batch_limit)
+    total = 0.0
+    for size, count in ((batch_limit, full_rounds), (rest, 1 if rest else 0)):
+        if count:
+            estimate = round_estimate(estimates, size)
+            if estimate is None:
+                return None
+            total += count * estimate
+    return total
+
+
+@dataclass(frozen=True)
+class RealtimeCapacity:
+    """How many sessions can each get the model's fps, and the arithmetic behind it."""
+
+    sessions: int
+    chunk_period_s: float
+    batch_limit: int
+    kv_capacity: int
+    # cycle(sessions + 1), the time one more session would make every session wait; None when unknown
+    next_cycle_s: float | None
+
+    def refusal(self, admitted: int) -> str | None:
+        """Why session ``admitted + 1`` would not get realtime, or None when it would."""
+        if admitted < self.sessions:
+            return None
+        period_ms = self.chunk_period_s * 1e3
+        if self.sessions >= self.kv_capacity:
+            return f"realtime admission: all {self.kv_capacity} session slots of the KV pool are in use"
+        if self.next_cycle_s is None:
+            return (
+                f"realtime admission: {admitted} session(s) admitted and no chunk time measured yet; "
+                "waiting for the first figures"
+            )
+        return (
+            f"realtime admission: {admitted} session(s) already admitted; with one more, each would get a chunk "
+            f"every {self.next_cycle_s * 1e3:.0f} ms of model time (batches of up to {self.batch_limit}), "
+            f"more than the {period_ms:.0f} ms of video a chunk holds, so no session would keep its fps"
+        )
+
+
+def realtime_capacity(
+    estimates: Mapping[int, float], *, chunk_period_s: float, batch_limit: int, kv_capacity: int
+) -> RealtimeCapacity:
+    """The largest N whose every prefix meets the chunk period (module docstring), capped by the KV pool."""
+    if chunk_period_s <= 0 or batch_limit < 1:
+        raise ValueError(f"need a positive chunk period and batch limit, got {chunk_period_s} s and {batch_limit}")
+    sessions = 0
+    next_cycle: float | None = None
+    while sessions < kv_capacity:
+        next_cycle = cycle_seconds(estimates, sessions + 1, batch_limit)
+        if next_cycle is None:
+            # Nothing measured: one session may run, so that there is something to measure.
+            if sessions == 0:
+                sessions = 1
+                next_cycle = None
+            break
+        if next_cycle > chunk_period_s:
+            break
+        sessions += 1
+        next_cycle = None
+    return RealtimeCapacity(sessions, chunk_period_s, batch_limit, kv_capacity, next_cycle)
+
+
+def chunk_period_s(model_card: Mapping[str, object]) -> float:
+    """Seconds of video in one chunk: ``frames_per_chunk / fps`` from the model card."""
+    fps = model_card.get("fps")
+    frames = model_card.get("frames_per_chunk")
+    if not isinstance(fps, (int, float)) or not isinstance(frames, int) or fps <= 0 or frames < 1:
+        raise ValueError(f"the model card needs a positive fps and frames_per_chunk, got fps={fps!r}, frames={frames!r}")
+    return frames / fps
