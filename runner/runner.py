@@ -103,6 +103,7 @@ class ARRunner:
         if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
             raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
         self.max_batch_sessions = max_batch_sessions
+        self.video_frames_per_chunk, self.first_chunk_frames = _video_frames(pipeline.model_card(), spec)
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
         self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions)
         self.pool = PagedKVPool(spec, self.plan, self.device)
@@ -153,6 +154,10 @@ class ARRunner:
         not LRU-evict another member of the same batch.
         """
         return min(self.max_batch_sessions, self.session_capacity) if self.batches else 1
+
+    def video_frames(self, chunk_index: int) -> int:
+        """Frames the client gets for the chunk with this index (the model card's counts)."""
+        return self.first_chunk_frames if chunk_index == 0 else self.video_frames_per_chunk
 
     def history_frames(self, session_id: str) -> int:
         """Frames of history the session's next chunk sees (0 for a session that is not resident)."""
@@ -300,7 +305,7 @@ class ARRunner:
         with self._bound(tick.session_id) as state:
             chunk_index = state.chunk_index
             frames = self.pipeline.generate_chunk(tick)
-            _check_frames(frames, self.spec)
+            _check_frames(frames, self.video_frames(chunk_index))
             if state.chunk_index != chunk_index + 1:
                 raise RuntimeError(
                     f"pipeline did not commit exactly one chunk (chunk index {chunk_index} -> {state.chunk_index})"
@@ -343,7 +348,7 @@ class ARRunner:
                     bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
                 frames = self.pipeline.generate_chunks(ticks)
                 generated = True
-                _check_batch(frames, states, self.spec)
+                _check_batch(frames, states, [self.video_frames(s.chunk_index) for s in states])
             self._sync(self.device)
         except BaseException as exc:
             if generated:
@@ -476,20 +481,36 @@ class ARRunner:
         return self.pipeline.model_card()
 
 
-def _check_frames(frames: object, spec: KVCacheSpec) -> None:
+def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:
+    """(frames per chunk, frames of a rollout's first chunk) the client gets, from the model card.
+
+    The card's ``frames_per_chunk`` counts video frames, which a model with a
+    temporally compressed latent (Wan VAE: 4 video frames per latent frame,
+    fewer on the first chunk) produces from ``spec.frames_per_chunk`` latent
+    frames; ``first_chunk_frames`` is optional and defaults to it.
+    """
+    per_chunk = card.get("frames_per_chunk", spec.frames_per_chunk) if isinstance(card, dict) else None
+    first = card.get("first_chunk_frames", per_chunk) if isinstance(card, dict) else None
+    for name, value in (("frames_per_chunk", per_chunk), ("first_chunk_frames", first)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
+    return per_chunk, first
+
+
+def _check_frames(frames: object, expected: int) -> None:
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         got = f"{type(frames).__name__} {getattr(frames, 'dtype', '')} {getattr(frames, 'shape', '')}"
         raise ChunkShapeError(f"pipeline must return uint8 [F, H, W, 3] frames, got {got}")
-    if frames.shape[0] != spec.frames_per_chunk:
-        raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, spec says {spec.frames_per_chunk}")
+    if frames.shape[0] != expected:
+        raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, the model card says {expected}")
 
 
-def _check_batch(frames: object, states: Sequence[SessionKVState], spec: KVCacheSpec) -> None:
+def _check_batch(frames: object, states: Sequence[SessionKVState], expected: Sequence[int]) -> None:
     if not isinstance(frames, list) or len(frames) != len(states):
         got = len(frames) if isinstance(frames, list) else type(frames).__name__
         raise ChunkShapeError(f"generate_chunks must return a list of {len(states)} frame arrays, got {got}")
-    for chunk in frames:
-        _check_frames(chunk, spec)
+    for chunk, count in zip(frames, expected):
+        _check_frames(chunk, count)
     for state in states:
         if state.in_pass or not state.chunk_held:
             raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")
