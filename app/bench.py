@@ -40,7 +40,10 @@ import torch
 import websockets
 
 from arstream.app import wire
-from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient, percentile
+from arstream.app.cli import main_for
+from arstream.measure import compare, percentile, print_summary
+from arstream.models.bench_model import control_keys
+from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
 from arstream.app.settings import default_max_batch_sessions
 from arstream.runner.threads import default_torch_threads
 
@@ -149,19 +152,13 @@ class SessionFigures:
         return self.frames / (self.last_frame_at - self.first_tick_at)
 
 
-def model_keys(model_card: dict[str, Any]) -> list[str]:
-    """Key names the model's controls schema allows (empty when it has no ``keys`` enum)."""
-    keys = model_card.get("controls", {}).get("properties", {}).get("keys", {})
-    return [str(k) for k in keys.get("items", {}).get("enum", [])]
-
-
 async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) -> SessionFigures:
     """Run ``chunks`` ticks with at most two in flight; press a different key every ``input_every`` ticks."""
     connect_started = time.perf_counter()
     async with websockets.connect(url, max_size=MAX_MESSAGE_BYTES) as ws:
         session = SessionClient(ws, decode=False)
         await session.start(codec=codec)
-        keys = model_keys(session.model)
+        keys = control_keys(session.model)
         in_flight_limit = min(TICKS_IN_FLIGHT, session.max_pending_ticks)
         first_tick_at = time.perf_counter()
         sent = received = frames = 0
@@ -224,7 +221,7 @@ class BareRunner:
             max_batch_sessions=max_batch_sessions,
         )
         self.runner.warmup()
-        self.keys = model_keys(self.runner.model_card())
+        self.keys = control_keys(self.runner.model_card())
         self._next_request = 0
 
     def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
@@ -264,17 +261,15 @@ def _ms(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(seconds * 1000, 2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="arstream bench serve", description="Load-test the server and compare it with the bare runner."
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
     parser.add_argument("--sessions", type=int, default=1, help="concurrent sessions (default 1)")
     parser.add_argument("--model", default="tiny-world")
     parser.add_argument("--chunks", type=int, default=64, help="chunks per session per repetition (default 64)")
     parser.add_argument("--model-options", default="{}", help="JSON options for the model, given to both sides")
     parser.add_argument("--repeat", type=int, default=3, help="alternating server/runner repetitions (default 3)")
     parser.add_argument("--input-every", type=int, default=4, help="send an input every N ticks (default 4)")
-    parser.add_argument("--codec", choices=sorted(wire.CODEC_IDS), default="jpeg")
+    parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
     parser.add_argument("--device", default="cpu", help="torch device for the server and the bare runner")
     parser.add_argument(
         "--kv-budget-bytes",
@@ -295,11 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra argument for `arstream serve` (repeatable)"
     )
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     options = json.loads(args.model_options)
     if args.max_batch_sessions is None:
         args.max_batch_sessions = default_max_batch_sessions(args.device)
@@ -320,9 +313,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--log-level", "warning",
         *args.serve_arg,
     ]  # fmt: skip
-    server_rates: list[float] = []
-    runner_rates: list[float] = []
-    ratios: list[float] = []
     all_figures: list[SessionFigures] = []
     with ServerProcess(serve_args) as server:
         url = server.sessions_url
@@ -339,24 +329,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_phase(url, sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec)
         )
         bare.chunks_per_s(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every)
-        for repetition in range(args.repeat):
-            figures = asyncio.run(
-                server_phase(
-                    url, sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec
-                )
-            )
-            server_rate = server_chunks_per_s(figures)
-            # The server is idle now: every session above has closed.
-            runner_rate = bare.chunks_per_s(sessions=args.sessions, chunks=args.chunks, input_every=args.input_every)
-            server_rates.append(server_rate)
-            runner_rates.append(runner_rate)
-            ratios.append(server_rate / runner_rate)
-            all_figures.extend(figures)
+
+        def measure(repetition: int, order: tuple[str, str]) -> dict[str, float]:
+            rates = {}
+            for side in order:  # each side runs alone: the server is idle while the bare runner works
+                if side == "server":
+                    figures = asyncio.run(
+                        server_phase(
+                            url, sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec
+                        )
+                    )
+                    rates["server"] = server_chunks_per_s(figures)
+                    all_figures.extend(figures)
+                else:
+                    rates["runner"] = bare.chunks_per_s(
+                        sessions=args.sessions, chunks=args.chunks, input_every=args.input_every
+                    )
             print(
-                f"repetition {repetition + 1}/{args.repeat}: server {server_rate:.1f} chunks/s, "
-                f"bare runner {runner_rate:.1f} chunks/s, ratio {server_rate / runner_rate:.3f}"
+                f"repetition {repetition + 1}/{args.repeat}: server {rates['server']:.1f} chunks/s, "
+                f"bare runner {rates['runner']:.1f} chunks/s, ratio {rates['server'] / rates['runner']:.3f}"
             )
-            for index, f in enumerate(figures):
+            for index, f in enumerate(all_figures[-args.sessions :]):
                 print(
                     f"  session {index}: {f.fps:.1f} fps, ttff {f.time_to_first_frame_s * 1000:.1f} ms, "
                     f"chunk p50 {percentile(f.chunk_latencies_s, 50) * 1000:.1f} ms "
@@ -364,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"action-to-frame p50 {percentile(f.action_to_frame_s, 50) * 1000:.1f} ms "
                     f"p99 {percentile(f.action_to_frame_s, 99) * 1000:.1f} ms"
                 )
+            return rates
+
+        result = compare(("server", "runner"), args.repeat, measure)
     chunk_latencies = [x for f in all_figures for x in f.chunk_latencies_s]
     action_latencies = [x for f in all_figures for x in f.action_to_frame_s]
     summary = {
@@ -374,10 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repetitions": args.repeat,
         "threads": threads,
         "max_batch_sessions": args.max_batch_sessions,
-        "server_chunks_per_s": round(_median(server_rates), 2),
-        "runner_chunks_per_s": round(_median(runner_rates), 2),
-        "server_vs_runner_ratio": round(_median(ratios), 4),
-        "server_vs_runner_ratios": [round(r, 4) for r in ratios],
+        "server_chunks_per_s": round(result.median("server"), 2),
+        "runner_chunks_per_s": round(result.median("runner"), 2),
+        "server_vs_runner_ratio": round(result.median_ratio, 4),
+        "server_vs_runner_ratios": [round(r, 4) for r in result.ratios],
         "fps_per_session": round(_median([f.fps for f in all_figures]), 2),
         "ttff_ms": _ms(_median([f.time_to_first_frame_s for f in all_figures])),
         "chunk_ms_p50": _ms(percentile(chunk_latencies, 50)),
@@ -385,5 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
         "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
     }
-    print(json.dumps(summary))
+    print_summary(summary)
     return 0
+
+
+main = main_for("bench", "serve")

@@ -37,6 +37,8 @@ import numpy as np
 import websockets
 
 from arstream.app import wire
+from arstream.app.cli import main_for
+from arstream.measure import percentile
 
 NO_KEYS = ("-", "none")
 VIDEO_NAME = "video.mp4"
@@ -94,17 +96,6 @@ def keys_per_tick(segments: Sequence[KeySegment]) -> list[tuple[str, ...]]:
 
 
 # ---- latency figures --------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation; NaN when there are no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def format_ms(seconds: float) -> str:
@@ -240,7 +231,7 @@ class SessionClient:
                 raise wire.WireError(
                     f"frame header says tick {header.tick_id} frame {header.frame_index}, expected {tick_id} {index}"
                 )
-            chunk.frames.append(wire.decode_frame(header, payload) if self.decode else bytes(payload))
+            chunk.frames.append(wire.decode_payload(header, payload) if self.decode else bytes(payload))
             chunk.last_frame_at = time.perf_counter()
             if index == 0:
                 chunk.first_frame_at = chunk.last_frame_at
@@ -424,20 +415,18 @@ def report(result: RunResult) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arstream client", description="Run one scripted session and save its frames.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
     parser.add_argument("url", help="ws://HOST:PORT/v1/sessions, or http://HOST:PORT")
     parser.add_argument("--keys", default="-*10", help='key script, e.g. "d*20,w+d*5,-*3" (default: "-*10")')
     parser.add_argument("--out", type=Path, required=True, help="directory for frame_NNNNNN.png (and video.mp4)")
-    parser.add_argument("--codec", choices=sorted(wire.CODEC_IDS), default="jpeg")
+    parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--prompt")
     parser.add_argument("--token", help="auth token, sent as ?token=")
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         plan = keys_per_tick(parse_key_script(args.keys))
         wire.session_url(args.url)  # reject a malformed URL before connecting
@@ -466,3 +455,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report(result))
     print(f"session closed: {result.closed_reason}")
     return 0
+
+
+main = main_for("client")

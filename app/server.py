@@ -11,6 +11,7 @@ frame, then lets uvicorn close what is left.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import socket
@@ -24,10 +25,12 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from arstream.app.connection import Connection
 from arstream.app.hub import SessionHub
-from arstream.app.settings import Settings, settings_from_argv
+from arstream.app.cli import main_for
+from arstream.app.settings import Settings, add_settings_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")
@@ -176,8 +179,21 @@ async def serve(server: ARStreamServer) -> int:
     return 1 if server.hub.load_error is not None else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings = settings_from_argv(list(sys.argv[1:] if argv is None else argv))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve an autoregressive world model over WebSocket (PROTOCOL.md), with the demo page at /.\n"
+        "Prints 'ARSTREAM_LISTENING URL' once the port is bound and the model is loaded."
+    )
+    add_settings_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Every setting is checked here, before a port is bound or a model loaded.
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"arstream serve: {describe_settings_error(exc)}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -187,3 +203,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+main = main_for("serve")
+

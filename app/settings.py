@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import re
 import socket
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from arstream.models.registry import DEFAULT_MODEL
+from arstream.models.registry import DEFAULT_MODEL, PIPELINES
 from arstream.runner.threads import default_torch_threads
 
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
@@ -30,21 +36,25 @@ def default_replica_id() -> str:
 
 
 class Settings(BaseSettings):
-    """Everything ``arstream serve`` can be told; see the README's Server section."""
+    """Everything ``arstream serve`` can be told; see docs/server.md."""
 
     model_config = SettingsConfigDict(env_prefix="ARSTREAM_", extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
-    model: str = DEFAULT_MODEL
-    model_options: dict[str, Any] = Field(default_factory=dict)
-    device: str = "cpu"
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    model: str = Field(DEFAULT_MODEL, description="pipeline name (fake-kv is the test fake)")
+    model_options: dict[str, Any] = Field(
+        default_factory=dict, description="JSON object passed to the pipeline loader as keyword arguments"
+    )
+    device: str = Field("cpu", description="torch device")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; default: one core fewer than the machine has (at least 1)"
     )
-    kv_budget_bytes: int | None = Field(None, gt=0, description="default: 256 MiB on CPU, memory_fraction on CUDA")
-    memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
-    max_pending_ticks: int = Field(4, ge=1, le=1024)
+    kv_budget_bytes: int | None = Field(
+        None, gt=0, description="KV pool budget in bytes; default: 256 MiB on CPU, memory_fraction on CUDA"
+    )
+    memory_fraction: float | None = Field(None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool")
+    max_pending_ticks: int = Field(4, ge=1, le=1024, description="ticks a session may have queued or running")
     max_batch_sessions: int | None = Field(
         None,
         ge=1,
@@ -59,14 +69,44 @@ class Settings(BaseSettings):
     encode_threads: int | None = Field(
         None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
     )
-    idle_timeout_s: float = Field(60.0, gt=0)
-    start_timeout_s: float = Field(10.0, gt=0)
-    auth_token: str | None = None
-    allowed_origins: str = Field("", description="comma list; '*' allows every origin")
-    codec: Literal["jpeg", "raw"] = "jpeg"
-    jpeg_quality: int = Field(80, ge=1, le=100)
-    max_message_bytes: int = Field(65536, ge=256)
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    idle_timeout_s: float = Field(60.0, gt=0, description="close a session after this long without a message")
+    start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
+    auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
+    allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
+    codec: Literal["jpeg", "raw"] = Field("jpeg", description="frame codec when `start` names none")
+    jpeg_quality: int = Field(80, ge=1, le=100, description="JPEG quality when `start` names none")
+    max_message_bytes: int = Field(65536, ge=256, description="largest client text message")
+    # Bounds for serving strangers; docs/public.md says what each one protects.
+    max_messages_per_s: float = Field(
+        100.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
+    )
+    message_burst: int = Field(200, ge=1, description="messages a session may send at once before the rate applies")
+    max_control_items: int = Field(
+        64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
+    )
+    max_sessions_per_client: int | None = Field(
+        4, ge=1, description="sessions one client address may hold (trusted proxies' own address is exempt)"
+    )
+    max_sessions_per_token: int | None = Field(None, ge=1, description="sessions one auth token may hold; default: no cap")
+    max_connections: int | None = Field(
+        None, ge=1, description="open TCP connections in all; default: 1000, fewer if the open-file limit is lower"
+    )
+    max_connections_per_client: int | None = Field(
+        32, ge=1, description="open TCP connections per peer address (trusted proxies are exempt)"
+    )
+    max_header_bytes: int = Field(16384, ge=1024, description="largest HTTP request head (request line and headers)")
+    request_head_timeout_s: float = Field(10.0, gt=0, description="time allowed to send a whole HTTP request head")
+    close_timeout_s: float = Field(
+        3.0, gt=0, description="time a WebSocket peer has to take its last messages and complete a close"
+    )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1", description="comma list of proxy addresses whose X-Forwarded-For is trusted; '*' trusts all"
+    )
+    allowed_hosts: str = Field(
+        "", description="comma list of Host names served (*.example.com works); empty: any, or loopback names only "
+        "when bound to loopback; '*': any"
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="server log level")
     shutdown_grace_s: float = Field(2.0, ge=0, description="how long shutdown waits for each session's last bytes")
     replica_id: str = Field(
         default_factory=default_replica_id,
@@ -78,10 +118,55 @@ class Settings(BaseSettings):
         30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
     )
 
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in PIPELINES:
+            raise ValueError(f"unknown model {value!r}; expected one of {sorted(PIPELINES)}")
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("auth_token")
+    @classmethod
+    def _usable_auth_token(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        tokens = [token.strip() for token in value.split(",")]
+        if not any(tokens):
+            raise ValueError("the auth token is empty, which would admit an empty ?token=; unset it to run without one")
+        if not all(tokens):
+            raise ValueError("a comma list of auth tokens has an empty entry")
+        return ",".join(tokens)
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _normalised_origins(cls, value: str) -> str:
+        return ",".join(normalise_origin(entry) for entry in value.split(",") if entry.strip())
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _normalised_hosts(cls, value: str) -> str:
+        hosts = [entry.strip().lower() for entry in value.split(",") if entry.strip()]
+        for host in hosts:
+            if "/" in host or (":" in host and not host.startswith("[")):
+                raise ValueError(f"allowed host {host!r} must be a bare host name, without scheme, port or path")
+        return ",".join(hosts)
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _valid_proxy_addresses(cls, value: str) -> str:
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        for entry in entries:
+            if entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ValueError(f"forwarded_allow_ips entry {entry!r} is not an IP address or network") from None
+        return ",".join(entries)
 
     def resolved_kv_budget_bytes(self) -> int | None:
         """The runner's byte budget: explicit, else 256 MiB on CPU, else None (memory fraction)."""
@@ -112,48 +197,113 @@ class Settings(BaseSettings):
         return self.max_message_bytes + WS_FRAME_SLACK_BYTES
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
+def _json_value(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"expected JSON, got {text!r}: {exc}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"expected a JSON {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    parse.__name__ = f"JSON {kind.__name__}"  # argparse names the type in its error message
+    return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="arstream serve",
-        description="Serve an autoregressive world model over WebSocket (flags override ARSTREAM_* variables).",
+def _flag_options(field: FieldInfo) -> dict[str, Any]:
+    """argparse keywords for one field: bools as --x/--no-x, Literals as choices, dicts/lists as JSON."""
+    kind = field.annotation
+    if get_origin(kind) in (Union, UnionType):  # ``X | None``: the flag takes an X
+        kind = next(arg for arg in get_args(kind) if arg is not type(None))
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if get_origin(kind) is Literal:
+        return {"choices": get_args(kind)}
+    container = get_origin(kind) or kind
+    if container in (dict, list):
+        return {"type": _json_value(container), "metavar": "JSON"}
+    if kind in (int, float):
+        return {"type": kind, "metavar": "N" if kind is int else "NUM"}
+    return {"metavar": "TEXT"}  # strings, and anything else pydantic parses from text
+
+
+def _flag_help(field: FieldInfo) -> str:
+    parts = [field.description or ""]
+    bounds = [f"{sign} {getattr(rule, key)}" for rule in field.metadata
+              for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if hasattr(rule, key)]
+    if bounds:
+        parts.append(f"({', '.join(bounds)})")
+    default = field.get_default(call_default_factory=True)
+    if default is not None and default is not PydanticUndefined:
+        shown = json.dumps(default) if isinstance(default, (dict, list)) or default == "" else default
+        parts.append(f"[default: {shown}]")
+    return " ".join(part for part in parts if part).replace("%", "%%")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`Settings` field (``max_pending_ticks`` -> ``--max-pending-ticks``).
+
+    Flags left out keep the environment's value, else the field's default, so
+    a field added to :class:`Settings` is a flag, with its help, without more code.
+    """
+    group = parser.add_argument_group(
+        "settings", "Each flag can also be set as ARSTREAM_<NAME> in the environment (e.g. ARSTREAM_PORT); flags win."
     )
-    add = parser.add_argument
-    add("--host", help="bind address (default 127.0.0.1)")
-    add("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
-    add("--model", help=f"pipeline name (default {DEFAULT_MODEL}; fake-kv is the test fake)")
-    add("--model-options", type=_json_object, help="JSON object passed to the pipeline loader as keyword arguments")
-    add("--device", help="torch device (default cpu)")
-    add("--torch-threads", type=int, help="torch intra-op threads (default: CPU cores - 1, at least 1)")
-    add("--kv-budget-bytes", type=int, help="KV pool budget in bytes (default 256 MiB on CPU)")
-    add("--memory-fraction", type=float, help="fraction of free CUDA memory for the KV pool")
-    add("--max-pending-ticks", type=int, help="ticks a session may have queued or running (default 4)")
-    add("--max-batch-sessions", type=int, help="sessions per batched forward (default 1 on CPU, 4 on other devices; 1 disables batching)")
-    add("--idle-timeout-s", type=float, help="close a session after this long without a message (default 60)")
-    add("--start-timeout-s", type=float, help="time allowed for the first message, `start` (default 10)")
-    add("--auth-token", help="require this bearer token (header or ?token=)")
-    add("--allowed-origins", help="comma list of allowed Origin values; '*' allows all")
-    add("--codec", choices=["jpeg", "raw"], help="default frame codec when `start` names none (default jpeg)")
-    add("--jpeg-quality", type=int, help="default JPEG quality 1..100 (default 80)")
-    add("--max-message-bytes", type=int, help="largest client text message (default 65536)")
-    add("--log-level", help="critical|error|warning|info|debug (default info)")
-    return parser
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=_flag_help(field), **_flag_options(field))
 
 
-def settings_from_argv(argv: list[str]) -> Settings:
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags over the environment; raises pydantic's ``ValidationError``."""
+    given = {name: getattr(args, name) for name in Settings.model_fields if hasattr(args, name)}
+    return Settings(**given)
+
+
+def settings_from_argv(argv: Sequence[str]) -> Settings:
     """Parse ``arstream serve`` flags; flags given win over the environment."""
-    args = build_parser().parse_args(argv)
-    overrides = {name: value for name, value in vars(args).items() if value is not None}
-    return Settings(**overrides)
+    from arstream.app.cli import CommandParser
+
+    parser = CommandParser(prog="arstream serve")
+    add_settings_arguments(parser)
+    return settings_from_args(parser.parse_args(argv))
+
+
+def describe_settings_error(error: ValidationError) -> str:
+    """One line naming each bad field as flag and variable, what is wrong, and the value given."""
+    problems = []
+    for item in error.errors():
+        name = ".".join(str(part) for part in item["loc"])
+        field = str(item["loc"][0]) if item["loc"] else ""
+        where = f"--{field.replace('_', '-')} (ARSTREAM_{field.upper()})" if field in Settings.model_fields else name
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}, got {item['input']!r}")
+    return "; ".join(problems)
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normalise_origin(entry: str) -> str:
+    """An allowed origin as browsers send it: lower-case scheme and host, no default port, no path; or ``*``."""
+    entry = entry.strip()
+    if entry == "*":
+        return entry
+    parts = urlsplit(entry)
+    if parts.scheme.lower() not in DEFAULT_PORTS or not parts.hostname:
+        raise ValueError(f"allowed origin {entry!r} must look like https://host[:port] (http or https)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"allowed origin {entry!r} must be scheme://host[:port] only: browsers send no path")
+    scheme = parts.scheme.lower()
+    host = parts.hostname  # urlsplit lower-cases it
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"allowed origin {entry!r} has an invalid port") from None
+    return f"{scheme}://{host}" if port in (None, DEFAULT_PORTS[scheme]) else f"{scheme}://{host}:{port}"
 
 
 def default_max_batch_sessions(device: str) -> int:

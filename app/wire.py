@@ -1,10 +1,14 @@
-"""Client-side helpers for the ARStream wire protocol (version 1, see PROTOCOL.md).
+"""The ARStream wire format, protocol version 1 (docs/PROTOCOL.md): the one module for it.
 
-Shared by the example client (:mod:`arstream.app.client`) and the load generator
-(:mod:`arstream.app.bench`): build the JSON messages a client sends, parse the 20-byte
-header of binary frame messages, decode their payloads, and turn the URL a
-user typed into the session WebSocket URL. The server has its own module; this
-one only knows what a client needs.
+Binary frame messages are the 20-byte ``ARF1`` header plus a payload. Header,
+little-endian: magic ``ARF1``, codec u8 (:class:`Codec`), flags u8 (bit 0:
+last frame of the chunk), frame index u16, chunk_index u32, tick_id u32,
+width u16, height u16. The server encodes with :func:`encode_chunk`; clients
+and tests parse with :func:`parse_frame` / :func:`decode_frame`.
+
+Also here: the JSON messages a client sends, and turning the URL a user typed
+into the session WebSocket URL. Validating what clients send is
+:mod:`arstream.app.protocol`'s job.
 """
 
 from __future__ import annotations
@@ -12,36 +16,59 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
+import simplejpeg
 
 PROTOCOL_VERSION = 1
 SESSIONS_PATH = "/v1/sessions"
 
-FRAME_MAGIC = b"ARF1"
+MAGIC = b"ARF1"
 # magic, codec, flags, frame index, chunk_index, tick_id, width, height (little-endian)
-FRAME_HEADER = struct.Struct("<4sBBHIIHH")
-FRAME_HEADER_BYTES = FRAME_HEADER.size
-FLAG_LAST_FRAME = 0x01
-
-CODEC_RAW = 0
-CODEC_JPEG = 1
-CODEC_IDS = {"raw": CODEC_RAW, "jpeg": CODEC_JPEG}
+HEADER = struct.Struct("<4sBBHIIHH")
+HEADER_BYTES = HEADER.size
+FLAG_LAST_IN_CHUNK = 0x01
 
 MAX_ID = 2**32 - 1
 
 
+class Codec(IntEnum):
+    """Codec ids in the header's codec byte; the lower-case member name is the codec's name in ``start``.
+
+    A new codec is one line here plus its payload in :func:`encode_frame` and
+    :func:`decode_payload`; ids are never reused.
+    """
+
+    RAW = 0  # RGB24, row-major, width * height * 3 bytes
+    JPEG = 1  # one baseline JPEG per frame
+
+    @property
+    def wire_name(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_name(cls, name: str) -> Codec:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise WireError(f"unknown codec {name!r}; expected one of {list(CODEC_NAMES)}") from None
+
+
+CODEC_NAMES: tuple[str, ...] = tuple(codec.wire_name for codec in Codec)
+
+
 class WireError(ValueError):
-    """A message from the server does not follow the protocol."""
+    """A message does not follow the protocol; the text says what was expected and what came."""
 
 
 @dataclass(frozen=True)
 class FrameHeader:
     """The fixed header in front of every binary frame message."""
 
-    codec: int
+    codec: Codec
     last_in_chunk: bool
     frame_index: int
     chunk_index: int
@@ -49,42 +76,68 @@ class FrameHeader:
     width: int
     height: int
 
+    def pack(self) -> bytes:
+        flags = FLAG_LAST_IN_CHUNK if self.last_in_chunk else 0
+        return HEADER.pack(
+            MAGIC, self.codec, flags, self.frame_index, self.chunk_index, self.tick_id, self.width, self.height
+        )
+
+    @classmethod
+    def unpack(cls, message: bytes | memoryview) -> FrameHeader:
+        if len(message) < HEADER_BYTES:
+            raise WireError(f"binary frame of {len(message)} bytes is shorter than the {HEADER_BYTES}-byte header")
+        magic, codec, flags, frame_index, chunk_index, tick_id, width, height = HEADER.unpack_from(message)
+        if magic != MAGIC:
+            raise WireError(f"binary frame magic is {magic!r}, expected {MAGIC!r}")
+        try:
+            codec_id = Codec(codec)
+        except ValueError:
+            known = ", ".join(f"{c.value} ({c.wire_name})" for c in Codec)
+            raise WireError(f"binary frame codec id is {codec}, expected one of {known}") from None
+        return cls(codec_id, bool(flags & FLAG_LAST_IN_CHUNK), frame_index, chunk_index, tick_id, width, height)
+
+
+def encode_frame(frame: np.ndarray, codec: Codec, quality: int) -> bytes:
+    """One uint8 ``[H, W, 3]`` frame as a payload in ``codec``."""
+    if codec is Codec.RAW:
+        return np.ascontiguousarray(frame).tobytes()
+    return simplejpeg.encode_jpeg(np.ascontiguousarray(frame), quality=quality, colorspace="RGB")
+
+
+def encode_chunk(frames: np.ndarray, *, codec: Codec, quality: int, chunk_index: int, tick_id: int) -> list[bytes]:
+    """Every frame of a chunk as a complete binary message (header + payload), in order."""
+    count, height, width, _ = frames.shape
+    messages = []
+    for index in range(count):
+        header = FrameHeader(codec, index == count - 1, index, chunk_index, tick_id, width, height)
+        messages.append(header.pack() + encode_frame(frames[index], codec, quality))
+    return messages
+
 
 def parse_frame(message: bytes) -> tuple[FrameHeader, memoryview]:
     """Split a binary frame message into its header and payload (a view, no copy)."""
-    if len(message) < FRAME_HEADER_BYTES:
-        raise WireError(f"binary frame of {len(message)} bytes is shorter than the {FRAME_HEADER_BYTES}-byte header")
-    magic, codec, flags, frame_index, chunk_index, tick_id, width, height = FRAME_HEADER.unpack_from(message)
-    if magic != FRAME_MAGIC:
-        raise WireError(f"binary frame magic is {magic!r}, expected {FRAME_MAGIC!r}")
-    if codec not in (CODEC_RAW, CODEC_JPEG):
-        raise WireError(f"binary frame codec id is {codec}, expected 0 (raw) or 1 (jpeg)")
-    payload = memoryview(message)[FRAME_HEADER_BYTES:]
-    if codec == CODEC_RAW and len(payload) != width * height * 3:
-        raise WireError(f"raw payload is {len(payload)} bytes, expected {width}*{height}*3 = {width * height * 3}")
-    header = FrameHeader(
-        codec=codec,
-        last_in_chunk=bool(flags & FLAG_LAST_FRAME),
-        frame_index=frame_index,
-        chunk_index=chunk_index,
-        tick_id=tick_id,
-        width=width,
-        height=height,
-    )
+    header = FrameHeader.unpack(message)
+    payload = memoryview(message)[HEADER_BYTES:]
+    expected = header.width * header.height * 3
+    if header.codec is Codec.RAW and len(payload) != expected:
+        raise WireError(f"raw payload is {len(payload)} bytes, expected {header.width}*{header.height}*3 = {expected}")
     return header, payload
 
 
-def decode_frame(header: FrameHeader, payload: bytes | memoryview) -> np.ndarray:
+def decode_payload(header: FrameHeader, payload: bytes | memoryview) -> np.ndarray:
     """The frame as uint8 ``[height, width, 3]`` RGB."""
-    if header.codec == CODEC_RAW:
+    if header.codec is Codec.RAW:
         return np.frombuffer(payload, dtype=np.uint8).reshape(header.height, header.width, 3).copy()
-    # Imported here so that a client that asks for raw frames never needs the JPEG library.
-    import simplejpeg
-
     image = simplejpeg.decode_jpeg(bytes(payload), colorspace="RGB")
     if image.shape[:2] != (header.height, header.width):
         raise WireError(f"JPEG is {image.shape[1]}x{image.shape[0]}, header says {header.width}x{header.height}")
     return image
+
+
+def decode_frame(message: bytes) -> tuple[FrameHeader, np.ndarray]:
+    """Header and uint8 ``[H, W, 3]`` pixels of one binary frame message."""
+    header, payload = parse_frame(message)
+    return header, decode_payload(header, payload)
 
 
 def _message(fields: dict[str, Any]) -> str:
@@ -98,11 +151,19 @@ def _check_id(name: str, value: int) -> None:
 
 
 def start_message(
-    *, codec: str = "jpeg", seed: int | None = None, prompt: str | None = None, quality: int | None = None
+    *,
+    codec: str = "jpeg",
+    seed: int | None = None,
+    prompt: str | None = None,
+    quality: int | None = None,
+    resume: str | None = None,
 ) -> str:
-    if codec not in CODEC_IDS:
-        raise ValueError(f"codec must be one of {sorted(CODEC_IDS)}, got {codec!r}")
-    return _message({"type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality})
+    """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one."""
+    if codec not in CODEC_NAMES:
+        raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {codec!r}")
+    return _message(
+        {"type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume}
+    )
 
 
 def tick_message(
@@ -133,12 +194,13 @@ def close_message() -> str:
     return _message({"type": "close"})
 
 
-def session_url(url: str, *, token: str | None = None) -> str:
+def session_url(url: str, *, token: str | None = None, resume: str | None = None) -> str:
     """The ``ws(s)://host:port/v1/sessions`` URL for what a user typed.
 
     Accepts a full WebSocket URL, or an ``http(s)://host:port`` base URL (its
     scheme is swapped and, when it has no path, ``/v1/sessions`` is added). A
-    token becomes the ``?token=`` query parameter.
+    token becomes the ``?token=`` query parameter, a resume ticket's token
+    ``?resume=`` (so a load balancer can route it to the replica that holds the session).
     """
     parts = urlsplit(url if "://" in url else f"ws://{url}")
     scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
@@ -150,6 +212,8 @@ def session_url(url: str, *, token: str | None = None) -> str:
     query = parse_qsl(parts.query)
     if token is not None:
         query = [(k, v) for k, v in query if k != "token"] + [("token", token)]
+    if resume is not None:
+        query = [(k, v) for k, v in query if k != "resume"] + [("resume", resume)]
     return urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
 
 

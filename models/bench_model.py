@@ -1,4 +1,4 @@
-"""``arstream bench model``: frames per second of tiny-world through the runner on this machine.
+"""``arstream bench model``: frames per second of a registered model through the runner on this machine.
 
 Runs one stream for several repetitions after the runner's warm-up. With
 ``--streams N`` it also serves N sessions together, chunk boundary by chunk
@@ -18,22 +18,41 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from arstream.models.tiny_world.evaluate import make_runner
-from arstream.models.tiny_world.pipeline import load_tiny_world
+from arstream.measure import compare, percentile, print_summary
+from arstream.models.registry import DEFAULT_MODEL, load_pipeline
+from arstream.runner.contract import ARPipeline
+from arstream.runner.pool import budget_for_sessions
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, TickRequest
 
+# Held keys per 8-chunk stretch, shifted per stream; keys a model does not take are left out.
 KEY_CYCLE = (["d"], ["d"], ["s"], ["w", "a"], [])
 
 
-def run_streams(runner: ARRunner, streams: int, chunks: int, rep: int, name: str) -> tuple[float, list[float]]:
+def control_keys(model_card: dict[str, Any]) -> list[str]:
+    """Key names the model's controls schema allows (empty when it has no ``keys`` enum)."""
+    keys = model_card.get("controls", {}).get("properties", {}).get("keys", {})
+    return [str(k) for k in keys.get("items", {}).get("enum", [])]
+
+
+def runner_for_sessions(pipeline: ARPipeline, sessions: int, max_batch_sessions: int = 1) -> ARRunner:
+    """A runner whose KV pool has room for exactly ``sessions`` resident sessions."""
+    budget = budget_for_sessions(pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions)
+    return ARRunner(pipeline, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
+
+
+def run_streams(
+    runner: ARRunner, streams: int, chunks: int, rep: int, name: str, keys: Sequence[str]
+) -> tuple[float, list[float]]:
     """Wall seconds for ``chunks`` chunks per stream, one runner call per chunk boundary; each chunk's compute time."""
     ids = [f"bench-{name}-{rep}-{i}" for i in range(streams)]
+    cycle = [[k for k in held if k in keys] for held in KEY_CYCLE]
     times = []
     started = time.perf_counter()
     for c in range(chunks):
@@ -41,7 +60,7 @@ def run_streams(runner: ARRunner, streams: int, chunks: int, rep: int, name: str
             TickRequest(
                 session_id=sid,
                 request_id=c,
-                controls={"keys": KEY_CYCLE[(c // 8 + i) % len(KEY_CYCLE)]},
+                controls={"keys": cycle[(c // 8 + i) % len(cycle)]} if keys else {},
                 seed=rep * 100 + i,
                 close=c == chunks - 1,
             )
@@ -56,35 +75,49 @@ def run_streams(runner: ARRunner, streams: int, chunks: int, rep: int, name: str
     return time.perf_counter() - started, times
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arstream bench model", description=__doc__.split("\n")[0])
-    p.add_argument("--weights", default=None, help="safetensors file (default: the shipped weights)")
-    p.add_argument("--chunks", type=int, default=48, help="chunks per stream per repetition")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
+def denoise_passes(pipeline: ARPipeline) -> int | None:
+    """Denoising passes per chunk when the pipeline's config says (tiny-world's does), else None."""
+    times = getattr(getattr(pipeline, "cfg", None), "denoise_times", None)
+    return None if times is None else len(times)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model name (default {DEFAULT_MODEL})")
+    parser.add_argument(
+        "--model-options", type=json.loads, default={}, help="JSON object of keyword arguments for the model's loader"
+    )
+    parser.add_argument(
+        "--weights", default=None, help="tiny-world: safetensors file (default: the shipped weights)"
+    )
+    parser.add_argument("--chunks", type=int, default=48, help="chunks per stream per repetition")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
         "--streams", type=int, default=4, help="also compare this many streams batched vs round robin (0 or 1: skip)"
     )
-    p.add_argument("--threads", type=int, default=2)
-    return p
+    parser.add_argument("--threads", type=int, default=2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    pipeline = load_tiny_world(torch.device("cpu"), args.weights)
+    options = dict(args.model_options)
+    if args.weights is not None:
+        options["weights_path"] = args.weights
+    pipeline = load_pipeline(args.model, "cpu", **options)
     streams = max(args.streams, 1)
-    runners = {"round_robin": make_runner(pipeline, sessions=streams)}
+    runners = {"round_robin": runner_for_sessions(pipeline, streams)}
     if streams > 1:
-        runners["batched"] = make_runner(pipeline, sessions=streams, max_batch_sessions=streams)
+        runners["batched"] = runner_for_sessions(pipeline, streams, max_batch_sessions=streams)
     for runner in runners.values():
         runner.warmup()
+    card = runners["round_robin"].model_card()
+    keys = control_keys(card)
     fpc = runners["round_robin"].spec.frames_per_chunk
-    card = pipeline.model_card()
-    cfg = pipeline.cfg
+    passes = denoise_passes(pipeline)
     print(
-        f"tiny-world {card['width']}x{card['height']}, {fpc} frames/chunk, {len(cfg.denoise_times)} denoise "
-        f"passes + 1 commit per chunk, {cfg.num_layers} layers d={cfg.d_model}, torch threads {torch.get_num_threads()}, "
-        f"{platform.processor() or platform.machine()}"
+        f"{card['name']} {card['width']}x{card['height']}, {fpc} frames/chunk, "
+        f"{'' if passes is None else f'{passes} denoise passes + 1 commit per chunk, '}"
+        f"torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
     )
     fps: dict[str, list[float]] = {}
     chunk_ms: dict[str, list[float]] = {}
@@ -94,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def measure(label: str, runner: ARRunner, n: int, rep: int) -> float:
-        wall, times = run_streams(runner, n, args.chunks, rep, label)
+        wall, times = run_streams(runner, n, args.chunks, rep, label, keys)
         frames = n * args.chunks * fpc
         rate = frames / wall
         fps.setdefault(label, []).append(rate)
@@ -105,39 +138,35 @@ def main(argv: list[str] | None = None) -> int:
 
     for rep in range(args.repeats):
         measure("one", runners["round_robin"], 1, rep)
-    ratios = []
-    if streams > 1:
-        for rep in range(args.repeats):
-            order = ("round_robin", "batched") if rep % 2 == 0 else ("batched", "round_robin")
-            rates = {label: measure(label, runners[label], streams, rep) for label in order}
-            ratios.append(rates["batched"] / rates["round_robin"])
     one = chunk_ms["one"]
     summary: dict[str, object] = {
-        "model": "tiny-world",
+        "model": args.model,
         "fps": round(statistics.median(fps["one"]), 2),
         "fps_min": round(min(fps["one"]), 2),
-        "chunk_ms_p50": round(statistics.median(one), 2),
-        "chunk_ms_p95": round(sorted(one)[int(0.95 * (len(one) - 1))], 2),
+        "chunk_ms_p50": round(percentile(one, 50), 2),
+        "chunk_ms_p95": round(percentile(one, 95), 2),
         "frames_per_chunk": fpc,
-        "denoise_passes": len(cfg.denoise_times),
+        "denoise_passes": passes,
         "repeats": args.repeats,
         "chunks_per_repeat": args.chunks,
         "threads": torch.get_num_threads(),
     }
     if streams > 1:
+        # The ratio is batched over round robin; round robin runs first on even repetitions.
+        batching = compare(
+            ("batched", "round_robin"),
+            args.repeats,
+            lambda rep, order: {label: measure(label, runners[label], streams, rep) for label in reversed(order)},
+        )
         summary["streams"] = streams
         # round robin, as this key always meant
-        summary["fps_total_streams"] = round(statistics.median(fps["round_robin"]), 2)
-        summary["fps_total_batched"] = round(statistics.median(fps["batched"]), 2)
-        summary["batched_chunk_ms_p50"] = round(statistics.median(chunk_ms["batched"]), 2)
-        summary["batched_vs_round_robin_ratio"] = round(statistics.median(ratios), 3)
+        summary["fps_total_streams"] = round(batching.median("round_robin"), 2)
+        summary["fps_total_batched"] = round(batching.median("batched"), 2)
+        summary["batched_chunk_ms_p50"] = round(percentile(chunk_ms["batched"], 50), 2)
+        summary["batched_vs_round_robin_ratio"] = round(batching.median_ratio, 3)
         print(
             f"{streams} streams: round robin {summary['fps_total_streams']} fps, "
             f"batched {summary['fps_total_batched']} fps in total; median ratio {summary['batched_vs_round_robin_ratio']}"
         )
-    print(json.dumps(summary))
+    print_summary(summary)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,7 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from arstream.app.frames import FrameHeader, decode_frame
+from arstream.app.wire import FrameHeader, decode_frame
 from arstream.app.server import LISTENING_MARKER, ARStreamServer, build_server
 from arstream.app.settings import Settings
 from arstream.models.fake import FakeKVPipeline

@@ -71,12 +71,6 @@ def test_keys_per_tick_expands_counts_in_order() -> None:
     assert client.keys_per_tick(segments) == [("d",), ("d",), (), ("w", "a"), ("w", "a")]
 
 
-def test_percentile_interpolates() -> None:
-    assert client.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
-    assert client.percentile([1.0, 2.0, 3.0], 100) == 3.0
-    assert client.percentile([7.0], 99) == 7.0
-
-
 # ---- wire helpers -------------------------------------------------------------------
 
 
@@ -104,11 +98,11 @@ def _frame_message(codec: int, payload: bytes, *, width: int = 2, height: int = 
 
 
 def test_parse_frame_reads_every_header_field() -> None:
-    header, payload = wire.parse_frame(_frame_message(wire.CODEC_RAW, bytes(range(6))))
+    header, payload = wire.parse_frame(_frame_message(wire.Codec.RAW, bytes(range(6))))
     assert header == wire.FrameHeader(
-        codec=wire.CODEC_RAW, last_in_chunk=True, frame_index=1, chunk_index=7, tick_id=42, width=2, height=1
+        codec=wire.Codec.RAW, last_in_chunk=True, frame_index=1, chunk_index=7, tick_id=42, width=2, height=1
     )
-    image = wire.decode_frame(header, payload)
+    image = wire.decode_payload(header, payload)
     assert image.shape == (1, 2, 3)
     assert image.tolist() == [[[0, 1, 2], [3, 4, 5]]]
 
@@ -117,9 +111,9 @@ def test_parse_frame_reads_every_header_field() -> None:
     ("message", "complaint"),
     [
         (b"ARF1", "shorter than"),
-        (_frame_message(wire.CODEC_RAW, bytes(6), magic=b"XXXX"), "magic"),
+        (_frame_message(wire.Codec.RAW, bytes(6), magic=b"XXXX"), "magic"),
         (_frame_message(9, bytes(6)), "codec id"),
-        (_frame_message(wire.CODEC_RAW, bytes(5)), "raw payload is 5 bytes"),
+        (_frame_message(wire.Codec.RAW, bytes(5)), "raw payload is 5 bytes"),
     ],
 )
 def test_parse_frame_rejects(message: bytes, complaint: str) -> None:

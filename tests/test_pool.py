@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from arstream.runner.pool import BlockStateError, PagedKVPool, PoolBudgetError, PoolExhausted, plan_pool
+from arstream.runner.pool import (
+    BlockStateError,
+    PagedKVPool,
+    PoolBudgetError,
+    PoolExhausted,
+    budget_for_sessions,
+    plan_pool,
+)
 from arstream.runner.spec import KVBranch, KVCacheSpec, SpecError
 
 
@@ -29,6 +36,23 @@ def test_plan_fits_largest_session_count() -> None:
     assert plan.num_blocks == 3 * 5 + 2
     assert plan.scratch_blocks == 7
     assert plan.pool_bytes == (plan.num_blocks + plan.scratch_blocks) * 16
+
+
+@pytest.mark.parametrize("max_batch_sessions", [1, 3])
+@pytest.mark.parametrize("sessions", [1, 2, 7])
+def test_budget_for_sessions_is_the_smallest_with_room_for_exactly_that_many(
+    sessions: int, max_batch_sessions: int
+) -> None:
+    spec = tiny_spec(kv_branches=(KVBranch("cond", 0), KVBranch("uncond", 1)), model_owned_bytes_per_session=24)
+    budget = budget_for_sessions(spec, sessions, max_batch_sessions=max_batch_sessions)
+    assert plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity == sessions
+    if sessions == 1:
+        with pytest.raises(PoolBudgetError):
+            plan_pool(spec, budget - 1, max_batch_sessions=max_batch_sessions)
+    else:
+        assert plan_pool(spec, budget - 1, max_batch_sessions=max_batch_sessions).session_capacity == sessions - 1
+    with pytest.raises(PoolBudgetError, match="at least one session"):
+        budget_for_sessions(spec, 0)
 
 
 def test_plan_is_capped_by_spec_session_capacity() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arstream.app.frames import HEADER_BYTES, Codec, FrameFormatError, FrameHeader, decode_frame, encode_chunk
+from arstream.app.wire import HEADER_BYTES, Codec, FrameHeader, WireError, decode_frame, encode_chunk
 from arstream.app.protocol import (
     ERROR_CLOSE_CODES,
     MAX_JSON_DEPTH,
@@ -174,11 +174,11 @@ def test_header_layout_is_little_endian_as_documented() -> None:
 
 
 def test_bad_headers_are_refused() -> None:
-    with pytest.raises(FrameFormatError, match="magic"):
+    with pytest.raises(WireError, match="magic"):
         FrameHeader.unpack(b"XXXX" + bytes(16))
-    with pytest.raises(FrameFormatError, match="codec"):
+    with pytest.raises(WireError, match="codec"):
         FrameHeader.unpack(b"ARF1" + bytes([7]) + bytes(15))
-    with pytest.raises(FrameFormatError, match="header"):
+    with pytest.raises(WireError, match="header"):
         FrameHeader.unpack(b"ARF1")
 
 

@@ -1,4 +1,5 @@
-"""``arstream serve``: flags over environment, the listening line, SIGINT shutdown, load failures."""
+"""The ``arstream`` command tree and ``arstream serve``: help at every level, flags derived from Settings
+over the environment, one-line errors before anything starts, the listening line, SIGINT shutdown."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from arstream import __version__
+from arstream.app import cli
 from arstream.app.settings import CPU_KV_BUDGET_BYTES, Settings, settings_from_argv
 from servers import REPO_ROOT, server_process, session_client
 
@@ -60,16 +63,71 @@ def test_cuda_budget_defaults_to_the_memory_fraction() -> None:
     assert Settings(device="cuda", memory_fraction=0.5).resolved_kv_budget_bytes() is None
 
 
+# ---- the command tree -----------------------------------------------------------------
+
+HELP_LEVELS = [[], ["bench"], ["train"], ["eval"]] + [list(command.words) for command in cli.COMMANDS]
+
+
+@pytest.mark.parametrize("words", HELP_LEVELS, ids=lambda words: " ".join(words) or "arstream")
+def test_help_at_every_level_exits_0_and_describes_the_commands(
+    words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([*words, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {' '.join(['arstream', *words])} ")
+    below = [c for c in cli.COMMANDS if list(c.words[: len(words)]) == words and len(c.words) == len(words) + 1]
+    for command in below:  # a level lists each command under it with its summary
+        assert command.words[-1] in out and command.summary in out
+    if not below:
+        assert "--" in out.split("options:", 1)[1].replace("--help", "")  # a leaf lists its own options
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"arstream {__version__}"
+
+
+def test_serve_flags_are_the_settings_fields_with_their_descriptions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps help text
+    for name, field in Settings.model_fields.items():
+        assert f"--{name.replace('_', '-')}" in out, name
+        assert field.description is not None and " ".join(field.description.split()) in out, name
+    assert "--jpeg-quality N JPEG quality when `start` names none (>= 1, <= 100) [default: 80]" in out
+    assert "--codec {jpeg,raw}" in out and "--model-options JSON" in out
+
+
 @pytest.mark.parametrize(
-    "argv",
-    [["--model-options", "not json"], ["--model-options", "[1]"], ["--codec", "png"], ["--port", "x"]],
-    ids=["options-not-json", "options-not-object", "bad-codec", "bad-port"],
+    ("argv", "complaint"),
+    [
+        (["serve", "--jpeg-quality", "0"], "--jpeg-quality (ARSTREAM_JPEG_QUALITY): Input should be greater than or equal to 1, got 0"),
+        (["serve", "--model", "nope"], "--model (ARSTREAM_MODEL): unknown model 'nope'; expected one of"),
+        (["serve", "--model-options", "not json"], "argument --model-options: expected JSON"),
+        (["serve", "--model-options", "[1]"], "argument --model-options: expected a JSON dict, got list"),
+        (["serve", "--codec", "png"], "argument --codec: invalid choice: 'png'"),
+        (["serve", "--port", "x"], "argument --port: invalid int value: 'x'"),
+        (["serve", "--max-batch-sessions", "0"], "--max-batch-sessions (ARSTREAM_MAX_BATCH_SESSIONS): Input should be"),
+        (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
+        (["bench"], "the following arguments are required: COMMAND"),
+    ],
 )
-def test_bad_flags_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exited:
-        settings_from_argv(argv)
-    assert exited.value.code == 2
-    assert "arstream serve" in capsys.readouterr().err
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"arstream {argv[0]}: " if argv[0] == "serve" else "arstream")
+    assert complaint in captured.err
+
+
+def test_a_bad_environment_variable_is_one_line_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ARSTREAM_IDLE_TIMEOUT_S", "-1")
+    assert cli.main(["serve"]) == 2
+    assert capsys.readouterr().err == (
+        "arstream serve: --idle-timeout-s (ARSTREAM_IDLE_TIMEOUT_S): Input should be greater than 0, got '-1'\n"
+    )
 
 
 def test_out_of_range_settings_are_refused() -> None:
@@ -106,16 +164,34 @@ def test_serve_subprocess_prints_listening_line_and_shuts_down_gracefully_on_sig
         assert server.process.wait(EXIT_GUARD_S) == 0
 
 
-def test_serve_with_an_unknown_model_exits_nonzero() -> None:
+@pytest.mark.parametrize(
+    "argv", [["--model", "no-such-model"], ["--jpeg-quality", "0"]], ids=["unknown-model", "bad-quality"]
+)
+def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "arstream", "serve", "--model", "no-such-model", "--port", "0"],
+        [sys.executable, "-m", "arstream", "serve", *argv, "--port", "0", "--log-level", "info"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=EXIT_GUARD_S,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1, result.stderr  # no traceback, and uvicorn never logged a start
+    assert result.stderr.startswith(f"arstream serve: {argv[0]} ")
+
+
+def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "arstream", "serve", "--model", "fake-kv", "--model-options", '{"no_such_option": 1}',
+         "--port", "0"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=EXIT_GUARD_S,
     )
     assert result.returncode == 1
-    assert "unknown model 'no-such-model'" in result.stderr
+    assert "no_such_option" in result.stderr
     assert "ARSTREAM_LISTENING" not in result.stdout
 
 

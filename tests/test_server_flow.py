@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from arstream.app import frames as frame_codec
+from arstream.app import wire
 from arstream.app.connection import REPLY_BACKLOG_LIMIT
 from arstream.models.fake import controls_code
 from servers import (
@@ -277,7 +277,7 @@ def test_server_fault_is_internal_1011_and_releases(monkeypatch: pytest.MonkeyPa
 
     with running_server(fake_settings()) as server:
         start_free = server.stats()["kv"]["blocks_free"]
-        monkeypatch.setattr(frame_codec, "encode_chunk", broken_encoder)
+        monkeypatch.setattr(wire, "encode_chunk", broken_encoder)
 
         async def scenario() -> Any:
             async with session_client(server.ws_url, start={}) as client:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from arstream.app.frames import Codec
+from arstream.app.wire import Codec
 from arstream.models.fake import controls_code
 from servers import LiveServer, SessionClient, fake_settings, running_server, session_client
 
@@ -103,7 +103,7 @@ def test_chunks_carry_exactly_their_frames_with_headers(server: LiveServer, base
         assert set(chunk["timings"]) == {"queue_ms", "compute_ms", "encode_ms"}
         for frame_index, (header, pixels) in enumerate(frames):
             assert header.codec is Codec.from_name(codec)
-            assert header.last is (frame_index == FRAMES_PER_CHUNK - 1)
+            assert header.last_in_chunk is (frame_index == FRAMES_PER_CHUNK - 1)
             assert header.frame_index == frame_index
             assert header.chunk_index == chunk_index
             assert header.tick_id == tick_id

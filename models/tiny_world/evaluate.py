@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from arstream.app.cli import main_for
 from arstream.models.tiny_world.metrics import (
     MIN_SHIFT_PX,
     color_histogram,
@@ -34,6 +35,7 @@ from arstream.models.tiny_world.metrics import (
 )
 from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
 from arstream.models.tiny_world.world import ProceduralWorld
+from arstream.runner.pool import budget_for_sessions
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import TickRequest
 
@@ -46,12 +48,10 @@ MIN_PALETTE_FRACTION = 0.7
 MAX_NOISE_RATIO = 2.0
 
 
-def make_runner(pipeline: TinyWorldPipeline, sessions: int = 4, max_batch_sessions: int = 1) -> ARRunner:
-    """A runner whose KV budget holds exactly ``sessions`` resident sessions (plus in-flight chunks and scratch)."""
-    spec = pipeline.kv_cache_spec()
-    in_flight = max_batch_sessions * (spec.frames_per_chunk + spec.resident_frames + spec.frames_per_chunk)
-    budget = (sessions * spec.resident_frames + in_flight) * spec.block_bytes
-    return ARRunner(pipeline, device=pipeline.device, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
+def make_runner(pipeline: TinyWorldPipeline, sessions: int = 4) -> ARRunner:
+    """A runner whose KV pool has room for exactly ``sessions`` resident sessions."""
+    budget = budget_for_sessions(pipeline.kv_cache_spec(), sessions)
+    return ARRunner(pipeline, device=pipeline.device, kv_budget_bytes=budget)
 
 
 def rollout(runner: ARRunner, keys_per_chunk: Sequence[Sequence[str]], seed: int, session_id: str = "eval") -> np.ndarray:
@@ -137,18 +137,16 @@ def evaluate_drift(runner: ARRunner, frames: int, seeds: Sequence[int]) -> dict[
     return summary
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arstream eval tiny-world", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
     p.add_argument("--weights", default=None, help="safetensors file (default: the shipped weights)")
     p.add_argument("--hold-frames", type=int, default=64, help="frames per held-key rollout")
     p.add_argument("--square-frames", type=int, default=320, help="frames of the square walk")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--threads", type=int, default=2)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     pipeline = load_tiny_world(torch.device("cpu"), args.weights)
@@ -184,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
     return 0
 
+
+main = main_for("eval", "tiny-world")
 
 if __name__ == "__main__":
     sys.exit(main())

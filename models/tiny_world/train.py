@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from arstream.app.cli import main_for
 from arstream.models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
 from arstream.models.tiny_world.weights import save_weights
@@ -244,8 +245,8 @@ def ema_decay(step: int, target: float) -> float:
     return min(target, (1 + step) / (10 + step))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arstream train tiny-world", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
     p.add_argument("--steps", type=int, default=1850, help="total optimiser steps (the learning-rate schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step (to resume later)")
     p.add_argument("--self-forcing-from", type=int, default=900, help="step at which self-forcing steps begin")
@@ -265,7 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every-s", type=float, default=240.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--config", type=Path, default=None, help="JSON with TinyWorldConfig overrides")
-    return p
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -278,8 +278,7 @@ def export(out: Path, ema: TinyWorldDiT, meta: dict[str, Any]) -> None:
     save_weights(ema, out / "tiny_world.safetensors", out / "config.json", meta)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = json.loads(args.config.read_text()) if args.config else {}
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             eta = per_step * (args.steps - step)
             print(
                 f"step {step}/{args.steps} loss {np.mean(recent):.4f} lr {lr_at(step, args):.2e} "
-                f"{'self-forcing' if step > args.self_forcing_from else 'diffusion-forcing'} "
+                f"{'mixed' if step > args.self_forcing_from else 'diffusion-forcing'} "
                 f"elapsed {elapsed / 60:.1f} min (total {train_seconds / 60:.1f}) "
                 f"{per_step:.2f} s/step ETA {eta / 60:.1f} min",
                 flush=True,
@@ -392,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saved {args.out / 'checkpoint.pt'} and {args.out / 'tiny_world.safetensors'} at step {step}", flush=True)
     return 0
 
+
+main = main_for("train", "tiny-world")
 
 if __name__ == "__main__":
     sys.exit(main())
