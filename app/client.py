@@ -122,6 +122,31 @@ class SessionClosed(RuntimeError):
     """The session ended (``closed`` message or the WebSocket closed) while we expected more."""
 
 
+class ConnectionDropped(SessionClosed):
+    """The connection went away without a close frame (a network drop): the session may be resumable."""
+
+
+@dataclass(frozen=True)
+class ResumeGap:
+    """What a drop and resume cost: time without a connection, and chunks that ran but never arrived."""
+
+    session_id: str
+    seconds: float
+    last_chunk_index: int | None  # the last chunk received before the drop
+    next_chunk_index: int  # the resumed ticket's
+
+    @property
+    def chunks_lost(self) -> int:
+        return max(0, self.next_chunk_index - (-1 if self.last_chunk_index is None else self.last_chunk_index) - 1)
+
+    def describe(self) -> str:
+        after = "before any chunk" if self.last_chunk_index is None else f"after chunk {self.last_chunk_index}"
+        return (
+            f"connection dropped {after}; resumed session {self.session_id} in {self.seconds * 1000:.0f} ms at "
+            f"chunk {self.next_chunk_index} ({self.chunks_lost} chunk(s) generated but never received)"
+        )
+
+
 @dataclass
 class Chunk:
     """One chunk as received: the ``chunk`` message, its frames and when things happened.
@@ -171,6 +196,7 @@ class SessionClient:
         self.action_to_frame_s: list[float] = []
         self.first_frame_at = math.nan
         self.frames_received = 0
+        self.last_chunk_index: int | None = None
 
     @property
     def model(self) -> dict[str, Any]:
@@ -185,10 +211,10 @@ class SessionClient:
         return len(self.tick_sent_at)
 
     async def start(
-        self, *, codec: str = "jpeg", seed: int | None = None, prompt: str | None = None
+        self, *, codec: str = "jpeg", seed: int | None = None, prompt: str | None = None, resume: str | None = None
     ) -> dict[str, Any]:
-        """Send ``start``; return the ``ready`` message."""
-        await self._send(wire.start_message(codec=codec, seed=seed, prompt=prompt))
+        """Send ``start`` (``resume``: a ticket's token); return the ``ready`` message."""
+        await self._send(wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume))
         message = await self._next_control_message()
         if message["type"] != "ready":
             raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")
@@ -196,6 +222,28 @@ class SessionClient:
             raise wire.WireError(f"server speaks protocol {message.get('protocol')}, this client {wire.PROTOCOL_VERSION}")
         self.ready = message
         return message
+
+    async def resume(self, url: str, *, token: str | None = None) -> ResumeGap:
+        """After a :class:`ConnectionDropped`: reconnect with the session's ticket and resume it.
+
+        Ticks in flight at the drop are gone (their chunks never come); tick and
+        event ids keep counting past them. A ticket the server cannot honour
+        raises :class:`ServerError` (``resume_failed``).
+        """
+        ticket = self.ready.get("resume")
+        if not ticket:
+            raise SessionClosed("the connection dropped and the server offered no resume ticket")
+        dropped_at = time.perf_counter()
+        await self.ws.close()
+        self.ws = await connect(wire.session_url(url, token=token, resume=ticket["token"]))
+        self.tick_sent_at.clear()
+        ready = await self.start(codec=self.ready["codec"], resume=ticket["token"])
+        return ResumeGap(
+            session_id=ready["session_id"],
+            seconds=time.perf_counter() - dropped_at,
+            last_chunk_index=self.last_chunk_index,
+            next_chunk_index=int(ready["resume"]["next_chunk_index"]),
+        )
 
     async def send_tick(self, **fields: Any) -> int:
         """Ask for one chunk (``tick_message`` fields: controls, prompt, reset, close); return its id."""
@@ -257,6 +305,7 @@ class SessionClient:
     def _record(self, chunk: Chunk) -> None:
         self.chunk_latencies_s.append(chunk.latency_s)
         self.frames_received += len(chunk.frames)
+        self.last_chunk_index = int(chunk.message["chunk_index"])
         if chunk.frames and math.isnan(self.first_frame_at):
             self.first_frame_at = chunk.first_frame_at
         for event_id in chunk.applied_event_ids:
@@ -283,6 +332,8 @@ class SessionClient:
         try:
             return await self.ws.recv()
         except websockets.ConnectionClosed as exc:
+            if exc.rcvd is None:
+                raise ConnectionDropped(f"connection dropped without a close frame ({exc})") from None
             raise SessionClosed(f"connection closed (code {exc.code}, reason {exc.reason!r})") from None
 
     async def _next_control_message(self) -> dict[str, Any]:
@@ -303,6 +354,11 @@ class SessionClient:
 
 
 # ---- the scripted run ---------------------------------------------------------------
+
+
+async def connect(url: str) -> Any:
+    """Open a session WebSocket (frames may be large: a raw chunk is several MB)."""
+    return await websockets.connect(url, max_size=MAX_MESSAGE_BYTES)
 
 
 @dataclass
@@ -326,28 +382,42 @@ async def run_script(
     seed: int | None = None,
     prompt: str | None = None,
     token: str | None = None,
+    resume_on_drop: bool = False,
 ) -> RunResult:
-    """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got."""
+    """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
+
+    With ``resume_on_drop``, a dropped connection is resumed (the gap is printed)
+    and the ticks whose chunks were lost are sent again.
+    """
     connect_started = time.perf_counter()
-    async with websockets.connect(wire.session_url(url, token=token), max_size=MAX_MESSAGE_BYTES) as ws:
-        session = SessionClient(ws)
+    session = SessionClient(await connect(wire.session_url(url, token=token)))
+    try:
         await session.start(codec=codec, seed=seed, prompt=prompt)
         # Enough ticks queued to keep the model busy, with one credit spare for a reset or close tick
         # that an interactive client may need to send at any moment.
         in_flight_limit = max(1, session.max_pending_ticks - 1)
         frames: list[np.ndarray] = []
-        held: tuple[str, ...] = ()
+        held: tuple[str, ...] | None = ()
         next_tick = 0
         chunks_received = 0
         ticking_started = time.perf_counter()
         while chunks_received < len(plan):
-            while next_tick < len(plan) and session.ticks_in_flight < in_flight_limit:
-                if plan[next_tick] != held:
-                    held = plan[next_tick]
-                    await session.send_input(controls={"keys": list(held)})
-                await session.send_tick()
-                next_tick += 1
-            chunk = await session.receive_chunk()
+            try:
+                while next_tick < len(plan) and session.ticks_in_flight < in_flight_limit:
+                    if plan[next_tick] != held:
+                        held = plan[next_tick]
+                        await session.send_input(controls={"keys": list(held)})
+                    await session.send_tick()
+                    next_tick += 1
+                chunk = await session.receive_chunk()
+            except ConnectionDropped:
+                if not resume_on_drop:
+                    raise
+                gap = await session.resume(url, token=token)
+                print(gap.describe(), flush=True)
+                # Ask again for the chunks that were lost; resend the keys (an input may have been lost too).
+                next_tick, held = chunks_received, None
+                continue
             chunks_received += 1
             frames.extend(chunk.frames)
             if chunk.message.get("restarted") == "evicted":
@@ -355,6 +425,8 @@ async def run_script(
                 print(f"note: tick {chunk.tick_id} started a new rollout after the session was evicted", file=sys.stderr)
         streaming_s = time.perf_counter() - ticking_started
         closed_reason = await session.close()
+    finally:
+        await session.ws.close()
     return RunResult(
         frames=frames,
         model=session.model,
@@ -424,6 +496,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--prompt")
     parser.add_argument("--token", help="auth token, sent as ?token=")
+    parser.add_argument(
+        "--resume-on-drop",
+        action="store_true",
+        help="when the connection drops, reconnect and resume the session with its ticket; prints the gap",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -435,7 +512,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         result = asyncio.run(
-            run_script(args.url, plan, codec=args.codec, seed=args.seed, prompt=args.prompt, token=args.token)
+            run_script(
+                args.url,
+                plan,
+                codec=args.codec,
+                seed=args.seed,
+                prompt=args.prompt,
+                token=args.token,
+                resume_on_drop=args.resume_on_drop,
+            )
         )
     except ServerError as exc:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""

@@ -126,6 +126,8 @@ def test_error_codes_fatality_and_close_codes_match_the_protocol_table() -> None
         "unauthorized": 1008,
         "over_capacity": 1013,
         "idle_timeout": 4001,
+        "resume_failed": 4002,
+        "taken_over": 4003,
         "internal": 1011,
     }
     assert error_message(ErrorCode.IDLE_TIMEOUT, "m")["fatal"] is True

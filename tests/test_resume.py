@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+from arstream.app.client import ConnectionDropped, RunResult, run_script
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner.runner import WARMUP_SESSION_ID
+from arstream.runner.types import TickRequest
 from servers import GatedFakePipeline, LiveServer, SessionClient, fake_settings, running_server, session_client
 
 GRACE_S = 30.0
@@ -413,3 +419,80 @@ def test_tokens_are_never_logged_whole(server: LiveServer, baseline: int, caplog
     assert "resumed with token r0." in logged  # the hint is there ...
     for token in tokens:
         assert token not in logged and token.split(".", 1)[1] not in logged  # ... the token is not
+
+
+# ---- the example client ---------------------------------------------------------------------
+
+
+class PausingFakePipeline(FakeKVPipeline):
+    """fake-kv that holds the forward of tick ``pause_at`` until the test lets it go (once)."""
+
+    def __init__(self, pause_at: int) -> None:
+        super().__init__()
+        self.pause_at = pause_at
+        self.paused = threading.Event()
+        self.proceed = threading.Event()
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        if tick.session_id != WARMUP_SESSION_ID and tick.request_id == self.pause_at and not self.paused.is_set():
+            self.paused.set()
+            if not self.proceed.wait(30):
+                raise RuntimeError("the test never let the paused forward go")
+        return super().generate_chunk(tick)
+
+
+def drop_every_connection(server: LiveServer) -> None:
+    """Abort each TCP connection on the server's side: the client sees a drop, no close frame."""
+    assert server.server is not None
+    for protocol in list(server.server.server_state.connections):
+        protocol.loop.call_soon_threadsafe(protocol.transport.abort)
+
+
+def test_client_resume_on_drop_prints_the_gap_and_keeps_the_world(capsys: pytest.CaptureFixture[str]) -> None:
+    k, total = 3, 8
+    pipeline = PausingFakePipeline(pause_at=k)
+    with running_server(resume_settings(max_batch_sessions=1), pipeline) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def dropped_run() -> RunResult:
+            plan = [("d",)] * total
+            run = asyncio.create_task(run_script(server.ws_url, plan, codec="raw", seed=SEED, resume_on_drop=True))
+            await asyncio.to_thread(pipeline.paused.wait, 30)  # tick k runs; chunks before it are sent or on the way
+            drop_every_connection(server)
+            # The client resumes at once; the resume waits for the paused forward, so nobody is connected.
+            await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["connected"] == 0)
+            pipeline.proceed.set()  # chunk k runs to the end and is never received
+            return await run
+
+        result = run(dropped_run())
+        gap = re.search(
+            r"connection dropped after chunk (\d+); resumed session s-\w+ in \d+ ms at chunk (\d+) "
+            r"\((\d+) chunk\(s\) generated but never received\)",
+            capsys.readouterr().out,
+        )
+        assert gap is not None
+        last, resumed_at, lost = map(int, gap.groups())
+        assert last < k and resumed_at == k + 1 and lost == resumed_at - last - 1
+        # The same world: chunks 0..last, then the chunks from resumed_at on, as an uninterrupted session paints them.
+        indexes = [*range(last + 1), *range(resumed_at, resumed_at + total - last - 1)]
+        reference = run(run_script(server.ws_url, [("d",)] * (indexes[-1] + 1), codec="raw", seed=SEED))
+        fpc = len(reference.frames) // (indexes[-1] + 1)
+        expected = [frame for index in indexes for frame in reference.frames[index * fpc : (index + 1) * fpc]]
+        assert result.closed_reason == "client"
+        assert all(np.array_equal(got, want) for got, want in zip(result.frames, expected, strict=True))
+        settled(server, start_free)
+
+
+def test_client_without_resume_on_drop_reports_the_drop() -> None:
+    pipeline = PausingFakePipeline(pause_at=1)
+    with running_server(resume_settings(), pipeline) as server:
+
+        async def dropped_run() -> None:
+            run = asyncio.create_task(run_script(server.ws_url, [()] * 4, codec="raw"))
+            await asyncio.to_thread(pipeline.paused.wait, 30)
+            drop_every_connection(server)
+            pipeline.proceed.set()
+            with pytest.raises(ConnectionDropped):
+                await run
+
+        run(dropped_run())
