@@ -66,6 +66,8 @@ const debug = {
 window.arstreamDebug = debug;
 // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
 debug.sendInput = (fields) => { if (connection.session) connection.session.sendInput(fields); };
+// Cut the socket without a `close` message, as a network drop would (tests use it).
+debug.dropSocket = () => { if (connection.session) connection.session.ws.close(4000, 'dropped on purpose'); };
 
 let model = null;  // the model card, from /v1/model or `ready`
 let recorder = null;
@@ -329,11 +331,13 @@ $('record').addEventListener('click', () => {
   recorder = new ClipRecorder($('screen'), model.fps, (blob, extension) => {
     recorder = null;
     $('record').textContent = 'Record';
+    $('record').setAttribute('aria-pressed', 'false');
     $('rec-dot').hidden = true;
     onState(connection.state, {});
     download(blob, extension);
   });
   $('record').textContent = 'Stop recording';
+  $('record').setAttribute('aria-pressed', 'true');
   $('rec-dot').hidden = false;
 });
 

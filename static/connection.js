@@ -283,7 +283,7 @@ export class Connection {
     if (this.state !== 'reconnecting') return;
     if (ready.ok || (ready.status === 503 && this.ticket)) {
       this.connect();  // a resumed session already holds its slot
-    } else if (ready.status === 503 && /slot|capacity|full/i.test(ready.reason || '')) {
+    } else if (ready.status === 503 && /slot|capacity|full|admission/i.test(ready.reason || '')) {
       this.waitForSlot();
     } else {
       this.retry(ready.status ? notReadyText(ready.reason) : why);

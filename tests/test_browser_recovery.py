@@ -1,0 +1,131 @@
+"""The demo page recovers without a click: server restarts, dropped connections, hidden tabs, a full server.
+
+Real servers (in-process, so one can stop and start again on the same port)
+and real Chromium pages through Playwright.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
+    PageErrors,
+    browser,
+    browser_marks,
+    debug,
+    free_port,
+    new_page,
+    overlay_text,
+    set_hidden,
+    wait,
+    wait_frames_drawn,
+    wait_state,
+)
+from tests.servers import fake_settings, running_server
+
+pytestmark = browser_marks
+FAKE = {"compute_delay_s": 0.01}
+RESUME_GRACE_S = 30.0  # tests/servers.py turns resume off unless asked
+
+
+@pytest.fixture
+def errors() -> Iterator[PageErrors]:
+    errors = PageErrors()
+    yield errors
+    errors.check()
+
+
+@pytest.fixture
+def context(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1100, "height": 760}, bypass_csp=True)
+    yield context
+    context.close()
+
+
+def _wait_new_frames(page: Any) -> None:
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 4)
+
+
+def test_server_restart_under_a_streaming_page_reconnects_by_itself(context: Any, errors: PageErrors) -> None:
+    port = free_port()
+    page = new_page(context, errors)
+    settings = fake_settings(port=port, model_options=FAKE, resume_grace_s=RESUME_GRACE_S)
+    with running_server(settings) as first:
+        page.goto(first.base_url + "/")
+        wait_frames_drawn(page, 4)
+        before = debug(page)["sessionId"]
+    # The server shut down gracefully (1001) and is gone: the page says so in words and keeps trying.
+    wait_state(page, "reconnecting")
+    text = overlay_text(page)
+    assert "restarting" in text and "Reconnecting" in text
+    assert "code" not in text
+    with running_server(settings):
+        wait_state(page, "streaming")
+        _wait_new_frames(page)
+        state = debug(page)
+        # Its resume ticket was for the old process: refused (4002), then a fresh session, said in words.
+        assert state["sessionId"] != before
+        assert state["lastClose"]["code"] in (1001, 4002)
+        assert "could not be picked up again" in (page.text_content("#log") or "")
+        assert state["errors"][-1]["code"] == "resume_failed"
+
+
+def test_a_dropped_connection_and_a_hidden_tab_resume_the_same_world(context: Any, errors: PageErrors) -> None:
+    with running_server(fake_settings(model_options=FAKE, resume_grace_s=RESUME_GRACE_S)) as server:
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait_frames_drawn(page, 4)
+        session_id = debug(page)["sessionId"]
+
+        # A drop (no `close` message): the server keeps the session, and the page picks it up again.
+        page.evaluate("window.arstreamDebug.dropSocket()")
+        wait(page, "window.arstreamDebug.resumed === 1 && window.arstreamDebug.state === 'streaming'")
+        _wait_new_frames(page)
+        assert debug(page)["sessionId"] == session_id
+        assert "carried on" in (page.text_content("#log") or "")
+
+        # A hidden tab lets its connection go (the slot is free for others) and resumes when shown.
+        set_hidden(page, True)
+        wait_state(page, "paused")
+        server.wait_for_stats(lambda stats: stats["sessions"]["connected"] == 0)
+        set_hidden(page, False)
+        wait(page, "window.arstreamDebug.resumed === 2 && window.arstreamDebug.state === 'streaming'")
+        _wait_new_frames(page)
+        assert debug(page)["sessionId"] == session_id
+        assert debug(page)["errors"] == []
+
+
+def test_one_slot_server_second_page_waits_then_joins_and_a_hidden_tab_gives_way(context: Any, errors: PageErrors) -> None:
+    # Resume off here: a hidden tab ends its session with `close`.
+    with running_server(fake_settings(model_options={**FAKE, "session_capacity": 1})) as server:
+        first = new_page(context, errors)
+        first.goto(server.base_url + "/")
+        wait_frames_drawn(first, 2)
+
+        second = new_page(context, errors)
+        second.goto(server.base_url + "/")
+        wait_state(second, "waiting")
+        text = overlay_text(second)
+        assert "full" in text and "join by yourself" in text and "1013" not in text
+
+        # The first page stops: the second joins by itself.
+        first.click("#play")
+        wait_state(first, "stopped")
+        wait_state(second, "streaming")
+        wait_frames_drawn(second, 2)
+
+        # The second tab is hidden: it lets its session go, and the first page gets the slot.
+        set_hidden(second, True)
+        wait_state(second, "paused")
+        server.wait_for_stats(lambda stats: stats["sessions"]["connected"] == 0)
+        first.click("#play")
+        wait_state(first, "streaming")
+        _wait_new_frames(first)
+        # Shown again, it starts afresh and finds the server full.
+        set_hidden(second, False)
+        wait_state(second, "waiting")
+        assert [e["code"] for e in debug(second)["errors"]] == ["over_capacity", "over_capacity"]
+        assert debug(first)["errors"] == []
