@@ -1,4 +1,4 @@
-"""``arstream eval tiny-world``: responsiveness and drift of the shipped model, through the runner.
+"""``arstream eval tiny-world``: responsiveness, drift and picture quality of the shipped model, through the runner.
 
 * Responsiveness: for each of ``w``, ``a``, ``s``, ``d`` held from the first
   frame, the share of consecutive frame pairs whose content moves the right
@@ -8,6 +8,13 @@
   total variation between the 8x8x8 colour histograms of the first and last
   quarter, and contrast, pixel noise, palette share and motion of the last
   quarter against the first (no collapse to grey, noise or a frozen pattern).
+* Picture quality (issue 11), next to the ground truth of the same key
+  sequences rendered by the procedural world: palette share, class
+  coherence, grid peak and class shares against the map's, over every frame
+  of the rollouts above plus an idle rollout per seed (move, then hold no
+  key), whose idle change is the share of pixels that change class while the
+  camera stands still. Contact sheets (ground truth above generated frames)
+  go to ``--out`` as PNG, with the figures as ``metrics.json``.
 
 The same checks, shortened, are the tests in ``tests/test_tiny_world_quality.py``.
 Prints a table and, as the last line, one JSON object.
@@ -16,27 +23,31 @@ Prints a table and, as the last line, one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
 from arstream.app.cli import main_for
 from arstream.models.tiny_world.metrics import (
     MIN_SHIFT_PX,
     color_histogram,
     drift_report,
+    idle_change,
+    picture_quality,
     responsiveness,
     total_variation,
 )
 from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
 from arstream.models.tiny_world.world import ProceduralWorld
-from arstream.runner.pool import budget_for_sessions
-from arstream.runner.runner import ARRunner
+from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import TickRequest
 
 RESPONSIVE_SHARE = 0.8
@@ -46,12 +57,27 @@ MAX_TV = 0.35
 MIN_CONTRAST_RATIO = 0.5
 MIN_PALETTE_FRACTION = 0.7
 MAX_NOISE_RATIO = 2.0
+# issue 11's targets for the picture-quality figures: (comparison, bound)
+QUALITY_TARGETS: dict[str, tuple[str, float]] = {
+    "palette_share": (">=", 0.95),
+    "coherence": (">=", 0.88),
+    "grid_peak": ("<=", 1.8),
+    "class_tv": ("<=", 0.10),
+    "idle_change": ("<=", 0.02),
+}
+# the idle rollout: move right then down, then stand still; idle change compares the frame
+# IDLE_SETTLE frames after the release with the one IDLE_SPAN frames later
+IDLE_MOVE_FRAMES = 16
+IDLE_SETTLE = 8
+IDLE_SPAN = 64
+
+# a recorded rollout: name, seed, held keys per chunk, generated frames
+Recorded = tuple[str, int, list[list[str]], np.ndarray]
 
 
 def make_runner(pipeline: TinyWorldPipeline, sessions: int = 4) -> ARRunner:
-    """A runner whose KV pool has room for exactly ``sessions`` resident sessions."""
-    budget = budget_for_sessions(pipeline.kv_cache_spec(), sessions)
-    return ARRunner(pipeline, device=pipeline.device, kv_budget_bytes=budget)
+    """A runner on the pipeline's device with room for exactly ``sessions`` resident sessions."""
+    return runner_for_sessions(pipeline, sessions, device=pipeline.device)
 
 
 def rollout(runner: ARRunner, keys_per_chunk: Sequence[Sequence[str]], seed: int, session_id: str = "eval") -> np.ndarray:
@@ -71,6 +97,17 @@ def rollout(runner: ARRunner, keys_per_chunk: Sequence[Sequence[str]], seed: int
     return np.concatenate(frames)
 
 
+@functools.lru_cache(maxsize=8)
+def world(seed: int) -> ProceduralWorld:
+    return ProceduralWorld(seed)
+
+
+def truth_rollout(keys_per_chunk: Sequence[Sequence[str]], seed: int, frames_per_chunk: int) -> np.ndarray:
+    """The ground-truth frames of a rollout: the same held keys on the procedural world of ``seed``."""
+    keys = [list(k) for k in keys_per_chunk for _ in range(frames_per_chunk)]
+    return world(seed).rollout(0, 0, keys)[0]
+
+
 def hold(keys: Sequence[str], frames: int, frames_per_chunk: int) -> list[list[str]]:
     return [list(keys)] * (-(-frames // frames_per_chunk))
 
@@ -80,16 +117,40 @@ def square_walk(frames: int, frames_per_chunk: int) -> list[list[str]]:
     return [k for key in ("d", "s", "a", "w") for k in hold([key], side, frames_per_chunk)]
 
 
-def evaluate_responsiveness(runner: ARRunner, frames: int, seeds: Sequence[int]) -> dict[str, Any]:
+def idle_walk(frames_per_chunk: int) -> tuple[list[list[str]], int]:
+    """Keys per chunk of the idle rollout (right, down, then no key) and the frame at which the keys let go."""
+    move = hold(["d"], IDLE_MOVE_FRAMES, frames_per_chunk) + hold(["s"], IDLE_MOVE_FRAMES, frames_per_chunk)
+    still = hold([], IDLE_SETTLE + IDLE_SPAN + 1, frames_per_chunk)
+    return move + still, len(move) * frames_per_chunk
+
+
+def recorded_rollout(
+    runner: ARRunner, name: str, keys_per_chunk: list[list[str]], seed: int, record: list[Recorded] | None
+) -> np.ndarray:
+    """:func:`rollout`, kept in ``record`` (when given) for the picture-quality figures and contact sheets."""
+    frames = rollout(runner, keys_per_chunk, seed)
+    if record is not None:
+        record.append((name, seed, keys_per_chunk, frames))
+    return frames
+
+
+def evaluate_responsiveness(
+    runner: ARRunner, frames: int, seeds: Sequence[int], record: list[Recorded] | None = None
+) -> dict[str, Any]:
     fpc = runner.spec.frames_per_chunk
     out: dict[str, Any] = {}
     for key in ("w", "a", "s", "d"):
-        runs = [responsiveness(rollout(runner, hold([key], frames, fpc), seed), [key]) for seed in seeds]
+        runs = [
+            responsiveness(recorded_rollout(runner, f"hold {key}", hold([key], frames, fpc), seed, record), [key])
+            for seed in seeds
+        ]
         out[key] = {
             "fraction_right_way": float(np.mean([r["fraction_right_way"] for r in runs])),
             "mean_along_px": float(np.mean([r["mean_along"] for r in runs])),
         }
-    still = [responsiveness(rollout(runner, hold([], frames, fpc), seed), []) for seed in seeds]
+    still = [
+        responsiveness(recorded_rollout(runner, "no key", hold([], frames, fpc), seed, record), []) for seed in seeds
+    ]
     out["none"] = {"mean_shift_px": float(np.mean([r["mean_shift"] for r in still]))}
     out["min_fraction_right_way"] = min(out[k]["fraction_right_way"] for k in ("w", "a", "s", "d"))
     out["pass"] = bool(out["min_fraction_right_way"] >= RESPONSIVE_SHARE and out["none"]["mean_shift_px"] < MIN_SHIFT_PX)
@@ -113,13 +174,15 @@ def ground_truth_walks(frames: int, seeds: Sequence[int], frames_per_chunk: int)
     return [ProceduralWorld(seed).rollout(0, 0, keys)[0] for seed in seeds]
 
 
-def evaluate_drift(runner: ARRunner, frames: int, seeds: Sequence[int]) -> dict[str, Any]:
+def evaluate_drift(
+    runner: ARRunner, frames: int, seeds: Sequence[int], record: list[Recorded] | None = None
+) -> dict[str, Any]:
     fpc = runner.spec.frames_per_chunk
     truth = ground_truth_walks(frames, seeds, fpc)
     truth_hist = color_histogram(np.concatenate(truth))
     runs = []
     for seed in seeds:
-        generated = rollout(runner, square_walk(frames, fpc), seed)
+        generated = recorded_rollout(runner, "square walk", square_walk(frames, fpc), seed, record)
         report = drift_report(generated)
         report["checks"] = drift_checks(report)
         # how far the generated colours are from the real world's (reported, not a pass/fail check)
@@ -137,6 +200,70 @@ def evaluate_drift(runner: ARRunner, frames: int, seeds: Sequence[int]) -> dict[
     return summary
 
 
+def evaluate_quality(runner: ARRunner, seeds: Sequence[int], record: list[Recorded]) -> dict[str, Any]:
+    """Picture-quality figures of the recorded rollouts plus one idle rollout per seed, and of their ground truth.
+
+    Appends the idle rollouts to ``record``.
+    """
+    fpc = runner.spec.frames_per_chunk
+    keys, release = idle_walk(fpc)
+    idle = [
+        idle_change(recorded_rollout(runner, "idle", keys, seed, record), release, IDLE_SETTLE, IDLE_SPAN)
+        for seed in seeds
+    ]
+    truths = [truth_rollout(k, seed, fpc) for _name, seed, k, _frames in record]
+    generated = picture_quality(frames for *_, frames in record)
+    generated["idle_change"] = float(np.mean(idle))
+    truth = picture_quality(truths)
+    truth["idle_change"] = float(np.mean([idle_change(truth_rollout(keys, s, fpc), release) for s in seeds]))
+    meets = {
+        name: bool(generated[name] >= bound if op == ">=" else generated[name] <= bound)
+        for name, (op, bound) in QUALITY_TARGETS.items()
+    }
+    return {
+        "generated": generated,
+        "ground_truth": truth,
+        "meets_target": meets,
+        "frames": int(sum(len(frames) for *_, frames in record)),
+    }
+
+
+def contact_sheet(truth: np.ndarray, generated: np.ndarray, indices: Sequence[int], scale: int = 2) -> Image.Image:
+    """Ground-truth frames (top row) above the generated ones (bottom row) at ``indices``, labelled by frame."""
+    size = truth.shape[1] * scale
+    gap, label_w, label_h = 4, 92, 14
+    sheet = Image.new("RGB", (label_w + len(indices) * (size + gap), label_h + 2 * (size + gap)), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for row, (name, frames) in enumerate((("ground truth", truth), ("tiny-world", generated))):
+        top = label_h + row * (size + gap)
+        draw.text((4, top + size // 2 - 5), name, fill=(0, 0, 0))
+        for col, index in enumerate(indices):
+            left = label_w + col * (size + gap)
+            if row == 0:
+                draw.text((left, 1), f"frame {index}", fill=(0, 0, 0))
+            image = Image.fromarray(np.ascontiguousarray(frames[index])).resize((size, size), Image.Resampling.NEAREST)
+            sheet.paste(image, (left, top))
+    return sheet
+
+
+def write_contact_sheets(out: Path, record: list[Recorded], frames_per_chunk: int, columns: int = 8) -> list[Path]:
+    """One PNG per kind of rollout (its first seed): ground truth above generated, ``columns`` frames apart evenly."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths, seen = [], set()
+    for name, seed, keys, frames in record:
+        if name in seen:
+            continue
+        seen.add(name)
+        indices = np.linspace(0, len(frames) - 1, columns).round().astype(int).tolist()
+        if name == "idle":
+            _keys, release = idle_walk(frames_per_chunk)
+            indices = sorted({0, release - 1, release + IDLE_SETTLE, release + IDLE_SETTLE + IDLE_SPAN} | set(indices))
+        path = out / f"contact_{name.replace(' ', '_')}_seed{seed}.png"
+        contact_sheet(truth_rollout(keys, seed, frames_per_chunk), frames, indices).save(path)
+        paths.append(path)
+    return paths
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.add_argument("--weights", default=None, help="safetensors file (default: the shipped weights)")
@@ -144,6 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--square-frames", type=int, default=320, help="frames of the square walk")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--out", type=Path, default=Path("out/tiny_world_eval"), help="folder for contact sheets and metrics.json"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,8 +281,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     pipeline = load_tiny_world(torch.device("cpu"), args.weights)
     runner = make_runner(pipeline)
-    resp = evaluate_responsiveness(runner, args.hold_frames, args.seeds)
-    drift = evaluate_drift(runner, args.square_frames, args.seeds)
+    record: list[Recorded] = []
+    resp = evaluate_responsiveness(runner, args.hold_frames, args.seeds, record)
+    drift = evaluate_drift(runner, args.square_frames, args.seeds, record)
+    quality = evaluate_quality(runner, args.seeds, record)
+    sheets = write_contact_sheets(args.out, record, runner.spec.frames_per_chunk)
     print(f"responsiveness ({args.hold_frames} frames held, seeds {args.seeds}):")
     for key in ("w", "a", "s", "d"):
         r = resp[key]
@@ -173,12 +306,23 @@ def run(args: argparse.Namespace) -> int:
         f"pixel noise {truth['last_pixel_noise']:.2f}, palette share {truth['last_palette_fraction']:.2f}; "
         f"generated colours vs ground truth: TV {drift['tv_vs_ground_truth']:.3f}"
     )
+    print(f"picture quality ({quality['frames']} frames of the rollouts above + idle rollouts; class = nearest palette colour):")
+    print(f"  {'metric':<14} {'ground truth':>12} {'tiny-world':>10}  target")
+    for name, (op, bound) in QUALITY_TARGETS.items():
+        met = "met" if quality["meets_target"][name] else "not met"
+        print(
+            f"  {name:<14} {quality['ground_truth'][name]:>12.3f} {quality['generated'][name]:>10.3f}"
+            f"  {op} {bound} ({met})"
+        )
+    print(f"  contact sheets: {', '.join(str(p) for p in sheets)}")
     result = {
         "responsiveness": resp,
         "drift": drift,
+        "quality": quality,
         "pass": bool(resp["pass"] and drift["pass"]),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    (args.out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0
 

@@ -3,7 +3,7 @@
 A frame is represented by a *canvas*: the ``canvas_cells x canvas_cells`` grid
 of 8x8 world cells that contains the 64x64 view. Cells are aligned to the
 world (not the screen), and each token's rotary position is its world cell
-coordinate, integrated from the controls (:class:`CameraTrack` in the pipeline).
+coordinate, integrated from the controls (the camera position each session keeps in the pipeline).
 So a cell that stays in view keeps its position from frame to frame, and the
 network's job is to keep what it has shown consistent and to invent what
 enters the view; the pipeline crops the view out of the canvas.
@@ -21,6 +21,15 @@ inference and a dense batched history in training
 Each frame carries its own diffusion time and camera direction; both condition
 the frame's tokens through adaLN modulation. The network predicts the clean
 canvas (x0) in [-1, 1].
+
+Output head: ``head="linear"`` maps each token to its 8x8 patch on its own,
+so patch borders show (a mosaic of cells). ``head="conv"`` adds a small
+convolutional refiner at pixel resolution over the whole canvas: it sees the
+linear head's canvas, a few learned feature channels per pixel, the noisy
+input canvas and the diffusion time, and adds a residual, so neighbouring
+patches agree and the noisy input's own pixels sharpen the estimate (the
+pixel-level skip a U-Net has). Its last layer starts at zero, so a conv model
+initialised from linear-head weights starts out as that model.
 """
 
 from __future__ import annotations
@@ -63,6 +72,10 @@ class TinyWorldConfig:
     # "ddim": reuse the predicted noise between steps; "renoise": fresh noise each step
     sampler: str = "renoise"
     fps: int = 16
+    # "linear": per-patch linear output; "conv": plus a pixel-level convolutional refiner
+    head: str = "linear"
+    head_channels: int = 16
+    head_features: int = 8
 
     def __post_init__(self) -> None:
         if self.canvas_size < self.image_size + self.patch_size - 1:
@@ -79,6 +92,10 @@ class TinyWorldConfig:
             raise ValueError(f"context_noise must be in [0, 1), got {self.context_noise}")
         if self.sampler not in ("ddim", "renoise"):
             raise ValueError(f"sampler must be 'ddim' or 'renoise', got {self.sampler!r}")
+        if self.head not in ("linear", "conv"):
+            raise ValueError(f"head must be 'linear' or 'conv', got {self.head!r}")
+        if self.head_channels < 1 or self.head_features < 0:
+            raise ValueError(f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}")
 
     @property
     def grid(self) -> int:
@@ -216,6 +233,33 @@ class Block(nn.Module):
         return x + gate2 * self.mlp(h)
 
 
+class ConvHead(nn.Module):
+    """Pixel-level refiner over whole canvases: three 3x3 convolutions adding a residual to the linear head.
+
+    Inputs per pixel: the linear head's RGB, ``head_features`` learned
+    channels, the noisy input's RGB and the diffusion time. The receptive
+    field (7 px) spans patch borders, which the per-token head cannot see.
+    """
+
+    def __init__(self, cfg: TinyWorldConfig) -> None:
+        super().__init__()
+        c = cfg.head_channels
+        self.conv1 = nn.Conv2d(3 + cfg.head_features + 3 + 1, c, 3, padding=1)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv3 = nn.Conv2d(c, 3, 3, padding=1)
+        nn.init.zeros_(self.conv3.weight)
+        nn.init.zeros_(self.conv3.bias)
+
+    def forward(self, coarse: torch.Tensor, features: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``coarse``/``noisy`` ``[N, C, C, 3]``, ``features`` ``[N, C, C, k]``, ``t`` ``[N]`` -> ``[N, C, C, 3]``."""
+        n, size = coarse.shape[0], coarse.shape[1]
+        t_map = t.float()[:, None, None, None].expand(n, size, size, 1)
+        x = torch.cat([coarse, features, noisy, t_map], dim=-1).permute(0, 3, 1, 2)
+        x = F.gelu(self.conv1(x), approximate="tanh")
+        x = F.gelu(self.conv2(x), approximate="tanh")
+        return coarse + self.conv3(x).permute(0, 2, 3, 1)
+
+
 class TinyWorldDiT(nn.Module):
     """Predicts clean frames for one chunk given its noisy frames, times, directions and the KV history."""
 
@@ -234,6 +278,9 @@ class TinyWorldDiT(nn.Module):
         self.out = nn.Linear(d, cfg.patch_dim)
         nn.init.zeros_(self.final_ada.weight)
         nn.init.zeros_(self.final_ada.bias)
+        if cfg.head == "conv":
+            self.out_features = nn.Linear(d, cfg.patch_size * cfg.patch_size * cfg.head_features)
+            self.conv_head = ConvHead(cfg)
 
     def patchify(self, frames: torch.Tensor) -> torch.Tensor:
         """Canvases ``[B, F, C, C, 3]`` -> ``[B, F, tokens, patch_dim]``."""
@@ -242,11 +289,12 @@ class TinyWorldDiT(nn.Module):
         x = frames.reshape(b, f, g, p, g, p, 3).permute(0, 1, 2, 4, 3, 5, 6)
         return x.reshape(b, f, g * g, p * p * 3)
 
-    def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
+    def unpatchify(self, tokens: torch.Tensor, channels: int = 3) -> torch.Tensor:
+        """``[B, F, tokens, p * p * channels]`` -> canvases ``[B, F, C, C, channels]``."""
         b, f = tokens.shape[:2]
         g, p = self.cfg.grid, self.cfg.patch_size
-        x = tokens.reshape(b, f, g, g, p, p, 3).permute(0, 1, 2, 4, 3, 5, 6)
-        return x.reshape(b, f, g * p, g * p, 3)
+        x = tokens.reshape(b, f, g, g, p, p, channels).permute(0, 1, 2, 4, 3, 5, 6)
+        return x.reshape(b, f, g * p, g * p, channels)
 
     def forward(
         self,
@@ -256,19 +304,32 @@ class TinyWorldDiT(nn.Module):
         frame_positions: torch.Tensor,
         cell_origins: torch.Tensor,
         kv: KVCallback,
+        output_rows: int | None = None,
     ) -> torch.Tensor:
         """One pass over a chunk.
 
         ``noisy`` canvases ``[B, F, C, C, 3]`` in [-1, 1]; ``t`` ``[B, F]``
         diffusion times; ``direction`` ``[B, F]`` indices 0..8;
         ``frame_positions`` ``[F]`` or ``[B, F]`` absolute frame indices; ``cell_origins``
-        ``[B, F, 2]`` world cells of the canvases. Returns predicted clean canvases.
+        ``[B, F, 2]`` world cells of the canvases. Returns predicted clean canvases
+        of the first ``output_rows`` rows (default all; 0 for a pass that only
+        writes K/V, such as a commit, which then skips the output head).
         """
         x = self.patch_embed(self.patchify(noisy)) + self.pos_embed
         cond = F.silu(self.time_mlp(timestep_features(t)) + self.direction_embed(direction))
         cos, sin = self.rotary(frame_positions, cell_origins)
         for layer, block in enumerate(self.blocks):
             x = block(x, cond, cos, sin, layer, kv)
+        rows = noisy.shape[0] if output_rows is None else output_rows
+        if rows == 0:
+            return noisy[:0]
+        x, cond = x[:rows], cond[:rows]
         shift, scale = self.final_ada(cond)[:, :, None, :].chunk(2, dim=-1)
-        x = self.out(self.final_norm(x) * (1 + scale) + shift)
-        return self.unpatchify(x)
+        h = self.final_norm(x) * (1 + scale) + shift
+        coarse = self.unpatchify(self.out(h))
+        if self.cfg.head == "linear":
+            return coarse
+        b, f = coarse.shape[:2]
+        features = self.unpatchify(self.out_features(h), self.cfg.head_features)
+        refined = self.conv_head(coarse.flatten(0, 1), features.flatten(0, 1), noisy[:rows].flatten(0, 1), t[:rows].flatten())
+        return refined.view(coarse.shape)

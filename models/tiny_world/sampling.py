@@ -204,7 +204,7 @@ def commit_chunk(
     noisy = (1 - level) * clean + level * noise_like(tuple(clean.shape), generator, clean.device)
     t = torch.full(direction.shape, level, device=clean.device)
     kv.begin_pass(commit=True)
-    model(noisy, t, direction, chunk_positions(kv, cfg).to(clean.device), cell_origins, kv.kv)
+    model(noisy, t, direction, chunk_positions(kv, cfg).to(clean.device), cell_origins, kv.kv, output_rows=0)
     kv.end_pass()
 
 

@@ -41,10 +41,12 @@ import torch.nn.functional as F
 from arstream.app.cli import main_for
 from arstream.models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
-from arstream.models.tiny_world.weights import save_weights
-from arstream.models.tiny_world.world import ProceduralWorld, keys_for_direction
+from arstream.models.tiny_world.weights import load_model, save_weights
+from arstream.models.tiny_world.world import PALETTE, ProceduralWorld, keys_for_direction
 
 STILL = 4
+# palette colours are >= 0.39 apart in squared [-1, 1] units (rock-grass): at 0.1 a pixel on its colour costs < 0.02
+CLASS_TEMPERATURE = 0.1
 
 
 @dataclass
@@ -61,10 +63,13 @@ class Batch:
 class TrajectorySampler:
     """Random camera walks over a fixed set of seeded worlds."""
 
-    def __init__(self, world_seeds: list[int], cfg: TinyWorldConfig, rng: np.random.Generator) -> None:
+    def __init__(
+        self, world_seeds: list[int], cfg: TinyWorldConfig, rng: np.random.Generator, still_share: float = 0.2
+    ) -> None:
         self.worlds = [ProceduralWorld(s) for s in world_seeds]
         self.cfg = cfg
         self.rng = rng
+        self.still_share = still_share
 
     def _directions(self, chunks: int) -> list[int]:
         out = []
@@ -76,7 +81,7 @@ class TrajectorySampler:
         return out
 
     def _random_direction(self) -> int:
-        if self.rng.random() < 0.2:
+        if self.rng.random() < self.still_share:
             return STILL
         return int(self.rng.choice([d for d in range(NUM_DIRECTIONS) if d != STILL]))
 
@@ -140,6 +145,26 @@ def noised(clean: torch.Tensor, t: torch.Tensor, gen: torch.Generator) -> torch.
     return (1 - t) * clean + t * torch.randn(clean.shape, generator=gen)
 
 
+def class_loss(pred: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of each predicted pixel's class, read off its distance to the five palette colours.
+
+    Logits are ``-|pred - colour|^2 / CLASS_TEMPERATURE``, the target the ground
+    truth's class. Unlike the squared error, which is content to sit halfway
+    between two colours where the model is unsure, this pays for every pixel
+    that is closer to a wrong colour than to the right one, and it weighs
+    every class alike however dark or light its colour. ``mask`` ``[..., 1]``
+    keeps only pixels with a target.
+    """
+    palette = from_uint8(torch.from_numpy(PALETTE))
+    dist_pred = ((pred[..., None, :] - palette) ** 2).sum(-1)
+    target = ((clean[..., None, :] - palette) ** 2).sum(-1).argmin(-1)
+    ce = F.cross_entropy(-dist_pred.flatten(0, -2) / CLASS_TEMPERATURE, target.flatten(), reduction="none")
+    if mask is None:
+        return ce.mean()
+    m = mask.flatten()
+    return (ce * m).sum() / m.sum().clamp_min(1.0)
+
+
 def prime_history(model: TinyWorldDiT, kv: DenseChunkKV, batch: Batch, gen: torch.Generator) -> None:
     """For a continuing session: commit an old chunk from elsewhere, keep its first frame as the sink."""
     if batch.stale_sink is None:
@@ -148,7 +173,7 @@ def prime_history(model: TinyWorldDiT, kv: DenseChunkKV, batch: Batch, gen: torc
     kv.jump_to(batch.frame_start)
 
 
-def diffusion_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator) -> torch.Tensor:
+def diffusion_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0) -> torch.Tensor:
     cfg = model.cfg
     b = batch.frames.shape[0]
     fpc = cfg.frames_per_chunk
@@ -179,10 +204,13 @@ def diffusion_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generat
         t = torch.cat(rows_t)[:, None].expand(-1, fpc)
         kv.begin_pass(commit=commit, commit_rows=slice(x.shape[0] - b, x.shape[0]))
         cells = batch.cells[:, sl].repeat(len(rows_x), 1, 1)
-        pred = model(x, t, dirs.repeat(len(rows_x), 1), positions, cells, kv.kv)
+        pred = model(x, t, dirs.repeat(len(rows_x), 1), positions, cells, kv.kv, output_rows=b if train_query else 0)
         kv.end_pass()
         if train_query:
-            losses.append(F.mse_loss(pred[:b], clean))
+            loss = F.mse_loss(pred, clean)
+            if class_weight:
+                loss = loss + class_weight * class_loss(pred, clean)
+            losses.append(loss)
     return torch.stack(losses).mean()
 
 
@@ -204,7 +232,7 @@ def visibility_mask(origins: np.ndarray, ref_origins: np.ndarray, size: int) -> 
     return torch.from_numpy(mask)
 
 
-def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator) -> torch.Tensor:
+def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0) -> torch.Tensor:
     cfg = model.cfg
     b = batch.frames.shape[0]
     fpc = cfg.frames_per_chunk
@@ -227,7 +255,10 @@ def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator) -
         pred = model(noised(clean, t, gen), t[:, None].expand(-1, fpc), dirs, positions, cells, kv.kv)
         kv.end_pass()
         m = mask[:, sl]
-        losses.append(((pred - clean) ** 2 * m).sum() / (m.sum() * 3).clamp_min(1.0))
+        loss = ((pred - clean) ** 2 * m).sum() / (m.sum() * 3).clamp_min(1.0)
+        if class_weight:
+            loss = loss + class_weight * class_loss(pred, clean, m)
+        losses.append(loss)
         if c < chunks - 1:
             with torch.no_grad():
                 sample_chunk(model, kv, dirs, cells, gen)
@@ -265,7 +296,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from ('auto': OUT/checkpoint.pt if present)")
     p.add_argument("--checkpoint-every-s", type=float, default=240.0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--snapshot-every", type=int, default=0, help="also export the EMA weights to OUT/snapshots/step-N every N steps"
+    )
     p.add_argument("--config", type=Path, default=None, help="JSON with TinyWorldConfig overrides")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from these safetensors weights (config.json beside them); layers the config adds start fresh",
+    )
+    p.add_argument("--head-lr", type=float, default=None, help="learning rate of layers --init-from lacks (default --lr)")
+    p.add_argument("--class-loss", type=float, default=0.0, help="weight of the per-pixel palette-class cross-entropy")
+    p.add_argument("--still-share", type=float, default=0.2, help="share of trajectory segments with no key held")
+
+
+def init_from(model: TinyWorldDiT, weights: Path) -> set[str]:
+    """Load the weights' tensors into ``model`` (same config but for the output head); returns the fresh parameter names."""
+    source, _training = load_model(weights)
+    own = model.state_dict()
+    loaded = source.state_dict()
+    mismatched = [n for n in loaded if n not in own or own[n].shape != loaded[n].shape]
+    if mismatched:
+        raise SystemExit(f"{weights}: tensors {mismatched[:5]} do not fit the model being trained")
+    model.load_state_dict(loaded, strict=False)
+    fresh = {n for n, _ in model.named_parameters() if n not in loaded}
+    print(f"initialised from {weights}; fresh layers: {sorted(fresh)}", flush=True)
+    return fresh
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -286,10 +343,19 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     model = TinyWorldDiT(cfg)
+    fresh = set(dict(model.named_parameters()))
+    if args.init_from is not None:
+        fresh = init_from(model, args.init_from)
     ema = TinyWorldDiT(cfg)
     ema.load_state_dict(model.state_dict())
     ema.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    head_lr = args.lr if args.head_lr is None else args.head_lr
+    named = dict(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named.items() if n not in fresh], "lr_scale": 1.0},
+        {"params": [p for n, p in named.items() if n in fresh], "lr_scale": head_lr / args.lr},
+    ]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     step = 0
@@ -313,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         train_seconds = ckpt["train_seconds"]
         print(f"resumed from {resume} at step {step} ({train_seconds / 60:.1f} min trained)", flush=True)
 
-    sampler = TrajectorySampler(list(range(1000, 1000 + args.worlds)), cfg, rng)
+    sampler = TrajectorySampler(list(range(1000, 1000 + args.worlds)), cfg, rng, args.still_share)
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-world: {params / 1e6:.2f} M parameters, config {json.dumps(cfg.to_dict())}", flush=True)
     print(f"training: {json.dumps({k: str(v) for k, v in vars(args).items()})}", flush=True)
@@ -350,16 +416,16 @@ def run(args: argparse.Namespace) -> int:
     while step < last_step and not stop["now"]:
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(step, args) * group["lr_scale"]
         stale = rng.random() < 0.5
         self_force = step >= args.self_forcing_from and rng.random() < args.self_forcing_share
         model.train()
         if self_force:
             batch = sampler.sample(args.self_forcing_batch_size, args.rollout_chunks, stale)
-            loss = self_forcing_loss(model, batch, gen)
+            loss = self_forcing_loss(model, batch, gen, args.class_loss)
         else:
             batch = sampler.sample(args.batch_size, args.chunks, stale)
-            loss = diffusion_forcing_loss(model, batch, gen)
+            loss = diffusion_forcing_loss(model, batch, gen, args.class_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -369,6 +435,8 @@ def run(args: argparse.Namespace) -> int:
             for pe, pm in zip(ema.parameters(), model.parameters()):
                 pe.lerp_(pm, 1 - decay)
         step += 1
+        if args.snapshot_every and step % args.snapshot_every == 0:
+            export(args.out / "snapshots" / f"step-{step}", ema, {"step": step, "train_seconds": round(train_seconds, 1)})
         dt = time.perf_counter() - t0
         train_seconds += dt
         recent.append(loss.item())
