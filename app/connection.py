@@ -43,6 +43,7 @@ from arstream.app.protocol import (
     ready_message,
 )
 from arstream.app.resume import Resumed, ResumeRefused, token_hint
+from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.session import Session, SessionState
 from arstream.app.worker import OutcomeKind, TickOutcome
 
@@ -78,7 +79,8 @@ _Item = _Text | _Chunk | _Close
 
 
 class Outbox:
-    """A session's send queue. Replies are bounded (the receive loop waits); chunks are bounded by credits."""
+    """A session's send queue. Replies are bounded (the receive loop stops reading while it is full, and
+    each message read adds at most one); chunks and their errors are bounded by credits."""
 
     def __init__(self, reply_limit: int = REPLY_BACKLOG_LIMIT) -> None:
         self._items: deque[_Item] = deque()
@@ -107,10 +109,18 @@ class Outbox:
         self._items.append(item)
         self._has_items.set()
 
-    async def push_reply(self, text: str) -> None:
-        while self._replies_queued >= self._reply_limit and not self._closed:
+    @property
+    def replies_full(self) -> bool:
+        """The client has not taken ``reply_limit`` replies: read nothing more from it until it does."""
+        return self._replies_queued >= self._reply_limit and not self._closed
+
+    async def wait_reply_space(self) -> None:
+        while self.replies_full:
             self._reply_space.clear()
             await self._reply_space.wait()
+
+    def push_reply(self, text: str) -> None:
+        # Never waits: the receive loop reads a message only when there is room for its one reply.
         self.push(_Text(text, is_reply=True))
 
     async def get(self) -> _Item:
@@ -138,6 +148,14 @@ class Connection:
         self._writer: asyncio.Task[None] | None = None
         self._released = False
         self._disconnected = False
+        # Ticks handed to the worker whose outcome has not come back: while any is, the client waits on us.
+        self._in_worker: set[int] = set()
+        self._idle_since = 0.0  # loop time of the last message, or of the last outcome that left nothing queued
+        self._budget = MessageBudget(
+            self.settings.max_messages_per_s, self.settings.message_burst, asyncio.get_running_loop().time()
+        )
+        self.client_host = websocket.client.host if websocket.client else ""
+        self.token_key = auth.token_key(auth.offered_token(websocket.headers, websocket.query_params))
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -177,7 +195,7 @@ class Connection:
                 return
             session, next_chunk_index = resumed.session, resumed.next_chunk_index
         else:
-            refusal = self.hub.admission_refusal()
+            refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
             if refusal is not None:
                 log.info("session=%s not admitted: %s", self.session_id, refusal)
                 await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
@@ -237,11 +255,21 @@ class Connection:
     # ---- before the session exists -----------------------------------------------------
 
     async def _refuse(self, code: ErrorCode, message: str) -> None:
-        """Error then close, for a connection that never became a session."""
+        """Error then close, for a connection that never became a session.
+
+        Bounded by ``close_timeout_s``: a peer that does not read its refusal
+        is left to the transport, which drops it (see :mod:`arstream.app.guard`).
+        """
         self.metrics.errors.labels(code=str(code)).inc()
-        try:
+
+        async def send_refusal() -> None:
             await self.ws.send_text(dumps(error_message(code, message)))
             await self.ws.close(ERROR_CLOSE_CODES[code])
+
+        try:
+            await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
+        except TimeoutError:
+            log.debug("session=%s did not take its refusal within %s s", self.session_id, self.settings.close_timeout_s)
         except Exception:  # noqa: BLE001 - the client may already be gone
             log.debug("session=%s gone before its refusal was sent", self.session_id)
 
@@ -254,6 +282,9 @@ class Connection:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.start_timeout_s
         while True:
+            delay = self._budget.delay(loop.time())
+            if delay > 0:
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
             try:
                 message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
@@ -279,7 +310,17 @@ class Connection:
                 if exc.message_type == "start":
                     # A malformed start is still a start: say what is wrong and keep waiting.
                     self.metrics.errors.labels(code=str(exc.code)).inc()
-                    await self.ws.send_text(dumps(error_message(exc.code, exc.message)))
+                    try:
+                        # Within the start deadline: a client that does not read its errors is not waited on.
+                        await asyncio.wait_for(
+                            self.ws.send_text(dumps(error_message(exc.code, exc.message))),
+                            max(0.0, deadline - loop.time()),
+                        )
+                    except TimeoutError:
+                        await self._refuse(
+                            ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
+                        )
+                        return None
                     continue
                 await self._refuse(ErrorCode.START_REQUIRED, f"the first message must be start ({exc.message})")
                 return None
@@ -291,25 +332,57 @@ class Connection:
     # ---- the session's receive loop ---------------------------------------------------------
 
     async def _receive_loop(self, session: Session) -> None:
+        loop = asyncio.get_running_loop()
+        self._idle_since = loop.time()
         while session.live:
-            try:
-                message = await asyncio.wait_for(self.ws.receive(), self.settings.idle_timeout_s)
-            except TimeoutError:
+            message = await self._next_message()
+            if message is None:
                 if session.live:
                     self._fatal(
                         ErrorCode.IDLE_TIMEOUT,
-                        f"no message for {self.settings.idle_timeout_s} s",
+                        f"no message for {self.settings.idle_timeout_s} s while no tick was queued or running",
                         reason=CloseReason.IDLE_TIMEOUT,
                     )
                 return
             if message["type"] == "websocket.disconnect":
                 self._disconnected = True
                 return
+            self._idle_since = loop.time()
             if session.live:
                 await self._handle(session, message)
 
+    def _idle_left(self, now: float) -> float:
+        """Seconds until the session is idle (PROTOCOL.md: no message while no tick is queued or running)."""
+        if self._in_worker:
+            return self.settings.idle_timeout_s  # the client is waiting on the server
+        return self._idle_since + self.settings.idle_timeout_s - now
+
+    async def _next_message(self) -> dict[str, Any] | None:
+        """The next message, or None once the session is idle.
+
+        Every wait here is bounded by the idle deadline: the message rate
+        budget (a client past it is read more slowly), room for replies (a
+        client that does not read them is not read either, so it goes idle and
+        is closed), and the message itself.
+        """
+        loop = asyncio.get_running_loop()
+        delay = self._budget.delay(loop.time())
+        if delay > 0:
+            await asyncio.sleep(delay)
+        while True:
+            left = self._idle_left(loop.time())
+            if left <= 0:
+                return None
+            try:
+                if self.outbox.replies_full:
+                    await asyncio.wait_for(self.outbox.wait_reply_space(), left)
+                    continue
+                return await asyncio.wait_for(self.ws.receive(), left)
+            except TimeoutError:
+                continue
+
     async def _reply(self, payload: dict[str, Any]) -> None:
-        await self.outbox.push_reply(dumps(payload))
+        self.outbox.push_reply(dumps(payload))
 
     async def _reply_error(self, error: ProtocolError) -> None:
         self.metrics.errors.labels(code=str(error.code)).inc()
@@ -335,6 +408,7 @@ class Connection:
                 job = session.accept_tick(parsed)
                 assert self.hub.worker is not None
                 self.hub.worker.submit(job)
+                self._in_worker.add(job.tick_id)
             elif isinstance(parsed, InputMessage):
                 self._validate_controls(parsed.controls, tick_id=None)
                 duplicate = session.accept_event(parsed)
@@ -350,7 +424,17 @@ class Connection:
             await self._reply_error(exc)
 
     def _validate_controls(self, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
-        if controls is None or self.hub.controls_validator is None:
+        if controls is None:
+            return
+        limit = self.settings.max_control_items
+        if count_exceeds(controls, limit):
+            # Refused before the schema walks it: a schema check costs time per item, on the event loop.
+            raise ProtocolError(
+                ErrorCode.INVALID_CONTROLS,
+                f"controls hold more than {limit} JSON values (max_control_items)",
+                tick_id=tick_id,
+            )
+        if self.hub.controls_validator is None:
             return
         error = next(iter(self.hub.controls_validator.iter_errors(controls)), None)
         if error is not None:
@@ -360,6 +444,10 @@ class Connection:
     # ---- outcomes from the worker (event loop) ------------------------------------------------
 
     def on_outcome(self, outcome: TickOutcome) -> None:
+        if self._in_worker:
+            self._in_worker.discard(outcome.job.tick_id)
+            if not self._in_worker:
+                self._idle_since = asyncio.get_running_loop().time()  # the idle clock starts again now
         session = self.session
         if session is None or not session.live or outcome.job.session is not session:
             return  # closing (its queued ticks were dropped), or a tick of the connection this one resumed

@@ -16,6 +16,7 @@ import jsonschema
 import torch
 
 from arstream.app.admission import RealtimeCapacity, chunk_period_s, realtime_capacity
+from arstream.app.guard import TrustedProxies
 from arstream.app.metrics import ServerMetrics
 from arstream.app.resume import ResumeRegistry
 from arstream.app.settings import Settings
@@ -46,6 +47,7 @@ class SessionHub:
         self.shutting_down = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
+        self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
         )
@@ -168,6 +170,27 @@ class SessionHub:
             batch_limit=stats.max_batch_sessions,
             kv_capacity=stats.session_capacity,
         )
+
+    def client_cap_refusal(self, connection: Connection) -> str | None:
+        """Why ``connection``'s client address or token may not hold one more session, or None.
+
+        Addresses of trusted proxies (``forwarded_allow_ips``) are not capped:
+        behind one, uvicorn has already put the forwarded client address in
+        the connection's scope, and a proxy's own address stands for everyone.
+        """
+        settings = self.settings
+        held = [c for c in self.connections.values() if c is not connection]
+        per_client = settings.max_sessions_per_client
+        if per_client is not None and connection.client_host not in self.trusted_proxies:
+            count = sum(1 for c in held if c.client_host == connection.client_host)
+            if count >= per_client:
+                return f"this client address already holds {count} sessions (max_sessions_per_client {per_client})"
+        per_token = settings.max_sessions_per_token
+        if per_token is not None and connection.token_key is not None:
+            count = sum(1 for c in held if c.token_key == connection.token_key)
+            if count >= per_token:
+                return f"this token already holds {count} sessions (max_sessions_per_token {per_token})"
+        return None
 
     def register(self, connection: Connection) -> None:
         self.connections[connection.session_id] = connection

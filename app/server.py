@@ -28,6 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from arstream.app.connection import Connection
+from arstream.app.guard import RefusalLog, protocol_classes, quiet_resource_errors, redact_uvicorn_logs
+from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
 from arstream.app.settings import Settings, add_settings_arguments, describe_settings_error, settings_from_args
@@ -51,8 +53,14 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         finally:
             await hub.stop()
 
-    app = FastAPI(title="ARStream", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No /docs, /redoc or /openapi.json: the public contract is PROTOCOL.md, and a schema page is surface for nothing.
+    app = FastAPI(
+        title="ARStream", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.hub = hub
+    app.state.refusals = RefusalLog()
+    app.add_middleware(SecurityHeaders)
+    app.add_middleware(HostCheck, patterns=allowed_host_patterns(settings))
 
     @app.websocket("/v1/sessions")
     async def sessions(websocket: WebSocket) -> None:
@@ -106,6 +114,12 @@ class ARStreamServer(uvicorn.Server):
         super().__init__(config)
         self.hub = hub
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        app = self.config.app
+        if isinstance(app, FastAPI):
+            quiet_resource_errors(asyncio.get_running_loop(), app.state.refusals)
+        await super().startup(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()  # stop accepting before saying goodbye
@@ -128,8 +142,15 @@ class ARStreamServer(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvicorn.Config:
-    """One worker, no per-message deflate, and a frame limit just above the protocol's message limit."""
+    """One worker, no per-message deflate, a frame limit just above the protocol's message limit, and the
+    transport bounds of :mod:`arstream.app.guard` (connection caps, request heads, closes)."""
+    http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals)
+    app.state.guard = guard
     options: dict[str, object] = {
+        "http": http_protocol,
+        "ws": ws_protocol,
+        "forwarded_allow_ips": settings.forwarded_allow_ips or [],
+        "server_header": False,
         "host": settings.host,
         "port": settings.port,
         "workers": 1,
@@ -140,7 +161,9 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvi
         "timeout_graceful_shutdown": settings.shutdown_grace_s + 1.0,
     }
     options.update(overrides)
-    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+    config = uvicorn.Config(app, **options)  # type: ignore[arg-type]
+    redact_uvicorn_logs()  # after uvicorn has configured its loggers
+    return config
 
 
 def build_server(settings: Settings, pipeline: ARPipeline | None = None, **config_overrides: object) -> ARStreamServer:

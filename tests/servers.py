@@ -130,9 +130,11 @@ def running_server(
 
 
 @contextmanager
-def server_process(args: list[str], env: dict[str, str] | None = None) -> Iterator[LiveServer]:
+def server_process(
+    args: list[str], env: dict[str, str] | None = None, *, prefix: Sequence[str] = ()
+) -> Iterator[LiveServer]:
     """``python -m arstream serve --port 0 ARGS`` as a subprocess; SIGINT (graceful) on exit."""
-    command = [sys.executable, "-m", "arstream", "serve", "--port", "0", *args]
+    command = [*prefix, sys.executable, "-m", "arstream", "serve", "--port", "0", *args]  # prefix: e.g. prlimit
     process_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
         command, cwd=REPO_ROOT, env=process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

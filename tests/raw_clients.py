@@ -1,0 +1,118 @@
+"""Raw-socket clients for attack tests, and what a test reads from the server process (RSS, open files).
+
+A real WebSocket library reads in the background and answers the server
+politely; an attacker does neither. :class:`RawWebSocket` speaks just enough
+RFC 6455 to upgrade and send frames, and never reads unless told to, with a
+small receive buffer so the server's writes back up quickly.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import struct
+from pathlib import Path
+
+# Hang guard for blocking socket calls; it asserts nothing about speed.
+SOCKET_GUARD_S = 30.0
+SMALL_RECEIVE_BUFFER = 4096
+
+
+def rss_bytes(pid: int) -> int:
+    """The process's resident set size, from /proc/PID/status (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS line for process {pid}")
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def tcp_connect(port: int, *, receive_buffer: int | None = SMALL_RECEIVE_BUFFER) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(SOCKET_GUARD_S)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def read_http_head(sock: socket.socket) -> str:
+    """Read up to the end of an HTTP response head (or until the server closes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(4096)
+        if not piece:
+            break
+        data += piece
+    return data.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Drain what the server sent until it closes the connection (True) or the guard expires (False)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+class RawWebSocket:
+    """A WebSocket client over a plain socket that reads nothing unless asked."""
+
+    def __init__(self, port: int, path: str = "/v1/sessions", headers: dict[str, str] | None = None) -> None:
+        self.sock = tcp_connect(port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        lines = [
+            f"GET {path} HTTP/1.1",
+            f"Host: 127.0.0.1:{port}",
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+            f"Sec-WebSocket-Key: {key}",
+            "Sec-WebSocket-Version: 13",
+            *(f"{name}: {value}" for name, value in (headers or {}).items()),
+        ]
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        self.response_head = read_http_head(self.sock)
+        self.status = int(self.response_head.split(" ", 2)[1]) if self.response_head else 0
+
+    def _frame(self, opcode: int, payload: bytes) -> bytes:
+        mask = os.urandom(4)
+        length = len(payload)
+        if length < 126:
+            header = struct.pack("!BB", 0x80 | opcode, 0x80 | length)
+        elif length < 65536:
+            header = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, length)
+        else:
+            header = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, length)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        return header + mask + masked
+
+    def send_text(self, text: str) -> None:
+        self.sock.sendall(self._frame(0x1, text.encode()))
+
+    def send_ping(self, payload: bytes = b"x" * 125) -> None:
+        self.sock.sendall(self._frame(0x9, payload))
+
+    def try_send(self, data: bytes) -> bool:
+        """Send without blocking past the guard; False once the server stops taking bytes or drops us."""
+        try:
+            self.sock.sendall(data)
+        except (TimeoutError, ConnectionResetError, BrokenPipeError):
+            return False
+        return True
+
+    def ping_frames(self, count: int, payload: bytes = b"x" * 125) -> bytes:
+        return b"".join(self._frame(0x9, payload) for _ in range(count))
+
+    def text_frames(self, texts: list[str]) -> bytes:
+        return b"".join(self._frame(0x1, text.encode()) for text in texts)
+
+    def close(self) -> None:
+        self.sock.close()
