@@ -194,15 +194,19 @@ function fit() {
     player.fit(window.innerWidth, window.innerHeight);
     return;
   }
-  const stage = box.parentElement;
+  const layout = document.querySelector('.layout');
+  const style = getComputedStyle(layout);
   const stacked = window.matchMedia('(max-width: 899px)').matches;
   const coarse = window.matchMedia('(pointer: coarse)').matches;
+  // The stage hugs the player, so the room comes from the layout: its width less the side column.
+  let width = layout.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  if (!stacked) width -= $('side').offsetWidth + parseFloat(style.columnGap);
   const top = box.getBoundingClientRect().top + window.scrollY;
   // Room under the player for the controls, and for the pad when it sits below on a touch screen.
   let below = $('controls-bar').offsetHeight + 28;
   if (stacked && coarse) below += $('pad').offsetHeight + 20;
   const height = window.innerHeight - top - below;
-  player.fit(stage.clientWidth, Math.max(height, stacked ? stage.clientWidth * 0.6 : 240));
+  player.fit(width, Math.max(height, stacked ? width * 0.6 : 240));
 }
 
 // ---- the connection ----------------------------------------------------------------------
@@ -269,7 +273,7 @@ document.addEventListener('keydown', (event) => {
 });
 
 // A mouse click leaves the focus on a button, and Space or Enter would press it again: hand it back.
-for (const button of document.querySelectorAll('.controls button, #overlay-action')) {
+for (const button of document.querySelectorAll('.controls button, #overlay-action, #details summary')) {
   button.addEventListener('click', (event) => { if (event.detail > 0) button.blur(); });
 }
 $('codec').addEventListener('change', () => $('codec').blur());

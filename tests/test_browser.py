@@ -8,7 +8,9 @@ Phones are in test_browser_touch.py, recovery in test_browser_recovery.py.
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +32,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
     wait_frames_drawn,
     wait_state,
 )
-from tests.servers import LiveServer, fake_settings, running_server
+from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 EBML_MAGIC = bytes.fromhex("1a45dfa3")  # every WebM file starts with it
@@ -260,3 +262,18 @@ def test_fullscreen_recording_download_and_share_link(server: LiveServer, contex
     opened.goto(link)
     wait_frames_drawn(opened, 2)
     assert debug(opened)["seed"] == 4242
+
+
+def test_the_screenshot_script_captures_the_page(server: LiveServer, browser: Any, tmp_path: Path) -> None:
+    """scripts/screenshots.py makes the README's pictures; run its capture at the phone size."""
+    spec = importlib.util.spec_from_file_location("screenshots", REPO_ROOT / "scripts" / "screenshots.py")
+    assert spec is not None and spec.loader is not None
+    screenshots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screenshots)
+    shot = screenshots.SHOTS["demo-phone-390x844.png"]
+    path = tmp_path / "phone.png"
+    screenshots.capture(browser, server.base_url, path, shot)
+    png = path.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert (width, height) == (shot.width, shot.height)
