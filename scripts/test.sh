@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x /usr/bin/chromium ]; then
+# chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks.
+if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Render deploy/haproxy/haproxy.cfg.template for a set of ARStream replicas (standard library only).
+
+    python3 deploy/haproxy/render.py --bind :8080 --stats-bind :8404 \\
+        --replica r0=replica-0:8000 --replica r1=replica-1:8000 --maxconn 6 > haproxy.cfg
+
+Each ``--replica NAME=HOST:PORT[/MAXCONN]`` is one ``arstream serve`` (NAME is its ``--replica-id``);
+MAXCONN, the replica's session capacity (``kv.session_capacity`` in its /v1/stats), defaults to
+``--maxconn``. Template lines starting with ``@each `` repeat once per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+TEMPLATE = Path(__file__).resolve().parent / "haproxy.cfg.template"
+EACH = "@each "
+REPLICA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # the server's replica_id rule
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str
+    address: str
+    maxconn: int
+
+
+def parse_replica(text: str, default_maxconn: int) -> Replica:
+    name, eq, rest = text.partition("=")
+    address, slash, maxconn = rest.partition("/")
+    if not eq or not REPLICA_NAME.match(name) or ":" not in address:
+        raise ValueError(f"expected NAME=HOST:PORT[/MAXCONN] with NAME of letters, digits, - or _; got {text!r}")
+    count = int(maxconn) if slash else default_maxconn
+    if count < 1:
+        raise ValueError(f"maxconn must be at least 1, got {count} in {text!r}")
+    return Replica(name, address, count)
+
+
+def render(
+    replicas: list[Replica],
+    *,
+    bind: str,
+    stats_bind: str,
+    check_interval: str = "2s",
+    queue_timeout: str = "10s",
+    template: str | None = None,
+) -> str:
+    """The configuration text; raises KeyError when the template names a value that is not given."""
+    if not replicas:
+        raise ValueError("at least one replica is needed")
+    if len({r.name for r in replicas}) != len(replicas):
+        raise ValueError("replica names must be unique: " + ", ".join(r.name for r in replicas))
+    values = {"bind": bind, "stats_bind": stats_bind, "check_interval": check_interval, "queue_timeout": queue_timeout}
+    lines = []
+    for line in (template if template is not None else TEMPLATE.read_text()).splitlines():
+        if line.startswith(EACH):
+            body = Template(line[len(EACH) :])
+            lines += [body.substitute(values, name=r.name, address=r.address, maxconn=r.maxconn) for r in replicas]
+        else:
+            lines.append(Template(line).substitute(values))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replica", action="append", required=True, metavar="NAME=HOST:PORT[/MAXCONN]")
+    parser.add_argument("--maxconn", type=int, default=4, help="sessions per replica when a replica names none")
+    parser.add_argument("--bind", default=":8080", help="where clients connect (default :8080)")
+    parser.add_argument("--stats-bind", default=":8404", help="HAProxy /stats and /metrics (default :8404)")
+    parser.add_argument("--check-interval", default="2s", help="health check interval on /healthz (default 2s)")
+    parser.add_argument("--queue-timeout", default="10s", help="how long a new session waits for a slot (default 10s)")
+    parser.add_argument("--out", type=Path, help="write here instead of standard output")
+    args = parser.parse_args(argv)
+    try:
+        replicas = [parse_replica(text, args.maxconn) for text in args.replica]
+        text = render(
+            replicas,
+            bind=args.bind,
+            stats_bind=args.stats_bind,
+            check_interval=args.check_interval,
+            queue_timeout=args.queue_timeout,
+        )
+    except ValueError as exc:
+        print(f"render.py: {exc}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

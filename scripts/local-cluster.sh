@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# N ARStream replicas behind HAProxy on loopback, without Docker (docs/deployment.md).
+#
+#   scripts/local-cluster.sh N [serve options]
+#
+# Starts N `arstream serve` replicas (replica ids r0..rN-1) on free loopback ports and HAProxy
+# (Debian's haproxy package) on a free port, routed like compose.yaml: new sessions to the
+# replica with the fewest, at most its session capacity each; `?resume=rN.` to replica rN.
+# Prints, on standard output:
+#   ARSTREAM_REPLICA rN http://127.0.0.1:PORT PID      one per replica, once it is ready
+#   ARSTREAM_LB_STATS http://127.0.0.1:PORT/stats     HAProxy's statistics (/metrics: its exporter)
+#   ARSTREAM_LB http://127.0.0.1:PORT                 once every replica is ready through the balancer
+# and runs until SIGTERM or Ctrl-C, then stops everything it started. Logs: $ARSTREAM_CLUSTER_DIR
+# (default: a new temporary directory). ARSTREAM_LB_PORT picks the balancer's port.
+set -euo pipefail
+
+usage() { echo "usage: $0 N [arstream serve options]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+replicas=$1; shift
+[[ $replicas =~ ^[1-9][0-9]*$ ]] || usage
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+if [ -n "${ARSTREAM_PYTHON:-}" ]; then python=$ARSTREAM_PYTHON
+elif [ -x "$root/.venv/bin/python" ]; then python=$root/.venv/bin/python
+else python=python3; fi
+haproxy_bin=${HAPROXY:-haproxy}
+command -v "$haproxy_bin" >/dev/null || { echo "$0: haproxy not found (apt-get install haproxy)" >&2; exit 1; }
+dir=${ARSTREAM_CLUSTER_DIR:-$(mktemp -d -t arstream-cluster.XXXXXX)}
+mkdir -p "$dir"
+# Hang guard for start-up only (loading a model can take a while); it asserts nothing about speed.
+startup_guard_s=${ARSTREAM_STARTUP_GUARD_S:-600}
+
+pids=()
+stop_all() {
+    trap - TERM INT EXIT
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap 'stop_all; exit 0' TERM INT
+trap 'stop_all' EXIT
+
+free_port() {
+    "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+http_get() {  # URL -> body on stdout; fails on anything but 200
+    "$python" - "$1" <<'PY'
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=5) as response:
+    sys.stdout.write(response.read().decode())
+PY
+}
+
+lb_port=${ARSTREAM_LB_PORT:-$(free_port)}
+stats_port=$(free_port)
+lb="http://127.0.0.1:$lb_port"
+# The demo page is served through the balancer: its origin must be allowed. Options given later win.
+origins="$lb,http://localhost:$lb_port"
+
+for ((i = 0; i < replicas; i++)); do
+    PYTHONUNBUFFERED=1 "$python" -m arstream serve --host 127.0.0.1 --port 0 --replica-id "r$i" \
+        --allowed-origins "$origins" "$@" >"$dir/r$i.log" 2>&1 &
+    pids+=($!)
+done
+
+# Each replica prints ARSTREAM_LISTENING URL once its model is loaded and warmed up.
+urls=()
+for ((i = 0; i < replicas; i++)); do
+    url=""
+    for ((waited = 0; waited < startup_guard_s * 10; waited++)); do
+        url=$(sed -n 's/^ARSTREAM_LISTENING \(http[^ ]*\).*/\1/p' "$dir/r$i.log" | head -n 1)
+        [ -n "$url" ] && break
+        if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+            echo "$0: replica r$i exited during start-up; its log ($dir/r$i.log):" >&2
+            cat "$dir/r$i.log" >&2
+            exit 1
+        fi
+        sleep 0.1
+    done
+    [ -n "$url" ] || { echo "$0: replica r$i did not start within ${startup_guard_s} s ($dir/r$i.log)" >&2; exit 1; }
+    urls+=("$url")
+done
+
+# maxconn per replica: its session capacity, as the replica itself reports it.
+render_args=()
+for ((i = 0; i < replicas; i++)); do
+    capacity=$(http_get "${urls[$i]}/v1/stats" | "$python" -c 'import json, sys; print(json.load(sys.stdin)["kv"]["session_capacity"])')
+    render_args+=(--replica "r$i=${urls[$i]#http://}/$capacity")
+done
+"$python" "$root/deploy/haproxy/render.py" "${render_args[@]}" --bind "127.0.0.1:$lb_port" \
+    --stats-bind "127.0.0.1:$stats_port" --check-interval 500ms --out "$dir/haproxy.cfg"
+"$haproxy_bin" -c -q -f "$dir/haproxy.cfg"
+"$haproxy_bin" -db -f "$dir/haproxy.cfg" >"$dir/haproxy.log" 2>&1 &
+pids+=($!)
+haproxy_pid=$!
+
+for ((i = 0; i < replicas; i++)); do
+    echo "ARSTREAM_REPLICA r$i ${urls[$i]} ${pids[$i]}"
+done
+echo "ARSTREAM_LB_STATS http://127.0.0.1:$stats_port/stats"
+
+# Ready through the balancer: each replica's /readyz answers 200 by way of HAProxy.
+for ((i = 0; i < replicas; i++)); do
+    for ((waited = 0; ; waited++)); do
+        http_get "$lb/replicas/r$i/readyz" >/dev/null 2>&1 && break
+        if ! kill -0 "$haproxy_pid" 2>/dev/null; then
+            echo "$0: haproxy exited; its log ($dir/haproxy.log):" >&2
+            cat "$dir/haproxy.log" >&2
+            exit 1
+        fi
+        [ "$waited" -lt $((startup_guard_s * 10)) ] || { echo "$0: r$i never became ready through $lb" >&2; exit 1; }
+        sleep 0.1
+    done
+done
+echo "ARSTREAM_LB $lb"
+echo "arstream cluster: $replicas replica(s) behind $lb; logs in $dir; Ctrl-C stops everything" >&2
+
+# Until SIGTERM or Ctrl-C (a replica that dies stays dead: HAProxy routes around it).
+while true; do
+    sleep 1 &
+    wait $! || true
+done

@@ -1,0 +1,243 @@
+"""scripts/local-cluster.sh: 2 real replicas (fake-kv, 2 sessions each) behind the real HAProxy, on loopback.
+
+One cluster for the whole story, in order: readiness through the balancer,
+new sessions split by least connections, a full cluster queueing a new
+session until a slot frees (maxconn), drop + resume on the owning replica,
+a killed replica's resume refused with a 503 while new sessions land on the
+survivor, and SIGTERM stopping every process the script started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+
+from servers import REPO_ROOT, RECEIVE_GUARD_S, STARTUP_GUARD_S, STOP_GUARD_S, SessionClient, session_client
+
+CAPACITY = 2
+# Hang guard for polling HAProxy's view; it asserts nothing about speed.
+POLL_GUARD_S = 30.0
+
+
+@dataclass
+class Cluster:
+    process: subprocess.Popen[str]
+    lb: str = ""
+    stats: str = ""
+    replicas: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (url, pid)
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def ws_url(self) -> str:
+        return self.lb.replace("http://", "ws://", 1) + "/v1/sessions"
+
+    def replica_stats(self, name: str) -> dict[str, Any]:
+        """The replica's /v1/stats, by way of the balancer's per-replica route."""
+        response = httpx.get(f"{self.lb}/replicas/{name}/v1/stats", timeout=10.0)
+        response.raise_for_status()
+        return response.json()
+
+    def haproxy_rows(self) -> list[dict[str, str]]:
+        text = httpx.get(self.stats + ";csv", timeout=10.0).text.lstrip("# ")
+        return list(csv.DictReader(io.StringIO(text)))
+
+    def server_row(self, backend: str, server: str) -> dict[str, str]:
+        return next(r for r in self.haproxy_rows() if (r["pxname"], r["svname"]) == (backend, server))
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + POLL_GUARD_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    options = ["--model", "fake-kv", "--model-options", f'{{"session_capacity": {CAPACITY}}}', "--log-level", "warning"]
+    process = subprocess.Popen(
+        ["bash", str(REPO_ROOT / "scripts" / "local-cluster.sh"), "2", *options],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    cluster = Cluster(process)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            cluster.output.append(line)
+            words = line.split()
+            if words[:1] == ["ARSTREAM_REPLICA"]:
+                cluster.replicas[words[1]] = (words[2], int(words[3]))
+            elif words[:1] == ["ARSTREAM_LB_STATS"]:
+                cluster.stats = words[1]
+            elif words[:1] == ["ARSTREAM_LB"]:
+                cluster.lb = words[1]
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    ready.wait(STARTUP_GUARD_S)
+    if not cluster.lb:
+        process.kill()
+        process.wait()
+        reader.join(STOP_GUARD_S)
+        assert process.stdout is not None
+        process.stdout.close()
+        raise RuntimeError("the cluster did not start:\n" + "".join(cluster.output))
+    try:
+        yield cluster
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(STOP_GUARD_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        reader.join(STOP_GUARD_S)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def replica_of(client: SessionClient) -> str:
+    """The replica that holds the session: its ticket's token begins with the replica id."""
+    assert client.ready is not None
+    return client.ready["resume"]["token"].split(".", 1)[0]
+
+
+async def one_chunk(client: SessionClient, tick_id: int) -> dict[str, Any]:
+    await client.send(type="tick", tick_id=tick_id)
+    chunk, _ = await client.recv_chunk()
+    return chunk
+
+
+def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cluster) -> None:
+    assert sorted(cluster.replicas) == ["r0", "r1"]
+    r0_free_at_start = cluster.replica_stats("r0")["kv"]["blocks_free"]
+    # Ready through the balancer, and each replica's own HTTP routes reachable through it.
+    assert httpx.get(cluster.lb + "/readyz", timeout=10.0).status_code == 200
+    for name in ("r0", "r1"):
+        assert cluster.replica_stats(name)["kv"]["session_capacity"] == CAPACITY
+        assert "arstream_sessions_detached" in httpx.get(f"{cluster.lb}/replicas/{name}/metrics", timeout=10.0).text
+        assert cluster.server_row("sessions", name)["slim"] == str(CAPACITY)  # maxconn: the session capacity
+    assert "haproxy_backend_current_sessions" in httpx.get(cluster.stats.removesuffix("stats") + "metrics").text
+
+    async def scenario() -> None:
+        clients: list[SessionClient] = []
+        contexts = [session_client(cluster.ws_url, start={}) for _ in range(4)]
+        for context in contexts:
+            clients.append(await context.__aenter__())
+        try:
+            # Least connections: 2 and 2.
+            placed = [replica_of(c) for c in clients]
+            assert sorted(placed) == ["r0", "r0", "r1", "r1"], placed
+            for name in ("r0", "r1"):
+                assert cluster.replica_stats(name)["sessions"]["connected"] == 2
+            for i, client in enumerate(clients):
+                assert (await one_chunk(client, 0))["chunk_index"] == 0, i
+
+            # Both replicas full: a fifth session waits in HAProxy's queue (it is not refused) ...
+            fifth_context = session_client(cluster.ws_url, start={})
+            fifth_task = asyncio.create_task(fifth_context.__aenter__())
+            await asyncio.to_thread(
+                wait_until, lambda: cluster.server_row("sessions", "BACKEND")["qcur"] == "1", "the fifth session queued"
+            )
+            # ... until a slot frees on r1, where it then lands.
+            on_r1 = next(c for c in clients if replica_of(c) == "r1")
+            await on_r1.send(type="close")
+            await on_r1.closed_by_server()
+            clients.remove(on_r1)
+            fifth = await asyncio.wait_for(fifth_task, RECEIVE_GUARD_S)
+            contexts.append(fifth_context)
+            clients.append(fifth)
+            assert replica_of(fifth) == "r1"
+
+            # Drop + resume: the balancer routes the token to the replica that holds the session.
+            dropped = next(c for c in clients if replica_of(c) == "r0")
+            assert dropped.ready is not None
+            session_id, token = dropped.ready["session_id"], dropped.ready["resume"]["token"]
+            dropped.abort()
+            await asyncio.to_thread(
+                wait_until, lambda: cluster.replica_stats("r0")["sessions"]["detached"] == 1, "r0 holds a detached session"
+            )
+            async with session_client(f"{cluster.ws_url}?resume={token}", start={"resume": token}) as resumed:
+                assert resumed.ready is not None
+                assert resumed.ready["session_id"] == session_id and resumed.ready["resumed"] is True
+                assert replica_of(resumed) == "r0"
+                chunk = await one_chunk(resumed, 1)
+                assert (chunk["chunk_index"], chunk["restarted"]) == (1, None)
+                await resumed.send(type="close")
+                await resumed.closed_by_server()
+
+            # A killed replica: its tokens get a clean 503 (never another replica), new sessions the survivor.
+            r1_token = fifth.ready["resume"]["token"] if fifth.ready else ""
+            os.kill(cluster.replicas["r1"][1], signal.SIGKILL)
+            await asyncio.to_thread(
+                wait_until, lambda: cluster.server_row("sessions", "r1")["status"] == "DOWN", "HAProxy marks r1 down"
+            )
+            with pytest.raises(InvalidStatus) as refused:
+                async with session_client(f"{cluster.ws_url}?resume={r1_token}", start={"resume": r1_token}):
+                    pass
+            assert refused.value.response.status_code == 503
+            async with session_client(cluster.ws_url, start={}) as survivor_session:
+                assert replica_of(survivor_session) == "r0"
+                assert (await one_chunk(survivor_session, 0))["chunk_index"] == 0
+                await survivor_session.send(type="close")
+                await survivor_session.closed_by_server()
+        finally:
+            for context in contexts:
+                await context.__aexit__(None, None, None)
+
+    run(scenario())
+    wait_until(
+        lambda: (lambda s: s["sessions"]["connected"] == 0 and s["kv"]["blocks_free"] == r0_free_at_start)(
+            cluster.replica_stats("r0")
+        ),
+        "r0 back at its baseline",
+    )
+
+
+def test_sigterm_stops_every_process_the_script_started(cluster: Cluster) -> None:
+    haproxy_pids = subprocess.run(
+        ["pgrep", "-P", str(cluster.process.pid), "haproxy"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(haproxy_pids) == 1
+    started = [pid for _, pid in cluster.replicas.values()] + [int(haproxy_pids[0])]
+    cluster.process.send_signal(signal.SIGTERM)
+    assert cluster.process.wait(STOP_GUARD_S) == 0
+    for pid in started:
+        wait_until(lambda: not _alive(pid), f"process {pid} stopped")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is not running either.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
