@@ -30,10 +30,17 @@ def _toy_attention(device: torch.device, **options: Any) -> ARPipeline:
     return ToyAttentionPipeline(**options)
 
 
+def _matrix_game(device: torch.device, **options: Any) -> ARPipeline:
+    from arstream.models.matrix_game.pipeline import load_matrix_game
+
+    return load_matrix_game(device=device, **options)
+
+
 PIPELINES: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,
     "fake-kv": _fake_kv,
     "toy-attention": _toy_attention,
+    "matrix-game-2": _matrix_game,
 }
 
 

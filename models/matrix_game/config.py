@@ -1,0 +1,149 @@
+"""Sizes of the Matrix-Game-2.0-class causal Wan model: one code path, three sizes.
+
+``1.3b`` is the published geometry (Wan2.1-1.3B backbone, 352x640 video,
+44x80 latent, 880 tokens per latent frame, action module in blocks 0-14,
+a 6-frame attention window including the current 3-frame chunk, no sink).
+``tiny`` keeps every structural feature at toy size so the whole path runs
+on a 2-core CPU in tests and serves the demo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ActionConfig:
+    """The keyboard + mouse module (``blocks.N.action_model.*`` in the published files)."""
+
+    blocks: tuple[int, ...] = tuple(range(15))
+    keyboard_dim_in: int = 4
+    mouse_dim_in: int = 2
+    hidden_size: int = 128
+    keyboard_hidden_dim: int = 1024
+    mouse_hidden_dim: int = 1024
+    heads_num: int = 16
+    # Each latent frame reads the controls of the windows_size * vae_time_compression_ratio video frames before it.
+    windows_size: int = 3
+    vae_time_compression_ratio: int = 4
+    # Only the time axis of the action rotary embedding turns (its height/width positions are always 0).
+    rope_time_dim: int = 8
+    rope_theta: float = 256.0
+    qkv_bias: bool = False
+
+    @property
+    def condition_frames(self) -> int:
+        return self.windows_size * self.vae_time_compression_ratio
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """``diffusers.AutoencoderKLWan`` arguments (Wan2.1 VAE: 8x spatial, 4x temporal, 16 channels)."""
+
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "base_dim": self.base_dim,
+            "z_dim": self.z_dim,
+            "dim_mult": list(self.dim_mult),
+            "num_res_blocks": self.num_res_blocks,
+            "attn_scales": [],
+            "temperal_downsample": [False, True, True],
+        }
+
+
+@dataclass(frozen=True)
+class MatrixGameConfig:
+    name: str
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    # noisy latent (16) + mask (4) + image-conditioning latent (16)
+    in_dim: int = 36
+    out_dim: int = 16
+    freq_dim: int = 256
+    clip_dim: int = 1280
+    clip_tokens: int = 257
+    eps: float = 1e-6
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    latent_height: int = 44
+    latent_width: int = 80
+    frames_per_chunk: int = 3  # latent frames
+    local_attn_size: int = 6  # latent frames a chunk attends to, itself included
+    sink_size: int = 0
+    rope_frames: int = 1024  # Wan's rotary table
+    denoise_timesteps: tuple[int, ...] = (1000, 666, 333)
+    timestep_shift: float = 5.0
+    fps: int = 25
+    action: ActionConfig = field(default_factory=ActionConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Token rows and columns of one latent frame."""
+        return self.latent_height // self.patch_size[1], self.latent_width // self.patch_size[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        rows, cols = self.grid
+        return rows * cols
+
+    @property
+    def height(self) -> int:
+        return self.latent_height * 8
+
+    @property
+    def width(self) -> int:
+        return self.latent_width * 8
+
+    @property
+    def video_frames_per_latent(self) -> int:
+        return self.action.vae_time_compression_ratio
+
+    @property
+    def video_frames_per_chunk(self) -> int:
+        return self.frames_per_chunk * self.video_frames_per_latent
+
+    @property
+    def first_chunk_frames(self) -> int:
+        """The causal VAE turns the first latent frame into one video frame, each later one into four."""
+        return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
+
+
+CONFIGS: dict[str, MatrixGameConfig] = {
+    "1.3b": MatrixGameConfig(name="1.3b"),
+    "tiny": MatrixGameConfig(
+        name="tiny",
+        dim=32,
+        ffn_dim=64,
+        num_heads=2,
+        num_layers=2,
+        clip_dim=16,
+        clip_tokens=5,
+        latent_height=4,
+        latent_width=6,
+        fps=16,
+        action=ActionConfig(
+            blocks=(0,), hidden_size=8, keyboard_hidden_dim=32, mouse_hidden_dim=32, heads_num=2, rope_time_dim=4
+        ),
+        vae=VAEConfig(base_dim=8, num_res_blocks=1),
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> MatrixGameConfig:
+    try:
+        config = CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown matrix-game-2 config {name!r}; expected one of {sorted(CONFIGS)}") from None
+    return replace(config, **overrides) if overrides else config

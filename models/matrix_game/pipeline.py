@@ -1,0 +1,325 @@
+"""MatrixGamePipeline: the causal Wan DiT + streaming Wan VAE behind the runner's pipeline contract.
+
+The runner owns the self-attention KV (one pool block per latent frame).
+The pipeline owns, per session, everything else that carries over between
+chunks: the noise generator, the recent controls (each latent frame reads
+the 12 video frames of controls before it), the action module's caches and
+the VAE decoder's feature cache. All of it is counted in capacity
+(``model_owned_bytes_per_session``) and changes only once a whole forward
+succeeded: a batch that fails leaves every session as it was (generators
+rewound), as the runner's batching contract asks.
+
+A chunk is 3 latent frames; the client gets 12 video frames, 9 on the first
+chunk of a rollout (the causal VAE turns the first latent frame into one).
+Sessions batch through the DiT (rows stack like tiny-world's); the VAE
+decodes row by row, each with its own cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from arstream.models.matrix_game import checkpoint as ckpt
+from arstream.models.matrix_game.config import MatrixGameConfig, get_config
+from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
+from arstream.models.matrix_game.dit import CausalWanDiT
+from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, action_history_bytes
+from arstream.models.matrix_game.sampler import sample_chunk
+from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
+from arstream.runner.binding import SessionStateBinding
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import TickRequest
+
+log = logging.getLogger("arstream.models.matrix_game")
+
+DEFAULT_SEED = 0
+# Latent frames of image conditioning encoded at load; later frames reuse the last (black frames settle).
+CONDITION_FRAMES = 8
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class _Session:
+    """What carries over between a session's chunks besides the runner's KV (immutable: replaced on success)."""
+
+    generator: torch.Generator
+    controls: ControlHistory | None = None
+    actions: ActionHistory = field(default_factory=ActionHistory)
+    vae_cache: FeatureCache | None = None
+
+
+@dataclass
+class ChunkTimings:
+    """Seconds of the last forward spent in DiT passes and in VAE decode (the rest is everything else)."""
+
+    dit_s: float = 0.0
+    vae_s: float = 0.0
+
+
+def default_image(cfg: MatrixGameConfig) -> torch.Tensor:
+    """A built-in start image ``[3, H, W]`` in [-1, 1]: sky over ground with a horizon."""
+    h, w = cfg.height, cfg.width
+    y = torch.linspace(0, 1, h)[:, None].expand(h, w)
+    x = torch.linspace(0, 1, w)[None, :].expand(h, w)
+    sky = torch.stack([0.3 + 0.3 * y, 0.5 + 0.3 * y, 0.9 + 0 * y])
+    ground = torch.stack([0.35 + 0.1 * x, 0.55 - 0.2 * y, 0.25 + 0 * y])
+    image = torch.where(y[None] < 0.45, sky, ground)
+    return image.clamp(0, 1) * 2 - 1
+
+
+def read_image(path: str | Path, cfg: MatrixGameConfig) -> torch.Tensor:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        rgb = img.convert("RGB").resize((cfg.width, cfg.height), Image.Resampling.BICUBIC)
+        array = np.asarray(rgb, dtype=np.float32)
+    return torch.from_numpy(array).permute(2, 0, 1) / 127.5 - 1
+
+
+class MatrixGamePipeline(SessionStateBinding):
+    """Implements ``ARPipeline``, ``SupportsBatchedChunks`` and ``SupportsWarmup``."""
+
+    def __init__(
+        self,
+        model: CausalWanDiT,
+        vae: StreamingVAE,
+        *,
+        device: torch.device,
+        clip_features: torch.Tensor,
+        image: torch.Tensor,
+        session_capacity: int = 8,
+    ) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.vae = vae
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.session_capacity = session_capacity
+        self._sessions: dict[str, _Session] = {}
+        self.last_latents: dict[str, torch.Tensor] = {}
+        self.timings = ChunkTimings()
+        with torch.inference_mode():
+            self.context = model.image_context(clip_features.to(device, self.dtype)[None])
+            image_latents = vae.encode_condition(image.to(device), CONDITION_FRAMES)
+        mask = torch.zeros(4, CONDITION_FRAMES, *image_latents.shape[2:], device=device)
+        mask[:, 0] = 1.0
+        self.condition = torch.cat([mask, image_latents.to(mask.dtype)])  # [20, CONDITION_FRAMES, h, w]
+        self.vae_cache_bytes = self._measure_vae_cache()
+        self.action_bytes = action_history_bytes(self.cfg, self.dtype)
+
+    def _measure_vae_cache(self) -> int:
+        """Bytes of a steady-state decoder cache (after a first and a later chunk of zeros)."""
+        cfg = self.cfg
+        zeros = torch.zeros(1, cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height, cfg.latent_width, device=self.device)
+        _, cache = self.vae.decode(zeros, None)
+        _, cache = self.vae.decode(zeros, cache)
+        return cache_bytes(cache)
+
+    # ---- contract ------------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        cfg = self.cfg
+        return KVCacheSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_heads,
+            head_size=cfg.head_dim,
+            tokens_per_frame=cfg.tokens_per_frame,
+            frames_per_chunk=cfg.frames_per_chunk,
+            sink_frames=cfg.sink_size,
+            window_frames=cfg.local_attn_size,
+            session_capacity=self.session_capacity,
+            model_owned_bytes_per_session=self.vae_cache_bytes + self.action_bytes,
+            dtype=self.dtype,
+            max_position_frames=cfg.rope_frames,
+        )
+
+    def model_card(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "name": "matrix-game-2",
+            "width": cfg.width,
+            "height": cfg.height,
+            "fps": cfg.fps,
+            "frames_per_chunk": cfg.video_frames_per_chunk,
+            "first_chunk_frames": cfg.first_chunk_frames,
+            "controls": controls_schema(cfg),
+            "mouse": "camera",
+            "config": cfg.name,
+        }
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        return self._generate([tick])[0]
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        """One DiT forward for several bound sessions (equal history lengths); row ``i`` is ``ticks[i]``."""
+        return self._generate(ticks)
+
+    def reset_session(self, session_id: str) -> None:
+        self._drop(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self._drop(session_id)
+
+    def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
+        controls = ({}, {"keys": ["w"], "camera": {"yaw": 0.1}})
+        return [TickRequest(session_id=session_id, request_id=i, controls=c) for i, c in enumerate(controls)]
+
+    def session_ids(self) -> list[str]:
+        """Sessions with model-owned state (for tests of release on reset/close)."""
+        return list(self._sessions)
+
+    def _drop(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self.last_latents.pop(session_id, None)
+
+    # ---- one chunk for a batch of sessions ----------------------------------------------------
+
+    def _session(self, tick: TickRequest, chunk_index: int) -> _Session:
+        session = self._sessions.get(tick.session_id)
+        if session is None or chunk_index == 0:
+            seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
+            session = _Session(generator=torch.Generator().manual_seed(seed))
+        return session
+
+    def _condition(self, frame_start: int) -> torch.Tensor:
+        last = self.condition.shape[1] - 1
+        index = [min(p, last) for p in range(frame_start, frame_start + self.cfg.frames_per_chunk)]
+        return self.condition[:, index]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _generate(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        cfg = self.cfg
+        states = [self.bound_state(t.session_id) for t in ticks]
+        sessions = [self._session(t, s.chunk_index) for t, s in zip(ticks, states)]
+        generators = [s.generator for s in sessions]
+        rewind = [g.get_state() for g in generators]
+        fpc = cfg.frames_per_chunk
+        try:
+            controls, mouse, keyboard = [], [], []
+            for tick, state, session in zip(ticks, states, sessions):
+                frames = cfg.first_chunk_frames if state.chunk_index == 0 else cfg.video_frames_per_chunk
+                history = extend(session.controls, tick.controls, frames, cfg)
+                m, k = windows(history, range(state.frame_start, state.frame_start + fpc), cfg)
+                controls.append(trimmed(history, cfg))
+                mouse.append(m)
+                keyboard.append(k)
+            shape = (cfg.out_dim, fpc, cfg.latent_height, cfg.latent_width)
+
+            def draw() -> torch.Tensor:
+                return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)
+
+            started = time.perf_counter()
+            with torch.inference_mode():
+                ctx = PagedChunkContext(states, [s.actions for s in sessions], cfg)
+                cond = torch.stack([self._condition(s.frame_start) for s in states])
+                latents = sample_chunk(
+                    self.model,
+                    ctx,
+                    draw(),
+                    draw,
+                    cond,
+                    self.context.expand(len(ticks), -1, -1),
+                    torch.stack(mouse).to(self.device),
+                    torch.stack(keyboard).to(self.device),
+                )
+                actions = ctx.updated_histories()
+                self._sync()
+                decoded = time.perf_counter()
+                videos, caches = [], []
+                for row, session in enumerate(sessions):
+                    video, cache = self.vae.decode(latents[row : row + 1], session.vae_cache)
+                    videos.append(video)
+                    caches.append(cache)
+                frames_out = [_to_uint8(v) for v in videos]
+            self.timings = ChunkTimings(dit_s=decoded - started, vae_s=time.perf_counter() - decoded)
+        except BaseException:
+            for generator, state in zip(generators, rewind):
+                generator.set_state(state)
+            raise
+        for row, (tick, session) in enumerate(zip(ticks, sessions)):
+            self._sessions[tick.session_id] = _Session(session.generator, controls[row], actions[row], caches[row])
+            self.last_latents[tick.session_id] = latents[row]
+        return frames_out
+
+
+def _to_uint8(video: torch.Tensor) -> np.ndarray:
+    """``[1, 3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]``."""
+    pixels = ((video[0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return np.ascontiguousarray(pixels.permute(1, 2, 3, 0).cpu().numpy())
+
+
+def load_matrix_game(
+    device: torch.device | str = "cpu",
+    *,
+    config: str = "1.3b",
+    checkpoint: str | None = None,
+    random_init: bool = False,
+    seed: int = 0,
+    dtype: str | None = None,
+    image: str | None = None,
+    clip_features: str | None = None,
+    dit_file: str | None = None,
+    vae_file: str | None = None,
+    session_capacity: int = 8,
+) -> MatrixGamePipeline:
+    """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
+
+    ``clip_features`` is a file holding the start image's ``[257, 1280]`` CLIP
+    tokens (this package has no CLIP encoder); without it the image context
+    is zeros (random with ``random_init``).
+    """
+    device = torch.device(device)
+    cfg = get_config(config)
+    if (checkpoint is None) == (not random_init):
+        raise ValueError("matrix-game-2 needs either checkpoint=DIR or random_init=true (not both)")
+    if dtype is None:
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES[dtype]
+    # Built without memory, then filled: a 1.3B model is neither default-initialised nor held twice.
+    with torch.device("meta"):
+        model = CausalWanDiT(cfg)
+    model = model.to_empty(device="cpu")
+    if checkpoint is not None:
+        directory = Path(checkpoint)
+        dit_path = ckpt.find_file(directory, dit_file, ckpt.DIT_FILES, "DiT")
+        vae_path = ckpt.find_file(directory, vae_file, ckpt.VAE_FILES, "VAE")
+        ckpt.load_dit(model, dit_path)
+        vae_module = build_vae(cfg)
+        ckpt.load_vae(vae_module, vae_path)
+        features = torch.zeros(cfg.clip_tokens, cfg.clip_dim)
+    else:
+        model.init_random(seed)
+        torch.manual_seed(seed)
+        vae_module = build_vae(cfg)  # diffusers' own random init, seeded
+        features = torch.randn(cfg.clip_tokens, cfg.clip_dim, generator=torch.Generator().manual_seed(seed + 1))
+    if clip_features is not None:
+        features = ckpt.read_state_dict(Path(clip_features)).get("clip_features", features)
+        if features.shape != (cfg.clip_tokens, cfg.clip_dim):
+            raise ckpt.CheckpointError(
+                f"{clip_features}: clip_features must be [{cfg.clip_tokens}, {cfg.clip_dim}], got {list(features.shape)}"
+            )
+    elif checkpoint is not None:
+        log.warning("no clip_features file given: the image context is zeros (this package has no CLIP encoder)")
+    start = read_image(image, cfg) if image is not None else default_image(cfg)
+    model = model.to(device=device, dtype=torch_dtype)
+    vae_module = vae_module.to(device=device)
+    if torch_dtype != torch.float32:
+        vae_module = vae_module.to(dtype=torch_dtype)
+    vae = StreamingVAE(vae_module)
+    return MatrixGamePipeline(
+        model, vae, device=device, clip_features=features, image=start, session_capacity=session_capacity
+    )

@@ -1,0 +1,79 @@
+"""Streaming Wan VAE decode through ``diffusers.AutoencoderKLWan``, with a feature cache per session.
+
+The Wan2.1 VAE decoder is causal in time: decoding latent frame ``i`` needs
+the last few frames of every causal convolution's input, which the decoder
+keeps in a feature cache (a list with one entry per causal convolution).
+``AutoencoderKLWan`` decodes frame by frame through that cache; here each
+session owns its cache, so a chunk decodes on its own and the frames equal a
+one-call decode of the whole latent. :meth:`StreamingVAE.decode` never
+changes the cache it is given (the decoder replaces entries; it works on a
+copy of the list) and returns the new one: the pipeline stores it only once
+the whole forward succeeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    from diffusers import AutoencoderKLWan
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+except ImportError as exc:  # pragma: no cover - the extra is part of the test install
+    raise ImportError(
+        "matrix-game-2 needs diffusers' AutoencoderKLWan: pip install 'arstream[wan]'"
+    ) from exc
+
+from arstream.models.matrix_game.config import MatrixGameConfig
+
+FeatureCache = list[Any]
+
+
+def build_vae(cfg: MatrixGameConfig) -> AutoencoderKLWan:
+    return AutoencoderKLWan(**cfg.vae.kwargs())
+
+
+class StreamingVAE:
+    def __init__(self, vae: AutoencoderKLWan) -> None:
+        self.vae = vae.eval()
+        param = next(vae.parameters())
+        shape = (1, -1, 1, 1, 1)
+        self.mean = torch.tensor(vae.config.latents_mean, device=param.device).view(shape)
+        self.std = torch.tensor(vae.config.latents_std, device=param.device).view(shape)
+        self.cache_entries = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor, cache: FeatureCache | None) -> tuple[torch.Tensor, FeatureCache]:
+        """Normalised latents ``[1, 16, F, h, w]`` -> video ``[1, 3, F', H, W]`` in [-1, 1] and the new cache.
+
+        ``cache`` None starts a rollout: its first latent frame becomes one video frame.
+        """
+        first = cache is None
+        work: FeatureCache = [None] * self.cache_entries if cache is None else list(cache)
+        z = (latents.to(self.mean.dtype) * self.std + self.mean).to(self.dtype)
+        x = self.vae.post_quant_conv(z)
+        frames = [
+            self.vae.decoder(x[:, :, i : i + 1], feat_cache=work, feat_idx=[0], first_chunk=first and i == 0)
+            for i in range(x.shape[2])
+        ]
+        return torch.cat(frames, dim=2).clamp(-1, 1), work
+
+    @torch.inference_mode()
+    def encode_condition(self, image: torch.Tensor, latent_frames: int) -> torch.Tensor:
+        """Matrix-Game's image conditioning: encode the start image followed by black frames.
+
+        ``image`` ``[3, H, W]`` in [-1, 1] -> normalised latents ``[16, latent_frames, h, w]``.
+        """
+        black = torch.zeros(3, 4 * (latent_frames - 1), *image.shape[1:], device=image.device)
+        video = torch.cat([image[:, None], black], dim=1)[None].to(self.dtype)
+        latents = self.vae.encode(video).latent_dist.mode()
+        return ((latents.to(self.mean.dtype) - self.mean) / self.std)[0]
+
+
+def cache_bytes(cache: FeatureCache) -> int:
+    return sum(t.numel() * t.element_size() for t in cache if isinstance(t, torch.Tensor))
