@@ -325,20 +325,16 @@ def run(args: argparse.Namespace) -> int:
             max_batch_sessions=args.max_batch_sessions,
         )
         # One untimed round on each side first, at full concurrency, so neither pays for first-use costs.
-        asyncio.run(
-            server_phase(url, sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec)
-        )
+        warmup = dict(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec)
+        asyncio.run(server_phase(url, **warmup))
         bare.chunks_per_s(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every)
 
         def measure(repetition: int, order: tuple[str, str]) -> dict[str, float]:
             rates = {}
             for side in order:  # each side runs alone: the server is idle while the bare runner works
                 if side == "server":
-                    figures = asyncio.run(
-                        server_phase(
-                            url, sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec
-                        )
-                    )
+                    phase = dict(sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec)
+                    figures = asyncio.run(server_phase(url, **phase))
                     rates["server"] = server_chunks_per_s(figures)
                     all_figures.extend(figures)
                 else:

@@ -53,7 +53,9 @@ class Settings(BaseSettings):
     kv_budget_bytes: int | None = Field(
         None, gt=0, description="KV pool budget in bytes; default: 256 MiB on CPU, memory_fraction on CUDA"
     )
-    memory_fraction: float | None = Field(None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool")
+    memory_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool"
+    )
     max_pending_ticks: int = Field(4, ge=1, le=1024, description="ticks a session may have queued or running")
     max_batch_sessions: int | None = Field(
         None,

@@ -27,8 +27,7 @@ import torch
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.registry import DEFAULT_MODEL, load_pipeline
 from arstream.runner.contract import ARPipeline
-from arstream.runner.pool import budget_for_sessions
-from arstream.runner.runner import ARRunner
+from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import ChunkResult, TickRequest
 
 # Held keys per 8-chunk stretch, shifted per stream; keys a model does not take are left out.
@@ -39,12 +38,6 @@ def control_keys(model_card: dict[str, Any]) -> list[str]:
     """Key names the model's controls schema allows (empty when it has no ``keys`` enum)."""
     keys = model_card.get("controls", {}).get("properties", {}).get("keys", {})
     return [str(k) for k in keys.get("items", {}).get("enum", [])]
-
-
-def runner_for_sessions(pipeline: ARPipeline, sessions: int, max_batch_sessions: int = 1) -> ARRunner:
-    """A runner whose KV pool has room for exactly ``sessions`` resident sessions."""
-    budget = budget_for_sessions(pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions)
-    return ARRunner(pipeline, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
 
 
 def run_streams(
@@ -166,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         summary["batched_vs_round_robin_ratio"] = round(batching.median_ratio, 3)
         print(
             f"{streams} streams: round robin {summary['fps_total_streams']} fps, "
-            f"batched {summary['fps_total_batched']} fps in total; median ratio {summary['batched_vs_round_robin_ratio']}"
+            f"batched {summary['fps_total_batched']} fps in total; "
+            f"median ratio {summary['batched_vs_round_robin_ratio']}"
         )
     print_summary(summary)
     return 0

@@ -31,7 +31,7 @@ import torch
 
 from arstream.runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
 from arstream.runner.kv_state import SessionKVState
-from arstream.runner.pool import PagedKVPool, plan_pool, resolve_budget_bytes
+from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 
@@ -528,3 +528,11 @@ def _distinct_session_runs(ticks: Sequence[TickRequest]) -> Iterator[list[int]]:
         seen.add(tick.session_id)
     if run:
         yield run
+
+
+def runner_for_sessions(
+    pipeline: ARPipeline, sessions: int, *, max_batch_sessions: int = 1, device: torch.device | str = "cpu"
+) -> ARRunner:
+    """A runner whose pool has room for exactly ``sessions`` resident sessions (benches, evaluation, tests)."""
+    budget = budget_for_sessions(pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions)
+    return ARRunner(pipeline, device=device, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)

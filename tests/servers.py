@@ -87,6 +87,20 @@ class LiveServer:
             stats = self.stats()
         raise AssertionError(f"/v1/stats never satisfied the condition; last: {json.dumps(stats)}")
 
+    def settled(self, blocks_free: int) -> dict[str, Any]:
+        """Wait until every session is gone and its KV blocks are back (``blocks_free`` free); the stats then.
+
+        Gone means: no session resident in the pool, connected or detached
+        (awaiting resume), and no tick queued. A leak fails here with the last stats.
+        """
+        return self.wait_for_stats(
+            lambda s: s["kv"]["blocks_free"] == blocks_free
+            and s["kv"]["sessions_resident"] == 0
+            and s["sessions"]["connected"] == 0
+            and s["sessions"].get("detached", 0) == 0
+            and s["queue"]["depth"] == 0
+        )
+
 
 def fake_settings(**overrides: Any) -> Settings:
     """Settings for a fake-kv server on a free loopback port (no environment leaks in)."""

@@ -5,15 +5,11 @@ import torch
 
 from arstream.runner.kv_state import PassStateError, SessionKVState
 from arstream.runner.pool import PagedKVPool, plan_pool
-from arstream.runner.spec import KVCacheSpec
+from runner_fakes import tiny_spec
 
 
 def make_pool(**overrides: object) -> PagedKVPool:
-    fields: dict = dict(
-        num_layers=2, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=6
-    )
-    fields.update(overrides)
-    spec = KVCacheSpec(**fields)
+    spec = tiny_spec(**{"num_layers": 2, **overrides})
     return PagedKVPool(spec, plan_pool(spec, 1 << 14), torch.device("cpu"))
 
 

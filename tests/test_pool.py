@@ -11,15 +11,8 @@ from arstream.runner.pool import (
     budget_for_sessions,
     plan_pool,
 )
-from arstream.runner.spec import KVBranch, KVCacheSpec, SpecError
-
-
-def tiny_spec(**overrides: object) -> KVCacheSpec:
-    fields: dict = dict(
-        num_layers=1, num_kv_heads=1, head_size=2, tokens_per_frame=1, frames_per_chunk=2, sink_frames=1, window_frames=6
-    )
-    fields.update(overrides)
-    return KVCacheSpec(**fields)
+from arstream.runner.spec import KVBranch, SpecError
+from runner_fakes import tiny_spec
 
 
 def test_block_bytes_counts_k_and_v_across_layers() -> None:

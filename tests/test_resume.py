@@ -43,24 +43,6 @@ def server() -> Iterator[LiveServer]:
         yield live
 
 
-@pytest.fixture
-def baseline(server: LiveServer) -> Iterator[int]:
-    """Free KV blocks at start-up; after the test every session's blocks must be back."""
-    start_free = server.stats()["kv"]["blocks_free"]
-    yield start_free
-    settled(server, start_free)
-
-
-def settled(server: LiveServer, blocks_free: int) -> dict[str, Any]:
-    return server.wait_for_stats(
-        lambda s: s["kv"]["blocks_free"] == blocks_free
-        and s["kv"]["sessions_resident"] == 0
-        and s["sessions"]["connected"] == 0
-        and s["sessions"]["detached"] == 0
-        and s["queue"]["depth"] == 0
-    )
-
-
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -206,7 +188,7 @@ def test_ticks_in_flight_at_the_drop_are_dropped_and_the_ticket_says_where_it_co
         frames = run(scenario())
         reference = run(reference_rollout(server, 2))
         assert np.array_equal(np.stack(frames), np.stack(reference[1]))
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_resume_by_url_alone_and_a_new_codec() -> None:
@@ -225,7 +207,7 @@ def test_resume_by_url_alone_and_a_new_codec() -> None:
                 await client.closed_by_server()
 
         run(scenario())
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 # ---- refusals -------------------------------------------------------------------------------
@@ -284,12 +266,12 @@ def test_resume_after_the_grace_period_fails_and_the_kv_is_back() -> None:
                 await client.recv_chunk()
                 client.abort()
             # Detached, then released when the grace period ends.
-            await asyncio.to_thread(settled, server, start_free)
+            await asyncio.to_thread(server.settled, start_free)
             error = await try_resume(server, token)
             assert "unknown resume token" in error["message"]
 
         run(scenario())
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_resume_disabled_releases_on_drop_and_refuses_tokens() -> None:
@@ -302,12 +284,12 @@ def test_resume_disabled_releases_on_drop_and_refuses_tokens() -> None:
                 await client.send(type="tick", tick_id=0)
                 await client.recv_chunk()
                 client.abort()
-            await asyncio.to_thread(settled, server, start_free)
+            await asyncio.to_thread(server.settled, start_free)
             error = await try_resume(server, "r0." + secrets.token_urlsafe(32))
             assert "disabled" in error["message"]
 
         run(scenario())
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_a_session_that_closed_or_is_closing_cannot_be_resumed(server: LiveServer, baseline: int) -> None:
@@ -385,7 +367,7 @@ def test_detached_session_gives_its_slot_to_a_new_session() -> None:
                         await client.closed_by_server()
 
         run(scenario())
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_shutdown_releases_detached_sessions() -> None:
@@ -480,7 +462,7 @@ def test_client_resume_on_drop_prints_the_gap_and_keeps_the_world(capsys: pytest
         expected = [frame for index in indexes for frame in reference.frames[index * fpc : (index + 1) * fpc]]
         assert result.closed_reason == "client"
         assert all(np.array_equal(got, want) for got, want in zip(result.frames, expected, strict=True))
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_client_without_resume_on_drop_reports_the_drop() -> None:

@@ -11,18 +11,7 @@ from arstream.models.fake import FakeForwardError, FakeKVPipeline, expected_fram
 from arstream.runner.pool import PoolBudgetError
 from arstream.runner.runner import ARRunner, ChunkShapeError, UnsupportedConfiguration
 from arstream.runner.types import TickRequest
-
-BUDGET = 1 << 20
-
-
-def make_runner(**pipeline_options: object) -> tuple[ARRunner, FakeKVPipeline]:
-    pipeline = FakeKVPipeline(**pipeline_options)
-    return ARRunner(pipeline, kv_budget_bytes=BUDGET), pipeline
-
-
-def tick(session: str, request_id: int = 0, **fields: object) -> TickRequest:
-    return TickRequest(session_id=session, request_id=request_id, **fields)
-
+from runner_fakes import FAKE_KV_BUDGET_BYTES, fake_runner, tick
 
 def dense_expected_values(controls_per_chunk: list[dict], sink: int, window: int, fpc: int) -> list[int]:
     """What FakeKVPipeline must emit, from a dense list of all frame codes.
@@ -41,7 +30,7 @@ def dense_expected_values(controls_per_chunk: list[dict], sink: int, window: int
 
 
 def test_frames_follow_the_dense_sink_plus_window_reference() -> None:
-    runner, _ = make_runner(sink_frames=1, window_frames=6)
+    runner, _ = fake_runner(sink_frames=1, window_frames=6)
     controls = [{"keys": ["wasd"[i % 4]]} for i in range(10)]
     got = [
         int(v)
@@ -52,7 +41,7 @@ def test_frames_follow_the_dense_sink_plus_window_reference() -> None:
 
 
 def test_lru_eviction_closes_the_least_recently_used_session() -> None:
-    runner, pipeline = make_runner(session_capacity=2)
+    runner, pipeline = fake_runner(session_capacity=2)
     evicted: list[str] = []
     runner.on_evict = evicted.append
     runner.execute_tick(tick("a"))
@@ -69,7 +58,7 @@ def test_lru_eviction_closes_the_least_recently_used_session() -> None:
 
 
 def test_reset_releases_kv_and_restarts_the_rollout() -> None:
-    runner, pipeline = make_runner()
+    runner, pipeline = fake_runner()
     first = [runner.execute_tick(tick("a", i)).frames for i in range(3)]
     result = runner.execute_tick(tick("a", 3, reset=True))
     assert (result.chunk_index, result.new_rollout) == (0, True)
@@ -79,7 +68,7 @@ def test_reset_releases_kv_and_restarts_the_rollout() -> None:
 
 
 def test_close_flag_releases_after_the_chunk() -> None:
-    runner, pipeline = make_runner()
+    runner, pipeline = fake_runner()
     result = runner.execute_tick(tick("a", close=True))
     assert result.frames.shape == (2, 8, 8, 3)
     assert not runner.is_resident("a") and ("close", "a") in pipeline.events
@@ -87,7 +76,7 @@ def test_close_flag_releases_after_the_chunk() -> None:
 
 
 def test_failure_mid_forward_fails_closed() -> None:
-    runner, pipeline = make_runner()
+    runner, pipeline = fake_runner()
     runner.execute_tick(tick("a", 0))
     runner.execute_tick(tick("b", 0))
     with pytest.raises(FakeForwardError):
@@ -108,7 +97,7 @@ def test_failure_at_the_device_sync_fails_closed() -> None:
         if calls["n"] == 2:
             raise RuntimeError("device fault surfaced at sync")
 
-    runner = ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET, sync=failing_sync)
+    runner = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, sync=failing_sync)
     runner.execute_tick(tick("a", 0))
     with pytest.raises(RuntimeError, match="surfaced at sync"):
         runner.execute_tick(tick("a", 1))
@@ -124,7 +113,7 @@ class ClosingFailsPipeline(FakeKVPipeline):
 
 
 def test_release_frees_blocks_even_when_the_pipeline_close_raises() -> None:
-    runner = ARRunner(ClosingFailsPipeline(), kv_budget_bytes=BUDGET)
+    runner = ARRunner(ClosingFailsPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     runner.execute_tick(tick("a"))
     with pytest.raises(OSError, match="pipeline close failed"):
         runner.close_session("a")
@@ -135,7 +124,7 @@ def test_release_frees_blocks_even_when_the_pipeline_close_raises() -> None:
 
 
 def test_warmup_runs_the_real_path_and_restores_the_pool() -> None:
-    runner, pipeline = make_runner()
+    runner, pipeline = fake_runner()
     assert runner.warmup() == 3
     stats = runner.stats()
     assert stats.blocks_free == runner.blocks_free_at_start
@@ -144,7 +133,7 @@ def test_warmup_runs_the_real_path_and_restores_the_pool() -> None:
 
 
 def test_one_timing_entry_per_chunk() -> None:
-    runner, _ = make_runner()
+    runner, _ = fake_runner()
     for i in range(4):
         runner.execute_tick(tick("a", i))
     assert len(runner.chunk_times_s) == 4 and runner.stats().chunks_total == 4
@@ -161,7 +150,7 @@ def test_capacity_comes_from_the_budget() -> None:
 
 def test_refused_configurations_say_why() -> None:
     with pytest.raises(UnsupportedConfiguration, match="does not implement the ARPipeline contract"):
-        ARRunner(object(), kv_budget_bytes=BUDGET)  # type: ignore[arg-type]
+        ARRunner(object(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)  # type: ignore[arg-type]
     with pytest.raises(PoolBudgetError, match="cannot hold one session"):
         ARRunner(FakeKVPipeline(), kv_budget_bytes=100)
     with pytest.raises(PoolBudgetError, match="must be given in bytes"):
@@ -177,7 +166,7 @@ class WrongSpecPipeline(FakeKVPipeline):
 
 def test_a_spec_of_the_wrong_type_is_refused() -> None:
     with pytest.raises(UnsupportedConfiguration, match="must return KVCacheSpec"):
-        ARRunner(WrongSpecPipeline(), kv_budget_bytes=BUDGET)
+        ARRunner(WrongSpecPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
 
 
 class BadFramesPipeline(FakeKVPipeline):
@@ -199,7 +188,7 @@ class NoCommitPipeline(FakeKVPipeline):
     [(BadFramesPipeline, ChunkShapeError, "uint8"), (NoCommitPipeline, RuntimeError, "commit exactly one chunk")],
 )
 def test_contract_violations_fail_closed(pipeline_class: type, error: type, message: str) -> None:
-    runner = ARRunner(pipeline_class(), kv_budget_bytes=BUDGET)
+    runner = ARRunner(pipeline_class(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     with pytest.raises(error, match=message):
         runner.execute_tick(tick("a"))
     assert runner.pool.num_free == runner.blocks_free_at_start and not runner.is_resident("a")
@@ -216,7 +205,7 @@ class InterruptedBindPipeline(FakeKVPipeline):
 
 
 def test_failure_while_unbinding_releases_the_session() -> None:
-    runner = ARRunner(InterruptedBindPipeline(), kv_budget_bytes=BUDGET)
+    runner = ARRunner(InterruptedBindPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     with pytest.raises(RuntimeError, match="unbind failed"):
         runner.execute_tick(tick("a"))
     assert runner.pool.num_free == runner.blocks_free_at_start
@@ -241,7 +230,7 @@ class VideoFramesFakePipeline(FakeKVPipeline):
 
 
 def test_video_frames_per_chunk_come_from_the_model_card_and_the_first_chunk_may_differ() -> None:
-    runner = ARRunner(VideoFramesFakePipeline(), kv_budget_bytes=BUDGET)
+    runner = ARRunner(VideoFramesFakePipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     assert (runner.video_frames(0), runner.video_frames(1)) == (3, 4)
     counts = [runner.execute_tick(tick("a", i)).frames.shape[0] for i in range(3)]
     assert counts == [3, 4, 4]
@@ -249,7 +238,7 @@ def test_video_frames_per_chunk_come_from_the_model_card_and_the_first_chunk_may
 
 
 def test_a_chunk_whose_frame_count_differs_from_the_card_fails_closed() -> None:
-    runner = ARRunner(VideoFramesFakePipeline(first_chunk_frames=4), kv_budget_bytes=BUDGET)
+    runner = ARRunner(VideoFramesFakePipeline(first_chunk_frames=4), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     with pytest.raises(ChunkShapeError, match="returned 3 frames, the model card says 4"):
         runner.execute_tick(tick("a"))
     assert not runner.is_resident("a") and runner.pool.num_free == runner.blocks_free_at_start
@@ -257,4 +246,4 @@ def test_a_chunk_whose_frame_count_differs_from_the_card_fails_closed() -> None:
 
 def test_a_model_card_with_a_bad_frame_count_is_refused() -> None:
     with pytest.raises(UnsupportedConfiguration, match="first_chunk_frames must be an integer >= 1"):
-        ARRunner(VideoFramesFakePipeline(first_chunk_frames=0), kv_budget_bytes=BUDGET)
+        ARRunner(VideoFramesFakePipeline(first_chunk_frames=0), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)

@@ -10,21 +10,22 @@ import torch
 
 from arstream.models.fake import FakeForwardError, FakeKVPipeline
 from arstream.models.toy_attention import ToyAttentionPipeline
-from runner_fakes import BatchRecordingFakePipeline, RaisingAfterCommitFakePipeline
 from arstream.runner.runner import ARRunner, ChunkShapeError
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from runner_fakes import (
+    FAKE_KV_BUDGET_BYTES,
+    BatchRecordingFakePipeline,
+    RaisingAfterCommitFakePipeline,
+    fake_runner,
+    tick,
+)
 
-BUDGET = 1 << 20
 KEYS = ["w", "a", "s", "d"]
 
 
 def make_runner(max_batch_sessions: int = 4, **options: object) -> tuple[ARRunner, BatchRecordingFakePipeline]:
-    pipeline = BatchRecordingFakePipeline(**options)
-    return ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=max_batch_sessions), pipeline
-
-
-def tick(session: str, request_id: int = 0, **fields: object) -> TickRequest:
-    return TickRequest(session_id=session, request_id=request_id, **fields)  # type: ignore[arg-type]
+    """A runner that may batch four sessions, over a fake that records its forwards."""
+    return fake_runner(BatchRecordingFakePipeline, max_batch_sessions=max_batch_sessions, **options)
 
 
 def chunks(results: Sequence[TickResult]) -> list[ChunkResult]:
@@ -40,7 +41,7 @@ def advance(runner: ARRunner, session: str, count: int) -> None:
 def test_batched_chunks_equal_one_session_at_a_time() -> None:
     """Sessions at different frame positions, past the window, batched: the frames of a round-robin runner."""
     batched, pipeline = make_runner()
-    alone = ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET)
+    alone = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     for runner in (batched, alone):
         for session, head_start in (("a", 3), ("b", 5), ("c", 4)):
             advance(runner, session, head_start)
@@ -96,7 +97,7 @@ def test_reset_runs_before_and_close_after_a_batched_chunk() -> None:
 
 def test_a_failing_session_fails_alone_and_the_rest_of_its_batch_gets_chunks() -> None:
     runner, pipeline = make_runner()
-    alone = ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET)
+    alone = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     for r in (runner, alone):
         for session in "abc":
             advance(r, session, 3)
@@ -122,8 +123,8 @@ def test_a_failing_session_fails_alone_and_the_rest_of_its_batch_gets_chunks() -
 
 def test_a_batch_that_raises_after_committing_leaves_every_history_as_it_was() -> None:
     pipeline = RaisingAfterCommitFakePipeline()
-    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=3)
-    alone = ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET)
+    runner = ARRunner(pipeline, kv_budget_bytes=FAKE_KV_BUDGET_BYTES, max_batch_sessions=3)
+    alone = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES)
     for r in (runner, alone):
         for session in "abc":
             advance(r, session, 3)
@@ -146,7 +147,7 @@ class FloatFramesFakePipeline(FakeKVPipeline):
 
 
 def test_a_batch_that_breaks_the_contract_fails_closed_for_every_session() -> None:
-    runner = ARRunner(FloatFramesFakePipeline(), kv_budget_bytes=BUDGET, max_batch_sessions=2)
+    runner = ARRunner(FloatFramesFakePipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, max_batch_sessions=2)
     runner.execute_tick(tick("a"))
     runner.execute_tick(tick("b"))
     results = runner.execute([tick("a", 1), tick("b", 1)])
@@ -164,7 +165,10 @@ def test_a_fault_at_the_device_sync_fails_the_whole_batch_closed() -> None:
             raise RuntimeError("device fault surfaced at sync")
 
     runner = ARRunner(
-        FakeKVPipeline(), kv_budget_bytes=BUDGET, max_batch_sessions=2, sync=sync_failing_on_the_third_call
+        FakeKVPipeline(),
+        kv_budget_bytes=FAKE_KV_BUDGET_BYTES,
+        max_batch_sessions=2,
+        sync=sync_failing_on_the_third_call,
     )
     chunks([runner.execute_tick(tick("a")), runner.execute_tick(tick("b"))])
     results = runner.execute([tick("a", 1), tick("b", 1)])
@@ -198,7 +202,7 @@ def test_a_pipeline_without_batching_runs_every_tick_alone() -> None:
 
 
 def test_max_batch_sessions_one_keeps_todays_pool() -> None:
-    assert make_runner(max_batch_sessions=1)[0].plan == ARRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET).plan
+    assert make_runner(max_batch_sessions=1)[0].plan == fake_runner()[0].plan
 
 
 def test_max_batch_sessions_must_be_positive() -> None:

@@ -100,7 +100,7 @@ def test_serve_flags_are_the_settings_fields_with_their_descriptions(capsys: pyt
 @pytest.mark.parametrize(
     ("argv", "complaint"),
     [
-        (["serve", "--jpeg-quality", "0"], "--jpeg-quality (ARSTREAM_JPEG_QUALITY): Input should be greater than or equal to 1, got 0"),
+        (["serve", "--jpeg-quality", "0"], "--jpeg-quality (ARSTREAM_JPEG_QUALITY): Input should be greater than or equal to 1"),
         (["serve", "--model", "nope"], "--model (ARSTREAM_MODEL): unknown model 'nope'; expected one of"),
         (["serve", "--model-options", "not json"], "argument --model-options: expected JSON"),
         (["serve", "--model-options", "[1]"], "argument --model-options: expected a JSON dict, got list"),

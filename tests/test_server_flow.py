@@ -39,14 +39,6 @@ def gated() -> Iterator[tuple[LiveServer, GatedFakePipeline]]:
             pipeline.gate.set()
 
 
-def settled(server: LiveServer, blocks_free: int) -> dict[str, Any]:
-    return server.wait_for_stats(
-        lambda s: s["kv"]["blocks_free"] == blocks_free
-        and s["kv"]["sessions_resident"] == 0
-        and s["sessions"]["connected"] == 0
-    )
-
-
 async def wait_until(predicate: Any, attempts: int = 2000) -> None:
     """Yield to the event loop until ``predicate()`` holds (a hang guard bounds the attempts)."""
     for _ in range(attempts):
@@ -83,7 +75,7 @@ def test_too_many_ticks_then_credit_returns_after_the_chunk(gated: tuple[LiveSer
             assert chunk["tick_id"] == 5 and chunk["chunk_index"] == 4
 
     run(scenario())
-    settled(server, start_free)
+    server.settled(start_free)
 
 
 def test_tick_with_close_flag_sends_its_chunk_then_closes(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
@@ -106,7 +98,7 @@ def test_tick_with_close_flag_sends_its_chunk_then_closes(gated: tuple[LiveServe
     assert not [m for m in closed.messages if m["type"] == "error"]
     assert closed.messages[-1] == {"type": "closed", "reason": "tick_close"}
     assert closed.code == 1000
-    settled(server, start_free)
+    server.settled(start_free)
 
 
 def test_two_sessions_are_served_round_robin(gated: tuple[LiveServer, GatedFakePipeline]) -> None:
@@ -174,7 +166,7 @@ def test_close_drops_queued_ticks_and_releases(gated: tuple[LiveServer, GatedFak
     closed = run(scenario())
     assert closed.code == 1000
     assert closed.messages == [{"type": "closed", "reason": "client"}]
-    stats = settled(server, start_free)
+    stats = server.settled(start_free)
     assert stats["queue"]["depth"] == 0
     assert len(pipeline.order) == 1  # the two queued ticks never ran
 
@@ -220,7 +212,7 @@ def test_disconnected_but_resident_session_is_reclaimed_without_touching_connect
             pipeline.gate.set()
         assert [c["chunk_index"] for c in chunks_of_a] == [0, 1, 2]
         assert all(c["restarted"] is None for c in chunks_of_a)
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 STALLING_SETTINGS = {
@@ -268,7 +260,7 @@ def test_a_client_that_stops_reading_does_not_stall_another() -> None:
                 return tick_id
 
         run(scenario())
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_server_fault_is_internal_1011_and_releases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,7 +282,7 @@ def test_server_fault_is_internal_1011_and_releases(monkeypatch: pytest.MonkeyPa
         assert error["type"] == "error" and error["code"] == "internal" and error["fatal"] is True
         assert error["tick_id"] == 7
         assert farewell == {"type": "closed", "reason": "error"}
-        settled(server, start_free)
+        server.settled(start_free)
 
 
 def test_graceful_shutdown_sends_closed_server_shutdown() -> None:
@@ -388,4 +380,4 @@ def test_a_round_of_sessions_runs_as_one_batch_and_a_failing_one_fails_alone() -
         assert (skipped["code"], skipped["tick_id"]) == ("session_failed", 2)
         stats = server.stats()
         assert stats["sessions"]["failures_total"] == failures_before + 1
-        settled(server, start_free)
+        server.settled(start_free)

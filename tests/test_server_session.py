@@ -27,23 +27,6 @@ def server() -> Iterator[LiveServer]:
         yield live
 
 
-@pytest.fixture
-def baseline(server: LiveServer) -> Iterator[int]:
-    """Free KV blocks at start-up; after the test every session's blocks must be back."""
-    start_free = server.stats()["kv"]["blocks_free"]
-    yield start_free
-    settled(server, start_free)
-
-
-def settled(server: LiveServer, blocks_free: int) -> dict[str, Any]:
-    return server.wait_for_stats(
-        lambda s: s["kv"]["blocks_free"] == blocks_free
-        and s["kv"]["sessions_resident"] == 0
-        and s["sessions"]["connected"] == 0
-        and s["queue"]["depth"] == 0
-    )
-
-
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 

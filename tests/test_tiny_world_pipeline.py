@@ -13,7 +13,7 @@ from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_wor
 from arstream.models.tiny_world.sampling import DenseChunkKV, canvas_origin, crop_view, sample_chunk, to_uint8
 from arstream.models.tiny_world.world import direction_index, velocity
 from arstream.runner.contract import ARPipeline, SupportsWarmup
-from arstream.runner.runner import ARRunner
+from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import ChunkResult, TickRequest
 
 KEYS_SEQUENCE = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"], ["s"], ["s"], ["a"]]
@@ -141,13 +141,6 @@ def test_eviction_releases_model_state(pipeline: TinyWorldPipeline) -> None:
     assert "second" not in pipeline.session_ids()
 
 
-def batching_runner(pipeline: TinyWorldPipeline, sessions: int, max_batch_sessions: int) -> ARRunner:
-    spec = pipeline.kv_cache_spec()
-    in_flight = max_batch_sessions * (2 * spec.frames_per_chunk + spec.resident_frames)
-    budget = (sessions * spec.resident_frames + in_flight) * spec.block_bytes
-    return ARRunner(pipeline, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
-
-
 def staggered_sessions(runner: ARRunner, prefix: str) -> list[str]:
     """Three sessions past the window, at different frame positions, seeds and camera positions."""
     ids = []
@@ -169,8 +162,8 @@ ROUND_KEYS = ([["d"], [], ["a", "s"]], [["w"], ["d"], ["d"]])
 
 
 def test_batched_chunks_match_each_session_alone(pipeline: TinyWorldPipeline) -> None:
-    batched = batching_runner(pipeline, sessions=6, max_batch_sessions=3)
-    solo = batching_runner(pipeline, sessions=6, max_batch_sessions=1)
+    batched = runner_for_sessions(pipeline, 6, max_batch_sessions=3)
+    solo = runner_for_sessions(pipeline, 6)
     batched_ids, solo_ids = staggered_sessions(batched, "batched-"), staggered_sessions(solo, "solo-")
     assert len({batched._sessions[s].frame_start for s in batched_ids}) == 3
     for round_, keys in enumerate(ROUND_KEYS):
@@ -187,8 +180,8 @@ def test_a_batch_that_raises_leaves_model_state_as_it_was(
     pipeline: TinyWorldPipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The commit pass raises after every row drew its noise; the retries alone must not see advanced state."""
-    batched = batching_runner(pipeline, sessions=6, max_batch_sessions=3)
-    solo = batching_runner(pipeline, sessions=6, max_batch_sessions=1)
+    batched = runner_for_sessions(pipeline, 6, max_batch_sessions=3)
+    solo = runner_for_sessions(pipeline, 6)
     batched_ids, solo_ids = staggered_sessions(batched, "retried-"), staggered_sessions(solo, "alone-")
     real_commit = sampling.commit_chunk
     calls = {"n": 0}

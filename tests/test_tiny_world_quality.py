@@ -1,7 +1,7 @@
 """Short versions of the shipped model's quality checks, through the real runner.
 
 ``arstream eval tiny-world`` runs the long versions (more frames, more seeds,
-a 320-frame square walk) whose figures are in the README.
+a 320-frame square walk) whose figures are in docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,44 @@
+"""Shared fixtures. Plain helpers live beside them: ``servers`` (live servers, ``LiveServer.settled``)
+and ``runner_fakes`` (spec and runner builders, ticks, runner fakes).
+
+Checks that belong to every test of a kind, like "every session's KV blocks
+came back", run as the last step of the test itself (:func:`check_at_end`),
+so a leak is that test's FAIL with the test's name, not an ERROR in teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+from servers import LiveServer
+
+END_CHECKS = pytest.StashKey[list[Callable[[], object]]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    """Run the checks registered with :func:`check_at_end` after the test body, as part of the test."""
+    result = yield  # a test that already failed keeps its own failure
+    for check in item.stash.get(END_CHECKS, []):
+        check()
+    return result
+
+
+@pytest.fixture
+def check_at_end(request: pytest.FixtureRequest) -> Callable[[Callable[[], object]], None]:
+    """Register a check (a callable that raises AssertionError) to run when the test body has passed."""
+    return request.node.stash.setdefault(END_CHECKS, []).append
+
+
+@pytest.fixture
+def baseline(server: LiveServer, check_at_end: Callable[[Callable[[], object]], None]) -> int:
+    """Free KV blocks before the test; the test fails unless every session's blocks are back after it.
+
+    Uses the module's ``server`` fixture (a :class:`LiveServer`).
+    """
+    start_free = int(server.stats()["kv"]["blocks_free"])
+    check_at_end(lambda: server.settled(start_free))
+    return start_free
