@@ -27,6 +27,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from arstream import __version__
 from arstream.app.connection import Connection
 from arstream.app.guard import RefusalLog, protocol_classes, quiet_resource_errors, redact_uvicorn_logs
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
@@ -55,7 +56,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
 
     # No /docs, /redoc or /openapi.json: the public contract is PROTOCOL.md, and a schema page is surface for nothing.
     app = FastAPI(
-        title="ARStream", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="ARStream", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.hub = hub
     app.state.refusals = RefusalLog()
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(server))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
 main = main_for("serve")
 
+if __name__ == "__main__":
+    sys.exit(main())
