@@ -38,13 +38,11 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from arstream.app.settings import Settings
+from arstream.app.settings import RESERVED_FDS, Settings
 
 log = logging.getLogger("arstream.guard")
 
 DEFAULT_MAX_CONNECTIONS = 1000
-# Descriptors kept for everything but client sockets: model files, pipes, logs, the listening socket.
-RESERVED_FDS = 128
 REFUSAL_LOG_INTERVAL_S = 10.0
 HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 SECRET_QUERY = re.compile(r"([?&](?:token|resume)=)[^&\s\"]*")

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import json
 import re
+import resource
 import socket
 from collections.abc import Callable, Sequence
 from types import UnionType
@@ -24,6 +25,8 @@ CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
 # uvicorn's frame limit sits a little above ours so an oversized text message reaches the
 # handler and gets a `message_too_large` error instead of a bare protocol close.
 WS_FRAME_SLACK_BYTES = 4096
+# Descriptors kept for everything but client sockets: model files, pipes, logs, the listening socket.
+RESERVED_FDS = 128
 
 
 REPLICA_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -143,6 +146,17 @@ class Settings(BaseSettings):
         if not all(tokens):
             raise ValueError("a comma list of auth tokens has an empty entry")
         return ",".join(tokens)
+
+    @field_validator("max_connections")
+    @classmethod
+    def _fits_open_file_limit(cls, value: int | None) -> int | None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if value is not None and hard != resource.RLIM_INFINITY and value + RESERVED_FDS > hard:
+            raise ValueError(
+                f"max_connections {value} does not fit the open-file limit: {hard} descriptors at most "
+                f"(ulimit -Hn), {RESERVED_FDS} kept for the server; raise the limit or lower the cap"
+            )
+        return value
 
     @field_validator("allowed_origins")
     @classmethod

@@ -1,0 +1,73 @@
+"""Configuration footguns (issue 13): refused at start-up with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from arstream.app.settings import Settings
+from servers import REPO_ROOT, fake_settings, running_server, session_client
+
+
+@pytest.mark.parametrize("token", ["", "  ", "a,,b"])
+def test_empty_auth_tokens_are_refused(token: str) -> None:
+    with pytest.raises(ValidationError, match="auth token"):
+        Settings(auth_token=token)
+
+
+def test_empty_auth_token_in_the_environment_stops_serve_before_it_starts() -> None:
+    env = {**os.environ, "ARSTREAM_AUTH_TOKEN": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "arstream", "serve", "--model", "fake-kv", "--port", "0"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2
+    assert "auth token is empty" in done.stderr and "ARSTREAM_AUTH_TOKEN" in done.stderr
+
+
+def test_origins_are_normalised_as_browsers_send_them() -> None:
+    settings = Settings(allowed_origins="HTTPS://App.Example:443/, http://LOCALHOST:8000, http://[::1]:80")
+    assert settings.origin_allow_list() == ["https://app.example", "http://localhost:8000", "http://[::1]"]
+
+
+@pytest.mark.parametrize(
+    "origin", ["app.example", "ftp://app.example", "https://app.example/path", "https://app.example:99999"]
+)
+def test_origins_that_can_never_match_are_refused(origin: str) -> None:
+    with pytest.raises(ValidationError, match="allowed origin"):
+        Settings(allowed_origins=origin)
+
+
+def test_a_mixed_case_origin_setting_admits_the_browser() -> None:
+    with running_server(fake_settings(allowed_origins="https://App.Example")) as server:
+
+        async def scenario() -> dict[str, Any]:
+            async with session_client(server.ws_url, origin="https://app.example", start={}) as client:  # type: ignore[arg-type]
+                assert client.ready is not None
+                return client.ready
+
+        assert asyncio.run(scenario())["type"] == "ready"
+
+
+@pytest.mark.parametrize(("field", "value"), [("allowed_hosts", "https://app.example"), ("forwarded_allow_ips", "proxy")])
+def test_hosts_and_proxy_addresses_are_checked(field: str, value: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        Settings(**{field: value})
+
+
+def test_connection_cap_beyond_the_open_file_limit_is_refused() -> None:
+    """An explicit cap the process cannot hold is an error at start-up, not EMFILE under load."""
+    done = subprocess.run(
+        ["prlimit", "--nofile=256:256", sys.executable, "-m", "arstream", "serve", "--model", "fake-kv",
+         "--port", "0", "--max-connections", "100000"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2
+    assert "max_connections 100000 does not fit the open-file limit" in done.stderr
+    assert "Traceback" not in done.stderr
