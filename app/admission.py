@@ -48,12 +48,17 @@ class RoundTimes:
         self._kept = kept
         self._lock = threading.Lock()
         self._times: dict[int, deque[float]] = {}
+        # every round recorded, and the sessions in them: their ratio is the mean batch the worker formed
+        self.rounds_total = 0
+        self.round_sessions_total = 0
 
     def record(self, sessions: int, seconds: float) -> None:
         if sessions < 1:
             raise ValueError(f"a round has at least one session, got {sessions}")
         with self._lock:
             self._times.setdefault(sessions, deque(maxlen=self._kept)).append(seconds)
+            self.rounds_total += 1
+            self.round_sessions_total += sessions
 
     def estimates(self) -> dict[int, float]:
         """Median round time in seconds per measured session count."""

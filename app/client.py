@@ -38,6 +38,7 @@ import websockets
 
 from arstream.app import wire
 from arstream.app.cli import main_for
+from arstream.app.video import FrameDecoder
 from arstream.measure import percentile
 
 NO_KEYS = ("-", "none")
@@ -187,6 +188,7 @@ class SessionClient:
     def __init__(self, websocket: Any, *, decode: bool = True) -> None:
         self.ws = websocket
         self.decode = decode
+        self._decoder = FrameDecoder()  # h264 frames decode in order, from the stream's keyframe
         self.ready: dict[str, Any] = {}
         self.next_tick_id = 0
         self.next_event_id = 0
@@ -279,7 +281,7 @@ class SessionClient:
                 raise wire.WireError(
                     f"frame header says tick {header.tick_id} frame {header.frame_index}, expected {tick_id} {index}"
                 )
-            chunk.frames.append(wire.decode_payload(header, payload) if self.decode else bytes(payload))
+            chunk.frames.append(self._decoder.decode(header, payload) if self.decode else bytes(payload))
             chunk.last_frame_at = time.perf_counter()
             if index == 0:
                 chunk.first_frame_at = chunk.last_frame_at

@@ -119,6 +119,11 @@ class ChunkEncoder:
 
 def new_encoder(codec: str, quality: int) -> ChunkEncoder:
     """The encoder for a session that asked for ``codec`` at ``quality``."""
+    if codec == wire.Codec.H264.wire_name:
+        # Imported here: the video module builds on this one (and PyAV is an optional extra).
+        from arstream.app.video import H264ChunkEncoder
+
+        return H264ChunkEncoder(codec, quality)
     return ChunkEncoder(codec, quality)
 
 

@@ -246,5 +246,8 @@ class SessionHub:
                 "total": runner_stats.chunks_total,
                 "compute_ms_p50": None if p50 is None else round(p50, 3),
                 "compute_ms_p99": None if p99 is None else round(p99, 3),
+                # worker rounds (runner calls) since start-up, warm-up included, and the sessions they served
+                "rounds_total": worker.round_times.rounds_total,
+                "round_sessions_total": worker.round_times.round_sessions_total,
             },
         }

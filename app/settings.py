@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
     auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
     allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
-    codec: Literal["jpeg", "raw"] = Field("jpeg", description="frame codec when `start` names none")
+    codec: Literal["jpeg", "raw", "h264"] = Field("jpeg", description="frame codec when `start` names none")
     jpeg_quality: int = Field(80, ge=1, le=100, description="JPEG quality when `start` names none")
     max_message_bytes: int = Field(65536, ge=256, description="largest client text message")
     # Bounds for serving strangers; docs/public.md says what each one protects.

@@ -2,8 +2,9 @@
 
 Binary frame messages are the 20-byte ``ARF1`` header plus a payload. Header,
 little-endian: magic ``ARF1``, codec u8 (:class:`Codec`), flags u8 (bit 0:
-last frame of the chunk), frame index u16, chunk_index u32, tick_id u32,
-width u16, height u16. The server encodes with :func:`encode_chunk`; clients
+last frame of the chunk; bit 1: an H.264 keyframe), frame index u16,
+chunk_index u32, tick_id u32, width u16, height u16. H.264 payloads carry
+state from frame to frame: :mod:`arstream.app.video` encodes and decodes them. The server encodes with :func:`encode_chunk`; clients
 and tests parse with :func:`parse_frame` / :func:`decode_frame`.
 
 Also here: the JSON messages a client sends, and turning the URL a user typed
@@ -31,6 +32,7 @@ MAGIC = b"ARF1"
 HEADER = struct.Struct("<4sBBHIIHH")
 HEADER_BYTES = HEADER.size
 FLAG_LAST_IN_CHUNK = 0x01
+FLAG_KEYFRAME = 0x02  # codec 2 only: the payload starts a stream (a decoder can begin here)
 
 MAX_ID = 2**32 - 1
 
@@ -44,10 +46,16 @@ class Codec(IntEnum):
 
     RAW = 0  # RGB24, row-major, width * height * 3 bytes
     JPEG = 1  # one baseline JPEG per frame
+    H264 = 2  # one H.264 access unit per frame (Annex B), decoded in order from a keyframe
 
     @property
     def wire_name(self) -> str:
         return self.name.lower()
+
+    @property
+    def stateful(self) -> bool:
+        """Whether a frame depends on earlier ones (then :func:`encode_frame` and :func:`decode_payload` refuse it)."""
+        return self is Codec.H264
 
     @classmethod
     def from_name(cls, name: str) -> Codec:
@@ -75,9 +83,10 @@ class FrameHeader:
     tick_id: int
     width: int
     height: int
+    keyframe: bool = False
 
     def pack(self) -> bytes:
-        flags = FLAG_LAST_IN_CHUNK if self.last_in_chunk else 0
+        flags = (FLAG_LAST_IN_CHUNK if self.last_in_chunk else 0) | (FLAG_KEYFRAME if self.keyframe else 0)
         return HEADER.pack(
             MAGIC, self.codec, flags, self.frame_index, self.chunk_index, self.tick_id, self.width, self.height
         )
@@ -94,13 +103,16 @@ class FrameHeader:
         except ValueError:
             known = ", ".join(f"{c.value} ({c.wire_name})" for c in Codec)
             raise WireError(f"binary frame codec id is {codec}, expected one of {known}") from None
-        return cls(codec_id, bool(flags & FLAG_LAST_IN_CHUNK), frame_index, chunk_index, tick_id, width, height)
+        last, keyframe = bool(flags & FLAG_LAST_IN_CHUNK), bool(flags & FLAG_KEYFRAME)
+        return cls(codec_id, last, frame_index, chunk_index, tick_id, width, height, keyframe=keyframe)
 
 
 def encode_frame(frame: np.ndarray, codec: Codec, quality: int) -> bytes:
     """One uint8 ``[H, W, 3]`` frame as a payload in ``codec``."""
     if codec is Codec.RAW:
         return np.ascontiguousarray(frame).tobytes()
+    if codec.stateful:
+        raise WireError("h264 frames depend on earlier ones: encode them with arstream.app.video.H264Stream")
     return simplejpeg.encode_jpeg(np.ascontiguousarray(frame), quality=quality, colorspace="RGB")
 
 
@@ -128,6 +140,8 @@ def decode_payload(header: FrameHeader, payload: bytes | memoryview) -> np.ndarr
     """The frame as uint8 ``[height, width, 3]`` RGB."""
     if header.codec is Codec.RAW:
         return np.frombuffer(payload, dtype=np.uint8).reshape(header.height, header.width, 3).copy()
+    if header.codec.stateful:
+        raise WireError("h264 frames depend on earlier ones: decode them with arstream.app.video.FrameDecoder")
     image = simplejpeg.decode_jpeg(bytes(payload), colorspace="RGB")
     if image.shape[:2] != (header.height, header.width):
         raise WireError(f"JPEG is {image.shape[1]}x{image.shape[0]}, header says {header.width}x{header.height}")

@@ -183,7 +183,9 @@ class ModelWorker:
         """Resolves on the event loop with where the session stands once none of its ticks is running.
 
         It is a control job: it runs at the next chunk boundary, and the outcomes of
-        the session's earlier ticks reach the event loop before it resolves.
+        the session's earlier ticks reach the event loop before it resolves. It is
+        asked for on resume, so the session's next chunk also starts a new video
+        stream (a keyframe) that the resuming client can decode from.
         """
         future: asyncio.Future[SessionPosition] = self._loop.create_future()
 
@@ -196,7 +198,8 @@ class ModelWorker:
                 and session_id not in self._failed
                 and not self.runner.is_resident(session_id),
             )
-            # Through the session's lane: after the outcomes of its earlier ticks.
+            # Through the session's lane: after the outcomes of its earlier ticks, before any later chunk.
+            self._encoders.restart_stream(session_id)
             self._encoders.submit(session_id, lambda: self._loop.call_soon_threadsafe(_resolve, future, position))
 
         with self._cond:

@@ -1,0 +1,232 @@
+"""The h264 codec: PyAV stream and decoder, the ARF1 keyframe flag, the encoder pool's streams, and a real server.
+
+The server runs fake-kv, whose frames are flat colours (R: a KV-derived value,
+G: the frame's absolute position, B: a bit per held key). A raw session and an
+h264 session with the same controls get the same pictures, so the h264 one,
+decoded, must match the raw one up to compression error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from arstream.app import client, protocol, wire
+from arstream.app.encoding import EncoderPool
+from arstream.app.protocol import ProtocolError
+from arstream.app.video import FrameDecoder, H264Decoder, H264Stream, crf_for_quality
+from arstream.models.fake import FakeKVPipeline
+from servers import fake_settings, running_server, session_client
+
+av = pytest.importorskip("av")
+pytestmark = pytest.mark.skipif("libx264" not in av.codecs_available, reason="this PyAV build has no libx264")
+
+GUARD_S = 30.0  # hang guard only
+
+
+def moving_gradient(count: int, width: int, height: int) -> np.ndarray:
+    """Frames with detail and motion, so that delta frames have something to say."""
+    x = np.arange(width)[None, :]
+    y = np.arange(height)[:, None]
+    frames = np.empty((count, height, width, 3), dtype=np.uint8)
+    for i in range(count):
+        frames[i, ..., 0] = (2 * x + 3 * i) % 256
+        frames[i, ..., 1] = (3 * y + 5 * i) % 256
+        frames[i, ..., 2] = (x + y) % 256
+    return frames
+
+
+def header(width: int, height: int, *, keyframe: bool, index: int = 0) -> wire.FrameHeader:
+    return wire.FrameHeader(wire.Codec.H264, False, index, 0, 0, width, height, keyframe=keyframe)
+
+
+# ---- the stream and its decoder ----------------------------------------------------------------
+
+
+def test_a_stream_starts_with_a_keyframe_and_decodes_back_close_to_the_input() -> None:
+    frames = moving_gradient(8, 64, 48)
+    stream = H264Stream(64, 48, quality=90)
+    decoder = H264Decoder()
+    keyframes = []
+    for index, frame in enumerate(frames):
+        payload, keyframe = stream.encode(frame)
+        keyframes.append(keyframe)
+        assert payload[:4] == b"\x00\x00\x00\x01"  # Annex B
+        decoded = decoder.decode(header(64, 48, keyframe=keyframe, index=index), payload)
+        error = np.abs(decoded.astype(int) - frame.astype(int))
+        assert decoded.shape == (48, 64, 3) and error.mean() < 4, (index, error.mean())
+    assert keyframes == [True] + [False] * 7
+
+
+def test_odd_sizes_travel_padded_and_come_back_cropped() -> None:
+    frames = moving_gradient(3, 33, 17)
+    stream = H264Stream(33, 17, quality=90)
+    decoder = FrameDecoder()
+    for index, frame in enumerate(frames):
+        payload, keyframe = stream.encode(frame)
+        message = header(33, 17, keyframe=keyframe, index=index).pack() + payload
+        _, decoded = decoder.decode_frame(message)
+        assert decoded.shape == (17, 33, 3)
+        assert np.abs(decoded.astype(int) - frame.astype(int)).mean() < 6
+    with pytest.raises(ValueError, match="the stream is 33x17, got a 34x17 frame"):
+        stream.encode(np.zeros((17, 34, 3), np.uint8))
+
+
+def test_a_decoder_refuses_a_stream_that_does_not_begin_with_a_keyframe() -> None:
+    stream = H264Stream(32, 32, quality=80)
+    frames = moving_gradient(2, 32, 32)
+    stream.encode(frames[0])
+    delta, keyframe = stream.encode(frames[1])
+    assert not keyframe
+    with pytest.raises(wire.WireError, match="must begin with one"):
+        H264Decoder().decode(header(32, 32, keyframe=False), delta)
+
+
+def test_quality_maps_to_x264_crf() -> None:
+    assert [crf_for_quality(q) for q in (1, 50, 80, 100)] == [51, 34, 23, 16]
+    with pytest.raises(ValueError, match="1..100"):
+        crf_for_quality(0)
+
+
+# ---- the wire format ---------------------------------------------------------------------------
+
+
+def test_the_keyframe_flag_is_bit_1_of_the_flags_byte() -> None:
+    packed = wire.FrameHeader(wire.Codec.H264, True, 1, 7, 9, 640, 352, keyframe=True).pack()
+    assert packed[4] == 2 and packed[5] == 0b11
+    parsed = wire.FrameHeader.unpack(packed)
+    assert parsed.codec is wire.Codec.H264 and parsed.keyframe and parsed.last_in_chunk
+    assert not wire.FrameHeader.unpack(wire.FrameHeader(wire.Codec.JPEG, True, 0, 0, 0, 8, 8).pack()).keyframe
+    assert wire.Codec.from_name("h264") is wire.Codec.H264 and "h264" in wire.CODEC_NAMES
+
+
+def test_stateless_decoding_points_at_the_stream_decoder() -> None:
+    with pytest.raises(wire.WireError, match="FrameDecoder"):
+        wire.decode_payload(header(8, 8, keyframe=True), b"\x00\x00\x00\x01")
+    with pytest.raises(wire.WireError, match="H264Stream"):
+        wire.encode_frame(np.zeros((8, 8, 3), np.uint8), wire.Codec.H264, 80)
+
+
+def test_a_server_without_pyav_refuses_h264_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "h264_available", lambda: False)
+    with pytest.raises(ProtocolError, match="cannot encode h264") as refused:
+        protocol.parse_client_message('{"type": "start", "codec": "h264"}')
+    assert refused.value.code is protocol.ErrorCode.INVALID_MESSAGE
+    assert protocol.parse_client_message('{"type": "start", "codec": "jpeg"}').codec == "jpeg"
+
+
+# ---- the encoder pool keeps one stream per session ----------------------------------------------
+
+
+def test_the_pool_starts_a_new_stream_at_rollout_start_and_on_restart() -> None:
+    pool = EncoderPool(2)
+    chunks = moving_gradient(10, 32, 32).reshape(5, 2, 32, 32, 3)
+    keyframes: list[list[bool]] = []
+    done = threading.Event()
+
+    def encode(chunk_index: int, frames: np.ndarray) -> None:
+        messages = pool.encode("s", frames, codec="h264", quality=80, chunk_index=chunk_index, tick_id=chunk_index)
+        keyframes.append([wire.FrameHeader.unpack(m).keyframe for m in messages])
+
+    for chunk_index, frames in zip((0, 1, 2, 0), chunks):  # the second 0: a reset
+        pool.submit("s", lambda c=chunk_index, f=frames: encode(c, f))
+    pool.restart_stream("s")  # a resume
+    pool.submit("s", lambda: encode(1, chunks[4]))
+    pool.submit("s", done.set)
+    assert done.wait(GUARD_S)
+    pool.shutdown(wait=True)
+    assert keyframes == [[True, False], [False, False], [False, False], [True, False], [True, False]]
+
+
+# ---- a real server -----------------------------------------------------------------------------
+
+
+async def read_chunk(session: Any) -> tuple[dict[str, Any], list[bytes]]:
+    """A chunk message and its frames, undecoded (the test servers' helper decodes statelessly)."""
+    chunk = await session.recv_json()
+    assert chunk["type"] == "chunk", chunk
+    frames = [await session.recv() for _ in range(chunk["frames"])]
+    assert all(isinstance(f, bytes) for f in frames)
+    return chunk, frames
+
+
+KEY_PLAN = [["d"], ["d"], ["w"], [], ["a", "s"], ["a"]]
+
+
+async def run_session(url: str, codec: str, *, reset_at: int | None = None) -> list[tuple[dict, list[bytes]]]:
+    received = []
+    async with session_client(url, start={"codec": codec, "quality": 95}) as session:
+        for tick_id, keys in enumerate(KEY_PLAN):
+            reset = tick_id == reset_at
+            await session.send(type="tick", tick_id=tick_id, controls={"keys": keys}, reset=reset)
+            received.append(await read_chunk(session))
+    return received
+
+
+def test_h264_sessions_see_what_raw_sessions_see_with_keyframes_where_streams_begin() -> None:
+    with running_server(fake_settings(), FakeKVPipeline(width=64, height=48)) as server:
+
+        async def scenario() -> tuple[list, list]:
+            return await asyncio.gather(
+                run_session(server.ws_url, "raw", reset_at=3), run_session(server.ws_url, "h264", reset_at=3)
+            )
+
+        raw, h264 = asyncio.run(scenario())
+    decoder = FrameDecoder()
+    h264_bytes = raw_bytes = 0
+    for (raw_chunk, raw_frames), (chunk, frames) in zip(raw, h264):
+        assert chunk["chunk_index"] == raw_chunk["chunk_index"] and chunk["restarted"] == raw_chunk["restarted"]
+        for raw_message, message in zip(raw_frames, frames):
+            head, pixels = decoder.decode_frame(message)
+            _, expected = wire.decode_frame(raw_message)
+            assert head.codec is wire.Codec.H264 and (head.width, head.height) == (64, 48)
+            # A new stream at the first frame of every rollout (start, and the reset at tick 3), nowhere else.
+            assert head.keyframe == (chunk["chunk_index"] == 0 and head.frame_index == 0)
+            assert np.abs(pixels.astype(int) - expected.astype(int)).max() <= 4
+            h264_bytes += len(message)
+            raw_bytes += len(raw_message)
+    assert [c["chunk_index"] for c, _ in h264] == [0, 1, 2, 0, 1, 2]
+    assert h264_bytes < raw_bytes / 10
+
+
+def test_a_resumed_h264_session_begins_a_new_stream() -> None:
+    settings = fake_settings(replica_id="r0", resume_grace_s=30)
+    with running_server(settings, FakeKVPipeline(width=64, height=48)) as server:
+
+        async def scenario() -> tuple[list[bool], np.ndarray, int]:
+            async with session_client(server.ws_url, start={"codec": "h264"}) as first:
+                token = first.ready["resume"]["token"]  # type: ignore[index]
+                for tick_id in range(2):
+                    await first.send(type="tick", tick_id=tick_id)
+                    await read_chunk(first)
+                first.abort()
+            await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+            async with session_client(f"{server.ws_url}?resume={token}", start={"resume": token}) as second:
+                await second.send(type="tick", tick_id=2)
+                chunk, frames = await read_chunk(second)
+            decoder = FrameDecoder()  # a new client: it can decode only from a keyframe
+            heads_pixels = [decoder.decode_frame(m) for m in frames]
+            return [h.keyframe for h, _ in heads_pixels], heads_pixels[0][1], chunk["chunk_index"]
+
+        keyframes, pixels, chunk_index = asyncio.run(scenario())
+    assert chunk_index == 2 and keyframes == [True, False]
+    assert abs(int(pixels[0, 0, 1]) - 4) <= 3  # G: the chunk's first frame is the rollout's frame 4
+
+
+def test_arstream_client_decodes_and_saves_an_h264_session(tmp_path: Path) -> None:
+    with running_server(fake_settings(), FakeKVPipeline(width=64, height=48)) as server:
+        result = asyncio.run(client.run_script(server.ws_url, [("d",)] * 3 + [()] * 3, codec="h264"))
+    assert len(result.frames) == 12
+    # G is the absolute frame position, B the held keys (d = 8): decoded within compression error.
+    greens = [int(frame[0, 0, 1]) for frame in result.frames]
+    blues = [int(frame[0, 0, 2]) for frame in result.frames]
+    assert max(abs(g - i) for i, g in enumerate(greens)) <= 3
+    assert max(abs(b - e) for b, e in zip(blues, [8] * 6 + [0] * 6)) <= 3
+    assert client.save_mp4(result.frames, tmp_path / "out.mp4", fps=16)
+    with av.open(str(tmp_path / "out.mp4")) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 12
