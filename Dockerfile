@@ -1,0 +1,34 @@
+# ARStream replica image: a CUDA PyTorch runtime, the project installed (with the shipped tiny-world
+# weights), a non-root user, and a health check on /healthz. Model checkpoints: mount them at /models.
+# Build: docker build -t arstream .   (docs/deployment.md)
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/arstream
+COPY pyproject.toml README.md ./
+COPY arstream ./arstream
+COPY app ./app
+COPY runner ./runner
+COPY models ./models
+COPY static ./static
+# The base image's torch satisfies the torch==2.13.0 pin, so pip keeps its CUDA build.
+RUN python -m pip install --no-cache-dir . \
+    && groupadd --gid 10001 arstream \
+    && useradd --create-home --uid 10001 --gid 10001 arstream \
+    && mkdir -p /models \
+    && chown arstream /models
+
+USER 10001:10001
+ENV ARSTREAM_HOST=0.0.0.0 \
+    ARSTREAM_PORT=8000 \
+    ARSTREAM_DEVICE=cuda
+EXPOSE 8000
+VOLUME ["/models"]
+# Loading and warming a large model takes a while: the start period covers it.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+ENTRYPOINT ["python", "-m", "arstream", "serve"]
