@@ -1,0 +1,137 @@
+"""matrix-game-2 loads a checkpoint directory in the published layout; bad files fail naming the file and keys."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from arstream.models.matrix_game.checkpoint import CheckpointError
+from arstream.models.matrix_game.config import get_config
+from arstream.models.matrix_game.dit import CausalWanDiT
+from arstream.models.matrix_game.pipeline import load_matrix_game
+from arstream.models.matrix_game.vae import build_vae
+from arstream.models.registry import load_pipeline
+
+DIT = "base_distilled_model/base_distill.safetensors"
+VAE = "Wan2.1_VAE.pth"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A random tiny DiT and VAE state dict; the DiT's keys as published (``model.`` prefix)."""
+    cfg = get_config("tiny")
+    model = CausalWanDiT(cfg)
+    model.init_random(7)
+    dit = {f"model.{k}": v.clone().contiguous() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    vae = {k: v.clone().contiguous() for k, v in build_vae(cfg).state_dict().items()}
+    return dit, vae
+
+
+def write(directory: Path, dit: dict[str, torch.Tensor], vae: dict[str, torch.Tensor]) -> Path:
+    (directory / DIT).parent.mkdir(parents=True, exist_ok=True)
+    save_file(dit, str(directory / DIT))
+    torch.save(vae, directory / VAE)
+    return directory
+
+
+def test_published_key_names_are_the_module_names(weights: tuple[dict, dict]) -> None:
+    dit, _ = weights
+    for key in (
+        "model.patch_embedding.weight",
+        "model.time_projection.1.weight",
+        "model.img_emb.proj.4.weight",
+        "model.blocks.0.self_attn.q.weight",
+        "model.blocks.0.self_attn.norm_k.weight",
+        "model.blocks.1.cross_attn.o.bias",
+        "model.blocks.1.norm3.weight",
+        "model.blocks.1.ffn.2.weight",
+        "model.blocks.1.modulation",
+        "model.blocks.0.action_model.keyboard_embed.0.weight",
+        "model.blocks.0.action_model.mouse_mlp.3.weight",
+        "model.blocks.0.action_model.t_qkv.weight",
+        "model.blocks.0.action_model.keyboard_attn_kv.weight",
+        "model.blocks.0.action_model.proj_mouse.weight",
+        "model.head.head.weight",
+        "model.head.modulation",
+    ):
+        assert key in dit, key
+    # the action module sits only in the configured blocks (0 of 2 in tiny)
+    assert not any(k.startswith("model.blocks.1.action_model") for k in dit)
+
+
+def test_a_synthesised_checkpoint_directory_loads(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    pipeline = load_pipeline("matrix-game-2", "cpu", config="tiny", checkpoint=str(write(tmp_path, dit, vae)))
+    loaded = pipeline.model.state_dict()
+    assert all(torch.equal(loaded[k.removeprefix("model.")], v) for k, v in dit.items())
+    assert all(torch.equal(pipeline.vae.vae.state_dict()[k], v) for k, v in vae.items())
+    assert pipeline.model_card()["name"] == "matrix-game-2"
+
+
+def test_a_pth_dit_file_loads_too(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)
+    torch.save({"generator": dit}, tmp_path / "dit.pth")  # wrapped, as training scripts save it
+    pipeline = load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path), dit_file="dit.pth")
+    assert torch.equal(pipeline.model.state_dict()["head.head.weight"], dit["model.head.head.weight"])
+
+
+def test_a_missing_file_is_named(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)
+    (tmp_path / VAE).unlink()
+    with pytest.raises(CheckpointError, match=f"no VAE file in {tmp_path}: looked for Wan2.1_VAE.pth"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path / "nowhere"))
+
+
+def test_a_missing_key_is_named_with_its_file(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    broken = {k: v for k, v in dit.items() if k != "model.blocks.1.cross_attn.k.weight"}
+    write(tmp_path, broken, vae)
+    with pytest.raises(CheckpointError, match=r"base_distill\.safetensors does not fit.*missing keys: blocks\.1\.cross_attn\.k\.weight"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+
+
+def test_a_wrong_shape_is_named_with_both_shapes(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    broken = dict(dit)
+    broken["model.head.head.weight"] = torch.zeros(3, 3)
+    write(tmp_path, broken, vae)
+    with pytest.raises(CheckpointError, match=r"wrong shapes: head\.head\.weight \(3, 3\) \(model \(64, 32\)\)"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+
+
+def test_a_vae_that_fits_no_layout_is_named(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    broken = {k: v for k, v in vae.items() if not k.startswith("decoder.conv_in")}
+    write(tmp_path, dit, broken)
+    with pytest.raises(CheckpointError, match=r"Wan2\.1_VAE\.pth"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+
+
+def test_an_unreadable_file_is_named(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)
+    (tmp_path / DIT).write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=r"cannot read .*base_distill\.safetensors"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+
+
+def test_options_must_choose_weights() -> None:
+    with pytest.raises(ValueError, match="either checkpoint=DIR or random_init=true"):
+        load_matrix_game("cpu", config="tiny")
+    with pytest.raises(ValueError, match="unknown matrix-game-2 config 'huge'"):
+        load_matrix_game("cpu", config="huge", random_init=True)
