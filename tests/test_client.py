@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,14 +21,15 @@ from PIL import Image
 
 from arstream.app import bench, client, wire
 from arstream.models.fake import KEYS
+from servers import LiveServer, server_process
 
 KEY_BITS = {key: 1 << index for index, key in enumerate(KEYS)}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[bench.ServerProcess]:
-    with bench.ServerProcess(["--model", "fake-kv", "--model-options", '{"compute_delay_s": 0.005}']) as process:
-        yield process
+def server() -> Iterator[LiveServer]:
+    with server_process(["--model", "fake-kv", "--model-options", '{"compute_delay_s": 0.005}']) as live:
+        yield live
 
 
 # ---- key script ---------------------------------------------------------------------
@@ -143,9 +143,9 @@ def _saved_frames(out: Path) -> list[np.ndarray]:
 
 
 def test_client_saves_every_frame_and_prints_latencies(
-    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    model = server.get_json("/v1/model")
+    model = server.get("/v1/model").json()
     ticks = 3 + 2 + 1
     code = client.main([server.base_url, "--keys", "d*3,w+a*2,-*1", "--out", str(tmp_path / "out")])
     output = capsys.readouterr().out
@@ -161,9 +161,9 @@ def test_client_saves_every_frame_and_prints_latencies(
 
 
 def test_raw_frames_show_the_held_keys_in_order(
-    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = client.main([server.sessions_url, "--codec", "raw", "--keys", "d*3,-*3", "--out", str(tmp_path)])
+    code = client.main([server.ws_url, "--codec", "raw", "--keys", "d*3,-*3", "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr()
     frames = _saved_frames(tmp_path)
     assert len(frames) == 12
@@ -178,7 +178,7 @@ def test_raw_frames_show_the_held_keys_in_order(
 
 
 def test_client_writes_a_video_when_pyav_is_installed(
-    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     av = pytest.importorskip("av")
     assert client.main([server.base_url, "--keys", "s*4", "--out", str(tmp_path)]) == 0
@@ -189,7 +189,7 @@ def test_client_writes_a_video_when_pyav_is_installed(
 
 
 def test_client_reports_a_server_error_clearly(
-    server: bench.ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = client.main([server.base_url, "--keys", "x*2", "--out", str(tmp_path)])
     captured = capsys.readouterr()
@@ -204,11 +204,10 @@ def test_client_rejects_a_bad_key_script_before_connecting(capsys: pytest.Captur
     assert "at least 1" in capsys.readouterr().err
 
 
-def test_client_leaves_no_kv_behind(server: bench.ServerProcess, tmp_path: Path) -> None:
+def test_client_leaves_no_kv_behind(server: LiveServer, baseline: int, tmp_path: Path) -> None:
     assert client.main([server.base_url, "--keys", "w*3", "--out", str(tmp_path)]) == 0
-    # The worker thread releases the session just after `closed` goes out: wait for it (pytest-timeout guards a hang).
-    while (stats := server.get_json("/v1/stats"))["kv"]["sessions_resident"] or stats["sessions"]["connected"]:
-        time.sleep(0.05)
+    # The worker thread releases the session just after `closed` goes out: wait for it.
+    stats = server.settled(baseline)
     assert stats["kv"]["blocks_used"] == 0
     assert stats["kv"]["blocks_free"] == stats["kv"]["blocks_total"]
 
@@ -238,7 +237,7 @@ def test_bench_serve_ends_with_a_summary_line(capsys: pytest.CaptureFixture[str]
 
 
 def test_client_sends_the_token_and_reports_unauthorized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with bench.ServerProcess(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
+    with server_process(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
         assert client.main([secured.base_url, "--keys", "a*2", "--out", str(tmp_path / "no")]) == 1
         assert "unauthorized" in capsys.readouterr().err
         assert client.main([secured.base_url, "--token", "t0ken", "--keys", "a*2", "--out", str(tmp_path / "ok")]) == 0
@@ -256,7 +255,7 @@ def test_a_refusal_that_closes_before_start_is_reported_with_its_code() -> None:
             await ws.wait_closed()
             await client.SessionClient(ws).start()
 
-    with bench.ServerProcess(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
+    with server_process(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
         with pytest.raises(client.ServerError) as refused:
             asyncio.run(start_after_refusal(secured.base_url))
     assert refused.value.code == "unauthorized"
