@@ -1,27 +1,33 @@
-"""A vLLM-Omni platform for running its AR-Diffusion runner in-process on CPU.
+"""ARStream's CPU platform for vLLM and vLLM-Omni, so vLLM-Omni's AR-Diffusion runner runs in-process on CPU.
 
-vLLM-Omni's base platform leaves seven hooks abstract that its diffusion
-runner calls on every load and forward: peak-memory bookkeeping
+Both libraries pick their platform from entry-point plugins. On a host
+without an accelerator neither finds one (the vLLM wheel is a CUDA build), and
+their fallback "unspecified" platforms leave abstract the seven hooks the
+diffusion runner calls on every load and forward: peak-memory bookkeeping
 (``reset_peak_memory_stats``, ``max_memory_reserved``,
 ``max_memory_allocated``), the device barrier (``synchronize``), the free
-memory that sizes the KV pool (``get_free_memory``), vLLM's
-``get_current_memory_usage`` (the load-time memory profiler) and
+memory that sizes the KV pool (``get_free_memory``), the load-time memory
+profiler's ``get_current_memory_usage`` (asked of vLLM's platform) and
 ``supports_torch_inductor``. On CPU each has a plain answer: work is
 synchronous, there is no caching allocator to report on, host memory is what
-is free, and the runner runs eager (no inductor compile on the serving path).
+is free, and the runner runs eager.
+
+This module imports only vLLM, not vLLM-Omni: vLLM may import it while it is
+still resolving its own platform, before vLLM-Omni can be imported. The
+vLLM-Omni platform (:mod:`arstream.runner.vllm_omni.omni_platform`) adds the
+same hooks to vLLM-Omni's base class.
 """
 
 from __future__ import annotations
 
 import psutil
 import torch
-from vllm_omni.platforms.interface import OmniPlatformEnum, UnspecifiedOmniPlatform
+from vllm.platforms.interface import PlatformEnum, UnspecifiedPlatform
 
 
-class ARStreamCPUOmniPlatform(UnspecifiedOmniPlatform):
-    """vLLM-Omni's unspecified (CPU) platform plus the hooks its runners need."""
+class CPUHooks:
+    """The hooks, as class methods, for either library's platform class."""
 
-    _omni_enum = OmniPlatformEnum.OOT
     device_name = "cpu"
     device_type = "cpu"
     dispatch_key = "CPU"
@@ -31,16 +37,16 @@ class ARStreamCPUOmniPlatform(UnspecifiedOmniPlatform):
         return "cpu"
 
     @classmethod
-    def reset_peak_memory_stats(cls, device: torch.device | None = None) -> None:
+    def reset_peak_memory_stats(cls, device: torch.types.Device | None = None) -> None:
         """No allocator statistics on CPU: nothing to reset."""
 
     @classmethod
-    def max_memory_reserved(cls, device: torch.device | None = None) -> int:
+    def max_memory_reserved(cls, device: torch.types.Device | None = None) -> int:
         """Resident memory of this process (the closest CPU analogue of a reserved pool)."""
         return psutil.Process().memory_info().rss
 
     @classmethod
-    def max_memory_allocated(cls, device: torch.device | None = None) -> int:
+    def max_memory_allocated(cls, device: torch.types.Device | None = None) -> int:
         return psutil.Process().memory_info().rss
 
     @classmethod
@@ -48,11 +54,11 @@ class ARStreamCPUOmniPlatform(UnspecifiedOmniPlatform):
         """CPU kernels finish before they return: the barrier has nothing to wait for."""
 
     @classmethod
-    def get_free_memory(cls, device: torch.device | None = None) -> int:
+    def get_free_memory(cls, device: torch.types.Device | None = None) -> int:
         return psutil.virtual_memory().available
 
     @classmethod
-    def get_device_memory(cls, device: torch.device | None = None) -> tuple[int, int]:
+    def get_device_memory(cls, device: torch.types.Device | None = None) -> tuple[int, int]:
         memory = psutil.virtual_memory()
         return memory.available, memory.total
 
@@ -63,3 +69,9 @@ class ARStreamCPUOmniPlatform(UnspecifiedOmniPlatform):
     @classmethod
     def supports_torch_inductor(cls) -> bool:
         return False
+
+
+class ARStreamCPUPlatform(CPUHooks, UnspecifiedPlatform):
+    """vLLM's platform on a CPU-only host (``vllm.platform_plugins`` entry point)."""
+
+    _enum = PlatformEnum.OOT

@@ -1,23 +1,28 @@
-"""The ``vllm_omni.platform_plugins`` entry point: ARStream's CPU platform for vLLM-Omni.
+"""Entry points for ``vllm.platform_plugins`` and ``vllm_omni.platform_plugins``: ARStream's CPU platform.
 
-vLLM-Omni picks its platform from plugins; with no accelerator it falls back to
-an unspecified platform on which the AR-Diffusion runner cannot run (its memory
-and synchronisation hooks are abstract). This plugin activates
-:class:`~arstream.runner.vllm_omni.cpu_platform.ARStreamCPUOmniPlatform` only
-where torch sees no CUDA device, so GPU hosts keep vLLM-Omni's own CUDA
-platform. Importing this module is cheap: vLLM-Omni loads it while it resolves
-its platform, before the platform class is imported.
+Each returns its platform's qualified name only where torch sees no CUDA
+device, so GPU hosts keep vLLM's and vLLM-Omni's own CUDA platforms. This
+module is cheap to import: both libraries load it while they resolve their
+platform, before the platform class itself is imported.
 """
 
 from __future__ import annotations
 
-CPU_PLATFORM = "arstream.runner.vllm_omni.cpu_platform.ARStreamCPUOmniPlatform"
+VLLM_PLATFORM = "arstream.runner.vllm_omni.cpu_platform.ARStreamCPUPlatform"
+OMNI_PLATFORM = "arstream.runner.vllm_omni.omni_platform.ARStreamCPUOmniPlatform"
 
 
-def register() -> str | None:
-    """The platform's qualified name where this host has no CUDA device, else None (not activated)."""
+def _cpu_only() -> bool:
     import torch
 
-    if torch.cuda.is_available():
-        return None
-    return CPU_PLATFORM
+    return not torch.cuda.is_available()
+
+
+def register_vllm() -> str | None:
+    """vLLM's platform on a CPU-only host, else None (the plugin stays inactive)."""
+    return VLLM_PLATFORM if _cpu_only() else None
+
+
+def register_omni() -> str | None:
+    """vLLM-Omni's platform on a CPU-only host, else None (the plugin stays inactive)."""
+    return OMNI_PLATFORM if _cpu_only() else None

@@ -1,0 +1,90 @@
+"""Which AR runtime drives a pipeline: ARStream's own :class:`ARRunner`, or vLLM-Omni's runner.
+
+Both answer the interface the worker uses (:class:`Runtime`), so the server,
+its sessions, stats and failures work the same on either. ``vllm-omni`` needs
+the optional extra ``arstream[vllm-omni]``; see docs/vllm-omni.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+
+from arstream.runner.contract import ARPipeline
+from arstream.runner.runner import ARRunner, RunnerStats, UnsupportedConfiguration
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import ChunkResult, TickRequest, TickResult
+
+RuntimeName = Literal["arstream", "vllm-omni"]
+RUNTIMES: tuple[RuntimeName, ...] = ("arstream", "vllm-omni")
+
+
+class Runtime(Protocol):
+    """What the worker, the hub and the benches call on a runner."""
+
+    spec: KVCacheSpec
+    chunk_times_s: deque[float]
+    on_evict: Callable[[str], None] | None
+
+    @property
+    def batch_limit(self) -> int: ...
+
+    @property
+    def session_capacity(self) -> int: ...
+
+    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]: ...
+
+    def execute_tick(self, tick: TickRequest) -> ChunkResult: ...
+
+    def reset_session(self, session_id: str) -> None: ...
+
+    def close_session(self, session_id: str) -> None: ...
+
+    def is_resident(self, session_id: str) -> bool: ...
+
+    def resident_sessions(self) -> list[str]: ...
+
+    def warmup(self) -> int: ...
+
+    def stats(self) -> RunnerStats: ...
+
+    def model_card(self) -> dict[str, Any]: ...
+
+
+def vllm_omni_available() -> bool:
+    """Whether the vllm-omni extra is installed (checked without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm_omni") is not None
+
+
+def build_runtime(
+    name: str,
+    pipeline: ARPipeline,
+    *,
+    device: torch.device | str = "cpu",
+    kv_budget_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    max_batch_sessions: int = 1,
+) -> Runtime:
+    """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings."""
+    options: dict[str, Any] = dict(
+        device=device,
+        kv_budget_bytes=kv_budget_bytes,
+        memory_fraction=memory_fraction,
+        max_batch_sessions=max_batch_sessions,
+    )
+    if name == "arstream":
+        return ARRunner(pipeline, **options)
+    if name == "vllm-omni":
+        if not vllm_omni_available():
+            raise UnsupportedConfiguration(
+                "the vllm-omni runtime needs vLLM-Omni: pip install 'arstream[vllm-omni]' "
+                "(then uninstall torchvision, torchaudio and torchcodec on a CPU torch; see docs/vllm-omni.md)"
+            )
+        from arstream.runner.vllm_omni.runtime import VllmOmniRunner
+
+        return VllmOmniRunner(pipeline, **options)
+    raise UnsupportedConfiguration(f"unknown runtime {name!r}; expected one of {list(RUNTIMES)}")

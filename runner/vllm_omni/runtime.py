@@ -1,0 +1,269 @@
+"""VllmOmniRunner: vLLM-Omni's ``ARDiffusionModelRunner``, in-process, behind ARRunner's interface.
+
+The worker drives a runner through a small interface (``execute``,
+``execute_tick``, ``reset_session``, ``close_session``, ``is_resident``,
+``warmup``, ``stats``, ``model_card``, ``batch_limit``, ``on_evict``).
+This class answers it with vLLM-Omni's runner doing the work: the pool,
+sessions, LRU eviction and fail-closed forwards are vLLM-Omni's own
+(``load_model`` with the pipeline adapter, ``execute_model`` per tick with
+the tick in its protocol, ``reset_session`` and ``close_session``). What it
+adds is only what the server needs to observe: results per tick, eviction
+notices, counters and pool statistics read from vLLM-Omni's block pool.
+
+vLLM-Omni's runner serves one request per forward (``max_num_seqs=1``), so
+there is no cross-session batching here: ``batch_limit`` is 1.
+
+Where the two runtimes differ by design, this one behaves as vLLM-Omni does
+(docs/vllm-omni.md lists the cases; the conformance suite asserts them): a
+close hook that raises while a session is evicted fails the tick that needed
+the room; a ``KeyboardInterrupt`` inside a forward leaves that session
+resident with its uncommitted blocks; a forward that commits no chunk is
+accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from arstream.runner.contract import ARPipeline, SupportsWarmup
+from arstream.runner.runner import CHUNK_TIMES_KEPT, WARMUP_SESSION_ID, RunnerStats, UnsupportedConfiguration
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+
+log = logging.getLogger("arstream.runner.vllm_omni")
+
+DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # ARStream's default, so one setting means the same on both runtimes
+
+
+def _load_vllm_omni() -> dict[str, Any]:
+    """vLLM-Omni's pieces, imported on first use (about 10 s and 0.9 GB)."""
+    from vllm.config import VllmConfig
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
+    from vllm_omni.experimental.ar_diffusion.runner import ARDiffusionModelRunner
+
+    return {
+        "VllmConfig": VllmConfig,
+        "OmniDiffusionConfig": OmniDiffusionConfig,
+        "ARDiffusionKVConfig": ARDiffusionKVConfig,
+        "ARDiffusionModelRunner": ARDiffusionModelRunner,
+    }
+
+
+def build_model_runner(
+    pipeline: ARPipeline, *, device: torch.device, budget_bytes: int | None, memory_fraction: float | None
+) -> Any:
+    """vLLM-Omni's AR-Diffusion runner with ``pipeline`` loaded (through the adapter) and its pool built.
+
+    The KV budget means what it means on ARStream: an explicit byte count, or
+    a fraction of free device memory. vLLM-Omni sizes its pool from free
+    device memory times a fraction; with a byte count the runner is told that
+    count is what is free, at fraction 1.
+    """
+    omni = _load_vllm_omni()
+    from arstream.runner.vllm_omni.pipeline import adapter_class
+
+    if budget_bytes is None and device.type == "cpu":
+        raise UnsupportedConfiguration("on cpu the KV budget must be given in bytes (no free-memory query)")
+    fraction = 1.0 if budget_bytes is not None else (memory_fraction or DEFAULT_CUDA_MEMORY_FRACTION)
+    spec = pipeline.kv_cache_spec()
+
+    class BudgetedRunner(omni["ARDiffusionModelRunner"]):  # type: ignore[misc, valid-type]
+        """vLLM-Omni's runner, told the byte budget instead of querying free memory when one is given."""
+
+        def _available_memory_bytes(self) -> int:
+            return budget_bytes if budget_bytes is not None else super()._available_memory_bytes()
+
+    od_config = omni["OmniDiffusionConfig"](
+        model_class_name="OmniPipelineAdapter",
+        dtype=spec.dtype,
+        enforce_eager=True,  # no torch.compile / graph capture: the adapter's pipeline is eager
+        model_config={"ar_diffusion_kv_config": omni["ARDiffusionKVConfig"](enable=True, gpu_memory_fraction=fraction)},
+    )
+    runner = BudgetedRunner(omni["VllmConfig"](), od_config, device)
+    runner.load_model(load_format="custom_pipeline", custom_pipeline_name=adapter_class(pipeline, device))
+    return runner
+
+
+class VllmOmniRunner:
+    """ARRunner's interface over vLLM-Omni's ``ARDiffusionModelRunner``; see the module docstring."""
+
+    batches = False
+    batch_limit = 1
+
+    def __init__(
+        self,
+        pipeline: ARPipeline,
+        *,
+        device: torch.device | str = "cpu",
+        kv_budget_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        max_batch_sessions: int = 1,
+    ) -> None:
+        if not isinstance(pipeline, ARPipeline):
+            raise UnsupportedConfiguration(f"{type(pipeline).__name__} does not implement the ARPipeline contract")
+        self.device = torch.device(device)
+        self.pipeline = pipeline
+        self.spec = pipeline.kv_cache_spec()
+        if max_batch_sessions != 1:
+            log.info("vllm-omni runs one session per forward; max_batch_sessions=%d is not used", max_batch_sessions)
+        self.model_runner = build_model_runner(
+            pipeline, device=self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction
+        )
+        self.kv_cache = self.model_runner.kv_cache
+        self.blocks_free_at_start = self.blocks_free
+        self.chunk_times_s: deque[float] = deque(maxlen=CHUNK_TIMES_KEPT)
+        self.chunks_total = 0
+        self.evictions_total = 0
+        self.failures_total = 0
+        self.on_evict: Callable[[str], None] | None = None
+        log.info(
+            "vLLM-Omni KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d",
+            self.blocks_total,
+            self.block_bytes,
+            self.kv_cache.scratch_num_blocks,
+            self.session_capacity,
+            self.spec.sink_frames,
+            self.spec.window_frames,
+        )
+
+    # ---- pool and sessions (read from vLLM-Omni) ---------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_cache.spec.page_size_bytes * self.spec.num_layers
+
+    @property
+    def blocks_total(self) -> int:
+        """Allocatable blocks: vLLM's block pool keeps one (the null block) for itself."""
+        return self.kv_cache.managed_num_blocks - 1
+
+    @property
+    def blocks_free(self) -> int:
+        return self.kv_cache.manager.block_pool.get_num_free_blocks()
+
+    @property
+    def session_capacity(self) -> int:
+        return self.kv_cache.session_capacity
+
+    def _sessions(self) -> dict[str, Any]:
+        # vLLM-Omni keeps its sessions in LRU order in this OrderedDict; it has no public accessor.
+        return self.model_runner._sessions
+
+    def resident_sessions(self) -> list[str]:
+        """Session ids from least to most recently used."""
+        return list(self._sessions())
+
+    def is_resident(self, session_id: str) -> bool:
+        return session_id in self._sessions()
+
+    def frames_committed(self, session_id: str) -> int:
+        state = self._sessions().get(session_id)
+        if state is None:
+            return 0
+        adapter = state.adapter(self.spec.branch_names[0])
+        return adapter.absolute_num_computed_tokens // self.spec.tokens_per_frame
+
+    def history_frames(self, session_id: str) -> int:
+        """Frames of history the session's next chunk sees (0 for a session that is not resident)."""
+        return min(self.frames_committed(session_id), self.spec.resident_frames)
+
+    def reset_session(self, session_id: str) -> None:
+        self.model_runner.reset_session(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.model_runner.close_session(session_id)
+
+    # ---- execution ----------------------------------------------------------------
+
+    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
+        """One result per tick, in order; each tick is one vLLM-Omni request (reset, forward, close)."""
+        results: list[TickResult] = []
+        for tick in ticks:
+            try:
+                results.append(self.execute_tick(tick))
+            except Exception as exc:  # noqa: BLE001 - reported in the tick's place, as ARRunner does
+                results.append(TickFailure(tick.session_id, tick.request_id, exc))
+        return results
+
+    def execute_tick(self, tick: TickRequest) -> ChunkResult:
+        """Run one tick through ``execute_model``; raises what vLLM-Omni raises (its session then released)."""
+        from arstream.runner.vllm_omni.pipeline import to_omni_request
+
+        before = self.resident_sessions()
+        fresh = tick.reset or self.frames_committed(tick.session_id) == 0
+        chunk_index = 0 if fresh else self.frames_committed(tick.session_id) // self.spec.frames_per_chunk
+        started = time.perf_counter()
+        try:
+            output = self.model_runner.execute_model(to_omni_request(tick, chunk_index))
+        except Exception:
+            self.failures_total += 1
+            raise
+        finally:
+            self._notice_evictions(before, tick.session_id)
+        compute_s = time.perf_counter() - started
+        self.chunk_times_s.append(compute_s)
+        self.chunks_total += 1
+        return ChunkResult(
+            session_id=tick.session_id,
+            request_id=tick.request_id,
+            chunk_index=chunk_index,
+            frames=output.output.numpy(),
+            compute_s=compute_s,
+            new_rollout=fresh,
+            applied_event_ids=tick.applied_event_ids,
+        )
+
+    def _notice_evictions(self, before: list[str], session_id: str) -> None:
+        """Sessions that were resident before a tick and are gone after it (not the tick's own) were evicted."""
+        resident = set(self.resident_sessions())
+        for gone in before:
+            if gone not in resident and gone != session_id:
+                self.evictions_total += 1
+                if self.on_evict is not None:
+                    self.on_evict(gone)
+
+    def warmup(self) -> int:
+        """Run the pipeline's warm-up ticks through ``execute_model``; the pool must end as it began."""
+        if not isinstance(self.pipeline, SupportsWarmup):
+            return 0
+        free_before = self.blocks_free
+        ran = 0
+        try:
+            for tick in self.pipeline.warmup_requests(WARMUP_SESSION_ID):
+                self.execute_tick(tick)
+                ran += 1
+        finally:
+            self.close_session(WARMUP_SESSION_ID)
+            self.chunk_times_s.clear()
+            self.chunks_total = 0
+        if self.blocks_free != free_before:
+            raise RuntimeError(f"warm-up did not restore the KV pool (free {free_before} -> {self.blocks_free})")
+        return ran
+
+    def stats(self) -> RunnerStats:
+        free = self.blocks_free
+        return RunnerStats(
+            blocks_total=self.blocks_total,
+            blocks_free=free,
+            blocks_used=self.blocks_total - free,
+            scratch_blocks=self.kv_cache.scratch_num_blocks,
+            block_bytes=self.block_bytes,
+            pool_bytes=self.kv_cache.num_blocks_total * self.block_bytes,
+            session_capacity=self.session_capacity,
+            sessions_resident=len(self._sessions()),
+            sink_frames=self.spec.sink_frames,
+            window_frames=self.spec.window_frames,
+            frames_per_chunk=self.spec.frames_per_chunk,
+            evictions_total=self.evictions_total,
+            failures_total=self.failures_total,
+            chunks_total=self.chunks_total,
+        )
+
+    def model_card(self) -> dict[str, Any]:
+        return self.pipeline.model_card()

@@ -1,0 +1,70 @@
+"""One KV spec, two runtimes: ARStream's :class:`KVCacheSpec` as vLLM-Omni's ``ARDiffusionKVCacheSpec``.
+
+Both specs count the window the same way: a chunk attends to the sink frames
+plus the last ``window_frames`` frames *including itself*. So the numbers
+carry over one to one (``frames_per_chunk`` is vLLM-Omni's
+``frames_per_block``) and the same spec gives the same attention span on both
+runtimes; the conformance suite checks that by comparing the K/V each pass
+sees.
+
+What the two runtimes do differently with the same numbers is memory (see
+docs/vllm-omni.md, "Capacity"): between chunks vLLM-Omni keeps
+``sink + window`` blocks per session and branch, of which the next chunk sees
+``sink + window - frames_per_chunk``; ARStream keeps only the ones the next
+chunk sees, and instead reserves a staging row of ``sink + window`` frames for
+the forward. :func:`omni_session_capacity` restates vLLM-Omni's sizing so tests
+and docs can compare the two from one budget.
+"""
+
+from __future__ import annotations
+
+from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+
+from arstream.runner.runner import UnsupportedConfiguration
+from arstream.runner.spec import KVCacheSpec
+
+
+def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
+    """The same KV geometry and session policy in vLLM-Omni's terms."""
+    if spec.cross_attention_lengths:
+        # vLLM-Omni populates cross-attention through its own API (populate/read per branch);
+        # ARStream's cross_kv views have no counterpart in the adapter yet.
+        raise UnsupportedConfiguration(
+            "the vllm-omni runtime does not adapt cross-attention caches yet; "
+            f"this spec declares {sorted(spec.cross_attention_lengths)}"
+        )
+    return ARDiffusionKVCacheSpec(
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        tokens_per_frame=spec.tokens_per_frame,
+        frames_per_block=spec.frames_per_chunk,
+        window_frames=spec.window_frames,
+        sink_frames=spec.sink_frames,
+        kv_branches=tuple(ARDiffusionKVBranchSpec(b.name, b.local_index) for b in spec.kv_branches),
+        session_capacity=spec.session_capacity,
+        reset_at_boundary=spec.reset_at_boundary,
+        model_owned_state_bytes_per_session=spec.model_owned_bytes_per_session,
+    )
+
+
+def omni_resident_blocks(spec: KVCacheSpec, frames_committed: int) -> int:
+    """Blocks vLLM-Omni keeps for one session, per branch, after ``frames_committed`` frames (sliding window)."""
+    return min(frames_committed, spec.sink_frames + spec.window_frames)
+
+
+def omni_session_capacity(spec: KVCacheSpec, budget_bytes: int) -> int:
+    """Resident sessions vLLM-Omni's KV cache admits from ``budget_bytes`` (0 when not even one fits).
+
+    Its sizing (``ARDiffusionKVCache``, memory fraction 1): scratch of one
+    chunk per branch, one in-flight chunk per branch, two blocks vLLM's block
+    pool keeps for itself (the null block and one spare), and ``sink + window``
+    blocks per branch for each resident session, plus model-owned bytes.
+    """
+    branches = len(spec.kv_branches)
+    block = spec.block_bytes
+    fixed = (spec.frames_per_chunk * branches + spec.frames_per_chunk * branches + 2) * block
+    per_session = (spec.sink_frames + spec.window_frames) * branches * block + spec.model_owned_bytes_per_session
+    if budget_bytes < fixed + per_session:
+        return 0
+    return min(spec.session_capacity, (budget_bytes - fixed) // per_session)
