@@ -23,7 +23,7 @@ from arstream.app.settings import Settings
 from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
-from arstream.runner.runner import ARRunner
+from arstream.runner.runtimes import Runtime, build_runtime
 
 if TYPE_CHECKING:
     from arstream.app.connection import Connection
@@ -73,14 +73,15 @@ class SessionHub:
         )
         self.worker.start()
 
-    def _build_runner(self) -> ARRunner:
+    def _build_runner(self) -> Runtime:
         """Runs on the worker thread: load the pipeline, build the pool, warm up."""
         settings = self.settings
         torch.set_num_threads(settings.resolved_torch_threads())
         pipeline = self._pipeline
         if pipeline is None:
             pipeline = load_pipeline(settings.model, settings.device, **settings.model_options)
-        runner = ARRunner(
+        runner = build_runtime(
+            settings.runtime,
             pipeline,
             device=settings.device,
             kv_budget_bytes=settings.resolved_kv_budget_bytes(),

@@ -19,6 +19,7 @@ from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from arstream.models.registry import DEFAULT_MODEL, PIPELINES
+from arstream.runner.runtimes import RuntimeName
 from arstream.runner.threads import default_torch_threads
 
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
@@ -65,6 +66,11 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
+    )
+    runtime: RuntimeName = Field(
+        "arstream",
+        description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "
+        "needs the vllm-omni extra; docs/vllm-omni.md)",
     )
     admission: Literal["kv", "realtime"] = Field(
         "kv",

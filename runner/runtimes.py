@@ -29,6 +29,7 @@ class Runtime(Protocol):
     spec: KVCacheSpec
     chunk_times_s: deque[float]
     on_evict: Callable[[str], None] | None
+    warmup_round_s: dict[int, float]
 
     @property
     def batch_limit(self) -> int: ...
@@ -45,6 +46,8 @@ class Runtime(Protocol):
     def close_session(self, session_id: str) -> None: ...
 
     def is_resident(self, session_id: str) -> bool: ...
+
+    def next_chunk_index(self, session_id: str) -> int: ...
 
     def resident_sessions(self) -> list[str]: ...
 

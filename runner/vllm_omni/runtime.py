@@ -24,6 +24,7 @@ accepted.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -122,6 +123,8 @@ class VllmOmniRunner:
         self.evictions_total = 0
         self.failures_total = 0
         self.on_evict: Callable[[str], None] | None = None
+        # median seconds of one warm-up step, by sessions per step (always 1 here), filled by warmup()
+        self.warmup_round_s: dict[int, float] = {}
         log.info(
             "vLLM-Omni KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d",
             self.blocks_total,
@@ -169,6 +172,10 @@ class VllmOmniRunner:
         adapter = state.adapter(self.spec.branch_names[0])
         return adapter.absolute_num_computed_tokens // self.spec.tokens_per_frame
 
+    def next_chunk_index(self, session_id: str) -> int:
+        """The ``chunk_index`` the session's next chunk will have (0 when it is not resident: a new rollout)."""
+        return self.frames_committed(session_id) // self.spec.frames_per_chunk
+
     def history_frames(self, session_id: str) -> int:
         """Frames of history the session's next chunk sees (0 for a session that is not resident)."""
         return min(self.frames_committed(session_id), self.spec.resident_frames)
@@ -197,7 +204,7 @@ class VllmOmniRunner:
 
         before = self.resident_sessions()
         fresh = tick.reset or self.frames_committed(tick.session_id) == 0
-        chunk_index = 0 if fresh else self.frames_committed(tick.session_id) // self.spec.frames_per_chunk
+        chunk_index = 0 if fresh else self.next_chunk_index(tick.session_id)
         started = time.perf_counter()
         try:
             output = self.model_runner.execute_model(to_omni_request(tick, chunk_index))
@@ -229,22 +236,30 @@ class VllmOmniRunner:
                     self.on_evict(gone)
 
     def warmup(self) -> int:
-        """Run the pipeline's warm-up ticks through ``execute_model``; the pool must end as it began."""
+        """Run the pipeline's warm-up ticks through ``execute_model``; return the chunks run.
+
+        One synthetic session (vLLM-Omni runs one per forward), released
+        afterwards; :attr:`warmup_round_s` keeps the median step for realtime
+        admission, as ARRunner's does. The pool must end as it began.
+        """
         if not isinstance(self.pipeline, SupportsWarmup):
             return 0
         free_before = self.blocks_free
-        ran = 0
+        steps: list[float] = []
         try:
             for tick in self.pipeline.warmup_requests(WARMUP_SESSION_ID):
+                started = time.perf_counter()
                 self.execute_tick(tick)
-                ran += 1
+                steps.append(time.perf_counter() - started)
+            if steps:
+                self.warmup_round_s[1] = statistics.median(steps)
         finally:
             self.close_session(WARMUP_SESSION_ID)
             self.chunk_times_s.clear()
             self.chunks_total = 0
         if self.blocks_free != free_before:
             raise RuntimeError(f"warm-up did not restore the KV pool (free {free_before} -> {self.blocks_free})")
-        return ran
+        return len(steps)
 
     def stats(self) -> RunnerStats:
         free = self.blocks_free
