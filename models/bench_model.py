@@ -20,6 +20,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,13 +41,31 @@ def control_keys(model_card: dict[str, Any]) -> list[str]:
     return [str(k) for k in keys.get("items", {}).get("enum", [])]
 
 
+@dataclass
+class StreamRun:
+    """One measurement: wall seconds, video frames delivered, each chunk's compute time and model-reported split."""
+
+    wall_s: float
+    frames: int
+    chunk_s: list[float]
+    # per chunk, seconds the pipeline reports for its DiT passes and its VAE decode (pipelines with ``timings``)
+    split_s: list[tuple[float, float]]
+
+
 def run_streams(
     runner: ARRunner, streams: int, chunks: int, rep: int, name: str, keys: Sequence[str]
-) -> tuple[float, list[float]]:
-    """Wall seconds for ``chunks`` chunks per stream, one runner call per chunk boundary; each chunk's compute time."""
+) -> StreamRun:
+    """``chunks`` chunks per stream, one runner call per chunk boundary.
+
+    Frames are counted as delivered (``ChunkResult.frames``): a video model's
+    chunk holds more frames than the KV spec's latent frames, and its first
+    chunk may hold fewer than the rest.
+    """
     ids = [f"bench-{name}-{rep}-{i}" for i in range(streams)]
     cycle = [[k for k in held if k in keys] for held in KEY_CYCLE]
-    times = []
+    times: list[float] = []
+    split: list[tuple[float, float]] = []
+    frames = 0
     started = time.perf_counter()
     for c in range(chunks):
         ticks = [
@@ -63,9 +82,13 @@ def run_streams(
             if not isinstance(result, ChunkResult):
                 raise RuntimeError(f"bench chunk failed: {result.error!r}")
             times.append(result.compute_s)
+            frames += result.frames.shape[0]
+        timings = getattr(runner.pipeline, "timings", None)
+        if timings is not None and streams == 1:
+            split.append((timings.dit_s, timings.vae_s))
     if runner.pool.num_free != runner.blocks_free_at_start:
         raise RuntimeError("bench sessions leaked KV blocks")
-    return time.perf_counter() - started, times
+    return StreamRun(time.perf_counter() - started, frames, times, split)
 
 
 def denoise_passes(pipeline: ARPipeline) -> int | None:
@@ -89,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--streams", type=int, default=4, help="also compare this many streams batched vs round robin (0 or 1: skip)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device (cuda: the KV budget is sized for the streams)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
     options = dict(args.model_options)
     if args.weights is not None:
         options["weights_path"] = args.weights
-    pipeline = load_pipeline(args.model, "cpu", **options)
+    pipeline = load_pipeline(args.model, args.device, **options)
     streams = max(args.streams, 1)
-    runners = {"round_robin": runner_for_sessions(pipeline, streams)}
+    runners = {"round_robin": runner_for_sessions(pipeline, streams, device=args.device)}
     if streams > 1:
-        runners["batched"] = runner_for_sessions(pipeline, streams, max_batch_sessions=streams)
+        runners["batched"] = runner_for_sessions(pipeline, streams, max_batch_sessions=streams, device=args.device)
     for runner in runners.values():
         runner.warmup()
     card = runners["round_robin"].model_card()
@@ -112,16 +136,25 @@ def run(args: argparse.Namespace) -> int:
         f"{'' if passes is None else f'{passes} denoise passes + 1 commit per chunk, '}"
         f"torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
     )
+    spec = runners["round_robin"].spec
+    kv_bytes = spec.resident_frames * len(spec.kv_branches) * spec.block_bytes + spec.cross_attention_bytes_per_session
+    print(
+        f"per session: KV {kv_bytes / 2**20:.2f} MiB, model-owned {spec.model_owned_bytes_per_session / 2**20:.2f} MiB; "
+        f"video frames per chunk {runners['round_robin'].video_frames(1)} "
+        f"(first chunk {runners['round_robin'].video_frames(0)}), {fpc} latent frames"
+    )
     fps: dict[str, list[float]] = {}
     chunk_ms: dict[str, list[float]] = {}
+    split_ms: list[tuple[float, float, float]] = []
     print(
         f"{'streams':>7} {'mode':>11} {'rep':>3} {'frames':>6} {'wall s':>7} {'fps total':>9} "
         f"{'fps/stream':>10} {'chunk ms p50':>12}"
     )
 
     def measure(label: str, runner: ARRunner, n: int, rep: int) -> float:
-        wall, times = run_streams(runner, n, args.chunks, rep, label, keys)
-        frames = n * args.chunks * fpc
+        measured = run_streams(runner, n, args.chunks, rep, label, keys)
+        wall, times, frames = measured.wall_s, measured.chunk_s, measured.frames
+        split_ms.extend((d * 1000, v * 1000, (t - d - v) * 1000) for t, (d, v) in zip(times, measured.split_s))
         rate = frames / wall
         fps.setdefault(label, []).append(rate)
         chunk_ms.setdefault(label, []).extend(t * 1000 for t in times)
@@ -143,7 +176,14 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "chunks_per_repeat": args.chunks,
         "threads": torch.get_num_threads(),
+        "device": args.device,
+        "kv_bytes_per_session": kv_bytes,
+        "model_owned_bytes_per_session": spec.model_owned_bytes_per_session,
     }
+    if split_ms:
+        dit, vae, rest = (round(statistics.median(part), 2) for part in zip(*split_ms))
+        summary.update(dit_ms_p50=dit, vae_ms_p50=vae, rest_ms_p50=rest)
+        print(f"one stream, per chunk (median): DiT passes {dit} ms, VAE decode {vae} ms, rest {rest} ms")
     if streams > 1:
         # The ratio is batched over round robin; round robin runs first on even repetitions.
         batching = compare(
