@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from arstream.app import auth
@@ -177,9 +178,11 @@ class Connection:
     async def _serve(self) -> None:
         ws = self.ws
         server_port = ws.scope.get("server", (None, None))[1]
-        refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token) or auth.origin_refusal(
-            ws.headers, self.settings.origin_allow_list(), server_port
-        )
+        token_refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token)
+        refusal = token_refusal or auth.origin_refusal(ws.headers, self.settings.origin_allow_list(), server_port)
+        if refusal is not None and self.settings.refuse_before_upgrade:
+            await self._deny_upgrade(refusal, missing_token=token_refusal is not None and self.token_key is None)
+            return
         await ws.accept()
         if refusal is not None:
             log.info("session=%s refused: %s", self.session_id, refusal)
@@ -253,6 +256,14 @@ class Connection:
         self._fatal(ErrorCode.TAKEN_OVER, "another connection resumed this session", reason=CloseReason.TAKEN_OVER)
 
     # ---- before the session exists -----------------------------------------------------
+
+    async def _deny_upgrade(self, refusal: str, *, missing_token: bool) -> None:
+        """Refuse with HTTP 401 (no token) or 403 before the upgrade; the body is the `unauthorized` error."""
+        log.info("session=%s refused before the upgrade: %s", self.session_id, refusal)
+        self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
+        body = error_message(ErrorCode.UNAUTHORIZED, refusal)
+        await self.ws.send_denial_response(JSONResponse(body, status_code=401 if missing_token else 403, headers=headers))
 
     async def _refuse(self, code: ErrorCode, message: str) -> None:
         """Error then close, for a connection that never became a session.

@@ -284,6 +284,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         await super().send(message)
         if message.get("type") == "websocket.close":
             self._drop_after_close_timeout()
+        elif message.get("type") == "websocket.http.response.body" and not message.get("more_body", False):
+            # A refusal before the upgrade is a finished handshake; uvicorn would log it as an app error.
+            self.handshake_complete = True
 
     async def run_asgi(self) -> None:
         await super().run_asgi()

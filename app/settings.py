@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     close_timeout_s: float = Field(
         3.0, gt=0, description="time a WebSocket peer has to take its last messages and complete a close"
     )
+    refuse_before_upgrade: bool = Field(
+        False, description="answer a missing or wrong token, or a refused origin, with HTTP 401/403 before the "
+        "WebSocket upgrade instead of the `unauthorized` error (browsers then see only a failed connection)"
+    )
     forwarded_allow_ips: str = Field(
         "127.0.0.1", description="comma list of proxy addresses whose X-Forwarded-For is trusted; '*' trusts all"
     )

@@ -40,15 +40,20 @@ def tcp_connect(port: int, *, receive_buffer: int | None = SMALL_RECEIVE_BUFFER)
     return sock
 
 
-def read_http_head(sock: socket.socket) -> str:
-    """Read up to the end of an HTTP response head (or until the server closes)."""
+def read_http_response(sock: socket.socket) -> tuple[str, bytes]:
+    """An HTTP response head (up to its blank line, or what came before the server closed) and the bytes after it."""
     data = b""
     while b"\r\n\r\n" not in data:
         piece = sock.recv(4096)
         if not piece:
             break
         data += piece
-    return data.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head.decode("latin-1"), rest
+
+
+def read_http_head(sock: socket.socket) -> str:
+    return read_http_response(sock)[0]
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -79,7 +84,7 @@ class RawWebSocket:
             *(f"{name}: {value}" for name, value in (headers or {}).items()),
         ]
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self.response_head = read_http_head(self.sock)
+        self.response_head, self.leftover = read_http_response(self.sock)
         self.status = int(self.response_head.split(" ", 2)[1]) if self.response_head else 0
 
     def _frame(self, opcode: int, payload: bytes) -> bytes:

@@ -273,3 +273,22 @@ def test_configured_hosts_and_wildcards() -> None:
             for host in ("app.example", "a.cdn.example:443", "cdn.example", "127.0.0.1")
         ]
     assert statuses == [200, 200, 400, 400]
+
+
+# ---- refusing before the upgrade (opt-in) ---------------------------------------------------------------
+
+
+def test_refuse_before_upgrade_answers_401_or_403_with_the_error_as_body() -> None:
+    settings = fake_settings(auth_token="s3cret", refuse_before_upgrade=True, allowed_origins="https://app.example")
+    with running_server(settings) as server:
+        missing = RawWebSocket(server.port)
+        wrong = RawWebSocket(server.port, path="/v1/sessions?token=nope")
+        bad_origin = RawWebSocket(server.port, path="/v1/sessions?token=s3cret", headers={"Origin": "https://evil.example"})
+        right = RawWebSocket(server.port, headers={"Authorization": "Bearer s3cret"})
+        statuses = [client.status for client in (missing, wrong, bad_origin, right)]
+        body = (missing.leftover + (b"" if missing.leftover else missing.sock.recv(4096))).decode()
+        for client in (missing, wrong, bad_origin, right):
+            client.close()
+    assert statuses == [401, 403, 403, 101]
+    assert "www-authenticate: bearer" in missing.response_head.lower()
+    assert '"code":"unauthorized"' in body and "token is required" in body
