@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from arstream import __version__
+
 
 @dataclass(frozen=True)
 class Command:
@@ -47,20 +49,14 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _version() -> str:
-    from arstream import __version__
-
-    return __version__
-
-
-def build_parser(load: Callable[[Command], bool] = lambda command: True) -> CommandParser:
+def build_parser(load: Callable[[Command], bool]) -> CommandParser:
     """The whole tree; ``add_arguments`` runs only for commands where ``load(command)`` is true."""
     root = CommandParser(
         prog="arstream",
         description="ARStream: a realtime server for autoregressive video world models.",
         epilog="Run 'arstream COMMAND --help' for a command's options.",
     )
-    root.add_argument("--version", action="version", version=f"arstream {_version()}")
+    root.add_argument("--version", action="version", version=f"arstream {__version__}")
     subparsers: dict[tuple[str, ...], argparse._SubParsersAction[CommandParser]] = {
         (): root.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
     }
