@@ -89,9 +89,9 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(65536, ge=256, description="largest client text message")
     # Bounds for serving strangers; docs/public.md says what each one protects.
     max_messages_per_s: float = Field(
-        100.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
+        200.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
     )
-    message_burst: int = Field(200, ge=1, description="messages a session may send at once before the rate applies")
+    message_burst: int = Field(400, ge=1, description="messages a session may send at once before the rate applies")
     max_control_items: int = Field(
         64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
     )
