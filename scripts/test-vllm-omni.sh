@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The vLLM-Omni lane (docs/vllm-omni.md): installs arstream[vllm-omni] into its own venv
+# (.venv-vllm, about 6.4 GB), then runs the conformance suite against ARStream's runner and the
+# server tests on --runtime vllm-omni. Called by CI (.ci/run) after the main suite; the main
+# test command (scripts/test.sh) never installs vLLM. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-vllm
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+"$VENV/bin/pip" install -q --upgrade pip
+# torch pinned first so pip takes the local CPU build rather than a CUDA one.
+"$VENV/bin/pip" install -q "torch==2.13.0"
+"$VENV/bin/pip" install -q -e ".[test,vllm-omni]"
+# vllm pulls CUDA builds of these three; they fail to import beside the CPU torch, and
+# vLLM-Omni imports them when they are present. Nothing here uses them.
+"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
+
+# One pytest run: the conformance suite and adapter tests, then the server tests with every
+# server they start on the vllm-omni runtime (Settings reads ARSTREAM_RUNTIME).
+ARSTREAM_RUNTIME=vllm-omni exec "$VENV/bin/python" -m pytest -q -m "not browser" \
+    tests/test_conformance_vllm_omni.py tests/test_vllm_omni_adapter.py \
+    tests/test_server_flow.py tests/test_server_session.py tests/test_server_worker.py "$@"

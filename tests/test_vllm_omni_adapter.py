@@ -1,0 +1,115 @@
+"""The vLLM-Omni adapter's own pieces: spec conversion, ticks as requests, platforms, fail-closed chunk checks.
+
+Needs vLLM-Omni (``scripts/test-vllm-omni.sh``); the main suite skips this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed; scripts/test-vllm-omni.sh runs these tests")
+
+from arstream.models.fake import FakeKVPipeline  # noqa: E402
+from arstream.runner.runner import ChunkShapeError, UnsupportedConfiguration  # noqa: E402
+from arstream.runner.runtimes import build_runtime  # noqa: E402
+from arstream.runner.spec import KVBranch, KVCacheSpec  # noqa: E402
+from arstream.runner.types import TickFailure, TickRequest  # noqa: E402
+from arstream.runner.vllm_omni import platform  # noqa: E402
+from arstream.runner.vllm_omni.pipeline import tick_from_request, to_omni_request  # noqa: E402
+from arstream.runner.vllm_omni.runtime import VllmOmniRunner  # noqa: E402
+from arstream.runner.vllm_omni.spec import to_omni_spec  # noqa: E402
+
+BUDGET = 8 << 20
+
+
+def test_spec_converts_one_to_one() -> None:
+    spec = KVCacheSpec(
+        num_layers=3,
+        num_kv_heads=2,
+        head_size=8,
+        tokens_per_frame=5,
+        frames_per_chunk=3,
+        sink_frames=2,
+        window_frames=9,
+        kv_branches=(KVBranch("cond", 0), KVBranch("uncond", 1)),
+        session_capacity=7,
+        model_owned_bytes_per_session=1234,
+    )
+    omni = to_omni_spec(spec)
+    assert (omni.num_layers, omni.num_kv_heads, omni.head_size, omni.tokens_per_frame) == (3, 2, 8, 5)
+    assert (omni.frames_per_block, omni.sink_frames, omni.window_frames) == (3, 2, 9)
+    assert [(b.name, b.local_index) for b in omni.kv_branches] == [("cond", 0), ("uncond", 1)]
+    assert (omni.session_capacity, omni.model_owned_state_bytes_per_session) == (7, 1234)
+
+
+def test_cross_attention_specs_are_refused_with_the_reason() -> None:
+    spec = KVCacheSpec(
+        num_layers=1,
+        num_kv_heads=1,
+        head_size=4,
+        tokens_per_frame=2,
+        frames_per_chunk=1,
+        sink_frames=0,
+        window_frames=2,
+        cross_attention_lengths={"text": 8},
+    )
+    with pytest.raises(UnsupportedConfiguration, match="cross-attention.*'text'"):
+        to_omni_spec(spec)
+
+
+def test_a_tick_survives_vllm_omnis_tick_protocol() -> None:
+    tick = TickRequest(
+        session_id="s-1",
+        request_id=42,
+        controls={"keys": ["w", "a"], "camera": {"yaw": 0.5}},
+        prompt="a forest",
+        seed=9,
+        reset=True,
+        close=True,
+        applied_event_ids=(3, 4),
+    )
+    request = to_omni_request(tick, chunk_index=5)
+    assert request.sampling_params.extra_args["ar_diffusion_tick"]["chunk_index"] == 5
+    assert tick_from_request(request) == tick
+
+
+def test_both_libraries_run_on_arstreams_cpu_platform() -> None:
+    from vllm import platforms as vllm_platforms
+    from vllm_omni.platforms import current_omni_platform
+
+    from arstream.runner.vllm_omni.cpu_platform import ARStreamCPUPlatform
+    from arstream.runner.vllm_omni.omni_platform import ARStreamCPUOmniPlatform
+
+    assert platform.register_vllm() == platform.VLLM_PLATFORM
+    assert platform.register_omni() == platform.OMNI_PLATFORM
+    assert isinstance(current_omni_platform, ARStreamCPUOmniPlatform)
+    assert isinstance(vllm_platforms.current_platform, ARStreamCPUPlatform)
+    assert current_omni_platform.get_free_memory() > 0 and not current_omni_platform.supports_torch_inductor()
+
+
+def test_the_factory_builds_either_runtime_and_names_the_choices() -> None:
+    assert isinstance(build_runtime("vllm-omni", FakeKVPipeline(), kv_budget_bytes=BUDGET), VllmOmniRunner)
+    with pytest.raises(UnsupportedConfiguration, match="expected one of"):
+        build_runtime("vllm", FakeKVPipeline(), kv_budget_bytes=BUDGET)
+
+
+class WrongFramesPipeline(FakeKVPipeline):
+    """Test fake: returns one frame too few when the controls say so."""
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        frames = super().generate_chunk(tick)
+        return frames[:-1] if tick.controls.get("short") else frames
+
+
+def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
+    runner = VllmOmniRunner(WrongFramesPipeline(), kv_budget_bytes=BUDGET)
+    assert runner.warmup() == 3 and runner.stats().blocks_free == runner.blocks_free_at_start
+    runner.execute_tick(TickRequest(session_id="s", request_id=0))
+    controls: dict[str, Any] = {"short": True}
+    (result,) = runner.execute([TickRequest(session_id="s", request_id=1, controls=controls)])
+    assert isinstance(result, TickFailure) and isinstance(result.error, ChunkShapeError)
+    assert not runner.is_resident("s") and runner.stats().blocks_free == runner.blocks_free_at_start
+    assert runner.pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
