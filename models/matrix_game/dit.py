@@ -131,10 +131,13 @@ class WanRope:
             raise IndexError(f"frame position {int(positions.max())} is outside the {self.frames}-frame rotary table")
         rows, cols = self.grid
         b, f = positions.shape
-        device = positions.device
-        frame = self.frame_angles.to(device)[positions][:, :, None, None].expand(b, f, rows, cols, -1)
-        row = self.row_angles.to(device)[:rows][None, None, :, None].expand(b, f, rows, cols, -1)
-        col = self.col_angles.to(device)[:cols][None, None, None, :].expand(b, f, rows, cols, -1)
+        if self.frame_angles.device != positions.device:  # moved once, on the first forward
+            self.frame_angles, self.row_angles, self.col_angles = (
+                t.to(positions.device) for t in (self.frame_angles, self.row_angles, self.col_angles)
+            )
+        frame = self.frame_angles[positions][:, :, None, None].expand(b, f, rows, cols, -1)
+        row = self.row_angles[:rows][None, None, :, None].expand(b, f, rows, cols, -1)
+        col = self.col_angles[:cols][None, None, None, :].expand(b, f, rows, cols, -1)
         return torch.cat([frame, row, col], dim=-1).reshape(b, f * rows * cols, 1, -1)
 
 
