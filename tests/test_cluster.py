@@ -13,12 +13,14 @@ import asyncio
 import csv
 import io
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -68,7 +70,7 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    options = ["--model", "fake-kv", "--model-options", f'{{"session_capacity": {CAPACITY}}}', "--log-level", "warning"]
+    options = ["--model", "fake-kv", "--model-options", f'{{"session_capacity": {CAPACITY}}}', "--log-level", "info"]
     process = subprocess.Popen(
         ["bash", str(REPO_ROOT / "scripts" / "local-cluster.sh"), "2", *options],
         cwd=REPO_ROOT,
@@ -146,12 +148,15 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
         assert cluster.server_row("sessions", name)["slim"] == str(CAPACITY)  # maxconn: the session capacity
     assert "haproxy_backend_current_sessions" in httpx.get(cluster.stats.removesuffix("stats") + "metrics").text
 
+    tokens: list[str] = []
+
     async def scenario() -> None:
         clients: list[SessionClient] = []
         contexts = [session_client(cluster.ws_url, start={}) for _ in range(4)]
         for context in contexts:
             clients.append(await context.__aenter__())
         try:
+            tokens.extend(c.ready["resume"]["token"] for c in clients if c.ready)
             # Least connections: 2 and 2.
             placed = [replica_of(c) for c in clients]
             assert sorted(placed) == ["r0", "r0", "r1", "r1"], placed
@@ -188,6 +193,7 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
                 assert resumed.ready is not None
                 assert resumed.ready["session_id"] == session_id and resumed.ready["resumed"] is True
                 assert replica_of(resumed) == "r0"
+                tokens.append(resumed.ready["resume"]["token"])
                 chunk = await one_chunk(resumed, 1)
                 assert (chunk["chunk_index"], chunk["restarted"]) == (1, None)
                 await resumed.send(type="close")
@@ -219,6 +225,15 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
         ),
         "r0 back at its baseline",
     )
+    # Resume tokens travel in URLs: neither HAProxy's log nor a replica's holds one.
+    log_dir = Path(re.search(r"logs in (\S+);", "".join(cluster.output)).group(1))  # type: ignore[union-attr]
+    logs = {path.name: path.read_text() for path in log_dir.glob("*.log")}
+    assert sorted(logs) == ["haproxy.log", "r0.log", "r1.log"]
+    assert '"GET /v1/sessions HTTP/1.1"' in logs["haproxy.log"]  # requests are logged, by path
+    assert '"WebSocket /v1/sessions?resume=' in logs["r0.log"]  # and the resume, its query redacted
+    for token in tokens:
+        secret = token.split(".", 1)[1]
+        assert not [name for name, text in logs.items() if secret[:12] in text], token
 
 
 def test_sigterm_stops_every_process_the_script_started(cluster: Cluster) -> None:

@@ -307,6 +307,29 @@ def test_a_session_that_closed_or_is_closing_cannot_be_resumed(server: LiveServe
     run(scenario())
 
 
+def test_a_resume_needs_the_auth_token_when_one_is_configured() -> None:
+    with running_server(resume_settings(auth_token="s3cret")) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+        authorized = [("Authorization", "Bearer s3cret")]
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={}, headers=authorized) as client:
+                assert client.ready is not None
+                session_id, token = client.ready["session_id"], client.ready["resume"]["token"]
+                client.abort()
+            await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+            async with session_client(resume_url(server, token)) as stranger:  # refused before any start
+                await expect_fatal(stranger, "unauthorized", 1008)
+            # The refused attempt did not spend the ticket.
+            async with session_client(resume_url(server, token), start={"resume": token}, headers=authorized) as client:
+                assert client.ready is not None and client.ready["session_id"] == session_id
+                await client.send(type="close")
+                await client.closed_by_server()
+
+        run(scenario())
+        server.settled(start_free)
+
+
 # ---- takeover and capacity ------------------------------------------------------------------
 
 
@@ -385,6 +408,7 @@ def test_shutdown_releases_detached_sessions() -> None:
 
 def test_tokens_are_never_logged_whole(server: LiveServer, baseline: int, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="arstream")
+    caplog.set_level(logging.INFO, logger="uvicorn.error")  # uvicorn logs every WebSocket's path and query
 
     async def scenario() -> list[str]:
         _, first = await detached_session(server, 1)
@@ -398,9 +422,10 @@ def test_tokens_are_never_logged_whole(server: LiveServer, baseline: int, caplog
 
     tokens = run(scenario())
     logged = "\n".join(record.getMessage() for record in caplog.records)
-    assert "resumed with token r0." in logged  # the hint is there ...
+    assert "resumed with token r0." in logged  # the hints are there ...
+    assert '"WebSocket /v1/sessions?resume=' in logged  # uvicorn's line, its query redacted
     for token in tokens:
-        assert token not in logged and token.split(".", 1)[1] not in logged  # ... the token is not
+        assert token.split(".", 1)[1][:12] not in logged  # ... the tokens are not
 
 
 # ---- the example client ---------------------------------------------------------------------
