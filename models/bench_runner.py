@@ -7,12 +7,18 @@ binding, timing) and once in a direct loop over :class:`DenseKVCache`
 (contiguous buffer, zero-copy slices), both ending in the same uint8 frames. Interleaving makes machine noise hit
 both sides alike; the median of the per-repetition ratios is the overhead.
 
+With ``--runtime vllm-omni`` the two sides are the two runtimes instead: the
+same pipeline through :class:`ARRunner` and through vLLM-Omni's runner
+(:mod:`arstream.runner.vllm_omni`, needs the vllm-omni extra), same ticks,
+alternating chunk by chunk; the ratio is vLLM-Omni's time over ARStream's.
+
 It lives with the models because it drives one; the runner never imports a model.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Mapping
 
@@ -20,11 +26,14 @@ import torch
 
 from arstream.measure import compare, print_summary
 from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
-from arstream.runner.runner import ARRunner
+from arstream.runner.runner import ARRunner, UnsupportedConfiguration
+from arstream.runner.runtimes import RUNTIMES, Runtime, build_runtime
 from arstream.runner.threads import default_torch_threads
 from arstream.runner.types import TickRequest
 
 SIDES = ("runner", "direct")
+RUNTIME_SIDES = ("vllm-omni", "arstream")
+BUDGET_BYTES = 64 << 20
 
 
 def _interleaved_chunk_s(
@@ -52,6 +61,62 @@ def _interleaved_chunk_s(
     return {side: seconds / chunks for side, seconds in total.items()}
 
 
+def _runtimes_chunk_s(runners: Mapping[str, Runtime], chunks: int, session: str, first: str) -> dict[str, float]:
+    """Seconds per chunk through each runtime, alternating chunk by chunk (``first`` first), then closed."""
+    total = dict.fromkeys(runners, 0.0)
+    second = next(side for side in runners if side != first)
+    for i in range(chunks):
+        for side in (first, second) if i % 2 == 0 else (second, first):
+            started = time.perf_counter()
+            runners[side].execute_tick(TickRequest(session_id=session, request_id=i, seed=1))
+            total[side] += time.perf_counter() - started
+    for side, runner in runners.items():
+        runner.close_session(session)
+        if runner.stats().blocks_free != runner.blocks_free_at_start:  # type: ignore[attr-defined]
+            raise RuntimeError(f"bench session leaked KV blocks on {side}")
+    return {side: seconds / chunks for side, seconds in total.items()}
+
+
+def _run_runtimes(args: argparse.Namespace) -> int:
+    """``--runtime vllm-omni``: ARStream's runner and vLLM-Omni's, same pipeline and ticks, side by side."""
+    try:
+        runners = {
+            side: build_runtime(side, ToyAttentionPipeline(steps=args.steps), kv_budget_bytes=BUDGET_BYTES)
+            for side in RUNTIME_SIDES
+        }
+    except UnsupportedConfiguration as exc:
+        print(f"arstream bench runner: {exc}", file=sys.stderr)
+        return 2
+    for runner in runners.values():
+        runner.warmup()
+    _runtimes_chunk_s(runners, 4, "bench-warm", RUNTIME_SIDES[0])  # first-call allocations out of the way
+    print(f"{'rep':>4} {'vllm-omni ms/chunk':>19} {'arstream ms/chunk':>18} {'ratio':>7}")
+
+    def measure(rep: int, order: tuple[str, str]) -> dict[str, float]:
+        return _runtimes_chunk_s(runners, args.chunks, f"bench-{rep}", order[0])
+
+    def report(rep: int, figures: Mapping[str, float], ratio: float) -> None:
+        print(f"{rep:>4} {figures['vllm-omni'] * 1e3:>19.3f} {figures['arstream'] * 1e3:>18.3f} {ratio:>7.3f}")
+
+    result = compare(RUNTIME_SIDES, args.repeats, measure, report)
+    omni_med, mine_med, ratio = result.median("vllm-omni"), result.median("arstream"), result.median_ratio
+    print(f"median: vllm-omni {omni_med * 1e3:.3f} ms, arstream {mine_med * 1e3:.3f} ms, median ratio {ratio:.3f}")
+    print_summary(
+        {
+            "bench": "runner",
+            "runtime": "vllm-omni",
+            "chunks": args.chunks,
+            "repeats": args.repeats,
+            "steps": args.steps,
+            "threads": args.threads,
+            "vllm_omni_ms_per_chunk": round(omni_med * 1e3, 4),
+            "arstream_ms_per_chunk": round(mine_med * 1e3, 4),
+            "vllm_omni_over_arstream_ratio": round(ratio, 4),
+        }
+    )
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.add_argument("--chunks", type=int, default=60, help="chunks per measurement (several windows long)")
@@ -60,10 +125,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=default_torch_threads(), help="torch threads (default: CPU cores - 1, at least 1)"
     )
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="arstream",
+        help="vllm-omni: compare ARStream's runner with vLLM-Omni's (needs the vllm-omni extra) instead of a direct loop",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.runtime == "vllm-omni":
+        return _run_runtimes(args)
     pipeline = ToyAttentionPipeline(steps=args.steps)
     _interleaved_chunk_s(pipeline, 4, "bench-warm")  # first-call allocations out of the way
     print(f"{'rep':>4} {'runner ms/chunk':>16} {'direct ms/chunk':>16} {'ratio':>7}")

@@ -113,3 +113,15 @@ def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
     assert isinstance(result, TickFailure) and isinstance(result.error, ChunkShapeError)
     assert not runner.is_resident("s") and runner.stats().blocks_free == runner.blocks_free_at_start
     assert runner.pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
+
+
+def test_bench_runner_compares_the_two_runtimes(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from arstream.app.cli import main
+
+    assert main(["bench", "runner", "--runtime", "vllm-omni", "--chunks", "3", "--repeats", "2", "--threads", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["runtime"] == "vllm-omni" and summary["repeats"] == 2
+    assert summary["vllm_omni_ms_per_chunk"] > 0 and summary["arstream_ms_per_chunk"] > 0
+    assert summary["vllm_omni_over_arstream_ratio"] > 0
