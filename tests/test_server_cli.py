@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -94,7 +94,8 @@ def test_serve_flags_are_the_settings_fields_with_their_descriptions(capsys: pyt
         assert f"--{name.replace('_', '-')}" in out, name
         assert field.description is not None and " ".join(field.description.split()) in out, name
     assert "--jpeg-quality N JPEG quality when `start` names none (>= 1, <= 100) [default: 80]" in out
-    assert "--codec {jpeg,raw}" in out and "--model-options JSON" in out
+    codecs = ",".join(get_args(Settings.model_fields["codec"].annotation))  # a Literal: its values are the choices
+    assert f"--codec {{{codecs}}}" in out and "--model-options JSON" in out
 
 
 @pytest.mark.parametrize(
