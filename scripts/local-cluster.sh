@@ -11,7 +11,8 @@
 #   ARSTREAM_LB_STATS http://127.0.0.1:PORT/stats     HAProxy's statistics (/metrics: its exporter)
 #   ARSTREAM_LB http://127.0.0.1:PORT                 once every replica is ready through the balancer
 # and runs until SIGTERM or Ctrl-C, then stops everything it started. Logs: $ARSTREAM_CLUSTER_DIR
-# (default: a new temporary directory). ARSTREAM_LB_PORT picks the balancer's port.
+# (default: a new temporary directory). ARSTREAM_LB_PORT picks the balancer's port. ARSTREAM_GPUS=0,1,...
+# gives replica i the GPU at position i (CUDA_VISIBLE_DEVICES; wraps around), for N GPUs on one host.
 set -euo pipefail
 
 usage() { echo "usage: $0 N [arstream serve options]" >&2; exit 2; }
@@ -57,8 +58,11 @@ lb="http://127.0.0.1:$lb_port"
 # The demo page is served through the balancer: its origin must be allowed. Options given later win.
 origins="$lb,http://localhost:$lb_port"
 
+IFS=, read -r -a gpus <<<"${ARSTREAM_GPUS:-}"
 for ((i = 0; i < replicas; i++)); do
-    PYTHONUNBUFFERED=1 "$python" -m arstream serve --host 127.0.0.1 --port 0 --replica-id "r$i" \
+    gpu_env=()
+    [ ${#gpus[@]} -eq 0 ] || gpu_env=("CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]}")
+    env "${gpu_env[@]}" PYTHONUNBUFFERED=1 "$python" -m arstream serve --host 127.0.0.1 --port 0 --replica-id "r$i" \
         --allowed-origins "$origins" "$@" >"$dir/r$i.log" 2>&1 &
     pids+=($!)
 done

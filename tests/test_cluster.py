@@ -74,7 +74,7 @@ def cluster() -> Iterator[Cluster]:
     process = subprocess.Popen(
         ["bash", str(REPO_ROOT / "scripts" / "local-cluster.sh"), "2", *options],
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "ARSTREAM_GPUS": "0,1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -135,6 +135,12 @@ async def one_chunk(client: SessionClient, tick_id: int) -> dict[str, Any]:
     await client.send(type="tick", tick_id=tick_id)
     chunk, _ = await client.recv_chunk()
     return chunk
+
+
+def test_each_replica_gets_its_own_gpu(cluster: Cluster) -> None:
+    for index, name in enumerate(("r0", "r1")):
+        environ = Path(f"/proc/{cluster.replicas[name][1]}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={index}".encode() in environ
 
 
 def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cluster) -> None:
