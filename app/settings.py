@@ -238,14 +238,15 @@ def _json_value(kind: type) -> Callable[[str], Any]:
 
 
 def _flag_options(field: FieldInfo) -> dict[str, Any]:
-    """argparse keywords for one field: bools as --x/--no-x, Literals as choices, dicts/lists as JSON."""
+    """argparse keywords for one field: bools as --x/--no-x, Literals with their choices, dicts/lists as JSON."""
     kind = field.annotation
     if get_origin(kind) in (Union, UnionType):  # ``X | None``: the flag takes an X
         kind = next(arg for arg in get_args(kind) if arg is not type(None))
     if kind is bool:
         return {"action": argparse.BooleanOptionalAction}
     if get_origin(kind) is Literal:
-        return {"choices": get_args(kind)}
+        # Choices shown, checked by the model, whose validators may normalise first (log level case).
+        return {"metavar": "{" + ",".join(str(value) for value in get_args(kind)) + "}"}
     container = get_origin(kind) or kind
     if container in (dict, list):
         return {"type": _json_value(container), "metavar": "JSON"}

@@ -51,6 +51,10 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.resolved_kv_budget_bytes() == 1048576
 
 
+def test_log_level_flag_is_case_insensitive_as_the_variable_is() -> None:
+    assert settings_from_argv(["--log-level", "WARNING"]).log_level == "warning"
+
+
 def test_max_batch_sessions_from_environment_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ARSTREAM_MAX_BATCH_SESSIONS", "1")
     assert settings_from_argv([]).max_batch_sessions == 1
@@ -105,7 +109,7 @@ def test_serve_flags_are_the_settings_fields_with_their_descriptions(capsys: pyt
         (["serve", "--model", "nope"], "--model (ARSTREAM_MODEL): unknown model 'nope'; expected one of"),
         (["serve", "--model-options", "not json"], "argument --model-options: expected JSON"),
         (["serve", "--model-options", "[1]"], "argument --model-options: expected a JSON dict, got list"),
-        (["serve", "--codec", "png"], "argument --codec: invalid choice: 'png'"),
+        (["serve", "--codec", "png"], "--codec (ARSTREAM_CODEC): Input should be 'jpeg', 'raw'"),
         (["serve", "--port", "x"], "argument --port: invalid int value: 'x'"),
         (["serve", "--max-batch-sessions", "0"], "--max-batch-sessions (ARSTREAM_MAX_BATCH_SESSIONS): Input should be"),
         (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
