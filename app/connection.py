@@ -263,7 +263,8 @@ class Connection:
         self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
         headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
         body = error_message(ErrorCode.UNAUTHORIZED, refusal)
-        await self.ws.send_denial_response(JSONResponse(body, status_code=401 if missing_token else 403, headers=headers))
+        status = 401 if missing_token else 403
+        await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
 
     async def _refuse(self, code: ErrorCode, message: str) -> None:
         """Error then close, for a connection that never became a session.

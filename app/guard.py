@@ -293,13 +293,19 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._drop_after_close_timeout()  # the app is done: the peer has close_timeout_s to let go
 
 
-def protocol_classes(settings: Settings, refusals: RefusalLog) -> tuple[type[GuardedHttpProtocol], type[GuardedWebSocketProtocol], ConnectionGuard]:
+def protocol_classes(
+    settings: Settings, refusals: RefusalLog
+) -> tuple[type[GuardedHttpProtocol], type[GuardedWebSocketProtocol], ConnectionGuard]:
     """This server's HTTP and WebSocket protocol classes, sharing one :class:`ConnectionGuard`."""
     guard = ConnectionGuard(settings, refusals)
     http = type(
         "ARStreamHttpProtocol",
         (GuardedHttpProtocol,),
-        {"guard": guard, "max_head_bytes": settings.max_header_bytes, "head_timeout_s": settings.request_head_timeout_s},
+        {
+            "guard": guard,
+            "max_head_bytes": settings.max_header_bytes,
+            "head_timeout_s": settings.request_head_timeout_s,
+        },
     )
     ws = type(
         "ARStreamWebSocketProtocol",

@@ -217,8 +217,13 @@ def test_running_out_of_descriptors_is_refused_quietly_and_the_server_recovers()
         log_text = "".join(live.output)
     assert "Traceback" not in log_text
     refusal_lines = [line for line in log_text.splitlines() if "refused:" in line]
-    assert 1 <= len(refusal_lines) <= 3, refusal_lines
-    assert "128 connections are open (max_connections)" in refusal_lines[0]
+    # One line per kind (and one more per kind every 10 s): past the cap of 128, or, when a burst of
+    # accepts outruns the closing of refused sockets, the loop's own out-of-descriptors report.
+    assert 1 <= len(refusal_lines) <= 4, refusal_lines
+    assert all(
+        "128 connections are open (max_connections)" in line or "Too many open files" in line
+        for line in refusal_lines
+    ), refusal_lines
 
 
 # ---- headers on the page, docs routes, Host check ----------------------------------------------------------
@@ -249,7 +254,13 @@ def test_schema_and_docs_routes_are_not_served(plain: LiveServer, path: str) -> 
 
 @pytest.mark.parametrize(
     ("host", "status"),
-    [("127.0.0.1", 200), ("localhost:8000", 200), ("[::1]:1", 200), ("evil.example", 400), ("127.0.0.1.evil.example", 400)],
+    [
+        ("127.0.0.1", 200),
+        ("localhost:8000", 200),
+        ("[::1]:1", 200),
+        ("evil.example", 400),
+        ("127.0.0.1.evil.example", 400),
+    ],
 )
 def test_loopback_server_answers_only_loopback_host_names(plain: LiveServer, host: str, status: int) -> None:
     """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 still sends Host: evil.example."""
@@ -283,7 +294,8 @@ def test_refuse_before_upgrade_answers_401_or_403_with_the_error_as_body() -> No
     with running_server(settings) as server:
         missing = RawWebSocket(server.port)
         wrong = RawWebSocket(server.port, path="/v1/sessions?token=nope")
-        bad_origin = RawWebSocket(server.port, path="/v1/sessions?token=s3cret", headers={"Origin": "https://evil.example"})
+        evil = {"Origin": "https://evil.example"}
+        bad_origin = RawWebSocket(server.port, path="/v1/sessions?token=s3cret", headers=evil)
         right = RawWebSocket(server.port, headers={"Authorization": "Bearer s3cret"})
         statuses = [client.status for client in (missing, wrong, bad_origin, right)]
         body = (missing.leftover + (b"" if missing.leftover else missing.sock.recv(4096))).decode()

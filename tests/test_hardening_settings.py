@@ -48,14 +48,17 @@ def test_a_mixed_case_origin_setting_admits_the_browser() -> None:
     with running_server(fake_settings(allowed_origins="https://App.Example")) as server:
 
         async def scenario() -> dict[str, Any]:
-            async with session_client(server.ws_url, origin="https://app.example", start={}) as client:  # type: ignore[arg-type]
+            origin = "https://app.example"
+            async with session_client(server.ws_url, origin=origin, start={}) as client:
                 assert client.ready is not None
                 return client.ready
 
         assert asyncio.run(scenario())["type"] == "ready"
 
 
-@pytest.mark.parametrize(("field", "value"), [("allowed_hosts", "https://app.example"), ("forwarded_allow_ips", "proxy")])
+@pytest.mark.parametrize(
+    ("field", "value"), [("allowed_hosts", "https://app.example"), ("forwarded_allow_ips", "proxy")]
+)
 def test_hosts_and_proxy_addresses_are_checked(field: str, value: str) -> None:
     with pytest.raises(ValidationError, match=field):
         Settings(**{field: value})
