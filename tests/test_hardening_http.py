@@ -199,6 +199,24 @@ def healthy(live: LiveServer) -> bool:
         return False  # refused while the closed sockets are still counted
 
 
+def test_total_connections_are_capped() -> None:
+    with running_server(fake_settings(max_connections=4, max_connections_per_client=None)) as server:
+        guard = server.server.config.app.state.guard  # type: ignore[union-attr]
+        wait_until(lambda: guard.open == 0)
+        kept = [tcp_connect(server.port, receive_buffer=None) for _ in range(4)]
+        assert all(held(sock) for sock in kept)
+        refused = tcp_connect(server.port, receive_buffer=None)
+        assert not held(refused)
+        refused.close()
+        kept.pop().close()
+        wait_until(lambda: guard.open == 3)
+        admitted = tcp_connect(server.port, receive_buffer=None)
+        assert held(admitted)
+        for sock in [admitted, *kept]:
+            sock.close()
+    assert guard.refusals.counts["max_connections"] >= 1
+
+
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_running_out_of_descriptors_is_refused_quietly_and_the_server_recovers() -> None:
     """Before the fix: 118,783 tracebacks in 15 s. With 256 descriptors the default cap is 128 connections."""

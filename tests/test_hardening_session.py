@@ -90,6 +90,7 @@ def ping_flood(count: int) -> list[str]:
 def test_a_client_that_never_reads_is_closed_when_idle_and_its_slot_freed() -> None:
     """Bug 2: after `start` it floods pings and ticks and reads nothing; before the fix it kept its slot forever."""
     with running_server(fake_settings(idle_timeout_s=1.0, **STALL)) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
         attacker = RawWebSocket(server.port)
         assert attacker.status == 101
         attacker.send_text(json.dumps({"type": "start", "codec": "raw"}))
@@ -104,6 +105,7 @@ def test_a_client_that_never_reads_is_closed_when_idle_and_its_slot_freed() -> N
                 return client.ready
 
         assert run(newcomer())["type"] == "ready"  # the only slot is free again
+        server.settled(start_free)  # and every KV block is back
         attacker.close()
 
 
