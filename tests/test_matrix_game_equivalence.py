@@ -190,3 +190,16 @@ def test_chunked_vae_decode_equals_one_call_decode(pipeline: MatrixGamePipeline)
     chunked = torch.cat(parts, dim=2)
     assert chunked.shape == whole.shape == (1, 3, 33, 32, 48)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+def test_bfloat16_weights_and_kv_run_batched_through_the_runner() -> None:
+    """The GPU path's dtype (bf16 weights, KV pool and caches; norms in fp32) on the CPU."""
+    from arstream.models.matrix_game.pipeline import load_matrix_game
+
+    pipeline = load_matrix_game("cpu", config="tiny", random_init=True, dtype="bfloat16")
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=2)
+    assert runner.pool.kv.dtype == torch.bfloat16
+    for c in range(3):
+        results = runner.execute([tick("a", c, 1), tick("b", c, 2)])
+        assert all(isinstance(r, ChunkResult) and r.frames.shape[0] == (9 if c == 0 else 12) for r in results)
+    assert runner.stats().batched_forwards_total == 3
