@@ -1,14 +1,16 @@
-"""Key-to-frame latency of the demo page, adaptive buffer vs the old two-chunk buffer, side by side.
+"""Key-to-frame latency of the demo page before and after its rewrite, side by side in one run.
 
-Starts a server (tiny-world by default), then alternates rounds of the page
-with its adaptive buffer (the default) and with ``?buffer=2`` (two chunks
-ahead, as the page used to), one page at a time, pressing and releasing a key
-at random moments through real Chromium keyboard events. Prints per-round
-medians and, last, one JSON line with the medians over all rounds and their
-ratio. Key-to-frame is what the page's HUD shows: a key event sent until the
-first frame of the chunk that applied it is drawn.
+Starts a server (tiny-world by default) and alternates rounds of two pages, one
+page at a time: "after" is the page in static/ now; "before" is the page as it
+was at ``--before-rev`` (git), served in place of static/ through Playwright's
+request routing. Each round presses and releases a key at random moments
+through real Chromium keyboard events (the same sequence for both pages), then
+reads key-to-frame as the page's HUD measures it: an `input` sent until the
+first frame of the chunk that applied it is drawn. The old page only shows a
+median (of its last 30 samples, so of this round's events), so both pages are
+summarised as the median of their round medians. The last line is JSON.
 
-    .venv/bin/python scripts/demo_latency.py --rounds 3 --presses 20
+    .venv/bin/python scripts/demo_latency.py --rounds 3 --presses 12
 """
 
 from __future__ import annotations
@@ -16,82 +18,117 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from playwright.sync_api import sync_playwright
 
 from arstream.app.bench import ServerProcess
 
+REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-timer-throttling"]
-MODES = {"adaptive": "", "two-chunk": "&buffer=2"}
+# A routed (fulfilled) page counts as outside the local network: let it reach the loopback server.
+ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-features=LocalNetworkAccessChecks"]
+BEFORE_REV = "4f23193"  # the last commit with the single-closure page
+STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
-def run_round(browser: Any, base_url: str, query: str, presses: int, rnd: random.Random) -> dict[str, Any]:
+def old_file(rev: str, name: str) -> str | None:
+    result = subprocess.run(
+        ["git", "show", f"{rev}:static/{name}"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return result.stdout if result.returncode == 0 else None
+
+
+def serve_old_page(page: Any, rev: str) -> None:
+    """Answer the page's own files (not the API) from ``rev``'s static/."""
+
+    def handle(route: Any) -> None:
+        path = route.request.url.split("://", 1)[1].split("/", 1)[1].split("?", 1)[0] or "index.html"
+        body = old_file(rev, path) if "/" not in path else None
+        if body is None:
+            route.continue_()
+        else:
+            route.fulfill(status=200, body=body, content_type=STATIC_TYPES.get(Path(path).suffix, "text/plain"))
+
+    page.route(re.compile(r"^http://[^/]+/(index\.html|app\.js|style\.css)?(\?.*)?$"), handle)
+
+
+def run_round(browser: Any, base_url: str, mode: str, rev: str, pattern: list[tuple[float, float]]) -> dict[str, Any]:
     page = browser.new_page(viewport={"width": 1280, "height": 800}, bypass_csp=True)
     try:
-        page.goto(f"{base_url}/?seed=1{query}")
+        if mode == "before":
+            serve_old_page(page, rev)
+        page.goto(f"{base_url}/?seed=1")
         page.wait_for_function("window.arstreamDebug.framesDrawn > 16", timeout=0)
-        start_drawn = page.evaluate("window.arstreamDebug.framesDrawn")
-        start_stalls = page.evaluate("window.arstreamDebug.stalls")
+        drawn = page.evaluate("window.arstreamDebug.framesDrawn")
         started = time.monotonic()
-        for _ in range(presses):
+        for hold, gap in pattern:
             page.keyboard.down("d")
-            time.sleep(rnd.uniform(0.3, 0.8))
+            time.sleep(hold)
             page.keyboard.up("d")
-            time.sleep(rnd.uniform(0.3, 0.8))
+            time.sleep(gap)
         time.sleep(1.0)  # the last release reaches the screen
-        state = page.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
-        model = page.evaluate("fetch('/v1/model').then(r => r.json())")
+        elapsed = time.monotonic() - started
+        fps = (page.evaluate("window.arstreamDebug.framesDrawn") - drawn) / elapsed
+        hud = page.inner_text("#hud-action") if mode == "before" else ""
+        samples = page.evaluate("window.arstreamDebug.samples ? window.arstreamDebug.samples.action : null")
+        chunk_text = page.text_content("#hud-chunk") or ""
     finally:
         page.close()
-    elapsed = time.monotonic() - started
-    return {
-        "action_ms": state["samples"]["action"],
-        "chunk_ms": state["samples"]["chunk"],
-        "fps": (state["framesDrawn"] - start_drawn) / elapsed,
-        "stalls": state["stalls"] - start_stalls,
-        "chunk_duration_ms": 1000 * model["frames_per_chunk"] / model["fps"],
-    }
+    if mode == "before":
+        found = re.search(r"median (\d+) ms", hud)
+        median = float(found.group(1)) if found else float("nan")
+    else:
+        median = statistics.median(samples)
+    found = re.search(r"median (\d+) ms", chunk_text)
+    return {"median": median, "fps": fps, "chunk_median": float(found.group(1)) if found else float("nan")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-world")
+    parser.add_argument("--model-options", default=None, help="JSON, e.g. fake-kv's compute_delay_s")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--presses", type=int, default=20, help="key presses (and releases) per round")
+    parser.add_argument("--presses", type=int, default=12, help="key presses (and releases) per round, at most 15")
+    parser.add_argument("--before-rev", default=BEFORE_REV)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     rnd = random.Random(args.seed)
-    samples: dict[str, list[float]] = {mode: [] for mode in MODES}
-    chunk: dict[str, list[float]] = {mode: [] for mode in MODES}
-    duration = 0.0
-    with ServerProcess(["--model", args.model, "--log-level", "warning"]) as server, sync_playwright() as playwright:
+    serve = ["--model", args.model, "--log-level", "warning"]
+    if args.model_options:
+        serve += ["--model-options", args.model_options]
+    medians: dict[str, list[float]] = {"before": [], "after": []}
+    chunk: dict[str, list[float]] = {"before": [], "after": []}
+    with ServerProcess(serve) as server, sync_playwright() as playwright:
+        card = json.loads(subprocess.run(["curl", "-s", server.base_url + "/v1/model"], capture_output=True, text=True).stdout)
+        duration = 1000 * card["frames_per_chunk"] / card["fps"]
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for round_index in range(args.rounds):
-            for mode, query in MODES.items():
-                result = run_round(browser, server.base_url, query, args.presses, rnd)
-                duration = result["chunk_duration_ms"]
-                samples[mode] += result["action_ms"]
-                chunk[mode] += result["chunk_ms"]
+            pattern = [(rnd.uniform(0.3, 0.8), rnd.uniform(0.3, 0.8)) for _ in range(min(args.presses, 15))]
+            order = ["before", "after"] if round_index % 2 == 0 else ["after", "before"]
+            for mode in order:
+                result = run_round(browser, server.base_url, mode, args.before_rev, pattern)
+                medians[mode].append(result["median"])
+                chunk[mode].append(result["chunk_median"])
                 print(
-                    f"round {round_index + 1} {mode:>9}: key->frame median {statistics.median(result['action_ms']):.0f} ms "
-                    f"({len(result['action_ms'])} events), chunk latency median {statistics.median(result['chunk_ms']):.0f} ms, "
-                    f"{result['fps']:.1f} fps drawn, {result['stalls']} stalls",
+                    f"round {round_index + 1} {mode:>6}: key->frame median {result['median']:.0f} ms, "
+                    f"chunk latency median {result['chunk_median']:.0f} ms, {result['fps']:.1f} fps drawn",
                     flush=True,
                 )
         browser.close()
-    medians = {mode: statistics.median(values) for mode, values in samples.items()}
     summary = {
         "model": args.model,
         "chunk_duration_ms": duration,
-        "key_to_frame_median_ms": {mode: round(value, 1) for mode, value in medians.items()},
-        "key_to_frame_in_chunks": {mode: round(value / duration, 2) for mode, value in medians.items()},
-        "chunk_latency_median_ms": {mode: round(statistics.median(values), 1) for mode, values in chunk.items()},
-        "ratio_adaptive_over_two_chunk": round(medians["adaptive"] / medians["two-chunk"], 3),
-        "events": {mode: len(values) for mode, values in samples.items()},
+        "key_to_frame_median_ms": {mode: statistics.median(values) for mode, values in medians.items()},
+        "key_to_frame_in_chunks": {mode: round(statistics.median(values) / duration, 2) for mode, values in medians.items()},
+        "chunk_latency_median_ms": {mode: statistics.median(values) for mode, values in chunk.items()},
+        "ratio_after_over_before": round(statistics.median(medians["after"]) / statistics.median(medians["before"]), 3),
+        "rounds": args.rounds,
     }
     print(json.dumps(summary))
 

@@ -7,12 +7,13 @@ import { median } from './hud.js';
 const MAX_SCALE_WHEN_FRACTIONAL = 2;  // under 2x a whole-number scale wastes too much screen
 const LATENCY_SAMPLES = 16;           // recent chunk latencies the pacer reads
 const STALL_FREE_FRAMES = 160;        // frames drawn without a stall before the buffer shrinks a step
+const MARGIN_MS = 20;                 // decoding and one display refresh, on top of the expected latency
 
 /**
  * How much playback the page keeps ahead of the screen.
  *
  * Adaptive (the default): enough to cover one chunk's latency (a high percentile
- * of recent ones) plus half a frame; while chunks come back faster than they
+ * of recent ones) plus 20 ms; while chunks come back faster than they
  * play that is less than one chunk. Each stall adds half a chunk (up to two
  * chunks), and a long stall-free run takes half a chunk off again. With
  * `fixedChunks` it keeps that many chunks ahead, as the page used to (2).
@@ -83,7 +84,7 @@ export class Pacer {
   /** Send another tick while the playback in hand (ms) is at most this. */
   targetLeadMs() {
     if (this.fixedChunks) return (this.fixedChunks - 1) * this.chunkMs;
-    return this.expectedLatencyMs() + this.frameMs / 2 + this.extraMs;
+    return this.expectedLatencyMs() + MARGIN_MS + this.extraMs;
   }
 }
 
