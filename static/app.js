@@ -414,6 +414,8 @@ $('details').addEventListener('toggle', pollStats);
 loadModelCard();
 if (params.get('autoconnect') === '0') {
   onState('idle', { text: 'Press Play to start a session.', action: 'play' });
+} else if (document.hidden) {
+  connection.setState('paused', { text: 'Paused while this tab was hidden.' });  // opened in a background tab
 } else {
   connection.play();
 }

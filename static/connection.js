@@ -246,6 +246,7 @@ export class Connection {
    */
   async refusedBeforeOpen() {
     const ready = await this.readyz();
+    if (this.state !== 'connecting') return;  // stopped or hidden meanwhile
     if (ready.ok) this.refusals += 1;
     if (this.refusals >= REFUSALS_BEFORE_ASKING) {
       this.setState('needs-token', {
