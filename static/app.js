@@ -263,6 +263,10 @@ function showHint(text) {
   $('hint').hidden = false;
 }
 
+// Keys reach the page only while it has the focus: say how to get it back.
+window.addEventListener('blur', () => showHint('Click the world to steer'));
+window.addEventListener('focus', () => { if (!isTyping(document.activeElement)) $('hint').hidden = true; });
+
 // Escape leaves a text field and hands the keys back to steering.
 document.addEventListener('keydown', (event) => {
   if (event.key === 'Escape' && isTyping(event.target)) {

@@ -2,8 +2,6 @@
 // model's fps, the canvas fitted to the screen, and the pacer that decides when
 // the next tick should go out.
 
-import { median } from './hud.js';
-
 const MAX_SCALE_WHEN_FRACTIONAL = 2;  // under 2x a whole-number scale wastes too much screen
 const LATENCY_SAMPLES = 16;           // recent chunk latencies the pacer reads
 const STALL_FREE_FRAMES = 160;        // frames drawn without a stall before the buffer shrinks a step
@@ -16,7 +14,7 @@ const MARGIN_MS = 20;                 // decoding and one display refresh, on to
  * of recent ones) plus 20 ms; while chunks come back faster than they
  * play that is less than one chunk. Each stall adds half a chunk (up to two
  * chunks), and a long stall-free run takes half a chunk off again. With
- * `fixedChunks` it keeps that many chunks ahead, as the page used to (2).
+ * `fixedChunks` it keeps that many chunks ahead (the `?buffer=N` URL parameter).
  */
 export class Pacer {
   constructor({ fps, framesPerChunk, fixedChunks = 0 }) {
@@ -24,8 +22,6 @@ export class Pacer {
     this.chunkMs = this.frameMs * framesPerChunk;
     this.fixedChunks = fixedChunks;
     this.latencies = [];
-    this.serverMs = [];    // the server's time per chunk (compute + encode)
-    this.overheadMs = [];  // the rest of a chunk's latency: network, transfer, queueing elsewhere
     this.extraMs = 0;
     this.stalls = 0;
     this.sinceStall = 0;
@@ -35,29 +31,6 @@ export class Pacer {
   noteLatency(ms) {
     this.latencies.push(ms);
     if (this.latencies.length > LATENCY_SAMPLES) this.latencies.shift();
-  }
-
-  /** From a `chunk` message: its timings and its latency up to that message. */
-  noteTimings(timings, latencyMs) {
-    if (!timings || !Number.isFinite(timings.compute_ms)) return;
-    const server = timings.compute_ms + (timings.encode_ms || 0);
-    const overhead = latencyMs - server - (timings.queue_ms || 0);
-    for (const [list, value] of [[this.serverMs, server], [this.overheadMs, overhead]]) {
-      list.push(value);
-      if (list.length > LATENCY_SAMPLES) list.shift();
-    }
-  }
-
-  /**
-   * Ticks worth having in flight. Two keep the server busy while a chunk
-   * travels; but for a model slower than real time the second one only saves
-   * the network's share of each chunk and costs a whole chunk of latency, so
-   * then one, unless the network's share is large.
-   */
-  maxInFlight() {
-    if (this.fixedChunks || !this.serverMs.length) return 2;
-    const server = median(this.serverMs);
-    return server >= this.chunkMs && median(this.overheadMs) < server / 4 ? 1 : 2;
   }
 
   noteStall() {

@@ -6,6 +6,10 @@
 import { createDecoder } from './decode.js';
 import { FrameError, parseFrame } from './wire.js';
 
+// One tick computing and one queued, so the server never waits for the network. The queued
+// tick adds no input latency: an input is applied when a chunk starts, not when its tick was sent.
+const MAX_TICKS_IN_FLIGHT = 2;
+
 const DEBUG_KEEP = 1000;        // entries kept in each window.arstreamDebug list
 
 export function pushBounded(list, value, keep = DEBUG_KEEP) {
@@ -121,10 +125,7 @@ export class Session {
   onChunk(message) {
     const now = performance.now();
     const sentAt = this.ticksInFlight.get(message.tick_id);
-    if (sentAt !== undefined) {
-      this.hooks.onSample('chunk', now - sentAt);
-      if (this.pacer) this.pacer.noteTimings(message.timings, now - sentAt);
-    }
+    if (sentAt !== undefined) this.hooks.onSample('chunk', now - sentAt);
     if (message.timings && Number.isFinite(message.timings.compute_ms)) {
       this.hooks.onSample('compute', message.timings.compute_ms);
     }
@@ -191,12 +192,12 @@ export class Session {
 
   /**
    * Send ticks while the playback in hand (frames queued, arriving and asked
-   * for) is within the pacer's target, at most the pacer's number at a time.
+   * for) is within the pacer's target, at most two at a time.
    */
   pump(now) {
     if (!this.live || !this.pacer || (this.failed && !this.resetKeys)) return;
     const framesPerChunk = this.ready.model.frames_per_chunk;
-    const limit = Math.min(this.pacer.maxInFlight(), this.ready.limits.max_pending_ticks);
+    const limit = Math.min(MAX_TICKS_IN_FLIGHT, this.ready.limits.max_pending_ticks);
     for (;;) {
       const arriving = this.receiving ? this.receiving.expected - this.receiving.got : 0;
       const queuedTicks = this.ticksInFlight.size - (this.receiving ? 1 : 0);
