@@ -129,9 +129,10 @@ class WanRope:
         self.col_angles = rope_angles(max(grid), 2 * (head_dim // 6))
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """``[B, F]`` frame positions -> ``[B, F * rows * cols, 1, pairs]`` angles, tokens in (frame, row, col) order."""
-        if positions.numel() and int(positions.max()) >= self.frames:
-            raise IndexError(f"frame position {int(positions.max())} is outside the {self.frames}-frame rotary table")
+        """``[B, F]`` frame positions -> ``[B, F * rows * cols, 1, pairs]`` angles, tokens in (frame, row, col) order.
+
+        Positions must be below ``frames`` (the caller checks on the host: no device sync here).
+        """
         rows, cols = self.grid
         b, f = positions.shape
         if self.frame_angles.device != positions.device:  # moved once, on the first forward
@@ -265,7 +266,7 @@ class ActionModule(nn.Module):
         k_all, v_all = ctx.mouse_kv(layer, k, v)
         q, k_all = rotate_pairs(q, q_angles), rotate_pairs(k_all, k_angles)
         out = attend(q.flatten(0, 1), k_all.flatten(0, 1), v_all.flatten(0, 1), ctx.action_mask)
-        out = out.view(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
+        out = out.reshape(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
         x = x + self.proj_mouse(out)
 
         # keyboard: one token per latent frame, attended by every spatial token
@@ -280,7 +281,7 @@ class ActionModule(nn.Module):
         k_all = k_all.expand(b, s, fa, heads, -1).flatten(0, 1)
         v_all = v_all[:, None].expand(b, s, fa, heads, -1).flatten(0, 1)
         out = attend(q.flatten(0, 1), k_all, v_all, ctx.action_mask)
-        out = out.view(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
+        out = out.reshape(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
         return x + self.proj_keyboard(out)
 
 

@@ -65,7 +65,11 @@ class PagedChunkContext:
         self.cfg = cfg
         device = states[0].pool.device
         fpc = cfg.frames_per_chunk
-        self.key_positions = torch.tensor([s.frame_positions() for s in self.states], device=device)
+        positions = [s.frame_positions() for s in self.states]
+        highest = max(max(p) for p in positions)
+        if highest >= cfg.rope_frames:
+            raise ValueError(f"frame position {highest} is outside the {cfg.rope_frames}-frame rotary table")
+        self.key_positions = torch.tensor(positions, device=device)
         self.query_positions = self.key_positions[:, -fpc:]
         held = self.histories[0].frames
         if any(h.frames != held for h in self.histories):
