@@ -107,6 +107,8 @@ def fake_settings(**overrides: Any) -> Settings:
     values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "model": "fake-kv", "log_level": "warning"}
     # Resume off unless a test asks for it: tests that drop a connection expect its session released at once.
     values["resume_grace_s"] = 0.0
+    # Resume off unless a test asks for it: tests that drop a connection expect its session released at once.
+    values["resume_grace_s"] = 0.0
     values.update(overrides)
     return Settings(**values)
 
@@ -147,8 +149,13 @@ def running_server(
 def server_process(
     args: list[str], env: dict[str, str] | None = None, *, prefix: Sequence[str] = ()
 ) -> Iterator[LiveServer]:
-    """``python -m arstream serve --port 0 ARGS`` as a subprocess; SIGINT (graceful) on exit."""
-    command = [*prefix, sys.executable, "-m", "arstream", "serve", "--port", "0", *args]  # prefix: e.g. prlimit
+    """``python -m arstream serve --port 0 ARGS`` as a subprocess; SIGINT (graceful) on exit.
+
+    Resume is off unless ARGS turn it on (``--resume-grace-s``), as in :func:`fake_settings`: a
+    session whose socket closes without `close` is then released at once, not kept for a resume.
+    """
+    serve = ["serve", "--port", "0", "--resume-grace-s", "0"]
+    command = [*prefix, sys.executable, "-m", "arstream", *serve, *args]  # prefix: e.g. prlimit
     process_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
         command, cwd=REPO_ROOT, env=process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
