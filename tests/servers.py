@@ -107,8 +107,6 @@ def fake_settings(**overrides: Any) -> Settings:
     values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "model": "fake-kv", "log_level": "warning"}
     # Resume off unless a test asks for it: tests that drop a connection expect its session released at once.
     values["resume_grace_s"] = 0.0
-    # Resume off unless a test asks for it: tests that drop a connection expect its session released at once.
-    values["resume_grace_s"] = 0.0
     values.update(overrides)
     return Settings(**values)
 
