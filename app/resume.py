@@ -193,7 +193,9 @@ class ResumeRegistry:
 
     # ---- resuming ---------------------------------------------------------------------------
 
-    async def resume(self, token: str, connection: ResumableConnection, *, codec: str | None, quality: int | None) -> Resumed:
+    async def resume(
+        self, token: str, connection: ResumableConnection, *, codec: str | None, quality: int | None
+    ) -> Resumed:
         """Adopt the session that ``token`` names for ``connection``; raises :class:`ResumeRefused`.
 
         The token is spent at once (one use). A live holder is taken over. Then,

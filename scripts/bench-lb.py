@@ -60,10 +60,12 @@ async def main_async(args: argparse.Namespace) -> None:
         balanced += await chunk_latencies(args.lb, args.chunks)
         direct += await chunk_latencies(args.replica, args.chunks)
     p_direct, p_lb = statistics.median(direct), statistics.median(balanced)
-    print(f"chunk latency, median of {len(direct)}: direct {p_direct * 1e3:.2f} ms, through HAProxy {p_lb * 1e3:.2f} ms")
+    print(f"chunk latency, median of {len(direct)}: direct {p_direct * 1e3:.2f} ms, "
+          f"through HAProxy {p_lb * 1e3:.2f} ms")
     print(f"ratio through HAProxy / direct: {p_lb / p_direct:.3f}")
     resumes = [await resume_time(args.lb) for _ in range(args.rounds)]
-    print(f"resume through HAProxy (drop -> ready), median of {len(resumes)}: {statistics.median(resumes) * 1e3:.1f} ms")
+    median_ms = statistics.median(resumes) * 1e3
+    print(f"resume through HAProxy (drop -> ready), median of {len(resumes)}: {median_ms:.1f} ms")
 
 
 def main() -> None:

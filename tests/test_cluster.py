@@ -193,7 +193,9 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
             session_id, token = dropped.ready["session_id"], dropped.ready["resume"]["token"]
             dropped.abort()
             await asyncio.to_thread(
-                wait_until, lambda: cluster.replica_stats("r0")["sessions"]["detached"] == 1, "r0 holds a detached session"
+                wait_until,
+                lambda: cluster.replica_stats("r0")["sessions"]["detached"] == 1,
+                "r0 holds a detached session",
             )
             async with session_client(f"{cluster.ws_url}?resume={token}", start={"resume": token}) as resumed:
                 assert resumed.ready is not None

@@ -104,7 +104,8 @@ def test_each_gpu_replica_reserves_its_own_gpu_and_the_cpu_profile_mirrors_them(
     ids = [service["environment"]["ARSTREAM_REPLICA_ID"] for service in gpu.values()]
     assert ids == [f"r{i}" for i in range(len(gpu))]
     devices = [service["deploy"]["resources"]["reservations"]["devices"] for service in gpu.values()]
-    assert all(d == [{"driver": "nvidia", "device_ids": [d[0]["device_ids"][0]], "capabilities": ["gpu"]}] for d in devices)
+    for reserved in devices:
+        assert reserved == [{"driver": "nvidia", "device_ids": [reserved[0]["device_ids"][0]], "capabilities": ["gpu"]}]
     assert len({d[0]["device_ids"][0] for d in devices}) == len(gpu), "two replicas share a GPU"
     assert all(service["environment"]["ARSTREAM_DEVICE"] == "cuda" for service in gpu.values())
     # The CPU profile answers to the same names on the network, so HAProxy and Prometheus need no change.
@@ -120,7 +121,8 @@ def test_prometheus_scrapes_every_replica_and_haproxy() -> None:
     config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
     jobs = {job["job_name"]: job["static_configs"] for job in config["scrape_configs"]}
     scraped = {(c["targets"][0], c["labels"]["replica"]) for c in jobs["arstream"]}
-    expected = {(f"{name}:8000", s["environment"]["ARSTREAM_REPLICA_ID"]) for name, s in replica_services("gpu").items()}
+    gpu = replica_services("gpu")
+    expected = {(f"{name}:8000", service["environment"]["ARSTREAM_REPLICA_ID"]) for name, service in gpu.items()}
     assert scraped == expected
     assert jobs["haproxy"] == [{"targets": ["haproxy:8404"]}]
     haproxy_ports = compose()["services"]["haproxy"]["ports"]
@@ -146,7 +148,8 @@ def test_compose_haproxy_config_is_the_template_rendered_for_the_compose_replica
 def test_rendered_config_routes_and_limits_as_documented(tmp_path: Path) -> None:
     text = render("--replica", "r0=127.0.0.1:9001/3", "--replica", "r1=127.0.0.1:9002", "--maxconn", "5")
     assert "    balance leastconn" in text
-    assert "    server r0 127.0.0.1:9001 maxconn 3 check" in text and "    server r1 127.0.0.1:9002 maxconn 5 check" in text
+    assert "    server r0 127.0.0.1:9001 maxconn 3 check" in text
+    assert "    server r1 127.0.0.1:9002 maxconn 5 check" in text
     assert "    use-server r1 if { var(txn.replica) -m str r1 }" in text and "    force-persist if TRUE" in text
     assert "uri /healthz" in text
     config = tmp_path / "haproxy.cfg"
@@ -216,7 +219,8 @@ def test_metric_names_reads_the_names_and_nothing_else() -> None:
 
 
 def series_names(exposition: str) -> set[str]:
-    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in exposition.splitlines() if line and not line.startswith("#")}
+    samples = (line for line in exposition.splitlines() if line and not line.startswith("#"))
+    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in samples}
 
 
 @pytest.fixture(scope="module")
