@@ -11,8 +11,12 @@ of the two chunk throughputs is the server's overhead in one number: 1.0 means
 the transport costs nothing. Repetitions alternate server and runner phases so
 that drift (thermal, other load) hits both alike.
 
-Clients here parse frame headers but do not decode JPEG, so the load generator
-takes as little CPU as possible from the server it measures.
+Clients here parse frame headers but do not decode frames, so the load generator
+takes as little CPU as possible from the server it measures. ``--codec`` picks
+the frame codec (jpeg, raw, h264); the summary gives its bytes per frame and
+the server's encode milliseconds per frame (from each chunk's ``timings``), and
+the mean number of sessions per worker round on the server (``/v1/stats``)
+beside the bare runner's, which always runs every session in one call.
 
 The last line printed is one JSON object with the figures (medians over
 repetitions).
@@ -146,6 +150,8 @@ class SessionFigures:
     time_to_first_frame_s: float
     chunk_latencies_s: list[float]
     action_to_frame_s: list[float]
+    payload_bytes: int = 0  # frame payloads, headers excluded
+    encode_s: float = 0.0  # the server's encode time for these frames (chunk timings)
 
     @property
     def fps(self) -> float:
@@ -161,7 +167,8 @@ async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) 
         keys = control_keys(session.model)
         in_flight_limit = min(TICKS_IN_FLIGHT, session.max_pending_ticks)
         first_tick_at = time.perf_counter()
-        sent = received = frames = 0
+        sent = received = frames = payload_bytes = 0
+        encode_ms = 0.0
         last_frame_at = first_tick_at
         while received < chunks:
             while sent < chunks and session.ticks_in_flight < in_flight_limit:
@@ -174,6 +181,8 @@ async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) 
             chunk = await session.receive_chunk()
             received += 1
             frames += len(chunk.frames)
+            payload_bytes += sum(len(frame) for frame in chunk.frames)
+            encode_ms += float(chunk.message.get("timings", {}).get("encode_ms", 0.0))
             last_frame_at = chunk.last_frame_at
         await session.close()
     return SessionFigures(
@@ -184,6 +193,8 @@ async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) 
         time_to_first_frame_s=session.first_frame_at - connect_started,
         chunk_latencies_s=session.chunk_latencies_s,
         action_to_frame_s=session.action_to_frame_s,
+        payload_bytes=payload_bytes,
+        encode_s=encode_ms / 1e3,
     )
 
 
@@ -314,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         *args.serve_arg,
     ]  # fmt: skip
     all_figures: list[SessionFigures] = []
+    rounds = sessions_in_rounds = 0
     with ServerProcess(serve_args) as server:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")
@@ -333,10 +345,15 @@ def run(args: argparse.Namespace) -> int:
             rates = {}
             for side in order:  # each side runs alone: the server is idle while the bare runner works
                 if side == "server":
+                    nonlocal rounds, sessions_in_rounds
                     phase = dict(sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec)
+                    before = server.get_json("/v1/stats")["chunks"]
                     figures = asyncio.run(server_phase(url, **phase))
+                    after = server.get_json("/v1/stats")["chunks"]
                     rates["server"] = server_chunks_per_s(figures)
                     all_figures.extend(figures)
+                    rounds += after["rounds_total"] - before["rounds_total"]
+                    sessions_in_rounds += after["round_sessions_total"] - before["round_sessions_total"]
                 else:
                     rates["runner"] = bare.chunks_per_s(
                         sessions=args.sessions, chunks=args.chunks, input_every=args.input_every
@@ -358,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         result = compare(("server", "runner"), args.repeat, measure)
     chunk_latencies = [x for f in all_figures for x in f.chunk_latencies_s]
     action_latencies = [x for f in all_figures for x in f.action_to_frame_s]
+    frames = sum(f.frames for f in all_figures)
     summary = {
         "model": args.model,
         "model_options": options,
@@ -376,6 +394,12 @@ def run(args: argparse.Namespace) -> int:
         "chunk_ms_p99": _ms(percentile(chunk_latencies, 99)),
         "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
         "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
+        "codec": args.codec,
+        "bytes_per_frame": round(sum(f.payload_bytes for f in all_figures) / frames, 1),
+        "encode_ms_per_frame": round(sum(f.encode_s for f in all_figures) / frames * 1e3, 3),
+        # a worker round is one runner call; the bare runner always puts min(sessions, batch) in one
+        "server_sessions_per_round": round(sessions_in_rounds / rounds, 2) if rounds else None,
+        "full_round_sessions": min(args.sessions, args.max_batch_sessions),
     }
     print_summary(summary)
     return 0

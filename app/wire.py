@@ -113,7 +113,10 @@ def encode_frame(frame: np.ndarray, codec: Codec, quality: int) -> bytes:
         return np.ascontiguousarray(frame).tobytes()
     if codec.stateful:
         raise WireError("h264 frames depend on earlier ones: encode them with arstream.app.video.H264Stream")
-    return simplejpeg.encode_jpeg(np.ascontiguousarray(frame), quality=quality, colorspace="RGB")
+    # 4:2:0 chroma, as libjpeg and cameras default to: half the encode time and ~40% fewer bytes than 4:4:4.
+    return simplejpeg.encode_jpeg(
+        np.ascontiguousarray(frame), quality=quality, colorspace="RGB", colorsubsampling="420"
+    )
 
 
 def encode_chunk(frames: np.ndarray, *, codec: Codec, quality: int, chunk_index: int, tick_id: int) -> list[bytes]:

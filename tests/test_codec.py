@@ -9,6 +9,7 @@ decoded, must match the raw one up to compression error.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from arstream.app import client, protocol, wire
+from arstream.app import bench, client, protocol, wire
 from arstream.app.encoding import EncoderPool
 from arstream.app.protocol import ProtocolError
 from arstream.app.video import FrameDecoder, H264Decoder, H264Stream, crf_for_quality
@@ -230,3 +231,20 @@ def test_arstream_client_decodes_and_saves_an_h264_session(tmp_path: Path) -> No
     assert client.save_mp4(result.frames, tmp_path / "out.mp4", fps=16)
     with av.open(str(tmp_path / "out.mp4")) as container:
         assert sum(1 for _ in container.decode(video=0)) == 12
+
+
+# ---- bench serve reports each codec's cost ------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["raw", "h264"])
+def test_bench_serve_reports_bytes_and_encode_time_per_frame(codec: str, capsys: pytest.CaptureFixture[str]) -> None:
+    options = '{"compute_delay_s": 0.005, "width": 64, "height": 48}'
+    argv = ["--model", "fake-kv", "--sessions", "2", "--max-batch-sessions", "2", "--chunks", "4", "--repeat", "1"]
+    assert bench.main([*argv, "--codec", codec, "--model-options", options, "--kv-budget-bytes", "4194304"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["codec"] == codec and summary["encode_ms_per_frame"] > 0
+    if codec == "raw":
+        assert summary["bytes_per_frame"] == 64 * 48 * 3  # exactly the pixels: nothing else is counted
+    else:
+        assert 0 < summary["bytes_per_frame"] < 64 * 48 * 3 / 4
+    assert 1 <= summary["server_sessions_per_round"] <= summary["full_round_sessions"] == 2
