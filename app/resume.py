@@ -69,7 +69,6 @@ class _Entry:
     digest: bytes
     connection: ResumableConnection | None = None
     session: Session | None = None  # the detached session's protocol state
-    detached_at: float = 0.0
     timer: asyncio.TimerHandle | None = None
 
 
@@ -129,14 +128,13 @@ class ResumeRegistry:
         if entry is not None and entry.connection is connection:
             self._forget_entry(connection.session_id)
 
-    def _forget_entry(self, session_id: str) -> _Entry | None:
+    def _forget_entry(self, session_id: str) -> None:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self._by_digest.pop(entry.digest, None)
             self._detached.pop(session_id, None)
             if entry.timer is not None:
                 entry.timer.cancel()
-        return entry
 
     # ---- detaching and releasing ------------------------------------------------------------
 
@@ -161,7 +159,6 @@ class ResumeRegistry:
         loop = asyncio.get_running_loop()
         entry.connection = None
         entry.session = session
-        entry.detached_at = loop.time()
         entry.timer = loop.call_later(self.grace_s, self._expire, session.id)
         self._detached[session.id] = None
         log.info("session=%s detached; resumable for %s s", session.id, self.grace_s)
@@ -200,31 +197,27 @@ class ResumeRegistry:
 
         The token is spent at once (one use). A live holder is taken over. Then,
         at the worker's next chunk boundary, the session's queued ticks are gone
-        and nothing of it runs, so its position is exact and the earlier ticks'
-        outcomes have already been delivered (to nobody: the session has no
-        connection until the caller registers the new one).
+        and nothing of it runs, so its position is exact. Outcomes of the old
+        connection's ticks never reach the new one: they belong to another
+        :class:`Session` object, which ``Connection.on_outcome`` ignores.
         """
         session_id, entry = self._claim(token)
         worker = self._worker()
         assert worker is not None
         self._resuming.add(session_id)
-        released = False
         try:
             source = self._take(session_id, entry)
             for job in worker.drop_ticks(session_id):
                 source.absorb_update(job)
             position = await worker.session_position(session_id)
             if position.evicted:
-                released = True
-                worker.drop_session(session_id)
                 raise ResumeRefused("the session's KV was evicted; start a new session")
             session = source.carry_over(
                 codec=codec or source.codec, quality=quality or source.quality, failed=position.failed
             )
         except BaseException:
             # Nobody holds a ticket for it any more: release it rather than leak its KV.
-            if not released:
-                worker.drop_session(session_id)
+            worker.drop_session(session_id)
             raise
         finally:
             self._resuming.discard(session_id)
