@@ -219,7 +219,9 @@ export class Connection {
     } else if (fatal === 'unauthorized') {
       this.setState('needs-token', { text: errorText('unauthorized'), tone: 'warn', action: 'token' });
     } else if (fatal === 'over_capacity' || code === 1013) {
-      this.waitForSlot();
+      // A cap on this address or token, rather than a full server, has its own words.
+      const own = session.fatal && /client address|token/i.test(session.fatal.message || '');
+      this.waitForSlot(own ? errorText('over_capacity_own') : errorText('over_capacity'));
     } else if (fatal === 'resume_failed' || code === 4002) {
       this.ticket = null;
       this.hooks.notice(errorText('resume_failed'));
@@ -292,13 +294,13 @@ export class Connection {
   }
 
   /** A full server: ask /readyz every two seconds and join as soon as a slot is free. */
-  waitForSlot() {
+  waitForSlot(why = errorText('over_capacity')) {
     this.clearTimer();
     this.ticket = null;
     if (this.state !== 'waiting') this.waitingSince = performance.now();
     const waited = Math.round((performance.now() - this.waitingSince) / 1000);
     this.setState('waiting', {
-      text: `${errorText('over_capacity')} Waiting for a free slot; you join by yourself as soon as one opens.`
+      text: `${why} Waiting for a free slot; you join by yourself as soon as one opens.`
         + (waited ? ` (waiting ${waited} s)` : ''),
       tone: 'warn',
     });
@@ -306,7 +308,7 @@ export class Connection {
       const ready = await this.readyz();
       if (this.state !== 'waiting') return;
       if (ready.ok) this.connect();
-      else this.waitForSlot();
+      else this.waitForSlot(why);
     }, SLOT_POLL_MS);
   }
 

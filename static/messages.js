@@ -13,6 +13,7 @@ export const ERROR_TEXT = {
   start_required: 'The page took too long to start the session.',
   unauthorized: 'This server needs an access token.',
   over_capacity: 'The server is full: every session slot is taken.',
+  over_capacity_own: 'This address (or access token) already has as many sessions as the server allows.',
   idle_timeout: 'The session ended because nothing was asked of it for a while.',
   resume_failed: 'Your world could not be picked up again (the server had let it go), so a new one starts.',
   taken_over: 'This world is now playing in another tab or window.',

@@ -214,6 +214,19 @@ def test_token_field_on_unauthorized_and_token_kept_out_of_the_url(browser: Any,
             assert debug(second)["errors"] == []
         finally:
             context.close()
+    # A server that refuses before the upgrade (HTTP 401): the page sees only failed sockets while /readyz says yes.
+    with running_server(fake_settings(auth_token="let-me-in", refuse_before_upgrade=True)) as strict:
+        context = browser.new_context(bypass_csp=True)
+        try:
+            page = new_page(context, errors)
+            page.goto(strict.base_url + "/")
+            wait_state(page, "needs-token")
+            assert "refused the connection" in overlay_text(page)
+            page.fill("#token", "let-me-in")
+            page.press("#token", "Enter")
+            wait_frames_drawn(page, 2)
+        finally:
+            context.close()
 
 
 def test_the_page_runs_under_the_servers_content_security_policy(server: LiveServer, browser: Any, errors: PageErrors) -> None:
