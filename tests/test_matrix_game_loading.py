@@ -135,3 +135,16 @@ def test_options_must_choose_weights() -> None:
         load_matrix_game("cpu", config="tiny")
     with pytest.raises(ValueError, match="unknown matrix-game-2 config 'huge'"):
         load_matrix_game("cpu", config="huge", random_init=True)
+
+
+def test_start_image_and_clip_features_options(tmp_path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (100, 60), (255, 0, 0)).save(tmp_path / "start.png")
+    red = load_matrix_game("cpu", config="tiny", random_init=True, image=str(tmp_path / "start.png"))
+    plain = load_matrix_game("cpu", config="tiny", random_init=True)
+    # the start image conditions the model: its latent is part of every chunk's input
+    assert not torch.allclose(red.condition, plain.condition)
+    save_file({"clip_features": torch.zeros(4, 16)}, str(tmp_path / "clip.safetensors"))
+    with pytest.raises(CheckpointError, match=r"clip\.safetensors: clip_features must be \[5, 16\], got \[4, 16\]"):
+        load_matrix_game("cpu", config="tiny", random_init=True, clip_features=str(tmp_path / "clip.safetensors"))
