@@ -38,7 +38,14 @@ from arstream.app.encoding import ChunkEncoder
 
 ENCODER = "libx264"
 DECODER = "h264"
-ENCODER_OPTIONS = {"preset": "ultrafast", "tune": "zerolatency", "profile": "baseline"}
+ENCODER_OPTIONS = {
+    "preset": "ultrafast",
+    "tune": "zerolatency",
+    "profile": "baseline",
+    # Say in the stream which RGB->YUV matrix made it (swscale's default: BT.601, limited range), so that
+    # decoders convert back with the same one; browsers otherwise guess BT.709 and shift every colour.
+    "x264-params": "colorprim=smpte170m:transfer=smpte170m:colormatrix=smpte170m:range=tv",
+}
 
 
 class VideoUnavailable(RuntimeError):
