@@ -11,8 +11,8 @@ rewound), as the runner's batching contract asks.
 
 A chunk is 3 latent frames; the client gets 12 video frames, 9 on the first
 chunk of a rollout (the causal VAE turns the first latent frame into one).
-Sessions batch through the DiT (rows stack like tiny-world's); the VAE
-decodes row by row, each with its own cache.
+Sessions batch through the DiT (rows stack like tiny-world's) and through
+the VAE (each row with its own cache, stacked for the decode).
 """
 
 from __future__ import annotations
@@ -237,11 +237,7 @@ class MatrixGamePipeline(SessionStateBinding):
                 actions = ctx.updated_histories()
                 self._sync()
                 decoded = time.perf_counter()
-                videos, caches = [], []
-                for row, session in enumerate(sessions):
-                    video, cache = self.vae.decode(latents[row : row + 1], session.vae_cache)
-                    videos.append(video)
-                    caches.append(cache)
+                videos, caches = self.vae.decode_rows(latents, [s.vae_cache for s in sessions])
                 frames_out = [_to_uint8(v) for v in videos]
             self.timings = ChunkTimings(dit_s=decoded - started, vae_s=time.perf_counter() - decoded)
         except BaseException:

@@ -63,6 +63,25 @@ class StreamingVAE:
         ]
         return torch.cat(frames, dim=2).clamp(-1, 1), work
 
+    def decode_rows(
+        self, latents: torch.Tensor, caches: list[FeatureCache | None]
+    ) -> tuple[list[torch.Tensor], list[FeatureCache]]:
+        """Several sessions' chunks ``[B, 16, F, h, w]``, each with its own cache.
+
+        Rows whose caches have the same structure (all new rollouts, or all
+        past their first chunk) decode as one batch: the caches stack along
+        the batch dimension and split again after. Otherwise row by row.
+        """
+        rows = latents.shape[0]
+        if rows > 1 and _same_structure(caches):
+            first = caches[0]
+            stacked = None if first is None else [_stack(entries) for entries in zip(*caches)]  # type: ignore[arg-type]
+            video, cache = self.decode(latents, stacked)
+            split = [[_row(entry, row) for entry in cache] for row in range(rows)]
+            return [video[row : row + 1] for row in range(rows)], split
+        decoded = [self.decode(latents[row : row + 1], caches[row]) for row in range(rows)]
+        return [video for video, _ in decoded], [cache for _, cache in decoded]
+
     @torch.inference_mode()
     def encode_condition(self, image: torch.Tensor, latent_frames: int) -> torch.Tensor:
         """Matrix-Game's image conditioning: encode the start image followed by black frames.
@@ -73,6 +92,29 @@ class StreamingVAE:
         video = torch.cat([image[:, None], black], dim=1)[None].to(self.dtype)
         latents = self.vae.encode(video).latent_dist.mode()
         return ((latents.to(self.mean.dtype) - self.mean) / self.std)[0]
+
+
+def _same_structure(caches: list[FeatureCache | None]) -> bool:
+    if all(c is None for c in caches):
+        return True
+    if any(c is None for c in caches):
+        return False
+
+    def shape(entry: Any) -> Any:
+        return tuple(entry.shape) if isinstance(entry, torch.Tensor) else entry
+
+    signatures = {tuple(shape(e) for e in cache) for cache in caches}  # type: ignore[union-attr]
+    return len(signatures) == 1
+
+
+def _stack(entries: tuple[Any, ...]) -> Any:
+    """One cache entry of every row, batched (entries are None, the string "Rep", or ``[1, ...]`` tensors)."""
+    return torch.cat(entries) if isinstance(entries[0], torch.Tensor) else entries[0]
+
+
+def _row(entry: Any, row: int) -> Any:
+    # clone: a row's cache must not keep the whole batch's tensor alive after the batch changes
+    return entry[row : row + 1].clone() if isinstance(entry, torch.Tensor) else entry
 
 
 def cache_bytes(cache: FeatureCache) -> int:
