@@ -68,6 +68,8 @@ window.arstreamDebug = debug;
 debug.sendInput = (fields) => { if (connection.session) connection.session.sendInput(fields); };
 // Cut the socket without a `close` message, as a network drop would (tests use it).
 debug.dropSocket = () => { if (connection.session) connection.session.ws.close(4000, 'dropped on purpose'); };
+// The resume token held now (tests resume it from elsewhere to take the session over).
+debug.resumeToken = () => connection.ticket;
 
 let model = null;  // the model card, from /v1/model or `ready`
 let recorder = null;

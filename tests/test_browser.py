@@ -32,6 +32,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
     wait_frames_drawn,
     wait_state,
 )
+from arstream.app.protocol import ERROR_CLOSE_CODES, ErrorCode
 from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
@@ -96,6 +97,8 @@ def test_page_streams_frames_and_a_key_press_reaches_the_screen(server: LiveServ
     # Key -> frame is measured when the first frame of the applying chunk is drawn; the badge shows its median.
     wait(page, "window.arstreamDebug.samples.action.length >= 1")
     wait(page, "/key→frame \\d+ ms/.test(document.getElementById('badge').textContent)")
+    assert "fake-kv" in page.inner_text("#explain"), "a line says what the picture is"
+    assert page.evaluate("getComputedStyle(document.getElementById('screen')).imageRendering") == "pixelated"
     assert page.locator("#screen[role=img]").count() == 1
     assert "fake-kv" in page.get_attribute("#screen", "aria-label")
     assert page.get_attribute("#overlay", "role") == "status"
@@ -290,3 +293,12 @@ def test_the_screenshot_script_captures_the_page(server: LiveServer, browser: An
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
     assert (width, height) == (shot.width, shot.height)
+
+
+def test_every_protocol_code_has_plain_words(server: LiveServer, page: Any) -> None:
+    page.goto(server.base_url + "/?autoconnect=0")
+    words = page.evaluate("import('/messages.js').then(m => ({errors: m.ERROR_TEXT, closes: m.CLOSE_TEXT}))")
+    missing_errors = [code.value for code in ErrorCode if not words["errors"].get(code.value)]
+    close_codes = {1000, 1001, 1006, *ERROR_CLOSE_CODES.values()}
+    missing_closes = [code for code in sorted(close_codes) if not words["closes"].get(str(code))]
+    assert missing_errors == [] and missing_closes == []

@@ -6,8 +6,11 @@ and real Chromium pages through Playwright.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
+
+from websockets.sync.client import connect
 
 import pytest
 
@@ -96,6 +99,19 @@ def test_a_dropped_connection_and_a_hidden_tab_resume_the_same_world(context: An
         _wait_new_frames(page)
         assert debug(page)["sessionId"] == session_id
         assert debug(page)["errors"] == []
+
+        # Another client resumes the same session: this page is taken over, says so, and does not fight back.
+        token = page.evaluate("window.arstreamDebug.resumeToken()")
+        with connect(f"{server.ws_url}?resume={token}", open_timeout=30) as other:
+            other.send(json.dumps({"type": "start", "resume": token}))
+            assert json.loads(other.recv(timeout=30))["session_id"] == session_id
+            wait_state(page, "taken-over")
+        assert "another tab or window" in overlay_text(page)
+        assert page.inner_text("#overlay-action") == "Play here"
+        assert debug(page)["lastClose"]["code"] == 4003
+        page.click("#overlay-action")
+        wait_state(page, "streaming")
+        _wait_new_frames(page)
 
 
 def test_one_slot_server_second_page_waits_then_joins_and_a_hidden_tab_gives_way(context: Any, errors: PageErrors) -> None:
