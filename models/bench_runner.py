@@ -39,10 +39,13 @@ BUDGET_BYTES = 64 << 20
 def _interleaved_chunk_s(
     pipeline: ToyAttentionPipeline, chunks: int, session: str, first: str = "runner"
 ) -> dict[str, float]:
-    """Seconds per chunk on each side, alternating chunk by chunk (``first`` first) so load hits both alike."""
-    runner = ARRunner(pipeline, kv_budget_bytes=64 << 20)
+    """Seconds per chunk on each side, alternating chunk by chunk (``first`` first) so load hits both alike.
+
+    Both sides end in host frames (``latent_to_frames`` copies them back), which waits for the device.
+    """
+    runner = ARRunner(pipeline, device=pipeline.device, kv_budget_bytes=BUDGET_BYTES)
     runner.warmup()
-    cache = DenseKVCache(pipeline.spec)
+    cache = DenseKVCache(pipeline.spec, pipeline.device)
     generator = torch.Generator().manual_seed(1)
     total = dict.fromkeys(SIDES, 0.0)
     second = SIDES[1] if first == SIDES[0] else SIDES[0]
@@ -52,7 +55,7 @@ def _interleaved_chunk_s(
             if side == "runner":
                 runner.execute_tick(TickRequest(session_id=session, request_id=i, seed=1))
             else:
-                noise = chunk_noise(pipeline.spec, pipeline.model.dim, generator)
+                noise = chunk_noise(pipeline.spec, pipeline.model.dim, generator).to(pipeline.device)
                 pipeline.latent_to_frames(run_chunk(pipeline.model, cache, noise, pipeline.steps))
             total[side] += time.perf_counter() - started
     runner.close_session(session)
@@ -125,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=default_torch_threads(), help="torch threads (default: CPU cores - 1, at least 1)"
     )
+    parser.add_argument("--device", default="cpu", help="torch device for both sides (default cpu)")
     parser.add_argument(
         "--runtime",
         choices=RUNTIMES,
@@ -136,8 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.runtime == "vllm-omni":
+        if args.device != "cpu":
+            print("arstream bench runner: --runtime vllm-omni compares the two runtimes on the CPU only", file=sys.stderr)
+            return 2
         return _run_runtimes(args)
-    pipeline = ToyAttentionPipeline(steps=args.steps)
+    pipeline = ToyAttentionPipeline(steps=args.steps, device=args.device)
     _interleaved_chunk_s(pipeline, 4, "bench-warm")  # first-call allocations out of the way
     print(f"{'rep':>4} {'runner ms/chunk':>16} {'direct ms/chunk':>16} {'ratio':>7}")
 
@@ -157,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "steps": args.steps,
             "threads": args.threads,
+            "device": args.device,
             "runner_ms_per_chunk": round(runner_med * 1e3, 4),
             "direct_ms_per_chunk": round(direct_med * 1e3, 4),
             "overhead_ms_per_chunk": round((runner_med - direct_med) * 1e3, 4),

@@ -27,7 +27,7 @@ def _tiny_world(device: torch.device, **options: Any) -> ARPipeline:
 def _toy_attention(device: torch.device, **options: Any) -> ARPipeline:
     from arstream.models.toy_attention import ToyAttentionPipeline
 
-    return ToyAttentionPipeline(**options)
+    return ToyAttentionPipeline(device=device, **options)
 
 
 def _matrix_game(device: torch.device, **options: Any) -> ARPipeline:

@@ -98,7 +98,7 @@ class ToyAttentionModel(torch.nn.Module):
     def forward_chunk(self, x: torch.Tensor, frame_start: int, kv: KVSource) -> torch.Tensor:
         """``x``: ``[frames_per_chunk * tokens_per_frame, dim]``; returns the same shape."""
         spec = self.spec
-        positions = torch.arange(frame_start, frame_start + spec.frames_per_chunk) % 4096
+        positions = torch.arange(frame_start, frame_start + spec.frames_per_chunk, device=x.device) % 4096
         h = x + self.position(positions).repeat_interleave(spec.tokens_per_frame, dim=0)
         heads, size = spec.num_kv_heads, spec.head_size
         for layer in range(spec.num_layers):
@@ -149,10 +149,13 @@ def chunk_noise(spec: KVCacheSpec, dim: int, generator: torch.Generator) -> torc
 class ToyAttentionPipeline(SessionStateBinding):
     """ARPipeline over :class:`ToyAttentionModel`; frames are a grey-level view of the latent."""
 
-    def __init__(self, *, steps: int = 3, seed: int = 0, **spec_overrides: Any) -> None:
+    def __init__(
+        self, *, steps: int = 3, seed: int = 0, device: torch.device | str = "cpu", **spec_overrides: Any
+    ) -> None:
         super().__init__()
         self.spec = toy_spec(**spec_overrides)
-        self.model = ToyAttentionModel(self.spec, seed=seed)
+        self.device = torch.device(device)
+        self.model = ToyAttentionModel(self.spec, seed=seed).to(self.device)
         self.steps = steps
         self._generators: dict[str, torch.Generator] = {}
         self.last_latent: torch.Tensor | None = None
@@ -179,7 +182,8 @@ class ToyAttentionPipeline(SessionStateBinding):
         if generator is None:
             generator = torch.Generator().manual_seed(tick.seed or 0)
             self._generators[tick.session_id] = generator
-        latent = run_chunk(self.model, state, chunk_noise(self.spec, self.model.dim, generator), self.steps)
+        noise = chunk_noise(self.spec, self.model.dim, generator).to(self.device)  # drawn on the CPU: same on any device
+        latent = run_chunk(self.model, state, noise, self.steps)
         self.last_latent = latent
         return self.latent_to_frames(latent)
 
@@ -188,7 +192,7 @@ class ToyAttentionPipeline(SessionStateBinding):
         side = self._side
         pixels = latent.reshape(self.spec.frames_per_chunk, -1)[:, : side * side]
         grey = (torch.sigmoid(pixels) * 255).to(torch.uint8).reshape(-1, side, side, 1)
-        return np.ascontiguousarray(grey.expand(-1, -1, -1, 3).numpy())
+        return np.ascontiguousarray(grey.expand(-1, -1, -1, 3).cpu().numpy())
 
     def reset_session(self, session_id: str) -> None:
         self._generators.pop(session_id, None)

@@ -271,6 +271,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--square-frames", type=int, default=320, help="frames of the square walk")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="torch device for the model and its KV pool (default cpu)")
     p.add_argument(
         "--out", type=Path, default=Path("out/tiny_world_eval"), help="folder for contact sheets and metrics.json"
     )
@@ -279,7 +280,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    pipeline = load_tiny_world(torch.device("cpu"), args.weights)
+    pipeline = load_tiny_world(torch.device(args.device), args.weights)
     runner = make_runner(pipeline)
     record: list[Recorded] = []
     resp = evaluate_responsiveness(runner, args.hold_frames, args.seeds, record)

@@ -116,12 +116,13 @@ class TrajectorySampler:
             frame_start = int(math.exp(self.rng.uniform(math.log(low), math.log(20_000))))
             frame_start -= frame_start % fpc
         return Batch(
-            frames=from_uint8(torch.from_numpy(np.stack(frames))),
+            # as_tensor, not from_numpy: it lands on the default device (see --device)
+            frames=from_uint8(torch.as_tensor(np.stack(frames))),
             directions=torch.tensor(dirs),
-            cells=torch.from_numpy(np.stack(cells)),
-            stale_sink=from_uint8(torch.from_numpy(np.stack(old_frames))) if stale else None,
+            cells=torch.as_tensor(np.stack(cells)),
+            stale_sink=from_uint8(torch.as_tensor(np.stack(old_frames))) if stale else None,
             stale_directions=torch.tensor(old_dirs) if stale else None,
-            stale_cells=torch.from_numpy(np.stack(old_cells)) if stale else None,
+            stale_cells=torch.as_tensor(np.stack(old_cells)) if stale else None,
             frame_start=frame_start,
         )
 
@@ -155,7 +156,7 @@ def class_loss(pred: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor | Non
     every class alike however dark or light its colour. ``mask`` ``[..., 1]``
     keeps only pixels with a target.
     """
-    palette = from_uint8(torch.from_numpy(PALETTE))
+    palette = from_uint8(torch.as_tensor(PALETTE))
     dist_pred = ((pred[..., None, :] - palette) ** 2).sum(-1)
     target = ((clean[..., None, :] - palette) ** 2).sum(-1).argmin(-1)
     ce = F.cross_entropy(-dist_pred.flatten(0, -2) / CLASS_TEMPERATURE, target.flatten(), reduction="none")
@@ -229,7 +230,7 @@ def visibility_mask(origins: np.ndarray, ref_origins: np.ndarray, size: int) -> 
                 cols = (origins[i, j, 0] + grid - rx >= 0) & (origins[i, j, 0] + grid - rx < size)
                 rows = (origins[i, j, 1] + grid - ry >= 0) & (origins[i, j, 1] + grid - ry < size)
                 mask[i, j] |= rows[:, None] & cols[None, :]
-    return torch.from_numpy(mask)
+    return torch.as_tensor(mask)
 
 
 def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0) -> torch.Tensor:
@@ -241,7 +242,7 @@ def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator, c
     with torch.no_grad():
         prime_history(model, kv, batch, gen)
         commit_chunk(model, kv, batch.frames[:, :fpc], batch.directions[:, :fpc], batch.cells[:, :fpc], gen)
-    origins = batch.cells.numpy() * cfg.patch_size
+    origins = batch.cells.cpu().numpy() * cfg.patch_size
     mask = visibility_mask(origins, origins[:, :fpc], cfg.canvas_size)[..., None].float()
     losses = []
     for c in range(1, chunks):
@@ -292,6 +293,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="torch device to train on (default cpu; e.g. cuda)")
     p.add_argument("--out", type=Path, default=Path("checkpoints/tiny_world"))
     p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from ('auto': OUT/checkpoint.pt if present)")
     p.add_argument("--checkpoint-every-s", type=float, default=240.0)
@@ -337,6 +339,11 @@ def export(out: Path, ema: TinyWorldDiT, meta: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        # Every factory call (zeros, arange, tensor, as_tensor, randn) then makes its tensor on the device:
+        # the model, the KV caches, batches and noise, with no change to the training code.
+        torch.set_default_device(device)
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = json.loads(args.config.read_text()) if args.config else {}
     cfg = TinyWorldConfig.from_dict(overrides)
@@ -357,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
     rng = np.random.default_rng(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     step = 0
     train_seconds = 0.0
 
@@ -366,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         resume = args.out / "checkpoint.pt"
         resume = resume if resume.exists() else None
     if resume is not None:
-        ckpt = torch.load(resume, weights_only=False)
+        ckpt = torch.load(resume, weights_only=False, map_location="cpu")  # load_state_dict copies to the device
         if ckpt["config"] != cfg.to_dict():
             raise SystemExit(f"{resume}: checkpoint config {ckpt['config']} differs from {cfg.to_dict()}")
         model.load_state_dict(ckpt["model"])

@@ -30,7 +30,7 @@ class WeightsError(ValueError):
 def save_weights(model: TinyWorldDiT, weights_path: Path, config_path: Path, meta: dict[str, Any] | None = None) -> None:
     """Write the state dict as safetensors and the config (plus training metadata) as JSON."""
     weights_path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     save_file(tensors, str(weights_path), metadata={"format": FORMAT})
     payload = {"format": FORMAT, "model": model.cfg.to_dict(), "training": meta or {}}
     config_path.write_text(json.dumps(payload, indent=2) + "\n")
