@@ -35,25 +35,19 @@ import torch
 from arstream.runner.contract import ARPipeline, SupportsWarmup
 from arstream.runner.runner import CHUNK_TIMES_KEPT, WARMUP_SESSION_ID, RunnerStats, UnsupportedConfiguration
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations
 
-log = logging.getLogger("arstream.runner.vllm_omni")
-
-DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # ARStream's default, so one setting means the same on both runtimes
-
-
-def _load_vllm_omni() -> dict[str, Any]:
-    """vLLM-Omni's pieces, imported on first use (about 10 s and 0.9 GB)."""
+with ignoring_their_deprecations():  # importing vLLM (about 10 s, 0.9 GB) warns about its own use of torch
     from vllm.config import VllmConfig
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
     from vllm_omni.experimental.ar_diffusion.runner import ARDiffusionModelRunner
 
-    return {
-        "VllmConfig": VllmConfig,
-        "OmniDiffusionConfig": OmniDiffusionConfig,
-        "ARDiffusionKVConfig": ARDiffusionKVConfig,
-        "ARDiffusionModelRunner": ARDiffusionModelRunner,
-    }
+    from arstream.runner.vllm_omni.pipeline import adapter_class, to_omni_request
+
+log = logging.getLogger("arstream.runner.vllm_omni")
+
+DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # ARStream's default, so one setting means the same on both runtimes
 
 
 def build_model_runner(
@@ -66,28 +60,27 @@ def build_model_runner(
     device memory times a fraction; with a byte count the runner is told that
     count is what is free, at fraction 1.
     """
-    omni = _load_vllm_omni()
-    from arstream.runner.vllm_omni.pipeline import adapter_class
-
     if budget_bytes is None and device.type == "cpu":
         raise UnsupportedConfiguration("on cpu the KV budget must be given in bytes (no free-memory query)")
     fraction = 1.0 if budget_bytes is not None else (memory_fraction or DEFAULT_CUDA_MEMORY_FRACTION)
     spec = pipeline.kv_cache_spec()
 
-    class BudgetedRunner(omni["ARDiffusionModelRunner"]):  # type: ignore[misc, valid-type]
+    class BudgetedRunner(ARDiffusionModelRunner):
         """vLLM-Omni's runner, told the byte budget instead of querying free memory when one is given."""
 
         def _available_memory_bytes(self) -> int:
             return budget_bytes if budget_bytes is not None else super()._available_memory_bytes()
 
-    od_config = omni["OmniDiffusionConfig"](
+    od_config = OmniDiffusionConfig(
         model_class_name="OmniPipelineAdapter",
         dtype=spec.dtype,
         enforce_eager=True,  # no torch.compile / graph capture: the adapter's pipeline is eager
-        model_config={"ar_diffusion_kv_config": omni["ARDiffusionKVConfig"](enable=True, gpu_memory_fraction=fraction)},
+        model_config={"ar_diffusion_kv_config": ARDiffusionKVConfig(enable=True, gpu_memory_fraction=fraction)},
     )
-    runner = BudgetedRunner(omni["VllmConfig"](), od_config, device)
-    runner.load_model(load_format="custom_pipeline", custom_pipeline_name=adapter_class(pipeline, device))
+    # Loading imports more of vLLM lazily; see ignoring_their_deprecations.
+    with ignoring_their_deprecations():
+        runner = BudgetedRunner(VllmConfig(), od_config, device)
+        runner.load_model(load_format="custom_pipeline", custom_pipeline_name=adapter_class(pipeline, device))
     return runner
 
 
@@ -200,8 +193,6 @@ class VllmOmniRunner:
 
     def execute_tick(self, tick: TickRequest) -> ChunkResult:
         """Run one tick through ``execute_model``; raises what vLLM-Omni raises (its session then released)."""
-        from arstream.runner.vllm_omni.pipeline import to_omni_request
-
         before = self.resident_sessions()
         fresh = tick.reset or self.frames_committed(tick.session_id) == 0
         chunk_index = 0 if fresh else self.next_chunk_index(tick.session_id)
