@@ -198,7 +198,7 @@ function fit() {
   }
   const layout = document.querySelector('.layout');
   const style = getComputedStyle(layout);
-  const stacked = window.matchMedia('(max-width: 899px)').matches;
+  const stacked = window.matchMedia('(max-width: 899px) and (orientation: portrait)').matches;  // as in style.css
   const coarse = window.matchMedia('(pointer: coarse)').matches;
   // The stage hugs the player, so the room comes from the layout: its width less the side column.
   let width = layout.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
