@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from websockets.asyncio.client import ClientConnection, connect
 
 from arstream.app.client import ConnectionDropped, RunResult, run_script
-from arstream.models.fake import FakeKVPipeline
+from arstream.models.fake import FakeKVPipeline, controls_code
 from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.types import TickRequest
 from servers import GatedFakePipeline, LiveServer, SessionClient, fake_settings, running_server, session_client
@@ -49,6 +50,10 @@ def run(coro: Any) -> Any:
 
 def resume_url(server: LiveServer, token: str) -> str:
     return f"{server.ws_url}?resume={token}"
+
+
+async def connect_resume(server: LiveServer, token: str) -> ClientConnection:
+    return await connect(resume_url(server, token), compression=None, max_size=None, proxy=None)
 
 
 async def chunk_frames(client: SessionClient) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -188,6 +193,57 @@ def test_ticks_in_flight_at_the_drop_are_dropped_and_the_ticket_says_where_it_co
         frames = run(scenario())
         reference = run(reference_rollout(server, 2))
         assert np.array_equal(np.stack(frames), np.stack(reference[1]))
+        server.settled(start_free)
+
+
+def test_controls_of_a_dropped_tick_and_a_pending_input_event_survive_the_drop() -> None:
+    pipeline = GatedFakePipeline()
+    with running_server(resume_settings(), pipeline) as server:
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def resumed(token: str) -> SessionClient:
+            client = SessionClient(await connect_resume(server, token))
+            await client.start(resume=token, codec="raw")
+            return client
+
+        async def scenario() -> None:
+            async with session_client(server.ws_url, start={"codec": "raw"}) as client:
+                assert client.ready is not None
+                token = client.ready["resume"]["token"]
+                await client.send(type="tick", tick_id=0, controls=HELD)
+                await asyncio.to_thread(pipeline.waiting.wait, 30)  # tick 0 runs
+                await client.send(type="tick", tick_id=1, controls={"keys": ["w"]})  # queued: dropped, controls kept
+                client.abort()
+            await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+            pipeline.gate.set()
+            client = await resumed(token)
+            try:
+                await client.send(type="tick", tick_id=2)
+                chunk, frames = await chunk_frames(client)
+                assert chunk["applied_event_ids"] == [] and chunk["chunk_index"] == 1
+                assert all((pixels[:, :, 2] == controls_code({"keys": ["w"]})).all() for pixels in frames)
+                # An input event that arrived but had not been applied when the connection dropped ...
+                await client.send(type="input", event_id=5, controls={"keys": ["s"]})
+                assert (await client.recv_json())["status"] == "accepted"
+                assert client.ready is not None
+                token = client.ready["resume"]["token"]
+                client.abort()
+            finally:
+                await client.ws.close()
+            await asyncio.to_thread(server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+            client = await resumed(token)
+            try:
+                # ... is applied by the next chunk after the resume, and listed there.
+                await client.send(type="tick", tick_id=3)
+                chunk, frames = await chunk_frames(client)
+                assert chunk["applied_event_ids"] == [5] and chunk["chunk_index"] == 2
+                assert all((pixels[:, :, 2] == controls_code({"keys": ["s"]})).all() for pixels in frames)
+                await client.send(type="close")
+                await client.closed_by_server()
+            finally:
+                await client.ws.close()
+
+        run(scenario())
         server.settled(start_free)
 
 
