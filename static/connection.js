@@ -134,7 +134,8 @@ export class Connection {
 
   connect() {
     this.clearTimer();
-    if (this.session && !this.session.ended) return;
+    // A session still open is kept, unless it is on its way out (Stop, or a hidden tab, then Play at once).
+    if (this.session && !this.session.ended && !this.session.leaving) return;
     const resuming = this.ticket !== null;
     const start = { type: 'start', ...this.startFields() };
     if (resuming) {

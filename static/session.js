@@ -38,6 +38,7 @@ export class Session {
     this.opened = false;
     this.ended = false;
     this.stopping = false;          // we sent `close` (or closed a socket that never opened)
+    this.dropping = false;          // we closed the socket without `close` (a hidden tab)
     this.closedReason = null;       // the `closed` message's reason, if one came
     this.fatal = null;              // the last fatal `error` message
     this.failed = false;            // after session_failed only a reset tick is accepted
@@ -56,6 +57,7 @@ export class Session {
       this.send(this.start);
     };
     this.ws.onmessage = (event) => {
+      if (this.leaving) return;  // what is still in flight for a session the page let go is not played
       if (typeof event.data === 'string') this.onText(JSON.parse(event.data));
       else this.onBinary(event.data);
     };
@@ -79,7 +81,13 @@ export class Session {
 
   /** Close the socket without `close`: a server with resume keeps the session for its grace period. */
   drop(reason) {
+    this.dropping = true;
     this.ws.close(1000, reason);
+  }
+
+  /** On its way out: the page asked it to end; its close event no longer matters. */
+  get leaving() {
+    return this.stopping || this.dropping;
   }
 
   sendInput(fields) {

@@ -170,6 +170,15 @@ def test_codec_prompt_focus_reset_and_stop(server: LiveServer, page: Any) -> Non
     assert page.inner_text("#play") == "Play"
     server.wait_for_stats(lambda stats: stats["sessions"]["connected"] == 0)
 
+    # Stop and Play again at once: the new session does not wait for the old one's close.
+    page.click("#play")
+    wait_state(page, "streaming")
+    page.click("#play")
+    page.click("#play")
+    wait_state(page, "streaming")
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 4)
+    assert page.inner_text("#play") == "Stop"
+
 
 def test_model_failure_in_plain_words_and_restart_recovers_with_the_held_keys(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/")
