@@ -110,6 +110,56 @@ def test_a_session_whose_kv_was_evicted_reports_restarted_evicted() -> None:
     assert seen == [("s-a", 0, None), ("s-a", 1, None), ("s-b", 0, None), ("s-a", 0, "evicted")]
 
 
+def test_session_position_says_where_a_rollout_continues_and_whether_it_was_evicted() -> None:
+    """What a resume ticket is built from (app/resume.py): next chunk index, failed, evicted."""
+
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> list[Any]:
+        a, c, d = make_session("s-a"), make_session("s-c"), make_session("s-d")
+
+        async def run(session: Session, tick_id: int, controls: dict[str, Any] | None = None) -> None:
+            worker.submit(session.accept_tick(TickMessage(type="tick", tick_id=tick_id, controls=controls)))
+            await asyncio.wait_for(outcomes.get(), 30)
+
+        positions = [await worker.session_position("s-a")]  # never ran: a new rollout, nothing lost
+        await run(a, 0)
+        await run(a, 1)
+        positions.append(await worker.session_position("s-a"))  # two chunks in
+        await run(c, 0)  # capacity 2: a and c
+        await run(d, 0, {"fail": True})  # d's slot came from a (least recently used); then d failed
+        positions.append(await worker.session_position("s-d"))  # released by its failure, not evicted
+        positions.append(await worker.session_position("s-a"))
+        for session_id in ("s-a", "s-c", "s-d"):
+            worker.drop_session(session_id)
+        return positions
+
+    positions = asyncio.run(with_worker(FakeKVPipeline(session_capacity=2), body))
+    assert [(p.next_chunk_index, p.failed, p.evicted) for p in positions] == [
+        (0, False, False),
+        (2, False, False),
+        (0, True, False),
+        (0, False, True),
+    ]
+
+
+def test_drop_ticks_keeps_the_kv_and_returns_the_queued_ticks() -> None:
+    pipeline = GatedFakePipeline()
+
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> tuple[list[int], int, int]:
+        session = make_session("s-a")
+        for tick_id in range(3):
+            worker.submit(session.accept_tick(TickMessage(type="tick", tick_id=tick_id)))
+        await asyncio.to_thread(pipeline.waiting.wait, 30)  # tick 0 runs, 1 and 2 wait
+        dropped = [job.tick_id for job in worker.drop_ticks("s-a")]
+        depth = worker.queue_depth
+        pipeline.gate.set()
+        await asyncio.wait_for(outcomes.get(), 30)
+        position = await worker.session_position("s-a")
+        worker.drop_session("s-a")
+        return dropped, depth, position.next_chunk_index
+
+    assert asyncio.run(with_worker(pipeline, body)) == ([1, 2], 0, 1)
+
+
 def test_queue_is_bounded_by_credits() -> None:
     pipeline = GatedFakePipeline()
 
