@@ -12,6 +12,7 @@
 //   messages.js    plain-language words for error and close codes
 
 import { Connection } from './connection.js';
+import { h264Supported } from './decode.js';
 import { Controls, isTyping } from './input.js';
 import { Hud } from './hud.js';
 import { Player } from './player.js';
@@ -239,6 +240,9 @@ const connection = new Connection({
     },
     log,
     notice,
+    onCodecRefused(codec) {
+      $('codec').value = codec;
+    },
   },
   debug,
 });
@@ -416,6 +420,9 @@ async function pollStats() {
 }
 setInterval(pollStats, STATS_POLL_MS);
 $('details').addEventListener('toggle', pollStats);
+
+// H.264 is offered when this browser decodes it; a server without it falls back to JPEG (connection.js).
+h264Supported().then((yes) => { document.querySelector('#codec option[value="h264"]').hidden = !yes; });
 
 loadModelCard();
 if (params.get('autoconnect') === '0') {

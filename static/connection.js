@@ -26,7 +26,7 @@ export class Connection {
    * @param {() => object} options.startFields      fields for a fresh `start` (codec, seed, prompt)
    * @param {number} options.fixedChunks            0: adaptive buffer; N: keep N chunks ahead
    * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
-   *                                onSample(kind, ms), log(text, kind), notice(text)
+   *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec)
    * @param {object} options.debug  window.arstreamDebug
    */
   constructor({ player, token, startFields, fixedChunks, hooks, debug }) {
@@ -194,6 +194,14 @@ export class Connection {
 
   onError(session, message) {
     if (session !== this.session) return;
+    if (!session.ready && message.code === 'invalid_message' && session.start.codec === 'h264') {
+      // A server that cannot encode H.264 refuses the `start` and waits for another: ask for JPEG.
+      session.start = { ...session.start, codec: 'jpeg' };
+      session.send(session.start);
+      this.hooks.onCodecRefused('jpeg');
+      this.hooks.notice('This server does not send H.264 video; using JPEG.');
+      return;
+    }
     const detail = message.tick_id !== undefined && message.tick_id !== null ? ` (tick ${message.tick_id})` : '';
     this.hooks.log(`${message.fatal ? 'fatal ' : ''}error ${message.code}${detail}: ${message.message}`,
       message.fatal ? 'fatal' : 'error');

@@ -3,6 +3,7 @@
 // keeps pictures in arrival order. A stateful video codec (WebCodecs) is one
 // more entry in DECODERS: it gets every frame of its session, in order.
 
+import { createH264Decoder, H264_CODEC_ID } from './video-decoder.js';
 import { CODEC_IDS, FrameError } from './wire.js';
 
 /** @typedef {{source: ImageBitmap | ImageData, close(): void}} Picture */
@@ -31,6 +32,7 @@ async function jpegPicture(_header, payload) {
 const DECODERS = {
   [CODEC_IDS.raw]: () => ({ decode: async (header, payload) => rawPicture(header, payload), close() {} }),
   [CODEC_IDS.jpeg]: () => ({ decode: jpegPicture, close() {} }),
+  [H264_CODEC_ID]: createH264Decoder,  // WebCodecs; a VideoFrame draws like an ImageBitmap
 };
 
 /**
@@ -43,5 +45,4 @@ export function createDecoder(codecId) {
   return make();
 }
 
-/** Codec names the page can ask for in `start`, best first. */
-export const SUPPORTED_CODECS = ['jpeg', 'raw'];
+export { h264Supported } from './video-decoder.js';

@@ -7,9 +7,8 @@
 // keyframe (a session's start, reset or resume); this decoder reads the
 // profile and level from that keyframe's SPS to configure WebCodecs.
 //
-// To plug it into the demo page: in decode.js add
-//   [2]: () => createH264Decoder()          // to DECODERS
-// and put 'h264' first in SUPPORTED_CODECS when `await h264Supported()`.
+// decode.js plugs it into the demo page (codec id 2), and the page offers
+// H.264 in its codec menu when `await h264Supported()`.
 // decode() returns the same {source, close()} picture as the other decoders;
 // `source` is a VideoFrame, which canvas drawImage takes like an ImageBitmap.
 

@@ -32,6 +32,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
     wait_frames_drawn,
     wait_state,
 )
+from arstream.app import protocol
 from arstream.app.protocol import ERROR_CLOSE_CODES, ErrorCode
 from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
@@ -311,3 +312,31 @@ def test_every_protocol_code_has_plain_words(server: LiveServer, page: Any) -> N
     close_codes = {1000, 1001, 1006, *ERROR_CLOSE_CODES.values()}
     missing_closes = [code for code in sorted(close_codes) if not words["closes"].get(str(code))]
     assert missing_errors == [] and missing_closes == []
+
+
+def test_h264_from_the_codec_menu_and_jpeg_when_the_server_cannot(
+    server: LiveServer, page: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page.goto(server.base_url + "/?autoconnect=0")
+    if not page.evaluate("import('/decode.js').then(m => m.h264Supported())"):
+        pytest.skip("this Chromium decodes no H.264 through WebCodecs")
+    wait(page, "!document.querySelector('#codec option[value=h264]').hidden")
+    page.click("#details summary")
+    page.select_option("#codec", "h264")
+    page.click("#overlay-action")  # Play
+    wait_frames_drawn(page, 4)
+    page.keyboard.down("d")
+    wait_blue(page, KEY_BITS["d"], tolerance=8)  # lossy video on a flat colour
+    page.keyboard.up("d")
+    assert debug(page)["errors"] == []
+
+    # A server that cannot encode H.264 refuses that `start`: the page asks again for JPEG.
+    page.click("#play")
+    wait_state(page, "stopped")
+    monkeypatch.setattr(protocol, "h264_available", lambda: False)
+    page.click("#play")
+    wait_state(page, "streaming")
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 4)
+    assert page.input_value("#codec") == "jpeg"
+    assert [error["code"] for error in debug(page)["errors"]] == ["invalid_message"]
+    assert "does not send H.264" in (page.text_content("#log") or "")
