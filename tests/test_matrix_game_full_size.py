@@ -68,3 +68,14 @@ def test_a_sessions_vae_cache_at_352x640() -> None:
         later, cache = vae.decode(latents, cache)
     assert first.shape == (1, 3, 9, 352, 640) and later.shape == (1, 3, 12, 352, 640)
     assert 1000 * 2**20 < cache_bytes(cache) < 1040 * 2**20  # about 1 GB per session in bf16
+
+
+def test_the_clip_vision_tower_gives_257_tokens_of_1280() -> None:
+    from arstream.models.matrix_game.clip import ClipImageEncoder
+
+    cfg = get_config("1.3b")
+    with META:
+        encoder = ClipImageEncoder(cfg.clip)
+        tokens = encoder.encode(torch.zeros(3, cfg.height, cfg.width))
+    assert tokens.shape == (257, 1280)
+    assert 6.3e8 < sum(p.numel() for p in encoder.parameters()) < 6.4e8  # ViT-H/14's vision tower

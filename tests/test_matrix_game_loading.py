@@ -148,3 +148,57 @@ def test_start_image_and_clip_features_options(tmp_path: Path) -> None:
     save_file({"clip_features": torch.zeros(4, 16)}, str(tmp_path / "clip.safetensors"))
     with pytest.raises(CheckpointError, match=r"clip\.safetensors: clip_features must be \[5, 16\], got \[4, 16\]"):
         load_matrix_game("cpu", config="tiny", random_init=True, clip_features=str(tmp_path / "clip.safetensors"))
+
+
+def clip_state(seed: int = 5) -> dict[str, torch.Tensor]:
+    """A tiny CLIP file as published: the vision tower under ``visual.``, plus text-tower keys that are not needed."""
+    from arstream.models.matrix_game.clip import ClipImageEncoder
+
+    torch.manual_seed(seed)
+    encoder = ClipImageEncoder(get_config("tiny").clip)
+    state = {k: v.clone().contiguous() for k, v in encoder.state_dict().items()}
+    state["textual.token_embedding.weight"] = torch.zeros(3, 4)
+    state["log_scale"] = torch.tensor(2.0)
+    return state
+
+
+def test_the_clip_file_encodes_the_start_image(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    from arstream.models.matrix_game.clip import ClipImageEncoder
+    from arstream.models.matrix_game.pipeline import default_image
+
+    dit, vae = weights
+    write(tmp_path, dit, vae)
+    clip = clip_state()
+    torch.save(clip, tmp_path / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth")
+    pipeline = load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+    encoder = ClipImageEncoder(get_config("tiny").clip)
+    encoder.load_state_dict({k: v for k, v in clip.items() if k.startswith("visual.")})
+    cfg = get_config("tiny")
+    with torch.inference_mode():
+        want = pipeline.model.image_context(encoder.encode(default_image(cfg))[None])
+    torch.testing.assert_close(pipeline.context, want)
+    assert encoder.encode(default_image(cfg)).shape == (cfg.clip_tokens, cfg.clip_dim)
+
+
+def test_a_clip_file_missing_a_vision_key_is_named(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)
+    clip = {k: v for k, v in clip_state().items() if k != "visual.pre_norm.weight"}
+    torch.save(clip, tmp_path / "clip.pth")
+    with pytest.raises(CheckpointError, match=r"clip\.pth does not fit the model: missing keys: visual\.pre_norm\.weight"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"no CLIP file in .*: looked for other\.pth"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path), clip_file="other.pth")
+
+
+def test_without_a_clip_file_the_image_context_is_zeros_and_says_so(
+    tmp_path: Path, weights: tuple[dict, dict], caplog: pytest.LogCaptureFixture
+) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)
+    pipeline = load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+    cfg = get_config("tiny")
+    with torch.inference_mode():
+        zeros = pipeline.model.image_context(torch.zeros(1, cfg.clip_tokens, cfg.clip_dim))
+    torch.testing.assert_close(pipeline.context, zeros)
+    assert "image context is zeros" in caplog.text

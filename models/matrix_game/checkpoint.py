@@ -24,6 +24,8 @@ DIT_FILES = (
     "model.safetensors",
 )
 VAE_FILES = ("Wan2.1_VAE.pth", "vae.safetensors", "vae.pth")
+CLIP_FILES = ("models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth", "clip.safetensors", "clip.pth")
+CLIP_PREFIX = "visual."
 DIT_PREFIX = "model."
 # wrappers training scripts put around a state dict
 WRAPPER_KEYS = ("state_dict", "model", "generator_ema", "generator")
@@ -93,6 +95,12 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
 def load_dit(module: nn.Module, path: Path) -> None:
     state = read_state_dict(path)
     state = {k.removeprefix(DIT_PREFIX): v for k, v in state.items()}
+    load_into(module, state, path)
+
+
+def load_clip_visual(module: nn.Module, path: Path) -> None:
+    """The vision tower's ``visual.*`` keys of a CLIP file (its text tower is not needed)."""
+    state = {k: v for k, v in read_state_dict(path).items() if k.startswith(CLIP_PREFIX)}
     load_into(module, state, path)
 
 

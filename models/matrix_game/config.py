@@ -58,6 +58,24 @@ class VAEConfig:
 
 
 @dataclass(frozen=True)
+class ClipConfig:
+    """The CLIP vision tower that encodes the start image (open-clip XLM-RoBERTa ViT-H/14)."""
+
+    dim: int = 1280
+    num_layers: int = 32
+    num_heads: int = 16
+    patch_size: int = 14
+    image_size: int = 224
+    mlp_ratio: int = 4
+    out_dim: int = 1024
+    eps: float = 1e-5
+
+    @property
+    def tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + 1
+
+
+@dataclass(frozen=True)
 class MatrixGameConfig:
     name: str
     dim: int = 1536
@@ -83,6 +101,14 @@ class MatrixGameConfig:
     fps: int = 25
     action: ActionConfig = field(default_factory=ActionConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+
+    def __post_init__(self) -> None:
+        if (self.clip.tokens, self.clip.dim) != (self.clip_tokens, self.clip_dim):
+            raise ValueError(
+                f"the CLIP tower gives {self.clip.tokens} tokens of {self.clip.dim}; "
+                f"the DiT expects {self.clip_tokens} of {self.clip_dim}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +163,7 @@ CONFIGS: dict[str, MatrixGameConfig] = {
             blocks=(0,), hidden_size=8, keyboard_hidden_dim=32, mouse_hidden_dim=32, heads_num=2, rope_time_dim=4
         ),
         vae=VAEConfig(base_dim=8, num_res_blocks=1),
+        clip=ClipConfig(dim=16, num_layers=2, num_heads=2, image_size=28, mlp_ratio=2, out_dim=8),
     ),
 }
 

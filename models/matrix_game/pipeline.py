@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from arstream.models.matrix_game import checkpoint as ckpt
+from arstream.models.matrix_game.clip import ClipImageEncoder
 from arstream.models.matrix_game.config import MatrixGameConfig, get_config
 from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
 from arstream.models.matrix_game.dit import CausalWanDiT
@@ -250,6 +251,13 @@ class MatrixGamePipeline(SessionStateBinding):
         return frames_out
 
 
+def _optional_file(directory: Path, explicit: str | None, candidates: tuple[str, ...]) -> Path | None:
+    """A file named explicitly must exist; otherwise the first candidate present, or None."""
+    if explicit is not None:
+        return ckpt.find_file(directory, explicit, candidates, "CLIP")
+    return next((directory / name for name in candidates if (directory / name).is_file()), None)
+
+
 def _to_uint8(video: torch.Tensor) -> np.ndarray:
     """``[1, 3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]``."""
     pixels = ((video[0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
@@ -268,13 +276,15 @@ def load_matrix_game(
     clip_features: str | None = None,
     dit_file: str | None = None,
     vae_file: str | None = None,
+    clip_file: str | None = None,
     session_capacity: int = 8,
 ) -> MatrixGamePipeline:
     """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
 
-    ``clip_features`` is a file holding the start image's ``[257, 1280]`` CLIP
-    tokens (this package has no CLIP encoder); without it the image context
-    is zeros (random with ``random_init``).
+    The start image's CLIP tokens come from the CLIP file in the directory
+    (its vision tower runs once, here), or from ``clip_features`` (a file
+    holding a ``[257, 1280]`` tensor named ``clip_features``), which wins;
+    with neither, the image context is zeros (with a warning).
     """
     device = torch.device(device)
     cfg = get_config(config)
@@ -285,6 +295,8 @@ def load_matrix_game(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
+    start = read_image(image, cfg) if image is not None else default_image(cfg)
+    encoder: ClipImageEncoder | None = None
     # Built without memory, then filled: a 1.3B model is neither default-initialised nor held twice.
     with torch.device("meta"):
         model = CausalWanDiT(cfg)
@@ -293,24 +305,35 @@ def load_matrix_game(
         directory = Path(checkpoint)
         dit_path = ckpt.find_file(directory, dit_file, ckpt.DIT_FILES, "DiT")
         vae_path = ckpt.find_file(directory, vae_file, ckpt.VAE_FILES, "VAE")
+        clip_path = _optional_file(directory, clip_file, ckpt.CLIP_FILES)
         ckpt.load_dit(model, dit_path)
         vae_module = build_vae(cfg)
         ckpt.load_vae(vae_module, vae_path)
-        features = torch.zeros(cfg.clip_tokens, cfg.clip_dim)
+        if clip_path is not None and clip_features is None:
+            with torch.device("meta"):
+                encoder = ClipImageEncoder(cfg.clip)
+            encoder = encoder.to_empty(device="cpu")
+            ckpt.load_clip_visual(encoder, clip_path)
     else:
         model.init_random(seed)
         torch.manual_seed(seed)
         vae_module = build_vae(cfg)  # diffusers' own random init, seeded
-        features = torch.randn(cfg.clip_tokens, cfg.clip_dim, generator=torch.Generator().manual_seed(seed + 1))
+        torch.manual_seed(seed + 1)
+        with torch.device(device):
+            encoder = ClipImageEncoder(cfg.clip)
     if clip_features is not None:
-        features = ckpt.read_state_dict(Path(clip_features)).get("clip_features", features)
+        loaded = ckpt.read_state_dict(Path(clip_features))
+        features = loaded.get("clip_features", torch.empty(0))
         if features.shape != (cfg.clip_tokens, cfg.clip_dim):
             raise ckpt.CheckpointError(
                 f"{clip_features}: clip_features must be [{cfg.clip_tokens}, {cfg.clip_dim}], got {list(features.shape)}"
             )
-    elif checkpoint is not None:
-        log.warning("no clip_features file given: the image context is zeros (this package has no CLIP encoder)")
-    start = read_image(image, cfg) if image is not None else default_image(cfg)
+    elif encoder is not None:
+        features = encoder.to(device).encode(start.to(device)).cpu()
+        del encoder  # used once: the tokens are all the DiT needs
+    else:
+        features = torch.zeros(cfg.clip_tokens, cfg.clip_dim)
+        log.warning("no CLIP file and no clip_features: the image context is zeros")
     model = model.to(device=device, dtype=torch_dtype)
     vae_module = vae_module.to(device=device)
     if torch_dtype != torch.float32:
