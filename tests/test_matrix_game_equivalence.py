@@ -83,6 +83,20 @@ def test_paged_chunks_equal_the_dense_block_causal_reference(pipeline: MatrixGam
     assert not torch.allclose(other[-1], paged["a"][-1], atol=1e-2)
 
 
+def test_a_window_with_less_history_than_a_chunk_equals_the_reference() -> None:
+    """The GTA variant's window: 4 frames including the 3-frame chunk, so one frame of history."""
+    pipeline = build(get_config("tiny", local_attn_size=4))
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
+    latents = []
+    for c in range(CHUNKS):
+        runner.execute_tick(tick("a", c, SEEDS["a"]))
+        latents.append(pipeline.last_latents["a"].clone())
+    assert runner.history_frames("a") == 1
+    reference = dense_rollout(pipeline, [controls_for("a", c) for c in range(CHUNKS)], SEEDS["a"])
+    for got, want in zip(latents, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_positions_past_the_rotary_table_keep_every_distance_in_the_window() -> None:
     """A 9-frame rotary table and 18 frames: the runner shifts positions, the attention is unchanged."""
     pipeline = build(get_config("tiny", rope_frames=9))

@@ -79,3 +79,14 @@ def test_the_clip_vision_tower_gives_257_tokens_of_1280() -> None:
         tokens = encoder.encode(torch.zeros(3, cfg.height, cfg.width))
     assert tokens.shape == (257, 1280)
     assert 6.3e8 < sum(p.numel() for p in encoder.parameters()) < 6.4e8  # ViT-H/14's vision tower
+
+
+def test_the_gta_variant_takes_two_keys_and_keeps_one_history_frame() -> None:
+    from arstream.models.matrix_game.controls import controls_schema
+
+    cfg = get_config("1.3b-gta")
+    assert controls_schema(cfg)["properties"]["keys"]["items"]["enum"] == ["w", "s"]
+    assert cfg.local_attn_size - cfg.frames_per_chunk == 1
+    with META:
+        model = CausalWanDiT(cfg)
+    assert model.state_dict()["blocks.0.action_model.keyboard_embed.0.weight"].shape == (128, 2)

@@ -3,8 +3,9 @@
 ``1.3b`` is the published geometry (Wan2.1-1.3B backbone, 352x640 video,
 44x80 latent, 880 tokens per latent frame, action module in blocks 0-14,
 a 6-frame attention window including the current 3-frame chunk, no sink).
-``tiny`` keeps every structural feature at toy size so the whole path runs
-on a 2-core CPU in tests and serves the demo.
+``1.3b-gta`` is the GTA driving variant (2 keys, a 4-frame window: one frame
+of history). ``tiny`` keeps every structural feature at toy size so the whole
+path runs on a 2-core CPU in tests and serves the demo.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ class MatrixGameConfig:
 
 CONFIGS: dict[str, MatrixGameConfig] = {
     "1.3b": MatrixGameConfig(name="1.3b"),
+    # the GTA driving variant: forward/back keys, the mouse steers, one history frame (a window shorter than a chunk)
+    "1.3b-gta": MatrixGameConfig(name="1.3b-gta", local_attn_size=4, action=ActionConfig(keyboard_dim_in=2)),
     "tiny": MatrixGameConfig(
         name="tiny",
         dim=32,
