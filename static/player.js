@@ -27,7 +27,7 @@ export class Pacer {
     this.sinceStall = 0;
   }
 
-  /** A chunk's latency: its tick sent until its last frame arrived. */
+  /** A chunk's latency: its tick sent until its first frame arrived. */
   noteLatency(ms) {
     this.latencies.push(ms);
     if (this.latencies.length > LATENCY_SAMPLES) this.latencies.shift();

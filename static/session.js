@@ -146,11 +146,9 @@ export class Session {
   }
 
   chunkDone(now) {
-    const { tickId, sentAt } = this.receiving;
+    // A tick counts as in flight until its last frame is here (the frames still to come count as arriving).
+    this.ticksInFlight.delete(this.receiving.tickId);
     this.receiving = null;
-    // A tick counts as in flight until its last frame is here: that is what the pacer must cover.
-    this.ticksInFlight.delete(tickId);
-    if (sentAt !== undefined && this.pacer) this.pacer.noteLatency(now - sentAt);
     this.pump(now);
   }
 
@@ -183,6 +181,8 @@ export class Session {
       this.hooks.log(String(error.message || error), 'error');
       return;
     }
+    // The pacer covers the wait for a chunk's first frame: the rest arrive while it plays.
+    if (chunk.got === 0 && chunk.sentAt !== undefined && this.pacer) this.pacer.noteLatency(performance.now() - chunk.sentAt);
     const applied = frame.header.frameIndex === 0 ? chunk.applied : [];
     this.player.push(this.decoder.decode(frame.header, frame.payload), applied);
     this.debug.framesReceived += 1;
