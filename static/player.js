@@ -12,8 +12,8 @@ const MARGIN_MS = 20;                 // decoding and one display refresh, on to
  *
  * Adaptive (the default): enough to cover one chunk's latency (a high percentile
  * of recent ones) plus 20 ms; while chunks come back faster than they
- * play that is less than one chunk. Each stall adds half a chunk (up to two
- * chunks), and a long stall-free run takes half a chunk off again. With
+ * play that is less than one chunk. Each stall adds a quarter of a chunk (up to
+ * two chunks), and a long stall-free run takes a quarter off again. With
  * `fixedChunks` it keeps that many chunks ahead (the `?buffer=N` URL parameter).
  */
 export class Pacer {
@@ -36,13 +36,13 @@ export class Pacer {
   noteStall() {
     this.stalls += 1;
     this.sinceStall = 0;
-    this.extraMs = Math.min(this.extraMs + this.chunkMs / 2, 2 * this.chunkMs);
+    this.extraMs = Math.min(this.extraMs + this.chunkMs / 4, 2 * this.chunkMs);
   }
 
   noteDrawn() {
     this.sinceStall += 1;
     if (this.sinceStall >= STALL_FREE_FRAMES && this.extraMs > 0) {
-      this.extraMs = Math.max(0, this.extraMs - this.chunkMs / 2);
+      this.extraMs = Math.max(0, this.extraMs - this.chunkMs / 4);
       this.sinceStall = 0;
     }
   }
