@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     admission: Literal["kv", "realtime"] = Field(
         "kv",
         description="kv: admit while the KV pool has a session slot; realtime: also only while every admitted "
-        "session still gets the model's fps at the measured chunk times (docs/benchmarks.md)",
+        "session still gets the model's fps at the measured chunk times (docs/server.md)",
     )
     encode_threads: int | None = Field(
         None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
