@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from playwright.sync_api import sync_playwright
 
 from arstream.app.bench import ServerProcess
@@ -105,7 +106,7 @@ def main() -> None:
     medians: dict[str, list[float]] = {"before": [], "after": []}
     chunk: dict[str, list[float]] = {"before": [], "after": []}
     with ServerProcess(serve) as server, sync_playwright() as playwright:
-        card = json.loads(subprocess.run(["curl", "-s", server.base_url + "/v1/model"], capture_output=True, text=True).stdout)
+        card = httpx.get(server.base_url + "/v1/model", timeout=30).json()
         duration = 1000 * card["frames_per_chunk"] / card["fps"]
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for round_index in range(args.rounds):
@@ -125,7 +126,9 @@ def main() -> None:
         "model": args.model,
         "chunk_duration_ms": duration,
         "key_to_frame_median_ms": {mode: statistics.median(values) for mode, values in medians.items()},
-        "key_to_frame_in_chunks": {mode: round(statistics.median(values) / duration, 2) for mode, values in medians.items()},
+        "key_to_frame_in_chunks": {
+            mode: round(statistics.median(values) / duration, 2) for mode, values in medians.items()
+        },
         "chunk_latency_median_ms": {mode: statistics.median(values) for mode, values in chunk.items()},
         "ratio_after_over_before": round(statistics.median(medians["after"]) / statistics.median(medians["before"]), 3),
         "rounds": args.rounds,

@@ -104,7 +104,9 @@ def wait_blue(page: Any, value: int, tolerance: int = 3) -> None:
 
 
 def overlay_text(page: Any) -> str:
-    return page.evaluate("() => document.getElementById('overlay').hidden ? '' : document.getElementById('overlay-text').textContent")
+    return page.evaluate(
+        "document.getElementById('overlay').hidden ? '' : document.getElementById('overlay-text').textContent"
+    )
 
 
 def set_hidden(page: Any, hidden: bool) -> None:

@@ -114,7 +114,9 @@ def test_a_dropped_connection_and_a_hidden_tab_resume_the_same_world(context: An
         _wait_new_frames(page)
 
 
-def test_one_slot_server_second_page_waits_then_joins_and_a_hidden_tab_gives_way(context: Any, errors: PageErrors) -> None:
+def test_one_slot_server_second_page_waits_then_joins_and_a_hidden_tab_gives_way(
+    context: Any, errors: PageErrors
+) -> None:
     # Resume off here: a hidden tab ends its session with `close`.
     with running_server(fake_settings(model_options={**FAKE, "session_capacity": 1})) as server:
         first = new_page(context, errors)
