@@ -7,6 +7,7 @@
 //   session.js     one WebSocket session: start/ready, ticks, input, chunks and frames
 //   connection.js  reconnect with backoff, resume, waiting for a slot, hidden tabs
 //   input.js       keyboard, on-screen pad, drag steering, gamepad
+//   look.js        mouse look: the camera, for a model whose controls have one
 //   hud.js         badge and details numbers
 //   recorder.js    clip recording (MediaRecorder)
 //   messages.js    plain-language words for error and close codes
@@ -15,6 +16,7 @@ import { Connection } from './connection.js';
 import { h264Supported } from './decode.js';
 import { Controls, isTyping } from './input.js';
 import { Hud } from './hud.js';
+import { MouseLook } from './look.js';
 import { Player } from './player.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
@@ -61,6 +63,7 @@ const debug = {
   resumed: 0,
   stalls: 0,
   heldKeys: [],
+  looking: false,   // the model has a camera: mouse movement over the player turns it
   samples: { action: [], chunk: [] },
   pacer: null,
 };
@@ -153,6 +156,10 @@ function showModel(card) {
   $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);
   $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
   $('prompt-form').hidden = !card.reads_prompt;
+  const looked = look.active;
+  look.configure(card);
+  debug.looking = look.active;
+  if (look.active && !looked) showLookHint();
   const linked = params.get('model');
   if (linked && linked !== card.name) notice(`This link was made for ${linked}; this server runs ${card.name}.`);
   fit();
@@ -214,6 +221,21 @@ function fit() {
 
 // ---- the connection ----------------------------------------------------------------------
 
+// Created before the model card arrives; it does nothing until a card with a camera configures it.
+const look = new MouseLook($('player'), {
+  onLockChange(locked) {
+    if (locked) $('hint').hidden = true;
+    else if (look.active) showLookHint();
+  },
+  onMove() { if (!look.locked) $('hint').hidden = true; },
+});
+
+function showLookHint() {
+  showHint(window.matchMedia('(pointer: coarse)').matches
+    ? 'Drag on the world to look around; the pad moves'
+    : 'Click the world to look around; Esc releases the mouse');
+}
+
 const fixedChunks = Math.max(0, Math.floor(Number(params.get('buffer')) || 0));
 const connection = new Connection({
   player,
@@ -245,6 +267,7 @@ const connection = new Connection({
     },
   },
   debug,
+  look,
 });
 
 // ---- input ----------------------------------------------------------------------------
@@ -262,7 +285,7 @@ const controls = new Controls({
 });
 controls.attachKeyboard();
 controls.attachPad($('pad'));
-controls.attachDrag($('player'));
+controls.attachDrag($('player'), () => look.active);  // with a camera, a drag looks around
 
 function showHint(text) {
   $('hint').textContent = text;

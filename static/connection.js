@@ -28,9 +28,12 @@ export class Connection {
    * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
    *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec)
    * @param {object} options.debug  window.arstreamDebug
+   * @param {import('./look.js').MouseLook} [options.look]  the camera, for a model whose controls have one
    */
-  constructor({ player, token, startFields, fixedChunks, hooks, debug }) {
+  constructor({ player, token, startFields, fixedChunks, hooks, debug, look = null }) {
     this.player = player;
+    this.look = look;
+    this.camera = null;                // the camera field the last tick sent ({camera: {...}}), or null
     this.token = token;
     this.startFields = startFields;
     this.fixedChunks = fixedChunks;
@@ -99,7 +102,22 @@ export class Connection {
   /** The held keys changed. */
   input(keys) {
     this.keys = keys;
-    if (this.session && this.session.live) this.session.sendInput({ controls: { keys } });
+    if (this.session && this.session.live) this.session.sendInput({ controls: this.controls() });
+  }
+
+  /**
+   * The controls an `input` sends: the held keys, and with a camera the last tick's camera, since
+   * the server replaces the whole controls object and a key press must not stop the look.
+   */
+  controls() {
+    return this.look && this.look.active ? { ...this.camera, keys: this.keys } : { keys: this.keys };
+  }
+
+  /** Every tick of a model with a camera carries the keys and the movement since the last tick. */
+  tickControls(frames) {
+    if (!this.look || !this.look.active) return null;
+    this.camera = this.look.take(frames);
+    return { ...this.camera, keys: this.keys };
   }
 
   prompt(text) {
@@ -150,6 +168,7 @@ export class Connection {
       ids: this.ids,
       player: this.player,
       debug: this.debug,
+      tickControls: (frames) => this.tickControls(frames),
       hooks: {
         onReady: (s, ready) => this.onReady(s, ready),
         onChunk: (_s, message) => this.hooks.onChunk(message),
@@ -186,9 +205,10 @@ export class Connection {
         : 'Reconnected with a new world (the server could not keep the old one).');
       this.afterDrop = false;
     }
+    this.camera = null;               // a new session: no look sent yet
     this.hooks.onReady(session, ready);
     // The server starts with the controls of the session it resumed, or none: tell it what is held now.
-    if (ready.resumed || this.keys.length) session.sendInput({ controls: { keys: this.keys } });
+    if (ready.resumed || this.keys.length) session.sendInput({ controls: this.controls() });
     this.setState('streaming', ready.resumed ? {} : { text: 'Generating the first frames…', soft: true });
   }
 

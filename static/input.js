@@ -107,11 +107,14 @@ export class Controls {
     pad.addEventListener('contextmenu', (event) => event.preventDefault());  // a long press is a hold
   }
 
-  /** Dragging on the player steers: the drag's direction from where it began is held until release. */
-  attachDrag(surface) {
+  /**
+   * Dragging on the player steers: the drag's direction from where it began is held until release.
+   * While `isLooking()` (a model with a camera: look.js) a drag turns the camera instead.
+   */
+  attachDrag(surface, isLooking = () => false) {
     const origins = new Map();
     surface.addEventListener('pointerdown', (event) => {
-      if (event.button !== 0 || event.target.closest('button, input, select, a, form')) return;
+      if (isLooking() || event.button !== 0 || event.target.closest('button, input, select, a, form')) return;
       surface.setPointerCapture(event.pointerId);
       origins.set(event.pointerId, [event.clientX, event.clientY]);
       this.pointers.set(event.pointerId, []);

@@ -26,9 +26,11 @@ export class Session {
    * @param {import('./player.js').Player} options.player
    * @param {object} options.hooks      onReady, onChunk, onError, onClose, onSample, log
    * @param {object} options.debug      window.arstreamDebug
+   * @param {Function} [options.tickControls]  controls for every tick (a camera's movement), or null
    */
-  constructor({ url, start, ids, player, hooks, debug }) {
+  constructor({ url, start, ids, player, hooks, debug, tickControls = () => null }) {
     this.start = start;
+    this.tickControls = tickControls;  // (frames) -> the controls each tick carries, or null for none
     this.ids = ids;
     this.player = player;
     this.hooks = hooks;
@@ -212,9 +214,11 @@ export class Session {
       const pending = arriving + queuedTicks * framesPerChunk;
       if (this.ticksInFlight.size >= limit || this.player.leadMs(now, pending) > this.pacer.targetLeadMs()) break;
       const tick = { type: 'tick', tick_id: this.ids.tick++ };
+      const controls = this.tickControls(framesPerChunk);
+      if (controls) tick.controls = controls;
       if (this.resetKeys) {
         tick.reset = true;
-        tick.controls = { keys: this.resetKeys };  // replaces whatever controls the failed rollout had
+        tick.controls = { ...controls, keys: this.resetKeys };  // replaces whatever controls the failed rollout had
         this.lastResetTickId = tick.tick_id;
         this.resetKeys = null;
         this.failed = false;

@@ -1,0 +1,137 @@
+// Mouse look: for a model whose controls schema has a camera (the card's `mouse`
+// names it, e.g. matrix-game-2's {"camera": {"pitch", "yaw"}}), mouse movement
+// over the player turns the camera. A click on the world locks the pointer
+// (Esc releases it); a drag on the world (mouse or finger) looks around too,
+// since the pad and the keys already move. The movement is summed between
+// ticks and each tick carries it spread over its chunk's frames, clamped to
+// the schema's bounds. A model without a camera gets none of this.
+
+// Matrix-Game's units are rotation per video frame; its own key-driven camera
+// uses 0.1 a frame. 100 px of movement over one chunk sums to 1 unit.
+const UNITS_PER_PX = 0.01;
+// Screen axes to the schema's axis names; a positive pitch looks up, so it is the mouse's -y.
+const HORIZONTAL = { yaw: 1, x: 1 };
+const VERTICAL = { pitch: -1, y: 1 };
+
+/**
+ * The camera control a model card declares, or null.
+ * @returns {{field: string, axes: Array<{name: string, screen: 'x'|'y', sign: number, min: number, max: number}>}|null}
+ */
+export function cameraControl(card) {
+  const properties = card && card.controls && card.controls.properties;
+  if (!properties) return null;
+  const field = typeof card.mouse === 'string' ? card.mouse : 'camera';
+  const camera = properties[field];
+  if (!camera || camera.type !== 'object' || !camera.properties) return null;
+  const axes = [];
+  for (const [name, spec] of Object.entries(camera.properties)) {
+    const screen = name in HORIZONTAL ? 'x' : name in VERTICAL ? 'y' : null;
+    if (!screen || !spec || !['number', 'integer'].includes(spec.type)) continue;
+    const sign = screen === 'x' ? HORIZONTAL[name] : VERTICAL[name];
+    const min = Number.isFinite(spec.minimum) ? spec.minimum : -Infinity;
+    const max = Number.isFinite(spec.maximum) ? spec.maximum : Infinity;
+    axes.push({ name, screen, sign, min, max });
+  }
+  return axes.length ? { field, axes } : null;
+}
+
+/** The camera values for `dx, dy` pixels of movement spread over `frames` frames, within the bounds. */
+export function cameraValues(control, dx, dy, frames) {
+  const values = {};
+  for (const axis of control.axes) {
+    const px = axis.screen === 'x' ? dx : dy;
+    const value = (axis.sign * px * UNITS_PER_PX) / Math.max(1, frames);
+    values[axis.name] = Math.min(axis.max, Math.max(axis.min, value)) + 0;  // + 0 turns -0 into 0
+  }
+  return values;
+}
+
+export class MouseLook {
+  /**
+   * @param {HTMLElement} surface  the player: clicks lock the pointer, drags look
+   * @param {object} hooks         onLockChange(locked), onMove() when movement arrives
+   */
+  constructor(surface, { onLockChange = () => {}, onMove = () => {} } = {}) {
+    this.surface = surface;
+    this.onLockChange = onLockChange;
+    this.onMove = onMove;
+    this.control = null;   // from the model card; null: the model has no camera
+    this.dx = 0;           // movement since the last tick, in CSS pixels
+    this.dy = 0;
+    this.drags = new Map();  // pointerId -> last [x, y]
+    this.attach();
+  }
+
+  get active() {
+    return this.control !== null;
+  }
+
+  get locked() {
+    return document.pointerLockElement === this.surface;
+  }
+
+  /** Read the model card: look around only when its schema has a camera. */
+  configure(card) {
+    this.control = cameraControl(card);
+    this.dx = 0;
+    this.dy = 0;
+    if (!this.control && this.locked) document.exitPointerLock();
+  }
+
+  add(dx, dy) {
+    if (!this.active || (!dx && !dy)) return;
+    this.dx += dx;
+    this.dy += dy;
+    this.onMove();
+  }
+
+  /** The controls field for the next tick ({field: values}), the movement since the last one spread over `frames`. */
+  take(frames) {
+    if (!this.active) return null;
+    const values = cameraValues(this.control, this.dx, this.dy, frames);
+    this.dx = 0;
+    this.dy = 0;
+    return { [this.control.field]: values };
+  }
+
+  /** The camera at rest (no movement), e.g. for a reset tick. */
+  still() {
+    return this.active ? { [this.control.field]: cameraValues(this.control, 0, 0, 1) } : null;
+  }
+
+  attach() {
+    const surface = this.surface;
+    const onWorld = (event) => !event.target.closest('button, input, select, a, form');
+    surface.addEventListener('pointerdown', (event) => {
+      if (!this.active || event.button !== 0 || !onWorld(event)) return;
+      if (event.pointerType === 'mouse' && !this.locked && surface.requestPointerLock) {
+        // Some browsers return a promise that rejects (e.g. right after Esc); dragging still looks.
+        const asked = surface.requestPointerLock();
+        if (asked && asked.catch) asked.catch(() => {});
+      }
+      if (this.locked) return;
+      try {
+        surface.setPointerCapture(event.pointerId);  // keep the drag when it leaves the player
+      } catch {
+        // A pointer lock on its way takes the pointer over: the drag still looks while over the player.
+      }
+      this.drags.set(event.pointerId, [event.clientX, event.clientY]);
+    });
+    surface.addEventListener('pointermove', (event) => {
+      if (this.locked) return;  // the locked mouse is read from `mousemove` below
+      const last = this.drags.get(event.pointerId);
+      if (!last) return;
+      this.drags.set(event.pointerId, [event.clientX, event.clientY]);
+      this.add(event.clientX - last[0], event.clientY - last[1]);
+    });
+    const end = (event) => this.drags.delete(event.pointerId);
+    for (const type of ['pointerup', 'pointercancel', 'lostpointercapture']) surface.addEventListener(type, end);
+    document.addEventListener('mousemove', (event) => {
+      if (this.locked) this.add(event.movementX, event.movementY);
+    });
+    document.addEventListener('pointerlockchange', () => {
+      this.drags.clear();
+      this.onLockChange(this.locked);
+    });
+  }
+}
