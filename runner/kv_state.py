@@ -82,6 +82,11 @@ class SessionKVState:
     def chunk_index(self) -> int:
         return self.chunks_committed
 
+    @property
+    def device(self) -> torch.device:
+        """Where this session's K/V lives; pipelines place their per-forward tensors here."""
+        return self.pool.device
+
     def frame_positions(self, branch: str = "main") -> list[int]:
         """Rotary positions of the visible frames in attention order: sink, window, current chunk.
 

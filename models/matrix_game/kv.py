@@ -63,7 +63,7 @@ class PagedChunkContext:
         self.states = list(states)
         self.histories = list(histories)
         self.cfg = cfg
-        device = states[0].pool.device
+        device = states[0].device
         fpc = cfg.frames_per_chunk
         positions = [s.frame_positions() for s in self.states]
         highest = max(max(p) for p in positions)
