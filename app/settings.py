@@ -13,12 +13,12 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from arstream.models.registry import DEFAULT_MODEL, PIPELINES
+from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
 from arstream.runner.runtimes import RuntimeName
 from arstream.runner.threads import default_torch_threads
 
@@ -46,7 +46,9 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
-    model: str = Field(DEFAULT_MODEL, description="pipeline name (fake-kv is the test fake)")
+    model: str = Field(
+        DEFAULT_MODEL, description="pipeline name, or vllm-omni:NAME (docs/vllm-omni.md); fake-kv is the test fake"
+    )
     model_options: dict[str, Any] = Field(
         default_factory=dict, description="JSON object passed to the pipeline loader as keyword arguments"
     )
@@ -136,8 +138,19 @@ class Settings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value not in PIPELINES:
-            raise ValueError(f"unknown model {value!r}; expected one of {sorted(PIPELINES)}")
+        return check_model_name(value)
+
+    @field_validator("model_options")
+    @classmethod
+    def _options_fit_the_model(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # a vllm-omni: model's weights path is checked here, so a wrong one fails before the port is bound
+        return check_model_options(info.data["model"], value) if "model" in info.data else value
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime_runs_the_model(cls, value: str, info: ValidationInfo) -> str:
+        if "model" in info.data:
+            check_runtime(info.data["model"], value)
         return value
 
     @field_validator("log_level", mode="before")

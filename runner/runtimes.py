@@ -18,6 +18,7 @@ from arstream.runner.contract import ARPipeline
 from arstream.runner.runner import ARRunner, RunnerStats, UnsupportedConfiguration
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import ChunkResult, TickRequest, TickResult
+from arstream.runner.vllm_omni.native import NativePipeline
 
 RuntimeName = Literal["arstream", "vllm-omni"]
 RUNTIMES: tuple[RuntimeName, ...] = ("arstream", "vllm-omni")
@@ -65,14 +66,17 @@ def vllm_omni_available() -> bool:
 
 def build_runtime(
     name: str,
-    pipeline: ARPipeline,
+    pipeline: ARPipeline | NativePipeline,
     *,
     device: torch.device | str = "cpu",
     kv_budget_bytes: int | None = None,
     memory_fraction: float | None = None,
     max_batch_sessions: int = 1,
 ) -> Runtime:
-    """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings."""
+    """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings.
+
+    A :class:`NativePipeline` (``vllm-omni:<name>``, registered in vLLM-Omni itself) runs only on vllm-omni.
+    """
     options: dict[str, Any] = dict(
         device=device,
         kv_budget_bytes=kv_budget_bytes,
@@ -80,6 +84,10 @@ def build_runtime(
         max_batch_sessions=max_batch_sessions,
     )
     if name == "arstream":
+        if isinstance(pipeline, NativePipeline):
+            raise UnsupportedConfiguration(
+                f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
+            )
         return ARRunner(pipeline, **options)
     if name == "vllm-omni":
         if not vllm_omni_available():
@@ -87,6 +95,10 @@ def build_runtime(
                 "the vllm-omni runtime needs vLLM-Omni: pip install 'arstream[vllm-omni]' "
                 "(then uninstall torchvision, torchaudio and torchcodec on a CPU torch; see docs/vllm-omni.md)"
             )
+        if isinstance(pipeline, NativePipeline):
+            from arstream.runner.vllm_omni.native import build_native_runner
+
+            return build_native_runner(pipeline)
         from arstream.runner.vllm_omni.runtime import VllmOmniRunner
 
         return VllmOmniRunner(pipeline, **options)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from arstream.app.settings import Settings
+from arstream.app.settings import Settings, describe_settings_error
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import ARRunner, UnsupportedConfiguration
 from arstream.runner.runtimes import build_runtime, vllm_omni_available
@@ -32,3 +34,18 @@ def test_unknown_runtime_names_the_choices() -> None:
 def test_vllm_omni_without_the_extra_says_how_to_install_it() -> None:
     with pytest.raises(UnsupportedConfiguration, match=r"pip install 'arstream\[vllm-omni\]'"):
         build_runtime("vllm-omni", FakeKVPipeline(), kv_budget_bytes=1 << 20)
+
+
+def test_a_vllm_omni_model_is_refused_on_the_arstream_runtime(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(model="vllm-omni:LingBotWorldCausalDMDPipeline", model_options={"model": str(tmp_path)})
+    assert describe_settings_error(refused.value) == (
+        "--runtime (ARSTREAM_RUNTIME): model 'vllm-omni:LingBotWorldCausalDMDPipeline' is a pipeline registered in "
+        "vLLM-Omni: serve it with --runtime vllm-omni, got 'arstream'"
+    )
+
+
+def test_a_vllm_omni_model_names_its_missing_weights_path(tmp_path: Path) -> None:
+    missing = tmp_path / "weights"
+    with pytest.raises(ValidationError, match=f"the weights path '{missing}' does not exist"):
+        Settings(model="vllm-omni:DreamZeroPipeline", model_options={"model": str(missing)}, runtime="vllm-omni")

@@ -170,7 +170,14 @@ def test_serve_subprocess_prints_listening_line_and_shuts_down_gracefully_on_sig
 
 
 @pytest.mark.parametrize(
-    "argv", [["--model", "no-such-model"], ["--jpeg-quality", "0"]], ids=["unknown-model", "bad-quality"]
+    "argv",
+    [
+        ["--model", "no-such-model"],
+        ["--jpeg-quality", "0"],
+        ["--model-options", '{"model": "/no/such/weights"}', "--model", "vllm-omni:LingBotWorldCausalDMDPipeline",
+         "--runtime", "vllm-omni"],
+    ],
+    ids=["unknown-model", "bad-quality", "vllm-omni-weights-missing"],
 )
 def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: list[str]) -> None:
     result = subprocess.run(
