@@ -123,17 +123,19 @@ def load_class(native: NativePipeline) -> type:
 def build_native_runner(native: NativePipeline) -> Any:
     """Refuse, after resolving the class, with what blocks serving it (see docs/vllm-omni.md).
 
-    vLLM-Omni's AR-Diffusion pipelines do not yet fit ARStream's tick contract
-    (one chunk of RGB frames per tick, controls as one JSON object):
-    LingBot-World's realtime ticks return latents only (``output_type='latent'``;
-    its own error says stateful streaming VAE decode is a separate integration
-    step) and need a conditioning image and a ``camera`` control track in its
-    own schemas; DreamZero is a robot policy whose ticks carry ``robot_obs``
-    and return actions. Loading their weights without serving frames would
-    only take GPU memory, so the runtime stops here with the reason.
+    VllmOmniRunner drives vLLM-Omni's runner in request mode (one
+    ``execute_model`` per tick) and streams the RGB frames each tick returns.
+    vLLM-Omni 0.30.0's AR-Diffusion pipelines return none there:
+    LingBot-World refuses request-mode ticks unless ``output_type='latent'``
+    (its pixels come only from its step-execution path, ``execute_stepwise``
+    with a per-session streaming VAE decode, which this runtime does not
+    drive), and its ticks need a conditioning image and exactly one ``camera``
+    control track in its own schemas; DreamZero is a robot policy whose ticks
+    carry ``robot_obs`` and return ``actions``. Loading their weights without
+    serving frames would only take GPU memory, so the runtime stops here.
     """
     load_class(native)
     raise UnsupportedConfiguration(
         f"{native.name} resolves to vLLM-Omni's {native.module_name}.{native.class_name}, but serving it is not "
-        "wired: its realtime ticks do not return RGB frames for ARStream's tick contract (docs/vllm-omni.md)"
+        "wired: its request-mode ticks return no RGB frames (latents or actions; docs/vllm-omni.md)"
     )
