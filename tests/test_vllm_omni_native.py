@@ -88,3 +88,14 @@ def test_the_vllm_omni_runtime_names_what_blocks_serving_it(arch: str, tmp_path:
         build_runtime("vllm-omni", native, kv_budget_bytes=1 << 20)
     message = str(refused.value)
     assert "does not import here" in message or "serving it is not wired" in message, message
+
+
+def test_a_registered_pipeline_that_is_not_ar_diffusion_is_refused_when_the_runtime_is_built(tmp_path: Path) -> None:
+    """ZImagePipeline (text to image) imports here; it lacks the capability vLLM-Omni's AR runner requires."""
+    native = load_pipeline("vllm-omni:ZImagePipeline", model=str(tmp_path))
+    with pytest.raises(UnsupportedConfiguration) as refused:
+        build_runtime("vllm-omni", native, kv_budget_bytes=1 << 20)
+    assert str(refused.value) == (
+        "vllm-omni:ZImagePipeline is not an AR-Diffusion pipeline: it lacks ar_diffusion_kv_cache_spec, "
+        "bind_ar_diffusion_state, reset_ar_diffusion_session, close_ar_diffusion_session (SupportsARDiffusionPipeline)"
+    )

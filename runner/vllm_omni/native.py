@@ -115,7 +115,8 @@ def load_class(native: NativePipeline) -> type:
     missing = [method for method in AR_DIFFUSION_METHODS if not hasattr(cls, method)]
     if missing:
         raise UnsupportedConfiguration(
-            f"{native.name} is not an AR-Diffusion pipeline (SupportsARDiffusionPipeline lacks {', '.join(missing)})"
+            f"{native.name} is not an AR-Diffusion pipeline: "
+            f"it lacks {', '.join(missing)} (SupportsARDiffusionPipeline)"
         )
     return cls
 
