@@ -1,4 +1,4 @@
-"""The server on vLLM-Omni's runner: tiny-world over the wire gives the frames the default runtime gives.
+"""The server on vLLM-Omni's runner: shipped models over the wire give the frames the default runtime gives.
 
 Needs vLLM-Omni (``scripts/test-vllm-omni.sh``, which also runs the other server
 tests with ``ARSTREAM_RUNTIME=vllm-omni``); the main suite skips this module.
@@ -33,12 +33,20 @@ async def _rollout(url: str, keys: list[list[str]]) -> list[np.ndarray]:
     return frames
 
 
-def test_tiny_world_over_the_wire_is_the_same_on_both_runtimes() -> None:
+MODELS = {
+    "tiny-world": {},
+    "matrix-game-2": {"config": "tiny", "random_init": True},
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_shipped_model_over_the_wire_is_the_same_on_both_runtimes(model: str) -> None:
     keys = [["w"], ["w"], ["a"], [], ["d"]][:TICKS]
     seen: dict[str, list[np.ndarray]] = {}
     stats: dict[str, dict[str, Any]] = {}
     for runtime in ("arstream", "vllm-omni"):
-        with running_server(fake_settings(model="tiny-world", runtime=runtime)) as server:
+        settings = fake_settings(model=model, model_options=MODELS[model], runtime=runtime)
+        with running_server(settings) as server:
             seen[runtime] = asyncio.run(_rollout(server.ws_url, keys))
             stats[runtime] = server.stats()
     assert len(seen["arstream"]) == len(seen["vllm-omni"]) > 0
