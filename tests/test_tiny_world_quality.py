@@ -14,11 +14,12 @@ from arstream.models.tiny_world.evaluate import (
     RESPONSIVE_SHARE,
     drift_checks,
     hold,
+    idle_walk,
     make_runner,
     rollout,
     square_walk,
 )
-from arstream.models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, responsiveness
+from arstream.models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, idle_change, picture_quality, responsiveness
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.runner import ARRunner
 
@@ -49,3 +50,23 @@ def test_square_walk_does_not_drift(runner: ARRunner) -> None:
     report = drift_report(frames)
     assert report["tv_first_last_quarter"] <= MAX_TV, report
     assert all(drift_checks(report).values()), (drift_checks(report), report)
+
+
+# Lenient bounds on issue 11's picture-quality figures, far looser than the eval's targets (the
+# shipped weights' figures are in docs/models.md; on this rollout 0.81, 0.85, 3.3, 0.32, 0.09):
+# they leave room for seed noise and catch a collapse: noise (palette share ~0.1, coherence ~0.3),
+# one flat colour (class TV >= 0.7), a world that keeps reshaping while the camera stands still.
+LENIENT_QUALITY = {"palette_share": 0.7, "coherence": 0.75, "grid_peak": 4.5, "class_tv": 0.45, "idle_change": 0.2}
+
+
+def test_picture_quality_within_lenient_bounds(runner: ARRunner) -> None:
+    keys, release = idle_walk(runner.spec.frames_per_chunk)
+    frames = rollout(runner, keys, seed=24)
+    figures = picture_quality([frames])
+    figures["idle_change"] = idle_change(frames, release)
+    bounds = LENIENT_QUALITY
+    assert figures["palette_share"] >= bounds["palette_share"], figures
+    assert figures["coherence"] >= bounds["coherence"], figures
+    assert figures["grid_peak"] <= bounds["grid_peak"], figures
+    assert figures["class_tv"] <= bounds["class_tv"], figures
+    assert figures["idle_change"] <= bounds["idle_change"], figures

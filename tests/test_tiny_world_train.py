@@ -119,7 +119,8 @@ def test_fine_tune_with_a_conv_head_class_loss_and_snapshots(tmp_path: Path) -> 
     ]  # fmt: skip
     assert train.main(argv) == 0
     for step in (1, 2):
-        pipeline = load_tiny_world("cpu", str(tmp_path / "conv" / "snapshots" / f"step-{step}" / "tiny_world.safetensors"))
+        snapshot = tmp_path / "conv" / "snapshots" / f"step-{step}" / "tiny_world.safetensors"
+        pipeline = load_tiny_world("cpu", str(snapshot))
         assert pipeline.cfg.head == "conv"
 
 

@@ -307,7 +307,10 @@ def run(args: argparse.Namespace) -> int:
         f"pixel noise {truth['last_pixel_noise']:.2f}, palette share {truth['last_palette_fraction']:.2f}; "
         f"generated colours vs ground truth: TV {drift['tv_vs_ground_truth']:.3f}"
     )
-    print(f"picture quality ({quality['frames']} frames of the rollouts above + idle rollouts; class = nearest palette colour):")
+    print(
+        f"picture quality ({quality['frames']} frames of the rollouts above + idle rollouts; "
+        "class = nearest palette colour):"
+    )
     print(f"  {'metric':<14} {'ground truth':>12} {'tiny-world':>10}  target")
     for name, (op, bound) in QUALITY_TARGETS.items():
         met = "met" if quality["meets_target"][name] else "not met"

@@ -95,7 +95,9 @@ class TinyWorldConfig:
         if self.head not in ("linear", "conv"):
             raise ValueError(f"head must be 'linear' or 'conv', got {self.head!r}")
         if self.head_channels < 1 or self.head_features < 0:
-            raise ValueError(f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}")
+            raise ValueError(
+                f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}"
+            )
 
     @property
     def grid(self) -> int:
@@ -331,5 +333,7 @@ class TinyWorldDiT(nn.Module):
             return coarse
         b, f = coarse.shape[:2]
         features = self.unpatchify(self.out_features(h), self.cfg.head_features)
-        refined = self.conv_head(coarse.flatten(0, 1), features.flatten(0, 1), noisy[:rows].flatten(0, 1), t[:rows].flatten())
+        refined = self.conv_head(
+            coarse.flatten(0, 1), features.flatten(0, 1), noisy[:rows].flatten(0, 1), t[:rows].flatten()
+        )
         return refined.view(coarse.shape)

@@ -174,7 +174,9 @@ def prime_history(model: TinyWorldDiT, kv: DenseChunkKV, batch: Batch, gen: torc
     kv.jump_to(batch.frame_start)
 
 
-def diffusion_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0) -> torch.Tensor:
+def diffusion_forcing_loss(
+    model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0
+) -> torch.Tensor:
     cfg = model.cfg
     b = batch.frames.shape[0]
     fpc = cfg.frames_per_chunk
@@ -233,7 +235,9 @@ def visibility_mask(origins: np.ndarray, ref_origins: np.ndarray, size: int) -> 
     return torch.as_tensor(mask)
 
 
-def self_forcing_loss(model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0) -> torch.Tensor:
+def self_forcing_loss(
+    model: TinyWorldDiT, batch: Batch, gen: torch.Generator, class_weight: float = 0.0
+) -> torch.Tensor:
     cfg = model.cfg
     b = batch.frames.shape[0]
     fpc = cfg.frames_per_chunk
@@ -299,7 +303,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every-s", type=float, default=240.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument(
-        "--snapshot-every", type=int, default=0, help="also export the EMA weights to OUT/snapshots/step-N every N steps"
+        "--snapshot-every", type=int, default=0, help="also export the EMA weights to OUT/snapshots/step-N every N"
     )
     p.add_argument("--config", type=Path, default=None, help="JSON with TinyWorldConfig overrides")
     p.add_argument(
@@ -308,13 +312,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="start from these safetensors weights (config.json beside them); layers the config adds start fresh",
     )
-    p.add_argument("--head-lr", type=float, default=None, help="learning rate of layers --init-from lacks (default --lr)")
+    p.add_argument(
+        "--head-lr", type=float, default=None, help="learning rate of layers --init-from lacks (default --lr)"
+    )
     p.add_argument("--class-loss", type=float, default=0.0, help="weight of the per-pixel palette-class cross-entropy")
     p.add_argument("--still-share", type=float, default=0.2, help="share of trajectory segments with no key held")
 
 
 def init_from(model: TinyWorldDiT, weights: Path) -> set[str]:
-    """Load the weights' tensors into ``model`` (same config but for the output head); returns the fresh parameter names."""
+    """Load the weights' tensors into ``model`` (same config but for the output head); returns the new layers' names."""
     source, _training = load_model(weights)
     own = model.state_dict()
     loaded = source.state_dict()
@@ -443,7 +449,8 @@ def run(args: argparse.Namespace) -> int:
                 pe.lerp_(pm, 1 - decay)
         step += 1
         if args.snapshot_every and step % args.snapshot_every == 0:
-            export(args.out / "snapshots" / f"step-{step}", ema, {"step": step, "train_seconds": round(train_seconds, 1)})
+            meta = {"step": step, "train_seconds": round(train_seconds, 1)}
+            export(args.out / "snapshots" / f"step-{step}", ema, meta)
         dt = time.perf_counter() - t0
         train_seconds += dt
         recent.append(loss.item())
