@@ -433,8 +433,8 @@ setInterval(() => {
 async function pollStats() {
   if (document.hidden || !$('details').open) return;
   try {
-    const t = token();
-    const response = await fetch('/v1/stats', { headers: t ? { Authorization: `Bearer ${t}` } : {}, cache: 'no-store' });
+    // /v1/stats is open (PROTOCOL.md, "Endpoints"): the session token stays on the WebSocket.
+    const response = await fetch('/v1/stats', { cache: 'no-store' });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     hud.stats(await response.json());
   } catch (error) {
