@@ -183,15 +183,21 @@ def server_process(
     try:
         yield live
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(STOP_GUARD_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        reader.join(STOP_GUARD_S)
-        process.stdout.close()
+        stop_process(process, reader, signal.SIGINT)
+
+
+def stop_process(process: subprocess.Popen[str], reader: threading.Thread, stop_signal: signal.Signals) -> None:
+    """Stop PROCESS with STOP_SIGNAL (killed if it outlives the guard), then finish READER, its stdout pump."""
+    if process.poll() is None:
+        process.send_signal(stop_signal)
+        try:
+            process.wait(STOP_GUARD_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    reader.join(STOP_GUARD_S)
+    assert process.stdout is not None
+    process.stdout.close()
 
 
 # ---- a test fake that the test can hold at the chunk boundary ------------------------------

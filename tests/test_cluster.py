@@ -27,7 +27,15 @@ import httpx
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from servers import REPO_ROOT, RECEIVE_GUARD_S, STARTUP_GUARD_S, STOP_GUARD_S, SessionClient, session_client
+from servers import (
+    REPO_ROOT,
+    RECEIVE_GUARD_S,
+    STARTUP_GUARD_S,
+    STOP_GUARD_S,
+    SessionClient,
+    session_client,
+    stop_process,
+)
 
 CAPACITY = 2
 # Hang guard for polling HAProxy's view; it asserts nothing about speed.
@@ -109,16 +117,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         yield cluster
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(STOP_GUARD_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        reader.join(STOP_GUARD_S)
-        assert process.stdout is not None
-        process.stdout.close()
+        stop_process(process, reader, signal.SIGTERM)
 
 
 def run(coro: Any) -> Any:
