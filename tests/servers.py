@@ -102,6 +102,15 @@ class LiveServer:
         )
 
 
+def wait_until(predicate: Any, *, attempts: int = 800, interval_s: float = 0.025) -> None:
+    """Poll PREDICATE until it holds (a hang guard of ATTEMPTS x INTERVAL_S, not a speed check)."""
+    for _ in range(attempts):
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError("the condition never held")
+
+
 def fake_settings(**overrides: Any) -> Settings:
     """Settings for a fake-kv server on a free loopback port (no environment leaks in)."""
     values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "model": "fake-kv", "log_level": "warning"}

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import shutil
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,17 +16,9 @@ import httpx
 import pytest
 
 from raw_clients import RawWebSocket, closed_by_server, open_files, read_http_head, rss_bytes, tcp_connect
-from servers import LiveServer, fake_settings, running_server, server_process, session_client
+from servers import LiveServer, fake_settings, running_server, server_process, session_client, wait_until
 
 MB = 1024 * 1024
-
-
-def wait_until(predicate: Any, *, attempts: int = 800, interval_s: float = 0.025) -> None:
-    for _ in range(attempts):
-        if predicate():
-            return
-        time.sleep(interval_s)
-    raise AssertionError("the condition never held")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -16,7 +15,15 @@ import pytest
 from arstream.app.protocol import InputMessage, ProtocolError
 from arstream.app.session import MAX_PENDING_EVENTS, Session, SessionState
 from raw_clients import RawWebSocket, rss_bytes
-from servers import GatedFakePipeline, LiveServer, fake_settings, running_server, server_process, session_client
+from servers import (
+    GatedFakePipeline,
+    LiveServer,
+    fake_settings,
+    running_server,
+    server_process,
+    session_client,
+    wait_until,
+)
 
 MB = 1024 * 1024
 # Far above anything the tests send: these tests are about memory and blocking, not the rate.
@@ -123,14 +130,6 @@ def test_a_non_reader_sending_malformed_starts_is_closed_at_the_start_timeout() 
         # The session handler has returned and the transport is gone (the attacker never closed it).
         wait_until(lambda: guard.open == 0 and "arstream_websocket_open 0.0" in server.get("/metrics").text)
         attacker.close()
-
-
-def wait_until(predicate: Any, *, attempts: int = 800, interval_s: float = 0.025) -> None:
-    for _ in range(attempts):
-        if predicate():
-            return
-        time.sleep(interval_s)
-    raise AssertionError("the condition never held")
 
 
 # ---- idleness: a client waiting on the server is not idle ---------------------------------------------
