@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +30,12 @@ from websockets.exceptions import ConnectionClosed
 
 from arstream.app.wire import FrameHeader, decode_frame
 from arstream.app.server import LISTENING_MARKER, ARStreamServer, build_server
+from arstream.app.session import Session, SessionState
 from arstream.app.settings import Settings
+from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.contract import ARPipeline
-from arstream.runner.runner import WARMUP_SESSION_ID
+from arstream.runner.runner import WARMUP_SESSION_ID, ARRunner
 from arstream.runner.types import TickRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -207,6 +209,43 @@ def stop_process(process: subprocess.Popen[str], reader: threading.Thread, stop_
     reader.join(STOP_GUARD_S)
     assert process.stdout is not None
     process.stdout.close()
+
+
+# ---- a ModelWorker without a server: sessions submitted straight to it ----------------------
+
+
+def make_session(session_id: str) -> Session:
+    """An ACTIVE raw-codec session, as the server would have after `start`."""
+    session = Session(session_id, codec="raw", quality=80, seed=None, prompt=None, max_pending_ticks=4)
+    session.transition(SessionState.ACTIVE)
+    return session
+
+
+async def with_worker(
+    pipeline: ARPipeline,
+    body: Callable[[ModelWorker, asyncio.Queue[TickOutcome]], Awaitable[Any]],
+    runner_class: type[ARRunner] = ARRunner,
+    *,
+    encode_threads: int | None = None,
+) -> Any:
+    """Run BODY(worker, outcomes) against a started ModelWorker over PIPELINE (1 MiB KV); stop it after."""
+    loop = asyncio.get_running_loop()
+    outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
+    loaded: asyncio.Future[BaseException | None] = loop.create_future()
+    worker = ModelWorker(
+        lambda: runner_class(pipeline, kv_budget_bytes=1 << 20),
+        loop=loop,
+        deliver=outcomes.put_nowait,
+        on_ready=loaded.set_result,
+        max_pending_ticks=4,
+        encode_threads=encode_threads,
+    )
+    worker.start()
+    try:
+        assert await loaded is None
+        return await body(worker, outcomes)
+    finally:
+        await asyncio.to_thread(worker.stop, 10)
 
 
 # ---- a test fake that the test can hold at the chunk boundary ------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,11 +14,9 @@ import pytest
 from arstream.app import encoding
 from arstream.app.encoding import ChunkEncoder, EncoderPool, OrderedLanes
 from arstream.app.protocol import TickMessage
-from arstream.app.session import Session, SessionState
 from arstream.app.worker import ModelWorker, OutcomeKind, TickOutcome
 from arstream.models.fake import FakeKVPipeline
-from arstream.runner.runner import ARRunner
-from servers import fake_settings, running_server, session_client
+from servers import fake_settings, make_session, running_server, session_client, with_worker
 
 GUARD_S = 30.0  # hang guard only
 
@@ -170,34 +168,6 @@ class CountingFakePipeline(FakeKVPipeline):
         return super().generate_chunk(tick)
 
 
-def make_session(session_id: str) -> Session:
-    session = Session(session_id, codec="raw", quality=80, seed=None, prompt=None, max_pending_ticks=4)
-    session.transition(SessionState.ACTIVE)
-    return session
-
-
-async def with_worker(
-    pipeline: FakeKVPipeline, body: Callable[[ModelWorker, asyncio.Queue[TickOutcome]], Awaitable[Any]]
-) -> Any:
-    loop = asyncio.get_running_loop()
-    outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
-    loaded: asyncio.Future[BaseException | None] = loop.create_future()
-    worker = ModelWorker(
-        lambda: ARRunner(pipeline, kv_budget_bytes=1 << 20),
-        loop=loop,
-        deliver=outcomes.put_nowait,
-        on_ready=loaded.set_result,
-        max_pending_ticks=4,
-        encode_threads=2,
-    )
-    worker.start()
-    try:
-        assert await loaded is None
-        return await body(worker, outcomes)
-    finally:
-        await asyncio.to_thread(worker.stop, 10)
-
-
 def test_the_worker_runs_the_next_forward_while_a_chunk_encodes(monkeypatch: pytest.MonkeyPatch) -> None:
     GatedEncoder.gate = threading.Event()
     GatedEncoder.threads = set()
@@ -221,7 +191,7 @@ def test_the_worker_runs_the_next_forward_while_a_chunk_encodes(monkeypatch: pyt
         assert all(o.kind is OutcomeKind.CHUNK for o in [first, *rest])
         return [(o.job.session.id, o.chunk_index) for o in rest]
 
-    order = asyncio.run(with_worker(pipeline, body))
+    order = asyncio.run(with_worker(pipeline, body, encode_threads=2))
     assert order == [("s-slow", 0), ("s-slow", 1), ("s-slow", 2)]  # in order per session
     assert GatedEncoder.threads and all(name.startswith("arstream-encoder") for name in GatedEncoder.threads)
 

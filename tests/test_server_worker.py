@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from arstream.app.protocol import TickMessage
-from arstream.app.session import Session, SessionState
+from arstream.app.session import Session
 from arstream.app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import TickRequest, TickResult
-from servers import GatedFakePipeline, fake_settings, running_server, session_client
+from servers import GatedFakePipeline, fake_settings, make_session, running_server, session_client, with_worker
 
 WORKER_THREAD = "arstream-model-worker"
 
@@ -65,31 +65,6 @@ def test_every_pipeline_call_runs_on_the_worker_thread() -> None:
     kinds = {call for call, _ in pipeline.calls}
     assert {"generate_chunk", "reset_session", "close_session", "warmup_requests"} <= kinds
     assert {thread for _, thread in pipeline.calls} == {WORKER_THREAD}
-
-
-def make_session(session_id: str) -> Session:
-    session = Session(session_id, codec="raw", quality=80, seed=None, prompt=None, max_pending_ticks=4)
-    session.transition(SessionState.ACTIVE)
-    return session
-
-
-async def with_worker(pipeline: FakeKVPipeline, body: Any, runner_class: type[ARRunner] = ARRunner) -> Any:
-    loop = asyncio.get_running_loop()
-    outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
-    loaded: asyncio.Future[BaseException | None] = loop.create_future()
-    worker = ModelWorker(
-        lambda: runner_class(pipeline, kv_budget_bytes=1 << 20),
-        loop=loop,
-        deliver=outcomes.put_nowait,
-        on_ready=loaded.set_result,
-        max_pending_ticks=4,
-    )
-    worker.start()
-    try:
-        assert await loaded is None
-        return await body(worker, outcomes)
-    finally:
-        await asyncio.to_thread(worker.stop, 10)
 
 
 def test_a_session_whose_kv_was_evicted_reports_restarted_evicted() -> None:
