@@ -8,10 +8,11 @@ so a leak is that test's FAIL with the test's name, not an ERROR in teardown.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from servers import LiveServer
 
@@ -42,3 +43,12 @@ def baseline(server: LiveServer, check_at_end: Callable[[Callable[[], object]], 
     start_free = int(server.stats()["kv"]["blocks_free"])
     check_at_end(lambda: server.settled(start_free))
     return start_free
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Two shared cores: one torch thread per process avoids oversubscription (heavy model tests ask for it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

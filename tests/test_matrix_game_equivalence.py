@@ -1,7 +1,5 @@
 """matrix-game-2 on the paged runner equals a dense block-causal reference; batching and failures change nothing."""
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -16,15 +14,7 @@ from tests.matrix_game_reference import dense_rollout
 
 BUDGET = 64 << 20
 CHUNKS = 6  # 18 latent frames: the 6-frame window slides four times
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Two shared cores: one thread per process avoids oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 def build(cfg: MatrixGameConfig, seed: int = 0) -> MatrixGamePipeline:

@@ -1,6 +1,5 @@
 """matrix-game-2 loads a checkpoint directory in the published layout; bad files fail naming the file and keys."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,7 @@ from arstream.models.registry import load_pipeline
 
 DIT = "base_distilled_model/base_distill.safetensors"
 VAE = "Wan2.1_VAE.pth"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ head and unpatchify. Matrix-Game cross-attends to the image context (the CLIP
 projection, ``img_emb``), which is fed to diffusers' blocks as they are.
 """
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -18,12 +16,7 @@ from arstream.models.matrix_game.config import ActionConfig, get_config
 from arstream.models.matrix_game.dit import CausalWanDiT
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 class FullSequence:
