@@ -66,6 +66,14 @@ class PageErrors:
         assert not self.errors, f"JavaScript errors on the page: {self.errors}"
 
 
+@pytest.fixture
+def errors() -> Iterator[PageErrors]:
+    """A test's PageErrors; the test fails if any watched page raised a JavaScript error."""
+    errors = PageErrors()
+    yield errors
+    errors.check()
+
+
 def new_page(context: Any, errors: PageErrors) -> Any:
     return errors.watch(context.new_page())
 

@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
+from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
     KEY_BITS,
     PageErrors,
     browser,
     browser_marks,
     corner_blue,
     debug,
+    errors,
     new_page,
     overlay_text,
     wait,
@@ -45,13 +46,6 @@ def server() -> Iterator[LiveServer]:
     options = {"compute_delay_s": 0.01, "reads_prompt": True}
     with running_server(fake_settings(model_options=options)) as live:
         yield live
-
-
-@pytest.fixture
-def errors() -> Iterator[PageErrors]:
-    errors = PageErrors()
-    yield errors
-    errors.check()
 
 
 @pytest.fixture

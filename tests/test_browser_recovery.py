@@ -14,11 +14,12 @@ from websockets.sync.client import connect
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
+from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
     PageErrors,
     browser,
     browser_marks,
     debug,
+    errors,
     free_port,
     new_page,
     overlay_text,
@@ -32,13 +33,6 @@ from tests.servers import fake_settings, running_server
 pytestmark = browser_marks
 FAKE = {"compute_delay_s": 0.01}
 RESUME_GRACE_S = 30.0  # tests/servers.py turns resume off unless asked
-
-
-@pytest.fixture
-def errors() -> Iterator[PageErrors]:
-    errors = PageErrors()
-    yield errors
-    errors.check()
 
 
 @pytest.fixture
