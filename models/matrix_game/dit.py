@@ -148,7 +148,9 @@ class WanRope:
 # ---- attention layers ---------------------------------------------------------------------
 
 
-class WanSelfAttention(nn.Module):
+class WanAttention(nn.Module):
+    """The q/k/v/o projections and q/k RMS norms that self- and cross-attention share (same checkpoint keys)."""
+
     def __init__(self, dim: int, num_heads: int, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -160,6 +162,8 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps)
         self.norm_k = WanRMSNorm(dim, eps=eps)
 
+
+class WanSelfAttention(WanAttention):
     def forward(
         self, x: torch.Tensor, layer: int, ctx: AttentionContext, q_angles: torch.Tensor, k_angles: torch.Tensor
     ) -> torch.Tensor:
@@ -173,19 +177,8 @@ class WanSelfAttention(nn.Module):
         return self.o(out.flatten(2))
 
 
-class WanCrossAttention(nn.Module):
+class WanCrossAttention(WanAttention):
     """Cross-attention to the image context (Matrix-Game has no text)."""
-
-    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = WanRMSNorm(dim, eps=eps)
-        self.norm_k = WanRMSNorm(dim, eps=eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
