@@ -103,11 +103,13 @@ class ChunkEncoder:
     def __init__(self, codec: str, quality: int) -> None:
         self.codec = codec
         self.quality = quality
+        # Resolved once: the name never changes for this encoder (a new codec gets a new encoder).
+        self._codec = wire.Codec.from_name(codec)
 
     def encode(self, frames: np.ndarray, *, chunk_index: int, tick_id: int) -> list[bytes]:
         return wire.encode_chunk(
             frames,
-            codec=wire.Codec.from_name(self.codec),
+            codec=self._codec,
             quality=self.quality,
             chunk_index=chunk_index,
             tick_id=tick_id,
