@@ -170,16 +170,16 @@ def test_serve_subprocess_prints_listening_line_and_shuts_down_gracefully_on_sig
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "complaint"),
     [
-        ["--model", "no-such-model"],
-        ["--jpeg-quality", "0"],
-        ["--model-options", '{"model": "/no/such/weights"}', "--model", "vllm-omni:LingBotWorldCausalDMDPipeline",
-         "--runtime", "vllm-omni"],
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--jpeg-quality", "0"], "Input should be greater than or equal to 1, got 0"),
+        (["--model-options", '{"model": "/no/such/weights"}', "--model", "vllm-omni:LingBotWorldCausalDMDPipeline",
+          "--runtime", "vllm-omni"], "the weights path '/no/such/weights' does not exist"),
     ],
     ids=["unknown-model", "bad-quality", "vllm-omni-weights-missing"],
 )
-def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: list[str]) -> None:
+def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: list[str], complaint: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "arstream", "serve", *argv, "--port", "0", "--log-level", "info"],
         cwd=REPO_ROOT,
@@ -191,6 +191,7 @@ def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: li
     assert result.stdout == ""
     assert len(result.stderr.splitlines()) == 1, result.stderr  # no traceback, and uvicorn never logged a start
     assert result.stderr.startswith(f"arstream serve: {argv[0]} ")
+    assert complaint in result.stderr  # the reason itself, not only the flag's name
 
 
 def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:
