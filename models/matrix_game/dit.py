@@ -68,12 +68,20 @@ def rope_angles(length: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
     return torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"), inv)
 
 
-def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs of ``x`` ``[..., D]`` by ``angles`` ``[..., P]`` (the first ``2P`` channels)."""
-    pairs = angles.shape[-1]
+Rotation = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotation(angles: torch.Tensor) -> Rotation:
+    """``(cos, sin)`` of ``angles`` in float32, computed once and applied by every layer's :func:`rotate_pairs`."""
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def rotate_pairs(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
+    """Rotate interleaved channel pairs of ``x`` ``[..., D]`` by ``rot`` (``[..., P]`` each; the first ``2P`` channels)."""
+    cos, sin = rot
+    pairs = cos.shape[-1]
     head, tail = x[..., : 2 * pairs], x[..., 2 * pairs :]
     a, b = head.float().unflatten(-1, (pairs, 2)).unbind(-1)
-    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
     rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([rotated, tail], dim=-1) if tail.shape[-1] else rotated
 
@@ -165,7 +173,7 @@ class WanAttention(nn.Module):
 
 class WanSelfAttention(WanAttention):
     def forward(
-        self, x: torch.Tensor, layer: int, ctx: AttentionContext, q_angles: torch.Tensor, k_angles: torch.Tensor
+        self, x: torch.Tensor, layer: int, ctx: AttentionContext, q_rot: Rotation, k_rot: Rotation
     ) -> torch.Tensor:
         b, length, _ = x.shape
         shape = (b, length, self.num_heads, self.head_dim)
@@ -173,7 +181,7 @@ class WanSelfAttention(WanAttention):
         k = self.norm_k(self.k(x)).view(shape)
         v = self.v(x).view(shape)
         k_all, v_all = ctx.self_kv(layer, k, v)
-        out = attend(rotate_pairs(q, q_angles), rotate_pairs(k_all, k_angles), v_all, ctx.self_mask)
+        out = attend(rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot), v_all, ctx.self_mask)
         return self.o(out.flatten(2))
 
 
@@ -224,14 +232,14 @@ class ActionModule(nn.Module):
         self.keyboard_attn_kv = nn.Linear(cfg.hidden_size * frames, 2 * kd, bias=cfg.qkv_bias)
         self.proj_keyboard = nn.Linear(kd, img_hidden_size, bias=cfg.qkv_bias)
 
-    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """``[B, F]`` -> ``[B, 1, F, 1, pairs]``: the time rotation, broadcast over tokens and heads."""
+    def _angles(self, positions: torch.Tensor) -> Rotation:
+        """``[B, F]`` -> ``[B, 1, F, 1, pairs]`` cos/sin: the time rotation, broadcast over tokens and heads."""
         inv = 1.0 / torch.pow(
             self.cfg.rope_theta,
             torch.arange(0, self.cfg.rope_time_dim, 2, dtype=torch.float64, device=positions.device)
             / self.cfg.rope_time_dim,
         )
-        return (positions.to(torch.float64)[..., None] * inv)[:, None, :, None, :]
+        return rotation((positions.to(torch.float64)[..., None] * inv)[:, None, :, None, :])
 
     def forward(
         self,
@@ -248,8 +256,8 @@ class ActionModule(nn.Module):
         b, length, c = x.shape
         s = length // frames
         heads = cfg.heads_num
-        q_angles = self._angles(ctx.query_positions)
-        k_angles = self._angles(ctx.action_key_positions)
+        q_rot = self._angles(ctx.query_positions)
+        k_rot = self._angles(ctx.action_key_positions)
 
         # mouse: per spatial token over time
         tokens = x.view(b, frames, s, c).transpose(1, 2)  # [B, S, F, C]
@@ -257,7 +265,7 @@ class ActionModule(nn.Module):
         q, k, v = self.t_qkv(self.mouse_mlp(mouse_in)).unflatten(-1, (3, heads, -1)).unbind(-3)  # [B, S, F, H, D]
         q, k = self.img_attn_q_norm(q), self.img_attn_k_norm(k)
         k_all, v_all = ctx.mouse_kv(layer, k, v)
-        q, k_all = rotate_pairs(q, q_angles), rotate_pairs(k_all, k_angles)
+        q, k_all = rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot)
         out = attend(q.flatten(0, 1), k_all.flatten(0, 1), v_all.flatten(0, 1), ctx.action_mask)
         out = out.reshape(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
         x = x + self.proj_mouse(out)
@@ -268,8 +276,8 @@ class ActionModule(nn.Module):
         k = self.key_attn_k_norm(k)
         q = self.key_attn_q_norm(self.mouse_attn_q(x).view(b, frames, s, heads, -1).transpose(1, 2))  # [B, S, F, H, D]
         k_all, v_all = ctx.keyboard_kv(layer, k, v)
-        q = rotate_pairs(q, q_angles)
-        k_all = rotate_pairs(k_all[:, None], k_angles)
+        q = rotate_pairs(q, q_rot)
+        k_all = rotate_pairs(k_all[:, None], k_rot)
         fa = k_all.shape[2]
         k_all = k_all.expand(b, s, fa, heads, -1).flatten(0, 1)
         v_all = v_all[:, None].expand(b, s, fa, heads, -1).flatten(0, 1)
@@ -298,7 +306,7 @@ class WanAttentionBlock(nn.Module):
         layer: int,
         ctx: AttentionContext,
         context: torch.Tensor,
-        angles: tuple[torch.Tensor, torch.Tensor],
+        rotations: tuple[Rotation, Rotation],
         mouse: torch.Tensor,
         keyboard: torch.Tensor,
     ) -> torch.Tensor:
@@ -313,7 +321,7 @@ class WanAttentionBlock(nn.Module):
         def flat(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, -1, t.shape[-1])
 
-        y = self.self_attn(flat(per_frame(self.norm1(x)) * (1 + scale_sa) + shift_sa), layer, ctx, *angles)
+        y = self.self_attn(flat(per_frame(self.norm1(x)) * (1 + scale_sa) + shift_sa), layer, ctx, *rotations)
         x = flat(per_frame(x) + per_frame(y) * gate_sa)
         x = x + self.cross_attn(self.norm3(x), context)
         if self.action_model is not None:
@@ -410,9 +418,10 @@ class CausalWanDiT(nn.Module):
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, timesteps).to(dtype))  # [B*F, C]
         e0 = self.time_projection(e).view(b, frames, 6, cfg.dim)
         e = e.view(b, frames, cfg.dim)
-        angles = (self.rope.angles(ctx.query_positions), self.rope.angles(ctx.key_positions))
+        # cos/sin once per forward, not once per layer
+        rotations = (rotation(self.rope.angles(ctx.query_positions)), rotation(self.rope.angles(ctx.key_positions)))
         for layer, block in enumerate(self.blocks):
-            tokens = block(tokens, e0, layer, ctx, context, angles, mouse, keyboard)
+            tokens = block(tokens, e0, layer, ctx, context, rotations, mouse, keyboard)
         out = self.head(tokens, e)
         return self.unpatchify(out, frames, h, w).float()
 
