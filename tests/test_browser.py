@@ -276,9 +276,11 @@ def test_fullscreen_recording_download_and_share_link(
     page.click("#fullscreen")
     wait(page, "document.fullscreenElement && document.fullscreenElement.id === 'player'")
     wait(page, f"document.getElementById('screen').getBoundingClientRect().height > {small}")
-    assert page.inner_text("#fullscreen") == "Exit fullscreen" or page.evaluate("document.fullscreenElement !== null")
+    # The button's label follows the fullscreenchange event, which may land after the element: wait for it.
+    wait(page, "document.getElementById('fullscreen').textContent === 'Exit fullscreen'")
     page.evaluate("document.exitFullscreen()")
     wait(page, "document.fullscreenElement === null")
+    wait(page, "document.getElementById('fullscreen').textContent === 'Fullscreen'")
 
     page.click("#record")
     assert page.is_visible("#rec-dot")
