@@ -323,7 +323,12 @@ def write_and_gather_rows(
     ``k`` and ``v`` are ``[rows, chunk_tokens, kv_heads, head_size]``; the
     result stacks each row's history + chunk into ``[rows, visible_tokens,
     kv_heads, head_size]``, so the sessions' histories must be equally long
-    (the runner batches only such sessions).
+    (the runner batches only such sessions). One row (the usual case) gets
+    views of its staging area, as :meth:`SessionKVState.write_and_gather`
+    does, instead of a copy of its whole visible K/V per layer and pass.
     """
+    if len(states) == 1:
+        k_all, v_all = states[0].write_and_gather(layer, k[0], v[0], branch)
+        return k_all[None], v_all[None]
     gathered = [state.write_and_gather(layer, k[row], v[row], branch) for row, state in enumerate(states)]
     return torch.stack([kv[0] for kv in gathered]), torch.stack([kv[1] for kv in gathered])
