@@ -45,6 +45,7 @@ import websockets
 
 from arstream.app import wire
 from arstream.app.cli import main_for
+from arstream.app.memory import keep_freed_memory
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
@@ -326,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     all_figures: list[SessionFigures] = []
     rounds = sessions_in_rounds = 0
+    # The bare runner gets the server's allocator policy (app/memory.py), so the ratio compares like with like.
+    keep_freed_memory()
     with ServerProcess(serve_args) as server:
         url = server.sessions_url
         print(f"server: {server.base_url} ({' '.join(serve_args)})")

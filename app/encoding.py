@@ -13,6 +13,9 @@ protocol's guarantees:
 - **No GIL on the critical path.** The encoders (simplejpeg, libx264 through
   PyAV) release the GIL while they compress, so threads suffice: a process pool
   would copy every frame across a pipe instead.
+- **The worker first.** The encoder threads run at a lower CPU priority
+  (``encoder_nice``): where cores are short, the kernel gives the model
+  worker's next forward the core and the encoders catch up inside it.
 
 A session's encoder state (a video stream's reference frames) lives here too,
 touched only by tasks on that session's lane.
@@ -49,15 +52,23 @@ class OrderedLanes:
     session cannot starve the others.
     """
 
-    def __init__(self, threads: int, *, name: str) -> None:
+    def __init__(self, threads: int, *, name: str, nice: int = 0) -> None:
         if threads < 1:
             raise ValueError(f"an encoder pool needs at least 1 thread, got {threads}")
         self.threads = threads
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self.nice = nice
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name, initializer=self._start_thread)
         self._lock = threading.Lock()
         # lane -> its waiting tasks; a lane is present while one of its tasks is running
         self._lanes: dict[str, deque[Task]] = {}
         self._closed = False
+
+    def _start_thread(self) -> None:
+        # Linux nice values are per thread: this lowers only the pool's own threads, relative to the thread
+        # that started them (raising a nice value needs no privilege; lowering one would).
+        if self.nice:
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + self.nice, 19))
 
     def submit(self, lane: str, task: Task) -> None:
         with self._lock:
@@ -132,8 +143,8 @@ def new_encoder(codec: str, quality: int) -> ChunkEncoder:
 class EncoderPool:
     """Per-session ordered lanes plus each session's encoder; see the module docstring."""
 
-    def __init__(self, threads: int | None = None) -> None:
-        self._lanes = OrderedLanes(threads or default_encode_threads(), name="arstream-encoder")
+    def __init__(self, threads: int | None = None, *, nice: int = 0) -> None:
+        self._lanes = OrderedLanes(threads or default_encode_threads(), name="arstream-encoder", nice=nice)
         self._encoders: dict[str, ChunkEncoder] = {}
         self._encoders_lock = threading.Lock()
 

@@ -70,6 +70,7 @@ class SessionHub:
             on_ready=self._on_model_ready,
             max_pending_ticks=self.settings.max_pending_ticks,
             encode_threads=self.settings.encode_threads,
+            encoder_nice=self.settings.encoder_nice,
         )
         self.worker.start()
 

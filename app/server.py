@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import socket
 import sys
@@ -33,6 +34,7 @@ from arstream.app.guard import RefusalLog, protocol_classes, quiet_resource_erro
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
+from arstream.app.memory import keep_freed_memory
 from arstream.app.settings import Settings, add_settings_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
 
@@ -191,6 +193,9 @@ async def serve(server: ARStreamServer) -> int:
     loaded = asyncio.create_task(server.hub.wait_loaded())
     await asyncio.wait({serving, loaded}, return_when=asyncio.FIRST_COMPLETED)
     if loaded.done() and server.hub.load_error is None:
+        # Everything made so far (imports, the model, its warm-up) lives as long as the server: moving it out
+        # of the collector's reach takes a full collection from ~100 ms to ~3 ms, a pause every session felt.
+        gc.freeze()
         url = f"http://{display_host(server.config.host)}:{server.bound_port}"
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
@@ -221,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if settings.keep_freed_memory:
+        keep_freed_memory()
     server = build_server(settings)
     return asyncio.run(serve(server))
 

@@ -82,6 +82,16 @@ class Settings(BaseSettings):
     encode_threads: int | None = Field(
         None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
     )
+    encoder_nice: int = Field(
+        5,
+        ge=0,
+        le=19,
+        description="steps of CPU niceness the encoder threads run below the model worker, so the worker gets a core "
+        "first when cores are short",
+    )
+    keep_freed_memory: bool = Field(
+        True, description="keep freed frame memory in the process (glibc) instead of faulting in fresh pages each round"
+    )
     idle_timeout_s: float = Field(60.0, gt=0, description="close a session after this long without a message")
     start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
     auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")

@@ -133,6 +133,7 @@ class ModelWorker:
         on_ready: Callable[[BaseException | None], None],
         max_pending_ticks: int,
         encode_threads: int | None = None,
+        encoder_nice: int = 0,
     ) -> None:
         self._build_runner = build_runner
         self._loop = loop
@@ -156,7 +157,7 @@ class ModelWorker:
         self._times_lock = threading.Lock()
         self._compute_times: deque[float] = deque(maxlen=COMPUTE_TIMES_KEPT)
         self.round_times = RoundTimes()
-        self._encoders = EncoderPool(encode_threads)
+        self._encoders = EncoderPool(encode_threads, nice=encoder_nice)
         self._handoff = _Handoff(loop)
         self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
 

@@ -98,6 +98,21 @@ def test_nothing_runs_after_shutdown() -> None:
         OrderedLanes(0, name="test-lanes")
 
 
+def test_lane_threads_run_at_the_given_niceness_and_the_caller_keeps_its_own() -> None:
+    import os
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+    lanes = OrderedLanes(2, name="test-lanes", nice=5)
+    done = threading.Event()
+    lanes.submit("a", lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    lanes.submit("b", lambda: (seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), done.set()))
+    assert done.wait(GUARD_S)
+    lanes.shutdown(wait=True)
+    assert seen and all(nice == min(own + 5, 19) for nice in seen), (own, seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
 # ---- per-session encoders ------------------------------------------------------------------------
 
 
