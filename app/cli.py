@@ -31,6 +31,11 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),
     Command(("bench", "serve"), "arstream.app.bench", "end-to-end load test of the server against the bare runner"),
     Command(("train", "tiny-world"), "arstream.models.tiny_world.train", "train tiny-world (the shipped recipe)"),
+    Command(
+        ("train", "tiny-world-decoder"),
+        "arstream.models.tiny_world.train_decoder",
+        "train tiny-world's frame decoder on a frozen transformer",
+    ),
     Command(("eval", "tiny-world"), "arstream.models.tiny_world.evaluate", "responsiveness and drift of tiny-world"),
 )
 

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arstream.models.tiny_world.decoder import FrameDecoder
+
 KVCallback = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 NUM_DIRECTIONS = 9
@@ -76,6 +78,8 @@ class TinyWorldConfig:
     head: str = "linear"
     head_channels: int = 16
     head_features: int = 8
+    # channels of the frame decoder (decoder.py) turning x0 estimates into palette pictures; 0: none
+    decoder_channels: int = 0
 
     def __post_init__(self) -> None:
         if self.canvas_size < self.image_size + self.patch_size - 1:
@@ -94,6 +98,8 @@ class TinyWorldConfig:
             raise ValueError(f"sampler must be 'ddim' or 'renoise', got {self.sampler!r}")
         if self.head not in ("linear", "conv"):
             raise ValueError(f"head must be 'linear' or 'conv', got {self.head!r}")
+        if self.decoder_channels < 0:
+            raise ValueError(f"decoder_channels must be >= 0, got {self.decoder_channels}")
         if self.head_channels < 1 or self.head_features < 0:
             raise ValueError(
                 f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}"
@@ -283,6 +289,8 @@ class TinyWorldDiT(nn.Module):
         if cfg.head == "conv":
             self.out_features = nn.Linear(d, cfg.patch_size * cfg.patch_size * cfg.head_features)
             self.conv_head = ConvHead(cfg)
+        if cfg.decoder_channels:
+            self.decoder = FrameDecoder(cfg.decoder_channels)
 
     def patchify(self, frames: torch.Tensor) -> torch.Tensor:
         """Canvases ``[B, F, C, C, 3]`` -> ``[B, F, tokens, patch_dim]``."""

@@ -64,6 +64,9 @@ class _Session:
     # camera pixel position, the running sum of the controls' motion since the rollout began
     camera_x: int = 0
     camera_y: int = 0
+    # the last decoded canvas and its corner cell (models with a frame decoder), for the next chunk's first frame
+    last_canvas: torch.Tensor | None = None
+    last_cell: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,19 +155,37 @@ class TinyWorldPipeline(SessionStateBinding):
         fpc = self.cfg.frames_per_chunk
         directions = torch.tensor([[plan.direction] * fpc for plan in plans], dtype=torch.long, device=self.device)
         cell_origins = torch.tensor([plan.cells for plan in plans], dtype=torch.long, device=self.device)
+        previous = self._previous(plans) if self.cfg.decoder_channels else None
         try:
             with torch.inference_mode():
-                canvases = sample_chunk(self.model, kv, directions, cell_origins, generators)
+                canvases = sample_chunk(self.model, kv, directions, cell_origins, generators, previous)
             chunks = [self._views(canvases[row], plan) for row, plan in enumerate(plans)]
         except BaseException:
             for generator, state in zip(generators, rewind):
                 generator.set_state(state)
             raise
-        for plan in plans:
+        for row, plan in enumerate(plans):
+            if self.cfg.decoder_channels:
+                plan.session.last_canvas, plan.session.last_cell = canvases[row, -1], plan.cells[-1]
             plan.session.controls = plan.controls
             plan.session.camera_x, plan.session.camera_y = plan.camera_x, plan.camera_y
             self._sessions[plan.session_id] = plan.session
         return chunks
+
+    def _previous(self, plans: Sequence[_ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's last decoded canvas and its cell; a row starting a rollout gets a blank canvas far away."""
+        size = self.cfg.canvas_size
+        far = self.cfg.canvas_cells + 1
+        canvases, cells = [], []
+        for plan in plans:
+            s = plan.session
+            if s.last_canvas is None or s.last_cell is None:
+                canvases.append(torch.zeros(size, size, 3, device=self.device))
+                cells.append((plan.cells[0][0] + far, plan.cells[0][1] + far))
+            else:
+                canvases.append(s.last_canvas)
+                cells.append(s.last_cell)
+        return torch.stack(canvases), torch.tensor(cells, dtype=torch.long, device=self.device)
 
     def _views(self, canvases: torch.Tensor, plan: _ChunkPlan) -> np.ndarray:
         """The camera's uint8 views ``[F, H, W, 3]`` cropped out of one row's canvases ``[F, C, C, 3]``."""

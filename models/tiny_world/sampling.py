@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from arstream.models.tiny_world.decoder import decode_chunk
 from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
 from arstream.runner.kv_state import SessionKVState, write_and_gather_rows
 
@@ -208,14 +209,14 @@ def commit_chunk(
     kv.end_pass()
 
 
-def sample_chunk(
+def estimate_chunk(
     model: TinyWorldDiT,
     kv: ChunkKV,
     direction: torch.Tensor,
     cell_origins: torch.Tensor,
     generator: Noise,
 ) -> torch.Tensor:
-    """Generate and commit one chunk; returns its clean canvases ``[B, F, C, C, 3]`` in [-1, 1].
+    """The few-step sampler's clean-canvas estimate ``[B, F, C, C, 3]`` of the next chunk; commits nothing.
 
     ``direction`` ``[B, F]`` holds each frame's camera direction index and
     ``cell_origins`` ``[B, F, 2]`` the world cell of each canvas's corner.
@@ -239,6 +240,29 @@ def sample_chunk(
             else:
                 eps = noise_like(shape, generator, device)
             x = (1 - t_next) * clean + t_next * eps
+    return clean
+
+
+def sample_chunk(
+    model: TinyWorldDiT,
+    kv: ChunkKV,
+    direction: torch.Tensor,
+    cell_origins: torch.Tensor,
+    generator: Noise,
+    previous: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Generate and commit one chunk; returns its clean canvases ``[B, F, C, C, 3]`` in [-1, 1].
+
+    The estimate of :func:`estimate_chunk`; a model with a frame decoder
+    decodes it before it is returned and committed, and ``previous`` is then
+    each row's last decoded canvas ``[B, C, C, 3]`` and its corner cell
+    ``[B, 2]`` (None: every row starts a rollout).
+    """
+    cfg = model.cfg
+    clean = estimate_chunk(model, kv, direction, cell_origins, generator)
+    if cfg.decoder_channels:
+        last, last_cells = previous if previous is not None else (None, None)
+        clean = decode_chunk(model.decoder, clean, cell_origins, last, last_cells, cfg.patch_size)
     commit_chunk(model, kv, clean, direction, cell_origins, generator)
     return clean
 

@@ -1,0 +1,205 @@
+"""``arstream train tiny-world-decoder``: train the frame decoder (decoder.py) on a frozen transformer.
+
+The transformer (``--init-from``, default the shipped weights) stays as it is.
+Training pairs come from it, under the conditions the decoder meets when
+serving: random camera walks over the training worlds, each chunk's estimate
+made by the real few-step sampler from noise while the KV history holds the
+earlier chunks' ground truth (what a decoded, palette-true history looks
+like). For each frame the decoder reads that estimate, the ground truth of the
+previous frame moved into the frame's cells, and its mask, and is trained with
+a per-pixel cross-entropy against the ground truth's classes. A share of frames
+(``--drop-previous``) has no previous frame, as at the start of a rollout;
+the eight flips and rotations of the square canvas augment every batch.
+
+The pairs are made once and kept in ``OUT/pairs.pt``; checkpoints (decoder,
+optimiser, step) go to ``OUT/checkpoint.pt`` every few minutes and on exit,
+``--resume auto`` continues. The result, transformer plus decoder, is exported
+as ``OUT/tiny_world.safetensors`` + ``OUT/config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from arstream.app.cli import main_for
+from arstream.models.tiny_world.decoder import align_previous, nearest_class, palette_canvas
+from arstream.models.tiny_world.model import TinyWorldDiT
+from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk
+from arstream.models.tiny_world.train import TrajectorySampler, save_checkpoint
+from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, load_model, save_weights
+
+
+def make_pairs(model: TinyWorldDiT, sampler: TrajectorySampler, frames: int, chunks: int, batch: int, seed: int) -> dict[str, torch.Tensor]:
+    """``frames`` training frames: the sampler's estimate, the previous ground truth moved into place, mask, target."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(seed)
+    fpc = cfg.frames_per_chunk
+    estimates, previous, masks, targets = [], [], [], []
+    made = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        while made < frames:
+            trajectory = sampler.sample(batch, chunks, stale=False)
+            kv = DenseChunkKV(cfg, batch)
+            for c in range(chunks):
+                span = slice(c * fpc, (c + 1) * fpc)
+                truth, dirs, cells = trajectory.frames[:, span], trajectory.directions[:, span], trajectory.cells[:, span]
+                estimate = estimate_chunk(model, kv, dirs, cells, gen)
+                commit_chunk(model, kv, truth, dirs, cells, gen)
+                for f in range(fpc):
+                    i = c * fpc + f
+                    if i == 0:
+                        shifted, mask = torch.zeros_like(truth[:, 0]), torch.zeros_like(truth[:, 0, ..., :1])
+                    else:
+                        shifted, mask = align_previous(
+                            trajectory.frames[:, i - 1], trajectory.cells[:, i - 1], cells[:, f], cfg.patch_size
+                        )
+                    estimates.append(estimate[:, f].half())
+                    previous.append(nearest_class(shifted).to(torch.uint8))
+                    masks.append(mask[..., 0].to(torch.bool))
+                    targets.append(nearest_class(truth[:, f]).to(torch.uint8))
+            made += batch * chunks * fpc
+            elapsed = time.perf_counter() - started
+            print(f"pairs {made}/{frames} ({elapsed:.0f} s)", flush=True)
+    return {
+        "estimate": torch.cat(estimates)[:frames],
+        "previous": torch.cat(previous)[:frames],
+        "mask": torch.cat(masks)[:frames],
+        "target": torch.cat(targets)[:frames],
+    }
+
+
+def dihedral(x: torch.Tensor, k: int) -> torch.Tensor:
+    """One of the eight flips/rotations of ``[N, C, C, ...]`` canvases (spatial dims 1 and 2)."""
+    if k & 4:
+        x = x.transpose(1, 2)
+    return torch.rot90(x, k & 3, dims=(1, 2))
+
+
+def decoder_batch(pairs: dict[str, torch.Tensor], index: torch.Tensor, drop_previous: float, rng: torch.Generator) -> tuple[torch.Tensor, ...]:
+    palette = palette_canvas()
+    estimate = pairs["estimate"][index].float()
+    previous = palette[pairs["previous"][index].long()]
+    mask = pairs["mask"][index].float()[..., None]
+    target = pairs["target"][index].long()
+    drop = torch.rand(len(index), generator=rng) < drop_previous
+    mask[drop] = 0
+    k = int(torch.randint(8, (1,), generator=rng))
+    return dihedral(estimate, k), dihedral(previous, k), dihedral(mask, k), dihedral(target, k)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.add_argument("--init-from", type=Path, default=DEFAULT_WEIGHTS, help="transformer weights (default: shipped)")
+    p.add_argument("--channels", type=int, default=16, help="decoder width (default 16)")
+    p.add_argument("--pairs", type=int, default=4096, help="training frames to make (default 4096)")
+    p.add_argument("--clip-chunks", type=int, default=4, help="chunks per camera walk when making pairs")
+    p.add_argument("--pair-batch", type=int, default=16, help="walks per batched sampler call when making pairs")
+    p.add_argument("--steps", type=int, default=1500, help="total optimiser steps (the learning-rate schedule's length)")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step (to resume later)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--drop-previous", type=float, default=0.15, help="share of frames trained without a previous frame")
+    p.add_argument("--still-share", type=float, default=0.2, help="share of walk segments with no key held")
+    p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("checkpoints/tiny_world_decoder"))
+    p.add_argument("--resume", default=None, help="'auto': continue from OUT/checkpoint.pt if present")
+    p.add_argument("--checkpoint-every-s", type=float, default=240.0)
+    p.add_argument("--log-every", type=int, default=25)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    transformer, training = load_model(args.init_from)
+    cfg = replace(transformer.cfg, decoder_channels=args.channels)
+    model = TinyWorldDiT(cfg)
+    model.load_state_dict(transformer.state_dict(), strict=False)
+    model.requires_grad_(False)
+    decoder = model.decoder
+    decoder.requires_grad_(True)
+    pairs_path = args.out / "pairs.pt"
+    if pairs_path.is_file():
+        pairs = torch.load(pairs_path)
+        print(f"pairs: {len(pairs['target'])} from {pairs_path}", flush=True)
+    else:
+        rng = np.random.default_rng(args.seed)
+        sampler = TrajectorySampler(list(range(1000, 1000 + args.worlds)), cfg, rng, args.still_share)
+        pairs = make_pairs(transformer, sampler, args.pairs, args.clip_chunks, args.pair_batch, args.seed)
+        save_checkpoint(pairs_path, pairs)
+    optimiser = torch.optim.AdamW(decoder.parameters(), lr=args.lr, weight_decay=0.0)
+    rng = torch.Generator().manual_seed(args.seed + 1)
+    step = 0
+    checkpoint_path = args.out / "checkpoint.pt"
+    if args.resume == "auto" and checkpoint_path.is_file():
+        state = torch.load(checkpoint_path)
+        decoder.load_state_dict(state["decoder"])
+        optimiser.load_state_dict(state["optimiser"])
+        rng.set_state(state["rng"])
+        step = state["step"]
+        print(f"resumed at step {step}", flush=True)
+
+    stop = False
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    def checkpoint() -> None:
+        state = {"decoder": decoder.state_dict(), "optimiser": optimiser.state_dict(), "rng": rng.get_state(), "step": step}
+        save_checkpoint(checkpoint_path, state)
+
+    count = len(pairs["target"])
+    last_checkpoint = started = time.perf_counter()
+    running = 0.0
+    last_step = min(args.steps, args.stop_at or args.steps)
+    while step < last_step and not stop:
+        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in optimiser.param_groups:
+            group["lr"] = lr
+        index = torch.randint(count, (args.batch_size,), generator=rng)
+        estimate, previous, mask, target = decoder_batch(pairs, index, args.drop_previous, rng)
+        logits = decoder(estimate, previous, mask)
+        loss = F.cross_entropy(logits.flatten(0, -2), target.flatten())
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        step += 1
+        running += loss.item()
+        if step % args.log_every == 0:
+            elapsed = time.perf_counter() - started
+            print(f"step {step}/{args.steps} loss {running / args.log_every:.4f} lr {lr:.2e} {elapsed:.0f} s", flush=True)
+            running = 0.0
+        if time.perf_counter() - last_checkpoint > args.checkpoint_every_s:
+            checkpoint()
+            last_checkpoint = time.perf_counter()
+    checkpoint()
+    meta = {**training, "decoder": {"step": step, "pairs": count, "channels": args.channels, "init_from": str(args.init_from)}}
+    model.eval()
+    save_weights(model, args.out / "tiny_world.safetensors", args.out / "config.json", meta)
+    print(f"exported {args.out / 'tiny_world.safetensors'} at step {step}", flush=True)
+    return 0
+
+
+main = main_for("train", "tiny-world-decoder")
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""tiny-world's frame decoder: the cell shift, frame-by-frame decoding, the pipeline's state, its trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from arstream.models.tiny_world import train_decoder
+from arstream.models.tiny_world.evaluate import make_runner
+from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, decode_chunk, nearest_class, palette_canvas
+from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
+from arstream.models.tiny_world.pipeline import load_tiny_world
+from arstream.models.tiny_world.weights import save_weights
+from arstream.runner.types import ChunkResult, TickRequest
+
+SMALL = {"d_model": 32, "num_layers": 1, "num_heads": 2}
+SIZE = 72
+CELL = 8
+
+
+def class_canvas(seed: int) -> torch.Tensor:
+    """A random palette canvas ``[SIZE, SIZE, 3]``."""
+    classes = torch.randint(NUM_CLASSES, (SIZE, SIZE), generator=torch.Generator().manual_seed(seed))
+    return palette_canvas()[classes]
+
+
+def test_align_previous_shifts_by_whole_cells_and_masks_what_enters() -> None:
+    previous = class_canvas(0)[None]
+    # the camera's canvas moved one cell right and one cell down: new pixel (y, x) is previous (y + 8, x + 8)
+    shifted, mask = align_previous(previous, torch.tensor([[10, 20]]), torch.tensor([[11, 21]]), CELL)
+    assert torch.equal(shifted[0, : SIZE - CELL, : SIZE - CELL], previous[0, CELL:, CELL:])
+    assert mask[0, : SIZE - CELL, : SIZE - CELL].all()
+    assert not mask[0, SIZE - CELL :].any() and not mask[0, :, SIZE - CELL :].any()
+    assert not shifted[0, SIZE - CELL :].any()
+    # the same cell: everything carries over; a jump past the canvas: nothing does
+    same, same_mask = align_previous(previous, torch.tensor([[3, 3]]), torch.tensor([[3, 3]]), CELL)
+    assert torch.equal(same, previous) and same_mask.all()
+    _, far_mask = align_previous(previous, torch.tensor([[0, 0]]), torch.tensor([[9, 0]]), CELL)
+    assert not far_mask.any()
+
+
+class CopyingFakeDecoder(torch.nn.Module):
+    """A fake decoder for the decoding loop: the previous frame's class where it exists, else the estimate's."""
+
+    def forward(self, estimate: torch.Tensor, previous: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        classes = torch.where(mask[..., 0].bool(), nearest_class(previous), nearest_class(estimate))
+        return torch.nn.functional.one_hot(classes, NUM_CLASSES).float()
+
+
+def test_decode_chunk_decodes_frames_in_order_into_palette_colours() -> None:
+    first, second = class_canvas(1), class_canvas(2)
+    # a muddy estimate (halfway to grey) still decodes to palette colours
+    estimates = torch.stack([first * 0.6, second * 0.6])[None]
+    cells = torch.tensor([[[0, 0], [1, 0]]])
+    decoded = decode_chunk(CopyingFakeDecoder(), estimates, cells, None, None, CELL)
+    palette = palette_canvas()
+    assert ((decoded[..., None, :] - palette).abs().sum(-1).min(-1).values == 0).all()
+    # frame 0 had no previous frame: it is the estimate, snapped
+    assert torch.equal(nearest_class(decoded[0, 0]), nearest_class(first))
+    # frame 1 moved one cell right: it keeps frame 0's picture where frame 0 was, shifted, and decodes the rest
+    assert torch.equal(decoded[0, 1, :, : SIZE - CELL], decoded[0, 0, :, CELL:])
+    assert torch.equal(nearest_class(decoded[0, 1, :, SIZE - CELL :]), nearest_class(second[:, SIZE - CELL :]))
+    # a given previous frame (one cell to the right of this chunk's first canvas) is used for the first frame
+    carried = decode_chunk(CopyingFakeDecoder(), estimates, cells, decoded[:, 1], torch.tensor([[1, 0]]), CELL)
+    assert torch.equal(carried[0, 0, :, CELL:], decoded[0, 1, :, : SIZE - CELL])
+
+
+def small_weights(tmp_path: Path) -> Path:
+    model = TinyWorldDiT(TinyWorldConfig(**SMALL))
+    weights = tmp_path / "small" / "tiny_world.safetensors"
+    save_weights(model, weights, weights.parent / "config.json")
+    return weights
+
+
+def train(tmp_path: Path, weights: Path, steps: int, *extra: str) -> int:
+    argv = [
+        "--init-from", str(weights), "--channels", "4", "--pairs", "16", "--pair-batch", "2", "--clip-chunks", "2",
+        "--steps", str(steps), "--batch-size", "2", "--worlds", "1", "--threads", "1", "--log-every", "1",
+        "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    return train_decoder.main(argv + list(extra))
+
+
+def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights = small_weights(tmp_path)
+    assert train(tmp_path, weights, 3, "--stop-at", "2") == 0
+    first = capsys.readouterr().out
+    assert "pairs 16/16" in first and "step 2/3 loss" in first and "step 3/3" not in first
+    assert train(tmp_path, weights, 3, "--resume", "auto") == 0
+    second = capsys.readouterr().out
+    assert "pairs: 16 from" in second and "resumed at step 2" in second and "step 3/3 loss" in second
+
+    run = tmp_path / "run"
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"]["decoder_channels"] == 4 and config["training"]["decoder"]["step"] == 3
+    pipeline = load_tiny_world("cpu", run / "tiny_world.safetensors")
+    # the transformer is the one it was trained on, unchanged
+    source = load_tiny_world("cpu", weights)
+    for name, tensor in source.model.state_dict().items():
+        assert torch.equal(pipeline.model.state_dict()[name], tensor), name
+
+    runner = make_runner(pipeline)
+    palette = torch.as_tensor(palette_canvas() * 127.5 + 127.5).round().to(torch.uint8)
+    frames = []
+    for tick_id, keys in enumerate([[], ["d"], ["d"], []]):
+        result = runner.execute([TickRequest(session_id="s", request_id=tick_id, controls={"keys": keys})])[0]
+        assert isinstance(result, ChunkResult)
+        frames.append(torch.as_tensor(result.frames))
+    pixels = torch.cat(frames).reshape(-1, 3)
+    # every pixel is a palette colour
+    assert (pixels[:, None, :] == palette).all(-1).any(-1).all()
+    # per-session decoder state goes with reset and close
+    assert pipeline._sessions["s"].last_canvas is not None
+    runner.execute([TickRequest(session_id="s", request_id=9, controls={}, reset=True)])
+    runner.close_session("s")
+    assert "s" not in pipeline.session_ids()
