@@ -71,6 +71,7 @@ class SessionHub:
             max_pending_ticks=self.settings.max_pending_ticks,
             encode_threads=self.settings.encode_threads,
             encoder_nice=self.settings.encoder_nice,
+            batch_wait_fraction=self.settings.batch_wait_fraction,
         )
         self.worker.start()
 

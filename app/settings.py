@@ -82,6 +82,13 @@ class Settings(BaseSettings):
     encode_threads: int | None = Field(
         None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
     )
+    batch_wait_fraction: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="wait up to this fraction of the last round's time for its sessions' next ticks, so a round "
+        "is not split in two (batched sessions only; 0: never wait)",
+    )
     encoder_nice: int = Field(
         5,
         ge=0,

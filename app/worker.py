@@ -134,6 +134,7 @@ class ModelWorker:
         max_pending_ticks: int,
         encode_threads: int | None = None,
         encoder_nice: int = 0,
+        batch_wait_fraction: float = 0.0,
     ) -> None:
         self._build_runner = build_runner
         self._loop = loop
@@ -147,6 +148,10 @@ class ModelWorker:
         self._controls: deque[Callable[[], None]] = deque()
         self._stopping = False
         self._queued = 0
+        # The last round's sessions and its duration: who the next round waits a moment for (_wait_for_stragglers).
+        self._batch_wait_fraction = batch_wait_fraction
+        self._last_round: set[str] = set()
+        self._last_round_s = 0.0
         self.runner: ARRunner | None = None
         self.runner_stats: RunnerStats | None = None
         self.model_card: dict | None = None
@@ -203,6 +208,7 @@ class ModelWorker:
 
     def _take_lane(self, session_id: str) -> tuple[TickJob, ...]:
         """Remove the session's queued ticks (call with the lock held)."""
+        self._last_round.discard(session_id)
         lane = self._lanes.pop(session_id, None)
         if not lane:
             return ()
@@ -283,6 +289,7 @@ class ModelWorker:
             with self._cond:
                 while not (self._stopping or self._controls or self._ready_order):
                     self._cond.wait()
+                self._wait_for_stragglers()
                 if self._controls:
                     control = self._controls.popleft()
                     jobs: list[TickJob] = []
@@ -300,6 +307,28 @@ class ModelWorker:
                 log.exception("worker job failed")
             finally:
                 self._publish_stats()
+
+    def _wait_for_stragglers(self) -> None:
+        """Give the last round's sessions a moment to queue their next tick, so a round is not split in two.
+
+        A client sends its next tick when it has read a chunk, so at a round
+        boundary some of the last round's sessions may have a tick on its way.
+        Running now would make a partial round, and then a whole forward for
+        the stragglers alone. Waiting up to ``batch_wait_fraction`` of the last
+        round's time for them (while the batch has room) costs little; a session
+        that really stopped sending is out of the next round and so is not
+        waited for again. Called with the lock held.
+        """
+        if not self._batch_wait_fraction or self.runner is None or not self._last_round:
+            return
+        deadline = time.monotonic() + self._batch_wait_fraction * self._last_round_s
+        while not (self._stopping or self._controls) and len(self._ready_order) < self.runner.batch_limit:
+            if self._last_round.issubset(self._ready_order):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _take_round(self, sessions: int) -> list[TickJob]:
         """The next tick of each of the first ``sessions`` sessions in line (call with the lock held)."""
@@ -374,7 +403,10 @@ class ModelWorker:
                 error = f"runner failed: {type(exc).__name__}: {exc}"
                 self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
             return
-        self.round_times.record(len(runnable), time.perf_counter() - started)
+        self._last_round_s = time.perf_counter() - started
+        self.round_times.record(len(runnable), self._last_round_s)
+        with self._cond:
+            self._last_round = {job.session.id for job, _, _ in runnable}
         # Before any outcome leaves, so a client that has its chunk sees the pool as that round left it.
         self._publish_stats()
         for (job, inputs, _tick), result in zip(runnable, results):

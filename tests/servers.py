@@ -227,18 +227,21 @@ async def with_worker(
     runner_class: type[ARRunner] = ARRunner,
     *,
     encode_threads: int | None = None,
+    max_batch_sessions: int = 1,
+    batch_wait_fraction: float = 0.0,
 ) -> Any:
     """Run BODY(worker, outcomes) against a started ModelWorker over PIPELINE (1 MiB KV); stop it after."""
     loop = asyncio.get_running_loop()
     outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
     loaded: asyncio.Future[BaseException | None] = loop.create_future()
     worker = ModelWorker(
-        lambda: runner_class(pipeline, kv_budget_bytes=1 << 20),
+        lambda: runner_class(pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=max_batch_sessions),
         loop=loop,
         deliver=outcomes.put_nowait,
         on_ready=loaded.set_result,
         max_pending_ticks=4,
         encode_threads=encode_threads,
+        batch_wait_fraction=batch_wait_fraction,
     )
     worker.start()
     try:
