@@ -323,12 +323,31 @@ def write_and_gather_rows(
     ``k`` and ``v`` are ``[rows, chunk_tokens, kv_heads, head_size]``; the
     result stacks each row's history + chunk into ``[rows, visible_tokens,
     kv_heads, head_size]``, so the sessions' histories must be equally long
-    (the runner batches only such sessions). One row (the usual case) gets
-    views of its staging area, as :meth:`SessionKVState.write_and_gather`
-    does, instead of a copy of its whole visible K/V per layer and pass.
+    (the runner batches only such sessions). One row, or rows in staging
+    rows ``0 .. rows-1`` as the runner's batched forward assigns them, get
+    views of the staging area, as :meth:`SessionKVState.write_and_gather`
+    does (valid until the next write to the same layer), instead of a copy
+    of every row's visible K/V per layer and pass.
     """
     if len(states) == 1:
         k_all, v_all = states[0].write_and_gather(layer, k[0], v[0], branch)
         return k_all[None], v_all[None]
+    first = states[0]
+    if all(
+        state.pool is first.pool
+        and state.staging_row == row
+        and state._in_pass
+        and state._history_tokens == first._history_tokens
+        and state._chunk_tokens == first._chunk_tokens
+        for row, state in enumerate(states)
+    ):
+        # The runner gives a batch's sessions staging rows 0..rows-1: one write for all rows, and the
+        # result is a view of those rows (no per-row copies, no stacked copy of every row's history).
+        staging = first.pool.staging[branch][: len(states), layer]
+        start = first._history_tokens
+        end = start + first._chunk_tokens
+        staging[:, 0, start:end] = k
+        staging[:, 1, start:end] = v
+        return staging[:, 0, :end], staging[:, 1, :end]
     gathered = [state.write_and_gather(layer, k[row], v[row], branch) for row, state in enumerate(states)]
     return torch.stack([kv[0] for kv in gathered]), torch.stack([kv[1] for kv in gathered])

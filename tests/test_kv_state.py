@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from arstream.runner.kv_state import PassStateError, SessionKVState
+from arstream.runner.kv_state import PassStateError, SessionKVState, write_and_gather_rows
 from arstream.runner.pool import PagedKVPool, plan_pool
 from runner_fakes import tiny_spec
 
@@ -280,3 +280,26 @@ def test_frame_positions_after_a_reset_boundary_start_at_the_new_sink() -> None:
 def test_a_rotary_table_shorter_than_the_window_is_refused() -> None:
     with pytest.raises(ValueError, match="max_position_frames"):
         make_pool(max_position_frames=6)
+
+
+@pytest.mark.parametrize("rows_in_order", [True, False])
+def test_batched_rows_see_their_own_history_and_chunk(rows_in_order: bool) -> None:
+    """write_and_gather_rows: rows in staging rows 0..n-1 (one write, views) or not (per row) give the same K/V."""
+    pool = make_batch_pool(rows=3)
+    states = [SessionKVState(pool, name) for name in "abc"]
+    for i, state in enumerate(states):
+        commit_chunk(state, [100 * i, 100 * i + 1])
+    staging_rows = [0, 1, 2] if rows_in_order else [2, 0, 1]
+    for state, row in zip(states, staging_rows):
+        state.prepare_forward(staging_row=row)
+        state.begin_pass(commit=False)
+    chunk = torch.stack([chunk_kv([100 * i + 2, 100 * i + 3]) for i in range(3)])
+    for layer in range(2):
+        k_all, v_all = write_and_gather_rows(states, layer, chunk, chunk + 0.5)
+        for i in range(3):
+            assert k_all[i, :, 0, 0].tolist() == [100 * i, 100 * i + 1, 100 * i + 2, 100 * i + 3]
+            assert v_all[i, :, 0, 0].tolist() == [100 * i, 100 * i + 1, 100 * i + 2.5, 100 * i + 3.5]
+        # in order, the result is the staging area itself (no copy); otherwise rows are copied into place
+        assert (k_all.data_ptr() == pool.staging["main"][:, layer, 0].data_ptr()) == rows_in_order
+    for state in states:
+        state.end_pass()
