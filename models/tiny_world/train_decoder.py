@@ -7,9 +7,16 @@ made by the real few-step sampler from noise while the KV history holds the
 earlier chunks' ground truth (what a decoded, palette-true history looks
 like). For each frame the decoder reads that estimate, the ground truth of the
 previous frame moved into the frame's cells, and its mask, and is trained with
-a per-pixel cross-entropy against the ground truth's classes. A share of frames
-(``--drop-previous``) has no previous frame, as at the start of a rollout;
-the eight flips and rotations of the square canvas augment every batch.
+a per-pixel cross-entropy against the ground truth's classes, on the pixels
+the history held (where the estimate could know the truth; cells entering
+the view are the transformer's invention, and training the decoder to guess
+their truth would teach it the map's most common colour instead of drawing
+what the estimate shows). A walk's first chunk makes no pairs for the same
+reason. Two augmentations: a share of frames (``--drop-previous``) is shown
+without its previous frame, as at the start of a rollout, and a share
+(``--unrelated``) gets another frame's estimate, so the decoder learns to keep
+the previous picture where it exists even when the estimate wanders; the
+eight flips and rotations of the square canvas augment every batch.
 
 The pairs are made once and kept in ``OUT/pairs.pt``; checkpoints (decoder,
 optimiser, step) go to ``OUT/checkpoint.pt`` every few minutes and on exit,
@@ -58,19 +65,19 @@ def make_pairs(model: TinyWorldDiT, sampler: TrajectorySampler, frames: int, chu
                 truth, dirs, cells = trajectory.frames[:, span], trajectory.directions[:, span], trajectory.cells[:, span]
                 estimate = estimate_chunk(model, kv, dirs, cells, gen)
                 commit_chunk(model, kv, truth, dirs, cells, gen)
+                if c == 0:
+                    # Without a history the transformer invents a place, not this one: nothing to learn from.
+                    continue
                 for f in range(fpc):
                     i = c * fpc + f
-                    if i == 0:
-                        shifted, mask = torch.zeros_like(truth[:, 0]), torch.zeros_like(truth[:, 0, ..., :1])
-                    else:
-                        shifted, mask = align_previous(
-                            trajectory.frames[:, i - 1], trajectory.cells[:, i - 1], cells[:, f], cfg.patch_size
-                        )
+                    shifted, mask = align_previous(
+                        trajectory.frames[:, i - 1], trajectory.cells[:, i - 1], cells[:, f], cfg.patch_size
+                    )
                     estimates.append(estimate[:, f].half())
                     previous.append(nearest_class(shifted).to(torch.uint8))
                     masks.append(mask[..., 0].to(torch.bool))
                     targets.append(nearest_class(truth[:, f]).to(torch.uint8))
-            made += batch * chunks * fpc
+            made += batch * (chunks - 1) * fpc
             elapsed = time.perf_counter() - started
             print(f"pairs {made}/{frames} ({elapsed:.0f} s)", flush=True)
     return {
@@ -88,16 +95,25 @@ def dihedral(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.rot90(x, k & 3, dims=(1, 2))
 
 
-def decoder_batch(pairs: dict[str, torch.Tensor], index: torch.Tensor, drop_previous: float, rng: torch.Generator) -> tuple[torch.Tensor, ...]:
+def decoder_batch(
+    pairs: dict[str, torch.Tensor], index: torch.Tensor, drop_previous: float, unrelated: float, rng: torch.Generator
+) -> tuple[torch.Tensor, ...]:
+    """Inputs, target and loss weight of one batch (see the module docstring for the augmentations)."""
     palette = palette_canvas()
     estimate = pairs["estimate"][index].float()
     previous = palette[pairs["previous"][index].long()]
-    mask = pairs["mask"][index].float()[..., None]
+    known = pairs["mask"][index].float()[..., None]
     target = pairs["target"][index].long()
-    drop = torch.rand(len(index), generator=rng) < drop_previous
-    mask[drop] = 0
+    # Some frames get another frame's estimate: where the previous frame exists it is the truth, so the
+    # decoder learns to keep it even when the transformer's estimate wanders (a still camera stays still).
+    swap = torch.rand(len(index), generator=rng) < unrelated
+    estimate[swap] = estimate.roll(1, 0)[swap]
+    known_only = known.clone()
+    # Others are shown without their previous frame, as at the start of a rollout.
+    drop = (torch.rand(len(index), generator=rng) < drop_previous) & ~swap
+    known[drop] = 0
     k = int(torch.randint(8, (1,), generator=rng))
-    return dihedral(estimate, k), dihedral(previous, k), dihedral(mask, k), dihedral(target, k)
+    return dihedral(estimate, k), dihedral(previous, k), dihedral(known, k), dihedral(target, k), dihedral(known_only[..., 0], k)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,13 +121,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", type=Path, default=DEFAULT_WEIGHTS, help="transformer weights (default: shipped)")
     p.add_argument("--channels", type=int, default=16, help="decoder width (default 16)")
     p.add_argument("--pairs", type=int, default=4096, help="training frames to make (default 4096)")
-    p.add_argument("--clip-chunks", type=int, default=4, help="chunks per camera walk when making pairs")
+    p.add_argument("--clip-chunks", type=int, default=5, help="chunks per camera walk when making pairs (>= 2)")
     p.add_argument("--pair-batch", type=int, default=16, help="walks per batched sampler call when making pairs")
     p.add_argument("--steps", type=int, default=1500, help="total optimiser steps (the learning-rate schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step (to resume later)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--drop-previous", type=float, default=0.15, help="share of frames trained without a previous frame")
+    p.add_argument("--unrelated", type=float, default=0.3, help="share of frames trained with another frame's estimate")
     p.add_argument("--still-share", type=float, default=0.2, help="share of walk segments with no key held")
     p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
     p.add_argument("--seed", type=int, default=0)
@@ -176,9 +193,10 @@ def run(args: argparse.Namespace) -> int:
         for group in optimiser.param_groups:
             group["lr"] = lr
         index = torch.randint(count, (args.batch_size,), generator=rng)
-        estimate, previous, mask, target = decoder_batch(pairs, index, args.drop_previous, rng)
+        estimate, previous, mask, target, weight = decoder_batch(pairs, index, args.drop_previous, args.unrelated, rng)
         logits = decoder(estimate, previous, mask)
-        loss = F.cross_entropy(logits.flatten(0, -2), target.flatten())
+        per_pixel = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none")
+        loss = (per_pixel * weight.flatten()).sum() / weight.sum().clamp_min(1.0)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
