@@ -77,7 +77,7 @@ def small_weights(tmp_path: Path) -> Path:
 
 def train(tmp_path: Path, weights: Path, steps: int, *extra: str) -> int:
     argv = [
-        "--init-from", str(weights), "--channels", "4", "--pairs", "16", "--pair-batch", "2", "--clip-chunks", "2",
+        "--init-from", str(weights), "--channels", "4", "--pairs", "16", "--pair-batch", "2", "--clip-chunks", "3",
         "--steps", str(steps), "--batch-size", "2", "--worlds", "1", "--threads", "1", "--log-every", "1",
         "--out", str(tmp_path / "run"),
     ]  # fmt: skip
