@@ -119,3 +119,22 @@ def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
     runner.execute([TickRequest(session_id="s", request_id=9, controls={}, reset=True)])
     runner.close_session("s")
     assert "s" not in pipeline.session_ids()
+
+
+class EstimateLeaningFakeDecoder(torch.nn.Module):
+    """A fake decoder one logit surer of the estimate's class than of the previous frame's."""
+
+    def forward(self, estimate: torch.Tensor, previous: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        one_hot = torch.nn.functional.one_hot
+        return 2.0 * one_hot(nearest_class(estimate), NUM_CLASSES) + mask * one_hot(nearest_class(previous), NUM_CLASSES)
+
+
+@pytest.mark.parametrize("keep_logit", [0.0, 1.5])
+def test_keep_logit_keeps_what_the_viewer_has_seen_unless_the_decoder_is_surer(keep_logit: float) -> None:
+    shown, wandering = class_canvas(3), class_canvas(4)
+    cells = torch.tensor([[[5, 5]]])
+    decoded = decode_chunk(
+        EstimateLeaningFakeDecoder(), wandering[None, None], cells, shown[None], torch.tensor([[5, 5]]), CELL, keep_logit
+    )
+    expected = shown if keep_logit > 1 else wandering
+    assert torch.equal(nearest_class(decoded[0, 0]), nearest_class(expected))

@@ -107,6 +107,7 @@ def decode_chunk(
     previous: torch.Tensor | None,
     previous_cells: torch.Tensor | None,
     patch_size: int,
+    keep_logit: float = 0.0,
 ) -> torch.Tensor:
     """Decode a chunk's frames in order; returns palette canvases ``[B, F, C, C, 3]`` in [-1, 1].
 
@@ -114,7 +115,10 @@ def decode_chunk(
     ``[B, F, 2]`` each canvas's corner; ``previous``/``previous_cells`` the
     last decoded canvas of each row and its corner, or None at the start of a
     rollout (rows whose previous canvas is unknown may pass a far-away cell).
-    Frame ``f`` sees frame ``f - 1``'s decoded canvas.
+    Frame ``f`` sees frame ``f - 1``'s decoded canvas. ``keep_logit`` is
+    added to the logit of each pixel's previous class where the previous
+    frame exists: a pixel the viewer has seen changes only where the decoder
+    is that much surer of another class (the world is static).
     """
     palette = palette_canvas(estimates.device)
     b, frames = estimates.shape[:2]
@@ -126,6 +130,8 @@ def decode_chunk(
     for f in range(frames):
         shifted, mask = align_previous(previous, previous_cells, cells[:, f], patch_size)
         logits = decoder(estimates[:, f], shifted, mask)
+        if keep_logit:
+            logits = logits + keep_logit * mask * F.one_hot(nearest_class(shifted), NUM_CLASSES)
         previous = palette[logits.argmax(-1)]
         previous_cells = cells[:, f]
         decoded.append(previous)

@@ -80,6 +80,8 @@ class TinyWorldConfig:
     head_features: int = 8
     # channels of the frame decoder (decoder.py) turning x0 estimates into palette pictures; 0: none
     decoder_channels: int = 0
+    # added to the logit of a pixel's previous class where the previous frame exists (decoder.decode_chunk)
+    decoder_keep_logit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.canvas_size < self.image_size + self.patch_size - 1:

@@ -262,7 +262,9 @@ def sample_chunk(
     clean = estimate_chunk(model, kv, direction, cell_origins, generator)
     if cfg.decoder_channels:
         last, last_cells = previous if previous is not None else (None, None)
-        clean = decode_chunk(model.decoder, clean, cell_origins, last, last_cells, cfg.patch_size)
+        clean = decode_chunk(
+            model.decoder, clean, cell_origins, last, last_cells, cfg.patch_size, cfg.decoder_keep_logit
+        )
     commit_chunk(model, kv, clean, direction, cell_origins, generator)
     return clean
 
