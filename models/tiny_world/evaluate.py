@@ -46,7 +46,7 @@ from arstream.models.tiny_world.metrics import (
     total_variation,
 )
 from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
-from arstream.models.tiny_world.world import ProceduralWorld
+from arstream.models.tiny_world.world import CLASS_NAMES, CLASS_SHARES, ProceduralWorld
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import TickRequest
 
@@ -318,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
             f"  {name:<14} {quality['ground_truth'][name]:>12.3f} {quality['generated'][name]:>10.3f}"
             f"  {op} {bound} ({met})"
         )
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(CLASS_NAMES, quality["generated"]["class_shares"]))
+    print(f"  class shares (map: {', '.join(f'{n} {s:.0%}' for n, s in zip(CLASS_NAMES, CLASS_SHARES))}): {shares}")
     print(f"  contact sheets: {', '.join(str(p) for p in sheets)}")
     result = {
         "responsiveness": resp,

@@ -237,4 +237,6 @@ def picture_quality(rollouts: Iterable[np.ndarray], tolerance: float = 40.0) -> 
         "coherence": coherent / frames_seen,
         "grid_peak": float(np.nanmedian(all_peaks)) if not np.isnan(all_peaks).all() else float("nan"),
         "class_tv": total_variation(counts / counts.sum(), np.array(CLASS_SHARES)),
+        # water, sand, grass, forest, rock: what class_tv compares with the map's shares
+        "class_shares": [round(float(share), 4) for share in counts / counts.sum()],
     }

@@ -33,6 +33,7 @@ PALETTE = np.array(
     ],
     dtype=np.uint8,
 )
+CLASS_NAMES = ("water", "sand", "grass", "forest", "rock")
 # share of the map each class covers, in palette order
 CLASS_SHARES = (0.30, 0.08, 0.27, 0.20, 0.15)
 # terrain features span roughly 30-80 px: a 64 px view usually holds a boundary, and a
