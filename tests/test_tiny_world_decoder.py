@@ -79,7 +79,7 @@ def train(tmp_path: Path, weights: Path, steps: int, *extra: str) -> int:
     argv = [
         "--init-from", str(weights), "--channels", "4", "--pairs", "16", "--pair-batch", "2", "--clip-chunks", "3",
         "--steps", str(steps), "--batch-size", "2", "--worlds", "1", "--threads", "1", "--log-every", "1",
-        "--out", str(tmp_path / "run"),
+        "--calibrate-rounds", "1", "--calibrate-walks", "2", "--calibrate-chunks", "2", "--out", str(tmp_path / "run"),
     ]  # fmt: skip
     return train_decoder.main(argv + list(extra))
 
@@ -94,10 +94,13 @@ def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
     assert train(tmp_path, weights, 3, "--resume", "auto") == 0
     second = capsys.readouterr().out
     assert "pairs: 16 from" in second and "resumed at step 2" in second and "step 3/3 loss" in second
+    assert "calibration round 1:" in second  # after the last step only
+    assert "calibration" not in first
 
     run = tmp_path / "run"
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["decoder_channels"] == 4 and config["training"]["decoder"]["step"] == 3
+    assert config["model"]["decoder_keep_logit"] == 3.0 and len(config["model"]["decoder_class_bias"]) == 5
     pipeline = load_tiny_world("cpu", run / "tiny_world.safetensors")
     # the transformer is the one it was trained on, unchanged
     source = load_tiny_world("cpu", weights)

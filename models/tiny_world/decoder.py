@@ -24,6 +24,8 @@ ones beside them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,6 +110,7 @@ def decode_chunk(
     previous_cells: torch.Tensor | None,
     patch_size: int,
     keep_logit: float = 0.0,
+    class_bias: Sequence[float] = (),
 ) -> torch.Tensor:
     """Decode a chunk's frames in order; returns palette canvases ``[B, F, C, C, 3]`` in [-1, 1].
 
@@ -119,8 +122,12 @@ def decode_chunk(
     added to the logit of each pixel's previous class where the previous
     frame exists: a pixel the viewer has seen changes only where the decoder
     is that much surer of another class (the world is static).
+    ``class_bias`` (one value per class, or empty) is added to the logits
+    where it does not: the class prior of what the viewer has not seen yet,
+    fitted by :func:`arstream.models.tiny_world.train_decoder.calibrate`.
     """
     palette = palette_canvas(estimates.device)
+    bias = torch.tensor(class_bias, dtype=estimates.dtype, device=estimates.device) if class_bias else None
     b, frames = estimates.shape[:2]
     if previous is None or previous_cells is None:
         previous = torch.zeros_like(estimates[:, 0])
@@ -132,6 +139,8 @@ def decode_chunk(
         logits = decoder(estimates[:, f], shifted, mask)
         if keep_logit:
             logits = logits + keep_logit * mask * F.one_hot(nearest_class(shifted), NUM_CLASSES)
+        if bias is not None:
+            logits = logits + (1 - mask) * bias
         previous = palette[logits.argmax(-1)]
         previous_cells = cells[:, f]
         decoded.append(previous)

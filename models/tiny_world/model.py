@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arstream.models.tiny_world.decoder import FrameDecoder
+from arstream.models.tiny_world.decoder import NUM_CLASSES, FrameDecoder
 
 KVCallback = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -82,6 +82,8 @@ class TinyWorldConfig:
     decoder_channels: int = 0
     # added to the logit of a pixel's previous class where the previous frame exists (decoder.decode_chunk)
     decoder_keep_logit: float = 0.0
+    # per-class logit offsets where the previous frame does not reach (empty: none); see decoder.decode_chunk
+    decoder_class_bias: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.canvas_size < self.image_size + self.patch_size - 1:
@@ -102,6 +104,8 @@ class TinyWorldConfig:
             raise ValueError(f"head must be 'linear' or 'conv', got {self.head!r}")
         if self.decoder_channels < 0:
             raise ValueError(f"decoder_channels must be >= 0, got {self.decoder_channels}")
+        if self.decoder_class_bias and len(self.decoder_class_bias) != NUM_CLASSES:
+            raise ValueError(f"decoder_class_bias needs {NUM_CLASSES} values (one per class), got {self.decoder_class_bias}")
         if self.head_channels < 1 or self.head_features < 0:
             raise ValueError(
                 f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}"
@@ -130,6 +134,7 @@ class TinyWorldConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["denoise_times"] = list(self.denoise_times)
+        data["decoder_class_bias"] = list(self.decoder_class_bias)
         return data
 
     @classmethod
@@ -139,8 +144,9 @@ class TinyWorldConfig:
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; expected a subset of {sorted(known)}")
         values = dict(data)
-        if "denoise_times" in values:
-            values["denoise_times"] = tuple(float(t) for t in values["denoise_times"])
+        for name in ("denoise_times", "decoder_class_bias"):
+            if name in values:
+                values[name] = tuple(float(t) for t in values[name])
         return cls(**values)
 
 

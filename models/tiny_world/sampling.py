@@ -263,7 +263,14 @@ def sample_chunk(
     if cfg.decoder_channels:
         last, last_cells = previous if previous is not None else (None, None)
         clean = decode_chunk(
-            model.decoder, clean, cell_origins, last, last_cells, cfg.patch_size, cfg.decoder_keep_logit
+            model.decoder,
+            clean,
+            cell_origins,
+            last,
+            last_cells,
+            cfg.patch_size,
+            cfg.decoder_keep_logit,
+            cfg.decoder_class_bias,
         )
     commit_chunk(model, kv, clean, direction, cell_origins, generator)
     return clean

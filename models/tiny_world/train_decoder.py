@@ -41,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from arstream.app.cli import main_for
-from arstream.models.tiny_world.decoder import align_previous, nearest_class, palette_canvas
+from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
 from arstream.models.tiny_world.model import TinyWorldDiT
-from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk
+from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
 from arstream.models.tiny_world.train import TrajectorySampler, save_checkpoint
 from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, load_model, save_weights
+from arstream.models.tiny_world.world import CLASS_SHARES
 
 
 def make_pairs(model: TinyWorldDiT, sampler: TrajectorySampler, frames: int, chunks: int, batch: int, seed: int) -> dict[str, torch.Tensor]:
@@ -96,7 +97,12 @@ def dihedral(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def decoder_batch(
-    pairs: dict[str, torch.Tensor], index: torch.Tensor, drop_previous: float, unrelated: float, rng: torch.Generator
+    pairs: dict[str, torch.Tensor],
+    index: torch.Tensor,
+    drop_previous: float,
+    unrelated: float,
+    entering_weight: float,
+    rng: torch.Generator,
 ) -> tuple[torch.Tensor, ...]:
     """Inputs, target and loss weight of one batch (see the module docstring for the augmentations)."""
     palette = palette_canvas()
@@ -108,12 +114,59 @@ def decoder_batch(
     # decoder learns to keep it even when the transformer's estimate wanders (a still camera stays still).
     swap = torch.rand(len(index), generator=rng) < unrelated
     estimate[swap] = estimate.roll(1, 0)[swap]
-    known_only = known.clone()
+    weight = known[..., 0] + entering_weight * (1 - known[..., 0])
     # Others are shown without their previous frame, as at the start of a rollout.
     drop = (torch.rand(len(index), generator=rng) < drop_previous) & ~swap
     known[drop] = 0
     k = int(torch.randint(8, (1,), generator=rng))
-    return dihedral(estimate, k), dihedral(previous, k), dihedral(known, k), dihedral(target, k), dihedral(known_only[..., 0], k)
+    return dihedral(estimate, k), dihedral(previous, k), dihedral(known, k), dihedral(target, k), dihedral(weight, k)
+
+
+def rollout_class_shares(model: TinyWorldDiT, sampler: TrajectorySampler, walks: int, chunks: int, seed: int) -> np.ndarray:
+    """Class shares of every canvas the model generates (decoder included) along ``walks`` random walks."""
+    cfg = model.cfg
+    fpc = cfg.frames_per_chunk
+    trajectory = sampler.sample(walks, chunks, stale=False)
+    kv = DenseChunkKV(cfg, walks)
+    gen = torch.Generator().manual_seed(seed)
+    previous = None
+    counts = np.zeros(NUM_CLASSES)
+    with torch.inference_mode():
+        for c in range(chunks):
+            span = slice(c * fpc, (c + 1) * fpc)
+            cells = trajectory.cells[:, span]
+            canvases = sample_chunk(model, kv, trajectory.directions[:, span], cells, gen, previous)
+            previous = (canvases[:, -1], cells[:, -1])
+            counts += np.bincount(nearest_class(canvases).flatten().numpy(), minlength=NUM_CLASSES)
+    return counts / counts.sum()
+
+
+def calibrate(model: TinyWorldDiT, world_seeds: list[int], walks: int, chunks: int, rounds: int, seed: int) -> TinyWorldDiT:
+    """Fit the decoder's class prior for unseen content so that generated walks have the map's class shares.
+
+    The decoder is trained only where the estimate could know the truth, so
+    for content nobody has seen (cells entering the view, a rollout's first
+    frame) it draws whatever colour the transformer's uncertain estimate is
+    nearest to. Each round rolls out the same walks on training worlds and
+    moves each class's logit offset by the log ratio of the map's share to the
+    generated share; the offsets of the round with the smallest total
+    variation are kept.
+    """
+    target = np.array(CLASS_SHARES)
+    bias = np.zeros(NUM_CLASSES)
+    best: tuple[float, tuple[float, ...]] | None = None
+    for round_ in range(rounds + 1):
+        model.cfg = replace(model.cfg, decoder_class_bias=tuple(float(b) for b in bias))
+        sampler = TrajectorySampler(world_seeds, model.cfg, np.random.default_rng(seed), still_share=0.2)
+        shares = rollout_class_shares(model, sampler, walks, chunks, seed)
+        tv = 0.5 * float(np.abs(shares - target).sum())
+        print(f"calibration round {round_}: bias {np.round(bias, 2).tolist()} shares {np.round(shares, 3).tolist()} TV {tv:.3f}", flush=True)
+        if best is None or tv < best[0]:
+            best = (tv, model.cfg.decoder_class_bias)
+        bias = bias + np.log(target / np.maximum(shares, 1e-4))
+    assert best is not None
+    model.cfg = replace(model.cfg, decoder_class_bias=best[1])
+    return model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,7 +181,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--drop-previous", type=float, default=0.15, help="share of frames trained without a previous frame")
+    p.add_argument(
+        "--entering-weight",
+        type=float,
+        default=0.0,
+        help="loss weight of cells entering the view (their truth is partly a guess; 1: weighed like the rest)",
+    )
     p.add_argument("--unrelated", type=float, default=0.3, help="share of frames trained with another frame's estimate")
+    p.add_argument("--keep-logit", type=float, default=3.0, help="decoder_keep_logit of the exported model")
+    p.add_argument("--calibrate-rounds", type=int, default=4, help="rounds fitting the class prior of unseen content (0: none)")
+    p.add_argument("--calibrate-walks", type=int, default=24, help="walks per calibration round")
+    p.add_argument("--calibrate-chunks", type=int, default=40, help="chunks per calibration walk")
     p.add_argument("--still-share", type=float, default=0.2, help="share of walk segments with no key held")
     p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
     p.add_argument("--seed", type=int, default=0)
@@ -193,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
         for group in optimiser.param_groups:
             group["lr"] = lr
         index = torch.randint(count, (args.batch_size,), generator=rng)
-        estimate, previous, mask, target, weight = decoder_batch(pairs, index, args.drop_previous, args.unrelated, rng)
+        estimate, previous, mask, target, weight = decoder_batch(
+            pairs, index, args.drop_previous, args.unrelated, args.entering_weight, rng
+        )
         logits = decoder(estimate, previous, mask)
         per_pixel = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none")
         loss = (per_pixel * weight.flatten()).sum() / weight.sum().clamp_min(1.0)
@@ -210,8 +275,12 @@ def run(args: argparse.Namespace) -> int:
             checkpoint()
             last_checkpoint = time.perf_counter()
     checkpoint()
-    meta = {**training, "decoder": {"step": step, "pairs": count, "channels": args.channels, "init_from": str(args.init_from)}}
     model.eval()
+    model.cfg = replace(model.cfg, decoder_keep_logit=args.keep_logit)
+    if args.calibrate_rounds and step >= args.steps:  # the finished model, not a --stop-at or interrupted one
+        worlds = list(range(1000, 1000 + args.worlds))
+        calibrate(model, worlds, args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
+    meta = {**training, "decoder": {"step": step, "pairs": count, "channels": args.channels, "init_from": str(args.init_from)}}
     save_weights(model, args.out / "tiny_world.safetensors", args.out / "config.json", meta)
     print(f"exported {args.out / 'tiny_world.safetensors'} at step {step}", flush=True)
     return 0
