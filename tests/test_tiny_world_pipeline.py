@@ -101,6 +101,7 @@ def test_paged_runner_matches_a_dense_reference(pipeline: TinyWorldPipeline, run
     generator = torch.Generator().manual_seed(11)
     x = y = 0
     dense = []
+    previous = None  # the frame decoder's last canvas and its cell, carried from chunk to chunk as the pipeline does
     with torch.inference_mode():
         for keys in KEYS_SEQUENCE:
             directions = torch.full((1, cfg.frames_per_chunk), direction_index(keys))
@@ -109,7 +110,8 @@ def test_paged_runner_matches_a_dense_reference(pipeline: TinyWorldPipeline, run
                 x, y = x + velocity(keys)[0], y + velocity(keys)[1]
                 geometry.append(canvas_origin(x, y, cfg.patch_size))
             cells = torch.tensor([[(g[0], g[1]) for g in geometry]])
-            canvases = sample_chunk(pipeline.model, kv, directions, cells, generator)[0]
+            canvases = sample_chunk(pipeline.model, kv, directions, cells, generator, previous)[0]
+            previous = (canvases[None, -1], cells[:, -1])
             dense.extend(to_uint8(crop_view(c, g[2], g[3], cfg.image_size)).numpy() for c, g in zip(canvases, geometry))
     assert np.array_equal(paged, np.stack(dense))
 
