@@ -248,3 +248,28 @@ def test_bench_serve_reports_bytes_and_encode_time_per_frame(codec: str, capsys:
     else:
         assert 0 < summary["bytes_per_frame"] < 64 * 48 * 3 / 4
     assert 1 <= summary["server_sessions_per_round"] <= summary["full_round_sessions"] == 2
+
+
+def palette_picture(height: int, width: int) -> np.ndarray:
+    """Two flat colours split by a diagonal edge: what a palette world's frame is made of."""
+    rows, cols = np.mgrid[:height, :width]
+    picture = np.empty((height, width, 3), np.uint8)
+    picture[...] = (38, 84, 170)
+    picture[rows * width > cols * height] = (222, 200, 130)
+    return picture
+
+
+@pytest.mark.parametrize(("height", "width", "full_chroma"), [(64, 64, True), (128, 128, True), (352, 640, False)])
+def test_small_jpeg_frames_keep_full_chroma(height: int, width: int, full_chroma: bool) -> None:
+    import simplejpeg
+
+    picture = palette_picture(height, width)
+    payload = wire.encode_frame(picture, wire.Codec.JPEG, 80)
+    decoded = simplejpeg.decode_jpeg(payload)
+    # the chroma subsampling the JPEG header states
+    header = simplejpeg.decode_jpeg_header(payload)
+    assert header[:2] == (height, width)
+    assert (header[3] == "444") == full_chroma, header
+    if full_chroma:  # the edge keeps its colours: no blend of the two along it
+        off = np.abs(decoded.astype(int) - picture.astype(int)).max(axis=-1) > 40
+        assert off.mean() < 0.02
