@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from arstream.app.cli import main_for
 from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
+from arstream.models.tiny_world.metrics import total_variation
 from arstream.models.tiny_world.model import TinyWorldDiT
 from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
 from arstream.models.tiny_world.train import TrajectorySampler, save_checkpoint
@@ -49,7 +50,9 @@ from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, load_model, save
 from arstream.models.tiny_world.world import CLASS_SHARES
 
 
-def make_pairs(model: TinyWorldDiT, sampler: TrajectorySampler, frames: int, chunks: int, batch: int, seed: int) -> dict[str, torch.Tensor]:
+def make_pairs(
+    model: TinyWorldDiT, sampler: TrajectorySampler, frames: int, chunks: int, batch: int, seed: int
+) -> dict[str, torch.Tensor]:
     """``frames`` training frames: the sampler's estimate, the previous ground truth moved into place, mask, target."""
     cfg = model.cfg
     gen = torch.Generator().manual_seed(seed)
@@ -122,7 +125,9 @@ def decoder_batch(
     return dihedral(estimate, k), dihedral(previous, k), dihedral(known, k), dihedral(target, k), dihedral(weight, k)
 
 
-def rollout_class_shares(model: TinyWorldDiT, sampler: TrajectorySampler, walks: int, chunks: int, seed: int) -> np.ndarray:
+def rollout_class_shares(
+    model: TinyWorldDiT, sampler: TrajectorySampler, walks: int, chunks: int, seed: int
+) -> np.ndarray:
     """Class shares of every canvas the model generates (decoder included) along ``walks`` random walks."""
     cfg = model.cfg
     fpc = cfg.frames_per_chunk
@@ -141,7 +146,9 @@ def rollout_class_shares(model: TinyWorldDiT, sampler: TrajectorySampler, walks:
     return counts / counts.sum()
 
 
-def calibrate(model: TinyWorldDiT, world_seeds: list[int], walks: int, chunks: int, rounds: int, seed: int) -> TinyWorldDiT:
+def calibrate(
+    model: TinyWorldDiT, world_seeds: list[int], walks: int, chunks: int, rounds: int, seed: int
+) -> TinyWorldDiT:
     """Fit the decoder's class prior for unseen content so that generated walks have the map's class shares.
 
     The decoder is trained only where the estimate could know the truth, so
@@ -159,8 +166,12 @@ def calibrate(model: TinyWorldDiT, world_seeds: list[int], walks: int, chunks: i
         model.cfg = replace(model.cfg, decoder_class_bias=tuple(float(b) for b in bias))
         sampler = TrajectorySampler(world_seeds, model.cfg, np.random.default_rng(seed), still_share=0.2)
         shares = rollout_class_shares(model, sampler, walks, chunks, seed)
-        tv = 0.5 * float(np.abs(shares - target).sum())
-        print(f"calibration round {round_}: bias {np.round(bias, 2).tolist()} shares {np.round(shares, 3).tolist()} TV {tv:.3f}", flush=True)
+        tv = total_variation(shares, target)
+        print(
+            f"calibration round {round_}: bias {np.round(bias, 2).tolist()} "
+            f"shares {np.round(shares, 3).tolist()} TV {tv:.3f}",
+            flush=True,
+        )
         if best is None or tv < best[0]:
             best = (tv, model.cfg.decoder_class_bias)
         bias = bias + np.log(target / np.maximum(shares, 1e-4))
@@ -173,10 +184,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.add_argument("--init-from", type=Path, default=DEFAULT_WEIGHTS, help="transformer weights (default: shipped)")
     p.add_argument("--channels", type=int, default=16, help="decoder width (default 16)")
-    p.add_argument("--pairs", type=int, default=4096, help="training frames to make (default 4096)")
+    p.add_argument("--pairs", type=int, default=8192, help="training frames to make (default 8192, as shipped)")
     p.add_argument("--clip-chunks", type=int, default=5, help="chunks per camera walk when making pairs (>= 2)")
     p.add_argument("--pair-batch", type=int, default=16, help="walks per batched sampler call when making pairs")
-    p.add_argument("--steps", type=int, default=1500, help="total optimiser steps (the learning-rate schedule's length)")
+    p.add_argument("--steps", type=int, default=2500, help="total optimiser steps (the learning-rate schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step (to resume later)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -189,7 +200,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--unrelated", type=float, default=0.3, help="share of frames trained with another frame's estimate")
     p.add_argument("--keep-logit", type=float, default=3.0, help="decoder_keep_logit of the exported model")
-    p.add_argument("--calibrate-rounds", type=int, default=4, help="rounds fitting the class prior of unseen content (0: none)")
+    p.add_argument(
+        "--calibrate-rounds",
+        type=int,
+        default=2,
+        help="rounds fitting the class prior of unseen content (default 2, as shipped; 0: none)",
+    )
     p.add_argument("--calibrate-walks", type=int, default=24, help="walks per calibration round")
     p.add_argument("--calibrate-chunks", type=int, default=40, help="chunks per calibration walk")
     p.add_argument("--still-share", type=float, default=0.2, help="share of walk segments with no key held")
@@ -280,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_rounds and step >= args.steps:  # the finished model, not a --stop-at or interrupted one
         worlds = list(range(1000, 1000 + args.worlds))
         calibrate(model, worlds, args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
-    meta = {**training, "decoder": {"step": step, "pairs": count, "channels": args.channels, "init_from": str(args.init_from)}}
+    decoder_meta = {"step": step, "pairs": count, "channels": args.channels, "calibrate_rounds": args.calibrate_rounds}
+    meta = {**training, "decoder": {**decoder_meta, "init_from": str(args.init_from)}}
     save_weights(model, args.out / "tiny_world.safetensors", args.out / "config.json", meta)
     print(f"exported {args.out / 'tiny_world.safetensors'} at step {step}", flush=True)
     return 0
