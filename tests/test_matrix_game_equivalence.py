@@ -73,31 +73,28 @@ def test_paged_chunks_equal_the_dense_block_causal_reference(pipeline: MatrixGam
     assert not torch.allclose(other[-1], paged["a"][-1], atol=1e-2)
 
 
-def test_a_window_with_less_history_than_a_chunk_equals_the_reference() -> None:
-    """The GTA variant's window: 4 frames including the 3-frame chunk, so one frame of history."""
-    pipeline = build(get_config("tiny", local_attn_size=4))
+def assert_session_a_matches_the_reference(pipeline: MatrixGamePipeline) -> ARRunner:
+    """Roll session "a" through the paged runner; each chunk's latents equal the dense reference's."""
     runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
     latents = []
     for c in range(CHUNKS):
         runner.execute_tick(tick("a", c, SEEDS["a"]))
         latents.append(pipeline.last_latents["a"].clone())
-    assert runner.history_frames("a") == 1
     reference = dense_rollout(pipeline, [controls_for("a", c) for c in range(CHUNKS)], SEEDS["a"])
     for got, want in zip(latents, reference, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return runner
+
+
+def test_a_window_with_less_history_than_a_chunk_equals_the_reference() -> None:
+    """The GTA variant's window: 4 frames including the 3-frame chunk, so one frame of history."""
+    runner = assert_session_a_matches_the_reference(build(get_config("tiny", local_attn_size=4)))
+    assert runner.history_frames("a") == 1
 
 
 def test_positions_past_the_rotary_table_keep_every_distance_in_the_window() -> None:
     """A 9-frame rotary table and 18 frames: the runner shifts positions, the attention is unchanged."""
-    pipeline = build(get_config("tiny", rope_frames=9))
-    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
-    latents = []
-    for c in range(CHUNKS):
-        runner.execute_tick(tick("a", c, SEEDS["a"]))
-        latents.append(pipeline.last_latents["a"].clone())
-    reference = dense_rollout(pipeline, [controls_for("a", c) for c in range(CHUNKS)], SEEDS["a"])
-    for got, want in zip(latents, reference, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_session_a_matches_the_reference(build(get_config("tiny", rope_frames=9)))
 
 
 def test_first_chunk_has_9_video_frames_then_12(pipeline: MatrixGamePipeline) -> None:

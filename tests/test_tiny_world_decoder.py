@@ -93,7 +93,7 @@ def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
     assert "pairs 16/16" in first and "step 2/3 loss" in first and "step 3/3" not in first
     assert train(tmp_path, weights, 3, "--resume", "auto") == 0
     second = capsys.readouterr().out
-    assert "pairs: 16 from" in second and "resumed at step 2" in second and "step 3/3 loss" in second
+    assert "pairs: 16 from" in second and "checkpoint.pt at step 2" in second and "step 3/3 loss" in second
     assert "calibration round 1:" in second  # after the last step only
     assert "calibration" not in first
 

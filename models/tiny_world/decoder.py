@@ -102,6 +102,17 @@ def align_previous(
     return shifted, mask
 
 
+def blank_previous(cells: torch.Tensor, canvas_size: int, patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """"No previous frame" for rows whose first canvas corners are ``cells`` ``[B, 2]``.
+
+    A blank canvas placed beyond a canvas's reach, so :func:`align_previous`
+    masks all of it: the first frame is decoded from the estimate alone.
+    """
+    far = canvas_size // patch_size + 1
+    blank = torch.zeros(cells.shape[0], canvas_size, canvas_size, 3, device=cells.device)
+    return blank, cells + far
+
+
 def decode_chunk(
     decoder: FrameDecoder,
     estimates: torch.Tensor,
@@ -117,7 +128,7 @@ def decode_chunk(
     ``estimates`` ``[B, F, C, C, 3]`` the transformer's x0, ``cells``
     ``[B, F, 2]`` each canvas's corner; ``previous``/``previous_cells`` the
     last decoded canvas of each row and its corner, or None at the start of a
-    rollout (rows whose previous canvas is unknown may pass a far-away cell).
+    rollout (rows without one in a batch that has some: :func:`blank_previous`).
     Frame ``f`` sees frame ``f - 1``'s decoded canvas. ``keep_logit`` is
     added to the logit of each pixel's previous class where the previous
     frame exists: a pixel the viewer has seen changes only where the decoder
@@ -128,13 +139,10 @@ def decode_chunk(
     """
     palette = palette_canvas(estimates.device)
     bias = torch.tensor(class_bias, dtype=estimates.dtype, device=estimates.device) if class_bias else None
-    b, frames = estimates.shape[:2]
     if previous is None or previous_cells is None:
-        previous = torch.zeros_like(estimates[:, 0])
-        far = estimates.shape[2] // patch_size + 1
-        previous_cells = cells[:, 0] + far
+        previous, previous_cells = blank_previous(cells[:, 0], estimates.shape[2], patch_size)
     decoded = []
-    for f in range(frames):
+    for f in range(estimates.shape[1]):
         shifted, mask = align_previous(previous, previous_cells, cells[:, f], patch_size)
         logits = decoder(estimates[:, f], shifted, mask)
         if keep_logit:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from arstream.models.tiny_world.decoder import blank_previous
 from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.sampling import (
     ChunkKV,
@@ -166,26 +167,27 @@ class TinyWorldPipeline(SessionStateBinding):
             raise
         for row, plan in enumerate(plans):
             if self.cfg.decoder_channels:
-                plan.session.last_canvas, plan.session.last_cell = canvases[row, -1], plan.cells[-1]
+                # a copy: a view would keep the whole batch's canvases alive as long as this session
+                plan.session.last_canvas, plan.session.last_cell = canvases[row, -1].clone(), plan.cells[-1]
             plan.session.controls = plan.controls
             plan.session.camera_x, plan.session.camera_y = plan.camera_x, plan.camera_y
             self._sessions[plan.session_id] = plan.session
         return chunks
 
     def _previous(self, plans: Sequence[_ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's last decoded canvas and its cell; a row starting a rollout gets a blank canvas far away."""
-        size = self.cfg.canvas_size
-        far = self.cfg.canvas_cells + 1
+        """Each row's last decoded canvas and its cell; a row starting a rollout gets none (a blank one)."""
         canvases, cells = [], []
         for plan in plans:
-            s = plan.session
-            if s.last_canvas is None or s.last_cell is None:
-                canvases.append(torch.zeros(size, size, 3, device=self.device))
-                cells.append((plan.cells[0][0] + far, plan.cells[0][1] + far))
+            session = plan.session
+            if session.last_canvas is None or session.last_cell is None:
+                first = torch.tensor([plan.cells[0]], dtype=torch.long, device=self.device)
+                blank, far = blank_previous(first, self.cfg.canvas_size, self.cfg.patch_size)
+                canvases.append(blank[0])
+                cells.append(far[0])
             else:
-                canvases.append(s.last_canvas)
-                cells.append(s.last_cell)
-        return torch.stack(canvases), torch.tensor(cells, dtype=torch.long, device=self.device)
+                canvases.append(session.last_canvas)
+                cells.append(torch.tensor(session.last_cell, dtype=torch.long, device=self.device))
+        return torch.stack(canvases), torch.stack(cells)
 
     def _views(self, canvases: torch.Tensor, plan: _ChunkPlan) -> np.ndarray:
         """The camera's uint8 views ``[F, H, W, 3]`` cropped out of one row's canvases ``[F, C, C, 3]``."""

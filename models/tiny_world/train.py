@@ -270,6 +270,45 @@ def self_forcing_loss(
     return torch.stack(losses).mean()
 
 
+FIRST_TRAINING_WORLD = 1000  # training worlds are seeds 1000, 1001, ...; evaluation uses seeds below
+
+
+def training_worlds(count: int) -> list[int]:
+    return list(range(FIRST_TRAINING_WORLD, FIRST_TRAINING_WORLD + count))
+
+
+class StopOnSignal:
+    """Set by SIGTERM or SIGINT: the training loop checkpoints and exits after its current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._request)
+        signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum: int, _frame: Any) -> None:
+        self.requested = True
+
+
+def resume_path(resume: Path | None, out: Path) -> Path | None:
+    """The checkpoint ``--resume`` names: a path, or 'auto' for OUT/checkpoint.pt when it exists."""
+    if resume is not None and str(resume) == "auto":
+        auto = out / "checkpoint.pt"
+        return auto if auto.exists() else None
+    return resume
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, out: Path, log_every: int) -> None:
+    """The options every tiny-world trainer shares: worlds, seeds, threads, output, checkpoints, logging."""
+    p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
+    p.add_argument("--still-share", type=float, default=0.2, help="share of trajectory segments with no key held")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from ('auto': OUT/checkpoint.pt if present)")
+    p.add_argument("--checkpoint-every-s", type=float, default=240.0)
+    p.add_argument("--log-every", type=int, default=log_every)
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -294,14 +333,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=4e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--ema", type=float, default=0.998)
-    p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="torch device to train on (default cpu; e.g. cuda)")
-    p.add_argument("--out", type=Path, default=Path("checkpoints/tiny_world"))
-    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from ('auto': OUT/checkpoint.pt if present)")
-    p.add_argument("--checkpoint-every-s", type=float, default=240.0)
-    p.add_argument("--log-every", type=int, default=10)
+    add_run_arguments(p, out=Path("checkpoints/tiny_world"), log_every=10)
     p.add_argument(
         "--snapshot-every", type=int, default=0, help="also export the EMA weights to OUT/snapshots/step-N every N"
     )
@@ -316,7 +349,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--head-lr", type=float, default=None, help="learning rate of layers --init-from lacks (default --lr)"
     )
     p.add_argument("--class-loss", type=float, default=0.0, help="weight of the per-pixel palette-class cross-entropy")
-    p.add_argument("--still-share", type=float, default=0.2, help="share of trajectory segments with no key held")
 
 
 def init_from(model: TinyWorldDiT, weights: Path) -> set[str]:
@@ -374,10 +406,7 @@ def run(args: argparse.Namespace) -> int:
     step = 0
     train_seconds = 0.0
 
-    resume = args.resume
-    if resume is not None and str(resume) == "auto":
-        resume = args.out / "checkpoint.pt"
-        resume = resume if resume.exists() else None
+    resume = resume_path(args.resume, args.out)
     if resume is not None:
         ckpt = torch.load(resume, weights_only=False, map_location="cpu")  # load_state_dict copies to the device
         if ckpt["config"] != cfg.to_dict():
@@ -392,18 +421,12 @@ def run(args: argparse.Namespace) -> int:
         train_seconds = ckpt["train_seconds"]
         print(f"resumed from {resume} at step {step} ({train_seconds / 60:.1f} min trained)", flush=True)
 
-    sampler = TrajectorySampler(list(range(1000, 1000 + args.worlds)), cfg, rng, args.still_share)
+    sampler = TrajectorySampler(training_worlds(args.worlds), cfg, rng, args.still_share)
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-world: {params / 1e6:.2f} M parameters, config {json.dumps(cfg.to_dict())}", flush=True)
     print(f"training: {json.dumps({k: str(v) for k, v in vars(args).items()})}", flush=True)
 
-    stop = {"now": False}
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = StopOnSignal()
 
     def checkpoint() -> None:
         state = {
@@ -426,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     last_ckpt = time.perf_counter()
     recent: list[float] = []
     last_step = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
-    while step < last_step and not stop["now"]:
+    while step < last_step and not stop.requested:
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args) * group["lr_scale"]

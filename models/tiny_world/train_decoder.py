@@ -29,12 +29,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +43,14 @@ from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, near
 from arstream.models.tiny_world.metrics import total_variation
 from arstream.models.tiny_world.model import TinyWorldDiT
 from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
-from arstream.models.tiny_world.train import TrajectorySampler, save_checkpoint
+from arstream.models.tiny_world.train import (
+    StopOnSignal,
+    TrajectorySampler,
+    add_run_arguments,
+    resume_path,
+    save_checkpoint,
+    training_worlds,
+)
 from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, load_model, save_weights
 from arstream.models.tiny_world.world import CLASS_SHARES
 
@@ -208,14 +213,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calibrate-walks", type=int, default=24, help="walks per calibration round")
     p.add_argument("--calibrate-chunks", type=int, default=40, help="chunks per calibration walk")
-    p.add_argument("--still-share", type=float, default=0.2, help="share of walk segments with no key held")
-    p.add_argument("--worlds", type=int, default=48, help="number of seeded training worlds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("checkpoints/tiny_world_decoder"))
-    p.add_argument("--resume", default=None, help="'auto': continue from OUT/checkpoint.pt if present")
-    p.add_argument("--checkpoint-every-s", type=float, default=240.0)
-    p.add_argument("--log-every", type=int, default=25)
+    add_run_arguments(p, out=Path("checkpoints/tiny_world_decoder"), log_every=25)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,39 +233,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"pairs: {len(pairs['target'])} from {pairs_path}", flush=True)
     else:
         rng = np.random.default_rng(args.seed)
-        sampler = TrajectorySampler(list(range(1000, 1000 + args.worlds)), cfg, rng, args.still_share)
+        sampler = TrajectorySampler(training_worlds(args.worlds), cfg, rng, args.still_share)
         pairs = make_pairs(transformer, sampler, args.pairs, args.clip_chunks, args.pair_batch, args.seed)
         save_checkpoint(pairs_path, pairs)
     optimiser = torch.optim.AdamW(decoder.parameters(), lr=args.lr, weight_decay=0.0)
     rng = torch.Generator().manual_seed(args.seed + 1)
     step = 0
-    checkpoint_path = args.out / "checkpoint.pt"
-    if args.resume == "auto" and checkpoint_path.is_file():
-        state = torch.load(checkpoint_path)
+    resume = resume_path(args.resume, args.out)
+    if resume is not None:
+        state = torch.load(resume)
         decoder.load_state_dict(state["decoder"])
         optimiser.load_state_dict(state["optimiser"])
         rng.set_state(state["rng"])
         step = state["step"]
-        print(f"resumed at step {step}", flush=True)
-
-    stop = False
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+        print(f"resumed from {resume} at step {step}", flush=True)
+    stop = StopOnSignal()
 
     def checkpoint() -> None:
         state = {"decoder": decoder.state_dict(), "optimiser": optimiser.state_dict(), "rng": rng.get_state(), "step": step}
-        save_checkpoint(checkpoint_path, state)
+        save_checkpoint(args.out / "checkpoint.pt", state)
 
     count = len(pairs["target"])
     last_checkpoint = started = time.perf_counter()
     running = 0.0
     last_step = min(args.steps, args.stop_at or args.steps)
-    while step < last_step and not stop:
+    while step < last_step and not stop.requested:
         lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimiser.param_groups:
             group["lr"] = lr
@@ -294,8 +284,7 @@ def run(args: argparse.Namespace) -> int:
     model.eval()
     model.cfg = replace(model.cfg, decoder_keep_logit=args.keep_logit)
     if args.calibrate_rounds and step >= args.steps:  # the finished model, not a --stop-at or interrupted one
-        worlds = list(range(1000, 1000 + args.worlds))
-        calibrate(model, worlds, args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
+        calibrate(model, training_worlds(args.worlds), args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
     decoder_meta = {"step": step, "pairs": count, "channels": args.channels, "calibrate_rounds": args.calibrate_rounds}
     meta = {**training, "decoder": {**decoder_meta, "init_from": str(args.init_from)}}
     save_weights(model, args.out / "tiny_world.safetensors", args.out / "config.json", meta)
