@@ -4,7 +4,9 @@
 
 It starts a real server (``python -m arstream serve --port 0``) as a
 subprocess, opens N concurrent sessions over loopback that pace themselves like
-real clients (at most two ticks in flight, an ``input`` every few ticks), and
+real clients (at most two ticks in flight, an ``input`` every few ticks; all
+of them connect and start before the first tick, so the rate is that of N
+sessions ticking, not of connections being made), and
 then, with the server idle, runs the same number of chunks of the same model
 through a bare :class:`arstream.runner.runner.ARRunner` built in this process. The ratio
 of the two chunk throughputs is the server's overhead in one number: 1.0 means
@@ -159,13 +161,23 @@ class SessionFigures:
         return self.frames / (self.last_frame_at - self.first_tick_at)
 
 
-async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) -> SessionFigures:
-    """Run ``chunks`` ticks with at most two in flight; press a different key every ``input_every`` ticks."""
+async def paced_session(
+    url: str, *, chunks: int, input_every: int, codec: str, all_started: asyncio.Barrier | None = None
+) -> SessionFigures:
+    """Run ``chunks`` ticks with at most two in flight; press a different key every ``input_every`` ticks.
+
+    With ``all_started``, the session waits there after its ``start`` until every
+    session of the phase has started, so that throughput is measured with all
+    of them ticking (connecting is in ``time_to_first_frame_s``, not in chunks/s).
+    """
     connect_started = time.perf_counter()
     async with websockets.connect(url, max_size=MAX_MESSAGE_BYTES) as ws:
         session = SessionClient(ws, decode=False)
         await session.start(codec=codec)
         keys = control_keys(session.model)
+        started_after = time.perf_counter() - connect_started
+        if all_started is not None:
+            await all_started.wait()
         in_flight_limit = min(TICKS_IN_FLIGHT, session.max_pending_ticks)
         first_tick_at = time.perf_counter()
         sent = received = frames = payload_bytes = 0
@@ -191,7 +203,8 @@ async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) 
         frames=frames,
         first_tick_at=first_tick_at,
         last_frame_at=last_frame_at,
-        time_to_first_frame_s=session.first_frame_at - connect_started,
+        # connect and start, then the first tick to its first frame (the wait for the other sessions left out)
+        time_to_first_frame_s=started_after + session.first_frame_at - first_tick_at,
         chunk_latencies_s=session.chunk_latencies_s,
         action_to_frame_s=session.action_to_frame_s,
         payload_bytes=payload_bytes,
@@ -200,15 +213,24 @@ async def paced_session(url: str, *, chunks: int, input_every: int, codec: str) 
 
 
 async def server_phase(url: str, *, sessions: int, chunks: int, input_every: int, codec: str) -> list[SessionFigures]:
+    """``sessions`` paced sessions that connect and start, then tick together (like the bare runner's rounds)."""
+    all_started = asyncio.Barrier(sessions)
     return list(
         await asyncio.gather(
-            *(paced_session(url, chunks=chunks, input_every=input_every, codec=codec) for _ in range(sessions))
+            *(
+                paced_session(url, chunks=chunks, input_every=input_every, codec=codec, all_started=all_started)
+                for _ in range(sessions)
+            )
         )
     )
 
 
 def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
-    """All sessions' chunks over the wall time from the first tick sent to the last frame received."""
+    """All sessions' chunks over the wall time from the first tick sent to the last frame received.
+
+    Every session has started before the first tick (``server_phase``), so this is the
+    steady rate of a full server, as the bare runner's is of its full rounds.
+    """
     started = min(f.first_tick_at for f in figures)
     ended = max(f.last_frame_at for f in figures)
     return sum(f.chunks for f in figures) / (ended - started)

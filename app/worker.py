@@ -279,6 +279,8 @@ class ModelWorker:
             # Warm-up's round time per batch size: realtime admission's first figures (a runtime without may omit it).
             for sessions, seconds in getattr(self.runner, "warmup_round_s", {}).items():
                 self.round_times.record(sessions, seconds)
+            # What a first round from idle waits against (_wait_for_stragglers), until rounds are measured.
+            self._last_round_s = getattr(self.runner, "warmup_round_s", {}).get(1, 0.0)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
             log.exception("model failed to load")
@@ -317,13 +319,19 @@ class ModelWorker:
         the stragglers alone. Waiting up to ``batch_wait_fraction`` of the last
         round's time for them (while the batch has room) costs little; a session
         that really stopped sending is out of the next round and so is not
-        waited for again. Called with the lock held.
+        waited for again. A round that starts from idle (nobody in the last
+        round: the server's first round, or everyone had left) waits that long
+        for others' first ticks. Called with the lock held.
         """
-        if not self._batch_wait_fraction or self.runner is None or not self._last_round:
+        if not self._batch_wait_fraction or self.runner is None:
             return
         deadline = time.monotonic() + self._batch_wait_fraction * self._last_round_s
         while not (self._stopping or self._controls) and len(self._ready_order) < self.runner.batch_limit:
-            if self._last_round.issubset(self._ready_order):
+            # From idle (no last round), wait the whole moment: sessions that start together (a burst of
+            # new clients, or of resumes after a restart) share their first forward. Had the first one
+            # run alone, the rest would be a chunk behind it, and sessions whose histories differ in
+            # length cannot share a forward until their windows are full: every round would run twice.
+            if self._last_round and self._last_round.issubset(self._ready_order):
                 return
             left = deadline - time.monotonic()
             if left <= 0:

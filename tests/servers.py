@@ -229,13 +229,24 @@ async def with_worker(
     encode_threads: int | None = None,
     max_batch_sessions: int = 1,
     batch_wait_fraction: float = 0.0,
+    warmup: bool = False,
 ) -> Any:
-    """Run BODY(worker, outcomes) against a started ModelWorker over PIPELINE (1 MiB KV); stop it after."""
+    """Run BODY(worker, outcomes) against a started ModelWorker over PIPELINE (1 MiB KV); stop it after.
+
+    With ``warmup`` the runner is warmed up first, as the server's is.
+    """
     loop = asyncio.get_running_loop()
     outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
     loaded: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def build_runner() -> ARRunner:
+        runner = runner_class(pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=max_batch_sessions)
+        if warmup:
+            runner.warmup()
+        return runner
+
     worker = ModelWorker(
-        lambda: runner_class(pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=max_batch_sessions),
+        build_runner,
         loop=loop,
         deliver=outcomes.put_nowait,
         on_ready=loaded.set_result,

@@ -224,3 +224,33 @@ def test_a_round_waits_a_moment_for_the_last_rounds_sessions(wait_fraction: floa
         assert later == [["s-a", "s-b"]]  # waited up to 0.5 s for s-b: one forward
     else:
         assert later == [["s-a"], ["s-b"]]  # ran s-a at once: a partial round, then s-b alone
+
+
+@pytest.mark.parametrize("wait_fraction", [0.0, 1.0])
+def test_sessions_starting_together_share_their_first_forward(wait_fraction: float) -> None:
+    """From idle, the first round waits a moment for other first ticks; running the first alone would
+    leave the second a chunk behind, and sessions whose histories differ cannot share a forward."""
+    pipeline = RoundRecordingFakePipeline(compute_delay_s=0.2)
+    sessions = {name: make_session(name) for name in ("s-a", "s-b")}
+
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> list[list[str]]:
+        for tick_id in range(2):
+            worker.submit(sessions["s-a"].accept_tick(TickMessage(type="tick", tick_id=tick_id)))
+            if tick_id == 0:
+                await asyncio.sleep(0.05)  # s-b connects a moment later
+                worker.submit(sessions["s-b"].accept_tick(TickMessage(type="tick", tick_id=0)))
+            else:
+                worker.submit(sessions["s-b"].accept_tick(TickMessage(type="tick", tick_id=1)))
+        for _ in range(4):
+            await asyncio.wait_for(outcomes.get(), GUARD_S)
+        return pipeline.rounds
+
+    # Warmed up as the server is: the warm-up's round time (0.2 s) is what the first round waits against.
+    rounds = asyncio.run(
+        with_worker(pipeline, body, max_batch_sessions=2, batch_wait_fraction=wait_fraction, warmup=True)
+    )
+    if wait_fraction:
+        assert rounds == [["s-a", "s-b"], ["s-a", "s-b"]]  # one forward per round
+    else:
+        # s-a ran alone; then s-a (a chunk of history) and s-b (none) could not share a forward
+        assert sorted(rounds) == [["s-a"], ["s-a"], ["s-b"], ["s-b"]]
