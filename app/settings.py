@@ -90,7 +90,7 @@ class Settings(BaseSettings):
         "is not split in two (batched sessions only; 0: never wait)",
     )
     encoder_nice: int = Field(
-        5,
+        10,
         ge=0,
         le=19,
         description="steps of CPU niceness the encoder threads run below the model worker, so the worker gets a core "
