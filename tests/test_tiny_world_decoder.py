@@ -68,6 +68,27 @@ def test_decode_chunk_decodes_frames_in_order_into_palette_colours() -> None:
     assert torch.equal(carried[0, 0, :, CELL:], decoded[0, 1, :, : SIZE - CELL])
 
 
+def test_unseen_window_smooths_new_content_and_keeps_what_was_seen() -> None:
+    """Where the previous frame does not reach, a pixel takes its neighbourhood's most likely class."""
+    canvas = torch.zeros(1, 1, SIZE, SIZE, 3)
+    speckled = canvas.clone()  # a pixel whose estimate says 'rock' inside an area that says 'water'
+    speckled[...] = palette_canvas()[0]
+    speckled[0, 0, 20, SIZE - 4] = palette_canvas()[4]  # in the cell column entering on the right
+    speckled[0, 0, 20, 4] = palette_canvas()[4]  # in the part the previous frame covers
+    # the previous frame: water everywhere except that one seen rock pixel (one cell to the left of this canvas)
+    previous = torch.zeros(1, SIZE, SIZE, 3)
+    previous[...] = palette_canvas()[0]
+    previous[0, 20, 4 + CELL] = palette_canvas()[4]
+    cells = torch.tensor([[[1, 0]]])
+    decode = lambda window: decode_chunk(  # noqa: E731
+        CopyingFakeDecoder(), speckled, cells, previous, torch.tensor([[0, 0]]), CELL, unseen_window=window
+    )
+    plain, smoothed = nearest_class(decode(0)[0, 0]), nearest_class(decode(3)[0, 0])
+    assert plain[20, SIZE - 4] == 4 and smoothed[20, SIZE - 4] == 0  # new content: the lone pixel joins its area
+    assert plain[20, 4] == 4 and smoothed[20, 4] == 4  # seen content is kept as it was
+    assert torch.equal(plain[:, : SIZE - CELL], smoothed[:, : SIZE - CELL])
+
+
 def small_weights(tmp_path: Path) -> Path:
     model = TinyWorldDiT(TinyWorldConfig(**SMALL))
     weights = tmp_path / "small" / "tiny_world.safetensors"
@@ -91,7 +112,7 @@ def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
     assert train(tmp_path, weights, 3, "--stop-at", "2") == 0
     first = capsys.readouterr().out
     assert "pairs 16/16" in first and "step 2/3 loss" in first and "step 3/3" not in first
-    assert train(tmp_path, weights, 3, "--resume", "auto") == 0
+    assert train(tmp_path, weights, 3, "--resume", "auto", "--unseen-window", "3") == 0
     second = capsys.readouterr().out
     assert "pairs: 16 from" in second and "checkpoint.pt at step 2" in second and "step 3/3 loss" in second
     assert "calibration round 1:" in second  # after the last step only
@@ -101,6 +122,7 @@ def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["decoder_channels"] == 4 and config["training"]["decoder"]["step"] == 3
     assert config["model"]["decoder_keep_logit"] == 3.0 and len(config["model"]["decoder_class_bias"]) == 5
+    assert config["model"]["decoder_unseen_window"] == 3  # given on the command line
     pipeline = load_tiny_world("cpu", run / "tiny_world.safetensors")
     # the transformer is the one it was trained on, unchanged
     source = load_tiny_world("cpu", weights)

@@ -113,6 +113,16 @@ def blank_previous(cells: torch.Tensor, canvas_size: int, patch_size: int) -> tu
     return blank, cells + far
 
 
+def window_mean_probabilities(logits: torch.Tensor, window: int) -> torch.Tensor:
+    """Class probabilities of ``logits`` ``[B, C, C, K]`` averaged over a ``window`` x ``window`` neighbourhood.
+
+    Near the canvas border only the pixels inside count. Floored above zero, so the log is finite.
+    """
+    probabilities = logits.softmax(-1).permute(0, 3, 1, 2)
+    mean = F.avg_pool2d(probabilities, window, stride=1, padding=window // 2, count_include_pad=False)
+    return mean.permute(0, 2, 3, 1).clamp_min(1e-6)
+
+
 def decode_chunk(
     decoder: FrameDecoder,
     estimates: torch.Tensor,
@@ -122,6 +132,7 @@ def decode_chunk(
     patch_size: int,
     keep_logit: float = 0.0,
     class_bias: Sequence[float] = (),
+    unseen_window: int = 0,
 ) -> torch.Tensor:
     """Decode a chunk's frames in order; returns palette canvases ``[B, F, C, C, 3]`` in [-1, 1].
 
@@ -136,6 +147,11 @@ def decode_chunk(
     ``class_bias`` (one value per class, or empty) is added to the logits
     where it does not: the class prior of what the viewer has not seen yet,
     fitted by :func:`arstream.models.tiny_world.train_decoder.calibrate`.
+    ``unseen_window`` (odd, or 0 for none): where the previous frame does not
+    reach, each pixel takes the most likely class of the probabilities averaged
+    over that window around it (seen neighbours included), a spatial prior
+    that the world is made of large regions: without it, the transformer's
+    uncertain guesses at new content come out as speckle and 8-px blocks.
     """
     palette = palette_canvas(estimates.device)
     bias = torch.tensor(class_bias, dtype=estimates.dtype, device=estimates.device) if class_bias else None
@@ -149,6 +165,8 @@ def decode_chunk(
             logits = logits + keep_logit * mask * F.one_hot(nearest_class(shifted), NUM_CLASSES)
         if bias is not None:
             logits = logits + (1 - mask) * bias
+        if unseen_window:
+            logits = torch.where(mask.bool(), logits, window_mean_probabilities(logits, unseen_window).log())
         previous = palette[logits.argmax(-1)]
         previous_cells = cells[:, f]
         decoded.append(previous)

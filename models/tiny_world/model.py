@@ -84,6 +84,8 @@ class TinyWorldConfig:
     decoder_keep_logit: float = 0.0
     # per-class logit offsets where the previous frame does not reach (empty: none); see decoder.decode_chunk
     decoder_class_bias: tuple[float, ...] = ()
+    # odd window (px) over which class probabilities are averaged where the previous frame does not reach; 0: off
+    decoder_unseen_window: int = 0
 
     def __post_init__(self) -> None:
         if self.canvas_size < self.image_size + self.patch_size - 1:
@@ -106,6 +108,8 @@ class TinyWorldConfig:
             raise ValueError(f"decoder_channels must be >= 0, got {self.decoder_channels}")
         if self.decoder_class_bias and len(self.decoder_class_bias) != NUM_CLASSES:
             raise ValueError(f"decoder_class_bias needs {NUM_CLASSES} values (one per class), got {self.decoder_class_bias}")
+        if self.decoder_unseen_window < 0 or (self.decoder_unseen_window and self.decoder_unseen_window % 2 == 0):
+            raise ValueError(f"decoder_unseen_window must be 0 or an odd number of pixels, got {self.decoder_unseen_window}")
         if self.head_channels < 1 or self.head_features < 0:
             raise ValueError(
                 f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}"

@@ -271,6 +271,7 @@ def sample_chunk(
             cfg.patch_size,
             cfg.decoder_keep_logit,
             cfg.decoder_class_bias,
+            cfg.decoder_unseen_window,
         )
     commit_chunk(model, kv, clean, direction, cell_origins, generator)
     return clean

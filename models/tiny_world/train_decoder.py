@@ -206,6 +206,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unrelated", type=float, default=0.3, help="share of frames trained with another frame's estimate")
     p.add_argument("--keep-logit", type=float, default=3.0, help="decoder_keep_logit of the exported model")
     p.add_argument(
+        "--unseen-window",
+        type=int,
+        default=0,
+        help="decoder_unseen_window of the exported model, set after the calibration (default 0, as shipped: none)",
+    )
+    p.add_argument(
         "--calibrate-rounds",
         type=int,
         default=2,
@@ -285,7 +291,15 @@ def run(args: argparse.Namespace) -> int:
     model.cfg = replace(model.cfg, decoder_keep_logit=args.keep_logit)
     if args.calibrate_rounds and step >= args.steps:  # the finished model, not a --stop-at or interrupted one
         calibrate(model, training_worlds(args.worlds), args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
-    decoder_meta = {"step": step, "pairs": count, "channels": args.channels, "calibrate_rounds": args.calibrate_rounds}
+    # After the calibration: the offsets are fitted without the window (docs/models.md has what each window measured).
+    model.cfg = replace(model.cfg, decoder_unseen_window=args.unseen_window)
+    decoder_meta = {
+        "step": step,
+        "pairs": count,
+        "channels": args.channels,
+        "calibrate_rounds": args.calibrate_rounds,
+        "unseen_window": args.unseen_window,
+    }
     meta = {**training, "decoder": {**decoder_meta, "init_from": str(args.init_from)}}
     save_weights(model, args.out / "tiny_world.safetensors", args.out / "config.json", meta)
     print(f"exported {args.out / 'tiny_world.safetensors'} at step {step}", flush=True)
