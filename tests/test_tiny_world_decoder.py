@@ -10,10 +10,18 @@ import torch
 
 from arstream.models.tiny_world import train_decoder
 from arstream.models.tiny_world.evaluate import make_runner
-from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, decode_chunk, nearest_class, palette_canvas
+from arstream.models.tiny_world.decoder import (
+    NUM_CLASSES,
+    align_previous,
+    decode_chunk,
+    nearest_class,
+    palette_canvas,
+    view_prior_logits,
+)
 from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.models.tiny_world.weights import save_weights
+from arstream.models.tiny_world.world import CLASS_SHARES
 from arstream.runner.types import ChunkResult, TickRequest
 
 SMALL = {"d_model": 32, "num_layers": 1, "num_heads": 2}
@@ -89,6 +97,20 @@ def test_unseen_window_smooths_new_content_and_keeps_what_was_seen() -> None:
     assert torch.equal(plain[:, : SIZE - CELL], smoothed[:, : SIZE - CELL])
 
 
+def test_view_prior_draws_new_content_toward_the_colours_missing_from_the_view() -> None:
+    water_view = torch.zeros(2, SIZE, SIZE, 3)
+    water_view[...] = palette_canvas()[0]
+    mask = torch.ones(2, SIZE, SIZE, 1)
+    mask[1] = 0  # the second row has seen nothing yet
+    offsets = view_prior_logits(water_view, mask, 1.0)[:, 0, 0]
+    # a view full of water: less water where the view grows, more of every other colour
+    assert offsets[0, 0] < 0 and (offsets[0, 1:] > 0).all()
+    # an empty view: the map's shares against an even split (the commonest colour, water, drawn most)
+    expected = (torch.tensor(CLASS_SHARES) / (1 / NUM_CLASSES)).log()
+    assert torch.allclose(offsets[1], expected)
+    assert torch.allclose(view_prior_logits(water_view, mask, 2.0), 2 * view_prior_logits(water_view, mask, 1.0))
+
+
 def small_weights(tmp_path: Path) -> Path:
     model = TinyWorldDiT(TinyWorldConfig(**SMALL))
     weights = tmp_path / "small" / "tiny_world.safetensors"
@@ -123,6 +145,7 @@ def test_decoder_training_checkpoints_resumes_and_exports_a_model_that_serves(
     assert config["model"]["decoder_channels"] == 4 and config["training"]["decoder"]["step"] == 3
     assert config["model"]["decoder_keep_logit"] == 3.0 and len(config["model"]["decoder_class_bias"]) == 5
     assert config["model"]["decoder_unseen_window"] == 3  # given on the command line
+    assert config["model"]["decoder_view_prior"] == 1.0  # the shipped recipe's default
     pipeline = load_tiny_world("cpu", run / "tiny_world.safetensors")
     # the transformer is the one it was trained on, unchanged
     source = load_tiny_world("cpu", weights)

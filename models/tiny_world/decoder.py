@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arstream.models.tiny_world.world import PALETTE
+from arstream.models.tiny_world.world import CLASS_SHARES, PALETTE
 
 NUM_CLASSES = len(PALETTE)
 
@@ -113,6 +113,21 @@ def blank_previous(cells: torch.Tensor, canvas_size: int, patch_size: int) -> tu
     return blank, cells + far
 
 
+def view_prior_logits(shifted: torch.Tensor, mask: torch.Tensor, strength: float) -> torch.Tensor:
+    """Per-row logit offsets ``[B, 1, 1, K]`` that pull new content toward the map's class shares.
+
+    ``-strength * log(share in view / share of the map)`` per class, the
+    shares in view counted over the seen part of the canvas (``shifted`` where
+    ``mask`` is 1) with one pseudo-count per class. A colour that fills the
+    view already is drawn less where the view grows, one that is missing
+    more: the world's mix holds at the scale of a view, as the map has it.
+    """
+    seen = F.one_hot(nearest_class(shifted), NUM_CLASSES).to(mask.dtype) * mask
+    shares = (seen.sum((1, 2)) + 1) / (mask.sum((1, 2)) + NUM_CLASSES)
+    target = torch.tensor(CLASS_SHARES, dtype=shares.dtype, device=shares.device)
+    return (-strength * (shares / target).log())[:, None, None, :]
+
+
 def window_mean_probabilities(logits: torch.Tensor, window: int) -> torch.Tensor:
     """Class probabilities of ``logits`` ``[B, C, C, K]`` averaged over a ``window`` x ``window`` neighbourhood.
 
@@ -133,6 +148,7 @@ def decode_chunk(
     keep_logit: float = 0.0,
     class_bias: Sequence[float] = (),
     unseen_window: int = 0,
+    view_prior: float = 0.0,
 ) -> torch.Tensor:
     """Decode a chunk's frames in order; returns palette canvases ``[B, F, C, C, 3]`` in [-1, 1].
 
@@ -152,6 +168,9 @@ def decode_chunk(
     over that window around it (seen neighbours included), a spatial prior
     that the world is made of large regions: without it, the transformer's
     uncertain guesses at new content come out as speckle and 8-px blocks.
+    ``view_prior`` (0: none) adds :func:`view_prior_logits` where the previous
+    frame does not reach, before that averaging: larger regions alone let a
+    walk drift into one colour.
     """
     palette = palette_canvas(estimates.device)
     bias = torch.tensor(class_bias, dtype=estimates.dtype, device=estimates.device) if class_bias else None
@@ -165,6 +184,8 @@ def decode_chunk(
             logits = logits + keep_logit * mask * F.one_hot(nearest_class(shifted), NUM_CLASSES)
         if bias is not None:
             logits = logits + (1 - mask) * bias
+        if view_prior:
+            logits = logits + (1 - mask) * view_prior_logits(shifted, mask, view_prior)
         if unseen_window:
             logits = torch.where(mask.bool(), logits, window_mean_probabilities(logits, unseen_window).log())
         previous = palette[logits.argmax(-1)]

@@ -86,6 +86,8 @@ class TinyWorldConfig:
     decoder_class_bias: tuple[float, ...] = ()
     # odd window (px) over which class probabilities are averaged where the previous frame does not reach; 0: off
     decoder_unseen_window: int = 0
+    # strength of the pull of unseen content toward the map's class shares, given the view's (decoder.py); 0: off
+    decoder_view_prior: float = 0.0
 
     def __post_init__(self) -> None:
         if self.canvas_size < self.image_size + self.patch_size - 1:
@@ -110,6 +112,8 @@ class TinyWorldConfig:
             raise ValueError(f"decoder_class_bias needs {NUM_CLASSES} values (one per class), got {self.decoder_class_bias}")
         if self.decoder_unseen_window < 0 or (self.decoder_unseen_window and self.decoder_unseen_window % 2 == 0):
             raise ValueError(f"decoder_unseen_window must be 0 or an odd number of pixels, got {self.decoder_unseen_window}")
+        if self.decoder_view_prior < 0:
+            raise ValueError(f"decoder_view_prior must be >= 0, got {self.decoder_view_prior}")
         if self.head_channels < 1 or self.head_features < 0:
             raise ValueError(
                 f"head_channels must be >= 1 and head_features >= 0, got {self.head_channels}, {self.head_features}"

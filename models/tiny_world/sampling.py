@@ -272,6 +272,7 @@ def sample_chunk(
             cfg.decoder_keep_logit,
             cfg.decoder_class_bias,
             cfg.decoder_unseen_window,
+            cfg.decoder_view_prior,
         )
     commit_chunk(model, kv, clean, direction, cell_origins, generator)
     return clean

@@ -208,8 +208,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--unseen-window",
         type=int,
-        default=0,
-        help="decoder_unseen_window of the exported model, set after the calibration (default 0, as shipped: none)",
+        default=7,
+        help="decoder_unseen_window of the exported model, set after the calibration (default 7, as shipped; 0: none)",
+    )
+    p.add_argument(
+        "--view-prior",
+        type=float,
+        default=1.0,
+        help="decoder_view_prior of the exported model, set after the calibration (default 1, as shipped; 0: none)",
     )
     p.add_argument(
         "--calibrate-rounds",
@@ -291,14 +297,15 @@ def run(args: argparse.Namespace) -> int:
     model.cfg = replace(model.cfg, decoder_keep_logit=args.keep_logit)
     if args.calibrate_rounds and step >= args.steps:  # the finished model, not a --stop-at or interrupted one
         calibrate(model, training_worlds(args.worlds), args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
-    # After the calibration: the offsets are fitted without the window (docs/models.md has what each window measured).
-    model.cfg = replace(model.cfg, decoder_unseen_window=args.unseen_window)
+    # After the calibration, as shipped: the offsets were fitted without these two (docs/models.md).
+    model.cfg = replace(model.cfg, decoder_unseen_window=args.unseen_window, decoder_view_prior=args.view_prior)
     decoder_meta = {
         "step": step,
         "pairs": count,
         "channels": args.channels,
         "calibrate_rounds": args.calibrate_rounds,
         "unseen_window": args.unseen_window,
+        "view_prior": args.view_prior,
     }
     meta = {**training, "decoder": {**decoder_meta, "init_from": str(args.init_from)}}
     save_weights(model, args.out / "tiny_world.safetensors", args.out / "config.json", meta)
