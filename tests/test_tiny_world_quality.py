@@ -52,12 +52,14 @@ def test_square_walk_does_not_drift(runner: ARRunner) -> None:
     assert all(drift_checks(report).values()), (drift_checks(report), report)
 
 
-# Lenient bounds on issue 11's picture-quality figures, looser than the eval's targets (the shipped
-# weights' figures are in docs/models.md; on this rollout 1.00, 0.85, 1.95, 0.08, 0.001; v1 without
-# the frame decoder: 0.81, 0.85, 3.3, 0.32, 0.09): they leave room for seed noise and catch a
-# collapse: noise (palette share ~0.1, coherence ~0.3), one flat colour (class TV >= 0.7), a
-# mosaic of cells, off-palette colours, a world that keeps reshaping while the camera stands still.
-LENIENT_QUALITY = {"palette_share": 0.99, "coherence": 0.75, "grid_peak": 3.5, "class_tv": 0.3, "idle_change": 0.05}
+# Lenient bounds on issue 11's picture-quality figures, mostly looser than the eval's targets (the
+# shipped weights' figures over the eval's rollouts are in docs/models.md; on this one rollout 1.00,
+# 0.93, 2.5, 0.09, 0.000; the decoder without its unseen window and view prior: 1.00, 0.85, 1.95,
+# 0.08, 0.001; v1 without the frame decoder: 0.81, 0.85, 3.3, 0.32, 0.09): they leave room for seed
+# noise and catch a collapse: noise (palette share ~0.1, coherence ~0.3), one flat colour (class TV
+# >= 0.7), a mosaic of cells or speckle, off-palette colours, a world that keeps reshaping while the
+# camera stands still.
+LENIENT_QUALITY = {"palette_share": 0.99, "coherence": 0.88, "grid_peak": 3.5, "class_tv": 0.3, "idle_change": 0.05}
 
 
 def test_picture_quality_within_lenient_bounds(runner: ARRunner) -> None:
