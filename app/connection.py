@@ -206,7 +206,7 @@ class Connection:
             session = Session(
                 self.session_id,
                 codec=start.codec or self.settings.codec,
-                quality=start.quality or self.settings.jpeg_quality,
+                quality=start.quality or self.settings.default_jpeg_quality(self.hub.model_card),
                 seed=start.seed,
                 prompt=start.prompt,
                 max_pending_ticks=self.settings.max_pending_ticks,

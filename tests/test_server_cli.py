@@ -216,3 +216,12 @@ def test_torch_threads_leave_a_core_free_unless_set(monkeypatch: pytest.MonkeyPa
     assert settings_from_argv(["--torch-threads", "3"]).resolved_torch_threads() == 3
     monkeypatch.setenv("ARSTREAM_TORCH_THREADS", "2")
     assert Settings().resolved_torch_threads() == 2
+
+
+def test_small_frames_get_a_higher_default_jpeg_quality() -> None:
+    settings = settings_from_argv([])
+    assert settings.default_jpeg_quality({"width": 64, "height": 64}) == 95
+    assert settings.default_jpeg_quality({"width": 640, "height": 352}) == 80
+    assert settings.default_jpeg_quality({}) == 80  # a card without a frame size: the general default
+    tuned = settings_from_argv(["--jpeg-quality", "70", "--small-frame-jpeg-quality", "90"])
+    assert (tuned.default_jpeg_quality({"width": 8, "height": 8}), tuned.default_jpeg_quality({})) == (90, 70)
