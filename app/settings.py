@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         ge=0,
         le=1,
         description="wait up to this fraction of the last round's time for its sessions' next ticks, so a round "
-        "is not split in two (batched sessions only; 0: never wait)",
+        "is not split in two, and from idle for other sessions' first ticks (batched sessions only; 0: never wait)",
     )
     encoder_nice: int = Field(
         10,
