@@ -186,3 +186,20 @@ def test_keep_logit_keeps_what_the_viewer_has_seen_unless_the_decoder_is_surer(k
     )
     expected = shown if keep_logit > 1 else wandering
     assert torch.equal(nearest_class(decoded[0, 0]), nearest_class(expected))
+
+
+def test_class_offsets_are_fitted_without_the_window_and_prior_the_init_weights_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The offsets are fitted the same way whatever window and prior --init-from's config carries (they leaked in once)."""
+    plain = small_weights(tmp_path)
+    carrying = tmp_path / "carrying" / "tiny_world.safetensors"
+    model = TinyWorldDiT(TinyWorldConfig(**SMALL, decoder_unseen_window=5, decoder_view_prior=2.0))
+    model.load_state_dict(TinyWorldDiT(TinyWorldConfig(**SMALL)).state_dict())
+    save_weights(model, carrying, carrying.parent / "config.json")
+    carrying.write_bytes(plain.read_bytes())  # the same tensors; only the config differs
+    calibrations = []
+    for weights, out in ((plain, "a"), (carrying, "b")):
+        assert train(tmp_path / out, weights, 2) == 0
+        calibrations.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("calibration")])
+    assert calibrations[0] and calibrations[0] == calibrations[1]

@@ -294,10 +294,11 @@ def run(args: argparse.Namespace) -> int:
             last_checkpoint = time.perf_counter()
     checkpoint()
     model.eval()
-    model.cfg = replace(model.cfg, decoder_keep_logit=args.keep_logit)
+    # The class offsets are fitted without the window and the view prior, as shipped (they are set below),
+    # whatever the transformer's config (--init-from) carries.
+    model.cfg = replace(model.cfg, decoder_keep_logit=args.keep_logit, decoder_unseen_window=0, decoder_view_prior=0.0)
     if args.calibrate_rounds and step >= args.steps:  # the finished model, not a --stop-at or interrupted one
         calibrate(model, training_worlds(args.worlds), args.calibrate_walks, args.calibrate_chunks, args.calibrate_rounds, args.seed + 2)
-    # After the calibration, as shipped: the offsets were fitted without these two (docs/models.md).
     model.cfg = replace(model.cfg, decoder_unseen_window=args.unseen_window, decoder_view_prior=args.view_prior)
     decoder_meta = {
         "step": step,
