@@ -277,10 +277,11 @@ class ModelWorker:
             self.runner.on_evict = self._on_evict
             self.model_card = self.runner.model_card()
             # Warm-up's round time per batch size: realtime admission's first figures (a runtime without may omit it).
-            for sessions, seconds in getattr(self.runner, "warmup_round_s", {}).items():
+            warmup_round_s: dict[int, float] = getattr(self.runner, "warmup_round_s", {})
+            for sessions, seconds in warmup_round_s.items():
                 self.round_times.record(sessions, seconds)
             # What a first round from idle waits against (_wait_for_stragglers), until rounds are measured.
-            self._last_round_s = getattr(self.runner, "warmup_round_s", {}).get(1, 0.0)
+            self._last_round_s = warmup_round_s.get(1, 0.0)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
             log.exception("model failed to load")

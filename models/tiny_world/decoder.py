@@ -184,9 +184,12 @@ def decode_chunk(
             logits = logits + keep_logit * mask * F.one_hot(nearest_class(shifted), NUM_CLASSES)
         if bias is not None:
             logits = logits + (1 - mask) * bias
-        if view_prior:
+        # Canvases are world-aligned: new cells enter only when the camera crosses a cell border, so most
+        # frames have nothing unseen and skip the two priors that shape it.
+        has_unseen = (view_prior or unseen_window) and not bool(mask.all())
+        if has_unseen and view_prior:
             logits = logits + (1 - mask) * view_prior_logits(shifted, mask, view_prior)
-        if unseen_window:
+        if has_unseen and unseen_window:
             logits = torch.where(mask.bool(), logits, window_mean_probabilities(logits, unseen_window).log())
         previous = palette[logits.argmax(-1)]
         previous_cells = cells[:, f]
