@@ -9,12 +9,30 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class StartImage:
+    """A session's start image, chosen when the session starts.
+
+    Either one the model offers by ``name`` (listed in its card) or the
+    client's own ``pixels``: uint8 ``[H, W, 3]`` RGB, already decoded and
+    bounded by the transport, any size (the pipeline crops and resizes).
+    ``digest`` identifies the content (e.g. a SHA-256 of the pixels or of the
+    name) so a pipeline can cache what it derives from an image.
+    """
+
+    digest: str
+    name: str | None = None
+    pixels: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class TickRequest:
     """Ask for one chunk of one session.
 
     ``controls`` and ``prompt`` are the session's current values, already
     validated by the transport. ``reset`` releases the session's KV and model
-    state before the chunk runs; ``close`` releases it after.
+    state before the chunk runs; ``close`` releases it after. ``start_image``
+    is the session's start image (None: the model's default); a pipeline that
+    takes one reads it when a rollout begins, so every tick carries it.
     """
 
     session_id: str
@@ -25,6 +43,7 @@ class TickRequest:
     reset: bool = False
     close: bool = False
     applied_event_ids: tuple[int, ...] = ()
+    start_image: StartImage | None = None
 
 
 @dataclass(frozen=True)
