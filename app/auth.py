@@ -6,8 +6,14 @@ by commas (one per tenant; ``max_sessions_per_token`` caps each). Origin: a
 request without an ``Origin`` header (scripts) passes; otherwise the origin
 must be on ``--allowed-origins`` (normalised at start-up, see
 :func:`arstream.app.settings.normalise_origin`), or, when that is empty, be
-this server on the loopback names (``http://127.0.0.1:PORT``,
-``http://localhost:PORT``, ``http://[::1]:PORT``). ``*`` allows every origin.
+the page's own origin: this server on the loopback names
+(``http://127.0.0.1:PORT``, ``http://localhost:PORT``, ``http://[::1]:PORT``)
+and, when the server listens beyond loopback (``--host 0.0.0.0``, a LAN
+address), whatever host the page was served as (the Origin's host equals the
+request's ``Host``: a phone opening ``http://192.168.1.5:8000/``). A
+loopback-only server keeps the strict list, so a web page whose name
+resolves to 127.0.0.1 (DNS rebinding) cannot drive it. ``*`` allows every
+origin.
 """
 
 from __future__ import annotations
@@ -53,8 +59,14 @@ def same_host_origins(port: int) -> set[str]:
     return {f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}"}
 
 
-def origin_refusal(headers: Headers, allowed: list[str], server_port: int | None) -> str | None:
-    """Why the request's Origin is refused, or None when it is allowed."""
+def origin_refusal(
+    headers: Headers, allowed: list[str], server_port: int | None, *, beyond_loopback: bool = False
+) -> str | None:
+    """Why the request's Origin is refused, or None when it is allowed.
+
+    ``beyond_loopback``: the server listens on more than loopback, so with no
+    allow list the page's own origin (its host is the request's ``Host``) passes.
+    """
     origin = headers.get("origin")
     if origin is None:
         return None
@@ -62,7 +74,26 @@ def origin_refusal(headers: Headers, allowed: list[str], server_port: int | None
     origin = origin.rstrip("/").lower()
     if "*" in allowed:
         return None
-    permitted = set(allowed) if allowed else (same_host_origins(server_port) if server_port else set())
-    if origin in permitted:
+    if allowed:
+        if origin in allowed:
+            return None
+        return f"origin {origin!r} is not on --allowed-origins"
+    if server_port and origin in same_host_origins(server_port):
         return None
-    return f"origin {origin!r} is not allowed"
+    scheme, _, authority = origin.partition("://")
+    host = headers.get("host", "").lower()
+    if beyond_loopback and scheme in ("http", "https") and host and authority == host:
+        return None
+    if beyond_loopback:
+        return f"origin {origin!r} is not this server's own origin; list it in --allowed-origins"
+    return (
+        f"origin {origin!r} is not allowed: this server listens on loopback only, so only pages served from "
+        "127.0.0.1/localhost may connect (start it with --host 0.0.0.0 to serve other devices, or list the "
+        "origin in --allowed-origins)"
+    )
+
+
+def listens_beyond_loopback(bind_host: str) -> bool:
+    """Whether ``--host`` exposes the server to other machines (not 127.x, ::1 or localhost)."""
+    host = bind_host.strip("[]").lower()
+    return not (host == "localhost" or host == "::1" or host.startswith("127."))

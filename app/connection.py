@@ -179,7 +179,12 @@ class Connection:
         ws = self.ws
         server_port = ws.scope.get("server", (None, None))[1]
         token_refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token)
-        refusal = token_refusal or auth.origin_refusal(ws.headers, self.settings.origin_allow_list(), server_port)
+        refusal = token_refusal or auth.origin_refusal(
+            ws.headers,
+            self.settings.origin_allow_list(),
+            server_port,
+            beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
+        )
         if refusal is not None and self.settings.refuse_before_upgrade:
             await self._deny_upgrade(refusal, missing_token=token_refusal is not None and self.token_key is None)
             return

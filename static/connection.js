@@ -245,6 +245,11 @@ export class Connection {
 
     if (clean) {
       this.setState('stopped', { text: 'The session ended. Press Play to start again.', action: 'play' });
+    } else if (fatal === 'unauthorized' && /origin/i.test(session.fatal.message || '')) {
+      // Not a token problem: no token box; the server's own words say what to change.
+      this.setState('ended', {
+        text: `${errorText('origin_refused')} (${session.fatal.message})`, tone: 'warn', action: 'play',
+      });
     } else if (fatal === 'unauthorized') {
       this.setState('needs-token', { text: errorText('unauthorized'), tone: 'warn', action: 'token' });
     } else if (fatal === 'over_capacity' || code === 1013) {

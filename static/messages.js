@@ -12,6 +12,7 @@ export const ERROR_TEXT = {
   message_too_large: 'The page sent more text than the server accepts (a very long prompt?).',
   start_required: 'The page took too long to start the session.',
   unauthorized: 'This server needs an access token.',
+  origin_refused: 'The server does not accept pages opened from this address.',
   over_capacity: 'The server is full: every session slot is taken.',
   over_capacity_own: 'This address (or access token) already has as many sessions as the server allows.',
   idle_timeout: 'The session ended because nothing was asked of it for a while.',

@@ -74,3 +74,35 @@ def test_connection_cap_beyond_the_open_file_limit_is_refused() -> None:
     assert done.returncode == 2
     assert "max_connections 100000 does not fit the open-file limit" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("bind", "origin", "host", "refused"),
+    [
+        # A loopback-only server: loopback names of this port only (a rebinding page's Host matches its Origin).
+        ("127.0.0.1", "http://127.0.0.1:8000", "127.0.0.1:8000", False),
+        ("127.0.0.1", "http://evil.example:8000", "evil.example:8000", True),
+        # Listening beyond loopback: the page's own origin, whatever name it was served as.
+        ("0.0.0.0", "http://192.168.1.5:8000", "192.168.1.5:8000", False),
+        ("0.0.0.0", "https://box.lan", "box.lan", False),
+        ("0.0.0.0", "http://evil.example", "192.168.1.5:8000", True),
+        ("0.0.0.0", "ftp://192.168.1.5:8000", "192.168.1.5:8000", True),
+    ],
+)
+def test_default_origin_policy_is_the_pages_own_origin(bind: str, origin: str, host: str, refused: bool) -> None:
+    from starlette.datastructures import Headers
+
+    from arstream.app import auth
+
+    headers = Headers({"origin": origin, "host": host})
+    refusal = auth.origin_refusal(headers, [], 8000, beyond_loopback=auth.listens_beyond_loopback(bind))
+    assert (refusal is not None) == refused, refusal
+    if refusal is not None:
+        assert "origin" in refusal and "token" not in refusal
+
+
+def test_loopback_binds_are_told_apart() -> None:
+    from arstream.app.auth import listens_beyond_loopback
+
+    assert [listens_beyond_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.1.1")] == [False] * 5
+    assert [listens_beyond_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5")] == [True] * 3

@@ -1,0 +1,72 @@
+"""A stranger's first hour, in Chromium: the page opened from another device's point of view.
+
+Chromium maps the host name ``lan-box.test`` to 127.0.0.1, so the page is
+served as ``http://lan-box.test:PORT/`` exactly as a phone on the LAN would
+see ``http://192.168.1.5:PORT/``: its Origin is that name, not a loopback one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.browser_helpers import (  # noqa: F401 (errors is a fixture)
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    PageErrors,
+    browser_marks,
+    errors,
+    new_page,
+    overlay_text,
+    wait,
+    wait_frames_drawn,
+)
+from tests.servers import fake_settings, running_server
+
+pytestmark = browser_marks
+LAN_NAME = "lan-box.test"
+
+
+@pytest.fixture(scope="module")
+def lan_browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        rules = f"--host-resolver-rules=MAP {LAN_NAME} 127.0.0.1"
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=[*CHROMIUM_ARGS, rules])
+        yield chromium
+        chromium.close()
+
+
+def test_a_server_listening_beyond_loopback_serves_the_page_to_another_device(
+    lan_browser: Any, errors: PageErrors
+) -> None:
+    # --host 0.0.0.0 is what a user starts to open the demo from a phone; no token, no --allowed-origins.
+    with running_server(fake_settings(host="0.0.0.0", model_options={"compute_delay_s": 0.01})) as server:
+        context = lan_browser.new_context(bypass_csp=True)
+        try:
+            page = new_page(context, errors)
+            page.goto(f"http://{LAN_NAME}:{server.port}/")
+            wait_frames_drawn(page, 5)
+            assert page.evaluate("window.arstreamDebug.state") == "streaming"
+        finally:
+            context.close()
+
+
+def test_an_origin_refusal_says_so_in_plain_words_without_a_token_box(lan_browser: Any, errors: PageErrors) -> None:
+    # The operator allowed another site only: the page served under this name is refused for its origin.
+    with running_server(fake_settings(host="0.0.0.0", allowed_origins="https://game.example")) as server:
+        context = lan_browser.new_context(bypass_csp=True)
+        try:
+            page = new_page(context, errors)
+            page.goto(f"http://{LAN_NAME}:{server.port}/")
+            wait(page, "window.arstreamDebug.state === 'ended'")
+            text = overlay_text(page)
+            assert "does not accept pages opened from this address" in text, text
+            assert "--allowed-origins" in text, text
+            assert "token" not in text.lower(), text
+            assert page.evaluate("document.getElementById('token-form').hidden"), "the token box was offered"
+        finally:
+            context.close()
