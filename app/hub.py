@@ -143,8 +143,12 @@ class SessionHub:
 
     @property
     def session_capacity(self) -> int:
+        """Sessions served at once: the runtime's KV capacity, capped by ``--max-sessions``."""
         stats = self.worker.runner_stats if self.worker else None
-        return stats.session_capacity if stats else 0
+        if stats is None:
+            return 0
+        cap = self.settings.max_sessions
+        return stats.session_capacity if cap is None else min(cap, stats.session_capacity)
 
     def admission_refusal(self) -> str | None:
         """Why a new session cannot start now, or None when a slot is free."""
@@ -171,7 +175,7 @@ class SessionHub:
             worker.round_times.estimates(),
             chunk_period_s=chunk_period_s(self.model_card),
             batch_limit=stats.max_batch_sessions,
-            kv_capacity=stats.session_capacity,
+            kv_capacity=self.session_capacity,
         )
 
     def client_cap_refusal(self, connection: Connection) -> str | None:
@@ -227,7 +231,7 @@ class SessionHub:
                 "blocks_used": runner_stats.blocks_used,
                 "block_bytes": runner_stats.block_bytes,
                 "pool_bytes": runner_stats.pool_bytes,
-                "session_capacity": runner_stats.session_capacity,
+                "session_capacity": self.session_capacity,
                 "sessions_resident": runner_stats.sessions_resident,
                 "sink_frames": runner_stats.sink_frames,
                 "window_frames": runner_stats.window_frames,

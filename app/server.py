@@ -216,6 +216,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (checked before the model loads, with uvicorn's options), or None."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {display_host(host)}:{port} ({exc.strerror}); choose another with --port"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     # Every setting is checked here, before a port is bound or a model loaded.
     try:
@@ -226,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if (taken := port_taken(settings.host, settings.port)) is not None:
+        print(f"arstream serve: {taken}", file=sys.stderr)
+        return 2
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)

@@ -122,6 +122,10 @@ class Settings(BaseSettings):
     max_control_items: int = Field(
         64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
     )
+    max_sessions: int | None = Field(
+        None, ge=1, description="sessions served at once; default: as many as the KV pool holds (/v1/stats "
+        "session_capacity)"
+    )
     max_sessions_per_client: int | None = Field(
         4, ge=1, description="sessions one client address may hold (trusted proxies' own address is exempt)"
     )

@@ -51,6 +51,12 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.resolved_kv_budget_bytes() == 1048576
 
 
+def test_max_sessions_is_a_flag_of_its_own() -> None:
+    # Once a prefix of --max-sessions-per-client/-per-token, so argparse called it ambiguous.
+    assert settings_from_argv(["--max-sessions", "1"]).max_sessions == 1
+    assert settings_from_argv([]).max_sessions is None
+
+
 def test_log_level_flag_is_case_insensitive_as_the_variable_is() -> None:
     assert settings_from_argv(["--log-level", "WARNING"]).log_level == "warning"
 
@@ -192,6 +198,28 @@ def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: li
     assert len(result.stderr.splitlines()) == 1, result.stderr  # no traceback, and uvicorn never logged a start
     assert result.stderr.startswith(f"arstream serve: {argv[0]} ")
     assert complaint in result.stderr  # the reason itself, not only the flag's name
+
+
+def test_a_port_in_use_is_one_line_naming_it_before_the_model_loads() -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        # tiny-world (the default model) takes seconds to load; the refusal comes before it.
+        result = subprocess.run(
+            [sys.executable, "-m", "arstream", "serve", "--port", str(port), "--log-level", "info"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=EXIT_GUARD_S,
+        )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"arstream serve: cannot listen on 127.0.0.1:{port} (Address already in use); choose another with --port"
+    ], result.stderr
+    assert "ARSTREAM_LISTENING" not in result.stdout
 
 
 def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:

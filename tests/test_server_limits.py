@@ -139,8 +139,13 @@ def test_idle_session_gets_idle_timeout_4001() -> None:
 # ---- capacity --------------------------------------------------------------------------------
 
 
-def test_over_capacity_1013_until_a_slot_frees() -> None:
-    with running_server(fake_settings(model_options={"session_capacity": 1})) as server:
+@pytest.mark.parametrize(
+    "settings",
+    [{"model_options": {"session_capacity": 1}}, {"max_sessions": 1}],
+    ids=["model-capacity", "max-sessions-flag"],
+)
+def test_over_capacity_1013_until_a_slot_frees(settings: dict[str, Any]) -> None:
+    with running_server(fake_settings(**settings)) as server:
         assert server.stats()["kv"]["session_capacity"] == 1
 
         async def scenario() -> tuple[Any, dict[str, Any]]:
