@@ -1,0 +1,74 @@
+"""The copyable clients in docs/examples/ work as their comments say: the Python one from a shell,
+the HTML one served from another site and opened in Chromium."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.browser_helpers import CHROMIUM, browser, browser_marks, free_port  # noqa: F401 (browser is a fixture)
+from tests.servers import REPO_ROOT, fake_settings, running_server
+
+EXAMPLES = REPO_ROOT / "docs" / "examples"
+EXIT_GUARD_S = 120
+
+
+def test_the_python_example_saves_every_frame(tmp_path: Path) -> None:
+    with running_server(fake_settings()) as server:
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLES / "client.py"), server.ws_url, "d", "6", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=EXIT_GUARD_S,
+        )
+        frames_per_chunk = server.get("/v1/model").json()["frames_per_chunk"]
+        assert result.returncode == 0, result.stderr
+        saved = sorted(tmp_path.glob("*.jpg"))
+        assert len(saved) == 6 * frames_per_chunk, result.stdout
+        assert all(path.read_bytes()[:2] == b"\xff\xd8" for path in saved)  # JPEG files, headers stripped
+        assert f"{len(saved)} frames" in result.stdout
+        server.settled(server.stats()["kv"]["blocks_total"])  # the session ended and gave back its KV
+
+
+@pytest.fixture
+def example_site() -> Iterator[str]:
+    """docs/examples/ on its own port: another origin than the ARStream server, as a user's site is."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(EXAMPLES))
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    thread = threading.Thread(target=site.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{site.server_address[1]}"
+    finally:
+        site.shutdown()
+        site.server_close()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium is not installed at /usr/bin/chromium")
+def test_the_html_example_streams_and_steers_from_another_site(browser: Any, example_site: str) -> None:
+    options = {"compute_delay_s": 0.01}
+    with running_server(fake_settings(allowed_origins=example_site, model_options=options)) as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        try:
+            page.goto(f"{example_site}/client.html?server={server.ws_url}")
+            page.wait_for_function("/frames: ([2-9][0-9])/.test(document.getElementById('status').textContent)")
+            page.keyboard.down("d")
+            # fake-kv paints held keys into blue (d = 8): the key reached the model and came back drawn.
+            page.wait_for_function(
+                """() => document.getElementById('screen').getContext('2d').getImageData(0, 0, 1, 1).data[2] > 4"""
+            )
+            page.keyboard.up("d")
+        finally:
+            page.close()
+        assert not errors, errors
