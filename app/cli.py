@@ -22,10 +22,17 @@ class Command:
     words: tuple[str, ...]  # e.g. ("bench", "model")
     module: str  # provides add_arguments(parser) and run(args)
     summary: str  # one line for the parent's command list
+    # "module:function" adding the options, where that is lighter than importing ``module`` (no torch for --help)
+    arguments: str | None = None
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command(("serve",), "arstream.app.server", "serve a world model over WebSocket, with the demo page at /"),
+    Command(
+        ("serve",),
+        "arstream.app.server",
+        "serve a world model over WebSocket, with the demo page at /",
+        arguments="arstream.app.settings:add_serve_arguments",
+    ),
     Command(("client",), "arstream.app.client", "run one scripted session against a server and save its frames"),
     Command(("bench", "runner"), "arstream.models.bench_runner", "the runner's bookkeeping cost against a direct loop"),
     Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),
@@ -54,6 +61,20 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def command_functions(command: Command) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]:
+    """The command's add_arguments and run; ``run`` imports the command's module only when called."""
+    if command.arguments is None:
+        module = importlib.import_module(command.module)
+        return module.add_arguments, module.run
+    module_name, _, function = command.arguments.partition(":")
+    add_options = getattr(importlib.import_module(module_name), function)
+
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(command.module).run(args) or 0)
+
+    return add_options, run
+
+
 def build_parser(load: Callable[[Command], bool]) -> CommandParser:
     """The whole tree; ``add_arguments`` runs only for commands where ``load(command)`` is true."""
     root = CommandParser(
@@ -80,9 +101,9 @@ def build_parser(load: Callable[[Command], bool]) -> CommandParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if load(command):
-            module = importlib.import_module(command.module)
-            module.add_arguments(parser)
-            parser.set_defaults(run=module.run)
+            add_options, run = command_functions(command)
+            add_options(parser)
+            parser.set_defaults(run=run)
     return root
 
 

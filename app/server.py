@@ -35,7 +35,7 @@ from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_pa
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
-from arstream.app.settings import Settings, add_settings_arguments, describe_settings_error, settings_from_args
+from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")
@@ -208,14 +208,6 @@ async def serve(server: ARStreamServer) -> int:
     return 1 if server.hub.load_error is not None else 0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Serve an autoregressive world model over WebSocket (PROTOCOL.md), with the demo page at /.\n"
-        "Prints 'ARSTREAM_LISTENING URL' once the port is bound and the model is loaded."
-    )
-    add_settings_arguments(parser)
-
-
 def port_taken(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be bound (checked before the model loads, with uvicorn's options), or None."""
     if port == 0:
@@ -228,6 +220,9 @@ def port_taken(host: str, port: int) -> str | None:
         except OSError as exc:
             return f"cannot listen on {display_host(host)}:{port} ({exc.strerror}); choose another with --port"
     return None
+
+
+add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from arstream.app.wire import FULL_CHROMA_MAX_PIXELS
 from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
-from arstream.runner.runtimes import RuntimeName
+from arstream.runner.types import RuntimeName
 from arstream.runner.threads import default_torch_threads
 
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
@@ -314,6 +314,15 @@ def _flag_help(field: FieldInfo) -> str:
         shown = json.dumps(default) if isinstance(default, (dict, list)) or default == "" else default
         parts.append(f"[default: {shown}]")
     return " ".join(part for part in parts if part).replace("%", "%%")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """``arstream serve``'s description and options (one per setting)."""
+    parser.description = (
+        "Serve an autoregressive world model over WebSocket (PROTOCOL.md), with the demo page at /.\n"
+        "Prints 'ARSTREAM_LISTENING URL' once the port is bound and the model is loaded."
+    )
+    add_settings_arguments(parser)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,23 +1,53 @@
 """Pipelines selectable by name (``arstream serve --model NAME``).
 
-Two kinds of names: the project's own pipelines (:data:`PIPELINES`), and
-``vllm-omni:<architecture>``, a pipeline registered in vLLM-Omni itself, run
-only by the vllm-omni runtime (see :mod:`arstream.runner.vllm_omni.native`).
+Three kinds of names:
+
+- the project's own pipelines (:data:`BUILTIN`);
+- pipelines other packages register under the ``arstream.models`` entry-point
+  group (``[project.entry-points."arstream.models"] NAME = "pkg.module:load"``;
+  ``load(device, **options)`` returns an :class:`~arstream.runner.contract.ARPipeline`;
+  docs/models.md, "Bring your own model"); a built-in name wins over a plugin's;
+- ``vllm-omni:<architecture>``, a pipeline registered in vLLM-Omni itself, run
+  only by the vllm-omni runtime (see :mod:`arstream.runner.vllm_omni.native`).
+
+Importing this module is cheap (no torch): ``arstream serve --help`` and the
+settings' validation use it before anything heavy loads.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 from collections.abc import Callable
-from typing import Any
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from arstream.runner.contract import ARPipeline
-from arstream.runner.runtimes import vllm_omni_available
 from arstream.runner.vllm_omni.native import PREFIX as VLLM_OMNI_PREFIX
-from arstream.runner.vllm_omni.native import MissingWeights, NativePipeline, UnknownNativePipeline, check_weights
+from arstream.runner.vllm_omni.native import (
+    MissingWeights,
+    NativePipeline,
+    UnknownNativePipeline,
+    check_weights,
+    vllm_omni_available,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from arstream.runner.contract import ARPipeline
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "tiny-world"
+ENTRY_POINT_GROUP = "arstream.models"
+
+
+class UnknownModel(ValueError):
+    """The requested model name is not registered (or its options cannot load it)."""
+
+
+class UnsupportedModelRuntime(ValueError):
+    """The model cannot run on the chosen runtime."""
 
 
 def _fake_kv(device: torch.device, **options: Any) -> ARPipeline:
@@ -44,7 +74,8 @@ def _matrix_game(device: torch.device, **options: Any) -> ARPipeline:
     return load_matrix_game(device=device, **options)
 
 
-PIPELINES: dict[str, Callable[..., ARPipeline]] = {
+# The project's own models; each factory takes (device, **options), as a plugin's does.
+BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,
     "fake-kv": _fake_kv,
     "toy-attention": _toy_attention,
@@ -52,12 +83,30 @@ PIPELINES: dict[str, Callable[..., ARPipeline]] = {
 }
 
 
-class UnknownModel(ValueError):
-    """The requested model name is not registered (or its options cannot load it)."""
+def plugin_models() -> dict[str, str]:
+    """Models other installed packages register (``arstream.models`` entry points): name -> "module:function"."""
+    found = {entry.name: entry.value for entry in entry_points(group=ENTRY_POINT_GROUP)}
+    for name in sorted(found.keys() & BUILTIN.keys()):
+        log.warning("an installed package registers model %r, a built-in name; the built-in one is served", name)
+    return {name: target for name, target in found.items() if name not in BUILTIN}
 
 
-class UnsupportedModelRuntime(ValueError):
-    """The model cannot run on the chosen runtime."""
+def model_names() -> list[str]:
+    """Every name ``--model`` accepts besides ``vllm-omni:<pipeline>``."""
+    return sorted(BUILTIN.keys() | plugin_models().keys())
+
+
+def _factory(name: str) -> Callable[..., ARPipeline] | None:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    target = plugin_models().get(name)
+    if target is None:
+        return None
+    module_name, _, attribute = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownModel(f"model {name!r} ({target}, an installed plugin) does not load: {exc}") from exc
 
 
 def is_vllm_omni_model(name: str) -> bool:
@@ -71,7 +120,7 @@ def check_model_name(name: str) -> str:
     Looking one up imports vLLM (seconds), paid only by a ``vllm-omni:`` name,
     which only the vllm-omni runtime serves anyway.
     """
-    if name in PIPELINES:
+    if name in BUILTIN or name in plugin_models():
         return name
     if is_vllm_omni_model(name) and name != VLLM_OMNI_PREFIX:
         if vllm_omni_available():
@@ -82,7 +131,7 @@ def check_model_name(name: str) -> str:
             except UnknownNativePipeline as exc:
                 raise UnknownModel(str(exc)) from None
         return name
-    raise UnknownModel(f"unknown model {name!r}; expected one of {sorted(PIPELINES)} or {VLLM_OMNI_PREFIX}<pipeline>")
+    raise UnknownModel(f"unknown model {name!r}; expected one of {model_names()} or {VLLM_OMNI_PREFIX}<pipeline>")
 
 
 def check_model_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +160,9 @@ def load_pipeline(name: str, device: torch.device | str = "cpu", **options: Any)
             return resolve(name.removeprefix(VLLM_OMNI_PREFIX), options)
         except (UnknownNativePipeline, MissingWeights) as exc:
             raise UnknownModel(str(exc)) from None
-    try:
-        factory = PIPELINES[name]
-    except KeyError:
-        raise UnknownModel(f"unknown model {name!r}; expected one of {sorted(PIPELINES)}") from None
+    factory = _factory(name)
+    if factory is None:
+        raise UnknownModel(f"unknown model {name!r}; expected one of {model_names()}")
+    import torch
+
     return factory(torch.device(device), **options)

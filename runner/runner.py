@@ -33,16 +33,12 @@ from arstream.runner.contract import ARPipeline, SupportsBatchedChunks, Supports
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
 
 log = logging.getLogger("arstream.runner")
 
 WARMUP_SESSION_ID = "__arstream_warmup__"
 CHUNK_TIMES_KEPT = 100_000
-
-
-class UnsupportedConfiguration(ValueError):
-    """The pipeline or settings ask for something this runner does not do."""
 
 
 class ChunkShapeError(RuntimeError):

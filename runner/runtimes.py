@@ -7,21 +7,17 @@ the optional extra ``arstream[vllm-omni]``; see docs/vllm-omni.md.
 
 from __future__ import annotations
 
-import importlib.util
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from arstream.runner.contract import ARPipeline
-from arstream.runner.runner import ARRunner, RunnerStats, UnsupportedConfiguration
+from arstream.runner.runner import ARRunner, RunnerStats
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import ChunkResult, TickRequest, TickResult
-from arstream.runner.vllm_omni.native import NativePipeline
-
-RuntimeName = Literal["arstream", "vllm-omni"]
-RUNTIMES: tuple[RuntimeName, ...] = ("arstream", "vllm-omni")
+from arstream.runner.types import RUNTIMES, ChunkResult, TickRequest, TickResult, UnsupportedConfiguration
+from arstream.runner.vllm_omni.native import NativePipeline, vllm_omni_available
 
 
 class Runtime(Protocol):
@@ -57,11 +53,6 @@ class Runtime(Protocol):
     def stats(self) -> RunnerStats: ...
 
     def model_card(self) -> dict[str, Any]: ...
-
-
-def vllm_omni_available() -> bool:
-    """Whether the vllm-omni extra is installed (checked without importing it: that takes seconds)."""
-    return importlib.util.find_spec("vllm_omni") is not None
 
 
 def build_runtime(

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+
+# The runtimes `arstream serve --runtime` offers (built in arstream.runner.runtimes).
+RuntimeName = Literal["arstream", "vllm-omni"]
+RUNTIMES: tuple[RuntimeName, ...] = ("arstream", "vllm-omni")
+
+
+class UnsupportedConfiguration(ValueError):
+    """The pipeline or settings ask for something this runner does not do."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,17 @@ def test_help_at_every_level_exits_0_and_describes_the_commands(
         assert "--" in out.split("options:", 1)[1].replace("--help", "")  # a leaf lists its own options
 
 
+def test_serve_help_does_not_import_torch() -> None:
+    # `arstream serve --help` once took 7-14 s on a loaded machine: it imported torch for the options.
+    code = (
+        "import sys; from arstream.app.cli import main; code = main(['serve', '--help']); "
+        "sys.stdout.flush(); print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=EXIT_GUARD_S)
+    assert result.stdout.splitlines()[-1] == "NO-TORCH 0", result.stdout[-500:] + result.stderr
+    assert "--max-sessions" in result.stdout
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"arstream {__version__}"

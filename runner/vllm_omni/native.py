@@ -15,11 +15,12 @@ runtime seam can recognise a :class:`NativePipeline` without the extra.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arstream.runner.runner import UnsupportedConfiguration
+from arstream.runner.types import UnsupportedConfiguration
 
 PREFIX = "vllm-omni:"
 WEIGHTS_OPTION = "model"  # vLLM-Omni's own name for the weights path (OmniDiffusionConfig.model)
@@ -30,6 +31,11 @@ AR_DIFFUSION_METHODS = (
     "reset_ar_diffusion_session",
     "close_ar_diffusion_session",
 )
+
+
+def vllm_omni_available() -> bool:
+    """Whether the vllm-omni extra is installed (checked without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm_omni") is not None
 
 
 class UnknownNativePipeline(ValueError):
