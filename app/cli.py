@@ -75,8 +75,13 @@ def command_functions(command: Command) -> tuple[Callable[[argparse.ArgumentPars
     return add_options, run
 
 
-def build_parser(load: Callable[[Command], bool]) -> CommandParser:
-    """The whole tree; ``add_arguments`` runs only for commands where ``load(command)`` is true."""
+def build_parser(
+    load: Callable[[Command], bool], parsers: dict[tuple[str, ...], CommandParser] | None = None
+) -> CommandParser:
+    """The whole tree; ``add_arguments`` runs only for commands where ``load(command)`` is true.
+
+    ``parsers``, when given, receives each command's own parser by its words.
+    """
     root = CommandParser(
         prog="arstream",
         description="ARStream: a realtime server for autoregressive video world models.",
@@ -100,6 +105,8 @@ def build_parser(load: Callable[[Command], bool]) -> CommandParser:
             description=command.summary,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        if parsers is not None:
+            parsers[command.words] = parser
         if load(command):
             add_options, run = command_functions(command)
             add_options(parser)
@@ -115,10 +122,34 @@ def selected(argv: Sequence[str]) -> Command | None:
     return None
 
 
+def attach_dash_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--keys -*2`` as ``--keys=-*2``: argparse reads a value that starts with ``-`` as a flag.
+
+    Only for ``parser``'s options that take one value, and only when the next word is none of its options.
+    """
+    actions = parser._option_string_actions  # argparse has no public map of option strings to actions
+    attached: list[str] = []
+    words = iter(argv)
+    for word in words:
+        action = actions.get(word)
+        takes_one = action is not None and action.nargs is None and isinstance(action, argparse._StoreAction)
+        following = next(words, None) if takes_one else None
+        if following is None:
+            attached.append(word)
+        elif following.startswith("-") and following.split("=", 1)[0] not in actions:
+            attached.append(f"{word}={following}")
+        else:
+            attached.extend([word, following])
+    return attached
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     chosen = selected(args_list)
-    parser = build_parser(lambda command: command == chosen)
+    parsers: dict[tuple[str, ...], CommandParser] = {}
+    parser = build_parser(lambda command: command == chosen, parsers)
+    if chosen is not None:
+        args_list = attach_dash_values(args_list, parsers[chosen.words])
     try:
         args = parser.parse_args(args_list)
         return int(args.run(args) or 0)

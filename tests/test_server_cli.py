@@ -92,6 +92,15 @@ def test_help_at_every_level_exits_0_and_describes_the_commands(
         assert "--" in out.split("options:", 1)[1].replace("--help", "")  # a leaf lists its own options
 
 
+def test_an_option_value_that_starts_with_a_dash_is_read_as_the_value() -> None:
+    # `arstream client URL --keys "-*2,d*3"` (idle first) was refused: argparse took "-*2,d*3" for a flag.
+    parsers: dict[tuple[str, ...], cli.CommandParser] = {}
+    parser = cli.build_parser(lambda command: command.words == ("client",), parsers)
+    argv = cli.attach_dash_values(["client", "ws://h", "--keys", "-*2,d*3", "--out", "o"], parsers[("client",)])
+    args = parser.parse_args(argv)
+    assert (args.keys, str(args.out)) == ("-*2,d*3", "o")
+
+
 def test_serve_help_does_not_import_torch() -> None:
     # `arstream serve --help` once took 7-14 s on a loaded machine: it imported torch for the options.
     code = (
