@@ -29,6 +29,7 @@ from arstream.measure import compare, percentile, print_summary
 from arstream.models.registry import DEFAULT_MODEL, load_pipeline
 from arstream.runner.contract import ARPipeline
 from arstream.runner.runner import ARRunner, runner_for_sessions
+from arstream.runner.threads import default_torch_threads
 from arstream.runner.types import ChunkResult, TickRequest
 
 # Held keys per 8-chunk stretch, shifted per stream; keys a model does not take are left out.
@@ -111,12 +112,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--streams", type=int, default=4, help="also compare this many streams batched vs round robin (0 or 1: skip)"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the cores free now, less one; at least 1: two threads on a busy 2-core "
+        "machine ran ten times slower than one)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device (cuda: the KV budget is sized for the streams)")
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or default_torch_threads())
     options = dict(args.model_options)
     if args.weights is not None:
         options["weights_path"] = args.weights

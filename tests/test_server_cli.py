@@ -257,13 +257,26 @@ def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:
 
 
 def test_torch_threads_leave_a_core_free_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert Settings().resolved_torch_threads() == 7
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert Settings().resolved_torch_threads() == 1
     assert settings_from_argv(["--torch-threads", "3"]).resolved_torch_threads() == 3
     monkeypatch.setenv("ARSTREAM_TORCH_THREADS", "2")
     assert Settings().resolved_torch_threads() == 2
+
+
+@pytest.mark.parametrize(("cores", "load", "threads"), [(2, 0.1, 1), (2, 1.5, 1), (16, 0.0, 15), (16, 9.5, 6), (16, 40, 1)])
+def test_default_threads_are_the_cores_free_now(
+    monkeypatch: pytest.MonkeyPatch, cores: int, load: float, threads: int
+) -> None:
+    # On a loaded 2-core machine two threads ran ten times slower than one; a busy 16-core host keeps its free cores.
+    from arstream.runner.threads import default_torch_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert default_torch_threads() == threads
 
 
 def test_small_frames_get_a_higher_default_jpeg_quality() -> None:

@@ -48,6 +48,7 @@ from arstream.models.tiny_world.metrics import (
 from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
 from arstream.models.tiny_world.world import CLASS_NAMES, CLASS_SHARES, ProceduralWorld
 from arstream.runner.runner import ARRunner, runner_for_sessions
+from arstream.runner.threads import default_torch_threads
 from arstream.runner.types import TickRequest
 
 RESPONSIVE_SHARE = 0.8
@@ -270,7 +271,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-frames", type=int, default=64, help="frames per held-key rollout")
     p.add_argument("--square-frames", type=int, default=320, help="frames of the square walk")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the cores free now, less one; at least 1: two threads on a busy 2-core "
+        "machine ran ten times slower than one)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the model and its KV pool (default cpu)")
     p.add_argument(
         "--out", type=Path, default=Path("out/tiny_world_eval"), help="folder for contact sheets and metrics.json"
@@ -278,7 +285,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or default_torch_threads())
     started = time.perf_counter()
     pipeline = load_tiny_world(torch.device(args.device), args.weights)
     runner = make_runner(pipeline)
