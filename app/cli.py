@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,14 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def plain_text(doc: str | None) -> str | None:
+    """A module docstring as help text: Sphinx roles and literals (:class:`X`, ``y``) read as X and y."""
+    if doc is None:
+        return None
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", lambda match: match.group(1).rsplit(".", 1)[-1], doc)
+    return doc.replace("``", "")
+
+
 def command_functions(command: Command) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]:
     """The command's add_arguments and run; ``run`` imports the command's module only when called."""
     if command.arguments is None:
@@ -110,6 +119,7 @@ def build_parser(
         if load(command):
             add_options, run = command_functions(command)
             add_options(parser)
+            parser.description = plain_text(parser.description)
             parser.set_defaults(run=run)
     return root
 

@@ -292,6 +292,11 @@ function showHint(text) {
   $('hint').hidden = false;
 }
 
+// A touch screen without a keyboard or mouse: the first hint names what a finger can do.
+if (matchMedia('(hover: none) and (pointer: coarse)').matches) {
+  $('hint').textContent = 'Hold an arrow on the pad below, or drag on the world';
+}
+
 // Keys reach the page only while it has the focus: say how to get it back.
 window.addEventListener('blur', () => showHint('Click the world to steer'));
 window.addEventListener('focus', () => { if (!isTyping(document.activeElement)) $('hint').hidden = true; });

@@ -76,6 +76,9 @@ def test_phone_fits_the_screen_and_steers_by_touch_pad_drag_and_gamepad(server: 
         assert pad is not None and pad["y"] + pad["height"] <= PHONE["height"], "the pad is on the first screen"
         assert page.is_hidden("#prompt-form"), "fake-kv's card says it reads no prompt"
         assert page.evaluate("getComputedStyle(document.querySelector('#pad button')).transitionDuration") == "0s"
+        # A phone has no W A S D: the first hint talks about what a finger can do.
+        hint = page.evaluate("document.getElementById('hint').textContent")
+        assert "W A S D" not in hint and "pad" in hint, hint
 
         # Two fingers on the pad hold two keys at once; lifting them lets go.
         cdp = context.new_cdp_session(page)

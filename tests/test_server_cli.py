@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,14 @@ def test_an_option_value_that_starts_with_a_dash_is_read_as_the_value() -> None:
     argv = cli.attach_dash_values(["client", "ws://h", "--keys", "-*2,d*3", "--out", "o"], parsers[("client",)])
     args = parser.parse_args(argv)
     assert (args.keys, str(args.out)) == ("-*2,d*3", "o")
+
+
+@pytest.mark.parametrize("command", cli.COMMANDS, ids=lambda command: " ".join(command.words))
+def test_help_reads_as_plain_text(command: cli.Command) -> None:
+    parsers: dict[tuple[str, ...], cli.CommandParser] = {}
+    cli.build_parser(lambda candidate: candidate == command, parsers)
+    text = parsers[command.words].format_help()
+    assert "``" not in text and not re.search(r":[a-z]+:`", text), text
 
 
 def test_serve_help_does_not_import_torch() -> None:
