@@ -292,6 +292,13 @@ def test_fullscreen_recording_download_and_share_link(
     assert re.fullmatch(r"arstream-fake-kv-seed4242-[\d-]+\.webm", download.suggested_filename)
     clip = Path(download.path()).read_bytes()
     assert clip[:4] == EBML_MAGIC and len(clip) > 1000
+    # The clip says how long it is (MediaRecorder writes none; the page adds it) and every frame decodes.
+    import av
+
+    with av.open(download.path()) as container:
+        duration_s = container.duration / av.time_base if container.duration else 0.0
+        decoded = sum(1 for _ in container.decode(video=0))
+    assert duration_s > 0.5 and decoded > 0, (duration_s, decoded)
     assert page.is_hidden("#rec-dot")
 
     page.click("#share")
