@@ -137,6 +137,11 @@ def new_encoder(codec: str, quality: int) -> ChunkEncoder:
         from arstream.app.video import H264ChunkEncoder
 
         return H264ChunkEncoder(codec, quality)
+    if codec.startswith("fmp4/"):
+        # The realtime video dialect's fragmented MP4 (one message per chunk), not an ARF1 codec.
+        from arstream.app.fmp4 import FragmentedMP4ChunkEncoder
+
+        return FragmentedMP4ChunkEncoder(codec, quality)
     return ChunkEncoder(codec, quality)
 
 

@@ -1,6 +1,6 @@
 """``arstream serve``: the FastAPI app factory, its HTTP routes and WebSocket endpoint, and the CLI.
 
-Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``GET /v1/stats``,
+Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``WS /v1/realtime/video``, ``GET /v1/stats``,
 ``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz`` and the demo page at
 ``/`` (the repository's ``static/`` directory).
 
@@ -35,6 +35,7 @@ from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_pa
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
+from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
 
@@ -68,6 +69,11 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     @app.websocket("/v1/sessions")
     async def sessions(websocket: WebSocket) -> None:
         await Connection(websocket, hub).run()
+
+    @app.websocket(REALTIME_VIDEO_PATH)
+    async def realtime_video(websocket: WebSocket) -> None:
+        # vLLM-Omni's realtime video API over the same sessions (PROTOCOL.md, "vLLM-Omni realtime video dialect").
+        await RealtimeVideoConnection(websocket, hub).run()
 
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:

@@ -1,0 +1,821 @@
+"""vLLM-Omni's realtime video API, ``WS /v1/realtime/video``, over ARStream's own sessions.
+
+A second dialect on the same server: a connection here becomes an ordinary
+:class:`~arstream.app.session.Session`, admitted by the hub like any other,
+fed to the same worker (batched with protocol 1 sessions), encoded on the
+same encoder lanes, counted in the same stats and metrics. Only the wire
+differs (PROTOCOL.md, "vLLM-Omni realtime video dialect"):
+
+- the client sends ``session.start`` once, then nothing is required: the
+  server generates on its own, keeping the session's tick credits
+  (``max_pending_ticks``) in flight until ``num_frames`` are made or the
+  client sends ``session.stop``;
+- ``session.interaction`` becomes an input event: ``event.prompt`` the
+  prompt, ``event.multi_modal_data.camera`` (structural SE3) the model's
+  keys and camera controls (:func:`camera_to_controls`), applied at the next
+  chunk boundary and acknowledged with ``session.interaction.queued``;
+- each chunk goes out as ``video.chunk_metadata`` then one binary message of
+  fragmented MP4 (:mod:`arstream.app.fmp4`), the first one opening with the
+  init segment;
+- refusals and bad messages get vLLM-Omni's error shape,
+  ``{"type": "error", "message": ..., "code"?, "request_id"?, "event_id"?}``;
+  a bad control message costs only its error, the session goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse
+from starlette.websockets import WebSocket
+
+from arstream.app import auth
+from arstream.app.connection import Outbox, _Text
+from arstream.app.fmp4 import fmp4_codec
+from arstream.app.limits import MessageBudget, count_exceeds
+from arstream.app.protocol import (
+    CLOSE_NORMAL,
+    ERROR_CLOSE_CODES,
+    ErrorCode,
+    InputMessage,
+    ProtocolError,
+    TickMessage,
+    dumps,
+    loads_strict,
+)
+from arstream.app.session import Session, SessionState
+from arstream.app.worker import OutcomeKind, TickOutcome
+
+if TYPE_CHECKING:
+    from arstream.app.hub import SessionHub
+
+log = logging.getLogger("arstream.realtime_video")
+
+PATH = "/v1/realtime/video"
+OUTPUT_FORMAT = "m4s"
+CLOSE_GOING_AWAY = 1001
+# vLLM-Omni's LingBot-World helper turns 6 degrees a frame for one look key; Matrix-Game's key-driven camera
+# turns 0.1 of its units a frame. Equating the two gives the scale of a rotation in the model's camera units.
+CAMERA_UNITS_PER_DEGREE = 0.1 / 6.0
+# Translation components smaller than this (per frame, Unity units) press no key: the helper's step is 0.05.
+TRANSLATION_DEAD_ZONE = 1e-3
+# Interaction event_ids remembered for event_id_conflict (vLLM-Omni remembers all; a session here may be endless).
+EVENT_IDS_REMEMBERED = 4096
+# Fields of vLLM-Omni's request that ask for something no ARStream model does: refused rather than ignored.
+UNSUPPORTED_FIELDS = ("image_reference", "video_reference", "audio_reference", "lora")
+
+
+class RealtimeVideoError(Exception):
+    """A refusal in vLLM-Omni's error shape; ``code`` is ARStream's (or vLLM-Omni's) name for it."""
+
+    def __init__(self, message: str, code: str | None = None, *, event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.event_id = event_id
+
+
+def error_event(
+    message: str, code: str | None = None, *, request_id: str | None = None, event_id: str | None = None
+) -> dict[str, Any]:
+    """vLLM-Omni's ``error`` event: ``message`` always, the other fields only when known."""
+    payload: dict[str, Any] = {"type": "error", "message": message}
+    if code is not None:
+        payload["code"] = code
+    if request_id is not None:
+        payload["request_id"] = request_id
+    if event_id is not None:
+        payload["event_id"] = event_id
+    return payload
+
+
+# ---- session.start ---------------------------------------------------------------------------
+
+
+class VideoParamsBlock(BaseModel):
+    """vLLM-Omni's optional ``video_params`` block (the top-level fields win over it)."""
+
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    num_frames: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False)
+
+
+class SessionStart(BaseModel):
+    """The fields of vLLM-Omni's ``session.start`` (its ``VideoGenerationRequest``) that ARStream reads.
+
+    Unknown fields are ignored, as vLLM-Omni's pydantic model ignores them; the
+    diffusion sampling knobs (``num_inference_steps``, ``guidance_scale``,
+    ``negative_prompt``, ...) are among them: an ARStream model's steps are
+    fixed by its distillation.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["session.start"]
+    model: str | None = None
+    prompt: str
+    seconds: str | None = Field(None, pattern=r"^[1-9]\d*$")
+    size: str | None = Field(None, pattern=r"^\d+x\d+$")
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False)
+    num_frames: int | None = Field(None, ge=1)
+    video_params: VideoParamsBlock | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    num_outputs_per_prompt: int = Field(1, ge=1, le=1)
+    generate_sound: bool = False
+    enable_frame_interpolation: bool = False
+    extra_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """An accepted ``session.start``, resolved against the model card."""
+
+    start: SessionStart
+    width: int
+    height: int
+    fps: float
+    num_frames: int | None  # None: until session.stop
+    controls: dict[str, Any] | None  # ARStream's extra_params.controls, the first chunk's controls
+
+    def config(self) -> dict[str, Any]:
+        """``video.start``'s ``config``: the request as accepted (vLLM-Omni echoes its request, Nones left out)."""
+        echoed = self.start.model_dump(exclude_none=True, exclude={"type", "video_params"})
+        echoed.update(width=self.width, height=self.height, fps=self.fps)
+        if self.num_frames is not None:
+            echoed["num_frames"] = self.num_frames
+        return echoed
+
+
+def fold_sampling_params(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM-Omni's ``sampling_params`` folding: known fields move up (unless set), the rest into extra_params."""
+    fields = {k: v for k, v in message.items() if k not in ("format", "sampling_params")}
+    sampling = message.get("sampling_params")
+    if isinstance(sampling, dict):
+        extra = dict(fields.get("extra_params") or {})
+        for key, value in sampling.items():
+            if key in SessionStart.model_fields and key not in fields:
+                fields[key] = value
+            else:
+                extra[key] = value
+        if extra:
+            fields["extra_params"] = extra
+    return fields
+
+
+def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
+    """Check a ``session.start`` against vLLM-Omni's schema and the served model; raises RealtimeVideoError."""
+    if not isinstance(message, dict):
+        raise RealtimeVideoError("session.start must be a JSON object", ErrorCode.INVALID_MESSAGE)
+    if message.get("type") != "session.start":
+        raise RealtimeVideoError(f"Expected session.start, got: {message.get('type')}", ErrorCode.START_REQUIRED)
+    if message.get("format", OUTPUT_FORMAT) != OUTPUT_FORMAT:
+        raise RealtimeVideoError("Invalid session.start format: expected 'm4s'.", ErrorCode.INVALID_MESSAGE)
+    for name in UNSUPPORTED_FIELDS:
+        if message.get(name) is not None:
+            raise RealtimeVideoError(f"{name} is not supported by ARStream's models", ErrorCode.INVALID_MESSAGE)
+    try:
+        start = SessionStart.model_validate(fold_sampling_params(message))
+    except ValidationError as exc:
+        raise RealtimeVideoError(f"Invalid session.start: {exc}", ErrorCode.INVALID_MESSAGE) from None
+    name = model_card.get("name")
+    if start.model is not None and start.model != name:
+        raise RealtimeVideoError(
+            f"Model mismatch: request specifies '{start.model}' but server is running '{name}'.",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    if start.generate_sound or start.enable_frame_interpolation:
+        raise RealtimeVideoError(
+            "generate_sound and enable_frame_interpolation are not supported by ARStream's models",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    block = start.video_params or VideoParamsBlock()
+    width, height = start.width or block.width, start.height or block.height
+    if start.size is not None:
+        width, height = (int(v) for v in start.size.split("x"))
+    card_width, card_height, card_fps = int(model_card["width"]), int(model_card["height"]), float(model_card["fps"])
+    if (width is not None and width != card_width) or (height is not None and height != card_height):
+        raise RealtimeVideoError(
+            f"this model makes {card_width}x{card_height} video, not {width or card_width}x{height or card_height}",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    fps = start.fps or block.fps
+    if fps is not None and fps != card_fps:
+        raise RealtimeVideoError(
+            f"this model makes video at {card_fps:g} fps, not {fps:g}: its controls and motion are per frame",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    num_frames = start.num_frames or block.num_frames
+    if num_frames is None and start.seconds is not None:
+        num_frames = int(float(start.seconds) * card_fps)
+    controls = (start.extra_params or {}).get("controls")
+    if controls is not None and not isinstance(controls, dict):
+        raise RealtimeVideoError("extra_params.controls must be a JSON object", ErrorCode.INVALID_CONTROLS)
+    return StartRequest(start, card_width, card_height, card_fps, num_frames, controls)
+
+
+def chunks_for_frames(num_frames: int, model_card: dict[str, Any]) -> int:
+    """Chunks that make at least ``num_frames`` frames (a model's first chunk may be shorter: Matrix-Game's)."""
+    per_chunk = int(model_card["frames_per_chunk"])
+    first = int(model_card.get("first_chunk_frames", per_chunk))
+    return 1 + max(0, -(-(num_frames - first) // per_chunk))
+
+
+# ---- session.interaction ---------------------------------------------------------------------------
+
+
+def _numbers(value: Any, count: int, where: str) -> list[float]:
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+    ):
+        raise ValueError(f"{where} must be a list of {count} finite numbers")
+    return [float(v) for v in value]
+
+
+def yaw_pitch_degrees(rotation: list[float]) -> tuple[float, float]:
+    """Yaw (about +Y, positive looks right) and pitch (about +X, positive looks up) of a unit quaternion.
+
+    Inverts vLLM-Omni's helper, which composes ``pitch (x) yaw``; a roll component is dropped.
+    """
+    norm = math.sqrt(sum(v * v for v in rotation))
+    if norm == 0.0:
+        raise ValueError("camera rotation must be a non-zero quaternion [x, y, z, w]")
+    x, y, z, w = (v / norm for v in rotation)
+    yaw = math.atan2(2 * (w * y + x * z), w * w + x * x - y * y - z * z)
+    pitch = math.atan2(2 * (w * x + y * z), w * w - x * x + y * y - z * z)
+    return math.degrees(yaw), math.degrees(pitch)
+
+
+def camera_to_controls(camera: Any, model_card: dict[str, Any]) -> dict[str, Any]:
+    """A structural SE3 camera payload as the model's controls; raises ValueError saying what does not fit.
+
+    ``velocity`` (a per-frame delta, held until replaced) maps onto what
+    ARStream's models take per frame: the translation's sign along +Z/-Z and
+    +X/-X presses W/S and D/A (keys have no magnitude), the rotation's yaw and
+    pitch set the camera axes (``CAMERA_UNITS_PER_DEGREE``, clamped to the
+    schema). ``target`` (an absolute pose) is refused: these models take motion,
+    not poses.
+    """
+    if not isinstance(camera, dict):
+        raise ValueError("multi_modal_data.camera must be an object")
+    mode = camera.get("mode")
+    if mode == "target":
+        raise ValueError("camera mode 'target' is not supported: ARStream's models take motion, use 'velocity'")
+    if mode != "velocity":
+        raise ValueError(f"camera mode must be 'velocity' or 'target', got {mode!r}")
+    data = camera.get("data")
+    if not isinstance(data, dict):
+        raise ValueError("camera.data must be an object with translation and rotation")
+    if "actions" in data:
+        raise ValueError("camera.data.actions (key tokens) is not accepted: send structural SE3")
+    dx, _dy, dz = _numbers(data.get("translation", [0.0, 0.0, 0.0]), 3, "camera.data.translation")
+    yaw, pitch = yaw_pitch_degrees(_numbers(data.get("rotation", [0.0, 0.0, 0.0, 1.0]), 4, "camera.data.rotation"))
+
+    properties = model_card.get("controls", {}).get("properties", {})
+    pressed = []
+    if dz > TRANSLATION_DEAD_ZONE:
+        pressed.append("w")
+    elif dz < -TRANSLATION_DEAD_ZONE:
+        pressed.append("s")
+    if dx > TRANSLATION_DEAD_ZONE:
+        pressed.append("d")
+    elif dx < -TRANSLATION_DEAD_ZONE:
+        pressed.append("a")
+    allowed_keys = properties.get("keys", {}).get("items", {}).get("enum", [])
+    if not set(pressed) <= set(allowed_keys):
+        raise ValueError(f"this model cannot move along {pressed} (its keys: {allowed_keys})")
+    controls: dict[str, Any] = {"keys": pressed} if "keys" in properties else {}
+
+    camera_field = model_card.get("mouse", "camera")
+    axes = properties.get(camera_field, {}).get("properties", {})
+    turn = {"yaw": yaw, "pitch": pitch}
+    if any(abs(turn[a]) > 1e-9 for a in turn if a not in axes):
+        raise ValueError(f"this model cannot turn its camera that way (its camera axes: {sorted(axes)})")
+    if axes:
+        values = {}
+        for axis, spec in axes.items():
+            value = turn.get(axis, 0.0) * CAMERA_UNITS_PER_DEGREE
+            values[axis] = min(max(value, spec.get("minimum", -math.inf)), spec.get("maximum", math.inf))
+        controls[camera_field] = values
+    return controls
+
+
+@dataclass(frozen=True)
+class Interaction:
+    """A checked ``session.interaction``: its event_id and what it changes."""
+
+    event_id: str
+    prompt: str | None
+    controls: dict[str, Any] | None
+    transition_chunks: int | None
+
+
+def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> Interaction:
+    """vLLM-Omni's interaction checks, in its order, then the mapping onto controls; raises RealtimeVideoError."""
+    interaction = message.get("interaction")
+    if not isinstance(interaction, dict):
+        raise RealtimeVideoError("session.interaction requires an interaction object", ErrorCode.INVALID_MESSAGE)
+    event_id = interaction.get("event_id")
+    if event_id is None:
+        event_id = secrets.token_hex(16)
+    elif not isinstance(event_id, str) or not event_id:
+        raise RealtimeVideoError("session.interaction event_id must be a non-empty string", ErrorCode.INVALID_MESSAGE)
+    event = interaction.get("event")
+    if not isinstance(event, dict):
+        raise RealtimeVideoError("session.interaction requires event object", ErrorCode.INVALID_MESSAGE)
+    prompt, mm, native = event.get("prompt"), event.get("multi_modal_data"), event.get("controls")
+    has_prompt = isinstance(prompt, str) and bool(prompt.strip())
+    has_mm = isinstance(mm, dict) and bool(mm)
+    if not has_prompt and not has_mm and native is None:
+        raise RealtimeVideoError(
+            "session.interaction requires a non-empty event.prompt and/or non-empty event.multi_modal_data",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    if prompt is not None and not has_prompt:
+        raise RealtimeVideoError(
+            "session.interaction event.prompt must be a non-empty string when provided", ErrorCode.INVALID_MESSAGE
+        )
+    if mm is not None and not has_mm:
+        raise RealtimeVideoError(
+            "session.interaction event.multi_modal_data must be a non-empty object when provided",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    if event.get("negative_prompt") is not None:
+        raise RealtimeVideoError(
+            "session.interaction negative_prompt is not supported in this release", ErrorCode.INVALID_MESSAGE
+        )
+    transition_chunks = interaction.get("transition_chunks")
+    if transition_chunks is not None:
+        if (
+            isinstance(transition_chunks, bool)
+            or not isinstance(transition_chunks, (int, float))
+            or (isinstance(transition_chunks, float) and not transition_chunks.is_integer())
+        ):
+            raise RealtimeVideoError("session.interaction transition_chunks must be an integer", ErrorCode.INVALID_MESSAGE)
+        transition_chunks = int(transition_chunks)
+        if transition_chunks < 0:
+            raise RealtimeVideoError("session.interaction transition_chunks must be >= 0", ErrorCode.INVALID_MESSAGE)
+
+    controls: dict[str, Any] | None = None
+    if has_mm:
+        unknown = sorted(set(mm) - {"camera"})
+        if unknown:
+            raise RealtimeVideoError(
+                f"this model takes no {unknown} interaction (only camera)", "interaction_failed", event_id=event_id
+            )
+        try:
+            controls = camera_to_controls(mm["camera"], model_card)
+        except ValueError as exc:
+            raise RealtimeVideoError(str(exc), "interaction_failed", event_id=event_id) from None
+    if native is not None:
+        # ARStream's addition: the model's own controls, as protocol 1's `input` carries them (they win).
+        if not isinstance(native, dict):
+            raise RealtimeVideoError("event.controls must be an object", ErrorCode.INVALID_CONTROLS, event_id=event_id)
+        controls = {**(controls or {}), **native}
+    return Interaction(event_id, prompt if has_prompt else None, controls, transition_chunks)
+
+
+# ---- the connection ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Media:
+    """A chunk outcome for the writer: metadata then its fMP4 bytes."""
+
+    outcome: TickOutcome
+
+
+@dataclass(frozen=True)
+class _End:
+    """The last things the writer sends: an optional event (session.done or an error), then the close frame."""
+
+    code: int
+    text: str | None = None
+
+
+class RealtimeVideoConnection:
+    """Serves one ``/v1/realtime/video`` WebSocket; duck-types what the hub needs of a connection."""
+
+    def __init__(self, websocket: WebSocket, hub: SessionHub) -> None:
+        self.ws = websocket
+        self.hub = hub
+        self.settings = hub.settings
+        self.metrics = hub.metrics
+        self.session: Session | None = None
+        token = secrets.token_hex(16)
+        self.session_id = "v-" + token
+        self.request_id = "video_stream-" + token
+        self.outbox = Outbox()
+        self.client_host = websocket.client.host if websocket.client else ""
+        self.token_key = auth.token_key(auth.offered_token(websocket.headers, websocket.query_params))
+        self._writer: asyncio.Task[None] | None = None
+        self._budget = MessageBudget(
+            self.settings.max_messages_per_s, self.settings.message_burst, asyncio.get_running_loop().time()
+        )
+        self._released = False
+        self._ticks_submitted = 0
+        self._chunks_target: int | None = None
+        self._chunks_sent = 0
+        self._frames_target: int | None = None
+        self._progress_at = 0.0
+        # Interaction ids: ARStream's event ids are integers, vLLM-Omni's are strings.
+        self._event_names: dict[int, str] = {}
+        self._names_seen: deque[str] = deque(maxlen=EVENT_IDS_REMEMBERED)
+        self._names_seen_set: set[str] = set()
+        self._active: dict[str, str] = {}  # field (controls, prompt) -> the event_id whose value holds now
+        self._event_fields: dict[str, tuple[str, ...]] = {}
+
+    # ---- entry point -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.metrics.websocket_connections.inc()
+        self.metrics.websocket_open.inc()
+        try:
+            await self._serve()
+        except Exception:  # noqa: BLE001 - a server fault: tell the client, then close 1011
+            log.exception("session=%s server fault", self.session_id)
+            if self.session is None:
+                await self._refuse("internal server error", ErrorCode.INTERNAL)
+            else:
+                self._end_with_error("internal server error", ErrorCode.INTERNAL)
+        finally:
+            await self._finish()
+            self.metrics.websocket_open.dec()
+
+    async def _serve(self) -> None:
+        ws = self.ws
+        server_port = ws.scope.get("server", (None, None))[1]
+        token_refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token)
+        refusal = token_refusal or auth.origin_refusal(
+            ws.headers,
+            self.settings.origin_allow_list(),
+            server_port,
+            beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
+        )
+        if refusal is not None and self.settings.refuse_before_upgrade:
+            self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+            missing = token_refusal is not None and self.token_key is None
+            headers = {"WWW-Authenticate": "Bearer"} if missing else None
+            body = error_event(refusal, ErrorCode.UNAUTHORIZED)
+            await ws.send_denial_response(JSONResponse(body, status_code=401 if missing else 403, headers=headers))
+            return
+        await ws.accept()
+        if refusal is not None:
+            await self._refuse(refusal, ErrorCode.UNAUTHORIZED)
+            return
+        request = await self._await_start()
+        if request is None:
+            return
+        refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)  # type: ignore[arg-type]
+        if refusal is not None:
+            log.info("session=%s not admitted: %s", self.session_id, refusal)
+            await self._refuse(refusal, ErrorCode.OVER_CAPACITY)
+            return
+        card = self.hub.model_card
+        session = Session(
+            self.session_id,
+            codec=fmp4_codec(request.fps),
+            quality=self.settings.default_jpeg_quality(card),
+            seed=request.start.seed,
+            prompt=request.start.prompt,
+            max_pending_ticks=self.settings.max_pending_ticks,
+        )
+        session.transition(SessionState.ACTIVE)
+        self.session = session
+        if request.num_frames is not None:
+            self._frames_target = request.num_frames
+            self._chunks_target = chunks_for_frames(request.num_frames, card)
+        self.hub.register(self)  # type: ignore[arg-type]
+        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
+        start_event = {"type": "video.start", "request_id": self.request_id, "format": OUTPUT_FORMAT}
+        # ARStream's additions: the session id (as in /v1/stats and the logs) and the chunk size.
+        start_event.update(
+            config=request.config(), session_id=self.session_id, frames_per_chunk=int(card["frames_per_chunk"])
+        )
+        self.outbox.push_reply(dumps(start_event))
+        log.info("session=%s started (realtime video, %s frames)", self.session_id, request.num_frames or "endless")
+        self._progress_at = asyncio.get_running_loop().time()
+        self._submit_ticks(session, first_controls=request.controls)
+        await self._receive_loop(session)
+
+    # ---- before the session exists -----------------------------------------------------
+
+    async def _refuse(self, message: str, code: ErrorCode) -> None:
+        """Error then close, for a connection that never became a session (bounded by close_timeout_s)."""
+        self.metrics.errors.labels(code=str(code)).inc()
+
+        async def send_refusal() -> None:
+            await self.ws.send_text(dumps(error_event(message, code)))
+            await self.ws.close(ERROR_CLOSE_CODES.get(code, 1008))
+
+        try:
+            await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
+        except Exception:  # noqa: BLE001 - a peer that is gone or does not read is left to the transport
+            log.debug("session=%s did not take its refusal", self.session_id)
+
+    def _too_large(self, text: str) -> bool:
+        limit = self.settings.max_message_bytes
+        return len(text) > limit or len(text.encode()) > limit
+
+    async def _await_start(self) -> StartRequest | None:
+        """The accepted ``session.start``, or None after refusing (vLLM-Omni ends the connection on a bad one)."""
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), self.settings.start_timeout_s)
+        except TimeoutError:
+            await self._refuse("Timeout waiting for session.start", ErrorCode.START_REQUIRED)
+            return None
+        if message["type"] == "websocket.disconnect":
+            return None
+        text = message.get("text")
+        if text is None:
+            await self._refuse("the first message must be session.start, as JSON text", ErrorCode.START_REQUIRED)
+            return None
+        if self._too_large(text):
+            await self._refuse("session.start message too large", ErrorCode.MESSAGE_TOO_LARGE)
+            return None
+        try:
+            parsed = loads_strict(text)
+        except ValueError:
+            await self._refuse("Invalid JSON in session.start", ErrorCode.START_REQUIRED)
+            return None
+        if not self.hub.ready:
+            await self._refuse(self.hub.not_ready_reason, ErrorCode.OVER_CAPACITY)
+            return None
+        try:
+            request = parse_start(parsed, self.hub.model_card)
+            if request.controls is not None:
+                self._validate_controls(request.controls)
+        except RealtimeVideoError as exc:
+            await self._refuse(exc.message, ErrorCode(exc.code) if exc.code else ErrorCode.INVALID_MESSAGE)
+            return None
+        return request
+
+    # ---- generation: the server ticks on the client's behalf ------------------------------------
+
+    def _submit_ticks(self, session: Session, *, first_controls: dict[str, Any] | None = None) -> None:
+        """Keep the session's credits in flight until the frame budget is covered."""
+        assert self.hub.worker is not None
+        while (
+            session.state is SessionState.ACTIVE
+            and session.pending_ticks < session.max_pending_ticks
+            and (self._chunks_target is None or self._ticks_submitted < self._chunks_target)
+        ):
+            tick = TickMessage(type="tick", tick_id=self._ticks_submitted, controls=first_controls)
+            first_controls = None
+            self.hub.worker.submit(session.accept_tick(tick))
+            self._ticks_submitted += 1
+
+    def on_outcome(self, outcome: TickOutcome) -> None:
+        session = self.session
+        if session is None or not session.live or outcome.job.session is not session:
+            return
+        if outcome.kind is OutcomeKind.CHUNK:
+            self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
+            self.metrics.queue_wait_seconds.observe(outcome.queue_s)
+            self.outbox.push(_Media(outcome))  # type: ignore[arg-type]
+            return
+        log.warning("session=%s tick=%d %s: %s", self.session_id, outcome.job.tick_id, outcome.kind.value, outcome.error)
+        if outcome.kind is OutcomeKind.INTERNAL:
+            self._end_with_error("internal server error", ErrorCode.INTERNAL)
+        else:
+            # vLLM-Omni ends a request whose generation failed; so does this dialect (its KV is already released).
+            self._end_with_error(f"generation failed: {outcome.error}", ErrorCode.SESSION_FAILED, close_code=1011)
+
+    def _chunk_metadata(self, outcome: TickOutcome, payload: bytes) -> dict[str, Any]:
+        """``video.chunk_metadata``, with the interactions this chunk started, holds and ended."""
+        started = [self._event_names.pop(i) for i in outcome.applied_event_ids if i in self._event_names]
+        before = set(self._active.values())
+        for name in started:
+            for field in self._event_fields.pop(name, ()):
+                self._active[field] = name
+        active = list(dict.fromkeys(self._active.values()))
+        completed = [n for n in dict.fromkeys([*before, *started]) if n not in active]
+        return {
+            "type": "video.chunk_metadata",
+            "request_id": self.request_id,
+            "kind": "media",
+            "num_frames": self._frames_in(outcome),
+            "byte_length": len(payload),
+            "generation_chunk_index": outcome.chunk_index,
+            "started_event_ids": started,
+            "active_event_ids": active,
+            "completed_event_ids": completed,
+            "transport_chunk_index": self._chunks_sent,
+            # ARStream's additions: the chunk's timings, as protocol 1's `chunk` reports them.
+            "timings": {
+                "queue_ms": round(outcome.queue_s * 1e3, 3),
+                "compute_ms": round(outcome.compute_s * 1e3, 3),
+                "encode_ms": round(outcome.encode_s * 1e3, 3),
+            },
+        }
+
+    def _frames_in(self, outcome: TickOutcome) -> int:
+        card = self.hub.model_card
+        if outcome.chunk_index == 0 and "first_chunk_frames" in card:
+            return int(card["first_chunk_frames"])
+        return int(card["frames_per_chunk"])
+
+    # ---- the receive loop ---------------------------------------------------------------
+
+    async def _receive_loop(self, session: Session) -> None:
+        loop = asyncio.get_running_loop()
+        stall_s = self.settings.idle_timeout_s
+        while session.live:
+            delay = self._budget.delay(loop.time())
+            if delay > 0:
+                await asyncio.sleep(delay)
+            left = self._progress_at + stall_s - loop.time()
+            if left <= 0:
+                self._end_with_error(
+                    f"Stall timeout: no generation progress and no session.ping for {stall_s:g} s",
+                    ErrorCode.IDLE_TIMEOUT,
+                )
+                return
+            try:
+                if self.outbox.replies_full:
+                    await asyncio.wait_for(self.outbox.wait_reply_space(), left)
+                    continue
+                message = await asyncio.wait_for(self.ws.receive(), left)
+            except TimeoutError:
+                continue
+            if message["type"] == "websocket.disconnect":
+                return
+            if session.live:
+                self._handle(session, message)
+
+    def _reply_error(self, exc: RealtimeVideoError) -> None:
+        self.metrics.errors.labels(code=str(exc.code)).inc()
+        self.outbox.push_reply(dumps(error_event(exc.message, exc.code, request_id=self.request_id, event_id=exc.event_id)))
+
+    def _handle(self, session: Session, message: dict[str, Any]) -> None:
+        try:
+            text = message.get("text")
+            if text is None:
+                raise RealtimeVideoError("binary messages from the client are not part of this API", ErrorCode.INVALID_MESSAGE)
+            if self._too_large(text):
+                raise RealtimeVideoError("control message too large", ErrorCode.MESSAGE_TOO_LARGE)
+            try:
+                parsed = loads_strict(text)
+            except ValueError:
+                raise RealtimeVideoError("Invalid JSON message", ErrorCode.INVALID_MESSAGE) from None
+            if not isinstance(parsed, dict):
+                raise RealtimeVideoError("WebSocket messages must be JSON objects", ErrorCode.INVALID_MESSAGE)
+            kind = parsed.get("type")
+            if kind == "session.stop":
+                log.info("session=%s stopped by the client", self.session_id)
+                self._end(CLOSE_NORMAL, self._done_event(stopped=True))
+            elif kind == "session.ping":
+                self._progress_at = asyncio.get_running_loop().time()
+                self.outbox.push_reply(dumps({"type": "session.pong"}))
+            elif kind == "session.interaction":
+                self._interact(session, parsed)
+            else:
+                raise RealtimeVideoError(f"Unknown message type: {kind}", ErrorCode.INVALID_MESSAGE)
+        except RealtimeVideoError as exc:
+            self._reply_error(exc)
+
+    def _interact(self, session: Session, message: dict[str, Any]) -> None:
+        interaction = parse_interaction(message, self.hub.model_card)
+        name = interaction.event_id
+        if name in self._names_seen_set:
+            raise RealtimeVideoError("event_id_conflict", "event_id_conflict", event_id=name)
+        if interaction.controls is not None:
+            try:
+                self._validate_controls(interaction.controls)
+            except RealtimeVideoError as exc:
+                raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
+        event_id = (session.event_floor or 0) + 1
+        try:
+            session.accept_event(
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt)
+            )
+        except ProtocolError as exc:
+            raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
+        if len(self._names_seen) == self._names_seen.maxlen:
+            self._names_seen_set.discard(self._names_seen[0])
+        self._names_seen.append(name)
+        self._names_seen_set.add(name)
+        self._event_names[event_id] = name
+        fields = ("controls",) * (interaction.controls is not None) + ("prompt",) * (interaction.prompt is not None)
+        self._event_fields[name] = fields
+        self.outbox.push_reply(
+            dumps({"type": "session.interaction.queued", "request_id": self.request_id, "event_id": name})
+        )
+
+    def _validate_controls(self, controls: dict[str, Any]) -> None:
+        limit = self.settings.max_control_items
+        if count_exceeds(controls, limit):
+            raise RealtimeVideoError(f"controls hold more than {limit} JSON values", ErrorCode.INVALID_CONTROLS)
+        validator = self.hub.controls_validator
+        error = None if validator is None else next(iter(validator.iter_errors(controls)), None)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "controls"
+            raise RealtimeVideoError(f"{where}: {error.message}", ErrorCode.INVALID_CONTROLS)
+
+    # ---- ending -----------------------------------------------------------------------------
+
+    def _done_event(self, *, stopped: bool) -> str:
+        return dumps({"type": "session.done", "request_id": self.request_id, "chunks": self._chunks_sent, "stopped": stopped})
+
+    def _end(self, code: int, text: str | None) -> None:
+        """Queue the last event and the close frame; drop queued ticks and release the KV now."""
+        session = self.session
+        if session is None or not session.live:
+            return
+        session.transition(SessionState.CLOSING)
+        self.outbox.push(_End(code, text))  # type: ignore[arg-type]
+        self._release()
+
+    def _end_with_error(self, message: str, code: ErrorCode, *, close_code: int | None = None) -> None:
+        self.metrics.errors.labels(code=str(code)).inc()
+        text = dumps(error_event(message, code, request_id=self.request_id))
+        self._end(close_code or ERROR_CLOSE_CODES.get(code, 1011), text)
+
+    def close_for_shutdown(self) -> None:
+        self._end_with_error("the server is shutting down", ErrorCode.INTERNAL, close_code=CLOSE_GOING_AWAY)
+
+    async def wait_sent(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the writer to send everything queued, then stop it."""
+        writer = self._writer
+        if writer is None or writer.done():
+            return
+        done, _ = await asyncio.wait({writer}, timeout=timeout_s)
+        if not done:
+            writer.cancel()
+            await asyncio.wait({writer})
+
+    def _release(self) -> None:
+        if self._released or self.session is None:
+            return
+        self._released = True
+        assert self.hub.worker is not None
+        dropped = self.hub.worker.drop_session(self.session_id)
+        log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
+
+    async def _finish(self) -> None:
+        session = self.session
+        if session is None:
+            return
+        if session.state is not SessionState.CLOSING and session.state is not SessionState.CLOSED:
+            session.transition(SessionState.CLOSING)
+        self._release()
+        self.hub.unregister(self)  # type: ignore[arg-type]
+        await self.wait_sent(self.settings.shutdown_grace_s)
+        if session.state is not SessionState.CLOSED:
+            session.transition(SessionState.CLOSED)
+
+    # ---- the writer -----------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        session = self.session
+        assert session is not None
+        try:
+            while True:
+                item: Any = await self.outbox.get()
+                if isinstance(item, _Text):
+                    await self.ws.send_text(item.text)
+                elif isinstance(item, _Media):
+                    await self._send_media(session, item.outcome)
+                else:
+                    if item.text is not None:
+                        await self.ws.send_text(item.text)
+                    await self.ws.close(item.code)
+                    return
+        except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
+            log.debug("session=%s writer stopped: %s", self.session_id, exc)
+        finally:
+            self.outbox.close()
+
+    async def _send_media(self, session: Session, outcome: TickOutcome) -> None:
+        (payload,) = outcome.frame_messages  # the fMP4 encoder makes one message per chunk
+        await self.ws.send_text(dumps(self._chunk_metadata(outcome, payload)))
+        await self.ws.send_bytes(payload)
+        sent_at = time.perf_counter()
+        for event in outcome.events:
+            self.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+        self.metrics.frames_sent.inc(self._frames_in(outcome))
+        self.metrics.bytes_sent.inc(len(payload))
+        self.metrics.chunks.inc()
+        self._chunks_sent += 1
+        self._progress_at = asyncio.get_running_loop().time()
+        session.release_credit()
+        if not session.live:
+            return
+        if self._chunks_target is not None and self._chunks_sent >= self._chunks_target:
+            log.info("session=%s done after %d chunk(s)", self.session_id, self._chunks_sent)
+            self._end(CLOSE_NORMAL, self._done_event(stopped=False))
+            return
+        self._submit_ticks(session)
+
