@@ -434,7 +434,9 @@ class RealtimeVideoConnection:
         self._event_names: dict[int, str] = {}
         self._names_seen: deque[str] = deque(maxlen=EVENT_IDS_REMEMBERED)
         self._names_seen_set: set[str] = set()
-        self._active: dict[str, str] = {}  # field (controls, prompt) -> the event_id whose value holds now
+        # field (controls, prompt) -> (start order, event_id) of the interaction whose value holds now
+        self._active: dict[str, tuple[int, str]] = {}
+        self._started_count = 0
         self._event_fields: dict[str, tuple[str, ...]] = {}
 
     # ---- entry point -----------------------------------------------------------------
@@ -596,11 +598,12 @@ class RealtimeVideoConnection:
     def _chunk_metadata(self, outcome: TickOutcome, payload: bytes) -> dict[str, Any]:
         """``video.chunk_metadata``, with the interactions this chunk started, holds and ended."""
         started = [self._event_names.pop(i) for i in outcome.applied_event_ids if i in self._event_names]
-        before = set(self._active.values())
+        before = [name for _, name in sorted(set(self._active.values()))]
         for name in started:
+            self._started_count += 1
             for field in self._event_fields.pop(name, ()):
-                self._active[field] = name
-        active = list(dict.fromkeys(self._active.values()))
+                self._active[field] = (self._started_count, name)
+        active = [name for _, name in sorted(set(self._active.values()))]  # in the order they started
         completed = [n for n in dict.fromkeys([*before, *started]) if n not in active]
         return {
             "type": "video.chunk_metadata",

@@ -1,0 +1,452 @@
+"""vLLM-Omni's realtime video dialect, ``WS /v1/realtime/video``: conformance per event, against a real server.
+
+Each test talks to a real uvicorn server with a real ``websockets`` client:
+``session.start`` -> ``video.start``, ``video.chunk_metadata`` + one fMP4
+binary per chunk, ``session.done``; ``session.ping`` -> ``session.pong``;
+``session.interaction`` -> ``session.interaction.queued`` and the model's
+controls; ``session.stop``; every bad event gets vLLM-Omni's error shape and
+ends nothing else. vLLM-Omni's own example client runs unchanged against
+``arstream serve``. The fake-kv model paints a chunk's blue channel with the
+code of its held keys, so a camera event that reached the model shows in the
+decoded pixels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+
+from arstream.app.realtime_video import PATH, camera_to_controls, chunks_for_frames
+from arstream.models.fake import FakeKVPipeline, controls_code
+from servers import RECEIVE_GUARD_S, REPO_ROOT, LiveServer, SessionClient, fake_settings, running_server
+from servers import server_process, session_client
+
+WIDTH, HEIGHT = 64, 48
+MODEL = "fake-kv"
+FRAMES_PER_CHUNK = 2  # fake-kv's default spec
+EXAMPLE_DIR = Path(__file__).resolve().parent / "vllm_omni_example"
+EXAMPLE_CLIENT = EXAMPLE_DIR / "streaming_video_client.py"
+EXAMPLE_CLIENT_BLOB = "e8dcd8cdd22b1058768fdccb3fcbeb2b1db2b13b"  # vLLM-Omni's file, NOTICE.md
+ERROR_FIELDS = {"type", "message", "code", "request_id", "event_id"}
+
+
+def start_message(**fields: Any) -> dict[str, Any]:
+    return {"type": "session.start", "model": MODEL, "prompt": "a test world", "width": WIDTH, "height": HEIGHT, **fields}
+
+
+def camera(translation: list[float], rotation: list[float] | None = None, mode: str = "velocity") -> dict[str, Any]:
+    return {"mode": mode, "data": {"translation": translation, "rotation": rotation or [0.0, 0.0, 0.0, 1.0]}}
+
+
+def interaction(event: dict[str, Any], event_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"event": event, **extra}
+    if event_id is not None:
+        body["event_id"] = event_id
+    return {"type": "session.interaction", "interaction": body}
+
+
+def decode_fmp4(data: bytes) -> list[np.ndarray]:
+    with av.open(io.BytesIO(data), format="mp4") as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(model_options={"width": WIDTH, "height": HEIGHT})) as live:
+        yield live
+
+
+def video_url(server: LiveServer) -> str:
+    return server.base_url.replace("http://", "ws://", 1) + PATH
+
+
+class Stream:
+    """What a dialect session received: events by type, chunk metadata, and the binary messages."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.metadata: list[dict[str, Any]] = []
+        self.payloads: list[bytes] = []
+        self.pending: dict[str, Any] | None = None  # chunk metadata whose binary has not come yet
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind]
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.payloads)
+
+
+async def read_until_done(client: SessionClient, stream: Stream, *, until: str = "session.done") -> Stream:
+    """Read events and binaries until ``until`` arrives; each binary must follow its chunk metadata at once."""
+    while True:
+        message = await client.recv()
+        if isinstance(message, bytes):
+            assert stream.pending is not None, "a binary message came without video.chunk_metadata before it"
+            assert stream.pending["byte_length"] == len(message)
+            stream.payloads.append(message)
+            stream.pending = None
+            continue
+        assert stream.pending is None, f"video.chunk_metadata was not followed by its binary, but by {message[:200]}"
+        event = json.loads(message)
+        stream.events.append(event)
+        if event["type"] == "video.chunk_metadata":
+            stream.metadata.append(event)
+            stream.pending = event
+        if event["type"] == until:
+            return stream
+
+
+async def run_session(
+    server: LiveServer, start: dict[str, Any], *sends: dict[str, Any] | str, chunks_after: int = 0
+) -> tuple[Stream, int]:
+    """Start, send ``sends`` right after video.start, read to session.done; the stream and the close code.
+
+    With ``chunks_after``, the session is endless: after ``sends`` a ping's pong proves they were all handled
+    (replies keep their order), then ``chunks_after`` more chunks must come before ``session.stop`` ends it.
+    """
+    async with session_client(video_url(server)) as client:
+        await client.send(**start)
+        stream = Stream()
+        await read_until_done(client, stream, until="video.start")
+        for message in sends:
+            await client.send_text(message if isinstance(message, str) else json.dumps(message))
+        if chunks_after:
+            await client.send(type="session.ping")
+            await read_until_done(client, stream, until="session.pong")
+            for _ in range(chunks_after):
+                await read_until_done(client, stream, until="video.chunk_metadata")
+            await client.send(type="session.stop")
+        await read_until_done(client, stream)
+        closed = await client.closed_by_server()
+        return stream, closed.code or 0
+
+
+async def until_started(client: SessionClient, stream: Stream, event_id: str) -> dict[str, Any]:
+    """Read until the chunk that starts ``event_id``; its metadata."""
+    while not any(m["started_event_ids"] == [event_id] for m in stream.metadata):
+        await read_until_done(client, stream, until="video.chunk_metadata")
+    return stream.metadata[-1]
+
+
+# ---- session.start, video.start, video.chunk_metadata, binary, session.done ---------------------------
+
+
+def test_a_session_streams_one_fmp4_fragment_per_chunk_that_decodes(server: LiveServer, baseline: int) -> None:
+    stream, close_code = asyncio.run(run_session(server, start_message(num_frames=10, seed=3)))
+
+    (start,) = stream.of_type("video.start")
+    assert start["request_id"].startswith("video_stream-") and start["format"] == "m4s"
+    assert start["config"]["prompt"] == "a test world" and start["config"]["num_frames"] == 10
+    assert (start["config"]["width"], start["config"]["height"], start["config"]["fps"]) == (WIDTH, HEIGHT, 16)
+    chunks = chunks_for_frames(10, {"frames_per_chunk": FRAMES_PER_CHUNK})
+    assert chunks == 5
+    assert [m["transport_chunk_index"] for m in stream.metadata] == list(range(chunks))
+    assert [m["generation_chunk_index"] for m in stream.metadata] == list(range(chunks))
+    for metadata in stream.metadata:
+        assert metadata["request_id"] == start["request_id"] and metadata["kind"] == "media"
+        assert metadata["num_frames"] == FRAMES_PER_CHUNK
+        assert metadata["started_event_ids"] == metadata["active_event_ids"] == metadata["completed_event_ids"] == []
+    # An init segment first, then a fragment per chunk: every chunk is whole the moment it arrives.
+    assert stream.payloads[0][4:8] == b"ftyp" and b"moov" in stream.payloads[0][:2000]
+    assert all(payload[4:8] == b"moof" for payload in stream.payloads[1:])
+    for received in range(1, chunks + 1):
+        frames = decode_fmp4(b"".join(stream.payloads[:received]))
+        assert len(frames) == received * FRAMES_PER_CHUNK
+    assert frames[0].shape == (HEIGHT, WIDTH, 3)
+    assert stream.of_type("session.done") == [
+        {"type": "session.done", "request_id": start["request_id"], "chunks": chunks, "stopped": False}
+    ]
+    assert close_code == 1000
+
+
+def test_the_frames_are_the_models_frames(server: LiveServer, baseline: int) -> None:
+    """The same rollout as protocol 1 with raw frames gives the same pixels, within H.264's loss."""
+    stream, _ = asyncio.run(run_session(server, start_message(num_frames=6, seed=5)))
+
+    async def raw_rollout() -> list[np.ndarray]:
+        async with session_client(server.ws_url, start={"codec": "raw", "seed": 5, "prompt": "a test world"}) as client:
+            frames = []
+            for _ in range(3):
+                await client.send(type="tick", tick_id=len(frames))
+                _, received = await client.recv_chunk()
+                frames += [pixels for _, pixels in received]
+            await client.send(type="close")
+            await client.closed_by_server()
+            return frames
+
+    expected = asyncio.run(raw_rollout())
+    decoded = decode_fmp4(stream.data)
+    assert len(decoded) == len(expected) == 6
+    for got, want in zip(decoded, expected):
+        assert np.abs(got.astype(int) - want.astype(int)).mean() < 3.0
+
+
+# ---- session.ping, session.stop ------------------------------------------------------------------
+
+
+def test_ping_gets_pong(server: LiveServer, baseline: int) -> None:
+    stream, _ = asyncio.run(run_session(server, start_message(), chunks_after=1))
+    assert stream.of_type("session.pong") == [{"type": "session.pong"}]
+
+
+def test_stop_ends_the_session_with_done_stopped_and_returns_its_kv(server: LiveServer, baseline: int) -> None:
+    async def stop_after_one_chunk() -> tuple[Stream, int]:
+        async with session_client(video_url(server)) as client:
+            await client.send(**start_message())  # no num_frames: it would run until stopped
+            stream = Stream()
+            await read_until_done(client, stream, until="video.chunk_metadata")
+            await client.send(type="session.stop")
+            await read_until_done(client, stream)
+            return stream, (await client.closed_by_server()).code or 0
+
+    stream, close_code = asyncio.run(stop_after_one_chunk())
+    (done,) = stream.of_type("session.done")
+    assert done["stopped"] is True and done["chunks"] >= 1
+    assert close_code == 1000
+
+
+# ---- session.interaction -------------------------------------------------------------------------
+
+
+def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(server: LiveServer, baseline: int) -> None:
+    async def move() -> Stream:
+        async with session_client(video_url(server)) as client:
+            await client.send(**start_message())
+            stream = Stream()
+            await read_until_done(client, stream, until="video.start")
+            await client.send(**interaction({"multi_modal_data": {"camera": camera([0.05, 0.0, 0.05])}}, "fwd-right"))
+            await until_started(client, stream, "fwd-right")
+            for _ in range(2):
+                await read_until_done(client, stream, until="video.chunk_metadata")
+            await client.send(type="session.stop")
+            await read_until_done(client, stream)
+            return stream
+
+    stream = asyncio.run(move())
+
+    assert stream.of_type("session.interaction.queued") == [
+        {"type": "session.interaction.queued", "request_id": stream.of_type("video.start")[0]["request_id"], "event_id": "fwd-right"}
+    ]
+    (applied,) = [i for i, m in enumerate(stream.metadata) if m["started_event_ids"] == ["fwd-right"]]
+    assert all(m["active_event_ids"] == ["fwd-right"] for m in stream.metadata[applied:])  # velocity holds
+    assert all(m["active_event_ids"] == [] for m in stream.metadata[:applied])
+    blue = [frame[..., 2].mean() for frame in decode_fmp4(stream.data)]
+    code = controls_code({"keys": ["w", "d"]})
+    assert code != 0
+    before, after = blue[: applied * FRAMES_PER_CHUNK], blue[applied * FRAMES_PER_CHUNK :]
+    # H.264 (4:2:0, limited range) blurs so dark a blue by a level or two; the two sides stay far apart.
+    assert all(b < code / 2 for b in before) and all(b > code / 2 for b in after), (applied, blue)
+
+
+def test_a_later_interaction_completes_the_one_it_replaces(server: LiveServer, baseline: int) -> None:
+    async def three_interactions() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with session_client(video_url(server)) as client:
+            await client.send(**start_message())
+            stream = Stream()
+            await read_until_done(client, stream, until="video.start")
+            await client.send(**interaction({"multi_modal_data": {"camera": camera([0.0, 0.0, 0.05])}}, "first"))
+            first = await until_started(client, stream, "first")
+            await client.send(**interaction({"prompt": "a second world"}, "second", transition_chunks=2))
+            second = await until_started(client, stream, "second")
+            await client.send(**interaction({"multi_modal_data": {"camera": camera([0.0, 0.0, -0.05])}}, "third"))
+            third = await until_started(client, stream, "third")
+            await client.send(type="session.stop")
+            await read_until_done(client, stream)
+            return first, second, third
+
+    first, second, third = asyncio.run(three_interactions())
+    assert (first["active_event_ids"], first["completed_event_ids"]) == (["first"], [])
+    # A prompt holds beside a camera motion (different fields); a new motion replaces the old one.
+    assert (second["active_event_ids"], second["completed_event_ids"]) == (["first", "second"], [])
+    assert (third["active_event_ids"], third["completed_event_ids"]) == (["second", "third"], ["first"])
+
+
+def test_camera_mapping_follows_the_schema() -> None:
+    card = FakeKVPipeline(width=8, height=8).model_card()
+    assert camera_to_controls(camera([0.0, 0.0, -0.05]), card) == {"keys": ["s"]}
+    assert camera_to_controls(camera([-0.05, 0.0, 0.0]), card) == {"keys": ["a"]}
+    assert camera_to_controls(camera([0.0, 0.0, 0.0]), card) == {"keys": []}
+    with pytest.raises(ValueError, match="cannot turn"):
+        camera_to_controls(camera([0.0, 0.0, 0.0], [0.0, 0.0523, 0.0, 0.9986]), card)  # a 6 degree yaw, no camera
+    matrix_game_card = {
+        "controls": {
+            "properties": {
+                "keys": {"items": {"enum": ["w", "s", "a", "d"]}},
+                "camera": {"properties": {"pitch": {"minimum": -1, "maximum": 1}, "yaw": {"minimum": -1, "maximum": 1}}},
+            }
+        },
+        "mouse": "camera",
+    }
+    # vLLM-Omni's helper turns 6 degrees for its look-right key: Matrix-Game's 0.1 a frame.
+    turned = camera_to_controls(camera([0.0, 0.0, 0.05], [0.0, 0.05233596, 0.0, 0.99862953]), matrix_game_card)
+    assert turned["keys"] == ["w"] and turned["camera"]["yaw"] == pytest.approx(0.1) and turned["camera"]["pitch"] == pytest.approx(0.0, abs=1e-9)
+    looked_up = camera_to_controls(camera([0.0, 0.0, 0.0], [0.0348995, 0.0, 0.0, 0.99939083]), matrix_game_card)
+    assert looked_up["camera"]["pitch"] == pytest.approx(0.4 / 6) and looked_up["camera"]["yaw"] == pytest.approx(0.0, abs=1e-9)
+
+
+# ---- bad events: vLLM-Omni's error shape, and nothing else ends --------------------------------------
+
+BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
+    ("not json", "{nope", "Invalid JSON message"),
+    ("not an object", "[1, 2]", "WebSocket messages must be JSON objects"),
+    ("unknown type", {"type": "session.rewind"}, "Unknown message type: session.rewind"),
+    ("no interaction object", {"type": "session.interaction"}, "requires an interaction object"),
+    ("empty event_id", interaction({"prompt": "x"}, ""), "event_id must be a non-empty string"),
+    ("no event", {"type": "session.interaction", "interaction": {"event_id": "e"}}, "requires event object"),
+    ("empty event", interaction({}, "e"), "requires a non-empty event.prompt and/or"),
+    ("blank prompt", interaction({"prompt": "  ", "multi_modal_data": {"camera": camera([0, 0, 0])}}, "e"), "must be a non-empty string"),
+    ("negative prompt", interaction({"prompt": "x", "negative_prompt": "y"}, "e"), "negative_prompt is not supported"),
+    ("fractional transition", interaction({"prompt": "x"}, "e", transition_chunks=1.5), "must be an integer"),
+    ("negative transition", interaction({"prompt": "x"}, "e", transition_chunks=-1), "must be >= 0"),
+    ("target mode", interaction({"multi_modal_data": {"camera": camera([0, 0, 1], mode="target")}}, "t"), "'target' is not supported"),
+    ("key tokens", interaction({"multi_modal_data": {"camera": {"mode": "velocity", "data": {"actions": ["w"]}}}}, "k"), "actions"),
+    ("short translation", interaction({"multi_modal_data": {"camera": camera([0, 1])}}, "s"), "3 finite numbers"),
+    ("unknown modality", interaction({"multi_modal_data": {"image": {"url": "x"}}}, "i"), "only camera"),
+    ("controls off schema", interaction({"controls": {"keys": ["q"]}}, "c"), "keys/0"),
+]
+
+
+@pytest.mark.parametrize("message, expected", [(m, e) for _, m, e in BAD_EVENTS], ids=[n for n, _, _ in BAD_EVENTS])
+def test_a_bad_event_gets_an_error_and_the_session_goes_on(
+    server: LiveServer, baseline: int, message: str | dict[str, Any], expected: str
+) -> None:
+    stream, close_code = asyncio.run(run_session(server, start_message(), message, chunks_after=2))
+    (error,) = stream.of_type("error")
+    assert set(error) <= ERROR_FIELDS and error["type"] == "error"
+    assert expected in error["message"], error
+    assert error["request_id"] == stream.of_type("video.start")[0]["request_id"]
+    after_error = stream.events[stream.events.index(error) :]
+    assert sum(e["type"] == "video.chunk_metadata" for e in after_error) >= 2  # chunks go on coming
+    assert stream.of_type("session.done")[0]["stopped"] is True and close_code == 1000
+
+
+def test_a_reused_event_id_is_an_event_id_conflict(server: LiveServer, baseline: int) -> None:
+    again = interaction({"prompt": "again"}, "same")
+    stream, _ = asyncio.run(run_session(server, start_message(), again, again, chunks_after=1))
+    assert [e["event_id"] for e in stream.of_type("session.interaction.queued")] == ["same"]
+    (error,) = stream.of_type("error")
+    assert error["code"] == "event_id_conflict" and error["event_id"] == "same" and error["message"] == "event_id_conflict"
+
+
+def test_a_bad_session_does_not_disturb_another(server: LiveServer, baseline: int) -> None:
+    async def both() -> tuple[Stream, Stream]:
+        noisy = run_session(server, start_message(), *(m for _, m, _ in BAD_EVENTS), chunks_after=1)
+        quiet = run_session(server, start_message(num_frames=8))
+        return tuple(s for s, _ in await asyncio.gather(noisy, quiet))  # type: ignore[return-value]
+
+    noisy, quiet = asyncio.run(both())
+    assert len(noisy.of_type("error")) == len(BAD_EVENTS)
+    assert quiet.of_type("error") == [] and len(decode_fmp4(quiet.data)) == 8
+    assert len(decode_fmp4(noisy.data)) == FRAMES_PER_CHUNK * len(noisy.metadata)
+
+
+# ---- refused starts ----------------------------------------------------------------------------------
+
+BAD_STARTS: list[tuple[str, dict[str, Any] | str, str]] = [
+    ("not start", {"type": "session.ping"}, "Expected session.start, got: session.ping"),
+    ("not json", "{", "Invalid JSON in session.start"),
+    ("format", start_message(format="mp4"), "Invalid session.start format: expected 'm4s'."),
+    ("model", start_message(model="BestWishYsh/Helios-Distilled"), "Model mismatch"),
+    ("no prompt", {"type": "session.start", "model": MODEL}, "Invalid session.start"),
+    ("size", start_message(size="640x384"), "makes 64x48 video"),
+    ("fps", start_message(fps=24), "at 16 fps"),
+    ("image", start_message(image_reference={"image_url": "data:image/png;base64,AAAA"}), "image_reference"),
+    ("seconds", start_message(seconds="0"), "Invalid session.start"),
+    ("controls", start_message(extra_params={"controls": {"keys": ["q"]}}), "keys/0"),
+]
+
+
+@pytest.mark.parametrize("message, expected", [(m, e) for _, m, e in BAD_STARTS], ids=[n for n, _, _ in BAD_STARTS])
+def test_a_bad_start_is_refused_with_the_error_shape(
+    server: LiveServer, baseline: int, message: dict[str, Any] | str, expected: str
+) -> None:
+    async def refused() -> tuple[dict[str, Any], int | None]:
+        async with session_client(video_url(server)) as client:
+            await client.send_text(message if isinstance(message, str) else json.dumps(message))
+            closed = await client.closed_by_server()
+            (error,) = closed.messages
+            return error, closed.code
+
+    error, code = asyncio.run(refused())
+    assert set(error) <= ERROR_FIELDS and error["type"] == "error" and expected in error["message"], error
+    assert code is not None and code >= 1008
+
+
+def test_seconds_sets_the_frame_budget(server: LiveServer, baseline: int) -> None:
+    stream, _ = asyncio.run(run_session(server, start_message(seconds="1")))
+    assert len(decode_fmp4(stream.data)) == 16  # 1 s at the model's 16 fps
+
+
+# ---- vLLM-Omni's example client, unchanged -----------------------------------------------------------
+
+
+def test_vllm_omnis_example_client_runs_unchanged_against_arstream_serve(tmp_path: Path) -> None:
+    blob = subprocess.run(["git", "hash-object", str(EXAMPLE_CLIENT)], capture_output=True, text=True, check=True)
+    assert blob.stdout.strip() == EXAMPLE_CLIENT_BLOB, "the example client must stay vLLM-Omni's file, unchanged"
+    output = tmp_path / "stream.mp4"
+    options = json.dumps({"width": WIDTH, "height": HEIGHT})
+    with server_process(["--model", MODEL, "--model-options", options]) as live:
+        env = {**os.environ, "PYTHONPATH": str(EXAMPLE_DIR / "fake_vllm_omni")}
+        updates = json.dumps([{"at": 0.0, "prompt": "a sunlit valley", "transition_chunks": 1}])
+        command = [
+            sys.executable, str(EXAMPLE_CLIENT), "--host", "127.0.0.1", "--port", str(live.port), "--model", MODEL,
+            "--width", str(WIDTH), "--height", str(HEIGHT), "--fps", "16", "--num-frames", "12",
+            "--prompt-updates", updates, "--output", str(output),
+        ]  # fmt: skip
+        result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RECEIVE_GUARD_S * 4)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Session complete" in result.stdout and "ERROR" not in result.stdout, result.stdout
+    assert "Interaction queued by server" in result.stdout, result.stdout
+    assert result.stdout.count("[chunk ") == 6, result.stdout
+    frames = decode_fmp4(output.read_bytes())  # the client's progressive MP4
+    assert len(frames) == 12 and frames[0].shape == (HEIGHT, WIDTH, 3)
+
+
+# ---- the same worker: this dialect batches with protocol 1 -------------------------------------------
+
+
+def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
+    settings = fake_settings(max_batch_sessions=3, model_options={"width": WIDTH, "height": HEIGHT, "compute_delay_s": 0.02})
+    with running_server(settings) as live:
+        start_free = int(live.stats()["kv"]["blocks_free"])
+        before = live.stats()["chunks"]
+        chunks = 24
+
+        async def protocol_1_session() -> None:
+            async with session_client(live.ws_url, start={"codec": "jpeg"}) as client:
+                in_flight = int(client.ready["limits"]["max_pending_ticks"])  # keep every credit busy, as the dialect does
+                for tick_id in range(min(in_flight, chunks)):
+                    await client.send(type="tick", tick_id=tick_id)
+                for received in range(chunks):
+                    await client.recv_chunk()
+                    if received + in_flight < chunks:
+                        await client.send(type="tick", tick_id=received + in_flight)
+                await client.send(type="close")
+                await client.closed_by_server()
+
+        async def all_three() -> None:
+            await asyncio.gather(
+                run_session(live, start_message(num_frames=chunks * FRAMES_PER_CHUNK)),
+                run_session(live, start_message(num_frames=chunks * FRAMES_PER_CHUNK)),
+                protocol_1_session(),
+            )
+
+        asyncio.run(all_three())
+        after = live.settled(start_free)["chunks"]
+    rounds = after["rounds_total"] - before["rounds_total"]
+    sessions = after["round_sessions_total"] - before["round_sessions_total"]
+    assert sessions == 3 * chunks
+    # More than two sessions a round on average: rounds of all three, a protocol 1 session among them.
+    assert sessions / rounds > 2.0, (sessions, rounds)
