@@ -450,3 +450,38 @@ def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
     assert sessions == 3 * chunks
     # More than two sessions a round on average: rounds of all three, a protocol 1 session among them.
     assert sessions / rounds > 2.0, (sessions, rounds)
+
+
+# ---- how a session ends on the server's side ---------------------------------------------------------
+
+
+def test_a_model_failure_ends_the_session_with_session_failed(server: LiveServer, baseline: int) -> None:
+    fail = interaction({"controls": {"fail": True}}, "boom")  # ARStream's event.controls; the fake raises on it
+
+    async def failing() -> tuple[list[dict[str, Any]], int | None]:
+        async with session_client(video_url(server)) as client:
+            await client.send(**start_message())
+            await client.send(**fail)
+            closed = await client.closed_by_server()
+            return closed.messages, closed.code
+
+    messages, code = asyncio.run(failing())
+    (error,) = [m for m in messages if m["type"] == "error"]
+    assert error["code"] == "session_failed" and "generation failed" in error["message"] and code == 1011
+
+
+def test_no_progress_and_no_ping_is_a_stall() -> None:
+    slow = FakeKVPipeline(width=WIDTH, height=HEIGHT, compute_delay_s=1.0)
+    with running_server(fake_settings(idle_timeout_s=0.2), slow) as live:
+        start_free = int(live.stats()["kv"]["blocks_free"])
+
+        async def stalled() -> tuple[list[dict[str, Any]], int | None]:
+            async with session_client(video_url(live)) as client:
+                await client.send(**start_message())
+                closed = await client.closed_by_server()
+                return closed.messages, closed.code
+
+        messages, code = asyncio.run(stalled())
+        live.settled(start_free)
+    assert messages[-1]["type"] == "error" and messages[-1]["code"] == "idle_timeout", messages
+    assert "Stall timeout" in messages[-1]["message"] and code == 4001
