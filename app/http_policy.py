@@ -22,8 +22,9 @@ LOOPBACK_BINDS = {"127.0.0.1", "localhost", "::1"}
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
 CONTENT_SECURITY_POLICY = (
+    # media-src blob:: the realtime video page plays fMP4 through a MediaSource, whose URL is a blob: URL.
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
-    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    "media-src 'self' blob:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 )
 STATIC_HEADERS: list[tuple[bytes, bytes]] = [
     (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
