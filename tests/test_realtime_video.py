@@ -27,7 +27,8 @@ import av
 import numpy as np
 import pytest
 
-from arstream.app.realtime_video import PATH, camera_to_controls, chunks_for_frames
+from arstream.app.realtime_video import PATH
+from arstream.app.realtime_video_events import camera_to_controls, chunks_for_frames
 from arstream.models.fake import FakeKVPipeline, controls_code
 from servers import RECEIVE_GUARD_S, REPO_ROOT, LiveServer, SessionClient, fake_settings, running_server
 from servers import server_process, session_client
@@ -42,7 +43,8 @@ ERROR_FIELDS = {"type", "message", "code", "request_id", "event_id"}
 
 
 def start_message(**fields: Any) -> dict[str, Any]:
-    return {"type": "session.start", "model": MODEL, "prompt": "a test world", "width": WIDTH, "height": HEIGHT, **fields}
+    base = {"type": "session.start", "model": MODEL, "prompt": "a test world", "width": WIDTH, "height": HEIGHT}
+    return {**base, **fields}
 
 
 def camera(translation: list[float], rotation: list[float] | None = None, mode: str = "velocity") -> dict[str, Any]:
@@ -220,7 +222,9 @@ def test_stop_ends_the_session_with_done_stopped_and_returns_its_kv(server: Live
 # ---- session.interaction -------------------------------------------------------------------------
 
 
-def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(server: LiveServer, baseline: int) -> None:
+def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(
+    server: LiveServer, baseline: int
+) -> None:
     async def move() -> Stream:
         async with session_client(video_url(server)) as client:
             await client.send(**start_message())
@@ -236,8 +240,9 @@ def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(s
 
     stream = asyncio.run(move())
 
+    request_id = stream.of_type("video.start")[0]["request_id"]
     assert stream.of_type("session.interaction.queued") == [
-        {"type": "session.interaction.queued", "request_id": stream.of_type("video.start")[0]["request_id"], "event_id": "fwd-right"}
+        {"type": "session.interaction.queued", "request_id": request_id, "event_id": "fwd-right"}
     ]
     (applied,) = [i for i, m in enumerate(stream.metadata) if m["started_event_ids"] == ["fwd-right"]]
     assert all(m["active_event_ids"] == ["fwd-right"] for m in stream.metadata[applied:])  # velocity holds
@@ -284,20 +289,23 @@ def test_camera_mapping_follows_the_schema() -> None:
         "controls": {
             "properties": {
                 "keys": {"items": {"enum": ["w", "s", "a", "d"]}},
-                "camera": {"properties": {"pitch": {"minimum": -1, "maximum": 1}, "yaw": {"minimum": -1, "maximum": 1}}},
+                "camera": {"properties": {axis: {"minimum": -1, "maximum": 1} for axis in ("pitch", "yaw")}},
             }
         },
         "mouse": "camera",
     }
     # vLLM-Omni's helper turns 6 degrees for its look-right key: Matrix-Game's 0.1 a frame.
     turned = camera_to_controls(camera([0.0, 0.0, 0.05], [0.0, 0.05233596, 0.0, 0.99862953]), matrix_game_card)
-    assert turned["keys"] == ["w"] and turned["camera"]["yaw"] == pytest.approx(0.1) and turned["camera"]["pitch"] == pytest.approx(0.0, abs=1e-9)
+    assert turned["keys"] == ["w"]
+    assert turned["camera"] == {"yaw": pytest.approx(0.1), "pitch": pytest.approx(0.0, abs=1e-9)}
     looked_up = camera_to_controls(camera([0.0, 0.0, 0.0], [0.0348995, 0.0, 0.0, 0.99939083]), matrix_game_card)
-    assert looked_up["camera"]["pitch"] == pytest.approx(0.4 / 6) and looked_up["camera"]["yaw"] == pytest.approx(0.0, abs=1e-9)
+    assert looked_up["camera"] == {"pitch": pytest.approx(0.4 / 6), "yaw": pytest.approx(0.0, abs=1e-9)}
 
 
 # ---- bad events: vLLM-Omni's error shape, and nothing else ends --------------------------------------
 
+STILL = camera([0.0, 0.0, 0.0])
+KEY_TOKENS = {"actions": ["w"]}  # what vLLM-Omni's helper sends as SE3 instead; servers refuse tokens
 BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
     ("not json", "{nope", "Invalid JSON message"),
     ("not an object", "[1, 2]", "WebSocket messages must be JSON objects"),
@@ -306,12 +314,12 @@ BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
     ("empty event_id", interaction({"prompt": "x"}, ""), "event_id must be a non-empty string"),
     ("no event", {"type": "session.interaction", "interaction": {"event_id": "e"}}, "requires event object"),
     ("empty event", interaction({}, "e"), "requires a non-empty event.prompt and/or"),
-    ("blank prompt", interaction({"prompt": "  ", "multi_modal_data": {"camera": camera([0, 0, 0])}}, "e"), "must be a non-empty string"),
+    ("blank prompt", interaction({"prompt": " ", "multi_modal_data": {"camera": STILL}}), "non-empty string"),
     ("negative prompt", interaction({"prompt": "x", "negative_prompt": "y"}, "e"), "negative_prompt is not supported"),
     ("fractional transition", interaction({"prompt": "x"}, "e", transition_chunks=1.5), "must be an integer"),
     ("negative transition", interaction({"prompt": "x"}, "e", transition_chunks=-1), "must be >= 0"),
-    ("target mode", interaction({"multi_modal_data": {"camera": camera([0, 0, 1], mode="target")}}, "t"), "'target' is not supported"),
-    ("key tokens", interaction({"multi_modal_data": {"camera": {"mode": "velocity", "data": {"actions": ["w"]}}}}, "k"), "actions"),
+    ("target mode", interaction({"multi_modal_data": {"camera": camera([0, 0, 1], mode="target")}}), "'target' is not"),
+    ("key tokens", interaction({"multi_modal_data": {"camera": {"mode": "velocity", "data": KEY_TOKENS}}}), "act"),
     ("short translation", interaction({"multi_modal_data": {"camera": camera([0, 1])}}, "s"), "3 finite numbers"),
     ("unknown modality", interaction({"multi_modal_data": {"image": {"url": "x"}}}, "i"), "only camera"),
     ("controls off schema", interaction({"controls": {"keys": ["q"]}}, "c"), "keys/0"),
@@ -337,7 +345,7 @@ def test_a_reused_event_id_is_an_event_id_conflict(server: LiveServer, baseline:
     stream, _ = asyncio.run(run_session(server, start_message(), again, again, chunks_after=1))
     assert [e["event_id"] for e in stream.of_type("session.interaction.queued")] == ["same"]
     (error,) = stream.of_type("error")
-    assert error["code"] == "event_id_conflict" and error["event_id"] == "same" and error["message"] == "event_id_conflict"
+    assert (error["code"], error["event_id"], error["message"]) == ("event_id_conflict", "same", "event_id_conflict")
 
 
 def test_a_bad_session_does_not_disturb_another(server: LiveServer, baseline: int) -> None:
@@ -405,7 +413,9 @@ def test_vllm_omnis_example_client_runs_unchanged_against_arstream_serve(tmp_pat
             "--width", str(WIDTH), "--height", str(HEIGHT), "--fps", "16", "--num-frames", "12",
             "--prompt-updates", updates, "--output", str(output),
         ]  # fmt: skip
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RECEIVE_GUARD_S * 4)
+        result = subprocess.run(
+            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RECEIVE_GUARD_S * 4
+        )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Session complete" in result.stdout and "ERROR" not in result.stdout, result.stdout
     assert "Interaction queued by server" in result.stdout, result.stdout
@@ -418,7 +428,8 @@ def test_vllm_omnis_example_client_runs_unchanged_against_arstream_serve(tmp_pat
 
 
 def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
-    settings = fake_settings(max_batch_sessions=3, model_options={"width": WIDTH, "height": HEIGHT, "compute_delay_s": 0.02})
+    options = {"width": WIDTH, "height": HEIGHT, "compute_delay_s": 0.02}
+    settings = fake_settings(max_batch_sessions=3, model_options=options)
     with running_server(settings) as live:
         start_free = int(live.stats()["kv"]["blocks_free"])
         before = live.stats()["chunks"]
@@ -426,7 +437,8 @@ def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
 
         async def protocol_1_session() -> None:
             async with session_client(live.ws_url, start={"codec": "jpeg"}) as client:
-                in_flight = int(client.ready["limits"]["max_pending_ticks"])  # keep every credit busy, as the dialect does
+                # Every credit busy, as the dialect keeps them.
+                in_flight = int(client.ready["limits"]["max_pending_ticks"])
                 for tick_id in range(min(in_flight, chunks)):
                     await client.send(type="tick", tick_id=tick_id)
                 for received in range(chunks):
@@ -485,3 +497,20 @@ def test_no_progress_and_no_ping_is_a_stall() -> None:
         live.settled(start_free)
     assert messages[-1]["type"] == "error" and messages[-1]["code"] == "idle_timeout", messages
     assert "Stall timeout" in messages[-1]["message"] and code == 4001
+
+
+def test_a_start_past_capacity_is_refused_as_protocol_1_is() -> None:
+    """The same admission: a protocol 1 session holding the one slot refuses a dialect session (over_capacity)."""
+    with running_server(fake_settings(max_sessions=1, model_options={"width": WIDTH, "height": HEIGHT})) as live:
+
+        async def refused_while_held() -> tuple[list[dict[str, Any]], int | None]:
+            async with session_client(live.ws_url, start={"codec": "jpeg"}):
+                async with session_client(video_url(live)) as client:
+                    await client.send(**start_message())
+                    closed = await client.closed_by_server()
+                    return closed.messages, closed.code
+
+        messages, code = asyncio.run(refused_while_held())
+    (error,) = messages
+    assert set(error) <= ERROR_FIELDS and error["code"] == "over_capacity" and "slots" in error["message"]
+    assert code == 1013

@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium is not installed at /usr/bin/chromium"),
 ]
 
+FRAMES_SHOWN = "() => document.getElementById('video').getVideoPlaybackQuality().totalVideoFrames"
 # The blue channel at the centre of what the <video> element shows now (-1 before a frame is shown).
 CENTRE_BLUE = """
 () => {
@@ -72,8 +73,8 @@ def test_chromium_plays_the_dialect_through_media_source_extensions(page: Any) -
     assert supported, "this Chromium plays no H.264 through MSE"
     page.click("#start")
     page.wait_for_function("() => window.realtimeVideo && window.realtimeVideo.chunks >= 4", timeout=WAIT_MS)
-    page.wait_for_function("() => document.getElementById('video').getVideoPlaybackQuality().totalVideoFrames > 0", timeout=WAIT_MS)
-    size = page.evaluate("() => [document.getElementById('video').videoWidth, document.getElementById('video').videoHeight]")
+    page.wait_for_function(f"() => ({FRAMES_SHOWN})() > 0", timeout=WAIT_MS)
+    size = page.evaluate("() => { const v = document.getElementById('video'); return [v.videoWidth, v.videoHeight]; }")
     assert size == [WIDTH, HEIGHT]
     assert abs(page.evaluate(CENTRE_BLUE)) <= 3  # no key held yet
 
@@ -84,5 +85,5 @@ def test_chromium_plays_the_dialect_through_media_source_extensions(page: Any) -
 
     page.click("#stop")
     page.wait_for_function("() => document.getElementById('status').textContent.includes('(stopped)')", timeout=WAIT_MS)
-    played = page.evaluate("() => document.getElementById('video').getVideoPlaybackQuality().totalVideoFrames")
+    played = page.evaluate(FRAMES_SHOWN)
     assert played > 0

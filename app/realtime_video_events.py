@@ -1,0 +1,348 @@
+"""The events of vLLM-Omni's realtime video API (``WS /v1/realtime/video``), checked and mapped onto ARStream's.
+
+vLLM-Omni's schema, field by field (its ``serving_video_output_stream.py``
+and ``VideoGenerationRequest`` in ``vllm-omni==0.30.0``): :func:`parse_start`
+checks a ``session.start`` against it and the served model's card,
+:func:`parse_interaction` a ``session.interaction`` (in vLLM-Omni's order of
+checks, with its messages), and :func:`camera_to_controls` turns a
+structural SE3 camera velocity into the model's own controls. Every refusal
+is a :class:`RealtimeVideoError`, sent in vLLM-Omni's error shape
+(:func:`error_event`). The connection that uses them is
+:mod:`arstream.app.realtime_video`.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from arstream.app.protocol import ErrorCode
+
+OUTPUT_FORMAT = "m4s"
+# vLLM-Omni's LingBot-World helper turns 6 degrees a frame for one look key; Matrix-Game's key-driven camera
+# turns 0.1 of its units a frame. Equating the two gives the scale of a rotation in the model's camera units.
+CAMERA_UNITS_PER_DEGREE = 0.1 / 6.0
+# Translation components smaller than this (per frame, Unity units) press no key: the helper's step is 0.05.
+TRANSLATION_DEAD_ZONE = 1e-3
+# Fields of vLLM-Omni's request that ask for something no ARStream model does: refused rather than ignored.
+UNSUPPORTED_FIELDS = ("image_reference", "video_reference", "audio_reference", "lora")
+
+
+class RealtimeVideoError(Exception):
+    """A refusal in vLLM-Omni's error shape; ``code`` is ARStream's (or vLLM-Omni's) name for it."""
+
+    def __init__(self, message: str, code: str | None = None, *, event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.event_id = event_id
+
+
+def error_event(
+    message: str, code: str | None = None, *, request_id: str | None = None, event_id: str | None = None
+) -> dict[str, Any]:
+    """vLLM-Omni's ``error`` event: ``message`` always, the other fields only when known."""
+    payload: dict[str, Any] = {"type": "error", "message": message}
+    if code is not None:
+        payload["code"] = code
+    if request_id is not None:
+        payload["request_id"] = request_id
+    if event_id is not None:
+        payload["event_id"] = event_id
+    return payload
+
+
+# ---- session.start ---------------------------------------------------------------------------
+
+
+class VideoParamsBlock(BaseModel):
+    """vLLM-Omni's optional ``video_params`` block (the top-level fields win over it)."""
+
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    num_frames: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False)
+
+
+class SessionStart(BaseModel):
+    """The fields of vLLM-Omni's ``session.start`` (its ``VideoGenerationRequest``) that ARStream reads.
+
+    Unknown fields are ignored, as vLLM-Omni's pydantic model ignores them; the
+    diffusion sampling knobs (``num_inference_steps``, ``guidance_scale``,
+    ``negative_prompt``, ...) are among them: an ARStream model's steps are
+    fixed by its distillation.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["session.start"]
+    model: str | None = None
+    prompt: str
+    seconds: str | None = Field(None, pattern=r"^[1-9]\d*$")
+    size: str | None = Field(None, pattern=r"^\d+x\d+$")
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False)
+    num_frames: int | None = Field(None, ge=1)
+    video_params: VideoParamsBlock | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    num_outputs_per_prompt: int = Field(1, ge=1, le=1)
+    generate_sound: bool = False
+    enable_frame_interpolation: bool = False
+    extra_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """An accepted ``session.start``, resolved against the model card."""
+
+    start: SessionStart
+    width: int
+    height: int
+    fps: float
+    num_frames: int | None  # None: until session.stop
+    controls: dict[str, Any] | None  # ARStream's extra_params.controls, the first chunk's controls
+
+    def config(self) -> dict[str, Any]:
+        """``video.start``'s ``config``: the request as accepted (vLLM-Omni echoes its request, Nones left out)."""
+        echoed = self.start.model_dump(exclude_none=True, exclude={"type", "video_params"})
+        echoed.update(width=self.width, height=self.height, fps=self.fps)
+        if self.num_frames is not None:
+            echoed["num_frames"] = self.num_frames
+        return echoed
+
+
+def fold_sampling_params(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM-Omni's ``sampling_params`` folding: known fields move up (unless set), the rest into extra_params."""
+    fields = {k: v for k, v in message.items() if k not in ("format", "sampling_params")}
+    sampling = message.get("sampling_params")
+    if isinstance(sampling, dict):
+        extra = dict(fields.get("extra_params") or {})
+        for key, value in sampling.items():
+            if key in SessionStart.model_fields and key not in fields:
+                fields[key] = value
+            else:
+                extra[key] = value
+        if extra:
+            fields["extra_params"] = extra
+    return fields
+
+
+def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
+    """Check a ``session.start`` against vLLM-Omni's schema and the served model; raises RealtimeVideoError."""
+    if not isinstance(message, dict):
+        raise RealtimeVideoError("session.start must be a JSON object", ErrorCode.INVALID_MESSAGE)
+    if message.get("type") != "session.start":
+        raise RealtimeVideoError(f"Expected session.start, got: {message.get('type')}", ErrorCode.START_REQUIRED)
+    if message.get("format", OUTPUT_FORMAT) != OUTPUT_FORMAT:
+        raise RealtimeVideoError("Invalid session.start format: expected 'm4s'.", ErrorCode.INVALID_MESSAGE)
+    for name in UNSUPPORTED_FIELDS:
+        if message.get(name) is not None:
+            raise RealtimeVideoError(f"{name} is not supported by ARStream's models", ErrorCode.INVALID_MESSAGE)
+    try:
+        start = SessionStart.model_validate(fold_sampling_params(message))
+    except ValidationError as exc:
+        raise RealtimeVideoError(f"Invalid session.start: {exc}", ErrorCode.INVALID_MESSAGE) from None
+    name = model_card.get("name")
+    if start.model is not None and start.model != name:
+        raise RealtimeVideoError(
+            f"Model mismatch: request specifies '{start.model}' but server is running '{name}'.",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    if start.generate_sound or start.enable_frame_interpolation:
+        raise RealtimeVideoError(
+            "generate_sound and enable_frame_interpolation are not supported by ARStream's models",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    block = start.video_params or VideoParamsBlock()
+    width, height = start.width or block.width, start.height or block.height
+    if start.size is not None:
+        width, height = (int(v) for v in start.size.split("x"))
+    card_width, card_height, card_fps = int(model_card["width"]), int(model_card["height"]), float(model_card["fps"])
+    if (width is not None and width != card_width) or (height is not None and height != card_height):
+        raise RealtimeVideoError(
+            f"this model makes {card_width}x{card_height} video, not {width or card_width}x{height or card_height}",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    fps = start.fps or block.fps
+    if fps is not None and fps != card_fps:
+        raise RealtimeVideoError(
+            f"this model makes video at {card_fps:g} fps, not {fps:g}: its controls and motion are per frame",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    num_frames = start.num_frames or block.num_frames
+    if num_frames is None and start.seconds is not None:
+        num_frames = int(float(start.seconds) * card_fps)
+    controls = (start.extra_params or {}).get("controls")
+    if controls is not None and not isinstance(controls, dict):
+        raise RealtimeVideoError("extra_params.controls must be a JSON object", ErrorCode.INVALID_CONTROLS)
+    return StartRequest(start, card_width, card_height, card_fps, num_frames, controls)
+
+
+def chunks_for_frames(num_frames: int, model_card: dict[str, Any]) -> int:
+    """Chunks that make at least ``num_frames`` frames (a model's first chunk may be shorter: Matrix-Game's)."""
+    per_chunk = int(model_card["frames_per_chunk"])
+    first = int(model_card.get("first_chunk_frames", per_chunk))
+    return 1 + max(0, -(-(num_frames - first) // per_chunk))
+
+
+# ---- session.interaction ---------------------------------------------------------------------------
+
+
+def _numbers(value: Any, count: int, where: str) -> list[float]:
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+    ):
+        raise ValueError(f"{where} must be a list of {count} finite numbers")
+    return [float(v) for v in value]
+
+
+def yaw_pitch_degrees(rotation: list[float]) -> tuple[float, float]:
+    """Yaw (about +Y, positive looks right) and pitch (about +X, positive looks up) of a unit quaternion.
+
+    Inverts vLLM-Omni's helper, which composes ``pitch (x) yaw``; a roll component is dropped.
+    """
+    norm = math.sqrt(sum(v * v for v in rotation))
+    if norm == 0.0:
+        raise ValueError("camera rotation must be a non-zero quaternion [x, y, z, w]")
+    x, y, z, w = (v / norm for v in rotation)
+    yaw = math.atan2(2 * (w * y + x * z), w * w + x * x - y * y - z * z)
+    pitch = math.atan2(2 * (w * x + y * z), w * w - x * x + y * y - z * z)
+    return math.degrees(yaw), math.degrees(pitch)
+
+
+def camera_to_controls(camera: Any, model_card: dict[str, Any]) -> dict[str, Any]:
+    """A structural SE3 camera payload as the model's controls; raises ValueError saying what does not fit.
+
+    ``velocity`` (a per-frame delta, held until replaced) maps onto what
+    ARStream's models take per frame: the translation's sign along +Z/-Z and
+    +X/-X presses W/S and D/A (keys have no magnitude), the rotation's yaw and
+    pitch set the camera axes (``CAMERA_UNITS_PER_DEGREE``, clamped to the
+    schema). ``target`` (an absolute pose) is refused: these models take motion,
+    not poses.
+    """
+    if not isinstance(camera, dict):
+        raise ValueError("multi_modal_data.camera must be an object")
+    mode = camera.get("mode")
+    if mode == "target":
+        raise ValueError("camera mode 'target' is not supported: ARStream's models take motion, use 'velocity'")
+    if mode != "velocity":
+        raise ValueError(f"camera mode must be 'velocity' or 'target', got {mode!r}")
+    data = camera.get("data")
+    if not isinstance(data, dict):
+        raise ValueError("camera.data must be an object with translation and rotation")
+    if "actions" in data:
+        raise ValueError("camera.data.actions (key tokens) is not accepted: send structural SE3")
+    dx, _dy, dz = _numbers(data.get("translation", [0.0, 0.0, 0.0]), 3, "camera.data.translation")
+    yaw, pitch = yaw_pitch_degrees(_numbers(data.get("rotation", [0.0, 0.0, 0.0, 1.0]), 4, "camera.data.rotation"))
+
+    properties = model_card.get("controls", {}).get("properties", {})
+    pressed = []
+    if dz > TRANSLATION_DEAD_ZONE:
+        pressed.append("w")
+    elif dz < -TRANSLATION_DEAD_ZONE:
+        pressed.append("s")
+    if dx > TRANSLATION_DEAD_ZONE:
+        pressed.append("d")
+    elif dx < -TRANSLATION_DEAD_ZONE:
+        pressed.append("a")
+    allowed_keys = properties.get("keys", {}).get("items", {}).get("enum", [])
+    if not set(pressed) <= set(allowed_keys):
+        raise ValueError(f"this model cannot move along {pressed} (its keys: {allowed_keys})")
+    controls: dict[str, Any] = {"keys": pressed} if "keys" in properties else {}
+
+    camera_field = model_card.get("mouse", "camera")
+    axes = properties.get(camera_field, {}).get("properties", {})
+    turn = {"yaw": yaw, "pitch": pitch}
+    if any(abs(turn[a]) > 1e-9 for a in turn if a not in axes):
+        raise ValueError(f"this model cannot turn its camera that way (its camera axes: {sorted(axes)})")
+    if axes:
+        values = {}
+        for axis, spec in axes.items():
+            value = turn.get(axis, 0.0) * CAMERA_UNITS_PER_DEGREE
+            values[axis] = min(max(value, spec.get("minimum", -math.inf)), spec.get("maximum", math.inf))
+        controls[camera_field] = values
+    return controls
+
+
+@dataclass(frozen=True)
+class Interaction:
+    """A checked ``session.interaction``: its event_id and what it changes."""
+
+    event_id: str
+    prompt: str | None
+    controls: dict[str, Any] | None
+    transition_chunks: int | None
+
+
+def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> Interaction:
+    """vLLM-Omni's interaction checks, in its order, then the mapping onto controls; raises RealtimeVideoError."""
+    interaction = message.get("interaction")
+    if not isinstance(interaction, dict):
+        raise RealtimeVideoError("session.interaction requires an interaction object", ErrorCode.INVALID_MESSAGE)
+    event_id = interaction.get("event_id")
+    if event_id is None:
+        event_id = secrets.token_hex(16)
+    elif not isinstance(event_id, str) or not event_id:
+        raise RealtimeVideoError("session.interaction event_id must be a non-empty string", ErrorCode.INVALID_MESSAGE)
+    event = interaction.get("event")
+    if not isinstance(event, dict):
+        raise RealtimeVideoError("session.interaction requires event object", ErrorCode.INVALID_MESSAGE)
+    prompt, mm, native = event.get("prompt"), event.get("multi_modal_data"), event.get("controls")
+    has_prompt = isinstance(prompt, str) and bool(prompt.strip())
+    has_mm = isinstance(mm, dict) and bool(mm)
+    if not has_prompt and not has_mm and native is None:
+        raise RealtimeVideoError(
+            "session.interaction requires a non-empty event.prompt and/or non-empty event.multi_modal_data",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    if prompt is not None and not has_prompt:
+        raise RealtimeVideoError(
+            "session.interaction event.prompt must be a non-empty string when provided", ErrorCode.INVALID_MESSAGE
+        )
+    if mm is not None and not has_mm:
+        raise RealtimeVideoError(
+            "session.interaction event.multi_modal_data must be a non-empty object when provided",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    if event.get("negative_prompt") is not None:
+        raise RealtimeVideoError(
+            "session.interaction negative_prompt is not supported in this release", ErrorCode.INVALID_MESSAGE
+        )
+    transition_chunks = interaction.get("transition_chunks")
+    if transition_chunks is not None:
+        if (
+            isinstance(transition_chunks, bool)
+            or not isinstance(transition_chunks, (int, float))
+            or (isinstance(transition_chunks, float) and not transition_chunks.is_integer())
+        ):
+            raise RealtimeVideoError(
+                "session.interaction transition_chunks must be an integer", ErrorCode.INVALID_MESSAGE
+            )
+        transition_chunks = int(transition_chunks)
+        if transition_chunks < 0:
+            raise RealtimeVideoError("session.interaction transition_chunks must be >= 0", ErrorCode.INVALID_MESSAGE)
+
+    controls: dict[str, Any] | None = None
+    if has_mm:
+        unknown = sorted(set(mm) - {"camera"})
+        if unknown:
+            raise RealtimeVideoError(
+                f"this model takes no {unknown} interaction (only camera)", "interaction_failed", event_id=event_id
+            )
+        try:
+            controls = camera_to_controls(mm["camera"], model_card)
+        except ValueError as exc:
+            raise RealtimeVideoError(str(exc), "interaction_failed", event_id=event_id) from None
+    if native is not None:
+        # ARStream's addition: the model's own controls, as protocol 1's `input` carries them (they win).
+        if not isinstance(native, dict):
+            raise RealtimeVideoError("event.controls must be an object", ErrorCode.INVALID_CONTROLS, event_id=event_id)
+        controls = {**(controls or {}), **native}
+    return Interaction(event_id, prompt if has_prompt else None, controls, transition_chunks)
