@@ -20,6 +20,16 @@ the server's encode milliseconds per frame (from each chunk's ``timings``), and
 the mean number of sessions per worker round on the server (``/v1/stats``)
 beside the bare runner's, which always runs every session in one call.
 
+``--dialect realtime-video`` runs the server phase over vLLM-Omni's
+``WS /v1/realtime/video`` instead (PROTOCOL.md): each session sends one
+``session.start`` for ``chunks`` chunks (after all have connected) and the
+server ticks for it, its ``max_pending_ticks`` credits in flight; every
+``input_every`` chunks it sends a ``session.interaction`` camera velocity that
+presses the next key. The frames are fMP4 (``--codec`` does not apply; compare
+with ``--codec h264``), a chunk's latency is the time since the previous
+chunk arrived, and action-to-frame runs from an interaction to the first
+chunk that starts it.
+
 The last line printed is one JSON object with the figures (medians over
 repetitions).
 """
@@ -48,6 +58,7 @@ import websockets
 from arstream.app import wire
 from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
+from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
@@ -212,17 +223,79 @@ async def paced_session(
     )
 
 
-async def server_phase(url: str, *, sessions: int, chunks: int, input_every: int, codec: str) -> list[SessionFigures]:
+# A camera velocity per key, in vLLM-Omni's SE3 (Unity axes: +X right, +Z forward), for the realtime video dialect.
+KEY_TRANSLATIONS = {"w": [0.0, 0.0, 0.05], "s": [0.0, 0.0, -0.05], "a": [-0.05, 0.0, 0.0], "d": [0.05, 0.0, 0.0]}
+
+
+async def realtime_video_session(
+    url: str, card: dict[str, Any], *, chunks: int, input_every: int, all_started: asyncio.Barrier | None = None
+) -> SessionFigures:
+    """One ``/v1/realtime/video`` session of ``chunks`` chunks; a camera interaction every ``input_every`` chunks."""
+    keys = [k for k in control_keys(card) if k in KEY_TRANSLATIONS]
+    num_frames = chunks * int(card["frames_per_chunk"])
+    start = {"type": "session.start", "model": card["name"], "prompt": "bench", "num_frames": num_frames}
+    connect_started = time.perf_counter()
+    async with websockets.connect(url, max_size=MAX_MESSAGE_BYTES) as ws:
+        connected_after = time.perf_counter() - connect_started
+        if all_started is not None:
+            await all_started.wait()
+        first_tick_at = last_at = time.perf_counter()
+        await ws.send(json.dumps(start))
+        figures = SessionFigures(0, 0, first_tick_at, first_tick_at, 0.0, [], [])
+        sent_at: dict[str, float] = {}
+        metadata: dict[str, Any] = {}
+        while True:
+            message = await ws.recv()
+            now = time.perf_counter()
+            if isinstance(message, bytes):
+                if figures.chunks == 0:
+                    figures.time_to_first_frame_s = connected_after + now - first_tick_at
+                else:
+                    figures.chunk_latencies_s.append(now - last_at)
+                last_at = figures.last_frame_at = now
+                figures.chunks += 1
+                figures.frames += int(metadata["num_frames"])
+                figures.payload_bytes += len(message)
+                figures.encode_s += float(metadata["timings"]["encode_ms"]) / 1e3
+                for event_id in metadata["started_event_ids"]:
+                    figures.action_to_frame_s.append(now - sent_at.pop(event_id))
+                if keys and input_every and figures.chunks % input_every == 0 and figures.chunks < chunks:
+                    press = (keys + [None])[(figures.chunks // input_every) % (len(keys) + 1)]
+                    translation = KEY_TRANSLATIONS[press] if press else [0.0, 0.0, 0.0]
+                    event_id = f"bench-{figures.chunks}"
+                    camera = {"mode": "velocity", "data": {"translation": translation, "rotation": [0, 0, 0, 1]}}
+                    interaction = {"event_id": event_id, "event": {"multi_modal_data": {"camera": camera}}}
+                    sent_at[event_id] = time.perf_counter()
+                    await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
+                continue
+            event = json.loads(message)
+            if event["type"] == "video.chunk_metadata":
+                metadata = event
+            elif event["type"] == "error":
+                raise RuntimeError(f"the realtime video session failed: {event}")
+            elif event["type"] == "session.done":
+                return figures
+
+
+async def server_phase(
+    url: str, *, sessions: int, chunks: int, input_every: int, codec: str, dialect: str = "sessions"
+) -> list[SessionFigures]:
     """``sessions`` paced sessions that connect and start, then tick together (like the bare runner's rounds)."""
     all_started = asyncio.Barrier(sessions)
-    return list(
-        await asyncio.gather(
-            *(
-                paced_session(url, chunks=chunks, input_every=input_every, codec=codec, all_started=all_started)
-                for _ in range(sessions)
-            )
+    if dialect == "realtime-video":
+        with urllib.request.urlopen(wire.http_base_url(url) + "/v1/model", timeout=30) as response:
+            card = json.load(response)
+        url = url.replace("/v1/sessions", REALTIME_VIDEO_PATH)
+        phase = (
+            realtime_video_session(url, card, chunks=chunks, input_every=input_every, all_started=all_started)
+            for _ in range(sessions)
         )
-    )
+    else:
+        phase = (
+            paced_session(url, chunks=chunks, input_every=input_every, codec=codec, all_started=all_started)
+            for _ in range(sessions)
+        )
+    return list(await asyncio.gather(*phase))
 
 
 def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
@@ -304,6 +377,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="alternating server/runner repetitions (default 3)")
     parser.add_argument("--input-every", type=int, default=4, help="send an input every N ticks (default 4)")
     parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
+    parser.add_argument(
+        "--dialect",
+        choices=["sessions", "realtime-video"],
+        default="sessions",
+        help="the server phase's wire: protocol 1 (default) or vLLM-Omni's /v1/realtime/video (fMP4)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device for the server and the bare runner")
     parser.add_argument(
         "--kv-budget-bytes",
@@ -362,7 +441,10 @@ def run(args: argparse.Namespace) -> int:
             max_batch_sessions=args.max_batch_sessions,
         )
         # One untimed round on each side first, at full concurrency, so neither pays for first-use costs.
-        warmup = dict(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec)
+        warmup = dict(
+            sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec,
+            dialect=args.dialect,
+        )  # fmt: skip
         asyncio.run(server_phase(url, **warmup))
         bare.chunks_per_s(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every)
 
@@ -371,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
             for side in order:  # each side runs alone: the server is idle while the bare runner works
                 if side == "server":
                     nonlocal rounds, sessions_in_rounds
-                    phase = dict(sessions=args.sessions, chunks=args.chunks, input_every=args.input_every, codec=args.codec)
+                    phase = {**warmup, "chunks": args.chunks}
                     before = server.get_json("/v1/stats")["chunks"]
                     figures = asyncio.run(server_phase(url, **phase))
                     after = server.get_json("/v1/stats")["chunks"]
@@ -419,7 +501,8 @@ def run(args: argparse.Namespace) -> int:
         "chunk_ms_p99": _ms(percentile(chunk_latencies, 99)),
         "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
         "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
-        "codec": args.codec,
+        "dialect": args.dialect,
+        "codec": "fmp4" if args.dialect == "realtime-video" else args.codec,
         "bytes_per_frame": round(sum(f.payload_bytes for f in all_figures) / frames, 1),
         "encode_ms_per_frame": round(sum(f.encode_s for f in all_figures) / frames * 1e3, 3),
         # a worker round is one runner call; the bare runner always puts min(sessions, batch) in one

@@ -514,3 +514,20 @@ def test_a_start_past_capacity_is_refused_as_protocol_1_is() -> None:
     (error,) = messages
     assert set(error) <= ERROR_FIELDS and error["code"] == "over_capacity" and "slots" in error["message"]
     assert code == 1013
+
+
+# ---- bench serve over this dialect -------------------------------------------------------------------
+
+
+def test_bench_serve_runs_over_the_dialect(capsys: pytest.CaptureFixture[str]) -> None:
+    from arstream.app import bench
+
+    options = json.dumps({"compute_delay_s": 0.005, "width": WIDTH, "height": HEIGHT})
+    argv = ["--model", MODEL, "--sessions", "2", "--max-batch-sessions", "2", "--chunks", "8", "--repeat", "1"]
+    extra = ["--dialect", "realtime-video", "--input-every", "2", "--model-options", options]
+    assert bench.main([*argv, *extra, "--kv-budget-bytes", "4194304"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["dialect"], summary["codec"]) == ("realtime-video", "fmp4")
+    assert 0 < summary["bytes_per_frame"] < WIDTH * HEIGHT * 3 / 4 and summary["encode_ms_per_frame"] > 0
+    assert summary["action_to_frame_ms_p50"] is not None  # camera interactions came back as started chunks
+    assert 1 <= summary["server_sessions_per_round"] <= summary["full_round_sessions"] == 2
