@@ -12,7 +12,8 @@ differs (PROTOCOL.md, "vLLM-Omni realtime video dialect"):
   client sends ``session.stop``;
 - ``session.interaction`` becomes an input event: ``event.prompt`` the
   prompt, ``event.multi_modal_data.camera`` (structural SE3) the model's
-  keys and camera controls (:func:`camera_to_controls`), applied at the next
+  keys and camera controls
+  (:func:`~arstream.app.realtime_video_events.camera_to_controls`), applied at the next
   chunk boundary and acknowledged with ``session.interaction.queued``;
 - each chunk goes out as ``video.chunk_metadata`` then one binary message of
   fragmented MP4 (:mod:`arstream.app.fmp4`), the first one opening with the
@@ -107,7 +108,6 @@ class RealtimeVideoConnection:
         self._ticks_submitted = 0
         self._chunks_target: int | None = None
         self._chunks_sent = 0
-        self._frames_target: int | None = None
         self._progress_at = 0.0
         # Interaction ids: ARStream's event ids are integers, vLLM-Omni's are strings.
         self._event_names: dict[int, str] = {}
@@ -176,7 +176,6 @@ class RealtimeVideoConnection:
         session.transition(SessionState.ACTIVE)
         self.session = session
         if request.num_frames is not None:
-            self._frames_target = request.num_frames
             self._chunks_target = chunks_for_frames(request.num_frames, card)
         self.hub.register(self)  # type: ignore[arg-type]
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
