@@ -228,6 +228,16 @@ def test_stop_ends_the_session_with_done_stopped_and_returns_its_kv(server: Live
     assert close_code == 1000
 
 
+def test_a_dropped_connection_returns_the_sessions_kv(server: LiveServer, baseline: int) -> None:
+    async def drop_mid_stream() -> None:
+        async with session_client(video_url(server)) as client:
+            await client.send(**start_message())
+            await read_until_done(client, Stream(), until="video.chunk_metadata")
+            client.abort()  # no session.stop, no close frame
+
+    asyncio.run(drop_mid_stream())  # the baseline fixture then waits for every block to come back
+
+
 # ---- session.interaction -------------------------------------------------------------------------
 
 
