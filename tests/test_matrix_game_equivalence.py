@@ -26,7 +26,7 @@ def build(cfg: MatrixGameConfig, seed: int = 0) -> MatrixGamePipeline:
     vae = StreamingVAE(build_vae(cfg))
     features = torch.randn(cfg.clip_tokens, cfg.clip_dim, generator=torch.Generator().manual_seed(seed))
     return MatrixGamePipeline(
-        model, vae, device=torch.device("cpu"), clip_features=features, image=default_image(cfg)
+        model, vae, device=torch.device("cpu"), images={"default": default_image(cfg)}, clip_features=features
     )
 
 

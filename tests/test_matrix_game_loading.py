@@ -136,7 +136,8 @@ def test_start_image_and_clip_features_options(tmp_path: Path) -> None:
     red = load_matrix_game("cpu", config="tiny", random_init=True, image=str(tmp_path / "start.png"))
     plain = load_matrix_game("cpu", config="tiny", random_init=True)
     # the start image conditions the model: its latent is part of every chunk's input
-    assert not torch.allclose(red.condition, plain.condition)
+    assert not torch.allclose(red.images.default.stream.condition(0, 3), plain.images.default.stream.condition(0, 3))
+    assert red.model_card()["start_images"] == ["start"]  # the `image` option's file, named by its stem
     save_file({"clip_features": torch.zeros(4, 16)}, str(tmp_path / "clip.safetensors"))
     with pytest.raises(CheckpointError, match=r"clip\.safetensors: clip_features must be \[5, 16\], got \[4, 16\]"):
         load_matrix_game("cpu", config="tiny", random_init=True, clip_features=str(tmp_path / "clip.safetensors"))
