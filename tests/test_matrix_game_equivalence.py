@@ -92,6 +92,15 @@ def test_a_window_with_less_history_than_a_chunk_equals_the_reference() -> None:
     assert runner.history_frames("a") == 1
 
 
+def test_the_temple_run_variant_equals_the_reference() -> None:
+    """Keyboard-only action module (no mouse path, no mouse caches), 7 keys, 4 denoising steps."""
+    pipeline = build(get_config("tiny-templerun"))
+    runner = assert_session_a_matches_the_reference(pipeline)
+    history = pipeline._sessions["a"].actions
+    assert history.frames == 3 and all(kv[0].numel() == 0 for kv in history.layers.values())
+    runner.close_session("a")
+
+
 def test_positions_past_the_rotary_table_keep_every_distance_in_the_window() -> None:
     """A 9-frame rotary table and 18 frames: the runner shifts positions, the attention is unchanged."""
     assert_session_a_matches_the_reference(build(get_config("tiny", rope_frames=9)))

@@ -195,3 +195,76 @@ def test_without_a_clip_file_the_image_context_is_zeros_and_says_so(
         zeros = pipeline.model.image_context(torch.zeros(1, cfg.clip_tokens, cfg.clip_dim))
     torch.testing.assert_close(pipeline.context, zeros)
     assert "image context is zeros" in caplog.text
+
+
+# ---- the three published variants: each finds its own file; a file of another names the config it fits ----
+
+
+def dit_state(config: str, seed: int = 7) -> dict[str, torch.Tensor]:
+    model = CausalWanDiT(get_config(config))
+    model.init_random(seed)
+    return {f"model.{k}": v.clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def test_each_config_looks_for_its_published_file() -> None:
+    assert get_config("1.3b").dit_file == "base_distilled_model/base_distill.safetensors"
+    assert get_config("1.3b-gta").dit_file == "gta_distilled_model/gta_keyboard2dim.safetensors"
+    assert get_config("1.3b-templerun").dit_file == "templerun_distilled_model/templerun_7dim_onlykey.safetensors"
+
+
+@pytest.mark.parametrize("config", ["tiny-gta", "tiny-templerun"])
+def test_a_variant_loads_its_own_file_from_a_directory_holding_all_three(
+    tmp_path: Path, weights: tuple[dict, dict], config: str
+) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)  # the universal model's file is there too
+    own = dit_state(config, seed=11)
+    path = tmp_path / get_config(config).dit_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(own, str(path))
+    pipeline = load_matrix_game("cpu", config=config, checkpoint=str(tmp_path))
+    assert all(torch.equal(pipeline.model.state_dict()[k.removeprefix("model.")], v) for k, v in own.items())
+
+
+def test_a_file_that_fits_another_config_names_it(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    _, vae = weights
+    write(tmp_path, dit_state("tiny-gta"), vae)  # the GTA weights where the universal model's belong
+    with pytest.raises(CheckpointError, match=r"base_distill\.safetensors does not fit.*; it fits config 'tiny-gta'"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+    write(tmp_path, dit_state("tiny-templerun"), vae)
+    with pytest.raises(CheckpointError, match=r"missing keys: .*mouse.*; it fits config 'tiny-templerun'"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+
+
+def test_the_temple_run_layout_is_the_published_one() -> None:
+    """Keyboard-only action module (``enable_mouse: false``, 7 keys), checked at full size on the meta device."""
+    with torch.device("meta"):
+        state = CausalWanDiT(get_config("1.3b-templerun")).state_dict()
+    action = {k.removeprefix("blocks.0.action_model."): v.shape for k, v in state.items() if ".0.action_model." in k}
+    assert action == {
+        "keyboard_embed.0.weight": (128, 7),
+        "keyboard_embed.0.bias": (128,),
+        "keyboard_embed.2.weight": (128, 128),
+        "keyboard_embed.2.bias": (128,),
+        "key_attn_q_norm.weight": (64,),  # the published RMSNorm holds a weight it does not use
+        "key_attn_k_norm.weight": (64,),
+        "mouse_attn_q.weight": (1024, 1536),
+        "keyboard_attn_kv.weight": (2048, 128 * 12),
+        "proj_keyboard.weight": (1536, 1024),
+    }
+    assert sum(k.startswith("blocks.14.action_model") for k in state) and not any("blocks.15.action" in k for k in state)
+
+
+def test_temple_run_offers_its_seven_keys_and_no_camera() -> None:
+    from arstream.models.matrix_game.controls import condition_vectors
+
+    cfg = get_config("tiny-templerun")
+    pipeline = load_matrix_game("cpu", config="tiny-templerun", random_init=True)
+    card = pipeline.model_card()
+    assert card["controls"]["properties"]["keys"]["items"]["enum"] == ["q", "w", "s", "z", "c", "a", "d"]
+    assert "camera" not in card["controls"]["properties"] and card["mouse"] is None
+    assert cfg.denoise_timesteps == (1000, 750, 500, 250)
+    # no key held is the "nomove" channel (0); W is jump (1), Z turn left (3), D right side (6)
+    assert condition_vectors({}, cfg)[0].tolist() == [1, 0, 0, 0, 0, 0, 0]
+    assert condition_vectors({"keys": ["w", "z", "d"]}, cfg)[0].tolist() == [0, 1, 0, 1, 0, 0, 1]
+    assert condition_vectors({"keys": ["w"]}, cfg)[1].numel() == 0
