@@ -12,6 +12,8 @@ from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.pipeline import load_matrix_game
 from arstream.models.matrix_game.vae import build_vae
 from arstream.models.registry import load_pipeline
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import TickRequest
 
 DIT = "base_distilled_model/base_distill.safetensors"
 VAE = "Wan2.1_VAE.pth"
@@ -268,3 +270,27 @@ def test_temple_run_offers_its_seven_keys_and_no_camera() -> None:
     assert condition_vectors({}, cfg)[0].tolist() == [1, 0, 0, 0, 0, 0, 0]
     assert condition_vectors({"keys": ["w", "z", "d"]}, cfg)[0].tolist() == [0, 1, 0, 1, 0, 0, 1]
     assert condition_vectors({"keys": ["w"]}, cfg)[1].numel() == 0
+
+
+def test_precision_options_set_the_dit_encoder_and_decoder_dtypes() -> None:
+    """As the reference runs on CUDA: DiT, VAE encoder and CLIP in bf16, VAE decoder in fp16; fp32 on the CPU."""
+
+    def dtypes(pipeline: object) -> dict[str, torch.dtype]:
+        vae = pipeline.vae.vae  # type: ignore[attr-defined]
+        return {
+            "dit": next(pipeline.model.parameters()).dtype,  # type: ignore[attr-defined]
+            "encoder": next(vae.encoder.parameters()).dtype,
+            "decoder": next(vae.decoder.parameters()).dtype,
+            "clip": next(pipeline._clip.parameters()).dtype,  # type: ignore[attr-defined]
+        }
+
+    cpu = load_matrix_game("cpu", config="tiny", random_init=True)
+    assert set(dtypes(cpu).values()) == {torch.float32}
+    mixed = load_matrix_game("cpu", config="tiny", random_init=True, dtype="bfloat16", vae_dtype="float16")
+    assert dtypes(mixed) == {
+        "dit": torch.bfloat16, "encoder": torch.bfloat16, "decoder": torch.float16, "clip": torch.bfloat16
+    }
+    runner = ARRunner(mixed, kv_budget_bytes=64 << 20)
+    assert runner.execute_tick(TickRequest("a", 0, {"keys": ["w"]})).frames.shape == (9, 32, 48, 3)
+    with pytest.raises(ValueError, match="vae_dtype must be one of"):
+        load_matrix_game("cpu", config="tiny", random_init=True, vae_dtype="int8")

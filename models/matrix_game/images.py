@@ -143,6 +143,11 @@ class ConditionStream:
         return len(self._latents)
 
     @property
+    def frame_bytes(self) -> int:
+        """Bytes of one latent frame of the stream."""
+        return self._latents[0].numel() * self._latents[0].element_size()
+
+    @property
     def encoding(self) -> bool:
         """Still holding an encoder cache (neither at the fixed point nor at ``max_frames``)."""
         return self._cache is not None
@@ -199,7 +204,7 @@ class StartImages:
         encode: Callable[[torch.Tensor, str | None], ImageEncodings],
         cfg: MatrixGameConfig,
         *,
-        capacity: int = 8,
+        capacity: int = 4,
     ) -> None:
         if not offered:
             raise ValueError("a matrix-game model offers at least one start image")

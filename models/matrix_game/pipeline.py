@@ -96,7 +96,7 @@ class MatrixGamePipeline(SessionStateBinding):
         images: dict[str, torch.Tensor],
         clip: ClipImageEncoder | None = None,
         clip_features: torch.Tensor | None = None,
-        image_cache: int = 8,
+        image_cache: int = 4,
         condition_frames: int = MAX_CONDITION_FRAMES,
         session_capacity: int = 8,
     ) -> None:
@@ -123,6 +123,11 @@ class MatrixGamePipeline(SessionStateBinding):
         self.last_latents: dict[str, torch.Tensor] = {}
         self.timings = ChunkTimings()
         self.images = StartImages(images, self._encode_image, self.cfg, capacity=image_cache)
+        log.info(
+            "start images: %s offered; up to %d clients' images cached; conditioning encoded lazily, at most %d "
+            "latent frames an image (%d KiB each) plus the encoder cache until it settles",
+            len(images), image_cache, condition_frames, self.images.default.stream.frame_bytes >> 10,
+        )
         self.vae_cache_bytes = self._measure_vae_cache()
         self.action_bytes = action_history_bytes(self.cfg, self.dtype)
 
@@ -343,7 +348,7 @@ def load_matrix_game(
     vae_dtype: str | None = None,
     image: str | None = None,
     images: str | None = None,
-    image_cache: int = 8,
+    image_cache: int = 4,
     condition_frames: int = MAX_CONDITION_FRAMES,
     clip_features: str | None = None,
     dit_file: str | None = None,
