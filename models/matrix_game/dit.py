@@ -204,7 +204,8 @@ class ActionModule(nn.Module):
     and attends over time to the same token in earlier frames (its own K/V
     cache, one entry per spatial token and frame). Keyboard: each spatial
     token's query attends over time to one keyboard token per latent frame
-    (its own, much smaller cache).
+    (its own, much smaller cache). Without a mouse path (Temple Run,
+    ``enable_mouse: false``) the keyboard path reads the block's hidden state directly.
     """
 
     def __init__(self, cfg: ActionConfig, img_hidden_size: int) -> None:
