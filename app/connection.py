@@ -198,6 +198,7 @@ class Connection:
         session, next_chunk_index, resumed = opened
         self._limit_messages(self.settings.max_message_bytes)  # only `start` may carry an image
         self.session = session
+        upload_limit = self.settings.max_start_image_bytes if self.hub.start_image_names else None
         self.hub.register(self)
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
         self.outbox.push(
@@ -212,7 +213,7 @@ class Connection:
                         idle_timeout_s=self.settings.idle_timeout_s,
                         resume=self.hub.resume.ticket(self, next_chunk_index),
                         resumed=resumed,
-                        max_start_image_bytes=self.settings.max_start_image_bytes if self.hub.start_image_names else None,
+                        max_start_image_bytes=upload_limit,
                     )
                 ),
                 is_reply=True,
@@ -351,8 +352,8 @@ class Connection:
                 return None
             limit = self._start_limit()
             if self._too_large(text, limit):
-                detail = " (max_message_bytes plus a base64 start image)" if limit != self.settings.max_message_bytes else ""
-                await self._refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{detail}")
+                with_image = " (max_message_bytes plus a base64 start image)" if self.hub.start_image_names else ""
+                await self._refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")
                 return None
             try:
                 parsed = parse_client_message(text)

@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arstream.app.start_image import base64_length
 from arstream.app.wire import FULL_CHROMA_MAX_PIXELS
 from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
 from arstream.runner.runtimes import RuntimeName
@@ -277,7 +278,7 @@ class Settings(BaseSettings):
     @property
     def max_start_message_bytes(self) -> int:
         """The largest `start` when the model offers start images: any message plus a base64 start image."""
-        return self.max_message_bytes + 4 * ((self.max_start_image_bytes + 2) // 3)
+        return self.max_message_bytes + base64_length(self.max_start_image_bytes)
 
     @property
     def ws_max_size(self) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from arstream.runner.types import StartImage
 
@@ -78,7 +78,7 @@ def decode_base64(data: str, max_bytes: int) -> bytes:
 
 
 def decode_pixels(encoded: bytes, max_pixels: int) -> np.ndarray:
-    """uint8 ``[H, W, 3]`` RGB of a PNG, JPEG or WebP file (its first frame), read-only.
+    """uint8 ``[H, W, 3]`` RGB of a PNG, JPEG or WebP file (its first frame, turned upright), read-only.
 
     The size in the header is checked before the pixels are decoded.
     """
@@ -90,7 +90,8 @@ def decode_pixels(encoded: bytes, max_pixels: int) -> np.ndarray:
                     f"the start image is {width}x{height} = {width * height} pixels, "
                     f"over {max_pixels} (max_start_image_pixels)"
                 )
-            pixels = np.array(image.convert("RGB"), dtype=np.uint8)
+            # Upright as a viewer shows it: phone photos are stored turned, with an EXIF orientation.
+            pixels = np.array(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.uint8)
     except StartImageRefused:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

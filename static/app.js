@@ -230,7 +230,8 @@ $('image-file').addEventListener('change', async () => {
   $('image-file').value = '';  // choosing the same file again is a choice too
   if (!file) return;
   if (uploadLimit !== null && file.size > uploadLimit) {
-    notice(`That picture is ${Math.ceil(file.size / 1024)} KiB; this server takes at most ${Math.floor(uploadLimit / 1024)} KiB.`);
+    const kib = (bytes, round) => round(bytes / 1024);
+    notice(`That picture is ${kib(file.size, Math.ceil)} KiB; this server takes at most ${kib(uploadLimit, Math.floor)} KiB.`);
     return;
   }
   let data;

@@ -140,6 +140,18 @@ def test_jpeg_and_other_modes_decode_to_rgb() -> None:
     assert (decode_pixels(buffer.getvalue(), MAX_IMAGE_PIXELS) == 77).all()
 
 
+def test_a_photo_is_turned_upright_by_its_exif_orientation() -> None:
+    stored = np.zeros((10, 30, 3), dtype=np.uint8)
+    stored[:, :10] = 255  # the stored picture's left third is white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation 6: a viewer turns it 90 degrees clockwise
+    buffer = io.BytesIO()
+    Image.fromarray(stored).save(buffer, format="PNG", exif=exif)
+    upright = decode_pixels(buffer.getvalue(), MAX_IMAGE_PIXELS)
+    assert upright.shape == (30, 10, 3)
+    assert upright[:10].min() == 255 and upright[10:].max() == 0  # the white third is on top now
+
+
 @pytest.mark.parametrize(
     ("encoded", "complaint"),
     [
@@ -377,6 +389,27 @@ def test_an_image_for_a_model_without_start_images_is_refused() -> None:
         limits = run(ready())["limits"]
         assert "max_start_image_bytes" not in limits
         plain.settled(blocks_free)
+
+
+def test_a_decode_does_not_hold_up_other_sessions() -> None:
+    """A picture at the pixel limit takes a while to decode; another session's ping is answered meanwhile."""
+    with running_server(fake_settings(), FakeKVPipeline(start_images=OFFERED)) as live:
+        largest = b64(image_file(np.zeros((4096, 4096, 3), np.uint8)))  # 16 MP in about 50 KB
+
+        async def scenario() -> list[str]:
+            order: list[str] = []
+            async with session_client(live.ws_url, start={}) as bystander, session_client(live.ws_url) as uploader:
+
+                async def answered(client: SessionClient, name: str) -> None:
+                    await client.recv_json()
+                    order.append(name)
+
+                await uploader.send(type="start", image={"data": largest})
+                await bystander.send(type="ping", t=1)
+                await asyncio.gather(answered(uploader, "ready"), answered(bystander, "pong"))
+            return order
+
+        assert run(scenario()) == ["pong", "ready"]
 
 
 # ---- arstream client --image ----------------------------------------------------------------------
