@@ -237,6 +237,10 @@ class Connection:
             if resumed is None:
                 return None
             return resumed.session, resumed.next_chunk_index, True
+        # Admission is asked before the image too: a model still loading offers no images yet, and a
+        # session that cannot be admitted is not worth a decode. Asked again after it, as a decode takes time.
+        if not await self._admitted():
+            return None
         start_image: StartImage | None = None
         if start.image is not None:
             try:
@@ -247,11 +251,8 @@ class Connection:
                 log.info("session=%s start image refused: %s", self.session_id, exc)
                 await self._refuse(ErrorCode.INVALID_IMAGE, str(exc))
                 return None
-        refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
-        if refusal is not None:
-            log.info("session=%s not admitted: %s", self.session_id, refusal)
-            await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
-            return None
+            if not await self._admitted():
+                return None
         session = Session(
             self.session_id,
             codec=start.codec or self.settings.codec,
@@ -263,6 +264,15 @@ class Connection:
         )
         session.transition(SessionState.ACTIVE)
         return session, 0, False
+
+    async def _admitted(self) -> bool:
+        """Whether a new session may start now; False after refusing with over_capacity."""
+        refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
+        if refusal is None:
+            return True
+        log.info("session=%s not admitted: %s", self.session_id, refusal)
+        await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+        return False
 
     def _start_limit(self) -> int:
         """The largest `start`: room for a base64 start image when the model offers start images."""

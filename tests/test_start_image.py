@@ -13,8 +13,9 @@ import asyncio
 import base64
 import io
 import struct
+import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ from arstream.app.start_image import (
     pixels_digest,
 )
 from arstream.models.fake import FakeKVPipeline
-from arstream.runner.types import StartImage
-from servers import LiveServer, SessionClient, fake_settings, running_server, session_client
+from arstream.runner.types import StartImage, TickRequest
+from servers import RECEIVE_GUARD_S, LiveServer, SessionClient, fake_settings, running_server, session_client
 
 OFFERED = ["meadow", "canyon"]
 MAX_IMAGE_BYTES = 64 * 1024
@@ -389,6 +390,36 @@ def test_an_image_for_a_model_without_start_images_is_refused() -> None:
         limits = run(ready())["limits"]
         assert "max_start_image_bytes" not in limits
         plain.settled(blocks_free)
+
+
+class LoadingFakeKVPipeline(FakeKVPipeline):
+    """A fake offering start images whose warm-up waits until the test lets it finish."""
+
+    def __init__(self) -> None:
+        super().__init__(start_images=OFFERED)
+        self.loaded = threading.Event()
+
+    def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
+        if not self.loaded.wait(RECEIVE_GUARD_S):
+            raise RuntimeError("the test never let the warm-up finish")
+        return super().warmup_requests(session_id)
+
+
+def test_an_image_while_the_model_loads_is_over_capacity_not_invalid_image() -> None:
+    """The card (and so its images) is unknown until the model is loaded: try later, not "bad image"."""
+    pipeline = LoadingFakeKVPipeline()
+    with running_server(fake_settings(), pipeline, wait_ready=False) as loading:
+
+        async def scenario() -> Any:
+            async with session_client(loading.ws_url) as client:
+                await client.send(type="start", image={"name": "canyon"})
+                return await client.closed_by_server()
+
+        try:
+            closed = run(scenario())
+        finally:
+            pipeline.loaded.set()
+        assert closed.code == 1013 and closed.messages[0]["code"] == "over_capacity"
 
 
 def test_a_decode_does_not_hold_up_other_sessions() -> None:
