@@ -20,6 +20,7 @@ from arstream.app.guard import TrustedProxies
 from arstream.app.metrics import ServerMetrics
 from arstream.app.resume import ResumeRegistry
 from arstream.app.settings import Settings
+from arstream.app.start_image import StartImageResolver, offered_start_images
 from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
@@ -47,6 +48,11 @@ class SessionHub:
         self.shutting_down = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
+        # The start images the model card offers (first: the default); empty: it takes none.
+        self.start_image_names: tuple[str, ...] = ()
+        self.start_images = StartImageResolver(
+            max_bytes=settings.max_start_image_bytes, max_pixels=settings.max_start_image_pixels
+        )
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
@@ -106,12 +112,16 @@ class SessionHub:
                 validator_class = jsonschema.validators.validator_for(schema)
                 validator_class.check_schema(schema)
                 self.controls_validator = validator_class(schema)
+                self.start_image_names = offered_start_images(card)
                 self.model_card = card
                 self.ready = True
                 self.not_ready_reason = ""
             except jsonschema.SchemaError as exc:
                 self.load_error = exc
                 self.not_ready_reason = f"the model card's controls schema is invalid: {exc.message}"
+            except ValueError as exc:
+                self.load_error = exc
+                self.not_ready_reason = str(exc)
         if self.load_error is not None:
             log.error("%s", self.not_ready_reason)
         self._loaded.set()
