@@ -181,8 +181,21 @@ class Connection:
         token_refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token)
         refusal = token_refusal or auth.origin_refusal(ws.headers, self.settings.origin_allow_list(), server_port)
         if refusal is not None and self.settings.refuse_before_upgrade:
-            await self._deny_upgrade(refusal, missing_token=token_refusal is not None and self.token_key is None)
+            missing_token = token_refusal is not None and self.token_key is None
+            await self._deny_upgrade(
+                ErrorCode.UNAUTHORIZED,
+                refusal,
+                status=401 if missing_token else 403,
+                headers={"WWW-Authenticate": "Bearer"} if missing_token else None,
+            )
             return
+        if refusal is None:
+            # Waiting for `start` is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
+            busy = self.hub.unstarted.refusal(self.client_host)
+            if busy is not None:
+                await self._deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
+                return
+            self.hub.unstarted.add(self, self.client_host)
         await ws.accept()
         if refusal is not None:
             log.info("session=%s refused: %s", self.session_id, refusal)
@@ -198,7 +211,7 @@ class Connection:
                 return
             session, next_chunk_index = resumed.session, resumed.next_chunk_index
         else:
-            refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
+            refusal = self.hub.admit(self)
             if refusal is not None:
                 log.info("session=%s not admitted: %s", self.session_id, refusal)
                 await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
@@ -242,6 +255,12 @@ class Connection:
         try:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            # A resume passes the same admission as a new session; refused, it spends nothing.
+            refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token))
+            if refusal is not None:
+                log.info("session=%s resume with token %s not admitted: %s", self.session_id, token_hint(token), refusal)
+                await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+                return None
             resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)
         except ResumeRefused as exc:
             log.info("session=%s resume with token %s refused: %s", self.session_id, token_hint(token), exc)
@@ -257,13 +276,13 @@ class Connection:
 
     # ---- before the session exists -----------------------------------------------------
 
-    async def _deny_upgrade(self, refusal: str, *, missing_token: bool) -> None:
-        """Refuse with HTTP 401 (no token) or 403 before the upgrade; the body is the `unauthorized` error."""
+    async def _deny_upgrade(
+        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
+    ) -> None:
+        """Refuse with HTTP ``status`` before the upgrade; the body is the error object."""
         log.info("session=%s refused before the upgrade: %s", self.session_id, refusal)
-        self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-        headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
-        body = error_message(ErrorCode.UNAUTHORIZED, refusal)
-        status = 401 if missing_token else 403
+        self.metrics.errors.labels(code=str(code)).inc()
+        body = error_message(code, refusal)
         await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
 
     async def _refuse(self, code: ErrorCode, message: str) -> None:
@@ -543,6 +562,7 @@ class Connection:
         log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
 
     async def _finish(self) -> None:
+        self.hub.unstarted.discard(self)  # refused, or gone before its session started
         session = self.session
         if session is not None:
             if self._disconnected:
