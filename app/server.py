@@ -149,6 +149,13 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvi
     transport bounds of :mod:`arstream.app.guard` (connection caps, request heads, closes)."""
     http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals)
     app.state.guard = guard
+    if settings.max_unstarted_connections >= guard.max_total:
+        log.warning(
+            "max_unstarted_connections %d is not below the %d connections allowed in all (max_connections): "
+            "connections waiting to start a session can take every one, health checks included",
+            settings.max_unstarted_connections,
+            guard.max_total,
+        )
     options: dict[str, object] = {
         "http": http_protocol,
         "ws": ws_protocol,
