@@ -258,7 +258,8 @@ class Connection:
             # A resume passes the same admission as a new session; refused, it spends nothing.
             refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token))
             if refusal is not None:
-                log.info("session=%s resume with token %s not admitted: %s", self.session_id, token_hint(token), refusal)
+                hint = token_hint(token)
+                log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
                 await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
                 return None
             resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)

@@ -225,7 +225,8 @@ class SessionHub:
         caps = []
         per_client = self.settings.max_sessions_per_client
         if per_client is not None and connection.client_host not in self.trusted_proxies:
-            caps.append(ClientCap("client address", "max_sessions_per_client", per_client, connection.client_host, None))
+            host = connection.client_host
+            caps.append(ClientCap("client address", "max_sessions_per_client", per_client, host, None))
         per_token = self.settings.max_sessions_per_token
         if per_token is not None and connection.token_key is not None:
             caps.append(ClientCap("token", "max_sessions_per_token", per_token, None, connection.token_key))

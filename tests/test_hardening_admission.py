@@ -71,7 +71,9 @@ async def resume_outcome(
     return ("resumed" if reply["type"] == "ready" else reply["code"]), client
 
 
-async def churn_then_resume_all(server: LiveServer, count: int, headers: list[tuple[str, str]]) -> tuple[list[str], int]:
+async def churn_then_resume_all(
+    server: LiveServer, count: int, headers: list[tuple[str, str]]
+) -> tuple[list[str], int]:
     """Drop ``count`` sessions, resume every one of them and hold them: the outcomes and the live sessions held.
 
     The resumed sessions are closed after, so the test can check that every KV block came back.
