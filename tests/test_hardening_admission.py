@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from arstream.models.fake import FakeKVPipeline
-from raw_clients import RawWebSocket
+from raw_clients import RawWebSocket, closed_by_server
 from servers import LiveServer, SessionClient, fake_settings, running_server, session_client, wait_until
 
 GREEDY = "203.0.113.7"
@@ -227,6 +227,8 @@ def test_connections_waiting_to_start_are_capped_per_address_and_in_all(waiting_
             idle.append(idle_connection(server, paths[index % 2], f"192.0.2.{index}"))
         statuses = [sock.status if sock is not None else 0 for sock in idle]
         refused = [sock for sock in idle if sock is not None and sock.status == 503]
+        # The server closes a refused connection itself, at once: it holds no slot of max_connections.
+        assert all(closed_by_server(sock.sock) for sock in refused)
         for sock in refused:
             sock.close()
         health = healthz_answers(server)
