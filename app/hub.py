@@ -54,7 +54,7 @@ class ClientCap:
         return holder.token_key == self.token_key
 
 
-def same_client(detached: DetachedSession, connection: SessionHolder) -> bool:
+def same_client(detached: DetachedSession, connection: ResumableConnection) -> bool:
     """Whether a detached session was held by ``connection``'s client address or auth token."""
     if detached.client_host == connection.client_host:
         return True
@@ -215,7 +215,7 @@ class SessionHub:
             kv_capacity=stats.session_capacity,
         )
 
-    def _client_caps(self, connection: SessionHolder) -> list[ClientCap]:
+    def _client_caps(self, connection: ResumableConnection) -> list[ClientCap]:
         """The session caps ``connection``'s client is under: its address's and its token's, where set.
 
         Addresses of trusted proxies (``forwarded_allow_ips``) are not capped:
@@ -232,7 +232,7 @@ class SessionHub:
             caps.append(ClientCap("token", "max_sessions_per_token", per_token, None, connection.token_key))
         return caps
 
-    def client_cap_refusal(self, connection: SessionHolder, resuming: str | None = None) -> str | None:
+    def client_cap_refusal(self, connection: ResumableConnection, resuming: str | None = None) -> str | None:
         """Why ``connection``'s client address or token may not hold one more live session, or None."""
         holders = self._live_holders(resuming)
         for cap in self._client_caps(connection):
@@ -241,7 +241,7 @@ class SessionHub:
                 return f"this {cap.what} already holds {count} sessions ({cap.setting} {cap.limit})"
         return None
 
-    def admit(self, connection: SessionHolder, resuming: str | None = None) -> str | None:
+    def admit(self, connection: ResumableConnection, resuming: str | None = None) -> str | None:
         """Admit ``connection``'s new session, or its resume of session ``resuming``: None, or why not.
 
         Admitted, the session is counted as live, and detached sessions give
@@ -258,7 +258,7 @@ class SessionHub:
             self._make_room(connection, resuming)
         return refusal
 
-    def _make_room(self, connection: SessionHolder, resuming: str | None) -> None:
+    def _make_room(self, connection: ResumableConnection, resuming: str | None) -> None:
         holders = self._live_holders(resuming)
         detached = [d for d in self.resume.detached() if d.session_id != resuming]
         for cap in self._client_caps(connection):

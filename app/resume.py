@@ -123,10 +123,6 @@ class ResumeRegistry:
         return len(self._detached)
 
     @property
-    def resuming_count(self) -> int:
-        return len(self._resuming)
-
-    @property
     def resuming(self) -> Mapping[str, ResumableConnection]:
         """Sessions being resumed (claimed, not yet attached), by id, with the connection resuming each."""
         return self._resuming
