@@ -189,8 +189,21 @@ class Connection:
             beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
         )
         if refusal is not None and self.settings.refuse_before_upgrade:
-            await self._deny_upgrade(refusal, missing_token=token_refusal is not None and self.token_key is None)
+            missing_token = token_refusal is not None and self.token_key is None
+            await self._deny_upgrade(
+                ErrorCode.UNAUTHORIZED,
+                refusal,
+                status=401 if missing_token else 403,
+                headers={"WWW-Authenticate": "Bearer"} if missing_token else None,
+            )
             return
+        if refusal is None:
+            # Waiting for `start` is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
+            busy = self.hub.unstarted.refusal(self.client_host)
+            if busy is not None:
+                await self._deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
+                return
+            self.hub.unstarted.add(self, self.client_host)
         await ws.accept()
         if refusal is not None:
             log.info("session=%s refused: %s", self.session_id, refusal)
@@ -243,8 +256,9 @@ class Connection:
                 return None
             return resumed.session, resumed.next_chunk_index, True
         # Admission is asked before the image too: a model still loading offers no images yet, and a
-        # session that cannot be admitted is not worth a decode. Asked again after it, as a decode takes time.
-        if not await self._admitted():
+        # session that cannot be admitted is not worth a decode. Admitted (claimed) after it, as a decode takes
+        # time; the claim and the registration have no await between them (SessionHub.admit).
+        if start.image is not None and not await self._admitted(claim=False):
             return None
         start_image: StartImage | None = None
         if start.image is not None:
@@ -256,8 +270,8 @@ class Connection:
                 log.info("session=%s start image refused: %s", self.session_id, exc)
                 await self._refuse(ErrorCode.INVALID_IMAGE, str(exc))
                 return None
-            if not await self._admitted():
-                return None
+        if not await self._admitted(claim=True):
+            return None
         session = Session(
             self.session_id,
             codec=start.codec or self.settings.codec,
@@ -270,9 +284,12 @@ class Connection:
         session.transition(SessionState.ACTIVE)
         return session, 0, False
 
-    async def _admitted(self) -> bool:
-        """Whether a new session may start now; False after refusing with over_capacity."""
-        refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
+    async def _admitted(self, *, claim: bool) -> bool:
+        """Whether a new session may start now; False after refusing with over_capacity.
+
+        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask.
+        """
+        refusal = self.hub.admit(self) if claim else self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
         if refusal is None:
             return True
         log.info("session=%s not admitted: %s", self.session_id, refusal)
@@ -295,6 +312,13 @@ class Connection:
         try:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            # A resume passes the same admission as a new session; refused, it spends nothing.
+            refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token))
+            if refusal is not None:
+                hint = token_hint(token)
+                log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
+                await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+                return None
             resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)
         except ResumeRefused as exc:
             log.info("session=%s resume with token %s refused: %s", self.session_id, token_hint(token), exc)
@@ -310,13 +334,13 @@ class Connection:
 
     # ---- before the session exists -----------------------------------------------------
 
-    async def _deny_upgrade(self, refusal: str, *, missing_token: bool) -> None:
-        """Refuse with HTTP 401 (no token) or 403 before the upgrade; the body is the `unauthorized` error."""
+    async def _deny_upgrade(
+        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
+    ) -> None:
+        """Refuse with HTTP ``status`` before the upgrade; the body is the error object."""
         log.info("session=%s refused before the upgrade: %s", self.session_id, refusal)
-        self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-        headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
-        body = error_message(ErrorCode.UNAUTHORIZED, refusal)
-        status = 401 if missing_token else 403
+        self.metrics.errors.labels(code=str(code)).inc()
+        body = error_message(code, refusal)
         await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
 
     async def _refuse(self, code: ErrorCode, message: str) -> None:
@@ -597,6 +621,7 @@ class Connection:
         log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
 
     async def _finish(self) -> None:
+        self.hub.unstarted.discard(self)  # refused, or gone before its session started
         session = self.session
         if session is not None:
             if self._disconnected:

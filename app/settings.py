@@ -149,6 +149,18 @@ class Settings(BaseSettings):
     max_connections_per_client: int | None = Field(
         32, ge=1, description="open TCP connections per peer address (trusted proxies are exempt)"
     )
+    max_unstarted_connections: int = Field(
+        64,
+        ge=1,
+        description="WebSocket connections waiting to start or resume a session, in all (keep it well under "
+        "max_connections, so that waiting connections cannot take the slots health checks need); past it: HTTP 503",
+    )
+    max_unstarted_connections_per_client: int | None = Field(
+        4,
+        ge=1,
+        description="WebSocket connections one client address may have waiting to start or resume a session "
+        "(trusted proxies' own address is exempt); past it: HTTP 503",
+    )
     max_header_bytes: int = Field(16384, ge=1024, description="largest HTTP request head (request line and headers)")
     request_head_timeout_s: float = Field(10.0, gt=0, description="time allowed to send a whole HTTP request head")
     close_timeout_s: float = Field(
