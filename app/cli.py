@@ -30,6 +30,11 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "runner"), "arstream.models.bench_runner", "the runner's bookkeeping cost against a direct loop"),
     Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),
     Command(("bench", "serve"), "arstream.app.bench", "end-to-end load test of the server against the bare runner"),
+    Command(
+        ("bench", "gpu-check"),
+        "arstream.app.gpu_check",
+        "the GPU check (scripts/gpu-check.sh): h264, tiny-world and matrix-game-2 through the server, one JSON",
+    ),
     Command(("train", "tiny-world"), "arstream.models.tiny_world.train", "train tiny-world (the shipped recipe)"),
     Command(
         ("train", "tiny-world-decoder"),
