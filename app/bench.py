@@ -21,7 +21,10 @@ the mean number of sessions per worker round on the server (``/v1/stats``)
 beside the bare runner's, which always runs every session in one call.
 
 The last line printed is one JSON object with the figures (medians over
-repetitions).
+repetitions), among them ``fps_total`` (all sessions' frames per second
+through the server) and, for pipelines that time them, the bare runner's DiT
+and VAE milliseconds per round. :class:`ServeBench` keeps the server and the
+bare runner for several session counts in turn (``arstream bench gpu-check``).
 """
 
 from __future__ import annotations
@@ -227,22 +230,23 @@ async def server_phase(url: str, *, sessions: int, chunks: int, input_every: int
     )
 
 
-def server_frames_per_s(figures: Sequence[SessionFigures]) -> float:
-    """All sessions' video frames over the same wall time as :func:`server_chunks_per_s`."""
-    started = min(f.first_tick_at for f in figures)
-    ended = max(f.last_frame_at for f in figures)
-    return sum(f.frames for f in figures) / (ended - started)
+def phase_wall_s(figures: Sequence[SessionFigures]) -> float:
+    """The wall time from the first tick any session sent to the last frame any session received."""
+    return max(f.last_frame_at for f in figures) - min(f.first_tick_at for f in figures)
 
 
 def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
-    """All sessions' chunks over the wall time from the first tick sent to the last frame received.
+    """All sessions' chunks over :func:`phase_wall_s`.
 
     Every session has started before the first tick (``server_phase``), so this is the
     steady rate of a full server, as the bare runner's is of its full rounds.
     """
-    started = min(f.first_tick_at for f in figures)
-    ended = max(f.last_frame_at for f in figures)
-    return sum(f.chunks for f in figures) / (ended - started)
+    return sum(f.chunks for f in figures) / phase_wall_s(figures)
+
+
+def server_frames_per_s(figures: Sequence[SessionFigures]) -> float:
+    """All sessions' video frames over :func:`phase_wall_s`: the aggregate frame rate."""
+    return sum(f.frames for f in figures) / phase_wall_s(figures)
 
 
 # ---- runner phase: the same chunks without the server --------------------------------

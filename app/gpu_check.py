@@ -272,6 +272,23 @@ def machine(device: str) -> dict[str, Any]:
     }
 
 
+def modules_elsewhere() -> list[str]:
+    """``arstream.*`` modules loaded from outside the ``arstream`` package's folder.
+
+    Empty for an installed copy; a module listed here came from somewhere else
+    (an editable install's finder filling in what the copy lacks, say), which
+    would hide a packaging bug.
+    """
+    package = Path(arstream.__file__).resolve().parent
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "arstream"
+        and getattr(module, "__file__", None)
+        and not Path(module.__file__).resolve().is_relative_to(package)
+    )
+
+
 def write_atomically(path: Path, result: dict[str, Any]) -> None:
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(result, indent=1) + "\n")
@@ -298,11 +315,13 @@ def run(args: argparse.Namespace) -> int:
         "matrix_game": None,
         "aims": None,
         "errors": {},
+        "arstream_modules_elsewhere": [],
     }
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - started, 1)
         result["aims"] = aims(result)
+        result["arstream_modules_elsewhere"] = modules_elsewhere()
         if out_file is not None:
             write_atomically(out_file, result)
 

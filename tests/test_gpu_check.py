@@ -66,7 +66,7 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
     # The package ran from the script's own install of the clone: not this worktree's editable install, not the clone.
     package = Path(result["arstream_package"])
     assert not package.is_relative_to(ROOT) and not package.is_relative_to(clone), package
-    assert package.name == "arstream"
+    assert package.name == "arstream" and result["arstream_modules_elsewhere"] == []
 
     assert_positive(result["h264"], H264_KEYS, "h264")
     assert (result["h264"]["width"], result["h264"]["height"]) == (640, 352)
