@@ -58,8 +58,20 @@ DEPS="$SCRATCH/deps"        # the carried wheels, installed only when needed
 cd "$SCRATCH"
 
 # The third-party modules the server, the check and its phases import beyond the GPU image's (cheap to try:
-# none of them imports torch); if one is missing, every carried wheel is installed.
-CARRIED_IMPORTS="fastapi, starlette, uvicorn, uvloop, websockets, httptools, pydantic_settings, simplejpeg, jsonschema, diffusers, av"
+# none of them imports torch); if one is missing, every carried wheel is installed. After that the server's
+# own must import (nothing runs without them); diffusers (matrix-game-2) and av (h264) fail only their phases.
+SERVER_IMPORTS="fastapi, starlette, uvicorn, uvloop, websockets, httptools, pydantic_settings, simplejpeg, jsonschema"
+PHASE_IMPORTS="diffusers, av"
+
+# The carried wheels in $1 (a folder), or a message saying how to bring them.
+wheels_in() {
+    if ! compgen -G "$1/*.whl" >/dev/null; then
+        echo "no wheels in $1: run scripts/gpu-check.sh --fetch-wheels where there is network, and carry" \
+            "build/gpu-check-wheels" >&2
+        return 1
+    fi
+    echo "$1"/*.whl
+}
 
 # Runs pip quietly, showing its output only when it fails.
 quiet_pip() {
@@ -75,7 +87,8 @@ check() {
     # This checkout, built by its own pyproject: with the image's setuptools if new enough, else the carried one.
     local build_path=""
     if ! "$PYTHON" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
-        quiet_pip install --no-index --no-deps --target "$SCRATCH/build" "$WHEELS"/build/*.whl
+        setuptools_wheel=$(wheels_in "$WHEELS/build")
+        quiet_pip install --no-index --no-deps --target "$SCRATCH/build" $setuptools_wheel
         build_path="$SCRATCH/build"
     fi
     # Built from a copy, so the checkout gets no build/lib or egg-info (a stale build/lib would go into the wheel).
@@ -83,11 +96,12 @@ check() {
     tar -C "$CHECKOUT" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./out -cf - . | tar -C "$SCRATCH/source" -xf -
     PYTHONPATH="$build_path" quiet_pip install --no-index --no-deps --no-compile --no-build-isolation --target "$PACKAGE" "$SCRATCH/source"
     export PYTHONPATH="$PACKAGE"
-    if ! "$PYTHON" -c "import $CARRIED_IMPORTS" 2>/dev/null; then
+    if ! "$PYTHON" -c "import $SERVER_IMPORTS, $PHASE_IMPORTS" 2>/dev/null; then
         echo "== $(date -u +%H:%M:%S) installing the carried wheels ($WHEELS)"
-        quiet_pip install --no-index --no-deps --no-compile --target "$DEPS" "$WHEELS"/*.whl
+        carried=$(wheels_in "$WHEELS")
+        quiet_pip install --no-index --no-deps --no-compile --target "$DEPS" $carried
         export PYTHONPATH="$PACKAGE:$DEPS"
-        "$PYTHON" -c "import $CARRIED_IMPORTS"  # fails here, naming the missing module
+        "$PYTHON" -c "import $SERVER_IMPORTS"  # fails here, naming the missing module
     fi
     echo "== $(date -u +%H:%M:%S) installed; arstream bench gpu-check"
     "$PYTHON" -m arstream bench gpu-check --device "$DEVICE" --out "$OUT_DIR" ${DEADLINE_S:+--deadline-s "$DEADLINE_S"}
