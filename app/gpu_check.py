@@ -261,9 +261,14 @@ def aims(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine(device: str) -> dict[str, Any]:
+    if device.startswith("cuda"):
+        # without a usable CUDA device every phase but h264 fails and says why; the JSON still comes out
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no usable CUDA device"
+    else:
+        name = platform.machine()
     return {
         "device": device,
-        "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.machine(),
+        "device_name": name,
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
