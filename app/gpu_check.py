@@ -325,7 +325,10 @@ def run(args: argparse.Namespace) -> int:
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - started, 1)
-        result["aims"] = aims(result)
+        try:
+            result["aims"] = aims(result)
+        except (KeyError, TypeError, ZeroDivisionError) as error:  # a figure missing: the JSON still comes out
+            result["aims"] = {"error": repr(error)}
         result["arstream_modules_elsewhere"] = modules_elsewhere()
         if out_file is not None:
             write_atomically(out_file, result)

@@ -13,6 +13,7 @@ import fails).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from arstream.app import gpu_check
 from arstream.app.gpu_check import carried_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,3 +95,61 @@ def test_the_carried_wheels_are_what_the_gpu_image_lacks() -> None:
     assert {"simplejpeg", "jsonschema", "rpds-py", "opentelemetry-api", "av", "diffusers", "huggingface-hub"} <= names
     # what the image has (about 3 GB) is never carried
     assert not names & {"torch", "numpy", "pillow", "safetensors"} and not any(n.startswith("nvidia-") for n in names)
+
+
+class FakeServeBench:
+    """Stands in for bench serve's ServeBench in unit tests of the check's control flow (no server, no model)."""
+
+    measured: list[int] = []
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+
+    def __enter__(self) -> FakeServeBench:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def measure(self, sessions: int, *, chunks: int) -> dict[str, Any]:
+        FakeServeBench.measured.append(sessions)
+        figures = {"fps_total": 10.0 * sessions, "fps_per_session": 10.0, "action_to_frame_ms_p99": 100.0}
+        return {"sessions": sessions, "chunks_per_session": chunks, "server_vs_runner_ratio": 1.0, **figures}
+
+
+def test_a_session_count_projected_past_the_deadline_is_skipped_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check.bench, "ServeBench", FakeServeBench)
+    FakeServeBench.measured = []
+    profile = gpu_check.profile_for("cuda")
+    report: dict[str, Any] = {}
+    saves: list[int] = []
+    # no time left after the first count: every later one is projected past the deadline
+    gpu_check.matrix_game_sweep(profile, "cuda", report, time_left_s=lambda: 0.0, save=lambda: saves.append(1))
+    assert FakeServeBench.measured == [1]
+    assert list(report["sessions"]) == ["1"] and report["sessions"]["1"]["chunks_per_session"] == 24
+    assert sorted(report["skipped"], key=int) == ["2", "4", "8"] and "projected" in report["skipped"]["8"]
+    assert len(saves) == 4  # the JSON is rewritten after each count, measured or skipped
+
+    FakeServeBench.measured = []
+    gpu_check.matrix_game_sweep(profile, "cuda", report := {}, time_left_s=lambda: math.inf, save=lambda: None)
+    assert FakeServeBench.measured == [1, 2, 4, 8] and report["skipped"] == {}
+    assert [report["sessions"][n]["chunks_per_session"] for n in ("1", "2", "4", "8")] == [24, 12, 6, 6]
+
+
+def test_a_failed_phase_is_reported_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_model(profile: Any, device: str) -> dict[str, Any]:
+        raise RuntimeError("tiny-world did not load")
+
+    monkeypatch.setattr(gpu_check, "h264_figures", lambda *, frames, fps: {"encode_ms_per_frame_p50": 1.0})
+    monkeypatch.setattr(gpu_check, "tiny_world_figures", no_model)
+    monkeypatch.setattr(gpu_check.bench, "ServeBench", FakeServeBench)
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["errors"] == {"tiny_world": "RuntimeError: tiny-world did not load"}
+    assert result["complete"] is False and result["tiny_world"] is None
+    assert result["h264"] == {"encode_ms_per_frame_p50": 1.0} and list(result["matrix_game"]["sessions"]) == ["1", "2"]
+    assert result["aims"]["aggregate_fps_vs_one_session"] == {"2": 2.0}
+    assert result["aims"]["one_session_fps_at_least_25"] is False and result["aims"]["server_vs_runner_min"] == 1.0
+    assert json.loads((tmp_path / "gpu-check.json").read_text()) == result
