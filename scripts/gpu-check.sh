@@ -65,7 +65,7 @@ PHASE_IMPORTS="diffusers, av"
 
 # The carried wheels in $1 (a folder), or a message saying how to bring them.
 wheels_in() {
-    if ! compgen -G "$1/*.whl" >/dev/null; then
+    if ! ls "$1"/*.whl >/dev/null 2>&1; then
         echo "no wheels in $1: run scripts/gpu-check.sh --fetch-wheels where there is network, and carry" \
             "build/gpu-check-wheels" >&2
         return 1
