@@ -31,7 +31,10 @@ chunk arrived, and action-to-frame runs from an interaction to the first
 chunk that starts it.
 
 The last line printed is one JSON object with the figures (medians over
-repetitions).
+repetitions), among them ``fps_total`` (all sessions' frames per second
+through the server) and, for pipelines that time them, the bare runner's DiT
+and VAE milliseconds per round. :class:`ServeBench` keeps the server and the
+bare runner for several session counts in turn (``arstream bench gpu-check``).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from arstream.measure import compare, percentile, print_summary
-from arstream.models.bench_model import control_keys
+from arstream.models.bench_model import control_keys, forward_split_s
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
 from arstream.app.settings import default_max_batch_sessions
 from arstream.runner.threads import default_torch_threads
@@ -88,7 +91,9 @@ class ServerProcess:
     """
 
     def __init__(self, serve_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
-        self.command = [sys.executable, "-m", "arstream", "serve", "--port", "0", *serve_args]
+        # -P: the working directory is not put on sys.path, so a checkout's `arstream/` folder there can never
+        # shadow the installed package (how the first GPU scripts failed).
+        self.command = [sys.executable, "-P", "-m", "arstream", "serve", "--port", "0", *serve_args]
         self.env = env
         self.base_url = ""
         self.output: deque[str] = deque(maxlen=200)
@@ -298,15 +303,23 @@ async def server_phase(
     return list(await asyncio.gather(*phase))
 
 
+def phase_wall_s(figures: Sequence[SessionFigures]) -> float:
+    """The wall time from the first tick any session sent to the last frame any session received."""
+    return max(f.last_frame_at for f in figures) - min(f.first_tick_at for f in figures)
+
+
 def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
-    """All sessions' chunks over the wall time from the first tick sent to the last frame received.
+    """All sessions' chunks over :func:`phase_wall_s`.
 
     Every session has started before the first tick (``server_phase``), so this is the
     steady rate of a full server, as the bare runner's is of its full rounds.
     """
-    started = min(f.first_tick_at for f in figures)
-    ended = max(f.last_frame_at for f in figures)
-    return sum(f.chunks for f in figures) / (ended - started)
+    return sum(f.chunks for f in figures) / phase_wall_s(figures)
+
+
+def server_frames_per_s(figures: Sequence[SessionFigures]) -> float:
+    """All sessions' video frames over :func:`phase_wall_s`: the aggregate frame rate."""
+    return sum(f.frames for f in figures) / phase_wall_s(figures)
 
 
 # ---- runner phase: the same chunks without the server --------------------------------
@@ -315,21 +328,17 @@ def server_chunks_per_s(figures: Sequence[SessionFigures]) -> float:
 class BareRunner:
     """The same model in this process, driven straight through ARRunner.execute, one call per chunk boundary."""
 
-    def __init__(
-        self, model: str, options: dict[str, Any], *, device: str, kv_budget_bytes: int, max_batch_sessions: int
-    ) -> None:
-        from arstream.models.registry import load_pipeline
+    def __init__(self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int) -> None:
         from arstream.runner.runner import ARRunner
 
         self.runner = ARRunner(
-            load_pipeline(model, device, **options),
-            device=device,
-            kv_budget_bytes=kv_budget_bytes,
-            max_batch_sessions=max_batch_sessions,
+            pipeline, device=device, kv_budget_bytes=kv_budget_bytes, max_batch_sessions=max_batch_sessions
         )
         self.runner.warmup()
         self.keys = control_keys(self.runner.model_card())
         self._next_request = 0
+        # (DiT s, VAE s) of each measured call's forward, for pipelines that time them (ChunkTimings)
+        self.forward_splits: list[tuple[float, float]] = []
 
     def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
         """Run ``sessions * chunks`` chunks, each session's next tick in one call (as the worker does); chunks/s."""
@@ -351,6 +360,9 @@ class BareRunner:
             for result in self.runner.execute(ticks):
                 if not isinstance(result, ChunkResult):
                     raise RuntimeError(f"bare runner chunk failed: {result.error!r}")
+            split = forward_split_s(self.runner.pipeline)
+            if split is not None:
+                self.forward_splits.append(split)
         elapsed = time.perf_counter() - started
         for session_id in session_ids:
             self.runner.close_session(session_id)
@@ -376,6 +388,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-options", default="{}", help="JSON options for the model, given to both sides")
     parser.add_argument("--repeat", type=int, default=3, help="alternating server/runner repetitions (default 3)")
     parser.add_argument("--input-every", type=int, default=4, help="send an input every N ticks (default 4)")
+    parser.add_argument(
+        "--warmup-chunks",
+        type=int,
+        default=WARMUP_CHUNKS,
+        help=f"untimed chunks per session on each side before the first repetition (default {WARMUP_CHUNKS})",
+    )
     parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
     parser.add_argument(
         "--dialect",
@@ -387,8 +405,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-budget-bytes",
         type=int,
-        default=DEFAULT_KV_BUDGET_BYTES,
-        help="KV pool budget for the server and the bare runner alike (default 256 MiB)",
+        help="KV pool budget for the server and the bare runner alike "
+        "(default: 256 MiB, or room for --sessions sessions where that needs more)",
     )
     parser.add_argument(
         "--threads",
@@ -405,71 +423,99 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    options = json.loads(args.model_options)
-    if args.max_batch_sessions is None:
-        args.max_batch_sessions = default_max_batch_sessions(args.device)
-    if min(args.sessions, args.chunks, args.repeat, args.input_every, args.threads or 1, args.max_batch_sessions) < 1:
-        print("arstream bench serve: counts must be >= 1", file=sys.stderr)
-        return 2
-    # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
-    # cores, so a fair comparison pins both sides to the same count.
-    threads = args.threads or default_torch_threads()
-    torch.set_num_threads(threads)
-    serve_args = [
-        "--torch-threads", str(threads),
-        "--model", args.model,
-        "--model-options", json.dumps(options),
-        "--device", args.device,
-        "--kv-budget-bytes", str(args.kv_budget_bytes),
-        "--max-batch-sessions", str(args.max_batch_sessions),
-        "--log-level", "warning",
-        *args.serve_arg,
-    ]  # fmt: skip
-    all_figures: list[SessionFigures] = []
-    rounds = sessions_in_rounds = 0
-    # The bare runner gets the server's allocator policy (app/memory.py), so the ratio compares like with like.
-    keep_freed_memory()
-    with ServerProcess(serve_args) as server:
-        url = server.sessions_url
-        print(f"server: {server.base_url} ({' '.join(serve_args)})")
-        bare = BareRunner(
-            args.model,
-            options,
+class ServeBench:
+    """A server subprocess and a bare runner of one model, for side-by-side phases of up to ``args.sessions`` sessions.
+
+    Both are built once (model load, warm-up at every batch size), so one
+    instance can measure several session counts in turn (``arstream bench
+    gpu-check`` sweeps 1, 2, 4 and 8 sessions this way).
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.options = json.loads(args.model_options)
+        if args.max_batch_sessions is None:
+            args.max_batch_sessions = default_max_batch_sessions(args.device)
+        # A busy machine makes torch's spinning thread pool very slow when it has more threads than free
+        # cores, so a fair comparison pins both sides to the same count.
+        self.threads = args.threads or default_torch_threads()
+        self._server: ServerProcess | None = None
+
+    def __enter__(self) -> ServeBench:
+        from arstream.models.registry import load_pipeline
+        from arstream.runner.pool import budget_for_sessions
+
+        args = self.args
+        torch.set_num_threads(self.threads)
+        # The bare runner gets the server's allocator policy (app/memory.py), so the ratio compares like with like.
+        keep_freed_memory()
+        # The bare runner's model is loaded first: its KV spec sizes the budget both sides get.
+        pipeline = load_pipeline(args.model, args.device, **self.options)
+        self.kv_budget_bytes = args.kv_budget_bytes or max(
+            DEFAULT_KV_BUDGET_BYTES,
+            budget_for_sessions(pipeline.kv_cache_spec(), args.sessions, max_batch_sessions=args.max_batch_sessions),
+        )
+        self.bare = BareRunner(
+            pipeline,
             device=args.device,
-            kv_budget_bytes=args.kv_budget_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
             max_batch_sessions=args.max_batch_sessions,
         )
+        self.serve_args = [
+            "--torch-threads", str(self.threads),
+            "--model", args.model,
+            "--model-options", json.dumps(self.options),
+            "--device", args.device,
+            "--kv-budget-bytes", str(self.kv_budget_bytes),
+            "--max-batch-sessions", str(args.max_batch_sessions),
+            "--log-level", "warning",
+            *args.serve_arg,
+        ]  # fmt: skip
+        self._server = ServerProcess(self.serve_args).__enter__()
+        print(f"server: {self._server.base_url} ({' '.join(self.serve_args)})")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._server is not None:
+            self._server.__exit__(*exc_info)
+            self._server = None
+
+    def measure(self, sessions: int, *, chunks: int) -> dict[str, Any]:
+        """Alternating server and bare-runner phases of ``sessions`` sessions; the summary the command prints."""
+        args, server, bare = self.args, self._server, self.bare
+        assert server is not None, "ServeBench.measure runs inside its with block"
+        url = server.sessions_url
         # One untimed round on each side first, at full concurrency, so neither pays for first-use costs.
-        warmup = dict(
-            sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every, codec=args.codec,
-            dialect=args.dialect,
-        )  # fmt: skip
-        asyncio.run(server_phase(url, **warmup))
-        bare.chunks_per_s(sessions=args.sessions, chunks=WARMUP_CHUNKS, input_every=args.input_every)
+        if args.warmup_chunks > 0:
+            warmup = dict(sessions=sessions, chunks=args.warmup_chunks, input_every=args.input_every)
+            asyncio.run(server_phase(url, codec=args.codec, dialect=args.dialect, **warmup))
+            bare.chunks_per_s(**warmup)
+        figures_from = len(bare.forward_splits)
+        all_figures: list[SessionFigures] = []
+        frames_per_s: list[float] = []
+        rounds = sessions_in_rounds = 0
 
         def measure(repetition: int, order: tuple[str, str]) -> dict[str, float]:
+            nonlocal rounds, sessions_in_rounds
             rates = {}
             for side in order:  # each side runs alone: the server is idle while the bare runner works
                 if side == "server":
-                    nonlocal rounds, sessions_in_rounds
-                    phase = {**warmup, "chunks": args.chunks}
+                    phase = dict(sessions=sessions, chunks=chunks, input_every=args.input_every)
                     before = server.get_json("/v1/stats")["chunks"]
-                    figures = asyncio.run(server_phase(url, **phase))
+                    figures = asyncio.run(server_phase(url, codec=args.codec, dialect=args.dialect, **phase))
                     after = server.get_json("/v1/stats")["chunks"]
                     rates["server"] = server_chunks_per_s(figures)
+                    frames_per_s.append(server_frames_per_s(figures))
                     all_figures.extend(figures)
                     rounds += after["rounds_total"] - before["rounds_total"]
                     sessions_in_rounds += after["round_sessions_total"] - before["round_sessions_total"]
                 else:
-                    rates["runner"] = bare.chunks_per_s(
-                        sessions=args.sessions, chunks=args.chunks, input_every=args.input_every
-                    )
+                    rates["runner"] = bare.chunks_per_s(sessions=sessions, chunks=chunks, input_every=args.input_every)
             print(
                 f"repetition {repetition + 1}/{args.repeat}: server {rates['server']:.1f} chunks/s, "
                 f"bare runner {rates['runner']:.1f} chunks/s, ratio {rates['server'] / rates['runner']:.3f}"
             )
-            for index, f in enumerate(all_figures[-args.sessions :]):
+            for index, f in enumerate(all_figures[-sessions:]):
                 print(
                     f"  session {index}: {f.fps:.1f} fps, ttff {f.time_to_first_frame_s * 1000:.1f} ms, "
                     f"chunk p50 {percentile(f.chunk_latencies_s, 50) * 1000:.1f} ms "
@@ -480,35 +526,59 @@ def run(args: argparse.Namespace) -> int:
             return rates
 
         result = compare(("server", "runner"), args.repeat, measure)
-    chunk_latencies = [x for f in all_figures for x in f.chunk_latencies_s]
-    action_latencies = [x for f in all_figures for x in f.action_to_frame_s]
-    frames = sum(f.frames for f in all_figures)
-    summary = {
-        "model": args.model,
-        "model_options": options,
-        "sessions": args.sessions,
-        "chunks_per_session": args.chunks,
-        "repetitions": args.repeat,
-        "threads": threads,
-        "max_batch_sessions": args.max_batch_sessions,
-        "server_chunks_per_s": round(result.median("server"), 2),
-        "runner_chunks_per_s": round(result.median("runner"), 2),
-        "server_vs_runner_ratio": round(result.median_ratio, 4),
-        "server_vs_runner_ratios": [round(r, 4) for r in result.ratios],
-        "fps_per_session": round(_median([f.fps for f in all_figures]), 2),
-        "ttff_ms": _ms(_median([f.time_to_first_frame_s for f in all_figures])),
-        "chunk_ms_p50": _ms(percentile(chunk_latencies, 50)),
-        "chunk_ms_p99": _ms(percentile(chunk_latencies, 99)),
-        "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
-        "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
-        "dialect": args.dialect,
-        "codec": "fmp4" if args.dialect == "realtime-video" else args.codec,
-        "bytes_per_frame": round(sum(f.payload_bytes for f in all_figures) / frames, 1),
-        "encode_ms_per_frame": round(sum(f.encode_s for f in all_figures) / frames * 1e3, 3),
-        # a worker round is one runner call; the bare runner always puts min(sessions, batch) in one
-        "server_sessions_per_round": round(sessions_in_rounds / rounds, 2) if rounds else None,
-        "full_round_sessions": min(args.sessions, args.max_batch_sessions),
-    }
+        chunk_latencies = [x for f in all_figures for x in f.chunk_latencies_s]
+        action_latencies = [x for f in all_figures for x in f.action_to_frame_s]
+        frames = sum(f.frames for f in all_figures)
+        splits = bare.forward_splits[figures_from:]
+        return {
+            "model": args.model,
+            "model_options": self.options,
+            "sessions": sessions,
+            "chunks_per_session": chunks,
+            "repetitions": args.repeat,
+            "threads": self.threads,
+            "max_batch_sessions": args.max_batch_sessions,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "server_chunks_per_s": round(result.median("server"), 2),
+            "runner_chunks_per_s": round(result.median("runner"), 2),
+            "server_vs_runner_ratio": round(result.median_ratio, 4),
+            "server_vs_runner_ratios": [round(r, 4) for r in result.ratios],
+            # all sessions' video frames per second through the server (median over repetitions)
+            "fps_total": round(_median(frames_per_s), 2),
+            "fps_per_session": round(_median([f.fps for f in all_figures]), 2),
+            "ttff_ms": _ms(_median([f.time_to_first_frame_s for f in all_figures])),
+            "chunk_ms_p50": _ms(percentile(chunk_latencies, 50)),
+            "chunk_ms_p99": _ms(percentile(chunk_latencies, 99)),
+            "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
+            "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
+            # the bare runner's forwards (one per round of all sessions), for pipelines that time DiT and VAE
+            "dit_ms_per_round_p50": _ms(percentile([dit for dit, _ in splits], 50)),
+            "vae_ms_per_round_p50": _ms(percentile([vae for _, vae in splits], 50)),
+            "dialect": args.dialect,
+            "codec": "fmp4" if args.dialect == "realtime-video" else args.codec,
+            "bytes_per_frame": round(sum(f.payload_bytes for f in all_figures) / frames, 1),
+            "encode_ms_per_frame": round(sum(f.encode_s for f in all_figures) / frames * 1e3, 3),
+            # a worker round is one runner call; the bare runner always puts min(sessions, batch) in one
+            "server_sessions_per_round": round(sessions_in_rounds / rounds, 2) if rounds else None,
+            "full_round_sessions": min(sessions, args.max_batch_sessions),
+        }
+
+
+def counts_are_valid(args: argparse.Namespace) -> bool:
+    """Every count a bench serve run takes is at least 1 (the warm-up may be 0); says why on stderr if not."""
+    counts = (args.sessions, args.chunks, args.repeat, args.input_every)
+    optional = (args.threads, args.max_batch_sessions)  # None: the server's default
+    if min(counts) < 1 or any(c is not None and c < 1 for c in optional) or args.warmup_chunks < 0:
+        print("arstream bench serve: counts must be >= 1 (--warmup-chunks >= 0)", file=sys.stderr)
+        return False
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    if not counts_are_valid(args):
+        return 2
+    with ServeBench(args) as bench:
+        summary = bench.measure(args.sessions, chunks=args.chunks)
     print_summary(summary)
     return 0
 

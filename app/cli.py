@@ -38,6 +38,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "runner"), "arstream.models.bench_runner", "the runner's bookkeeping cost against a direct loop"),
     Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),
     Command(("bench", "serve"), "arstream.app.bench", "end-to-end load test of the server against the bare runner"),
+    Command(("bench", "gpu-check"), "arstream.app.gpu_check", "the GPU check: h264, tiny-world, matrix-game-2 served"),
     Command(("train", "tiny-world"), "arstream.models.tiny_world.train", "train tiny-world (the shipped recipe)"),
     Command(
         ("train", "tiny-world-decoder"),

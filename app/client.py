@@ -5,7 +5,8 @@
 This is also the reference for anyone writing their own client. One session,
 one WebSocket, in this order (PROTOCOL.md has the details):
 
-1. send ``start`` and wait for ``ready`` (model size, fps, limits);
+1. send ``start`` (optionally with the session's start image, ``--image``) and
+   wait for ``ready`` (model size, fps, limits);
 2. keep a few ``tick`` messages in flight: each asks for one chunk, and the
    server allows at most ``limits.max_pending_ticks`` queued or running;
 3. when the held keys change, send an ``input`` event first; the server applies
@@ -213,10 +214,16 @@ class SessionClient:
         return len(self.tick_sent_at)
 
     async def start(
-        self, *, codec: str = "jpeg", seed: int | None = None, prompt: str | None = None, resume: str | None = None
+        self,
+        *,
+        codec: str = "jpeg",
+        seed: int | None = None,
+        prompt: str | None = None,
+        resume: str | None = None,
+        image: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Send ``start`` (``resume``: a ticket's token); return the ``ready`` message."""
-        await self._send(wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume))
+        """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message."""
+        await self._send(wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume, image=image))
         message = await self._next_control_message()
         if message["type"] != "ready":
             raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")
@@ -385,8 +392,11 @@ async def run_script(
     prompt: str | None = None,
     token: str | None = None,
     resume_on_drop: bool = False,
+    image: dict[str, str] | None = None,
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
+
+    ``image`` is the session's ``start.image`` (:func:`start_image_choice`); a resume keeps it.
 
     With ``resume_on_drop``, a dropped connection is resumed (the gap is printed)
     and the ticks whose chunks were lost are sent again.
@@ -394,7 +404,7 @@ async def run_script(
     connect_started = time.perf_counter()
     session = SessionClient(await connect(wire.session_url(url, token=token)))
     try:
-        await session.start(codec=codec, seed=seed, prompt=prompt)
+        await session.start(codec=codec, seed=seed, prompt=prompt, image=image)
         # Enough ticks queued to keep the model busy, with one credit spare for a reset or close tick
         # that an interactive client may need to send at any moment.
         in_flight_limit = max(1, session.max_pending_ticks - 1)
@@ -438,6 +448,14 @@ async def run_script(
         streaming_s=streaming_s,
         closed_reason=closed_reason,
     )
+
+
+def start_image_choice(value: str) -> dict[str, str]:
+    """``--image``: a file that exists is sent as data (PNG, JPEG or WebP); anything else is an offered name."""
+    path = Path(value)
+    if path.is_file():
+        return wire.start_image_field(data=path.read_bytes())
+    return wire.start_image_field(name=value)
 
 
 def save_pngs(frames: Sequence[np.ndarray], out_dir: Path) -> list[Path]:
@@ -499,6 +517,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt")
     parser.add_argument("--token", help="auth token, sent as ?token=")
     parser.add_argument(
+        "--image",
+        metavar="NAME|PATH",
+        help="the session's start image: one the model offers (ready.model.start_images) by name, or a PNG, JPEG "
+        "or WebP file to send (a path that exists is a file)",
+    )
+    parser.add_argument(
         "--resume-on-drop",
         action="store_true",
         help="when the connection drops, reconnect and resume the session with its ticket; prints the gap",
@@ -509,7 +533,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = keys_per_tick(parse_key_script(args.keys))
         wire.session_url(args.url)  # reject a malformed URL before connecting
-    except ValueError as exc:
+        image = start_image_choice(args.image) if args.image is not None else None
+    except (ValueError, OSError) as exc:
         print(f"arstream client: {exc}", file=sys.stderr)
         return 2
     try:
@@ -522,6 +547,7 @@ def run(args: argparse.Namespace) -> int:
                 prompt=args.prompt,
                 token=args.token,
                 resume_on_drop=args.resume_on_drop,
+                image=image,
             )
         )
     except ServerError as exc:

@@ -43,10 +43,13 @@ from arstream.app.protocol import (
     pong_message,
     ready_message,
 )
+from arstream.app.guard import MESSAGE_LIMIT_EXTENSION
 from arstream.app.resume import Resumed, ResumeRefused, token_hint
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.session import Session, SessionState
+from arstream.app.start_image import StartImageRefused
 from arstream.app.worker import OutcomeKind, TickOutcome
+from arstream.runner.types import StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
@@ -186,39 +189,34 @@ class Connection:
             beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
         )
         if refusal is not None and self.settings.refuse_before_upgrade:
-            await self._deny_upgrade(refusal, missing_token=token_refusal is not None and self.token_key is None)
+            missing_token = token_refusal is not None and self.token_key is None
+            await self._deny_upgrade(
+                ErrorCode.UNAUTHORIZED,
+                refusal,
+                status=401 if missing_token else 403,
+                headers={"WWW-Authenticate": "Bearer"} if missing_token else None,
+            )
             return
+        if refusal is None:
+            # Waiting for `start` is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
+            busy = self.hub.unstarted.refusal(self.client_host)
+            if busy is not None:
+                await self._deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
+                return
+            self.hub.unstarted.add(self, self.client_host)
         await ws.accept()
         if refusal is not None:
             log.info("session=%s refused: %s", self.session_id, refusal)
             await self._refuse(ErrorCode.UNAUTHORIZED, refusal)
             return
-        start = await self._await_start()
-        if start is None:
+        self._limit_messages(self._start_limit())
+        opened = await self._open_session()
+        if opened is None:
             return
-        resume_token = start.resume or ws.query_params.get("resume")
-        if resume_token is not None:
-            resumed = await self._adopt(resume_token, start)
-            if resumed is None:
-                return
-            session, next_chunk_index = resumed.session, resumed.next_chunk_index
-        else:
-            refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
-            if refusal is not None:
-                log.info("session=%s not admitted: %s", self.session_id, refusal)
-                await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
-                return
-            session = Session(
-                self.session_id,
-                codec=start.codec or self.settings.codec,
-                quality=start.quality or self.settings.default_jpeg_quality(self.hub.model_card),
-                seed=start.seed,
-                prompt=start.prompt,
-                max_pending_ticks=self.settings.max_pending_ticks,
-            )
-            session.transition(SessionState.ACTIVE)
-            next_chunk_index = 0
+        session, next_chunk_index, resumed = opened
+        self._limit_messages(self.settings.max_message_bytes)  # only `start` may carry an image
         self.session = session
+        upload_limit = self.settings.max_start_image_bytes if self.hub.start_image_names else None
         self.hub.register(self)
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
         self.outbox.push(
@@ -232,7 +230,8 @@ class Connection:
                         max_message_bytes=self.settings.max_message_bytes,
                         idle_timeout_s=self.settings.idle_timeout_s,
                         resume=self.hub.resume.ticket(self, next_chunk_index),
-                        resumed=resume_token is not None,
+                        resumed=resumed,
+                        max_start_image_bytes=upload_limit,
                     )
                 ),
                 is_reply=True,
@@ -241,12 +240,85 @@ class Connection:
         log.info("session=%s started codec=%s", self.session_id, session.codec)
         await self._receive_loop(session)
 
+    async def _open_session(self) -> tuple[Session, int, bool] | None:
+        """The session `start` asks for (new or resumed), its next chunk index and whether it was resumed;
+        None after refusing the connection (or on disconnect).
+
+        The `start` message, which may hold megabytes of image data, lives only as long as this call.
+        """
+        start = await self._await_start()
+        if start is None:
+            return None
+        resume_token = start.resume or self.ws.query_params.get("resume")
+        if resume_token is not None:
+            resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
+            if resumed is None:
+                return None
+            return resumed.session, resumed.next_chunk_index, True
+        # Admission is asked before the image too: a model still loading offers no images yet, and a
+        # session that cannot be admitted is not worth a decode. Admitted (claimed) after it, as a decode takes
+        # time; the claim and the registration have no await between them (SessionHub.admit).
+        if start.image is not None and not await self._admitted(claim=False):
+            return None
+        start_image: StartImage | None = None
+        if start.image is not None:
+            try:
+                start_image = await self.hub.start_images.resolve(
+                    name=start.image.name, data=start.image.data, offered=self.hub.start_image_names
+                )
+            except StartImageRefused as exc:
+                log.info("session=%s start image refused: %s", self.session_id, exc)
+                await self._refuse(ErrorCode.INVALID_IMAGE, str(exc))
+                return None
+        if not await self._admitted(claim=True):
+            return None
+        session = Session(
+            self.session_id,
+            codec=start.codec or self.settings.codec,
+            quality=start.quality or self.settings.default_jpeg_quality(self.hub.model_card),
+            seed=start.seed,
+            prompt=start.prompt,
+            max_pending_ticks=self.settings.max_pending_ticks,
+            start_image=start_image,
+        )
+        session.transition(SessionState.ACTIVE)
+        return session, 0, False
+
+    async def _admitted(self, *, claim: bool) -> bool:
+        """Whether a new session may start now; False after refusing with over_capacity.
+
+        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask.
+        """
+        refusal = self.hub.admit(self) if claim else self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
+        if refusal is None:
+            return True
+        log.info("session=%s not admitted: %s", self.session_id, refusal)
+        await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+        return False
+
+    def _start_limit(self) -> int:
+        """The largest `start`: room for a base64 start image when the model offers start images."""
+        return self.settings.max_start_message_bytes if self.hub.start_image_names else self.settings.max_message_bytes
+
+    def _limit_messages(self, max_bytes: int) -> None:
+        """Have the WebSocket refuse frames well over ``max_bytes`` before buffering them (arstream.app.guard)."""
+        limit = self.ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
+        if limit is not None:
+            limit(self.settings.ws_message_limit(max_bytes))
+
     async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
         """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
         url_token = self.ws.query_params.get("resume")
         try:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            # A resume passes the same admission as a new session; refused, it spends nothing.
+            refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token))
+            if refusal is not None:
+                hint = token_hint(token)
+                log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
+                await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
+                return None
             resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)
         except ResumeRefused as exc:
             log.info("session=%s resume with token %s refused: %s", self.session_id, token_hint(token), exc)
@@ -262,13 +334,13 @@ class Connection:
 
     # ---- before the session exists -----------------------------------------------------
 
-    async def _deny_upgrade(self, refusal: str, *, missing_token: bool) -> None:
-        """Refuse with HTTP 401 (no token) or 403 before the upgrade; the body is the `unauthorized` error."""
+    async def _deny_upgrade(
+        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
+    ) -> None:
+        """Refuse with HTTP ``status`` before the upgrade; the body is the error object."""
         log.info("session=%s refused before the upgrade: %s", self.session_id, refusal)
-        self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-        headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
-        body = error_message(ErrorCode.UNAUTHORIZED, refusal)
-        status = 401 if missing_token else 403
+        self.metrics.errors.labels(code=str(code)).inc()
+        body = error_message(code, refusal)
         await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
 
     async def _refuse(self, code: ErrorCode, message: str) -> None:
@@ -290,8 +362,9 @@ class Connection:
         except Exception:  # noqa: BLE001 - the client may already be gone
             log.debug("session=%s gone before its refusal was sent", self.session_id)
 
-    def _too_large(self, text: str) -> bool:
-        limit = self.settings.max_message_bytes
+    @staticmethod
+    def _too_large(text: str, limit: int) -> bool:
+        # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
         return len(text) > limit or len(text.encode()) > limit
 
     async def _await_start(self) -> StartMessage | None:
@@ -316,10 +389,10 @@ class Connection:
             if text is None:
                 await self._refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
                 return None
-            if self._too_large(text):
-                await self._refuse(
-                    ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {self.settings.max_message_bytes} bytes"
-                )
+            limit = self._start_limit()
+            if self._too_large(text, limit):
+                with_image = " (max_message_bytes plus a base64 start image)" if self.hub.start_image_names else ""
+                await self._refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")
                 return None
             try:
                 parsed = parse_client_message(text)
@@ -413,7 +486,7 @@ class Connection:
                     ProtocolError(ErrorCode.INVALID_MESSAGE, "binary messages from the client are not part of protocol 1")
                 )
             return
-        if self._too_large(text):
+        if self._too_large(text, self.settings.max_message_bytes):
             self._fatal(
                 ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {self.settings.max_message_bytes} bytes"
             )
@@ -548,6 +621,7 @@ class Connection:
         log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
 
     async def _finish(self) -> None:
+        self.hub.unstarted.discard(self)  # refused, or gone before its session started
         session = self.session
         if session is not None:
             if self._disconnected:

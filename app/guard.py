@@ -16,6 +16,10 @@ uvicorn leaves these open, and a stranger can take each one (docs/public.md):
   unsent bytes forever), and answers at most one ping while the peer is not
   reading what it was sent (RFC 6455 allows answering only the latest), so a
   ping flood cannot grow the send buffer.
+  It also offers the app a way to lower the connection's message limit
+  (ASGI scope extension :data:`MESSAGE_LIMIT_EXTENSION`): a connection opens
+  with the limit for `start`, which may carry a start image, and drops to the
+  limit for every other message once its session has started.
 - :class:`RefusalLog` logs the first refusal of each kind, then one count per
   interval, never one line per attempt.
 
@@ -45,6 +49,8 @@ log = logging.getLogger("arstream.guard")
 DEFAULT_MAX_CONNECTIONS = 1000
 REFUSAL_LOG_INTERVAL_S = 10.0
 HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# Scope extension: a callable taking the new largest message in bytes (see GuardedWebSocketProtocol).
+MESSAGE_LIMIT_EXTENSION = "arstream.message_limit"
 SECRET_QUERY = re.compile(r"([?&](?:token|resume)=)[^&\s\"]*")
 
 
@@ -247,6 +253,17 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.guard.admit(transport)  # admitted as HTTP already; records it if it came another way
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        self.scope["extensions"][MESSAGE_LIMIT_EXTENSION] = self.limit_messages
+
+    def limit_messages(self, max_bytes: int) -> None:
+        """From the next frame on, refuse messages over ``max_bytes`` (close 1009) before buffering them."""
+        if hasattr(self.conn, "max_message_size"):  # websockets >= 15 (a (message, fragment) pair before that)
+            self.conn.max_message_size = max_bytes
+        else:
+            self.conn.max_size = max_bytes
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._drop_timer is not None:

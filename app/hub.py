@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import torch
 
 from arstream.app.admission import RealtimeCapacity, chunk_period_s, realtime_capacity
-from arstream.app.guard import TrustedProxies
+from arstream.app.guard import RefusalLog, TrustedProxies
 from arstream.app.metrics import ServerMetrics
-from arstream.app.resume import ResumeRegistry
+from arstream.app.resume import DetachedSession, ResumableConnection, ResumeRegistry
 from arstream.app.settings import Settings
+from arstream.app.start_image import StartImageResolver, offered_start_images
+from arstream.app.unstarted import UnstartedConnections
 from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
@@ -30,7 +33,33 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("arstream.hub")
 
+# Whoever holds a session, live or detached, as the session caps see it: its client address and token.
+SessionHolder = ResumableConnection | DetachedSession
+
 WORKER_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ClientCap:
+    """One per-client session cap: on one client address, or on one auth token."""
+
+    what: str  # "client address" or "token", for messages
+    setting: str
+    limit: int
+    client_host: str | None
+    token_key: str | None
+
+    def covers(self, holder: SessionHolder) -> bool:
+        if self.client_host is not None:
+            return holder.client_host == self.client_host
+        return holder.token_key == self.token_key
+
+
+def same_client(detached: DetachedSession, connection: ResumableConnection) -> bool:
+    """Whether a detached session was held by ``connection``'s client address or auth token."""
+    if detached.client_host == connection.client_host:
+        return True
+    return connection.token_key is not None and detached.token_key == connection.token_key
 
 
 class SessionHub:
@@ -47,7 +76,14 @@ class SessionHub:
         self.shutting_down = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
+        # The start images the model card offers (first: the default); empty: it takes none.
+        self.start_image_names: tuple[str, ...] = ()
+        self.start_images = StartImageResolver(
+            max_bytes=settings.max_start_image_bytes, max_pixels=settings.max_start_image_pixels
+        )
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
+        self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
+        self.unstarted = UnstartedConnections(settings, self.trusted_proxies, self.refusals)
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
         )
@@ -106,12 +142,16 @@ class SessionHub:
                 validator_class = jsonschema.validators.validator_for(schema)
                 validator_class.check_schema(schema)
                 self.controls_validator = validator_class(schema)
+                self.start_image_names = offered_start_images(card)
                 self.model_card = card
                 self.ready = True
                 self.not_ready_reason = ""
             except jsonschema.SchemaError as exc:
                 self.load_error = exc
                 self.not_ready_reason = f"the model card's controls schema is invalid: {exc.message}"
+            except ValueError as exc:
+                self.load_error = exc
+                self.not_ready_reason = str(exc)
         if self.load_error is not None:
             log.error("%s", self.not_ready_reason)
         self._loaded.set()
@@ -150,19 +190,30 @@ class SessionHub:
         cap = self.settings.max_sessions
         return stats.session_capacity if cap is None else min(cap, stats.session_capacity)
 
-    def admission_refusal(self) -> str | None:
-        """Why a new session cannot start now, or None when a slot is free."""
+    # A new session and a resume pass the same checks (docs/public.md, "Sessions, resumes and detached
+    # sessions"): the pool, realtime admission and the per-client caps count every live session (connected,
+    # or being resumed) except the one being resumed, which never counts against itself. Detached sessions
+    # hold KV and count too, but give way to an admitted session (see admit).
+
+    def _live_holders(self, resuming: str | None = None) -> list[SessionHolder]:
+        """Connections holding a live session or resuming one, except those of session ``resuming``."""
+        holders: list[SessionHolder] = [c for sid, c in self.connections.items() if sid != resuming]
+        holders += [c for sid, c in self.resume.resuming.items() if sid != resuming]
+        return holders
+
+    def admission_refusal(self, resuming: str | None = None) -> str | None:
+        """Why a new session, or the resume of session ``resuming``, cannot start now; None when it can."""
         if self.shutting_down:
             return "the server is shutting down"
         if not self.ready:
             return self.not_ready_reason
-        # Detached sessions do not block a new one: the longest-detached gives way (see register).
-        if len(self.connections) + self.resume.resuming_count >= self.session_capacity:
+        live = len(self._live_holders(resuming))
+        if live >= self.session_capacity:
             return f"all {self.session_capacity} session slots are in use; try again later"
         if self.settings.admission == "realtime":
             capacity = self.realtime_capacity()
             if capacity is not None:
-                return capacity.refusal(len(self.connections) + self.resume.resuming_count)
+                return capacity.refusal(live)
         return None
 
     def realtime_capacity(self) -> RealtimeCapacity | None:
@@ -178,30 +229,70 @@ class SessionHub:
             kv_capacity=self.session_capacity,
         )
 
-    def client_cap_refusal(self, connection: Connection) -> str | None:
-        """Why ``connection``'s client address or token may not hold one more session, or None.
+    def _client_caps(self, connection: ResumableConnection) -> list[ClientCap]:
+        """The session caps ``connection``'s client is under: its address's and its token's, where set.
 
         Addresses of trusted proxies (``forwarded_allow_ips``) are not capped:
         behind one, uvicorn has already put the forwarded client address in
         the connection's scope, and a proxy's own address stands for everyone.
         """
-        settings = self.settings
-        held = [c for c in self.connections.values() if c is not connection]
-        per_client = settings.max_sessions_per_client
+        caps = []
+        per_client = self.settings.max_sessions_per_client
         if per_client is not None and connection.client_host not in self.trusted_proxies:
-            count = sum(1 for c in held if c.client_host == connection.client_host)
-            if count >= per_client:
-                return f"this client address already holds {count} sessions (max_sessions_per_client {per_client})"
-        per_token = settings.max_sessions_per_token
+            host = connection.client_host
+            caps.append(ClientCap("client address", "max_sessions_per_client", per_client, host, None))
+        per_token = self.settings.max_sessions_per_token
         if per_token is not None and connection.token_key is not None:
-            count = sum(1 for c in held if c.token_key == connection.token_key)
-            if count >= per_token:
-                return f"this token already holds {count} sessions (max_sessions_per_token {per_token})"
+            caps.append(ClientCap("token", "max_sessions_per_token", per_token, None, connection.token_key))
+        return caps
+
+    def client_cap_refusal(self, connection: ResumableConnection, resuming: str | None = None) -> str | None:
+        """Why ``connection``'s client address or token may not hold one more live session, or None."""
+        holders = self._live_holders(resuming)
+        for cap in self._client_caps(connection):
+            count = sum(1 for holder in holders if cap.covers(holder))
+            if count >= cap.limit:
+                return f"this {cap.what} already holds {count} sessions ({cap.setting} {cap.limit})"
         return None
 
+    def admit(self, connection: ResumableConnection, resuming: str | None = None) -> str | None:
+        """Admit ``connection``'s new session, or its resume of session ``resuming``: None, or why not.
+
+        Admitted, the session is counted as live, and detached sessions give
+        way until every bound holds again: first the client's own caps (its
+        address's, then its token's live and detached sessions within the cap;
+        its longest-detached session goes), then the pool (the client's own
+        detached sessions first, then anyone's, longest-detached first). So one
+        client's churn releases its own detached sessions, never another's while
+        its own exist. A live session never gives way. Call it with no await
+        before the session is registered (or claimed), so that the counts hold.
+        """
+        refusal = self.admission_refusal(resuming) or self.client_cap_refusal(connection, resuming)
+        if refusal is None:
+            self._make_room(connection, resuming)
+        return refusal
+
+    def _make_room(self, connection: ResumableConnection, resuming: str | None) -> None:
+        holders = self._live_holders(resuming)
+        detached = [d for d in self.resume.detached() if d.session_id != resuming]
+        for cap in self._client_caps(connection):
+            live = sum(1 for holder in holders if cap.covers(holder))
+            own = [d for d in detached if cap.covers(d)]
+            while own and live + len(own) + 1 > cap.limit:
+                oldest = own.pop(0)
+                detached.remove(oldest)
+                self.resume.release(oldest.session_id, f"its {cap.what} started another session ({cap.setting})")
+        excess = len(holders) + 1 + len(detached) - self.session_capacity
+        if excess > 0:
+            # sorted() keeps the longest-detached first within the client's own and within the rest
+            by_owner = sorted(detached, key=lambda d: not same_client(d, connection))
+            for released in by_owner[:excess]:
+                self.resume.release(released.session_id, "a new session needed its slot")
+
     def register(self, connection: Connection) -> None:
+        """``connection``'s session is live (admitted with :meth:`admit`): it waits to start no more."""
+        self.unstarted.discard(connection)
         self.connections[connection.session_id] = connection
-        self.resume.make_room(len(self.connections), self.session_capacity)
 
     def unregister(self, connection: Connection) -> None:
         # A resumed session is registered under the same id by its new connection.

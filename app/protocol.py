@@ -21,7 +21,7 @@ import time
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arstream.app.video import h264_available
 from arstream.app.wire import PROTOCOL_VERSION
@@ -29,6 +29,7 @@ from arstream.app.wire import PROTOCOL_VERSION
 MAX_JSON_DEPTH = 32
 ID_LIMIT = 2**32
 MAX_RESUME_TOKEN_CHARS = 256
+MAX_START_IMAGE_NAME_CHARS = 256
 
 
 class ErrorCode(StrEnum):
@@ -46,6 +47,7 @@ class ErrorCode(StrEnum):
     RESUME_FAILED = "resume_failed"
     TAKEN_OVER = "taken_over"
     INTERNAL = "internal"
+    INVALID_IMAGE = "invalid_image"
 
 
 # Fatal codes and the WebSocket close code that follows their `error` message.
@@ -58,6 +60,7 @@ ERROR_CLOSE_CODES: dict[ErrorCode, int] = {
     ErrorCode.RESUME_FAILED: 4002,
     ErrorCode.TAKEN_OVER: 4003,
     ErrorCode.INTERNAL: 1011,
+    ErrorCode.INVALID_IMAGE: 4004,
 }
 CLOSE_NORMAL = 1000
 
@@ -143,6 +146,22 @@ class _ClientMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+class StartImageSpec(_ClientMessage):
+    """``start.image``: exactly one of ``name`` (offered by the model card) or ``data`` (base64 of a file).
+
+    Only the shape is checked here; :mod:`arstream.app.start_image` checks the name and decodes the data.
+    """
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_START_IMAGE_NAME_CHARS)] | None = None
+    data: str | None = Field(None, repr=False)  # megabytes of base64: kept out of logs and reprs
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StartImageSpec:
+        if (self.name is None) == (self.data is None):
+            raise ValueError("give exactly one of name (an offered start image) or data (base64 of a file)")
+        return self
+
+
 class StartMessage(_ClientMessage):
     type: Literal["start"]
     prompt: str | None = None
@@ -151,6 +170,8 @@ class StartMessage(_ClientMessage):
     quality: Annotated[int, Field(ge=1, le=100)] | None = None
     # A resume ticket's token (PROTOCOL.md, "Resume after a dropped connection").
     resume: Annotated[str, Field(min_length=1, max_length=MAX_RESUME_TOKEN_CHARS)] | None = None
+    # The session's start image (PROTOCOL.md, "Start images"); ignored on a resume.
+    image: StartImageSpec | None = None
 
     @field_validator("codec")
     @classmethod
@@ -246,8 +267,12 @@ def parse_client_message(text: str) -> ClientMessage:
 def ready_message(
     *, session_id: str, model_card: dict[str, Any], codec: str, max_pending_ticks: int, max_message_bytes: int,
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
+    max_start_image_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off)."""
+    """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
+
+    ``max_start_image_bytes`` goes in ``limits`` when the model offers start images.
+    """
     message = {
         "type": "ready",
         "protocol": PROTOCOL_VERSION,
@@ -260,6 +285,8 @@ def ready_message(
             "idle_timeout_s": int(idle_timeout_s) if float(idle_timeout_s).is_integer() else idle_timeout_s,
         },
     }
+    if max_start_image_bytes is not None:
+        message["limits"]["max_start_image_bytes"] = max_start_image_bytes
     if resume is not None:
         message["resume"] = resume
     if resumed:

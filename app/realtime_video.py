@@ -39,6 +39,7 @@ from starlette.websockets import WebSocket
 from arstream.app import auth
 from arstream.app.connection import Outbox, _Text
 from arstream.app.fmp4 import fmp4_codec
+from arstream.app.guard import MESSAGE_LIMIT_EXTENSION
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
 from arstream.app.protocol import dumps, loads_strict
@@ -146,20 +147,30 @@ class RealtimeVideoConnection:
             beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
         )
         if refusal is not None and self.settings.refuse_before_upgrade:
-            self.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
             missing = token_refusal is not None and self.token_key is None
             headers = {"WWW-Authenticate": "Bearer"} if missing else None
-            body = error_event(refusal, ErrorCode.UNAUTHORIZED)
-            await ws.send_denial_response(JSONResponse(body, status_code=401 if missing else 403, headers=headers))
+            await self._deny_upgrade(refusal, ErrorCode.UNAUTHORIZED, 401 if missing else 403, headers)
             return
+        if refusal is None:
+            # Waiting for session.start is capped as for protocol 1 (app/unstarted.py): past it, 503 at once.
+            busy = self.hub.unstarted.refusal(self.client_host)
+            if busy is not None:
+                await self._deny_upgrade(busy, ErrorCode.OVER_CAPACITY, 503, {"Retry-After": "1"})
+                return
+            self.hub.unstarted.add(self, self.client_host)
         await ws.accept()
+        # The WebSocket's frame limit leaves room for protocol 1's start images; this dialect's messages are small.
+        limit = ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
+        if limit is not None:
+            limit(self.settings.ws_message_limit(self.settings.max_message_bytes))
         if refusal is not None:
             await self._refuse(refusal, ErrorCode.UNAUTHORIZED)
             return
         request = await self._await_start()
         if request is None:
             return
-        refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)  # type: ignore[arg-type]
+        # Admitted, the session counts as live; it is registered with no await in between (SessionHub.admit).
+        refusal = self.hub.admit(self)  # type: ignore[arg-type]
         if refusal is not None:
             log.info("session=%s not admitted: %s", self.session_id, refusal)
             await self._refuse(refusal, ErrorCode.OVER_CAPACITY)
@@ -191,6 +202,13 @@ class RealtimeVideoConnection:
         await self._receive_loop(session)
 
     # ---- before the session exists -----------------------------------------------------
+
+    async def _deny_upgrade(self, message: str, code: ErrorCode, status: int, headers: dict[str, str] | None) -> None:
+        """Refuse with HTTP ``status`` before the upgrade; the body is the error event."""
+        log.info("session=%s refused before the upgrade: %s", self.session_id, message)
+        self.metrics.errors.labels(code=str(code)).inc()
+        denial = JSONResponse(error_event(message, code), status_code=status, headers=headers)
+        await self.ws.send_denial_response(denial)
 
     async def _refuse(self, message: str, code: ErrorCode) -> None:
         """Error then close, for a connection that never became a session (bounded by close_timeout_s)."""
@@ -451,6 +469,7 @@ class RealtimeVideoConnection:
         log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
 
     async def _finish(self) -> None:
+        self.hub.unstarted.discard(self)  # refused, or gone before its session started
         session = self.session
         if session is None:
             return

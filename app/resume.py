@@ -16,8 +16,12 @@ lets HAProxy route a resume to the replica that holds the session, the rest
 is unguessable. The registry keeps only each token's SHA-256 digest, and logs
 show :func:`token_hint` (the prefix and four characters), never a whole token.
 
-Slots: detached sessions hold KV, so they count against session capacity
-(:meth:`ResumeRegistry.make_room`); a resume in progress keeps its slot too.
+Slots: detached sessions hold KV, so they count against session capacity,
+and against their client address's and token's session caps; a resume in
+progress keeps its slot too. Which detached session gives way to a new one is
+the hub's policy (:meth:`arstream.app.hub.SessionHub.admit`); the registry
+says who holds what (:meth:`ResumeRegistry.detached`, :attr:`ResumeRegistry.resuming`)
+and releases (:meth:`ResumeRegistry.release`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -49,6 +53,8 @@ class ResumableConnection(Protocol):
 
     session_id: str
     session: Session | None
+    client_host: str  # the client address its session counts against (max_sessions_per_client)
+    token_key: str | None  # and the auth token's (max_sessions_per_token)
 
     def take_over(self) -> None:
         """Another connection resumed this session: end this one with ``taken_over``, keeping the KV."""
@@ -70,6 +76,18 @@ class _Entry:
     connection: ResumableConnection | None = None
     session: Session | None = None  # the detached session's protocol state
     timer: asyncio.TimerHandle | None = None
+    # whose caps the detached session counts against: its last connection's address and token
+    client_host: str = ""
+    token_key: str | None = None
+
+
+@dataclass(frozen=True)
+class DetachedSession:
+    """A detached session and the client it counts against."""
+
+    session_id: str
+    client_host: str
+    token_key: str | None
 
 
 def _digest(token: str) -> bytes:
@@ -92,7 +110,8 @@ class ResumeRegistry:
         self._entries: dict[str, _Entry] = {}  # session id -> its entry
         self._by_digest: dict[bytes, str] = {}  # current token digest -> session id
         self._detached: dict[str, None] = {}  # detached session ids, longest-detached first
-        self._resuming: set[str] = set()  # claimed, not yet attached to the new connection
+        # claimed, not yet attached to the new connection: session id -> the resuming connection
+        self._resuming: dict[str, ResumableConnection] = {}
         self._closed = False  # shutting down: nothing is detached any more
 
     @property
@@ -104,8 +123,14 @@ class ResumeRegistry:
         return len(self._detached)
 
     @property
-    def resuming_count(self) -> int:
-        return len(self._resuming)
+    def resuming(self) -> Mapping[str, ResumableConnection]:
+        """Sessions being resumed (claimed, not yet attached), by id, with the connection resuming each."""
+        return self._resuming
+
+    def detached(self) -> list[DetachedSession]:
+        """The detached sessions, longest-detached first."""
+        entries = ((session_id, self._entries[session_id]) for session_id in self._detached)
+        return [DetachedSession(session_id, entry.client_host, entry.token_key) for session_id, entry in entries]
 
     # ---- tickets ------------------------------------------------------------------------
 
@@ -159,15 +184,17 @@ class ResumeRegistry:
         loop = asyncio.get_running_loop()
         entry.connection = None
         entry.session = session
+        entry.client_host, entry.token_key = connection.client_host, connection.token_key
         entry.timer = loop.call_later(self.grace_s, self._expire, session.id)
         self._detached[session.id] = None
         log.info("session=%s detached; resumable for %s s", session.id, self.grace_s)
         return True
 
     def _expire(self, session_id: str) -> None:
-        self._release_detached(session_id, "its grace period ended")
+        self.release(session_id, "its grace period ended")
 
-    def _release_detached(self, session_id: str, why: str) -> None:
+    def release(self, session_id: str, why: str) -> None:
+        """End a detached session (its token is void) and give its KV back; nothing if it is not detached."""
         if session_id not in self._detached:
             return
         self._forget_entry(session_id)
@@ -176,17 +203,11 @@ class ResumeRegistry:
         worker.drop_session(session_id)
         log.info("session=%s released while detached: %s", session_id, why)
 
-    def make_room(self, sessions_held: int, capacity: int) -> None:
-        """Release longest-detached sessions until held + detached sessions fit the capacity."""
-        while self._detached and sessions_held + self.resuming_count + self.detached_count > capacity:
-            oldest = next(iter(self._detached))
-            self._release_detached(oldest, "a new session needed its slot")
-
     def release_all(self) -> None:
         """Server shutdown: release every detached session, and detach no more."""
         self._closed = True
         for session_id in list(self._detached):
-            self._release_detached(session_id, "the server is shutting down")
+            self.release(session_id, "the server is shutting down")
 
     # ---- resuming ---------------------------------------------------------------------------
 
@@ -204,7 +225,7 @@ class ResumeRegistry:
         session_id, entry = self._claim(token)
         worker = self._worker()
         assert worker is not None
-        self._resuming.add(session_id)
+        self._resuming[session_id] = connection
         try:
             source = self._take(session_id, entry)
             for job in worker.drop_ticks(session_id):
@@ -220,14 +241,28 @@ class ResumeRegistry:
             worker.drop_session(session_id)
             raise
         finally:
-            self._resuming.discard(session_id)
+            self._resuming.pop(session_id, None)
         log.info(
             "session=%s resumed with token %s at chunk %d", session_id, token_hint(token), position.next_chunk_index
         )
         return Resumed(session, position.next_chunk_index)
 
+    def lookup(self, token: str) -> str:
+        """The id of the session ``token`` would resume, spending nothing; raises :class:`ResumeRefused`.
+
+        For admission: the caller checks its caps for that session, then calls
+        :meth:`resume` without awaiting in between, so the answer still holds.
+        """
+        return self._find(token)[0]
+
     def _claim(self, token: str) -> tuple[str, _Entry]:
         """Spend ``token``: the session it names and that session's entry, or :class:`ResumeRefused`."""
+        session_id, entry = self._find(token)
+        self._forget_entry(session_id)
+        return session_id, entry
+
+    def _find(self, token: str) -> tuple[str, _Entry]:
+        """The session ``token`` names and its entry, if it can be resumed now, else :class:`ResumeRefused`."""
         if not self.enabled:
             raise ResumeRefused("resume is disabled on this server (resume_grace_s is 0)")
         prefix, dot, _ = token.partition(".")
@@ -245,7 +280,6 @@ class ResumeRegistry:
             # A session closing on its own (a close: true tick, a fatal error) keeps its connection.
             if session is None or session.state not in (SessionState.ACTIVE, SessionState.FAILED):
                 raise ResumeRefused("the session is closing")
-        self._forget_entry(session_id)
         return session_id, entry
 
     @staticmethod

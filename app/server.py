@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from arstream import __version__
 from arstream.app.connection import Connection
-from arstream.app.guard import RefusalLog, protocol_classes, quiet_resource_errors, redact_uvicorn_logs
+from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
@@ -62,7 +62,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         title="ARStream", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.hub = hub
-    app.state.refusals = RefusalLog()
+    app.state.refusals = hub.refusals
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HostCheck, patterns=allowed_host_patterns(settings))
 
@@ -155,6 +155,13 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvi
     transport bounds of :mod:`arstream.app.guard` (connection caps, request heads, closes)."""
     http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals)
     app.state.guard = guard
+    if settings.max_unstarted_connections >= guard.max_total:
+        log.warning(
+            "max_unstarted_connections %d is not below the %d connections allowed in all (max_connections): "
+            "connections waiting to start a session can take every one, health checks included",
+            settings.max_unstarted_connections,
+            guard.max_total,
+        )
     options: dict[str, object] = {
         "http": http_protocol,
         "ws": ws_protocol,

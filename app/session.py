@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from arstream.app.protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
+from arstream.runner.types import StartImage
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256
@@ -116,12 +117,22 @@ class Session:
     """A session's protocol state; see the module docstring for the thread split."""
 
     def __init__(
-        self, session_id: str, *, codec: str, quality: int, seed: int | None, prompt: str | None, max_pending_ticks: int
+        self,
+        session_id: str,
+        *,
+        codec: str,
+        quality: int,
+        seed: int | None,
+        prompt: str | None,
+        max_pending_ticks: int,
+        start_image: StartImage | None = None,
     ) -> None:
         self.id = session_id
         self.codec = codec
         self.quality = quality
         self.seed = seed
+        # Chosen at start, on every tick the session sends to the model, kept across resets and resumes.
+        self.start_image = start_image
         self.max_pending_ticks = max_pending_ticks
         self.state = SessionState.AWAITING_START
         self.last_tick_id: int | None = None
@@ -286,7 +297,7 @@ class Session:
         """This session's state for the connection that resumes it (PROTOCOL.md, "Resume ...").
 
         Everything the protocol keeps across a resume comes along (controls,
-        prompt, seed, id floors, input events waiting for their chunk); what
+        prompt, seed, start image, id floors, input events waiting for their chunk); what
         belonged to the old connection does not: its tick credits (its queued
         ticks were dropped) and its state. A copy rather than the same object,
         so the old connection, still winding down, cannot touch the new one's.

@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arstream.app.start_image import base64_length
 from arstream.app.wire import FULL_CHROMA_MAX_PIXELS
 from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
 from arstream.runner.types import RuntimeName
@@ -114,6 +115,18 @@ class Settings(BaseSettings):
         "(flat colours at that size show JPEG's noise; a 64x64 frame: 2.4 KB at 80, 4.5 KB at 95)",
     )
     max_message_bytes: int = Field(65536, ge=256, description="largest client text message")
+    max_start_image_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1,
+        description="largest start image file a client may send in `start` (base64, so the start message may be "
+        "a third larger than this on top of max_message_bytes; only when the model offers start images)",
+    )
+    max_start_image_pixels: int = Field(
+        4096 * 4096,
+        ge=1,
+        description="most pixels (width x height, read from the file's header before decoding) of a client's "
+        "start image",
+    )
     # Bounds for serving strangers; docs/public.md says what each one protects.
     max_messages_per_s: float = Field(
         200.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
@@ -135,6 +148,18 @@ class Settings(BaseSettings):
     )
     max_connections_per_client: int | None = Field(
         32, ge=1, description="open TCP connections per peer address (trusted proxies are exempt)"
+    )
+    max_unstarted_connections: int = Field(
+        64,
+        ge=1,
+        description="WebSocket connections waiting to start or resume a session, in all (keep it well under "
+        "max_connections, so that waiting connections cannot take the slots health checks need); past it: HTTP 503",
+    )
+    max_unstarted_connections_per_client: int | None = Field(
+        4,
+        ge=1,
+        description="WebSocket connections one client address may have waiting to start or resume a session "
+        "(trusted proxies' own address is exempt); past it: HTTP 503",
     )
     max_header_bytes: int = Field(16384, ge=1024, description="largest HTTP request head (request line and headers)")
     request_head_timeout_s: float = Field(10.0, gt=0, description="time allowed to send a whole HTTP request head")
@@ -267,8 +292,19 @@ class Settings(BaseSettings):
         return [origin.strip().rstrip("/") for origin in self.allowed_origins.split(",") if origin.strip()]
 
     @property
+    def max_start_message_bytes(self) -> int:
+        """The largest `start` when the model offers start images: any message plus a base64 start image."""
+        return self.max_message_bytes + base64_length(self.max_start_image_bytes)
+
+    @property
     def ws_max_size(self) -> int:
-        return self.max_message_bytes + WS_FRAME_SLACK_BYTES
+        """The WebSocket frame limit a connection opens with; it drops to :meth:`ws_message_limit` once
+        the limit for `start` no longer applies (see arstream.app.guard.GuardedWebSocketProtocol)."""
+        return self.ws_message_limit(self.max_start_message_bytes)
+
+    @staticmethod
+    def ws_message_limit(app_limit: int) -> int:
+        return app_limit + WS_FRAME_SLACK_BYTES
 
 
 def _json_value(kind: type) -> Callable[[str], Any]:

@@ -14,6 +14,7 @@ into the session WebSocket URL. Validating what clients send is
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from dataclasses import dataclass
@@ -182,13 +183,28 @@ def start_message(
     prompt: str | None = None,
     quality: int | None = None,
     resume: str | None = None,
+    image: dict[str, str] | None = None,
 ) -> str:
-    """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one."""
+    """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one.
+
+    ``image`` is ``start.image`` (:func:`start_image_field`).
+    """
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {codec!r}")
     return _message(
-        {"type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume}
+        {
+            "type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume,
+            "image": image,
+        }
     )
+
+
+def start_image_field(*, name: str | None = None, data: bytes | None = None) -> dict[str, str]:
+    """``start.image``: one the model offers by ``name`` (``ready.model.start_images``), or an image file's
+    bytes (PNG, JPEG or WebP) as ``data``, sent base64."""
+    if (name is None) == (data is None):
+        raise ValueError("a start image is a name or a file's bytes: give exactly one")
+    return {"name": name} if name is not None else {"data": base64.b64encode(data).decode("ascii")}
 
 
 def tick_message(

@@ -399,6 +399,7 @@ class ModelWorker:
                 reset=job.reset,
                 close=job.close,
                 applied_event_ids=inputs.applied_event_ids,
+                start_image=session.start_image,
             )
             runnable.append((job, inputs, tick))
         if not runnable:

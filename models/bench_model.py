@@ -53,6 +53,12 @@ class StreamRun:
     split_s: list[tuple[float, float]]
 
 
+def forward_split_s(pipeline: ARPipeline) -> tuple[float, float] | None:
+    """Seconds of the pipeline's last forward in DiT passes and in VAE decode, for pipelines that keep ``timings``."""
+    timings = getattr(pipeline, "timings", None)
+    return None if timings is None else (timings.dit_s, timings.vae_s)
+
+
 def run_streams(
     runner: ARRunner, streams: int, chunks: int, rep: int, name: str, keys: Sequence[str]
 ) -> StreamRun:
@@ -84,9 +90,9 @@ def run_streams(
                 raise RuntimeError(f"bench chunk failed: {result.error!r}")
             times.append(result.compute_s)
             frames += result.frames.shape[0]
-        timings = getattr(runner.pipeline, "timings", None)
-        if timings is not None and streams == 1:
-            split.append((timings.dit_s, timings.vae_s))
+        forward = forward_split_s(runner.pipeline)
+        if forward is not None and streams == 1:
+            split.append(forward)
     if runner.pool.num_free != runner.blocks_free_at_start:
         raise RuntimeError("bench sessions leaked KV blocks")
     return StreamRun(time.perf_counter() - started, frames, times, split)

@@ -8,6 +8,8 @@ reference (:func:`expected_frame_value`).
 
 It also serves integration tests of the server: controls ``{"fail": true}``
 raise inside the forward, and ``compute_delay_s`` simulates a slow model.
+With ``start_images`` its card offers those names, and ``start_images_seen``
+records the start image every tick carried (session id, StartImage or None).
 It batches sessions (``generate_chunks``): one forward runs every row's passes,
 and a row asking to fail fails the whole batched forward, as a real model's
 error would; the runner then retries each session alone.
@@ -25,7 +27,7 @@ import torch
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.kv_state import write_and_gather_rows
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from arstream.runner.types import StartImage, TickRequest
 
 KEYS = ("w", "a", "s", "d")
 SCRATCH_POISON = -1.0e6
@@ -65,6 +67,7 @@ class FakeKVPipeline(SessionStateBinding):
         compute_delay_s: float = 0.0,
         denoise_passes: int = 1,
         reads_prompt: bool = False,
+        start_images: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.spec = KVCacheSpec(
@@ -83,6 +86,9 @@ class FakeKVPipeline(SessionStateBinding):
         self.denoise_passes = denoise_passes
         # The fake ignores prompts; ``reads_prompt`` only changes its card, so tests can show the demo's prompt box.
         self.reads_prompt = reads_prompt
+        # Start image names the card offers; the fake only records what each tick carries.
+        self.start_images = tuple(start_images)
+        self.start_images_seen: list[tuple[str, StartImage | None]] = []
         self.sessions: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[str, str]] = []
 
@@ -90,7 +96,7 @@ class FakeKVPipeline(SessionStateBinding):
         return self.spec
 
     def model_card(self) -> dict[str, Any]:
-        return {
+        card = {
             "name": "fake-kv",
             "width": self.width,
             "height": self.height,
@@ -107,6 +113,9 @@ class FakeKVPipeline(SessionStateBinding):
                 "additionalProperties": False,
             },
         }
+        if self.start_images:
+            card["start_images"] = list(self.start_images)
+        return card
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
         return self._forward([tick])[0]
@@ -117,6 +126,7 @@ class FakeKVPipeline(SessionStateBinding):
 
     def _forward(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
         states = [self.bound_state(t.session_id) for t in ticks]
+        self.start_images_seen.extend((t.session_id, t.start_image) for t in ticks)
         spec = self.spec
         rows, fpc, tpf = len(ticks), spec.frames_per_chunk, spec.tokens_per_frame
         for _ in range(self.denoise_passes):

@@ -63,6 +63,7 @@ const debug = {
   resumed: 0,
   stalls: 0,
   heldKeys: [],
+  startImage: null, // what the next fresh session starts from: {name} or {upload: file name}; null: the default
   looking: false,   // the model has a camera: mouse movement over the player turns it
   samples: { action: [], chunk: [] },
   pacer: null,
@@ -156,6 +157,7 @@ function showModel(card) {
   $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);
   $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
   $('prompt-form').hidden = !card.reads_prompt;
+  showStartImages(card);
   const looked = look.active;
   look.configure(card);
   debug.looking = look.active;
@@ -173,6 +175,83 @@ async function loadModelCard() {
     // The server is away: the connection's own retries say so.
   }
 }
+
+// ---- start image ----------------------------------------------------------------------
+
+let startImage = null;   // `start.image` for the next fresh session: {name} or {data}; null: the model's default
+let uploadLimit = null;  // ready.limits.max_start_image_bytes, once a session has said it
+
+/** The picker lists the images the card offers; a model that offers none hides it. */
+function showStartImages(card) {
+  const names = Array.isArray(card.start_images) ? card.start_images : [];
+  $('image-form').hidden = names.length === 0;
+  const select = $('start-image');
+  const listed = JSON.stringify(names);
+  if (select.dataset.names === listed) return;
+  select.dataset.names = listed;
+  select.replaceChildren(...names.map((name) => new Option(name, name)));
+  chooseStartImage(null);
+}
+
+function chooseStartImage(image, label = '') {
+  startImage = image;
+  debug.startImage = image ? (image.name ? { name: image.name } : { upload: label }) : null;
+  if (!image) {
+    const select = $('start-image');
+    for (const option of select.querySelectorAll('option[data-upload]')) option.remove();
+    select.selectedIndex = 0;
+  }
+}
+
+/** A picture chosen: the world starts again from it, in a fresh session. */
+function restartWith(image, label) {
+  chooseStartImage(image, label);
+  log(`start image: ${label}; the world starts again from it`);
+  connection.restart();
+}
+
+function fileAsBase64(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(String(reader.result).split(',', 2)[1] || '');  // the data URL's payload
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+$('start-image').addEventListener('change', () => {
+  const option = $('start-image').selectedOptions[0];
+  $('start-image').blur();  // back to steering
+  if (option && !option.dataset.upload) restartWith({ name: option.value }, option.value);
+});
+$('image-upload').addEventListener('click', () => $('image-file').click());
+$('image-file').addEventListener('change', async () => {
+  const file = $('image-file').files[0];
+  $('image-file').value = '';  // choosing the same file again is a choice too
+  if (!file) return;
+  if (uploadLimit !== null && file.size > uploadLimit) {
+    const kib = (bytes, round) => round(bytes / 1024);
+    notice(`That picture is ${kib(file.size, Math.ceil)} KiB; this server takes at most ${kib(uploadLimit, Math.floor)} KiB.`);
+    return;
+  }
+  let data;
+  try {
+    data = await fileAsBase64(file);
+  } catch (error) {
+    notice(`The picture could not be read: ${error.message}`);
+    return;
+  }
+  const select = $('start-image');
+  let option = select.querySelector('option[data-upload]');
+  if (!option) {
+    option = new Option('', '');
+    option.dataset.upload = '1';
+    select.append(option);
+  }
+  option.textContent = `your picture: ${file.name}`;
+  option.selected = true;
+  restartWith({ data }, file.name);
+});
 
 // ---- the player -----------------------------------------------------------------------
 
@@ -245,11 +324,13 @@ const connection = new Connection({
     const fields = { codec: $('codec').value, seed: debug.seed };
     const prompt = $('prompt').value.trim();
     if (model && model.reads_prompt && prompt) fields.prompt = prompt;
+    if (startImage) fields.image = startImage;
     return fields;
   },
   hooks: {
     onState,
     onReady(_session, ready) {
+      uploadLimit = ready.limits.max_start_image_bytes ?? null;
       showModel(ready.model);
     },
     onChunk(message) {
@@ -264,6 +345,9 @@ const connection = new Connection({
     notice,
     onCodecRefused(codec) {
       $('codec').value = codec;
+    },
+    onImageRefused() {
+      chooseStartImage(null);
     },
   },
   debug,
@@ -311,7 +395,7 @@ document.addEventListener('keydown', (event) => {
 });
 
 // A mouse click leaves the focus on a button, and Space or Enter would press it again: hand it back.
-for (const button of document.querySelectorAll('.controls button, #overlay-action, #details summary')) {
+for (const button of document.querySelectorAll('.controls button, #overlay-action, #details summary, #image-upload')) {
   button.addEventListener('click', (event) => { if (event.detail > 0) button.blur(); });
 }
 $('codec').addEventListener('change', () => $('codec').blur());

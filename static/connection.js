@@ -23,10 +23,11 @@ export class Connection {
    * @param {object} options
    * @param {import('./player.js').Player} options.player
    * @param {() => string | null} options.token      the access token, if any
-   * @param {() => object} options.startFields      fields for a fresh `start` (codec, seed, prompt)
+   * @param {() => object} options.startFields      fields for a fresh `start` (codec, seed, prompt, image)
    * @param {number} options.fixedChunks            0: adaptive buffer; N: keep N chunks ahead
    * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
-   *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec)
+   *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec),
+   *                                onImageRefused()
    * @param {object} options.debug  window.arstreamDebug
    * @param {import('./look.js').MouseLook} [options.look]  the camera, for a model whose controls have one
    */
@@ -88,6 +89,14 @@ export class Connection {
     this.player.playing = false;
     if (this.session && !this.session.ended) this.session.stop();
     this.setState('stopped', { text: 'Stopped. Press Play to start again.', action: 'play' });
+  }
+
+  /** A fresh session now (a new start image): the current one ends and is not resumed. */
+  restart() {
+    this.clearTimer();
+    this.ticket = null;
+    if (this.session && !this.session.ended) this.session.stop();
+    this.play();
   }
 
   /** Restart the rollout; the reset tick carries the keys held now. */
@@ -160,6 +169,7 @@ export class Connection {
       start.resume = this.ticket;
       delete start.seed;    // the server keeps the session's own; sending them is harmless but misleading
       delete start.prompt;
+      delete start.image;   // a resumed session keeps its start image; no need to send it again
     }
     this.debug.connects += 1;
     this.session = new Session({
@@ -264,6 +274,15 @@ export class Connection {
     } else if (fatal === 'taken_over' || code === 4003) {
       this.ticket = null;
       this.setState('taken-over', { text: errorText('taken_over'), action: 'play-here' });
+    } else if (fatal === 'invalid_image' || code === 4004) {
+      // The next Play must not send the same image again: back to the model's own.
+      this.hooks.onImageRefused();
+      const why = session.fatal ? ` (${session.fatal.message})` : '';
+      this.setState('ended', {
+        text: `${errorText('invalid_image')}${why} Press Play to start with the model's own picture.`,
+        tone: 'warn',
+        action: 'play',
+      });
     } else if (fatal && fatal !== 'internal') {
       // idle_timeout, start_required, message_too_large, anything new: say it, and let the person start again.
       this.setState('ended', { text: errorText(fatal, session.fatal.message), tone: 'warn', action: 'play' });

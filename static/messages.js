@@ -20,6 +20,7 @@ export const ERROR_TEXT = {
   taken_over: 'This world is now playing in another tab or window.',
   rate_limited: 'Too many connections from this address. The page waits and tries again.',
   internal: 'The server ran into a fault of its own.',
+  invalid_image: 'The server could not use that start image.',
 };
 
 /** WebSocket close codes. */
@@ -35,6 +36,7 @@ export const CLOSE_TEXT = {
   4001: 'The session ended because nothing was asked of it for a while.',
   4002: 'Your world could not be picked up again, so a new one starts.',
   4003: 'This world is now playing in another tab or window.',
+  4004: 'The server could not use that start image.',
 };
 
 /** Words for an `error` message, falling back to the server's own text for a code this page does not know. */

@@ -5,9 +5,11 @@ chunks at timestep 0, then the chunk being denoised) through the same DiT
 weights with a mask that lets a frame see the sink frames plus the last
 ``local_attn_size`` frames up to the end of its own chunk (the action module:
 no sink), with absolute rotary positions. Its noise comes from the same
-seeded generator in the same order as the pipeline's. What it shares with the
-serving path is the block math; what it replaces is everything the runner
-and the caches do.
+seeded generator in the same order as the pipeline's. Its image conditioning
+is Matrix-Game's: the start image followed by black frames for the whole
+rollout, encoded in one call (diffusers' ``encode``), latent frame ``k``
+reading latent ``k``. What it shares with the serving path is the block math;
+what it replaces is everything the runner and the caches do.
 """
 
 from __future__ import annotations
@@ -20,8 +22,23 @@ import torch
 from arstream.models.matrix_game.config import MatrixGameConfig
 from arstream.models.matrix_game.controls import extend, windows
 from arstream.models.matrix_game.dit import CausalWanDiT, WanRope
+from arstream.models.matrix_game.images import default_image
 from arstream.models.matrix_game.pipeline import MatrixGamePipeline
 from arstream.models.matrix_game.sampler import shifted_sigma
+from arstream.models.matrix_game.vae import StreamingVAE
+
+
+def whole_rollout_condition(vae: StreamingVAE, image: torch.Tensor, latent_frames: int) -> torch.Tensor:
+    """Matrix-Game's ``cond_concat`` ``[20, F, h, w]``: mask (ones on frame 0) + the one-call encoding of
+    the start image followed by ``4 * (F - 1)`` black frames."""
+    black = torch.zeros(3, 4 * (latent_frames - 1), *image.shape[1:])
+    video = torch.cat([image[:, None], black], dim=1)[None].to(vae.encoder_dtype)
+    with torch.inference_mode():
+        latents = vae.vae.encode(video).latent_dist.mode()
+    normalised = ((latents.float() - vae.mean) / vae.std)[0]
+    mask = torch.zeros(4, *normalised.shape[1:])
+    mask[:, 0] = 1.0
+    return torch.cat([mask, normalised])
 
 
 class DenseContext:
@@ -77,13 +94,14 @@ def _rollout(
     fpc = cfg.frames_per_chunk
     history = None
     clean: list[torch.Tensor] = []
+    condition = whole_rollout_condition(pipeline.vae, default_image(cfg), len(controls) * fpc)
     with torch.inference_mode():
         for c, chunk_controls in enumerate(controls):
             frames = cfg.first_chunk_frames if c == 0 else cfg.video_frames_per_chunk
             history = extend(history, chunk_controls, frames, cfg)
             total = (c + 1) * fpc
             mouse, keyboard = windows(history, range(total), cfg)
-            cond = torch.cat([pipeline._condition(k * fpc) for k in range(c + 1)], dim=1)[None]
+            cond = condition[None, :, :total]
             ctx = DenseContext(total, cfg)
             context = pipeline.context
             x = torch.randn(shape, generator=generator)

@@ -26,7 +26,7 @@ def build(cfg: MatrixGameConfig, seed: int = 0) -> MatrixGamePipeline:
     vae = StreamingVAE(build_vae(cfg))
     features = torch.randn(cfg.clip_tokens, cfg.clip_dim, generator=torch.Generator().manual_seed(seed))
     return MatrixGamePipeline(
-        model, vae, device=torch.device("cpu"), clip_features=features, image=default_image(cfg)
+        model, vae, device=torch.device("cpu"), images={"default": default_image(cfg)}, clip_features=features
     )
 
 
@@ -90,6 +90,15 @@ def test_a_window_with_less_history_than_a_chunk_equals_the_reference() -> None:
     """The GTA variant's window: 4 frames including the 3-frame chunk, so one frame of history."""
     runner = assert_session_a_matches_the_reference(build(get_config("tiny", local_attn_size=4)))
     assert runner.history_frames("a") == 1
+
+
+def test_the_temple_run_variant_equals_the_reference() -> None:
+    """Keyboard-only action module (no mouse path, no mouse caches), 7 keys, 4 denoising steps."""
+    pipeline = build(get_config("tiny-templerun"))
+    runner = assert_session_a_matches_the_reference(pipeline)
+    history = pipeline._sessions["a"].actions
+    assert history.frames == 3 and all(kv[0].numel() == 0 for kv in history.layers.values())
+    runner.close_session("a")
 
 
 def test_positions_past_the_rotary_table_keep_every_distance_in_the_window() -> None:

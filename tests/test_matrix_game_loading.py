@@ -12,6 +12,8 @@ from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.pipeline import load_matrix_game
 from arstream.models.matrix_game.vae import build_vae
 from arstream.models.registry import load_pipeline
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import TickRequest
 
 DIT = "base_distilled_model/base_distill.safetensors"
 VAE = "Wan2.1_VAE.pth"
@@ -136,7 +138,8 @@ def test_start_image_and_clip_features_options(tmp_path: Path) -> None:
     red = load_matrix_game("cpu", config="tiny", random_init=True, image=str(tmp_path / "start.png"))
     plain = load_matrix_game("cpu", config="tiny", random_init=True)
     # the start image conditions the model: its latent is part of every chunk's input
-    assert not torch.allclose(red.condition, plain.condition)
+    assert not torch.allclose(red.images.default.stream.condition(0, 3), plain.images.default.stream.condition(0, 3))
+    assert red.model_card()["start_images"] == ["start"]  # the `image` option's file, named by its stem
     save_file({"clip_features": torch.zeros(4, 16)}, str(tmp_path / "clip.safetensors"))
     with pytest.raises(CheckpointError, match=r"clip\.safetensors: clip_features must be \[5, 16\], got \[4, 16\]"):
         load_matrix_game("cpu", config="tiny", random_init=True, clip_features=str(tmp_path / "clip.safetensors"))
@@ -194,3 +197,100 @@ def test_without_a_clip_file_the_image_context_is_zeros_and_says_so(
         zeros = pipeline.model.image_context(torch.zeros(1, cfg.clip_tokens, cfg.clip_dim))
     torch.testing.assert_close(pipeline.context, zeros)
     assert "image context is zeros" in caplog.text
+
+
+# ---- the three published variants: each finds its own file; a file of another names the config it fits ----
+
+
+def dit_state(config: str, seed: int = 7) -> dict[str, torch.Tensor]:
+    model = CausalWanDiT(get_config(config))
+    model.init_random(seed)
+    return {f"model.{k}": v.clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def test_each_config_looks_for_its_published_file() -> None:
+    assert get_config("1.3b").dit_file == "base_distilled_model/base_distill.safetensors"
+    assert get_config("1.3b-gta").dit_file == "gta_distilled_model/gta_keyboard2dim.safetensors"
+    assert get_config("1.3b-templerun").dit_file == "templerun_distilled_model/templerun_7dim_onlykey.safetensors"
+
+
+@pytest.mark.parametrize("config", ["tiny-gta", "tiny-templerun"])
+def test_a_variant_loads_its_own_file_from_a_directory_holding_all_three(
+    tmp_path: Path, weights: tuple[dict, dict], config: str
+) -> None:
+    dit, vae = weights
+    write(tmp_path, dit, vae)  # the universal model's file is there too
+    own = dit_state(config, seed=11)
+    path = tmp_path / get_config(config).dit_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(own, str(path))
+    pipeline = load_matrix_game("cpu", config=config, checkpoint=str(tmp_path))
+    assert all(torch.equal(pipeline.model.state_dict()[k.removeprefix("model.")], v) for k, v in own.items())
+
+
+def test_a_file_that_fits_another_config_names_it(tmp_path: Path, weights: tuple[dict, dict]) -> None:
+    _, vae = weights
+    write(tmp_path, dit_state("tiny-gta"), vae)  # the GTA weights where the universal model's belong
+    with pytest.raises(CheckpointError, match=r"base_distill\.safetensors does not fit.*; it fits config 'tiny-gta'"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+    write(tmp_path, dit_state("tiny-templerun"), vae)
+    with pytest.raises(CheckpointError, match=r"missing keys: .*mouse.*; it fits config 'tiny-templerun'"):
+        load_matrix_game("cpu", config="tiny", checkpoint=str(tmp_path))
+
+
+def test_the_temple_run_layout_is_the_published_one() -> None:
+    """Keyboard-only action module (``enable_mouse: false``, 7 keys), checked at full size on the meta device."""
+    with torch.device("meta"):
+        state = CausalWanDiT(get_config("1.3b-templerun")).state_dict()
+    action = {k.removeprefix("blocks.0.action_model."): v.shape for k, v in state.items() if ".0.action_model." in k}
+    assert action == {
+        "keyboard_embed.0.weight": (128, 7),
+        "keyboard_embed.0.bias": (128,),
+        "keyboard_embed.2.weight": (128, 128),
+        "keyboard_embed.2.bias": (128,),
+        "key_attn_q_norm.weight": (64,),  # the published RMSNorm holds a weight it does not use
+        "key_attn_k_norm.weight": (64,),
+        "mouse_attn_q.weight": (1024, 1536),
+        "keyboard_attn_kv.weight": (2048, 128 * 12),
+        "proj_keyboard.weight": (1536, 1024),
+    }
+    assert sum(k.startswith("blocks.14.action_model") for k in state) and not any("blocks.15.action" in k for k in state)
+
+
+def test_temple_run_offers_its_seven_keys_and_no_camera() -> None:
+    from arstream.models.matrix_game.controls import condition_vectors
+
+    cfg = get_config("tiny-templerun")
+    pipeline = load_matrix_game("cpu", config="tiny-templerun", random_init=True)
+    card = pipeline.model_card()
+    assert card["controls"]["properties"]["keys"]["items"]["enum"] == ["q", "w", "s", "z", "c", "a", "d"]
+    assert "camera" not in card["controls"]["properties"] and card["mouse"] is None
+    assert cfg.denoise_timesteps == (1000, 750, 500, 250)
+    # no key held is the "nomove" channel (0); W is jump (1), Z turn left (3), D right side (6)
+    assert condition_vectors({}, cfg)[0].tolist() == [1, 0, 0, 0, 0, 0, 0]
+    assert condition_vectors({"keys": ["w", "z", "d"]}, cfg)[0].tolist() == [0, 1, 0, 1, 0, 0, 1]
+    assert condition_vectors({"keys": ["w"]}, cfg)[1].numel() == 0
+
+
+def test_precision_options_set_the_dit_encoder_and_decoder_dtypes() -> None:
+    """As the reference runs on CUDA: DiT, VAE encoder and CLIP in bf16, VAE decoder in fp16; fp32 on the CPU."""
+
+    def dtypes(pipeline: object) -> dict[str, torch.dtype]:
+        vae = pipeline.vae.vae  # type: ignore[attr-defined]
+        return {
+            "dit": next(pipeline.model.parameters()).dtype,  # type: ignore[attr-defined]
+            "encoder": next(vae.encoder.parameters()).dtype,
+            "decoder": next(vae.decoder.parameters()).dtype,
+            "clip": next(pipeline._clip.parameters()).dtype,  # type: ignore[attr-defined]
+        }
+
+    cpu = load_matrix_game("cpu", config="tiny", random_init=True)
+    assert set(dtypes(cpu).values()) == {torch.float32}
+    mixed = load_matrix_game("cpu", config="tiny", random_init=True, dtype="bfloat16", vae_dtype="float16")
+    assert dtypes(mixed) == {
+        "dit": torch.bfloat16, "encoder": torch.bfloat16, "decoder": torch.float16, "clip": torch.bfloat16
+    }
+    runner = ARRunner(mixed, kv_budget_bytes=64 << 20)
+    assert runner.execute_tick(TickRequest("a", 0, {"keys": ["w"]})).frames.shape == (9, 32, 48, 3)
+    with pytest.raises(ValueError, match="vae_dtype must be one of"):
+        load_matrix_game("cpu", config="tiny", random_init=True, vae_dtype="int8")

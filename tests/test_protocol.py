@@ -129,6 +129,7 @@ def test_error_codes_fatality_and_close_codes_match_the_protocol_table() -> None
         "resume_failed": 4002,
         "taken_over": 4003,
         "internal": 1011,
+        "invalid_image": 4004,
     }
     assert error_message(ErrorCode.IDLE_TIMEOUT, "m")["fatal"] is True
     assert error_message(ErrorCode.STALE_TICK, "m", tick_id=3) == {

@@ -11,18 +11,15 @@ or wrong shape fails with :class:`CheckpointError` naming the file and the keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-# Where the published repository (Skywork/Matrix-Game-2.0) keeps each part; first match wins.
-DIT_FILES = (
-    "base_distilled_model/base_distill.safetensors",
-    "diffusion_pytorch_model.safetensors",
-    "model.safetensors",
-)
+# Where the published repository (Skywork/Matrix-Game-2.0) keeps each part; first match wins. The DiT's
+# published file depends on the config (``MatrixGameConfig.dit_file``); these generic names come after it.
+GENERIC_DIT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 VAE_FILES = ("Wan2.1_VAE.pth", "vae.safetensors", "vae.pth")
 CLIP_FILES = ("models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth", "clip.safetensors", "clip.pth")
 CLIP_PREFIX = "visual."
@@ -92,10 +89,22 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
     module.load_state_dict(state, strict=True)
 
 
-def load_dit(module: nn.Module, path: Path) -> None:
+def dit_files(dit_file: str) -> tuple[str, ...]:
+    """A config's DiT file candidates: its published file, then the generic names."""
+    return (dit_file, *GENERIC_DIT_FILES)
+
+
+def load_dit(module: nn.Module, path: Path, fitting: Callable[[dict[str, torch.Size]], list[str]] | None = None) -> None:
+    """Load the DiT; a file that does not fit says which configs it fits (``fitting``: shapes -> config names)."""
     state = read_state_dict(path)
     state = {k.removeprefix(DIT_PREFIX): v for k, v in state.items()}
-    load_into(module, state, path)
+    try:
+        load_into(module, state, path)
+    except CheckpointError as exc:
+        names = fitting({k: v.shape for k, v in state.items()}) if fitting is not None else []
+        if not names:
+            raise
+        raise CheckpointError(f"{exc}; it fits config {' or '.join(repr(n) for n in names)}") from None
 
 
 def load_clip_visual(module: nn.Module, path: Path) -> None:

@@ -4,8 +4,14 @@
 44x80 latent, 880 tokens per latent frame, action module in blocks 0-14,
 a 6-frame attention window including the current 3-frame chunk, no sink).
 ``1.3b-gta`` is the GTA driving variant (2 keys, a 4-frame window: one frame
-of history). ``tiny`` keeps every structural feature at toy size so the whole
-path runs on a 2-core CPU in tests and serves the demo.
+of history); ``1.3b-templerun`` the Temple Run variant (7 keys, no mouse, 4
+denoising steps). ``tiny`` keeps every structural feature at toy size so the
+whole path runs on a 2-core CPU in tests and serves the demo; ``tiny-gta`` and
+``tiny-templerun`` are the variants' layouts at that size (for tests).
+
+Sizes and steps are the published ones (Matrix-Game-2 ``configs/distilled_model/*/config.json``
+and ``configs/inference_yaml/*.yaml``), as are the key channels (``get_current_action``
+in ``pipeline/causal_inference.py``) and the weights' file names (the model card).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class ActionConfig:
     blocks: tuple[int, ...] = tuple(range(15))
     keyboard_dim_in: int = 4
     mouse_dim_in: int = 2
+    # Temple Run's module has no mouse path (``enable_mouse: false``): no mouse_mlp/t_qkv/proj_mouse weights.
+    enable_mouse: bool = True
     hidden_size: int = 128
     keyboard_hidden_dim: int = 1024
     mouse_hidden_dim: int = 1024
@@ -36,6 +44,11 @@ class ActionConfig:
     @property
     def condition_frames(self) -> int:
         return self.windows_size * self.vae_time_compression_ratio
+
+    @property
+    def mouse_dims(self) -> int:
+        """Mouse channels per video frame the module reads (0 without a mouse path)."""
+        return self.mouse_dim_in if self.enable_mouse else 0
 
 
 @dataclass(frozen=True)
@@ -99,12 +112,22 @@ class MatrixGameConfig:
     rope_frames: int = 1024  # Wan's rotary table
     denoise_timesteps: tuple[int, ...] = (1000, 666, 333)
     timestep_shift: float = 5.0
-    fps: int = 25
+    # Playback rate: the published code writes every mode's videos at 12 fps (utils/visualize.py,
+    # process_video); the card's "25fps" is generation speed (docs/matrix-game.md, "Playback rate").
+    fps: int = 12
+    # Keyboard channels in the published order (``keys[i]`` sets channel i); ``idle_key``'s channel
+    # is set when no key is held (Temple Run's "nomove" channel; the others send all zeros).
+    keys: tuple[str, ...] = ("w", "s", "a", "d")
+    idle_key: str | None = None
+    # The DiT's file in the published checkpoint directory (Skywork/Matrix-Game-2.0).
+    dit_file: str = "base_distilled_model/base_distill.safetensors"
     action: ActionConfig = field(default_factory=ActionConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
 
     def __post_init__(self) -> None:
+        if len(self.keys) != self.action.keyboard_dim_in:
+            raise ValueError(f"{len(self.keys)} keys for {self.action.keyboard_dim_in} keyboard channels")
         if (self.clip.tokens, self.clip.dim) != (self.clip_tokens, self.clip_dim):
             raise ValueError(
                 f"the CLIP tower gives {self.clip.tokens} tokens of {self.clip.dim}; "
@@ -147,26 +170,47 @@ class MatrixGameConfig:
         return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
+_TINY = dict(
+    dim=32,
+    ffn_dim=64,
+    num_heads=2,
+    num_layers=2,
+    clip_dim=16,
+    clip_tokens=5,
+    latent_height=4,
+    latent_width=6,
+    fps=16,
+    vae=VAEConfig(base_dim=8, num_res_blocks=1),
+    clip=ClipConfig(dim=16, num_layers=2, num_heads=2, image_size=28, mlp_ratio=2, out_dim=8),
+)
+_TINY_ACTION = ActionConfig(
+    blocks=(0,), hidden_size=8, keyboard_hidden_dim=32, mouse_hidden_dim=32, heads_num=2, rope_time_dim=4
+)
+# GTA driving: forward/back keys; the published demo steers with the mouse (A/D send camera yaw -/+0.1).
+_GTA = dict(local_attn_size=4, keys=("w", "s"), dit_file="gta_distilled_model/gta_keyboard2dim.safetensors")
+# Temple Run: channels nomove, jump, slide, turn left, turn right, left side, right side, bound to the
+# published demo's keys Q, W, S, Z, C, A, D; four steps (1000, 750, 500, 250); no mouse.
+_TEMPLE_RUN = dict(
+    keys=("q", "w", "s", "z", "c", "a", "d"),
+    idle_key="q",
+    denoise_timesteps=(1000, 750, 500, 250),
+    dit_file="templerun_distilled_model/templerun_7dim_onlykey.safetensors",
+)
+
 CONFIGS: dict[str, MatrixGameConfig] = {
     "1.3b": MatrixGameConfig(name="1.3b"),
-    # the GTA driving variant: forward/back keys, the mouse steers, one history frame (a window shorter than a chunk)
-    "1.3b-gta": MatrixGameConfig(name="1.3b-gta", local_attn_size=4, action=ActionConfig(keyboard_dim_in=2)),
-    "tiny": MatrixGameConfig(
-        name="tiny",
-        dim=32,
-        ffn_dim=64,
-        num_heads=2,
-        num_layers=2,
-        clip_dim=16,
-        clip_tokens=5,
-        latent_height=4,
-        latent_width=6,
-        fps=16,
-        action=ActionConfig(
-            blocks=(0,), hidden_size=8, keyboard_hidden_dim=32, mouse_hidden_dim=32, heads_num=2, rope_time_dim=4
-        ),
-        vae=VAEConfig(base_dim=8, num_res_blocks=1),
-        clip=ClipConfig(dim=16, num_layers=2, num_heads=2, image_size=28, mlp_ratio=2, out_dim=8),
+    # a window shorter than a chunk: one history frame
+    "1.3b-gta": MatrixGameConfig(name="1.3b-gta", action=ActionConfig(keyboard_dim_in=2), **_GTA),
+    "1.3b-templerun": MatrixGameConfig(
+        name="1.3b-templerun", action=ActionConfig(keyboard_dim_in=7, enable_mouse=False), **_TEMPLE_RUN
+    ),
+    "tiny": MatrixGameConfig(name="tiny", action=_TINY_ACTION, **_TINY),
+    "tiny-gta": MatrixGameConfig(name="tiny-gta", action=replace(_TINY_ACTION, keyboard_dim_in=2), **_TINY, **_GTA),
+    "tiny-templerun": MatrixGameConfig(
+        name="tiny-templerun",
+        action=replace(_TINY_ACTION, keyboard_dim_in=7, enable_mouse=False),
+        **_TINY,
+        **_TEMPLE_RUN,
     ),
 }
 

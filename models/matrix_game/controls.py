@@ -16,25 +16,26 @@ import torch
 
 from arstream.models.matrix_game.config import MatrixGameConfig
 
-# Matrix-Game 2.0 (universal) keyboard channels: forward, back, left, right.
-KEYS = ("w", "s", "a", "d")
 CAMERA_AXES = ("pitch", "yaw")
 
 
 def controls_schema(cfg: MatrixGameConfig) -> dict[str, Any]:
-    keys = list(KEYS[: cfg.action.keyboard_dim_in])
+    """The config's keys (its keyboard channels); ``camera`` only where the model has a mouse path."""
+    keys = list(cfg.keys)
+    properties: dict[str, Any] = {
+        "keys": {"type": "array", "items": {"enum": keys}, "uniqueItems": True, "maxItems": len(keys)},
+    }
+    if cfg.action.enable_mouse:
+        properties["camera"] = {
+            "type": "object",
+            "description": "camera rotation per video frame (the mouse), in Matrix-Game's units",
+            "properties": {axis: {"type": "number", "minimum": -1, "maximum": 1} for axis in CAMERA_AXES},
+            "additionalProperties": False,
+        }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "type": "object",
-        "properties": {
-            "keys": {"type": "array", "items": {"enum": keys}, "uniqueItems": True, "maxItems": len(keys)},
-            "camera": {
-                "type": "object",
-                "description": "camera rotation per video frame (the mouse), in Matrix-Game's units",
-                "properties": {axis: {"type": "number", "minimum": -1, "maximum": 1} for axis in CAMERA_AXES},
-                "additionalProperties": False,
-            },
-        },
+        "properties": properties,
         "additionalProperties": False,
     }
 
@@ -42,11 +43,11 @@ def controls_schema(cfg: MatrixGameConfig) -> dict[str, Any]:
 def condition_vectors(controls: dict[str, Any], cfg: MatrixGameConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(keyboard ``[keyboard_dim]``, mouse ``[mouse_dim]``) for one video frame under ``controls``."""
     keyboard = torch.zeros(cfg.action.keyboard_dim_in)
-    for key in controls.get("keys", []):
-        if key in KEYS[: cfg.action.keyboard_dim_in]:
-            keyboard[KEYS.index(key)] = 1.0
+    held = [key for key in controls.get("keys", []) if key in cfg.keys]
+    for key in held or ([cfg.idle_key] if cfg.idle_key else []):
+        keyboard[cfg.keys.index(key)] = 1.0
     camera = controls.get("camera") or {}
-    mouse = torch.tensor([float(camera.get(axis, 0.0)) for axis in CAMERA_AXES][: cfg.action.mouse_dim_in])
+    mouse = torch.tensor([float(camera.get(axis, 0.0)) for axis in CAMERA_AXES][: cfg.action.mouse_dims])
     return keyboard, mouse
 
 

@@ -204,7 +204,8 @@ class ActionModule(nn.Module):
     and attends over time to the same token in earlier frames (its own K/V
     cache, one entry per spatial token and frame). Keyboard: each spatial
     token's query attends over time to one keyboard token per latent frame
-    (its own, much smaller cache).
+    (its own, much smaller cache). Without a mouse path (Temple Run,
+    ``enable_mouse: false``) the keyboard path reads the block's hidden state directly.
     """
 
     def __init__(self, cfg: ActionConfig, img_hidden_size: int) -> None:
@@ -215,16 +216,17 @@ class ActionModule(nn.Module):
         self.keyboard_embed = nn.Sequential(
             nn.Linear(cfg.keyboard_dim_in, cfg.hidden_size), nn.SiLU(), nn.Linear(cfg.hidden_size, cfg.hidden_size)
         )
-        self.mouse_mlp = nn.Sequential(
-            nn.Linear(cfg.mouse_dim_in * frames + img_hidden_size, c),
-            nn.GELU(approximate="tanh"),
-            nn.Linear(c, c),
-            nn.LayerNorm(c),
-        )
-        self.t_qkv = nn.Linear(c, 3 * c, bias=cfg.qkv_bias)
-        self.img_attn_q_norm = UnweightedRMSNorm(c // cfg.heads_num, eps=1e-6)
-        self.img_attn_k_norm = UnweightedRMSNorm(c // cfg.heads_num, eps=1e-6)
-        self.proj_mouse = nn.Linear(c, img_hidden_size, bias=cfg.qkv_bias)
+        if cfg.enable_mouse:  # Temple Run's module has no mouse path (and none of its weights)
+            self.mouse_mlp = nn.Sequential(
+                nn.Linear(cfg.mouse_dim_in * frames + img_hidden_size, c),
+                nn.GELU(approximate="tanh"),
+                nn.Linear(c, c),
+                nn.LayerNorm(c),
+            )
+            self.t_qkv = nn.Linear(c, 3 * c, bias=cfg.qkv_bias)
+            self.img_attn_q_norm = UnweightedRMSNorm(c // cfg.heads_num, eps=1e-6)
+            self.img_attn_k_norm = UnweightedRMSNorm(c // cfg.heads_num, eps=1e-6)
+            self.proj_mouse = nn.Linear(c, img_hidden_size, bias=cfg.qkv_bias)
         kd = cfg.keyboard_hidden_dim
         self.key_attn_q_norm = UnweightedRMSNorm(kd // cfg.heads_num, eps=1e-6)
         self.key_attn_k_norm = UnweightedRMSNorm(kd // cfg.heads_num, eps=1e-6)
@@ -240,6 +242,29 @@ class ActionModule(nn.Module):
             / self.cfg.rope_time_dim,
         )
         return rotation((positions.to(torch.float64)[..., None] * inv)[:, None, :, None, :])
+
+    def _mouse(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        ctx: AttentionContext,
+        frames: int,
+        mouse: torch.Tensor,
+        q_rot: Rotation,
+        k_rot: Rotation,
+    ) -> torch.Tensor:
+        """The mouse path: each spatial token attends over time to the same token in earlier frames."""
+        b, length, c = x.shape
+        s = length // frames
+        tokens = x.view(b, frames, s, c).transpose(1, 2)  # [B, S, F, C]
+        mouse_in = torch.cat([tokens, mouse[:, None].expand(b, s, frames, mouse.shape[-1]).to(x.dtype)], dim=-1)
+        q, k, v = self.t_qkv(self.mouse_mlp(mouse_in)).unflatten(-1, (3, self.cfg.heads_num, -1)).unbind(-3)
+        q, k = self.img_attn_q_norm(q), self.img_attn_k_norm(k)  # [B, S, F, H, D]
+        k_all, v_all = ctx.mouse_kv(layer, k, v)
+        q, k_all = rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot)
+        out = attend(q.flatten(0, 1), k_all.flatten(0, 1), v_all.flatten(0, 1), ctx.action_mask)
+        out = out.reshape(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
+        return x + self.proj_mouse(out)
 
     def forward(
         self,
@@ -259,16 +284,8 @@ class ActionModule(nn.Module):
         q_rot = self._angles(ctx.query_positions)
         k_rot = self._angles(ctx.action_key_positions)
 
-        # mouse: per spatial token over time
-        tokens = x.view(b, frames, s, c).transpose(1, 2)  # [B, S, F, C]
-        mouse_in = torch.cat([tokens, mouse[:, None].expand(b, s, frames, mouse.shape[-1]).to(x.dtype)], dim=-1)
-        q, k, v = self.t_qkv(self.mouse_mlp(mouse_in)).unflatten(-1, (3, heads, -1)).unbind(-3)  # [B, S, F, H, D]
-        q, k = self.img_attn_q_norm(q), self.img_attn_k_norm(k)
-        k_all, v_all = ctx.mouse_kv(layer, k, v)
-        q, k_all = rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot)
-        out = attend(q.flatten(0, 1), k_all.flatten(0, 1), v_all.flatten(0, 1), ctx.action_mask)
-        out = out.reshape(b, s, frames, -1).transpose(1, 2).reshape(b, length, -1)
-        x = x + self.proj_mouse(out)
+        if cfg.enable_mouse:
+            x = self._mouse(x, layer, ctx, frames, mouse, q_rot, k_rot)
 
         # keyboard: one token per latent frame, attended by every spatial token
         keys = self.keyboard_embed(keyboard.to(x.dtype)).flatten(2)  # [B, F, frames * hidden]

@@ -22,7 +22,7 @@ import torch
 from arstream.models.matrix_game.config import MatrixGameConfig
 from arstream.runner.kv_state import SessionKVState, write_and_gather_rows
 
-# per action layer: mouse K, mouse V ([S, F, H, D]), keyboard K, keyboard V ([F, H, D])
+# per action layer: mouse K, mouse V ([S, F, H, D]; empty without a mouse path), keyboard K, keyboard V ([F, H, D])
 ActionKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -42,7 +42,7 @@ def action_history_bytes(cfg: MatrixGameConfig, dtype: torch.dtype) -> int:
     a = cfg.action
     frames = cfg.local_attn_size - cfg.frames_per_chunk
     elem = torch.empty((), dtype=dtype).element_size()
-    mouse = 2 * cfg.tokens_per_frame * frames * a.mouse_hidden_dim
+    mouse = 2 * cfg.tokens_per_frame * frames * a.mouse_hidden_dim if a.enable_mouse else 0
     keyboard = 2 * frames * a.keyboard_hidden_dim
     return len(a.blocks) * (mouse + keyboard) * elem
 
@@ -117,8 +117,9 @@ class PagedChunkContext:
         for row, old in enumerate(self.histories):
             layers: dict[int, ActionKV] = {}
             for layer, new in self._new.items():
-                mk, mv = new["mouse"][0][row], new["mouse"][1][row]
                 kk, kv = new["keyboard"][0][row], new["keyboard"][1][row]
+                # without a mouse path the mouse entries stay empty ([S, 0, H, D])
+                mk, mv = (new["mouse"][0][row], new["mouse"][1][row]) if "mouse" in new else (kk[None, :0], kv[None, :0])
                 if old.frames:
                     pmk, pmv, pkk, pkv = old.layers[layer]
                     mk, mv = torch.cat([pmk, mk], dim=1), torch.cat([pmv, mv], dim=1)

@@ -13,12 +13,19 @@ A chunk is 3 latent frames; the client gets 12 video frames, 9 on the first
 chunk of a rollout (the causal VAE turns the first latent frame into one).
 Sessions batch through the DiT (rows stack like tiny-world's) and through
 the VAE (each row with its own cache, stacked for the decode).
+
+Each session has its own start image (``TickRequest.start_image``, read when
+a rollout begins): one the model offers by name, or the client's own pixels.
+Its encodings (CLIP context, conditioning stream: :mod:`.images`) are shared
+by every session with that image; rows with different images still batch
+(the condition and the context are per row).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,21 +36,32 @@ import torch
 
 from arstream.models.matrix_game import checkpoint as ckpt
 from arstream.models.matrix_game.clip import ClipImageEncoder
-from arstream.models.matrix_game.config import MatrixGameConfig, get_config
+from arstream.models.matrix_game.config import CONFIGS, MatrixGameConfig, get_config
 from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
 from arstream.models.matrix_game.dit import CausalWanDiT
+from arstream.models.matrix_game.images import (
+    DEFAULT_NAME,
+    MAX_CONDITION_FRAMES,
+    ConditionStream,
+    ImageEncodings,
+    StartImages,
+    default_image,
+    image_files,
+    read_image,
+    stack_conditions,
+)
 from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, action_history_bytes
 from arstream.models.matrix_game.sampler import sample_chunk
 from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from arstream.runner.types import StartImage, TickRequest
 
 log = logging.getLogger("arstream.models.matrix_game")
 
 DEFAULT_SEED = 0
-# Latent frames of image conditioning encoded at load; later frames reuse the last (black frames settle).
-CONDITION_FRAMES = 8
+# Sessions whose start-image choice is remembered past a reset, close or eviction (the choice, not its encodings).
+REMEMBERED_CHOICES_PER_SESSION_SLOT = 4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,6 +73,7 @@ class _Session:
     controls: ControlHistory | None = None
     actions: ActionHistory = field(default_factory=ActionHistory)
     vae_cache: FeatureCache | None = None
+    image: ImageEncodings | None = None  # the rollout's start image (fixed for the rollout)
 
 
 @dataclass
@@ -63,26 +82,6 @@ class ChunkTimings:
 
     dit_s: float = 0.0
     vae_s: float = 0.0
-
-
-def default_image(cfg: MatrixGameConfig) -> torch.Tensor:
-    """A built-in start image ``[3, H, W]`` in [-1, 1]: sky over ground with a horizon."""
-    h, w = cfg.height, cfg.width
-    y = torch.linspace(0, 1, h)[:, None].expand(h, w)
-    x = torch.linspace(0, 1, w)[None, :].expand(h, w)
-    sky = torch.stack([0.3 + 0.3 * y, 0.5 + 0.3 * y, 0.9 + 0 * y])
-    ground = torch.stack([0.35 + 0.1 * x, 0.55 - 0.2 * y, 0.25 + 0 * y])
-    image = torch.where(y[None] < 0.45, sky, ground)
-    return image.clamp(0, 1) * 2 - 1
-
-
-def read_image(path: str | Path, cfg: MatrixGameConfig) -> torch.Tensor:
-    from PIL import Image
-
-    with Image.open(path) as img:
-        rgb = img.convert("RGB").resize((cfg.width, cfg.height), Image.Resampling.BICUBIC)
-        array = np.asarray(rgb, dtype=np.float32)
-    return torch.from_numpy(array).permute(2, 0, 1) / 127.5 - 1
 
 
 class MatrixGamePipeline(SessionStateBinding):
@@ -94,10 +93,19 @@ class MatrixGamePipeline(SessionStateBinding):
         vae: StreamingVAE,
         *,
         device: torch.device,
-        clip_features: torch.Tensor,
-        image: torch.Tensor,
+        images: dict[str, torch.Tensor],
+        clip: ClipImageEncoder | None = None,
+        clip_features: torch.Tensor | None = None,
+        image_cache: int = 4,
+        condition_frames: int = MAX_CONDITION_FRAMES,
         session_capacity: int = 8,
     ) -> None:
+        """``images``: the offered start images by name, ``[3, H, W]`` in [-1, 1], the default first.
+
+        Each image's CLIP tokens come from ``clip`` (the vision tower); without
+        it, ``clip_features`` ``[tokens, dim]`` are the default image's, and any
+        other image's context is zeros.
+        """
         super().__init__()
         self.model = model.eval()
         self.cfg = model.cfg
@@ -105,17 +113,41 @@ class MatrixGamePipeline(SessionStateBinding):
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.session_capacity = session_capacity
+        self.condition_frames = condition_frames
+        self._clip = clip
+        self._default_features = clip_features
+        self._default_name = next(iter(images))
         self._sessions: dict[str, _Session] = {}
+        # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
+        self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
         self.last_latents: dict[str, torch.Tensor] = {}
         self.timings = ChunkTimings()
-        with torch.inference_mode():
-            self.context = model.image_context(clip_features.to(device, self.dtype)[None])
-            image_latents = vae.encode_condition(image.to(device), CONDITION_FRAMES)
-        mask = torch.zeros(4, CONDITION_FRAMES, *image_latents.shape[2:], device=device)
-        mask[:, 0] = 1.0
-        self.condition = torch.cat([mask, image_latents.to(mask.dtype)])  # [20, CONDITION_FRAMES, h, w]
+        self.images = StartImages(images, self._encode_image, self.cfg, capacity=image_cache)
+        log.info(
+            "start images: %s offered; up to %d clients' images cached; conditioning encoded lazily, at most %d "
+            "latent frames an image (%d KiB each) plus the encoder cache until it settles",
+            len(images), image_cache, condition_frames, self.images.default.stream.frame_bytes >> 10,
+        )
         self.vae_cache_bytes = self._measure_vae_cache()
         self.action_bytes = action_history_bytes(self.cfg, self.dtype)
+
+    @property
+    def context(self) -> torch.Tensor:
+        """The default image's cross-attention context ``[1, tokens, dim]``."""
+        return self.images.default.context
+
+    def _encode_image(self, image: torch.Tensor, name: str | None) -> ImageEncodings:
+        cfg = self.cfg
+        with torch.inference_mode():
+            if self._clip is not None:
+                features = self._clip.encode(image.to(self.device))
+            elif name == self._default_name and self._default_features is not None:
+                features = self._default_features
+            else:
+                features = torch.zeros(cfg.clip_tokens, cfg.clip_dim)
+            context = self.model.image_context(features.to(self.device, self.dtype)[None])
+        stream = ConditionStream(self.vae, image.to(self.device), dtype=self.dtype, max_frames=self.condition_frames)
+        return ImageEncodings(context=context, stream=stream)
 
     def _measure_vae_cache(self) -> int:
         """Bytes of a steady-state decoder cache (after a first and a later chunk of zeros)."""
@@ -153,8 +185,10 @@ class MatrixGamePipeline(SessionStateBinding):
             "frames_per_chunk": cfg.video_frames_per_chunk,
             "first_chunk_frames": cfg.first_chunk_frames,
             "controls": controls_schema(cfg),
-            "mouse": "camera",
+            "mouse": "camera" if cfg.action.enable_mouse else None,
             "config": cfg.name,
+            # offered by name (the first is the default); a model that lists any also takes a client's own pixels
+            "start_images": self.images.names,
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
@@ -168,6 +202,7 @@ class MatrixGamePipeline(SessionStateBinding):
         self._drop(session_id)
 
     def close_session(self, session_id: str) -> None:
+        # The runner evicts a session through close too; its start-image choice stays remembered (bounded).
         self._drop(session_id)
 
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
@@ -184,17 +219,23 @@ class MatrixGamePipeline(SessionStateBinding):
 
     # ---- one chunk for a batch of sessions ----------------------------------------------------
 
+    def _choice(self, tick: TickRequest) -> StartImage | None:
+        """The tick's start image; a tick without one keeps the session's earlier choice (None: the default)."""
+        return tick.start_image if tick.start_image is not None else self._choices.get(tick.session_id)
+
     def _session(self, tick: TickRequest, chunk_index: int) -> _Session:
         session = self._sessions.get(tick.session_id)
         if session is None or chunk_index == 0:
             seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
-            session = _Session(generator=torch.Generator().manual_seed(seed))
+            image = self.images.resolve(self._choice(tick))  # a bad choice fails this tick only
+            session = _Session(generator=torch.Generator().manual_seed(seed), image=image)
         return session
 
-    def _condition(self, frame_start: int) -> torch.Tensor:
-        last = self.condition.shape[1] - 1
-        index = [min(p, last) for p in range(frame_start, frame_start + self.cfg.frames_per_chunk)]
-        return self.condition[:, index]
+    def _remember(self, tick: TickRequest) -> None:
+        self._choices[tick.session_id] = self._choice(tick)
+        self._choices.move_to_end(tick.session_id)
+        while len(self._choices) > REMEMBERED_CHOICES_PER_SESSION_SLOT * self.session_capacity:
+            self._choices.popitem(last=False)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -224,14 +265,15 @@ class MatrixGamePipeline(SessionStateBinding):
             started = time.perf_counter()
             with torch.inference_mode():
                 ctx = PagedChunkContext(states, [s.actions for s in sessions], cfg)
-                cond = torch.stack([self._condition(s.frame_start) for s in states])
+                images = [s.image for s in sessions]
+                cond = stack_conditions([i.stream for i in images], [s.frame_start for s in states], fpc)
                 latents = sample_chunk(
                     self.model,
                     ctx,
                     draw(),
                     draw,
                     cond,
-                    self.context.expand(len(ticks), -1, -1),
+                    torch.cat([i.context for i in images]),
                     torch.stack(mouse).to(self.device),
                     torch.stack(keyboard).to(self.device),
                 )
@@ -246,7 +288,10 @@ class MatrixGamePipeline(SessionStateBinding):
                 generator.set_state(state)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions)):
-            self._sessions[tick.session_id] = _Session(session.generator, controls[row], actions[row], caches[row])
+            self._sessions[tick.session_id] = _Session(
+                session.generator, controls[row], actions[row], caches[row], session.image
+            )
+            self._remember(tick)
             self.last_latents[tick.session_id] = latents[row]
         return frames_out
 
@@ -264,6 +309,34 @@ def _to_uint8(video: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(pixels.permute(1, 2, 3, 0).cpu().numpy())
 
 
+def configs_fitting(shapes: dict[str, torch.Size]) -> list[str]:
+    """The configs whose DiT has exactly these parameter names and shapes (built on the meta device: no memory)."""
+    fits = []
+    for name, cfg in CONFIGS.items():
+        with torch.device("meta"):
+            expected = {k: v.shape for k, v in CausalWanDiT(cfg).state_dict().items()}
+        if expected == shapes:
+            fits.append(name)
+    return fits
+
+
+def _dtype(name: str | None, default: str, option: str) -> torch.dtype:
+    name = default if name is None else name
+    if name not in DTYPES:
+        raise ValueError(f"{option} must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _offered_images(image: str | None, images: str | None, cfg: MatrixGameConfig) -> dict[str, torch.Tensor]:
+    """The default (the `image` file, named by its stem, or the built-in picture) first, then the directory's."""
+    default_name = Path(image).stem if image is not None else DEFAULT_NAME
+    offered = {default_name: read_image(image, cfg) if image is not None else default_image(cfg)}
+    for name, path in (image_files(images) if images is not None else {}).items():
+        if name not in offered:  # the `image` option's file may sit in the directory too: it stays the default
+            offered[name] = read_image(path, cfg)
+    return offered
+
+
 def load_matrix_game(
     device: torch.device | str = "cpu",
     *,
@@ -272,7 +345,11 @@ def load_matrix_game(
     random_init: bool = False,
     seed: int = 0,
     dtype: str | None = None,
+    vae_dtype: str | None = None,
     image: str | None = None,
+    images: str | None = None,
+    image_cache: int = 4,
+    condition_frames: int = MAX_CONDITION_FRAMES,
     clip_features: str | None = None,
     dit_file: str | None = None,
     vae_file: str | None = None,
@@ -281,21 +358,24 @@ def load_matrix_game(
 ) -> MatrixGamePipeline:
     """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
 
-    The start image's CLIP tokens come from the CLIP file in the directory
-    (its vision tower runs once, here), or from ``clip_features`` (a file
-    holding a ``[257, 1280]`` tensor named ``clip_features``), which wins;
-    with neither, the image context is zeros (with a warning).
+    Precision as Matrix-Game runs it on CUDA: the DiT, the VAE encoder and
+    the CLIP tower in bf16 (``dtype``), the VAE decoder in fp16
+    (``vae_dtype``); on the CPU everything defaults to fp32.
+
+    Start images' CLIP tokens come from the CLIP file in the directory (its
+    vision tower is kept to encode clients' images), or, for the default
+    image only, from ``clip_features`` (a file holding a ``[257, 1280]``
+    tensor named ``clip_features``), which wins; with neither, the image
+    context is zeros (with a warning).
     """
     device = torch.device(device)
     cfg = get_config(config)
     if (checkpoint is None) == (not random_init):
         raise ValueError("matrix-game-2 needs either checkpoint=DIR or random_init=true (not both)")
-    if dtype is None:
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    torch_dtype = DTYPES[dtype]
-    start = read_image(image, cfg) if image is not None else default_image(cfg)
+    on_cuda = device.type == "cuda"
+    torch_dtype = _dtype(dtype, "bfloat16" if on_cuda else "float32", "dtype")
+    decode_dtype = _dtype(vae_dtype, "float16" if on_cuda else "float32", "vae_dtype")
+    offered = _offered_images(image, images, cfg)
     encoder: ClipImageEncoder | None = None
     # Built without memory, then filled: a 1.3B model is neither default-initialised nor held twice.
     with torch.device("meta"):
@@ -303,10 +383,10 @@ def load_matrix_game(
     model = model.to_empty(device="cpu")
     if checkpoint is not None:
         directory = Path(checkpoint)
-        dit_path = ckpt.find_file(directory, dit_file, ckpt.DIT_FILES, "DiT")
+        dit_path = ckpt.find_file(directory, dit_file, ckpt.dit_files(cfg.dit_file), "DiT")
         vae_path = ckpt.find_file(directory, vae_file, ckpt.VAE_FILES, "VAE")
         clip_path = _optional_file(directory, clip_file, ckpt.CLIP_FILES)
-        ckpt.load_dit(model, dit_path)
+        ckpt.load_dit(model, dit_path, configs_fitting)
         vae_module = build_vae(cfg)
         ckpt.load_vae(vae_module, vae_path)
         if clip_path is not None and clip_features is None:
@@ -319,26 +399,34 @@ def load_matrix_game(
         torch.manual_seed(seed)
         vae_module = build_vae(cfg)  # diffusers' own random init, seeded
         torch.manual_seed(seed + 1)
-        with torch.device(device):
-            encoder = ClipImageEncoder(cfg.clip)
+        encoder = ClipImageEncoder(cfg.clip)
+    features: torch.Tensor | None = None
     if clip_features is not None:
+        encoder = None
         loaded = ckpt.read_state_dict(Path(clip_features))
         features = loaded.get("clip_features", torch.empty(0))
         if features.shape != (cfg.clip_tokens, cfg.clip_dim):
             raise ckpt.CheckpointError(
                 f"{clip_features}: clip_features must be [{cfg.clip_tokens}, {cfg.clip_dim}], got {list(features.shape)}"
             )
-    elif encoder is not None:
-        features = encoder.to(device).encode(start.to(device)).cpu()
-        del encoder  # used once: the tokens are all the DiT needs
-    else:
-        features = torch.zeros(cfg.clip_tokens, cfg.clip_dim)
+    elif encoder is None:
         log.warning("no CLIP file and no clip_features: the image context is zeros")
     model = model.to(device=device, dtype=torch_dtype)
+    # Matrix-Game encodes the start image in bf16 and decodes in fp16 (inference.py): one module, two dtypes.
     vae_module = vae_module.to(device=device)
-    if torch_dtype != torch.float32:
-        vae_module = vae_module.to(dtype=torch_dtype)
-    vae = StreamingVAE(vae_module)
+    for part, part_dtype in (("encoder", torch_dtype), ("quant_conv", torch_dtype), ("post_quant_conv", decode_dtype),
+                             ("decoder", decode_dtype)):
+        getattr(vae_module, part).to(dtype=part_dtype)
+    if encoder is not None:
+        encoder = encoder.to(device=device, dtype=torch_dtype)
     return MatrixGamePipeline(
-        model, vae, device=device, clip_features=features, image=start, session_capacity=session_capacity
+        model,
+        StreamingVAE(vae_module),
+        device=device,
+        images=offered,
+        clip=encoder,
+        clip_features=features,
+        image_cache=image_cache,
+        condition_frames=condition_frames,
+        session_capacity=session_capacity,
     )

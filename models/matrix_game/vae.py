@@ -9,6 +9,13 @@ one-call decode of the whole latent. :meth:`StreamingVAE.decode` never
 changes the cache it is given (the decoder replaces entries; it works on a
 copy of the list) and returns the new one: the pipeline stores it only once
 the whole forward succeeded.
+
+The encoder is causal the same way: :meth:`StreamingVAE.encode_step` encodes
+the first frame alone and then four frames at a time through its own feature
+cache, exactly the steps of diffusers' one-call ``encode``, so the image
+conditioning can be extended a latent frame at a time
+(:class:`~arstream.models.matrix_game.images.ConditionStream`). The encoder and
+decoder may hold different dtypes: Matrix-Game encodes in bf16 and decodes in fp16.
 """
 
 from __future__ import annotations
@@ -42,10 +49,30 @@ class StreamingVAE:
         self.mean = torch.tensor(vae.config.latents_mean, device=param.device).view(shape)
         self.std = torch.tensor(vae.config.latents_std, device=param.device).view(shape)
         self.cache_entries = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        vae.clear_cache()  # sizes diffusers' own encoder cache list: one entry per cached convolution
+        self.encoder_cache_entries = len(vae._enc_feat_map)
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.vae.parameters()).dtype
+        """The decoder's dtype."""
+        return next(self.vae.decoder.parameters()).dtype
+
+    @property
+    def encoder_dtype(self) -> torch.dtype:
+        return next(self.vae.encoder.parameters()).dtype
+
+    @torch.inference_mode()
+    def encode_step(self, video: torch.Tensor, cache: FeatureCache | None) -> tuple[torch.Tensor, FeatureCache]:
+        """One step of the causal encoder: video ``[1, 3, T, H, W]`` in [-1, 1] -> normalised latents ``[16, 1, h, w]``.
+
+        ``cache`` None starts a video (``T`` = 1, the first frame); later steps
+        take 4 frames each. The latent is the posterior's mode (its mean), as
+        Matrix-Game takes it. ``cache`` is not changed; the new one is returned.
+        """
+        work: FeatureCache = [None] * self.encoder_cache_entries if cache is None else list(cache)
+        out = self.vae.encoder(video.to(self.encoder_dtype), feat_cache=work, feat_idx=[0])
+        mean = self.vae.quant_conv(out)[:, : self.vae.config.z_dim]
+        return ((mean.to(self.mean.dtype) - self.mean) / self.std)[0], work
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, cache: FeatureCache | None) -> tuple[torch.Tensor, FeatureCache]:
@@ -81,17 +108,6 @@ class StreamingVAE:
             return [video[row : row + 1] for row in range(rows)], split
         decoded = [self.decode(latents[row : row + 1], caches[row]) for row in range(rows)]
         return [video for video, _ in decoded], [cache for _, cache in decoded]
-
-    @torch.inference_mode()
-    def encode_condition(self, image: torch.Tensor, latent_frames: int) -> torch.Tensor:
-        """Matrix-Game's image conditioning: encode the start image followed by black frames.
-
-        ``image`` ``[3, H, W]`` in [-1, 1] -> normalised latents ``[16, latent_frames, h, w]``.
-        """
-        black = torch.zeros(3, 4 * (latent_frames - 1), *image.shape[1:], device=image.device)
-        video = torch.cat([image[:, None], black], dim=1)[None].to(self.dtype)
-        latents = self.vae.encode(video).latent_dist.mode()
-        return ((latents.to(self.mean.dtype) - self.mean) / self.std)[0]
 
 
 def _same_structure(caches: list[FeatureCache | None]) -> bool:

@@ -39,7 +39,13 @@ CONTROLS_SCHEMA = "arstream.controls"
 
 
 def to_omni_request(tick: TickRequest, chunk_index: int) -> OmniDiffusionRequest:
-    """One tick as a vLLM-Omni request (``chunk_index``: the session's chunk count before this tick)."""
+    """One tick as a vLLM-Omni request (``chunk_index``: the session's chunk count before this tick).
+
+    vLLM-Omni's tick protocol has no start image; the runtime's card offers none, so the transport
+    refuses one before it gets here, and a tick that still carries one is refused rather than run without it.
+    """
+    if tick.start_image is not None:
+        raise ValueError("the vllm-omni runtime takes no start image (vLLM-Omni's tick protocol has no field for it)")
     omni_tick = ARDiffusionTickRequest(
         session_id=tick.session_id,
         request_id=str(tick.request_id),

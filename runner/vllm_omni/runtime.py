@@ -272,4 +272,5 @@ class VllmOmniRunner:
         )
 
     def model_card(self) -> dict[str, Any]:
-        return self.pipeline.model_card()
+        """The pipeline's card without ``start_images``: a start image cannot travel in vLLM-Omni's tick."""
+        return {key: value for key, value in self.pipeline.model_card().items() if key != "start_images"}

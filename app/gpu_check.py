@@ -1,0 +1,435 @@
+"""``arstream bench gpu-check``: the one measurement a lent GPU runs (``scripts/gpu-check.sh``), and its CPU rehearsal.
+
+    arstream bench gpu-check --device cuda --out "$OUT"   # matrix-game-2 1.3b, bf16, 1/2/4/8 sessions
+    arstream bench gpu-check --device cpu                 # the same code path with tiny configs (CI)
+
+Phases, in this order, each written into ``OUT/gpu-check.json`` as soon as it
+ends (so a run cut short by a timeout still returns what it measured):
+
+1. ``h264``: libx264 (app/video.py's encoder) on a synthetic 640x352 panning
+   scene: milliseconds per frame, and what one session's stream costs per
+   second of video at the model's frame rate.
+2. ``tiny_world``: ``bench serve`` at 16 batched sessions (2 on a CPU):
+   server_vs_runner.
+3. ``matrix_game``: ``bench serve`` of matrix-game-2 (random weights, SDPA
+   attention) through the real server over loopback, at 1, 2, 4 and 8
+   sessions (1 and 2 on a CPU) with one server and one bare runner built for
+   the largest count. A session count whose projected time would pass
+   ``--deadline-s`` is skipped (and says so), so the run ends in time.
+
+The last line printed is one JSON object: these phases, ``aims`` (issue 19's
+targets, checked), ``errors`` (a phase that failed, with its message; the
+others still run) and where the ``arstream`` package was imported from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import arstream
+from arstream.app import bench
+from arstream.app.cli import main_for
+from arstream.measure import percentile, print_summary
+from arstream.models.matrix_game.config import get_config
+from arstream.runner.threads import default_torch_threads
+
+H264_WIDTH, H264_HEIGHT = 640, 352  # matrix-game-2 1.3b's frames
+H264_QUALITY = 80  # the server's JPEG/H.264 default (crf 23)
+# Distributions the GPU image has (docs: /work/shared/GPU.md); everything else the server needs is carried.
+IMAGE_DISTRIBUTIONS = frozenset({"torch", "triton", "numpy", "pillow", "safetensors", "sympy", "mpmath", "networkx"})
+# Needed by no code path the check runs, and 4.6 MiB of the 64 MiB the device tool carries: hf-xet (hub
+# downloads; huggingface_hub imports it only to download) and watchfiles (uvicorn's --reload).
+NOT_CARRIED = frozenset({"hf-xet", "watchfiles"})
+CARRIED_EXTRAS = ("video", "wan")  # PyAV for h264, diffusers for matrix-game-2's VAE
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one run measures: full size on a GPU; the same phases, keys and code path with tiny configs on a CPU."""
+
+    matrix_game_options: dict[str, Any]
+    matrix_game_sessions: tuple[int, ...]
+    # chunks per session per repetition: this many over all sessions together, at least min each
+    matrix_game_total_chunks: int
+    matrix_game_min_chunks: int
+    matrix_game_repeat: int
+    tiny_world_sessions: int
+    tiny_world_chunks: int
+    tiny_world_repeat: int
+    warmup_chunks: int
+    h264_frames: int
+    deadline_s: float
+    threads: int = field(default_factory=default_torch_threads)
+
+    def matrix_game_chunks(self, sessions: int) -> int:
+        return max(self.matrix_game_min_chunks, self.matrix_game_total_chunks // sessions)
+
+    def matrix_game_work(self, sessions: int) -> int:
+        """Session-chunks one session count runs on both sides, warm-up included (for the deadline's projection)."""
+        return 2 * sessions * (self.matrix_game_chunks(sessions) * self.matrix_game_repeat + self.warmup_chunks)
+
+
+def profile_for(device: str) -> Profile:
+    if device.startswith("cuda"):
+        return Profile(
+            matrix_game_options={"config": "1.3b", "random_init": True, "dtype": "bfloat16"},
+            matrix_game_sessions=(1, 2, 4, 8),
+            matrix_game_total_chunks=24,
+            matrix_game_min_chunks=6,
+            matrix_game_repeat=2,
+            tiny_world_sessions=16,
+            tiny_world_chunks=32,
+            tiny_world_repeat=3,
+            warmup_chunks=2,
+            h264_frames=100,
+            deadline_s=400.0,
+        )
+    return Profile(
+        matrix_game_options={"config": "tiny", "random_init": True, "dtype": "float32"},
+        matrix_game_sessions=(1, 2),
+        matrix_game_total_chunks=2,
+        matrix_game_min_chunks=2,
+        matrix_game_repeat=1,
+        tiny_world_sessions=2,
+        tiny_world_chunks=4,
+        tiny_world_repeat=1,
+        warmup_chunks=1,
+        h264_frames=12,
+        deadline_s=math.inf,  # CI must see every phase
+        threads=1,
+    )
+
+
+# ---- phase 1: H.264 encode cost -------------------------------------------------------------
+
+
+def panning_scene(width: int, height: int, frames: int, *, step_px: int = 4, seed: int = 0) -> Iterator[np.ndarray]:
+    """uint8 frames of a textured scene panning ``step_px`` a frame (a camera turning): motion and detail to encode.
+
+    Synthetic (no model's output): smooth colour blobs, a horizon, fine grain.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    wide = width + step_px * frames
+    blobs = torch.rand(1, 3, height // 24 + 2, wide // 24 + 2, generator=generator)
+    scene = torch.nn.functional.interpolate(blobs, size=(height, wide), mode="bicubic", align_corners=False)[0]
+    horizon = (torch.arange(height) > height * 0.45).float()[None, :, None]
+    scene = 0.6 * scene + 0.3 * horizon + 0.05 * torch.rand(3, height, wide, generator=generator)
+    pixels = (scene.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    for index in range(frames):
+        yield np.ascontiguousarray(pixels[:, index * step_px : index * step_px + width])
+
+
+def h264_figures(*, frames: int, fps: int, width: int = H264_WIDTH, height: int = H264_HEIGHT) -> dict[str, Any]:
+    """One libx264 stream (the server's settings) over ``frames`` frames: ms and bytes per frame, cost per session."""
+    from arstream.app.video import H264Stream, VideoUnavailable, h264_available
+
+    if not h264_available():
+        raise VideoUnavailable("PyAV with libx264 is not importable here (carry the `av` wheel)")
+    stream = H264Stream(width, height, quality=H264_QUALITY, fps=fps)
+    encode_ms: list[float] = []
+    sizes: list[int] = []
+    keyframe_bytes = 0
+    for picture in panning_scene(width, height, frames):
+        started = time.perf_counter()
+        payload, keyframe = stream.encode(picture)
+        encode_ms.append((time.perf_counter() - started) * 1000)
+        if keyframe and not keyframe_bytes:
+            keyframe_bytes = len(payload)
+        else:
+            sizes.append(len(payload))
+    stream.close()
+    p50 = percentile(encode_ms, 50)
+    return {
+        "width": width,
+        "height": height,
+        "frames": frames,
+        "quality": H264_QUALITY,
+        "encode_ms_per_frame_p50": round(p50, 3),
+        "encode_ms_per_frame_p99": round(percentile(encode_ms, 99), 3),
+        "keyframe_bytes": keyframe_bytes,
+        "bytes_per_frame": round(sum(sizes) / max(len(sizes), 1), 1),
+        "fps": fps,
+        # one session's stream at the model's frame rate: encoder milliseconds per second of video, and
+        # how many such streams one core keeps up with
+        "encode_ms_per_session_second": round(p50 * fps, 2),
+        "sessions_per_core": round(1000 / (p50 * fps), 2),
+    }
+
+
+# ---- phases 2 and 3: bench serve --------------------------------------------------------------
+
+
+def serve_bench_args(
+    model: str, options: dict[str, Any], *, device: str, sessions: int, chunks: int, repeat: int, profile: Profile,
+    codec: str,
+) -> argparse.Namespace:  # fmt: skip
+    """``arstream bench serve``'s own arguments for one phase: batching up to ``sessions`` on both sides."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([
+        "--model", model, "--model-options", json.dumps(options), "--device", device,
+        "--sessions", str(sessions), "--max-batch-sessions", str(sessions), "--chunks", str(chunks),
+        "--repeat", str(repeat), "--warmup-chunks", str(profile.warmup_chunks), "--threads", str(profile.threads),
+        "--codec", codec,
+    ])  # fmt: skip
+
+
+def video_codec() -> str:
+    """h264 where PyAV can encode it (what the demo streams at 640x352), else jpeg; the JSON says which."""
+    from arstream.app.video import h264_available
+
+    return "h264" if h264_available() else "jpeg"
+
+
+def tiny_world_figures(profile: Profile, device: str) -> dict[str, Any]:
+    args = serve_bench_args(
+        "tiny-world", {}, device=device, sessions=profile.tiny_world_sessions, chunks=profile.tiny_world_chunks,
+        repeat=profile.tiny_world_repeat, profile=profile, codec="jpeg",
+    )  # fmt: skip
+    with bench.ServeBench(args) as serve:
+        return serve.measure(profile.tiny_world_sessions, chunks=profile.tiny_world_chunks)
+
+
+def matrix_game_sweep(
+    profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float], save: Callable[[], None]
+) -> None:
+    """bench serve of matrix-game-2 at each session count, into ``report`` (``sessions``, ``skipped``) as it goes."""
+    largest = max(profile.matrix_game_sessions)
+    codec = video_codec()
+    report.update(options=profile.matrix_game_options, codec=codec, attention="sdpa", sessions={}, skipped={})
+    args = serve_bench_args(
+        "matrix-game-2", profile.matrix_game_options, device=device, sessions=largest,
+        chunks=profile.matrix_game_chunks(largest), repeat=profile.matrix_game_repeat, profile=profile, codec=codec,
+    )  # fmt: skip
+    started = time.perf_counter()
+    with bench.ServeBench(args) as serve:
+        report["setup_s"] = round(time.perf_counter() - started, 1)
+        pace_s: float | None = None  # seconds per session-chunk at the last count measured
+        for sessions in profile.matrix_game_sessions:
+            work = profile.matrix_game_work(sessions)
+            if pace_s is not None and pace_s * work > time_left_s():
+                report["skipped"][str(sessions)] = (
+                    f"projected {pace_s * work:.0f} s at the last count's pace, {max(time_left_s(), 0):.0f} s left"
+                )
+                save()
+                continue
+            print(f"== matrix-game-2: {sessions} session(s), {profile.matrix_game_chunks(sessions)} chunks each", flush=True)
+            measured = time.perf_counter()
+            report["sessions"][str(sessions)] = serve.measure(sessions, chunks=profile.matrix_game_chunks(sessions))
+            pace_s = (time.perf_counter() - measured) / work
+            save()
+
+
+# ---- the targets ---------------------------------------------------------------------------------
+
+
+def aims(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 19's aims for one H200, checked against the figures (None where a figure is missing)."""
+    runs = (result.get("matrix_game") or {}).get("sessions", {})
+    one, four = runs.get("1"), runs.get("4")
+    ratios = [run["server_vs_runner_ratio"] for run in runs.values()]
+    if result.get("tiny_world"):
+        ratios.append(result["tiny_world"]["server_vs_runner_ratio"])
+    scaling = {n: round(run["fps_total"] / one["fps_total"], 3) for n, run in runs.items() if one and n != "1"}
+    a2f_p99 = one and one["action_to_frame_ms_p99"]
+    return {
+        "one_session_fps_at_least_25": None if not one else one["fps_per_session"] >= 25,
+        "one_session_action_to_frame_p99_under_300_ms": None if a2f_p99 is None else a2f_p99 < 300,
+        "four_sessions_aggregate_at_least_1_5x_one": None if "4" not in scaling else scaling["4"] >= 1.5,
+        "server_vs_runner_at_least_0_95_everywhere": None if not ratios else min(ratios) >= 0.95,
+        "aggregate_fps_vs_one_session": scaling,
+        "server_vs_runner_min": min(ratios) if ratios else None,
+    }
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def machine(device: str) -> dict[str, Any]:
+    if device.startswith("cuda"):
+        # without a usable CUDA device every phase but h264 fails and says why; the JSON still comes out
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no usable CUDA device"
+    else:
+        name = platform.machine()
+    return {
+        "device": device,
+        "device_name": name,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        # the package actually imported: an installed copy, never a checkout's folder shadowing it
+        "arstream_package": str(Path(arstream.__file__).resolve().parent),
+    }
+
+
+def modules_elsewhere() -> list[str]:
+    """``arstream.*`` modules loaded from outside the ``arstream`` package's folder.
+
+    Empty for an installed copy; a module listed here came from somewhere else
+    (an editable install's finder filling in what the copy lacks, say), which
+    would hide a packaging bug.
+    """
+    package = Path(arstream.__file__).resolve().parent
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "arstream"
+        and getattr(module, "__file__", None)
+        and not Path(module.__file__).resolve().is_relative_to(package)
+    )
+
+
+def write_atomically(path: Path, result: dict[str, Any]) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.carried_requirements:
+        print("\n".join(carried_requirements()))
+        return 0
+    started = time.perf_counter()
+    profile = profile_for(args.device)
+    if args.deadline_s is not None:
+        profile = replace(profile, deadline_s=args.deadline_s)
+    torch.set_num_threads(profile.threads)
+    out_file = Path(args.out) / "gpu-check.json" if args.out else None
+    result: dict[str, Any] = {
+        "check": "arstream bench gpu-check",
+        **machine(args.device),
+        "complete": False,
+        "elapsed_s": 0.0,
+        "h264": None,
+        "tiny_world": None,
+        "matrix_game": None,
+        "aims": None,
+        "errors": {},
+        "arstream_modules_elsewhere": [],
+    }
+
+    def save() -> None:
+        result["elapsed_s"] = round(time.perf_counter() - started, 1)
+        try:
+            result["aims"] = aims(result)
+        except (KeyError, TypeError, ZeroDivisionError) as error:  # a figure missing: the JSON still comes out
+            result["aims"] = {"error": repr(error)}
+        result["arstream_modules_elsewhere"] = modules_elsewhere()
+        if out_file is not None:
+            write_atomically(out_file, result)
+
+    def phase(name: str, measure: Callable[[], Any]) -> None:
+        print(f"== {name} ({time.perf_counter() - started:.0f} s in)", flush=True)
+        try:
+            outcome = measure()
+            if outcome is not None:
+                result[name] = outcome
+        except Exception as error:  # noqa: BLE001 - a failed phase is reported and the others still run
+            traceback.print_exc()
+            result["errors"][name] = f"{type(error).__name__}: {error}"[-2000:]
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            save()
+
+    save()
+    fps = get_config(profile.matrix_game_options["config"]).fps  # a session's stream plays at the model's rate
+    phase("h264", lambda: h264_figures(frames=profile.h264_frames, fps=fps))
+    phase("tiny_world", lambda: tiny_world_figures(profile, args.device))
+    result["matrix_game"] = {}
+    phase(
+        "matrix_game",
+        lambda: matrix_game_sweep(
+            profile,
+            args.device,
+            result["matrix_game"],
+            time_left_s=lambda: profile.deadline_s - (time.perf_counter() - started),
+            save=save,
+        ),
+    )
+    result["complete"] = not result["errors"]
+    save()
+    print_summary(result)
+    return 0 if result["complete"] else 1
+
+
+# ---- what the GPU machine lacks -----------------------------------------------------------------
+
+
+def carried_requirements() -> list[str]:
+    """``name==version`` of every distribution the server and the extras it measures need, beyond the GPU image's.
+
+    Walks the installed ``arstream`` distribution's requirements (with the
+    ``video`` and ``wan`` extras) through this environment's installed
+    distributions, with markers evaluated for CPython 3.12 on x86-64 Linux,
+    and pins what is installed here (the versions the tests ran with).
+    """
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    environment = {
+        "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+        "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+        "implementation_name": "cpython", "platform_python_implementation": "CPython",
+    }  # fmt: skip
+
+    def needed(distribution: str, extras: tuple[str, ...]) -> list[Requirement]:
+        requirements = [Requirement(text) for text in metadata.requires(distribution) or []]
+        return [
+            r
+            for r in requirements
+            if r.marker is None or any(r.marker.evaluate({**environment, "extra": extra}) for extra in ("", *extras))
+        ]
+
+    pinned: dict[str, str] = {}
+    pending = needed("arstream", CARRIED_EXTRAS)
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name in IMAGE_DISTRIBUTIONS | NOT_CARRIED or name.startswith("nvidia-") or name in pinned:
+            continue
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:  # needed on 3.12 only: the newest fitting wheel
+            pinned[name] = f"{name}{requirement.specifier}"
+            continue
+        pinned[name] = f"{name}=={version}"
+        pending += needed(name, tuple(requirement.extras))
+    return sorted(pinned.values())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.add_argument("--device", default="cuda", help="cuda: full size; cpu: tiny configs, same code path")
+    parser.add_argument("--out", help="folder for gpu-check.json, rewritten after every phase")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        help="skip matrix-game session counts projected to end after this many seconds (default: 400 on cuda)",
+    )
+    parser.add_argument(
+        "--carried-requirements",
+        action="store_true",
+        help="print the pinned distributions a GPU image lacks (scripts/gpu-check.sh --fetch-wheels) and exit",
+    )
+
+
+main = main_for("bench", "gpu-check")

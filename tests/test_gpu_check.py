@@ -1,0 +1,155 @@
+"""scripts/gpu-check.sh end to end in its CPU mode, from a fresh clone of HEAD, as it will first meet a GPU.
+
+The GPU machine gets a checkout, not an installed package, and no network; the
+first GPU scripts failed there because Python ran with the checkout root on
+``sys.path`` and its ``arstream/`` folder shadowed the package. This test runs
+the one script the same way (a clone in a temporary folder, the script
+installing that clone itself), on the CPU with tiny configs: the same code
+path and the same JSON keys as on the GPU. The wheels step is skipped because
+this venv already has every package (the script installs wheels only when an
+import fails).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arstream.app import gpu_check
+from arstream.app.gpu_check import carried_requirements
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE_KEYS = (
+    "fps_total", "fps_per_session", "chunk_ms_p50", "chunk_ms_p99", "ttff_ms", "action_to_frame_ms_p50",
+    "action_to_frame_ms_p99", "server_vs_runner_ratio", "server_chunks_per_s", "runner_chunks_per_s",
+)  # fmt: skip
+H264_KEYS = ("encode_ms_per_frame_p50", "encode_ms_per_frame_p99", "keyframe_bytes", "bytes_per_frame",
+             "encode_ms_per_session_second", "sessions_per_core")  # fmt: skip
+
+
+def fresh_clone(target: Path) -> Path:
+    """A clone of this repository at its HEAD commit (what CI or the GPU machine would get; no work-tree edits)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(ROOT), str(target)], check=True)
+    subprocess.run(["git", "checkout", "--quiet", "--detach", head.stdout.strip()], cwd=target, check=True)
+    return target
+
+
+def assert_positive(figures: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        value = figures[key]
+        assert isinstance(value, (int, float)) and value > 0, f"{where}: {key} = {value!r}"
+
+
+# Four processes each import torch and build their models; on a shared 2-core machine under load that can
+# pass the suite's 300 s hang guard, so this test's guard is wider (it is no speed limit).
+@pytest.mark.timeout(1200)
+def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
+    clone = fresh_clone(tmp_path / "clone")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "PYTHONPATH": ""}
+    env.pop("PYTHONSAFEPATH", None)  # the script must set it itself
+    # From the clone's root, as the device tool runs commands: the folder that used to shadow the package.
+    done = subprocess.run(["bash", "scripts/gpu-check.sh", "--cpu"], cwd=clone, env=env, capture_output=True, text=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert json.loads((out / "gpu-check.json").read_text()) == result  # the file that comes back from $OUT
+    assert (out / "gpu-check.txt").read_text().strip().splitlines()[-1] == done.stdout.strip().splitlines()[-1]
+    assert result["complete"] is True and result["errors"] == {} and result["device"] == "cpu"
+    # The package ran from the script's own install of the clone: not this worktree's editable install, not the clone.
+    package = Path(result["arstream_package"])
+    assert not package.is_relative_to(ROOT) and not package.is_relative_to(clone), package
+    assert package.name == "arstream" and result["arstream_modules_elsewhere"] == []
+
+    assert_positive(result["h264"], H264_KEYS, "h264")
+    assert (result["h264"]["width"], result["h264"]["height"]) == (640, 352)
+    tiny = result["tiny_world"]
+    assert tiny["sessions"] == 2 and tiny["server_sessions_per_round"] > 0
+    assert_positive(tiny, SERVE_KEYS, "tiny_world")
+
+    game = result["matrix_game"]
+    assert game["options"]["config"] == "tiny" and game["skipped"] == {}
+    assert sorted(game["sessions"], key=int) == ["1", "2"]
+    for count, figures in game["sessions"].items():
+        assert figures["sessions"] == int(count) and figures["model"] == "matrix-game-2"
+        assert_positive(figures, (*SERVE_KEYS, "dit_ms_per_round_p50", "vae_ms_per_round_p50"), f"{count} sessions")
+        # every session's chunks came back: frames per second add up across sessions
+        assert figures["fps_total"] >= figures["fps_per_session"] * 0.9
+    assert set(result["aims"]) >= {"one_session_fps_at_least_25", "server_vs_runner_at_least_0_95_everywhere"}
+    assert result["aims"]["aggregate_fps_vs_one_session"].keys() == {"2"}
+
+
+def test_the_carried_wheels_are_what_the_gpu_image_lacks() -> None:
+    names = {line.split("==")[0].split(">")[0].split("<")[0] for line in carried_requirements()}
+    # the server's own stack, PyAV for h264, diffusers for matrix-game-2's VAE, and their dependencies
+    assert {"fastapi", "starlette", "uvicorn", "websockets", "httptools", "pydantic-core", "pydantic-settings"} <= names
+    assert {"simplejpeg", "jsonschema", "rpds-py", "opentelemetry-api", "av", "diffusers", "huggingface-hub"} <= names
+    # what the image has (about 3 GB) is never carried
+    assert not names & {"torch", "numpy", "pillow", "safetensors"} and not any(n.startswith("nvidia-") for n in names)
+
+
+class FakeServeBench:
+    """Stands in for bench serve's ServeBench in unit tests of the check's control flow (no server, no model)."""
+
+    measured: list[int] = []
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+
+    def __enter__(self) -> FakeServeBench:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def measure(self, sessions: int, *, chunks: int) -> dict[str, Any]:
+        FakeServeBench.measured.append(sessions)
+        figures = {"fps_total": 10.0 * sessions, "fps_per_session": 10.0, "action_to_frame_ms_p99": 100.0}
+        return {"sessions": sessions, "chunks_per_session": chunks, "server_vs_runner_ratio": 1.0, **figures}
+
+
+def test_a_session_count_projected_past_the_deadline_is_skipped_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check.bench, "ServeBench", FakeServeBench)
+    FakeServeBench.measured = []
+    profile = gpu_check.profile_for("cuda")
+    report: dict[str, Any] = {}
+    saves: list[int] = []
+    # no time left after the first count: every later one is projected past the deadline
+    gpu_check.matrix_game_sweep(profile, "cuda", report, time_left_s=lambda: 0.0, save=lambda: saves.append(1))
+    assert FakeServeBench.measured == [1]
+    assert list(report["sessions"]) == ["1"] and report["sessions"]["1"]["chunks_per_session"] == 24
+    assert sorted(report["skipped"], key=int) == ["2", "4", "8"] and "projected" in report["skipped"]["8"]
+    assert len(saves) == 4  # the JSON is rewritten after each count, measured or skipped
+
+    FakeServeBench.measured = []
+    gpu_check.matrix_game_sweep(profile, "cuda", report := {}, time_left_s=lambda: math.inf, save=lambda: None)
+    assert FakeServeBench.measured == [1, 2, 4, 8] and report["skipped"] == {}
+    assert [report["sessions"][n]["chunks_per_session"] for n in ("1", "2", "4", "8")] == [24, 12, 6, 6]
+
+
+def test_a_failed_phase_is_reported_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_model(profile: Any, device: str) -> dict[str, Any]:
+        raise RuntimeError("tiny-world did not load")
+
+    monkeypatch.setattr(gpu_check, "h264_figures", lambda *, frames, fps: {"encode_ms_per_frame_p50": 1.0})
+    monkeypatch.setattr(gpu_check, "tiny_world_figures", no_model)
+    monkeypatch.setattr(gpu_check.bench, "ServeBench", FakeServeBench)
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["errors"] == {"tiny_world": "RuntimeError: tiny-world did not load"}
+    assert result["complete"] is False and result["tiny_world"] is None
+    assert result["h264"] == {"encode_ms_per_frame_p50": 1.0} and list(result["matrix_game"]["sessions"]) == ["1", "2"]
+    assert result["aims"]["aggregate_fps_vs_one_session"] == {"2": 2.0}
+    assert result["aims"]["one_session_fps_at_least_25"] is False and result["aims"]["server_vs_runner_min"] == 1.0
+    assert json.loads((tmp_path / "gpu-check.json").read_text()) == result
