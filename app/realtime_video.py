@@ -53,6 +53,7 @@ from arstream.app.realtime_video_events import (
     parse_start,
 )
 from arstream.app.session import Session, SessionState
+from arstream.app.start_image import StartImage, StartImageRefused
 from arstream.app.worker import OutcomeKind, TickOutcome
 
 if TYPE_CHECKING:
@@ -159,16 +160,20 @@ class RealtimeVideoConnection:
                 return
             self.hub.unstarted.add(self, self.client_host)
         await ws.accept()
-        # The WebSocket's frame limit leaves room for protocol 1's start images; this dialect's messages are small.
-        limit = ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
-        if limit is not None:
-            limit(self.settings.ws_message_limit(self.settings.max_message_bytes))
+        # Only session.start may carry a picture (image_reference), as only protocol 1's start may.
+        self._limit_messages(self._start_limit())
         if refusal is not None:
             await self._refuse(refusal, ErrorCode.UNAUTHORIZED)
             return
         request = await self._await_start()
         if request is None:
             return
+        self._limit_messages(self.settings.max_message_bytes)
+        start_image = None
+        if request.image is not None:
+            start_image = await self._start_image(*request.image)
+            if start_image is None:
+                return
         # Admitted, the session counts as live; it is registered with no await in between (SessionHub.admit).
         refusal = self.hub.admit(self)  # type: ignore[arg-type]
         if refusal is not None:
@@ -183,6 +188,7 @@ class RealtimeVideoConnection:
             seed=request.start.seed,
             prompt=request.start.prompt,
             max_pending_ticks=self.settings.max_pending_ticks,
+            start_image=start_image,
         )
         session.transition(SessionState.ACTIVE)
         self.session = session
@@ -202,6 +208,19 @@ class RealtimeVideoConnection:
         await self._receive_loop(session)
 
     # ---- before the session exists -----------------------------------------------------
+
+    async def _start_image(self, name: str | None, data: str | None) -> StartImage | None:
+        """The start image ``image_reference`` asked for, or None after refusing (as protocol 1's start.image)."""
+        # Admission is asked before a decode (a session that cannot start is not worth one), claimed after it.
+        refusal = self.hub.admission_refusal() or self.hub.client_cap_refusal(self)  # type: ignore[arg-type]
+        if refusal is not None:
+            await self._refuse(refusal, ErrorCode.OVER_CAPACITY)
+            return None
+        try:
+            return await self.hub.start_images.resolve(name=name, data=data, offered=self.hub.start_image_names)
+        except StartImageRefused as exc:
+            await self._refuse(str(exc), ErrorCode.INVALID_IMAGE)
+            return None
 
     async def _deny_upgrade(self, message: str, code: ErrorCode, status: int, headers: dict[str, str] | None) -> None:
         """Refuse with HTTP ``status`` before the upgrade; the body is the error event."""
@@ -223,8 +242,18 @@ class RealtimeVideoConnection:
         except Exception:  # noqa: BLE001 - a peer that is gone or does not read is left to the transport
             log.debug("session=%s did not take its refusal", self.session_id)
 
-    def _too_large(self, text: str) -> bool:
-        limit = self.settings.max_message_bytes
+    def _start_limit(self) -> int:
+        """The largest ``session.start``: room for a base64 picture when the model offers start images."""
+        return self.settings.max_start_message_bytes if self.hub.start_image_names else self.settings.max_message_bytes
+
+    def _limit_messages(self, max_bytes: int) -> None:
+        """Have the WebSocket refuse frames well over ``max_bytes`` before buffering them (arstream.app.guard)."""
+        limit = self.ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
+        if limit is not None:
+            limit(self.settings.ws_message_limit(max_bytes))
+
+    def _too_large(self, text: str, limit: int | None = None) -> bool:
+        limit = limit or self.settings.max_message_bytes
         return len(text) > limit or len(text.encode()) > limit
 
     async def _await_start(self) -> StartRequest | None:
@@ -240,7 +269,7 @@ class RealtimeVideoConnection:
         if text is None:
             await self._refuse("the first message must be session.start, as JSON text", ErrorCode.START_REQUIRED)
             return None
-        if self._too_large(text):
+        if self._too_large(text, self._start_limit()):
             await self._refuse("session.start message too large", ErrorCode.MESSAGE_TOO_LARGE)
             return None
         try:

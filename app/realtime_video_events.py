@@ -29,7 +29,8 @@ CAMERA_UNITS_PER_DEGREE = 0.1 / 6.0
 # Translation components smaller than this (per frame, Unity units) press no key: the helper's step is 0.05.
 TRANSLATION_DEAD_ZONE = 1e-3
 # Fields of vLLM-Omni's request that ask for something no ARStream model does: refused rather than ignored.
-UNSUPPORTED_FIELDS = ("image_reference", "video_reference", "audio_reference", "lora")
+UNSUPPORTED_FIELDS = ("video_reference", "audio_reference", "lora")
+DATA_URL_BASE64 = ";base64,"
 
 
 class RealtimeVideoError(Exception):
@@ -90,6 +91,7 @@ class SessionStart(BaseModel):
     num_frames: int | None = Field(None, ge=1)
     video_params: VideoParamsBlock | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
+    image_reference: Any = None  # checked by start_image_request: vLLM-Omni's {image_url} or {file_id}
     num_outputs_per_prompt: int = Field(1, ge=1, le=1)
     generate_sound: bool = False
     enable_frame_interpolation: bool = False
@@ -106,10 +108,16 @@ class StartRequest:
     fps: float
     num_frames: int | None  # None: until session.stop
     controls: dict[str, Any] | None  # ARStream's extra_params.controls, the first chunk's controls
+    image: tuple[str | None, str | None] | None  # the start image asked for: (name, base64 data), or None
 
     def config(self) -> dict[str, Any]:
-        """``video.start``'s ``config``: the request as accepted (vLLM-Omni echoes its request, Nones left out)."""
-        echoed = self.start.model_dump(exclude_none=True, exclude={"type", "video_params"})
+        """``video.start``'s ``config``: the request as accepted (vLLM-Omni echoes its request, Nones left out).
+
+        An uploaded image is not echoed back (it may be megabytes); a named one is.
+        """
+        echoed = self.start.model_dump(exclude_none=True, exclude={"type", "video_params", "image_reference"})
+        if self.image is not None and self.image[0] is not None:
+            echoed["image_reference"] = {"file_id": self.image[0]}
         echoed.update(width=self.width, height=self.height, fps=self.fps)
         if self.num_frames is not None:
             echoed["num_frames"] = self.num_frames
@@ -180,7 +188,37 @@ def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
     controls = (start.extra_params or {}).get("controls")
     if controls is not None and not isinstance(controls, dict):
         raise RealtimeVideoError("extra_params.controls must be a JSON object", ErrorCode.INVALID_CONTROLS)
-    return StartRequest(start, card_width, card_height, card_fps, num_frames, controls)
+    image = None if start.image_reference is None else start_image_request(start.image_reference)
+    return StartRequest(start, card_width, card_height, card_fps, num_frames, controls, image)
+
+
+def start_image_request(reference: Any) -> tuple[str | None, str | None]:
+    """vLLM-Omni's ``image_reference`` as ARStream's start image: (name, None) or (None, base64 data).
+
+    ``{"file_id": name}`` names one of the model card's ``start_images``;
+    ``{"image_url": "data:<type>;base64,<data>"}`` uploads a picture, as
+    ``start.image.data`` does. URLs to fetch are refused: the server fetches
+    nothing on a client's behalf.
+    """
+    if isinstance(reference, list):
+        raise RealtimeVideoError("image_reference must be a single image reference.", ErrorCode.INVALID_IMAGE)
+    if isinstance(reference, dict) and set(reference) == {"file_id"} and isinstance(reference["file_id"], str):
+        return reference["file_id"], None
+    url = reference.get("image_url") if isinstance(reference, dict) and set(reference) == {"image_url"} else None
+    if not isinstance(url, str):
+        shapes = '{"image_url": "data:..."} or {"file_id": "..."}'
+        raise RealtimeVideoError(f"image_reference must be {shapes}", ErrorCode.INVALID_IMAGE)
+    if not url.startswith("data:"):
+        raise RealtimeVideoError(
+            "image_reference URLs are not fetched: send the picture as a data: URL, or a file_id naming one of "
+            "the model's start_images",
+            ErrorCode.INVALID_IMAGE,
+        )
+    if DATA_URL_BASE64 not in url:
+        raise RealtimeVideoError(
+            "an image_reference data: URL must be base64 (data:<type>;base64,...)", ErrorCode.INVALID_IMAGE
+        )
+    return None, url.split(DATA_URL_BASE64, 1)[1]
 
 
 def chunks_for_frames(num_frames: int, model_card: dict[str, Any]) -> int:

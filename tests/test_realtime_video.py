@@ -14,6 +14,7 @@ decoded pixels.
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import io
 import json
@@ -27,6 +28,7 @@ from typing import Any
 import av
 import numpy as np
 import pytest
+from PIL import Image
 
 from arstream.app.realtime_video import PATH
 from arstream.app.realtime_video_events import camera_to_controls, chunks_for_frames
@@ -389,7 +391,9 @@ BAD_STARTS: list[tuple[str, dict[str, Any] | str, str]] = [
     ("no prompt", {"type": "session.start", "model": MODEL}, "Invalid session.start"),
     ("size", start_message(size="640x384"), "makes 64x48 video"),
     ("fps", start_message(fps=24), "at 16 fps"),
-    ("image", start_message(image_reference={"image_url": "data:image/png;base64,AAAA"}), "image_reference"),
+    ("image", start_message(image_reference={"image_url": "data:image/png;base64,AAAA"}), "takes no start image"),
+    ("image url", start_message(image_reference={"image_url": "https://example.com/a.png"}), "are not fetched"),
+    ("image list", start_message(image_reference=[{"file_id": "a"}]), "a single image reference"),
     ("seconds", start_message(seconds="0"), "Invalid session.start"),
     ("controls", start_message(extra_params={"controls": {"keys": ["q"]}}), "keys/0"),
 ]
@@ -552,3 +556,30 @@ def test_bench_serve_runs_over_the_dialect(capsys: pytest.CaptureFixture[str]) -
     assert 0 < summary["bytes_per_frame"] < WIDTH * HEIGHT * 3 / 4 and summary["encode_ms_per_frame"] > 0
     assert summary["action_to_frame_ms_p50"] is not None  # camera interactions came back as started chunks
     assert 1 <= summary["server_sessions_per_round"] <= summary["full_round_sessions"] == 2
+
+
+# ---- image_reference: ARStream's start images ----------------------------------------------------------
+
+
+def test_image_reference_starts_the_session_from_a_start_image() -> None:
+    """``{"file_id": name}`` names one of the card's start_images; a data: URL uploads a picture (start.image)."""
+    fake = FakeKVPipeline(width=WIDTH, height=HEIGHT, start_images=("meadow", "canyon"))
+    pixels = np.random.default_rng(3).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    with running_server(fake_settings(model_options={}), fake) as live:
+        named, _ = asyncio.run(run_session(live, start_message(num_frames=4, image_reference={"file_id": "canyon"})))
+        upload = start_message(num_frames=4, image_reference={"image_url": data_url})
+        uploaded, _ = asyncio.run(run_session(live, upload))
+    seen: dict[str, list[Any]] = {}
+    for session_id, image in fake.start_images_seen:
+        seen.setdefault(session_id, []).append(image)
+    named_id, uploaded_id = (s.of_type("video.start")[0]["session_id"] for s in (named, uploaded))
+    assert named.of_type("video.start")[0]["config"]["image_reference"] == {"file_id": "canyon"}
+    assert [image.name for image in seen[named_id]] == ["canyon", "canyon"]
+    assert "image_reference" not in uploaded.of_type("video.start")[0]["config"]  # no megabytes echoed back
+    assert len(seen[uploaded_id]) == 2
+    for image in seen[uploaded_id]:
+        assert image.name is None
+        np.testing.assert_array_equal(image.pixels, pixels)
