@@ -583,3 +583,22 @@ def test_image_reference_starts_the_session_from_a_start_image() -> None:
     for image in seen[uploaded_id]:
         assert image.name is None
         np.testing.assert_array_equal(image.pixels, pixels)
+
+
+def test_shutdown_ends_a_streaming_session_with_server_shutdown() -> None:
+    with running_server(fake_settings(model_options={"width": WIDTH, "height": HEIGHT})) as live:
+
+        async def streaming_when_stopped() -> tuple[list[dict[str, Any]], int | None]:
+            async with session_client(video_url(live)) as client:
+                await client.send(**start_message())
+                await read_until_done(client, Stream(), until="video.chunk_metadata")
+                assert live.server is not None
+                live.server.should_exit = True  # what SIGINT/SIGTERM do
+                closed = await client.closed_by_server()
+                return closed.messages, closed.code
+
+        messages, code = asyncio.run(streaming_when_stopped())
+        assert live.thread is not None
+        live.thread.join(30)
+    last = messages[-1]
+    assert (last["type"], last["code"], code) == ("error", "server_shutdown", 1001), messages
