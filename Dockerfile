@@ -20,8 +20,9 @@ COPY static ./static
 RUN python -m pip install --no-cache-dir ".[video,wan]" \
     && groupadd --gid 10001 arstream \
     && useradd --create-home --uid 10001 --gid 10001 arstream \
-    && mkdir -p /models \
-    && chown arstream /models
+    && mkdir -p /models /run/arstream-gpus \
+    && chown arstream /models /run/arstream-gpus
+COPY deploy/replica-entrypoint.sh /usr/local/bin/arstream-replica
 
 USER 10001:10001
 ENV ARSTREAM_HOST=0.0.0.0 \
@@ -32,4 +33,5 @@ VOLUME ["/models"]
 # Loading and warming a large model takes a while: the start period covers it.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-ENTRYPOINT ["python", "-m", "arstream", "serve"]
+# The replica id and GPU a scaled compose service cannot give each container (deploy/replica-entrypoint.sh).
+ENTRYPOINT ["arstream-replica"]

@@ -36,6 +36,7 @@ from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_pa
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
+from arstream.app.metrics import ReplicaCollector
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
 
@@ -73,6 +74,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     app.state.hub = hub
     app.state.refusals = hub.refusals
     app.state.agent = None
+    hub.metrics.registry.register(ReplicaCollector(hub))
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HostCheck, patterns=allowed_host_patterns(settings))
 

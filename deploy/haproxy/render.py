@@ -8,6 +8,11 @@ Each ``--replica NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]`` is one ``arstream serve
 ``--replica-id``); MAXCONN, the replica's session capacity until its agent check reports (``maxconn:`` in
 app/balancer.py), defaults to ``--maxconn``; AGENT_PORT, its ``--agent-port``, to ``--agent-port``.
 Template lines starting with ``@each `` repeat once per replica.
+
+``--compose SERVICE=COUNT`` declares COUNT server slots for a scaled compose service: SERVICE-1 ..
+SERVICE-COUNT at PROJECT-SERVICE-i:8000 (the container names, resolved by Docker's DNS while HAProxy
+runs; a slot with no container stays in maintenance). deploy/replica-entrypoint.sh gives each container
+the replica id SERVICE-i, so resumes find it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ def parse_replica(text: str, default_maxconn: int, default_agent_port: int = 800
     return Replica(name, address, count, agent_port)
 
 
+def compose_slots(text: str, project: str, default_maxconn: int, agent_port: int) -> list[Replica]:
+    service, eq, count = text.partition("=")
+    if not eq or not REPLICA_NAME.match(service) or not count.isdigit() or not 0 < int(count) <= 64:
+        raise ValueError(f"expected SERVICE=COUNT with COUNT 1-64; got {text!r}")
+    names = [f"{service}-{i}" for i in range(1, int(count) + 1)]
+    return [Replica(name, f"{project}-{name}:8000", default_maxconn, agent_port) for name in names]
+
+
 def render(
     replicas: list[Replica],
     *,
@@ -89,7 +102,9 @@ def render(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replica", action="append", required=True, metavar="NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]")
+    parser.add_argument("--replica", action="append", default=[], metavar="NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]")
+    parser.add_argument("--compose", action="append", default=[], metavar="SERVICE=COUNT", help="server slots")
+    parser.add_argument("--compose-project", default="arstream", help="compose project name (default arstream)")
     parser.add_argument("--maxconn", type=int, default=4, help="sessions per replica when a replica names none")
     parser.add_argument("--agent-port", type=int, default=8001, help="replicas' --agent-port (default 8001)")
     parser.add_argument("--bind", default=":8080", help="where clients connect (default :8080)")
@@ -103,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         replicas = [parse_replica(text, args.maxconn, args.agent_port) for text in args.replica]
+        for text in args.compose:
+            replicas += compose_slots(text, args.compose_project, args.maxconn, args.agent_port)
         text = render(
             replicas,
             bind=args.bind,
