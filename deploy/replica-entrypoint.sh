@@ -13,11 +13,12 @@ if [ -z "${ARSTREAM_REPLICA_ID:-}" ]; then
 import socket
 try:
     address = socket.gethostbyname(socket.gethostname())
-    print(socket.gethostbyaddr(address)[0].split(".")[0])
+    print(socket.gethostbyaddr(address)[0])
 except OSError:
     pass
 PY
 )
+    name=${name%%.*}  # arstream-replica-3.arstream_default -> arstream-replica-3
     project=${ARSTREAM_COMPOSE_PROJECT:-arstream}
     case "$name" in
         "$project"-*) export ARSTREAM_REPLICA_ID=${name#"$project"-} ;;
