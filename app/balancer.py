@@ -11,8 +11,10 @@ read one line), what it may send:
 * ``maxconn:N``, with N = the slots free for new sessions plus the session
   connections the asking balancer already holds here (HAProxy compares N with
   its own count of connections to the server, so N - held is what it may add);
-* ``drain`` when N is 0 (HAProxy's maxconn 0 would mean "no limit"), ``ready``
-  otherwise. A drained server still takes resumes (they are persistent).
+* weight ``0%`` when N is 0 (HAProxy's maxconn 0 would mean "no limit"; its
+  statistics show weight 0), ``100%`` otherwise. A server at weight 0
+  still takes resumes (they are persistent). Weights, not the ``drain`` and
+  ``ready`` words: ``ready`` would cancel a drain or maintenance an operator set.
 
 Which connections the asking balancer holds: HAProxy stamps every session
 request it forwards, and every health check, with ``X-ARStream-Balancer:
@@ -117,8 +119,8 @@ def agent_reply(hub: SessionHub, ledger: BalancerLedger, address: str) -> str:
         return f"down #{reason}\n"
     maxconn = free_slots(hub) + ledger.held_by_newest_at(address)
     if maxconn == 0:
-        return "up drain\n"
-    return f"up ready maxconn:{maxconn}\n"
+        return "up 0%\n"
+    return f"up 100% maxconn:{maxconn}\n"
 
 
 async def start_agent(hub: SessionHub, ledger: BalancerLedger, host: str, port: int) -> asyncio.Server:

@@ -196,10 +196,17 @@ async def settle(condition: Callable[[], bool], what: str) -> None:
     await asyncio.to_thread(wait_until, condition, what)
 
 
+def state(row: dict[str, str]) -> str:
+    """UP, DOWN (from the health or the agent check), or NO ROOM: up, but the agent set its weight to 0."""
+    if row["status"].startswith("UP") and row["weight"] == "0":
+        return "NO ROOM"
+    return row["status"].split(" ")[0]
+
+
 def wait_heard(lb: Balancer, expected: dict[str, str]) -> None:
-    """Until HAProxy shows each server in the given state (UP, DRAIN, DOWN...), from its checks and agent."""
+    """Until HAProxy shows each server in the given state (see :func:`state`), from its checks and agent."""
     wait_until(
-        lambda: all(lb.row("sessions", name)["status"].startswith(state) for name, state in expected.items()),
+        lambda: all(state(lb.row("sessions", name)) == wanted for name, wanted in expected.items()),
         f"HAProxy shows {expected}",
     )
 
@@ -288,9 +295,11 @@ def test_after_a_reload_new_sessions_avoid_replicas_full_of_the_old_process_sess
                 for client in [c for c in clients if placed(c) == "r1"]:
                     await close(client)
                 old = await asyncio.to_thread(lb.reload)
+                stack.callback(old.wait, STOP_GUARD_S)
+                stack.callback(old.kill)
                 assert old.poll() is None, "the old process should keep r0's two sessions"
                 # The new process has heard r0's agent: r0's slots are taken, by connections it cannot see.
-                await asyncio.to_thread(wait_heard, lb, {"r0": "DRAIN", "r1": "UP"})
+                await asyncio.to_thread(wait_heard, lb, {"r0": "NO ROOM", "r1": "UP"})
                 outcomes = [await start_or_refusal(lb.ws_url, sessions) for _ in range(2)]
                 where = [o if isinstance(o, str) else placed(o) for o in outcomes]
                 assert where == ["r1", "r1"], f"2 new sessions after the reload, r0 full: {where}"

@@ -70,8 +70,8 @@ class Cluster:
         return next(r for r in self.haproxy_rows() if (r["pxname"], r["svname"]) == (backend, server))
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + POLL_GUARD_S
+def wait_until(condition: Callable[[], bool], what: str, guard_s: float = POLL_GUARD_S) -> None:
+    deadline = time.monotonic() + guard_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
@@ -225,8 +225,12 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
             await asyncio.to_thread(
                 wait_until, lambda: cluster.replicas["r1"][1] != killed_pid, "local-cluster.sh restarts r1"
             )
+            # A new replica process loads torch and its model first: the start-up guard.
             await asyncio.to_thread(
-                wait_until, lambda: cluster.server_row("sessions", "r1")["status"] == "UP", "HAProxy sees r1 again"
+                wait_until,
+                lambda: cluster.server_row("sessions", "r1")["status"] == "UP",
+                "HAProxy sees r1 again",
+                STARTUP_GUARD_S,
             )
             async with session_client(cluster.ws_url, start={}) as survivor_session:
                 assert (await one_chunk(survivor_session, 0))["chunk_index"] == 0
