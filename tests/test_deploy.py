@@ -152,7 +152,7 @@ def test_alert_rules_pass_their_unit_tests() -> None:
 def test_the_alert_unit_tests_fail_a_rule_that_never_fires(tmp_path: Path) -> None:
     """Negative control: the same unit tests against rules whose overload threshold cannot be crossed."""
     rules = (DEPLOY / "prometheus" / "alerts.yml").read_text()
-    broken = rules.replace("> on (replica) arstream_chunk_period_seconds", "> on (replica) arstream_chunk_period_seconds * 1e9")
+    broken = rules.replace("> on (replica) arstream_realtime_capacity_sessions", "> on (replica) arstream_realtime_capacity_sessions * 1e9")
     assert broken != rules
     (tmp_path / "alerts.yml").write_text(broken)
     (tmp_path / "alerts.test.yml").write_text((DEPLOY / "prometheus" / "alerts.test.yml").read_text())
