@@ -29,6 +29,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from arstream.app.balancer import BalancerLedger
 from servers import (
     REPO_ROOT,
     RECEIVE_GUARD_S,
@@ -164,7 +165,10 @@ class Sessions:
         self.contexts: list[Any] = []
 
     async def open(self, url: str, **start: Any) -> SessionClient:
-        context = session_client(url, start=start)
+        return await self.open_with(url, start=start)
+
+    async def open_with(self, url: str, *, start: dict[str, Any] | None = None, headers: Any = None) -> SessionClient:
+        context = session_client(url, start=start if start is not None else {}, headers=headers)
         client = await context.__aenter__()
         self.contexts.append(context)
         return client
@@ -409,3 +413,69 @@ def test_private_routes_are_not_on_the_public_port(tmp_path: Path, path: str) ->
             answer = httpx.get(private + path, timeout=10.0)
             assert answer.status_code == 200 and ("arstream_sessions_connected" in answer.text or "kv" in answer.json())
         assert httpx.get(lb.url + "/readyz", timeout=10.0).status_code == 200
+
+
+# ---- the replica's side, without HAProxy ----------------------------------------------------------
+
+
+def agent_line(server: LiveServer) -> str:
+    with socket.create_connection(("127.0.0.1", agent_port(server)), timeout=10.0) as sock:
+        data = b""
+        while chunk := sock.recv(256):
+            data += chunk
+    return data.decode()
+
+
+def test_the_ledger_takes_the_newest_balancer_at_each_address() -> None:
+    now = [0.0]
+    ledger = BalancerLedger(clock=lambda: now[0])
+    ledger.heard("10.0.0.5", "lb/100")
+    now[0] = 1.0
+    ledger.heard("10.0.0.5", "lb/200")  # a reload: a new process
+    now[0] = 2.0
+    ledger.heard("10.0.0.5", "lb/100")  # the old one still checking does not win back
+    ledger.heard("10.0.0.6", "other/7")
+    for junk in (None, "", "lb", "lb/x", "lb/1/2", "a b/1", "x" * 70 + "/1"):
+        ledger.heard("10.0.0.5", junk)
+    assert ledger.newest_at("10.0.0.5") == "lb/200" and ledger.newest_at("10.0.0.6") == "other/7"
+    with ledger.connection("lb/100"), ledger.connection("lb/200"), ledger.connection("lb/200"), ledger.connection(None):
+        assert ledger.held_by_newest_at("10.0.0.5") == 2 and ledger.held_by_newest_at("10.0.0.6") == 0
+    assert ledger.held_by_newest_at("10.0.0.5") == 0
+    for pid in range(300, 320):  # many restarts: a bounded memory, the newest still wins
+        now[0] += 1.0
+        ledger.heard("10.0.0.5", f"lb/{pid}")
+    assert ledger.newest_at("10.0.0.5") == "lb/319"
+
+
+def test_the_agent_reports_loading_free_slots_and_no_room() -> None:
+    loading = SlowWarmupFakePipeline()
+    with running_server(fake_settings(agent_port=0), loading, wait_ready=False) as slow:
+        try:
+            assert agent_line(slow).startswith("down #the model is loading")
+        finally:
+            loading.release_warmup.set()
+        slow.wait_ready()
+    with replica("r0") as server:
+        assert agent_line(server) == f"up 100% maxconn:{CAPACITY}\n"
+        stamp = [("X-ARStream-Balancer", "lb/42")]
+        assert server.get("/healthz", headers=dict(stamp)).status_code == 200  # lb/42 checks from 127.0.0.1
+
+        async def scenario() -> list[str]:
+            lines = []
+            sessions = Sessions()
+            try:
+                ours = await sessions.open_with(server.ws_url, headers=stamp)
+                # lb/42's own session: it may still hold CAPACITY here (it counts this one itself).
+                lines.append(await asyncio.to_thread(agent_line, server))
+                await sessions.open_with(server.ws_url)
+                # One it cannot see (another balancer's, or straight in): it may keep its one, add none.
+                lines.append(await asyncio.to_thread(agent_line, server))
+                await close(ours)
+                await sessions.open_with(server.ws_url)
+                # Full of sessions it cannot see: weight 0.
+                lines.append(await asyncio.to_thread(agent_line, server))
+            finally:
+                await sessions.close_all()
+            return lines
+
+        assert asyncio.run(scenario()) == [f"up 100% maxconn:{CAPACITY}\n", "up 100% maxconn:1\n", "up 0%\n"]
