@@ -109,7 +109,7 @@ def free_slots(hub: SessionHub) -> int:
         capacity = hub.realtime_capacity()
         if capacity is not None:
             slots = min(slots, capacity.sessions)
-    return max(0, slots - len(hub.connections) - hub.resume.resuming_count)
+    return max(0, slots - len(hub.connections) - len(hub.resume.resuming))
 
 
 def agent_reply(hub: SessionHub, ledger: BalancerLedger, address: str) -> str:

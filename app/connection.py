@@ -317,6 +317,7 @@ class Connection:
             if refusal is not None:
                 hint = token_hint(token)
                 log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
+                self.hub.metrics.resumes.labels(outcome="refused").inc()
                 await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
                 return None
             resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)

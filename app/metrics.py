@@ -102,7 +102,7 @@ class ServerMetrics:
         )
         self.websocket_open = Gauge("arstream_websocket_open", "WebSocket connections open now", registry=registry)
         self.resumes = Counter(
-            "arstream_resumes", "Resume attempts, by outcome (resumed, refused)", ["outcome"], registry=registry
+            "arstream_resumes", "Resume attempts, by outcome (resumed; refused: resume_failed or over_capacity)", ["outcome"], registry=registry
         )
         for outcome in ("resumed", "refused"):
             self.resumes.labels(outcome=outcome)  # both series exist from the start, so rates are never empty
