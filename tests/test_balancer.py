@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +153,27 @@ def balancer(tmp_path: Path, replicas: dict[str, LiveServer], *args: str) -> Ite
         lb.stop()
 
 
+@contextmanager
+def two_replicas(tmp_path: Path) -> Iterator[tuple[dict[str, LiveServer], Balancer, ExitStack]]:
+    """Replicas r0 and r1 behind HAProxy checking every 200 ms; the stack, for more clean-up."""
+    with ExitStack() as stack:
+        replicas = {name: stack.enter_context(replica(name)) for name in ("r0", "r1")}
+        yield replicas, stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms")), stack
+
+
+def run_sessions(scenario: Callable[[Sessions], Awaitable[None]]) -> None:
+    """Run ``scenario`` in a new event loop; every session it opened is closed after it."""
+
+    async def main() -> None:
+        sessions = Sessions()
+        try:
+            await scenario(sessions)
+        finally:
+            await sessions.close_all()
+
+    asyncio.run(main())
+
+
 def placed(client: SessionClient) -> str:
     assert client.ready is not None
     return client.ready["resume"]["token"].split(".", 1)[0]
@@ -217,104 +238,86 @@ def wait_heard(lb: Balancer, expected: dict[str, str]) -> None:
 
 def test_a_full_cluster_after_an_haproxy_restart_queues_new_sessions(tmp_path: Path) -> None:
     """Old config: the resumed sessions counted nowhere, so 4/4 new sessions got over_capacity at once."""
-    with ExitStack() as stack:
-        replicas = {name: stack.enter_context(replica(name)) for name in ("r0", "r1")}
-        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
-        sessions = Sessions()
+    with two_replicas(tmp_path) as (replicas, lb, stack):
 
-        async def scenario() -> None:
-            try:
-                clients = [await sessions.open(lb.ws_url) for _ in range(4)]
-                assert sorted(placed(c) for c in clients) == ["r0", "r0", "r1", "r1"]
-                tokens = [c.ready["resume"]["token"] for c in clients if c.ready]
-                lb.kill()  # every tunnel through it is cut: the sessions detach on their replicas
-                await settle(
-                    lambda: all(r.stats()["sessions"]["detached"] == 2 for r in replicas.values()), "all detached"
-                )
-                await asyncio.to_thread(lb.start)
-                resumed = [await sessions.open(f"{lb.ws_url}?resume={t}", resume=t) for t in tokens]
-                assert all(c.ready and c.ready["resumed"] for c in resumed)
-                await asyncio.to_thread(wait_heard, lb, {"r0": "UP", "r1": "UP"})
-                # A new session now waits in HAProxy's queue for a slot ...
-                newcomer = asyncio.create_task(start_or_refusal(lb.ws_url, sessions))
-                await settle(
-                    lambda: newcomer.done() or lb.row("sessions", "BACKEND")["qcur"] == "1", "queued or answered"
-                )
-                assert not newcomer.done(), f"a new session was answered at once: {newcomer.result()}"
-                # ... and starts where a slot frees.
-                leaving = next(c for c in resumed if placed(c) == "r1")
-                await close(leaving)
-                arrived = await asyncio.wait_for(newcomer, RECEIVE_GUARD_S)
-                assert isinstance(arrived, SessionClient) and placed(arrived) == "r1", arrived
-            finally:
-                await sessions.close_all()
+        async def scenario(sessions: Sessions) -> None:
+            clients = [await sessions.open(lb.ws_url) for _ in range(4)]
+            assert sorted(placed(c) for c in clients) == ["r0", "r0", "r1", "r1"]
+            tokens = [c.ready["resume"]["token"] for c in clients if c.ready]
+            lb.kill()  # every tunnel through it is cut: the sessions detach on their replicas
+            await settle(
+                lambda: all(r.stats()["sessions"]["detached"] == 2 for r in replicas.values()), "all detached"
+            )
+            await asyncio.to_thread(lb.start)
+            resumed = [await sessions.open(f"{lb.ws_url}?resume={t}", resume=t) for t in tokens]
+            assert all(c.ready and c.ready["resumed"] for c in resumed)
+            await asyncio.to_thread(wait_heard, lb, {"r0": "UP", "r1": "UP"})
+            # A new session now waits in HAProxy's queue for a slot ...
+            newcomer = asyncio.create_task(start_or_refusal(lb.ws_url, sessions))
+            await settle(
+                lambda: newcomer.done() or lb.row("sessions", "BACKEND")["qcur"] == "1", "queued or answered"
+            )
+            assert not newcomer.done(), f"a new session was answered at once: {newcomer.result()}"
+            # ... and starts where a slot frees.
+            leaving = next(c for c in resumed if placed(c) == "r1")
+            await close(leaving)
+            arrived = await asyncio.wait_for(newcomer, RECEIVE_GUARD_S)
+            assert isinstance(arrived, SessionClient) and placed(arrived) == "r1", arrived
 
-        asyncio.run(scenario())
+        run_sessions(scenario)
 
 
 def test_new_sessions_go_where_resumed_sessions_left_room(tmp_path: Path) -> None:
     """Old config: resumes had their own backend, so new sessions went to the replica they filled (3/3 refused)."""
-    with ExitStack() as stack:
-        replicas = {name: stack.enter_context(replica(name)) for name in ("r0", "r1")}
-        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
-        sessions = Sessions()
+    with two_replicas(tmp_path) as (replicas, lb, stack):
 
-        async def scenario() -> None:
-            try:
-                clients = [await sessions.open(lb.ws_url) for _ in range(4)]
-                on_r0 = [c for c in clients if placed(c) == "r0"]
-                on_r1 = [c for c in clients if placed(c) == "r1"]
-                # r0's two sessions drop and come back as resumes; one of r1's leaves: r1 has the only free slot.
-                tokens = [c.ready["resume"]["token"] for c in on_r0 if c.ready]
-                for client in on_r0:
-                    client.abort()
-                await settle(lambda: replicas["r0"].stats()["sessions"]["detached"] == 2, "r0's sessions detached")
-                for token in tokens:
-                    await sessions.open(f"{lb.ws_url}?resume={token}", resume=token)
-                await close(on_r1[0])
-                await settle(lambda: replicas["r1"].stats()["sessions"]["connected"] == 1, "r1 has a free slot")
-                outcomes = []
-                for _ in range(3):
-                    outcome = await start_or_refusal(lb.ws_url, sessions)
-                    outcomes.append(outcome if isinstance(outcome, str) else placed(outcome))
-                    if not isinstance(outcome, str):
-                        break
-                assert outcomes == ["r1"], f"new sessions while r1 had the only free slot: {outcomes}"
-            finally:
-                await sessions.close_all()
+        async def scenario(sessions: Sessions) -> None:
+            clients = [await sessions.open(lb.ws_url) for _ in range(4)]
+            on_r0 = [c for c in clients if placed(c) == "r0"]
+            on_r1 = [c for c in clients if placed(c) == "r1"]
+            # r0's two sessions drop and come back as resumes; one of r1's leaves: r1 has the only free slot.
+            tokens = [c.ready["resume"]["token"] for c in on_r0 if c.ready]
+            for client in on_r0:
+                client.abort()
+            await settle(lambda: replicas["r0"].stats()["sessions"]["detached"] == 2, "r0's sessions detached")
+            for token in tokens:
+                await sessions.open(f"{lb.ws_url}?resume={token}", resume=token)
+            await close(on_r1[0])
+            await settle(lambda: replicas["r1"].stats()["sessions"]["connected"] == 1, "r1 has a free slot")
+            outcomes = []
+            for _ in range(3):
+                outcome = await start_or_refusal(lb.ws_url, sessions)
+                outcomes.append(outcome if isinstance(outcome, str) else placed(outcome))
+                if not isinstance(outcome, str):
+                    break
+            assert outcomes == ["r1"], f"new sessions while r1 had the only free slot: {outcomes}"
 
-        asyncio.run(scenario())
+        run_sessions(scenario)
 
 
 def test_after_a_reload_new_sessions_avoid_replicas_full_of_the_old_process_sessions(tmp_path: Path) -> None:
     """Old config: the reloaded process counted from zero; 2 new sessions split 1/1 over a 2/0 load."""
-    with ExitStack() as stack:
-        replicas = {name: stack.enter_context(replica(name)) for name in ("r0", "r1")}
-        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
-        sessions = Sessions()
+    with two_replicas(tmp_path) as (replicas, lb, stack):
 
-        async def scenario() -> None:
-            try:
-                clients = [await sessions.open(lb.ws_url) for _ in range(4)]
-                for client in [c for c in clients if placed(c) == "r1"]:
+        async def scenario(sessions: Sessions) -> None:
+            clients = [await sessions.open(lb.ws_url) for _ in range(4)]
+            for client in [c for c in clients if placed(c) == "r1"]:
+                await close(client)
+            old = await asyncio.to_thread(lb.reload)
+            stack.callback(old.wait, STOP_GUARD_S)
+            stack.callback(old.kill)
+            assert old.poll() is None, "the old process should keep r0's two sessions"
+            # The new process has heard r0's agent: r0's slots are taken, by connections it cannot see.
+            await asyncio.to_thread(wait_heard, lb, {"r0": "NO ROOM", "r1": "UP"})
+            outcomes = [await start_or_refusal(lb.ws_url, sessions) for _ in range(2)]
+            where = [o if isinstance(o, str) else placed(o) for o in outcomes]
+            assert where == ["r1", "r1"], f"2 new sessions after the reload, r0 full: {where}"
+            for client in clients:
+                if placed(client) == "r0":
                     await close(client)
-                old = await asyncio.to_thread(lb.reload)
-                stack.callback(old.wait, STOP_GUARD_S)
-                stack.callback(old.kill)
-                assert old.poll() is None, "the old process should keep r0's two sessions"
-                # The new process has heard r0's agent: r0's slots are taken, by connections it cannot see.
-                await asyncio.to_thread(wait_heard, lb, {"r0": "NO ROOM", "r1": "UP"})
-                outcomes = [await start_or_refusal(lb.ws_url, sessions) for _ in range(2)]
-                where = [o if isinstance(o, str) else placed(o) for o in outcomes]
-                assert where == ["r1", "r1"], f"2 new sessions after the reload, r0 full: {where}"
-                for client in clients:
-                    if placed(client) == "r0":
-                        await close(client)
-                old.wait(STOP_GUARD_S)  # its last connection gone, the old process exits
-            finally:
-                await sessions.close_all()
+            old.wait(STOP_GUARD_S)  # its last connection gone, the old process exits
 
-        asyncio.run(scenario())
+        run_sessions(scenario)
 
 
 def test_a_loading_replica_gets_no_new_sessions(tmp_path: Path) -> None:
@@ -325,22 +328,18 @@ def test_a_loading_replica_gets_no_new_sessions(tmp_path: Path) -> None:
         slow = stack.enter_context(replica("r1", loading, wait_ready=False))
         stack.callback(loading.release_warmup.set)
         lb = stack.enter_context(balancer(tmp_path, {"r0": ready, "r1": slow}, "--check-interval", "200ms"))
-        sessions = Sessions()
 
-        async def scenario() -> None:
-            try:
-                await asyncio.to_thread(wait_heard, lb, {"r0": "UP", "r1": "DOWN"})
-                outcomes = [await start_or_refusal(lb.ws_url, sessions) for _ in range(2)]
-                where = [o if isinstance(o, str) else placed(o) for o in outcomes]
-                assert where == ["r0", "r0"], f"2 new sessions while r1 loads: {where}"
-                loading.release_warmup.set()
-                await asyncio.to_thread(wait_heard, lb, {"r1": "UP"})
-                third = await start_or_refusal(lb.ws_url, sessions)
-                assert not isinstance(third, str) and placed(third) == "r1", third
-            finally:
-                await sessions.close_all()
+        async def scenario(sessions: Sessions) -> None:
+            await asyncio.to_thread(wait_heard, lb, {"r0": "UP", "r1": "DOWN"})
+            outcomes = [await start_or_refusal(lb.ws_url, sessions) for _ in range(2)]
+            where = [o if isinstance(o, str) else placed(o) for o in outcomes]
+            assert where == ["r0", "r0"], f"2 new sessions while r1 loads: {where}"
+            loading.release_warmup.set()
+            await asyncio.to_thread(wait_heard, lb, {"r1": "UP"})
+            third = await start_or_refusal(lb.ws_url, sessions)
+            assert not isinstance(third, str) and placed(third) == "r1", third
 
-        asyncio.run(scenario())
+        run_sessions(scenario)
 
 
 def test_new_sessions_survive_a_dead_replica_before_its_health_check_notices(tmp_path: Path) -> None:
@@ -353,25 +352,21 @@ def test_new_sessions_survive_a_dead_replica_before_its_health_check_notices(tmp
         lb = stack.enter_context(
             balancer(tmp_path, {"r0": survivor, "r1": doomed}, "--check-interval", "20s", "--maxconn", str(CAPACITY))
         )
-        sessions = Sessions()
 
-        async def scenario() -> None:
-            try:
-                await asyncio.to_thread(doomed_stack.close)  # r1 stops: its port refuses connections
-                assert lb.row("sessions", "r1")["status"].startswith("UP")
-                outcomes = []
-                for _ in range(CAPACITY):
-                    try:
-                        outcome = await start_or_refusal(lb.ws_url, sessions)
-                        outcomes.append(outcome if isinstance(outcome, str) else placed(outcome))
-                    except InvalidStatus as refused:
-                        outcomes.append(f"HTTP {refused.response.status_code}")
-                # Least connections offers the dead replica every other arrival.
-                assert outcomes == ["r0"] * CAPACITY, f"new sessions while r1 is dead, not yet marked down: {outcomes}"
-            finally:
-                await sessions.close_all()
+        async def scenario(sessions: Sessions) -> None:
+            await asyncio.to_thread(doomed_stack.close)  # r1 stops: its port refuses connections
+            assert lb.row("sessions", "r1")["status"].startswith("UP")
+            outcomes = []
+            for _ in range(CAPACITY):
+                try:
+                    outcome = await start_or_refusal(lb.ws_url, sessions)
+                    outcomes.append(outcome if isinstance(outcome, str) else placed(outcome))
+                except InvalidStatus as refused:
+                    outcomes.append(f"HTTP {refused.response.status_code}")
+            # Least connections offers the dead replica every other arrival.
+            assert outcomes == ["r0"] * CAPACITY, f"new sessions while r1 is dead, not yet marked down: {outcomes}"
 
-        asyncio.run(scenario())
+        run_sessions(scenario)
 
 
 def test_one_address_cannot_hold_more_than_its_connections(tmp_path: Path) -> None:
