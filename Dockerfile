@@ -15,12 +15,16 @@ COPY app ./app
 COPY runner ./runner
 COPY models ./models
 COPY static ./static
-# The base image's torch satisfies the torch==2.13.0 pin, so pip keeps its CUDA build.
-RUN python -m pip install --no-cache-dir . \
+# The base image's torch satisfies the torch==2.13.0 pin, so pip keeps its CUDA build. The extras a GPU
+# replica needs: video (H.264 through PyAV) and wan (diffusers, for matrix-game-2's VAE). DL3013 (pin versions)
+# does not apply: this installs the project itself, whose pyproject.toml bounds its dependencies.
+# hadolint ignore=DL3013
+RUN python -m pip install --no-cache-dir ".[video,wan]" \
     && groupadd --gid 10001 arstream \
     && useradd --create-home --uid 10001 --gid 10001 arstream \
-    && mkdir -p /models \
-    && chown arstream /models
+    && mkdir -p /models /run/arstream-gpus \
+    && chown arstream /models /run/arstream-gpus
+COPY deploy/replica-entrypoint.sh /usr/local/bin/arstream-replica
 
 USER 10001:10001
 ENV ARSTREAM_HOST=0.0.0.0 \
@@ -31,4 +35,5 @@ VOLUME ["/models"]
 # Loading and warming a large model takes a while: the start period covers it.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-ENTRYPOINT ["python", "-m", "arstream", "serve"]
+# The replica id and GPU a scaled compose service cannot give each container (deploy/replica-entrypoint.sh).
+ENTRYPOINT ["arstream-replica"]

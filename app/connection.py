@@ -317,14 +317,17 @@ class Connection:
             if refusal is not None:
                 hint = token_hint(token)
                 log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
+                self.hub.metrics.resumes.labels(outcome="refused").inc()
                 await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
                 return None
             resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)
         except ResumeRefused as exc:
             log.info("session=%s resume with token %s refused: %s", self.session_id, token_hint(token), exc)
+            self.hub.metrics.resumes.labels(outcome="refused").inc()
             await self._refuse(ErrorCode.RESUME_FAILED, str(exc))
             return None
         self.session_id = resumed.session.id
+        self.hub.metrics.resumes.labels(outcome="resumed").inc()
         return resumed
 
     def take_over(self) -> None:

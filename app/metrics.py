@@ -8,12 +8,18 @@ scrape time by :class:`RunnerCollector`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from arstream.app.admission import chunk_period_s
+from arstream.app.balancer import free_slots
 from arstream.runner.runner import RunnerStats
+
+if TYPE_CHECKING:
+    from arstream.app.hub import SessionHub
 
 # Chunk latencies of interest run from a millisecond (tiny models) to seconds (big ones).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -95,7 +101,59 @@ class ServerMetrics:
             "arstream_websocket_connections", "WebSocket connections opened", registry=registry
         )
         self.websocket_open = Gauge("arstream_websocket_open", "WebSocket connections open now", registry=registry)
+        self.resumes = Counter(
+            "arstream_resumes", "Resume attempts, by outcome (resumed; refused: resume_failed or over_capacity)", ["outcome"], registry=registry
+        )
+        for outcome in ("resumed", "refused"):
+            self.resumes.labels(outcome=outcome)  # both series exist from the start, so rates are never empty
+        self.drains = Counter(
+            "arstream_drains", "Drains begun (the server has no drain command yet: always 0)", registry=registry
+        )
         registry.register(RunnerCollector(stats, connected, detached))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReplicaCollector(Collector):
+    """What an operator needs to see overload and readiness: the model's pace against what is delivered.
+
+    Read from the hub at scrape time: the model card's fps and chunk period, the realtime capacity
+    (app/admission.py), the free slots the HAProxy agent check reports (app/balancer.py), the worker's
+    queue depth, sessions with ticks pending, and readiness.
+    """
+
+    def __init__(self, hub: SessionHub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterable[Metric]:
+        hub = self._hub
+        info = GaugeMetricFamily("arstream_replica_info", "This replica's id and model", labels=["replica_id", "model"])
+        info.add_metric([hub.settings.replica_id, str(hub.model_card.get("name", hub.settings.model))], 1)
+        yield info
+        ready = 0 if hub.admission_refusal() else 1
+        yield _gauge("arstream_ready", "1 while the replica admits new sessions (/readyz), else 0", ready)
+        active = sum(1 for c in hub.connections.values() if c.session is not None and c.session.pending_ticks > 0)
+        yield _gauge("arstream_sessions_active", "Sessions with a tick queued or running", active)
+        worker = hub.worker
+        if worker is None or worker.runner_stats is None or not hub.model_card:
+            return
+        yield _gauge("arstream_queue_depth", "Ticks waiting for the model worker", worker.queue_depth)
+        yield _gauge("arstream_free_session_slots", "New sessions the replica would admit now", free_slots(hub))
+        fps = hub.model_card.get("fps")
+        if isinstance(fps, (int, float)) and fps > 0:
+            yield _gauge("arstream_model_fps", "Frames per second of video the model card promises", fps)
+            yield _gauge("arstream_chunk_period_seconds", "Seconds of video in one chunk", chunk_period_s(hub.model_card))
+        capacity = hub.realtime_capacity()
+        if capacity is not None:
+            yield _gauge(
+                "arstream_realtime_capacity_sessions",
+                "Sessions that can each get the model's fps at the measured round times",
+                capacity.sessions,
+            )
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    metric = GaugeMetricFamily(name, help_text)
+    metric.add_metric([], value)
+    return metric

@@ -22,19 +22,21 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from arstream import __version__
+from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
 from arstream.app.connection import Connection
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
+from arstream.app.metrics import ReplicaCollector
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
@@ -43,19 +45,28 @@ log = logging.getLogger("arstream.server")
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 LISTENING_MARKER = "ARSTREAM_LISTENING"
+AGENT_MARKER = "ARSTREAM_AGENT"
 
 
 def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAPI:
     """An app serving ``pipeline`` (or the one ``settings.model`` names, loaded at startup)."""
     hub = SessionHub(settings, pipeline)
+    balancers = BalancerLedger()
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await hub.start()
+        # Listening while the model loads, so that HAProxy hears "down" rather than nothing.
+        agent = None
+        if settings.agent_port is not None:
+            agent = await start_agent(hub, balancers, settings.host, settings.agent_port)
+        app.state.agent = agent
         try:
             yield
         finally:
             await hub.stop()
+            if agent is not None:
+                agent.close()
 
     # No /docs, /redoc or /openapi.json: the public contract is PROTOCOL.md, and a schema page is surface for nothing.
     app = FastAPI(
@@ -63,12 +74,15 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     )
     app.state.hub = hub
     app.state.refusals = hub.refusals
+    app.state.agent = None
+    hub.metrics.registry.register(ReplicaCollector(hub))
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HostCheck, patterns=allowed_host_patterns(settings))
 
     @app.websocket("/v1/sessions")
     async def sessions(websocket: WebSocket) -> None:
-        await Connection(websocket, hub).run()
+        with balancers.connection(websocket.headers.get(BALANCER_HEADER)):
+            await Connection(websocket, hub).run()
 
     @app.websocket(REALTIME_VIDEO_PATH)
     async def realtime_video(websocket: WebSocket) -> None:
@@ -93,7 +107,10 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         return JSONResponse(hub.model_card)
 
     @app.get("/healthz")
-    async def healthz() -> JSONResponse:
+    async def healthz(request: Request) -> JSONResponse:
+        # HAProxy's health checks say which balancer process is checking (app/balancer.py).
+        if request.client is not None:
+            balancers.heard(request.client.host, request.headers.get(BALANCER_HEADER))
         return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")
@@ -210,6 +227,10 @@ async def serve(server: ARStreamServer) -> int:
         # of the collector's reach takes a full collection from ~100 ms to ~3 ms, a pause every session felt.
         gc.freeze()
         url = f"http://{display_host(server.config.host)}:{server.bound_port}"
+        agent = server.config.app.state.agent if isinstance(server.config.app, FastAPI) else None
+        if agent is not None:
+            agent_port = agent.sockets[0].getsockname()[1]
+            print(f"{AGENT_MARKER} {display_host(server.config.host)}:{agent_port}", flush=True)
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
     elif loaded.done():

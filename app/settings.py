@@ -188,6 +188,10 @@ class Settings(BaseSettings):
     resume_grace_s: float = Field(
         30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
     )
+    agent_port: int | None = Field(
+        None, ge=0, le=65535, description="TCP port of the HAProxy agent check (readiness and free session slots, "
+        "docs/deployment.md); 0 picks a free one; default: none"
+    )
 
     @field_validator("model")
     @classmethod

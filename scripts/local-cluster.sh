@@ -5,12 +5,14 @@
 #
 # Starts N `arstream serve` replicas (replica ids r0..rN-1) on free loopback ports and HAProxy
 # (Debian's haproxy package) on a free port, routed like compose.yaml: new sessions to the
-# replica with the fewest, at most its session capacity each; `?resume=rN.` to replica rN.
+# replica with the fewest, at most the free slots its agent check reports; `?resume=rN.` to replica rN.
 # Prints, on standard output:
-#   ARSTREAM_REPLICA rN http://127.0.0.1:PORT PID      one per replica, once it is ready
-#   ARSTREAM_LB_STATS http://127.0.0.1:PORT/stats     HAProxy's statistics (/metrics: its exporter)
+#   ARSTREAM_REPLICA rN http://127.0.0.1:PORT PID      one per replica, once it is ready (again after a restart)
+#   ARSTREAM_LB_STATS http://127.0.0.1:PORT/stats     HAProxy's statistics (/metrics: its exporter; private)
+#   ARSTREAM_LB_PRIVATE http://127.0.0.1:PORT         the private port: /replicas/rN/PATH, /metrics, /stats
 #   ARSTREAM_LB http://127.0.0.1:PORT                 once every replica is ready through the balancer
-# and runs until SIGTERM or Ctrl-C, then stops everything it started. Logs: $ARSTREAM_CLUSTER_DIR
+# and runs until SIGTERM or Ctrl-C, then stops everything it started. A replica that exits is started
+# again on the same ports (ARSTREAM_RESTART=0: left dead). Logs: $ARSTREAM_CLUSTER_DIR
 # (default: a new temporary directory). ARSTREAM_LB_PORT picks the balancer's port. ARSTREAM_GPUS=0,1,...
 # gives replica i the GPU at position i (CUDA_VISIBLE_DEVICES; wraps around), for N GPUs on one host.
 set -euo pipefail
@@ -59,16 +61,21 @@ lb="http://127.0.0.1:$lb_port"
 origins="$lb,http://localhost:$lb_port"
 
 IFS=, read -r -a gpus <<<"${ARSTREAM_GPUS:-}"
-for ((i = 0; i < replicas; i++)); do
-    gpu_env=()
+serve_options=("$@")
+start_replica() {  # INDEX HTTP_PORT AGENT_PORT: start replica rINDEX (port 0: a free one), its pid in pids[INDEX]
+    local i=$1 gpu_env=()
     [ ${#gpus[@]} -eq 0 ] || gpu_env=("CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]}")
-    env "${gpu_env[@]}" PYTHONUNBUFFERED=1 "$python" -m arstream serve --host 127.0.0.1 --port 0 --replica-id "r$i" \
-        --allowed-origins "$origins" "$@" >"$dir/r$i.log" 2>&1 &
-    pids+=($!)
+    env "${gpu_env[@]}" PYTHONUNBUFFERED=1 "$python" -m arstream serve --host 127.0.0.1 --port "$2" \
+        --agent-port "$3" --replica-id "r$i" --allowed-origins "$origins" "${serve_options[@]}" >>"$dir/r$i.log" 2>&1 &
+    pids[i]=$!
+}
+for ((i = 0; i < replicas; i++)); do
+    start_replica "$i" 0 0
 done
 
-# Each replica prints ARSTREAM_LISTENING URL once its model is loaded and warmed up.
+# Each replica prints ARSTREAM_AGENT HOST:PORT, then ARSTREAM_LISTENING URL once its model is loaded and warmed up.
 urls=()
+agents=()
 for ((i = 0; i < replicas; i++)); do
     url=""
     for ((waited = 0; waited < startup_guard_s * 10; waited++)); do
@@ -83,13 +90,14 @@ for ((i = 0; i < replicas; i++)); do
     done
     [ -n "$url" ] || { echo "$0: replica r$i did not start within ${startup_guard_s} s ($dir/r$i.log)" >&2; exit 1; }
     urls+=("$url")
+    agents+=("$(sed -n 's/^ARSTREAM_AGENT [^:]*:\([0-9]*\)$/\1/p' "$dir/r$i.log" | head -n 1)")
 done
 
-# maxconn per replica: its session capacity, as the replica itself reports it.
+# maxconn per replica until its agent check reports: its session capacity, as the replica itself reports it.
 render_args=()
 for ((i = 0; i < replicas; i++)); do
     capacity=$(http_get "${urls[$i]}/v1/stats" | "$python" -c 'import json, sys; print(json.load(sys.stdin)["kv"]["session_capacity"])')
-    render_args+=(--replica "r$i=${urls[$i]#http://}/$capacity")
+    render_args+=(--replica "r$i=${urls[$i]#http://}/$capacity@${agents[$i]}")
 done
 "$python" "$root/deploy/haproxy/render.py" "${render_args[@]}" --bind "127.0.0.1:$lb_port" \
     --stats-bind "127.0.0.1:$stats_port" --check-interval 500ms --out "$dir/haproxy.cfg"
@@ -102,11 +110,12 @@ for ((i = 0; i < replicas; i++)); do
     echo "ARSTREAM_REPLICA r$i ${urls[$i]} ${pids[$i]}"
 done
 echo "ARSTREAM_LB_STATS http://127.0.0.1:$stats_port/stats"
+echo "ARSTREAM_LB_PRIVATE http://127.0.0.1:$stats_port"
 
 # Ready through the balancer: each replica's /readyz answers 200 by way of HAProxy.
 for ((i = 0; i < replicas; i++)); do
     for ((waited = 0; ; waited++)); do
-        http_get "$lb/replicas/r$i/readyz" >/dev/null 2>&1 && break
+        http_get "http://127.0.0.1:$stats_port/replicas/r$i/readyz" >/dev/null 2>&1 && break
         if ! kill -0 "$haproxy_pid" 2>/dev/null; then
             echo "$0: haproxy exited; its log ($dir/haproxy.log):" >&2
             cat "$dir/haproxy.log" >&2
@@ -119,8 +128,18 @@ done
 echo "ARSTREAM_LB $lb"
 echo "arstream cluster: $replicas replica(s) behind $lb; logs in $dir; Ctrl-C stops everything" >&2
 
-# Until SIGTERM or Ctrl-C (a replica that dies stays dead: HAProxy routes around it).
+# Until SIGTERM or Ctrl-C. HAProxy routes around a replica that dies; it is started again on its ports.
 while true; do
     sleep 1 &
     wait $! || true
+    [ "${ARSTREAM_RESTART:-1}" != 0 ] || continue
+    for ((i = 0; i < replicas; i++)); do
+        if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+            wait "${pids[$i]}" 2>/dev/null || true
+            echo "arstream cluster: replica r$i exited; starting it again" >&2
+            port=${urls[$i]##*:}
+            start_replica "$i" "$port" "${agents[$i]}"
+            echo "ARSTREAM_REPLICA r$i ${urls[$i]} ${pids[$i]}"
+        fi
+    done
 done

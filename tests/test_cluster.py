@@ -3,8 +3,9 @@
 One cluster for the whole story, in order: readiness through the balancer,
 new sessions split by least connections, a full cluster queueing a new
 session until a slot frees (maxconn), drop + resume on the owning replica,
-a killed replica's resume refused with a 503 while new sessions land on the
-survivor, and SIGTERM stopping every process the script started.
+a killed replica's resume refused (a 503 while it is down, `resume_failed` once it
+is back) and never sent elsewhere, the killed replica started again, and SIGTERM
+stopping every process the script started.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Cluster:
     process: subprocess.Popen[str]
     lb: str = ""
     stats: str = ""
+    private: str = ""
     replicas: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (url, pid)
     output: list[str] = field(default_factory=list)
 
@@ -56,7 +58,7 @@ class Cluster:
 
     def replica_stats(self, name: str) -> dict[str, Any]:
         """The replica's /v1/stats, by way of the balancer's per-replica route."""
-        response = httpx.get(f"{self.lb}/replicas/{name}/v1/stats", timeout=10.0)
+        response = httpx.get(f"{self.private}/replicas/{name}/v1/stats", timeout=10.0)
         response.raise_for_status()
         return response.json()
 
@@ -68,8 +70,8 @@ class Cluster:
         return next(r for r in self.haproxy_rows() if (r["pxname"], r["svname"]) == (backend, server))
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + POLL_GUARD_S
+def wait_until(condition: Callable[[], bool], what: str, guard_s: float = POLL_GUARD_S) -> None:
+    deadline = time.monotonic() + guard_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
@@ -99,6 +101,8 @@ def cluster() -> Iterator[Cluster]:
                 cluster.replicas[words[1]] = (words[2], int(words[3]))
             elif words[:1] == ["ARSTREAM_LB_STATS"]:
                 cluster.stats = words[1]
+            elif words[:1] == ["ARSTREAM_LB_PRIVATE"]:
+                cluster.private = words[1]
             elif words[:1] == ["ARSTREAM_LB"]:
                 cluster.lb = words[1]
                 ready.set()
@@ -149,7 +153,8 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
     assert httpx.get(cluster.lb + "/readyz", timeout=10.0).status_code == 200
     for name in ("r0", "r1"):
         assert cluster.replica_stats(name)["kv"]["session_capacity"] == CAPACITY
-        assert "arstream_sessions_detached" in httpx.get(f"{cluster.lb}/replicas/{name}/metrics", timeout=10.0).text
+        assert "arstream_sessions_detached" in httpx.get(f"{cluster.private}/replicas/{name}/metrics", timeout=10.0).text
+        assert httpx.get(f"{cluster.lb}/replicas/{name}/metrics", timeout=10.0).status_code == 404  # private
         assert cluster.server_row("sessions", name)["slim"] == str(CAPACITY)  # maxconn: the session capacity
     assert "haproxy_backend_current_sessions" in httpx.get(cluster.stats.removesuffix("stats") + "metrics").text
 
@@ -206,18 +211,29 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
                 await resumed.send(type="close")
                 await resumed.closed_by_server()
 
-            # A killed replica: its tokens get a clean 503 (never another replica), new sessions the survivor.
+            # A killed replica: its tokens are refused (never sent to another replica), and it is started again.
             r1_token = fifth.ready["resume"]["token"] if fifth.ready else ""
-            os.kill(cluster.replicas["r1"][1], signal.SIGKILL)
+            killed_pid = cluster.replicas["r1"][1]
+            os.kill(killed_pid, signal.SIGKILL)
+            try:
+                async with session_client(f"{cluster.ws_url}?resume={r1_token}") as resuming:
+                    await resuming.send(type="start", resume=r1_token)
+                    # r1 back: still loading (over_capacity), or ready and it knows no such session
+                    refusal = (await resuming.recv_json())["code"]
+            except InvalidStatus as refused:
+                refusal = str(refused.response.status_code)  # r1 down: HAProxy answers
+            assert refusal in ("503", "over_capacity", "resume_failed"), refusal
             await asyncio.to_thread(
-                wait_until, lambda: cluster.server_row("sessions", "r1")["status"] == "DOWN", "HAProxy marks r1 down"
+                wait_until, lambda: cluster.replicas["r1"][1] != killed_pid, "local-cluster.sh restarts r1"
             )
-            with pytest.raises(InvalidStatus) as refused:
-                async with session_client(f"{cluster.ws_url}?resume={r1_token}", start={"resume": r1_token}):
-                    pass
-            assert refused.value.response.status_code == 503
+            # A new replica process loads torch and its model first: the start-up guard.
+            await asyncio.to_thread(
+                wait_until,
+                lambda: cluster.server_row("sessions", "r1")["status"] == "UP",
+                "HAProxy sees r1 again",
+                STARTUP_GUARD_S,
+            )
             async with session_client(cluster.ws_url, start={}) as survivor_session:
-                assert replica_of(survivor_session) == "r0"
                 assert (await one_chunk(survivor_session, 0))["chunk_index"] == 0
                 await survivor_session.send(type="close")
                 await survivor_session.closed_by_server()

@@ -2,9 +2,11 @@
 
 Each file goes through the tool its users' tools would use: the compose
 specification's JSON schema (check-jsonschema), ``haproxy -c``, ``promtool
-check config`` and hadolint; the files are cross-checked (every replica in
-compose is a HAProxy server and a Prometheus target), and every metric the
-Grafana dashboard queries exists in a live server's and a live HAProxy's
+check config``, ``promtool test rules`` (the alert rules' unit tests) and
+hadolint; the files are cross-checked (every replica service in compose has
+HAProxy server slots and a Prometheus DNS name), the replica entry point's GPU
+locks are run with a fake ``python``, and every metric the Grafana dashboard
+and the alert rules query exists in a live server's and a live HAProxy's
 ``/metrics``.
 """
 
@@ -57,12 +59,9 @@ def compose() -> dict[str, Any]:
     return load_yaml(REPO_ROOT / "compose.yaml")
 
 
-def replica_services(profile: str) -> dict[str, dict[str, Any]]:
-    return {
-        name: service
-        for name, service in compose()["services"].items()
-        if profile in service.get("profiles", []) and "ARSTREAM_REPLICA_ID" in service.get("environment", {})
-    }
+def replica_services() -> dict[str, dict[str, Any]]:
+    """The replica services (every profile): those built from this repository's image."""
+    return {name: service for name, service in compose()["services"].items() if service.get("build") == "."}
 
 
 def render(*args: str) -> str:
@@ -97,36 +96,122 @@ def test_the_compose_schema_check_refuses_a_broken_file(tmp_path: Path) -> None:
     assert "portz" in result.stdout + result.stderr
 
 
-def test_each_gpu_replica_reserves_its_own_gpu_and_the_cpu_profile_mirrors_them() -> None:
-    gpu = replica_services("gpu")
-    cpu = replica_services("cpu")
-    assert len(gpu) >= 2
-    ids = [service["environment"]["ARSTREAM_REPLICA_ID"] for service in gpu.values()]
-    assert ids == [f"r{i}" for i in range(len(gpu))]
-    devices = [service["deploy"]["resources"]["reservations"]["devices"] for service in gpu.values()]
-    for reserved in devices:
-        assert reserved == [{"driver": "nvidia", "device_ids": [reserved[0]["device_ids"][0]], "capabilities": ["gpu"]}]
-    assert len({d[0]["device_ids"][0] for d in devices}) == len(gpu), "two replicas share a GPU"
-    assert all(service["environment"]["ARSTREAM_DEVICE"] == "cuda" for service in gpu.values())
-    # The CPU profile answers to the same names on the network, so HAProxy and Prometheus need no change.
-    assert sorted(alias for s in cpu.values() for alias in s["networks"]["default"]["aliases"]) == sorted(gpu)
-    assert sorted(s["environment"]["ARSTREAM_REPLICA_ID"] for s in cpu.values()) == sorted(ids)
-    assert all(s["environment"]["ARSTREAM_DEVICE"] == "cpu" for s in cpu.values())
+def test_replicas_scale_with_one_number_and_each_gpu_replica_locks_its_own_gpu() -> None:
+    services = replica_services()
+    assert sorted(services) == ["cpu-replica", "replica"]
+    gpu, cpu = services["replica"], services["cpu-replica"]
+    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    # No replica id in the environment: the entry point takes the container's name (replica-1, ...).
+    for service in services.values():
+        assert "ARSTREAM_REPLICA_ID" not in service["environment"]
+        assert service["environment"]["ARSTREAM_AGENT_PORT"] == "8001"
+        assert "ARSTREAM_MODEL_OPTIONS" in service["environment"]
+        assert service["deploy"]["replicas"] >= 1
+    assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    ]
+    assert gpu["environment"]["ARSTREAM_DEVICE"] == "cuda" and cpu["environment"]["ARSTREAM_DEVICE"] == "cpu"
+    locks = gpu["environment"]["ARSTREAM_GPU_LOCKS"]
+    assert f"gpu-locks:{locks}" in gpu["volumes"] and "gpu-locks" in compose()["volumes"]
     assert "COMPOSE_PROFILES=gpu" in (REPO_ROOT / ".env").read_text().splitlines()
 
 
-def test_prometheus_scrapes_every_replica_and_haproxy() -> None:
+def test_secrets_come_from_the_environment_and_prometheus_keeps_its_data() -> None:
+    services = compose()["services"]
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?"), password  # compose refuses to start without it
+    assert "prometheus-data:/prometheus" in services["prometheus"]["volumes"]
+    # Private ports only on loopback: HAProxy's statistics and per-replica routes, Prometheus, Grafana.
+    private = [port for name in ("prometheus", "grafana") for port in services[name]["ports"]]
+    private += [port for port in services["haproxy"]["ports"] if port.endswith(":8404")]
+    assert private and all(port.startswith("127.0.0.1:") for port in private)
+
+
+def test_prometheus_finds_every_replica_by_dns_and_loads_the_alert_rules() -> None:
     result = run_tool(tool("promtool"), "check", "config", "deploy/prometheus/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
-    jobs = {job["job_name"]: job["static_configs"] for job in config["scrape_configs"]}
-    scraped = {(c["targets"][0], c["labels"]["replica"]) for c in jobs["arstream"]}
-    gpu = replica_services("gpu")
-    expected = {(f"{name}:8000", service["environment"]["ARSTREAM_REPLICA_ID"]) for name, service in gpu.items()}
-    assert scraped == expected
-    assert jobs["haproxy"] == [{"targets": ["haproxy:8404"]}]
-    haproxy_ports = compose()["services"]["haproxy"]["ports"]
-    assert any(port.endswith(":8404") for port in haproxy_ports)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    discovered = jobs["arstream"]["dns_sd_configs"]
+    assert [sorted(d["names"]) for d in discovered] == [sorted(replica_services())]
+    assert all((d["type"], d["port"]) == ("A", 8000) for d in discovered)
+    assert jobs["haproxy"]["static_configs"] == [{"targets": ["haproxy:8404"]}]
+    assert config["rule_files"] == ["alerts.yml"]
+    mounted = compose()["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounted
+
+
+def test_alert_rules_pass_their_unit_tests() -> None:
+    result = run_tool(tool("promtool"), "test", "rules", "deploy/prometheus/alerts.test.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = set(re.findall(r"alertname: (\w+)", (DEPLOY / "prometheus" / "alerts.test.yml").read_text()))
+    rules = load_yaml(DEPLOY / "prometheus" / "alerts.yml")["groups"][0]["rules"]
+    assert tested == {rule["alert"] for rule in rules}, "every alert has a unit test"
+
+
+def test_the_alert_unit_tests_fail_a_rule_that_never_fires(tmp_path: Path) -> None:
+    """Negative control: the same unit tests against rules whose overload threshold cannot be crossed."""
+    rules = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    broken = rules.replace("> on (replica) arstream_realtime_capacity_sessions", "> on (replica) arstream_realtime_capacity_sessions * 1e9")
+    assert broken != rules
+    (tmp_path / "alerts.yml").write_text(broken)
+    (tmp_path / "alerts.test.yml").write_text((DEPLOY / "prometheus" / "alerts.test.yml").read_text())
+    result = run_tool(tool("promtool"), "test", "rules", str(tmp_path / "alerts.test.yml"))
+    assert result.returncode != 0 and "ARStreamOverloaded" in result.stdout + result.stderr
+
+
+def test_replica_entrypoint_gives_each_replica_its_own_gpu_and_its_container_name(tmp_path: Path) -> None:
+    """deploy/replica-entrypoint.sh with a fake `python` (the GPU count, the reverse DNS name, and a server that
+    reports its GPU and id, then holds its lock until stopped)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$1" in\n'
+        '  -) cat >/dev/null; echo "$FAKE_REVERSE_NAME" ;;\n'
+        '  -c) echo "$FAKE_GPUS" ;;\n'
+        '  -m) echo "serving id=$ARSTREAM_REPLICA_ID gpu=$CUDA_VISIBLE_DEVICES"; exec sleep 60 ;;\n'
+        "esac\n"
+    )
+    (fake / "python").chmod(0o755)
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "ARSTREAM_GPU_LOCKS": str(locks), "FAKE_GPUS": "2"}
+    started: list[subprocess.Popen[str]] = []
+
+    def start(index: int) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            ["bash", str(DEPLOY / "replica-entrypoint.sh")],
+            env={**env, "FAKE_REVERSE_NAME": f"arstream-replica-{index}.arstream_default"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started.append(process)
+        return process
+
+    try:
+        first, second = start(1), start(2)
+        lines = sorted(p.stdout.readline().strip() for p in (first, second))  # type: ignore[union-attr]
+        assert lines == ["serving id=replica-1 gpu=0", "serving id=replica-2 gpu=1"] or lines == [
+            "serving id=replica-1 gpu=1",
+            "serving id=replica-2 gpu=0",
+        ], lines
+        third = start(3)
+        assert third.wait(STOP_GUARD_S) == 1
+        assert "all 2 GPU(s) are taken" in third.stderr.read()  # type: ignore[union-attr]
+        first.kill()
+        first.wait(STOP_GUARD_S)
+        freed = first_gpu = lines[0].rsplit("=", 1)[1]
+        fourth = start(4)
+        assert fourth.stdout.readline().strip() == f"serving id=replica-4 gpu={freed}", first_gpu  # type: ignore[union-attr]
+    finally:
+        for process in started:
+            process.kill()
+            process.wait(STOP_GUARD_S)
+            for stream in (process.stdout, process.stderr):
+                assert stream is not None
+                stream.close()
 
 
 # ---- HAProxy --------------------------------------------------------------------------------------
@@ -134,23 +219,22 @@ def test_prometheus_scrapes_every_replica_and_haproxy() -> None:
 
 def test_compose_haproxy_config_is_the_template_rendered_for_the_compose_replicas() -> None:
     committed = COMPOSE_HAPROXY.read_text()
-    maxconn = re.search(r"^    server r0 \S+ maxconn (\d+) check$", committed, re.MULTILINE)
+    maxconn = re.search(r"^    server replica-1 arstream-replica-1:8000 maxconn (\d+) check ", committed, re.MULTILINE)
     assert maxconn is not None
-    replicas = [f"{s['environment']['ARSTREAM_REPLICA_ID']}={name}:8000" for name, s in replica_services("gpu").items()]
-    rendered = render(
-        *(arg for r in replicas for arg in ("--replica", r)), "--maxconn", maxconn.group(1), "--bind", ":8080"
-    )
+    slots = [arg for name in sorted(replica_services()) for arg in ("--compose", f"{name}=8")]
+    rendered = render(*slots, "--maxconn", maxconn.group(1), "--bind", ":8080")
     assert committed == rendered, "re-render deploy/haproxy/haproxy.compose.cfg (docs/deployment.md)"
     result = run_tool(tool("haproxy"), "-c", "-q", "-f", str(COMPOSE_HAPROXY))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_rendered_config_routes_and_limits_as_documented(tmp_path: Path) -> None:
-    text = render("--replica", "r0=127.0.0.1:9001/3", "--replica", "r1=127.0.0.1:9002", "--maxconn", "5")
+    text = render("--replica", "r0=127.0.0.1:9001/3@9101", "--replica", "r1=127.0.0.1:9002", "--maxconn", "5")
     assert "    balance leastconn" in text
-    assert "    server r0 127.0.0.1:9001 maxconn 3 check" in text
-    assert "    server r1 127.0.0.1:9002 maxconn 5 check" in text
-    assert "    use-server r1 if { var(txn.replica) -m str r1 }" in text and "    force-persist if TRUE" in text
+    assert "    server r0 127.0.0.1:9001 maxconn 3 check agent-check agent-port 9101" in text
+    assert "    server r1 127.0.0.1:9002 maxconn 5 check agent-check agent-port 8001" in text
+    assert "    use-server r1 if { var(txn.replica) -m str r1 }" in text
+    assert "    option redispatch 1" in text and "track-sc0 src" in text
     assert "uri /healthz" in text
     config = tmp_path / "haproxy.cfg"
     config.write_text(text)
@@ -158,7 +242,9 @@ def test_rendered_config_routes_and_limits_as_documented(tmp_path: Path) -> None
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("spec", ["r0", "r.0=127.0.0.1:1", "r0=nohostport", "r0=127.0.0.1:1/0"])
+@pytest.mark.parametrize(
+    "spec", ["r0", "r.0=127.0.0.1:1", "r0=nohostport", "r0=127.0.0.1:1/0", "r0=127.0.0.1:1@0", "r0=127.0.0.1:1/x"]
+)
 def test_render_refuses_bad_replica_specs(spec: str) -> None:
     result = run_tool(sys.executable, str(RENDER), "--replica", spec)
     assert result.returncode == 2 and "render.py:" in result.stderr
@@ -180,20 +266,26 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
     assert result.returncode != 0 and "DL3007" in result.stdout
 
 
-def test_image_runs_as_non_root_with_a_health_check_and_the_weights() -> None:
+def test_image_runs_as_non_root_with_a_health_check_the_extras_and_the_weights() -> None:
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     users = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", dockerfile, re.MULTILINE)
-    assert 'ENTRYPOINT ["python", "-m", "arstream", "serve"]' in dockerfile
+    assert "COPY deploy/replica-entrypoint.sh /usr/local/bin/arstream-replica" in dockerfile
+    assert 'ENTRYPOINT ["arstream-replica"]' in dockerfile
+    assert 'pip install --no-cache-dir ".[video,wan]"' in dockerfile  # H.264 and matrix-game-2's VAE
+    assert "exec python -m arstream serve" in (DEPLOY / "replica-entrypoint.sh").read_text()
     assert "COPY models ./models" in dockerfile  # tiny-world's weights are package data under models/
     assert list((REPO_ROOT / "models" / "tiny_world" / "weights").glob("*.safetensors"))
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert not {"models", "app", "runner", "static", "arstream"} & set(ignored)
+    assert "!deploy/replica-entrypoint.sh" in ignored
 
 
 # ---- Grafana ------------------------------------------------------------------------------------
 
+# Series Prometheus makes itself for every target.
+PROMETHEUS_SERIES = {"up"}
 # PromQL words that are not metric names.
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
 
@@ -226,7 +318,9 @@ def series_names(exposition: str) -> set[str]:
 @pytest.fixture(scope="module")
 def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
     """Series names from a live fake-kv server (after a chunk and an error) and a live HAProxy in front of it."""
-    with running_server(fake_settings()) as server:
+    with running_server(fake_settings(agent_port=0)) as server:
+        assert server.server is not None
+
         async def traffic() -> None:
             async with session_client(server.ws_url, start={}) as client:
                 await client.send(type="input", event_id=0, controls={"keys": ["w"]})
@@ -243,7 +337,7 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]
         stats_port = free_port()
         config = render(
             "--replica",
-            f"r0=127.0.0.1:{server.port}",
+            f"r0=127.0.0.1:{server.port}@{server.server.config.app.state.agent.sockets[0].getsockname()[1]}",
             "--bind",
             f"127.0.0.1:{free_port()}",
             "--stats-bind",
@@ -282,7 +376,7 @@ def test_dashboard_parses_with_unique_panel_ids_and_queries_that_exist(live_metr
         assert len(refs) == len(set(refs))
         for target in panel["targets"]:
             queried |= metric_names(target["expr"])
-    missing = sorted(queried - live_metrics)
+    missing = sorted(queried - live_metrics - PROMETHEUS_SERIES)
     assert not missing, f"the dashboard queries metrics no live /metrics exports: {missing}"
     # What the issue asks the dashboard to show.
     for wanted in (
@@ -294,8 +388,27 @@ def test_dashboard_parses_with_unique_panel_ids_and_queries_that_exist(live_metr
         "arstream_frames_sent_total",
         "arstream_errors_total",
         "arstream_evictions_total",
+        # overload and a dead replica at a glance (issue 22)
+        "up",
+        "arstream_ready",
+        "arstream_model_fps",
+        "arstream_sessions_active",
+        "arstream_chunk_period_seconds",
+        "arstream_queue_wait_seconds_bucket",
+        "arstream_realtime_capacity_sessions",
+        "arstream_free_session_slots",
+        "arstream_queue_depth",
+        "arstream_resumes_total",
+        "arstream_drains_total",
     ):
         assert wanted in queried, wanted
+
+
+def test_alert_rules_query_metrics_that_exist(live_metrics: set[str]) -> None:
+    rules = load_yaml(DEPLOY / "prometheus" / "alerts.yml")["groups"][0]["rules"]
+    queried = set().union(*(metric_names(rule["expr"]) for rule in rules))
+    missing = sorted(queried - live_metrics - PROMETHEUS_SERIES)
+    assert not missing, f"the alert rules query metrics no live /metrics exports: {missing}"
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard_folder() -> None:

@@ -4,9 +4,15 @@
     python3 deploy/haproxy/render.py --bind :8080 --stats-bind :8404 \\
         --replica r0=replica-0:8000 --replica r1=replica-1:8000 --maxconn 6 > haproxy.cfg
 
-Each ``--replica NAME=HOST:PORT[/MAXCONN]`` is one ``arstream serve`` (NAME is its ``--replica-id``);
-MAXCONN, the replica's session capacity (``kv.session_capacity`` in its /v1/stats), defaults to
-``--maxconn``. Template lines starting with ``@each `` repeat once per replica.
+Each ``--replica NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]`` is one ``arstream serve`` (NAME is its
+``--replica-id``); MAXCONN, the replica's session capacity until its agent check reports (``maxconn:`` in
+app/balancer.py), defaults to ``--maxconn``; AGENT_PORT, its ``--agent-port``, to ``--agent-port``.
+Template lines starting with ``@each `` repeat once per replica.
+
+``--compose SERVICE=COUNT`` declares COUNT server slots for a scaled compose service: SERVICE-1 ..
+SERVICE-COUNT at PROJECT-SERVICE-i:8000 (the container names, resolved by Docker's DNS while HAProxy
+runs; a slot with no container stays in maintenance). deploy/replica-entrypoint.sh gives each container
+the replica id SERVICE-i, so resumes find it.
 """
 
 from __future__ import annotations
@@ -28,17 +34,35 @@ class Replica:
     name: str
     address: str
     maxconn: int
+    agent_port: int
 
 
-def parse_replica(text: str, default_maxconn: int) -> Replica:
+def parse_replica(text: str, default_maxconn: int, default_agent_port: int = 8001) -> Replica:
     name, eq, rest = text.partition("=")
+    rest, at, agent = rest.partition("@")
     address, slash, maxconn = rest.partition("/")
     if not eq or not REPLICA_NAME.match(name) or ":" not in address:
-        raise ValueError(f"expected NAME=HOST:PORT[/MAXCONN] with NAME of letters, digits, - or _; got {text!r}")
-    count = int(maxconn) if slash else default_maxconn
+        raise ValueError(
+            f"expected NAME=HOST:PORT[/MAXCONN][@AGENT_PORT] with NAME of letters, digits, - or _; got {text!r}"
+        )
+    try:
+        count = int(maxconn) if slash else default_maxconn
+        agent_port = int(agent) if at else default_agent_port
+    except ValueError:
+        raise ValueError(f"MAXCONN and AGENT_PORT are numbers; got {text!r}") from None
     if count < 1:
         raise ValueError(f"maxconn must be at least 1, got {count} in {text!r}")
-    return Replica(name, address, count)
+    if not 0 < agent_port < 65536:
+        raise ValueError(f"the agent port must be 1-65535, got {agent_port} in {text!r}")
+    return Replica(name, address, count, agent_port)
+
+
+def compose_slots(text: str, project: str, default_maxconn: int, agent_port: int) -> list[Replica]:
+    service, eq, count = text.partition("=")
+    if not eq or not REPLICA_NAME.match(service) or not count.isdigit() or not 0 < int(count) <= 64:
+        raise ValueError(f"expected SERVICE=COUNT with COUNT 1-64; got {text!r}")
+    names = [f"{service}-{i}" for i in range(1, int(count) + 1)]
+    return [Replica(name, f"{project}-{name}:8000", default_maxconn, agent_port) for name in names]
 
 
 def render(
@@ -48,6 +72,7 @@ def render(
     stats_bind: str,
     check_interval: str = "2s",
     queue_timeout: str = "10s",
+    per_source_connections: int = 16,
     template: str | None = None,
 ) -> str:
     """The configuration text; raises KeyError when the template names a value that is not given."""
@@ -55,12 +80,21 @@ def render(
         raise ValueError("at least one replica is needed")
     if len({r.name for r in replicas}) != len(replicas):
         raise ValueError("replica names must be unique: " + ", ".join(r.name for r in replicas))
-    values = {"bind": bind, "stats_bind": stats_bind, "check_interval": check_interval, "queue_timeout": queue_timeout}
+    values = {
+        "bind": bind,
+        "stats_bind": stats_bind,
+        "check_interval": check_interval,
+        "queue_timeout": queue_timeout,
+        "per_source_connections": per_source_connections,
+    }
     lines = []
     for line in (template if template is not None else TEMPLATE.read_text()).splitlines():
         if line.startswith(EACH):
             body = Template(line[len(EACH) :])
-            lines += [body.substitute(values, name=r.name, address=r.address, maxconn=r.maxconn) for r in replicas]
+            lines += [
+                body.substitute(values, name=r.name, address=r.address, maxconn=r.maxconn, agent_port=r.agent_port)
+                for r in replicas
+            ]
         else:
             lines.append(Template(line).substitute(values))
     return "\n".join(lines) + "\n"
@@ -68,22 +102,31 @@ def render(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replica", action="append", required=True, metavar="NAME=HOST:PORT[/MAXCONN]")
+    parser.add_argument("--replica", action="append", default=[], metavar="NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]")
+    parser.add_argument("--compose", action="append", default=[], metavar="SERVICE=COUNT", help="server slots")
+    parser.add_argument("--compose-project", default="arstream", help="compose project name (default arstream)")
     parser.add_argument("--maxconn", type=int, default=4, help="sessions per replica when a replica names none")
+    parser.add_argument("--agent-port", type=int, default=8001, help="replicas' --agent-port (default 8001)")
     parser.add_argument("--bind", default=":8080", help="where clients connect (default :8080)")
     parser.add_argument("--stats-bind", default=":8404", help="HAProxy /stats and /metrics (default :8404)")
-    parser.add_argument("--check-interval", default="2s", help="health check interval on /healthz (default 2s)")
+    parser.add_argument("--check-interval", default="2s", help="health and agent check interval (default 2s)")
+    parser.add_argument(
+        "--per-source-connections", type=int, default=16, help="connections one client address may hold (default 16)"
+    )
     parser.add_argument("--queue-timeout", default="10s", help="how long a new session waits for a slot (default 10s)")
     parser.add_argument("--out", type=Path, help="write here instead of standard output")
     args = parser.parse_args(argv)
     try:
-        replicas = [parse_replica(text, args.maxconn) for text in args.replica]
+        replicas = [parse_replica(text, args.maxconn, args.agent_port) for text in args.replica]
+        for text in args.compose:
+            replicas += compose_slots(text, args.compose_project, args.maxconn, args.agent_port)
         text = render(
             replicas,
             bind=args.bind,
             stats_bind=args.stats_bind,
             check_interval=args.check_interval,
             queue_timeout=args.queue_timeout,
+            per_source_connections=args.per_source_connections,
         )
     except ValueError as exc:
         print(f"render.py: {exc}", file=sys.stderr)
