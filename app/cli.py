@@ -26,6 +26,7 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command(("serve",), "arstream.app.server", "serve a world model over WebSocket, with the demo page at /"),
+    Command(("drain",), "arstream.app.drain", "move a replica's live sessions to peers, then let it exit"),
     Command(("client",), "arstream.app.client", "run one scripted session against a server and save its frames"),
     Command(("bench", "runner"), "arstream.models.bench_runner", "the runner's bookkeeping cost against a direct loop"),
     Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),

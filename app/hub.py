@@ -45,6 +45,7 @@ class SessionHub:
         self.not_ready_reason = "the model is loading and warming up"
         self.load_error: BaseException | None = None
         self.shutting_down = False
+        self.draining = False  # moving its sessions to peers (app/migration.py): admits nothing new
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
@@ -150,6 +151,8 @@ class SessionHub:
         """Why a new session cannot start now, or None when a slot is free."""
         if self.shutting_down:
             return "the server is shutting down"
+        if self.draining:
+            return "the server is draining: its sessions are moving to other replicas"
         if not self.ready:
             return self.not_ready_reason
         # Detached sessions do not block a new one: the longest-detached gives way (see register).
