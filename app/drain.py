@@ -10,9 +10,10 @@ import sys
 import httpx
 
 from arstream.app.cli import main_for
-from arstream.app.migration import DRAIN_PATH
 
 SECRET_ENV = "ARSTREAM_CLUSTER_SECRET"
+# The replica's route (app/migration.py); defined here so this command does not load the server (or torch).
+DRAIN_PATH = "/v1/cluster/drain"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from arstream.app.drain import DRAIN_PATH
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("arstream.migration")
 
 IMPORT_PATH = "/v1/cluster/import"
-DRAIN_PATH = "/v1/cluster/drain"
 # A snapshot's bytes beyond the session's own resident bytes (headers, JSON state, model tensors the spec does not count).
 SNAPSHOT_SLACK_BYTES = 64 * 1024 * 1024
 PEER_TIMEOUT_S = 60.0
