@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -133,8 +134,13 @@ def config_hash(runner: ARRunner) -> str:
 
 def weights_digest(module: torch.nn.Module) -> str:
     """SHA-256 of a module's parameters and buffers, names included: two replicas serving different weights differ."""
+    return tensors_digest(module.state_dict())
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors (names, dtypes and bytes), in name order."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in sorted(tensors.items()):
         digest.update(name.encode())
         digest.update(str(tensor.dtype).encode())
         digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
