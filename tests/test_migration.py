@@ -43,6 +43,8 @@ def cluster_settings(replica: str, model: str = "fake-kv", **overrides: Any) -> 
     }
     if model == "fake-kv":
         values["model_options"] = {"window_frames": 6}  # short: the move happens after the window slid
+    if model == "matrix-game-2":
+        values["model_options"] = {"config": "tiny", "random_init": True}
     values.update(overrides)
     return fake_settings(**values)
 
@@ -89,7 +91,7 @@ def baseline(server: LiveServer) -> int:
     return server.stats()["kv"]["blocks_total"]
 
 
-@pytest.mark.parametrize("model", ["fake-kv", "tiny-world"])
+@pytest.mark.parametrize("model", ["fake-kv", "tiny-world", "matrix-game-2"])
 def test_a_drained_session_continues_on_the_peer_bit_identically(model: str) -> None:
     with two_replicas(model) as (r0, r1):
 
