@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from arstream.app.client import run_script
-from servers import REPO_ROOT, STOP_GUARD_S, SessionClient, session_client
+from servers import SessionClient, session_client
 from test_cluster import Cluster, launch_cluster, replica_of, wait_until
 
 SECRET = "drain-test-cluster-secret"

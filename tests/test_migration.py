@@ -11,9 +11,8 @@ tests/test_cluster.py's; here the client reconnects to r1 directly.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -235,3 +234,62 @@ def test_no_room_on_the_peer_ends_the_session_as_on_shutdown() -> None:
         run(scenario())
         r0.settled(r0.stats()["kv"]["blocks_total"])
         r1.settled(r1.stats()["kv"]["blocks_total"])
+
+
+def test_a_rolling_restart_of_both_replicas_under_six_sessions_loses_none() -> None:
+    """r0 drains to r1 and is replaced by a new r0, then r1 drains to it: six sessions live through both moves.
+
+    The test routes a reconnect by the token's prefix, as the balancer does (tests/test_cluster_drain.py runs HAProxy).
+    """
+    sessions = 6
+    with ExitStack() as stack:
+        r0 = stack.enter_context(running_server(cluster_settings("r0")))
+        r1 = stack.enter_context(running_server(cluster_settings("r1")))
+        routes = {"r0": r0, "r1": r1}
+
+        async def chunks(clients: list[Any], ticks: range, want: list[np.ndarray]) -> None:
+            for client in clients:
+                for tick_id in ticks:
+                    await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
+                    chunk, got = await frames_of(client)
+                    assert chunk["chunk_index"] == tick_id and np.array_equal(got, want[tick_id]), tick_id
+
+        async def follow(stack_async: Any, client: Any) -> Any:
+            moved = (await client.closed_by_server()).messages[-2]
+            assert moved["type"] == "moved", moved
+            token = moved["resume"]
+            target = routes[token.split(".", 1)[0]]
+            return await stack_async.enter_async_context(
+                session_client(f"{target.ws_url}?resume={token}", start={"resume": token, "codec": "raw"})
+            )
+
+        async def scenario() -> None:
+            want = await reference(r1)
+            async with AsyncExitStack() as clients_stack:
+                clients = [
+                    await clients_stack.enter_async_context(
+                        session_client((r0 if i % 2 == 0 else r1).ws_url, start={"codec": "raw", "seed": SEED})
+                    )
+                    for i in range(sessions)
+                ]
+                await chunks(clients, range(0, 3), want)
+                # Roll r0: its three sessions move to r1, and a new r0 takes its place.
+                report = (await asyncio.to_thread(drain, r0, [r1.base_url])).json()
+                assert report["moved"] == 3 and report["ended"] == 0, report
+                clients = [await follow(clients_stack, c) if i % 2 == 0 else c for i, c in enumerate(clients)]
+                await chunks(clients, range(3, 5), want)
+                new_r0 = stack.enter_context(running_server(cluster_settings("r0")))
+                routes["r0"] = new_r0
+                # Roll r1: all six sessions move to the new r0.
+                report = (await asyncio.to_thread(drain, r1, [new_r0.base_url])).json()
+                assert report["moved"] == sessions and report["ended"] == 0, report
+                clients = [await follow(clients_stack, c) for c in clients]
+                await chunks(clients, range(5, len(KEYS)), want)
+                assert (await asyncio.to_thread(new_r0.stats))["sessions"]["connected"] == sessions
+                for client in clients:
+                    await client.send(type="close")
+                    await client.closed_by_server()
+
+        run(scenario())
+        for server in (r0, r1, routes["r0"]):
+            server.settled(server.stats()["kv"]["blocks_total"])
