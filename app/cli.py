@@ -34,6 +34,7 @@ COMMANDS: tuple[Command, ...] = (
         "serve a world model over WebSocket, with the demo page at /",
         arguments="arstream.app.settings:add_serve_arguments",
     ),
+    Command(("drain",), "arstream.app.drain", "move a replica's live sessions to peers, then let it exit"),
     Command(("client",), "arstream.app.client", "run one scripted session against a server and save its frames"),
     Command(("bench", "runner"), "arstream.models.bench_runner", "the runner's bookkeeping cost against a direct loop"),
     Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),

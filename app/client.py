@@ -128,6 +128,15 @@ class ConnectionDropped(SessionClosed):
     """The connection went away without a close frame (a network drop): the session may be resumable."""
 
 
+class SessionMoved(SessionClosed):
+    """The server moved the session to another replica (``moved``): reconnect with ``resume_token``."""
+
+    def __init__(self, message: dict[str, Any]) -> None:
+        self.resume_token = str(message["resume"])
+        self.next_chunk_index = int(message["next_chunk_index"])
+        super().__init__(f"the session moved to replica {self.resume_token.partition('.')[0]!r}")
+
+
 @dataclass(frozen=True)
 class ResumeGap:
     """What a drop and resume cost: time without a connection, and chunks that ran but never arrived."""
@@ -232,21 +241,25 @@ class SessionClient:
         self.ready = message
         return message
 
-    async def resume(self, url: str, *, token: str | None = None) -> ResumeGap:
-        """After a :class:`ConnectionDropped`: reconnect with the session's ticket and resume it.
+    async def resume(self, url: str, *, token: str | None = None, resume_token: str | None = None) -> ResumeGap:
+        """After a :class:`ConnectionDropped` (or :class:`SessionMoved`, with its ``resume_token``): resume.
 
-        Ticks in flight at the drop are gone (their chunks never come); tick and
-        event ids keep counting past them. A ticket the server cannot honour
-        raises :class:`ServerError` (``resume_failed``).
+        Reconnects through ``url`` with the session's ticket (a moved session's
+        token names its new replica, which the balancer routes to). Ticks in
+        flight at the drop are gone (their chunks never come); tick and event
+        ids keep counting past them. A ticket the server cannot honour raises
+        :class:`ServerError` (``resume_failed``).
         """
-        ticket = self.ready.get("resume")
-        if not ticket:
-            raise SessionClosed("the connection dropped and the server offered no resume ticket")
+        if resume_token is None:
+            ticket = self.ready.get("resume")
+            if not ticket:
+                raise SessionClosed("the connection dropped and the server offered no resume ticket")
+            resume_token = str(ticket["token"])
         dropped_at = time.perf_counter()
         await self.ws.close()
-        self.ws = await connect(wire.session_url(url, token=token, resume=ticket["token"]))
+        self.ws = await connect(wire.session_url(url, token=token, resume=resume_token))
         self.tick_sent_at.clear()
-        ready = await self.start(codec=self.ready["codec"], resume=ticket["token"])
+        ready = await self.start(codec=self.ready["codec"], resume=resume_token)
         return ResumeGap(
             session_id=ready["session_id"],
             seconds=time.perf_counter() - dropped_at,
@@ -334,6 +347,8 @@ class SessionClient:
                     message = json.loads(data)
                     if message.get("type") == "error":
                         raise ServerError(message) from None
+                    if message.get("type") == "moved":
+                        raise SessionMoved(message) from None
                     if message.get("type") == "closed":
                         raise SessionClosed(f"server closed the session (reason {message.get('reason')!r})") from None
 
@@ -357,6 +372,8 @@ class SessionClient:
                 continue
             if kind == "error":
                 raise ServerError(message)
+            if kind == "moved":
+                raise SessionMoved(message)
             if kind == "closed":
                 raise SessionClosed(f"server closed the session (reason {message.get('reason')!r})")
             return message
@@ -398,8 +415,12 @@ async def run_script(
 
     ``image`` is the session's ``start.image`` (:func:`start_image_choice`); a resume keeps it.
 
-    With ``resume_on_drop``, a dropped connection is resumed (the gap is printed)
-    and the ticks whose chunks were lost are sent again.
+    A session the server moves to another replica (``moved``) is followed: the
+    client resumes it there and sends again the ticks whose chunks did not come.
+    With ``resume_on_drop``, a dropped connection is resumed the same way (the
+    gap is printed); when it cannot be (its replica was killed), a new session
+    starts on a replica that answers, with the same seed, start image and held
+    keys, and the client says so.
     """
     connect_started = time.perf_counter()
     session = SessionClient(await connect(wire.session_url(url, token=token)))
@@ -422,11 +443,27 @@ async def run_script(
                     await session.send_tick()
                     next_tick += 1
                 chunk = await session.receive_chunk()
+            except SessionMoved as moved:
+                gap = await session.resume(url, token=token, resume_token=moved.resume_token)
+                print(f"{moved}; followed it: {gap.describe().replace('connection dropped', 'moved')}", flush=True)
+                next_tick, held = chunks_received, None
+                continue
             except ConnectionDropped:
                 if not resume_on_drop:
                     raise
-                gap = await session.resume(url, token=token)
-                print(gap.describe(), flush=True)
+                try:
+                    gap = await session.resume(url, token=token)
+                    print(gap.describe(), flush=True)
+                except (ServerError, websockets.InvalidHandshake, OSError) as exc:
+                    # Its replica is gone (killed, host lost): the world cannot come back, so begin it again.
+                    await session.ws.close()
+                    session = SessionClient(await connect(wire.session_url(url, token=token)))
+                    await session.start(codec=codec, seed=seed, prompt=prompt, image=image)
+                    print(
+                        f"the server holding the session is gone ({type(exc).__name__}); started a new session "
+                        f"{session.ready['session_id']} with the same seed, start image and keys: the world starts over",
+                        flush=True,
+                    )
                 # Ask again for the chunks that were lost; resend the keys (an input may have been lost too).
                 next_tick, held = chunks_received, None
                 continue
@@ -525,7 +562,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume-on-drop",
         action="store_true",
-        help="when the connection drops, reconnect and resume the session with its ticket; prints the gap",
+        help="when the connection drops, reconnect and resume the session with its ticket (prints the gap); "
+        "if its server is gone, start a new session with the same seed and keys (and say so)",
     )
 
 

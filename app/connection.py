@@ -39,6 +39,7 @@ from arstream.app.protocol import (
     closed_message,
     dumps,
     error_message,
+    moved_message,
     parse_client_message,
     pong_message,
     ready_message,
@@ -152,6 +153,8 @@ class Connection:
         self._writer: asyncio.Task[None] | None = None
         self._released = False
         self._disconnected = False
+        # Being moved to a peer (app/migration.py): ticks are absorbed, not run.
+        self.moving = False
         # Ticks handed to the worker whose outcome has not come back: while any is, the client waits on us.
         self._in_worker: set[int] = set()
         self._idle_since = 0.0  # loop time of the last message, or of the last outcome that left nothing queued
@@ -499,6 +502,10 @@ class Connection:
             if isinstance(parsed, TickMessage):
                 self._validate_controls(parsed.controls, tick_id=parsed.tick_id)
                 job = session.accept_tick(parsed)
+                if self.moving:  # its state is on its way to a peer: keep the tick's controls, run nothing here
+                    session.absorb_update(job)
+                    session.release_credit()
+                    return
                 assert self.hub.worker is not None
                 self.hub.worker.submit(job)
                 self._in_worker.add(job.tick_id)
@@ -594,6 +601,12 @@ class Connection:
             return
         self.outbox.push(_Text(dumps(error_message(code, message, tick_id=tick_id)), returns_credit=returns_credit))
         self._close(ERROR_CLOSE_CODES[code], reason)
+
+    def close_moved(self, token: str, next_chunk_index: int) -> None:
+        """The session lives on a peer now (app/migration.py): tell the client its token, close, release here."""
+        if self.session is not None and self.session.live:
+            self.outbox.push(_Text(dumps(moved_message(resume=token, next_chunk_index=next_chunk_index))))
+        self._close(CLOSE_GOING_AWAY, CloseReason.MOVED)
 
     def close_for_shutdown(self) -> None:
         self._close(CLOSE_GOING_AWAY, CloseReason.SERVER_SHUTDOWN)

@@ -210,8 +210,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if not self._head_done:
-            # Counts body bytes that come in the same read too: our routes take no body.
-            self._head_bytes += len(data)
+            # Up to the head's end when this read holds it: a body in the same read (the cluster's
+            # POST /v1/cluster/import) is not head.
+            end = data.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else end + 4
             if self._head_bytes > self.max_head_bytes:
                 self.guard.refusals.note(
                     "max_header_bytes", f"a request head over {self.max_head_bytes} bytes (max_header_bytes)"

@@ -74,6 +74,7 @@ class SessionHub:
         self.not_ready_reason = "the model is loading and warming up"
         self.load_error: BaseException | None = None
         self.shutting_down = False
+        self.draining = False  # moving its sessions to peers (app/migration.py): admits nothing new
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
         # The start images the model card offers (first: the default); empty: it takes none.
@@ -205,6 +206,8 @@ class SessionHub:
         """Why a new session, or the resume of session ``resuming``, cannot start now; None when it can."""
         if self.shutting_down:
             return "the server is shutting down"
+        if self.draining:
+            return "the server is draining: its sessions are moving to other replicas"
         if not self.ready:
             return self.not_ready_reason
         live = len(self._live_holders(resuming))

@@ -107,7 +107,7 @@ class ServerMetrics:
         for outcome in ("resumed", "refused"):
             self.resumes.labels(outcome=outcome)  # both series exist from the start, so rates are never empty
         self.drains = Counter(
-            "arstream_drains", "Drains begun (the server has no drain command yet: always 0)", registry=registry
+            "arstream_drains", "Drains begun on this replica (POST /v1/cluster/drain, arstream drain)", registry=registry
         )
         registry.register(RunnerCollector(stats, connected, detached))
 

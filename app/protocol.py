@@ -71,6 +71,7 @@ class CloseReason(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     SERVER_SHUTDOWN = "server_shutdown"
     TAKEN_OVER = "taken_over"
+    MOVED = "moved"
     ERROR = "error"
 
 
@@ -319,6 +320,11 @@ def pong_message(t: int | float | None) -> dict[str, Any]:
 
 def error_message(code: ErrorCode, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
     return {"type": "error", "code": str(code), "message": message, "tick_id": tick_id, "fatal": code in ERROR_CLOSE_CODES}
+
+
+def moved_message(*, resume: str, next_chunk_index: int) -> dict[str, Any]:
+    """The session moved to another replica: reconnect with ``resume`` (PROTOCOL.md, "Moved to another replica")."""
+    return {"type": "moved", "resume": resume, "next_chunk_index": next_chunk_index}
 
 
 def closed_message(reason: CloseReason) -> dict[str, Any]:

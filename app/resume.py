@@ -190,6 +190,25 @@ class ResumeRegistry:
         log.info("session=%s detached; resumable for %s s", session.id, self.grace_s)
         return True
 
+    def hold_moved(self, session: Session) -> str:
+        """A session moved here from another replica: keep it detached for the grace period; return its token.
+
+        The token carries this replica's prefix, so the client's reconnect with
+        it is routed here; it resumes like any detached session, and is released
+        like one when nobody comes for it.
+        """
+        if not self.enabled or self._closed:
+            raise ResumeRefused("this replica does not hold sessions for a resume (resume off or shutting down)")
+        token = f"{self.replica_id}.{secrets.token_urlsafe(TOKEN_RANDOM_BYTES)}"
+        self._forget_entry(session.id)
+        entry = _Entry(digest=_digest(token), session=session)
+        entry.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, session.id)
+        self._entries[session.id] = entry
+        self._by_digest[entry.digest] = session.id
+        self._detached[session.id] = None
+        log.info("session=%s moved here; resumable for %s s with token %s", session.id, self.grace_s, token_hint(token))
+        return token
+
     def _expire(self, session_id: str) -> None:
         self.release(session_id, "its grace period ended")
 

@@ -37,6 +37,7 @@ from arstream.app.hub import SessionHub
 from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
+from arstream.app.migration import add_cluster_routes
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
 from arstream.runner.contract import ARPipeline
@@ -120,6 +121,9 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
             return JSONResponse({"ready": False, "reason": refusal}, status_code=503)
         return JSONResponse({"ready": True})
 
+    # Private routes for the cluster (drain, moved sessions); off without a cluster secret.
+    app.state.migration = add_cluster_routes(app, hub)
+
     if STATIC_DIR.is_dir():
         # Last, so the API routes win.
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
@@ -139,6 +143,9 @@ class ARStreamServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, hub: SessionHub) -> None:
         super().__init__(config)
         self.hub = hub
+        migration = getattr(getattr(config.app, "state", None), "migration", None)
+        if migration is not None:
+            migration.request_exit = lambda: setattr(self, "should_exit", True)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         app = self.config.app

@@ -313,6 +313,68 @@ class Session:
         resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
         return resumed
 
+    # ---- moving to another replica (app/migration.py) -------------------------------------
+
+    def portable_state(self) -> dict[str, Any]:
+        """The protocol state a peer needs to go on with this session (JSON), at a chunk boundary.
+
+        What :meth:`carry_over` keeps, in values: controls and prompt (with any
+        still staged by input events, only when newer than the current ones),
+        seed, codec, id floors, and the ids of input events waiting for their
+        chunk (their arrival times do not travel: a clock is per process).
+        """
+        with self._lock:
+            staged_controls = self._staged_controls
+            staged_prompt = self._staged_prompt
+            return {
+                "id": self.id,
+                "codec": self.codec,
+                "quality": self.quality,
+                "seed": self.seed,
+                "controls": self._controls,
+                "prompt": self._prompt,
+                "staged_controls": staged_controls.controls
+                if staged_controls is not None and staged_controls.seq > self._controls_seq
+                else None,
+                "staged_prompt": staged_prompt.prompt
+                if staged_prompt is not None and staged_prompt.seq > self._prompt_seq
+                else None,
+                "pending_event_ids": [e.event_id for e in self._pending_events],
+                "last_tick_id": self.last_tick_id,
+                "last_reset_tick_id": self._last_reset_tick_id,
+                "event_floor": self.event_floor,
+                "recent_event_ids": list(self._recent_events),
+            }
+
+    @classmethod
+    def from_portable(cls, state: dict[str, Any], *, session_id: str, max_pending_ticks: int) -> Session:
+        """A detached session rebuilt from :meth:`portable_state`, ready to be resumed (state ACTIVE)."""
+        session = cls(
+            session_id,
+            codec=str(state["codec"]),
+            quality=int(state["quality"]),
+            seed=state["seed"],
+            prompt=state["prompt"],
+            max_pending_ticks=max_pending_ticks,
+        )
+        session._controls = dict(state["controls"])
+        session._controls_seq = session._prompt_seq = 0
+        session._seq = 1
+        if state["staged_controls"] is not None:
+            session._staged_controls = session._next_update(dict(state["staged_controls"]), None)
+        if state["staged_prompt"] is not None:
+            session._staged_prompt = session._next_update(None, str(state["staged_prompt"]))
+        now = time.perf_counter()
+        session._pending_events = [PendingEvent(int(i), now) for i in state["pending_event_ids"]]
+        session.last_tick_id = state["last_tick_id"]
+        session._last_reset_tick_id = state["last_reset_tick_id"]
+        session.event_floor = state["event_floor"]
+        for event_id in state["recent_event_ids"]:
+            session._recent_events.append(int(event_id))
+        session._recent_event_set = set(session._recent_events)
+        session.state = SessionState.ACTIVE
+        return session
+
 
 def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool) -> str | None:
     """The chunk's ``restarted`` field (PROTOCOL.md, `chunk`)."""

@@ -185,6 +185,17 @@ class Settings(BaseSettings):
         description="this replica's name; resume tokens begin with it and a dot so a load balancer can route "
         "them (letters, digits, - and _); default: the host name's first label",
     )
+    cluster_secret: str | None = Field(
+        None,
+        description="shared by a cluster's replicas: enables /v1/cluster/* (drain, session import), which "
+        "require it as a bearer token; default: off",
+    )
+    cluster_peers: str = Field(
+        "", description="comma list of peer replica URLs a drain moves sessions to when the drain names none"
+    )
+    drain_timeout_s: float = Field(
+        30.0, gt=0, description="how long a drain may take; sessions not moved by then end as on shutdown"
+    )
     resume_grace_s: float = Field(
         30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
     )
@@ -227,6 +238,13 @@ class Settings(BaseSettings):
         if not all(tokens):
             raise ValueError("a comma list of auth tokens has an empty entry")
         return ",".join(tokens)
+
+    @field_validator("cluster_secret")
+    @classmethod
+    def _usable_cluster_secret(cls, value: str | None) -> str | None:
+        if value is not None and len(value) < 16:
+            raise ValueError("the cluster secret must be at least 16 characters (it lets a peer hand this replica sessions)")
+        return value
 
     @field_validator("max_connections")
     @classmethod

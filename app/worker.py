@@ -34,17 +34,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 from arstream.app.admission import RoundTimes
 from arstream.app.encoding import EncoderPool
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
+from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
 from arstream.runner.runner import ARRunner, RunnerStats
+from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
 
 COMPUTE_TIMES_KEPT = 4096
+_T = TypeVar("_T")
 
 
 class OutcomeKind(Enum):
@@ -244,6 +248,68 @@ class ModelWorker:
                 future.set_exception(RuntimeError("the model worker is stopping"))
                 return future
             self._controls.append(report)
+            self._cond.notify()
+        return future
+
+    def export_session(self, session_id: str) -> asyncio.Future[SessionSnapshot]:
+        """Resolves with the session's snapshot (tensors on the CPU) taken at its next chunk boundary.
+
+        Like :meth:`session_position`, it resolves through the session's lane, after
+        the outcomes of its earlier ticks: the client has every chunk before the
+        snapshot's ``next_chunk_index``. Raises :class:`SnapshotError` through the
+        future when the session cannot be exported (not resident, a model without
+        the hook).
+        """
+
+        def export(runner: ARRunner) -> SessionSnapshot:
+            snapshot = export_session(runner, session_id, protocol_version=PROTOCOL_VERSION)
+            # Copies on the CPU: serialising them off the worker thread must not race the next forward.
+            snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}
+            return snapshot
+
+        return self._control(export, lane=session_id)
+
+    def import_session(self, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
+        """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""
+
+        def adopt(runner: ARRunner) -> None:
+            import_session(runner, session_id, snapshot, protocol_version=PROTOCOL_VERSION)
+            self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
+            self._encoders.restart_stream(session_id)
+
+        return self._control(adopt, lane=None)
+
+    def _control(self, function: Callable[[ARRunner], _T], *, lane: str | None) -> asyncio.Future[_T]:
+        """Run ``function(runner)`` on the worker at the next chunk boundary; its result or error resolves the future."""
+        future: asyncio.Future[_T] = self._loop.create_future()
+
+        def job() -> None:
+            assert self.runner is not None
+            result: _T | None = None
+            error: Exception | None = None
+            try:
+                result = function(self.runner)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                error = exc
+
+            def settle() -> None:
+                if future.done():  # the waiter gave up
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)  # type: ignore[arg-type]
+
+            if lane is None:
+                self._handoff.call(settle)
+            else:
+                self._encoders.submit(lane, lambda: self._handoff.call(settle))
+
+        with self._cond:
+            if self._stopping or self.runner is None:
+                future.set_exception(RuntimeError("the model worker is not running"))
+                return future
+            self._controls.append(job)
             self._cond.notify()
         return future
 

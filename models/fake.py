@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from arstream.runner.binding import SessionStateBinding
+from arstream.runner.contract import ModelState
 from arstream.runner.kv_state import write_and_gather_rows
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import StartImage, TickRequest
@@ -179,6 +180,20 @@ class FakeKVPipeline(SessionStateBinding):
     def close_session(self, session_id: str) -> None:
         self.events.append(("close", session_id))
         self.sessions.pop(session_id, None)
+
+    # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        return {"fake-kv": 1}
+
+    def export_session_state(self, session_id: str) -> ModelState:
+        session = self.sessions.get(session_id)
+        return ModelState({"session": None if session is None else dict(session)})
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        session = state.json.get("session")
+        if session is not None:
+            self.sessions[session_id] = dict(session)
 
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
         return [TickRequest(session_id=session_id, request_id=i) for i in range(3)]

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+import torch
 
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import TickRequest
@@ -73,3 +75,31 @@ class SupportsBatchedChunks(Protocol):
 
     def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
         """One uint8 ``[F, H, W, 3]`` array per tick, in the order of ``ticks``."""
+
+
+@dataclass
+class ModelState:
+    """A session's model-owned state in portable form: JSON-able values and named tensors."""
+
+    json: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class SupportsSessionTransfer(Protocol):
+    """Optional: a session's model-owned state can leave this process and continue in another.
+
+    Called by :mod:`arstream.runner.snapshot` at a chunk boundary only (no
+    forward of the session in flight). Import must give the session exactly the
+    state export saw, so its next chunk is bit-identical to the one it would
+    have had here; the KV side is the runner's.
+    """
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        """JSON-able identity of what the state depends on (config, weights digest); must match to import."""
+
+    def export_session_state(self, session_id: str) -> ModelState:
+        """The session's model-owned state (empty for a session that has none yet)."""
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        """Install state from :meth:`export_session_state` (of the same fingerprint) for ``session_id``."""

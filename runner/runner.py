@@ -172,6 +172,16 @@ class ARRunner:
         state = self._sessions.get(session_id)
         return 0 if state is None else state.chunk_index
 
+    def kv_state(self, session_id: str) -> SessionKVState | None:
+        """The session's KV state between forwards (for :mod:`arstream.runner.snapshot`), or None."""
+        return self._sessions.get(session_id)
+
+    def adopt_kv_state(self, state: SessionKVState) -> None:
+        """Make an imported session resident (most recently used); the caller filled ``state`` from a snapshot."""
+        if state.pool is not self.pool or state.session_id in self._sessions:
+            raise ValueError(f"cannot adopt session {state.session_id!r}: another pool's, or already resident")
+        self._sessions[state.session_id] = state
+
     def _get_or_create(self, session_id: str) -> SessionKVState:
         state = self._sessions.get(session_id)
         if state is None:

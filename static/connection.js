@@ -3,7 +3,7 @@
 // reconnect with bounded backoff while the server is away, wait for a free
 // slot on a full server, and let go while the tab is hidden.
 
-import { closeText, errorText, notReadyText } from './messages.js';
+import { MOVE_TEXT, closeText, errorText, notReadyText } from './messages.js';
 import { Pacer } from './player.js';
 import { Session } from './session.js';
 
@@ -50,6 +50,7 @@ export class Connection {
     this.waitingSince = 0;
     this.keys = [];
     this.afterDrop = false;            // the next `ready` follows a drop: say what happened
+    this.afterMove = false;            // the next `ready` follows a move to another replica
   }
 
   setState(state, view = {}) {
@@ -209,7 +210,11 @@ export class Connection {
     this.debug.pacer = session.pacer;
     this.hooks.log(`ready: session ${ready.session_id}${ready.resumed ? ' (resumed)' : ''}, `
       + `model ${ready.model.name}, codec ${ready.codec}`);
-    if (this.afterDrop) {
+    if (this.afterMove) {
+      this.hooks.notice(ready.resumed ? MOVE_TEXT.moved : MOVE_TEXT.moveLost);
+      this.afterMove = false;
+      this.afterDrop = false;
+    } else if (this.afterDrop) {
       this.hooks.notice(ready.resumed
         ? 'Reconnected: your world carried on where it was.'
         : 'Reconnected with a new world (the server could not keep the old one).');
@@ -250,6 +255,14 @@ export class Connection {
     const clean = code === 1000 && (session.stopping || ['client', 'tick_close'].includes(session.closedReason));
     this.hooks.log(`connection closed (code ${code}${why})`, clean ? 'info' : 'error');
     if (this.state === 'paused' || this.state === 'stopped') return;  // we let it go on purpose
+    if (session.moved && session.moved.resume) {
+      // A drained server handed the world to another: follow it at once; the frames already here keep playing.
+      this.ticket = session.moved.resume;
+      this.afterMove = true;
+      this.hooks.notice(MOVE_TEXT.moving);
+      this.connect();
+      return;
+    }
     this.player.playing = false;
     if (fatal) this.ticket = null;  // a fatal error ends the session for good: nothing to resume
 
@@ -302,6 +315,16 @@ export class Connection {
   async refusedBeforeOpen() {
     const ready = await this.readyz();
     if (this.state !== 'connecting') return;  // stopped or hidden meanwhile
+    if (ready.ok && this.ticket) {
+      // The service answers but the way to our world does not: the server that held it is gone
+      // (a balancer answers its token with 503). Begin again elsewhere, with the same seed and keys.
+      this.ticket = null;
+      this.afterDrop = false;
+      this.hooks.notice(MOVE_TEXT.gone);
+      this.hooks.log('resume refused before the socket opened: starting a new session');
+      this.connect();
+      return;
+    }
     if (ready.ok) this.refusals += 1;
     if (this.refusals >= REFUSALS_BEFORE_ASKING) {
       this.setState('needs-token', {

@@ -39,6 +39,14 @@ export const CLOSE_TEXT = {
   4004: 'The server could not use that start image.',
 };
 
+/** What happened to the world when its server went away (a drain moves it; a crash cannot). */
+export const MOVE_TEXT = {
+  moving: 'This server is restarting: moving your world to another one…',
+  moved: 'Moved to another server: your world carried on where it was.',
+  moveLost: 'Moved to another server, but it could not keep your world, so a new one starts.',
+  gone: 'The server that held your world is gone, so a new world starts on another server, with the same seed and keys.',
+};
+
 /** Words for an `error` message, falling back to the server's own text for a code this page does not know. */
 export function errorText(code, serverMessage) {
   return ERROR_TEXT[code] || `The server reported a problem: ${serverMessage || code}.`;

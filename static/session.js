@@ -42,6 +42,7 @@ export class Session {
     this.stopping = false;          // we sent `close` (or closed a socket that never opened)
     this.dropping = false;          // we closed the socket without `close` (a hidden tab)
     this.closedReason = null;       // the `closed` message's reason, if one came
+    this.moved = null;              // a `moved` message: the session lives on another replica now
     this.fatal = null;              // the last fatal `error` message
     this.failed = false;            // after session_failed only a reset tick is accepted
     this.resetKeys = null;          // held keys for the reset tick, when one is wanted
@@ -113,6 +114,11 @@ export class Session {
       case 'ready': return this.onReady(message);
       case 'chunk': return this.onChunk(message);
       case 'error': return this.onError(message);
+      case 'moved':
+        this.moved = message;
+        this.hooks.log(`session moved to replica ${String(message.resume).split('.')[0]} `
+          + `(next chunk ${message.next_chunk_index})`);
+        return undefined;
       case 'closed':
         this.closedReason = message.reason;
         this.hooks.log(`session closed by the server (reason: ${message.reason})`);

@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,13 +79,13 @@ def wait_until(condition: Callable[[], bool], what: str, guard_s: float = POLL_G
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    options = ["--model", "fake-kv", "--model-options", f'{{"session_capacity": {CAPACITY}}}', "--log-level", "info"]
+@contextmanager
+def launch_cluster(options: list[str], env: dict[str, str] | None = None, replicas: int = 2) -> Iterator[Cluster]:
+    """scripts/local-cluster.sh with ``replicas`` replicas and ``options``; stopped with SIGTERM on exit."""
     process = subprocess.Popen(
-        ["bash", str(REPO_ROOT / "scripts" / "local-cluster.sh"), "2", *options],
+        ["bash", str(REPO_ROOT / "scripts" / "local-cluster.sh"), str(replicas), *options],
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "ARSTREAM_GPUS": "0,1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -122,6 +123,13 @@ def cluster() -> Iterator[Cluster]:
         yield cluster
     finally:
         stop_process(process, reader, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    options = ["--model", "fake-kv", "--model-options", f'{{"session_capacity": {CAPACITY}}}', "--log-level", "info"]
+    with launch_cluster(options, {"ARSTREAM_GPUS": "0,1"}) as started:
+        yield started
 
 
 def run(coro: Any) -> Any:

@@ -54,6 +54,8 @@ from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, act
 from arstream.models.matrix_game.sampler import sample_chunk
 from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
 from arstream.runner.binding import SessionStateBinding
+from arstream.runner.contract import ModelState
+from arstream.runner.snapshot import tensors_digest, weights_digest
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import StartImage, TickRequest
 
@@ -212,6 +214,74 @@ class MatrixGamePipeline(SessionStateBinding):
     def session_ids(self) -> list[str]:
         """Sessions with model-owned state (for tests of release on reset/close)."""
         return list(self._sessions)
+
+    # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        """Config, DiT and VAE weights, and the conditioning (image latents, image context) the chunks read."""
+        if getattr(self, "_fingerprint", None) is None:  # computed once: none of it changes while serving
+            self._fingerprint = {
+                "config": self.cfg.name,
+                "dit": weights_digest(self.model),
+                "vae": weights_digest(self.vae.vae),
+                "condition": tensors_digest({"condition": self.condition, "context": self.context}),
+            }
+        return self._fingerprint
+
+    def export_session_state(self, session_id: str) -> ModelState:
+        """Noise generator, control history, action caches and the VAE decoder's feature cache."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return ModelState({"session": None})
+        tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
+        values: dict[str, Any] = {"controls": None, "action_frames": session.actions.frames, "vae": None}
+        if session.controls is not None:
+            c = session.controls
+            values["controls"] = {"start": c.start}
+            tensors.update({"controls/first_keyboard": c.first_keyboard, "controls/first_mouse": c.first_mouse,
+                            "controls/keyboard": c.keyboard, "controls/mouse": c.mouse})
+        values["action_layers"] = sorted(session.actions.layers)
+        for layer, kv in session.actions.layers.items():
+            for i, tensor in enumerate(kv):
+                tensors[f"actions/{layer}/{i}"] = tensor
+        if session.vae_cache is not None:
+            # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
+            kinds = []
+            for i, entry in enumerate(session.vae_cache):
+                if isinstance(entry, torch.Tensor):
+                    tensors[f"vae/{i}"] = entry
+                    kinds.append("tensor")
+                else:
+                    kinds.append(entry)
+            values["vae"] = kinds
+        latents = self.last_latents.get(session_id)
+        if latents is not None:
+            tensors["last_latents"] = latents
+        return ModelState({"session": values}, tensors)
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        values = state.json.get("session")
+        if values is None:
+            return
+        # Caches and latents live on the model's device; the generator and control history on the CPU, as they are made.
+        on_device = ("actions/", "vae/", "last_latents")
+        t = {n: v.to(self.device) if n.startswith(on_device) else v.cpu() for n, v in state.tensors.items()}
+        generator = torch.Generator()
+        generator.set_state(t["generator"])
+        controls = None
+        if values["controls"] is not None:
+            controls = ControlHistory(
+                first_keyboard=t["controls/first_keyboard"], first_mouse=t["controls/first_mouse"],
+                keyboard=t["controls/keyboard"], mouse=t["controls/mouse"], start=int(values["controls"]["start"]),
+            )
+        layers = {int(layer): tuple(t[f"actions/{layer}/{i}"] for i in range(4)) for layer in values["action_layers"]}
+        actions = ActionHistory(frames=int(values["action_frames"]), layers=layers)  # type: ignore[arg-type]
+        cache = None
+        if values["vae"] is not None:
+            cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(values["vae"])]
+        self._sessions[session_id] = _Session(generator, controls, actions, cache)
+        if "last_latents" in t:
+            self.last_latents[session_id] = t["last_latents"]
 
     def _drop(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

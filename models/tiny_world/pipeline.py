@@ -39,6 +39,8 @@ from arstream.models.tiny_world.sampling import (
 from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
 from arstream.models.tiny_world.world import KEYS, direction_index, velocity
 from arstream.runner.binding import SessionStateBinding
+from arstream.runner.contract import ModelState
+from arstream.runner.snapshot import weights_digest
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import TickRequest
 
@@ -95,6 +97,7 @@ class TinyWorldPipeline(SessionStateBinding):
         self.device = device
         self.session_capacity = session_capacity
         self._sessions: dict[str, _Session] = {}
+        self._weights_digest: str | None = None
 
     # ---- contract -------------------------------------------------------------------
 
@@ -204,6 +207,45 @@ class TinyWorldPipeline(SessionStateBinding):
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
         keys = ([], ["d"], ["w", "a"])
         return [TickRequest(session_id=session_id, request_id=i, controls={"keys": k}) for i, k in enumerate(keys)]
+
+    # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        if self._weights_digest is None:  # computed once: the weights never change while serving
+            self._weights_digest = weights_digest(self.model)
+        return {"config": self.cfg.to_dict(), "weights_sha256": self._weights_digest}
+
+    def export_session_state(self, session_id: str) -> ModelState:
+        """Noise generator, controls, camera and the last decoded canvas: what the next chunk reads."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return ModelState({"session": None})
+        tensors = {"generator": session.generator.get_state()}
+        if session.last_canvas is not None:
+            tensors["last_canvas"] = session.last_canvas
+        values = {
+            "controls": session.controls,
+            "camera": [session.camera_x, session.camera_y],
+            "last_cell": None if session.last_cell is None else list(session.last_cell),
+        }
+        return ModelState({"session": values}, tensors)
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        values = state.json.get("session")
+        if values is None:
+            return
+        generator = torch.Generator()
+        generator.set_state(state.tensors["generator"])
+        canvas = state.tensors.get("last_canvas")
+        cell = values["last_cell"]
+        self._sessions[session_id] = _Session(
+            generator=generator,
+            controls=dict(values["controls"]),
+            camera_x=int(values["camera"][0]),
+            camera_y=int(values["camera"][1]),
+            last_canvas=None if canvas is None else canvas.to(self.device),
+            last_cell=None if cell is None else (int(cell[0]), int(cell[1])),
+        )
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -1,0 +1,280 @@
+"""A session as a portable object: everything it needs to continue in another process.
+
+A :class:`SessionSnapshot` is taken at a chunk boundary (no forward in
+flight) and holds
+
+- the session's KV blocks, per branch, in frame order (sink, then window),
+  with the frame counters that place them (absolute frame positions keep
+  counting, so RoPE and the window go on exactly as before);
+- its cross-attention caches, when the spec has any;
+- the model-owned state (noise generator, camera, decoder canvas, action or
+  VAE caches...), through the pipeline's optional
+  :class:`~arstream.runner.contract.SupportsSessionTransfer` hook;
+- an opaque ``session`` section for the layer above (the server puts the
+  protocol state there: controls, prompt, seed, pending events, id floors).
+
+On the wire it is one safetensors file: the tensors, and in its metadata a
+JSON header (``FORMAT_VERSION``, model name, config hash, runtime, protocol
+version, counters, the model's and the server's JSON state). A runner refuses
+a snapshot of another model, config, runtime or format with
+:class:`SnapshotRefused`, and an import that fails for any reason leaves the
+pool as it was (every block allocated for it goes back).
+
+Bit-identical continuation is the contract: export at chunk ``k``, import
+into a fresh runner of the same model, and chunk ``k`` onwards equals what the
+uninterrupted session would have produced (tests/test_snapshot.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from arstream.runner.contract import ModelState, SupportsSessionTransfer
+from arstream.runner.kv_state import SessionKVState
+
+if TYPE_CHECKING:
+    from arstream.runner.runner import ARRunner
+
+FORMAT_VERSION = 1
+RUNTIME_NAME = "arstream"
+METADATA_KEY = "arstream_session"
+# What a snapshot's JSON header may weigh; the tensors are bounded by the spec's shapes.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+class SnapshotError(ValueError):
+    """A snapshot cannot be exported, or its bytes are not a session snapshot."""
+
+
+class SnapshotRefused(SnapshotError):
+    """A well-formed snapshot this runner will not take (other model or config, no room)."""
+
+
+@dataclass
+class SessionSnapshot:
+    """One session's portable state; :meth:`to_bytes` / :meth:`from_bytes` are the wire format."""
+
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return str(self.header.get("model"))
+
+    @property
+    def next_chunk_index(self) -> int:
+        return int(self.header["kv"]["chunks_committed"])
+
+    @property
+    def session(self) -> dict[str, Any]:
+        """The server's section (protocol state); empty when only the runner state was taken."""
+        return self.header.setdefault("session", {})
+
+    def to_bytes(self) -> bytes:
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.tensors.items()}
+        return save_tensors(tensors, metadata={METADATA_KEY: json.dumps(self.header, separators=(",", ":"))})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SessionSnapshot:
+        """Parse the header first (cheap, bounded), then the tensors; :class:`SnapshotError` if malformed."""
+        header = read_header(data)
+        try:
+            tensors = load_tensors(data)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise SnapshotError(f"the snapshot's tensors do not parse: {exc}") from None
+        return cls(header, tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def read_header(data: bytes) -> dict[str, Any]:
+    """The JSON header of a snapshot's bytes, checked for the format version; nothing else is parsed."""
+    if len(data) < 8:
+        raise SnapshotError("not a session snapshot: shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise SnapshotError(f"not a session snapshot: header length {length} does not fit")
+    try:
+        outer = json.loads(data[8 : 8 + length])
+        header = json.loads(outer["__metadata__"][METADATA_KEY])
+    except (ValueError, KeyError, TypeError):
+        raise SnapshotError("not a session snapshot: no ARStream header in the safetensors metadata") from None
+    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
+        got = header.get("format_version") if isinstance(header, dict) else None
+        raise SnapshotRefused(f"snapshot format version {got!r}; this server reads version {FORMAT_VERSION}")
+    return header
+
+
+# ---- identity -----------------------------------------------------------------------------------
+
+
+def config_hash(runner: ARRunner) -> str:
+    """What must match for a session to continue bit-identically: KV spec, model card, model config and weights."""
+    spec = runner.spec
+    pipeline = runner.pipeline
+    document = {
+        "spec": {f.name: repr(getattr(spec, f.name)) for f in fields(spec) if f.name != "session_capacity"},
+        "card": runner.model_card(),
+        "model": pipeline.transfer_fingerprint() if isinstance(pipeline, SupportsSessionTransfer) else None,
+    }
+    text = json.dumps(document, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of a module's parameters and buffers, names included: two replicas serving different weights differ."""
+    return tensors_digest(module.state_dict())
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors (names, dtypes and bytes), in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _identity(runner: ARRunner, protocol_version: int | None) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": runner.model_card().get("name"),
+        "config_hash": config_hash(runner),
+        "runtime": RUNTIME_NAME,
+        "protocol_version": protocol_version,
+    }
+
+
+def check_compatible(runner: ARRunner, header: dict[str, Any], protocol_version: int | None = None) -> None:
+    """Raise :class:`SnapshotRefused` naming the first difference between the snapshot and this runner."""
+    mine = _identity(runner, protocol_version)
+    for key, what in (
+        ("format_version", "format version"),
+        ("runtime", "runtime"),
+        ("model", "model"),
+        ("config_hash", "model config (KV spec, card, weights)"),
+        ("protocol_version", "protocol version"),
+    ):
+        if key == "protocol_version" and protocol_version is None:
+            continue
+        if header.get(key) != mine[key]:
+            raise SnapshotRefused(
+                f"the session was exported by a replica with another {what}: "
+                f"{header.get(key)!r}, this replica has {mine[key]!r}"
+            )
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+
+def export_session(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
+    """The session's state at its chunk boundary; the session stays resident (the caller releases it)."""
+    pipeline = runner.pipeline
+    if not isinstance(pipeline, SupportsSessionTransfer):
+        name = runner.model_card().get("name")
+        raise SnapshotError(f"model {name!r} cannot export its sessions (no export_session_state hook)")
+    state = runner.kv_state(session_id)
+    if state is None:
+        raise SnapshotError(f"session {session_id!r} is not resident; nothing to export")
+    if state.in_pass or state.chunk_held or any(state.pending.values()) or any(state.dropped.values()):
+        raise SnapshotError(f"session {session_id!r} is inside a forward; export only at a chunk boundary")
+    spec = runner.spec
+    tensors: dict[str, torch.Tensor] = {}
+    sink_counts: dict[str, int] = {}
+    for branch in spec.branch_names:
+        blocks = state.sink[branch] + state.window[branch]
+        sink_counts[branch] = len(state.sink[branch])
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.long, device=runner.pool.device)
+            tensors[f"kv/{branch}"] = runner.pool.kv.index_select(2, index)
+    if state.cross_slot is not None:
+        for name in runner.pool.cross_k:
+            tensors[f"cross_k/{name}"] = runner.pool.cross_k[name][state.cross_slot]
+            tensors[f"cross_v/{name}"] = runner.pool.cross_v[name][state.cross_slot]
+    model = pipeline.export_session_state(session_id)
+    for name, tensor in model.tensors.items():
+        tensors[f"model/{name}"] = tensor
+    header = _identity(runner, protocol_version)
+    header["kv"] = {
+        "frames_committed": state.frames_committed,
+        "chunks_committed": state.chunks_committed,
+        "sink_start": state.sink_start,
+        "sink_frames": sink_counts,
+        "cross_written": sorted(state.cross_written),
+    }
+    header["model_state"] = model.json
+    header["session"] = {}
+    return SessionSnapshot(header, tensors)
+
+
+# ---- import -------------------------------------------------------------------------------------
+
+
+def import_session(
+    runner: ARRunner, session_id: str, snapshot: SessionSnapshot, *, protocol_version: int | None = None
+) -> None:
+    """Make ``snapshot`` the resident session ``session_id``; refuse, leaving the pool as it was, if it does not fit.
+
+    Never evicts another session: a replica with no free slot refuses.
+    """
+    check_compatible(runner, snapshot.header, protocol_version)
+    pipeline = runner.pipeline
+    assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
+    if runner.is_resident(session_id):
+        raise SnapshotRefused(f"session {session_id!r} is already resident here")
+    if len(runner.resident_sessions()) >= runner.session_capacity:
+        raise SnapshotRefused(f"no room: all {runner.session_capacity} session slots of this replica's pool are in use")
+    kv = snapshot.header.get("kv")
+    if not isinstance(kv, dict):
+        raise SnapshotError("the snapshot has no KV section")
+    spec = runner.spec
+    state = SessionKVState(runner.pool, session_id)
+    try:
+        for branch in spec.branch_names:
+            stored = snapshot.tensors.get(f"kv/{branch}")
+            frames = 0 if stored is None else stored.shape[2]
+            sinks = int(kv["sink_frames"][branch])
+            expected = (spec.num_layers, 2, frames, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
+            if frames > spec.resident_frames or sinks > min(frames, spec.sink_frames) or (
+                stored is not None and (tuple(stored.shape) != expected or stored.dtype != spec.dtype)
+            ):
+                raise SnapshotError(f"the snapshot's KV for branch {branch!r} does not fit this spec")
+            if stored is None:
+                continue
+            blocks = runner.pool.allocate(frames)
+            state.sink[branch], state.window[branch] = blocks[:sinks], blocks[sinks:]
+            index = torch.tensor(blocks, dtype=torch.long, device=runner.pool.device)
+            runner.pool.kv.index_copy_(2, index, stored.to(runner.pool.device))
+        if state.cross_slot is not None:
+            for name in runner.pool.cross_k:
+                runner.pool.cross_k[name][state.cross_slot] = snapshot.tensors[f"cross_k/{name}"].to(runner.pool.device)
+                runner.pool.cross_v[name][state.cross_slot] = snapshot.tensors[f"cross_v/{name}"].to(runner.pool.device)
+            state.cross_written = set(kv.get("cross_written", []))
+        state.frames_committed = int(kv["frames_committed"])
+        state.chunks_committed = int(kv["chunks_committed"])
+        state.sink_start = int(kv["sink_start"])
+        prefix = "model/"
+        model_tensors = {k[len(prefix) :]: t for k, t in snapshot.tensors.items() if k.startswith(prefix)}
+        pipeline.import_session_state(session_id, ModelState(snapshot.header.get("model_state", {}), model_tensors))
+    except BaseException as exc:
+        state.release()
+        try:
+            pipeline.close_session(session_id)
+        except Exception:  # noqa: BLE001 - the import's own error is the one to report
+            pass
+        if isinstance(exc, (KeyError, TypeError, ValueError)) and not isinstance(exc, SnapshotError):
+            raise SnapshotError(f"the snapshot does not fit this replica: {type(exc).__name__}: {exc}") from None
+        raise
+    runner.adopt_kv_state(state)

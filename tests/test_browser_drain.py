@@ -1,0 +1,99 @@
+"""The demo page in Chromium across a drain, and across a killed replica, behind the real HAProxy.
+
+scripts/local-cluster.sh runs 2 fake-kv replicas behind HAProxy; the page
+streams from one. A drain moves its session to the other: the page follows
+``moved`` without a click, keeps the same session (and world) and shows a
+brief notice. A killed replica cannot move anything: the page starts a new
+world on the survivor, says so in plain words, and keeps its seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+    PageErrors,
+    browser,
+    browser_marks,
+    debug,
+    errors,
+    new_page,
+    wait,
+    wait_frames_drawn,
+    wait_state,
+)
+from tests.test_cluster import Cluster, launch_cluster, wait_until
+
+pytestmark = browser_marks
+SECRET = "browser-drain-cluster-secret"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    options = ["--model", "fake-kv", "--model-options", json.dumps({"compute_delay_s": 0.02, "session_capacity": 4})]
+    with launch_cluster([*options, "--resume-grace-s", "30"], {"ARSTREAM_CLUSTER_SECRET": SECRET}) as started:
+        yield started
+
+
+@pytest.fixture
+def context(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1100, "height": 760}, bypass_csp=True)
+    yield context
+    context.close()
+
+
+def _holder(cluster: Cluster) -> str:
+    wait_until(lambda: any(cluster.replica_stats(n)["sessions"]["connected"] for n in cluster.replicas), "a session")
+    return next(n for n in cluster.replicas if cluster.replica_stats(n)["sessions"]["connected"] == 1)
+
+
+def test_the_page_keeps_streaming_across_a_drain(cluster: Cluster, context: Any, errors: PageErrors) -> None:
+    page = new_page(context, errors)
+    page.goto(cluster.lb + "/?seed=5")
+    wait_frames_drawn(page, 6)
+    before = debug(page)
+    source = _holder(cluster)
+    peer = next(n for n in cluster.replicas if n != source)
+    response = httpx.post(
+        cluster.replicas[source][0] + "/v1/cluster/drain",
+        json={"peers": [cluster.replicas[peer][0]]},
+        headers={"authorization": f"Bearer {SECRET}"},
+        timeout=60.0,
+    )
+    assert response.json()["moved"] == 1, response.text
+    wait(page, f"window.arstreamDebug.resumed > {before['resumed']}")
+    wait_state(page, "streaming")
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 6)
+    after = debug(page)
+    assert after["sessionId"] == before["sessionId"]  # the same session, now on the peer
+    assert after["lastClose"]["code"] == 1001
+    log = page.text_content("#log") or ""
+    assert f"session moved to replica {peer}" in log
+    assert "your world carried on" in log
+    assert cluster.replica_stats(peer)["sessions"]["connected"] == 1
+    errors.check()
+
+
+def test_a_killed_replica_starts_a_new_world_with_the_same_seed(
+    cluster: Cluster, context: Any, errors: PageErrors
+) -> None:
+    page = new_page(context, errors)
+    page.goto(cluster.lb + "/?seed=5")
+    wait_frames_drawn(page, 6)
+    before = debug(page)
+    source = _holder(cluster)
+    os.kill(cluster.replicas[source][1], signal.SIGKILL)
+    wait(page, f"window.arstreamDebug.sessionId !== {json.dumps(before['sessionId'])}")
+    wait_state(page, "streaming")
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 6)
+    after = debug(page)
+    assert after["seed"] == before["seed"] == 5
+    assert "The server that held your world is gone" in (page.text_content("#log") or "")
+    errors.check()
