@@ -275,6 +275,9 @@ export class Connection {
       });
     } else if (fatal === 'unauthorized') {
       this.setState('needs-token', { text: errorText('unauthorized'), tone: 'warn', action: 'token' });
+    } else if (fatal === 'over_capacity' && /loading|warming/i.test(session.fatal.message || '')) {
+      // Not full: the model is still loading. Wait for it in those words.
+      this.waitForSlot(errorText('loading'), 'the model to be ready');
     } else if (fatal === 'over_capacity' || code === 1013) {
       // A cap on this address or token, rather than a full server, has its own words.
       const own = session.fatal && /client address|token/i.test(session.fatal.message || '');
@@ -350,7 +353,8 @@ export class Connection {
     const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** (this.attempts - 1)) * (0.8 + 0.4 * Math.random());
     const seconds = Math.max(1, Math.round(delay / 1000));
     this.setState('reconnecting', {
-      text: `${why} Reconnecting in ${seconds} s${this.ticket ? ', keeping your world' : ''}… (attempt ${this.attempts})`,
+      text: `${why} Reconnecting in ${seconds} s${this.ticket ? ' to pick your world up again' : ''}… `
+        + `(attempt ${this.attempts})`,
       tone: 'warn',
       action: 'play-now',
     });
@@ -370,13 +374,13 @@ export class Connection {
   }
 
   /** A full server: ask /readyz every two seconds and join as soon as a slot is free. */
-  waitForSlot(why = errorText('over_capacity')) {
+  waitForSlot(why = errorText('over_capacity'), waitingFor = 'a free slot') {
     this.clearTimer();
     this.ticket = null;
     if (this.state !== 'waiting') this.waitingSince = performance.now();
     const waited = Math.round((performance.now() - this.waitingSince) / 1000);
     this.setState('waiting', {
-      text: `${why} Waiting for a free slot; you join by yourself as soon as one opens.`
+      text: `${why} Waiting for ${waitingFor}; you join by yourself as soon as it is.`
         + (waited ? ` (waiting ${waited} s)` : ''),
       tone: 'warn',
     });

@@ -15,6 +15,7 @@ export const ERROR_TEXT = {
   origin_refused: 'The server does not accept pages opened from this address.',
   over_capacity: 'The server is full: every session slot is taken.',
   over_capacity_own: 'This address (or access token) already has as many sessions as the server allows.',
+  loading: 'The server is still loading its model.',
   idle_timeout: 'The session ended because nothing was asked of it for a while.',
   resume_failed: 'Your world could not be picked up again (the server had let it go), so a new one starts.',
   taken_over: 'This world is now playing in another tab or window.',
@@ -26,7 +27,7 @@ export const ERROR_TEXT = {
 /** WebSocket close codes. */
 export const CLOSE_TEXT = {
   1000: 'The session ended.',
-  1001: 'The server is restarting.',
+  1001: 'The server stopped (it may be restarting).',
   1006: 'The connection to the server was lost.',
   1008: 'The server refused this session.',
   1009: 'The page sent more text than the server accepts.',

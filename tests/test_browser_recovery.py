@@ -7,6 +7,7 @@ and real Chromium pages through Playwright.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,10 +29,12 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
     wait_frames_drawn,
     wait_state,
 )
+from arstream.models.fake import FakeKVPipeline
 from tests.servers import fake_settings, running_server
 
 pytestmark = browser_marks
 FAKE = {"compute_delay_s": 0.01}
+LOAD_GUARD_S = 300  # a hang guard: the test lets the model finish loading long before
 RESUME_GRACE_S = 30.0  # tests/servers.py turns resume off unless asked
 
 
@@ -57,7 +60,9 @@ def test_server_restart_under_a_streaming_page_reconnects_by_itself(context: Any
     # The server shut down gracefully (1001) and is gone: the page says so in words and keeps trying.
     wait_state(page, "reconnecting")
     text = overlay_text(page)
-    assert "restarting" in text and "Reconnecting" in text
+    # A stop is not called a restart, and nothing promises the world survives (this one did not).
+    assert "The server stopped (it may be restarting)" in text and "Reconnecting" in text, text
+    assert "keeping your world" not in text and "pick your world up again" in text, text
     assert "code" not in text
     with running_server(settings):
         wait_state(page, "streaming")
@@ -68,6 +73,31 @@ def test_server_restart_under_a_streaming_page_reconnects_by_itself(context: Any
         assert state["lastClose"]["code"] in (1001, 4002)
         assert "could not be picked up again" in (page.text_content("#log") or "")
         assert state["errors"][-1]["code"] == "resume_failed"
+
+
+class SlowLoadingFake(FakeKVPipeline):
+    """A fake whose warm-up waits for the test: the server is up, its model is not ready yet."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.loaded = threading.Event()
+
+    def warmup_requests(self, session_id: str) -> Any:
+        self.loaded.wait(LOAD_GUARD_S)
+        return super().warmup_requests(session_id)
+
+
+def test_a_server_still_loading_its_model_is_not_called_full(context: Any, errors: PageErrors) -> None:
+    pipeline = SlowLoadingFake(**FAKE)
+    with running_server(fake_settings(), pipeline, wait_ready=False) as server:
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait(page, "/loading its model/.test(document.getElementById('overlay-text').textContent)")
+        text = overlay_text(page)
+        assert "full" not in text and "slot" not in text, text
+        pipeline.loaded.set()
+        wait_state(page, "streaming")  # it joins by itself once the model is ready
+        _wait_new_frames(page)
 
 
 def test_a_dropped_connection_and_a_hidden_tab_resume_the_same_world(context: Any, errors: PageErrors) -> None:
