@@ -507,12 +507,22 @@ def save_pngs(frames: Sequence[np.ndarray], out_dir: Path) -> list[Path]:
     return paths
 
 
-def save_mp4(frames: Sequence[np.ndarray], path: Path, fps: int) -> bool:
-    """Write an H.264 (or MPEG-4) video when PyAV is installed; return whether it did."""
+VIDEO_LONG_SIDE_PX = 512  # a small model's video is scaled up to about this (whole factors, hard pixel edges)
+
+
+def video_scale(width: int, height: int) -> int:
+    """The whole factor that brings the longer side near VIDEO_LONG_SIDE_PX (64x64 tiny-world: 8); at least 1."""
+    return max(1, VIDEO_LONG_SIDE_PX // max(width, height))
+
+
+def save_mp4(frames: Sequence[np.ndarray], path: Path, fps: int, scale: int = 1) -> bool:
+    """Write an H.264 (or MPEG-4) video when PyAV is installed, each pixel ``scale`` x ``scale``; whether it did."""
     try:
         import av
     except ImportError:
         return False
+    if scale > 1:  # nearest neighbour: the model's pixels stay sharp squares
+        frames = [frame.repeat(scale, axis=0).repeat(scale, axis=1) for frame in frames]
     height, width = frames[0].shape[:2]
     with av.open(str(path), mode="w") as container:
         codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
@@ -549,6 +559,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="ws://HOST:PORT/v1/sessions, or http://HOST:PORT")
     parser.add_argument("--keys", default="-*10", help='key script, e.g. "d*20,w+d*5,-*3" (default: "-*10")')
     parser.add_argument("--out", type=Path, required=True, help="directory for frame_NNNNNN.png (and video.mp4)")
+    parser.add_argument(
+        "--video-scale",
+        type=int,
+        default=None,
+        help=f"video.mp4's pixels per model pixel (default: the whole factor that brings the longer side near "
+        f"{VIDEO_LONG_SIDE_PX} px, so tiny-world's 64x64 becomes 512x512; the PNGs keep the model's size)",
+    )
     parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--prompt")
@@ -599,8 +616,9 @@ def run(args: argparse.Namespace) -> int:
     model = result.model
     print(f"model {model['name']}: {model['width']}x{model['height']}, {model['frames_per_chunk']} frames per chunk")
     print(f"saved {len(paths)} frames to {args.out}/ ({paths[0].name} .. {paths[-1].name})")
-    if save_mp4(result.frames, args.out / VIDEO_NAME, fps=int(model["fps"])):
-        print(f"saved video to {args.out / VIDEO_NAME}")
+    scale = args.video_scale or video_scale(int(model["width"]), int(model["height"]))
+    if save_mp4(result.frames, args.out / VIDEO_NAME, fps=int(model["fps"]), scale=scale):
+        print(f"saved video to {args.out / VIDEO_NAME} ({model['width'] * scale}x{model['height'] * scale})")
     else:
         print("no video written: install PyAV (pip install 'arstream[video]') for an MP4")
     print(report(result))

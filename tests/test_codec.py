@@ -232,6 +232,15 @@ def test_arstream_client_decodes_and_saves_an_h264_session(tmp_path: Path) -> No
     with av.open(str(tmp_path / "out.mp4")) as container:
         assert sum(1 for _ in container.decode(video=0)) == 12
 
+    # A small model's video is scaled up by whole factors (64x48: 8, 512x384), pixels kept as sharp squares.
+    scale = client.video_scale(64, 48)
+    assert scale == 8
+    assert client.save_mp4(result.frames, tmp_path / "big.mp4", fps=16, scale=scale)
+    with av.open(str(tmp_path / "big.mp4")) as container:
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert decoded[0].shape == (384, 512, 3)
+    assert abs(int(decoded[5][100, 100, 1]) - greens[5]) <= 3
+
 
 # ---- bench serve reports each codec's cost ------------------------------------------------------
 
