@@ -17,6 +17,8 @@ import hmac
 
 from starlette.datastructures import Headers, QueryParams
 
+from arstream.app.protocol import excerpt
+
 
 def offered_token(headers: Headers, query: QueryParams) -> str | None:
     """The token the request carries: a Bearer header first, else ``?token=``."""
@@ -65,4 +67,4 @@ def origin_refusal(headers: Headers, allowed: list[str], server_port: int | None
     permitted = set(allowed) if allowed else (same_host_origins(server_port) if server_port else set())
     if origin in permitted:
         return None
-    return f"origin {origin!r} is not allowed"
+    return f"origin '{excerpt(origin)}' is not allowed"

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from arstream.app.protocol import excerpt
 from arstream.app.session import Session, SessionState
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class ResumableConnection(Protocol):
 
     session_id: str
     session: Session | None
+    token_key: str | None  # the auth token it presented, as a name (``arstream.app.auth.token_key``)
 
     def take_over(self) -> None:
         """Another connection resumed this session: end this one with ``taken_over``, keeping the KV."""
@@ -67,6 +69,7 @@ class _Entry:
     """One resumable session: attached to a live connection, or detached and waiting."""
 
     digest: bytes
+    owner: str | None  # the auth token that started the session (its key): a resume must present the same
     connection: ResumableConnection | None = None
     session: Session | None = None  # the detached session's protocol state
     timer: asyncio.TimerHandle | None = None
@@ -77,9 +80,10 @@ def _digest(token: str) -> bytes:
 
 
 def token_hint(token: str) -> str:
-    """A token as logs may show it: its replica prefix and the first four random characters."""
+    """A token as logs may show it: its replica prefix and the first four random characters, escaped
+    (a client chose them: a newline must not start a forged log line)."""
     prefix, dot, rest = token.partition(".")
-    return f"{prefix}{dot}{rest[:4]}…" if dot else f"{token[:4]}…"
+    return f"{excerpt(prefix, 24)}.{excerpt(rest[:4])}…" if dot else f"{excerpt(token[:4])}…"
 
 
 class ResumeRegistry:
@@ -116,7 +120,7 @@ class ResumeRegistry:
         session_id = connection.session_id
         token = f"{self.replica_id}.{secrets.token_urlsafe(TOKEN_RANDOM_BYTES)}"
         self._forget_entry(session_id)
-        entry = _Entry(digest=_digest(token), connection=connection)
+        entry = _Entry(digest=_digest(token), owner=connection.token_key, connection=connection)
         self._entries[session_id] = entry
         self._by_digest[entry.digest] = session_id
         grace = int(self.grace_s) if float(self.grace_s).is_integer() else self.grace_s
@@ -201,7 +205,7 @@ class ResumeRegistry:
         connection's ticks never reach the new one: they belong to another
         :class:`Session` object, which ``Connection.on_outcome`` ignores.
         """
-        session_id, entry = self._claim(token)
+        session_id, entry = self._claim(token, connection.token_key)
         worker = self._worker()
         assert worker is not None
         self._resuming.add(session_id)
@@ -226,19 +230,24 @@ class ResumeRegistry:
         )
         return Resumed(session, position.next_chunk_index)
 
-    def _claim(self, token: str) -> tuple[str, _Entry]:
-        """Spend ``token``: the session it names and that session's entry, or :class:`ResumeRefused`."""
+    def _claim(self, token: str, token_key: str | None) -> tuple[str, _Entry]:
+        """Spend ``token``: the session it names and that session's entry, or :class:`ResumeRefused`.
+
+        ``token_key`` names the auth token the resuming connection presented: another tenant's is refused,
+        and the resume token stays good for its owner."""
         if not self.enabled:
             raise ResumeRefused("resume is disabled on this server (resume_grace_s is 0)")
         prefix, dot, _ = token.partition(".")
         if not dot:
             raise ResumeRefused("malformed resume token (expected REPLICA.RANDOM)")
         if prefix != self.replica_id:
-            raise ResumeRefused(f"the resume token belongs to replica {prefix!r}; this is {self.replica_id!r}")
+            raise ResumeRefused(f"the resume token belongs to replica '{excerpt(prefix, 24)}'; this is {self.replica_id!r}")
         session_id = self._by_digest.get(_digest(token))
         if session_id is None:
             raise ResumeRefused("unknown resume token: expired, already used, or the session has ended")
         entry = self._entries[session_id]
+        if entry.owner != token_key:
+            raise ResumeRefused("a resume must present the auth token that started the session")
         if entry.session is None:
             holder = entry.connection
             session = holder.session if holder is not None else None

@@ -100,7 +100,9 @@ class Settings(BaseSettings):
     keep_freed_memory: bool = Field(
         True, description="keep freed frame memory in the process (glibc) instead of faulting in fresh pages each round"
     )
-    idle_timeout_s: float = Field(60.0, gt=0, description="close a session after this long without a message")
+    idle_timeout_s: float = Field(
+        60.0, gt=0, description="close a session after this long without a tick or input (pings do not count)"
+    )
     start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
     auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
     allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
@@ -119,6 +121,17 @@ class Settings(BaseSettings):
         200.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
     )
     message_burst: int = Field(400, ge=1, description="messages a session may send at once before the rate applies")
+    max_frames_per_s: float = Field(
+        1000.0, gt=0, description="WebSocket frames (fragments and pings/pongs included) a connection may send per "
+        "second on average; past it the connection is closed (1008)"
+    )
+    frame_burst: int = Field(1000, ge=1, description="WebSocket frames a connection may send at once before the rate applies")
+    max_send_buffer_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=65536,
+        description="bytes queued for one client and not yet taken by it (replies, chunks, the socket's buffer); "
+        "past it the client is not reading and is dropped",
+    )
     max_control_items: int = Field(
         64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
     )
