@@ -393,7 +393,7 @@ class Connection:
                 if session.live:
                     self._fatal(
                         ErrorCode.IDLE_TIMEOUT,
-                        f"no message for {self.settings.idle_timeout_s} s while no tick was queued or running",
+                        f"no tick or input for {self.settings.idle_timeout_s} s while no tick was queued or running",
                         reason=CloseReason.IDLE_TIMEOUT,
                     )
                 return
@@ -473,17 +473,17 @@ class Connection:
             return
         try:
             parsed = parse_client_message(text)
-            if isinstance(parsed, (TickMessage, InputMessage)):
-                self._idle_since = asyncio.get_running_loop().time()  # asking for work: not idle
             if isinstance(parsed, TickMessage):
                 self._validate_controls(parsed.controls, tick_id=parsed.tick_id)
                 job = session.accept_tick(parsed)
                 assert self.hub.worker is not None
                 self.hub.worker.submit(job)
                 self._in_worker.add(job.tick_id)
+                self._idle_since = asyncio.get_running_loop().time()  # accepted work: not idle
             elif isinstance(parsed, InputMessage):
                 self._validate_controls(parsed.controls, tick_id=None)
                 duplicate = session.accept_event(parsed)
+                self._idle_since = asyncio.get_running_loop().time()
                 await self._reply(ack_message(parsed.event_id, duplicate=duplicate))
             elif isinstance(parsed, PingMessage):
                 await self._reply(pong_message(parsed.t))

@@ -16,11 +16,13 @@ uvicorn leaves these open, and a stranger can take each one (docs/public.md):
   unsent bytes forever), and answers at most one ping while the peer is not
   reading what it was sent (RFC 6455 allows answering only the latest), so a
   ping flood cannot grow the send buffer. It counts frames, not only
-  messages: every frame (a 1-byte fragment, an empty pong) spends from a
-  per-connection budget (``max_frames_per_s``, ``frame_burst``), received
-  bytes are parsed at most ``PARSE_SLICE_BYTES`` at a time so the budget is
-  checked between slices, and a connection past its budget is closed (1008)
-  and read no more. It is also the app's handle on its transport
+  messages: a frame that is a whole message is paced by the app (uvicorn
+  stops reading until the app has taken it, and the app reads at the
+  message rate), but every other frame (a 1-byte fragment, an empty pong) is
+  parsed as it comes, so each spends from a per-connection budget
+  (``max_frames_per_s``, ``frame_burst``); received bytes are parsed at most
+  ``PARSE_SLICE_BYTES`` at a time, and a connection past its budget is
+  closed (1008) and read no more. It is also the app's handle on its transport
   (:func:`transport_control`): a refused connection stops being parsed at
   once, a taken-over or non-reading one is dropped.
 - :class:`RefusalLog` logs the first refusal of each kind, then one count per
@@ -57,9 +59,9 @@ HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-lengt
 # One query parameter (separator, name, value) in a logged path; the name is compared as the server decodes it.
 QUERY_PARAMETER = re.compile(r"([?&])([^=&\s\"?#]*)=([^&\s\"#]*)")
 SECRET_PARAMETERS = frozenset({"token", "resume"})
-# Bytes of frames parsed before the frame budget is checked again: a slice of 6-byte empty pongs is
-# about 680 frames, so past its budget a connection costs at most one slice's parsing.
-PARSE_SLICE_BYTES = 4096
+# Bytes parsed at a time: whole messages in a slice pause reading at the first one, and other frames
+# spend from the frame budget one by one, so one call parses at most the budget's worth of tiny frames.
+PARSE_SLICE_BYTES = 1024
 # What a refused connection may still send (unparsed, discarded) while its refusal goes out: a client that
 # sent `start` before reading the refusal is not reset (which could lose the refusal) for that.
 REFUSED_DISCARD_BYTES = 65536
@@ -268,6 +270,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._over_frame_budget = False
         self._refused = False  # the app refused the connection: nothing more is parsed
         self._discarded_bytes = 0
+        self._unparsed = b""  # received while reading was paused for the app, parsed from _unparsed_at on
+        self._unparsed_at = 0
 
     # ---- what the app may do with its transport (through the scope's TRANSPORT_EXTENSION) --------
 
@@ -316,11 +320,32 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             if self._discarded_bytes > REFUSED_DISCARD_BYTES:
                 self.transport.abort()
             return
-        view = memoryview(data)
-        for start in range(0, len(view), PARSE_SLICE_BYTES):
+        if self._unparsed_at < len(self._unparsed):
+            data = self._unparsed[self._unparsed_at :] + data  # reading was paused: at most one read is kept
+        self._unparsed, self._unparsed_at = data, 0
+        self._parse_received()
+
+    def _parse_received(self) -> None:
+        """Parse what has come, a slice at a time, until reading pauses (a whole message waits for the
+        app: uvicorn parses all it was given, so the rest of a large read is kept for later), the frame
+        budget runs out, or the connection closes."""
+        view = memoryview(self._unparsed)
+        start = self._unparsed_at
+        while start < len(view):
+            if self.read_paused or self._refused or self._over_frame_budget or self.transport.is_closing():
+                break
             super().data_received(view[start : start + PARSE_SLICE_BYTES])
-            if self._refused or self._over_frame_budget or self.transport.is_closing():
-                return
+            start += PARSE_SLICE_BYTES
+        if start >= len(view):
+            self._unparsed, self._unparsed_at = b"", 0
+        else:
+            self._unparsed_at = start
+
+    async def receive(self) -> Any:
+        message = await super().receive()
+        if self._unparsed_at < len(self._unparsed) and not self.read_paused:
+            self._parse_received()  # the app took what was queued: go on with what was kept
+        return message
 
     def _frame_allowed(self) -> bool:
         """Spend one frame from the budget; past it, close the connection (1008) and read no more."""
@@ -329,10 +354,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._frames.delay(self.loop.time()) <= 0:
             return True
         self._over_frame_budget = True
-        reason = f"over {self.max_frames_per_s:g} frames/s (max_frames_per_s)"
+        reason = f"over {self.max_frames_per_s:g} fragments and control frames/s (max_frames_per_s)"
         self.guard.refusals.note(
             "frame_budget",
-            f"a WebSocket peer sent more than {self.frame_burst} frames at once or {self.max_frames_per_s:g}/s",
+            f"a WebSocket peer sent more than {self.frame_burst} fragments and control frames at once "
+            f"or {self.max_frames_per_s:g}/s (max_frames_per_s, frame_burst)",
         )
         self.conn.fail(1008, reason)  # a close frame when the connection is open; the parser stops
         self.transport.write(b"".join(self.conn.data_to_send()))
@@ -342,12 +368,13 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._drop_after_close_timeout()
         return False
 
+    # A frame that is a whole message (fin set) is not counted: reading pauses until the app takes it.
     def handle_text(self, event: Any) -> None:
-        if self._frame_allowed():
+        if event.fin or self._frame_allowed():
             super().handle_text(event)
 
     def handle_bytes(self, event: Any) -> None:
-        if self._frame_allowed():
+        if event.fin or self._frame_allowed():
             super().handle_bytes(event)
 
     def handle_cont(self, event: Any) -> None:

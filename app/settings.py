@@ -122,10 +122,12 @@ class Settings(BaseSettings):
     )
     message_burst: int = Field(400, ge=1, description="messages a session may send at once before the rate applies")
     max_frames_per_s: float = Field(
-        1000.0, gt=0, description="WebSocket frames (fragments and pings/pongs included) a connection may send per "
-        "second on average; past it the connection is closed (1008)"
+        100.0, gt=0, description="WebSocket frames that are not a whole message (fragments, pings, pongs) a connection "
+        "may send per second on average; past it the connection is closed (1008)"
     )
-    frame_burst: int = Field(1000, ge=1, description="WebSocket frames a connection may send at once before the rate applies")
+    frame_burst: int = Field(
+        200, ge=1, description="fragments, pings and pongs a connection may send at once before the rate applies"
+    )
     max_send_buffer_bytes: int = Field(
         64 * 1024 * 1024,
         ge=65536,
