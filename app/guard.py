@@ -66,6 +66,8 @@ PARSE_SLICE_BYTES = 1024
 # sent `start` before reading the refusal is not reset (which could lose the refusal) for that.
 REFUSED_DISCARD_BYTES = 65536
 TRANSPORT_EXTENSION = "arstream.transport"
+# Banned addresses kept before expired bans are swept (each entry is a few hundred bytes).
+BAN_TABLE_PRUNE_AT = 4096
 
 
 class RefusalLog:
@@ -140,8 +142,10 @@ class ConnectionGuard:
         self.max_per_peer = settings.max_connections_per_client
         self.trusted = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = refusals
+        self.ban_s = settings.frame_flood_ban_s
         self._peers: dict[asyncio.BaseTransport, str] = {}
         self._per_peer: dict[str, int] = {}
+        self._banned_until: dict[str, float] = {}  # client address -> monotonic time its ban ends
 
     @property
     def open(self) -> int:
@@ -155,6 +159,12 @@ class ConnectionGuard:
         if len(self._peers) >= self.max_total:
             self.refusals.note("max_connections", f"{self.max_total} connections are open (max_connections)")
             return False
+        banned_until = self._banned_until.get(host)
+        if banned_until is not None:
+            if time.monotonic() < banned_until:
+                self.refusals.note("frame_flood_ban", f"{host} flooded frames; no connections for {self.ban_s:g} s")
+                return False
+            del self._banned_until[host]
         held = self._per_peer.get(host, 0)
         if self.max_per_peer is not None and held >= self.max_per_peer and host not in self.trusted:
             self.refusals.note(
@@ -165,6 +175,19 @@ class ConnectionGuard:
         self._peers[transport] = host
         self._per_peer[host] = held + 1
         return True
+
+    def ban(self, transport: asyncio.BaseTransport) -> None:
+        """The connection was closed over its frame budget: refuse its address's new connections for ``ban_s``.
+
+        Reconnecting is what made a flood cheap to repeat; a proxy's address stands for everyone, so it is
+        never banned."""
+        host = self._peers.get(transport)
+        if host is None or self.ban_s <= 0 or host in self.trusted:
+            return
+        now = time.monotonic()
+        if len(self._banned_until) >= BAN_TABLE_PRUNE_AT:
+            self._banned_until = {h: until for h, until in self._banned_until.items() if until > now}
+        self._banned_until[host] = now + self.ban_s
 
     def release(self, transport: asyncio.BaseTransport) -> None:
         host = self._peers.pop(transport, None)
@@ -354,6 +377,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._frames.delay(self.loop.time()) <= 0:
             return True
         self._over_frame_budget = True
+        self.guard.ban(self.transport)
         reason = f"over {self.max_frames_per_s:g} fragments and control frames/s (max_frames_per_s)"
         self.guard.refusals.note(
             "frame_budget",

@@ -128,6 +128,10 @@ class Settings(BaseSettings):
     frame_burst: int = Field(
         200, ge=1, description="fragments, pings and pongs a connection may send at once before the rate applies"
     )
+    frame_flood_ban_s: float = Field(
+        10.0, ge=0, description="after a connection is closed over its frame budget, its client address may open no "
+        "connection for this long (trusted proxies are exempt); 0: no ban"
+    )
     max_send_buffer_bytes: int = Field(
         64 * 1024 * 1024,
         ge=65536,

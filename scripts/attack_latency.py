@@ -6,7 +6,9 @@ attackers use raw sockets and reconnect whenever the server drops them:
 
 - ``fragments``: a text message's 1-byte continuation fragments, as fast as the server takes them;
 - ``pongs``: empty pongs, as fast as the server takes them;
-- ``fragments-no-token``: the fragments, from a client without the server's ``--auth-token``.
+- ``fragments-no-token``: the fragments, from a client without the server's ``--auth-token``;
+- ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
+  connection costs; per-address connection limits belong in front, see docs/public.md).
 
 ``--before-tree DIR`` runs the same attacks against the server of another
 checkout (e.g. ``git worktree add /tmp/before HEAD~1``) in the same run, so the
@@ -20,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
 
 TOKEN = "bench-token"
-ATTACKS = ("fragments", "pongs", "fragments-no-token")
+ATTACKS = ("fragments", "pongs", "fragments-no-token", "reconnect")
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
 
 
@@ -59,14 +61,18 @@ def honest_latencies(url: str, seconds: float) -> list[float]:
     return latencies
 
 
-def attacker(port: int, kind: str, stop: threading.Event, counts: dict[str, int]) -> None:
-    """Flood tiny frames; reconnect whenever the server drops the connection."""
+def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
+    """Flood tiny frames; reconnect whenever the server drops the connection (in its own process: in the
+    honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
     while not stop.is_set():
         try:
             client = RawWebSocket(port)
         except OSError:
             continue
-        counts["connections"] += 1
+        connections.value += 1
+        if kind == "reconnect":
+            client.close()
+            continue
         client.sock.settimeout(1.0)
         if kind == "pongs":
             first = more = client.pong_frames(FLOOD_FRAMES)
@@ -76,7 +82,6 @@ def attacker(port: int, kind: str, stop: threading.Event, counts: dict[str, int]
         flood = first
         try:
             while not stop.is_set() and client.try_send(flood):
-                counts["frames"] += FLOOD_FRAMES
                 flood = more
         finally:
             client.close()
@@ -92,7 +97,9 @@ def summary(latencies: list[float]) -> dict[str, Any]:
 
 
 def measure_attack(kind: str, *, seconds: float, model: str, cwd: str | None) -> dict[str, Any]:
-    serve = ["--model", model, "--log-level", "warning"]
+    # No trusted proxy: the loopback attacker is a client like any other (trusted addresses are exempt from
+    # the per-address bounds, as a proxy's own address stands for everyone).
+    serve = ["--model", model, "--log-level", "warning", "--forwarded-allow-ips", ""]
     if kind.endswith("no-token"):
         serve += ["--auth-token", TOKEN]
     with ServerProcess(serve, cwd=cwd) as server:
@@ -100,9 +107,9 @@ def measure_attack(kind: str, *, seconds: float, model: str, cwd: str | None) ->
         port = int(server.base_url.rsplit(":", 1)[1])
         honest_latencies(url, 1.0)  # warm
         alone = summary(honest_latencies(url, seconds))
-        stop = threading.Event()
-        counts = {"connections": 0, "frames": 0}
-        flood = threading.Thread(target=attacker, args=(port, kind.removesuffix("-no-token"), stop, counts))
+        stop = multiprocessing.Event()
+        connections = multiprocessing.Value("i", 0)
+        flood = multiprocessing.Process(target=attacker, args=(port, kind.removesuffix("-no-token"), stop, connections))
         flood.start()
         try:
             time.sleep(0.5)
@@ -111,7 +118,8 @@ def measure_attack(kind: str, *, seconds: float, model: str, cwd: str | None) ->
             stop.set()
             flood.join()
     ratio = beside["median_ms"] / alone["median_ms"] if beside["median_ms"] and alone["median_ms"] else None
-    return {"alone": alone, "beside": beside, "median_ratio": None if ratio is None else round(ratio, 2), **counts}
+    median_ratio = None if ratio is None else round(ratio, 2)
+    return {"alone": alone, "beside": beside, "median_ratio": median_ratio, "connections": connections.value}
 
 
 def measure_rss(*, model: str, cwd: str | None) -> float:
@@ -153,8 +161,7 @@ def main() -> None:
             print(
                 f"{kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
                 f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
-                f"  x{result['median_ratio']}  attacker: {result['connections']} connections,"
-                f" {result['frames']} frames sent",
+                f"  x{result['median_ratio']}  attacker: {result['connections']} connections",
                 flush=True,
             )
     if args.rss:

@@ -88,8 +88,12 @@ class RawWebSocket:
             "Sec-WebSocket-Version: 13",
             *(f"{name}: {value}" for name, value in (headers or {}).items()),
         ]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self.response_head, self.leftover = read_http_response(self.sock)
+        try:
+            self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+            self.response_head, self.leftover = read_http_response(self.sock)
+        except OSError:
+            self.sock.close()  # refused at once (reset): the caller sees the error, not a leaked socket
+            raise
         self.status = int(self.response_head.split(" ", 2)[1]) if self.response_head else 0
 
     def _frame(self, opcode: int, payload: bytes) -> bytes:

@@ -119,6 +119,25 @@ def test_a_flood_of_tiny_frames_is_closed_1008(kind: str) -> None:
         assert refusals_of(server).counts.get("frame_budget") == 1
 
 
+def test_an_address_that_flooded_frames_is_refused_connections_for_a_while() -> None:
+    """Reconnecting made the flood cheap to repeat: each new connection had a fresh budget."""
+    # No trusted proxy: loopback is a client address like any other here.
+    with running_server(fake_settings(forwarded_allow_ips="", frame_flood_ban_s=120.0)) as server:
+        attacker = RawWebSocket(server.port)
+        attacker.sock.settimeout(5.0)
+        attacker.try_send(attacker.pong_frames(1000))
+        assert closed_by_server(attacker.sock)
+        attacker.close()
+        try:
+            again = RawWebSocket(server.port)
+        except ConnectionError:
+            pass  # dropped (reset) before a byte was parsed
+        else:
+            again.close()
+            assert again.status == 0, f"a banned address was answered: {again.response_head}"
+        assert refusals_of(server).counts.get("frame_flood_ban") == 1
+
+
 def test_an_honest_session_within_the_frame_budget_is_served() -> None:
     with running_server(fake_settings(max_frames_per_s=50.0, frame_burst=20)) as server:
 
