@@ -38,7 +38,8 @@ from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests
 
 TOKEN = "bench-token"
 ATTACKS = ("fragments", "pongs", "fragments-no-token", "reconnect")
-FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
+FLOOD_FRAMES = 4096
+ATTACKER_HOST = "127.0.0.2"  # another loopback address than the honest client's: per-address bounds tell them apart  # frames per send: the attacker writes as fast as the server reads
 
 
 def honest_latencies(url: str, seconds: float) -> list[float]:
@@ -66,7 +67,7 @@ def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
     while not stop.is_set():
         try:
-            client = RawWebSocket(port)
+            client = RawWebSocket(port, source_host=ATTACKER_HOST)
         except OSError:
             continue
         connections.value += 1
@@ -161,7 +162,7 @@ def main() -> None:
             print(
                 f"{kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
                 f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
-                f"  x{result['median_ratio']}  attacker: {result['connections']} connections",
+                f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused ones included)",
                 flush=True,
             )
     if args.rss:

@@ -31,8 +31,13 @@ def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def tcp_connect(port: int, *, receive_buffer: int | None = SMALL_RECEIVE_BUFFER) -> socket.socket:
+def tcp_connect(
+    port: int, *, receive_buffer: int | None = SMALL_RECEIVE_BUFFER, source_host: str | None = None
+) -> socket.socket:
+    """A blocking socket connected to the loopback server; ``source_host`` (e.g. 127.0.0.2) is another client."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if source_host is not None:
+        sock.bind((source_host, 0))
     if receive_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.settimeout(SOCKET_GUARD_S)
@@ -76,8 +81,15 @@ def close_code(payload: bytes) -> int | None:
 class RawWebSocket:
     """A WebSocket client over a plain socket that reads nothing unless asked."""
 
-    def __init__(self, port: int, path: str = "/v1/sessions", headers: dict[str, str] | None = None) -> None:
-        self.sock = tcp_connect(port)
+    def __init__(
+        self,
+        port: int,
+        path: str = "/v1/sessions",
+        headers: dict[str, str] | None = None,
+        *,
+        source_host: str | None = None,
+    ) -> None:
+        self.sock = tcp_connect(port, source_host=source_host)
         key = base64.b64encode(os.urandom(16)).decode()
         lines = [
             f"GET {path} HTTP/1.1",
