@@ -21,8 +21,9 @@ from raw_clients import RawWebSocket, close_code, closed_by_server, rss_bytes
 from servers import LiveServer, fake_settings, running_server, server_process, session_client, wait_until
 
 MB = 1024 * 1024
-# Raw 512x512 frames (1.5 MB a chunk): a client that does not read backs the server's writes up at once.
-BIG_FRAMES = {"codec": "raw", "model_options": {"session_capacity": 2, "width": 512, "height": 512}}
+# Raw 1024x1024 frames (6 MB a chunk, more than the kernel's socket buffers take): a client that does not
+# read backs the server's writes up at its first chunk.
+HUGE_FRAMES = {"codec": "raw", "model_options": {"session_capacity": 2, "width": 1024, "height": 1024}}
 
 
 def run(coro: Any) -> Any:
@@ -62,16 +63,20 @@ def raw_session(port: int, *, start: dict[str, Any] | None = None, query: str = 
 def test_a_taken_over_non_reader_is_dropped_and_shown_in_stats() -> None:
     """Before the fix the old connection stayed open for as long as its peer kept the socket: its close waited
     behind replies nobody read, and its discarded ticks counted as in the worker, so idle never started."""
-    settings = fake_settings(replica_id="r0", resume_grace_s=30.0, close_timeout_s=3.0, **BIG_FRAMES)
+    settings = fake_settings(replica_id="r0", resume_grace_s=30.0, close_timeout_s=3.0, **HUGE_FRAMES)
     with running_server(settings) as server:
         start_free = server.stats()["kv"]["blocks_free"]
         guard = guard_of(server)
         attacker, ready = raw_session(server.port, start={"codec": "raw"})
         token = ready["resume"]["token"]
         attacker.sock.settimeout(2.0)
-        pings = [json.dumps({"type": "ping", "t": i}) for i in range(200)]
         ticks = [json.dumps({"type": "tick", "tick_id": i}) for i in range(4)]
-        attacker.try_send(attacker.text_frames(ticks + pings))
+        attacker.try_send(attacker.text_frames(ticks))
+        # Its chunks are made and stuck in the socket (credits not back), then its replies queue behind them.
+        server.wait_for_stats(
+            lambda s: s["chunks"]["total"] >= 4 and s["queue"]["depth"] == 0 and s["sessions"]["pending_ticks"] >= 3
+        )
+        attacker.try_send(attacker.text_frames([json.dumps({"type": "ping", "t": i}) for i in range(200)]))
         server.wait_for_stats(lambda s: s["sessions"]["replies_queued"] > 0)
 
         async def resume_and_close() -> None:
@@ -229,10 +234,8 @@ def test_sixteen_non_reading_sessions_sending_bad_messages_hold_little_memory() 
 
 def test_a_non_reader_past_the_send_buffer_bound_is_dropped() -> None:
     """Before the fix only credits bounded it: queued chunks stayed until the idle timeout."""
-    # 6 MB chunks (two raw 1024x1024 frames): the bound holds one, not the four its credits allow (the
-    # kernel's socket buffers take a few MB of them first).
-    huge = {"codec": "raw", "model_options": {"session_capacity": 2, "width": 1024, "height": 1024}}
-    settings = fake_settings(max_send_buffer_bytes=8 * MB, idle_timeout_s=120.0, **huge)
+    # The bound holds one 6 MB chunk, not the four its credits allow.
+    settings = fake_settings(max_send_buffer_bytes=8 * MB, idle_timeout_s=120.0, **HUGE_FRAMES)
     with running_server(settings) as server:
         start_free = server.stats()["kv"]["blocks_free"]
         attacker, _ = raw_session(server.port, start={"codec": "raw"})
