@@ -269,7 +269,9 @@ def parse_client_message(text: str) -> ClientMessage:
     if _has_lone_surrogate(text, obj):
         # Python keeps "\ud800" as a one-character string that cannot be encoded; nothing downstream expects it.
         raise ProtocolError(
-            ErrorCode.INVALID_MESSAGE, "a string holds a lone UTF-16 surrogate (not Unicode text)", tick_id=_tick_id_of(obj)
+            ErrorCode.INVALID_MESSAGE,
+            "a string holds a lone UTF-16 surrogate (not Unicode text)",
+            tick_id=_tick_id_of(obj),
         )
     kind = obj.get("type")
     model = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None

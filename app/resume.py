@@ -241,7 +241,9 @@ class ResumeRegistry:
         if not dot:
             raise ResumeRefused("malformed resume token (expected REPLICA.RANDOM)")
         if prefix != self.replica_id:
-            raise ResumeRefused(f"the resume token belongs to replica '{excerpt(prefix, 24)}'; this is {self.replica_id!r}")
+            raise ResumeRefused(
+                f"the resume token belongs to replica '{excerpt(prefix, 24)}'; this is {self.replica_id!r}"
+            )
         session_id = self._by_digest.get(_digest(token))
         if session_id is None:
             raise ResumeRefused("unknown resume token: expired, already used, or the session has ended")

@@ -38,8 +38,9 @@ from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests
 
 TOKEN = "bench-token"
 ATTACKS = ("fragments", "pongs", "fragments-no-token", "reconnect")
-FLOOD_FRAMES = 4096
-ATTACKER_HOST = "127.0.0.2"  # another loopback address than the honest client's: per-address bounds tell them apart  # frames per send: the attacker writes as fast as the server reads
+FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
+# Another loopback address than the honest client's: per-address bounds tell them apart.
+ATTACKER_HOST = "127.0.0.2"
 
 
 def honest_latencies(url: str, seconds: float) -> list[float]:

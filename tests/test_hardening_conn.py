@@ -200,7 +200,8 @@ def test_an_error_reply_echoes_a_bounded_part_of_the_input() -> None:
         replies = run(scenario())
     for reply in replies:
         assert isinstance(reply, str) and json.loads(reply)["type"] == "error"
-        assert len(reply) < 2048, f"a {len(json.dumps(WIDE, ensure_ascii=False))}-byte message got a {len(reply)}-byte reply"
+        sent = len(json.dumps(WIDE, ensure_ascii=False).encode())
+        assert len(reply) < 2048, f"a {sent}-byte message got a {len(reply)}-byte reply"
 
 
 def test_error_messages_are_bounded_at_their_source() -> None:
@@ -367,4 +368,5 @@ def test_a_lone_surrogate_is_invalid_message(field: str) -> None:
     with pytest.raises(ProtocolError) as refused:
         parse_client_message('{"type": "start", "%s": "ok \\ud800 no"}' % field)
     assert refused.value.code == ErrorCode.INVALID_MESSAGE and "surrogate" in refused.value.message
-    assert parse_client_message('{"type": "start", "prompt": "a pair \\ud83d\\ude00 is fine"}').prompt == "a pair 😀 is fine"
+    paired = parse_client_message('{"type": "start", "prompt": "a pair \\ud83d\\ude00 is fine"}')
+    assert paired.prompt == "a pair 😀 is fine"
