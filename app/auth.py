@@ -23,6 +23,8 @@ import hmac
 
 from starlette.datastructures import Headers, QueryParams
 
+from arstream.app.protocol import excerpt
+
 
 def offered_token(headers: Headers, query: QueryParams) -> str | None:
     """The token the request carries: a Bearer header first, else ``?token=``."""
@@ -77,7 +79,7 @@ def origin_refusal(
     if allowed:
         if origin in allowed:
             return None
-        return f"origin {origin!r} is not on --allowed-origins"
+        return f"origin '{excerpt(origin)}' is not on --allowed-origins"
     if server_port and origin in same_host_origins(server_port):
         return None
     scheme, _, authority = origin.partition("://")
@@ -85,9 +87,9 @@ def origin_refusal(
     if beyond_loopback and scheme in ("http", "https") and host and authority == host:
         return None
     if beyond_loopback:
-        return f"origin {origin!r} is not this server's own origin; list it in --allowed-origins"
+        return f"origin '{excerpt(origin)}' is not this server's own origin; list it in --allowed-origins"
     return (
-        f"origin {origin!r} is not allowed: this server listens on loopback only, so only pages served from "
+        f"origin '{excerpt(origin)}' is not allowed: this server listens on loopback only, so only pages served from "
         "127.0.0.1/localhost may connect (start it with --host 0.0.0.0 to serve other devices, or list the "
         "origin in --allowed-origins)"
     )

@@ -90,11 +90,15 @@ class ServerProcess:
     on a full pipe) and the last lines are kept for error messages.
     """
 
-    def __init__(self, serve_args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, serve_args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None
+    ) -> None:
         # -P: the working directory is not put on sys.path, so a checkout's `arstream/` folder there can never
         # shadow the installed package (how the first GPU scripts failed).
         self.command = [sys.executable, "-P", "-m", "arstream", "serve", "--port", "0", *serve_args]
         self.env = env
+        # Another checkout's directory runs that checkout's server (its `arstream` package comes first).
+        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.base_url = ""
         self.output: deque[str] = deque(maxlen=200)
         self._listening = threading.Event()
@@ -108,7 +112,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             text=True,
             env=self.env,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=self.cwd,
         )
         self._drainer = threading.Thread(target=self._drain, name="server-output", daemon=True)
         self._drainer.start()

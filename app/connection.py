@@ -7,6 +7,12 @@ worker. Everything the session sends goes through its :class:`Outbox` and
 one writer task, so immediate replies keep their order and a chunk's frames
 are never interleaved with anything. A tick's credit comes back only when its
 last frame (or its error) has been written to the socket.
+
+Bounds on the way out (docs/public.md): what is queued for the client and
+not yet taken by it, in bytes, stays under ``max_send_buffer_bytes`` or the
+client is dropped; a taken-over connection drops what it had queued and is
+dropped ``close_timeout_s`` later if it does not take its close. Only ticks
+and inputs keep a session from going idle (pings keep just the connection).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from arstream.app import auth
+from arstream.app.guard import transport_control
 from arstream.app.protocol import (
     CLOSE_NORMAL,
     ERROR_CLOSE_CODES,
@@ -60,6 +67,7 @@ log = logging.getLogger("arstream.session")
 # Immediate replies queued behind a client that does not read, before the receive loop waits.
 REPLY_BACKLOG_LIMIT = 64
 CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY_VIOLATION = 1008
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,10 @@ class _Text:
 @dataclass(frozen=True)
 class _Chunk:
     outcome: TickOutcome
+
+    @property
+    def size(self) -> int:
+        return sum(len(frame) for frame in self.outcome.frame_messages)
 
 
 @dataclass(frozen=True)
@@ -95,11 +107,18 @@ class Outbox:
         self._reply_space = asyncio.Event()
         self._reply_space.set()
         self._closed = False
+        self.bytes_queued = 0  # text and frame bytes waiting for the writer
 
     def close(self) -> None:
         """The writer is gone: drop whatever comes next and wake anyone waiting for space."""
         self._closed = True
+        self.drop_pending()
+
+    def drop_pending(self) -> None:
+        """Forget everything queued (the client is not going to take it) and wake anyone waiting for space."""
         self._items.clear()
+        self._replies_queued = 0
+        self.bytes_queued = 0
         self._reply_space.set()
 
     @property
@@ -111,6 +130,7 @@ class Outbox:
             return
         if isinstance(item, _Text) and item.is_reply:
             self._replies_queued += 1
+        self.bytes_queued += _size(item)
         self._items.append(item)
         self._has_items.set()
 
@@ -133,10 +153,18 @@ class Outbox:
             self._has_items.clear()
             await self._has_items.wait()
         item = self._items.popleft()
+        self.bytes_queued -= _size(item)
         if isinstance(item, _Text) and item.is_reply:
             self._replies_queued -= 1
             self._reply_space.set()
         return item
+
+
+def _size(item: _Item) -> int:
+    """Bytes an outbox item will take on the wire (texts are ASCII: ``dumps`` escapes the rest)."""
+    if isinstance(item, _Text):
+        return len(item.text)
+    return item.size if isinstance(item, _Chunk) else 0
 
 
 class Connection:
@@ -163,6 +191,7 @@ class Connection:
         )
         self.client_host = websocket.client.host if websocket.client else ""
         self.token_key = auth.token_key(auth.offered_token(websocket.headers, websocket.query_params))
+        self.transport = transport_control(websocket.scope)
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -179,6 +208,7 @@ class Connection:
                 self._fatal(ErrorCode.INTERNAL, "internal server error")
         finally:
             await self._finish()
+            self.hub.closing.discard(self)
             self.metrics.websocket_open.dec()
 
     async def _serve(self) -> None:
@@ -316,7 +346,7 @@ class Connection:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
             # A resume passes the same admission as a new session; refused, it spends nothing.
-            refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token))
+            refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token, self.token_key))
             if refusal is not None:
                 hint = token_hint(token)
                 log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
@@ -334,9 +364,18 @@ class Connection:
         return resumed
 
     def take_over(self) -> None:
-        """Another connection resumed this session: end this one with taken_over (4003); the KV stays."""
+        """Another connection resumed this session: end this one with taken_over (4003); the KV stays.
+
+        Its peer may not be reading (why it was resumed elsewhere): what it had queued is dropped so the
+        close goes out next, and the connection is dropped ``close_timeout_s`` later if it is still open.
+        Its ticks were dropped from the worker: none of them will come back.
+        """
         self._released = True  # the resuming connection holds the session's KV now
+        self._in_worker.clear()
+        self.outbox.drop_pending()
         self._fatal(ErrorCode.TAKEN_OVER, "another connection resumed this session", reason=CloseReason.TAKEN_OVER)
+        if self.transport is not None:
+            self.transport.drop_soon()
 
     # ---- before the session exists -----------------------------------------------------
 
@@ -363,6 +402,8 @@ class Connection:
 
         try:
             await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
+            if self.transport is not None:
+                self.transport.stop_reading()  # refused: nothing it sends now is parsed
         except TimeoutError:
             log.debug("session=%s did not take its refusal within %s s", self.session_id, self.settings.close_timeout_s)
         except Exception:  # noqa: BLE001 - the client may already be gone
@@ -436,19 +477,21 @@ class Connection:
                 if session.live:
                     self._fatal(
                         ErrorCode.IDLE_TIMEOUT,
-                        f"no message for {self.settings.idle_timeout_s} s while no tick was queued or running",
+                        f"no tick or input for {self.settings.idle_timeout_s} s while no tick was queued or running",
                         reason=CloseReason.IDLE_TIMEOUT,
                     )
                 return
             if message["type"] == "websocket.disconnect":
                 self._disconnected = True
                 return
-            self._idle_since = loop.time()
             if session.live:
                 await self._handle(session, message)
 
     def _idle_left(self, now: float) -> float:
-        """Seconds until the session is idle (PROTOCOL.md: no message while no tick is queued or running)."""
+        """Seconds until the session is idle (PROTOCOL.md: no tick or input while no tick is queued or running).
+
+        Pings do not count: they keep the connection, not the session's slot (a client that asks for
+        nothing, or a non-reader whose pings are still being read, gives the slot back)."""
         if self._in_worker:
             return self.settings.idle_timeout_s  # the client is waiting on the server
         return self._idle_since + self.settings.idle_timeout_s - now
@@ -479,6 +522,21 @@ class Connection:
 
     async def _reply(self, payload: dict[str, Any]) -> None:
         self.outbox.push_reply(dumps(payload))
+        self._check_send_backlog()
+
+    def _check_send_backlog(self) -> None:
+        """Drop a client that has left more than ``max_send_buffer_bytes`` untaken: it is not reading."""
+        buffered = self.transport.buffered_bytes if self.transport is not None else 0
+        backlog = self.outbox.bytes_queued + buffered
+        limit = self.settings.max_send_buffer_bytes
+        if backlog <= limit:
+            return
+        detail = f"a client left {backlog} bytes untaken (max_send_buffer_bytes {limit})"
+        log.warning("session=%s dropped: not reading, %s", self.session_id, detail)
+        self.outbox.drop_pending()
+        self._close(CLOSE_POLICY_VIOLATION, CloseReason.ERROR)
+        if self.transport is not None:
+            self.transport.drop_now("send_buffer", detail)
 
     async def _reply_error(self, error: ProtocolError) -> None:
         self.metrics.errors.labels(code=str(error.code)).inc()
@@ -509,9 +567,11 @@ class Connection:
                 assert self.hub.worker is not None
                 self.hub.worker.submit(job)
                 self._in_worker.add(job.tick_id)
+                self._idle_since = asyncio.get_running_loop().time()  # accepted work: not idle
             elif isinstance(parsed, InputMessage):
                 self._validate_controls(parsed.controls, tick_id=None)
                 duplicate = session.accept_event(parsed)
+                self._idle_since = asyncio.get_running_loop().time()
                 await self._reply(ack_message(parsed.event_id, duplicate=duplicate))
             elif isinstance(parsed, PingMessage):
                 await self._reply(pong_message(parsed.t))
@@ -556,6 +616,7 @@ class Connection:
             self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
             self.metrics.queue_wait_seconds.observe(outcome.queue_s)
             self.outbox.push(_Chunk(outcome))
+            self._check_send_backlog()
         elif outcome.kind is OutcomeKind.INTERNAL:
             log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
             self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
@@ -583,6 +644,7 @@ class Connection:
         if session is None or not session.live:
             return
         session.transition(SessionState.CLOSING)
+        self.hub.closing.add(self)
         self.outbox.push(_Close(code, reason))
         self._release()
 

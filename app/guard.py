@@ -15,7 +15,16 @@ uvicorn leaves these open, and a stranger can take each one (docs/public.md):
   app is done with it (a peer that never reads would otherwise keep its
   unsent bytes forever), and answers at most one ping while the peer is not
   reading what it was sent (RFC 6455 allows answering only the latest), so a
-  ping flood cannot grow the send buffer.
+  ping flood cannot grow the send buffer. It counts frames, not only
+  messages: a frame that is a whole message is paced by the app (uvicorn
+  stops reading until the app has taken it, and the app reads at the
+  message rate), but every other frame (a 1-byte fragment, an empty pong) is
+  parsed as it comes, so each spends from a per-connection budget
+  (``max_frames_per_s``, ``frame_burst``); received bytes are parsed at most
+  ``PARSE_SLICE_BYTES`` at a time, and a connection past its budget is
+  closed (1008) and read no more. It is also the app's handle on its transport
+  (:func:`transport_control`): a refused connection stops being parsed at
+  once, a taken-over or non-reading one is dropped.
   It also offers the app a way to lower the connection's message limit
   (ASGI scope extension :data:`MESSAGE_LIMIT_EXTENSION`): a connection opens
   with the limit for `start`, which may carry a start image, and drops to the
@@ -38,10 +47,12 @@ import re
 import resource
 import time
 from typing import Any
+from urllib.parse import unquote_plus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from arstream.app.limits import MessageBudget
 from arstream.app.settings import RESERVED_FDS, Settings
 
 log = logging.getLogger("arstream.guard")
@@ -51,7 +62,18 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 # Scope extension: a callable taking the new largest message in bytes (see GuardedWebSocketProtocol).
 MESSAGE_LIMIT_EXTENSION = "arstream.message_limit"
-SECRET_QUERY = re.compile(r"([?&](?:token|resume)=)[^&\s\"]*")
+# One query parameter (separator, name, value) in a logged path; the name is compared as the server decodes it.
+QUERY_PARAMETER = re.compile(r"([?&])([^=&\s\"?#]*)=([^&\s\"#]*)")
+SECRET_PARAMETERS = frozenset({"token", "resume"})
+# Bytes parsed at a time: whole messages in a slice pause reading at the first one, and other frames
+# spend from the frame budget one by one, so one call parses at most the budget's worth of tiny frames.
+PARSE_SLICE_BYTES = 1024
+# What a refused connection may still send (unparsed, discarded) while its refusal goes out: a client that
+# sent `start` before reading the refusal is not reset (which could lose the refusal) for that.
+REFUSED_DISCARD_BYTES = 65536
+TRANSPORT_EXTENSION = "arstream.transport"
+# Banned addresses kept before expired bans are swept (each entry is a few hundred bytes).
+BAN_TABLE_PRUNE_AT = 4096
 
 
 class RefusalLog:
@@ -126,8 +148,10 @@ class ConnectionGuard:
         self.max_per_peer = settings.max_connections_per_client
         self.trusted = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = refusals
+        self.ban_s = settings.frame_flood_ban_s
         self._peers: dict[asyncio.BaseTransport, str] = {}
         self._per_peer: dict[str, int] = {}
+        self._banned_until: dict[str, float] = {}  # client address -> monotonic time its ban ends
 
     @property
     def open(self) -> int:
@@ -141,6 +165,12 @@ class ConnectionGuard:
         if len(self._peers) >= self.max_total:
             self.refusals.note("max_connections", f"{self.max_total} connections are open (max_connections)")
             return False
+        banned_until = self._banned_until.get(host)
+        if banned_until is not None:
+            if time.monotonic() < banned_until:
+                self.refusals.note("frame_flood_ban", f"{host} flooded frames; no connections for {self.ban_s:g} s")
+                return False
+            del self._banned_until[host]
         held = self._per_peer.get(host, 0)
         if self.max_per_peer is not None and held >= self.max_per_peer and host not in self.trusted:
             self.refusals.note(
@@ -151,6 +181,19 @@ class ConnectionGuard:
         self._peers[transport] = host
         self._per_peer[host] = held + 1
         return True
+
+    def ban(self, transport: asyncio.BaseTransport) -> None:
+        """The connection was closed over its frame budget: refuse its address's new connections for ``ban_s``.
+
+        Reconnecting is what made a flood cheap to repeat; a proxy's address stands for everyone, so it is
+        never banned."""
+        host = self._peers.get(transport)
+        if host is None or self.ban_s <= 0 or host in self.trusted:
+            return
+        now = time.monotonic()
+        if len(self._banned_until) >= BAN_TABLE_PRUNE_AT:
+            self._banned_until = {h: until for h, until in self._banned_until.items() if until > now}
+        self._banned_until[host] = now + self.ban_s
 
     def release(self, transport: asyncio.BaseTransport) -> None:
         host = self._peers.pop(transport, None)
@@ -241,16 +284,138 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 
 class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's WebSocket protocol that drops peers slow to close and bounds pongs to a non-reading peer."""
+    """uvicorn's WebSocket protocol that drops peers slow to close, bounds pongs to a non-reading peer and
+    frames from any peer, and lets the app stop reading or drop its connection."""
 
     guard: ConnectionGuard
     close_timeout_s: float
+    max_frames_per_s: float
+    frame_burst: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.close_timeout = self.close_timeout_s
         self._drop_timer: asyncio.TimerHandle | None = None
         self._ponged_while_paused = False
+        self._frames = MessageBudget(self.max_frames_per_s, self.frame_burst, self.loop.time())
+        self._over_frame_budget = False
+        self._refused = False  # the app refused the connection: nothing more is parsed
+        self._discarded_bytes = 0
+        self._unparsed = b""  # received while reading was paused for the app, parsed from _unparsed_at on
+        self._unparsed_at = 0
+
+    # ---- what the app may do with its transport (through the scope's TRANSPORT_EXTENSION) --------
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        if getattr(self, "scope", None) is not None:
+            self.scope["extensions"][TRANSPORT_EXTENSION] = self  # type: ignore[index]
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes written to the transport that the peer has not taken yet."""
+        return 0 if self.disconnected else self.transport.get_write_buffer_size()
+
+    def stop_reading(self) -> None:
+        """The app refused this connection and queued its refusal: parse nothing more from the peer.
+
+        The server half-closes once the refusal is out; what the peer still sends is discarded unparsed
+        (up to ``REFUSED_DISCARD_BYTES``, then it is dropped), and it is dropped ``close_timeout_s`` from now
+        if it has not closed by then.
+        """
+        if self._refused or self.disconnected:
+            return
+        self._refused = True
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()  # read to discard: unread bytes would turn our close into a reset
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._drop_after_close_timeout()
+
+    def drop_soon(self) -> None:
+        """Drop the connection ``close_timeout_s`` from now unless it has closed by then."""
+        self._drop_after_close_timeout()
+
+    def drop_now(self, kind: str, detail: str) -> None:
+        """Drop the connection at once (its peer is not reading), noting why in the refusal log."""
+        if not self.disconnected:
+            self.guard.refusals.note(kind, detail)
+            self.transport.abort()
+
+    # ---- frames ------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            self._discarded_bytes += len(data)
+            if self._discarded_bytes > REFUSED_DISCARD_BYTES:
+                self.transport.abort()
+            return
+        if self._unparsed_at < len(self._unparsed):
+            data = self._unparsed[self._unparsed_at :] + data  # reading was paused: at most one read is kept
+        self._unparsed, self._unparsed_at = data, 0
+        self._parse_received()
+
+    def _parse_received(self) -> None:
+        """Parse what has come, a slice at a time, until reading pauses (a whole message waits for the
+        app: uvicorn parses all it was given, so the rest of a large read is kept for later), the frame
+        budget runs out, or the connection closes."""
+        view = memoryview(self._unparsed)
+        start = self._unparsed_at
+        while start < len(view):
+            if self.read_paused or self._refused or self._over_frame_budget or self.transport.is_closing():
+                break
+            super().data_received(view[start : start + PARSE_SLICE_BYTES])
+            start += PARSE_SLICE_BYTES
+        if start >= len(view):
+            self._unparsed, self._unparsed_at = b"", 0
+        else:
+            self._unparsed_at = start
+
+    async def receive(self) -> Any:
+        message = await super().receive()
+        if self._unparsed_at < len(self._unparsed) and not self.read_paused:
+            self._parse_received()  # the app took what was queued: go on with what was kept
+        return message
+
+    def _frame_allowed(self) -> bool:
+        """Spend one frame from the budget; past it, close the connection (1008) and read no more."""
+        if self._over_frame_budget:
+            return False
+        if self._frames.delay(self.loop.time()) <= 0:
+            return True
+        self._over_frame_budget = True
+        self.guard.ban(self.transport)
+        reason = f"over {self.max_frames_per_s:g} fragments and control frames/s (max_frames_per_s)"
+        self.guard.refusals.note(
+            "frame_budget",
+            f"a WebSocket peer sent more than {self.frame_burst} fragments and control frames at once "
+            f"or {self.max_frames_per_s:g}/s (max_frames_per_s, frame_burst)",
+        )
+        self.conn.fail(1008, reason)  # a close frame when the connection is open; the parser stops
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": 1008, "reason": reason})
+        self.close_sent = True
+        self.transport.close()
+        self._drop_after_close_timeout()
+        return False
+
+    # A frame that is a whole message (fin set) is not counted: reading pauses until the app takes it.
+    def handle_text(self, event: Any) -> None:
+        if event.fin or self._frame_allowed():
+            super().handle_text(event)
+
+    def handle_bytes(self, event: Any) -> None:
+        if event.fin or self._frame_allowed():
+            super().handle_bytes(event)
+
+    def handle_cont(self, event: Any) -> None:
+        if self._frame_allowed():
+            super().handle_cont(event)
+
+    def handle_pong(self, event: Any) -> None:
+        if self._frame_allowed():
+            super().handle_pong(event)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -280,6 +445,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def handle_ping(self) -> None:
         output = self.conn.data_to_send()
+        if not self._frame_allowed():
+            return
         if not self.writable.is_set():
             # The peer is not reading what it was sent; answer one ping until it catches up.
             if self._ponged_while_paused:
@@ -312,6 +479,12 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._drop_after_close_timeout()  # the app is done: the peer has close_timeout_s to let go
 
 
+def transport_control(scope: Any) -> GuardedWebSocketProtocol | None:
+    """The guarded protocol serving a WebSocket scope (None when the server runs without the guard)."""
+    control = scope.get("extensions", {}).get(TRANSPORT_EXTENSION)
+    return control if isinstance(control, GuardedWebSocketProtocol) else None
+
+
 def protocol_classes(
     settings: Settings, refusals: RefusalLog
 ) -> tuple[type[GuardedHttpProtocol], type[GuardedWebSocketProtocol], ConnectionGuard]:
@@ -329,21 +502,43 @@ def protocol_classes(
     ws = type(
         "ARStreamWebSocketProtocol",
         (GuardedWebSocketProtocol,),
-        {"guard": guard, "close_timeout_s": settings.close_timeout_s},
+        {
+            "guard": guard,
+            "close_timeout_s": settings.close_timeout_s,
+            "max_frames_per_s": settings.max_frames_per_s,
+            "frame_burst": settings.frame_burst,
+        },
     )
     return http, ws, guard
 
 
+def _redact_parameter(match: re.Match[str]) -> str:
+    separator, name, _ = match.groups()
+    # Decoded as the server decodes a query (percent escapes, + for space): `?%74oken=` is `?token=`.
+    if unquote_plus(name).strip().lower() in SECRET_PARAMETERS:
+        return f"{separator}{name}=<redacted>"
+    return match.group()
+
+
+def redact_query(text: str) -> str:
+    """``text`` with the value of every query parameter that names a token or resume token replaced."""
+    return QUERY_PARAMETER.sub(_redact_parameter, text) if "=" in text else text
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped: a client-chosen path cannot start a forged log line."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class RedactSecrets(logging.Filter):
-    """Replaces ``?token=`` and ``?resume=`` values in log lines (uvicorn logs request paths with their query)."""
+    """Replaces token and resume values in log lines (uvicorn logs request paths with their query, in any
+    spelling the client chose) and escapes control characters in the strings a client chose."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple) and record.args:
-            record.args = tuple(
-                SECRET_QUERY.sub(r"\1<redacted>", arg) if isinstance(arg, str) else arg for arg in record.args
-            )
-        if isinstance(record.msg, str) and ("token=" in record.msg or "resume=" in record.msg):
-            record.msg = SECRET_QUERY.sub(r"\1<redacted>", record.msg)
+            record.args = tuple(printable(redact_query(arg)) if isinstance(arg, str) else arg for arg in record.args)
+        if isinstance(record.msg, str):
+            record.msg = redact_query(record.msg)
         return True
 
 

@@ -69,6 +69,8 @@ class SessionHub:
         self.settings = settings
         self._pipeline = pipeline
         self.connections: dict[str, Connection] = {}
+        # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out.
+        self.closing: set[Connection] = set()
         self.worker: ModelWorker | None = None
         self.ready = False
         self.not_ready_reason = "the model is loading and warming up"
@@ -335,6 +337,7 @@ class SessionHub:
             "sessions": {
                 "connected": len(sessions),
                 "detached": self.resume.detached_count,
+                "closing": len(self.closing),
                 "realtime_capacity": None if capacity is None else capacity.sessions,
                 "active": sum(1 for s in sessions if s.pending_ticks > 0),
                 "evictions_total": runner_stats.evictions_total,

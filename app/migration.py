@@ -131,7 +131,7 @@ class Migration:
             raise ImportRefused(409, str(exc)) from None
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
-        held = len(hub.connections) + hub.resume.resuming_count + hub.resume.detached_count
+        held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
         try:
@@ -152,7 +152,9 @@ class Migration:
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
         try:
-            token = hub.resume.hold_moved(session)
+            token = hub.resume.hold_moved(
+                session, owner=portable.get("owner"), client_host=str(portable.get("client_host", ""))
+            )
         except ResumeRefused as exc:
             worker.drop_session(session_id)
             raise ImportRefused(409, str(exc)) from None
@@ -213,7 +215,13 @@ class Migration:
             connection.close_for_shutdown()
             return MoveReport(session.id, False, reason=f"export failed: {exc}")
         # After the export resolved, every earlier chunk has reached this connection: the protocol state is final.
-        snapshot.header["session"] = session.portable_state()
+        # Whose session it is travels too: a resume must present the same auth token (by its key), and the
+        # session counts against the same client's caps on the peer.
+        snapshot.header["session"] = {
+            **session.portable_state(),
+            "owner": connection.token_key,
+            "client_host": connection.client_host,
+        }
         data = await asyncio.to_thread(snapshot.to_bytes)
         export_ms = (time.perf_counter() - started) * 1e3
         refusals: list[str] = []

@@ -27,6 +27,11 @@ from arstream.app.video import h264_available
 from arstream.app.wire import PROTOCOL_VERSION
 
 MAX_JSON_DEPTH = 32
+# An error's message never grows with what the client sent: at most this many bytes as sent (docs/public.md).
+MAX_ERROR_MESSAGE_CHARS = 480
+EXCERPT_CHARS = 64
+# A \u escape of a UTF-16 surrogate: the only way a lone one gets into a parsed string.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 ID_LIMIT = 2**32
 MAX_RESUME_TOKEN_CHARS = 256
 MAX_START_IMAGE_NAME_CHARS = 256
@@ -134,6 +139,46 @@ def loads_strict(text: str) -> Any:
     return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """A client-controlled string as logs and error messages show it: its first ``limit`` characters,
+    printable ASCII only (escapes for newlines, control characters and the rest), and how much was left out."""
+    shown = ascii(text[:limit])[1:-1]
+    return shown if len(text) <= limit else f"{shown}… ({len(text) - limit} more characters)"
+
+
+def _wire_length(text: str) -> int:
+    return len(json.dumps(text)) - 2  # as it goes out: non-ASCII characters become \\uXXXX escapes
+
+
+def _shown(value: Any) -> str:
+    """A JSON value from a client as an error message quotes it: strings as an :func:`excerpt`."""
+    return f"'{excerpt(value)}'" if isinstance(value, str) else excerpt(repr(value))
+
+
+def _bounded(message: str) -> str:
+    """``message``, or its start and how much was left out, within MAX_ERROR_MESSAGE_CHARS on the wire."""
+    if _wire_length(message[: MAX_ERROR_MESSAGE_CHARS + 1]) <= MAX_ERROR_MESSAGE_CHARS:
+        return message
+    keep = MAX_ERROR_MESSAGE_CHARS
+    while True:
+        tail = f"… ({len(message) - keep} more characters)"
+        shortened = message[:keep] + tail
+        if _wire_length(shortened) <= MAX_ERROR_MESSAGE_CHARS or keep == 0:
+            return shortened
+        keep = keep * 3 // 4
+
+
+def _has_lone_surrogate(text: str, obj: Any) -> bool:
+    """Whether a parsed message holds a string with an unpaired UTF-16 surrogate (not valid Unicode text)."""
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return False
+    try:
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def dumps(message: dict[str, Any]) -> str:
     return json.dumps(message, separators=(",", ":"), allow_nan=False)
 
@@ -230,7 +275,7 @@ def _tick_id_of(obj: dict[str, Any]) -> int | None:
 def _describe(error: ValidationError) -> str:
     parts = []
     for item in error.errors(include_url=False):
-        where = ".".join(str(p) for p in item["loc"]) or "message"
+        where = ".".join(excerpt(str(p)) for p in item["loc"]) or "message"
         parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
 
@@ -243,12 +288,19 @@ def parse_client_message(text: str) -> ClientMessage:
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"not strict JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"expected a JSON object, got {type(obj).__name__}")
+    if _has_lone_surrogate(text, obj):
+        # Python keeps "\ud800" as a one-character string that cannot be encoded; nothing downstream expects it.
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            "a string holds a lone UTF-16 surrogate (not Unicode text)",
+            tick_id=_tick_id_of(obj),
+        )
     kind = obj.get("type")
     model = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise ProtocolError(
             ErrorCode.INVALID_MESSAGE,
-            f"unknown message type {kind!r}; expected one of {sorted(MESSAGE_TYPES)}",
+            f"unknown message type {_shown(kind)}; expected one of {sorted(MESSAGE_TYPES)}",
             tick_id=_tick_id_of(obj),
         )
     try:
@@ -319,7 +371,14 @@ def pong_message(t: int | float | None) -> dict[str, Any]:
 
 
 def error_message(code: ErrorCode, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
-    return {"type": "error", "code": str(code), "message": message, "tick_id": tick_id, "fatal": code in ERROR_CLOSE_CODES}
+    """The `error` message; its text is bounded (MAX_ERROR_MESSAGE_CHARS), whatever part of the input it quotes."""
+    return {
+        "type": "error",
+        "code": str(code),
+        "message": _bounded(message),
+        "tick_id": tick_id,
+        "fatal": code in ERROR_CLOSE_CODES,
+    }
 
 
 def moved_message(*, resume: str, next_chunk_index: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from arstream.app.protocol import excerpt
 from arstream.app.session import Session, SessionState
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ class ResumableConnection(Protocol):
     session_id: str
     session: Session | None
     client_host: str  # the client address its session counts against (max_sessions_per_client)
-    token_key: str | None  # and the auth token's (max_sessions_per_token)
+    # the auth token it presented, as a name (``arstream.app.auth.token_key``): its session counts against
+    # max_sessions_per_token, and only a connection presenting the same token may resume the session
+    token_key: str | None
 
     def take_over(self) -> None:
         """Another connection resumed this session: end this one with ``taken_over``, keeping the KV."""
@@ -73,6 +76,7 @@ class _Entry:
     """One resumable session: attached to a live connection, or detached and waiting."""
 
     digest: bytes
+    owner: str | None  # the auth token that started the session (its key): a resume must present the same
     connection: ResumableConnection | None = None
     session: Session | None = None  # the detached session's protocol state
     timer: asyncio.TimerHandle | None = None
@@ -95,9 +99,10 @@ def _digest(token: str) -> bytes:
 
 
 def token_hint(token: str) -> str:
-    """A token as logs may show it: its replica prefix and the first four random characters."""
+    """A token as logs may show it: its replica prefix and the first four random characters, escaped
+    (a client chose them: a newline must not start a forged log line)."""
     prefix, dot, rest = token.partition(".")
-    return f"{prefix}{dot}{rest[:4]}…" if dot else f"{token[:4]}…"
+    return f"{excerpt(prefix, 24)}.{excerpt(rest[:4])}…" if dot else f"{excerpt(token[:4])}…"
 
 
 class ResumeRegistry:
@@ -141,7 +146,7 @@ class ResumeRegistry:
         session_id = connection.session_id
         token = f"{self.replica_id}.{secrets.token_urlsafe(TOKEN_RANDOM_BYTES)}"
         self._forget_entry(session_id)
-        entry = _Entry(digest=_digest(token), connection=connection)
+        entry = _Entry(digest=_digest(token), owner=connection.token_key, connection=connection)
         self._entries[session_id] = entry
         self._by_digest[entry.digest] = session_id
         grace = int(self.grace_s) if float(self.grace_s).is_integer() else self.grace_s
@@ -190,18 +195,20 @@ class ResumeRegistry:
         log.info("session=%s detached; resumable for %s s", session.id, self.grace_s)
         return True
 
-    def hold_moved(self, session: Session) -> str:
+    def hold_moved(self, session: Session, *, owner: str | None, client_host: str) -> str:
         """A session moved here from another replica: keep it detached for the grace period; return its token.
 
         The token carries this replica's prefix, so the client's reconnect with
         it is routed here; it resumes like any detached session, and is released
-        like one when nobody comes for it.
+        like one when nobody comes for it. ``owner``: the key of the auth token
+        that started it (a resume must present the same); ``client_host``: the
+        client whose caps it counts against.
         """
         if not self.enabled or self._closed:
             raise ResumeRefused("this replica does not hold sessions for a resume (resume off or shutting down)")
         token = f"{self.replica_id}.{secrets.token_urlsafe(TOKEN_RANDOM_BYTES)}"
         self._forget_entry(session.id)
-        entry = _Entry(digest=_digest(token), session=session)
+        entry = _Entry(digest=_digest(token), owner=owner, session=session, client_host=client_host, token_key=owner)
         entry.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, session.id)
         self._entries[session.id] = entry
         self._by_digest[entry.digest] = session.id
@@ -241,7 +248,7 @@ class ResumeRegistry:
         connection's ticks never reach the new one: they belong to another
         :class:`Session` object, which ``Connection.on_outcome`` ignores.
         """
-        session_id, entry = self._claim(token)
+        session_id, entry = self._claim(token, connection.token_key)
         worker = self._worker()
         assert worker is not None
         self._resuming[session_id] = connection
@@ -266,33 +273,40 @@ class ResumeRegistry:
         )
         return Resumed(session, position.next_chunk_index)
 
-    def lookup(self, token: str) -> str:
+    def lookup(self, token: str, token_key: str | None) -> str:
         """The id of the session ``token`` would resume, spending nothing; raises :class:`ResumeRefused`.
 
         For admission: the caller checks its caps for that session, then calls
         :meth:`resume` without awaiting in between, so the answer still holds.
         """
-        return self._find(token)[0]
+        return self._find(token, token_key)[0]
 
-    def _claim(self, token: str) -> tuple[str, _Entry]:
+    def _claim(self, token: str, token_key: str | None) -> tuple[str, _Entry]:
         """Spend ``token``: the session it names and that session's entry, or :class:`ResumeRefused`."""
-        session_id, entry = self._find(token)
+        session_id, entry = self._find(token, token_key)
         self._forget_entry(session_id)
         return session_id, entry
 
-    def _find(self, token: str) -> tuple[str, _Entry]:
-        """The session ``token`` names and its entry, if it can be resumed now, else :class:`ResumeRefused`."""
+    def _find(self, token: str, token_key: str | None) -> tuple[str, _Entry]:
+        """The session ``token`` names and its entry, if it can be resumed now, else :class:`ResumeRefused`.
+
+        ``token_key`` names the auth token the resuming connection presented: another tenant's is refused,
+        and the resume token stays good for its owner."""
         if not self.enabled:
             raise ResumeRefused("resume is disabled on this server (resume_grace_s is 0)")
         prefix, dot, _ = token.partition(".")
         if not dot:
             raise ResumeRefused("malformed resume token (expected REPLICA.RANDOM)")
         if prefix != self.replica_id:
-            raise ResumeRefused(f"the resume token belongs to replica {prefix!r}; this is {self.replica_id!r}")
+            raise ResumeRefused(
+                f"the resume token belongs to replica '{excerpt(prefix, 24)}'; this is {self.replica_id!r}"
+            )
         session_id = self._by_digest.get(_digest(token))
         if session_id is None:
             raise ResumeRefused("unknown resume token: expired, already used, or the session has ended")
         entry = self._entries[session_id]
+        if entry.owner != token_key:
+            raise ResumeRefused("a resume must present the auth token that started the session")
         if entry.session is None:
             holder = entry.connection
             session = holder.session if holder is not None else None

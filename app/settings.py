@@ -101,7 +101,9 @@ class Settings(BaseSettings):
     keep_freed_memory: bool = Field(
         True, description="keep freed frame memory in the process (glibc) instead of faulting in fresh pages each round"
     )
-    idle_timeout_s: float = Field(60.0, gt=0, description="close a session after this long without a message")
+    idle_timeout_s: float = Field(
+        60.0, gt=0, description="close a session after this long without a tick or input (pings do not count)"
+    )
     start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
     auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
     allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
@@ -132,6 +134,23 @@ class Settings(BaseSettings):
         200.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
     )
     message_burst: int = Field(400, ge=1, description="messages a session may send at once before the rate applies")
+    max_frames_per_s: float = Field(
+        100.0, gt=0, description="WebSocket frames that are not a whole message (fragments, pings, pongs) a connection "
+        "may send per second on average; past it the connection is closed (1008)"
+    )
+    frame_burst: int = Field(
+        200, ge=1, description="fragments, pings and pongs a connection may send at once before the rate applies"
+    )
+    frame_flood_ban_s: float = Field(
+        10.0, ge=0, description="after a connection is closed over its frame budget, its client address may open no "
+        "connection for this long (trusted proxies are exempt); 0: no ban"
+    )
+    max_send_buffer_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=65536,
+        description="bytes queued for one client and not yet taken by it (replies, chunks, the socket's buffer); "
+        "past it the client is not reading and is dropped",
+    )
     max_control_items: int = Field(
         64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
     )

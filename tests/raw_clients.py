@@ -31,8 +31,13 @@ def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def tcp_connect(port: int, *, receive_buffer: int | None = SMALL_RECEIVE_BUFFER) -> socket.socket:
+def tcp_connect(
+    port: int, *, receive_buffer: int | None = SMALL_RECEIVE_BUFFER, source_host: str | None = None
+) -> socket.socket:
+    """A blocking socket connected to the loopback server; ``source_host`` (e.g. 127.0.0.2) is another client."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if source_host is not None:
+        sock.bind((source_host, 0))
     if receive_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.settimeout(SOCKET_GUARD_S)
@@ -68,11 +73,23 @@ def closed_by_server(sock: socket.socket) -> bool:
     return True
 
 
+def close_code(payload: bytes) -> int | None:
+    """The status code in a close frame's payload (None when it carries none)."""
+    return struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+
+
 class RawWebSocket:
     """A WebSocket client over a plain socket that reads nothing unless asked."""
 
-    def __init__(self, port: int, path: str = "/v1/sessions", headers: dict[str, str] | None = None) -> None:
-        self.sock = tcp_connect(port)
+    def __init__(
+        self,
+        port: int,
+        path: str = "/v1/sessions",
+        headers: dict[str, str] | None = None,
+        *,
+        source_host: str | None = None,
+    ) -> None:
+        self.sock = tcp_connect(port, source_host=source_host)
         key = base64.b64encode(os.urandom(16)).decode()
         lines = [
             f"GET {path} HTTP/1.1",
@@ -87,7 +104,7 @@ class RawWebSocket:
             self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
             self.response_head, self.leftover = read_http_response(self.sock)
         except OSError:
-            self.sock.close()  # dropped before it answered (a connection cap): raise, leaving no socket open
+            self.sock.close()  # refused or dropped before it answered: raise, leaving no socket open
             raise
         self.status = int(self.response_head.split(" ", 2)[1]) if self.response_head else 0
 
@@ -116,6 +133,47 @@ class RawWebSocket:
         except (TimeoutError, ConnectionResetError, BrokenPipeError):
             return False
         return True
+
+    def read_frame(self) -> tuple[int, bytes]:
+        """The next frame the server sent: its opcode and payload (server frames are not masked).
+
+        Raises ConnectionError when the server closes the connection first.
+        """
+
+        def take(count: int) -> bytes:
+            while len(self.leftover) < count:
+                piece = self.sock.recv(65536)
+                if not piece:
+                    raise ConnectionError("the server closed the connection")
+                self.leftover += piece
+            data, self.leftover = self.leftover[:count], self.leftover[count:]
+            return data
+
+        first, second = take(2)
+        length = second & 0x7F
+        if length == 126:
+            length = struct.unpack("!H", take(2))[0]
+        elif length == 127:
+            length = struct.unpack("!Q", take(8))[0]
+        return first & 0x0F, take(length)
+
+    def read_text(self) -> str:
+        """The next text message (skipping control frames)."""
+        while True:
+            opcode, payload = self.read_frame()
+            if opcode == 0x1:
+                return payload.decode()
+            if opcode == 0x8:
+                raise ConnectionError(f"the server closed the WebSocket: {close_code(payload)}")
+
+    def fragment_frames(self, count: int) -> bytes:
+        """A text message's first 1-byte fragment and ``count`` 1-byte continuation fragments (never finished)."""
+        first = bytes([0x01, 0x80 | 1]) + bytes(4) + b"x"
+        return first + (bytes([0x00, 0x80 | 1]) + bytes(4) + b"x") * count
+
+    def pong_frames(self, count: int) -> bytes:
+        """``count`` empty pongs (unsolicited: the server ignores them, after parsing each)."""
+        return (bytes([0x8A, 0x80]) + bytes(4)) * count
 
     def ping_frames(self, count: int, payload: bytes = b"x" * 125) -> bytes:
         return b"".join(self._frame(0x9, payload) for _ in range(count))

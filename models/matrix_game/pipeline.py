@@ -257,6 +257,11 @@ class MatrixGamePipeline(SessionStateBinding):
         latents = self.last_latents.get(session_id)
         if latents is not None:
             tensors["last_latents"] = latents
+        # The rollout's start image: the peer encodes it again (or has it: an offered name), as it would at a reset.
+        choice = self._choices.get(session_id)
+        values["image"] = None if choice is None else {"digest": choice.digest, "name": choice.name}
+        if choice is not None and choice.pixels is not None:
+            tensors["image/pixels"] = torch.from_numpy(np.ascontiguousarray(choice.pixels))
         return ModelState({"session": values}, tensors)
 
     def import_session_state(self, session_id: str, state: ModelState) -> None:
@@ -279,7 +284,13 @@ class MatrixGamePipeline(SessionStateBinding):
         cache = None
         if values["vae"] is not None:
             cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(values["vae"])]
-        self._sessions[session_id] = _Session(generator, controls, actions, cache)
+        choice = None
+        if values.get("image") is not None:
+            pixels = t["image/pixels"].numpy() if "image/pixels" in t else None
+            choice = StartImage(digest=values["image"]["digest"], name=values["image"]["name"], pixels=pixels)
+            self._choices[session_id] = choice
+        image = self.images.resolve(choice)
+        self._sessions[session_id] = _Session(generator, controls, actions, cache, image=image)
         if "last_latents" in t:
             self.last_latents[session_id] = t["last_latents"]
 
