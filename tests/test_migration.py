@@ -49,11 +49,43 @@ def cluster_settings(replica: str, model: str = "fake-kv", **overrides: Any) -> 
 
 
 @contextmanager
-def two_replicas(model: str = "fake-kv", **r1_overrides: Any) -> Iterator[tuple[LiveServer, LiveServer]]:
+def two_replicas(
+    model: str = "fake-kv", both: dict[str, Any] | None = None, **r1_overrides: Any
+) -> Iterator[tuple[LiveServer, LiveServer]]:
     with ExitStack() as stack:
-        r0 = stack.enter_context(running_server(cluster_settings("r0", model)))
-        r1 = stack.enter_context(running_server(cluster_settings("r1", model, **r1_overrides)))
+        r0 = stack.enter_context(running_server(cluster_settings("r0", model, **(both or {}))))
+        r1 = stack.enter_context(running_server(cluster_settings("r1", model, **(both or {}), **r1_overrides)))
         yield r0, r1
+
+
+def own_start_image() -> dict[str, str]:
+    """A client's own start image (PNG, base64), as `start.image` carries it."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    picture = Image.new("RGB", (90, 60), (200, 40, 40))
+    picture.paste((20, 160, 60), (0, 30, 90, 60))
+    encoded = io.BytesIO()
+    picture.save(encoded, format="PNG")
+    return {"data": base64.b64encode(encoded.getvalue()).decode()}
+
+
+TOKEN = "tenant-token-for-the-move-test"
+# A matrix-game-2 session with its own start image, on replicas that require an auth token: the image
+# (and what the model derived from it) and the session's owner travel with it.
+OWN_IMAGE_WITH_AUTH = {
+    "start": {"image": own_start_image()},
+    "both": {"auth_token": TOKEN},
+    "headers": [("authorization", f"Bearer {TOKEN}")],
+}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fake-kv": ("fake-kv", {}),
+    "tiny-world": ("tiny-world", {}),
+    "matrix-game-2": ("matrix-game-2", {}),
+    "matrix-game-2-own-image-auth": ("matrix-game-2", OWN_IMAGE_WITH_AUTH),
+}
 
 
 def run(coro: Any) -> Any:
@@ -74,10 +106,13 @@ async def frames_of(client: Any) -> np.ndarray:
     return chunk, np.stack([pixels for _header, pixels in frames])
 
 
-async def reference(server: LiveServer) -> list[np.ndarray]:
+async def reference(
+    server: LiveServer, start: dict[str, Any] | None = None, headers: list[tuple[str, str]] | None = None
+) -> list[np.ndarray]:
     """An uninterrupted session with the test's seed and controls."""
     out = []
-    async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+    start = {"codec": "raw", "seed": SEED, **(start or {})}
+    async with session_client(server.ws_url, start=start, headers=headers) as client:
         for tick_id, keys in enumerate(KEYS):
             await client.send(type="tick", tick_id=tick_id, controls={"keys": keys})
             out.append((await frames_of(client))[1])
@@ -90,13 +125,16 @@ def baseline(server: LiveServer) -> int:
     return server.stats()["kv"]["blocks_total"]
 
 
-@pytest.mark.parametrize("model", ["fake-kv", "tiny-world", "matrix-game-2"])
-def test_a_drained_session_continues_on_the_peer_bit_identically(model: str) -> None:
-    with two_replicas(model) as (r0, r1):
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_drained_session_continues_on_the_peer_bit_identically(case: str) -> None:
+    model, extra = CASES[case]
+    headers = extra.get("headers")
+    with two_replicas(model, extra.get("both")) as (r0, r1):
 
         async def scenario() -> None:
-            want = await reference(r1)
-            async with session_client(r0.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+            want = await reference(r1, extra.get("start"), headers)
+            start = {"codec": "raw", "seed": SEED, **extra.get("start", {})}
+            async with session_client(r0.ws_url, start=start, headers=headers) as client:
                 session_id = client.ready["session_id"]
                 for tick_id in range(MOVE_AT):
                     await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
@@ -114,7 +152,7 @@ def test_a_drained_session_continues_on_the_peer_bit_identically(model: str) -> 
                 assert moved["next_chunk_index"] == MOVE_AT
             token = moved["resume"]
             async with session_client(
-                f"{r1.ws_url}?resume={token}", start={"resume": token, "codec": "raw"}
+                f"{r1.ws_url}?resume={token}", start={"resume": token, "codec": "raw"}, headers=headers
             ) as client:
                 ready = client.ready
                 assert ready["resumed"] is True and ready["session_id"] == session_id

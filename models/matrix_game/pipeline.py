@@ -218,13 +218,22 @@ class MatrixGamePipeline(SessionStateBinding):
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
 
     def transfer_fingerprint(self) -> dict[str, Any]:
-        """Config, DiT and VAE weights, and the conditioning (image latents, image context) the chunks read."""
+        """Config, DiT, VAE and CLIP weights, and the offered start images' encodings (by name) the chunks read.
+
+        A client's own start image travels with the session (export_session_state) and is encoded again on
+        the peer by the same weights, so equal weights give equal encodings.
+        """
         if getattr(self, "_fingerprint", None) is None:  # computed once: none of it changes while serving
+            offered = {name: self.images.resolve(StartImage(f"name:{name}", name=name)) for name in self.images.names}
             self._fingerprint = {
                 "config": self.cfg.name,
                 "dit": weights_digest(self.model),
                 "vae": weights_digest(self.vae.vae),
-                "condition": tensors_digest({"condition": self.condition, "context": self.context}),
+                "clip": None if self._clip is None else weights_digest(self._clip),
+                "start_images": tensors_digest(
+                    {f"{name}/{part}": tensor for name, encodings in offered.items()
+                     for part, tensor in (("context", encodings.context), ("first", encodings.stream.condition(0, 1)))}
+                ),
             }
         return self._fingerprint
 
@@ -261,7 +270,7 @@ class MatrixGamePipeline(SessionStateBinding):
         choice = self._choices.get(session_id)
         values["image"] = None if choice is None else {"digest": choice.digest, "name": choice.name}
         if choice is not None and choice.pixels is not None:
-            tensors["image/pixels"] = torch.from_numpy(np.ascontiguousarray(choice.pixels))
+            tensors["image/pixels"] = torch.from_numpy(np.array(choice.pixels))  # a writable copy (the choice is read-only)
         return ModelState({"session": values}, tensors)
 
     def import_session_state(self, session_id: str, state: ModelState) -> None:
