@@ -99,3 +99,23 @@ def listens_beyond_loopback(bind_host: str) -> bool:
     """Whether ``--host`` exposes the server to other machines (not 127.x, ::1 or localhost)."""
     host = bind_host.strip("[]").lower()
     return not (host == "localhost" or host == "::1" or host.startswith("127."))
+
+
+def upgrade_refusal(
+    headers: Headers,
+    query: QueryParams,
+    *,
+    auth_token: str | None,
+    allowed_origins: list[str],
+    bind_host: str,
+    server_port: int | None,
+) -> tuple[str | None, bool]:
+    """Why a WebSocket upgrade is refused (the token first, then the origin), and whether it offered no token.
+
+    ``(None, False)`` when it may go on. Every WebSocket route (protocol 1, the realtime video dialect) asks this.
+    """
+    refusal = token_refusal(headers, query, auth_token)
+    if refusal is not None:
+        return refusal, offered_token(headers, query) is None
+    beyond_loopback = listens_beyond_loopback(bind_host)
+    return origin_refusal(headers, allowed_origins, server_port, beyond_loopback=beyond_loopback), False

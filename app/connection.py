@@ -51,7 +51,7 @@ from arstream.app.protocol import (
     pong_message,
     ready_message,
 )
-from arstream.app.guard import MESSAGE_LIMIT_EXTENSION
+from arstream.app.guard import limit_messages
 from arstream.app.resume import Resumed, ResumeRefused, token_hint
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.session import Session, SessionState
@@ -213,16 +213,15 @@ class Connection:
 
     async def _serve(self) -> None:
         ws = self.ws
-        server_port = ws.scope.get("server", (None, None))[1]
-        token_refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token)
-        refusal = token_refusal or auth.origin_refusal(
+        refusal, missing_token = auth.upgrade_refusal(
             ws.headers,
-            self.settings.origin_allow_list(),
-            server_port,
-            beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
+            ws.query_params,
+            auth_token=self.settings.auth_token,
+            allowed_origins=self.settings.origin_allow_list(),
+            bind_host=self.settings.host,
+            server_port=ws.scope.get("server", (None, None))[1],
         )
         if refusal is not None and self.settings.refuse_before_upgrade:
-            missing_token = token_refusal is not None and self.token_key is None
             await self._deny_upgrade(
                 ErrorCode.UNAUTHORIZED,
                 refusal,
@@ -242,12 +241,13 @@ class Connection:
             log.info("session=%s refused: %s", self.session_id, refusal)
             await self._refuse(ErrorCode.UNAUTHORIZED, refusal)
             return
-        self._limit_messages(self._start_limit())
+        limit_messages(self.ws, self.settings.ws_message_limit(self.hub.start_message_bytes))
         opened = await self._open_session()
         if opened is None:
             return
         session, next_chunk_index, resumed = opened
-        self._limit_messages(self.settings.max_message_bytes)  # only `start` may carry an image
+        # only `start` may carry an image
+        limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
         self.session = session
         upload_limit = self.settings.max_start_image_bytes if self.hub.start_image_names else None
         self.hub.register(self)
@@ -329,15 +329,7 @@ class Connection:
         await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
         return False
 
-    def _start_limit(self) -> int:
-        """The largest `start`: room for a base64 start image when the model offers start images."""
-        return self.settings.max_start_message_bytes if self.hub.start_image_names else self.settings.max_message_bytes
 
-    def _limit_messages(self, max_bytes: int) -> None:
-        """Have the WebSocket refuse frames well over ``max_bytes`` before buffering them (arstream.app.guard)."""
-        limit = self.ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
-        if limit is not None:
-            limit(self.settings.ws_message_limit(max_bytes))
 
     async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
         """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
@@ -436,7 +428,7 @@ class Connection:
             if text is None:
                 await self._refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
                 return None
-            limit = self._start_limit()
+            limit = self.hub.start_message_bytes
             if self._too_large(text, limit):
                 with_image = " (max_message_bytes plus a base64 start image)" if self.hub.start_image_names else ""
                 await self._refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")

@@ -76,6 +76,13 @@ TRANSPORT_EXTENSION = "arstream.transport"
 BAN_TABLE_PRUNE_AT = 4096
 
 
+
+def limit_messages(ws: Any, limit_bytes: int) -> None:
+    """Have the WebSocket ``ws`` refuse frames over ``limit_bytes`` before buffering them (MESSAGE_LIMIT_EXTENSION)."""
+    limit = ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
+    if limit is not None:
+        limit(limit_bytes)
+
 class RefusalLog:
     """Warn once per kind of refusal, then at most once per interval with the count since."""
 

@@ -185,6 +185,11 @@ class SessionHub:
     # ---- sessions --------------------------------------------------------------------
 
     @property
+    def start_message_bytes(self) -> int:
+        """The largest `start`: room for a base64 start image when the model offers start images."""
+        return self.settings.max_start_message_bytes if self.start_image_names else self.settings.max_message_bytes
+
+    @property
     def session_capacity(self) -> int:
         """Sessions served at once: the runtime's KV capacity, capped by ``--max-sessions``."""
         stats = self.worker.runner_stats if self.worker else None

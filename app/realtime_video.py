@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket
 from arstream.app import auth
 from arstream.app.connection import Outbox, _Text
 from arstream.app.fmp4 import fmp4_codec
-from arstream.app.guard import MESSAGE_LIMIT_EXTENSION
+from arstream.app.guard import limit_messages
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
 from arstream.app.protocol import dumps, loads_strict
@@ -139,16 +139,15 @@ class RealtimeVideoConnection:
 
     async def _serve(self) -> None:
         ws = self.ws
-        server_port = ws.scope.get("server", (None, None))[1]
-        token_refusal = auth.token_refusal(ws.headers, ws.query_params, self.settings.auth_token)
-        refusal = token_refusal or auth.origin_refusal(
+        refusal, missing = auth.upgrade_refusal(
             ws.headers,
-            self.settings.origin_allow_list(),
-            server_port,
-            beyond_loopback=auth.listens_beyond_loopback(self.settings.host),
+            ws.query_params,
+            auth_token=self.settings.auth_token,
+            allowed_origins=self.settings.origin_allow_list(),
+            bind_host=self.settings.host,
+            server_port=ws.scope.get("server", (None, None))[1],
         )
         if refusal is not None and self.settings.refuse_before_upgrade:
-            missing = token_refusal is not None and self.token_key is None
             headers = {"WWW-Authenticate": "Bearer"} if missing else None
             await self._deny_upgrade(refusal, ErrorCode.UNAUTHORIZED, 401 if missing else 403, headers)
             return
@@ -161,14 +160,14 @@ class RealtimeVideoConnection:
             self.hub.unstarted.add(self, self.client_host)
         await ws.accept()
         # Only session.start may carry a picture (image_reference), as only protocol 1's start may.
-        self._limit_messages(self._start_limit())
+        limit_messages(self.ws, self.settings.ws_message_limit(self.hub.start_message_bytes))
         if refusal is not None:
             await self._refuse(refusal, ErrorCode.UNAUTHORIZED)
             return
         request = await self._await_start()
         if request is None:
             return
-        self._limit_messages(self.settings.max_message_bytes)
+        limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
         start_image = None
         if request.image is not None:
             start_image = await self._start_image(*request.image)
@@ -242,15 +241,7 @@ class RealtimeVideoConnection:
         except Exception:  # noqa: BLE001 - a peer that is gone or does not read is left to the transport
             log.debug("session=%s did not take its refusal", self.session_id)
 
-    def _start_limit(self) -> int:
-        """The largest ``session.start``: room for a base64 picture when the model offers start images."""
-        return self.settings.max_start_message_bytes if self.hub.start_image_names else self.settings.max_message_bytes
 
-    def _limit_messages(self, max_bytes: int) -> None:
-        """Have the WebSocket refuse frames well over ``max_bytes`` before buffering them (arstream.app.guard)."""
-        limit = self.ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
-        if limit is not None:
-            limit(self.settings.ws_message_limit(max_bytes))
 
     def _too_large(self, text: str, limit: int | None = None) -> bool:
         limit = limit or self.settings.max_message_bytes
@@ -269,7 +260,7 @@ class RealtimeVideoConnection:
         if text is None:
             await self._refuse("the first message must be session.start, as JSON text", ErrorCode.START_REQUIRED)
             return None
-        if self._too_large(text, self._start_limit()):
+        if self._too_large(text, self.hub.start_message_bytes):
             await self._refuse("session.start message too large", ErrorCode.MESSAGE_TOO_LARGE)
             return None
         try:
