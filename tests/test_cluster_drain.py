@@ -35,16 +35,18 @@ SESSIONS = 4
 
 
 def cluster_options(model: str, capacity: int, delay_s: float = 0.0) -> list[str]:
-    options = {"session_capacity": capacity}
+    options: dict[str, Any] = {"session_capacity": capacity}
     if model == "fake-kv":
         options.update(window_frames=6, compute_delay_s=delay_s)
+    if model == "matrix-game-2":
+        options.update(config="tiny", random_init=True)
     return [
         "--model", model, "--model-options", json.dumps(options), "--resume-grace-s", "30",
         "--max-batch-sessions", "1", "--log-level", "info",
     ]
 
 
-@pytest.fixture(params=["fake-kv", "tiny-world"])
+@pytest.fixture(params=["fake-kv", "tiny-world", "matrix-game-2"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     capacity = SESSIONS if request.param == "fake-kv" else 2
     with launch_cluster(cluster_options(request.param, capacity), {"ARSTREAM_CLUSTER_SECRET": SECRET}) as started:
@@ -77,7 +79,8 @@ def test_drained_sessions_follow_to_the_peer_and_continue_bit_identically(cluste
     # The balancer never lets the cluster routes through, not even under /replicas/rN/.
     for path in ("/v1/cluster/drain", "/replicas/r0/v1/cluster/drain", "/replicas/r0/v1/cluster/import"):
         response = httpx.post(cluster.lb + path, headers={"authorization": f"Bearer {SECRET}"}, timeout=10.0)
-        assert response.status_code == 403, (path, response.status_code)
+        # 403 for the cluster routes; the per-replica routes are private on the public port altogether (404)
+        assert response.status_code in (403, 404), (path, response.status_code)
 
     async def scenario() -> None:
         # An uninterrupted reference with the same seed and controls (on r1, which will stay).
@@ -130,9 +133,10 @@ def test_drained_sessions_follow_to_the_peer_and_continue_bit_identically(cluste
             for context in contexts:
                 await context.__aexit__(None, None, None)
 
+    # Read before the drain: local-cluster.sh starts a replica that exits again, and the table then names the new one.
+    r0_pid = cluster.replicas["r0"][1]
     run(scenario())
     # The drained replica exits by itself; the peer is back at its baseline.
-    r0_pid = cluster.replicas["r0"][1]
     wait_until(lambda: not _running(r0_pid), "the drained replica exited")
     wait_until(
         lambda: (lambda s: s["sessions"]["connected"] == 0 and s["sessions"]["detached"] == 0
