@@ -76,12 +76,12 @@ TRANSPORT_EXTENSION = "arstream.transport"
 BAN_TABLE_PRUNE_AT = 4096
 
 
-
 def limit_messages(ws: Any, limit_bytes: int) -> None:
     """Have the WebSocket ``ws`` refuse frames over ``limit_bytes`` before buffering them (MESSAGE_LIMIT_EXTENSION)."""
     limit = ws.scope.get("extensions", {}).get(MESSAGE_LIMIT_EXTENSION)
     if limit is not None:
         limit(limit_bytes)
+
 
 class RefusalLog:
     """Warn once per kind of refusal, then at most once per interval with the count since."""
@@ -317,6 +317,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         super().handle_connect(event)
         if getattr(self, "scope", None) is not None:
             self.scope["extensions"][TRANSPORT_EXTENSION] = self  # type: ignore[index]
+            self.scope["extensions"][MESSAGE_LIMIT_EXTENSION] = self.limit_messages  # type: ignore[index]
 
     @property
     def buffered_bytes(self) -> int:
@@ -427,10 +428,6 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.guard.admit(transport)  # admitted as HTTP already; records it if it came another way
-
-    def handle_connect(self, event: Any) -> None:
-        super().handle_connect(event)
-        self.scope["extensions"][MESSAGE_LIMIT_EXTENSION] = self.limit_messages
 
     def limit_messages(self, max_bytes: int) -> None:
         """From the next frame on, refuse messages over ``max_bytes`` (close 1009) before buffering them."""

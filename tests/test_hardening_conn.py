@@ -240,14 +240,16 @@ def test_a_non_reader_past_the_send_buffer_bound_is_dropped() -> None:
     with running_server(settings) as server:
         start_free = server.stats()["kv"]["blocks_free"]
         attacker, _ = raw_session(server.port, start={"codec": "raw"})
-        attacker.sock.settimeout(2.0)
-        attacker.try_send(attacker.text_frames([json.dumps({"type": "tick", "tick_id": i}) for i in range(4)]))
         try:
-            wait_until(lambda: guard_of(server).open == 0)
-        except AssertionError:
-            raise AssertionError(f"the non-reader was not dropped: {server.stats()['sessions']}") from None
-        assert refusals_of(server).counts.get("send_buffer") == 1
-        attacker.close()
+            attacker.sock.settimeout(2.0)
+            attacker.try_send(attacker.text_frames([json.dumps({"type": "tick", "tick_id": i}) for i in range(4)]))
+            try:
+                wait_until(lambda: guard_of(server).open == 0)
+            except AssertionError:
+                raise AssertionError(f"the non-reader was not dropped: {server.stats()['sessions']}") from None
+            assert refusals_of(server).counts.get("send_buffer") == 1
+        finally:
+            attacker.close()
         server.settled(start_free)
 
         async def honest() -> None:  # the same chunks, read: served
