@@ -18,6 +18,7 @@ fi
 .venv/bin/pip install -q --upgrade pip
 # torch pinned first so pip takes the local CPU build rather than a CUDA one.
 .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[test]"
+# setuptools warns at length about every editable install from a checkout with an arstream/ folder; it is expected.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e ".[test]"
 
 exec .venv/bin/python -m pytest -q "$@"
