@@ -241,7 +241,7 @@ def matrix_game_sweep(
 def aims(result: dict[str, Any]) -> dict[str, Any]:
     """Issue 19's aims for one H200, checked against the figures (None where a figure is missing)."""
     runs = (result.get("matrix_game") or {}).get("sessions", {})
-    one, four = runs.get("1"), runs.get("4")
+    one = runs.get("1")
     ratios = [run["server_vs_runner_ratio"] for run in runs.values()]
     if result.get("tiny_world"):
         ratios.append(result["tiny_world"]["server_vs_runner_ratio"])
