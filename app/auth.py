@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers, QueryParams
+from starlette.requests import HTTPConnection
 
 from arstream.app.protocol import excerpt
+
+if TYPE_CHECKING:
+    from arstream.app.settings import Settings
 
 
 def offered_token(headers: Headers, query: QueryParams) -> str | None:
@@ -101,21 +106,15 @@ def listens_beyond_loopback(bind_host: str) -> bool:
     return not (host == "localhost" or host == "::1" or host.startswith("127."))
 
 
-def upgrade_refusal(
-    headers: Headers,
-    query: QueryParams,
-    *,
-    auth_token: str | None,
-    allowed_origins: list[str],
-    bind_host: str,
-    server_port: int | None,
-) -> tuple[str | None, bool]:
+def upgrade_refusal(ws: HTTPConnection, settings: Settings) -> tuple[str | None, bool]:
     """Why a WebSocket upgrade is refused (the token first, then the origin), and whether it offered no token.
 
     ``(None, False)`` when it may go on. Every WebSocket route (protocol 1, the realtime video dialect) asks this.
     """
-    refusal = token_refusal(headers, query, auth_token)
+    headers, query = ws.headers, ws.query_params
+    refusal = token_refusal(headers, query, settings.auth_token)
     if refusal is not None:
         return refusal, offered_token(headers, query) is None
-    beyond_loopback = listens_beyond_loopback(bind_host)
-    return origin_refusal(headers, allowed_origins, server_port, beyond_loopback=beyond_loopback), False
+    server_port = ws.scope.get("server", (None, None))[1]
+    beyond_loopback = listens_beyond_loopback(settings.host)
+    return origin_refusal(headers, settings.origin_allow_list(), server_port, beyond_loopback=beyond_loopback), False

@@ -213,14 +213,7 @@ class Connection:
 
     async def _serve(self) -> None:
         ws = self.ws
-        refusal, missing_token = auth.upgrade_refusal(
-            ws.headers,
-            ws.query_params,
-            auth_token=self.settings.auth_token,
-            allowed_origins=self.settings.origin_allow_list(),
-            bind_host=self.settings.host,
-            server_port=ws.scope.get("server", (None, None))[1],
-        )
+        refusal, missing_token = auth.upgrade_refusal(ws, self.settings)
         if refusal is not None and self.settings.refuse_before_upgrade:
             await self._deny_upgrade(
                 ErrorCode.UNAUTHORIZED,

@@ -139,14 +139,7 @@ class RealtimeVideoConnection:
 
     async def _serve(self) -> None:
         ws = self.ws
-        refusal, missing = auth.upgrade_refusal(
-            ws.headers,
-            ws.query_params,
-            auth_token=self.settings.auth_token,
-            allowed_origins=self.settings.origin_allow_list(),
-            bind_host=self.settings.host,
-            server_port=ws.scope.get("server", (None, None))[1],
-        )
+        refusal, missing = auth.upgrade_refusal(ws, self.settings)
         if refusal is not None and self.settings.refuse_before_upgrade:
             headers = {"WWW-Authenticate": "Bearer"} if missing else None
             await self._deny_upgrade(refusal, ErrorCode.UNAUTHORIZED, 401 if missing else 403, headers)
