@@ -25,7 +25,7 @@ import pytest
 
 from arstream.app.client import run_script
 from servers import SessionClient, session_client
-from test_cluster import Cluster, launch_cluster, replica_of, wait_until
+from test_cluster import Cluster, _alive, launch_cluster, replica_of, wait_until
 
 SECRET = "drain-test-cluster-secret"
 SEED = 11
@@ -137,21 +137,12 @@ def test_drained_sessions_follow_to_the_peer_and_continue_bit_identically(cluste
     r0_pid = cluster.replicas["r0"][1]
     run(scenario())
     # The drained replica exits by itself; the peer is back at its baseline.
-    wait_until(lambda: not _running(r0_pid), "the drained replica exited")
+    wait_until(lambda: not _alive(r0_pid), "the drained replica exited")
     wait_until(
         lambda: (lambda s: s["sessions"]["connected"] == 0 and s["sessions"]["detached"] == 0
                  and s["kv"]["blocks_free"] == baselines["r1"])(cluster.replica_stats("r1")),
         "r1 back at its baseline",
     )
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"
 
 
 @pytest.fixture
