@@ -660,7 +660,7 @@ h264Supported().then((yes) => { document.querySelector('#codec option[value="h26
 
 loadModelCard();
 if (mode.kind === 'bad') {
-  onState('ended', { text: `${SHARE_TEXT.badLink}: ${mode.reason}.`, tone: 'warn', action: 'own-world' });
+  connection.setState('ended', { text: `${SHARE_TEXT.badLink}: ${mode.reason}.`, tone: 'warn', action: 'own-world' });
 } else if (params.get('autoconnect') === '0') {
   onState('idle', { text: 'Press Play to start a session.', action: 'play' });
 } else if (document.hidden) {
