@@ -3,15 +3,17 @@
 Unit tests of the client's side: option checks, and its message handling
 against :class:`FakeShareServer`, a fake WebSocket server that speaks only the
 messages the contract gives (docs/PROTOCOL.md, "Rewind, branch and watch") and
-records what the client sent. The same verbs against the real server are in
-tests/test_share_end_to_end.py.
+records what the client sent; then the same verbs against the real server
+(fake-kv, whose raw frames are exact: G is the frame's absolute position, R
+comes from the KV cache, B has a bit per held key).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 from arstream.app import client, wire
+from servers import LiveServer, fake_settings, running_server
 
 MODEL = {"name": "fake-share", "width": 4, "height": 2, "fps": 16, "frames_per_chunk": 2}
 LIMITS = {"max_pending_ticks": 3}
@@ -56,12 +59,14 @@ class FakeShareServer:
             await ws.send(json.dumps({"type": "viewers", "count": 1}))
             for index in range(self.viewer_chunks):
                 skipped = 2 if index == 1 else 0
-                await self.send_chunk(ws, chunk_index=10 + index + (2 if index else 0), tick_id=100 + index, skipped=skipped)
+                chunk_index = 10 + index + (2 if index else 0)  # two chunks skipped before the second
+                await self.send_chunk(ws, chunk_index=chunk_index, tick_id=100 + index, skipped=skipped)
             await ws.send(json.dumps({"type": "closed", "reason": "session_ended"}))
             return
         first = start["branch"]["chunk"] if "branch" in start else 0
         extra = {"branched_from": {"chunk": first}} if "branch" in start else {}
-        await ws.send(json.dumps({**ready, "role": "controller", "share": {"token": "r0.share"}, "rewind_points": 8, **extra}))
+        share = {"share": {"token": "r0.share"}, "rewind_points": 8}
+        await ws.send(json.dumps({**ready, "role": "controller", **share, **extra}))
         next_index = first
         async for text in ws:
             message = json.loads(text)
@@ -92,7 +97,8 @@ class FakeShareServer:
         if skipped:
             message["skipped_before"] = skipped
         await ws.send(json.dumps(message))
-        for data in wire.encode_chunk(frames, codec=wire.Codec.RAW, quality=0, chunk_index=chunk_index, tick_id=tick_id):
+        encoded = wire.encode_chunk(frames, codec=wire.Codec.RAW, quality=0, chunk_index=chunk_index, tick_id=tick_id)
+        for data in encoded:
             await ws.send(data)
 
 
@@ -226,3 +232,110 @@ def test_watch_takes_chunks_without_ticking_counts_skips_and_stops_when_the_sess
     assert "session_ended" in result.closed_reason
     assert chunk_values(result.frames) == [100, 101, 130, 131, 140, 141]
     assert "as viewer v1" in capsys.readouterr().out
+
+
+# ---- against the real server ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(model_options={"compute_delay_s": 0.005})) as live:
+        yield live
+
+
+def saved_frames(out: Path) -> list[np.ndarray]:
+    from PIL import Image
+
+    return [np.asarray(Image.open(path).convert("RGB")) for path in sorted(out.glob("frame_*.png"))]
+
+
+def test_rewind_to_replays_that_chunk_exactly(
+    server: LiveServer, baseline: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    per_chunk = server.get("/v1/model").json()["frames_per_chunk"]
+    argv = [server.base_url, "--codec", "raw", "--keys", "d*6", "--rewind-to", "2", "--rewind-after", "4"]
+    assert client.main([*argv, "--out", str(tmp_path)]) == 0
+    output = capsys.readouterr().out
+    assert "chunk indexes: 0-3, 2-3" in output and "rewound to chunk 2" in output
+    frames = saved_frames(tmp_path)
+    assert len(frames) == 6 * per_chunk
+    chunk = [frames[i * per_chunk:(i + 1) * per_chunk] for i in range(6)]
+    # Chunk 4 went back to boundary 2 with the same keys: it is chunk 2 again, pixel for pixel (and 5 is 3).
+    assert all(np.array_equal(a, b) for a, b in zip(chunk[4] + chunk[5], chunk[2] + chunk[3], strict=True))
+    assert not np.array_equal(chunk[4][0], chunk[3][0]), "and not merely the chunk before it"
+    server.settled(baseline)
+
+
+def test_a_rewind_past_the_held_points_is_refused_clearly(
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    points = 8  # the server's default rewind_points
+    ticks = points + 4
+    argv = ["--keys", f"-*{ticks}", "--rewind-to", "0", "--rewind-after", str(ticks - 1)]
+    assert client.main([server.base_url, *argv, "--out", str(tmp_path)]) == 1
+    assert "rewind_unavailable" in capsys.readouterr().err
+
+
+async def watch_and_branch(url: str, tmp_path: Path) -> tuple[list[client.Chunk], int, int, int]:
+    """A player holding d; while it plays, a viewer (``--watch``); then a branch (``--branch``) from two chunks
+    back (a boundary the server still holds). Returns the player's chunks, both exit codes and the branch point."""
+    player = client.SessionClient(await client.connect(wire.session_url(url)))
+    try:
+        await player.start(codec="raw", seed=11)
+        token = player.share_token
+        assert token and token.startswith("r")
+        await player.send_input(controls={"keys": ["d"]})
+        played: list[client.Chunk] = []
+        watch_argv = [url, "--watch", token, "--chunks", "3", "--codec", "raw", "--out", str(tmp_path / "watched")]
+        watching = asyncio.create_task(asyncio.to_thread(client.main, watch_argv))
+        while not watching.done():  # the player plays on while the viewer watches
+            await player.send_tick()
+            played.append(await player.receive_chunk())
+        watch_code = watching.result()
+        boundary = len(played) - 2
+        branch_argv = [url, "--branch", token, "--chunk", str(boundary), "--keys", "d*2", "--codec", "raw"]
+        branch_code = await asyncio.to_thread(client.main, [*branch_argv, "--out", str(tmp_path / "branch")])
+        for _ in range(2):  # the source plays on after the branch
+            await player.send_tick()
+            played.append(await player.receive_chunk())
+        await player.close()
+    finally:
+        await player.ws.close()
+    return played, watch_code, branch_code, boundary
+
+
+def test_watch_and_branch_a_live_session(
+    server: LiveServer, baseline: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    played, watch_code, branch_code, boundary = asyncio.run(watch_and_branch(server.base_url, tmp_path))
+    output = capsys.readouterr().out
+    assert watch_code == 0 and branch_code == 0, output
+    by_index = {int(chunk.message["chunk_index"]): chunk.frames for chunk in played}
+
+    # The viewer saved three consecutive chunks of the player's session, exactly as the player got them.
+    watched = saved_frames(tmp_path / "watched")
+    per_chunk = len(played[0].frames)
+    assert len(watched) == 3 * per_chunk
+    first = int(watched[0][0, 0, 1]) // per_chunk  # G is the frame's absolute position
+    expected = [frame for index in range(first, first + 3) for frame in by_index[index]]
+    assert all(np.array_equal(a, b) for a, b in zip(watched, expected, strict=True))
+    assert "as viewer v" in output and "viewers at the end: 1; chunks skipped for this viewer: 0" in output
+
+    # The branch from that boundary, with d held as the source had it, plays its next two chunks as the source did.
+    branch = saved_frames(tmp_path / "branch")
+    assert f"branched from chunk {boundary}" in output and f"chunk indexes: {boundary}-{boundary + 1}" in output
+    source = by_index[boundary] + by_index[boundary + 1]
+    assert len(branch) == len(source)
+    assert all(np.array_equal(a, b) for a, b in zip(branch, source, strict=True))
+    assert [int(chunk.message["chunk_index"]) for chunk in played] == list(range(len(played))), "the source went on"
+    server.settled(baseline)
+
+
+def test_a_share_token_the_server_cannot_honour(
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert client.main([server.base_url, "--watch", "r0.no-such-session", "--out", str(tmp_path / "w")]) == 1
+    assert "share_failed" in capsys.readouterr().err
+    argv = ["--branch", "r0.no-such-session", "--chunk", "0", "--keys", "-*2"]
+    assert client.main([server.base_url, *argv, "--out", str(tmp_path / "b")]) == 1
+    assert "share_failed" in capsys.readouterr().err
