@@ -272,6 +272,9 @@ export class Connection {
   onRole(session, message) {
     if (session !== this.session) return;
     if (session.controller) {
+      // The session's resume ticket is ours now (the old controller's is void): a drop picks the world up.
+      if (message.resume && message.resume.token) this.ticket = message.resume.token;
+      this.mode = { kind: 'play' };
       this.hooks.notice(SHARE_TEXT.gotControl);
       // Tell the server what is held now: the world goes on with this page's keys.
       session.sendInput({ controls: this.controls() });

@@ -166,8 +166,12 @@ export class Session {
   onRole(message) {
     this.role = message.role;
     if (this.controller) {
-      // Ids keep increasing for the session whoever sends them: start past what the last controller used.
-      raiseIdsPast(this.ids, this.lastTickId, this.debug.appliedEventIds);
+      // Ids keep increasing for the session whoever sends them: start past what the last controller used
+      // (the server's tick-id floor, `last_tick_id`, and the event ids its chunks showed applied).
+      const floor = Number.isInteger(message.last_tick_id) ? message.last_tick_id : -1;
+      const events = [...this.debug.appliedEventIds];
+      if (Number.isInteger(message.last_event_id)) events.push(message.last_event_id);
+      raiseIdsPast(this.ids, Math.max(this.lastTickId, floor), events);
     } else {
       this.ticksInFlight.clear();  // their chunks still come, to everyone; they no longer pace us
       this.rewind = null;
