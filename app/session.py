@@ -152,6 +152,12 @@ class Session:
         # The latest pending event values per field, with their arrival numbers (see the module docstring).
         self._staged_controls: Update | None = None
         self._staged_prompt: Update | None = None
+        # Formats (codec, quality) its viewers need encoded apart from its own frames (app/viewers.py): set on
+        # the event loop, replaced whole, read by the worker when a chunk is done.
+        self.viewer_formats: frozenset[tuple[str, int]] = frozenset()
+        # Event loop only: the index of the next chunk to reach the client, and chunks offered to viewers so far.
+        self.next_chunk_index = 0
+        self.chunks_out = 0
 
     # ---- state machine -----------------------------------------------------------
 
@@ -310,6 +316,7 @@ class Session:
         resumed._lock = threading.Lock()
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
+        resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
         resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
         return resumed
 

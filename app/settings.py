@@ -162,6 +162,10 @@ class Settings(BaseSettings):
         4, ge=1, description="sessions one client address may hold (trusted proxies' own address is exempt)"
     )
     max_sessions_per_token: int | None = Field(None, ge=1, description="sessions one auth token may hold; default: no cap")
+    max_viewers_per_session: int = Field(
+        64, ge=0, description="viewers one session may have (watch links; they hold no KV, and count in the "
+        "connection caps); 0: no watching"
+    )
     max_connections: int | None = Field(
         None, ge=1, description="open TCP connections in all; default: 1000, fewer if the open-file limit is lower"
     )

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
 
+import numpy as np
+
 from arstream.app.admission import RoundTimes
 from arstream.app.encoding import EncoderPool
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
@@ -48,6 +50,7 @@ from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 log = logging.getLogger("arstream.worker")
 
 COMPUTE_TIMES_KEPT = 4096
+VIEWERS_LANE_SUFFIX = "#viewers"  # the encoder lane of a session's viewers' formats (never a session id)
 _T = TypeVar("_T")
 
 
@@ -72,6 +75,12 @@ class TickOutcome:
     compute_s: float = 0.0
     encode_s: float = 0.0
     error: str = ""
+    # The format of frame_messages, and the chunk's pixels, kept only when its session's viewers need
+    # other formats (Session.viewer_formats).
+    codec: str = ""
+    quality: int = 0
+    frames: np.ndarray | None = None
+    rewind_points: tuple[int, int] | None = None  # boundaries a later rewind_to may name (None: rewind off)
 
     @property
     def applied_event_ids(self) -> list[int]:
@@ -313,6 +322,34 @@ class ModelWorker:
             self._cond.notify()
         return future
 
+    def encode_for_viewers(
+        self,
+        session_id: str,
+        frames: np.ndarray,
+        formats: frozenset[tuple[str, int]],
+        *,
+        chunk_index: int,
+        tick_id: int,
+        deliver: Callable[[dict[tuple[str, int], tuple[bytes, ...]]], None],
+    ) -> None:
+        """Encode a chunk once in each of ``formats`` (codec, quality) for the session's viewers; ``deliver``
+        gets them on the event loop. On a lane of their own: the session's next chunk never waits for them."""
+
+        def encode() -> None:
+            encoded: dict[tuple[str, int], tuple[bytes, ...]] = {}
+            for codec, quality in formats:
+                try:
+                    encoded[(codec, quality)] = tuple(
+                        self._encoders.encode_standalone(
+                            frames, codec=codec, quality=quality, chunk_index=chunk_index, tick_id=tick_id
+                        )
+                    )
+                except Exception:  # noqa: BLE001 - its viewers miss this chunk; the session goes on
+                    log.exception("session=%s chunk %d: encoding %s for viewers failed", session_id, chunk_index, codec)
+            self._handoff.call(lambda: deliver(encoded))
+
+        self._encoders.submit(session_id + VIEWERS_LANE_SUFFIX, encode)
+
     def compute_ms_percentiles(self) -> tuple[float | None, float | None]:
         with self._times_lock:
             times = list(self._compute_times)
@@ -516,8 +553,10 @@ class ModelWorker:
         session = job.session
         # Read now, on the worker: a resume may change the codec before the lane runs this.
         codec, quality = session.codec, session.quality
+        keep_frames = bool(session.viewer_formats)
         self._encoders.submit(
-            session.id, lambda: self._encode_and_deliver(job, inputs, result, restarted, queue_s, codec, quality)
+            session.id,
+            lambda: self._encode_and_deliver(job, inputs, result, restarted, queue_s, codec, quality, keep_frames),
         )
 
     def _encode_and_deliver(
@@ -529,6 +568,7 @@ class ModelWorker:
         queue_s: float,
         codec: str,
         quality: int,
+        keep_frames: bool = False,
     ) -> None:
         """Runs on an encoder thread, in the session's lane."""
         session = job.session
@@ -557,5 +597,8 @@ class ModelWorker:
             queue_s=queue_s,
             compute_s=result.compute_s,
             encode_s=time.perf_counter() - encode_started,
+            codec=codec,
+            quality=quality,
+            frames=result.frames if keep_frames else None,
         )
         self._handoff.call(lambda: self._deliver(chunk))
