@@ -140,6 +140,7 @@ def share_link(page: Any, which: str) -> str:
     page.click("#share")
     link = page.input_value(f"#share-{which}")
     assert link, f"no {which} link"
+    page.keyboard.press("Escape")  # out of the link's text field (Share selects it): the keys steer again
     return link
 
 
@@ -178,7 +179,8 @@ def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
         player.goto(sharing.base_url + "/")
         wait_frames_drawn(player, 2)
         link = share_link(player, "watch")
-        assert "?watch=r" in link and "token" not in link.split("?", 1)[1].replace("watch=", "")
+        token = debug(player)["shareToken"]
+        assert token and link == f"{sharing.base_url}/?watch={token}"
         assert badge(player) == "", "nobody watches yet"
 
         viewer = new_page(viewer_context, errors)
@@ -271,7 +273,10 @@ def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: 
         viewer.keyboard.up("w")
         assert debug(viewer)["sentTickIds"], "the new player asks for the chunks"
         assert len(debug(player)["sentTickIds"]) == ticks_before
-        assert debug(viewer)["errors"] == [] and debug(player)["errors"] == []
+        assert debug(viewer)["errors"] == [], "no stale ids: the new player's ticks start past the session's floor"
+        # A tick the old player sent while the pass crossed the wire is refused, not fatal: nothing else.
+        assert {error["code"] for error in debug(player)["errors"]} <= {"not_controller"}
+        assert debug(player)["state"] == "streaming"
     finally:
         player_context.close()
         viewer_context.close()
