@@ -720,17 +720,19 @@ def report(result: RunResult) -> str:
     chunk = result.chunk_latencies_s
     action = result.action_to_frame_s
     fps = len(result.frames) / result.streaming_s if result.streaming_s > 0 else math.nan
-    return "\n".join(
-        [
-            f"time to first frame: {format_ms(result.time_to_first_frame_s)} (connect -> first frame)",
+    lines = [f"time to first frame: {format_ms(result.time_to_first_frame_s)} (connect -> first frame)"]
+    if result.ready.get("role") != "viewer":  # a viewer sends no ticks or inputs: it has no latency of its own
+        lines += [
             f"chunk latency (tick sent -> chunk message, n={len(chunk)}): p50 {format_ms(percentile(chunk, 50))}, "
             f"p90 {format_ms(percentile(chunk, 90))}, p99 {format_ms(percentile(chunk, 99))}",
             f"action-to-frame (input sent -> first frame of the chunk that applied it, n={len(action)}): "
             f"p50 {format_ms(percentile(action, 50))}, p99 {format_ms(percentile(action, 99))}",
-            f"frames/s: {fps:.1f} ({len(result.frames)} frames in {result.streaming_s:.2f} s; "
-            f"model plays at {result.model['fps']} fps)",
         ]
+    lines.append(
+        f"frames/s: {fps:.1f} ({len(result.frames)} frames in {result.streaming_s:.2f} s; "
+        f"model plays at {result.model['fps']} fps)"
     )
+    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
