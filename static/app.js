@@ -312,6 +312,8 @@ function fit() {
   const top = box.getBoundingClientRect().top + window.scrollY;
   // Room under the player for the controls, and for the pad when it sits below on a touch screen.
   let below = $('controls-bar').offsetHeight + 28;
+  // The rewind timeline and the pass-control row, while shown, sit under the controls too.
+  for (const row of [$('timeline'), $('pass-box')]) if (row.offsetHeight) below += row.offsetHeight + 10;
   if (stacked && coarse) below += $('pad').offsetHeight + 20;
   const height = window.innerHeight - top - below;
   player.fit(width, Math.max(height, stacked ? width * 0.6 : 240));
@@ -412,7 +414,10 @@ let scrubbing = false;   // a finger or the mouse is on the timeline: chunks mus
 function showTimeline(points) {
   debug.rewindPoints = points;
   timeline = timelineRange(points);
-  $('timeline').hidden = timeline === null;
+  if ($('timeline').hidden !== (timeline === null)) {
+    $('timeline').hidden = timeline === null;
+    fit();  // the player makes room for it, or takes the room back
+  }
   if (!timeline || scrubbing) return;
   const slider = $('rewind');
   slider.min = String(timeline.min);
@@ -447,7 +452,10 @@ function showViewers() {
     select.dataset.ids = JSON.stringify(ids);
     select.replaceChildren(...ids.map((id, index) => new Option(`viewer ${index + 1} (${id})`, id)));
   }
-  $('pass-box').hidden = ids.length === 0;
+  if ($('pass-box').hidden !== (ids.length === 0)) {
+    $('pass-box').hidden = ids.length === 0;
+    fit();
+  }
 }
 
 $('pass').addEventListener('click', () => {
