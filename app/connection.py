@@ -157,6 +157,7 @@ class Connection:
                         resumed=opened.resumed,
                         max_start_image_bytes=upload_limit,
                         share=self.hub.shares.token(session.id),
+                        rewind_points=self.hub.rewind_points,
                         branched_from=opened.branched_from,
                     )
                 ),
@@ -454,12 +455,19 @@ class Connection:
             return  # closing (its queued ticks were dropped), or a tick of the connection this one resumed
         job = outcome.job
         if outcome.kind is OutcomeKind.CHUNK:
+            if outcome.restarted == "rewind":
+                self.metrics.rewinds.inc()
             self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
             self.metrics.queue_wait_seconds.observe(outcome.queue_s)
             session.next_chunk_index = outcome.chunk_index + 1
             self.outbox.push(QueuedChunk(outcome))
             self._check_send_backlog()
             self._hold_for_viewers(session, outcome)
+        elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
+            self.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
+            detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
+            message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
+            self.outbox.push(QueuedText(dumps(message), returns_credit=True))
         elif outcome.kind is OutcomeKind.INTERNAL:
             log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
             self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
