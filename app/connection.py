@@ -70,6 +70,8 @@ ROLE_CONTROLLER = "controller"
 ROLE_VIEWER = "viewer"
 # A controller's chunks being encoded in its viewers' other formats at once; past it, those viewers skip one.
 VIEWER_ENCODES_IN_FLIGHT = 2
+# How long a chunk waits for the controller's next tick before it goes to the viewers anyway (_hold_for_viewers).
+VIEWER_HOLD_S = 0.02
 
 
 class Connection:
@@ -105,6 +107,9 @@ class Connection:
         self._watch_ended = False  # a viewer whose session ended (or who closed): its close is queued
         self._last_chunk_seq = -1  # a viewer's last chunk offered (Session.chunks_out): never an older one after it
         self._viewer_encodes = 0  # a controller's chunks being encoded for its viewers' formats
+        # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
+        self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
+        self._viewer_timer: asyncio.TimerHandle | None = None
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -152,6 +157,7 @@ class Connection:
                         resumed=opened.resumed,
                         max_start_image_bytes=upload_limit,
                         share=self.hub.shares.token(session.id),
+                        rewind_points=self.hub.rewind_points,
                         branched_from=opened.branched_from,
                     )
                 ),
@@ -356,6 +362,7 @@ class Connection:
                 assert self.hub.worker is not None
                 self.hub.worker.submit(job)
                 self._in_worker.add(job.tick_id)
+                self._offer_held()  # the forward runs now: the viewers' writes go beside it
                 self._idle_since = asyncio.get_running_loop().time()  # accepted work: not idle
             elif isinstance(parsed, InputMessage):
                 self._validate_controls(parsed.controls, tick_id=None)
@@ -396,6 +403,7 @@ class Connection:
             raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
         if self.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
+        self._offer_held()  # chunks before the pass go to the viewers as they were
         # Its queued ticks were this client's: they do not run for the next one (their controls are kept).
         assert self.hub.worker is not None
         for job in self.hub.worker.drop_ticks(session.id):
@@ -447,12 +455,19 @@ class Connection:
             return  # closing (its queued ticks were dropped), or a tick of the connection this one resumed
         job = outcome.job
         if outcome.kind is OutcomeKind.CHUNK:
+            if outcome.restarted == "rewind":
+                self.metrics.rewinds.inc()
             self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
             self.metrics.queue_wait_seconds.observe(outcome.queue_s)
             session.next_chunk_index = outcome.chunk_index + 1
             self.outbox.push(QueuedChunk(outcome))
             self._check_send_backlog()
-            self._fan_out(session, outcome)
+            self._hold_for_viewers(session, outcome)
+        elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
+            self.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
+            detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
+            message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
+            self.outbox.push(QueuedText(dumps(message), returns_credit=True))
         elif outcome.kind is OutcomeKind.INTERNAL:
             log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
             self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
@@ -471,6 +486,28 @@ class Connection:
         if job.close:
             log.info("session=%s closing after tick %d (close: true)", self.session_id, job.tick_id)
             self._close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
+
+    def _hold_for_viewers(self, session: Session, outcome: TickOutcome) -> None:
+        """Offer the chunk to the viewers once the controller has sent its next tick (or VIEWER_HOLD_S later).
+
+        Writing a chunk to dozens of viewers takes the event loop a while; done right after the controller's
+        own chunk, it would hold up the controller's next tick, which arrives a round trip later. Done when that
+        tick is on its way to the worker, it runs beside the forward instead.
+        """
+        if not self.hub.shares.viewers(session.id):
+            return
+        self._held_for_viewers.append((session, outcome))
+        if self._viewer_timer is None:
+            self._viewer_timer = asyncio.get_running_loop().call_later(VIEWER_HOLD_S, self._offer_held)
+
+    def _offer_held(self) -> None:
+        """Offer the chunks held for the viewers now."""
+        if self._viewer_timer is not None:
+            self._viewer_timer.cancel()
+            self._viewer_timer = None
+        held, self._held_for_viewers = self._held_for_viewers, []
+        for session, outcome in held:
+            self._fan_out(session, outcome)
 
     def _fan_out(self, session: Session, outcome: TickOutcome) -> None:
         """Offer a chunk to the session's viewers: the controller's own frames where they can share them,
@@ -519,6 +556,7 @@ class Connection:
         session = self.session
         if session is None or not session.live:
             return
+        self._offer_held()  # the viewers get the chunks the controller got, then their close
         session.transition(SessionState.CLOSING)
         self.hub.closing.add(self)
         self.outbox.push(QueuedClose(code, reason))
@@ -645,7 +683,7 @@ class Connection:
 
     async def _send_viewer_chunk(self, chunk: ViewerChunk) -> None:
         skipped, self.outbox.chunks_skipped = self.outbox.chunks_skipped, 0
-        await self.ws.send_text(dumps({**chunk.header, "skipped_before": skipped}))
+        await self.ws.send_text(dumps({**chunk.header, "skipped_before": skipped}) if skipped else chunk.text)
         for frame in chunk.frames:
             await self.ws.send_bytes(frame)
             self.metrics.frames_sent.inc()

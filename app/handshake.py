@@ -34,7 +34,8 @@ from arstream.app.resume import ResumableConnection, Resumed, ResumeRefused, tok
 from arstream.app.session import Session, SessionState
 from arstream.app.start_image import StartImageRefused
 from arstream.app.viewers import ShareRefused
-from arstream.runner.types import StartImage
+from arstream.runner.pool import PoolExhausted
+from arstream.runner.types import RewindUnavailable, StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
@@ -121,6 +122,8 @@ class Handshake:
         """
         if start.watch is not None:
             return await self._watch(start)
+        if start.branch is not None:
+            return await self._branch(start)
         resume_token = start.resume or self.ws.query_params.get("resume")
         if resume_token is not None:
             resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
@@ -180,6 +183,50 @@ class Handshake:
             return None
         session_id = await self._shared_session(start.watch)
         return None if session_id is None else Watching(session_id, self._default_format(start))
+
+    async def _branch(self, start: StartMessage) -> Opened | None:
+        """A new session from another's chunk boundary (PROTOCOL.md, "Rewind, branch and watch")."""
+        assert start.branch is not None
+        boundary = start.branch.chunk
+        source_id = await self._shared_session(start.branch.share)
+        if source_id is None:
+            return None
+        source = self.hub.live_or_detached_session(source_id)
+        if source is None:
+            await self.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
+            return None
+        if not await self._admitted(claim=False):
+            return None
+        worker = self.hub.worker
+        assert worker is not None
+        new_id = self.connection.session_id
+        try:
+            await worker.branch_session(source_id, boundary, new_id)
+        except RewindUnavailable as exc:
+            log.info("session=%s branch from chunk %d refused: %s", new_id, boundary, exc)
+            await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from chunk {boundary}: {exc}")
+            return None
+        except PoolExhausted as exc:
+            await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
+            return None
+        # Admitted after the branch (it awaits the worker), with no await before the session is registered.
+        if not await self._admitted(claim=True):
+            worker.drop_session(new_id)
+            return None
+        self.metrics.branches.inc()
+        codec, quality = self._default_format(start)
+        session = Session(
+            new_id,
+            codec=codec,
+            quality=quality,
+            seed=source.seed,
+            prompt=start.prompt if start.prompt is not None else source.prompt,
+            max_pending_ticks=self.settings.max_pending_ticks,
+            start_image=source.start_image,
+        )
+        session.transition(SessionState.ACTIVE)
+        log.info("session=%s branched from %s at chunk %d", new_id, source_id, boundary)
+        return Opened(session, boundary, False, branched_from=boundary)
 
     async def _admitted(self, *, claim: bool) -> bool:
         """Whether a new session may start now; False after refusing with over_capacity.

@@ -155,6 +155,7 @@ class SessionHub:
             kv_budget_bytes=settings.resolved_kv_budget_bytes(),
             memory_fraction=settings.memory_fraction,
             max_batch_sessions=settings.resolved_max_batch_sessions(),
+            rewind_points=settings.rewind_points,
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
@@ -210,6 +211,20 @@ class SessionHub:
             await asyncio.to_thread(self.worker.stop, WORKER_STOP_TIMEOUT_S)
 
     # ---- sessions --------------------------------------------------------------------
+
+    @property
+    def rewind_points(self) -> int:
+        """Chunk boundaries each session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
+        keeps none (vllm-omni, a model without rewind)."""
+        runner = self.worker.runner if self.worker else None
+        return int(getattr(runner, "rewind_keep", 0))
+
+    def live_or_detached_session(self, session_id: str) -> Session | None:
+        """The protocol state of a session this replica holds (connected or detached), or None."""
+        connection = self.connections.get(session_id)
+        if connection is not None:
+            return connection.session
+        return self.resume.detached_session(session_id)
 
     @property
     def start_message_bytes(self) -> int:

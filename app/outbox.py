@@ -47,9 +47,13 @@ class QueuedChunk:
 
 @dataclass(frozen=True)
 class ViewerChunk:
-    """A chunk for a viewer: ``header`` (the `chunk` message without ``skipped_before``) and shared frames."""
+    """A chunk for a viewer: its `chunk` message and frames, both shared by every viewer it goes to.
+
+    ``text`` is the message with ``skipped_before`` 0 (what most viewers get), ``header`` the same as a dict
+    for a viewer that skipped some."""
 
     header: dict[str, object]
+    text: str
     frames: tuple[bytes, ...]
     seq: int  # the session's chunks offered to viewers so far (a viewer never takes an older one after a newer)
 

@@ -141,6 +141,11 @@ class ResumeRegistry:
         """Sessions being resumed (claimed, not yet attached), by id, with the connection resuming each."""
         return self._resuming
 
+    def detached_session(self, session_id: str) -> Session | None:
+        """The protocol state of a detached session, or None when it is not detached."""
+        entry = self._entries.get(session_id) if session_id in self._detached else None
+        return entry.session if entry is not None else None
+
     def detached(self) -> list[DetachedSession]:
         """The detached sessions, longest-detached first."""
         entries = ((session_id, self._entries[session_id]) for session_id in self._detached)

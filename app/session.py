@@ -111,6 +111,7 @@ class TickJob:
     reset: bool
     close: bool
     accepted_at: float = field(default_factory=time.perf_counter)
+    rewind_to: int | None = None  # go back to this chunk boundary before the chunk (PROTOCOL.md, "Rewind ...")
 
 
 class Session:
@@ -176,6 +177,12 @@ class Session:
     def live(self) -> bool:
         return self.state in LIVE_STATES
 
+    @property
+    def prompt(self) -> str | None:
+        """The prompt the session's chunks use now (a branch from it starts with it)."""
+        with self._lock:
+            return self._prompt
+
     # ---- messages (event loop) ----------------------------------------------------
 
     def _next_update(self, controls: dict[str, Any] | None, prompt: str | None) -> Update:
@@ -220,7 +227,8 @@ class Session:
             self.transition(SessionState.ACTIVE)
         if message.close:
             self.transition(SessionState.DRAINING)
-        return TickJob(self, tick_id, self._next_update(message.controls, message.prompt), message.reset, message.close)
+        update = self._next_update(message.controls, message.prompt)
+        return TickJob(self, tick_id, update, message.reset, message.close, rewind_to=message.rewind_to)
 
     def accept_event(self, message: InputMessage) -> bool:
         """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again)."""
@@ -383,10 +391,12 @@ class Session:
         return session
 
 
-def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool) -> str | None:
+def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool, rewound: bool = False) -> str | None:
     """The chunk's ``restarted`` field (PROTOCOL.md, `chunk`)."""
     if reset:
         return "reset"
+    if rewound:
+        return "rewind"
     if new_rollout and produced_before:
         return "evicted"
     return None

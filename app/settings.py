@@ -71,6 +71,14 @@ class Settings(BaseSettings):
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
+    rewind_points: int = Field(
+        8,
+        ge=0,
+        le=1024,
+        description="chunk boundaries each session keeps to rewind to or branch from (the last K chunks; shared KV "
+        "blocks plus a copy of the model's per-session state each, counted in capacity); 0 turns rewind off "
+        "(docs/rewind.md)",
+    )
     runtime: RuntimeName = Field(
         "arstream",
         description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "

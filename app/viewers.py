@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from arstream.app import wire
 from arstream.app.outbox import ViewerChunk
-from arstream.app.protocol import CloseReason, excerpt
+from arstream.app.protocol import CloseReason, dumps, excerpt
 from arstream.app.resume import TOKEN_RANDOM_BYTES, token_hint
 
 log = logging.getLogger("arstream.viewers")
@@ -176,10 +176,11 @@ class ShareRegistry:
         self, session_id: str, header: dict[str, Any], seq: int, encoded: Mapping[Format, tuple[bytes, ...]]
     ) -> None:
         """Offer chunk number ``seq`` to every viewer whose format is in ``encoded``."""
+        text = dumps({**header, "skipped_before": 0})
         for viewer in list(self.viewers(session_id).values()):
             frames = encoded.get(viewer.watch_format)
             if frames is not None:
-                viewer.offer_chunk(ViewerChunk(header, frames, seq))
+                viewer.offer_chunk(ViewerChunk(header, text, frames, seq))
 
     def skip(self, session_id: str, formats: frozenset[Format]) -> None:
         """A chunk was not encoded in ``formats``: their viewers count it as skipped."""

@@ -45,7 +45,7 @@ from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
 from arstream.runner.runner import ARRunner, RunnerStats
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest
+from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
 
@@ -57,6 +57,7 @@ _T = TypeVar("_T")
 class OutcomeKind(Enum):
     CHUNK = "chunk"
     MODEL_FAILED = "model_failed"  # this tick's forward raised; the runner released the session
+    REWIND_UNAVAILABLE = "rewind_unavailable"  # its rewind_to names a boundary not held: nothing ran
     SKIPPED_FAILED = "skipped_failed"  # queued behind a failed tick and not a reset: not run
     INTERNAL = "internal"  # a server fault after the forward (e.g. encoding)
 
@@ -288,6 +289,18 @@ class ModelWorker:
 
         return self._control(adopt, lane=None)
 
+    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> asyncio.Future[None]:
+        """Resolves once ``new_session_id`` is resident, continuing from ``source_id``'s chunk boundary
+        ``boundary``; :class:`RewindUnavailable` when the boundary is not held, the runtime's capacity error
+        when there is no room."""
+
+        def branch(runner: ARRunner) -> None:
+            runner.branch_session(source_id, boundary, new_session_id)
+            self._produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
+            self._encoders.restart_stream(new_session_id)
+
+        return self._control(branch, lane=None)
+
     def _control(self, function: Callable[[ARRunner], _T], *, lane: str | None) -> asyncio.Future[_T]:
         """Run ``function(runner)`` on the worker at the next chunk boundary; its result or error resolves the future."""
         future: asyncio.Future[_T] = self._loop.create_future()
@@ -503,6 +516,7 @@ class ModelWorker:
                 close=job.close,
                 applied_event_ids=inputs.applied_event_ids,
                 start_image=session.start_image,
+                rewind_to=job.rewind_to,
             )
             runnable.append((job, inputs, tick))
         if not runnable:
@@ -524,6 +538,12 @@ class ModelWorker:
         self._publish_stats()
         for (job, inputs, _tick), result in zip(runnable, results):
             queue_s = started - job.accepted_at
+            if isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable):
+                # Nothing ran and the session is as it was: only this tick is refused.
+                job.session.restore_events(inputs.events)
+                refused = TickOutcome(job, OutcomeKind.REWIND_UNAVAILABLE, queue_s=queue_s, error=str(result.error))
+                self._send(refused)
+                continue
             if isinstance(result, TickFailure):
                 self._model_failed(job, inputs, result, queue_s)
                 continue
@@ -532,7 +552,10 @@ class ModelWorker:
             with self._times_lock:
                 self._compute_times.append(result.compute_s)
             restarted = restart_reason(
-                reset=job.reset, new_rollout=result.new_rollout, produced_before=produced_before[job.session.id]
+                reset=job.reset,
+                new_rollout=result.new_rollout,
+                produced_before=produced_before[job.session.id],
+                rewound=result.restarted == "rewind",
             )
             self._encode_and_send(job, inputs, result, restarted, queue_s)
 
@@ -600,5 +623,6 @@ class ModelWorker:
             codec=codec,
             quality=quality,
             frames=result.frames if keep_frames else None,
+            rewind_points=result.rewind_points,
         )
         self._handoff.call(lambda: self._deliver(chunk))

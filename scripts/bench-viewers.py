@@ -3,8 +3,8 @@
 The player ticks, waits for its chunk's last frame, and ticks again, for
 ``--seconds``: first alone, then while ``--viewers`` connections watch its
 session (``start.watch`` with its share token) and read everything they are
-sent. The viewers run in another process, so their reading does not take the
-player's interpreter. Also printed: the server's CPU seconds per second
+sent. The viewers run in another process at nice 19, so their reading takes
+neither the player's interpreter nor, where cores are short, the server's. Also printed: the server's CPU seconds per second
 (utime + stime from /proc) alone and with the viewers, and from the
 difference, spectators per core (how many viewers one core of server time
 serves at this chunk rate). ``--viewer-codec`` other than the player's makes
@@ -51,7 +51,9 @@ def player_latencies(ws: Any, seconds: float, first_tick: int) -> tuple[list[flo
 
 
 def watchers(url: str, token: str, count: int, codec: str, joined: Any, stop: Any, chunks: Any) -> None:
-    """``count`` viewers reading everything until ``stop`` (in their own process)."""
+    """``count`` viewers reading everything until ``stop`` (in their own process, at the lowest CPU priority:
+    they stand for clients on other machines, and on a small box they would otherwise take the server's cores)."""
+    os.nice(19)
 
     async def one() -> None:
         async with async_connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as ws:

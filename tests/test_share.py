@@ -19,6 +19,15 @@ import pytest
 from websockets.asyncio.client import connect
 
 from arstream.app.outbox import VIEWER_CHUNK_BACKLOG
+from arstream.app.protocol import (
+    ErrorCode,
+    PassControlMessage,
+    ProtocolError,
+    StartMessage,
+    TickMessage,
+    parse_client_message,
+)
+from arstream.app.video import FrameDecoder
 from arstream.app.wire import decode_frame
 from servers import LiveServer, SessionClient, fake_settings, running_server, session_client, wait_until
 
@@ -270,5 +279,60 @@ def test_metrics_count_viewers(server: LiveServer) -> None:
                 metrics = server.get("/metrics").text
                 assert "arstream_viewers 1.0" in metrics
         await asyncio.to_thread(wait_until, lambda: "arstream_viewers 0.0" in server.get("/metrics").text)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"type": "start", "watch": "r0.a", "resume": "r0.b"}', "at most one of resume, watch and branch"),
+        ('{"type": "start", "watch": "r0.a", "branch": {"share": "r0.a", "chunk": 1}}', "at most one"),
+        ('{"type": "start", "branch": {"share": "r0.a"}}', "branch.chunk"),
+        ('{"type": "start", "branch": {"share": "r0.a", "chunk": -1}}', "branch.chunk"),
+        ('{"type": "start", "watch": ""}', "watch"),
+        ('{"type": "tick", "tick_id": 1, "rewind_to": -2}', "rewind_to"),
+        ('{"type": "tick", "tick_id": 1, "rewind_to": true}', "rewind_to"),
+        ('{"type": "pass_control"}', "to"),
+        ('{"type": "pass_control", "to": 7}', "to"),
+    ],
+)
+def test_the_new_fields_are_checked(text: str, why: str) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        parse_client_message(text)
+    assert refused.value.code is ErrorCode.INVALID_MESSAGE and why in refused.value.message
+
+
+def test_the_new_messages_parse() -> None:
+    tick = parse_client_message('{"type": "tick", "tick_id": 3, "rewind_to": 2}')
+    assert isinstance(tick, TickMessage) and tick.rewind_to == 2
+    passed = parse_client_message('{"type": "pass_control", "to": "v1a2b"}')
+    assert isinstance(passed, PassControlMessage) and passed.to == "v1a2b"
+    start = parse_client_message('{"type": "start", "branch": {"share": "r0.x", "chunk": 4}}')
+    assert isinstance(start, StartMessage) and start.branch is not None and start.branch.chunk == 4
+
+
+def test_viewers_end_with_the_players_dropped_connection_and_an_h264_viewer_decodes_every_chunk_alone(
+    server: LiveServer,
+) -> None:
+    """An H.264 viewer's chunks each start a stream (a keyframe first): a fresh decoder takes any of them."""
+
+    async def scenario() -> None:
+        async with session_client(server.ws_url, start={"seed": SEED, "codec": "raw"}) as player:
+            token = player.ready["share"]["token"]  # type: ignore[index]
+            async with session_client(share_url(server, token), start={"watch": token, "codec": "h264"}) as viewer:
+                for tick_id in range(1, 4):
+                    _, frames = await tick(player, tick_id)
+                    header = await next_of(viewer, "chunk")
+                    decoder = FrameDecoder()
+                    for index in range(header["frames"]):
+                        message = await viewer.recv()
+                        assert isinstance(message, bytes)
+                        frame_header, pixels = decoder.decode_frame(message)
+                        assert frame_header.keyframe == (index == 0)
+                        assert np.abs(pixels.astype(int) - frames[index]).mean() < 8
+                player.abort()
+                closed = await viewer.closed_by_server()
+                assert {"type": "closed", "reason": "session_ended"} in closed.messages
 
     run(scenario())

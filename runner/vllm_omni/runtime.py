@@ -34,7 +34,7 @@ import torch
 
 from arstream.runner.contract import ARPipeline, SupportsWarmup
 from arstream.runner.runner import CHUNK_TIMES_KEPT, WARMUP_SESSION_ID, RunnerStats, UnsupportedConfiguration
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest, TickResult
 from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations
 
 with ignoring_their_deprecations():  # importing vLLM (about 10 s, 0.9 GB) warns about its own use of torch
@@ -46,6 +46,11 @@ with ignoring_their_deprecations():  # importing vLLM (about 10 s, 0.9 GB) warns
     from arstream.runner.vllm_omni.pipeline import adapter_class, to_omni_request
 
 log = logging.getLogger("arstream.runner.vllm_omni")
+
+REWIND_REFUSAL = (
+    "the vllm-omni runtime cannot rewind or branch a session: vLLM-Omni's block pool has no shared "
+    "(reference-counted) blocks to keep chunk boundaries in; serve with --runtime arstream for rewind and branch"
+)
 
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # ARStream's default, so one setting means the same on both runtimes
 
@@ -179,6 +184,12 @@ class VllmOmniRunner:
     def close_session(self, session_id: str) -> None:
         self.model_runner.close_session(session_id)
 
+    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
+        return None
+
+    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+        raise RewindUnavailable(REWIND_REFUSAL)
+
     # ---- execution ----------------------------------------------------------------
 
     def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
@@ -193,6 +204,8 @@ class VllmOmniRunner:
 
     def execute_tick(self, tick: TickRequest) -> ChunkResult:
         """Run one tick through ``execute_model``; raises what vLLM-Omni raises (its session then released)."""
+        if tick.rewind_to is not None:  # before anything changes: the session stays as it is
+            raise RewindUnavailable(REWIND_REFUSAL)
         before = self.resident_sessions()
         fresh = tick.reset or self.frames_committed(tick.session_id) == 0
         chunk_index = 0 if fresh else self.next_chunk_index(tick.session_id)
