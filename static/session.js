@@ -169,9 +169,7 @@ export class Session {
       // Ids keep increasing for the session whoever sends them: start past what the last controller used
       // (the server's tick-id floor, `last_tick_id`, and the event ids its chunks showed applied).
       const floor = Number.isInteger(message.last_tick_id) ? message.last_tick_id : -1;
-      const events = [...this.debug.appliedEventIds];
-      if (Number.isInteger(message.last_event_id)) events.push(message.last_event_id);
-      raiseIdsPast(this.ids, Math.max(this.lastTickId, floor), events);
+      raiseIdsPast(this.ids, Math.max(this.lastTickId, floor), this.debug.appliedEventIds);
     } else {
       this.ticksInFlight.clear();  // their chunks still come, to everyone; they no longer pace us
       this.rewind = null;
