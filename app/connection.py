@@ -223,7 +223,7 @@ class Connection:
 
     def end_watching(self, reason: CloseReason) -> None:
         if self.role == ROLE_VIEWER:
-            self._close(CLOSE_NORMAL, reason)
+            self._close(CLOSE_GOING_AWAY if reason is CloseReason.SERVER_SHUTDOWN else CLOSE_NORMAL, reason)
 
     def _audience_changed(self, session: Session) -> None:
         """Viewers came or went, or control passed: say so to everyone, and re-plan the viewers' formats."""

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from arstream.app.outbox import VIEWER_CHUNK_BACKLOG
 from arstream.app.protocol import (
@@ -336,3 +337,25 @@ def test_viewers_end_with_the_players_dropped_connection_and_an_h264_viewer_deco
                 assert {"type": "closed", "reason": "session_ended"} in closed.messages
 
     run(scenario())
+
+
+def test_viewers_hear_server_shutdown_and_count_in_the_connection_caps() -> None:
+    with running_server(fake_settings(replica_id="r0", max_connections_per_client=3, forwarded_allow_ips="")) as live:
+
+        async def scenario() -> list[Any]:
+            async with session_client(live.ws_url, start={"seed": SEED}) as player:
+                token = player.ready["share"]["token"]  # type: ignore[index]
+                url = share_url(live, token)
+                async with session_client(url, start={"watch": token}) as viewer, \
+                        session_client(url, start={"watch": token}):
+                    # a fourth connection from this address is one too many, viewers included
+                    with pytest.raises((ConnectionClosed, InvalidHandshake, OSError)):
+                        async with session_client(url, start={"watch": token}):
+                            pass
+                    assert live.server is not None
+                    live.server.should_exit = True  # what SIGINT/SIGTERM do
+                    return [await viewer.closed_by_server(), await player.closed_by_server()]
+
+        watched, played = run(scenario())
+    assert watched.messages[-1] == {"type": "closed", "reason": "server_shutdown"} and watched.code == 1001
+    assert played.messages[-1] == {"type": "closed", "reason": "server_shutdown"} and played.code == 1001
