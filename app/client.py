@@ -195,6 +195,10 @@ class SessionMoved(SessionClosed):
         super().__init__(f"the session moved to replica {self.resume_token.partition('.')[0]!r}")
 
 
+class ControlPassed(RuntimeError):
+    """A viewer was handed the controls (``role``): from now on its chunks come only for ticks it sends."""
+
+
 @dataclass(frozen=True)
 class ResumeGap:
     """What a drop and resume cost: time without a connection, and chunks that ran but never arrived."""
@@ -270,6 +274,7 @@ class SessionClient:
         self.role = "controller"  # ready.role, then `role` messages: a viewer sends no ticks
         self.viewers: dict[str, Any] = {"count": 0}  # the last `viewers` message
         self.skipped_chunks = 0  # chunks the server skipped for this viewer (chunk.skipped_before)
+        self.inherited_ticks_up_to = -1  # given control: chunks of ticks up to this id were the last controller's
 
     @property
     def model(self) -> dict[str, Any]:
@@ -370,7 +375,7 @@ class SessionClient:
         if message["type"] != "chunk":
             raise wire.WireError(f"expected 'chunk', got {message['type']!r}")
         tick_id = int(message["tick_id"])
-        if self.role == "viewer":
+        if self.role == "viewer" or tick_id <= self.inherited_ticks_up_to:
             # The controller's tick: a viewer sent none, so it has no latency to measure.
             sent_at = self.tick_sent_at.pop(tick_id, math.nan)
             self.skipped_chunks += int(message.get("skipped_before") or 0)
@@ -423,6 +428,14 @@ class SessionClient:
             if sent_at is not None:
                 self.action_to_frame_s.append(chunk.first_frame_at - sent_at)
 
+    def _take_role(self, message: dict[str, Any]) -> None:
+        """``role``: control passed to us (our tick ids start past the session's ``last_tick_id``) or away."""
+        self.role = str(message["role"])
+        floor = message.get("last_tick_id")
+        if self.role == "controller" and isinstance(floor, int):
+            self.next_tick_id = max(self.next_tick_id, floor + 1)
+            self.inherited_ticks_up_to = floor
+
     async def _send(self, text: str) -> None:
         try:
             await self.ws.send(text)
@@ -462,7 +475,9 @@ class SessionClient:
                 self.viewers = message
                 continue
             if kind == "role":
-                self.role = str(message["role"])
+                self._take_role(message)
+                if self.role == "controller":
+                    raise ControlPassed("the player passed control to this client")
                 continue
             if kind == "error":
                 raise ServerError(message)
@@ -627,7 +642,8 @@ async def run_watch(
     """Watch a shared session as a viewer: save the frames of its next ``chunks`` chunks (fewer if it ends).
 
     A viewer sends no ticks: the chunks come as the player asks for them. A viewer that reads
-    too slowly has whole chunks skipped (``skipped_before``), counted in the result.
+    too slowly has whole chunks skipped (``skipped_before``), counted in the result. Handed the
+    controls (``role``), it asks for the rest of its chunks itself, holding no keys.
     """
     connect_started = time.perf_counter()
     session = SessionClient(await connect(share_session_url(url, token=token, share=share)))
@@ -639,8 +655,14 @@ async def run_watch(
         watching_started = time.perf_counter()
         closed_reason = ""
         while len(chunk_indexes) < chunks:
+            if session.role == "controller" and session.ticks_in_flight == 0:
+                # The player passed control to this client: the chunks come only if it asks for them.
+                await session.send_tick()
             try:
                 chunk = await session.receive_chunk()
+            except ControlPassed as passed:
+                print(f"{passed}: it asks for the rest of its chunks itself, holding no keys", flush=True)
+                continue
             except SessionClosed as ended:  # the watched session ended (closed: session_ended)
                 closed_reason = str(ended)
                 break

@@ -339,3 +339,38 @@ def test_a_share_token_the_server_cannot_honour(
     argv = ["--branch", "r0.no-such-session", "--chunk", "0", "--keys", "-*2"]
     assert client.main([server.base_url, *argv, "--out", str(tmp_path / "b")]) == 1
     assert "share_failed" in capsys.readouterr().err
+
+
+async def watch_then_take_control(url: str, out: Path) -> tuple[int, list[int]]:
+    """A player; a ``--watch`` client; once it watches, the player passes it the controls and watches."""
+    player = client.SessionClient(await client.connect(wire.session_url(url)))
+    try:
+        await player.start(codec="raw")
+        token = player.share_token
+        assert token
+        argv = [url, "--watch", token, "--chunks", "6", "--codec", "raw", "--out", str(out)]
+        watching = asyncio.create_task(asyncio.to_thread(client.main, argv))
+        while not player.viewers.get("ids"):  # tick until the viewer shows in a viewers message
+            await player.send_tick()
+            await player.receive_chunk()
+        await player.pass_control(player.viewers["ids"][0])
+        seen: list[int] = []
+        while not watching.done():  # now a viewer itself: it gets the chunks the new controller asks for
+            try:
+                seen.append(int((await player.receive_chunk()).message["chunk_index"]))
+            except client.SessionClosed:
+                break
+        return await watching, seen
+    finally:
+        await player.ws.close()
+
+
+def test_a_watching_client_handed_the_controls_asks_for_its_chunks(
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, seen = asyncio.run(watch_then_take_control(server.base_url, tmp_path))
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert "passed control to this client" in output
+    assert len(saved_frames(tmp_path)) == 6 * 2, "all six chunks came, most of them asked for by the watcher"
+    assert seen, "the old player, a viewer now, saw the chunks the new controller asked for"
