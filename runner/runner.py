@@ -390,7 +390,7 @@ class ARRunner:
             raise
 
     def _before_forward(self, tick: TickRequest) -> None:
-        """A tick's ``rewind_to`` is checked first (nothing changes if it is refused), then its reset, then its rewind."""
+        """Check ``rewind_to`` first (a refusal changes nothing), then reset, then rewind."""
         if tick.rewind_to is not None:
             self._check_rewind(tick)
         if tick.reset:
