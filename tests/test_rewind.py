@@ -21,7 +21,7 @@ import torch
 from arstream.models.fake import FakeKVPipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
-from arstream.runner.contract import ARPipeline
+from arstream.runner.contract import ARPipeline, ModelState
 from arstream.runner.pool import plan_pool, session_frames
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
@@ -279,3 +279,30 @@ def test_a_moved_session_arrives_without_boundaries_and_keeps_new_ones_there() -
     assert np.array_equal(back.frames, reference[4])
     target.close_session("s")
     _assert_at_baseline(target)
+
+
+class FailingImportFakePipeline(FakeKVPipeline):
+    """Test fake: ``import_session_state`` raises while ``fail_import`` is set."""
+
+    fail_import = False
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        if self.fail_import:
+            raise RuntimeError("import failed on purpose")
+        super().import_session_state(session_id, state)
+
+
+def test_a_rewind_or_branch_whose_model_state_will_not_go_back_fails_closed() -> None:
+    pipeline = FailingImportFakePipeline()
+    runner = runner_for_sessions(pipeline, 3, rewind_points=K)
+    for i in range(4):
+        runner.execute_tick(tick("s", i))
+    pipeline.fail_import = True
+    with pytest.raises(RuntimeError, match="on purpose"):
+        runner.branch_session("s", 2, "b")
+    assert not runner.is_resident("b") and runner.next_chunk_index("s") == 4  # the source is untouched
+    _assert_references_match_the_pool(runner)
+    (result,) = runner.execute([tick("s", 4, rewind_to=2)])
+    assert isinstance(result, TickFailure) and not isinstance(result.error, RewindUnavailable)
+    assert not runner.is_resident("s")  # half rewound is no state to go on from: released
+    _assert_at_baseline(runner)
