@@ -127,7 +127,7 @@ class ARRunner:
         self.rewind_refusal = _rewind_refusal(pipeline, spec, rewind_points)
         self.rewind_keep = 0 if self.rewind_refusal else rewind_points
         if rewind_points and self.rewind_refusal:
-            log.warning("rewind_points=%d ignored: %s", rewind_points, self.rewind_refusal)
+            log.info("rewind_points=%d not used: %s", rewind_points, self.rewind_refusal)
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
         self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions, rewind_points=self.rewind_keep)
         self.pool = PagedKVPool(spec, self.plan, self.device)
@@ -381,16 +381,20 @@ class ARRunner:
         if state is None or index == state.chunk_index:
             return
         boundary = self._rewind[session_id].take(index)
+        adopted = False
         try:
             state.adopt_tables(boundary.tables)
+            adopted = True
             self._install_model_state(session_id, boundary)
         except BaseException:
+            if not adopted:
+                self.pool.free(boundary.tables.blocks())
             self.failures_total += 1
             self._release(session_id, reset_model=False, reason="rewind_failed", suppress_errors=True)
             raise
 
     def _before_forward(self, tick: TickRequest) -> None:
-        """A tick's ``rewind_to`` is checked first (nothing changes if it is refused), then its reset, then its rewind."""
+        """Check ``rewind_to`` first (a refusal changes nothing), then reset, then rewind."""
         if tick.rewind_to is not None:
             self._check_rewind(tick)
         if tick.reset:
@@ -719,7 +723,7 @@ def runner_for_sessions(
 def _rewind_refusal(pipeline: ARPipeline, spec: KVCacheSpec, rewind_points: int) -> str | None:
     """Why this runner cannot offer rewind and branch, or None when it can."""
     if rewind_points == 0:
-        return "rewind is off on this server (rewind_points is 0)"
+        return "rewind is off (rewind_points is 0)"
     if not isinstance(pipeline, SupportsSessionTransfer):
         name = pipeline.model_card().get("name")
         return f"model {name!r} cannot snapshot its per-session state (no export_session_state hook)"

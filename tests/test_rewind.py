@@ -21,9 +21,10 @@ import torch
 from arstream.models.fake import FakeKVPipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
-from arstream.runner.contract import ARPipeline
+from arstream.runner.contract import ARPipeline, ModelState
 from arstream.runner.pool import plan_pool, session_frames
 from arstream.runner.runner import ARRunner, runner_for_sessions
+from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 from runner_fakes import FAKE_KV_BUDGET_BYTES, BatchRecordingFakePipeline, tick
 
@@ -262,3 +263,46 @@ def test_branching_into_a_resident_session_or_from_an_absent_one_is_refused() ->
         runner.branch_session("gone", 0, "c")
     assert runner.resident_sessions() == ["a", "b"]
     _assert_references_match_the_pool(runner)
+
+
+def test_a_moved_session_arrives_without_boundaries_and_keeps_new_ones_there() -> None:
+    reference = _reference("fake-kv")
+    source = _runner("fake-kv")
+    _run(source, "s", range(4))
+    target = runner_for_sessions(FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2), 2, rewind_points=K)
+    import_session(target, "s", SessionSnapshot.from_bytes(export_session(source, "s").to_bytes()))
+    source.close_session("s")
+    _assert_at_baseline(source)
+    assert target.rewind_points("s") == (4, 4)  # the boundaries stayed behind with the source's blocks
+    _run(target, "s", range(4, 6), OTHER)
+    back = target.execute_tick(_tick("s", 4, rewind_to=4))
+    assert np.array_equal(back.frames, reference[4])
+    target.close_session("s")
+    _assert_at_baseline(target)
+
+
+class FailingImportFakePipeline(FakeKVPipeline):
+    """Test fake: ``import_session_state`` raises while ``fail_import`` is set."""
+
+    fail_import = False
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        if self.fail_import:
+            raise RuntimeError("import failed on purpose")
+        super().import_session_state(session_id, state)
+
+
+def test_a_rewind_or_branch_whose_model_state_will_not_go_back_fails_closed() -> None:
+    pipeline = FailingImportFakePipeline()
+    runner = runner_for_sessions(pipeline, 3, rewind_points=K)
+    for i in range(4):
+        runner.execute_tick(tick("s", i))
+    pipeline.fail_import = True
+    with pytest.raises(RuntimeError, match="on purpose"):
+        runner.branch_session("s", 2, "b")
+    assert not runner.is_resident("b") and runner.next_chunk_index("s") == 4  # the source is untouched
+    _assert_references_match_the_pool(runner)
+    (result,) = runner.execute([tick("s", 4, rewind_to=2)])
+    assert isinstance(result, TickFailure) and not isinstance(result.error, RewindUnavailable)
+    assert not runner.is_resident("s")  # half rewound is no state to go on from: released
+    _assert_at_baseline(runner)

@@ -151,3 +151,25 @@ def test_a_branch_continues_from_the_boundary_and_the_source_goes_on_unaffected(
         assert "arstream_branches_total 1.0" in server.get("/metrics").text
 
     run(scenario())
+
+
+def test_a_branch_that_does_not_fit_is_over_capacity_and_holds_nothing() -> None:
+    settings = fake_settings(model_options=MODELS["fake-kv"], replica_id="r0", rewind_points=K, max_sessions=1)
+    with running_server(settings) as live:
+
+        async def scenario() -> None:
+            baseline = live.stats()["kv"]["blocks_free"]
+            async with session_client(live.ws_url, start={"seed": SEED, "codec": "raw"}) as source:
+                token = source.ready["share"]["token"]  # type: ignore[index]
+                for index in range(B + 1):
+                    await chunk(source, index, KEYS[index])
+                async with session_client(f"{live.ws_url}?share={token}") as branch:
+                    await branch.send(type="start", branch={"share": token, "chunk": B})
+                    closed = await branch.closed_by_server()
+                    assert closed.code == 1013 and closed.messages[0]["code"] == "over_capacity"
+                assert live.stats()["kv"]["sessions_resident"] == 1
+                await source.send(type="close")
+                await source.closed_by_server()
+            await asyncio.to_thread(live.settled, baseline)
+
+        run(scenario())

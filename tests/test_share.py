@@ -359,3 +359,36 @@ def test_viewers_hear_server_shutdown_and_count_in_the_connection_caps() -> None
         watched, played = run(scenario())
     assert watched.messages[-1] == {"type": "closed", "reason": "server_shutdown"} and watched.code == 1001
     assert played.messages[-1] == {"type": "closed", "reason": "server_shutdown"} and played.code == 1001
+
+
+def test_the_resume_ticket_follows_control() -> None:
+    """The new controller's `role` carries the session's resume ticket; the old controller's token is void."""
+    with running_server(fake_settings(replica_id="r0", resume_grace_s=30.0)) as live:
+
+        async def scenario() -> None:
+            async with session_client(live.ws_url, start={"seed": SEED}) as player:
+                old_token = player.ready["resume"]["token"]  # type: ignore[index]
+                share = player.ready["share"]["token"]  # type: ignore[index]
+                async with session_client(share_url(live, share), start={"watch": share}) as viewer:
+                    await tick(player, 1)
+                    await player.send(type="pass_control", to=viewer.ready["viewer_id"])  # type: ignore[index]
+                    became = await next_of(viewer, "role")
+                    ticket = became["resume"]
+                    assert ticket["next_chunk_index"] == 1
+                    viewer.abort()  # the new controller's connection drops: the session detaches
+                    closed = await player.closed_by_server()
+                    assert {"type": "closed", "reason": "session_ended"} in closed.messages
+                await asyncio.to_thread(live.wait_for_stats, lambda s: s["sessions"]["detached"] == 1)
+                async with session_client(f"{live.ws_url}?resume={old_token}") as stale:
+                    await stale.send(type="start", resume=old_token)
+                    assert (await stale.closed_by_server()).code == 4002
+                token = ticket["token"]
+                async with session_client(f"{live.ws_url}?resume={token}", start={"resume": token}) as resumed:
+                    assert resumed.ready is not None and resumed.ready["resumed"] is True
+                    assert resumed.ready["share"]["token"] == share  # the same share token after a resume
+                    header, _ = await tick(resumed, 2)
+                    assert header["chunk_index"] == 1
+                    await resumed.send(type="close")
+                    await resumed.closed_by_server()
+
+        run(scenario())
