@@ -17,7 +17,7 @@ import jsonschema
 import torch
 
 from arstream.app.admission import RealtimeCapacity, chunk_period_s, realtime_capacity
-from arstream.app.guard import RefusalLog, TrustedProxies
+from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
 from arstream.app.metrics import ServerMetrics
 from arstream.app.resume import DetachedSession, ResumableConnection, ResumeRegistry
 from arstream.app.settings import Settings
@@ -86,7 +86,8 @@ class SessionHub:
         )
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
-        self.unstarted = UnstartedConnections(settings, self.trusted_proxies, self.refusals)
+        self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
+        self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
         )

@@ -75,6 +75,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     )
     app.state.hub = hub
     app.state.refusals = hub.refusals
+    app.state.flood_bans = hub.flood_bans
     app.state.agent = None
     hub.metrics.registry.register(ReplicaCollector(hub))
     app.add_middleware(SecurityHeaders)
@@ -177,7 +178,7 @@ class ARStreamServer(uvicorn.Server):
 def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvicorn.Config:
     """One worker, no per-message deflate, a frame limit just above the protocol's message limit, and the
     transport bounds of :mod:`arstream.app.guard` (connection caps, request heads, closes)."""
-    http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals)
+    http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals, app.state.flood_bans)
     app.state.guard = guard
     if settings.max_unstarted_connections >= guard.max_total:
         log.warning(

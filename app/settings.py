@@ -168,6 +168,13 @@ class Settings(BaseSettings):
     max_connections_per_client: int | None = Field(
         32, ge=1, description="open TCP connections per peer address (trusted proxies are exempt)"
     )
+    connection_rate_per_client: float | None = Field(
+        10.0, gt=0, description="new TCP connections per second one peer address may open on average (trusted "
+        "proxies are exempt); past it they are closed at once, before any byte is read"
+    )
+    connection_burst_per_client: int = Field(
+        30, ge=1, description="new TCP connections one peer address may open at once before its rate applies"
+    )
     max_unstarted_connections: int = Field(
         64,
         ge=1,

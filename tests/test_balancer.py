@@ -396,6 +396,29 @@ def test_one_address_cannot_hold_more_than_its_connections(tmp_path: Path) -> No
         wait_until(lambda: httpx.get(lb.url + "/readyz", timeout=10.0).status_code == 200, "the address served")
 
 
+def fresh_connection_get(url: str, source: str) -> str:
+    """GET ``url`` on a new connection from loopback address ``source``: its status, or how it failed."""
+    transport = httpx.HTTPTransport(local_address=source, retries=0)
+    try:
+        with httpx.Client(transport=transport, timeout=10.0) as client:
+            return str(client.get(url).status_code)
+    except httpx.TransportError as failed:
+        return type(failed).__name__
+
+
+def test_one_address_cannot_open_connections_faster_than_its_rate(tmp_path: Path) -> None:
+    """Issue 20: reconnecting as fast as possible cost an honest session 5.5x its chunk latency (no rate bound)."""
+    with ExitStack() as stack:
+        replicas = {"r0": stack.enter_context(replica("r0"))}
+        lb = stack.enter_context(
+            balancer(tmp_path, replicas, "--check-interval", "200ms", "--per-source-connection-rate", "5")
+        )
+        outcomes = [fresh_connection_get(lb.url + "/healthz", "127.0.0.2") for _ in range(9)]
+        # Five in any 10 s are served; past that each connection is closed before HAProxy reads it.
+        assert outcomes[:5] == ["200"] * 5 and "200" not in outcomes[5:], outcomes
+        assert fresh_connection_get(lb.url + "/healthz", "127.0.0.3") == "200"  # another address is not slowed
+
+
 @pytest.mark.parametrize("path", ["/metrics", "/v1/stats", "/replicas/r0/v1/stats", "/replicas/r0/metrics"])
 def test_private_routes_are_not_on_the_public_port(tmp_path: Path, path: str) -> None:
     with ExitStack() as stack:

@@ -143,6 +143,28 @@ def test_an_address_that_flooded_frames_is_refused_connections_for_a_while() -> 
         assert refusals_of(server).counts.get("frame_flood_ban") == 1
 
 
+def test_behind_a_proxy_the_flooding_client_is_banned_not_the_proxy() -> None:
+    """Behind HAProxy the ban never applied (the proxy's address is trusted): each reconnect had a fresh budget."""
+    with running_server(fake_settings(frame_flood_ban_s=120.0)) as server:  # loopback is a trusted proxy
+        flooder = {"X-Forwarded-For": "203.0.113.9"}
+        attacker = RawWebSocket(server.port, headers=flooder)
+        attacker.sock.settimeout(5.0)
+        attacker.try_send(attacker.pong_frames(1000))
+        assert closed_by_server(attacker.sock)
+        attacker.close()
+        again = RawWebSocket(server.port, headers=flooder)
+        again.close()
+        assert again.status == 503 and "frame_flood_ban_s" in again.response_head + again.leftover.decode(), (
+            again.response_head
+        )
+        # Other clients of the same proxy, and the proxy itself, are still served.
+        for headers in ({"X-Forwarded-For": "203.0.113.10"}, {}):
+            other = RawWebSocket(server.port, headers=headers)
+            other.close()
+            assert other.status == 101, other.response_head
+        assert refusals_of(server).counts.get("frame_flood_ban") == 1
+
+
 def test_an_honest_session_within_the_frame_budget_is_served() -> None:
     with running_server(fake_settings(max_frames_per_s=50.0, frame_burst=20)) as server:
 
