@@ -19,7 +19,8 @@ rate bounds lifted (the replica's ``--connection-rate-per-client`` and
 HAProxy's ``--per-source-connection-rate``), side by side.
 
 ``--before-tree DIR`` runs the same attacks against the server of another
-checkout (e.g. ``git worktree add /tmp/before HEAD~1``) in the same run, so the
+checkout (e.g. ``git worktree add /tmp/before HEAD~1``, with its own venv in
+``DIR/.venv`` holding an editable install of it) in the same run, so the
 table compares before and after. ``--rss`` adds the memory of 16 sessions that
 send 60 KB bad messages and never read their error replies. The last line is JSON.
 
@@ -113,6 +114,18 @@ def summary(latencies: list[float]) -> dict[str, Any]:
     }
 
 
+def server_of(serve: list[str], tree: str | None) -> ServerProcess:
+    """This checkout's server, or another checkout's run by that checkout's own venv (``TREE/.venv``, an
+    editable install of it): the server runs with ``python -P``, so the working directory alone selects nothing."""
+    server = ServerProcess(serve, cwd=tree)
+    if tree is not None:
+        python = Path(tree) / ".venv" / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"{python} is missing: give the other checkout its own venv (pip install -e .)")
+        server.command[0] = str(python)
+    return server
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -165,7 +178,7 @@ def measure_attack(
     if not rate_bounds:
         serve += ["--connection-rate-per-client", str(UNBOUNDED)]
     tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
-    with ServerProcess(serve, cwd=cwd) as server, _front(front, server, tree, rate_bounds) as port:
+    with server_of(serve, cwd) as server, _front(front, server, tree, rate_bounds) as port:
         url = f"ws://127.0.0.1:{port}/v1/sessions" + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
         honest_latencies(url, 1.0)  # warm
         alone = summary(honest_latencies(url, seconds))
@@ -198,7 +211,7 @@ def _front(front: str, server: ServerProcess, tree: Path, rate_bounds: bool) -> 
 def measure_rss(*, model: str, cwd: str | None) -> float:
     """MB the server grows by with 16 sessions that send 60 KB bad messages and never read."""
     bad = json.dumps({"type": "é" * 30_000}, ensure_ascii=False)
-    with ServerProcess(["--model", model, "--log-level", "warning"], cwd=cwd) as server:
+    with server_of(["--model", model, "--log-level", "warning"], cwd) as server:
         port = int(server.base_url.rsplit(":", 1)[1])
         pid = server._process.pid  # type: ignore[union-attr]
         before = rss_bytes(pid)
