@@ -7,6 +7,8 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``fragments``: a text message's 1-byte continuation fragments, as fast as the server takes them;
 - ``pongs``: empty pongs, as fast as the server takes them;
 - ``fragments-no-token``: the fragments, from a client without the server's ``--auth-token``;
+- ``idle-upgrades``: WebSocket upgrades that never send ``start``, from 250 loopback addresses
+  (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
   connection costs; per-address connection limits belong in front, see docs/public.md).
 
@@ -52,7 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
 
 TOKEN = "bench-token"
-ATTACKS = ("fragments", "pongs", "fragments-no-token", "reconnect")
+ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect")
+IDLE_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 251)]
+IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
 # Another loopback address than the honest client's: per-address bounds tell them apart.
 ATTACKER_HOST = "127.0.0.2"
@@ -82,6 +86,9 @@ def honest_latencies(url: str, seconds: float) -> list[float]:
 def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
     """Flood tiny frames; reconnect whenever the server drops the connection (in its own process: in the
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
+    if kind == "idle-upgrades":
+        idle_upgrades(port, stop, connections)
+        return
     while not stop.is_set():
         try:
             client = RawWebSocket(port, source_host=ATTACKER_HOST)
@@ -102,6 +109,25 @@ def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
             while not stop.is_set() and client.try_send(flood):
                 flood = more
         finally:
+            client.close()
+
+
+def idle_upgrades(port: int, stop: Any, connections: Any) -> None:
+    """Upgrade and say nothing, from many addresses (per-address caps alone do not stop it), holding each."""
+    held: list[RawWebSocket] = []
+    index = 0
+    try:
+        while not stop.is_set():
+            index += 1
+            try:
+                held.append(RawWebSocket(port, source_host=IDLE_ADDRESSES[index % len(IDLE_ADDRESSES)]))
+            except OSError:
+                continue
+            connections.value += 1
+            if len(held) > IDLE_HELD:
+                held.pop(0).close()
+    finally:
+        for client in held:
             client.close()
 
 
