@@ -235,7 +235,7 @@ class SessionHub:
         return realtime_capacity(
             worker.round_times.estimates(),
             chunk_period_s=chunk_period_s(self.model_card),
-            batch_limit=stats.max_batch_sessions,
+            batch_limit=stats.batch_limit,
             kv_capacity=self.session_capacity,
         )
 

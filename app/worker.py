@@ -43,8 +43,9 @@ from arstream.app.scheduler import RoundScheduler, Run, TickLanes
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
-from arstream.runner.runner import ARRunner, RunnerStats
+from arstream.runner.runtimes import Runtime
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+from arstream.runner.stats import RunnerStats
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
@@ -132,7 +133,7 @@ class ModelWorker:
 
     def __init__(
         self,
-        build_runner: Callable[[], ARRunner],
+        build_runner: Callable[[], Runtime],
         *,
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[TickOutcome], None],
@@ -153,7 +154,7 @@ class ModelWorker:
         self._scheduler = RoundScheduler(batch_wait_fraction)
         self._controls: deque[Callable[[], None]] = deque()
         self._stopping = False
-        self.runner: ARRunner | None = None
+        self.runner: Runtime | None = None
         self.runner_stats: RunnerStats | None = None
         self.model_card: dict | None = None
         # Worker-thread bookkeeping per session id: had a failed forward / chunks generated.
@@ -250,7 +251,7 @@ class ModelWorker:
         the hook).
         """
 
-        def export(runner: ARRunner) -> SessionSnapshot:
+        def export(runner: Runtime) -> SessionSnapshot:
             snapshot = export_session(runner, session_id, protocol_version=PROTOCOL_VERSION)
             # Copies on the CPU: serialising them off the worker thread must not race the next forward.
             snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}
@@ -261,14 +262,14 @@ class ModelWorker:
     def import_session(self, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
         """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""
 
-        def adopt(runner: ARRunner) -> None:
+        def adopt(runner: Runtime) -> None:
             import_session(runner, session_id, snapshot, protocol_version=PROTOCOL_VERSION)
             self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
             self._encoders.restart_stream(session_id)
 
         return self._control(adopt, lane=None)
 
-    def _control(self, function: Callable[[ARRunner], _T], *, lane: str | None) -> asyncio.Future[_T]:
+    def _control(self, function: Callable[[Runtime], _T], *, lane: str | None) -> asyncio.Future[_T]:
         """Run ``function(runner)`` on the worker at the next chunk boundary; its result or error resolves the future."""
         future: asyncio.Future[_T] = self._loop.create_future()
 
@@ -329,8 +330,8 @@ class ModelWorker:
             self.runner = self._build_runner()
             self.runner.on_evict = self._on_evict
             self.model_card = self.runner.model_card()
-            # Warm-up's round time per batch size: realtime admission's first figures (a runtime without may omit it).
-            warmup_round_s: dict[int, float] = getattr(self.runner, "warmup_round_s", {})
+            # Warm-up's round time per batch size: realtime admission's first figures.
+            warmup_round_s = self.runner.warmup_round_s
             for sessions, seconds in warmup_round_s.items():
                 self.round_times.record(sessions, seconds)
             # What a first round from idle waits against, until rounds are measured.
