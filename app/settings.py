@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arstream.app.admission import AdmissionName
 from arstream.app.start_image import base64_length
 from arstream.app.wire import FULL_CHROMA_MAX_PIXELS
 from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
@@ -76,7 +77,7 @@ class Settings(BaseSettings):
         description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "
         "needs the vllm-omni extra; docs/vllm-omni.md)",
     )
-    admission: Literal["kv", "realtime"] = Field(
+    admission: AdmissionName = Field(
         "kv",
         description="kv: admit while the KV pool has a session slot; realtime: also only while every admitted "
         "session still gets the model's fps at the measured chunk times (docs/server.md)",
