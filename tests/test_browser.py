@@ -33,7 +33,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
     wait_frames_drawn,
     wait_state,
 )
-from arstream.app import protocol
+from arstream.app import video
 from arstream.app.protocol import ERROR_CLOSE_CODES, ErrorCode
 from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
@@ -353,7 +353,7 @@ def test_h264_from_the_codec_menu_and_jpeg_when_the_server_cannot(
     # A server that cannot encode H.264 refuses that `start`: the page asks again for JPEG.
     page.click("#play")
     wait_state(page, "stopped")
-    monkeypatch.setattr(protocol, "h264_available", lambda: False)
+    monkeypatch.setattr(video, "h264_available", lambda: False)
     page.click("#play")
     wait_state(page, "streaming")
     wait_frames_drawn(page, debug(page)["framesDrawn"] + 4)

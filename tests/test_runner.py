@@ -136,8 +136,8 @@ def test_one_timing_entry_per_chunk() -> None:
     runner, _ = fake_runner()
     for i in range(4):
         runner.execute_tick(tick("a", i))
-    assert len(runner.chunk_times_s) == 4 and runner.stats().chunks_total == 4
-    assert all(t > 0 for t in runner.chunk_times_s)
+    assert len(runner.counters.chunk_times_s) == 4 and runner.stats().chunks_total == 4
+    assert all(t > 0 for t in runner.counters.chunk_times_s)
 
 
 def test_capacity_comes_from_the_budget() -> None:
