@@ -59,7 +59,7 @@ import torch
 import websockets
 
 from arstream.app import wire
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from arstream.measure import compare, percentile, print_summary

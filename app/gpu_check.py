@@ -43,7 +43,7 @@ import torch
 
 import arstream
 from arstream.app import bench
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.measure import percentile, print_summary
 from arstream.models.matrix_game.config import get_config
 from arstream.runner.threads import default_torch_threads

@@ -118,7 +118,7 @@ def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
 def test_bench_runner_compares_the_two_runtimes(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from arstream.app.cli import main
+    from arstream.cli import main
 
     assert main(["bench", "runner", "--runtime", "vllm-omni", "--chunks", "3", "--repeats", "2", "--threads", "1"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

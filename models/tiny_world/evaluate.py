@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.models.tiny_world.metrics import (
     MIN_SHIFT_PX,
     color_histogram,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
 from arstream.models.tiny_world.weights import load_model, save_weights
