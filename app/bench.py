@@ -98,7 +98,7 @@ class ServerProcess:
         self.command = [sys.executable, "-P", "-m", "arstream", "serve", "--port", "0", *serve_args]
         self.env = env
         # Another checkout's directory runs that checkout's server (its `arstream` package comes first).
-        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the checkout root
         self.base_url = ""
         self.output: deque[str] = deque(maxlen=200)
         self._listening = threading.Event()

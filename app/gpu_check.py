@@ -284,13 +284,14 @@ def modules_elsewhere() -> list[str]:
     (an editable install's finder filling in what the copy lacks, say), which
     would hide a packaging bug.
     """
-    package = Path(arstream.__file__).resolve().parent
+    # Absolute, not resolved: in a checkout arstream/app is a symlink to ../app, still inside the package.
+    package = Path(os.path.abspath(arstream.__file__)).parent
     return sorted(
         name
         for name, module in list(sys.modules.items())
         if name.split(".")[0] == "arstream"
-        and getattr(module, "__file__", None)
-        and not Path(module.__file__).resolve().is_relative_to(package)
+        and (path := getattr(module, "__file__", None))
+        and not Path(os.path.abspath(path)).is_relative_to(package)
     )
 
 

@@ -1,6 +1,6 @@
 """Shared pieces of the browser tests (tests/test_browser*.py): Debian's Chromium through Playwright.
 
-The servers are real (``tests.servers.running_server``) and run the fake-kv
+The servers are real (``servers.running_server``) and run the fake-kv
 pipeline, whose 8x8 frames are one flat colour: G is the frame's absolute
 position (so the picture changes every frame) and B has a bit per held key
 (w=1, a=2, s=4, d=8), so a test can see a key press reach the screen. The page

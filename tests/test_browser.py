@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
     KEY_BITS,
     PageErrors,
     browser,
@@ -35,7 +35,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
 )
 from arstream.app import protocol
 from arstream.app.protocol import ERROR_CLOSE_CODES, ErrorCode
-from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
+from servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 EBML_MAGIC = bytes.fromhex("1a45dfa3")  # every WebM file starts with it

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
     PageErrors,
     browser,
     browser_marks,
@@ -29,7 +29,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
     wait_frames_drawn,
     wait_state,
 )
-from tests.test_cluster import Cluster, launch_cluster, wait_until
+from test_cluster import Cluster, launch_cluster, wait_until
 
 pytestmark = browser_marks
 SECRET = "browser-drain-cluster-secret"

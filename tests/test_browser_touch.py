@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
+from browser_helpers import (  # noqa: F401 (browser is a fixture)
     KEY_BITS,
     PageErrors,
     browser,
@@ -23,7 +23,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
     wait_blue,
     wait_frames_drawn,
 )
-from tests.servers import LiveServer, fake_settings, running_server
+from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 PHONE = {"width": 390, "height": 844}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (errors is a fixture)
+from browser_helpers import (  # noqa: F401 (errors is a fixture)
     CHROMIUM,
     CHROMIUM_ARGS,
     PageErrors,
@@ -23,7 +23,7 @@ from tests.browser_helpers import (  # noqa: F401 (errors is a fixture)
     wait,
     wait_frames_drawn,
 )
-from tests.servers import fake_settings, running_server
+from servers import fake_settings, running_server
 
 pytestmark = browser_marks
 LAN_NAME = "lan-box.test"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
+from browser_helpers import (  # noqa: F401 (browser is a fixture)
     PageErrors,
     browser,
     browser_marks,
@@ -16,7 +16,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
     wait,
     wait_frames_drawn,
 )
-from tests.servers import LiveServer, fake_settings, running_server
+from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 

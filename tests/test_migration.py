@@ -19,7 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from arstream.app.migration import DRAIN_PATH, IMPORT_PATH
+from arstream.app.drain import DRAIN_PATH
+from arstream.app.migration import IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import runner_for_sessions
 from arstream.runner.snapshot import export_session

@@ -184,7 +184,7 @@ def evaluate_drift(
     runs = []
     for seed in seeds:
         generated = recorded_rollout(runner, "square walk", square_walk(frames, fpc), seed, record)
-        report = drift_report(generated)
+        report: dict[str, Any] = dict(drift_report(generated))
         report["checks"] = drift_checks(report)
         # how far the generated colours are from the real world's (reported, not a pass/fail check)
         report["tv_vs_ground_truth"] = total_variation(color_histogram(generated), truth_hist)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -211,7 +212,7 @@ def idle_change(frames: np.ndarray, release: int, settle: int = 8, span: int = 6
     return float((pixel_classes(frames[first]) != pixel_classes(frames[last])).mean())
 
 
-def picture_quality(rollouts: Iterable[np.ndarray], tolerance: float = 40.0) -> dict[str, float]:
+def picture_quality(rollouts: Iterable[np.ndarray], tolerance: float = 40.0) -> dict[str, Any]:
     """palette_share, coherence, grid_peak and class_tv over every frame of several rollouts.
 
     The same figures as :func:`palette_fraction`, :func:`coherence`,

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from arstream.runner.contract import ARPipeline, SupportsWarmup
-from arstream.runner.runner import CHUNK_TIMES_KEPT, WARMUP_SESSION_ID, RunnerStats, UnsupportedConfiguration
+from arstream.runner.runner import CHUNK_TIMES_KEPT, WARMUP_SESSION_ID, RunnerStats
+from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations
 
