@@ -17,7 +17,7 @@ ends (so a run cut short by a timeout still returns what it measured):
    the largest count. A session count whose projected time would pass
    ``--deadline-s`` is skipped (and says so), so the run ends in time.
 
-The last line printed is one JSON object: these phases, ``aims`` (issue 19's
+The last line printed is one JSON object: these phases, ``aims`` (the GPU
 targets, checked), ``errors`` (a phase that failed, with its message; the
 others still run) and where the ``arstream`` package was imported from.
 """

@@ -18,14 +18,12 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     KEY_BITS,
     PageErrors,
-    browser,
     browser_marks,
     corner_blue,
     debug,
-    errors,
     new_page,
     overlay_text,
     wait,

@@ -15,12 +15,10 @@ from websockets.sync.client import connect
 
 import pytest
 
-from browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     PageErrors,
-    browser,
     browser_marks,
     debug,
-    errors,
     free_port,
     new_page,
     overlay_text,

@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     PageErrors,
-    browser,
     browser_marks,
     debug,
-    errors,
     new_page,
     overlay_text,
     wait,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import CHROMIUM, browser, browser_marks, free_port  # noqa: F401 (browser is a fixture)
+from browser_helpers import CHROMIUM, browser_marks, free_port
 from servers import REPO_ROOT, fake_settings, running_server
 
 EXAMPLES = REPO_ROOT / "docs" / "examples"

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import (  # noqa: F401 (errors is a fixture)
+from browser_helpers import (
     CHROMIUM,
     CHROMIUM_ARGS,
     PageErrors,
     browser_marks,
-    errors,
     new_page,
     overlay_text,
     wait,

@@ -89,10 +89,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
 def drain(server: LiveServer, peers: list[str], *, secret: str = SECRET) -> httpx.Response:
     return httpx.post(
         server.base_url + DRAIN_PATH,
@@ -166,7 +162,7 @@ def test_a_drained_session_continues_on_the_peer_bit_identically(case: str) -> N
                 await client.send(type="close")
                 await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         assert r0.get("/readyz").status_code == 503  # a drained replica admits nothing
         r0.settled(r0.stats()["kv"]["blocks_total"])
         r1.settled(r1.stats()["kv"]["blocks_total"])
@@ -192,7 +188,7 @@ def test_controls_held_by_an_input_event_travel_with_the_session() -> None:
                 await c.send(type="input", event_id=9)
                 assert (await c.recv_json()) == {"type": "ack", "event_id": 9, "status": "duplicate"}
 
-        run(scenario())
+        asyncio.run(scenario())
 
 
 def test_wrong_secret_is_refused_and_nothing_moves() -> None:
@@ -270,7 +266,7 @@ def test_no_room_on_the_peer_ends_the_session_as_on_shutdown() -> None:
                 await holder.send(type="close")
                 await holder.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         r0.settled(r0.stats()["kv"]["blocks_total"])
         r1.settled(r1.stats()["kv"]["blocks_total"])
 
@@ -329,6 +325,6 @@ def test_a_rolling_restart_of_both_replicas_under_six_sessions_loses_none() -> N
                     await client.send(type="close")
                     await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         for server in (r0, r1, routes["r0"]):
             server.settled(server.stats()["kv"]["blocks_total"])

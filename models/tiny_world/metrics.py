@@ -131,7 +131,7 @@ def drift_report(frames: np.ndarray, moving: bool = True) -> dict[str, float]:
     return report
 
 
-# ---- picture quality (issue 11): does a generated frame look like the world? -----------------------------
+# ---- picture quality: does a generated frame look like the world? -----------------------------
 #
 # Per 64x64 frame, averaged over frames unless said otherwise; a pixel's class is the nearest of the
 # five palette colours in RGB. Ground truth scores 1.0 / ~0.92 / ~1.4 / ~0.05 / 0 on these.

@@ -112,7 +112,7 @@ class TrajectorySampler:
         frame_start = 0
         if stale:
             # a long-running session: log-uniform position, chunk aligned, past the window
-            low = self.cfg.sink_frames + self.cfg.window_frames + fpc
+            low = self.cfg.sink_frames + self.cfg.history_frames + fpc
             frame_start = int(math.exp(self.rng.uniform(math.log(low), math.log(20_000))))
             frame_start -= frame_start % fpc
         return Batch(
