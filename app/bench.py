@@ -59,9 +59,9 @@ import torch
 import websockets
 
 from arstream.app import wire
-from arstream.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
+from arstream.cli import main_for
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys, forward_split_s
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
