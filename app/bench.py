@@ -59,9 +59,9 @@ import torch
 import websockets
 
 from arstream.app import wire
-from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
+from arstream.cli import main_for
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys, forward_split_s
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
@@ -98,7 +98,7 @@ class ServerProcess:
         self.command = [sys.executable, "-P", "-m", "arstream", "serve", "--port", "0", *serve_args]
         self.env = env
         # Another checkout's directory runs that checkout's server (its `arstream` package comes first).
-        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the checkout root
         self.base_url = ""
         self.output: deque[str] = deque(maxlen=200)
         self._listening = threading.Event()

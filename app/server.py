@@ -34,12 +34,12 @@ from arstream.app.connection import Connection
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
-from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
 from arstream.app.migration import add_cluster_routes
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
+from arstream.cli import main_for
 from arstream.runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")

@@ -442,7 +442,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def settings_from_argv(argv: Sequence[str]) -> Settings:
     """Parse ``arstream serve`` flags; flags given win over the environment."""
-    from arstream.app.cli import CommandParser
+    from arstream.cli import CommandParser
 
     parser = CommandParser(prog="arstream serve")
     add_settings_arguments(parser)

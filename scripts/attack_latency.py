@@ -1,4 +1,4 @@
-"""An honest session's chunk latency alone and beside each connection-level attack (issue 20), side by side.
+"""An honest session's chunk latency alone and beside each connection-level attack, side by side.
 
 For each attack the same honest client (tick, wait for its chunk, repeat) runs
 for ``--seconds`` alone and then beside the attacker, on a fresh server. The

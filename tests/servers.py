@@ -312,7 +312,7 @@ class ClosedBy:
     messages: list[dict[str, Any]]
 
 
-class SessionClient:
+class ProbeClient:
     """A thin test client over a real ``websockets`` connection; every wait has a hang guard."""
 
     def __init__(self, ws: ClientConnection) -> None:
@@ -374,7 +374,7 @@ async def session_client(
     headers: Iterable[tuple[str, str]] | None = None,
     origin: str | None = None,
     max_queue: int | None = 16,
-) -> AsyncIterator[SessionClient]:
+) -> AsyncIterator[ProbeClient]:
     """Connect (and, when ``start`` is given, send it and read `ready`)."""
     async with connect(
         url,
@@ -387,7 +387,7 @@ async def session_client(
         open_timeout=RECEIVE_GUARD_S,
         close_timeout=5,
     ) as ws:
-        client = SessionClient(ws)
+        client = ProbeClient(ws)
         if start is not None:
             await client.start(**start)
         yield client

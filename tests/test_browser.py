@@ -18,14 +18,12 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     KEY_BITS,
     PageErrors,
-    browser,
     browser_marks,
     corner_blue,
     debug,
-    errors,
     new_page,
     overlay_text,
     wait,
@@ -35,7 +33,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
 )
 from arstream.app import video
 from arstream.app.protocol import ERROR_CLOSE_CODES, ErrorCode
-from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
+from servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 EBML_MAGIC = bytes.fromhex("1a45dfa3")  # every WebM file starts with it

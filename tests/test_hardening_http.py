@@ -1,4 +1,4 @@
-"""Bounds below the protocol (issue 13): unauthenticated peers, request heads, slowloris, connection caps,
+"""Bounds below the protocol: unauthenticated peers, request heads, slowloris, connection caps,
 running out of descriptors, the access log, security headers, docs routes and the Host check.
 
 Attacks use raw sockets; memory and open files are read from the server process (/proc/PID)."""
@@ -30,7 +30,7 @@ def guarded_process() -> Iterator[LiveServer]:
         yield live
 
 
-# ---- bug 4: an unauthenticated client that floods pings and never reads -------------------------------
+# ---- an unauthenticated client that floods pings and never reads -------------------------------
 
 
 def test_unauthenticated_ping_flood_holds_no_memory_and_is_dropped(guarded_process: LiveServer) -> None:

@@ -9,8 +9,10 @@ from pydantic import ValidationError
 
 from arstream.app.settings import Settings, describe_settings_error
 from arstream.models.fake import FakeKVPipeline
-from arstream.runner.runner import ARRunner, UnsupportedConfiguration, runner_for_sessions
-from arstream.runner.runtimes import Runtime, build_runtime, vllm_omni_available
+from arstream.runner.runner import ARRunner, runner_for_sessions
+from arstream.runner.runtimes import Runtime, build_runtime
+from arstream.runner.types import UnsupportedConfiguration
+from arstream.runner.vllm_omni.native import vllm_omni_available
 
 
 def test_default_runtime_is_arstreams_runner() -> None:

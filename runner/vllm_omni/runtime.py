@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from arstream.runner.contract import ARPipeline, SupportsWarmup
-from arstream.runner.runner import WARMUP_SESSION_ID, UnsupportedConfiguration
+from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.stats import RunnerStats, RuntimeCounters
+from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations
 
