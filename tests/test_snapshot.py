@@ -201,4 +201,4 @@ def test_a_runtime_other_than_arstreams_runner_cannot_move_sessions() -> None:
         pass
 
     with pytest.raises(SnapshotRefused, match="OtherRuntime runtime cannot move sessions"):
-        transferable(OtherRuntime())  # type: ignore[arg-type]
+        transferable(OtherRuntime())
