@@ -31,6 +31,8 @@ from arstream.app.guard import transport_control
 from arstream.app.handshake import Handshake, Watching, too_large
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
+
+__all__ = ["REPLY_BACKLOG_LIMIT", "Connection"]  # the reply bound is part of a connection's contract (tests use it)
 from arstream.app.protocol import (
     CLOSE_NORMAL,
     ERROR_CLOSE_CODES,

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import jsonschema
 import torch
 
-from arstream.app.admission import RealtimeCapacity, chunk_period_s, realtime_capacity
-from arstream.app.guard import RefusalLog, TrustedProxies
+from arstream.app.admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
+from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
 from arstream.app.metrics import ServerMetrics
 from arstream.app.outbox import Outbox
 from arstream.app.resume import DetachedSession, ResumableConnection, ResumeRegistry
@@ -33,8 +33,6 @@ from arstream.runner.runtimes import Runtime, build_runtime
 
 log = logging.getLogger("arstream.hub")
 
-# Whoever holds a session, live or detached, as the session caps see it: its client address and token.
-SessionHolder = ResumableConnection | DetachedSession
 
 WORKER_STOP_TIMEOUT_S = 10.0
 
@@ -58,6 +56,10 @@ class HubConnection(Protocol):
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait, at most ``timeout_s``, for everything queued to go out."""
+
+
+# Whoever holds a session, live or detached, as the session caps see it: its client address and token.
+SessionHolder = HubConnection | ResumableConnection | DetachedSession
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class SessionHub:
     def __init__(self, settings: Settings, pipeline: ARPipeline | None = None) -> None:
         self.settings = settings
         self._pipeline = pipeline
+        self.admission = admission_policy(settings.admission)
         self.connections: dict[str, HubConnection] = {}
         # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out.
         self.closing: set[HubConnection] = set()
@@ -107,7 +110,8 @@ class SessionHub:
         )
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
-        self.unstarted = UnstartedConnections(settings, self.trusted_proxies, self.refusals)
+        self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
+        self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
         self.shares = ShareRegistry(
             replica_id=settings.replica_id, max_viewers_per_session=settings.max_viewers_per_session
         )
@@ -216,8 +220,8 @@ class SessionHub:
     def rewind_points(self) -> int:
         """Chunk boundaries each session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
         keeps none (vllm-omni, a model without rewind)."""
-        runner = self.worker.runner if self.worker else None
-        return int(getattr(runner, "rewind_keep", 0))
+        stats = self.worker.runner_stats if self.worker else None
+        return stats.rewind_points if stats is not None else 0
 
     def live_or_detached_session(self, session_id: str) -> Session | None:
         """The protocol state of a session this replica holds (connected or detached), or None."""
@@ -260,13 +264,7 @@ class SessionHub:
         if not self.ready:
             return self.not_ready_reason
         live = len(self._live_holders(resuming))
-        if live >= self.session_capacity:
-            return f"all {self.session_capacity} session slots are in use; try again later"
-        if self.settings.admission == "realtime":
-            capacity = self.realtime_capacity()
-            if capacity is not None:
-                return capacity.refusal(live)
-        return None
+        return self.admission.refusal(live, self.session_capacity, self.realtime_capacity)
 
     def realtime_capacity(self) -> RealtimeCapacity | None:
         """How many sessions can each get the model's fps at the measured round times (None before loading)."""
@@ -277,7 +275,7 @@ class SessionHub:
         return realtime_capacity(
             worker.round_times.estimates(),
             chunk_period_s=chunk_period_s(self.model_card),
-            batch_limit=stats.max_batch_sessions,
+            batch_limit=stats.batch_limit,
             kv_capacity=self.session_capacity,
         )
 

@@ -238,7 +238,7 @@ def test_every_end_of_a_session_returns_its_boundaries() -> None:
     for i in range(5):
         runner.execute_tick(tick("b", i))
     runner.branch_session("b", 2, "c")  # capacity 2: makes room by evicting the least recently used, "a"
-    assert not runner.is_resident("a") and runner.evictions_total == 1
+    assert not runner.is_resident("a") and runner.counters.evictions_total == 1
     assert runner.rewind_points("a") == (0, 0)
     with pytest.raises(RewindUnavailable):
         runner.execute_tick(tick("a", 7, rewind_to=1))

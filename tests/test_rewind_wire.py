@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from arstream.app.wire import decode_frame
-from servers import LiveServer, SessionClient, fake_settings, running_server, session_client
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client
 
 
 KEYS = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"]]
@@ -42,13 +42,13 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def chunk(client: SessionClient, tick_id: int, keys: list[str], **fields: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
+async def chunk(client: ProbeClient, tick_id: int, keys: list[str], **fields: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
     """Send one tick and read its chunk (``viewers`` counts before it are passed over)."""
     await client.send(type="tick", tick_id=tick_id, controls={"keys": keys}, **fields)
     return await client_chunk(client)
 
 
-async def client_chunk(client: SessionClient) -> tuple[dict[str, Any], list[np.ndarray]]:
+async def client_chunk(client: ProbeClient) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The next chunk and its pixels, or an `error` (and no pixels)."""
     while True:
         message = await client.recv_json()

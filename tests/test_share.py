@@ -19,6 +19,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
+from arstream.app.connection import Connection
 from arstream.app.outbox import VIEWER_CHUNK_BACKLOG
 from arstream.app.protocol import (
     ErrorCode,
@@ -30,7 +31,7 @@ from arstream.app.protocol import (
 )
 from arstream.app.video import FrameDecoder
 from arstream.app.wire import decode_frame
-from servers import LiveServer, SessionClient, fake_settings, running_server, session_client, wait_until
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
 
 SEED = 3
 HELD = {"keys": ["d"]}
@@ -50,7 +51,7 @@ def share_url(server: LiveServer, token: str) -> str:
     return f"{server.ws_url}?share={token}"
 
 
-async def next_of(client: SessionClient, kind: str) -> dict[str, Any]:
+async def next_of(client: ProbeClient, kind: str) -> dict[str, Any]:
     """The next text message of type ``kind``; binary frames and other texts before it are passed over."""
     while True:
         message = await client.recv()
@@ -58,7 +59,7 @@ async def next_of(client: SessionClient, kind: str) -> dict[str, Any]:
             return json.loads(message)
 
 
-async def viewer_chunk(client: SessionClient) -> tuple[dict[str, Any], list[np.ndarray]]:
+async def viewer_chunk(client: ProbeClient) -> tuple[dict[str, Any], list[np.ndarray]]:
     """A viewer's next chunk and its pixels (``viewers`` messages before it are passed over)."""
     header = await next_of(client, "chunk")
     frames = []
@@ -69,7 +70,7 @@ async def viewer_chunk(client: SessionClient) -> tuple[dict[str, Any], list[np.n
     return header, frames
 
 
-async def tick(client: SessionClient, tick_id: int) -> tuple[dict[str, Any], list[np.ndarray]]:
+async def tick(client: ProbeClient, tick_id: int) -> tuple[dict[str, Any], list[np.ndarray]]:
     await client.send(type="tick", tick_id=tick_id, controls=HELD)
     header = await next_of(client, "chunk")
     frames = []
@@ -222,11 +223,12 @@ def test_a_viewer_that_never_reads_skips_whole_chunks_and_never_holds_the_player
                 sock.connect(("127.0.0.1", live.port))
                 async with connect(share_url(live, token), sock=sock, max_queue=1, max_size=None, proxy=None,
                                    compression=None) as ws:
-                    viewer = SessionClient(ws)
+                    viewer = ProbeClient(ws)
                     await viewer.start(watch=token, codec="raw")
                     hub = live.server.hub  # type: ignore[union-attr]
                     session_id = player.ready["session_id"]  # type: ignore[index]
                     (watcher,) = hub.shares.viewers(session_id).values()
+                    assert isinstance(watcher, Connection)
                     most_queued = 0
                     for tick_id in range(1, chunks + 1):
                         header, _ = await tick(player, tick_id)
