@@ -304,9 +304,9 @@ class SessionClient:
         ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
         session from that boundary of the shared one. Connect with :func:`share_session_url` for both.
         """
-        message = wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume, image=image)
+        start = wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume, image=image)
         branch_field = {"share": branch[0], "chunk": branch[1]} if branch is not None else None
-        await self._send(with_fields(message, watch=watch, branch=branch_field))
+        await self._send(with_fields(start, watch=watch, branch=branch_field))
         message = await self._next_control_message()
         if message["type"] != "ready":
             raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")

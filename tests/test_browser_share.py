@@ -13,13 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     KEY_BITS,
     PageErrors,
-    browser,
     browser_marks,
     debug,
-    errors,
     new_page,
     overlay_text,
     wait,
@@ -27,7 +25,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
     wait_frames_drawn,
     wait_state,
 )
-from tests.servers import LiveServer, fake_settings, running_server
+from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 PHONE = {"width": 390, "height": 844}

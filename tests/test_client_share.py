@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -26,7 +26,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from arstream.app import client, wire
 from servers import LiveServer, fake_settings, running_server
 
-MODEL = {"name": "fake-share", "width": 4, "height": 2, "fps": 16, "frames_per_chunk": 2}
+MODEL: dict[str, Any] = {"name": "fake-share", "width": 4, "height": 2, "fps": 16, "frames_per_chunk": 2}
 LIMITS = {"max_pending_ticks": 3}
 
 
