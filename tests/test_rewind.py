@@ -22,7 +22,9 @@ from arstream.models.fake import FakeKVPipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline, ModelState
-from arstream.runner.pool import plan_pool, session_frames
+from arstream.runner.kv_state import HistoryTables
+from arstream.runner.pool import PagedKVPool, plan_pool, session_frames
+from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
@@ -306,3 +308,20 @@ def test_a_rewind_or_branch_whose_model_state_will_not_go_back_fails_closed() ->
     assert isinstance(result, TickFailure) and not isinstance(result.error, RewindUnavailable)
     assert not runner.is_resident("s")  # half rewound is no state to go on from: released
     _assert_at_baseline(runner)
+
+
+def test_model_state_copies_keep_an_unchanged_tensor_once_and_hand_out_private_copies() -> None:
+    image, canvas = torch.arange(6.0), torch.zeros(3)
+    first = copy_model_state(ModelState({"camera": [0, 0]}, {"image": image, "canvas": canvas}))
+    assert first.tensors["image"] is not image and torch.equal(first.tensors["image"], image)  # cloned
+    canvas += 1  # the pipeline reuses its tensor in place; the kept copy does not change
+    second = copy_model_state(ModelState({"camera": [1, 0]}, {"image": image, "canvas": canvas}), first)
+    assert second.tensors["image"] is first.tensors["image"]  # unchanged: kept once
+    assert torch.equal(first.tensors["canvas"], torch.zeros(3)) and torch.equal(second.tensors["canvas"], canvas)
+    spec = FakeKVPipeline().kv_cache_spec()
+    pool = PagedKVPool(spec, plan_pool(spec, FAKE_KV_BUDGET_BYTES), torch.device("cpu"))
+    points = RewindPoints(pool, keep=2)
+    for index, model in enumerate((first, second)):
+        points.record(Boundary(HistoryTables({"main": []}, {"main": []}, 2 * index, index, 0), model))
+    taken = points.take(0)  # what a pipeline gets is its own: writing to it changes no kept boundary
+    assert taken.model.tensors["image"] is not first.tensors["image"] and points.holds(0) is False
