@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,12 +38,18 @@ OTHER = [["s", "a"], ["w"], ["a"], ["d", "w"], [], ["s"], ["a"]]
 SEED = 1234
 K = 4
 
+def _loaded(name: str, **options: Any) -> ARPipeline:
+    pipeline = load_pipeline(name, "cpu", **options)
+    assert isinstance(pipeline, ARPipeline)  # a built-in model, not a vllm-omni: one
+    return pipeline
+
+
 PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     # a short window, so boundaries reach back past window slides (evicted blocks kept by a boundary, sink kept)
     "fake-kv": lambda: FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2),
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # tiny matrix-game-2 (random weights, seeded): KV, action caches, VAE feature cache, control history, noise
-    "matrix-game-2": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True),
+    "matrix-game-2": lambda: _loaded("matrix-game-2", config="tiny", random_init=True),
 }
 
 
@@ -56,7 +63,7 @@ def _runner(model: str, sessions: int = 3) -> ARRunner:
     return runner_for_sessions(_pipeline(model), sessions, rewind_points=K)
 
 
-def _tick(session: str, index: int, keys: list[list[str]] = KEYS, **fields: object) -> TickRequest:
+def _tick(session: str, index: int, keys: list[list[str]] = KEYS, **fields: Any) -> TickRequest:
     return TickRequest(session_id=session, request_id=index, controls={"keys": keys[index]}, seed=SEED, **fields)
 
 
@@ -240,7 +247,7 @@ def test_every_end_of_a_session_returns_its_boundaries() -> None:
     for i in range(5):
         runner.execute_tick(tick("b", i))
     runner.branch_session("b", 2, "c")  # capacity 2: makes room by evicting the least recently used, "a"
-    assert not runner.is_resident("a") and runner.evictions_total == 1
+    assert not runner.is_resident("a") and runner.counters.evictions_total == 1
     assert runner.rewind_points("a") == (0, 0)
     with pytest.raises(RewindUnavailable):
         runner.execute_tick(tick("a", 7, rewind_to=1))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 
-from arstream.runner.runner import UnsupportedConfiguration
+from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.spec import KVCacheSpec
 
 
