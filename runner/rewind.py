@@ -9,8 +9,10 @@ it, and goes back to the free queue with its last reference. So K boundaries
 cost at most K chunks of blocks beyond the live window, never K copies of it
 (with a sliding window and sink frames, boundary b's visible history is the
 sink plus the window as it was at b: the same sink blocks, older window blocks).
-The model-owned state is copied (tensors cloned) per boundary: a pipeline may
-reuse its tensors in place from one chunk to the next.
+The model-owned state is copied (tensors cloned) per boundary, since a
+pipeline may reuse its tensors in place from one chunk to the next; a tensor
+equal to the previous boundary's of the same name (a start image, a rollout's
+first controls) is kept once, shared by both boundaries.
 
 The runner records the boundary a chunk starts from just before its forward
 (:meth:`RewindPoints.record`), so the boundary the session is at now is the live
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+
+import torch
 
 from arstream.runner.contract import ModelState
 from arstream.runner.kv_state import HistoryTables
@@ -39,9 +43,25 @@ class Boundary:
         return self.tables.chunks_committed
 
 
-def copy_model_state(state: ModelState) -> ModelState:
-    """A copy that later chunks of the session cannot change (JSON deep-copied, tensors cloned)."""
-    return ModelState(copy.deepcopy(state.json), {name: t.clone() for name, t in state.tensors.items()})
+def copy_model_state(state: ModelState, previous: ModelState | None = None) -> ModelState:
+    """A copy that later chunks of the session cannot change (JSON deep-copied, tensors cloned).
+
+    A tensor equal to ``previous``'s tensor of the same name is not cloned
+    again: the copy shares ``previous``'s (kept copies are never written, and
+    one handed to a pipeline is copied first, :meth:`RewindPoints.take`).
+    """
+    tensors = {}
+    for name, tensor in state.tensors.items():
+        kept = previous.tensors.get(name) if previous is not None else None
+        if kept is not None and _same(kept, tensor):
+            tensors[name] = kept
+        else:
+            tensors[name] = tensor.clone()
+    return ModelState(copy.deepcopy(state.json), tensors)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
 
 
 class RewindPoints:
@@ -64,8 +84,8 @@ class RewindPoints:
         return any(b.index == index for b in self._boundaries)
 
     @property
-    def newest(self) -> int | None:
-        return self._boundaries[-1].index if self._boundaries else None
+    def newest(self) -> Boundary | None:
+        return self._boundaries[-1] if self._boundaries else None
 
     def record(self, boundary: Boundary) -> None:
         """Keep ``boundary`` (its references become ours), dropping the oldest beyond ``keep``."""
@@ -77,14 +97,15 @@ class RewindPoints:
         """Remove boundary ``index`` and hand it (with its references) to the caller; later ones are dropped.
 
         A rewind past them makes them unreachable: the session's next chunks
-        start a new line of boundaries from ``index``.
+        start a new line of boundaries from ``index``. The model state handed
+        over is a copy of its own (older boundaries may share its tensors).
         """
         position = next(i for i, b in enumerate(self._boundaries) if b.index == index)
         taken, later = self._boundaries[position], self._boundaries[position + 1 :]
         del self._boundaries[position:]
         for boundary in later:
             self._drop(boundary)
-        return taken
+        return Boundary(taken.tables, copy_model_state(taken.model))
 
     def share(self, index: int) -> Boundary:
         """Boundary ``index`` for another session (a branch): its blocks shared once more, its model state copied."""

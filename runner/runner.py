@@ -310,10 +310,10 @@ class ARRunner:
             f"{oldest}..{newest} (the last {self.rewind_keep} chunks of its current rollout)"
         )
 
-    def _export_model_state(self, session_id: str) -> ModelState:
+    def _export_model_state(self, session_id: str, previous: ModelState | None = None) -> ModelState:
         pipeline = self.pipeline
         assert isinstance(pipeline, SupportsSessionTransfer)  # else rewind_refusal says so
-        return copy_model_state(pipeline.export_session_state(session_id))
+        return copy_model_state(pipeline.export_session_state(session_id), previous)
 
     def _install_model_state(self, session_id: str, boundary: Boundary) -> None:
         pipeline = self.pipeline
@@ -324,9 +324,11 @@ class ARRunner:
     def _record_boundary(self, session_id: str, state: SessionKVState) -> None:
         """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it)."""
         points = self._rewind.get(session_id)
-        if points is None or points.newest == state.chunk_index:
+        newest = None if points is None else points.newest
+        if points is None or (newest is not None and newest.index == state.chunk_index):
             return
-        points.record(Boundary(state.share_tables(), self._export_model_state(session_id)))
+        model = self._export_model_state(session_id, previous=None if newest is None else newest.model)
+        points.record(Boundary(state.share_tables(), model))
 
     def _check_rewind(self, tick: TickRequest) -> None:
         """Raise :class:`RewindUnavailable` unless ``tick.rewind_to`` names a boundary held (after its reset)."""

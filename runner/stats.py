@@ -64,7 +64,7 @@ class RunnerStats:
     batch_limit: int = 1
     batched_forwards_total: int = 0
     batch_fallbacks_total: int = 0
-    # chunk boundaries each session keeps to rewind to or branch from (0: the runtime keeps none)
+    # chunk boundaries each session keeps to rewind to (0: the runtime keeps none; docs/rewind.md)
     rewind_points: int = 0
 
     @classmethod

@@ -300,6 +300,8 @@ def test_watch_links_reach_the_replica_holding_the_session_even_when_it_is_full(
     free slots: viewers landed on the other replica (share_failed) or waited for a slot nobody would free."""
     with two_replicas(tmp_path) as (replicas, lb, stack):
 
+        wait_heard(lb, {"r0": "UP", "r1": "UP"})  # both take sessions before the four players come
+
         async def scenario(sessions: Sessions) -> None:
             players = [await sessions.open(lb.ws_url) for _ in range(2 * CAPACITY)]
             await settle(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,9 @@ from arstream.models.fake import FakeKVPipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline, ModelState
-from arstream.runner.pool import plan_pool, session_frames
+from arstream.runner.kv_state import HistoryTables
+from arstream.runner.pool import PagedKVPool, plan_pool, session_frames
+from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
@@ -35,12 +38,18 @@ OTHER = [["s", "a"], ["w"], ["a"], ["d", "w"], [], ["s"], ["a"]]
 SEED = 1234
 K = 4
 
+def _loaded(name: str, **options: Any) -> ARPipeline:
+    pipeline = load_pipeline(name, "cpu", **options)
+    assert isinstance(pipeline, ARPipeline)  # a built-in model, not a vllm-omni: one
+    return pipeline
+
+
 PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     # a short window, so boundaries reach back past window slides (evicted blocks kept by a boundary, sink kept)
     "fake-kv": lambda: FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2),
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # tiny matrix-game-2 (random weights, seeded): KV, action caches, VAE feature cache, control history, noise
-    "matrix-game-2": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True),
+    "matrix-game-2": lambda: _loaded("matrix-game-2", config="tiny", random_init=True),
 }
 
 
@@ -54,7 +63,7 @@ def _runner(model: str, sessions: int = 3) -> ARRunner:
     return runner_for_sessions(_pipeline(model), sessions, rewind_points=K)
 
 
-def _tick(session: str, index: int, keys: list[list[str]] = KEYS, **fields: object) -> TickRequest:
+def _tick(session: str, index: int, keys: list[list[str]] = KEYS, **fields: Any) -> TickRequest:
     return TickRequest(session_id=session, request_id=index, controls={"keys": keys[index]}, seed=SEED, **fields)
 
 
@@ -306,3 +315,20 @@ def test_a_rewind_or_branch_whose_model_state_will_not_go_back_fails_closed() ->
     assert isinstance(result, TickFailure) and not isinstance(result.error, RewindUnavailable)
     assert not runner.is_resident("s")  # half rewound is no state to go on from: released
     _assert_at_baseline(runner)
+
+
+def test_model_state_copies_keep_an_unchanged_tensor_once_and_hand_out_private_copies() -> None:
+    image, canvas = torch.arange(6.0), torch.zeros(3)
+    first = copy_model_state(ModelState({"camera": [0, 0]}, {"image": image, "canvas": canvas}))
+    assert first.tensors["image"] is not image and torch.equal(first.tensors["image"], image)  # cloned
+    canvas += 1  # the pipeline reuses its tensor in place; the kept copy does not change
+    second = copy_model_state(ModelState({"camera": [1, 0]}, {"image": image, "canvas": canvas}), first)
+    assert second.tensors["image"] is first.tensors["image"]  # unchanged: kept once
+    assert torch.equal(first.tensors["canvas"], torch.zeros(3)) and torch.equal(second.tensors["canvas"], canvas)
+    spec = FakeKVPipeline().kv_cache_spec()
+    pool = PagedKVPool(spec, plan_pool(spec, FAKE_KV_BUDGET_BYTES), torch.device("cpu"))
+    points = RewindPoints(pool, keep=2)
+    for index, model in enumerate((first, second)):
+        points.record(Boundary(HistoryTables({"main": []}, {"main": []}, 2 * index, index, 0), model))
+    taken = points.take(0)  # what a pipeline gets is its own: writing to it changes no kept boundary
+    assert taken.model.tensors["image"] is not first.tensors["image"] and points.holds(0) is False
