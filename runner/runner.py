@@ -117,9 +117,11 @@ class ARRunner:
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
         self.warmup_round_s: dict[int, float] = {}
+        # Rewind points cost capacity (a lot where the model's own state is large): say how much.
+        without = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity
         log.info(
             "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
-            "%d rewind point(s) per session, up to %d session(s) per forward%s",
+            "%d rewind point(s) per session%s, up to %d session(s) per forward%s",
             self.plan.num_blocks,
             self.plan.block_bytes,
             self.plan.scratch_blocks,
@@ -127,6 +129,7 @@ class ARRunner:
             spec.sink_frames,
             spec.window_frames,
             self.rewind_keep,
+            f" ({without} sessions with --rewind-points 0)" if without != self.plan.session_capacity else "",
             self.batch_limit,
             "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
         )
