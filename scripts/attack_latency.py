@@ -32,6 +32,7 @@ send 60 KB bad messages and never read their error replies. The last line is JSO
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import socket
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from websockets.sync.client import connect
+from websockets.sync.client import ClientConnection, connect
 
 from arstream.app.bench import ServerProcess
 
@@ -60,26 +61,21 @@ IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
 # Another loopback address than the honest client's: per-address bounds tell them apart.
 ATTACKER_HOST = "127.0.0.2"
+TICK_IDS = itertools.count()  # strictly increasing across the honest session's phases
 UNBOUNDED = 10**9  # a connection rate no client reaches: the rate bounds lifted
 
 
-def honest_latencies(url: str, seconds: float) -> list[float]:
-    """Round trips (s) of tick -> the chunk's last frame, one tick at a time, for ``seconds``."""
+def honest_latencies(ws: ClientConnection, seconds: float) -> list[float]:
+    """Round trips (s) of tick -> the chunk's last frame on a started session, one tick at a time, for ``seconds``."""
     latencies = []
-    with connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as ws:
-        ws.send(json.dumps({"type": "start"}))
-        json.loads(ws.recv(timeout=60))
-        deadline = time.perf_counter() + seconds
-        tick_id = 0
-        while time.perf_counter() < deadline:
-            sent = time.perf_counter()
-            ws.send(json.dumps({"type": "tick", "tick_id": tick_id}))
-            chunk = json.loads(ws.recv(timeout=60))
-            for _ in range(chunk["frames"]):
-                ws.recv(timeout=60)
-            latencies.append(time.perf_counter() - sent)
-            tick_id += 1
-        ws.send(json.dumps({"type": "close"}))
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        sent = time.perf_counter()
+        ws.send(json.dumps({"type": "tick", "tick_id": next(TICK_IDS)}))
+        chunk = json.loads(ws.recv(timeout=60))
+        for _ in range(chunk["frames"]):
+            ws.recv(timeout=60)
+        latencies.append(time.perf_counter() - sent)
     return latencies
 
 
@@ -206,18 +202,25 @@ def measure_attack(
     tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
     with server_of(serve, cwd) as server, _front(front, server, tree, rate_bounds) as port:
         url = f"ws://127.0.0.1:{port}/v1/sessions" + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
-        honest_latencies(url, 1.0)  # warm
-        alone = summary(honest_latencies(url, seconds))
-        stop = multiprocessing.Event()
-        connections = multiprocessing.Value("i", 0)
-        flood = multiprocessing.Process(target=attacker, args=(port, kind.removesuffix("-no-token"), stop, connections))
-        flood.start()
-        try:
-            time.sleep(0.5)
-            beside = summary(honest_latencies(url, seconds))
-        finally:
-            stop.set()
-            flood.join()
+        # One honest session, started before the attack: what the attack does to sessions already running
+        # (a flood of idle upgrades from many addresses refuses new ones while it holds the waiting cap).
+        with connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as honest:
+            honest.send(json.dumps({"type": "start"}))
+            json.loads(honest.recv(timeout=60))
+            honest_latencies(honest, 1.0)  # warm
+            alone = summary(honest_latencies(honest, seconds))
+            stop = multiprocessing.Event()
+            connections = multiprocessing.Value("i", 0)
+            attack = kind.removesuffix("-no-token")
+            flood = multiprocessing.Process(target=attacker, args=(port, attack, stop, connections))
+            flood.start()
+            try:
+                time.sleep(0.5)
+                beside = summary(honest_latencies(honest, seconds))
+            finally:
+                stop.set()
+                flood.join()
+            honest.send(json.dumps({"type": "close"}))
     ratio = beside["median_ms"] / alone["median_ms"] if beside["median_ms"] and alone["median_ms"] else None
     median_ratio = None if ratio is None else round(ratio, 2)
     return {"alone": alone, "beside": beside, "median_ratio": median_ratio, "connections": connections.value}
