@@ -18,10 +18,14 @@ and docs can compare the two from one budget.
 
 from __future__ import annotations
 
-from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+import torch
 
 from arstream.runner.runner import UnsupportedConfiguration
-from arstream.runner.spec import KVCacheSpec
+from arstream.runner.spec import KVBranch, KVCacheSpec
+from arstream.runner.vllm_omni.deprecations import importing_vllm
+
+with importing_vllm():
+    from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 
 
 def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
@@ -45,6 +49,25 @@ def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
         session_capacity=spec.session_capacity,
         reset_at_boundary=spec.reset_at_boundary,
         model_owned_state_bytes_per_session=spec.model_owned_bytes_per_session,
+    )
+
+
+def from_omni_spec(omni: ARDiffusionKVCacheSpec, dtype: torch.dtype) -> KVCacheSpec:
+    """A vLLM-Omni pipeline's spec in ARStream's terms, for the server's stats and capacity figures."""
+    return KVCacheSpec(
+        num_layers=omni.num_layers,
+        num_kv_heads=omni.num_kv_heads,
+        head_size=omni.head_size,
+        tokens_per_frame=omni.tokens_per_frame,
+        frames_per_chunk=omni.frames_per_block,
+        sink_frames=omni.sink_frames,
+        window_frames=omni.window_frames,
+        kv_branches=tuple(KVBranch(b.name, b.local_index) for b in omni.kv_branches),
+        session_capacity=omni.session_capacity,
+        cross_attention_lengths=dict(omni.cross_attention_lengths),
+        model_owned_bytes_per_session=omni.model_owned_state_bytes_per_session,
+        reset_at_boundary=omni.reset_at_boundary,
+        dtype=dtype,
     )
 
 
