@@ -15,6 +15,7 @@ import asyncio
 import base64
 import io
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,13 @@ stub_torchvision_if_missing()  # before the pipeline module imports: its wan2_2 
 
 from PIL import Image  # noqa: E402
 from servers import fake_settings, running_server, session_client  # noqa: E402
-from tiny_lingbot_world import HEIGHT, TRANSFORMER, WIDTH, build_tiny_lingbot_world, tiny_transformers_allowed  # noqa: E402
+from tiny_lingbot_world import (  # noqa: E402
+    HEIGHT,
+    TRANSFORMER,
+    WIDTH,
+    build_tiny_lingbot_world,
+    tiny_transformers_allowed,
+)
 from vllm_omni.diffusion.models.lingbot_world import pipeline as lingbot_pipeline  # noqa: E402
 from vllm_omni.diffusion.models.lingbot_world.transformer import CausalLingBotWorldTransformer3DModel  # noqa: E402
 
@@ -38,6 +45,7 @@ from arstream.models.registry import load_pipeline  # noqa: E402
 from arstream.runner.runtimes import build_runtime  # noqa: E402
 from arstream.runner.types import TickFailure, TickRequest  # noqa: E402
 from arstream.runner.vllm_omni.native_runner import NativeOmniRunner  # noqa: E402
+from arstream.runner.vllm_omni.spec import omni_session_bytes, omni_session_capacity  # noqa: E402
 
 NAME = "vllm-omni:LingBotWorldCausalDMDPipeline"
 BUDGET = 256 << 20
@@ -67,7 +75,9 @@ def _png(pixels: np.ndarray) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-async def _rollout(url: str, keys: list[list[str]], start: dict[str, Any]) -> list[tuple[dict[str, Any], list[np.ndarray]]]:
+async def _rollout(
+    url: str, keys: list[list[str]], start: dict[str, Any]
+) -> list[tuple[dict[str, Any], list[np.ndarray]]]:
     chunks = []
     async with session_client(url, start={"seed": 11, "codec": "raw", **start}) as client:
         for tick_id, held in enumerate(keys, start=1):
@@ -108,7 +118,8 @@ def test_lingbot_world_is_served_over_the_wire_and_close_frees_the_pool(options:
 
 def test_chunks_continue_the_rollout_and_reset_starts_it_again(runner: NativeOmniRunner) -> None:
     free = runner.blocks_free
-    first = [runner.execute_tick(TickRequest(session_id="s", request_id=i, seed=3, controls={"keys": ["w"]})) for i in range(3)]
+    ticks = [TickRequest(session_id="s", request_id=i, seed=3, controls={"keys": ["w"]}) for i in range(3)]
+    first = [runner.execute_tick(tick) for tick in ticks]
     assert [r.chunk_index for r in first] == [0, 1, 2] and [len(r.frames) for r in first] == [9, 12, 12]
     again = runner.execute_tick(TickRequest(session_id="s", request_id=3, seed=3, controls={"keys": ["w"]}, reset=True))
     assert again.chunk_index == 0 and again.new_rollout and np.array_equal(again.frames, first[0].frames)
@@ -129,6 +140,23 @@ def test_a_failed_decode_closes_the_session(runner: NativeOmniRunner, monkeypatc
     assert isinstance(result, TickFailure) and "decoder failed" in str(result.error)
     assert not runner.is_resident("s") and runner.blocks_free == free and runner.stats().failures_total == 1
     assert "s" not in runner.ticks.pipeline._ar_sessions
+
+
+def test_capacity_is_vllm_omnis_from_the_real_kv_size_and_the_pipelines_session_limit(
+    options: dict[str, Any],
+) -> None:
+    with tiny_transformers_allowed():
+        native = load_pipeline(NAME, **options)
+        roomy = build_runtime("vllm-omni", native, kv_budget_bytes=BUDGET)
+        spec = roomy.spec
+        assert roomy.session_capacity == spec.session_capacity == 2  # LingBot's own limit binds
+        one = omni_session_bytes(spec)
+        tight = build_runtime("vllm-omni", native, kv_budget_bytes=2 * one)  # fixed part + one session, not two
+    assert omni_session_capacity(spec, 2 * one) == tight.session_capacity == 1
+    # The same arithmetic at the published checkpoint's geometry (docs/vllm-omni.md): 21.4 GiB of KV a session.
+    full = replace(spec, num_layers=40, num_kv_heads=40, head_size=128, tokens_per_frame=1560, dtype=torch.bfloat16,
+                   sink_frames=9, window_frames=9, cross_attention_lengths={}, model_owned_bytes_per_session=0)
+    assert round(omni_session_bytes(full) / 2**30, 1) == 21.4
 
 
 def test_dreamzero_is_refused_with_the_reason(tmp_path: Path) -> None:

@@ -39,7 +39,10 @@ def _free_port() -> int:
 @contextmanager
 def worker_context(vllm_config: Any, od_config: Any) -> Iterator[None]:
     """The config context vLLM-Omni's diffusion worker holds while it sets up and loads (layers read it when built)."""
-    with set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config), set_current_vllm_config(vllm_config):
+    with (
+        set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config),
+        set_current_vllm_config(vllm_config),
+    ):
         yield
 
 

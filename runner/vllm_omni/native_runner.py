@@ -107,7 +107,8 @@ class NativeOmniRunner(VllmOmniRunner):
             first = self.frames_committed(tick.session_id) == self.spec.frames_per_chunk
             expected = self.ticks.first_chunk_frames if first else self.ticks.frames_per_chunk
             if frames.shape[0] != expected:
-                raise RuntimeError(f"{self.native.name} decoded {frames.shape[0]} frames, the model card says {expected}")
+                got = frames.shape[0]
+                raise RuntimeError(f"{self.native.name} decoded {got} frames, the model card says {expected}")
         except Exception:
             self.close_session(tick.session_id)
             raise

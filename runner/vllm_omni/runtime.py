@@ -117,7 +117,9 @@ class VllmOmniRunner:
         if max_batch_sessions != 1:
             log.info("vllm-omni runs one session per forward; max_batch_sessions=%d is not used", max_batch_sessions)
         device = torch.device(device)
-        model_runner = build_model_runner(pipeline, device=device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
+        model_runner = build_model_runner(
+            pipeline, device=device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction
+        )
         self._attach(model_runner, pipeline.kv_cache_spec(), device)
 
     def _attach(self, model_runner: Any, spec: KVCacheSpec, device: torch.device) -> None:

@@ -76,18 +76,23 @@ def omni_resident_blocks(spec: KVCacheSpec, frames_committed: int) -> int:
     return min(frames_committed, spec.sink_frames + spec.window_frames)
 
 
+def omni_session_bytes(spec: KVCacheSpec) -> int:
+    """What one resident session costs vLLM-Omni: ``sink + window`` blocks per branch, cross-attention, model state."""
+    resident = (spec.sink_frames + spec.window_frames) * len(spec.kv_branches) * spec.block_bytes
+    return resident + spec.cross_attention_bytes_per_session + spec.model_owned_bytes_per_session
+
+
 def omni_session_capacity(spec: KVCacheSpec, budget_bytes: int) -> int:
     """Resident sessions vLLM-Omni's KV cache admits from ``budget_bytes`` (0 when not even one fits).
 
     Its sizing (``ARDiffusionKVCache``, memory fraction 1): scratch of one
     chunk per branch, one in-flight chunk per branch, two blocks vLLM's block
-    pool keeps for itself (the null block and one spare), and ``sink + window``
-    blocks per branch for each resident session, plus model-owned bytes.
+    pool keeps for itself (the null block and one spare), and per resident
+    session :func:`omni_session_bytes`.
     """
     branches = len(spec.kv_branches)
-    block = spec.block_bytes
-    fixed = (spec.frames_per_chunk * branches + spec.frames_per_chunk * branches + 2) * block
-    per_session = (spec.sink_frames + spec.window_frames) * branches * block + spec.model_owned_bytes_per_session
+    fixed = (spec.frames_per_chunk * branches + spec.frames_per_chunk * branches + 2) * spec.block_bytes
+    per_session = omni_session_bytes(spec)
     if budget_bytes < fixed + per_session:
         return 0
     return min(spec.session_capacity, (budget_bytes - fixed) // per_session)

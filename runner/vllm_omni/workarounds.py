@@ -57,8 +57,8 @@ def stub_torchvision_if_missing() -> bool:
                 del sys.modules[name]
     for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
         sys.modules[name] = _stub_module(name)
-    sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
-    sys.modules["torchvision.transforms"].functional = sys.modules["torchvision.transforms.functional"]  # type: ignore[attr-defined]
+    for parent, child in (("torchvision", "transforms"), ("torchvision.transforms", "functional")):
+        setattr(sys.modules[parent], child, sys.modules[f"{parent}.{child}"])
     return True
 
 
