@@ -1,4 +1,19 @@
-"""Realtime admission: admit a session only while every admitted session still gets the model's fps.
+"""Admission policies, chosen by name (``--admission``): how many sessions a replica serves at once.
+
+- ``kv`` (:class:`KVAdmission`): while the KV pool has a session slot (capped
+  by ``--max-sessions``).
+- ``realtime`` (:class:`RealtimeAdmission`): that, and only while every
+  admitted session still gets the model's fps (below).
+
+A policy answers two questions from the same figures: why one more session
+may not start (:meth:`AdmissionPolicy.refusal`, asked by the hub on start,
+resume and ``/readyz``) and how many sessions it admits in all
+(:meth:`AdmissionPolicy.slots`, the HAProxy agent check's free slots). The
+per-client caps (``--max-sessions-per-client``, ``--max-sessions-per-token``)
+apply under every policy and stay in the hub, which also knows who holds what.
+A new policy is a class here and one entry in :data:`ADMISSION_POLICIES`.
+
+Realtime admission: admit a session only while every admitted session still gets the model's fps.
 
 With ``admission = "realtime"`` the server promises each admitted session one
 chunk per *chunk period*, ``frames_per_chunk / fps`` seconds of video (the
@@ -35,8 +50,9 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol
 
 ROUNDS_KEPT = 32
 
@@ -154,3 +170,67 @@ def chunk_period_s(model_card: Mapping[str, object]) -> float:
     if not isinstance(fps, (int, float)) or not isinstance(frames, int) or fps <= 0 or frames < 1:
         raise ValueError(f"the model card needs a positive fps and frames_per_chunk, got fps={fps!r}, frames={frames!r}")
     return frames / fps
+
+
+# ---- the policies ------------------------------------------------------------------
+
+# What the hub knows about realtime capacity, computed only when a policy asks (None before loading).
+RealtimeFigures = Callable[[], RealtimeCapacity | None]
+
+
+class AdmissionPolicy(Protocol):
+    """What the hub asks of an admission policy; see the module docstring."""
+
+    name: ClassVar[str]
+
+    def refusal(self, live: int, kv_capacity: int, realtime: RealtimeFigures) -> str | None:
+        """Why session ``live + 1`` may not start, or None when it may."""
+        ...
+
+    def slots(self, kv_capacity: int, realtime: RealtimeFigures) -> int:
+        """Sessions admitted in all, live ones included."""
+        ...
+
+
+class KVAdmission:
+    """Admit while the KV pool has a session slot."""
+
+    name: ClassVar[str] = "kv"
+
+    def refusal(self, live: int, kv_capacity: int, realtime: RealtimeFigures) -> str | None:
+        if live >= kv_capacity:
+            return f"all {kv_capacity} session slots are in use; try again later"
+        return None
+
+    def slots(self, kv_capacity: int, realtime: RealtimeFigures) -> int:
+        return kv_capacity
+
+
+class RealtimeAdmission(KVAdmission):
+    """Admit while the KV pool has a slot and every admitted session still gets the model's fps."""
+
+    name: ClassVar[str] = "realtime"
+
+    def refusal(self, live: int, kv_capacity: int, realtime: RealtimeFigures) -> str | None:
+        refusal = super().refusal(live, kv_capacity, realtime)
+        if refusal is not None:
+            return refusal
+        capacity = realtime()
+        return None if capacity is None else capacity.refusal(live)
+
+    def slots(self, kv_capacity: int, realtime: RealtimeFigures) -> int:
+        capacity = realtime()
+        return kv_capacity if capacity is None else min(kv_capacity, capacity.sessions)
+
+
+# The names ``--admission`` takes (settings.py), each with its policy.
+AdmissionName = Literal["kv", "realtime"]
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {policy.name: policy for policy in (KVAdmission, RealtimeAdmission)}
+
+
+def admission_policy(name: str) -> AdmissionPolicy:
+    """The policy ``--admission name`` chooses."""
+    try:
+        return ADMISSION_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown admission policy {name!r}; expected one of {list(ADMISSION_POLICIES)}") from None

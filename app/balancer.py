@@ -104,11 +104,7 @@ class BalancerLedger:
 
 def free_slots(hub: SessionHub) -> int:
     """Sessions the replica would admit now: its KV slots (or realtime capacity) less those held or resuming."""
-    slots = hub.session_capacity
-    if hub.settings.admission == "realtime":
-        capacity = hub.realtime_capacity()
-        if capacity is not None:
-            slots = min(slots, capacity.sessions)
+    slots = hub.admission.slots(hub.session_capacity, hub.realtime_capacity)
     return max(0, slots - len(hub.connections) - len(hub.resume.resuming))
 
 

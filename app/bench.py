@@ -59,9 +59,9 @@ import torch
 import websockets
 
 from arstream.app import wire
-from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
+from arstream.cli import main_for
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys, forward_split_s
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
@@ -98,7 +98,7 @@ class ServerProcess:
         self.command = [sys.executable, "-P", "-m", "arstream", "serve", "--port", "0", *serve_args]
         self.env = env
         # Another checkout's directory runs that checkout's server (its `arstream` package comes first).
-        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.cwd = cwd or os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the checkout root
         self.base_url = ""
         self.output: deque[str] = deque(maxlen=200)
         self._listening = threading.Event()
@@ -330,13 +330,14 @@ def server_frames_per_s(figures: Sequence[SessionFigures]) -> float:
 
 
 class BareRunner:
-    """The same model in this process, driven straight through ARRunner.execute, one call per chunk boundary."""
+    """The same model in this process, driven straight through the runtime's execute, one call per chunk boundary."""
 
     def __init__(self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int) -> None:
-        from arstream.runner.runner import ARRunner
+        from arstream.runner.runtimes import build_runtime
 
-        self.runner = ARRunner(
-            pipeline, device=device, kv_budget_bytes=kv_budget_bytes, max_batch_sessions=max_batch_sessions
+        self.pipeline = pipeline
+        self.runner = build_runtime(
+            "arstream", pipeline, device=device, kv_budget_bytes=kv_budget_bytes, max_batch_sessions=max_batch_sessions
         )
         self.runner.warmup()
         self.keys = control_keys(self.runner.model_card())
@@ -364,7 +365,7 @@ class BareRunner:
             for result in self.runner.execute(ticks):
                 if not isinstance(result, ChunkResult):
                     raise RuntimeError(f"bare runner chunk failed: {result.error!r}")
-            split = forward_split_s(self.runner.pipeline)
+            split = forward_split_s(self.pipeline)
             if split is not None:
                 self.forward_splits.append(split)
         elapsed = time.perf_counter() - started

@@ -38,8 +38,8 @@ import numpy as np
 import websockets
 
 from arstream.app import wire
-from arstream.app.cli import main_for
 from arstream.app.video import FrameDecoder
+from arstream.cli import main_for
 from arstream.measure import percentile
 
 NO_KEYS = ("-", "none")

@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 
 SECRET_ENV = "ARSTREAM_CLUSTER_SECRET"
 # The replica's route (app/migration.py); defined here so this command does not load the server (or torch).

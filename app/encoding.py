@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from arstream.app import wire
+from arstream.app.codecs import ChunkEncoder, new_encoder
 
 log = logging.getLogger("arstream.encoding")
 
@@ -102,47 +102,6 @@ class OrderedLanes:
         with self._lock:
             self._closed = True
         self._executor.shutdown(wait=wait, cancel_futures=True)
-
-
-class ChunkEncoder:
-    """Encodes one session's chunks, in order, into complete binary frame messages.
-
-    Stateless codecs (raw, JPEG) encode each frame alone. Subclasses that keep
-    state across chunks (video) override :meth:`encode` and :meth:`close`.
-    """
-
-    def __init__(self, codec: str, quality: int) -> None:
-        self.codec = codec
-        self.quality = quality
-        # Resolved once: the name never changes for this encoder (a new codec gets a new encoder).
-        self._codec = wire.Codec.from_name(codec)
-
-    def encode(self, frames: np.ndarray, *, chunk_index: int, tick_id: int) -> list[bytes]:
-        return wire.encode_chunk(
-            frames,
-            codec=self._codec,
-            quality=self.quality,
-            chunk_index=chunk_index,
-            tick_id=tick_id,
-        )
-
-    def close(self) -> None:
-        """Free codec resources; the default holds none."""
-
-
-def new_encoder(codec: str, quality: int) -> ChunkEncoder:
-    """The encoder for a session that asked for ``codec`` at ``quality``."""
-    if codec == wire.Codec.H264.wire_name:
-        # Imported here: the video module builds on this one (and PyAV is an optional extra).
-        from arstream.app.video import H264ChunkEncoder
-
-        return H264ChunkEncoder(codec, quality)
-    if codec.startswith("fmp4/"):
-        # The realtime video dialect's fragmented MP4 (one message per chunk), not an ARF1 codec.
-        from arstream.app.fmp4 import FragmentedMP4ChunkEncoder
-
-        return FragmentedMP4ChunkEncoder(codec, quality)
-    return ChunkEncoder(codec, quality)
 
 
 class EncoderPool:

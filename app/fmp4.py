@@ -32,7 +32,6 @@ from fractions import Fraction
 
 import numpy as np
 
-from arstream.app.encoding import ChunkEncoder
 from arstream.app.video import H264Stream
 
 CODEC_PREFIX = "fmp4/"
@@ -182,11 +181,10 @@ class FragmentedMP4Stream:
         self._h264.close()
 
 
-class FragmentedMP4ChunkEncoder(ChunkEncoder):
+class FragmentedMP4ChunkEncoder:
     """The encoder pool's chunk encoder for an fMP4 codec name (:func:`fmp4_codec`): one message per chunk."""
 
     def __init__(self, codec: str, quality: int) -> None:
-        # Not ChunkEncoder.__init__: that resolves an ARF1 codec id, and fMP4 is not carried in ARF1 frames.
         self.codec = codec
         self.quality = quality
         self._fps = fps_of_codec(codec)

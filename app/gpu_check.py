@@ -17,7 +17,7 @@ ends (so a run cut short by a timeout still returns what it measured):
    the largest count. A session count whose projected time would pass
    ``--deadline-s`` is skipped (and says so), so the run ends in time.
 
-The last line printed is one JSON object: these phases, ``aims`` (issue 19's
+The last line printed is one JSON object: these phases, ``aims`` (the GPU
 targets, checked), ``errors`` (a phase that failed, with its message; the
 others still run) and where the ``arstream`` package was imported from.
 """
@@ -43,7 +43,7 @@ import torch
 
 import arstream
 from arstream.app import bench
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.measure import percentile, print_summary
 from arstream.models.matrix_game.config import get_config
 from arstream.runner.threads import default_torch_threads
@@ -284,13 +284,14 @@ def modules_elsewhere() -> list[str]:
     (an editable install's finder filling in what the copy lacks, say), which
     would hide a packaging bug.
     """
-    package = Path(arstream.__file__).resolve().parent
+    # Absolute, not resolved: in a checkout arstream/app is a symlink to ../app, still inside the package.
+    package = Path(os.path.abspath(arstream.__file__)).parent
     return sorted(
         name
         for name, module in list(sys.modules.items())
         if name.split(".")[0] == "arstream"
-        and getattr(module, "__file__", None)
-        and not Path(module.__file__).resolve().is_relative_to(package)
+        and (path := getattr(module, "__file__", None))
+        and not Path(os.path.abspath(path)).is_relative_to(package)
     )
 
 

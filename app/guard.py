@@ -72,7 +72,7 @@ PARSE_SLICE_BYTES = 1024
 # sent `start` before reading the refusal is not reset (which could lose the refusal) for that.
 REFUSED_DISCARD_BYTES = 65536
 TRANSPORT_EXTENSION = "arstream.transport"
-# Banned addresses kept before expired bans are swept (each entry is a few hundred bytes).
+# Banned addresses (and connection rate budgets) kept before expired ones are swept (a few hundred bytes each).
 BAN_TABLE_PRUNE_AT = 4096
 
 
@@ -147,18 +147,54 @@ def resolved_max_connections(settings: Settings) -> int:
     return max(1, min(DEFAULT_MAX_CONNECTIONS, available))
 
 
+class FloodBans:
+    """Client addresses closed over their frame budget: no new connections from them for ``ban_s``.
+
+    Reconnecting is what made a flood cheap to repeat. A direct client's address is refused when it connects
+    (:meth:`ConnectionGuard.admit`); behind a trusted proxy the client's forwarded address is refused before
+    the WebSocket upgrade (app/unstarted.py), and the proxy's own address, which stands for everyone, is
+    never banned.
+    """
+
+    def __init__(self, ban_s: float, trusted: TrustedProxies) -> None:
+        self.ban_s = ban_s
+        self.trusted = trusted
+        self._until: dict[str, float] = {}  # client address -> monotonic time its ban ends
+
+    def ban(self, host: str | None) -> None:
+        if not host or self.ban_s <= 0 or host in self.trusted:
+            return
+        now = time.monotonic()
+        if len(self._until) >= BAN_TABLE_PRUNE_AT:
+            self._until = {h: until for h, until in self._until.items() if until > now}
+        self._until[host] = now + self.ban_s
+
+    def seconds_left(self, host: str) -> float:
+        """How long ``host`` stays banned (0: it is not)."""
+        until = self._until.get(host)
+        if until is None:
+            return 0.0
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._until[host]
+            return 0.0
+        return left
+
+
 class ConnectionGuard:
     """Open TCP connections by peer address; :meth:`admit` says whether one more may stay."""
 
-    def __init__(self, settings: Settings, refusals: RefusalLog) -> None:
+    def __init__(self, settings: Settings, refusals: RefusalLog, bans: FloodBans) -> None:
         self.max_total = resolved_max_connections(settings)
         self.max_per_peer = settings.max_connections_per_client
-        self.trusted = TrustedProxies(settings.forwarded_allow_ips)
+        self.trusted = bans.trusted
         self.refusals = refusals
-        self.ban_s = settings.frame_flood_ban_s
+        self.bans = bans
         self._peers: dict[asyncio.BaseTransport, str] = {}
         self._per_peer: dict[str, int] = {}
-        self._banned_until: dict[str, float] = {}  # client address -> monotonic time its ban ends
+        self.rate_per_peer = settings.connection_rate_per_client
+        self.burst_per_peer = settings.connection_burst_per_client
+        self._new_connections: dict[str, MessageBudget] = {}  # client address -> its connection rate budget
 
     @property
     def open(self) -> int:
@@ -172,12 +208,9 @@ class ConnectionGuard:
         if len(self._peers) >= self.max_total:
             self.refusals.note("max_connections", f"{self.max_total} connections are open (max_connections)")
             return False
-        banned_until = self._banned_until.get(host)
-        if banned_until is not None:
-            if time.monotonic() < banned_until:
-                self.refusals.note("frame_flood_ban", f"{host} flooded frames; no connections for {self.ban_s:g} s")
-                return False
-            del self._banned_until[host]
+        if self.bans.seconds_left(host):
+            self.refusals.note("frame_flood_ban", f"{host} flooded frames; no connections for {self.bans.ban_s:g} s")
+            return False
         held = self._per_peer.get(host, 0)
         if self.max_per_peer is not None and held >= self.max_per_peer and host not in self.trusted:
             self.refusals.note(
@@ -185,22 +218,28 @@ class ConnectionGuard:
                 f"{host} already holds {held} connections (max_connections_per_client {self.max_per_peer})",
             )
             return False
+        if not self._within_rate(host):
+            self.refusals.note(
+                "connection_rate_per_client",
+                f"{host} opens connections faster than {self.rate_per_peer:g}/s (connection_rate_per_client)",
+            )
+            return False
         self._peers[transport] = host
         self._per_peer[host] = held + 1
         return True
 
-    def ban(self, transport: asyncio.BaseTransport) -> None:
-        """The connection was closed over its frame budget: refuse its address's new connections for ``ban_s``.
-
-        Reconnecting is what made a flood cheap to repeat; a proxy's address stands for everyone, so it is
-        never banned."""
-        host = self._peers.get(transport)
-        if host is None or self.ban_s <= 0 or host in self.trusted:
-            return
+    def _within_rate(self, host: str) -> bool:
+        """Spend from ``host``'s connection budget. Bounds what reconnecting costs: a connection refused here
+        is closed before any byte of it is read (an address refused for another reason spends nothing)."""
+        if self.rate_per_peer is None or host in self.trusted:
+            return True
         now = time.monotonic()
-        if len(self._banned_until) >= BAN_TABLE_PRUNE_AT:
-            self._banned_until = {h: until for h, until in self._banned_until.items() if until > now}
-        self._banned_until[host] = now + self.ban_s
+        budget = self._new_connections.get(host)
+        if budget is None:
+            if len(self._new_connections) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
+                self._new_connections = {h: b for h, b in self._new_connections.items() if not b.full(now)}
+            budget = self._new_connections[host] = MessageBudget(self.rate_per_peer, self.burst_per_peer, now)
+        return budget.try_spend(now)
 
     def release(self, transport: asyncio.BaseTransport) -> None:
         host = self._peers.pop(transport, None)
@@ -393,7 +432,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._frames.delay(self.loop.time()) <= 0:
             return True
         self._over_frame_budget = True
-        self.guard.ban(self.transport)
+        # The client's address: behind a trusted proxy uvicorn has put the forwarded one in the scope.
+        client = getattr(self, "scope", {}).get("client") or self.transport.get_extra_info("peername")
+        self.guard.bans.ban(str(client[0]) if client else None)
         reason = f"over {self.max_frames_per_s:g} fragments and control frames/s (max_frames_per_s)"
         self.guard.refusals.note(
             "frame_budget",
@@ -490,10 +531,10 @@ def transport_control(scope: Any) -> GuardedWebSocketProtocol | None:
 
 
 def protocol_classes(
-    settings: Settings, refusals: RefusalLog
+    settings: Settings, refusals: RefusalLog, bans: FloodBans
 ) -> tuple[type[GuardedHttpProtocol], type[GuardedWebSocketProtocol], ConnectionGuard]:
     """This server's HTTP and WebSocket protocol classes, sharing one :class:`ConnectionGuard`."""
-    guard = ConnectionGuard(settings, refusals)
+    guard = ConnectionGuard(settings, refusals, bans)
     http = type(
         "ARStreamHttpProtocol",
         (GuardedHttpProtocol,),

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import torch
 
-from arstream.app.admission import RealtimeCapacity, chunk_period_s, realtime_capacity
-from arstream.app.guard import RefusalLog, TrustedProxies
+from arstream.app.admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
+from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
 from arstream.app.metrics import ServerMetrics
 from arstream.app.resume import DetachedSession, ResumableConnection, ResumeRegistry
 from arstream.app.settings import Settings
@@ -68,6 +68,7 @@ class SessionHub:
     def __init__(self, settings: Settings, pipeline: ARPipeline | None = None) -> None:
         self.settings = settings
         self._pipeline = pipeline
+        self.admission = admission_policy(settings.admission)
         self.connections: dict[str, Connection] = {}
         # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out.
         self.closing: set[Connection] = set()
@@ -86,7 +87,8 @@ class SessionHub:
         )
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
-        self.unstarted = UnstartedConnections(settings, self.trusted_proxies, self.refusals)
+        self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
+        self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
         )
@@ -218,13 +220,7 @@ class SessionHub:
         if not self.ready:
             return self.not_ready_reason
         live = len(self._live_holders(resuming))
-        if live >= self.session_capacity:
-            return f"all {self.session_capacity} session slots are in use; try again later"
-        if self.settings.admission == "realtime":
-            capacity = self.realtime_capacity()
-            if capacity is not None:
-                return capacity.refusal(live)
-        return None
+        return self.admission.refusal(live, self.session_capacity, self.realtime_capacity)
 
     def realtime_capacity(self) -> RealtimeCapacity | None:
         """How many sessions can each get the model's fps at the measured round times (None before loading)."""
@@ -235,7 +231,7 @@ class SessionHub:
         return realtime_capacity(
             worker.round_times.estimates(),
             chunk_period_s=chunk_period_s(self.model_card),
-            batch_limit=stats.max_batch_sessions,
+            batch_limit=stats.batch_limit,
             kv_capacity=self.session_capacity,
         )
 

@@ -1,4 +1,4 @@
-"""Per-session budgets a client cannot exceed: message rate, and the size of a controls object.
+"""Budgets a client cannot exceed: message and connection rates, and the size of a controls object.
 
 Both run before any expensive work: the rate budget decides when the
 receive loop reads the next message (a client past its rate is simply read
@@ -20,14 +20,30 @@ class MessageBudget:
         self._tokens = float(burst)
         self._stamp = now
 
-    def delay(self, now: float) -> float:
-        """Seconds to wait before the next message may be read (0 when it may be read now); spends a token."""
+    def _refill(self, now: float) -> None:
         self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate_per_s)
         self._stamp = now
+
+    def delay(self, now: float) -> float:
+        """Seconds to wait before the next message may be read (0 when it may be read now); spends a token."""
+        self._refill(now)
         self._tokens -= 1.0
         if self._tokens >= 0.0:
             return 0.0
         return -self._tokens / self.rate_per_s
+
+    def try_spend(self, now: float) -> bool:
+        """Spend a token if there is a whole one; a refusal spends nothing, so the budget refills while refused."""
+        self._refill(now)
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def full(self, now: float) -> bool:
+        """Whether the bucket has refilled completely (its owner has been quiet long enough to be forgotten)."""
+        self._refill(now)
+        return self._tokens >= self.burst
 
 
 def count_exceeds(value: Any, limit: int) -> bool:

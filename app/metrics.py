@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from arstream.app.admission import chunk_period_s
 from arstream.app.balancer import free_slots
-from arstream.runner.runner import RunnerStats
+from arstream.runner.stats import RunnerStats
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub

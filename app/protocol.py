@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from arstream.app.video import h264_available
+from arstream.app.codecs import CODECS, CodecName
 from arstream.app.wire import PROTOCOL_VERSION
 
 MAX_JSON_DEPTH = 32
@@ -212,7 +212,7 @@ class StartMessage(_ClientMessage):
     type: Literal["start"]
     prompt: str | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    codec: Literal["jpeg", "raw", "h264"] | None = None
+    codec: CodecName | None = None
     quality: Annotated[int, Field(ge=1, le=100)] | None = None
     # A resume ticket's token (PROTOCOL.md, "Resume after a dropped connection").
     resume: Annotated[str, Field(min_length=1, max_length=MAX_RESUME_TOKEN_CHARS)] | None = None
@@ -222,9 +222,11 @@ class StartMessage(_ClientMessage):
     @field_validator("codec")
     @classmethod
     def _codec_available(cls, value: str | None) -> str | None:
-        # PyAV is an optional extra: a server without it says so at start, not at the first chunk.
-        if value == "h264" and not h264_available():
-            raise ValueError("this server cannot encode h264 (PyAV with libx264 is not installed); use jpeg or raw")
+        # A codec's dependency may be an optional extra: a server without it says so at start, not at the first chunk.
+        reason = None if value is None else CODECS[value].unavailable_reason()
+        if reason is not None:
+            usable = [name for name, codec in CODECS.items() if codec.available()]
+            raise ValueError(f"this server cannot encode {value} ({reason}); use one of {usable}")
         return value
 
 

@@ -53,7 +53,8 @@ from arstream.app.realtime_video_events import (
     parse_start,
 )
 from arstream.app.session import Session, SessionState
-from arstream.app.start_image import StartImage, StartImageRefused
+from arstream.app.start_image import StartImageRefused
+from arstream.runner.types import StartImage
 from arstream.app.worker import OutcomeKind, TickOutcome
 
 if TYPE_CHECKING:

@@ -34,12 +34,12 @@ from arstream.app.connection import Connection
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
-from arstream.app.cli import main_for
 from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
 from arstream.app.migration import add_cluster_routes
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
+from arstream.cli import main_for
 from arstream.runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")
@@ -75,6 +75,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     )
     app.state.hub = hub
     app.state.refusals = hub.refusals
+    app.state.flood_bans = hub.flood_bans
     app.state.agent = None
     hub.metrics.registry.register(ReplicaCollector(hub))
     app.add_middleware(SecurityHeaders)
@@ -177,7 +178,7 @@ class ARStreamServer(uvicorn.Server):
 def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvicorn.Config:
     """One worker, no per-message deflate, a frame limit just above the protocol's message limit, and the
     transport bounds of :mod:`arstream.app.guard` (connection caps, request heads, closes)."""
-    http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals)
+    http_protocol, ws_protocol, guard = protocol_classes(settings, app.state.refusals, app.state.flood_bans)
     app.state.guard = guard
     if settings.max_unstarted_connections >= guard.max_total:
         log.warning(

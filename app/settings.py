@@ -18,6 +18,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arstream.app.admission import AdmissionName
+from arstream.app.codecs import CODECS, CodecName
 from arstream.app.start_image import base64_length
 from arstream.app.wire import FULL_CHROMA_MAX_PIXELS
 from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
@@ -76,7 +78,7 @@ class Settings(BaseSettings):
         description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "
         "needs the vllm-omni extra; docs/vllm-omni.md)",
     )
-    admission: Literal["kv", "realtime"] = Field(
+    admission: AdmissionName = Field(
         "kv",
         description="kv: admit while the KV pool has a session slot; realtime: also only while every admitted "
         "session still gets the model's fps at the measured chunk times (docs/server.md)",
@@ -107,7 +109,7 @@ class Settings(BaseSettings):
     start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
     auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
     allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
-    codec: Literal["jpeg", "raw", "h264"] = Field("jpeg", description="frame codec when `start` names none")
+    codec: CodecName = Field("jpeg", description="frame codec when `start` names none")
     jpeg_quality: int = Field(80, ge=1, le=100, description="JPEG quality when `start` names none")
     small_frame_jpeg_quality: int = Field(
         95,
@@ -167,6 +169,13 @@ class Settings(BaseSettings):
     )
     max_connections_per_client: int | None = Field(
         32, ge=1, description="open TCP connections per peer address (trusted proxies are exempt)"
+    )
+    connection_rate_per_client: float | None = Field(
+        10.0, gt=0, description="new TCP connections per second one peer address may open on average (trusted "
+        "proxies are exempt); past it they are closed at once, before any byte is read"
+    )
+    connection_burst_per_client: int = Field(
+        30, ge=1, description="new TCP connections one peer address may open at once before its rate applies"
     )
     max_unstarted_connections: int = Field(
         64,
@@ -239,6 +248,15 @@ class Settings(BaseSettings):
     def _runtime_runs_the_model(cls, value: str, info: ValidationInfo) -> str:
         if "model" in info.data:
             check_runtime(info.data["model"], value)
+        return value
+
+    @field_validator("codec")
+    @classmethod
+    def _codec_can_encode(cls, value: str) -> str:
+        # Refused before the port is bound, not at the first chunk: `--codec h264` on a machine without PyAV.
+        reason = CODECS[value].unavailable_reason()
+        if reason is not None:
+            raise ValueError(reason)
         return value
 
     @field_validator("log_level", mode="before")
@@ -424,7 +442,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def settings_from_argv(argv: Sequence[str]) -> Settings:
     """Parse ``arstream serve`` flags; flags given win over the environment."""
-    from arstream.app.cli import CommandParser
+    from arstream.cli import CommandParser
 
     parser = CommandParser(prog="arstream serve")
     add_settings_arguments(parser)

@@ -7,24 +7,27 @@ connection cap, after which even health checks are refused. So past
 ``max_unstarted_connections`` in all, or ``max_unstarted_connections_per_client``
 from one address (trusted proxies' own address exempt, as for the session
 caps), the upgrade is refused with HTTP 503 at once: the TCP connection
-closes when the answer is written, so a refused client holds nothing.
+closes when the answer is written, so a refused client holds nothing. A
+client banned for a frame flood (app/guard.py ``FloodBans``) is refused the
+same way: behind a proxy, this is the first place that knows its address.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from arstream.app.guard import RefusalLog, TrustedProxies
+from arstream.app.guard import FloodBans, RefusalLog
 from arstream.app.settings import Settings
 
 
 class UnstartedConnections:
     """Who is waiting to start a session; lives on the event loop (no locking)."""
 
-    def __init__(self, settings: Settings, trusted: TrustedProxies, refusals: RefusalLog) -> None:
+    def __init__(self, settings: Settings, bans: FloodBans, refusals: RefusalLog) -> None:
         self.max_total = settings.max_unstarted_connections
         self.max_per_client = settings.max_unstarted_connections_per_client
-        self.trusted = trusted
+        self.bans = bans
+        self.trusted = bans.trusted
         self.refusals = refusals
         self._hosts: dict[object, str] = {}  # waiting connection -> its client address
         self._per_host: Counter[str] = Counter()
@@ -35,6 +38,12 @@ class UnstartedConnections:
 
     def refusal(self, host: str) -> str | None:
         """Why one more connection from ``host`` may not wait to start a session, or None (and it is logged)."""
+        banned = self.bans.seconds_left(host)
+        if banned:
+            # Behind a trusted proxy a banned client is only known here, after its request head.
+            why = f"this client address flooded frames; no new sessions for {banned:.0f} s (frame_flood_ban_s)"
+            self.refusals.note("frame_flood_ban", why)
+            return why
         if len(self._hosts) >= self.max_total:
             why = (
                 f"{len(self._hosts)} connections are already waiting to start a session "

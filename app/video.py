@@ -14,7 +14,8 @@ is one access unit in Annex B form (start codes, SPS and PPS in front of each
 keyframe), flag bit 1 marks keyframes. A new stream (a new encoder) starts at
 every rollout start (chunk_index 0: start, reset, restart after eviction), on
 resume and when the session's codec or quality changes; see
-:class:`arstream.app.encoding.EncoderPool`.
+:class:`arstream.app.encoding.EncoderPool`; the codec table (:mod:`arstream.app.codecs`) maps
+``h264`` to :class:`H264ChunkEncoder`.
 
 ``quality`` (1..100, as for JPEG) maps to x264's constant rate factor:
 ``crf = round(51 - 0.35 * quality)``, so the default 80 gives crf 23, x264's own
@@ -34,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from arstream.app import wire
-from arstream.app.encoding import ChunkEncoder
 
 ENCODER = "libx264"
 DECODER = "h264"
@@ -121,11 +121,12 @@ class H264Stream:
         self._context = None
 
 
-class H264ChunkEncoder(ChunkEncoder):
+class H264ChunkEncoder:
     """The encoder pool's chunk encoder for ``codec: "h264"``: one stream across the session's chunks."""
 
     def __init__(self, codec: str, quality: int) -> None:
-        super().__init__(codec, quality)
+        self.codec = codec
+        self.quality = quality
         self._stream: H264Stream | None = None
 
     def encode(self, frames: np.ndarray, *, chunk_index: int, tick_id: int) -> list[bytes]:

@@ -41,8 +41,9 @@ MAX_ID = 2**32 - 1
 class Codec(IntEnum):
     """Codec ids in the header's codec byte; the lower-case member name is the codec's name in ``start``.
 
-    A new codec is one line here plus its payload in :func:`encode_frame` and
-    :func:`decode_payload`; ids are never reused.
+    A new codec is one line here (its id; ids are never reused), a stateless one's payload in
+    :func:`encode_frame` and :func:`decode_payload`, and its row in the codec table
+    (:mod:`arstream.app.codecs`).
     """
 
     RAW = 0  # RGB24, row-major, width * height * 3 bytes

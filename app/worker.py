@@ -7,12 +7,13 @@ the worker answers with :class:`TickOutcome` objects through
 
 Scheduling: control jobs (releases) run first at every chunk boundary, so a
 session that went away frees its KV before anyone else's chunk needs room.
-Sessions with queued ticks are served round robin, one tick per session per
-round. At each chunk boundary the worker takes the next tick of each of up to
-``runner.batch_limit`` sessions (the ``max_batch_sessions`` setting, when the
-model batches) and hands them to :meth:`ARRunner.execute` together, which
-runs sessions with equally long histories as one forward; every tick still
-gets its own outcome, and a model failure fails only its own session.
+Which ticks run next is :mod:`arstream.app.scheduler`'s decision (lanes, round
+robin, the straggler wait), made under the worker's lock with the time passed
+in. A round is the next tick of each of up to ``runtime.batch_limit``
+sessions (the ``max_batch_sessions`` setting, when the model batches), handed
+to :meth:`Runtime.execute` together, which runs sessions with equally long
+histories as one forward; every tick still gets its own outcome, and a model
+failure fails only its own session.
 
 The worker runs forwards and nothing else: every outcome goes to the
 :class:`~arstream.app.encoding.EncoderPool`, whose threads encode frames and
@@ -38,11 +39,13 @@ from typing import TypeVar
 
 from arstream.app.admission import RoundTimes
 from arstream.app.encoding import EncoderPool
+from arstream.app.scheduler import RoundScheduler, Run, TickLanes
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
-from arstream.runner.runner import ARRunner, RunnerStats
+from arstream.runner.runtimes import Runtime
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+from arstream.runner.stats import RunnerStats
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
@@ -130,7 +133,7 @@ class ModelWorker:
 
     def __init__(
         self,
-        build_runner: Callable[[], ARRunner],
+        build_runner: Callable[[], Runtime],
         *,
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[TickOutcome], None],
@@ -146,17 +149,12 @@ class ModelWorker:
         self._on_ready = on_ready
         self._max_pending_ticks = max_pending_ticks
         self._cond = threading.Condition()
-        # Each session's queued ticks, in order; a session is in _ready_order while its lane is non-empty.
-        self._lanes: dict[str, deque[TickJob]] = {}
-        self._ready_order: deque[str] = deque()
+        # Each session's queued ticks and the round-robin line (guarded by _cond).
+        self._lanes: TickLanes[TickJob] = TickLanes()
+        self._scheduler = RoundScheduler(batch_wait_fraction)
         self._controls: deque[Callable[[], None]] = deque()
         self._stopping = False
-        self._queued = 0
-        # The last round's sessions and its duration: who the next round waits a moment for (_wait_for_stragglers).
-        self._batch_wait_fraction = batch_wait_fraction
-        self._last_round: set[str] = set()
-        self._last_round_s = 0.0
-        self.runner: ARRunner | None = None
+        self.runner: Runtime | None = None
         self.runner_stats: RunnerStats | None = None
         self.model_card: dict | None = None
         # Worker-thread bookkeeping per session id: had a failed forward / chunks generated.
@@ -178,23 +176,20 @@ class ModelWorker:
     @property
     def queue_depth(self) -> int:
         """Ticks queued and not yet running."""
-        return self._queued
+        return self._lanes.queued
 
     def submit(self, job: TickJob) -> None:
         """Queue an accepted tick behind the session's earlier ones."""
         with self._cond:
             if self._stopping:
                 return
-            lane = self._lanes.setdefault(job.session.id, deque())
-            if len(lane) >= self._max_pending_ticks:
+            queued = self._lanes.lane_length(job.session.id)
+            if queued >= self._max_pending_ticks:
                 raise QueueBoundExceeded(
-                    f"session {job.session.id} already has {len(lane)} queued ticks "
+                    f"session {job.session.id} already has {queued} queued ticks "
                     f"(max_pending_ticks={self._max_pending_ticks})"
                 )
-            if not lane:
-                self._ready_order.append(job.session.id)
-            lane.append(job)
-            self._queued += 1
+            self._lanes.push(job.session.id, job)
             self._cond.notify()
 
     def drop_session(self, session_id: str) -> int:
@@ -212,13 +207,8 @@ class ModelWorker:
 
     def _take_lane(self, session_id: str) -> tuple[TickJob, ...]:
         """Remove the session's queued ticks (call with the lock held)."""
-        self._last_round.discard(session_id)
-        lane = self._lanes.pop(session_id, None)
-        if not lane:
-            return ()
-        self._queued -= len(lane)
-        self._ready_order.remove(session_id)
-        return tuple(lane)
+        self._scheduler.forget(session_id)
+        return self._lanes.take_lane(session_id)
 
     def session_position(self, session_id: str) -> asyncio.Future[SessionPosition]:
         """Resolves on the event loop with where the session stands once none of its ticks is running.
@@ -261,7 +251,7 @@ class ModelWorker:
         the hook).
         """
 
-        def export(runner: ARRunner) -> SessionSnapshot:
+        def export(runner: Runtime) -> SessionSnapshot:
             snapshot = export_session(runner, session_id, protocol_version=PROTOCOL_VERSION)
             # Copies on the CPU: serialising them off the worker thread must not race the next forward.
             snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}
@@ -272,14 +262,14 @@ class ModelWorker:
     def import_session(self, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
         """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""
 
-        def adopt(runner: ARRunner) -> None:
+        def adopt(runner: Runtime) -> None:
             import_session(runner, session_id, snapshot, protocol_version=PROTOCOL_VERSION)
             self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
             self._encoders.restart_stream(session_id)
 
         return self._control(adopt, lane=None)
 
-    def _control(self, function: Callable[[ARRunner], _T], *, lane: str | None) -> asyncio.Future[_T]:
+    def _control(self, function: Callable[[Runtime], _T], *, lane: str | None) -> asyncio.Future[_T]:
         """Run ``function(runner)`` on the worker at the next chunk boundary; its result or error resolves the future."""
         future: asyncio.Future[_T] = self._loop.create_future()
 
@@ -325,8 +315,6 @@ class ModelWorker:
         with self._cond:
             self._stopping = True
             self._lanes.clear()
-            self._ready_order.clear()
-            self._queued = 0
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -342,12 +330,12 @@ class ModelWorker:
             self.runner = self._build_runner()
             self.runner.on_evict = self._on_evict
             self.model_card = self.runner.model_card()
-            # Warm-up's round time per batch size: realtime admission's first figures (a runtime without may omit it).
-            warmup_round_s: dict[int, float] = getattr(self.runner, "warmup_round_s", {})
+            # Warm-up's round time per batch size: realtime admission's first figures.
+            warmup_round_s = self.runner.warmup_round_s
             for sessions, seconds in warmup_round_s.items():
                 self.round_times.record(sessions, seconds)
-            # What a first round from idle waits against (_wait_for_stragglers), until rounds are measured.
-            self._last_round_s = warmup_round_s.get(1, 0.0)
+            # What a first round from idle waits against, until rounds are measured.
+            self._scheduler.last_round_s = warmup_round_s.get(1, 0.0)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
             log.exception("model failed to load")
@@ -356,71 +344,31 @@ class ModelWorker:
         self._loop.call_soon_threadsafe(self._on_ready, None)
         while True:
             with self._cond:
-                while not (self._stopping or self._controls or self._ready_order):
-                    self._cond.wait()
-                self._wait_for_stragglers()
-                if self._controls:
-                    control = self._controls.popleft()
-                    jobs: list[TickJob] = []
-                elif self._stopping:
-                    return
-                else:
-                    control = None
-                    jobs = self._take_round(self.runner.batch_limit)
+                work = self._next_work()
+            if work is None:
+                return
             try:
-                if control is not None:
-                    control()
+                if isinstance(work, list):
+                    self._run_jobs(work)
                 else:
-                    self._run_jobs(jobs)
+                    work()
             except BaseException:  # noqa: BLE001 - the worker must outlive any one job
                 log.exception("worker job failed")
             finally:
                 self._publish_stats()
 
-    def _wait_for_stragglers(self) -> None:
-        """Give the last round's sessions a moment to queue their next tick, so a round is not split in two.
-
-        A client sends its next tick when it has read a chunk, so at a round
-        boundary some of the last round's sessions may have a tick on its way.
-        Running now would make a partial round, and then a whole forward for
-        the stragglers alone. Waiting up to ``batch_wait_fraction`` of the last
-        round's time for them (while the batch has room) costs little; a session
-        that really stopped sending is out of the next round and so is not
-        waited for again. A round that starts from idle (nobody in the last
-        round: the server's first round, or everyone had left) waits that long
-        for others' first ticks. Called with the lock held.
-        """
-        if not self._batch_wait_fraction or self.runner is None:
-            return
-        deadline = time.monotonic() + self._batch_wait_fraction * self._last_round_s
-        while not (self._stopping or self._controls) and len(self._ready_order) < self.runner.batch_limit:
-            # From idle (no last round), wait the whole moment: sessions that start together (a burst of
-            # new clients, or of resumes after a restart) share their first forward. Had the first one
-            # run alone, the rest would be a chunk behind it, and sessions whose histories differ in
-            # length cannot share a forward until their windows are full: every round would run twice.
-            if self._last_round and self._last_round.issubset(self._ready_order):
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._cond.wait(left)
-
-    def _take_round(self, sessions: int) -> list[TickJob]:
-        """The next tick of each of the first ``sessions`` sessions in line (call with the lock held)."""
-        jobs: list[TickJob] = []
-        still_queued: list[str] = []
-        while self._ready_order and len(jobs) < sessions:
-            session_id = self._ready_order.popleft()
-            lane = self._lanes[session_id]
-            jobs.append(lane.popleft())
-            self._queued -= 1
-            if lane:
-                still_queued.append(session_id)
-            else:
-                del self._lanes[session_id]
-        # Back of the line: one tick per session per round.
-        self._ready_order.extend(still_queued)
-        return jobs
+    def _next_work(self) -> Callable[[], None] | list[TickJob] | None:
+        """Wait for the next control job or round of ticks (call with the lock held); None when stopping."""
+        assert self.runner is not None
+        while True:
+            if self._controls:
+                return self._controls.popleft()
+            if self._stopping:
+                return None
+            step = self._scheduler.next_round(self._lanes.line, self.runner.batch_limit, now=time.monotonic())
+            if isinstance(step, Run):
+                return self._lanes.take_round(step.sessions)
+            self._cond.wait(step.seconds)
 
     def _publish_stats(self) -> None:
         if self.runner is not None:
@@ -479,10 +427,10 @@ class ModelWorker:
                 error = f"runner failed: {type(exc).__name__}: {exc}"
                 self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
             return
-        self._last_round_s = time.perf_counter() - started
-        self.round_times.record(len(runnable), self._last_round_s)
+        round_s = time.perf_counter() - started
+        self.round_times.record(len(runnable), round_s)
         with self._cond:
-            self._last_round = {job.session.id for job, _, _ in runnable}
+            self._scheduler.round_ran([job.session.id for job, _, _ in runnable], round_s)
         # Before any outcome leaves, so a client that has its chunk sees the pool as that round left it.
         self._publish_stats()
         for (job, inputs, _tick), result in zip(runnable, results):

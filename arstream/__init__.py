@@ -3,7 +3,8 @@
 The distribution installs one import namespace: ``arstream.app`` (transport),
 ``arstream.runner`` (model-neutral AR runtime) and ``arstream.models``
 (pipelines). The source folders stay at the top of the repository
-(``app/``, ``runner/``, ``models/``); ``pyproject.toml`` maps them here.
+(``app/``, ``runner/``, ``models/``, ``static/``); ``arstream/app`` and the
+others are symlinks to them, so every tool finds ``arstream.app.x`` by path.
 """
 
 from importlib.metadata import PackageNotFoundError, version

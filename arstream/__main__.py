@@ -2,6 +2,6 @@
 
 import sys
 
-from arstream.app.cli import main
+from arstream.cli import main
 
 sys.exit(main())

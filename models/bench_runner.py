@@ -26,8 +26,9 @@ import torch
 
 from arstream.measure import compare, print_summary
 from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
-from arstream.runner.runner import ARRunner, UnsupportedConfiguration
-from arstream.runner.runtimes import RUNTIMES, Runtime, build_runtime
+from arstream.runner.runner import ARRunner
+from arstream.runner.runtimes import Runtime, build_runtime
+from arstream.runner.types import RUNTIMES, UnsupportedConfiguration
 from arstream.runner.threads import default_torch_threads
 from arstream.runner.types import TickRequest
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -33,38 +32,17 @@ from arstream.runner.contract import ARPipeline, SupportsBatchedChunks, Supports
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.spec import KVCacheSpec
+from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
 
 log = logging.getLogger("arstream.runner")
 
 RUNTIME = "arstream"  # the name `arstream serve --runtime` gives this runner (runner/types.py RUNTIMES)
 WARMUP_SESSION_ID = "__arstream_warmup__"
-CHUNK_TIMES_KEPT = 100_000
 
 
 class ChunkShapeError(RuntimeError):
     """A pipeline returned frames that are not uint8 ``[F, H, W, 3]``."""
-
-
-@dataclass(frozen=True)
-class RunnerStats:
-    blocks_total: int
-    blocks_free: int
-    blocks_used: int
-    scratch_blocks: int
-    block_bytes: int
-    pool_bytes: int
-    session_capacity: int
-    sessions_resident: int
-    sink_frames: int
-    window_frames: int
-    frames_per_chunk: int
-    evictions_total: int
-    failures_total: int
-    chunks_total: int
-    max_batch_sessions: int = 1
-    batched_forwards_total: int = 0
-    batch_fallbacks_total: int = 0
 
 
 def _device_sync(device: torch.device) -> None:
@@ -107,15 +85,7 @@ class ARRunner:
         self.blocks_free_at_start = self.pool.num_free
         self._sync = sync
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
-        # One entry per chunk, bounded so a long-running server does not grow. A batched
-        # forward adds one entry per chunk, each its whole wall time (what every row waited).
-        self.chunk_times_s: deque[float] = deque(maxlen=CHUNK_TIMES_KEPT)
-        self.chunks_total = 0
-        self.evictions_total = 0
-        self.failures_total = 0
-        self.batched_forwards_total = 0
-        # batched forwards that raised; their ticks were run again one by one
-        self.batch_fallbacks_total = 0
+        self.counters = RuntimeCounters()
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
         self.warmup_round_s: dict[int, float] = {}
@@ -189,7 +159,7 @@ class ARRunner:
             while len(self._sessions) >= self.session_capacity:
                 oldest = next(iter(self._sessions))
                 self._release(oldest, reset_model=False, reason="lru_eviction", suppress_errors=True)
-                self.evictions_total += 1
+                self.counters.evictions_total += 1
                 if self.on_evict is not None:
                     self.on_evict(oldest)
             state = SessionKVState(self.pool, session_id)
@@ -238,7 +208,7 @@ class ARRunner:
                 yield state
             self._sync(self.device)
         except BaseException:
-            self.failures_total += 1
+            self.counters.failures_total += 1
             self._release(session_id, reset_model=False, reason="forward_exception", suppress_errors=True)
             log.warning("forward failed for session=%s; its KV and model state were released", session_id)
             raise
@@ -318,8 +288,7 @@ class ARRunner:
                     f"pipeline did not commit exactly one chunk (chunk index {chunk_index} -> {state.chunk_index})"
                 )
         compute_s = time.perf_counter() - started
-        self.chunk_times_s.append(compute_s)
-        self.chunks_total += 1
+        self.counters.chunks(compute_s)
         return ChunkResult(
             session_id=tick.session_id,
             request_id=tick.request_id,
@@ -370,9 +339,8 @@ class ARRunner:
         for state in states:
             state.accept_chunk()
         compute_s = time.perf_counter() - started
-        self.batched_forwards_total += 1
-        self.chunks_total += len(ticks)
-        self.chunk_times_s.extend([compute_s] * len(ticks))
+        self.counters.batched_forwards_total += 1
+        self.counters.chunks(compute_s, len(ticks))
         return [
             ChunkResult(
                 session_id=tick.session_id,
@@ -388,7 +356,7 @@ class ARRunner:
 
     def _fail_batch(self, ticks: Sequence[TickRequest], error: BaseException) -> None:
         """Release every session of a batch that failed after the pipeline's forward returned."""
-        self.failures_total += len(ticks)
+        self.counters.failures_total += len(ticks)
         for tick in ticks:
             self._release(tick.session_id, reset_model=False, reason="forward_exception", suppress_errors=True)
         log.warning(
@@ -402,7 +370,7 @@ class ARRunner:
         self, ticks: Sequence[TickRequest], states: list[SessionKVState], error: BaseException
     ) -> dict[str, TickFailure]:
         """Put every session of a failed batch back as it was; a session that cannot be is released."""
-        self.batch_fallbacks_total += 1
+        self.counters.batch_fallbacks_total += 1
         log.warning(
             "batched forward of %d sessions failed (%s: %s); running each alone",
             len(ticks),
@@ -414,7 +382,7 @@ class ARRunner:
             try:
                 state.abort_forward()
             except Exception as exc:  # noqa: BLE001 - fail closed: release rather than retry from doubtful KV
-                self.failures_total += 1
+                self.counters.failures_total += 1
                 self._release(tick.session_id, reset_model=False, reason="batch_abort_failed", suppress_errors=True)
                 failed[tick.session_id] = TickFailure(tick.session_id, tick.request_id, exc)
         return failed
@@ -454,17 +422,15 @@ class ARRunner:
             for session_id in session_ids:
                 if session_id in self._sessions:  # left over by a warm-up step that raised
                     self._release(session_id, reset_model=False, reason="warmup_complete", suppress_errors=True)
-            # Warm-up chunks are not traffic: keep the counters users see clean.
-            self.chunk_times_s.clear()
-            self.chunks_total = 0
-            self.batched_forwards_total = 0
-            self.batch_fallbacks_total = 0
+            self.counters.forget_warmup()
         if self.pool.num_free != free_before:
             raise RuntimeError(f"warm-up did not restore the KV pool (free {free_before} -> {self.pool.num_free})")
         return ran
 
     def stats(self) -> RunnerStats:
-        return RunnerStats(
+        return RunnerStats.build(
+            spec=self.spec,
+            counters=self.counters,
             blocks_total=self.pool.num_blocks,
             blocks_free=self.pool.num_free,
             blocks_used=self.pool.num_used,
@@ -473,15 +439,7 @@ class ARRunner:
             pool_bytes=self.plan.pool_bytes,
             session_capacity=self.session_capacity,
             sessions_resident=len(self._sessions),
-            sink_frames=self.spec.sink_frames,
-            window_frames=self.spec.window_frames,
-            frames_per_chunk=self.spec.frames_per_chunk,
-            evictions_total=self.evictions_total,
-            failures_total=self.failures_total,
-            chunks_total=self.chunks_total,
-            max_batch_sessions=self.batch_limit,
-            batched_forwards_total=self.batched_forwards_total,
-            batch_fallbacks_total=self.batch_fallbacks_total,
+            batch_limit=self.batch_limit,
         )
 
     def model_card(self) -> dict[str, Any]:

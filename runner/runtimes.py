@@ -7,15 +7,15 @@ the optional extra ``arstream[vllm-omni]``; see docs/vllm-omni.md.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from arstream.runner.contract import ARPipeline
-from arstream.runner.runner import ARRunner, RunnerStats
+from arstream.runner.runner import ARRunner
 from arstream.runner.spec import KVCacheSpec
+from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import RUNTIMES, ChunkResult, TickRequest, TickResult, UnsupportedConfiguration
 from arstream.runner.vllm_omni.native import NativePipeline, vllm_omni_available
 
@@ -24,7 +24,7 @@ class Runtime(Protocol):
     """What the worker, the hub and the benches call on a runner."""
 
     spec: KVCacheSpec
-    chunk_times_s: deque[float]
+    counters: RuntimeCounters
     on_evict: Callable[[str], None] | None
     warmup_round_s: dict[int, float]
 

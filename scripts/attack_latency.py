@@ -1,4 +1,4 @@
-"""An honest session's chunk latency alone and beside each connection-level attack (issue 20), side by side.
+"""An honest session's chunk latency alone and beside each connection-level attack, side by side.
 
 For each attack the same honest client (tick, wait for its chunk, repeat) runs
 for ``--seconds`` alone and then beside the attacker, on a fresh server. The
@@ -7,15 +7,26 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``fragments``: a text message's 1-byte continuation fragments, as fast as the server takes them;
 - ``pongs``: empty pongs, as fast as the server takes them;
 - ``fragments-no-token``: the fragments, from a client without the server's ``--auth-token``;
+- ``idle-upgrades``: WebSocket upgrades that never send ``start``, from 250 loopback addresses
+  (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
   connection costs; per-address connection limits belong in front, see docs/public.md).
 
+``--fronts direct haproxy`` measures each attack against the server alone
+and behind HAProxy running the shipped configuration (deploy/haproxy, rendered
+by each tree's own render.py), where per-source limits come first.
+
+``--without-rate-bounds`` adds the same runs with the per-address connection
+rate bounds lifted (the replica's ``--connection-rate-per-client`` and
+HAProxy's ``--per-source-connection-rate``), side by side.
+
 ``--before-tree DIR`` runs the same attacks against the server of another
-checkout (e.g. ``git worktree add /tmp/before HEAD~1``) in the same run, so the
+checkout (e.g. ``git worktree add /tmp/before HEAD~1``, with its own venv in
+``DIR/.venv`` holding an editable install of it) in the same run, so the
 table compares before and after. ``--rss`` adds the memory of 16 sessions that
 send 60 KB bad messages and never read their error replies. The last line is JSON.
 
-    .venv/bin/python scripts/attack_latency.py --seconds 6 --before-tree /tmp/before --rss
+    .venv/bin/python scripts/attack_latency.py --seconds 6 --before-tree /tmp/before --rss --fronts direct haproxy
 """
 
 from __future__ import annotations
@@ -23,12 +34,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 from websockets.sync.client import connect
 
 from arstream.app.bench import ServerProcess
@@ -37,10 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
 
 TOKEN = "bench-token"
-ATTACKS = ("fragments", "pongs", "fragments-no-token", "reconnect")
+ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect")
+IDLE_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 251)]
+IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
 # Another loopback address than the honest client's: per-address bounds tell them apart.
 ATTACKER_HOST = "127.0.0.2"
+UNBOUNDED = 10**9  # a connection rate no client reaches: the rate bounds lifted
 
 
 def honest_latencies(url: str, seconds: float) -> list[float]:
@@ -66,6 +86,9 @@ def honest_latencies(url: str, seconds: float) -> list[float]:
 def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
     """Flood tiny frames; reconnect whenever the server drops the connection (in its own process: in the
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
+    if kind == "idle-upgrades":
+        idle_upgrades(port, stop, connections)
+        return
     while not stop.is_set():
         try:
             client = RawWebSocket(port, source_host=ATTACKER_HOST)
@@ -89,6 +112,25 @@ def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
             client.close()
 
 
+def idle_upgrades(port: int, stop: Any, connections: Any) -> None:
+    """Upgrade and say nothing, from many addresses (per-address caps alone do not stop it), holding each."""
+    held: list[RawWebSocket] = []
+    index = 0
+    try:
+        while not stop.is_set():
+            index += 1
+            try:
+                held.append(RawWebSocket(port, source_host=IDLE_ADDRESSES[index % len(IDLE_ADDRESSES)]))
+            except OSError:
+                continue
+            connections.value += 1
+            if len(held) > IDLE_HELD:
+                held.pop(0).close()
+    finally:
+        for client in held:
+            client.close()
+
+
 def summary(latencies: list[float]) -> dict[str, Any]:
     ordered = sorted(latencies)
     return {
@@ -98,15 +140,72 @@ def summary(latencies: list[float]) -> dict[str, Any]:
     }
 
 
-def measure_attack(kind: str, *, seconds: float, model: str, cwd: str | None) -> dict[str, Any]:
-    # No trusted proxy: the loopback attacker is a client like any other (trusted addresses are exempt from
-    # the per-address bounds, as a proxy's own address stands for everyone).
-    serve = ["--model", model, "--log-level", "warning", "--forwarded-allow-ips", ""]
+def server_of(serve: list[str], tree: str | None) -> ServerProcess:
+    """This checkout's server, or another checkout's run by that checkout's own venv (``TREE/.venv``, an
+    editable install of it): the server runs with ``python -P``, so the working directory alone selects nothing."""
+    server = ServerProcess(serve, cwd=tree)
+    if tree is not None:
+        python = Path(tree) / ".venv" / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"{python} is missing: give the other checkout its own venv (pip install -e .)")
+        server.command[0] = str(python)
+    return server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def haproxy_in_front(replica_port: int, tree: Path, rate_bounds: bool) -> Iterator[int]:
+    """HAProxy with ``tree``'s shipped configuration in front of one replica; yields its port."""
+    port, stats_port = free_port(), free_port()
+    render = tree / "deploy" / "haproxy" / "render.py"
+    config_text = subprocess.run(
+        [sys.executable, str(render), "--replica", f"r0=127.0.0.1:{replica_port}/8", "--check-interval", "1s",
+         "--bind", f"127.0.0.1:{port}", "--stats-bind", f"127.0.0.1:{stats_port}",
+         *([] if rate_bounds else ["--per-source-connection-rate", str(UNBOUNDED)])],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".cfg") as config:
+        config.write(config_text)
+        config.flush()
+        process = subprocess.Popen(["haproxy", "-db", "-f", config.name], stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 30
+            while not _ready(f"http://127.0.0.1:{port}/readyz"):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("HAProxy did not start serving the replica")
+                time.sleep(0.2)
+            yield port
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def measure_attack(
+    kind: str, *, seconds: float, model: str, cwd: str | None, front: str, rate_bounds: bool = True
+) -> dict[str, Any]:
+    # Direct: no trusted proxy, so the loopback attacker is a client like any other (trusted addresses are exempt
+    # from the per-address bounds, as a proxy's own address stands for everyone). Behind HAProxy: the default,
+    # which trusts HAProxy's loopback address and reads the client's from X-Forwarded-For.
+    serve = ["--model", model, "--log-level", "warning"] + (["--forwarded-allow-ips", ""] if front == "direct" else [])
     if kind.endswith("no-token"):
         serve += ["--auth-token", TOKEN]
-    with ServerProcess(serve, cwd=cwd) as server:
-        url = server.sessions_url + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
-        port = int(server.base_url.rsplit(":", 1)[1])
+    if not rate_bounds:
+        serve += ["--connection-rate-per-client", str(UNBOUNDED)]
+    tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
+    with server_of(serve, cwd) as server, _front(front, server, tree, rate_bounds) as port:
+        url = f"ws://127.0.0.1:{port}/v1/sessions" + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
         honest_latencies(url, 1.0)  # warm
         alone = summary(honest_latencies(url, seconds))
         stop = multiprocessing.Event()
@@ -124,10 +223,21 @@ def measure_attack(kind: str, *, seconds: float, model: str, cwd: str | None) ->
     return {"alone": alone, "beside": beside, "median_ratio": median_ratio, "connections": connections.value}
 
 
+@contextmanager
+def _front(front: str, server: ServerProcess, tree: Path, rate_bounds: bool) -> Iterator[int]:
+    """The port clients connect to: the server's own, or HAProxy's in front of it."""
+    replica_port = int(server.base_url.rsplit(":", 1)[1])
+    if front == "direct":
+        yield replica_port
+    else:
+        with haproxy_in_front(replica_port, tree, rate_bounds) as port:
+            yield port
+
+
 def measure_rss(*, model: str, cwd: str | None) -> float:
     """MB the server grows by with 16 sessions that send 60 KB bad messages and never read."""
     bad = json.dumps({"type": "é" * 30_000}, ensure_ascii=False)
-    with ServerProcess(["--model", model, "--log-level", "warning"], cwd=cwd) as server:
+    with server_of(["--model", model, "--log-level", "warning"], cwd) as server:
         port = int(server.base_url.rsplit(":", 1)[1])
         pid = server._process.pid  # type: ignore[union-attr]
         before = rss_bytes(pid)
@@ -152,20 +262,28 @@ def main() -> None:
     parser.add_argument("--model", default="fake-kv")
     parser.add_argument("--attacks", nargs="*", default=list(ATTACKS), choices=ATTACKS)
     parser.add_argument("--before-tree", help="another checkout whose server is measured the same way")
+    parser.add_argument("--fronts", nargs="*", default=["direct"], choices=("direct", "haproxy"))
+    parser.add_argument("--without-rate-bounds", action="store_true", help="also with the connection rate bounds lifted")
     parser.add_argument("--rss", action="store_true", help="also the 16 non-reading sessions' memory")
     args = parser.parse_args()
     trees = {"after": None} if args.before_tree is None else {"before": args.before_tree, "after": None}
+    variants = [(label, cwd, True) for label, cwd in trees.items()]
+    if args.without_rate_bounds:
+        variants.append(("no-rate", None, False))
     results: dict[str, Any] = {}
-    for kind in args.attacks:
-        for label, cwd in trees.items():
-            result = measure_attack(kind, seconds=args.seconds, model=args.model, cwd=cwd)
-            results[f"{kind}/{label}"] = result
-            print(
-                f"{kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
-                f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
-                f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused ones included)",
-                flush=True,
-            )
+    for front in args.fronts:
+        for kind in args.attacks:
+            for label, cwd, bounded in variants:
+                result = measure_attack(
+                    kind, seconds=args.seconds, model=args.model, cwd=cwd, front=front, rate_bounds=bounded
+                )
+                results[f"{front}/{kind}/{label}"] = result
+                print(
+                    f"{front:8s} {kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
+                    f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
+                    f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)",
+                    flush=True,
+                )
     if args.rss:
         for label, cwd in trees.items():
             results[f"rss-16-non-readers/{label}"] = measure_rss(model=args.model, cwd=cwd)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from typing import Any
 
 import httpx
 
@@ -39,7 +40,7 @@ SECRET = "bench-drain-cluster-secret"
 CHUNKS_BEFORE_DRAIN = 3
 
 
-def start_replica(name: str, model: str, options: dict, stack: ExitStack) -> str:
+def start_replica(name: str, model: str, options: dict[str, Any], stack: ExitStack) -> str:
     """An ``arstream serve`` process; its URL once it prints that it is listening."""
     process = subprocess.Popen(
         [sys.executable, "-m", "arstream", "serve", "--port", "0", "--replica-id", name, "--model", model,
@@ -48,7 +49,8 @@ def start_replica(name: str, model: str, options: dict, stack: ExitStack) -> str
         stdout=subprocess.PIPE,
         text=True,
     )
-    stack.callback(lambda: (process.terminate(), process.wait(30)))
+    stack.callback(process.wait, 30)  # callbacks run last-in first-out: terminate, then wait
+    stack.callback(process.terminate)
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith("ARSTREAM_LISTENING"):
@@ -84,7 +86,7 @@ async def one_session(r0: str, r1: str, streaming: asyncio.Event, drain_started:
         }
 
 
-async def one_round(r0: str, r1: str, sessions: int) -> tuple[list[dict[str, float]], dict]:
+async def one_round(r0: str, r1: str, sessions: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
     events = [asyncio.Event() for _ in range(sessions)]
     drain_started: list[float] = []
     tasks = [asyncio.create_task(one_session(r0, r1, event, drain_started)) for event in events]
@@ -108,7 +110,7 @@ def main() -> int:
     args = parser.parse_args()
     options = json.loads(args.model_options)
     samples: list[dict[str, float]] = []
-    reports: list[dict] = []
+    reports: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         with ExitStack() as stack:
             r0 = start_replica("r0", args.model, options, stack)

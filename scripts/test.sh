@@ -21,4 +21,9 @@ fi
 # setuptools warns at length about every editable install from a checkout with an arstream/ folder; it is expected.
 PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e ".[test]"
 
+# The whole suite (no arguments, as CI runs it) starts with the type check: mypy over the whole tree, as
+# configured in pyproject.toml ([tool.mypy]).
+if [ $# -eq 0 ]; then
+    .venv/bin/python -m mypy
+fi
 exec .venv/bin/python -m pytest -q "$@"

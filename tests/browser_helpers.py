@@ -1,6 +1,6 @@
 """Shared pieces of the browser tests (tests/test_browser*.py): Debian's Chromium through Playwright.
 
-The servers are real (``tests.servers.running_server``) and run the fake-kv
+The servers are real (``servers.running_server``) and run the fake-kv
 pipeline, whose 8x8 frames are one flat colour: G is the frame's absolute
 position (so the picture changes every frame) and B has a bit per held key
 (w=1, a=2, s=4, d=8), so a test can see a key press reach the screen. The page
@@ -9,13 +9,12 @@ errors, the last close, held keys) for these checks.
 
 Playwright's string predicates run through ``eval``, which the server's
 Content-Security-Policy forbids, so test contexts bypass the CSP; one test
-loads the page under the real CSP.
+loads the page under the real CSP. The ``browser`` and ``errors`` fixtures are in conftest.py.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +41,6 @@ browser_marks = [
 ]
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
 class PageErrors:
     """Collects JavaScript errors of every page opened in a context; assert none at the end."""
 
@@ -64,14 +53,6 @@ class PageErrors:
 
     def check(self) -> None:
         assert not self.errors, f"JavaScript errors on the page: {self.errors}"
-
-
-@pytest.fixture
-def errors() -> Iterator[PageErrors]:
-    """A test's PageErrors; the test fails if any watched page raised a JavaScript error."""
-    errors = PageErrors()
-    yield errors
-    errors.check()
 
 
 def new_page(context: Any, errors: PageErrors) -> Any:

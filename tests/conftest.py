@@ -1,5 +1,6 @@
-"""Shared fixtures. Plain helpers live beside them: ``servers`` (live servers, ``LiveServer.settled``)
-and ``runner_fakes`` (spec and runner builders, ticks, runner fakes).
+"""Shared fixtures. Plain helpers live beside them: ``servers`` (live servers, ``LiveServer.settled``),
+``runner_fakes`` (spec and runner builders, ticks, runner fakes) and ``browser_helpers`` (the page checks
+behind the ``browser`` and ``errors`` fixtures here).
 
 Checks that belong to every test of a kind, like "every session's KV blocks
 came back", run as the last step of the test itself (:func:`check_at_end`),
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from browser_helpers import CHROMIUM, CHROMIUM_ARGS, PageErrors
 from servers import LiveServer
 
 END_CHECKS = pytest.StashKey[list[Callable[[], object]]]()
@@ -52,3 +54,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's Chromium through Playwright, one per test module (browser tests, ``browser_marks``)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def errors() -> Iterator[PageErrors]:
+    """A test's PageErrors; the test fails if any watched page raised a JavaScript error."""
+    errors = PageErrors()
+    yield errors
+    errors.check()

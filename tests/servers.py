@@ -36,6 +36,7 @@ from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.contract import ARPipeline
 from arstream.runner.runner import WARMUP_SESSION_ID, ARRunner
+from arstream.runner.runtimes import Runtime
 from arstream.runner.types import TickRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +225,7 @@ def make_session(session_id: str) -> Session:
 async def with_worker(
     pipeline: ARPipeline,
     body: Callable[[ModelWorker, asyncio.Queue[TickOutcome]], Awaitable[Any]],
-    runner_class: type[ARRunner] = ARRunner,
+    runner_class: Callable[..., Runtime] = ARRunner,
     *,
     encode_threads: int | None = None,
     max_batch_sessions: int = 1,
@@ -239,7 +240,7 @@ async def with_worker(
     outcomes: asyncio.Queue[TickOutcome] = asyncio.Queue()
     loaded: asyncio.Future[BaseException | None] = loop.create_future()
 
-    def build_runner() -> ARRunner:
+    def build_runner() -> Runtime:
         runner = runner_class(pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=max_batch_sessions)
         if warmup:
             runner.warmup()
@@ -311,7 +312,7 @@ class ClosedBy:
     messages: list[dict[str, Any]]
 
 
-class SessionClient:
+class ProbeClient:
     """A thin test client over a real ``websockets`` connection; every wait has a hang guard."""
 
     def __init__(self, ws: ClientConnection) -> None:
@@ -373,7 +374,7 @@ async def session_client(
     headers: Iterable[tuple[str, str]] | None = None,
     origin: str | None = None,
     max_queue: int | None = 16,
-) -> AsyncIterator[SessionClient]:
+) -> AsyncIterator[ProbeClient]:
     """Connect (and, when ``start`` is given, send it and read `ready`)."""
     async with connect(
         url,
@@ -386,7 +387,7 @@ async def session_client(
         open_timeout=RECEIVE_GUARD_S,
         close_timeout=5,
     ) as ws:
-        client = SessionClient(ws)
+        client = ProbeClient(ws)
         if start is not None:
             await client.start(**start)
         yield client

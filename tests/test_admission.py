@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from arstream.app.admission import (
+    ADMISSION_POLICIES,
+    AdmissionName,
+    KVAdmission,
+    RealtimeAdmission,
+    RealtimeCapacity,
     RoundTimes,
+    admission_policy,
     chunk_period_s,
     cycle_seconds,
     realtime_capacity,
@@ -19,6 +25,43 @@ from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import TickRequest
 from servers import fake_settings, running_server, session_client
+
+# ---- the policies, on chosen figures ----------------------------------------------------------
+
+
+def realtime_of(sessions: int) -> RealtimeCapacity:
+    return RealtimeCapacity(sessions, chunk_period_s=0.25, batch_limit=1, kv_capacity=8, next_cycle_s=0.3)
+
+
+def never_asked() -> RealtimeCapacity | None:
+    raise AssertionError("kv admission must not compute realtime figures")
+
+
+def test_every_admission_name_chooses_its_policy() -> None:
+    assert set(ADMISSION_POLICIES) == set(get_args(AdmissionName))
+    assert isinstance(admission_policy("kv"), KVAdmission) and not isinstance(admission_policy("kv"), RealtimeAdmission)
+    assert isinstance(admission_policy("realtime"), RealtimeAdmission)
+    with pytest.raises(ValueError, match=r"unknown admission policy 'fifo'; expected one of \['kv', 'realtime'\]"):
+        admission_policy("fifo")
+
+
+def test_kv_admission_counts_only_the_pools_slots() -> None:
+    kv = KVAdmission()
+    assert kv.refusal(7, 8, never_asked) is None
+    assert kv.refusal(8, 8, never_asked) == "all 8 session slots are in use; try again later"
+    assert kv.slots(8, never_asked) == 8
+
+
+def test_realtime_admission_refuses_past_its_capacity_and_never_past_the_pool() -> None:
+    realtime = RealtimeAdmission()
+    assert realtime.refusal(1, 8, lambda: realtime_of(2)) is None
+    refusal = realtime.refusal(2, 8, lambda: realtime_of(2))
+    assert refusal is not None and refusal.startswith("realtime admission: 2 session(s) already admitted")
+    assert realtime.refusal(4, 4, lambda: realtime_of(6)) == "all 4 session slots are in use; try again later"
+    assert realtime.slots(8, lambda: realtime_of(2)) == 2 and realtime.slots(1, lambda: realtime_of(2)) == 1
+    # before the model has loaded there are no figures: the pool decides
+    assert realtime.refusal(3, 8, lambda: None) is None and realtime.slots(8, lambda: None) == 8
+
 
 # ---- the arithmetic ---------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The shipped HAProxy configuration against real replicas, on loopback: what it learns from their agent checks.
 
 Each test is one failure measured with the configuration before the agent
-check (issue 22, issue 20 item 7): a full cluster after an HAProxy restart,
+check: a full cluster after an HAProxy restart,
 new sessions sent to a replica whose slots resumed sessions hold, a reload
 that forgets the sessions the old process still carries, a replica that is
 still loading, a dead replica before its health check notices, and one client
@@ -35,7 +35,7 @@ from servers import (
     RECEIVE_GUARD_S,
     STOP_GUARD_S,
     LiveServer,
-    SessionClient,
+    ProbeClient,
     fake_settings,
     running_server,
     session_client,
@@ -174,7 +174,7 @@ def run_sessions(scenario: Callable[[Sessions], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def placed(client: SessionClient) -> str:
+def placed(client: ProbeClient) -> str:
     assert client.ready is not None
     return client.ready["resume"]["token"].split(".", 1)[0]
 
@@ -185,10 +185,10 @@ class Sessions:
     def __init__(self) -> None:
         self.contexts: list[Any] = []
 
-    async def open(self, url: str, **start: Any) -> SessionClient:
+    async def open(self, url: str, **start: Any) -> ProbeClient:
         return await self.open_with(url, start=start)
 
-    async def open_with(self, url: str, *, start: dict[str, Any] | None = None, headers: Any = None) -> SessionClient:
+    async def open_with(self, url: str, *, start: dict[str, Any] | None = None, headers: Any = None) -> ProbeClient:
         context = session_client(url, start=start if start is not None else {}, headers=headers)
         client = await context.__aenter__()
         self.contexts.append(context)
@@ -199,7 +199,7 @@ class Sessions:
             await context.__aexit__(None, None, None)
 
 
-async def start_or_refusal(url: str, sessions: Sessions) -> SessionClient | str:
+async def start_or_refusal(url: str, sessions: Sessions) -> ProbeClient | str:
     """A started session, or the error code / HTTP status that refused it."""
     context = session_client(url)
     client = await context.__aenter__()
@@ -212,7 +212,7 @@ async def start_or_refusal(url: str, sessions: Sessions) -> SessionClient | str:
     return client
 
 
-async def close(client: SessionClient) -> None:
+async def close(client: ProbeClient) -> None:
     await client.send(type="close")
     await client.closed_by_server()
 
@@ -262,7 +262,7 @@ def test_a_full_cluster_after_an_haproxy_restart_queues_new_sessions(tmp_path: P
             leaving = next(c for c in resumed if placed(c) == "r1")
             await close(leaving)
             arrived = await asyncio.wait_for(newcomer, RECEIVE_GUARD_S)
-            assert isinstance(arrived, SessionClient) and placed(arrived) == "r1", arrived
+            assert isinstance(arrived, ProbeClient) and placed(arrived) == "r1", arrived
 
         run_sessions(scenario)
 
@@ -370,7 +370,7 @@ def test_new_sessions_survive_a_dead_replica_before_its_health_check_notices(tmp
 
 
 def test_one_address_cannot_hold_more_than_its_connections(tmp_path: Path) -> None:
-    """Issue 20 item 7, old config: idle connections from one address had no limit (100 filled a replica)."""
+    """The old config: idle connections from one address had no limit (100 filled a replica)."""
     with ExitStack() as stack:
         replicas = {name: stack.enter_context(replica(name)) for name in ("r0", "r1")}
         lb = stack.enter_context(
@@ -394,6 +394,29 @@ def test_one_address_cannot_hold_more_than_its_connections(tmp_path: Path) -> No
         assert outcomes == ["open"] * 3 + ["HTTP 429"] * 2, outcomes
         # The limit is per address and per open connection: with those closed, the address is welcome again.
         wait_until(lambda: httpx.get(lb.url + "/readyz", timeout=10.0).status_code == 200, "the address served")
+
+
+def fresh_connection_get(url: str, source: str) -> str:
+    """GET ``url`` on a new connection from loopback address ``source``: its status, or how it failed."""
+    transport = httpx.HTTPTransport(local_address=source, retries=0)
+    try:
+        with httpx.Client(transport=transport, timeout=10.0) as client:
+            return str(client.get(url).status_code)
+    except httpx.TransportError as failed:
+        return type(failed).__name__
+
+
+def test_one_address_cannot_open_connections_faster_than_its_rate(tmp_path: Path) -> None:
+    """Issue 20: reconnecting as fast as possible cost an honest session 5.5x its chunk latency (no rate bound)."""
+    with ExitStack() as stack:
+        replicas = {"r0": stack.enter_context(replica("r0"))}
+        lb = stack.enter_context(
+            balancer(tmp_path, replicas, "--check-interval", "200ms", "--per-source-connection-rate", "5")
+        )
+        outcomes = [fresh_connection_get(lb.url + "/healthz", "127.0.0.2") for _ in range(9)]
+        # Five in any 10 s are served; past that each connection is closed before HAProxy reads it.
+        assert outcomes[:5] == ["200"] * 5 and "200" not in outcomes[5:], outcomes
+        assert fresh_connection_get(lb.url + "/healthz", "127.0.0.3") == "200"  # another address is not slowed
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/v1/stats", "/replicas/r0/v1/stats", "/replicas/r0/metrics"])

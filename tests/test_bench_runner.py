@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from arstream.app.cli import main
+from arstream.cli import main
 
 
 def test_bench_runner_prints_a_json_summary_last(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,14 +18,12 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     KEY_BITS,
     PageErrors,
-    browser,
     browser_marks,
     corner_blue,
     debug,
-    errors,
     new_page,
     overlay_text,
     wait,
@@ -33,9 +31,9 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
     wait_frames_drawn,
     wait_state,
 )
-from arstream.app import protocol
+from arstream.app import video
 from arstream.app.protocol import ERROR_CLOSE_CODES, ErrorCode
-from tests.servers import REPO_ROOT, LiveServer, fake_settings, running_server
+from servers import REPO_ROOT, LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 EBML_MAGIC = bytes.fromhex("1a45dfa3")  # every WebM file starts with it
@@ -353,7 +351,7 @@ def test_h264_from_the_codec_menu_and_jpeg_when_the_server_cannot(
     # A server that cannot encode H.264 refuses that `start`: the page asks again for JPEG.
     page.click("#play")
     wait_state(page, "stopped")
-    monkeypatch.setattr(protocol, "h264_available", lambda: False)
+    monkeypatch.setattr(video, "h264_available", lambda: False)
     page.click("#play")
     wait_state(page, "streaming")
     wait_frames_drawn(page, debug(page)["framesDrawn"] + 4)

@@ -18,18 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
-    PageErrors,
-    browser,
-    browser_marks,
-    debug,
-    errors,
-    new_page,
-    wait,
-    wait_frames_drawn,
-    wait_state,
-)
-from tests.test_cluster import Cluster, launch_cluster, wait_until
+from browser_helpers import PageErrors, browser_marks, debug, new_page, wait, wait_frames_drawn, wait_state
+from test_cluster import Cluster, launch_cluster, wait_until
 
 pytestmark = browser_marks
 SECRET = "browser-drain-cluster-secret"

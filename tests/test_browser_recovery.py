@@ -15,12 +15,10 @@ from websockets.sync.client import connect
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     PageErrors,
-    browser,
     browser_marks,
     debug,
-    errors,
     free_port,
     new_page,
     overlay_text,
@@ -30,7 +28,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
     wait_state,
 )
 from arstream.models.fake import FakeKVPipeline
-from tests.servers import fake_settings, running_server
+from servers import fake_settings, running_server
 
 pytestmark = browser_marks
 FAKE = {"compute_delay_s": 0.01}

@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtures)
+from browser_helpers import (
     PageErrors,
-    browser,
     browser_marks,
     debug,
-    errors,
     new_page,
     overlay_text,
     wait,
@@ -30,7 +28,7 @@ from tests.browser_helpers import (  # noqa: F401 (browser and errors are fixtur
 from arstream.app.start_image import pixels_digest
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.types import StartImage
-from tests.servers import LiveServer, fake_settings, running_server
+from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 OFFERED = ["meadow", "canyon"]

@@ -12,18 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
-    KEY_BITS,
-    PageErrors,
-    browser,
-    browser_marks,
-    debug,
-    new_page,
-    wait,
-    wait_blue,
-    wait_frames_drawn,
-)
-from tests.servers import LiveServer, fake_settings, running_server
+from browser_helpers import KEY_BITS, PageErrors, browser_marks, debug, new_page, wait, wait_blue, wait_frames_drawn
+from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 PHONE = {"width": 390, "height": 844}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import websockets
 from PIL import Image
 
 from arstream.app import bench, client, wire
@@ -251,7 +252,7 @@ def test_a_refusal_that_closes_before_start_is_reported_with_its_code() -> None:
     """
 
     async def start_after_refusal(url: str) -> None:
-        async with client.websockets.connect(wire.session_url(url)) as ws:
+        async with websockets.connect(wire.session_url(url)) as ws:
             await ws.wait_closed()
             await client.SessionClient(ws).start()
 

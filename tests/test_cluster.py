@@ -34,7 +34,7 @@ from servers import (
     RECEIVE_GUARD_S,
     STARTUP_GUARD_S,
     STOP_GUARD_S,
-    SessionClient,
+    ProbeClient,
     session_client,
     stop_process,
 )
@@ -132,17 +132,13 @@ def cluster() -> Iterator[Cluster]:
         yield started
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def replica_of(client: SessionClient) -> str:
+def replica_of(client: ProbeClient) -> str:
     """The replica that holds the session: its ticket's token begins with the replica id."""
     assert client.ready is not None
     return client.ready["resume"]["token"].split(".", 1)[0]
 
 
-async def one_chunk(client: SessionClient, tick_id: int) -> dict[str, Any]:
+async def one_chunk(client: ProbeClient, tick_id: int) -> dict[str, Any]:
     await client.send(type="tick", tick_id=tick_id)
     chunk, _ = await client.recv_chunk()
     return chunk
@@ -169,7 +165,7 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
     tokens: list[str] = []
 
     async def scenario() -> None:
-        clients: list[SessionClient] = []
+        clients: list[ProbeClient] = []
         contexts = [session_client(cluster.ws_url, start={}) for _ in range(4)]
         for context in contexts:
             clients.append(await context.__aenter__())
@@ -249,7 +245,7 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
             for context in contexts:
                 await context.__aexit__(None, None, None)
 
-    run(scenario())
+    asyncio.run(scenario())
     wait_until(
         lambda: (lambda s: s["sessions"]["connected"] == 0 and s["kv"]["blocks_free"] == r0_free_at_start)(
             cluster.replica_stats("r0")

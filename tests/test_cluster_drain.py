@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from arstream.app.client import run_script
-from servers import SessionClient, session_client
+from servers import ProbeClient, session_client
 from test_cluster import Cluster, _alive, launch_cluster, replica_of, wait_until
 
 SECRET = "drain-test-cluster-secret"
@@ -54,11 +54,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         yield started
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-async def chunk_pixels(client: SessionClient) -> tuple[dict[str, Any], np.ndarray]:
+async def chunk_pixels(client: ProbeClient) -> tuple[dict[str, Any], np.ndarray]:
     chunk, frames = await client.recv_chunk()
     return chunk, np.stack([pixels for _header, pixels in frames])
 
@@ -135,7 +131,7 @@ def test_drained_sessions_follow_to_the_peer_and_continue_bit_identically(cluste
 
     # Read before the drain: local-cluster.sh starts a replica that exits again, and the table then names the new one.
     r0_pid = cluster.replicas["r0"][1]
-    run(scenario())
+    asyncio.run(scenario())
     # The drained replica exits by itself; the peer is back at its baseline.
     wait_until(lambda: not _alive(r0_pid), "the drained replica exited")
     wait_until(
@@ -181,7 +177,7 @@ def test_arstream_client_follows_a_move_by_itself(slow_cluster: Cluster, capsys:
         assert report["moved"] == 1, report
         return await asyncio.wait_for(script, 120)
 
-    result = run(scenario())
+    result = asyncio.run(scenario())
     assert len(result.frames) == len(plan) * 2  # fake-kv: 2 frames a chunk; every chunk arrived
     assert result.closed_reason == "client"
     assert "moved to replica" in capsys.readouterr().out
@@ -201,7 +197,7 @@ def test_arstream_client_starts_afresh_when_its_replica_is_killed(
         os.kill(cluster.replicas[source][1], signal.SIGKILL)
         return await asyncio.wait_for(script, 120)
 
-    result = run(scenario())
+    result = asyncio.run(scenario())
     assert len(result.frames) == len(plan) * 2
     out = capsys.readouterr().out
     assert "the server holding the session is gone" in out and "the world starts over" in out, out

@@ -8,16 +8,19 @@ decoded, must match the raw one up to compression error.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
 
-from arstream.app import bench, client, protocol, wire
+from arstream.app import bench, cli, client, codecs, protocol, settings, video, wire
 from arstream.app.encoding import EncoderPool
 from arstream.app.protocol import ProtocolError
 from arstream.app.video import FrameDecoder, H264Decoder, H264Stream, crf_for_quality
@@ -114,7 +117,7 @@ def test_stateless_decoding_points_at_the_stream_decoder() -> None:
 
 
 def test_a_server_without_pyav_refuses_h264_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "h264_available", lambda: False)
+    monkeypatch.setattr(video, "h264_available", lambda: False)
     with pytest.raises(ProtocolError, match="cannot encode h264") as refused:
         protocol.parse_client_message('{"type": "start", "codec": "h264"}')
     assert refused.value.code is protocol.ErrorCode.INVALID_MESSAGE
@@ -282,3 +285,62 @@ def test_small_jpeg_frames_keep_full_chroma(height: int, width: int, full_chroma
     if full_chroma:  # the edge keeps its colours: no blend of the two along it
         off = np.abs(decoded.astype(int) - picture.astype(int)).max(axis=-1) > 40
         assert off.mean() < 0.02
+
+
+# ---- the codec table ---------------------------------------------------------------------------------
+
+
+def test_the_codec_table_names_every_arf1_codec_once_with_its_header_id() -> None:
+    assert set(codecs.CODECS) == set(get_args(codecs.CodecName)) == set(wire.CODEC_NAMES)
+    for name, codec in codecs.CODECS.items():
+        assert codec.name == name and codec.header_id is wire.Codec.from_name(name)
+    assert codecs.codec_named("fmp4/16") is codecs.FMP4 and codecs.FMP4.header_id is None
+    with pytest.raises(ValueError, match=r"unknown codec 'vp9'; expected one of \['raw', 'jpeg', 'h264'\]"):
+        codecs.new_encoder("vp9", 80)
+
+
+def test_each_codec_gets_its_own_encoder_class() -> None:
+    frames = moving_gradient(2, 16, 16)
+    for name in codecs.CODECS:
+        encoder = codecs.new_encoder(name, 80)
+        messages = encoder.encode(frames, chunk_index=0, tick_id=0)
+        encoder.close()
+        assert [wire.FrameHeader.unpack(m).codec for m in messages] == [wire.Codec.from_name(name)] * 2
+
+
+@pytest.fixture
+def pyav_missing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``import av`` fails, as on a machine without the video extra."""
+    monkeypatch.setitem(sys.modules, "av", None)
+    video.h264_available.cache_clear()
+    yield
+    video.h264_available.cache_clear()
+
+
+@pytest.mark.usefixtures("pyav_missing")
+def test_a_codec_whose_dependency_is_missing_is_refused_at_start_up(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--codec", "h264", "--port", "0"]) == 2  # before a port is bound or a model loaded
+    assert capsys.readouterr().err == (
+        "arstream serve: --codec (ARSTREAM_CODEC): the h264 codec needs PyAV with libx264 "
+        "(pip install 'arstream[video]'), got 'h264'\n"
+    )
+    assert settings.settings_from_argv(["--codec", "jpeg"]).codec == "jpeg"
+
+
+@pytest.mark.usefixtures("pyav_missing")
+def test_a_start_naming_a_codec_whose_dependency_is_missing_gets_the_usable_ones() -> None:
+    with pytest.raises(ProtocolError, match=r"cannot encode h264 \(.*PyAV.*\); use one of \['raw', 'jpeg'\]"):
+        protocol.parse_client_message('{"type": "start", "codec": "h264"}')
+
+
+def test_the_encoders_do_not_import_the_encoder_pool_or_the_table() -> None:
+    """One way only: encoding -> codecs -> (video, fmp4) -> wire; no module imports back up."""
+    app = Path(codecs.__file__).parent
+    for module, forbidden in (("video", {"encoding", "codecs", "fmp4"}), ("fmp4", {"encoding", "codecs"})):
+        imported = {
+            name.rsplit(".", 1)[-1]
+            for node in ast.walk(ast.parse((app / f"{module}.py").read_text()))
+            for name in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            + [alias.name for alias in getattr(node, "names", []) if isinstance(node, ast.ImportFrom)]
+        }
+        assert not imported & forbidden, (module, imported & forbidden)

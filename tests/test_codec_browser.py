@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from arstream.app.bench import ServerProcess
+from browser_helpers import browser_marks
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 KEY_D = 8
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium is not installed at /usr/bin/chromium"),
-]
+pytestmark = browser_marks
 
 # Runs in the page: one h264 session of five ticks (the fourth resets), every frame decoded and sampled.
 SESSION_SCRIPT = """
@@ -80,19 +75,15 @@ def server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def page(server: ServerProcess) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        # Any page of the server's origin: a secure context (loopback) where WebCodecs exists.
-        page.goto(server.base_url + "/video-decoder.js")
-        yield page
-        browser.close()
-        assert not errors, f"JavaScript errors on the page: {errors}"
+def page(server: ServerProcess, browser: Any) -> Iterator[Any]:
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    # Any page of the server's origin: a secure context (loopback) where WebCodecs exists.
+    page.goto(server.base_url + "/video-decoder.js")
+    yield page
+    page.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 def test_chromium_decodes_h264_frames_with_webcodecs(server: ServerProcess, page: Any) -> None:

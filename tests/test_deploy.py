@@ -388,7 +388,7 @@ def test_dashboard_parses_with_unique_panel_ids_and_queries_that_exist(live_metr
         "arstream_frames_sent_total",
         "arstream_errors_total",
         "arstream_evictions_total",
-        # overload and a dead replica at a glance (issue 22)
+        # overload and a dead replica at a glance
         "up",
         "arstream_ready",
         "arstream_model_fps",

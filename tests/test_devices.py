@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from arstream.app.cli import main
+from arstream.cli import main
 
 COMMANDS = (("bench", "model"), ("bench", "runner"), ("bench", "serve"), ("eval", "tiny-world"), ("train", "tiny-world"))
 

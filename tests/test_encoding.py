@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from arstream.app import encoding
-from arstream.app.encoding import ChunkEncoder, EncoderPool, OrderedLanes
+from arstream.app.codecs import FrameEncoder
+from arstream.app.encoding import EncoderPool, OrderedLanes
 from arstream.app.protocol import TickMessage
 from arstream.app.worker import ModelWorker, OutcomeKind, TickOutcome
 from arstream.models.fake import FakeKVPipeline
@@ -116,7 +117,7 @@ def test_lane_threads_run_at_the_given_niceness_and_the_caller_keeps_its_own() -
 # ---- per-session encoders ------------------------------------------------------------------------
 
 
-class CountingEncoder(ChunkEncoder):
+class CountingEncoder(FrameEncoder):
     """A JPEG/raw encoder that notes which instance encoded what, and when it was closed."""
 
     made: list[CountingEncoder] = []
@@ -160,7 +161,7 @@ def test_a_new_stream_starts_at_rollout_start_codec_change_and_restart(monkeypat
 # ---- the worker forwards while the encoder pool encodes ------------------------------------------
 
 
-class GatedEncoder(ChunkEncoder):
+class GatedEncoder(FrameEncoder):
     """Blocks session ``s-slow``'s encoding until :attr:`gate` opens; notes the encoding threads."""
 
     gate = threading.Event()

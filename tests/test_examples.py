@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import CHROMIUM, browser, browser_marks, free_port  # noqa: F401 (browser is a fixture)
-from tests.servers import REPO_ROOT, fake_settings, running_server
+from browser_helpers import CHROMIUM, browser_marks, free_port
+from servers import REPO_ROOT, fake_settings, running_server
 
 EXAMPLES = REPO_ROOT / "docs" / "examples"
 EXIT_GUARD_S = 120

@@ -12,18 +12,17 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (errors is a fixture)
+from browser_helpers import (
     CHROMIUM,
     CHROMIUM_ARGS,
     PageErrors,
     browser_marks,
-    errors,
     new_page,
     overlay_text,
     wait,
     wait_frames_drawn,
 )
-from tests.servers import fake_settings, running_server
+from servers import fake_settings, running_server
 
 pytestmark = browser_marks
 LAN_NAME = "lan-box.test"

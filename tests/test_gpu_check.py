@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from arstream.app import gpu_check
+from arstream.app import bench, gpu_check
 from arstream.app.gpu_check import carried_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ class FakeServeBench:
 
 
 def test_a_session_count_projected_past_the_deadline_is_skipped_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_check.bench, "ServeBench", FakeServeBench)
+    monkeypatch.setattr(bench, "ServeBench", FakeServeBench)
     FakeServeBench.measured = []
     profile = gpu_check.profile_for("cuda")
     report: dict[str, Any] = {}
@@ -144,7 +144,7 @@ def test_a_failed_phase_is_reported_and_the_others_still_run(
 
     monkeypatch.setattr(gpu_check, "h264_figures", lambda *, frames, fps: {"encode_ms_per_frame_p50": 1.0})
     monkeypatch.setattr(gpu_check, "tiny_world_figures", no_model)
-    monkeypatch.setattr(gpu_check.bench, "ServeBench", FakeServeBench)
+    monkeypatch.setattr(bench, "ServeBench", FakeServeBench)
     assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["errors"] == {"tiny_world": "RuntimeError: tiny-world did not load"}

@@ -1,4 +1,4 @@
-"""Admission for resumes, detached sessions per client, and connections waiting to start (issue 20, items 3, 4, 7).
+"""Admission for resumes, detached sessions per client, and connections waiting to start.
 
 Each attack runs against a real server. Client addresses come from ``X-Forwarded-For`` through the loopback
 proxy the servers trust by default (as behind HAProxy); connections that never send `start` are raw sockets.
@@ -18,16 +18,12 @@ import pytest
 
 from arstream.models.fake import FakeKVPipeline
 from raw_clients import RawWebSocket, closed_by_server
-from servers import LiveServer, SessionClient, fake_settings, running_server, session_client, wait_until
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
 
 GREEDY = "203.0.113.7"
 HONEST = "198.51.100.2"
 OTHER = "192.0.2.44"
 SEED = 7
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def forwarded(address: str) -> list[tuple[str, str]]:
@@ -62,7 +58,7 @@ async def churn(server: LiveServer, count: int, headers: list[tuple[str, str]]) 
 
 async def resume_outcome(
     stack: AsyncExitStack, server: LiveServer, token: str, headers: list[tuple[str, str]]
-) -> tuple[str, SessionClient]:
+) -> tuple[str, ProbeClient]:
     """"resumed", or the refusal's code, for one resume kept open until ``stack`` closes; and its client."""
     url = f"{server.ws_url}?resume={token}"
     client = await stack.enter_async_context(session_client(url, headers=headers))
@@ -89,14 +85,14 @@ async def churn_then_resume_all(
     return [outcome for outcome, _ in results], stats["sessions"]["connected"]
 
 
-# ---- item 3: a resume passes the same admission as a new session -------------------------------------
+# ---- a resume passes the same admission as a new session -------------------------------------
 
 
 def test_resumes_cannot_take_an_address_past_its_session_cap() -> None:
     """Before: 8 sessions dropped and resumed from one address were 8 live sessions against a cap of 2."""
     with running_server(resume_settings(max_sessions_per_client=2)) as server:
         start_free = server.stats()["kv"]["blocks_free"]
-        outcomes, held = run(churn_then_resume_all(server, 8, forwarded(GREEDY)))
+        outcomes, held = asyncio.run(churn_then_resume_all(server, 8, forwarded(GREEDY)))
         assert held <= 2, (
             f"one address holds {held} live sessions against max_sessions_per_client 2 "
             f"(8 sessions opened and dropped, then resumed: {outcomes})"
@@ -111,7 +107,7 @@ def test_resumes_cannot_take_a_token_past_its_session_cap() -> None:
     settings = resume_settings(auth_token="alpha,bravo", max_sessions_per_token=2)
     with running_server(settings) as server:
         start_free = server.stats()["kv"]["blocks_free"]
-        outcomes, held = run(churn_then_resume_all(server, 8, [("Authorization", "Bearer alpha")]))
+        outcomes, held = asyncio.run(churn_then_resume_all(server, 8, [("Authorization", "Bearer alpha")]))
         assert held <= 2, f"one token holds {held} live sessions against max_sessions_per_token 2 (resumes: {outcomes})"
         assert outcomes == ["resume_failed"] * 6 + ["resumed"] * 2, outcomes
         server.settled(start_free)
@@ -126,7 +122,7 @@ def test_resumes_pass_realtime_admission() -> None:
     settings = resume_settings(admission="realtime", max_batch_sessions=1)
     with running_server(settings, FakeKVPipeline(**SLOW)) as server:
         assert server.stats()["sessions"]["realtime_capacity"] == 2
-        outcomes, held = run(churn_then_resume_all(server, 6, []))
+        outcomes, held = asyncio.run(churn_then_resume_all(server, 6, []))
         assert held <= 2, f"realtime admission with room for 2 holds {held} live sessions (resumes: {outcomes})"
         assert outcomes == ["resumed"] * 2 + ["over_capacity"] * 4, outcomes
         # Refused resumes spend nothing: those four sessions are still detached, their tokens still good.
@@ -150,10 +146,10 @@ def test_a_resume_over_a_cap_spends_nothing_and_a_session_never_counts_against_i
                 await client.closed_by_server()
             return refused, resumed
 
-        assert run(scenario()) == ("over_capacity", "resumed")
+        assert asyncio.run(scenario()) == ("over_capacity", "resumed")
 
 
-# ---- item 4: one address's churn releases its own detached sessions, never another's first --------------
+# ---- one address's churn releases its own detached sessions, never another's first --------------
 
 
 @pytest.mark.parametrize("per_client", [4, None], ids=["capped", "uncapped"])
@@ -171,7 +167,7 @@ def test_one_address_churning_sessions_keeps_another_address_detached_session(pe
                 outcome, _ = await resume_outcome(stack, server, token, forwarded(HONEST))
                 return outcome, detached
 
-        outcome, detached = run(scenario())
+        outcome, detached = asyncio.run(scenario())
         assert outcome == "resumed", (
             f"the honest session's resume got {outcome} after another address opened and dropped 64 sessions "
             f"(pool of 8, max_sessions_per_client {per_client}; {detached} sessions detached after the churn)"
@@ -180,7 +176,7 @@ def test_one_address_churning_sessions_keeps_another_address_detached_session(pe
             assert detached <= per_client + 1  # the churner's own sessions, live or detached, stay within its cap
 
 
-# ---- item 7: connections that have not started a session ----------------------------------------------
+# ---- connections that have not started a session ----------------------------------------------
 
 
 @pytest.fixture
@@ -253,7 +249,7 @@ def test_connections_waiting_to_start_are_capped_per_address_and_in_all(waiting_
                     return [one.ready["type"], two.ready["type"], str(third.status)]
 
         wait_until(lambda: healthz_answers(server, attempts=1) and _waiting(server) == 4)
-        assert run(start_two()) == ["ready", "ready", "101"]
+        assert asyncio.run(start_two()) == ["ready", "ready", "101"]
     finally:
         for sock in idle:
             if sock is not None:

@@ -1,4 +1,4 @@
-"""Bounds on what one connection can take (issue 20, round three): taken-over non-readers, floods of tiny
+"""Bounds on what one connection can take: taken-over non-readers, floods of tiny
 WebSocket frames, refused connections, replies that amplify their input, send buffers, what keeps a session
 alive, and the lows (log injection, query spellings, tenants on resume, lone surrogates).
 
@@ -24,10 +24,6 @@ MB = 1024 * 1024
 # Raw 1024x1024 frames (6 MB a chunk, more than the kernel's socket buffers take): a client that does not
 # read backs the server's writes up at its first chunk.
 HUGE_FRAMES = {"codec": "raw", "model_options": {"session_capacity": 2, "width": 1024, "height": 1024}}
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def guard_of(server: LiveServer) -> Any:
@@ -57,7 +53,7 @@ def raw_session(port: int, *, start: dict[str, Any] | None = None, query: str = 
     return client, ready
 
 
-# ---- item 1: a taken-over connection whose peer never reads ------------------------------------------
+# ---- a taken-over connection whose peer never reads ------------------------------------------
 
 
 def test_a_taken_over_non_reader_is_dropped_and_shown_in_stats() -> None:
@@ -95,12 +91,12 @@ def test_a_taken_over_non_reader_is_dropped_and_shown_in_stats() -> None:
                 await new.send(type="close")
                 await new.closed_by_server()
 
-        run(resume_and_close())
+        asyncio.run(resume_and_close())
         attacker.close()
         server.settled(start_free)
 
 
-# ---- item 2: floods of tiny WebSocket frames ----------------------------------------------------------
+# ---- floods of tiny WebSocket frames ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["fragments", "pongs"])
@@ -143,6 +139,28 @@ def test_an_address_that_flooded_frames_is_refused_connections_for_a_while() -> 
         assert refusals_of(server).counts.get("frame_flood_ban") == 1
 
 
+def test_behind_a_proxy_the_flooding_client_is_banned_not_the_proxy() -> None:
+    """Behind HAProxy the ban never applied (the proxy's address is trusted): each reconnect had a fresh budget."""
+    with running_server(fake_settings(frame_flood_ban_s=120.0)) as server:  # loopback is a trusted proxy
+        flooder = {"X-Forwarded-For": "203.0.113.9"}
+        attacker = RawWebSocket(server.port, headers=flooder)
+        attacker.sock.settimeout(5.0)
+        attacker.try_send(attacker.pong_frames(1000))
+        assert closed_by_server(attacker.sock)
+        attacker.close()
+        again = RawWebSocket(server.port, headers=flooder)
+        again.close()
+        assert again.status == 503 and "frame_flood_ban_s" in again.response_head + again.leftover.decode(), (
+            again.response_head
+        )
+        # Other clients of the same proxy, and the proxy itself, are still served.
+        for headers in ({"X-Forwarded-For": "203.0.113.10"}, {}):
+            other = RawWebSocket(server.port, headers=headers)
+            other.close()
+            assert other.status == 101, other.response_head
+        assert refusals_of(server).counts.get("frame_flood_ban") == 1
+
+
 def test_an_honest_session_within_the_frame_budget_is_served() -> None:
     with running_server(fake_settings(max_frames_per_s=50.0, frame_burst=20)) as server:
 
@@ -156,7 +174,7 @@ def test_an_honest_session_within_the_frame_budget_is_served() -> None:
                 closed = await client.closed_by_server()
                 assert closed.code == 1000
 
-        run(scenario())
+        asyncio.run(scenario())
 
 
 def test_a_refused_connection_is_not_read_until_its_close_timeout() -> None:
@@ -176,7 +194,7 @@ def test_a_refused_connection_is_not_read_until_its_close_timeout() -> None:
         wait_until(lambda: guard_of(server).open == 0)
 
 
-# ---- item 5: replies that amplify their input; send buffers bounded by bytes --------------------------
+# ---- replies that amplify their input; send buffers bounded by bytes --------------------------
 
 WIDE = "é" * 30_000  # 60 KB of UTF-8; each one is six bytes as a JSON escape
 
@@ -197,7 +215,7 @@ def test_an_error_reply_echoes_a_bounded_part_of_the_input() -> None:
                     replies.append(await client.recv())
                 return replies
 
-        replies = run(scenario())
+        replies = asyncio.run(scenario())
     for reply in replies:
         assert isinstance(reply, str) and json.loads(reply)["type"] == "error"
         sent = len(json.dumps(WIDE, ensure_ascii=False).encode())
@@ -260,10 +278,10 @@ def test_a_non_reader_past_the_send_buffer_bound_is_dropped() -> None:
                 await client.send(type="close")
                 await client.closed_by_server()
 
-        run(honest())
+        asyncio.run(honest())
 
 
-# ---- item 6: pings keep the connection, not the session's slot ---------------------------------------
+# ---- pings keep the connection, not the session's slot ---------------------------------------
 
 
 def test_pings_do_not_keep_a_session_alive() -> None:
@@ -288,7 +306,7 @@ def test_pings_do_not_keep_a_session_alive() -> None:
                     return (closed.rcvd.code if closed.rcvd else None), pongs
                 return None, pongs
 
-        code, pongs = run(scenario())
+        code, pongs = asyncio.run(scenario())
     assert code == 4001, f"still open after {pongs} pings (close code {code})"
 
 
@@ -307,10 +325,10 @@ def test_input_events_keep_a_session_alive() -> None:
                 await client.send(type="close")
                 assert (await client.closed_by_server()).code == 1000
 
-        run(scenario())
+        asyncio.run(scenario())
 
 
-# ---- item 8: the lows ---------------------------------------------------------------------------------
+# ---- the lows ---------------------------------------------------------------------------------
 
 
 def test_token_hints_cannot_forge_log_lines() -> None:
@@ -329,7 +347,7 @@ def test_every_spelling_of_the_token_query_is_redacted() -> None:
                 await client.closed_by_server()
 
         for query in ("?%74oken=s3cret", "?%74%6Fken=s3cret&x=1", "?x=1&tok%65n=s3cret"):
-            run(session(query))
+            asyncio.run(session(query))
         wait_until(lambda: sum("/v1/sessions?" in line for line in live.output) >= 3)
     log_text = "".join(live.output)
     assert "s3cret" not in log_text, [line for line in live.output if "s3cret" in line]
@@ -362,7 +380,7 @@ def test_a_resume_must_present_the_tenant_that_started_the_session(two_tenants: 
                 await same.send(type="close")
                 await same.closed_by_server()
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("field", ["prompt", "resume"])

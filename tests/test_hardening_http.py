@@ -1,4 +1,4 @@
-"""Bounds below the protocol (issue 13): unauthenticated peers, request heads, slowloris, connection caps,
+"""Bounds below the protocol: unauthenticated peers, request heads, slowloris, connection caps,
 running out of descriptors, the access log, security headers, docs routes and the Host check.
 
 Attacks use raw sockets; memory and open files are read from the server process (/proc/PID)."""
@@ -30,7 +30,7 @@ def guarded_process() -> Iterator[LiveServer]:
         yield live
 
 
-# ---- bug 4: an unauthenticated client that floods pings and never reads -------------------------------
+# ---- an unauthenticated client that floods pings and never reads -------------------------------
 
 
 def test_unauthenticated_ping_flood_holds_no_memory_and_is_dropped(guarded_process: LiveServer) -> None:
@@ -180,6 +180,41 @@ def test_connections_per_client_are_capped_and_refusals_logged_once(
     again = tcp_connect(quick_heads.port, receive_buffer=None)
     assert held(again)
     for sock in [again, *kept]:
+        sock.close()
+
+
+def test_an_address_opening_connections_too_fast_is_closed_before_it_is_read_and_others_are_not() -> None:
+    settings = fake_settings(forwarded_allow_ips="127.0.0.2", connection_rate_per_client=2.0, connection_burst_per_client=5)
+    with running_server(settings) as server:
+        guard = server.server.config.app.state.guard  # type: ignore[union-attr]
+        # Connect and hang up, as a reconnecting flood does: the open-connection caps never see more than one.
+        for _ in range(5):
+            sock = tcp_connect(server.port, receive_buffer=None)
+            assert held(sock)
+            sock.close()
+        flood = [tcp_connect(server.port, receive_buffer=None) for _ in range(20)]
+        answered = sum(held(sock) for sock in flood)
+        for sock in flood:
+            sock.close()
+        # The bucket refills at 2/s while the 20 connect: at most a few of them get in.
+        assert answered <= 3, f"{answered} of 20 connections past a burst of 5 at 2/s were answered"
+        refused = guard.refusals.counts.get("connection_rate_per_client", 0)
+        assert refused >= 17, guard.refusals.counts
+        # Another address, and a trusted proxy's address, are not slowed by it.
+        other = tcp_connect(server.port, receive_buffer=None, source_host="127.0.0.3")
+        proxy = [tcp_connect(server.port, receive_buffer=None, source_host="127.0.0.2") for _ in range(10)]
+        assert held(other) and all(held(sock) for sock in proxy)
+        for sock in [other, *proxy]:
+            sock.close()
+        # Refused connections spent nothing: the address gets in again once its budget refills.
+        wait_until(lambda: answered_and_closed(server.port))
+
+
+def answered_and_closed(port: int) -> bool:
+    sock = tcp_connect(port, receive_buffer=None)
+    try:
+        return held(sock)
+    finally:
         sock.close()
 
 

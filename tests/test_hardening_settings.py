@@ -1,4 +1,4 @@
-"""Configuration footguns (issue 13): refused at start-up with a message that says what is wrong."""
+"""Configuration footguns: refused at start-up with a message that says what is wrong."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from arstream.app.cli import main
+from arstream.cli import main
 
 OPTIONS = '{"config": "tiny", "random_init": true}'
 

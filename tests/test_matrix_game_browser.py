@@ -7,16 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.browser_helpers import (  # noqa: F401 (browser is a fixture)
-    PageErrors,
-    browser,
-    browser_marks,
-    debug,
-    new_page,
-    wait,
-    wait_frames_drawn,
-)
-from tests.servers import LiveServer, fake_settings, running_server
+from browser_helpers import PageErrors, browser_marks, debug, new_page, wait, wait_frames_drawn
+from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 

@@ -6,11 +6,12 @@ import torch
 
 from arstream.models.matrix_game.config import MatrixGameConfig, get_config
 from arstream.models.matrix_game.dit import CausalWanDiT
-from arstream.models.matrix_game.pipeline import MatrixGamePipeline, default_image
+from arstream.models.matrix_game.images import default_image
+from arstream.models.matrix_game.pipeline import MatrixGamePipeline
 from arstream.models.matrix_game.vae import StreamingVAE, build_vae
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, TickRequest
-from tests.matrix_game_reference import dense_rollout
+from matrix_game_reference import dense_rollout
 
 BUDGET = 64 << 20
 CHUNKS = 6  # 18 latent frames: the 6-frame window slides four times

@@ -13,7 +13,7 @@ from arstream.models.matrix_game.pipeline import MatrixGamePipeline, load_matrix
 from arstream.models.matrix_game.vae import StreamingVAE, build_vae
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, StartImage, TickFailure, TickRequest
-from tests.matrix_game_reference import whole_rollout_condition
+from matrix_game_reference import whole_rollout_condition
 
 BUDGET = 64 << 20
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
@@ -135,8 +135,8 @@ def test_a_stream_that_has_not_settled_stops_at_its_bound_and_says_so(
 def test_the_old_eight_frame_conditioning_would_not_match_the_reference() -> None:
     """Negative control for the equivalence test: the conditioning bounded at 8 frames (the old behaviour)
     gives other latents than the whole-rollout reference once the rollout passes frame 8."""
-    from tests.matrix_game_reference import dense_rollout
-    from tests.test_matrix_game_equivalence import build, controls_for, tick
+    from matrix_game_reference import dense_rollout
+    from test_matrix_game_equivalence import build, controls_for, tick
 
     pipeline = build(get_config("tiny"))
     pipeline.condition_frames = 8

@@ -159,7 +159,7 @@ def clip_state(seed: int = 5) -> dict[str, torch.Tensor]:
 
 def test_the_clip_file_encodes_the_start_image(tmp_path: Path, weights: tuple[dict, dict]) -> None:
     from arstream.models.matrix_game.clip import ClipImageEncoder
-    from arstream.models.matrix_game.pipeline import default_image
+    from arstream.models.matrix_game.images import default_image
 
     dit, vae = weights
     write(tmp_path, dit, vae)

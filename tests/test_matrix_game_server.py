@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from tests.servers import server_process, session_client
+from servers import server_process, session_client
 
 OPTIONS = json.dumps({"config": "tiny", "random_init": True})
 

@@ -19,7 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from arstream.app.migration import DRAIN_PATH, IMPORT_PATH
+from arstream.app.drain import DRAIN_PATH
+from arstream.app.migration import IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import runner_for_sessions
 from arstream.runner.snapshot import export_session
@@ -86,10 +87,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "matrix-game-2": ("matrix-game-2", {}),
     "matrix-game-2-own-image-auth": ("matrix-game-2", OWN_IMAGE_WITH_AUTH),
 }
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def drain(server: LiveServer, peers: list[str], *, secret: str = SECRET) -> httpx.Response:
@@ -165,7 +162,7 @@ def test_a_drained_session_continues_on_the_peer_bit_identically(case: str) -> N
                 await client.send(type="close")
                 await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         assert r0.get("/readyz").status_code == 503  # a drained replica admits nothing
         r0.settled(r0.stats()["kv"]["blocks_total"])
         r1.settled(r1.stats()["kv"]["blocks_total"])
@@ -191,7 +188,7 @@ def test_controls_held_by_an_input_event_travel_with_the_session() -> None:
                 await c.send(type="input", event_id=9)
                 assert (await c.recv_json()) == {"type": "ack", "event_id": 9, "status": "duplicate"}
 
-        run(scenario())
+        asyncio.run(scenario())
 
 
 def test_wrong_secret_is_refused_and_nothing_moves() -> None:
@@ -269,7 +266,7 @@ def test_no_room_on_the_peer_ends_the_session_as_on_shutdown() -> None:
                 await holder.send(type="close")
                 await holder.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         r0.settled(r0.stats()["kv"]["blocks_total"])
         r1.settled(r1.stats()["kv"]["blocks_total"])
 
@@ -328,6 +325,6 @@ def test_a_rolling_restart_of_both_replicas_under_six_sessions_loses_none() -> N
                     await client.send(type="close")
                     await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         for server in (r0, r1, routes["r0"]):
             server.settled(server.stats()["kv"]["blocks_total"])

@@ -37,7 +37,7 @@ from servers import (
     RECEIVE_GUARD_S,
     REPO_ROOT,
     LiveServer,
-    SessionClient,
+    ProbeClient,
     fake_settings,
     running_server,
     server_process,
@@ -101,7 +101,7 @@ class Stream:
         return b"".join(self.payloads)
 
 
-async def read_until_done(client: SessionClient, stream: Stream, *, until: str = "session.done") -> Stream:
+async def read_until_done(client: ProbeClient, stream: Stream, *, until: str = "session.done") -> Stream:
     """Read events and binaries until ``until`` arrives; each binary must follow its chunk metadata at once."""
     while True:
         message = await client.recv()
@@ -146,7 +146,7 @@ async def run_session(
         return stream, closed.code or 0
 
 
-async def until_started(client: SessionClient, stream: Stream, event_id: str) -> dict[str, Any]:
+async def until_started(client: ProbeClient, stream: Stream, event_id: str) -> dict[str, Any]:
     """Read until the chunk that starts ``event_id``; its metadata."""
     while not any(m["started_event_ids"] == [event_id] for m in stream.metadata):
         await read_until_done(client, stream, until="video.chunk_metadata")

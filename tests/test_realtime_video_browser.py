@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from arstream.app.bench import ServerProcess
+from browser_helpers import browser_marks
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 WIDTH, HEIGHT = 64, 48
 KEY_D = 8
 WAIT_MS = 30_000  # hang guard only
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium is not installed at /usr/bin/chromium"),
-]
+pytestmark = browser_marks
 
 FRAMES_SHOWN = "() => document.getElementById('video').getVideoPlaybackQuality().totalVideoFrames"
 # The blue channel at the centre of what the <video> element shows now (-1 before a frame is shown).
@@ -53,19 +48,15 @@ def server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def page(server: ServerProcess) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
-        page.goto(server.base_url + "/realtime-video.html")
-        yield page
-        browser.close()
-        assert not errors, f"JavaScript errors on the page: {errors}"
+def page(server: ServerProcess, browser: Any) -> Iterator[Any]:
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.goto(server.base_url + "/realtime-video.html")
+    yield page
+    page.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 def test_chromium_plays_the_dialect_through_media_source_extensions(page: Any) -> None:

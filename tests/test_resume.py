@@ -25,7 +25,7 @@ from arstream.app.client import ConnectionDropped, RunResult, run_script
 from arstream.models.fake import FakeKVPipeline, controls_code
 from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.types import TickRequest
-from servers import GatedFakePipeline, LiveServer, SessionClient, fake_settings, running_server, session_client
+from servers import GatedFakePipeline, LiveServer, ProbeClient, fake_settings, running_server, session_client
 
 GRACE_S = 30.0
 SEED = 7
@@ -44,10 +44,6 @@ def server() -> Iterator[LiveServer]:
         yield live
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
 def resume_url(server: LiveServer, token: str) -> str:
     return f"{server.ws_url}?resume={token}"
 
@@ -56,7 +52,7 @@ async def connect_resume(server: LiveServer, token: str) -> ClientConnection:
     return await connect(resume_url(server, token), compression=None, max_size=None, proxy=None)
 
 
-async def chunk_frames(client: SessionClient) -> tuple[dict[str, Any], list[np.ndarray]]:
+async def chunk_frames(client: ProbeClient) -> tuple[dict[str, Any], list[np.ndarray]]:
     chunk, frames = await client.recv_chunk()
     return chunk, [pixels for _header, pixels in frames]
 
@@ -75,7 +71,7 @@ async def reference_rollout(server: LiveServer, chunks: int) -> list[list[np.nda
     return frames
 
 
-async def expect_fatal(client: SessionClient, code: str, close_code: int) -> dict[str, Any]:
+async def expect_fatal(client: ProbeClient, code: str, close_code: int) -> dict[str, Any]:
     closed = await client.closed_by_server()
     assert closed.code == close_code, closed
     errors = [m for m in closed.messages if m["type"] == "error"]
@@ -122,7 +118,7 @@ def test_ready_carries_a_ticket_and_stats_count_detached(server: LiveServer, bas
             await client.send(type="close")
             await client.closed_by_server()
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_drop_and_resume_continues_the_same_rollout(server: LiveServer, baseline: int) -> None:
@@ -163,7 +159,7 @@ def test_drop_and_resume_continues_the_same_rollout(server: LiveServer, baseline
             closed = await client.closed_by_server()
             assert closed.messages[-1] == {"type": "closed", "reason": "client"}
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_ticks_in_flight_at_the_drop_are_dropped_and_the_ticket_says_where_it_continues() -> None:
@@ -190,8 +186,8 @@ def test_ticks_in_flight_at_the_drop_are_dropped_and_the_ticket_says_where_it_co
                 await client.closed_by_server()
             return frames
 
-        frames = run(scenario())
-        reference = run(reference_rollout(server, 2))
+        frames = asyncio.run(scenario())
+        reference = asyncio.run(reference_rollout(server, 2))
         assert np.array_equal(np.stack(frames), np.stack(reference[1]))
         server.settled(start_free)
 
@@ -201,8 +197,8 @@ def test_controls_of_a_dropped_tick_and_a_pending_input_event_survive_the_drop()
     with running_server(resume_settings(), pipeline) as server:
         start_free = server.stats()["kv"]["blocks_free"]
 
-        async def resumed(token: str) -> SessionClient:
-            client = SessionClient(await connect_resume(server, token))
+        async def resumed(token: str) -> ProbeClient:
+            client = ProbeClient(await connect_resume(server, token))
             await client.start(resume=token, codec="raw")
             return client
 
@@ -243,7 +239,7 @@ def test_controls_of_a_dropped_tick_and_a_pending_input_event_survive_the_drop()
             finally:
                 await client.ws.close()
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
@@ -262,7 +258,7 @@ def test_resume_by_url_alone_and_a_new_codec() -> None:
                 await client.send(type="close")
                 await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
@@ -288,7 +284,7 @@ def test_forged_malformed_and_other_replica_tokens_fail_and_spend_nothing(server
             await client.send(type="close")
             await client.closed_by_server()
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_a_token_is_good_for_one_resume(server: LiveServer, baseline: int) -> None:
@@ -307,7 +303,7 @@ def test_a_token_is_good_for_one_resume(server: LiveServer, baseline: int) -> No
         # Closed on purpose: the last ticket died with it.
         await try_resume(server, client.ready["resume"]["token"])
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_resume_after_the_grace_period_fails_and_the_kv_is_back() -> None:
@@ -326,7 +322,7 @@ def test_resume_after_the_grace_period_fails_and_the_kv_is_back() -> None:
             error = await try_resume(server, token)
             assert "unknown resume token" in error["message"]
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
@@ -344,7 +340,7 @@ def test_resume_disabled_releases_on_drop_and_refuses_tokens() -> None:
             error = await try_resume(server, "r0." + secrets.token_urlsafe(32))
             assert "disabled" in error["message"]
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
@@ -360,7 +356,7 @@ def test_a_session_that_closed_or_is_closing_cannot_be_resumed(server: LiveServe
         assert server.stats()["sessions"]["detached"] == 0
         await try_resume(server, token)
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_a_resume_needs_the_auth_token_when_one_is_configured() -> None:
@@ -382,7 +378,7 @@ def test_a_resume_needs_the_auth_token_when_one_is_configured() -> None:
                 await client.send(type="close")
                 await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
@@ -417,7 +413,7 @@ def test_resuming_a_live_session_takes_it_over(server: LiveServer, baseline: int
                 await new.send(type="close")
                 await new.closed_by_server()
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_detached_session_gives_its_slot_to_a_new_session() -> None:
@@ -445,14 +441,14 @@ def test_detached_session_gives_its_slot_to_a_new_session() -> None:
                         await client.send(type="close")
                         await client.closed_by_server()
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
 def test_shutdown_releases_detached_sessions() -> None:
     with running_server(resume_settings()) as server:
         start_free = server.stats()["kv"]["blocks_free"]
-        run(detached_session(server, 2))
+        asyncio.run(detached_session(server, 2))
         assert server.server is not None
         hub = server.server.hub
         worker = hub.worker
@@ -476,7 +472,7 @@ def test_tokens_are_never_logged_whole(server: LiveServer, baseline: int, caplog
             await client.closed_by_server()
         return [first, second]
 
-    tokens = run(scenario())
+    tokens = asyncio.run(scenario())
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "resumed with token r0." in logged  # the hints are there ...
     assert '"WebSocket /v1/sessions?resume=' in logged  # uvicorn's line, its query redacted
@@ -527,7 +523,7 @@ def test_client_resume_on_drop_prints_the_gap_and_keeps_the_world(capsys: pytest
             pipeline.proceed.set()  # chunk k runs to the end and is never received
             return await run
 
-        result = run(dropped_run())
+        result = asyncio.run(dropped_run())
         gap = re.search(
             r"connection dropped after chunk (\d+); resumed session s-\w+ in \d+ ms at chunk (\d+) "
             r"\((\d+) chunk\(s\) generated but never received\)",
@@ -538,7 +534,7 @@ def test_client_resume_on_drop_prints_the_gap_and_keeps_the_world(capsys: pytest
         assert last < k and resumed_at == k + 1 and lost == resumed_at - last - 1
         # The same world: chunks 0..last, then the chunks from resumed_at on, as an uninterrupted session paints them.
         indexes = [*range(last + 1), *range(resumed_at, resumed_at + total - last - 1)]
-        reference = run(run_script(server.ws_url, [("d",)] * (indexes[-1] + 1), codec="raw", seed=SEED))
+        reference = asyncio.run(run_script(server.ws_url, [("d",)] * (indexes[-1] + 1), codec="raw", seed=SEED))
         fpc = len(reference.frames) // (indexes[-1] + 1)
         expected = [frame for index in indexes for frame in reference.frames[index * fpc : (index + 1) * fpc]]
         assert result.closed_reason == "client"
@@ -558,4 +554,4 @@ def test_client_without_resume_on_drop_reports_the_drop() -> None:
             with pytest.raises(ConnectionDropped):
                 await run
 
-        run(dropped_run())
+        asyncio.run(dropped_run())

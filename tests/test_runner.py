@@ -9,7 +9,8 @@ import torch
 
 from arstream.models.fake import FakeForwardError, FakeKVPipeline, expected_frame_value, frame_code
 from arstream.runner.pool import PoolBudgetError
-from arstream.runner.runner import ARRunner, ChunkShapeError, UnsupportedConfiguration
+from arstream.runner.runner import ARRunner, ChunkShapeError
+from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.types import TickRequest
 from runner_fakes import FAKE_KV_BUDGET_BYTES, fake_runner, tick
 
@@ -136,8 +137,8 @@ def test_one_timing_entry_per_chunk() -> None:
     runner, _ = fake_runner()
     for i in range(4):
         runner.execute_tick(tick("a", i))
-    assert len(runner.chunk_times_s) == 4 and runner.stats().chunks_total == 4
-    assert all(t > 0 for t in runner.chunk_times_s)
+    assert len(runner.counters.chunk_times_s) == 4 and runner.stats().chunks_total == 4
+    assert all(t > 0 for t in runner.counters.chunk_times_s)
 
 
 def test_capacity_comes_from_the_budget() -> None:

@@ -188,14 +188,14 @@ def test_a_batch_of_new_sessions_never_evicts_one_of_its_own() -> None:
 def test_a_batched_forward_records_one_timing_entry_per_chunk() -> None:
     runner, _ = make_runner()
     results = chunks(runner.execute([tick(s) for s in "abc"]))
-    assert runner.stats().chunks_total == 3 and len(runner.chunk_times_s) == 3
+    assert runner.stats().chunks_total == 3 and len(runner.counters.chunk_times_s) == 3
     # every row waited for the whole forward
-    assert len(set(runner.chunk_times_s)) == 1 and {r.compute_s for r in results} == set(runner.chunk_times_s)
+    assert len(set(runner.counters.chunk_times_s)) == 1 and {r.compute_s for r in results} == set(runner.counters.chunk_times_s)
 
 
 def test_a_pipeline_without_batching_runs_every_tick_alone() -> None:
     runner = ARRunner(ToyAttentionPipeline(), kv_budget_bytes=64 << 20, max_batch_sessions=4)
-    assert runner.batch_limit == 1 and runner.stats().max_batch_sessions == 1
+    assert runner.batch_limit == 1 and runner.stats().batch_limit == 1
     results = chunks(runner.execute([tick(s, seed=1) for s in "ab"]))
     assert [r.chunk_index for r in results] == [0, 0]
     assert runner.stats().batched_forwards_total == 0

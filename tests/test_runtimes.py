@@ -9,8 +9,10 @@ from pydantic import ValidationError
 
 from arstream.app.settings import Settings, describe_settings_error
 from arstream.models.fake import FakeKVPipeline
-from arstream.runner.runner import ARRunner, UnsupportedConfiguration
-from arstream.runner.runtimes import build_runtime, vllm_omni_available
+from arstream.runner.runner import ARRunner, runner_for_sessions
+from arstream.runner.runtimes import Runtime, build_runtime
+from arstream.runner.types import UnsupportedConfiguration
+from arstream.runner.vllm_omni.native import vllm_omni_available
 
 
 def test_default_runtime_is_arstreams_runner() -> None:
@@ -49,3 +51,17 @@ def test_a_vllm_omni_model_names_its_missing_weights_path(tmp_path: Path) -> Non
     missing = tmp_path / "weights"
     with pytest.raises(ValidationError, match=f"the weights path '{missing}' does not exist"):
         Settings(model="vllm-omni:DreamZeroPipeline", model_options={"model": str(missing)}, runtime="vllm-omni")
+
+
+def test_arstreams_runner_answers_every_member_of_the_runtime_interface() -> None:
+    runner = build_runtime("arstream", FakeKVPipeline(), kv_budget_bytes=1 << 20)
+    members = {name for name in vars(Runtime) if not name.startswith("_")} | set(Runtime.__annotations__)
+    assert {"execute", "stats", "batch_limit", "counters", "warmup_round_s"} <= members
+    assert [name for name in sorted(members) if not hasattr(runner, name)] == []
+
+
+def test_stats_report_the_batch_limit_a_forward_uses_not_the_setting() -> None:
+    """max_batch_sessions 8 over a pool of 2 sessions: a forward holds at most 2 (it must not evict its own)."""
+    runner = runner_for_sessions(FakeKVPipeline(), 2, max_batch_sessions=8)
+    assert runner.batch_limit == 2
+    assert runner.stats().batch_limit == 2

@@ -9,12 +9,13 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
 
 from arstream import __version__
-from arstream.app import cli
+from arstream import cli
 from arstream.app.settings import CPU_KV_BUDGET_BYTES, Settings, settings_from_argv
 from servers import REPO_ROOT, server_process, session_client
 
@@ -113,7 +114,7 @@ def test_help_reads_as_plain_text(command: cli.Command) -> None:
 def test_serve_help_does_not_import_torch() -> None:
     # `arstream serve --help` once took 7-14 s on a loaded machine: it imported torch for the options.
     code = (
-        "import sys; from arstream.app.cli import main; code = main(['serve', '--help']); "
+        "import sys; from arstream.cli import main; code = main(['serve', '--help']); "
         "sys.stdout.flush(); print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=EXIT_GUARD_S)
@@ -124,6 +125,20 @@ def test_serve_help_does_not_import_torch() -> None:
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"arstream {__version__}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[str(Path(sys.executable).with_name("arstream"))], [sys.executable, "-m", "arstream"]],
+    ids=["console-script", "python-m"],
+)
+def test_the_installed_command_runs_the_tree(command: list[str]) -> None:
+    """The console script (pyproject's entry point) and ``python -m arstream`` both reach ``arstream.cli``."""
+    version = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=EXIT_GUARD_S)
+    assert (version.returncode, version.stdout.strip()) == (0, f"arstream {__version__}"), version.stderr
+    help_text = subprocess.run([*command, "train", "--help"], capture_output=True, text=True, timeout=EXIT_GUARD_S)
+    assert help_text.returncode == 0, help_text.stderr
+    assert "tiny-world-decoder" in help_text.stdout
 
 
 def test_serve_flags_are_the_settings_fields_with_their_descriptions(capsys: pytest.CaptureFixture[str]) -> None:

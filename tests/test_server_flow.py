@@ -18,15 +18,11 @@ from arstream.models.fake import controls_code
 from servers import (
     GatedFakePipeline,
     LiveServer,
-    SessionClient,
+    ProbeClient,
     fake_settings,
     running_server,
     session_client,
 )
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 @pytest.fixture
@@ -74,7 +70,7 @@ def test_too_many_ticks_then_credit_returns_after_the_chunk(gated: tuple[LiveSer
             chunk, _ = await client.recv_chunk()
             assert chunk["tick_id"] == 5 and chunk["chunk_index"] == 4
 
-    run(scenario())
+    asyncio.run(scenario())
     server.settled(start_free)
 
 
@@ -93,7 +89,7 @@ def test_tick_with_close_flag_sends_its_chunk_then_closes(gated: tuple[LiveServe
             pipeline.gate.set()
             return await client.closed_by_server()
 
-    closed = run(scenario())
+    closed = asyncio.run(scenario())
     assert [m["tick_id"] for m in closed.messages if m["type"] == "chunk"] == [1, 2]
     assert not [m for m in closed.messages if m["type"] == "error"]
     assert closed.messages[-1] == {"type": "closed", "reason": "tick_close"}
@@ -119,7 +115,7 @@ def test_two_sessions_are_served_round_robin(gated: tuple[LiveServer, GatedFakeP
                 await b.recv_chunk()
             return a.ready["session_id"], b.ready["session_id"], list(pipeline.order)
 
-    a_id, b_id, order = run(scenario())
+    a_id, b_id, order = asyncio.run(scenario())
     assert order[0] == a_id
     queued = order[1:]
     assert sorted(queued) == sorted([a_id] * 3 + [b_id] * 4)
@@ -143,7 +139,7 @@ def test_queued_input_wins_over_an_earlier_ticks_controls(gated: tuple[LiveServe
             pipeline.gate.set()
             return [await client.recv_chunk(), await client.recv_chunk()]
 
-    (first, first_frames), (second, second_frames) = run(scenario())
+    (first, first_frames), (second, second_frames) = asyncio.run(scenario())
     assert (first_frames[0][1][:, :, 2] == controls_code({"keys": ["w"]})).all()
     assert second["applied_event_ids"] == [1]
     assert (second_frames[0][1][:, :, 2] == controls_code({"keys": ["s"]})).all()
@@ -163,7 +159,7 @@ def test_close_drops_queued_ticks_and_releases(gated: tuple[LiveServer, GatedFak
             pipeline.gate.set()
             return closed
 
-    closed = run(scenario())
+    closed = asyncio.run(scenario())
     assert closed.code == 1000
     assert closed.messages == [{"type": "closed", "reason": "client"}]
     stats = server.settled(start_free)
@@ -207,7 +203,7 @@ def test_disconnected_but_resident_session_is_reclaimed_without_touching_connect
             return chunks_of_a
 
         try:
-            chunks_of_a = run(scenario())
+            chunks_of_a = asyncio.run(scenario())
         finally:
             pipeline.gate.set()
         assert [c["chunk_index"] for c in chunks_of_a] == [0, 1, 2]
@@ -223,7 +219,7 @@ STALLING_SETTINGS = {
 }
 
 
-async def stall_writes(server: LiveServer, client: SessionClient) -> int:
+async def stall_writes(server: LiveServer, client: ProbeClient) -> int:
     """Send ticks from a client that never reads until the server holds all its credits; returns the last tick id."""
     for tick_id in range(2000):
         await client.send(type="tick", tick_id=tick_id)
@@ -259,7 +255,7 @@ def test_a_client_that_stops_reading_does_not_stall_another() -> None:
                 slow.abort()
                 return tick_id
 
-        run(scenario())
+        asyncio.run(scenario())
         server.settled(start_free)
 
 
@@ -276,7 +272,7 @@ def test_server_fault_is_internal_1011_and_releases(monkeypatch: pytest.MonkeyPa
                 await client.send(type="tick", tick_id=7)
                 return await client.closed_by_server()
 
-        closed = run(scenario())
+        closed = asyncio.run(scenario())
         assert closed.code == 1011
         error, farewell = closed.messages
         assert error["type"] == "error" and error["code"] == "internal" and error["fatal"] is True
@@ -300,7 +296,7 @@ def test_graceful_shutdown_sends_closed_server_shutdown() -> None:
                 pipeline.gate.set()
                 return results
 
-        closed_results = run(scenario())
+        closed_results = asyncio.run(scenario())
         assert server.thread is not None
         server.thread.join(30)
         assert not server.thread.is_alive()
@@ -322,7 +318,7 @@ def test_shutdown_does_not_hang_on_a_client_that_stops_reading() -> None:
                 assert not server.thread.is_alive()
                 slow.abort()
 
-        run(scenario())
+        asyncio.run(scenario())
 
 
 def test_a_round_of_sessions_runs_as_one_batch_and_a_failing_one_fails_alone() -> None:
@@ -364,7 +360,7 @@ def test_a_round_of_sessions_runs_as_one_batch_and_a_failing_one_fails_alone() -
                 seen["ids"] = ids
                 return seen
 
-        seen = run(scenario())
+        seen = asyncio.run(scenario())
         a_id, doomed_id, c_id = seen["ids"]
         assert [a_id, doomed_id, c_id] in pipeline.batches
         for name in ("a", "c"):

@@ -31,10 +31,6 @@ class SlowWarmupFakePipeline(FakeKVPipeline):
         return super().warmup_requests(session_id)
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
 def test_not_ready_while_warming_up_then_ready() -> None:
     pipeline = SlowWarmupFakePipeline()
     with running_server(fake_settings(), pipeline, wait_ready=False) as server:
@@ -51,7 +47,7 @@ def test_not_ready_while_warming_up_then_ready() -> None:
                     await client.send(type="start")
                     return await client.closed_by_server()
 
-            closed = run(early_session())
+            closed = asyncio.run(early_session())
             assert closed.code == 1013 and closed.messages[0]["code"] == "over_capacity"
         finally:
             pipeline.release_warmup.set()
@@ -106,7 +102,7 @@ def test_metrics_names_and_values_after_traffic() -> None:
                 await client.send(type="close")
                 await client.closed_by_server()
 
-        run(traffic())
+        asyncio.run(traffic())
         server.wait_for_stats(lambda s: s["sessions"]["connected"] == 0 and s["kv"]["sessions_resident"] == 0)
         response = server.get("/metrics")
         assert response.headers["content-type"].startswith("text/plain")
@@ -150,14 +146,13 @@ def test_model_card_matches_ready() -> None:
                 assert client.ready is not None
                 return client.ready["model"]
 
-        assert run(ready()) == card
+        assert asyncio.run(ready()) == card
     assert {"name", "width", "height", "fps", "frames_per_chunk", "controls"} <= set(card)
 
 
 def test_demo_page_is_served_at_root() -> None:
     index = server_module.STATIC_DIR / "index.html"
-    if not index.exists():
-        pytest.skip("static/index.html is not in this checkout")
+    assert index.is_file(), f"the demo page is missing: {index}"
     with running_server(fake_settings()) as server:
         response = server.get("/")
     assert response.status_code == 200

@@ -10,11 +10,7 @@ from typing import Any
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from servers import LiveServer, SessionClient, fake_settings, running_server, session_client
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +20,7 @@ def quick() -> Iterator[LiveServer]:
         yield live
 
 
-async def try_start(client: SessionClient) -> dict[str, Any]:
+async def try_start(client: ProbeClient) -> dict[str, Any]:
     """Send `start` (a refused connection may already be closing) and return the first reply."""
     try:
         await client.send(type="start")
@@ -52,7 +48,7 @@ def test_no_start_within_the_timeout_is_start_required(quick: LiveServer) -> Non
         async with session_client(quick.ws_url) as client:
             return await client.closed_by_server()
 
-    assert_fatal(run(scenario()), "start_required", 1008)
+    assert_fatal(asyncio.run(scenario()), "start_required", 1008)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +62,7 @@ def test_first_message_not_start_is_start_required(quick: LiveServer, first: str
             await client.ws.send(first)
             return await client.closed_by_server()
 
-    assert_fatal(run(scenario()), "start_required", 1008)
+    assert_fatal(asyncio.run(scenario()), "start_required", 1008)
 
 
 def test_malformed_start_is_invalid_message_and_start_may_follow(quick: LiveServer) -> None:
@@ -77,7 +73,7 @@ def test_malformed_start_is_invalid_message_and_start_may_follow(quick: LiveServ
             ready = await client.start(codec="raw")
             return error, ready
 
-    error, ready = run(scenario())
+    error, ready = asyncio.run(scenario())
     assert error["code"] == "invalid_message" and error["fatal"] is False
     assert ready["type"] == "ready" and ready["codec"] == "raw"
 
@@ -91,7 +87,7 @@ def test_text_over_the_limit_is_message_too_large_1009(quick: LiveServer) -> Non
             await client.send_text(json.dumps({"type": "ping", "pad": "x" * 1024}))
             return await client.closed_by_server()
 
-    assert_fatal(run(scenario()), "message_too_large", 1009, closed_reason="error")
+    assert_fatal(asyncio.run(scenario()), "message_too_large", 1009, closed_reason="error")
     quick.wait_for_stats(lambda s: s["sessions"]["connected"] == 0)
 
 
@@ -104,7 +100,7 @@ def test_text_at_the_limit_is_accepted(quick: LiveServer) -> None:
             await client.send_text(text)
             return await client.recv_json()
 
-    assert run(scenario())["type"] == "pong"
+    assert asyncio.run(scenario())["type"] == "pong"
 
 
 def test_message_too_large_before_start(quick: LiveServer) -> None:
@@ -113,7 +109,7 @@ def test_message_too_large_before_start(quick: LiveServer) -> None:
             await client.send_text(json.dumps({"type": "start", "prompt": "y" * 2000}))
             return await client.closed_by_server()
 
-    assert_fatal(run(scenario()), "message_too_large", 1009)
+    assert_fatal(asyncio.run(scenario()), "message_too_large", 1009)
 
 
 # ---- idle timeout ----------------------------------------------------------------------------
@@ -130,7 +126,7 @@ def test_idle_session_gets_idle_timeout_4001() -> None:
                 await client.recv_chunk()
                 return await client.closed_by_server()
 
-        assert_fatal(run(scenario()), "idle_timeout", 4001, closed_reason="idle_timeout")
+        assert_fatal(asyncio.run(scenario()), "idle_timeout", 4001, closed_reason="idle_timeout")
         server.wait_for_stats(
             lambda s: s["kv"]["blocks_free"] == start_free and s["sessions"]["connected"] == 0
         )
@@ -163,7 +159,7 @@ def test_over_capacity_1013_until_a_slot_frees(settings: dict[str, Any]) -> None
                 chunk, _ = await third.recv_chunk()
             return refused, chunk
 
-        refused, chunk = run(scenario())
+        refused, chunk = asyncio.run(scenario())
         error = assert_fatal(refused, "over_capacity", 1013)
         assert "all 1 session slots are in use" in error["message"]
         assert chunk["chunk_index"] == 0
@@ -184,7 +180,7 @@ def test_connected_sessions_never_exceed_capacity() -> None:
                     outcomes.append((await client.recv_json())["type"])
             return outcomes
 
-        assert sorted(run(scenario())) == ["error", "ready", "ready"]
+        assert sorted(asyncio.run(scenario())) == ["error", "ready", "ready"]
 
 
 # ---- auth and origin ---------------------------------------------------------------------------
@@ -208,7 +204,7 @@ def test_missing_or_wrong_token_is_unauthorized_1008(
         async with session_client(guarded.ws_url + query, headers=headers) as client:
             return await client.closed_by_server()
 
-    error = assert_fatal(run(scenario()), "unauthorized", 1008)
+    error = assert_fatal(asyncio.run(scenario()), "unauthorized", 1008)
     assert "token" in error["message"]
 
 
@@ -223,7 +219,7 @@ def test_right_token_is_admitted(guarded: LiveServer, query: str, headers: list[
             assert client.ready is not None
             return client.ready
 
-    assert run(scenario())["type"] == "ready"
+    assert asyncio.run(scenario())["type"] == "ready"
 
 
 def test_default_origins_allow_same_host_and_scripts_only() -> None:
@@ -244,7 +240,7 @@ def test_default_origins_allow_same_host_and_scripts_only() -> None:
             ]
             return {origin: await outcome(origin) for origin in origins}
 
-        results = run(scenario())
+        results = asyncio.run(scenario())
         assert results == {
             None: "ready",
             f"http://127.0.0.1:{server.port}": "ready",
@@ -272,7 +268,7 @@ def test_configured_origins(allowed: str, origin: str, admitted: bool) -> None:
                     return first
                 return await client.closed_by_server(), first
 
-        result = run(scenario())
+        result = asyncio.run(scenario())
         if admitted:
             assert result["type"] == "ready"
         else:
@@ -291,4 +287,4 @@ def test_handshake_to_unknown_path_fails(quick: LiveServer) -> None:
             pass
 
     with pytest.raises(InvalidStatus):
-        run(scenario())
+        asyncio.run(scenario())

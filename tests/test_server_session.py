@@ -16,7 +16,7 @@ import pytest
 
 from arstream.app.wire import Codec
 from arstream.models.fake import controls_code
-from servers import LiveServer, SessionClient, fake_settings, running_server, session_client
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client
 
 FRAMES_PER_CHUNK = 2
 
@@ -27,11 +27,7 @@ def server() -> Iterator[LiveServer]:
         yield live
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-async def expect_error(client: SessionClient, code: str, *, tick_id: int | None = None) -> dict[str, Any]:
+async def expect_error(client: ProbeClient, code: str, *, tick_id: int | None = None) -> dict[str, Any]:
     message = await client.recv_json()
     assert message["type"] == "error", message
     assert message["code"] == code, message
@@ -40,7 +36,7 @@ async def expect_error(client: SessionClient, code: str, *, tick_id: int | None 
     return message
 
 
-async def still_usable(client: SessionClient) -> None:
+async def still_usable(client: ProbeClient) -> None:
     await client.send(type="ping", t=42.5)
     pong = await client.recv_json()
     assert pong["type"] == "pong" and pong["t"] == 42.5
@@ -55,7 +51,7 @@ def test_ready_describes_session_model_and_limits(server: LiveServer, baseline: 
             assert client.ready is not None
             return client.ready
 
-    ready = run(scenario())
+    ready = asyncio.run(scenario())
     assert ready["protocol"] == 1
     assert ready["session_id"].startswith("s-")
     assert ready["model"] == server.get("/v1/model").json()
@@ -76,7 +72,7 @@ def test_chunks_carry_exactly_their_frames_with_headers(server: LiveServer, base
             await still_usable(client)  # nothing was left over after the last frame
             return chunks
 
-    chunks = run(scenario())
+    chunks = asyncio.run(scenario())
     for chunk_index, ((chunk, frames), (tick_id, keys)) in enumerate(zip(chunks, ((3, ["d"]), (9, ["w", "a"]), (10, [])))):
         assert chunk["tick_id"] == tick_id
         assert chunk["chunk_index"] == chunk_index
@@ -114,7 +110,7 @@ def test_input_events_apply_at_next_chunk_latest_wins(server: LiveServer, baseli
             second, _ = await client.recv_chunk()
             return acks, first, frames, second
 
-    acks, first, frames, second = run(scenario())
+    acks, first, frames, second = asyncio.run(scenario())
     assert acks == [
         {"type": "ack", "event_id": 1, "status": "accepted"},
         {"type": "ack", "event_id": 2, "status": "accepted"},
@@ -139,7 +135,7 @@ def test_duplicate_event_is_acked_again_and_applied_once(server: LiveServer, bas
             chunk, _ = await client.recv_chunk()
             return replies, chunk
 
-    replies, chunk = run(scenario())
+    replies, chunk = asyncio.run(scenario())
     assert replies[0] == {"type": "ack", "event_id": 5, "status": "accepted"}
     assert replies[1] == {"type": "ack", "event_id": 5, "status": "duplicate"}
     assert replies[2]["type"] == "error" and replies[2]["code"] == "stale_event" and replies[2]["fatal"] is False
@@ -161,7 +157,7 @@ def test_stale_tick_is_refused_and_refusals_do_not_move_the_floor(server: LiveSe
             chunk, _ = await client.recv_chunk()
             assert chunk["tick_id"] == 6 and chunk["chunk_index"] == 1
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_invalid_controls_on_tick_and_input(server: LiveServer, baseline: int) -> None:
@@ -174,7 +170,7 @@ def test_invalid_controls_on_tick_and_input(server: LiveServer, baseline: int) -
             await client.send(type="input", event_id=1, controls={"keys": ["w"]})
             assert (await client.recv_json())["status"] == "accepted"
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 INVALID_MESSAGES = {
@@ -209,7 +205,7 @@ def test_invalid_message_is_non_fatal(server: LiveServer, baseline: int, text: s
             await still_usable(client)
             return error
 
-    error = run(scenario())
+    error = asyncio.run(scenario())
     assert error["type"] == "error" and error["code"] == "invalid_message" and error["fatal"] is False
     assert error["message"]
 
@@ -221,7 +217,7 @@ def test_binary_message_from_client_is_invalid_message(server: LiveServer, basel
             await expect_error(client, "invalid_message")
             await still_usable(client)
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_invalid_message_echoes_a_usable_tick_id(server: LiveServer, baseline: int) -> None:
@@ -230,7 +226,7 @@ def test_invalid_message_echoes_a_usable_tick_id(server: LiveServer, baseline: i
             await client.send(type="tick", tick_id=8, prompt=["not", "a", "string"])
             await expect_error(client, "invalid_message", tick_id=8)
 
-    run(scenario())
+    asyncio.run(scenario())
 
 
 def test_immediate_replies_keep_arrival_order(server: LiveServer, baseline: int) -> None:
@@ -243,7 +239,7 @@ def test_immediate_replies_keep_arrival_order(server: LiveServer, baseline: int)
             await client.send(type="input", event_id=1)
             return [await client.recv_json() for _ in range(5)]
 
-    replies = run(scenario())
+    replies = asyncio.run(scenario())
     assert [(r["type"], r.get("t"), r.get("status"), r.get("code")) for r in replies] == [
         ("ack", None, "accepted", None),
         ("pong", 1.0, None, None),
@@ -273,7 +269,7 @@ def test_reset_restarts_rollout_and_keeps_controls(server: LiveServer, baseline:
             results.append(await client.recv_chunk())
             return results
 
-    results = run(scenario())
+    results = asyncio.run(scenario())
     assert [c["chunk_index"] for c, _ in results] == [0, 1, 0, 1]
     assert [c["restarted"] for c, _ in results] == [None, None, "reset", None]
     reset_chunk, reset_frames = results[2]
@@ -290,7 +286,7 @@ def test_reset_on_the_first_tick_says_reset(server: LiveServer, baseline: int) -
             chunk, _ = await client.recv_chunk()
             return chunk
 
-    chunk = run(scenario())
+    chunk = asyncio.run(scenario())
     assert chunk["restarted"] == "reset" and chunk["chunk_index"] == 0
 
 
@@ -302,7 +298,7 @@ def test_close_message_sends_closed_client_and_1000(server: LiveServer, baseline
             await client.send(type="close")
             return await client.closed_by_server()
 
-    closed = run(scenario())
+    closed = asyncio.run(scenario())
     assert closed.code == 1000
     assert closed.messages == [{"type": "closed", "reason": "client"}]
 
@@ -315,7 +311,7 @@ def test_abrupt_disconnect_releases_the_session(server: LiveServer, baseline: in
             await client.recv_chunk()
             client.abort()
 
-    run(scenario())
+    asyncio.run(scenario())
     # the baseline fixture polls /v1/stats until every block is back
 
 
@@ -337,7 +333,7 @@ def test_model_failure_is_non_fatal_and_needs_a_reset(server: LiveServer, baseli
             seen.append(await client.recv_chunk())
             return seen
 
-    seen = run(scenario())
+    seen = asyncio.run(scenario())
     recovered, _ = seen[3]
     assert recovered["restarted"] == "reset" and recovered["chunk_index"] == 0 and recovered["tick_id"] == 4
     assert seen[4][0]["chunk_index"] == 1
@@ -357,7 +353,7 @@ def test_failure_leaves_other_sessions_alone(server: LiveServer, baseline: int) 
             await expect_error(doomed, "session_failed", tick_id=2)
             return chunks
 
-    chunks = run(scenario())
+    chunks = asyncio.run(scenario())
     assert [c["chunk_index"] for c in chunks] == [0, 1, 2]
     assert all(c["restarted"] is None for c in chunks)
 
@@ -374,7 +370,7 @@ def test_session_failed_after_failure_until_reset_even_when_queued(server: LiveS
             chunk, _ = await client.recv_chunk()
             return [*replies, chunk]
 
-    first, second, chunk = run(scenario())
+    first, second, chunk = asyncio.run(scenario())
     assert (first["code"], first["tick_id"]) == ("session_failed", 1)
     assert (second["code"], second["tick_id"]) == ("session_failed", 2)
     assert chunk["tick_id"] == 3 and chunk["restarted"] == "reset"
@@ -387,7 +383,7 @@ def test_pending_ticks_and_stats_while_connected(server: LiveServer, baseline: i
             await client.recv_chunk()
             return server.wait_for_stats(lambda s: s["sessions"]["connected"] == 1)
 
-    stats = run(scenario())
+    stats = asyncio.run(scenario())
     assert stats["kv"]["sessions_resident"] == 1
     assert stats["kv"]["blocks_free"] < baseline
     assert stats["kv"]["blocks_used"] + stats["kv"]["blocks_free"] == stats["kv"]["blocks_total"]

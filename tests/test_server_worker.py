@@ -14,12 +14,11 @@ from arstream.app.protocol import TickMessage
 from arstream.app.session import Session
 from arstream.app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
 from arstream.models.fake import FakeKVPipeline
-from arstream.runner.runner import WARMUP_SESSION_ID, ARRunner
+from arstream.runner.runner import ARRunner
 from arstream.runner.types import TickRequest, TickResult
 from servers import GatedFakePipeline, fake_settings, make_session, running_server, session_client, with_worker
 
 WORKER_THREAD = "arstream-model-worker"
-GUARD_S = 30.0  # hang guard only
 
 
 class ThreadRecordingFakePipeline(FakeKVPipeline):
@@ -169,88 +168,3 @@ def test_a_runner_fault_outside_any_forward_still_answers_every_tick() -> None:
 
     seen = asyncio.run(with_worker(FakeKVPipeline(), body, runner_class=ExecuteRaisingFakeRunner))
     assert seen == [(OutcomeKind.INTERNAL, "runner failed: RuntimeError: runner bug")]
-
-
-class RoundRecordingFakePipeline(FakeKVPipeline):
-    """FakeKVPipeline that notes the sessions of every forward (warm-up excepted)."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.rounds: list[list[str]] = []
-
-    def _note(self, session_ids: list[str]) -> None:
-        if not any(s.startswith(WARMUP_SESSION_ID) for s in session_ids):
-            self.rounds.append(sorted(session_ids))
-
-    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        self._note([tick.session_id])
-        return super().generate_chunk(tick)
-
-    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
-        self._note([t.session_id for t in ticks])
-        return super().generate_chunks(ticks)
-
-
-@pytest.mark.parametrize("wait_fraction", [0.0, 1.0])
-def test_a_round_waits_a_moment_for_the_last_rounds_sessions(wait_fraction: float) -> None:
-    """A tick arriving shortly after its batch-mates joins their round when the worker may wait for it."""
-    pipeline = RoundRecordingFakePipeline(compute_delay_s=0.5)
-    sessions = {name: make_session(name) for name in ("s-a", "s-b")}
-
-    def tick(name: str, tick_id: int) -> None:
-        worker.submit(sessions[name].accept_tick(TickMessage(type="tick", tick_id=tick_id)))
-
-    async def body(w: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> list[list[str]]:
-        nonlocal worker
-        worker = w
-        tick("s-a", 0)
-        tick("s-b", 0)
-        tick("s-a", 1)
-        tick("s-b", 1)
-        for _ in range(4):  # the first round may have taken s-a alone; by the second both are in
-            await asyncio.wait_for(outcomes.get(), GUARD_S)
-        first_rounds = len(pipeline.rounds)
-        # The next round: s-a's tick at once, s-b's 50 ms later (a client still reading its chunk).
-        tick("s-a", 2)
-        await asyncio.sleep(0.05)
-        tick("s-b", 2)
-        for _ in range(2):
-            await asyncio.wait_for(outcomes.get(), GUARD_S)
-        return pipeline.rounds[first_rounds:]
-
-    worker: ModelWorker
-    later = asyncio.run(with_worker(pipeline, body, max_batch_sessions=2, batch_wait_fraction=wait_fraction))
-    if wait_fraction:
-        assert later == [["s-a", "s-b"]]  # waited up to 0.5 s for s-b: one forward
-    else:
-        assert later == [["s-a"], ["s-b"]]  # ran s-a at once: a partial round, then s-b alone
-
-
-@pytest.mark.parametrize("wait_fraction", [0.0, 1.0])
-def test_sessions_starting_together_share_their_first_forward(wait_fraction: float) -> None:
-    """From idle, the first round waits a moment for other first ticks; running the first alone would
-    leave the second a chunk behind, and sessions whose histories differ cannot share a forward."""
-    pipeline = RoundRecordingFakePipeline(compute_delay_s=0.2)
-    sessions = {name: make_session(name) for name in ("s-a", "s-b")}
-
-    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> list[list[str]]:
-        for tick_id in range(2):
-            worker.submit(sessions["s-a"].accept_tick(TickMessage(type="tick", tick_id=tick_id)))
-            if tick_id == 0:
-                await asyncio.sleep(0.05)  # s-b connects a moment later
-                worker.submit(sessions["s-b"].accept_tick(TickMessage(type="tick", tick_id=0)))
-            else:
-                worker.submit(sessions["s-b"].accept_tick(TickMessage(type="tick", tick_id=1)))
-        for _ in range(4):
-            await asyncio.wait_for(outcomes.get(), GUARD_S)
-        return pipeline.rounds
-
-    # Warmed up as the server is: the warm-up's round time (0.2 s) is what the first round waits against.
-    rounds = asyncio.run(
-        with_worker(pipeline, body, max_batch_sessions=2, batch_wait_fraction=wait_fraction, warmup=True)
-    )
-    if wait_fraction:
-        assert rounds == [["s-a", "s-b"], ["s-a", "s-b"]]  # one forward per round
-    else:
-        # s-a ran alone; then s-a (a chunk of history) and s-b (none) could not share a forward
-        assert sorted(rounds) == [["s-a"], ["s-a"], ["s-b"], ["s-b"]]

@@ -38,15 +38,11 @@ from arstream.app.start_image import (
 )
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.types import StartImage, TickRequest
-from servers import RECEIVE_GUARD_S, LiveServer, SessionClient, fake_settings, running_server, session_client
+from servers import RECEIVE_GUARD_S, LiveServer, ProbeClient, fake_settings, running_server, session_client
 
 OFFERED = ["meadow", "canyon"]
 MAX_IMAGE_BYTES = 64 * 1024
 MAX_IMAGE_PIXELS = 200 * 200
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def image_file(pixels: np.ndarray, image_format: str = "PNG") -> bytes:
@@ -214,7 +210,7 @@ def seen_by_the_model(fake: FakeKVPipeline, session_id: str) -> list[StartImage 
     return [image for seen_id, image in list(fake.start_images_seen) if seen_id == session_id]
 
 
-async def tick_chunks(client: SessionClient, first_tick: int, count: int, **fields: Any) -> list[dict[str, Any]]:
+async def tick_chunks(client: ProbeClient, first_tick: int, count: int, **fields: Any) -> list[dict[str, Any]]:
     chunks = []
     for tick_id in range(first_tick, first_tick + count):
         await client.send(type="tick", tick_id=tick_id, **(fields if tick_id == first_tick else {}))
@@ -229,7 +225,7 @@ def test_the_card_offers_start_images_and_ready_says_the_upload_limit(server: Li
             assert client.ready is not None
             return client.ready
 
-    ready = run(scenario())
+    ready = asyncio.run(scenario())
     assert ready["model"]["start_images"] == OFFERED
     assert ready["limits"]["max_start_image_bytes"] == MAX_IMAGE_BYTES
     assert server.get("/v1/model").json()["start_images"] == OFFERED
@@ -247,7 +243,7 @@ def test_a_named_image_reaches_the_model_on_every_tick_and_after_reset(
                 assert named.ready is not None and default.ready is not None
                 return named.ready["session_id"], chunks, default.ready["session_id"]
 
-    session_id, chunks, default_id = run(scenario())
+    session_id, chunks, default_id = asyncio.run(scenario())
     assert chunks[3]["restarted"] == "reset"
     assert seen_by_the_model(fake, session_id) == [StartImage(digest="name:canyon", name="canyon")] * 5
     assert seen_by_the_model(fake, default_id) == [None, None]  # no image asked: the model's default
@@ -266,7 +262,7 @@ def test_an_uploaded_image_reaches_the_model_as_its_pixels(
             assert uploaded.ready is not None
             return uploaded.ready["session_id"]
 
-    session_id = run(scenario())
+    session_id = asyncio.run(scenario())
     seen = seen_by_the_model(fake, session_id)
     assert len(seen) == 4
     for image in seen:
@@ -294,7 +290,7 @@ def test_a_resumed_session_keeps_its_image() -> None:
                 assert (await resumed.closed_by_server()).code == 1000
             return session_id
 
-        session_id = run(scenario())
+        session_id = asyncio.run(scenario())
         assert seen_by_the_model(fake, session_id) == [StartImage(digest="name:meadow", name="meadow")] * 4
         live.settled(blocks_free)
 
@@ -324,7 +320,7 @@ def test_a_refused_image_is_invalid_image_and_nothing_else_changes(
             after = await tick_chunks(bystander, 2, 2)
             return closed, before + after
 
-    closed, bystander_chunks = run(scenario())
+    closed, bystander_chunks = asyncio.run(scenario())
     assert closed.code == 4004
     [error] = closed.messages
     assert error["type"] == "error" and error["code"] == "invalid_image" and error["fatal"] is True
@@ -344,7 +340,7 @@ def test_a_start_over_the_start_limit_is_message_too_large(server: LiveServer, b
             await client.send(type="start", image={"data": oversized})
             return await client.closed_by_server()
 
-    closed = run(scenario())
+    closed = asyncio.run(scenario())
     assert closed.code == 1009
     assert closed.messages[0]["code"] == "message_too_large"
     assert f"start messages are limited to {settings.max_start_message_bytes} bytes" in closed.messages[0]["message"]
@@ -362,9 +358,9 @@ def test_only_start_may_be_large_once_the_session_has_started(server: LiveServer
                 pass
             return await client.closed_by_server()
 
-    just_over = run(scenario(4096))  # the app's own limit: its error, then 1009
+    just_over = asyncio.run(scenario(4096))  # the app's own limit: its error, then 1009
     assert just_over.code == 1009 and just_over.messages[0]["code"] == "message_too_large"
-    far_over = run(scenario(2 * (4096 + WS_FRAME_SLACK_BYTES)))
+    far_over = asyncio.run(scenario(2 * (4096 + WS_FRAME_SLACK_BYTES)))
     assert far_over.code == 1009 and far_over.messages == []
 
 
@@ -378,7 +374,7 @@ def test_an_image_for_a_model_without_start_images_is_refused() -> None:
                 return await client.closed_by_server()
 
         for image in ({"name": "meadow"}, {"data": b64(image_file(noise(4, 4)))}):
-            closed = run(scenario(image))
+            closed = asyncio.run(scenario(image))
             assert closed.code == 4004 and closed.messages[0]["code"] == "invalid_image"
             assert "offers no start_images" in closed.messages[0]["message"]
 
@@ -387,7 +383,7 @@ def test_an_image_for_a_model_without_start_images_is_refused() -> None:
                 assert client.ready is not None
                 return client.ready
 
-        limits = run(ready())["limits"]
+        limits = asyncio.run(ready())["limits"]
         assert "max_start_image_bytes" not in limits
         plain.settled(blocks_free)
 
@@ -416,7 +412,7 @@ def test_an_image_while_the_model_loads_is_over_capacity_not_invalid_image() -> 
                 return await client.closed_by_server()
 
         try:
-            closed = run(scenario())
+            closed = asyncio.run(scenario())
         finally:
             pipeline.loaded.set()
         assert closed.code == 1013 and closed.messages[0]["code"] == "over_capacity"
@@ -431,7 +427,7 @@ def test_a_decode_does_not_hold_up_other_sessions() -> None:
             order: list[str] = []
             async with session_client(live.ws_url, start={}) as bystander, session_client(live.ws_url) as uploader:
 
-                async def answered(client: SessionClient, name: str) -> None:
+                async def answered(client: ProbeClient, name: str) -> None:
                     await client.recv_json()
                     order.append(name)
 
@@ -440,7 +436,7 @@ def test_a_decode_does_not_hold_up_other_sessions() -> None:
                 await asyncio.gather(answered(uploader, "ready"), answered(bystander, "pong"))
             return order
 
-        assert run(scenario()) == ["pong", "ready"]
+        assert asyncio.run(scenario()) == ["pong", "ready"]
 
 
 # ---- arstream client --image ----------------------------------------------------------------------

@@ -107,3 +107,11 @@ def test_bad_config_is_named(small_weights: Path, content: str, message: str) ->
 def test_unknown_loader_option_is_rejected(small_weights: Path) -> None:
     with pytest.raises(TypeError, match="unknown options"):
         load_tiny_world(torch.device("cpu"), str(small_weights), turbo=True)
+
+
+def test_a_config_saved_with_the_old_window_frames_key_loads_as_history_frames() -> None:
+    """``window_frames`` meant the history besides the chunk here, and the chunk included in KVCacheSpec."""
+    old = TinyWorldConfig.from_dict({"window_frames": 6, "frames_per_chunk": 2})
+    assert old == TinyWorldConfig(history_frames=6, frames_per_chunk=2)
+    pipeline = TinyWorldPipeline(TinyWorldDiT(TinyWorldConfig(history_frames=6)), torch.device("cpu"))
+    assert pipeline.kv_cache_spec().window_frames == 8  # the runner's window counts the chunk

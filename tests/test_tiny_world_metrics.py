@@ -1,4 +1,4 @@
-"""Picture-quality metrics (issue 11) on ground truth, on made-up failures, and the eval's contact sheets."""
+"""Picture-quality metrics on ground truth, on made-up failures, and the eval's contact sheets."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_square_walk_does_not_drift(runner: ARRunner) -> None:
     assert all(drift_checks(report).values()), (drift_checks(report), report)
 
 
-# Lenient bounds on issue 11's picture-quality figures, mostly looser than the eval's targets (the
+# Lenient bounds on the picture-quality figures, mostly looser than the eval's targets (the
 # shipped weights' figures over the eval's rollouts are in docs/models.md; on this one rollout 1.00,
 # 0.93, 2.5, 0.09, 0.000; the decoder without its unseen window and view prior: 1.00, 0.85, 1.95,
 # 0.08, 0.001; v1 without the frame decoder: 0.81, 0.85, 3.3, 0.32, 0.09): they leave room for seed

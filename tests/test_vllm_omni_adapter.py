@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed; scripts/test-vllm-omni.sh runs these tests")
 
 from arstream.models.fake import FakeKVPipeline  # noqa: E402
-from arstream.runner.runner import ChunkShapeError, UnsupportedConfiguration  # noqa: E402
+from arstream.runner.runner import ChunkShapeError  # noqa: E402
+from arstream.runner.types import UnsupportedConfiguration  # noqa: E402
 from arstream.runner.runtimes import build_runtime  # noqa: E402
 from arstream.runner.spec import KVBranch, KVCacheSpec  # noqa: E402
 from arstream.runner.types import TickFailure, TickRequest  # noqa: E402
@@ -139,7 +140,7 @@ def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
 def test_bench_runner_compares_the_two_runtimes(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from arstream.app.cli import main
+    from arstream.cli import main
 
     assert main(["bench", "runner", "--runtime", "vllm-omni", "--chunks", "3", "--repeats", "2", "--threads", "1"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -201,7 +201,7 @@ def test_the_host_rotary_path_still_misbroadcasts_and_the_fix_rotates_per_head()
     with pytest.raises(RuntimeError):
         rotary.forward_native(x, angle.cos(), angle.sin())
     assert fix_host_rotary(rotary) == 1
-    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())
+    pairs = torch.view_as_complex(x.reshape(1, tokens, heads, dim // 2, 2))
     expected = torch.view_as_real(pairs * torch.polar(torch.ones_like(angle), angle)[None, :, None]).flatten(-2)
     torch.testing.assert_close(rotary(x, angle.cos(), angle.sin()), expected)
 
@@ -216,5 +216,7 @@ def test_vllm_omnis_attention_still_has_no_host_dispatch() -> None:
     with pytest.raises(NotImplementedError):
         SDPAImpl(num_heads=2, head_size=4, softmax_scale=0.5).forward(q, k, v)
     out = CPUSDPAImpl(num_heads=2, head_size=4, softmax_scale=0.5).forward(q, k, v)
-    reference = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=0.5)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.5
+    )
     torch.testing.assert_close(out, reference.transpose(1, 2))

@@ -17,10 +17,10 @@ pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed; scripts/tes
 
 from vllm_omni.diffusion.registry import DiffusionModelRegistry  # noqa: E402
 
-from arstream.app import cli  # noqa: E402
+from arstream import cli  # noqa: E402
 from arstream.app.settings import Settings, describe_settings_error  # noqa: E402
 from arstream.models.registry import UnknownModel, load_pipeline  # noqa: E402
-from arstream.runner.runner import UnsupportedConfiguration  # noqa: E402
+from arstream.runner.types import UnsupportedConfiguration  # noqa: E402
 from arstream.runner.runtimes import build_runtime  # noqa: E402
 from arstream.runner.vllm_omni.native import NativePipeline, registered_archs  # noqa: E402
 

@@ -12,6 +12,7 @@ the 14B one, which vLLM-Omni's ``from_config`` insists on:
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,20 +87,24 @@ def tiny_transformers_allowed() -> Iterator[None]:
         kwargs["patch_size"] = tuple(kwargs["patch_size"])
         return klass(**kwargs, quant_config=quant_config, prefix=prefix)
 
-    cls.from_config = classmethod(from_any_config)  # type: ignore[method-assign,assignment]
+    cls.from_config = classmethod(from_any_config)
     try:
         yield
     finally:
-        cls.from_config = original  # type: ignore[method-assign]
+        cls.from_config = original
+
+
+def _library(name: str) -> Any:
+    """A library of the vllm-omni extra (tokenizers, transformers, diffusers): untyped here, and absent outside it."""
+    return importlib.import_module(name)
 
 
 def _tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizers, transformers = _library("tokenizers"), _library("transformers")
+    vocabulary = {word: i for i, word in enumerate(WORDS)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
 
 
@@ -123,7 +128,7 @@ def _transformer_weights(path: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     with set_current_vllm_config(vllm_config):
         kwargs = {name: value for name, value in TRANSFORMER.items() if not name.startswith("_")}
-        model = CausalLingBotWorldTransformer3DModel(**{**kwargs, "patch_size": tuple(TRANSFORMER["patch_size"])})
+        model = CausalLingBotWorldTransformer3DModel(**{**kwargs, "patch_size": (1, 2, 2)})
     for name, param in model.named_parameters():
         value = torch.randn(param.shape, generator=generator) * 0.05
         if ".self_attn.qkv." in name:
@@ -137,17 +142,15 @@ def _transformer_weights(path: Path) -> None:
 def build_tiny_lingbot_world(root: Path) -> Path:
     """Write the checkpoint under ``root`` (created) and return it."""
     with ignoring_their_deprecations():
-        from diffusers import AutoencoderKLWan
-        from transformers import UMT5Config, UMT5EncoderModel
-
+        diffusers, transformers = _library("diffusers"), _library("transformers")
         torch.manual_seed(0)
         _tokenizer(root / "tokenizer")
-        encoder = UMT5Config(
+        encoder = transformers.UMT5Config(
             vocab_size=len(WORDS), d_model=TRANSFORMER["text_dim"], d_kv=8, d_ff=32, num_layers=1, num_heads=4,
             relative_attention_num_buckets=8,
         )
-        UMT5EncoderModel(encoder).save_pretrained(root / "text_encoder")
-        AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1).save_pretrained(root / "vae")
+        transformers.UMT5EncoderModel(encoder).save_pretrained(root / "text_encoder")
+        diffusers.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1).save_pretrained(root / "vae")
         (root / "scheduler").mkdir(parents=True, exist_ok=True)
         (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
         (root / "transformer").mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,7 @@ def render(
     check_interval: str = "2s",
     queue_timeout: str = "10s",
     per_source_connections: int = 16,
+    per_source_connection_rate: int = 100,
     template: str | None = None,
 ) -> str:
     """The configuration text; raises KeyError when the template names a value that is not given."""
@@ -86,6 +87,7 @@ def render(
         "check_interval": check_interval,
         "queue_timeout": queue_timeout,
         "per_source_connections": per_source_connections,
+        "per_source_connection_rate": per_source_connection_rate,
     }
     lines = []
     for line in (template if template is not None else TEMPLATE.read_text()).splitlines():
@@ -113,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--per-source-connections", type=int, default=16, help="connections one client address may hold (default 16)"
     )
+    parser.add_argument(
+        "--per-source-connection-rate",
+        type=int,
+        default=100,
+        help="new connections one client address may open in any 10 s (default 100)",
+    )
     parser.add_argument("--queue-timeout", default="10s", help="how long a new session waits for a slot (default 10s)")
     parser.add_argument("--out", type=Path, help="write here instead of standard output")
     args = parser.parse_args(argv)
@@ -127,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             check_interval=args.check_interval,
             queue_timeout=args.queue_timeout,
             per_source_connections=args.per_source_connections,
+            per_source_connection_rate=args.per_source_connection_rate,
         )
     except ValueError as exc:
         print(f"render.py: {exc}", file=sys.stderr)

@@ -170,7 +170,7 @@ class MatrixGameConfig:
         return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
-_TINY = dict(
+_TINY: dict[str, Any] = dict(
     dim=32,
     ffn_dim=64,
     num_heads=2,
@@ -187,10 +187,12 @@ _TINY_ACTION = ActionConfig(
     blocks=(0,), hidden_size=8, keyboard_hidden_dim=32, mouse_hidden_dim=32, heads_num=2, rope_time_dim=4
 )
 # GTA driving: forward/back keys; the published demo steers with the mouse (A/D send camera yaw -/+0.1).
-_GTA = dict(local_attn_size=4, keys=("w", "s"), dit_file="gta_distilled_model/gta_keyboard2dim.safetensors")
+_GTA: dict[str, Any] = dict(
+    local_attn_size=4, keys=("w", "s"), dit_file="gta_distilled_model/gta_keyboard2dim.safetensors"
+)
 # Temple Run: channels nomove, jump, slide, turn left, turn right, left side, right side, bound to the
 # published demo's keys Q, W, S, Z, C, A, D; four steps (1000, 750, 500, 250); no mouse.
-_TEMPLE_RUN = dict(
+_TEMPLE_RUN: dict[str, Any] = dict(
     keys=("q", "w", "s", "z", "c", "a", "d"),
     idle_key="q",
     denoise_timesteps=(1000, 750, 500, 250),

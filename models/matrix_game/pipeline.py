@@ -68,7 +68,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass(frozen=True)
-class _Session:
+class _MatrixGameSession:
     """What carries over between a session's chunks besides the runner's KV (immutable: replaced on success)."""
 
     generator: torch.Generator
@@ -119,7 +119,7 @@ class MatrixGamePipeline(SessionStateBinding):
         self._clip = clip
         self._default_features = clip_features
         self._default_name = next(iter(images))
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, _MatrixGameSession] = {}
         # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
         self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
         self.last_latents: dict[str, torch.Tensor] = {}
@@ -299,7 +299,7 @@ class MatrixGamePipeline(SessionStateBinding):
             choice = StartImage(digest=values["image"]["digest"], name=values["image"]["name"], pixels=pixels)
             self._choices[session_id] = choice
         image = self.images.resolve(choice)
-        self._sessions[session_id] = _Session(generator, controls, actions, cache, image=image)
+        self._sessions[session_id] = _MatrixGameSession(generator, controls, actions, cache, image=image)
         if "last_latents" in t:
             self.last_latents[session_id] = t["last_latents"]
 
@@ -313,12 +313,12 @@ class MatrixGamePipeline(SessionStateBinding):
         """The tick's start image; a tick without one keeps the session's earlier choice (None: the default)."""
         return tick.start_image if tick.start_image is not None else self._choices.get(tick.session_id)
 
-    def _session(self, tick: TickRequest, chunk_index: int) -> _Session:
+    def _session(self, tick: TickRequest, chunk_index: int) -> _MatrixGameSession:
         session = self._sessions.get(tick.session_id)
         if session is None or chunk_index == 0:
             seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
             image = self.images.resolve(self._choice(tick))  # a bad choice fails this tick only
-            session = _Session(generator=torch.Generator().manual_seed(seed), image=image)
+            session = _MatrixGameSession(generator=torch.Generator().manual_seed(seed), image=image)
         return session
 
     def _remember(self, tick: TickRequest) -> None:
@@ -378,7 +378,7 @@ class MatrixGamePipeline(SessionStateBinding):
                 generator.set_state(state)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions)):
-            self._sessions[tick.session_id] = _Session(
+            self._sessions[tick.session_id] = _MatrixGameSession(
                 session.generator, controls[row], actions[row], caches[row], session.image
             )
             self._remember(tick)

@@ -46,7 +46,7 @@ def nearest_class(canvas: torch.Tensor) -> torch.Tensor:
     return ((canvas[..., None, :] - palette) ** 2).sum(-1).argmin(-1)
 
 
-class FrameDecoder(nn.Module):
+class ClassLogitsDecoder(nn.Module):
     """x0 estimate + previous canvas + mask -> class logits, at pixel resolution over a whole canvas.
 
     A U-shaped stack: full-resolution features, then a half-resolution body
@@ -139,7 +139,7 @@ def window_mean_probabilities(logits: torch.Tensor, window: int) -> torch.Tensor
 
 
 def decode_chunk(
-    decoder: FrameDecoder,
+    decoder: ClassLogitsDecoder,
     estimates: torch.Tensor,
     cells: torch.Tensor,
     previous: torch.Tensor | None,

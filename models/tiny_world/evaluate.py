@@ -8,7 +8,7 @@
   total variation between the 8x8x8 colour histograms of the first and last
   quarter, and contrast, pixel noise, palette share and motion of the last
   quarter against the first (no collapse to grey, noise or a frozen pattern).
-* Picture quality (issue 11), next to the ground truth of the same key
+* Picture quality, next to the ground truth of the same key
   sequences rendered by the procedural world: palette share, class
   coherence, grid peak and class shares against the map's, over every frame
   of the rollouts above plus an idle rollout per seed (move, then hold no
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.models.tiny_world.metrics import (
     MIN_SHIFT_PX,
     color_histogram,
@@ -58,7 +58,7 @@ MAX_TV = 0.35
 MIN_CONTRAST_RATIO = 0.5
 MIN_PALETTE_FRACTION = 0.7
 MAX_NOISE_RATIO = 2.0
-# issue 11's targets for the picture-quality figures: (comparison, bound)
+# the targets for the picture-quality figures: (comparison, bound)
 QUALITY_TARGETS: dict[str, tuple[str, float]] = {
     "palette_share": (">=", 0.95),
     "coherence": (">=", 0.88),
@@ -184,7 +184,7 @@ def evaluate_drift(
     runs = []
     for seed in seeds:
         generated = recorded_rollout(runner, "square walk", square_walk(frames, fpc), seed, record)
-        report = drift_report(generated)
+        report: dict[str, Any] = dict(drift_report(generated))
         report["checks"] = drift_checks(report)
         # how far the generated colours are from the real world's (reported, not a pass/fail check)
         report["tv_vs_ground_truth"] = total_variation(color_histogram(generated), truth_hist)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -130,7 +131,7 @@ def drift_report(frames: np.ndarray, moving: bool = True) -> dict[str, float]:
     return report
 
 
-# ---- picture quality (issue 11): does a generated frame look like the world? -----------------------------
+# ---- picture quality: does a generated frame look like the world? -----------------------------
 #
 # Per 64x64 frame, averaged over frames unless said otherwise; a pixel's class is the nearest of the
 # five palette colours in RGB. Ground truth scores 1.0 / ~0.92 / ~1.4 / ~0.05 / 0 on these.
@@ -211,7 +212,7 @@ def idle_change(frames: np.ndarray, release: int, settle: int = 8, span: int = 6
     return float((pixel_classes(frames[first]) != pixel_classes(frames[last])).mean())
 
 
-def picture_quality(rollouts: Iterable[np.ndarray], tolerance: float = 40.0) -> dict[str, float]:
+def picture_quality(rollouts: Iterable[np.ndarray], tolerance: float = 40.0) -> dict[str, Any]:
     """palette_share, coherence, grid_peak and class_tv over every frame of several rollouts.
 
     The same figures as :func:`palette_fraction`, :func:`coherence`,

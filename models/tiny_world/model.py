@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arstream.models.tiny_world.decoder import NUM_CLASSES, FrameDecoder
+from arstream.models.tiny_world.decoder import NUM_CLASSES, ClassLogitsDecoder
 
 KVCallback = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -66,7 +66,9 @@ class TinyWorldConfig:
     mlp_ratio: int = 4
     frames_per_chunk: int = 2
     sink_frames: int = 1
-    window_frames: int = 4
+    # frames of history a chunk attends to besides the sink, not counting itself (the runner's
+    # KVCacheSpec.window_frames counts the chunk: history_frames + frames_per_chunk)
+    history_frames: int = 4
     # diffusion times of the few-step sampler, highest first; the last x0 estimate is the output
     denoise_times: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
     # noise level at which a finished chunk is re-encoded into the KV history
@@ -147,11 +149,13 @@ class TinyWorldConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TinyWorldConfig:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | {"window_frames"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; expected a subset of {sorted(known)}")
         values = dict(data)
+        if "window_frames" in values:  # configs saved before the field was named for what it counts
+            values["history_frames"] = values.pop("window_frames")
         for name in ("denoise_times", "decoder_class_bias"):
             if name in values:
                 values[name] = tuple(float(t) for t in values[name])
@@ -306,7 +310,7 @@ class TinyWorldDiT(nn.Module):
             self.out_features = nn.Linear(d, cfg.patch_size * cfg.patch_size * cfg.head_features)
             self.conv_head = ConvHead(cfg)
         if cfg.decoder_channels:
-            self.decoder = FrameDecoder(cfg.decoder_channels)
+            self.decoder = ClassLogitsDecoder(cfg.decoder_channels)
 
     def patchify(self, frames: torch.Tensor) -> torch.Tensor:
         """Canvases ``[B, F, C, C, 3]`` -> ``[B, F, tokens, patch_dim]``."""

@@ -59,7 +59,7 @@ __all__ = ["TinyWorldPipeline", "WeightsError", "load_tiny_world", "CONTROLS_SCH
 
 
 @dataclass
-class _Session:
+class _TinyWorldSession:
     """What the model keeps per session between chunks (the KV lives in the runner)."""
 
     generator: torch.Generator
@@ -77,7 +77,7 @@ class _ChunkPlan:
     """One session's inputs to a chunk, worked out before the forward and applied only after it."""
 
     session_id: str
-    session: _Session
+    session: _TinyWorldSession
     controls: dict[str, Any]
     direction: int
     camera_x: int
@@ -96,7 +96,7 @@ class TinyWorldPipeline(SessionStateBinding):
         self.cfg: TinyWorldConfig = model.cfg
         self.device = device
         self.session_capacity = session_capacity
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, _TinyWorldSession] = {}
         self._weights_digest: str | None = None
 
     # ---- contract -------------------------------------------------------------------
@@ -110,7 +110,7 @@ class TinyWorldPipeline(SessionStateBinding):
             tokens_per_frame=cfg.tokens_per_frame,
             frames_per_chunk=cfg.frames_per_chunk,
             sink_frames=cfg.sink_frames,
-            window_frames=cfg.window_frames + cfg.frames_per_chunk,  # the runner's window counts the chunk
+            window_frames=cfg.history_frames + cfg.frames_per_chunk,  # the runner's window counts the chunk
             session_capacity=self.session_capacity,
         )
 
@@ -138,7 +138,7 @@ class TinyWorldPipeline(SessionStateBinding):
         session = self._sessions.get(tick.session_id)
         if session is None or state.chunk_index == 0:
             seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
-            session = _Session(generator=torch.Generator().manual_seed(seed), controls={})
+            session = _TinyWorldSession(generator=torch.Generator().manual_seed(seed), controls={})
         keys = tick.controls.get("keys", [])
         dx, dy = velocity(keys)
         x, y = session.camera_x, session.camera_y
@@ -238,7 +238,7 @@ class TinyWorldPipeline(SessionStateBinding):
         generator.set_state(state.tensors["generator"])
         canvas = state.tensors.get("last_canvas")
         cell = values["last_cell"]
-        self._sessions[session_id] = _Session(
+        self._sessions[session_id] = _TinyWorldSession(
             generator=generator,
             controls=dict(values["controls"]),
             camera_x=int(values["camera"][0]),

@@ -154,7 +154,7 @@ class DenseChunkKV:
                 self.sink.append(frame)
             else:
                 self.window.append(frame)
-        del self.window[: max(len(self.window) - self.cfg.window_frames, 0)]
+        del self.window[: max(len(self.window) - self.cfg.history_frames, 0)]
         self._pending = []
         self._frame_start += self.cfg.frames_per_chunk
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
 from arstream.models.tiny_world.weights import load_model, save_weights
@@ -112,7 +112,7 @@ class TrajectorySampler:
         frame_start = 0
         if stale:
             # a long-running session: log-uniform position, chunk aligned, past the window
-            low = self.cfg.sink_frames + self.cfg.window_frames + fpc
+            low = self.cfg.sink_frames + self.cfg.history_frames + fpc
             frame_start = int(math.exp(self.rng.uniform(math.log(low), math.log(20_000))))
             frame_start -= frame_start % fpc
         return Batch(

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arstream.app.cli import main_for
+from arstream.cli import main_for
 from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
 from arstream.models.tiny_world.metrics import total_variation
 from arstream.models.tiny_world.model import TinyWorldDiT

@@ -8,7 +8,7 @@ import torch
 from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend, SDPAImpl
 
 
-class CPUSDPAImpl(SDPAImpl):
+class CPUSDPAImpl(SDPAImpl):  # type: ignore[misc]  # vLLM-Omni is untyped (and absent outside its lane)
     """vLLM-Omni's SDPA attention, dispatched on the host.
 
     vLLM-Omni's ``AttentionImpl.forward`` picks a ``forward_<device>`` by
@@ -22,7 +22,7 @@ class CPUSDPAImpl(SDPAImpl):
         return self.forward_cuda(query, key, value, attn_metadata)
 
 
-class CPUSDPABackend(SDPABackend):
+class CPUSDPABackend(SDPABackend):  # type: ignore[misc]  # as above
     """The SDPA backend with :class:`CPUSDPAImpl`: the answer this platform gives for diffusion attention."""
 
     @staticmethod

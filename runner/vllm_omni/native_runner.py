@@ -61,7 +61,6 @@ class NativeOmniRunner(VllmOmniRunner):
         if max_batch_sessions != 1:
             log.info("vllm-omni runs one session per forward; max_batch_sessions=%d is not used", max_batch_sessions)
         self.native = native
-        self.pipeline = None
         device = torch.device(device)
         options = dict(native.options)
         height = int(options.pop("height", lingbot.DEFAULT_HEIGHT))

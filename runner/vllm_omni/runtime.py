@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +33,10 @@ import numpy as np
 import torch
 
 from arstream.runner.contract import ARPipeline, SupportsWarmup
-from arstream.runner.runner import CHUNK_TIMES_KEPT, WARMUP_SESSION_ID, RunnerStats, UnsupportedConfiguration
+from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.spec import KVCacheSpec
+from arstream.runner.stats import RunnerStats, RuntimeCounters
+from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations, importing_vllm
 
@@ -129,10 +130,7 @@ class VllmOmniRunner:
         self.model_runner = model_runner
         self.kv_cache = self.model_runner.kv_cache
         self.blocks_free_at_start = self.blocks_free
-        self.chunk_times_s: deque[float] = deque(maxlen=CHUNK_TIMES_KEPT)
-        self.chunks_total = 0
-        self.evictions_total = 0
-        self.failures_total = 0
+        self.counters = RuntimeCounters()
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step, by sessions per step (always 1 here), filled by warmup()
         self.warmup_round_s: dict[int, float] = {}
@@ -219,13 +217,12 @@ class VllmOmniRunner:
             output = self.model_runner.execute_model(self._request(tick, chunk_index))
             frames = self._frames(output, tick)
         except Exception:
-            self.failures_total += 1
+            self.counters.failures_total += 1
             raise
         finally:
             self._notice_evictions(before, tick.session_id)
         compute_s = time.perf_counter() - started
-        self.chunk_times_s.append(compute_s)
-        self.chunks_total += 1
+        self.counters.chunks(compute_s)
         return ChunkResult(
             session_id=tick.session_id,
             request_id=tick.request_id,
@@ -249,7 +246,7 @@ class VllmOmniRunner:
         resident = set(self.resident_sessions())
         for gone in before:
             if gone not in resident and gone != session_id:
-                self.evictions_total += 1
+                self.counters.evictions_total += 1
                 if self.on_evict is not None:
                     self.on_evict(gone)
 
@@ -274,8 +271,7 @@ class VllmOmniRunner:
                 self.warmup_round_s[1] = statistics.median(steps)
         finally:
             self.close_session(WARMUP_SESSION_ID)
-            self.chunk_times_s.clear()
-            self.chunks_total = 0
+            self.counters.forget_warmup()
         if self.blocks_free != free_before:
             raise RuntimeError(f"warm-up did not restore the KV pool (free {free_before} -> {self.blocks_free})")
         return len(steps)
@@ -287,7 +283,9 @@ class VllmOmniRunner:
 
     def stats(self) -> RunnerStats:
         free = self.blocks_free
-        return RunnerStats(
+        return RunnerStats.build(
+            spec=self.spec,
+            counters=self.counters,
             blocks_total=self.blocks_total,
             blocks_free=free,
             blocks_used=self.blocks_total - free,
@@ -296,12 +294,7 @@ class VllmOmniRunner:
             pool_bytes=self.kv_cache.num_blocks_total * self.block_bytes,
             session_capacity=self.session_capacity,
             sessions_resident=len(self._sessions()),
-            sink_frames=self.spec.sink_frames,
-            window_frames=self.spec.window_frames,
-            frames_per_chunk=self.spec.frames_per_chunk,
-            evictions_total=self.evictions_total,
-            failures_total=self.failures_total,
-            chunks_total=self.chunks_total,
+            batch_limit=self.batch_limit,
         )
 
     def model_card(self) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from arstream.runner.runner import UnsupportedConfiguration
 from arstream.runner.spec import KVBranch, KVCacheSpec
+from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.vllm_omni.deprecations import importing_vllm
 
 with importing_vllm():

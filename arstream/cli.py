@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from arstream import __version__
 
@@ -172,7 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if exited.code is None else exited.code
 
 
-def main_for(*words: str) -> Callable[[Sequence[str] | None], int]:
+class CommandMain(Protocol):
+    """A subcommand's ``main``: ``argv`` (its own words, not the command's) defaults to ``sys.argv[1:]``."""
+
+    def __call__(self, argv: Sequence[str] | None = None) -> int: ...
+
+
+def main_for(*words: str) -> CommandMain:
     """``main(argv)`` for one subcommand, for ``python -m`` on its module and for tests."""
 
     def command_main(argv: Sequence[str] | None = None) -> int:

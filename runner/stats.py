@@ -1,0 +1,103 @@
+"""What a runtime counts and reports, defined once for both runtimes (ARRunner and VllmOmniRunner).
+
+Each runtime keeps a :class:`RuntimeCounters` and builds its :class:`RunnerStats`
+with :meth:`RunnerStats.build` from its own pool figures: the counters, their
+meaning and the warm-up reset are the same whichever runtime serves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from arstream.runner.spec import KVCacheSpec
+
+CHUNK_TIMES_KEPT = 100_000
+
+
+@dataclass
+class RuntimeCounters:
+    """A runtime's traffic counters since start-up (warm-up excluded)."""
+
+    # One entry per chunk, bounded so a long-running server does not grow. A batched
+    # forward adds one entry per chunk, each its whole wall time (what every row waited).
+    chunk_times_s: deque[float] = field(default_factory=lambda: deque(maxlen=CHUNK_TIMES_KEPT))
+    chunks_total: int = 0
+    evictions_total: int = 0
+    failures_total: int = 0
+    batched_forwards_total: int = 0
+    # batched forwards that raised; their ticks were run again one by one
+    batch_fallbacks_total: int = 0
+
+    def chunks(self, compute_s: float, count: int = 1) -> None:
+        """``count`` chunks came out of one forward of ``compute_s`` seconds."""
+        self.chunk_times_s.extend([compute_s] * count)
+        self.chunks_total += count
+
+    def forget_warmup(self) -> None:
+        """Warm-up chunks are not traffic: the figures users see start clean."""
+        self.chunk_times_s.clear()
+        self.chunks_total = 0
+        self.batched_forwards_total = 0
+        self.batch_fallbacks_total = 0
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    """A runtime's pool and counters at one moment (/v1/stats, /metrics, admission)."""
+
+    blocks_total: int
+    blocks_free: int
+    blocks_used: int
+    scratch_blocks: int
+    block_bytes: int
+    pool_bytes: int
+    session_capacity: int
+    sessions_resident: int
+    sink_frames: int
+    window_frames: int
+    frames_per_chunk: int
+    evictions_total: int
+    failures_total: int
+    chunks_total: int
+    # most sessions in one forward (the runtime's batch_limit, not the max_batch_sessions setting)
+    batch_limit: int = 1
+    batched_forwards_total: int = 0
+    batch_fallbacks_total: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        spec: KVCacheSpec,
+        counters: RuntimeCounters,
+        blocks_total: int,
+        blocks_free: int,
+        blocks_used: int,
+        scratch_blocks: int,
+        block_bytes: int,
+        pool_bytes: int,
+        session_capacity: int,
+        sessions_resident: int,
+        batch_limit: int,
+    ) -> RunnerStats:
+        """The stats of a runtime with these pool figures, over ``spec``, with these counters."""
+        return cls(
+            blocks_total=blocks_total,
+            blocks_free=blocks_free,
+            blocks_used=blocks_used,
+            scratch_blocks=scratch_blocks,
+            block_bytes=block_bytes,
+            pool_bytes=pool_bytes,
+            session_capacity=session_capacity,
+            sessions_resident=sessions_resident,
+            sink_frames=spec.sink_frames,
+            window_frames=spec.window_frames,
+            frames_per_chunk=spec.frames_per_chunk,
+            evictions_total=counters.evictions_total,
+            failures_total=counters.failures_total,
+            chunks_total=counters.chunks_total,
+            batch_limit=batch_limit,
+            batched_forwards_total=counters.batched_forwards_total,
+            batch_fallbacks_total=counters.batch_fallbacks_total,
+        )
