@@ -44,7 +44,7 @@ from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_rea
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
 from arstream.runner.runtimes import Runtime
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+from arstream.runner.snapshot import SessionSnapshot, export_session, import_session, transferable
 from arstream.runner.stats import RunnerStats
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
@@ -252,7 +252,7 @@ class ModelWorker:
         """
 
         def export(runner: Runtime) -> SessionSnapshot:
-            snapshot = export_session(runner, session_id, protocol_version=PROTOCOL_VERSION)
+            snapshot = export_session(transferable(runner), session_id, protocol_version=PROTOCOL_VERSION)
             # Copies on the CPU: serialising them off the worker thread must not race the next forward.
             snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}
             return snapshot
@@ -263,7 +263,7 @@ class ModelWorker:
         """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""
 
         def adopt(runner: Runtime) -> None:
-            import_session(runner, session_id, snapshot, protocol_version=PROTOCOL_VERSION)
+            import_session(transferable(runner), session_id, snapshot, protocol_version=PROTOCOL_VERSION)
             self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
             self._encoders.restart_stream(session_id)
 

@@ -43,6 +43,7 @@ from arstream.runner.kv_state import SessionKVState
 
 if TYPE_CHECKING:
     from arstream.runner.runner import ARRunner
+    from arstream.runner.runtimes import Runtime
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
@@ -217,6 +218,15 @@ def export_session(runner: ARRunner, session_id: str, *, protocol_version: int |
     header["model_state"] = model.json
     header["session"] = {}
     return SessionSnapshot(header, tensors)
+
+
+def transferable(runtime: Runtime) -> ARRunner:
+    """``runtime`` as ARStream's runner, the one whose sessions can be exported and imported; else SnapshotRefused."""
+    from arstream.runner.runner import ARRunner  # here: runner.py imports this module's neighbours at load
+
+    if not isinstance(runtime, ARRunner):
+        raise SnapshotRefused(f"the {type(runtime).__name__} runtime cannot move sessions (only ARStream's runner can)")
+    return runtime
 
 
 # ---- import -------------------------------------------------------------------------------------

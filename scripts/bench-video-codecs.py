@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from arstream.app.encoding import new_encoder
+from arstream.app.codecs import new_encoder
 from arstream.app.fmp4 import NAL_AUD, NAL_PPS, NAL_SPS, fmp4_codec, fragment, nal_units
 from arstream.app.video import H264Stream
 from arstream.measure import print_summary

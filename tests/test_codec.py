@@ -20,7 +20,8 @@ from typing import Any, get_args
 import numpy as np
 import pytest
 
-from arstream.app import bench, cli, client, codecs, protocol, settings, video, wire
+from arstream import cli
+from arstream.app import bench, client, codecs, protocol, settings, video, wire
 from arstream.app.encoding import EncoderPool
 from arstream.app.protocol import ProtocolError
 from arstream.app.video import FrameDecoder, H264Decoder, H264Stream, crf_for_quality

@@ -29,6 +29,7 @@ from arstream.runner.snapshot import (
     SnapshotRefused,
     export_session,
     import_session,
+    transferable,
 )
 from arstream.runner.types import TickRequest
 
@@ -191,3 +192,13 @@ def test_only_resident_sessions_export() -> None:
     runner = runner_for_sessions(FakeKVPipeline(), 2)
     with pytest.raises(SnapshotError, match="not resident"):
         export_session(runner, "nobody")
+
+
+def test_a_runtime_other_than_arstreams_runner_cannot_move_sessions() -> None:
+    """A drain on another runtime (vLLM-Omni's) got an AttributeError from deep inside the export."""
+
+    class OtherRuntime:  # a fake: only its type matters here
+        pass
+
+    with pytest.raises(SnapshotRefused, match="OtherRuntime runtime cannot move sessions"):
+        transferable(OtherRuntime())
