@@ -65,7 +65,7 @@ from arstream.cli import main_for
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys, forward_split_s
 from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
-from arstream.app.settings import default_max_batch_sessions
+from arstream.app.settings import Settings, default_max_batch_sessions
 from arstream.runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
@@ -332,12 +332,19 @@ def server_frames_per_s(figures: Sequence[SessionFigures]) -> float:
 class BareRunner:
     """The same model in this process, driven straight through the runtime's execute, one call per chunk boundary."""
 
-    def __init__(self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int) -> None:
+    def __init__(
+        self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int, rewind_points: int
+    ) -> None:
         from arstream.runner.runtimes import build_runtime
 
         self.pipeline = pipeline
         self.runner = build_runtime(
-            "arstream", pipeline, device=device, kv_budget_bytes=kv_budget_bytes, max_batch_sessions=max_batch_sessions
+            "arstream",
+            pipeline,
+            device=device,
+            kv_budget_bytes=kv_budget_bytes,
+            max_batch_sessions=max_batch_sessions,
+            rewind_points=rewind_points,
         )
         self.runner.warmup()
         self.keys = control_keys(self.runner.model_card())
@@ -456,15 +463,19 @@ class ServeBench:
         keep_freed_memory()
         # The bare runner's model is loaded first: its KV spec sizes the budget both sides get.
         pipeline = load_pipeline(args.model, args.device, **self.options)
-        self.kv_budget_bytes = args.kv_budget_bytes or max(
-            DEFAULT_KV_BUDGET_BYTES,
-            budget_for_sessions(pipeline.kv_cache_spec(), args.sessions, max_batch_sessions=args.max_batch_sessions),
+        # Both sides keep the server's default rewind points (a boundary taken per chunk, counted in the budget).
+        rewind_points = Settings.model_fields["rewind_points"].default
+        spec = pipeline.kv_cache_spec()
+        needed = budget_for_sessions(
+            spec, args.sessions, max_batch_sessions=args.max_batch_sessions, rewind_points=rewind_points
         )
+        self.kv_budget_bytes = args.kv_budget_bytes or max(DEFAULT_KV_BUDGET_BYTES, needed)
         self.bare = BareRunner(
             pipeline,
             device=args.device,
             kv_budget_bytes=self.kv_budget_bytes,
             max_batch_sessions=args.max_batch_sessions,
+            rewind_points=rewind_points,
         )
         self.serve_args = [
             "--torch-threads", str(self.threads),
@@ -473,6 +484,7 @@ class ServeBench:
             "--device", args.device,
             "--kv-budget-bytes", str(self.kv_budget_bytes),
             "--max-batch-sessions", str(args.max_batch_sessions),
+            "--rewind-points", str(rewind_points),
             "--log-level", "warning",
             *args.serve_arg,
         ]  # fmt: skip

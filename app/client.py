@@ -19,6 +19,13 @@ one WebSocket, in this order (PROTOCOL.md has the details):
 The key script is a comma-separated list of ``KEYS*COUNT``: KEYS are key names
 joined by ``+`` (``w+d``), or ``-``/``none`` for no key; COUNT is how many ticks
 (chunks) to hold them for, 1 when left out.
+
+Sharing (PROTOCOL.md, "Rewind, branch and watch"): the client prints the share
+token its session got; ``--watch TOKEN`` watches that session as a viewer (saves
+``--chunks`` chunks of it, sends no ticks), ``--branch TOKEN --chunk B`` plays the
+key script in a new session that starts from the shared session's chunk boundary
+B, and ``--rewind-to B`` sends the key script's tick ``--rewind-after`` with
+``rewind_to: B`` (the session goes back to boundary B and plays on from there).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 import websockets
@@ -43,6 +51,7 @@ from arstream.cli import main_for
 from arstream.measure import percentile
 
 NO_KEYS = ("-", "none")
+WATCH_CHUNKS = 10  # chunks a viewer saves when --chunks is left out
 VIDEO_NAME = "video.mp4"
 MAX_MESSAGE_BYTES = 16 * 2**20
 
@@ -97,6 +106,55 @@ def keys_per_tick(segments: Sequence[KeySegment]) -> list[tuple[str, ...]]:
     return [segment.keys for segment in segments for _ in range(segment.ticks)]
 
 
+# ---- sharing: the issue-27 message fields ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Send tick number ``after`` (0-based, in the key script) with ``rewind_to: to``."""
+
+    to: int
+    after: int
+
+
+def rewind_plan(to: int | None, after: int | None, ticks: int) -> Rewind | None:
+    """``--rewind-to``/``--rewind-after`` as a :class:`Rewind`, checked against the key script's length.
+
+    ``after`` defaults to half the script. Boundary ``to`` must be one the session has reached by then
+    (``to <= after``; ``to == after`` rewinds to where it is, a no-op); whether it is still held (the
+    server keeps its last ``ready.rewind_points`` boundaries) only the server can say.
+    """
+    if to is None:
+        if after is not None:
+            raise ValueError("--rewind-after needs --rewind-to")
+        return None
+    after = ticks // 2 if after is None else after
+    if to < 0 or after < 0:
+        raise ValueError(f"--rewind-to and --rewind-after must be at least 0, got {to} and {after}")
+    if after >= ticks:
+        raise ValueError(f"--rewind-after {after} is past the key script's {ticks} ticks")
+    if to > after:
+        raise ValueError(f"--rewind-to {to} is a chunk the session has not reached after {after} ticks")
+    return Rewind(to=to, after=after)
+
+
+def with_fields(message: str, **fields: Any) -> str:
+    """A JSON message from :mod:`arstream.app.wire` with the rewind/branch/watch fields added (None left out)."""
+    extended = json.loads(message)
+    extended.update({key: value for key, value in fields.items() if value is not None})
+    return json.dumps(extended, allow_nan=False)
+
+
+def share_session_url(url: str, *, token: str | None = None, share: str | None = None) -> str:
+    """The session URL with ``?share=TOKEN``, so a balancer routes a watch or branch to the shared session's replica."""
+    session_url = wire.session_url(url, token=token)
+    if share is None:
+        return session_url
+    parts = urlsplit(session_url)
+    query = [(key, value) for key, value in parse_qsl(parts.query) if key != "share"] + [("share", share)]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
 # ---- latency figures --------------------------------------------------------------
 
 
@@ -135,6 +193,10 @@ class SessionMoved(SessionClosed):
         self.resume_token = str(message["resume"])
         self.next_chunk_index = int(message["next_chunk_index"])
         super().__init__(f"the session moved to replica {self.resume_token.partition('.')[0]!r}")
+
+
+class ControlPassed(RuntimeError):
+    """A viewer was handed the controls (``role``): from now on its chunks come only for ticks it sends."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +271,10 @@ class SessionClient:
         self.first_frame_at = math.nan
         self.frames_received = 0
         self.last_chunk_index: int | None = None
+        self.role = "controller"  # ready.role, then `role` messages: a viewer sends no ticks
+        self.viewers: dict[str, Any] = {"count": 0}  # the last `viewers` message
+        self.skipped_chunks = 0  # chunks the server skipped for this viewer (chunk.skipped_before)
+        self.inherited_ticks_up_to = -1  # given control: chunks of ticks up to this id were the last controller's
 
     @property
     def model(self) -> dict[str, Any]:
@@ -230,16 +296,31 @@ class SessionClient:
         prompt: str | None = None,
         resume: str | None = None,
         image: dict[str, str] | None = None,
+        watch: str | None = None,
+        branch: tuple[str, int] | None = None,
     ) -> dict[str, Any]:
-        """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message."""
-        await self._send(wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume, image=image))
+        """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
+
+        ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
+        session from that boundary of the shared one. Connect with :func:`share_session_url` for both.
+        """
+        start = wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume, image=image)
+        branch_field = {"share": branch[0], "chunk": branch[1]} if branch is not None else None
+        await self._send(with_fields(start, watch=watch, branch=branch_field))
         message = await self._next_control_message()
         if message["type"] != "ready":
             raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")
         if message.get("protocol") != wire.PROTOCOL_VERSION:
             raise wire.WireError(f"server speaks protocol {message.get('protocol')}, this client {wire.PROTOCOL_VERSION}")
         self.ready = message
+        self.role = str(message.get("role", "controller"))
         return message
+
+    @property
+    def share_token(self) -> str | None:
+        """``ready.share.token``: watch or branch this session with it (None from a server without sharing)."""
+        share = self.ready.get("share")
+        return str(share["token"]) if isinstance(share, dict) and share.get("token") else None
 
     async def resume(self, url: str, *, token: str | None = None, resume_token: str | None = None) -> ResumeGap:
         """After a :class:`ConnectionDropped` (or :class:`SessionMoved`, with its ``resume_token``): resume.
@@ -267,13 +348,18 @@ class SessionClient:
             next_chunk_index=int(ready["resume"]["next_chunk_index"]),
         )
 
-    async def send_tick(self, **fields: Any) -> int:
-        """Ask for one chunk (``tick_message`` fields: controls, prompt, reset, close); return its id."""
+    async def send_tick(self, *, rewind_to: int | None = None, **fields: Any) -> int:
+        """Ask for one chunk (``tick_message`` fields: controls, prompt, reset, close; ``rewind_to``: first go
+        back to that chunk boundary); return its id."""
         tick_id = self.next_tick_id
         self.next_tick_id += 1
         self.tick_sent_at[tick_id] = time.perf_counter()
-        await self._send(wire.tick_message(tick_id, **fields))
+        await self._send(with_fields(wire.tick_message(tick_id, **fields), rewind_to=rewind_to))
         return tick_id
+
+    async def pass_control(self, viewer_id: str) -> None:
+        """Hand the controls to a viewer (an id from the controller's ``viewers`` message)."""
+        await self._send(json.dumps({"type": "pass_control", "to": viewer_id}))
 
     async def send_input(self, *, controls: dict[str, Any] | None = None, prompt: str | None = None) -> int:
         """Send an ``input`` event; return its id."""
@@ -289,9 +375,15 @@ class SessionClient:
         if message["type"] != "chunk":
             raise wire.WireError(f"expected 'chunk', got {message['type']!r}")
         tick_id = int(message["tick_id"])
-        if tick_id not in self.tick_sent_at:
+        if self.role == "viewer" or tick_id <= self.inherited_ticks_up_to:
+            # The controller's tick: a viewer sent none, so it has no latency to measure.
+            sent_at = self.tick_sent_at.pop(tick_id, math.nan)
+            self.skipped_chunks += int(message.get("skipped_before") or 0)
+        elif tick_id in self.tick_sent_at:
+            sent_at = self.tick_sent_at.pop(tick_id)
+        else:
             raise wire.WireError(f"chunk for tick {tick_id}, which is not in flight")
-        chunk = Chunk(message=message, tick_sent_at=self.tick_sent_at.pop(tick_id), message_at=time.perf_counter())
+        chunk = Chunk(message=message, tick_sent_at=sent_at, message_at=time.perf_counter())
         for index in range(int(message["frames"])):
             data = await self._recv()
             if not isinstance(data, bytes):
@@ -325,7 +417,8 @@ class SessionClient:
                     return str(message.get("reason"))
 
     def _record(self, chunk: Chunk) -> None:
-        self.chunk_latencies_s.append(chunk.latency_s)
+        if not math.isnan(chunk.latency_s):
+            self.chunk_latencies_s.append(chunk.latency_s)
         self.frames_received += len(chunk.frames)
         self.last_chunk_index = int(chunk.message["chunk_index"])
         if chunk.frames and math.isnan(self.first_frame_at):
@@ -334,6 +427,14 @@ class SessionClient:
             sent_at = self.event_sent_at.pop(event_id, None)
             if sent_at is not None:
                 self.action_to_frame_s.append(chunk.first_frame_at - sent_at)
+
+    def _take_role(self, message: dict[str, Any]) -> None:
+        """``role``: control passed to us (our tick ids start past the session's ``last_tick_id``) or away."""
+        self.role = str(message["role"])
+        floor = message.get("last_tick_id")
+        if self.role == "controller" and isinstance(floor, int):
+            self.next_tick_id = max(self.next_tick_id, floor + 1)
+            self.inherited_ticks_up_to = floor
 
     async def _send(self, text: str) -> None:
         try:
@@ -370,6 +471,14 @@ class SessionClient:
             kind = message.get("type")
             if kind in ("ack", "pong"):
                 continue
+            if kind == "viewers":
+                self.viewers = message
+                continue
+            if kind == "role":
+                self._take_role(message)
+                if self.role == "controller":
+                    raise ControlPassed("the player passed control to this client")
+                continue
             if kind == "error":
                 raise ServerError(message)
             if kind == "moved":
@@ -398,6 +507,28 @@ class RunResult:
     action_to_frame_s: list[float]
     streaming_s: float
     closed_reason: str
+    ready: dict[str, Any] = field(default_factory=dict)  # the session's (last) ready message
+    chunk_indexes: list[int] = field(default_factory=list)  # chunk_index of every chunk, in order
+    restarts: list[tuple[int, str]] = field(default_factory=list)  # (chunk_index, restarted) of new rollouts
+    skipped_chunks: int = 0  # a viewer's chunks the server skipped because it fell behind
+    viewers: int = 0  # viewers of the session at the end (the last `viewers` message)
+
+
+def say_ready(session: SessionClient) -> None:
+    """One line on the session just started: its id, how it began, and its share token (watch/branch it)."""
+    ready = session.ready
+    if session.role == "viewer":
+        print(f"watching session {ready['session_id']} as viewer {ready.get('viewer_id')}", flush=True)
+        return
+    line = f"session {ready['session_id']}"
+    branched = ready.get("branched_from")
+    if isinstance(branched, dict):
+        line += f" (branched from chunk {branched.get('chunk')})"
+    if session.share_token:
+        points = ready.get("rewind_points") or 0
+        line += f"; share token {session.share_token} (--watch TOKEN, or --branch TOKEN --chunk B"
+        line += f" within the last {points} chunks)" if points else "; rewind is off on this server)"
+    print(line, flush=True)
 
 
 async def run_script(
@@ -410,10 +541,14 @@ async def run_script(
     token: str | None = None,
     resume_on_drop: bool = False,
     image: dict[str, str] | None = None,
+    rewind: Rewind | None = None,
+    branch: tuple[str, int] | None = None,
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
 
     ``image`` is the session's ``start.image`` (:func:`start_image_choice`); a resume keeps it.
+    ``rewind``: tick ``rewind.after`` carries ``rewind_to`` (its chunk is ``rewind.to`` again).
+    ``branch`` (share token, boundary): the session starts from that boundary of the shared session.
 
     A session the server moves to another replica (``moved``) is followed: the
     client resumes it there and sends again the ticks whose chunks did not come.
@@ -423,9 +558,13 @@ async def run_script(
     keys, and the client says so.
     """
     connect_started = time.perf_counter()
-    session = SessionClient(await connect(wire.session_url(url, token=token)))
+    first_url = share_session_url(url, token=token, share=branch[0] if branch else None)
+    session = SessionClient(await connect(first_url))
+    chunk_indexes: list[int] = []
+    restarts: list[tuple[int, str]] = []
     try:
-        await session.start(codec=codec, seed=seed, prompt=prompt, image=image)
+        await session.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
+        say_ready(session)
         # Enough ticks queued to keep the model busy, with one credit spare for a reset or close tick
         # that an interactive client may need to send at any moment.
         in_flight_limit = max(1, session.max_pending_ticks - 1)
@@ -440,7 +579,8 @@ async def run_script(
                     if plan[next_tick] != held:
                         held = plan[next_tick]
                         await session.send_input(controls={"keys": list(held)})
-                    await session.send_tick()
+                    rewind_to = rewind.to if rewind is not None and next_tick == rewind.after else None
+                    await session.send_tick(rewind_to=rewind_to)
                     next_tick += 1
                 chunk = await session.receive_chunk()
             except SessionMoved as moved:
@@ -457,8 +597,8 @@ async def run_script(
                 except (ServerError, websockets.InvalidHandshake, OSError) as exc:
                     # Its replica is gone (killed, host lost): the world cannot come back, so begin it again.
                     await session.ws.close()
-                    session = SessionClient(await connect(wire.session_url(url, token=token)))
-                    await session.start(codec=codec, seed=seed, prompt=prompt, image=image)
+                    session = SessionClient(await connect(first_url))
+                    await session.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
                     print(
                         f"the server holding the session is gone ({type(exc).__name__}); started a new session "
                         f"{session.ready['session_id']} with the same seed, start image and keys: the world starts over",
@@ -469,6 +609,11 @@ async def run_script(
                 continue
             chunks_received += 1
             frames.extend(chunk.frames)
+            chunk_indexes.append(int(chunk.message["chunk_index"]))
+            if chunk.message.get("restarted"):
+                restarts.append((chunk_indexes[-1], str(chunk.message["restarted"])))
+            if chunk.message.get("restarted") == "rewind":
+                print(f"tick {chunk.tick_id} went back: chunk {chunk_indexes[-1]} again", flush=True)
             if chunk.message.get("restarted") == "evicted":
                 # The server reclaimed this session's KV (it was idle and the pool was full): a new rollout began.
                 print(f"note: tick {chunk.tick_id} started a new rollout after the session was evicted", file=sys.stderr)
@@ -484,6 +629,62 @@ async def run_script(
         action_to_frame_s=session.action_to_frame_s,
         streaming_s=streaming_s,
         closed_reason=closed_reason,
+        ready=session.ready,
+        chunk_indexes=chunk_indexes,
+        restarts=restarts,
+        viewers=int(session.viewers.get("count", 0)),
+    )
+
+
+async def run_watch(
+    url: str, share: str, *, chunks: int = WATCH_CHUNKS, codec: str = "jpeg", token: str | None = None
+) -> RunResult:
+    """Watch a shared session as a viewer: save the frames of its next ``chunks`` chunks (fewer if it ends).
+
+    A viewer sends no ticks: the chunks come as the player asks for them. A viewer that reads
+    too slowly has whole chunks skipped (``skipped_before``), counted in the result. Handed the
+    controls (``role``), it asks for the rest of its chunks itself, holding no keys.
+    """
+    connect_started = time.perf_counter()
+    session = SessionClient(await connect(share_session_url(url, token=token, share=share)))
+    frames: list[np.ndarray] = []
+    chunk_indexes: list[int] = []
+    try:
+        await session.start(codec=codec, watch=share)
+        say_ready(session)
+        watching_started = time.perf_counter()
+        closed_reason = ""
+        while len(chunk_indexes) < chunks:
+            if session.role == "controller" and session.ticks_in_flight == 0:
+                # The player passed control to this client: the chunks come only if it asks for them.
+                await session.send_tick()
+            try:
+                chunk = await session.receive_chunk()
+            except ControlPassed as passed:
+                print(f"{passed}: it asks for the rest of its chunks itself, holding no keys", flush=True)
+                continue
+            except SessionClosed as ended:  # the watched session ended (closed: session_ended)
+                closed_reason = str(ended)
+                break
+            frames.extend(chunk.frames)
+            chunk_indexes.append(int(chunk.message["chunk_index"]))
+        watching_s = time.perf_counter() - watching_started
+        if not closed_reason:
+            closed_reason = await session.close()
+    finally:
+        await session.ws.close()
+    return RunResult(
+        frames=frames,
+        model=session.model,
+        time_to_first_frame_s=session.first_frame_at - connect_started,
+        chunk_latencies_s=[],
+        action_to_frame_s=[],
+        streaming_s=watching_s,
+        closed_reason=closed_reason,
+        ready=session.ready,
+        chunk_indexes=chunk_indexes,
+        skipped_chunks=session.skipped_chunks,
+        viewers=int(session.viewers.get("count", 0)),
     )
 
 
@@ -541,17 +742,19 @@ def report(result: RunResult) -> str:
     chunk = result.chunk_latencies_s
     action = result.action_to_frame_s
     fps = len(result.frames) / result.streaming_s if result.streaming_s > 0 else math.nan
-    return "\n".join(
-        [
-            f"time to first frame: {format_ms(result.time_to_first_frame_s)} (connect -> first frame)",
+    lines = [f"time to first frame: {format_ms(result.time_to_first_frame_s)} (connect -> first frame)"]
+    if result.ready.get("role") != "viewer":  # a viewer sends no ticks or inputs: it has no latency of its own
+        lines += [
             f"chunk latency (tick sent -> chunk message, n={len(chunk)}): p50 {format_ms(percentile(chunk, 50))}, "
             f"p90 {format_ms(percentile(chunk, 90))}, p99 {format_ms(percentile(chunk, 99))}",
             f"action-to-frame (input sent -> first frame of the chunk that applied it, n={len(action)}): "
             f"p50 {format_ms(percentile(action, 50))}, p99 {format_ms(percentile(action, 99))}",
-            f"frames/s: {fps:.1f} ({len(result.frames)} frames in {result.streaming_s:.2f} s; "
-            f"model plays at {result.model['fps']} fps)",
         ]
+    lines.append(
+        f"frames/s: {fps:.1f} ({len(result.frames)} frames in {result.streaming_s:.2f} s; "
+        f"model plays at {result.model['fps']} fps)"
     )
+    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -582,35 +785,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when the connection drops, reconnect and resume the session with its ticket (prints the gap); "
         "if its server is gone, start a new session with the same seed and keys (and say so)",
     )
+    share = parser.add_argument_group("rewind, branch and watch (a session prints its share token when it starts)")
+    share.add_argument(
+        "--rewind-to",
+        type=int,
+        metavar="B",
+        help="go back to chunk boundary B (the state after chunks 0..B-1) at one tick of the key script: that tick's "
+        "chunk is chunk B again, and the script plays on from there (the server keeps its last ready.rewind_points)",
+    )
+    share.add_argument(
+        "--rewind-after", type=int, metavar="N", help="the tick that rewinds: after N ticks (default: half the script)"
+    )
+    share.add_argument(
+        "--watch", metavar="TOKEN", help="watch the session with this share token as a viewer (no ticks, no keys)"
+    )
+    share.add_argument(
+        "--chunks",
+        type=int,
+        metavar="N",
+        help=f"with --watch: how many of its chunks to save (default {WATCH_CHUNKS}; fewer if the session ends)",
+    )
+    share.add_argument(
+        "--branch",
+        metavar="TOKEN",
+        help="play the key script in a new session that starts from chunk --chunk of the session with this share token",
+    )
+    share.add_argument("--chunk", type=int, metavar="B", help="with --branch: the chunk boundary to start from")
+
+
+def share_choice(args: argparse.Namespace, ticks: int) -> tuple[Rewind | None, tuple[str, int] | None]:
+    """The rewind and branch options checked together (watch excludes what only a player does)."""
+    if args.watch is not None:
+        if args.branch is not None or args.rewind_to is not None or args.rewind_after is not None:
+            raise ValueError("--watch only watches: it takes no --branch or --rewind-to")
+        if args.seed is not None or args.prompt is not None or args.image is not None:
+            raise ValueError("--watch shows the watched session's world: it takes no --seed, --prompt or --image")
+        if args.chunks is not None and args.chunks < 1:
+            raise ValueError(f"--chunks must be at least 1, got {args.chunks}")
+    elif args.chunks is not None:
+        raise ValueError("--chunks is for --watch (a player's chunks are its key script's ticks)")
+    if (args.branch is None) != (args.chunk is None):
+        raise ValueError("--branch TOKEN and --chunk B go together")
+    if args.chunk is not None and args.chunk < 0:
+        raise ValueError(f"--chunk must be at least 0, got {args.chunk}")
+    branch = (args.branch, args.chunk) if args.branch is not None else None
+    return rewind_plan(args.rewind_to, args.rewind_after, ticks), branch
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         plan = keys_per_tick(parse_key_script(args.keys))
         wire.session_url(args.url)  # reject a malformed URL before connecting
+        rewind, branch = share_choice(args, len(plan))
         image = start_image_choice(args.image) if args.image is not None else None
     except (ValueError, OSError) as exc:
         print(f"arstream client: {exc}", file=sys.stderr)
         return 2
     try:
-        result = asyncio.run(
-            run_script(
-                args.url,
-                plan,
-                codec=args.codec,
-                seed=args.seed,
-                prompt=args.prompt,
-                token=args.token,
-                resume_on_drop=args.resume_on_drop,
-                image=image,
+        if args.watch is not None:
+            chunks = WATCH_CHUNKS if args.chunks is None else args.chunks
+            result = asyncio.run(run_watch(args.url, args.watch, chunks=chunks, codec=args.codec, token=args.token))
+        else:
+            result = asyncio.run(
+                run_script(
+                    args.url,
+                    plan,
+                    codec=args.codec,
+                    seed=args.seed,
+                    prompt=args.prompt,
+                    token=args.token,
+                    resume_on_drop=args.resume_on_drop,
+                    image=image,
+                    rewind=rewind,
+                    branch=branch,
+                )
             )
-        )
     except ServerError as exc:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""
         print(f"arstream client: {exc}{hint}", file=sys.stderr)
         return 1
     except (SessionClosed, wire.WireError, websockets.InvalidHandshake, OSError) as exc:
         print(f"arstream client: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if not result.frames:
+        print(f"arstream client: no frames came (session closed: {result.closed_reason})", file=sys.stderr)
         return 1
     paths = save_pngs(result.frames, args.out)
     model = result.model
@@ -622,8 +880,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("no video written: install PyAV (pip install 'arstream[video]') for an MP4")
     print(report(result))
+    print(share_report(result))
     print(f"session closed: {result.closed_reason}")
     return 0
+
+
+def share_report(result: RunResult) -> str:
+    """Chunk indexes received (a rewind or branch shows in them), rewinds, and what a viewer saw."""
+    lines = [f"chunk indexes: {compact_ranges(result.chunk_indexes)}"]
+    rewinds = [chunk for chunk, why in result.restarts if why == "rewind"]
+    if rewinds:
+        lines.append(f"rewound to chunk {', '.join(map(str, rewinds))}")
+    if result.ready.get("role") == "viewer":
+        lines.append(f"viewers at the end: {result.viewers}; chunks skipped for this viewer: {result.skipped_chunks}")
+    return "\n".join(lines)
+
+
+def compact_ranges(values: Sequence[int]) -> str:
+    """``[3, 4, 5, 2, 3]`` as ``"3-5, 2-3"``: consecutive runs joined, so a jump back stands out."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 main = main_for("client")

@@ -1,12 +1,13 @@
-"""One WebSocket connection: handshake, the receive loop, and the single writer that keeps frames whole.
+"""One WebSocket connection's live session: the receive loop, and the single writer that keeps frames whole.
 
-Flow: auth and origin checks, then the ``start`` handshake (within
-``start_timeout_s``), admission, ``ready``; then a receive loop that answers
-each message at once (ack, pong, error) and hands accepted ticks to the
-worker. Everything the session sends goes through its :class:`Outbox` and
-one writer task, so immediate replies keep their order and a chunk's frames
-are never interleaved with anything. A tick's credit comes back only when its
-last frame (or its error) has been written to the socket.
+:meth:`Connection.run` first runs the handshake (:mod:`arstream.app.handshake`:
+auth, ``start``, admission, resume, refusals), then sends ``ready`` and runs a
+receive loop that answers each message at once (ack, pong, error) and hands
+accepted ticks to the worker. Everything the session sends goes through its
+:class:`~arstream.app.outbox.Outbox` and one writer task, so immediate replies
+keep their order and a chunk's frames are never interleaved with anything. A
+tick's credit comes back only when its last frame (or its error) has been
+written to the socket.
 
 Bounds on the way out (docs/public.md): what is queued for the client and
 not yet taken by it, in bytes, stays under ``max_send_buffer_bytes`` or the
@@ -21,150 +22,58 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from arstream.app import auth
 from arstream.app.guard import transport_control
+from arstream.app.handshake import Handshake, Watching, too_large
+from arstream.app.limits import MessageBudget, count_exceeds
+from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
+
+__all__ = ["REPLY_BACKLOG_LIMIT", "Connection"]  # the reply bound is part of a connection's contract (tests use it)
 from arstream.app.protocol import (
     CLOSE_NORMAL,
     ERROR_CLOSE_CODES,
+    ClientMessage,
     CloseMessage,
     CloseReason,
     ErrorCode,
     InputMessage,
+    PassControlMessage,
     PingMessage,
     ProtocolError,
-    StartMessage,
     TickMessage,
     ack_message,
     chunk_message,
     closed_message,
     dumps,
     error_message,
+    excerpt,
     moved_message,
     parse_client_message,
     pong_message,
     ready_message,
+    role_message,
 )
-from arstream.app.guard import limit_messages
-from arstream.app.resume import Resumed, ResumeRefused, token_hint
-from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.session import Session, SessionState
-from arstream.app.start_image import StartImageRefused
+from arstream.app.viewers import AudienceFull, Format, shares_frames
 from arstream.app.worker import OutcomeKind, TickOutcome
-from arstream.runner.types import StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
 
 log = logging.getLogger("arstream.session")
 
-# Immediate replies queued behind a client that does not read, before the receive loop waits.
-REPLY_BACKLOG_LIMIT = 64
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
-
-
-@dataclass(frozen=True)
-class _Text:
-    text: str
-    is_reply: bool = False
-    returns_credit: bool = False
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    outcome: TickOutcome
-
-    @property
-    def size(self) -> int:
-        return sum(len(frame) for frame in self.outcome.frame_messages)
-
-
-@dataclass(frozen=True)
-class _Close:
-    code: int
-    reason: CloseReason | None  # None: no `closed` message (the session never started)
-
-
-_Item = _Text | _Chunk | _Close
-
-
-class Outbox:
-    """A session's send queue. Replies are bounded (the receive loop stops reading while it is full, and
-    each message read adds at most one); chunks and their errors are bounded by credits."""
-
-    def __init__(self, reply_limit: int = REPLY_BACKLOG_LIMIT) -> None:
-        self._items: deque[_Item] = deque()
-        self._reply_limit = reply_limit
-        self._replies_queued = 0
-        self._has_items = asyncio.Event()
-        self._reply_space = asyncio.Event()
-        self._reply_space.set()
-        self._closed = False
-        self.bytes_queued = 0  # text and frame bytes waiting for the writer
-
-    def close(self) -> None:
-        """The writer is gone: drop whatever comes next and wake anyone waiting for space."""
-        self._closed = True
-        self.drop_pending()
-
-    def drop_pending(self) -> None:
-        """Forget everything queued (the client is not going to take it) and wake anyone waiting for space."""
-        self._items.clear()
-        self._replies_queued = 0
-        self.bytes_queued = 0
-        self._reply_space.set()
-
-    @property
-    def replies_queued(self) -> int:
-        return self._replies_queued
-
-    def push(self, item: _Item) -> None:
-        if self._closed:
-            return
-        if isinstance(item, _Text) and item.is_reply:
-            self._replies_queued += 1
-        self.bytes_queued += _size(item)
-        self._items.append(item)
-        self._has_items.set()
-
-    @property
-    def replies_full(self) -> bool:
-        """The client has not taken ``reply_limit`` replies: read nothing more from it until it does."""
-        return self._replies_queued >= self._reply_limit and not self._closed
-
-    async def wait_reply_space(self) -> None:
-        while self.replies_full:
-            self._reply_space.clear()
-            await self._reply_space.wait()
-
-    def push_reply(self, text: str) -> None:
-        # Never waits: the receive loop reads a message only when there is room for its one reply.
-        self.push(_Text(text, is_reply=True))
-
-    async def get(self) -> _Item:
-        while not self._items:
-            self._has_items.clear()
-            await self._has_items.wait()
-        item = self._items.popleft()
-        self.bytes_queued -= _size(item)
-        if isinstance(item, _Text) and item.is_reply:
-            self._replies_queued -= 1
-            self._reply_space.set()
-        return item
-
-
-def _size(item: _Item) -> int:
-    """Bytes an outbox item will take on the wire (texts are ASCII: ``dumps`` escapes the rest)."""
-    if isinstance(item, _Text):
-        return len(item.text)
-    return item.size if isinstance(item, _Chunk) else 0
+ROLE_CONTROLLER = "controller"
+ROLE_VIEWER = "viewer"
+# A controller's chunks being encoded in its viewers' other formats at once; past it, those viewers skip one.
+VIEWER_ENCODES_IN_FLIGHT = 2
+# How long a chunk waits for the controller's next tick before it goes to the viewers anyway (_hold_for_viewers).
+VIEWER_HOLD_S = 0.02
 
 
 class Connection:
@@ -177,7 +86,7 @@ class Connection:
         self.metrics = hub.metrics
         self.session: Session | None = None
         self.session_id = "s-" + secrets.token_hex(8)
-        self.outbox = Outbox()
+        self.outbox = Outbox(REPLY_BACKLOG_LIMIT)
         self._writer: asyncio.Task[None] | None = None
         self._released = False
         self._disconnected = False
@@ -192,6 +101,17 @@ class Connection:
         self.client_host = websocket.client.host if websocket.client else ""
         self.token_key = auth.token_key(auth.offered_token(websocket.headers, websocket.query_params))
         self.transport = transport_control(websocket.scope)
+        self._handshake = Handshake(websocket, hub, self, budget=self._budget, transport=self.transport)
+        # PROTOCOL.md, "Rewind, branch and watch": a connection controls its session or watches one.
+        self.role = ROLE_CONTROLLER
+        self.viewer_id: str | None = None
+        self._watch_format: Format = ("", 0)  # a viewer's codec and quality
+        self._watch_ended = False  # a viewer whose session ended (or who closed): its close is queued
+        self._last_chunk_seq = -1  # a viewer's last chunk offered (Session.chunks_out): never an older one after it
+        self._viewer_encodes = 0  # a controller's chunks being encoded for its viewers' formats
+        # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
+        self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
+        self._viewer_timer: asyncio.TimerHandle | None = None
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -203,7 +123,7 @@ class Connection:
         except Exception:  # noqa: BLE001 - a server fault: tell the client, then close 1011
             log.exception("session=%s server fault", self.session_id)
             if self.session is None:
-                await self._refuse(ErrorCode.INTERNAL, "internal server error")
+                await self._handshake.refuse(ErrorCode.INTERNAL, "internal server error")
             else:
                 self._fatal(ErrorCode.INTERNAL, "internal server error")
         finally:
@@ -212,41 +132,21 @@ class Connection:
             self.metrics.websocket_open.dec()
 
     async def _serve(self) -> None:
-        ws = self.ws
-        refusal, missing_token = auth.upgrade_refusal(ws, self.settings)
-        if refusal is not None and self.settings.refuse_before_upgrade:
-            await self._deny_upgrade(
-                ErrorCode.UNAUTHORIZED,
-                refusal,
-                status=401 if missing_token else 403,
-                headers={"WWW-Authenticate": "Bearer"} if missing_token else None,
-            )
-            return
-        if refusal is None:
-            # Waiting for `start` is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
-            busy = self.hub.unstarted.refusal(self.client_host)
-            if busy is not None:
-                await self._deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
-                return
-            self.hub.unstarted.add(self, self.client_host)
-        await ws.accept()
-        if refusal is not None:
-            log.info("session=%s refused: %s", self.session_id, refusal)
-            await self._refuse(ErrorCode.UNAUTHORIZED, refusal)
-            return
-        limit_messages(self.ws, self.settings.ws_message_limit(self.hub.start_message_bytes))
-        opened = await self._open_session()
+        opened = await self._handshake.open()
         if opened is None:
+            self._disconnected = self._handshake.disconnected
             return
-        session, next_chunk_index, resumed = opened
-        # only `start` may carry an image
-        limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
+        if isinstance(opened, Watching):
+            await self._watch(opened)
+            return
+        session = opened.session
+        self.session_id = session.id
         self.session = session
         upload_limit = self.settings.max_start_image_bytes if self.hub.start_image_names else None
         self.hub.register(self)
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.session_id}")
         self.outbox.push(
-            _Text(
+            QueuedText(
                 dumps(
                     ready_message(
                         session_id=self.session_id,
@@ -255,98 +155,90 @@ class Connection:
                         max_pending_ticks=self.settings.max_pending_ticks,
                         max_message_bytes=self.settings.max_message_bytes,
                         idle_timeout_s=self.settings.idle_timeout_s,
-                        resume=self.hub.resume.ticket(self, next_chunk_index),
-                        resumed=resumed,
+                        resume=self.hub.resume.ticket(self, opened.next_chunk_index),
+                        resumed=opened.resumed,
                         max_start_image_bytes=upload_limit,
+                        share=self.hub.shares.token(session.id),
+                        rewind_points=self.hub.rewind_points,
+                        branched_from=opened.branched_from,
                     )
                 ),
                 is_reply=True,
             )
         )
+        session.next_chunk_index = opened.next_chunk_index
         log.info("session=%s started codec=%s", self.session_id, session.codec)
         await self._receive_loop(session)
 
-    async def _open_session(self) -> tuple[Session, int, bool] | None:
-        """The session `start` asks for (new or resumed), its next chunk index and whether it was resumed;
-        None after refusing the connection (or on disconnect).
-
-        The `start` message, which may hold megabytes of image data, lives only as long as this call.
-        """
-        start = await self._await_start()
-        if start is None:
-            return None
-        resume_token = start.resume or self.ws.query_params.get("resume")
-        if resume_token is not None:
-            resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
-            if resumed is None:
-                return None
-            return resumed.session, resumed.next_chunk_index, True
-        # Admission is asked before the image too: a model still loading offers no images yet, and a
-        # session that cannot be admitted is not worth a decode. Admitted (claimed) after it, as a decode takes
-        # time; the claim and the registration have no await between them (SessionHub.admit).
-        if start.image is not None and not await self._admitted(claim=False):
-            return None
-        start_image: StartImage | None = None
-        if start.image is not None:
-            try:
-                start_image = await self.hub.start_images.resolve(
-                    name=start.image.name, data=start.image.data, offered=self.hub.start_image_names
-                )
-            except StartImageRefused as exc:
-                log.info("session=%s start image refused: %s", self.session_id, exc)
-                await self._refuse(ErrorCode.INVALID_IMAGE, str(exc))
-                return None
-        if not await self._admitted(claim=True):
-            return None
-        session = Session(
-            self.session_id,
-            codec=start.codec or self.settings.codec,
-            quality=start.quality or self.settings.default_jpeg_quality(self.hub.model_card),
-            seed=start.seed,
-            prompt=start.prompt,
-            max_pending_ticks=self.settings.max_pending_ticks,
-            start_image=start_image,
-        )
-        session.transition(SessionState.ACTIVE)
-        return session, 0, False
-
-    async def _admitted(self, *, claim: bool) -> bool:
-        """Whether a new session may start now; False after refusing with over_capacity.
-
-        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask.
-        """
-        refusal = self.hub.admit(self) if claim else self.hub.admission_refusal() or self.hub.client_cap_refusal(self)
-        if refusal is None:
-            return True
-        log.info("session=%s not admitted: %s", self.session_id, refusal)
-        await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
-        return False
-
-
-
-    async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
-        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
-        url_token = self.ws.query_params.get("resume")
+    async def _watch(self, watching: Watching) -> None:
+        """Serve a viewer of another connection's session (PROTOCOL.md, "Rewind, branch and watch")."""
+        controller = self.hub.connections.get(watching.session_id)
+        session = controller.session if isinstance(controller, Connection) else None
+        if session is None or not session.live:
+            await self._handshake.refuse(
+                ErrorCode.SHARE_FAILED, "the shared session is not live (ended, or its player is reconnecting)"
+            )
+            return
+        self.role = ROLE_VIEWER
+        self._watch_format = watching.format
         try:
-            if start.resume is not None and url_token is not None and url_token != start.resume:
-                raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
-            # A resume passes the same admission as a new session; refused, it spends nothing.
-            refusal = self.hub.admit(self, resuming=self.hub.resume.lookup(token, self.token_key))
-            if refusal is not None:
-                hint = token_hint(token)
-                log.info("session=%s resume with token %s not admitted: %s", self.session_id, hint, refusal)
-                self.hub.metrics.resumes.labels(outcome="refused").inc()
-                await self._refuse(ErrorCode.OVER_CAPACITY, refusal)
-                return None
-            resumed = await self.hub.resume.resume(token, self, codec=start.codec, quality=start.quality)
-        except ResumeRefused as exc:
-            log.info("session=%s resume with token %s refused: %s", self.session_id, token_hint(token), exc)
-            self.hub.metrics.resumes.labels(outcome="refused").inc()
-            await self._refuse(ErrorCode.RESUME_FAILED, str(exc))
-            return None
-        self.session_id = resumed.session.id
-        self.hub.metrics.resumes.labels(outcome="resumed").inc()
-        return resumed
+            self.viewer_id = self.hub.shares.join(session.id, self)
+        except AudienceFull as exc:
+            self.role = ROLE_CONTROLLER
+            await self._handshake.refuse(ErrorCode.OVER_CAPACITY, str(exc))
+            return
+        self.session_id, self.session = session.id, session
+        self.hub.unstarted.discard(self)
+        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.viewer_id}")
+        ready = ready_message(
+            session_id=session.id,
+            model_card=self.hub.model_card,
+            codec=watching.format[0],
+            max_pending_ticks=self.settings.max_pending_ticks,
+            max_message_bytes=self.settings.max_message_bytes,
+            idle_timeout_s=self.settings.idle_timeout_s,
+            role=ROLE_VIEWER,
+            viewer_id=self.viewer_id,
+        )
+        self.outbox.push(QueuedText(dumps(ready), is_reply=True))
+        log.info("session=%s viewer %s joined codec=%s", session.id, self.viewer_id, watching.format[0])
+        self._audience_changed(session)
+        await self._receive_loop(session)
+
+    # ---- watching (the registry's side of a viewer, app/viewers.py) ------------------------------
+
+    @property
+    def watch_format(self) -> Format:
+        return self._watch_format
+
+    def offer_chunk(self, chunk: ViewerChunk) -> None:
+        if self._watch_ended or chunk.seq <= self._last_chunk_seq:
+            return
+        self._last_chunk_seq = chunk.seq
+        self.outbox.push(chunk)
+
+    def skip_chunk(self) -> None:
+        self.outbox.chunks_skipped += 1
+
+    def notify(self, message: dict[str, Any], *, latest_of: str | None = None) -> None:
+        self.outbox.push(QueuedText(dumps(message), latest_of=latest_of))
+
+    def end_watching(self, reason: CloseReason) -> None:
+        if self.role == ROLE_VIEWER:
+            self._close(CLOSE_GOING_AWAY if reason is CloseReason.SERVER_SHUTDOWN else CLOSE_NORMAL, reason)
+
+    def _audience_changed(self, session: Session) -> None:
+        """Viewers came or went, or control passed: say so to everyone, and re-plan the viewers' formats."""
+        controller = self.hub.connections.get(session.id)
+        in_charge = controller if isinstance(controller, Connection) else None
+        self.hub.shares.announce(session.id, in_charge)
+        session.viewer_formats = self.hub.shares.formats_needed(session.id, (session.codec, session.quality))
+
+    def _leave_audience(self) -> None:
+        session = self.session
+        if session is not None and self.viewer_id is not None and self.hub.shares.leave(session.id, self.viewer_id):
+            log.info("session=%s viewer %s left", session.id, self.viewer_id)
+            self._audience_changed(session)
 
     def take_over(self) -> None:
         """Another connection resumed this session: end this one with taken_over (4003); the KV stays.
@@ -362,104 +254,22 @@ class Connection:
         if self.transport is not None:
             self.transport.drop_soon()
 
-    # ---- before the session exists -----------------------------------------------------
-
-    async def _deny_upgrade(
-        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
-    ) -> None:
-        """Refuse with HTTP ``status`` before the upgrade; the body is the error object."""
-        log.info("session=%s refused before the upgrade: %s", self.session_id, refusal)
-        self.metrics.errors.labels(code=str(code)).inc()
-        body = error_message(code, refusal)
-        await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
-
-    async def _refuse(self, code: ErrorCode, message: str) -> None:
-        """Error then close, for a connection that never became a session.
-
-        Bounded by ``close_timeout_s``: a peer that does not read its refusal
-        is left to the transport, which drops it (see :mod:`arstream.app.guard`).
-        """
-        self.metrics.errors.labels(code=str(code)).inc()
-
-        async def send_refusal() -> None:
-            await self.ws.send_text(dumps(error_message(code, message)))
-            await self.ws.close(ERROR_CLOSE_CODES[code])
-
-        try:
-            await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
-            if self.transport is not None:
-                self.transport.stop_reading()  # refused: nothing it sends now is parsed
-        except TimeoutError:
-            log.debug("session=%s did not take its refusal within %s s", self.session_id, self.settings.close_timeout_s)
-        except Exception:  # noqa: BLE001 - the client may already be gone
-            log.debug("session=%s gone before its refusal was sent", self.session_id)
-
-    @staticmethod
-    def _too_large(text: str, limit: int) -> bool:
-        # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
-        return len(text) > limit or len(text.encode()) > limit
-
-    async def _await_start(self) -> StartMessage | None:
-        """The `start` message, or None after refusing the connection (or on disconnect)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.start_timeout_s
-        while True:
-            delay = self._budget.delay(loop.time())
-            if delay > 0:
-                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-            try:
-                message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                await self._refuse(
-                    ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
-                )
-                return None
-            if message["type"] == "websocket.disconnect":
-                self._disconnected = True
-                return None
-            text = message.get("text")
-            if text is None:
-                await self._refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
-                return None
-            limit = self.hub.start_message_bytes
-            if self._too_large(text, limit):
-                with_image = " (max_message_bytes plus a base64 start image)" if self.hub.start_image_names else ""
-                await self._refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")
-                return None
-            try:
-                parsed = parse_client_message(text)
-            except ProtocolError as exc:
-                if exc.message_type == "start":
-                    # A malformed start is still a start: say what is wrong and keep waiting.
-                    self.metrics.errors.labels(code=str(exc.code)).inc()
-                    try:
-                        # Within the start deadline: a client that does not read its errors is not waited on.
-                        await asyncio.wait_for(
-                            self.ws.send_text(dumps(error_message(exc.code, exc.message))),
-                            max(0.0, deadline - loop.time()),
-                        )
-                    except TimeoutError:
-                        await self._refuse(
-                            ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
-                        )
-                        return None
-                    continue
-                await self._refuse(ErrorCode.START_REQUIRED, f"the first message must be start ({exc.message})")
-                return None
-            if not isinstance(parsed, StartMessage):
-                await self._refuse(ErrorCode.START_REQUIRED, f"the first message must be start, got {parsed.type}")
-                return None
-            return parsed
-
     # ---- the session's receive loop ---------------------------------------------------------
+
+    @property
+    def _live(self) -> bool:
+        """Whether this connection still serves: its session is live (a controller), or it still watches."""
+        if self.role == ROLE_VIEWER:
+            return not self._watch_ended
+        return self.session is not None and self.session.live
 
     async def _receive_loop(self, session: Session) -> None:
         loop = asyncio.get_running_loop()
         self._idle_since = loop.time()
-        while session.live:
+        while self._live:
             message = await self._next_message()
             if message is None:
-                if session.live:
+                if self._live:
                     self._fatal(
                         ErrorCode.IDLE_TIMEOUT,
                         f"no tick or input for {self.settings.idle_timeout_s} s while no tick was queued or running",
@@ -469,7 +279,7 @@ class Connection:
             if message["type"] == "websocket.disconnect":
                 self._disconnected = True
                 return
-            if session.live:
+            if self._live:
                 await self._handle(session, message)
 
     def _idle_left(self, now: float) -> float:
@@ -477,8 +287,8 @@ class Connection:
 
         Pings do not count: they keep the connection, not the session's slot (a client that asks for
         nothing, or a non-reader whose pings are still being read, gives the slot back)."""
-        if self._in_worker:
-            return self.settings.idle_timeout_s  # the client is waiting on the server
+        if self._in_worker or self.role == ROLE_VIEWER:
+            return self.settings.idle_timeout_s  # the client is waiting on the server, or watching
         return self._idle_since + self.settings.idle_timeout_s - now
 
     async def _next_message(self) -> dict[str, Any] | None:
@@ -535,14 +345,16 @@ class Connection:
                     ProtocolError(ErrorCode.INVALID_MESSAGE, "binary messages from the client are not part of protocol 1")
                 )
             return
-        if self._too_large(text, self.settings.max_message_bytes):
+        if too_large(text, self.settings.max_message_bytes):
             self._fatal(
                 ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {self.settings.max_message_bytes} bytes"
             )
             return
         try:
             parsed = parse_client_message(text)
-            if isinstance(parsed, TickMessage):
+            if self.role == ROLE_VIEWER:
+                await self._handle_as_viewer(parsed)
+            elif isinstance(parsed, TickMessage):
                 self._validate_controls(parsed.controls, tick_id=parsed.tick_id)
                 job = session.accept_tick(parsed)
                 if self.moving:  # its state is on its way to a peer: keep the tick's controls, run nothing here
@@ -552,6 +364,7 @@ class Connection:
                 assert self.hub.worker is not None
                 self.hub.worker.submit(job)
                 self._in_worker.add(job.tick_id)
+                self._offer_held()  # the forward runs now: the viewers' writes go beside it
                 self._idle_since = asyncio.get_running_loop().time()  # accepted work: not idle
             elif isinstance(parsed, InputMessage):
                 self._validate_controls(parsed.controls, tick_id=None)
@@ -563,10 +376,56 @@ class Connection:
             elif isinstance(parsed, CloseMessage):
                 log.info("session=%s closed by the client", self.session_id)
                 self._close(CLOSE_NORMAL, CloseReason.CLIENT)
+            elif isinstance(parsed, PassControlMessage):
+                self._pass_control(session, parsed.to)
             else:
                 raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
         except ProtocolError as exc:
             await self._reply_error(exc)
+
+    async def _handle_as_viewer(self, parsed: ClientMessage) -> None:
+        """A viewer may ping and close; what only the controller may send gets not_controller."""
+        if isinstance(parsed, PingMessage):
+            await self._reply(pong_message(parsed.t))
+        elif isinstance(parsed, CloseMessage):
+            log.info("session=%s viewer %s closed by the client", self.session_id, self.viewer_id)
+            self._close(CLOSE_NORMAL, CloseReason.CLIENT)
+        elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
+            tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
+            raise ProtocolError(
+                ErrorCode.NOT_CONTROLLER, f"a viewer may not send {parsed.type}; the controller can pass control", tick_id=tick_id
+            )
+        else:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
+
+    def _pass_control(self, session: Session, viewer_id: str) -> None:
+        """Hand control to one of the session's viewers; this connection becomes a viewer (PROTOCOL.md)."""
+        target = self.hub.shares.viewers(session.id).get(viewer_id)
+        if not isinstance(target, Connection) or target._watch_ended:
+            raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
+        if self.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
+        self._offer_held()  # chunks before the pass go to the viewers as they were
+        # Its queued ticks were this client's: they do not run for the next one (their controls are kept).
+        assert self.hub.worker is not None
+        for job in self.hub.worker.drop_ticks(session.id):
+            session.absorb_update(job)
+            session.release_credit()
+        self._in_worker.clear()  # a running tick's chunk goes to the new controller, with its credit
+        self.hub.shares.leave(session.id, viewer_id)
+        target.role, target.viewer_id = ROLE_CONTROLLER, None
+        target._idle_since = asyncio.get_running_loop().time()
+        self.role, self._watch_format = ROLE_VIEWER, (session.codec, session.quality)
+        session.codec, session.quality = target._watch_format
+        self._last_chunk_seq = session.chunks_out
+        self.hub.register(target)
+        self.hub.resume.forget(self)
+        self.viewer_id = self.hub.shares.join(session.id, self, cap=False)
+        ticket = self.hub.resume.ticket(target, session.next_chunk_index)
+        target.notify(role_message(ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=ticket))
+        self.notify(role_message(ROLE_VIEWER, viewer_id=self.viewer_id))
+        log.info("session=%s control passed to %s; the controller became viewer %s", session.id, viewer_id, self.viewer_id)
+        self._audience_changed(session)
 
     def _validate_controls(self, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
         if controls is None:
@@ -598,10 +457,19 @@ class Connection:
             return  # closing (its queued ticks were dropped), or a tick of the connection this one resumed
         job = outcome.job
         if outcome.kind is OutcomeKind.CHUNK:
+            if outcome.restarted == "rewind":
+                self.metrics.rewinds.inc()
             self.metrics.chunk_compute_seconds.observe(outcome.compute_s)
             self.metrics.queue_wait_seconds.observe(outcome.queue_s)
-            self.outbox.push(_Chunk(outcome))
+            session.next_chunk_index = outcome.chunk_index + 1
+            self.outbox.push(QueuedChunk(outcome))
             self._check_send_backlog()
+            self._hold_for_viewers(session, outcome)
+        elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
+            self.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
+            detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
+            message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
+            self.outbox.push(QueuedText(dumps(message), returns_credit=True))
         elif outcome.kind is OutcomeKind.INTERNAL:
             log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
             self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
@@ -616,21 +484,86 @@ class Connection:
             message = error_message(
                 ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", tick_id=job.tick_id
             )
-            self.outbox.push(_Text(dumps(message), returns_credit=True))
+            self.outbox.push(QueuedText(dumps(message), returns_credit=True))
         if job.close:
             log.info("session=%s closing after tick %d (close: true)", self.session_id, job.tick_id)
             self._close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
 
+    def _hold_for_viewers(self, session: Session, outcome: TickOutcome) -> None:
+        """Offer the chunk to the viewers once the controller has sent its next tick (or VIEWER_HOLD_S later).
+
+        Writing a chunk to dozens of viewers takes the event loop a while; done right after the controller's
+        own chunk, it would hold up the controller's next tick, which arrives a round trip later. Done when that
+        tick is on its way to the worker, it runs beside the forward instead.
+        """
+        if not self.hub.shares.viewers(session.id):
+            return
+        self._held_for_viewers.append((session, outcome))
+        if self._viewer_timer is None:
+            self._viewer_timer = asyncio.get_running_loop().call_later(VIEWER_HOLD_S, self._offer_held)
+
+    def _offer_held(self) -> None:
+        """Offer the chunks held for the viewers now."""
+        if self._viewer_timer is not None:
+            self._viewer_timer.cancel()
+            self._viewer_timer = None
+        held, self._held_for_viewers = self._held_for_viewers, []
+        for session, outcome in held:
+            self._fan_out(session, outcome)
+
+    def _fan_out(self, session: Session, outcome: TickOutcome) -> None:
+        """Offer a chunk to the session's viewers: the controller's own frames where they can share them,
+        one encode per other format in use (on the encoder threads; while two are still being encoded, the
+        viewers of those formats skip the chunk, so a slow encode never piles up)."""
+        viewers = self.hub.shares.viewers(session.id)
+        if not viewers:
+            return
+        session.chunks_out += 1
+        header = self._chunk_header(outcome)
+        own = (outcome.codec, outcome.quality)
+        shares = self.hub.shares
+        if shares_frames(own, own):
+            shares.offer(session.id, header, session.chunks_out, {own: outcome.frame_messages})
+        formats = shares.formats_needed(session.id, own)
+        if not formats:
+            return
+        if outcome.frames is None or self._viewer_encodes >= VIEWER_ENCODES_IN_FLIGHT or self.hub.worker is None:
+            shares.skip(session.id, formats)
+            return
+        self._viewer_encodes += 1
+        seq = session.chunks_out
+
+        def deliver(encoded: dict[Format, tuple[bytes, ...]]) -> None:
+            self._viewer_encodes -= 1
+            shares.offer(session.id, header, seq, encoded)
+
+        self.hub.worker.encode_for_viewers(
+            session.id, outcome.frames, formats, chunk_index=outcome.chunk_index, tick_id=outcome.job.tick_id,
+            deliver=deliver,
+        )
+
     # ---- closing --------------------------------------------------------------------------
 
     def _close(self, code: int, reason: CloseReason) -> None:
-        """Queue `closed` and the close frame; drop queued ticks and release the KV now."""
+        """Queue `closed` and the close frame; drop queued ticks and release the KV now.
+
+        A viewer only closes its own connection; a controller's session ends, and its viewers with it.
+        """
+        if self.role == ROLE_VIEWER:
+            if not self._watch_ended:
+                self._watch_ended = True
+                self.outbox.push(QueuedClose(code, reason))
+                self._leave_audience()
+            return
         session = self.session
         if session is None or not session.live:
             return
+        self._offer_held()  # the viewers get the chunks the controller got, then their close
         session.transition(SessionState.CLOSING)
         self.hub.closing.add(self)
-        self.outbox.push(_Close(code, reason))
+        self.outbox.push(QueuedClose(code, reason))
+        shutdown = reason is CloseReason.SERVER_SHUTDOWN
+        self.hub.shares.end_viewers(session.id, CloseReason.SERVER_SHUTDOWN if shutdown else CloseReason.SESSION_ENDED)
         self._release()
 
     def _fatal(
@@ -643,16 +576,15 @@ class Connection:
         returns_credit: bool = False,
     ) -> None:
         self.metrics.errors.labels(code=str(code)).inc()
-        session = self.session
-        if session is None or not session.live:
+        if not self._live:
             return
-        self.outbox.push(_Text(dumps(error_message(code, message, tick_id=tick_id)), returns_credit=returns_credit))
+        self.outbox.push(QueuedText(dumps(error_message(code, message, tick_id=tick_id)), returns_credit=returns_credit))
         self._close(ERROR_CLOSE_CODES[code], reason)
 
     def close_moved(self, token: str, next_chunk_index: int) -> None:
         """The session lives on a peer now (app/migration.py): tell the client its token, close, release here."""
         if self.session is not None and self.session.live:
-            self.outbox.push(_Text(dumps(moved_message(resume=token, next_chunk_index=next_chunk_index))))
+            self.outbox.push(QueuedText(dumps(moved_message(resume=token, next_chunk_index=next_chunk_index))))
         self._close(CLOSE_GOING_AWAY, CloseReason.MOVED)
 
     def close_for_shutdown(self) -> None:
@@ -681,16 +613,26 @@ class Connection:
         self.hub.resume.forget(self)
         assert self.hub.worker is not None
         dropped = self.hub.worker.drop_session(self.session_id)
+        self.hub.shares.forget(self.session_id)
         log.info("session=%s released (%d queued tick(s) dropped)", self.session_id, dropped)
 
     async def _finish(self) -> None:
         self.hub.unstarted.discard(self)  # refused, or gone before its session started
         session = self.session
-        if session is not None:
+        if session is not None and self.role == ROLE_VIEWER:
+            self._watch_ended = True
+            self._leave_audience()
+            if self._disconnected:
+                await self._stop_writer()
+            await self.wait_sent(self.settings.shutdown_grace_s)
+        elif session is not None:
             if self._disconnected:
                 log.info("session=%s disconnected", self.session_id)
             if not self._released and self.hub.resume.detach(self):
                 self._released = True  # detached: kept with its KV for a resume, released by the registry
+            if not self._released or self.hub.connections.get(session.id) is self:
+                # Its viewers watched this connection (detached, they may watch again after the resume).
+                self.hub.shares.end_viewers(session.id, CloseReason.SESSION_ENDED)
             if session.state is not SessionState.CLOSING and session.state is not SessionState.CLOSED:
                 session.transition(SessionState.CLOSING)
             self._release()
@@ -709,12 +651,14 @@ class Connection:
         try:
             while True:
                 item = await self.outbox.get()
-                if isinstance(item, _Text):
+                if isinstance(item, QueuedText):
                     await self.ws.send_text(item.text)
                     if item.returns_credit:
                         session.release_credit()
-                elif isinstance(item, _Chunk):
+                elif isinstance(item, QueuedChunk):
                     await self._send_chunk(session, item.outcome)
+                elif isinstance(item, ViewerChunk):
+                    await self._send_viewer_chunk(item)
                 else:
                     if item.reason is not None:
                         await self.ws.send_text(dumps(closed_message(item.reason)))
@@ -725,10 +669,10 @@ class Connection:
         finally:
             self.outbox.close()
 
-    async def _send_chunk(self, session: Session, outcome: TickOutcome) -> None:
-        job = outcome.job
-        header = chunk_message(
-            tick_id=job.tick_id,
+    @staticmethod
+    def _chunk_header(outcome: TickOutcome) -> dict[str, Any]:
+        return chunk_message(
+            tick_id=outcome.job.tick_id,
             chunk_index=outcome.chunk_index,
             frames=len(outcome.frame_messages),
             applied_event_ids=outcome.applied_event_ids,
@@ -736,8 +680,19 @@ class Connection:
             queue_ms=outcome.queue_s * 1e3,
             compute_ms=outcome.compute_s * 1e3,
             encode_ms=outcome.encode_s * 1e3,
+            rewind_points=outcome.rewind_points,
         )
-        await self.ws.send_text(dumps(header))
+
+    async def _send_viewer_chunk(self, chunk: ViewerChunk) -> None:
+        skipped, self.outbox.chunks_skipped = self.outbox.chunks_skipped, 0
+        await self.ws.send_text(dumps({**chunk.header, "skipped_before": skipped}) if skipped else chunk.text)
+        for frame in chunk.frames:
+            await self.ws.send_bytes(frame)
+            self.metrics.frames_sent.inc()
+            self.metrics.bytes_sent.inc(len(frame))
+
+    async def _send_chunk(self, session: Session, outcome: TickOutcome) -> None:
+        await self.ws.send_text(dumps(self._chunk_header(outcome)))
         for index, frame in enumerate(outcome.frame_messages):
             await self.ws.send_bytes(frame)
             if index == 0 and outcome.events:

@@ -139,6 +139,17 @@ class EncoderPool:
                 self._encoders[session_id] = encoder
         return encoder.encode(frames, chunk_index=chunk_index, tick_id=tick_id)
 
+    def encode_standalone(
+        self, frames: np.ndarray, *, codec: str, quality: int, chunk_index: int, tick_id: int
+    ) -> list[bytes]:
+        """Encode a chunk as a stream of its own (H.264: a keyframe first), for viewers (app/viewers.py):
+        any chunk of it can be decoded without the ones before. Holds no state: call from any task."""
+        encoder = new_encoder(codec, quality)
+        try:
+            return encoder.encode(frames, chunk_index=chunk_index, tick_id=tick_id)
+        finally:
+            encoder.close()
+
     def restart_stream(self, session_id: str) -> None:
         """After the session's queued tasks, drop its encoder: its next chunk starts a new stream (keyframe)."""
         self._lanes.submit(session_id, lambda: self._drop_encoder(session_id))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jsonschema
 import torch
@@ -19,24 +19,47 @@ import torch
 from arstream.app.admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
 from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
 from arstream.app.metrics import ServerMetrics
+from arstream.app.outbox import Outbox
 from arstream.app.resume import DetachedSession, ResumableConnection, ResumeRegistry
 from arstream.app.settings import Settings
 from arstream.app.start_image import StartImageResolver, offered_start_images
+from arstream.app.session import Session
 from arstream.app.unstarted import UnstartedConnections
+from arstream.app.viewers import ShareRegistry
 from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
 from arstream.runner.runtimes import Runtime, build_runtime
 
-if TYPE_CHECKING:
-    from arstream.app.connection import Connection
-
 log = logging.getLogger("arstream.hub")
 
-# Whoever holds a session, live or detached, as the session caps see it: its client address and token.
-SessionHolder = ResumableConnection | DetachedSession
 
 WORKER_STOP_TIMEOUT_S = 10.0
+
+
+class HubConnection(Protocol):
+    """What the hub needs of a connection serving a session (:class:`arstream.app.connection.Connection`,
+    :class:`arstream.app.realtime_video.RealtimeVideoConnection`); the connection modules depend on the hub,
+    never the other way round."""
+
+    session_id: str
+    session: Session | None
+    client_host: str
+    token_key: str | None
+    outbox: Outbox
+
+    def on_outcome(self, outcome: TickOutcome) -> None:
+        """A tick of its session is done (delivered on the event loop, in order per session)."""
+
+    def close_for_shutdown(self) -> None:
+        """Queue `closed` (server_shutdown) and release the session."""
+
+    async def wait_sent(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, for everything queued to go out."""
+
+
+# Whoever holds a session, live or detached, as the session caps see it: its client address and token.
+SessionHolder = HubConnection | ResumableConnection | DetachedSession
 
 
 @dataclass(frozen=True)
@@ -69,9 +92,9 @@ class SessionHub:
         self.settings = settings
         self._pipeline = pipeline
         self.admission = admission_policy(settings.admission)
-        self.connections: dict[str, Connection] = {}
+        self.connections: dict[str, HubConnection] = {}
         # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out.
-        self.closing: set[Connection] = set()
+        self.closing: set[HubConnection] = set()
         self.worker: ModelWorker | None = None
         self.ready = False
         self.not_ready_reason = "the model is loading and warming up"
@@ -89,8 +112,14 @@ class SessionHub:
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
         self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
+        self.shares = ShareRegistry(
+            replica_id=settings.replica_id, max_viewers_per_session=settings.max_viewers_per_session
+        )
         self.resume = ResumeRegistry(
-            replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker
+            replica_id=settings.replica_id,
+            grace_s=settings.resume_grace_s,
+            worker=lambda: self.worker,
+            on_release=self.shares.forget,
         )
         self.metrics = ServerMetrics(
             stats=lambda: self.worker.runner_stats if self.worker else None,
@@ -130,6 +159,7 @@ class SessionHub:
             kv_budget_bytes=settings.resolved_kv_budget_bytes(),
             memory_fraction=settings.memory_fraction,
             max_batch_sessions=settings.resolved_max_batch_sessions(),
+            rewind_points=settings.rewind_points,
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
@@ -185,6 +215,20 @@ class SessionHub:
             await asyncio.to_thread(self.worker.stop, WORKER_STOP_TIMEOUT_S)
 
     # ---- sessions --------------------------------------------------------------------
+
+    @property
+    def rewind_points(self) -> int:
+        """Chunk boundaries each session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
+        keeps none (vllm-omni, a model without rewind)."""
+        stats = self.worker.runner_stats if self.worker else None
+        return stats.rewind_points if stats is not None else 0
+
+    def live_or_detached_session(self, session_id: str) -> Session | None:
+        """The protocol state of a session this replica holds (connected or detached), or None."""
+        connection = self.connections.get(session_id)
+        if connection is not None:
+            return connection.session
+        return self.resume.detached_session(session_id)
 
     @property
     def start_message_bytes(self) -> int:
@@ -295,12 +339,12 @@ class SessionHub:
             for released in by_owner[:excess]:
                 self.resume.release(released.session_id, "a new session needed its slot")
 
-    def register(self, connection: Connection) -> None:
+    def register(self, connection: HubConnection) -> None:
         """``connection``'s session is live (admitted with :meth:`admit`): it waits to start no more."""
         self.unstarted.discard(connection)
         self.connections[connection.session_id] = connection
 
-    def unregister(self, connection: Connection) -> None:
+    def unregister(self, connection: HubConnection) -> None:
         # A resumed session is registered under the same id by its new connection.
         if self.connections.get(connection.session_id) is connection:
             del self.connections[connection.session_id]
@@ -337,6 +381,7 @@ class SessionHub:
             },
             "sessions": {
                 "connected": len(sessions),
+                "viewers": self.shares.viewer_count,
                 "detached": self.resume.detached_count,
                 "closing": len(self.closing),
                 "realtime_capacity": None if capacity is None else capacity.sessions,

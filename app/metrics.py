@@ -109,6 +109,8 @@ class ServerMetrics:
         self.drains = Counter(
             "arstream_drains", "Drains begun on this replica (POST /v1/cluster/drain, arstream drain)", registry=registry
         )
+        self.rewinds = Counter("arstream_rewinds", "Ticks that rewound their session (tick.rewind_to)", registry=registry)
+        self.branches = Counter("arstream_branches", "Sessions branched from another's chunk boundary", registry=registry)
         registry.register(RunnerCollector(stats, connected, detached))
 
     def exposition(self) -> bytes:
@@ -138,6 +140,7 @@ class ReplicaCollector(Collector):
         yield _gauge("arstream_ready", "1 while the replica admits new sessions (/readyz), else 0", ready)
         active = sum(1 for c in hub.connections.values() if c.session is not None and c.session.pending_ticks > 0)
         yield _gauge("arstream_sessions_active", "Sessions with a tick queued or running", active)
+        yield _gauge("arstream_viewers", "Connections watching a session (watch links)", hub.shares.viewer_count)
         worker = hub.worker
         if worker is None or worker.runner_stats is None or not hub.model_card:
             return

@@ -40,6 +40,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from arstream.app.connection import Connection
 from arstream.app.drain import DRAIN_PATH
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
@@ -47,7 +48,6 @@ from arstream.app.wire import PROTOCOL_VERSION
 from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible, read_header
 
 if TYPE_CHECKING:
-    from arstream.app.connection import Connection
     from arstream.app.hub import SessionHub
 
 log = logging.getLogger("arstream.migration")
@@ -173,7 +173,13 @@ class Migration:
         hub.draining = True
         hub.metrics.drains.inc()
         report = DrainReport()
-        connections = [c for c in hub.connections.values() if c.session is not None and c.session.live]
+        live = [c for c in hub.connections.values() if c.session is not None and c.session.live]
+        # Protocol 1 sessions move; the realtime video dialect's have no `moved` message: they end as on shutdown.
+        connections = [c for c in live if isinstance(c, Connection)]
+        for other in live:
+            if not isinstance(other, Connection):
+                other.close_for_shutdown()
+                report.sessions.append(MoveReport(other.session_id, False, reason="its dialect cannot follow a move"))
         log.info("draining: moving %d session(s) to %s", len(connections), ", ".join(peers) or "no peer")
         # TLS only matters for https:// peers; loading the CA bundle otherwise costs a drain ~0.3 s for nothing.
         tls = any(peer.startswith("https://") for peer in peers)

@@ -35,6 +35,7 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 ID_LIMIT = 2**32
 MAX_RESUME_TOKEN_CHARS = 256
 MAX_START_IMAGE_NAME_CHARS = 256
+MAX_VIEWER_ID_CHARS = 64
 
 
 class ErrorCode(StrEnum):
@@ -53,6 +54,10 @@ class ErrorCode(StrEnum):
     TAKEN_OVER = "taken_over"
     INTERNAL = "internal"
     INVALID_IMAGE = "invalid_image"
+    SHARE_FAILED = "share_failed"
+    NOT_CONTROLLER = "not_controller"
+    UNKNOWN_VIEWER = "unknown_viewer"
+    REWIND_UNAVAILABLE = "rewind_unavailable"
 
 
 # Fatal codes and the WebSocket close code that follows their `error` message.
@@ -66,6 +71,7 @@ ERROR_CLOSE_CODES: dict[ErrorCode, int] = {
     ErrorCode.TAKEN_OVER: 4003,
     ErrorCode.INTERNAL: 1011,
     ErrorCode.INVALID_IMAGE: 4004,
+    ErrorCode.SHARE_FAILED: 4005,
 }
 CLOSE_NORMAL = 1000
 
@@ -78,6 +84,7 @@ class CloseReason(StrEnum):
     TAKEN_OVER = "taken_over"
     MOVED = "moved"
     ERROR = "error"
+    SESSION_ENDED = "session_ended"  # to a viewer: the session it watched ended
 
 
 class ProtocolError(Exception):
@@ -208,6 +215,16 @@ class StartImageSpec(_ClientMessage):
         return self
 
 
+ShareToken = Annotated[str, Field(min_length=1, max_length=MAX_RESUME_TOKEN_CHARS)]
+
+
+class BranchSpec(_ClientMessage):
+    """``start.branch``: a new session from chunk boundary ``chunk`` of the session ``share`` names."""
+
+    share: ShareToken
+    chunk: WireId
+
+
 class StartMessage(_ClientMessage):
     type: Literal["start"]
     prompt: str | None = None
@@ -218,6 +235,16 @@ class StartMessage(_ClientMessage):
     resume: Annotated[str, Field(min_length=1, max_length=MAX_RESUME_TOKEN_CHARS)] | None = None
     # The session's start image (PROTOCOL.md, "Start images"); ignored on a resume.
     image: StartImageSpec | None = None
+    # PROTOCOL.md, "Rewind, branch and watch": watch a session (a share token), or branch from one.
+    watch: ShareToken | None = None
+    branch: BranchSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> StartMessage:
+        given = [name for name in ("resume", "watch", "branch") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of resume, watch and branch, got {' and '.join(given)}")
+        return self
 
     @field_validator("codec")
     @classmethod
@@ -237,6 +264,7 @@ class TickMessage(_ClientMessage):
     prompt: str | None = None
     reset: bool = False
     close: bool = False
+    rewind_to: WireId | None = None  # go back to this chunk boundary first (PROTOCOL.md, "Rewind ...")
 
 
 class InputMessage(_ClientMessage):
@@ -255,7 +283,12 @@ class PingMessage(_ClientMessage):
     t: int | float | None = None  # echoed back as sent
 
 
-ClientMessage = StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage
+class PassControlMessage(_ClientMessage):
+    type: Literal["pass_control"]
+    to: Annotated[str, Field(min_length=1, max_length=MAX_VIEWER_ID_CHARS)]
+
+
+ClientMessage = StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage | PassControlMessage
 
 MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
     "start": StartMessage,
@@ -263,6 +296,7 @@ MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
     "input": InputMessage,
     "close": CloseMessage,
     "ping": PingMessage,
+    "pass_control": PassControlMessage,
 }
 
 
@@ -322,11 +356,14 @@ def parse_client_message(text: str) -> ClientMessage:
 def ready_message(
     *, session_id: str, model_card: dict[str, Any], codec: str, max_pending_ticks: int, max_message_bytes: int,
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
-    max_start_image_bytes: int | None = None,
+    max_start_image_bytes: int | None = None, share: str | None = None, rewind_points: int = 0,
+    role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
 ) -> dict[str, Any]:
     """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
 
-    ``max_start_image_bytes`` goes in ``limits`` when the model offers start images.
+    ``max_start_image_bytes`` goes in ``limits`` when the model offers start images. ``share`` (the share
+    token), ``rewind_points``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
+    "Rewind, branch and watch" fields.
     """
     message = {
         "type": "ready",
@@ -346,14 +383,23 @@ def ready_message(
         message["resume"] = resume
     if resumed:
         message["resumed"] = True
+    message["role"] = role
+    if viewer_id is not None:
+        message["viewer_id"] = viewer_id
+    if share is not None:
+        message["share"] = {"token": share}
+    if rewind_points:
+        message["rewind_points"] = rewind_points
+    if branched_from is not None:
+        message["branched_from"] = {"chunk": branched_from}
     return message
 
 
 def chunk_message(
     *, tick_id: int, chunk_index: int, frames: int, applied_event_ids: list[int], restarted: str | None,
-    queue_ms: float, compute_ms: float, encode_ms: float,
+    queue_ms: float, compute_ms: float, encode_ms: float, rewind_points: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    return {
+    message: dict[str, Any] = {
         "type": "chunk",
         "tick_id": tick_id,
         "chunk_index": chunk_index,
@@ -362,6 +408,19 @@ def chunk_message(
         "restarted": restarted,
         "timings": {"queue_ms": round(queue_ms, 3), "compute_ms": round(compute_ms, 3), "encode_ms": round(encode_ms, 3)},
     }
+    if rewind_points is not None:
+        message["rewind_points"] = list(rewind_points)
+    return message
+
+
+def role_message(role: str, *, viewer_id: str | None = None, **fields: Any) -> dict[str, Any]:
+    """The `role` message after ``pass_control``: ``controller`` (with the tick-id floor and a resume ticket)
+    or ``viewer`` (with its viewer id)."""
+    message: dict[str, Any] = {"type": "role", "role": role}
+    if viewer_id is not None:
+        message["viewer_id"] = viewer_id
+    message.update({name: value for name, value in fields.items() if value is not None})
+    return message
 
 
 def ack_message(event_id: int, *, duplicate: bool) -> dict[str, Any]:

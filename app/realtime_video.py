@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from arstream.app import auth
-from arstream.app.connection import Outbox, _Text
+from arstream.app.outbox import Outbox, QueuedText
 from arstream.app.fmp4 import fmp4_codec
 from arstream.app.guard import limit_messages
 from arstream.app.limits import MessageBudget, count_exceeds
@@ -503,7 +503,7 @@ class RealtimeVideoConnection:
         try:
             while True:
                 item: Any = await self.outbox.get()
-                if isinstance(item, _Text):
+                if isinstance(item, QueuedText):
                     await self.ws.send_text(item.text)
                 elif isinstance(item, _Media):
                     await self._send_media(session, item.outcome)

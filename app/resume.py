@@ -108,10 +108,19 @@ def token_hint(token: str) -> str:
 class ResumeRegistry:
     """Tickets and detached sessions of one server; lives on the event loop (no locking)."""
 
-    def __init__(self, *, replica_id: str, grace_s: float, worker: Callable[[], ModelWorker | None]) -> None:
+    def __init__(
+        self,
+        *,
+        replica_id: str,
+        grace_s: float,
+        worker: Callable[[], ModelWorker | None],
+        on_release: Callable[[str], None] | None = None,
+    ) -> None:
         self.replica_id = replica_id
         self.grace_s = grace_s
         self._worker = worker
+        # Told the id of each session the registry releases (the share tokens go with it, app/viewers.py).
+        self._on_release = on_release
         self._entries: dict[str, _Entry] = {}  # session id -> its entry
         self._by_digest: dict[bytes, str] = {}  # current token digest -> session id
         self._detached: dict[str, None] = {}  # detached session ids, longest-detached first
@@ -131,6 +140,11 @@ class ResumeRegistry:
     def resuming(self) -> Mapping[str, ResumableConnection]:
         """Sessions being resumed (claimed, not yet attached), by id, with the connection resuming each."""
         return self._resuming
+
+    def detached_session(self, session_id: str) -> Session | None:
+        """The protocol state of a detached session, or None when it is not detached."""
+        entry = self._entries.get(session_id) if session_id in self._detached else None
+        return entry.session if entry is not None else None
 
     def detached(self) -> list[DetachedSession]:
         """The detached sessions, longest-detached first."""
@@ -227,6 +241,8 @@ class ResumeRegistry:
         worker = self._worker()
         assert worker is not None
         worker.drop_session(session_id)
+        if self._on_release is not None:
+            self._on_release(session_id)
         log.info("session=%s released while detached: %s", session_id, why)
 
     def release_all(self) -> None:
@@ -265,6 +281,8 @@ class ResumeRegistry:
         except BaseException:
             # Nobody holds a ticket for it any more: release it rather than leak its KV.
             worker.drop_session(session_id)
+            if self._on_release is not None:
+                self._on_release(session_id)
             raise
         finally:
             self._resuming.pop(session_id, None)

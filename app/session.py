@@ -111,6 +111,7 @@ class TickJob:
     reset: bool
     close: bool
     accepted_at: float = field(default_factory=time.perf_counter)
+    rewind_to: int | None = None  # go back to this chunk boundary before the chunk (PROTOCOL.md, "Rewind ...")
 
 
 class Session:
@@ -152,6 +153,12 @@ class Session:
         # The latest pending event values per field, with their arrival numbers (see the module docstring).
         self._staged_controls: Update | None = None
         self._staged_prompt: Update | None = None
+        # Formats (codec, quality) its viewers need encoded apart from its own frames (app/viewers.py): set on
+        # the event loop, replaced whole, read by the worker when a chunk is done.
+        self.viewer_formats: frozenset[tuple[str, int]] = frozenset()
+        # Event loop only: the index of the next chunk to reach the client, and chunks offered to viewers so far.
+        self.next_chunk_index = 0
+        self.chunks_out = 0
 
     # ---- state machine -----------------------------------------------------------
 
@@ -169,6 +176,12 @@ class Session:
     @property
     def live(self) -> bool:
         return self.state in LIVE_STATES
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt the session's chunks use now (a branch from it starts with it)."""
+        with self._lock:
+            return self._prompt
 
     # ---- messages (event loop) ----------------------------------------------------
 
@@ -214,7 +227,8 @@ class Session:
             self.transition(SessionState.ACTIVE)
         if message.close:
             self.transition(SessionState.DRAINING)
-        return TickJob(self, tick_id, self._next_update(message.controls, message.prompt), message.reset, message.close)
+        update = self._next_update(message.controls, message.prompt)
+        return TickJob(self, tick_id, update, message.reset, message.close, rewind_to=message.rewind_to)
 
     def accept_event(self, message: InputMessage) -> bool:
         """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again)."""
@@ -310,6 +324,7 @@ class Session:
         resumed._lock = threading.Lock()
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
+        resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
         resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
         return resumed
 
@@ -376,10 +391,12 @@ class Session:
         return session
 
 
-def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool) -> str | None:
+def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool, rewound: bool = False) -> str | None:
     """The chunk's ``restarted`` field (PROTOCOL.md, `chunk`)."""
     if reset:
         return "reset"
+    if rewound:
+        return "rewind"
     if new_rollout and produced_before:
         return "evicted"
     return None

@@ -73,6 +73,14 @@ class Settings(BaseSettings):
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
+    rewind_points: int = Field(
+        8,
+        ge=0,
+        le=1024,
+        description="chunk boundaries each session keeps to rewind to or branch from (the last K chunks; shared KV "
+        "blocks plus a copy of the model's per-session state each, counted in capacity); 0 turns rewind off "
+        "(docs/rewind.md)",
+    )
     runtime: RuntimeName = Field(
         "arstream",
         description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "
@@ -164,6 +172,10 @@ class Settings(BaseSettings):
         4, ge=1, description="sessions one client address may hold (trusted proxies' own address is exempt)"
     )
     max_sessions_per_token: int | None = Field(None, ge=1, description="sessions one auth token may hold; default: no cap")
+    max_viewers_per_session: int = Field(
+        64, ge=0, description="viewers one session may have (watch links; they hold no KV, and count in the "
+        "connection caps); 0: no watching"
+    )
     max_connections: int | None = Field(
         None, ge=1, description="open TCP connections in all; default: 1000, fewer if the open-file limit is lower"
     )

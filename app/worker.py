@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
 
+import numpy as np
+
 from arstream.app.admission import RoundTimes
 from arstream.app.encoding import EncoderPool
 from arstream.app.scheduler import RoundScheduler, Run, TickLanes
@@ -46,17 +48,19 @@ from arstream.measure import percentile
 from arstream.runner.runtimes import Runtime
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session, transferable
 from arstream.runner.stats import RunnerStats
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest
+from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 
 log = logging.getLogger("arstream.worker")
 
 COMPUTE_TIMES_KEPT = 4096
+VIEWERS_LANE_SUFFIX = "#viewers"  # the encoder lane of a session's viewers' formats (never a session id)
 _T = TypeVar("_T")
 
 
 class OutcomeKind(Enum):
     CHUNK = "chunk"
     MODEL_FAILED = "model_failed"  # this tick's forward raised; the runner released the session
+    REWIND_UNAVAILABLE = "rewind_unavailable"  # its rewind_to names a boundary not held: nothing ran
     SKIPPED_FAILED = "skipped_failed"  # queued behind a failed tick and not a reset: not run
     INTERNAL = "internal"  # a server fault after the forward (e.g. encoding)
 
@@ -75,6 +79,12 @@ class TickOutcome:
     compute_s: float = 0.0
     encode_s: float = 0.0
     error: str = ""
+    # The format of frame_messages, and the chunk's pixels, kept only when its session's viewers need
+    # other formats (Session.viewer_formats).
+    codec: str = ""
+    quality: int = 0
+    frames: np.ndarray | None = None
+    rewind_points: tuple[int, int] | None = None  # boundaries a later rewind_to may name (None: rewind off)
 
     @property
     def applied_event_ids(self) -> list[int]:
@@ -269,6 +279,18 @@ class ModelWorker:
 
         return self._control(adopt, lane=None)
 
+    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> asyncio.Future[None]:
+        """Resolves once ``new_session_id`` is resident, continuing from ``source_id``'s chunk boundary
+        ``boundary``; :class:`RewindUnavailable` when the boundary is not held, the runtime's capacity error
+        when there is no room."""
+
+        def branch(runner: Runtime) -> None:
+            runner.branch_session(source_id, boundary, new_session_id)
+            self._produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
+            self._encoders.restart_stream(new_session_id)
+
+        return self._control(branch, lane=None)
+
     def _control(self, function: Callable[[Runtime], _T], *, lane: str | None) -> asyncio.Future[_T]:
         """Run ``function(runner)`` on the worker at the next chunk boundary; its result or error resolves the future."""
         future: asyncio.Future[_T] = self._loop.create_future()
@@ -302,6 +324,34 @@ class ModelWorker:
             self._controls.append(job)
             self._cond.notify()
         return future
+
+    def encode_for_viewers(
+        self,
+        session_id: str,
+        frames: np.ndarray,
+        formats: frozenset[tuple[str, int]],
+        *,
+        chunk_index: int,
+        tick_id: int,
+        deliver: Callable[[dict[tuple[str, int], tuple[bytes, ...]]], None],
+    ) -> None:
+        """Encode a chunk once in each of ``formats`` (codec, quality) for the session's viewers; ``deliver``
+        gets them on the event loop. On a lane of their own: the session's next chunk never waits for them."""
+
+        def encode() -> None:
+            encoded: dict[tuple[str, int], tuple[bytes, ...]] = {}
+            for codec, quality in formats:
+                try:
+                    encoded[(codec, quality)] = tuple(
+                        self._encoders.encode_standalone(
+                            frames, codec=codec, quality=quality, chunk_index=chunk_index, tick_id=tick_id
+                        )
+                    )
+                except Exception:  # noqa: BLE001 - its viewers miss this chunk; the session goes on
+                    log.exception("session=%s chunk %d: encoding %s for viewers failed", session_id, chunk_index, codec)
+            self._handoff.call(lambda: deliver(encoded))
+
+        self._encoders.submit(session_id + VIEWERS_LANE_SUFFIX, encode)
 
     def compute_ms_percentiles(self) -> tuple[float | None, float | None]:
         with self._times_lock:
@@ -414,6 +464,7 @@ class ModelWorker:
                 close=job.close,
                 applied_event_ids=inputs.applied_event_ids,
                 start_image=session.start_image,
+                rewind_to=job.rewind_to,
             )
             runnable.append((job, inputs, tick))
         if not runnable:
@@ -435,6 +486,12 @@ class ModelWorker:
         self._publish_stats()
         for (job, inputs, _tick), result in zip(runnable, results):
             queue_s = started - job.accepted_at
+            if isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable):
+                # Nothing ran and the session is as it was: only this tick is refused.
+                job.session.restore_events(inputs.events)
+                refused = TickOutcome(job, OutcomeKind.REWIND_UNAVAILABLE, queue_s=queue_s, error=str(result.error))
+                self._send(refused)
+                continue
             if isinstance(result, TickFailure):
                 self._model_failed(job, inputs, result, queue_s)
                 continue
@@ -443,7 +500,10 @@ class ModelWorker:
             with self._times_lock:
                 self._compute_times.append(result.compute_s)
             restarted = restart_reason(
-                reset=job.reset, new_rollout=result.new_rollout, produced_before=produced_before[job.session.id]
+                reset=job.reset,
+                new_rollout=result.new_rollout,
+                produced_before=produced_before[job.session.id],
+                rewound=result.restarted == "rewind",
             )
             self._encode_and_send(job, inputs, result, restarted, queue_s)
 
@@ -464,8 +524,10 @@ class ModelWorker:
         session = job.session
         # Read now, on the worker: a resume may change the codec before the lane runs this.
         codec, quality = session.codec, session.quality
+        keep_frames = bool(session.viewer_formats)
         self._encoders.submit(
-            session.id, lambda: self._encode_and_deliver(job, inputs, result, restarted, queue_s, codec, quality)
+            session.id,
+            lambda: self._encode_and_deliver(job, inputs, result, restarted, queue_s, codec, quality, keep_frames),
         )
 
     def _encode_and_deliver(
@@ -477,6 +539,7 @@ class ModelWorker:
         queue_s: float,
         codec: str,
         quality: int,
+        keep_frames: bool = False,
     ) -> None:
         """Runs on an encoder thread, in the session's lane."""
         session = job.session
@@ -505,5 +568,9 @@ class ModelWorker:
             queue_s=queue_s,
             compute_s=result.compute_s,
             encode_s=time.perf_counter() - encode_started,
+            codec=codec,
+            quality=quality,
+            frames=result.frames if keep_frames else None,
+            rewind_points=result.rewind_points,
         )
         self._handoff.call(lambda: self._deliver(chunk))

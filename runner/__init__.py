@@ -26,6 +26,7 @@ _EXPORTS = {
     "KVCacheSpec": "spec",
     "SpecError": "spec",
     "ChunkResult": "types",
+    "RewindUnavailable": "types",
     "StartImage": "types",
     "TickFailure": "types",
     "TickRequest": "types",

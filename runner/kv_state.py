@@ -30,6 +30,7 @@ blocks and leaves the history as it was, so the tick can be retried alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,25 @@ from arstream.runner.pool import PagedKVPool
 
 class PassStateError(RuntimeError):
     """A pass method was called out of order; the message names the expected call."""
+
+
+@dataclass
+class HistoryTables:
+    """Where a session's history is at a chunk boundary: its block tables and the counters that place them.
+
+    Whoever holds one holds one pool reference to each of its blocks (a
+    rewind point, a branch being made) and must hand them on
+    (:meth:`SessionKVState.adopt_tables`) or free them (:meth:`blocks`).
+    """
+
+    sink: dict[str, list[int]]
+    window: dict[str, list[int]]
+    frames_committed: int
+    chunks_committed: int
+    sink_start: int
+
+    def blocks(self) -> list[int]:
+        return [i for branch in self.sink for i in self.sink[branch] + self.window[branch]]
 
 
 class SessionKVState:
@@ -262,6 +282,45 @@ class SessionKVState:
             raise KeyError(f"no cross-attention cache named {name!r} in this spec")
         b = self.spec.branch_names.index(branch)
         return self.pool.cross_k[name][self.cross_slot, b, layer], self.pool.cross_v[name][self.cross_slot, b, layer]
+
+    # ---- chunk boundaries (rewind, branch) ----------------------------------------------
+
+    def share_tables(self) -> HistoryTables:
+        """The history as it is now (a chunk boundary), with one more pool reference to each of its blocks.
+
+        Nothing is copied: later chunks only append blocks and drop references,
+        never write to a committed block, so the tables keep describing this
+        boundary's K/V for as long as their references are held.
+        """
+        self._check_at_boundary("share_tables")
+        names = self.spec.branch_names
+        tables = HistoryTables(
+            sink={b: list(self.sink[b]) for b in names},
+            window={b: list(self.window[b]) for b in names},
+            frames_committed=self.frames_committed,
+            chunks_committed=self.chunks_committed,
+            sink_start=self.sink_start,
+        )
+        self.pool.share(tables.blocks())
+        return tables
+
+    def adopt_tables(self, tables: HistoryTables) -> None:
+        """Go to the boundary ``tables`` describe, taking over their references; the current history's are dropped."""
+        self._check_at_boundary("adopt_tables")
+        old = self.held_blocks()
+        for branch in self.spec.branch_names:
+            self.sink[branch], self.window[branch] = tables.sink[branch], tables.window[branch]
+        self.frames_committed = tables.frames_committed
+        self.chunks_committed = tables.chunks_committed
+        self.sink_start = tables.sink_start
+        self._history_version += 1  # the staging row holds another history now
+        self.pool.free(old)
+
+    def _check_at_boundary(self, call: str) -> None:
+        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()) or any(
+            self.dropped.values()
+        ):
+            raise PassStateError(f"{call} needs a resident session at a chunk boundary (no forward in flight)")
 
     # ---- release ------------------------------------------------------------------
 

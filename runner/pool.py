@@ -5,12 +5,15 @@ head_size]``, so a session's whole history (every layer, K and V) gathers with
 one ``index_select`` and a committed chunk scatters with one ``index_copy_``.
 Block ids are handed out lowest-first and freed ids go to the back of the
 free queue (as in vLLM's block pool), which keeps allocation order predictable
-for tests.
+for tests. Blocks are reference counted: a session's live history and its
+rewind points (runner/rewind.py), or a branch and its source, hold the same
+block once each, and the block goes back to the free queue with its last
+reference.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,7 +31,7 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockStateError(RuntimeError):
-    """A block was freed twice or freed without having been allocated."""
+    """A block was freed more often than it was referenced, or shared without having been allocated."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,9 @@ class PoolPlan:
 
     Scratch is one staging row per session a forward may batch
     (``staging_rows``): the visible history plus the current chunk, per branch
-    (``resident + chunk`` frames each).
+    (``resident + chunk`` frames each). ``rewind_points`` is how many chunk
+    boundaries each session keeps to rewind to (0: none), which
+    ``per_session_bytes`` and ``num_blocks`` include.
     """
 
     session_capacity: int
@@ -47,29 +52,48 @@ class PoolPlan:
     per_session_bytes: int
     budget_bytes: int
     staging_rows: int = 1
+    rewind_points: int = 0
 
     @property
     def pool_bytes(self) -> int:
         return (self.num_blocks + self.scratch_blocks) * self.block_bytes
 
 
-def _budget_terms(spec: KVCacheSpec, max_batch_sessions: int) -> tuple[int, int, int, int]:
+def session_frames(spec: KVCacheSpec, rewind_points: int = 0) -> int:
+    """Blocks per branch one resident session may hold between chunks: sink + window, plus its rewind points'.
+
+    The boundaries a session keeps (the last ``rewind_points``) share blocks
+    with its live history; together they reach back at most ``rewind_points``
+    chunks before the live window (the sink is common to all of them), so
+    that is all they add, never a copy of the window per boundary.
+    """
+    return spec.resident_frames + rewind_points * spec.frames_per_chunk
+
+
+def _budget_terms(
+    spec: KVCacheSpec, max_batch_sessions: int, rewind_points: int
+) -> tuple[int, int, int, int]:
     """``(chunk_blocks, scratch_blocks, fixed_bytes, per_session_bytes)``: what every budget pays once, and per session."""
     if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
         raise PoolBudgetError(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
+    if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
+        raise PoolBudgetError(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
     branches = len(spec.kv_branches)
     chunk_blocks = spec.frames_per_chunk * branches * max_batch_sessions
     scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches * max_batch_sessions
     fixed_bytes = (chunk_blocks + scratch_blocks) * spec.block_bytes
     per_session = (
-        spec.resident_frames * branches * spec.block_bytes
+        session_frames(spec, rewind_points) * branches * spec.block_bytes
         + spec.cross_attention_bytes_per_session
-        + spec.model_owned_bytes_per_session
+        # the live model-owned state, and a copy of it per rewind point
+        + (1 + rewind_points) * spec.model_owned_bytes_per_session
     )
     return chunk_blocks, scratch_blocks, fixed_bytes, per_session
 
 
-def budget_for_sessions(spec: KVCacheSpec, sessions: int, *, max_batch_sessions: int = 1) -> int:
+def budget_for_sessions(
+    spec: KVCacheSpec, sessions: int, *, max_batch_sessions: int = 1, rewind_points: int = 0
+) -> int:
     """The smallest byte budget with room for ``sessions`` resident sessions (:func:`plan_pool` inverted).
 
     For tools that want a pool of a given size (benches, evaluation) rather than
@@ -77,20 +101,24 @@ def budget_for_sessions(spec: KVCacheSpec, sessions: int, *, max_batch_sessions:
     """
     if sessions < 1:
         raise PoolBudgetError(f"a pool needs room for at least one session, got {sessions}")
-    _, _, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions)
+    _, _, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions, rewind_points)
     return fixed_bytes + max(sessions * per_session, 1)
 
 
-def plan_pool(spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1) -> PoolPlan:
+def plan_pool(
+    spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1, rewind_points: int = 0
+) -> PoolPlan:
     """Largest session count whose resident KV fits ``budget_bytes``.
 
     Each resident session holds sink + window blocks per branch plus its
-    cross-attention and model-owned bytes. One forward runs at a time, but it
+    cross-attention and model-owned bytes, and with ``rewind_points`` K the
+    blocks of up to K more chunks and K copies of its model-owned state (its
+    rewind points; :func:`session_frames`). One forward runs at a time, but it
     may batch up to ``max_batch_sessions`` sessions, so their committing
     chunks' blocks and their staging rows (the denoise scratch) are counted
     that many times.
     """
-    chunk_blocks, scratch_blocks, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions)
+    chunk_blocks, scratch_blocks, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions, rewind_points)
     branches = len(spec.kv_branches)
     if budget_bytes <= fixed_bytes:
         fitting = 0
@@ -102,19 +130,20 @@ def plan_pool(spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int =
         need = fixed_bytes + per_session
         raise PoolBudgetError(
             f"KV budget of {budget_bytes} bytes cannot hold one session: one session needs "
-            f"{need} bytes ({spec.resident_frames} resident frames x {branches} branch(es) x "
+            f"{need} bytes ({session_frames(spec, rewind_points)} resident frames x {branches} branch(es) x "
             f"{spec.block_bytes} bytes per block, plus {max_batch_sessions} in-flight chunk(s) and scratch). "
-            f"Raise the KV budget or shrink the window."
+            f"Raise the KV budget, shrink the window or keep fewer rewind points."
         )
     capacity = min(int(fitting), spec.session_capacity)
     return PoolPlan(
         session_capacity=capacity,
-        num_blocks=capacity * spec.resident_frames * branches + chunk_blocks,
+        num_blocks=capacity * session_frames(spec, rewind_points) * branches + chunk_blocks,
         scratch_blocks=scratch_blocks,
         block_bytes=spec.block_bytes,
         per_session_bytes=per_session,
         budget_bytes=budget_bytes,
         staging_rows=max_batch_sessions,
+        rewind_points=rewind_points,
     )
 
 
@@ -171,7 +200,8 @@ class PagedKVPool:
         # Whose history each row currently holds: (state object id, its history version).
         self.staging_owners: list[tuple[int, int] | None] = [None] * rows
         self._free: deque[int] = deque(range(plan.num_blocks))
-        self._allocated: set[int] = set()
+        # references per allocated block (a block is allocated while it has one)
+        self._refs: dict[int, int] = {}
         branches = len(spec.kv_branches)
         self.cross_k: dict[str, torch.Tensor] = {}
         self.cross_v: dict[str, torch.Tensor] = {}
@@ -204,22 +234,47 @@ class PagedKVPool:
 
     @property
     def num_used(self) -> int:
-        return len(self._allocated)
+        return len(self._refs)
+
+    def ref_counts(self) -> dict[int, int]:
+        """References per allocated block (a copy; for tests and checks)."""
+        return dict(self._refs)
 
     def allocate(self, count: int) -> list[int]:
+        """``count`` free blocks, one reference each."""
         if count > len(self._free):
             raise PoolExhausted(f"asked for {count} KV blocks, {len(self._free)} free of {self.num_blocks}")
         ids = [self._free.popleft() for _ in range(count)]
-        self._allocated.update(ids)
+        for i in ids:
+            self._refs[i] = 1
         return ids
 
-    def free(self, ids: Iterable[int]) -> None:
+    def share(self, ids: Iterable[int]) -> None:
+        """One more reference to each of ``ids`` (allocated blocks; an id listed twice gets two)."""
         ids = list(ids)
-        bad = [i for i in ids if i not in self._allocated]
-        if bad or len(set(ids)) != len(ids):
-            raise BlockStateError(f"freeing blocks that are not allocated (double free?): {bad or ids}")
-        self._allocated.difference_update(ids)
-        self._free.extend(ids)
+        bad = [i for i in ids if i not in self._refs]
+        if bad:
+            raise BlockStateError(f"sharing blocks that are not allocated: {bad}")
+        for i in ids:
+            self._refs[i] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drop one reference per listed id; a block whose last reference goes returns to the free queue.
+
+        Checked before anything changes: dropping more references than a block
+        has (a double free) raises and leaves every count as it was.
+        """
+        drops = Counter(ids)  # in the order ids first appear, so freed ids queue in that order
+        bad = sorted(i for i, n in drops.items() if self._refs.get(i, 0) < n)
+        if bad:
+            raise BlockStateError(f"freeing blocks that are not allocated (double free?): {bad}")
+        for i, n in drops.items():
+            left = self._refs[i] - n
+            if left:
+                self._refs[i] = left
+            else:
+                del self._refs[i]
+                self._free.append(i)
 
     def allocate_slot(self) -> int:
         """A cross-attention slot (one per resident session)."""

@@ -6,6 +6,11 @@ session's :class:`SessionKVState` for one forward at a time. Every path that
 ends a session (reset, close, eviction, failure) goes through
 :meth:`ARRunner._release`, which attempts each cleanup step even when one fails.
 
+Rewind and branch (``rewind_points`` K > 0, :mod:`arstream.runner.rewind`):
+each session keeps its last K chunk boundaries, sharing blocks with its live
+history; ``TickRequest.rewind_to`` goes back to one before the chunk runs, and
+:meth:`ARRunner.branch_session` starts a new session from one.
+
 Cross-session batching (:meth:`ARRunner.execute`): with ``max_batch_sessions``
 above 1 and a pipeline that implements :class:`SupportsBatchedChunks`, ticks of
 distinct sessions whose visible histories are equally long share one forward.
@@ -28,12 +33,26 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from arstream.runner.contract import ARPipeline, SupportsBatchedChunks, SupportsWarmup
+from arstream.runner.contract import (
+    ARPipeline,
+    ModelState,
+    SupportsBatchedChunks,
+    SupportsSessionTransfer,
+    SupportsWarmup,
+)
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
+from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
+from arstream.runner.types import (
+    ChunkResult,
+    RewindUnavailable,
+    TickFailure,
+    TickRequest,
+    TickResult,
+    UnsupportedConfiguration,
+)
 
 log = logging.getLogger("arstream.runner")
 
@@ -62,6 +81,7 @@ class ARRunner:
         memory_fraction: float | None = None,
         sync: Callable[[torch.device], None] = _device_sync,
         max_batch_sessions: int = 1,
+        rewind_points: int = 0,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise UnsupportedConfiguration(
@@ -79,25 +99,38 @@ class ARRunner:
             raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
         self.max_batch_sessions = max_batch_sessions
         self.video_frames_per_chunk, self.first_chunk_frames = _video_frames(pipeline.model_card(), spec)
+        if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
+            raise UnsupportedConfiguration(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
+        # Why rewind and branch are refused (None: they are offered), and how many boundaries a session keeps.
+        self.rewind_refusal = _rewind_refusal(pipeline, spec, rewind_points)
+        self.rewind_keep = 0 if self.rewind_refusal else rewind_points
+        if rewind_points and self.rewind_refusal:
+            log.info("rewind_points=%d not used: %s", rewind_points, self.rewind_refusal)
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
-        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions)
+        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions, rewind_points=self.rewind_keep)
         self.pool = PagedKVPool(spec, self.plan, self.device)
         self.blocks_free_at_start = self.pool.num_free
         self._sync = sync
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
+        # each resident session's kept boundaries (only while rewind is offered)
+        self._rewind: dict[str, RewindPoints] = {}
         self.counters = RuntimeCounters()
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
         self.warmup_round_s: dict[int, float] = {}
+        # Rewind points cost capacity (a lot where the model's own state is large): say how much.
+        without = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity
         log.info(
             "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
-            "up to %d session(s) per forward%s",
+            "%d rewind point(s) per session%s, up to %d session(s) per forward%s",
             self.plan.num_blocks,
             self.plan.block_bytes,
             self.plan.scratch_blocks,
             self.plan.session_capacity,
             spec.sink_frames,
             spec.window_frames,
+            self.rewind_keep,
+            f" ({without} sessions with --rewind-points 0)" if without != self.plan.session_capacity else "",
             self.batch_limit,
             "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
         )
@@ -152,6 +185,8 @@ class ARRunner:
         if state.pool is not self.pool or state.session_id in self._sessions:
             raise ValueError(f"cannot adopt session {state.session_id!r}: another pool's, or already resident")
         self._sessions[state.session_id] = state
+        if self.rewind_keep:  # its boundaries stayed behind: it can rewind to those it passes from here
+            self._rewind[state.session_id] = RewindPoints(self.pool, self.rewind_keep)
 
     def _get_or_create(self, session_id: str) -> SessionKVState:
         state = self._sessions.get(session_id)
@@ -164,16 +199,21 @@ class ARRunner:
                     self.on_evict(oldest)
             state = SessionKVState(self.pool, session_id)
             self._sessions[session_id] = state
+            if self.rewind_keep:
+                self._rewind[session_id] = RewindPoints(self.pool, self.rewind_keep)
         self._sessions.move_to_end(session_id)
         return state
 
     def _release(self, session_id: str, *, reset_model: bool, reason: str, suppress_errors: bool = False) -> None:
-        """The one release path for reset, close, eviction and failure."""
+        """The one release path for reset, close, eviction and failure (its boundaries go with it)."""
         state = self._sessions.pop(session_id, None)
+        points = self._rewind.pop(session_id, None)
         errors: list[Exception] = []
-        if state is not None:
+        for owner in (state, points):
+            if owner is None:
+                continue
             try:
-                state.release()
+                owner.release()
             except Exception as exc:  # noqa: BLE001 - still notify the pipeline
                 errors.append(exc)
         try:
@@ -203,6 +243,7 @@ class ARRunner:
         """Bind the session's KV for one forward; on any failure release it, then re-raise."""
         state = self._get_or_create(session_id)
         try:
+            self._record_boundary(session_id, state)
             state.prepare_forward(staging_row=0, hold_commit=False)
             with self.pipeline.bind_session_state(session_id, state):
                 yield state
@@ -212,6 +253,144 @@ class ARRunner:
             self._release(session_id, reset_model=False, reason="forward_exception", suppress_errors=True)
             log.warning("forward failed for session=%s; its KV and model state were released", session_id)
             raise
+
+    # ---- rewind and branch ----------------------------------------------------------
+
+    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
+        """``(oldest, newest)`` boundaries ``rewind_to`` may name now (newest: where the session is); None when off.
+
+        A session that is not resident is at boundary 0 of a new rollout: ``(0, 0)``.
+        """
+        if self.rewind_refusal:
+            return None
+        state = self._sessions.get(session_id)
+        if state is None:
+            return (0, 0)
+        return self._rewind[session_id].span(state.chunk_index)
+
+    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+        """Make ``new_session_id`` a resident session that continues from ``source_id``'s boundary ``boundary``.
+
+        Its next chunk has ``chunk_index == boundary``; it shares the
+        boundary's blocks with the source (copy-on-write: neither ever writes
+        a committed block) and gets a copy of the model-owned state there.
+        Room is made like for any new session (LRU eviction; the source counts
+        as just used). :class:`RewindUnavailable` if the boundary is not held,
+        before anything changes.
+        """
+        if self.rewind_refusal:
+            raise RewindUnavailable(self.rewind_refusal)
+        if new_session_id in self._sessions:
+            raise ValueError(f"cannot branch into session {new_session_id!r}: it is already resident")
+        branch = self._share_boundary(source_id, boundary)
+        self._sessions.move_to_end(source_id)
+        adopted = False
+        try:
+            self._get_or_create(new_session_id).adopt_tables(branch.tables)
+            adopted = True
+            self._install_model_state(new_session_id, branch)
+        except BaseException:
+            if not adopted:
+                self.pool.free(branch.tables.blocks())
+            self._release(new_session_id, reset_model=False, reason="branch_failed", suppress_errors=True)
+            raise
+
+    def _share_boundary(self, session_id: str, index: int) -> Boundary:
+        """Boundary ``index`` of a resident session, for a branch (references and a model-state copy of its own)."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise RewindUnavailable(f"session {session_id!r} is not resident here; it holds no chunk boundaries")
+        if index == state.chunk_index:
+            return Boundary(state.share_tables(), self._export_model_state(session_id))
+        points = self._rewind[session_id]
+        if not points.holds(index):
+            raise self._not_held(session_id, index)
+        return points.share(index)
+
+    def _not_held(self, session_id: str, index: object) -> RewindUnavailable:
+        oldest, newest = self.rewind_points(session_id) or (0, 0)
+        return RewindUnavailable(
+            f"chunk boundary {index!r} is not held for session {session_id!r}: it can go back to "
+            f"{oldest}..{newest} (the last {self.rewind_keep} chunks of its current rollout)"
+        )
+
+    def _export_model_state(self, session_id: str, previous: ModelState | None = None) -> ModelState:
+        pipeline = self.pipeline
+        assert isinstance(pipeline, SupportsSessionTransfer)  # else rewind_refusal says so
+        return copy_model_state(pipeline.export_session_state(session_id), previous)
+
+    def _install_model_state(self, session_id: str, boundary: Boundary) -> None:
+        pipeline = self.pipeline
+        assert isinstance(pipeline, SupportsSessionTransfer)
+        pipeline.reset_session(session_id)  # a boundary before the first chunk has no model state to import
+        pipeline.import_session_state(session_id, boundary.model)
+
+    def _record_boundary(self, session_id: str, state: SessionKVState) -> None:
+        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it)."""
+        points = self._rewind.get(session_id)
+        newest = None if points is None else points.newest
+        if points is None or (newest is not None and newest.index == state.chunk_index):
+            return
+        model = self._export_model_state(session_id, previous=None if newest is None else newest.model)
+        points.record(Boundary(state.share_tables(), model))
+
+    def _check_rewind(self, tick: TickRequest) -> None:
+        """Raise :class:`RewindUnavailable` unless ``tick.rewind_to`` names a boundary held (after its reset)."""
+        target = tick.rewind_to
+        if self.rewind_refusal:
+            raise RewindUnavailable(self.rewind_refusal)
+        if not isinstance(target, int) or isinstance(target, bool):
+            raise RewindUnavailable(f"rewind_to must be a chunk boundary (an integer), got {target!r}")
+        if tick.reset:  # the reset drops every boundary but the new rollout's first
+            if target != 0:
+                raise RewindUnavailable(f"chunk boundary {target} is not held after a reset; only 0 is")
+            return
+        state = self._sessions.get(tick.session_id)
+        now = 0 if state is None else state.chunk_index
+        if target != now and (state is None or not self._rewind[tick.session_id].holds(target)):
+            raise self._not_held(tick.session_id, target)
+
+    def _rewind_session(self, session_id: str, index: int) -> None:
+        """Go back to a held boundary (checked by :meth:`_check_rewind`); fails closed if the state will not go back."""
+        state = self._sessions.get(session_id)
+        if state is None or index == state.chunk_index:
+            return
+        boundary = self._rewind[session_id].take(index)
+        adopted = False
+        try:
+            state.adopt_tables(boundary.tables)
+            adopted = True
+            self._install_model_state(session_id, boundary)
+        except BaseException:
+            if not adopted:
+                self.pool.free(boundary.tables.blocks())
+            self.counters.failures_total += 1
+            self._release(session_id, reset_model=False, reason="rewind_failed", suppress_errors=True)
+            raise
+
+    def _before_forward(self, tick: TickRequest) -> None:
+        """Check ``rewind_to`` first (a refusal changes nothing), then reset, then rewind."""
+        if tick.rewind_to is not None:
+            self._check_rewind(tick)
+        if tick.reset:
+            self.reset_session(tick.session_id)
+        if tick.rewind_to is not None:
+            self._rewind_session(tick.session_id, tick.rewind_to)
+
+    def _result(
+        self, tick: TickRequest, chunk_index: int, frames: np.ndarray, compute_s: float, new_rollout: bool
+    ) -> ChunkResult:
+        return ChunkResult(
+            session_id=tick.session_id,
+            request_id=tick.request_id,
+            chunk_index=chunk_index,
+            frames=frames,
+            compute_s=compute_s,
+            new_rollout=new_rollout,
+            applied_event_ids=tick.applied_event_ids,
+            restarted="rewind" if tick.rewind_to is not None else None,
+            rewind_points=self.rewind_points(tick.session_id),
+        )
 
     # ---- execution ----------------------------------------------------------------
 
@@ -232,8 +411,8 @@ class ARRunner:
         results: list[TickResult | None] = [None] * len(ticks)
         for run in _distinct_session_runs(ticks):
             for i in run:
-                if ticks[i].reset:
-                    results[i] = self._attempt(ticks[i], lambda tick: self.reset_session(tick.session_id))
+                if ticks[i].reset or ticks[i].rewind_to is not None:
+                    results[i] = self._attempt(ticks[i], self._before_forward)
             waiting = [i for i in run if results[i] is None]
             while waiting:
                 # Recomputed each round: a batch of new sessions may have evicted a waiting one.
@@ -254,9 +433,11 @@ class ARRunner:
         return results  # type: ignore[return-value]
 
     def execute_tick(self, tick: TickRequest) -> ChunkResult:
-        """Reset before (if asked), one bound forward, close after (if asked); raises if the forward does."""
-        if tick.reset:
-            self.reset_session(tick.session_id)
+        """Reset and rewind before (if asked), one bound forward, close after (if asked); raises if the forward does.
+
+        A ``rewind_to`` that is not held raises :class:`RewindUnavailable` before anything changes.
+        """
+        self._before_forward(tick)
         result = self._forward_alone(tick)
         if tick.close:
             self.close_session(tick.session_id)
@@ -289,15 +470,7 @@ class ARRunner:
                 )
         compute_s = time.perf_counter() - started
         self.counters.chunks(compute_s)
-        return ChunkResult(
-            session_id=tick.session_id,
-            request_id=tick.request_id,
-            chunk_index=chunk_index,
-            frames=frames,
-            compute_s=compute_s,
-            new_rollout=new_rollout,
-            applied_event_ids=tick.applied_event_ids,
-        )
+        return self._result(tick, chunk_index, frames, compute_s, new_rollout)
 
     def _forward_batch(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
         """One forward for distinct sessions with equally long histories; if the model raises, each tick alone.
@@ -320,6 +493,7 @@ class ARRunner:
                 for row, tick in enumerate(ticks):
                     state = self._get_or_create(tick.session_id)
                     states.append(state)
+                    self._record_boundary(tick.session_id, state)
                     state.prepare_forward(staging_row=row, hold_commit=True)
                     bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
                 frames = self.pipeline.generate_chunks(ticks)
@@ -342,15 +516,7 @@ class ARRunner:
         self.counters.batched_forwards_total += 1
         self.counters.chunks(compute_s, len(ticks))
         return [
-            ChunkResult(
-                session_id=tick.session_id,
-                request_id=tick.request_id,
-                chunk_index=state.chunk_index - 1,
-                frames=chunk,
-                compute_s=compute_s,
-                new_rollout=state.chunk_index == 1,
-                applied_event_ids=tick.applied_event_ids,
-            )
+            self._result(tick, state.chunk_index - 1, chunk, compute_s, new_rollout=state.chunk_index == 1)
             for tick, state, chunk in zip(ticks, states, frames)
         ]
 
@@ -440,6 +606,7 @@ class ARRunner:
             session_capacity=self.session_capacity,
             sessions_resident=len(self._sessions),
             batch_limit=self.batch_limit,
+            rewind_points=self.rewind_keep,
         )
 
     def model_card(self) -> dict[str, Any]:
@@ -496,8 +663,33 @@ def _distinct_session_runs(ticks: Sequence[TickRequest]) -> Iterator[list[int]]:
 
 
 def runner_for_sessions(
-    pipeline: ARPipeline, sessions: int, *, max_batch_sessions: int = 1, device: torch.device | str = "cpu"
+    pipeline: ARPipeline,
+    sessions: int,
+    *,
+    max_batch_sessions: int = 1,
+    device: torch.device | str = "cpu",
+    rewind_points: int = 0,
 ) -> ARRunner:
     """A runner whose pool has room for exactly ``sessions`` resident sessions (benches, evaluation, tests)."""
-    budget = budget_for_sessions(pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions)
-    return ARRunner(pipeline, device=device, kv_budget_bytes=budget, max_batch_sessions=max_batch_sessions)
+    budget = budget_for_sessions(
+        pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions, rewind_points=rewind_points
+    )
+    return ARRunner(
+        pipeline,
+        device=device,
+        kv_budget_bytes=budget,
+        max_batch_sessions=max_batch_sessions,
+        rewind_points=rewind_points,
+    )
+
+
+def _rewind_refusal(pipeline: ARPipeline, spec: KVCacheSpec, rewind_points: int) -> str | None:
+    """Why this runner cannot offer rewind and branch, or None when it can."""
+    if rewind_points == 0:
+        return "rewind is off (rewind_points is 0)"
+    if not isinstance(pipeline, SupportsSessionTransfer):
+        name = pipeline.model_card().get("name")
+        return f"model {name!r} cannot snapshot its per-session state (no export_session_state hook)"
+    if spec.cross_attention_lengths:
+        return "rewind does not snapshot cross-attention caches, which this model's KV spec declares"
+    return None

@@ -46,6 +46,16 @@ class Runtime(Protocol):
 
     def next_chunk_index(self, session_id: str) -> int: ...
 
+    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
+        """``(oldest, newest)`` chunk boundaries ``TickRequest.rewind_to`` may name now; None when rewind is off."""
+
+    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+        """A new resident session continuing from ``source_id``'s boundary (shared blocks, copied model state).
+
+        Raises :class:`~arstream.runner.types.RewindUnavailable` if the boundary is not held (or the runtime
+        cannot branch), the usual capacity error if there is no room; called on the worker thread.
+        """
+
     def resident_sessions(self) -> list[str]: ...
 
     def warmup(self) -> int: ...
@@ -63,10 +73,12 @@ def build_runtime(
     kv_budget_bytes: int | None = None,
     memory_fraction: float | None = None,
     max_batch_sessions: int = 1,
+    rewind_points: int = 0,
 ) -> Runtime:
     """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings.
 
     A :class:`NativePipeline` (``vllm-omni:<name>``, registered in vLLM-Omni itself) runs only on vllm-omni.
+    ``rewind_points`` is the chunk boundaries each session keeps (ARRunner only: vllm-omni refuses rewinds).
     """
     options: dict[str, Any] = dict(
         device=device,
@@ -79,7 +91,7 @@ def build_runtime(
             raise UnsupportedConfiguration(
                 f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
             )
-        return ARRunner(pipeline, **options)
+        return ARRunner(pipeline, rewind_points=rewind_points, **options)
     if name == "vllm-omni":
         if not vllm_omni_available():
             raise UnsupportedConfiguration(

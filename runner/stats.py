@@ -64,6 +64,8 @@ class RunnerStats:
     batch_limit: int = 1
     batched_forwards_total: int = 0
     batch_fallbacks_total: int = 0
+    # chunk boundaries each session keeps to rewind to (0: the runtime keeps none; docs/rewind.md)
+    rewind_points: int = 0
 
     @classmethod
     def build(
@@ -80,6 +82,7 @@ class RunnerStats:
         session_capacity: int,
         sessions_resident: int,
         batch_limit: int,
+        rewind_points: int = 0,
     ) -> RunnerStats:
         """The stats of a runtime with these pool figures, over ``spec``, with these counters."""
         return cls(
@@ -100,4 +103,5 @@ class RunnerStats:
             batch_limit=batch_limit,
             batched_forwards_total=counters.batched_forwards_total,
             batch_fallbacks_total=counters.batch_fallbacks_total,
+            rewind_points=rewind_points,
         )

@@ -16,6 +16,15 @@ class UnsupportedConfiguration(ValueError):
     """The pipeline or settings ask for something this runner does not do."""
 
 
+class RewindUnavailable(ValueError):
+    """A rewind or branch names a chunk boundary the session does not hold (or the runtime keeps none).
+
+    Raised before anything changes: the session keeps its state and the tick
+    runs nothing. In :meth:`~arstream.runner.runner.ARRunner.execute` it is a
+    :class:`TickFailure` whose session was *not* released (the one such case).
+    """
+
+
 @dataclass(frozen=True)
 class StartImage:
     """A session's start image, chosen when the session starts.
@@ -41,6 +50,10 @@ class TickRequest:
     state before the chunk runs; ``close`` releases it after. ``start_image``
     is the session's start image (None: the model's default); a pipeline that
     takes one reads it when a rollout begins, so every tick carries it.
+    ``rewind_to`` b takes the session back to its chunk boundary b (the state
+    after its chunks 0..b-1) before the chunk runs, after a ``reset``; the
+    chunk then has ``chunk_index`` b. A boundary the session does not hold
+    raises :class:`RewindUnavailable` and nothing changes.
     """
 
     session_id: str
@@ -52,6 +65,7 @@ class TickRequest:
     close: bool = False
     applied_event_ids: tuple[int, ...] = ()
     start_image: StartImage | None = None
+    rewind_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,11 @@ class ChunkResult:
     ``frames`` is uint8 ``[F, H, W, 3]``. ``chunk_index`` counts chunks since
     the session's rollout began; 0 means a new rollout (first chunk, reset or
     after the session was evicted). ``compute_s`` is the bound forward's wall
-    time including the device sync.
+    time including the device sync. ``restarted`` is ``"rewind"`` when the
+    tick asked for ``rewind_to`` (else None; the transport names resets and
+    evictions itself). ``rewind_points`` is ``(oldest, newest)``: the
+    boundaries a later ``rewind_to`` may name (newest is ``chunk_index + 1``,
+    where the session now is); None when the runtime keeps none.
     """
 
     session_id: str
@@ -71,11 +89,16 @@ class ChunkResult:
     compute_s: float
     new_rollout: bool
     applied_event_ids: tuple[int, ...] = ()
+    restarted: Literal["rewind"] | None = None
+    rewind_points: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class TickFailure:
     """A tick whose forward raised; the runner released its session (fail closed).
+
+    Except when ``error`` is a :class:`RewindUnavailable`: then nothing ran and
+    the session is as it was.
 
     :meth:`arstream.runner.runner.ARRunner.execute` returns it in the failed tick's
     place, so the other ticks of the same call keep their results.

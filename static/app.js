@@ -11,6 +11,7 @@
 //   hud.js         badge and details numbers
 //   recorder.js    clip recording (MediaRecorder)
 //   messages.js    plain-language words for error and close codes
+//   share.js       share links (watch, branch), the timeline's rewind points
 
 import { Connection } from './connection.js';
 import { h264Supported } from './decode.js';
@@ -18,8 +19,10 @@ import { Controls, isTyping } from './input.js';
 import { Hud } from './hud.js';
 import { MouseLook } from './look.js';
 import { Player } from './player.js';
+import { SHARE_TEXT } from './messages.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
+import { rewindTarget, shareLinks, shareMode, timelineRange } from './share.js';
 
 const TOKEN_KEY = 'arstream-token';
 const STATS_POLL_MS = 1000;
@@ -67,6 +70,15 @@ const debug = {
   looking: false,   // the model has a camera: mouse movement over the player turns it
   samples: { action: [], chunk: [] },
   pacer: null,
+  mode: null,           // what this page load is: play, watch or branch (from ?watch= / ?branch=&chunk=)
+  role: null,           // 'controller' or 'viewer', from ready.role and `role` messages
+  viewers: 0,           // viewers of the session, from `viewers`
+  viewerIds: [],        // their ids (the controller's copy of `viewers` has them)
+  shareToken: null,     // ready.share.token
+  rewindPoints: null,   // the last chunk's rewind_points: [oldest, newest]
+  chunkIndexes: [],     // chunk_index of every chunk received, in order
+  restarts: [],         // {chunk, why} for every chunk with `restarted`
+  skippedChunks: 0,     // chunks a viewer's slow connection skipped (chunk.skipped_before)
 };
 window.arstreamDebug = debug;
 // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
@@ -75,6 +87,10 @@ debug.sendInput = (fields) => { if (connection.session) connection.session.sendI
 debug.dropSocket = () => { if (connection.session) connection.session.ws.close(4000, 'dropped on purpose'); };
 // The resume token held now (tests resume it from elsewhere to take the session over).
 debug.resumeToken = () => connection.ticket;
+
+const mode = shareMode(params);
+debug.mode = mode;
+if (mode.kind === 'watch') document.body.dataset.role = 'viewer';  // no steering controls, even before `ready`
 
 let model = null;  // the model card, from /v1/model or `ready`
 let recorder = null;
@@ -105,6 +121,7 @@ const ACTIONS = {
   'play-here': ['Play here', () => connection.play()],
   'play-now': ['Reconnect now', () => connection.play()],
   reset: ['Restart world', () => connection.reset()],
+  'own-world': ['Start a world of your own', () => { location.assign(location.pathname); }],
 };
 
 let softOverlay = false;  // shown until the first frame is drawn
@@ -138,6 +155,7 @@ function onState(state, view) {
   $('play').textContent = LIVE_STATES.has(state) ? 'Stop' : 'Play';
   $('play').classList.toggle('primary', !LIVE_STATES.has(state));
   $('reset').disabled = !(connection.session && connection.session.live && ['streaming', 'failed'].includes(state));
+  $('rewind').disabled = state !== 'streaming';
   $('record').disabled = !recorder && state !== 'streaming';
   if (!['streaming', 'failed'].includes(state) && recorder) recorder.stop();
   if (state === 'streaming' && !view.text && debug.framesDrawn > 0) {
@@ -152,7 +170,8 @@ function onState(state, view) {
 function showModel(card) {
   model = card;
   const what = card.description ? `: ${card.description}` : '';
-  $('explain').textContent = `You are steering ${card.name}${what}. The model draws every frame as you play; `
+  const doing = debug.role === 'viewer' ? 'watching someone steer' : 'steering';
+  $('explain').textContent = `You are ${doing} ${card.name}${what}. The model draws every frame as it is played; `
     + 'nothing is pre-recorded.';
   $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);
   $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
@@ -293,6 +312,8 @@ function fit() {
   const top = box.getBoundingClientRect().top + window.scrollY;
   // Room under the player for the controls, and for the pad when it sits below on a touch screen.
   let below = $('controls-bar').offsetHeight + 28;
+  // The rewind timeline and the pass-control row, while shown, sit under the controls too.
+  for (const row of [$('timeline'), $('pass-box')]) if (row.offsetHeight) below += row.offsetHeight + 10;
   if (stacked && coarse) below += $('pad').offsetHeight + 20;
   const height = window.innerHeight - top - below;
   player.fit(width, Math.max(height, stacked ? width * 0.6 : 240));
@@ -320,6 +341,7 @@ const connection = new Connection({
   player,
   token,
   fixedChunks,
+  mode: mode.kind === 'bad' ? { kind: 'play' } : mode,
   startFields: () => {
     const fields = { codec: $('codec').value, seed: debug.seed };
     const prompt = $('prompt').value.trim();
@@ -331,11 +353,40 @@ const connection = new Connection({
     onState,
     onReady(_session, ready) {
       uploadLimit = ready.limits.max_start_image_bytes ?? null;
+      debug.sessionId = ready.session_id;
+      debug.shareToken = connection.shareToken;
+      debug.viewerIds = [];
+      debug.viewers = 0;
+      showViewers();
+      showTimeline(null);
       showModel(ready.model);
+      showShareLinks();
     },
     onChunk(message) {
       $('hud-chunk-index').textContent = `${message.chunk_index} (tick ${message.tick_id})`;
-      if (message.restarted) log(`chunk ${message.chunk_index}: new rollout (${message.restarted})`);
+      pushBounded(debug.chunkIndexes, message.chunk_index);
+      if (message.restarted) {
+        pushBounded(debug.restarts, { chunk: message.chunk_index, why: message.restarted });
+        log(`chunk ${message.chunk_index}: ${message.restarted === 'rewind' ? 'rewound' : 'new rollout'} (${message.restarted})`);
+      }
+      if (message.skipped_before) {
+        debug.skippedChunks += message.skipped_before;
+        log(`${message.skipped_before} chunk(s) skipped: this connection fell behind the world`);
+      }
+      showTimeline(message.rewind_points ?? null);
+    },
+    onRole(role) {
+      debug.role = role;
+      document.body.dataset.role = role;
+      $('hud-role').textContent = role === 'viewer' ? 'viewer (watching)' : 'controller (playing)';
+      if (role === 'viewer') controls.releaseAll();
+      showViewers();
+      if (model) showModel(model);
+    },
+    onViewers(message) {
+      debug.viewers = message.count;
+      if (Array.isArray(message.ids)) debug.viewerIds = message.ids;
+      showViewers();
     },
     onSample(kind, value) {
       hud.sample(kind, value);
@@ -353,6 +404,81 @@ const connection = new Connection({
   debug,
   look,
 });
+
+// ---- sharing: the timeline, viewers, links -----------------------------------------------
+
+let timeline = null;     // {min, max} from the last chunk's rewind_points, or null
+let scrubbing = false;   // a finger or the mouse is on the timeline: chunks must not move it
+
+/** The rewind points of the last chunk: the timeline's range; its live end is the newest point. */
+function showTimeline(points) {
+  debug.rewindPoints = points;
+  timeline = timelineRange(points);
+  if ($('timeline').hidden !== (timeline === null)) {
+    $('timeline').hidden = timeline === null;
+    fit();  // the player makes room for it, or takes the room back
+  }
+  if (!timeline || scrubbing) return;
+  const slider = $('rewind');
+  slider.min = String(timeline.min);
+  slider.max = String(timeline.max);
+  slider.value = String(timeline.max);
+  $('rewind-label').textContent = `live (chunk ${timeline.max})`;
+}
+
+$('rewind').addEventListener('input', () => {
+  scrubbing = true;
+  const chosen = Number($('rewind').value);
+  $('rewind-label').textContent = rewindTarget(timeline, chosen) === null ? 'live' : `back to chunk ${chosen}`;
+});
+$('rewind').addEventListener('change', () => {
+  scrubbing = false;
+  const target = rewindTarget(timeline, Number($('rewind').value));
+  $('rewind').blur();  // back to steering
+  if (target !== null) connection.rewind(target);
+  showTimeline(debug.rewindPoints);
+});
+
+/** The badge on the world ("viewing · 2 watching") and the pass-control menu (the player's, with viewers). */
+function showViewers() {
+  const viewer = debug.role === 'viewer';
+  const count = debug.viewers;
+  const watching = count ? `${count} watching` : '';
+  $('role-badge').textContent = viewer ? ['viewing', watching].filter(Boolean).join(' · ') : watching;
+  $('role-badge').hidden = !viewer && !count;
+  const ids = viewer ? [] : debug.viewerIds;
+  const select = $('pass-to');
+  if (select.dataset.ids !== JSON.stringify(ids)) {
+    select.dataset.ids = JSON.stringify(ids);
+    select.replaceChildren(...ids.map((id, index) => new Option(`viewer ${index + 1} (${id})`, id)));
+  }
+  if ($('pass-box').hidden !== (ids.length === 0)) {
+    $('pass-box').hidden = ids.length === 0;
+    fit();
+  }
+}
+
+$('pass').addEventListener('click', () => {
+  const to = $('pass-to').value;
+  if (to) connection.passControl(to);
+});
+
+function pageBase() {
+  return `${location.origin}${location.pathname}`;
+}
+
+/** The watch and branch links, once the session has a share token; branch starts at the newest rewind point. */
+function showShareLinks() {
+  const token = connection.shareToken;
+  for (const el of document.querySelectorAll('[data-live-share]')) el.hidden = !token;
+  if (!token) return null;
+  const points = timelineRange(debug.rewindPoints);
+  const links = shareLinks(pageBase(), token, points ? points.max : null);
+  $('share-watch').value = links.watch;
+  $('share-branch').value = links.branch || '';
+  for (const el of document.querySelectorAll('[for=share-branch], #share-branch')) el.hidden = !links.branch;
+  return links;
+}
 
 // ---- input ----------------------------------------------------------------------------
 
@@ -480,15 +606,19 @@ document.addEventListener('fullscreenchange', () => {
 $('share').addEventListener('click', async () => {
   const query = new URLSearchParams({ seed: String(debug.seed) });
   if (model) query.set('model', model.name);
-  const link = `${location.origin}${location.pathname}?${query}`;
+  const link = `${pageBase()}?${query}`;
   $('share-link').value = link;
   $('share-box').hidden = false;
-  $('share-link').select();
+  // With a share token, the watch link is the one copied: it shows this very world, live.
+  const live = showShareLinks();
+  const copied = live ? live.watch : link;
+  const what = live ? 'it lets someone watch this world live' : 'it opens this model with the same seed';
+  (live ? $('share-watch') : $('share-link')).select();
   try {
-    await navigator.clipboard.writeText(link);
-    notice('Link copied: it opens this model with the same seed.');
+    await navigator.clipboard.writeText(copied);
+    notice(`Link copied: ${what}.`);
   } catch {
-    notice('Copy the link below: it opens this model with the same seed.');
+    notice(`Copy a link below: ${what}.`);
   }
 });
 
@@ -537,7 +667,9 @@ $('details').addEventListener('toggle', pollStats);
 h264Supported().then((yes) => { document.querySelector('#codec option[value="h264"]').hidden = !yes; });
 
 loadModelCard();
-if (params.get('autoconnect') === '0') {
+if (mode.kind === 'bad') {
+  connection.setState('ended', { text: `${SHARE_TEXT.badLink}: ${mode.reason}.`, tone: 'warn', action: 'own-world' });
+} else if (params.get('autoconnect') === '0') {
   onState('idle', { text: 'Press Play to start a session.', action: 'play' });
 } else if (document.hidden) {
   connection.setState('paused', { text: 'Paused while this tab was hidden.' });  // opened in a background tab

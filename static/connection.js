@@ -3,7 +3,7 @@
 // reconnect with bounded backoff while the server is away, wait for a free
 // slot on a full server, and let go while the tab is hidden.
 
-import { MOVE_TEXT, closeText, errorText, notReadyText } from './messages.js';
+import { MOVE_TEXT, SHARE_TEXT, closeText, errorText, notReadyText } from './messages.js';
 import { Pacer } from './player.js';
 import { Session } from './session.js';
 
@@ -27,11 +27,13 @@ export class Connection {
    * @param {number} options.fixedChunks            0: adaptive buffer; N: keep N chunks ahead
    * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
    *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec),
-   *                                onImageRefused()
+   *                                onImageRefused(), onRole(role), onViewers(message)
+   * @param {object} [options.mode] what the next fresh session is (share.js shareMode): {kind: 'play'},
+   *                                {kind: 'watch', token} or {kind: 'branch', token, chunk}
    * @param {object} options.debug  window.arstreamDebug
    * @param {import('./look.js').MouseLook} [options.look]  the camera, for a model whose controls have one
    */
-  constructor({ player, token, startFields, fixedChunks, hooks, debug, look = null }) {
+  constructor({ player, token, startFields, fixedChunks, hooks, debug, look = null, mode = { kind: 'play' } }) {
     this.player = player;
     this.look = look;
     this.camera = null;                // the camera field the last tick sent ({camera: {...}}), or null
@@ -51,6 +53,8 @@ export class Connection {
     this.keys = [];
     this.afterDrop = false;            // the next `ready` follows a drop: say what happened
     this.afterMove = false;            // the next `ready` follows a move to another replica
+    this.mode = mode;                  // play, watch or branch: what a fresh session starts as
+    this.shareToken = null;            // ready.share.token of the session this page plays or watches
   }
 
   setState(state, view = {}) {
@@ -70,6 +74,8 @@ export class Connection {
     const token = this.token();
     if (token) query.set('token', token);
     if (this.ticket) query.set('resume', this.ticket);
+    // A balancer routes a watch or branch to the replica that holds the shared session, as it does a resume.
+    else if (this.mode.kind !== 'play') query.set('share', this.mode.token);
     const text = query.toString();
     return `${scheme}://${location.host}/v1/sessions${text ? `?${text}` : ''}`;
   }
@@ -130,6 +136,21 @@ export class Connection {
     return { ...this.camera, keys: this.keys };
   }
 
+  /** Go back to chunk boundary `boundary` (the timeline); the rewind tick carries the keys held now. */
+  rewind(boundary) {
+    if (!this.session || !this.session.live || !this.session.controller || this.session.failed) return;
+    this.session.requestRewind(boundary, this.keys);
+    this.player.playing = true;
+    this.hooks.log(`rewind to chunk ${boundary} requested`);
+  }
+
+  /** Hand the controls to a viewer; the server answers both sides with `role`. */
+  passControl(viewerId) {
+    if (!this.session || !this.session.live) return;
+    this.session.passControl(viewerId);
+    this.hooks.log(`passing control to viewer ${viewerId}`);
+  }
+
   prompt(text) {
     if (this.session && this.session.live) this.session.sendInput({ prompt: text });
   }
@@ -166,6 +187,14 @@ export class Connection {
     if (this.session && !this.session.ended && !this.session.leaving) return;
     const resuming = this.ticket !== null;
     const start = { type: 'start', ...this.startFields() };
+    if (!resuming && this.mode.kind !== 'play') {
+      // A viewer or a branch takes the shared session's world (its seed, prompt and picture): send none.
+      delete start.seed;
+      delete start.prompt;
+      delete start.image;
+      if (this.mode.kind === 'watch') start.watch = this.mode.token;
+      else start.branch = { share: this.mode.token, chunk: this.mode.chunk };
+    }
     if (resuming) {
       start.resume = this.ticket;
       delete start.seed;    // the server keeps the session's own; sending them is harmless but misleading
@@ -185,6 +214,8 @@ export class Connection {
         onChunk: (_s, message) => this.hooks.onChunk(message),
         onError: (s, message) => this.onError(s, message),
         onClose: (s, event) => this.onClose(s, event),
+        onRole: (s, message) => this.onRole(s, message),
+        onViewers: (s, message) => { if (s === this.session) this.hooks.onViewers(message); },
         onSample: this.hooks.onSample,
         log: this.hooks.log,
       },
@@ -197,6 +228,14 @@ export class Connection {
     this.attempts = 0;
     this.refusals = 0;
     this.ticket = ready.resume && ready.resume.token ? ready.resume.token : null;
+    // A viewer may get no share token of its own: the one it watches through is the session's.
+    const watched = this.mode.kind === 'watch' ? this.mode.token : null;
+    this.shareToken = ready.share && ready.share.token ? ready.share.token : watched;
+    if (this.mode.kind === 'branch') {
+      // The branch exists now: a drop resumes it by its ticket, and a fresh start is a world of its own.
+      this.hooks.log(`branched from chunk ${ready.branched_from ? ready.branched_from.chunk : this.mode.chunk}`);
+      this.mode = { kind: 'play' };
+    }
     this.debug.sessionId = ready.session_id;
     this.debug.resumed += ready.resumed ? 1 : 0;
     this.player.configure(ready.model);
@@ -222,9 +261,31 @@ export class Connection {
     }
     this.camera = null;               // a new session: no look sent yet
     this.hooks.onReady(session, ready);
+    this.hooks.onRole(session.role);
     // The server starts with the controls of the session it resumed, or none: tell it what is held now.
     if (ready.resumed || this.keys.length) session.sendInput({ controls: this.controls() });
-    this.setState('streaming', ready.resumed ? {} : { text: 'Generating the first frames…', soft: true });
+    const waitText = session.controller ? 'Generating the first frames…' : 'Waiting for the next frames of this world…';
+    this.setState('streaming', ready.resumed ? {} : { text: waitText, soft: true });
+  }
+
+  /** Control passed to us, or from us to a viewer. */
+  onRole(session, message) {
+    if (session !== this.session) return;
+    if (session.controller) {
+      // The session's resume ticket is ours now (the old controller's is void): a drop picks the world up.
+      if (message.resume && message.resume.token) this.ticket = message.resume.token;
+      this.mode = { kind: 'play' };
+      this.hooks.notice(SHARE_TEXT.gotControl);
+      // Tell the server what is held now: the world goes on with this page's keys.
+      session.sendInput({ controls: this.controls() });
+    } else {
+      // Watching now: a drop comes back as a viewer, through the share token (our resume ticket would take over).
+      this.ticket = null;
+      if (this.shareToken) this.mode = { kind: 'watch', token: this.shareToken };
+      this.hooks.notice(SHARE_TEXT.passedControl);
+    }
+    this.hooks.log(`role: ${message.role}${message.viewer_id ? ` (viewer ${message.viewer_id})` : ''}`);
+    this.hooks.onRole(session.role);
   }
 
   onError(session, message) {
@@ -240,6 +301,10 @@ export class Connection {
     const detail = message.tick_id !== undefined && message.tick_id !== null ? ` (tick ${message.tick_id})` : '';
     this.hooks.log(`${message.fatal ? 'fatal ' : ''}error ${message.code}${detail}: ${message.message}`,
       message.fatal ? 'fatal' : 'error');
+    // Refusals a person caused with a click (a scrub too far back, a pass to someone who left): say so.
+    if (!message.fatal && ['rewind_unavailable', 'unknown_viewer'].includes(message.code)) {
+      this.hooks.notice(errorText(message.code));
+    }
     if (message.code === 'session_failed' && session.failed) {
       this.player.playing = false;
       this.setState('failed', { text: errorText('session_failed'), tone: 'bad', action: 'reset' });
@@ -266,7 +331,13 @@ export class Connection {
     this.player.playing = false;
     if (fatal) this.ticket = null;  // a fatal error ends the session for good: nothing to resume
 
-    if (clean) {
+    if (session.closedReason === 'session_ended' && !session.controller) {
+      // The world we watched ended: there is nothing to come back to.
+      this.setState('ended', { text: SHARE_TEXT.watchedEnded, action: 'own-world' });
+    } else if (fatal === 'share_failed' || code === 4005) {
+      const why = session.fatal ? ` (${session.fatal.message})` : '';
+      this.setState('ended', { text: `${errorText('share_failed')}${why}`, tone: 'warn', action: 'own-world' });
+    } else if (clean) {
       this.setState('stopped', { text: 'The session ended. Press Play to start again.', action: 'play' });
     } else if (fatal === 'unauthorized' && /origin/i.test(session.fatal.message || '')) {
       // Not a token problem: no token box; the server's own words say what to change.

@@ -22,6 +22,10 @@ export const ERROR_TEXT = {
   rate_limited: 'Too many connections from this address. The page waits and tries again.',
   internal: 'The server ran into a fault of its own.',
   invalid_image: 'The server could not use that start image.',
+  rewind_unavailable: 'That moment is no longer kept (the server keeps only the last few), so the world carries on.',
+  not_controller: 'You are watching: only the player steers this world.',
+  unknown_viewer: 'That viewer has left, so the controls stay with you.',
+  share_failed: 'This share link no longer works: the world it points to has ended, or its server cannot share it.',
 };
 
 /** WebSocket close codes. */
@@ -38,6 +42,15 @@ export const CLOSE_TEXT = {
   4002: 'Your world could not be picked up again, so a new one starts.',
   4003: 'This world is now playing in another tab or window.',
   4004: 'The server could not use that start image.',
+  4005: 'This share link no longer works: the world it points to has ended, or its server cannot share it.',
+};
+
+/** Watching, branching and passing the controls (share links). */
+export const SHARE_TEXT = {
+  watchedEnded: 'The world you were watching has ended.',
+  gotControl: 'You have the controls now: steer the world.',
+  passedControl: 'You passed the controls on: you are watching now.',
+  badLink: 'This share link cannot be used',
 };
 
 /** What happened to the world when its server went away (a drain moves it; a crash cannot). */

@@ -4,6 +4,7 @@
 // What happens after the socket closes is connection.js's business.
 
 import { createDecoder } from './decode.js';
+import { raiseIdsPast } from './share.js';
 import { FrameError, parseFrame } from './wire.js';
 
 // One tick computing and one queued, so the server never waits for the network. The queued
@@ -24,7 +25,7 @@ export class Session {
    * @param {object} options.start      the `start` message
    * @param {object} options.ids        {tick, event}: the next ids, shared across resumed sessions
    * @param {import('./player.js').Player} options.player
-   * @param {object} options.hooks      onReady, onChunk, onError, onClose, onSample, log
+   * @param {object} options.hooks      onReady, onChunk, onError, onClose, onRole, onViewers, onSample, log
    * @param {object} options.debug      window.arstreamDebug
    * @param {Function} [options.tickControls]  controls for every tick (a camera's movement), or null
    */
@@ -47,6 +48,9 @@ export class Session {
     this.failed = false;            // after session_failed only a reset tick is accepted
     this.resetKeys = null;          // held keys for the reset tick, when one is wanted
     this.lastResetTickId = -1;
+    this.rewind = null;             // {to, keys}: the next tick goes back to boundary `to`, with these keys
+    this.role = 'controller';       // 'viewer' while watching: no ticks, no input (ready.role, then `role`)
+    this.lastTickId = -1;           // the last chunk's tick_id (a viewer that becomes the controller goes past it)
     this.ticksInFlight = new Map(); // tick_id -> performance.now() when sent
     this.eventsSentAt = new Map();  // event_id -> when sent, until a drawn frame shows it
     this.receiving = null;          // {expected, got, applied, tickId} while a chunk's frames arrive
@@ -93,8 +97,12 @@ export class Session {
     return this.stopping || this.dropping;
   }
 
+  get controller() {
+    return this.role === 'controller';
+  }
+
   sendInput(fields) {
-    if (!this.live) return;
+    if (!this.live || !this.controller) return;
     const message = { type: 'input', event_id: this.ids.event++, ...fields };
     this.eventsSentAt.set(message.event_id, performance.now());
     pushBounded(this.debug.sentEventIds, message.event_id);
@@ -107,6 +115,17 @@ export class Session {
     this.pump(performance.now());
   }
 
+  /** The next tick goes back to chunk boundary `boundary` (one of `chunk.rewind_points`), with these keys held. */
+  requestRewind(boundary, keys) {
+    this.rewind = { to: boundary, keys };
+    this.pump(performance.now());
+  }
+
+  /** Hand the controls to a viewer (one of the `viewers` message's ids). */
+  passControl(viewerId) {
+    if (this.live && this.controller) this.send({ type: 'pass_control', to: viewerId });
+  }
+
   // ---- from the server ---------------------------------------------------------------
 
   onText(message) {
@@ -114,6 +133,10 @@ export class Session {
       case 'ready': return this.onReady(message);
       case 'chunk': return this.onChunk(message);
       case 'error': return this.onError(message);
+      case 'role': return this.onRole(message);
+      case 'viewers':
+        this.hooks.onViewers(this, message);
+        return undefined;
       case 'moved':
         this.moved = message;
         this.hooks.log(`session moved to replica ${String(message.resume).split('.')[0]} `
@@ -134,7 +157,25 @@ export class Session {
 
   onReady(message) {
     this.ready = message;
+    this.role = message.role || 'controller';  // a server without viewers sends no role: the controller
     this.hooks.onReady(this, message);
+    this.pump(performance.now());
+  }
+
+  /** Control passed: to us (we tick from now on) or away from us (we watch). */
+  onRole(message) {
+    this.role = message.role;
+    if (this.controller) {
+      // Ids keep increasing for the session whoever sends them: start past what the last controller used
+      // (the server's tick-id floor, `last_tick_id`, and the event ids its chunks showed applied).
+      const floor = Number.isInteger(message.last_tick_id) ? message.last_tick_id : -1;
+      raiseIdsPast(this.ids, Math.max(this.lastTickId, floor), this.debug.appliedEventIds);
+    } else {
+      this.ticksInFlight.clear();  // their chunks still come, to everyone; they no longer pace us
+      this.rewind = null;
+      this.resetKeys = null;
+    }
+    this.hooks.onRole(this, message);
     this.pump(performance.now());
   }
 
@@ -148,6 +189,7 @@ export class Session {
     const applied = message.applied_event_ids || [];
     for (const id of applied) pushBounded(this.debug.appliedEventIds, id);
     this.debug.chunksReceived += 1;
+    this.lastTickId = message.tick_id;
     this.receiving = { expected: message.frames, got: 0, applied, tickId: message.tick_id, sentAt };
     this.hooks.onChunk(this, message);
     if (message.frames === 0) this.chunkDone(now);
@@ -211,7 +253,7 @@ export class Session {
    * for) is within the pacer's target, at most two at a time.
    */
   pump(now) {
-    if (!this.live || !this.pacer || (this.failed && !this.resetKeys)) return;
+    if (!this.live || !this.controller || !this.pacer || (this.failed && !this.resetKeys)) return;
     const framesPerChunk = this.ready.model.frames_per_chunk;
     const limit = Math.min(MAX_TICKS_IN_FLIGHT, this.ready.limits.max_pending_ticks);
     for (;;) {
@@ -228,6 +270,10 @@ export class Session {
         this.lastResetTickId = tick.tick_id;
         this.resetKeys = null;
         this.failed = false;
+      } else if (this.rewind) {
+        tick.rewind_to = this.rewind.to;
+        tick.controls = { ...controls, keys: this.rewind.keys };  // the world goes on from there with what is held now
+        this.rewind = null;
       }
       this.ticksInFlight.set(tick.tick_id, now);
       this.debug.maxTicksInFlight = Math.max(this.debug.maxTicksInFlight, this.ticksInFlight.size);

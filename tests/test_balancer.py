@@ -295,6 +295,31 @@ def test_new_sessions_go_where_resumed_sessions_left_room(tmp_path: Path) -> Non
         run_sessions(scenario)
 
 
+def test_watch_links_reach_the_replica_holding_the_session_even_when_it_is_full(tmp_path: Path) -> None:
+    """Old config: ``?share=`` went to the sessions backend like a new session, least connections and at most the
+    free slots: viewers landed on the other replica (share_failed) or waited for a slot nobody would free."""
+    with two_replicas(tmp_path) as (replicas, lb, stack):
+
+        wait_heard(lb, {"r0": "UP", "r1": "UP"})  # both take sessions before the four players come
+
+        async def scenario(sessions: Sessions) -> None:
+            players = [await sessions.open(lb.ws_url) for _ in range(2 * CAPACITY)]
+            await settle(
+                lambda: all(r.stats()["sessions"]["connected"] == CAPACITY for r in replicas.values()), "both full"
+            )
+            for player in players:
+                assert player.ready is not None
+                token = player.ready["share"]["token"]
+                assert token.split(".", 1)[0] == placed(player)
+                for _ in range(2):
+                    viewer = await sessions.open(f"{lb.ws_url}?share={token}", watch=token)
+                    assert viewer.ready is not None and viewer.ready["role"] == "viewer"
+                    assert viewer.ready["session_id"] == player.ready["session_id"]
+            assert [r.stats()["sessions"]["viewers"] for r in replicas.values()] == [2 * CAPACITY, 2 * CAPACITY]
+
+        run_sessions(scenario)
+
+
 def test_after_a_reload_new_sessions_avoid_replicas_full_of_the_old_process_sessions(tmp_path: Path) -> None:
     """Old config: the reloaded process counted from zero; 2 new sessions split 1/1 over a 2/0 load."""
     with two_replicas(tmp_path) as (replicas, lb, stack):

@@ -280,3 +280,26 @@ def test_batched_rows_see_their_own_history_and_chunk(rows_in_order: bool) -> No
         assert (k_all.data_ptr() == pool.staging["main"][:, layer, 0].data_ptr()) == rows_in_order
     for state in states:
         state.end_pass()
+
+
+def test_shared_tables_keep_a_boundarys_blocks_after_the_window_slides_past_them() -> None:
+    pool = make_pool()
+    state = SessionKVState(pool, "a")
+    commit_chunk(state, [0, 1])
+    commit_chunk(state, [2, 3])
+    boundary = state.share_tables()  # sink [0], window [1, 2, 3] at chunk 2
+    assert (boundary.sink["main"], boundary.window["main"], boundary.chunks_committed) == ([0], [1, 2, 3], 2)
+    assert pool.ref_counts() == {0: 2, 1: 2, 2: 2, 3: 2}
+    commit_chunk(state, [4, 5])
+    commit_chunk(state, [6, 7])  # the live window slid past blocks 1, 2 and 3; the boundary still holds them
+    assert pool.ref_counts()[1] == 1 and pool.num_used == 8
+    state.adopt_tables(boundary)  # back to chunk 2: the boundary's references become the live history's
+    assert (state.sink["main"], state.window["main"], state.chunk_index, state.frame_start) == ([0], [1, 2, 3], 2, 4)
+    assert pool.ref_counts() == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert commit_chunk(state, [8, 9]) == [0, 1, 2, 3, 8, 9]  # it reads the boundary's K/V
+    state.begin_pass(commit=False)
+    with pytest.raises(PassStateError, match="chunk boundary"):
+        state.share_tables()
+    state.end_pass()
+    state.release()
+    assert pool.ref_counts() == {}

@@ -132,3 +132,43 @@ def test_pool_has_one_staging_row_per_batched_session() -> None:
     assert pool.staging["main"].shape == (3, 2, 2, 7, 1, 2)
     assert len(pool.staging_layers) == 3 and len(pool.staging_layers[2]["main"]) == 2
     assert pool.staging_owners == [None, None, None]
+
+
+def test_a_shared_block_returns_to_the_free_queue_with_its_last_reference() -> None:
+    pool = PagedKVPool(tiny_spec(), plan_pool(tiny_spec(), 1 << 12), torch.device("cpu"))
+    free_at_start = pool.num_free
+    ids = pool.allocate(3)
+    pool.share([ids[0], ids[1], ids[1]])
+    assert pool.ref_counts() == {ids[0]: 2, ids[1]: 3, ids[2]: 1}
+    pool.free(ids)
+    assert pool.ref_counts() == {ids[0]: 1, ids[1]: 2} and pool.num_free == free_at_start - 2
+    pool.free([ids[1], ids[1], ids[0]])
+    assert pool.ref_counts() == {} and pool.num_free == free_at_start
+
+
+def test_freeing_more_references_than_a_block_has_is_refused_and_changes_nothing() -> None:
+    pool = PagedKVPool(tiny_spec(), plan_pool(tiny_spec(), 1 << 12), torch.device("cpu"))
+    ids = pool.allocate(2)
+    pool.share([ids[0]])
+    with pytest.raises(BlockStateError, match=str(ids[1])):
+        pool.free([ids[0], ids[1], ids[1]])
+    assert pool.ref_counts() == {ids[0]: 2, ids[1]: 1}
+    with pytest.raises(BlockStateError, match="not allocated"):
+        pool.share([10_000])
+
+
+def test_rewind_points_add_their_chunks_and_model_state_copies_to_each_session() -> None:
+    spec = tiny_spec(kv_branches=(KVBranch("cond", 0), KVBranch("uncond", 1)), model_owned_bytes_per_session=24)
+    # 16-byte blocks, 5 resident frames, chunk of 2: K rewind points add K chunks of blocks per branch
+    # and K copies of the model-owned state, never K copies of the window.
+    plain = plan_pool(spec, 1 << 16)
+    kept = plan_pool(spec, 1 << 16, rewind_points=3)
+    assert plain.per_session_bytes == 5 * 2 * 16 + 24
+    assert kept.per_session_bytes == (5 + 3 * 2) * 2 * 16 + 4 * 24
+    assert kept.num_blocks == kept.session_capacity * (5 + 3 * 2) * 2 + 4
+    assert plan_pool(spec, 1 << 16, rewind_points=0) == plain
+    budget = budget_for_sessions(spec, 4, rewind_points=3)
+    assert plan_pool(spec, budget, rewind_points=3).session_capacity == 4
+    assert plan_pool(spec, budget - 1, rewind_points=3).session_capacity == 3
+    with pytest.raises(PoolBudgetError, match="rewind_points must be an integer >= 0"):
+        plan_pool(spec, 1 << 16, rewind_points=-1)

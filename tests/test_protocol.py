@@ -130,6 +130,10 @@ def test_error_codes_fatality_and_close_codes_match_the_protocol_table() -> None
         "taken_over": 4003,
         "internal": 1011,
         "invalid_image": 4004,
+        "share_failed": 4005,
+        "not_controller": None,
+        "unknown_viewer": None,
+        "rewind_unavailable": None,
     }
     assert error_message(ErrorCode.IDLE_TIMEOUT, "m")["fatal"] is True
     assert error_message(ErrorCode.STALE_TICK, "m", tick_id=3) == {

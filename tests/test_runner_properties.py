@@ -2,28 +2,36 @@
 
 The runner batches up to three sessions per forward, so rounds of ticks run
 through the batched path too, including batches that fail before and after
-their rows committed.
+their rows committed. Sessions keep rewind points, so blocks are shared
+between live histories, kept boundaries and branches: every reference the
+sessions hold is one the pool counts, and none is left when no session is.
 """
 
+from collections import Counter
+
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from arstream.models.fake import FakeForwardError
+from arstream.runner.pool import session_frames
 from arstream.runner.runner import ARRunner
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest
+from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 from runner_fakes import RaisingAfterCommitFakePipeline
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e"])
 # (session, fail, reset, close) per tick of a round
 ROUND_TICKS = st.lists(st.tuples(SESSIONS, st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=6)
+# how far back a rewind or branch goes from where the session is (beyond the 3 kept boundaries: refused)
+BACK = st.integers(min_value=-1, max_value=5)
 
 
 class RunnerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pipeline = RaisingAfterCommitFakePipeline(session_capacity=3, sink_frames=1, window_frames=6)
-        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3)
+        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3, rewind_points=3)
         self.request_id = 0
 
     def _tick(self, session: str, **fields: object) -> None:
@@ -65,6 +73,45 @@ class RunnerMachine(RuleBasedStateMachine):
             if t.controls or t.close:
                 assert not self.runner.is_resident(session)
 
+    @rule(session=SESSIONS, chunks=st.integers(min_value=2, max_value=6))
+    def advance(self, session: str, chunks: int) -> None:
+        """Several chunks in a row: sessions get old enough for rewinds past kept boundaries and slid windows."""
+        for _ in range(chunks):
+            self._tick(session)
+
+    @rule(session=SESSIONS, back=BACK, fail=st.booleans())
+    def rewind(self, session: str, back: int, fail: bool) -> None:
+        now = self.runner.next_chunk_index(session)
+        oldest, newest = self.runner.rewind_points(session) or (0, 0)
+        target = now - back
+        before = (self.runner.pool.ref_counts(), now, self.runner.is_resident(session))
+        controls = {"fail": True} if fail else {}
+        self.request_id += 1
+        ticks = [TickRequest(session, self.request_id, controls=controls, rewind_to=target)]
+        [result] = self.runner.execute(ticks)
+        if not oldest <= target <= newest:
+            assert isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable)
+            assert (self.runner.pool.ref_counts(), now, self.runner.is_resident(session)) == before
+        elif fail:
+            assert isinstance(result, TickFailure) and not self.runner.is_resident(session)
+        else:
+            assert isinstance(result, ChunkResult) and result.chunk_index == target and result.restarted == "rewind"
+
+    @rule(source=SESSIONS, back=BACK, new=SESSIONS)
+    def branch(self, source: str, back: int, new: str) -> None:
+        boundary = self.runner.next_chunk_index(source) - back
+        held = self.runner.rewind_points(source) if self.runner.is_resident(source) else None
+        if self.runner.is_resident(new):
+            with pytest.raises(ValueError):
+                self.runner.branch_session(source, boundary, new)
+        elif held is None or not held[0] <= boundary <= held[1]:
+            with pytest.raises(RewindUnavailable):
+                self.runner.branch_session(source, boundary, new)
+            assert not self.runner.is_resident(new)
+        else:
+            self.runner.branch_session(source, boundary, new)
+            assert self.runner.next_chunk_index(new) == boundary
+
     @rule(session=SESSIONS)
     def close(self, session: str) -> None:
         self.runner.close_session(session)
@@ -74,13 +121,24 @@ class RunnerMachine(RuleBasedStateMachine):
         self.runner.reset_session(session)
 
     @invariant()
-    def blocks_are_owned_exactly_once(self) -> None:
+    def every_reference_is_counted_once_by_the_pool(self) -> None:
         pool = self.runner.pool
-        held = [b for sid in self.runner.resident_sessions() for b in self.runner._sessions[sid].held_blocks()]
-        assert len(held) == len(set(held))
-        assert sorted(held) == sorted(pool._allocated)
+        held: Counter[int] = Counter()
+        for sid in self.runner.resident_sessions():
+            live = self.runner._sessions[sid].held_blocks()
+            assert len(live) == len(set(live))  # a session's live history lists a block once
+            held.update(live)
+            held.update(self.runner._rewind[sid].blocks())
+        assert dict(held) == pool.ref_counts()
         assert pool.num_free + len(held) == pool.num_blocks
         assert len(set(pool._free)) == pool.num_free
+        assert not set(pool._free) & set(held)
+
+    @invariant()
+    def kept_boundaries_stay_within_the_plan(self) -> None:
+        # shared or not, the resident sessions' blocks never exceed what the plan counts per session
+        per_session = session_frames(self.runner.spec, self.runner.rewind_keep)
+        assert self.runner.pool.num_used <= len(self.runner.resident_sessions()) * per_session
 
     @invariant()
     def no_forward_is_left_open_between_calls(self) -> None:

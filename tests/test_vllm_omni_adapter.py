@@ -17,7 +17,7 @@ from arstream.runner.runner import ChunkShapeError  # noqa: E402
 from arstream.runner.types import UnsupportedConfiguration  # noqa: E402
 from arstream.runner.runtimes import build_runtime  # noqa: E402
 from arstream.runner.spec import KVBranch, KVCacheSpec  # noqa: E402
-from arstream.runner.types import TickFailure, TickRequest  # noqa: E402
+from arstream.runner.types import RewindUnavailable, TickFailure, TickRequest  # noqa: E402
 from arstream.runner.vllm_omni import platform  # noqa: E402
 from arstream.runner.vllm_omni.pipeline import tick_from_request, to_omni_request  # noqa: E402
 from arstream.runner.vllm_omni.runtime import VllmOmniRunner  # noqa: E402
@@ -135,6 +135,19 @@ def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
     assert isinstance(result, TickFailure) and isinstance(result.error, ChunkShapeError)
     assert not runner.is_resident("s") and runner.stats().blocks_free == runner.blocks_free_at_start
     assert runner.pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
+
+
+def test_rewind_and_branch_are_refused_with_the_reason_and_change_nothing() -> None:
+    runner = VllmOmniRunner(FakeKVPipeline(), kv_budget_bytes=BUDGET)
+    runner.execute_tick(TickRequest(session_id="s", request_id=0))
+    free = runner.stats().blocks_free
+    assert runner.rewind_points("s") is None
+    (result,) = runner.execute([TickRequest(session_id="s", request_id=1, rewind_to=0)])
+    assert isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable)
+    assert "cannot rewind or branch" in str(result.error) and "--runtime arstream" in str(result.error)
+    with pytest.raises(RewindUnavailable, match="cannot rewind or branch"):
+        runner.branch_session("s", 1, "b")
+    assert runner.next_chunk_index("s") == 1 and not runner.is_resident("b") and runner.stats().blocks_free == free
 
 
 def test_bench_runner_compares_the_two_runtimes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,7 +37,7 @@ from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import UnsupportedConfiguration
-from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
+from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest, TickResult
 from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations, importing_vllm
 
 with importing_vllm():  # about 10 s and 0.9 GB
@@ -51,6 +51,11 @@ with importing_vllm():  # about 10 s and 0.9 GB
 log = logging.getLogger("arstream.runner.vllm_omni")
 
 RUNTIME = "vllm-omni"
+REWIND_REFUSAL = (
+    "the vllm-omni runtime cannot rewind or branch a session: vLLM-Omni's block pool has no shared "
+    "(reference-counted) blocks to keep chunk boundaries in; serve with --runtime arstream for rewind and branch"
+)
+
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # ARStream's default, so one setting means the same on both runtimes
 
 
@@ -195,6 +200,12 @@ class VllmOmniRunner:
     def close_session(self, session_id: str) -> None:
         self.model_runner.close_session(session_id)
 
+    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
+        return None
+
+    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+        raise RewindUnavailable(REWIND_REFUSAL)
+
     # ---- execution ----------------------------------------------------------------
 
     def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
@@ -209,6 +220,8 @@ class VllmOmniRunner:
 
     def execute_tick(self, tick: TickRequest) -> ChunkResult:
         """Run one tick through ``execute_model``; raises what vLLM-Omni raises (its session then released)."""
+        if tick.rewind_to is not None:  # before anything changes: the session stays as it is
+            raise RewindUnavailable(REWIND_REFUSAL)
         before = self.resident_sessions()
         fresh = tick.reset or self.frames_committed(tick.session_id) == 0
         chunk_index = 0 if fresh else self.next_chunk_index(tick.session_id)

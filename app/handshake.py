@@ -1,0 +1,359 @@
+"""A connection's handshake: from the upgrade to an admitted session, or a refusal.
+
+Auth and origin checks (before or after the upgrade), the cap on connections
+waiting to start, the ``start`` message (within ``start_timeout_s``),
+admission, the start image, and resuming a session (``start.resume`` or
+``?resume=``). What it hands the live session (:mod:`arstream.app.connection`)
+is an :class:`Opened`; every refusal is an `error` then a close, bounded by
+``close_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from starlette.responses import JSONResponse
+from starlette.websockets import WebSocket
+
+from arstream.app import auth
+from arstream.app.guard import GuardedWebSocketProtocol, limit_messages
+from arstream.app.limits import MessageBudget
+from arstream.app.protocol import (
+    ERROR_CLOSE_CODES,
+    ErrorCode,
+    ProtocolError,
+    StartMessage,
+    dumps,
+    error_message,
+    parse_client_message,
+)
+from arstream.app.resume import ResumableConnection, Resumed, ResumeRefused, token_hint
+from arstream.app.session import Session, SessionState
+from arstream.app.start_image import StartImageRefused
+from arstream.app.viewers import ShareRefused
+from arstream.runner.pool import PoolExhausted
+from arstream.runner.types import RewindUnavailable, StartImage
+
+if TYPE_CHECKING:
+    from arstream.app.hub import SessionHub
+
+log = logging.getLogger("arstream.session")
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A session the handshake admitted: new, resumed or branched, and the index its next chunk will have."""
+
+    session: Session
+    next_chunk_index: int
+    resumed: bool
+    branched_from: int | None = None  # the source's chunk boundary, for a branch
+
+
+@dataclass(frozen=True)
+class Watching:
+    """A viewer's start: the session its share token names, and the format (codec, quality) it asked for."""
+
+    session_id: str
+    format: tuple[str, int]
+
+
+class Handshake:
+    """Runs one connection's handshake; ``connection`` is who the hub admits (its id, address and token)."""
+
+    def __init__(
+        self,
+        ws: WebSocket,
+        hub: SessionHub,
+        connection: ResumableConnection,
+        *,
+        budget: MessageBudget,
+        transport: GuardedWebSocketProtocol | None,
+    ) -> None:
+        self.ws = ws
+        self.hub = hub
+        self.settings = hub.settings
+        self.metrics = hub.metrics
+        self.connection = connection
+        self.budget = budget
+        self.transport = transport
+        self.disconnected = False  # the client went away during the handshake
+
+    async def open(self) -> Opened | Watching | None:
+        """Accept the WebSocket and open the session its `start` asks for; None after a refusal or disconnect."""
+        refusal, missing_token = auth.upgrade_refusal(self.ws, self.settings)
+        if refusal is not None and self.settings.refuse_before_upgrade:
+            await self.deny_upgrade(
+                ErrorCode.UNAUTHORIZED,
+                refusal,
+                status=401 if missing_token else 403,
+                headers={"WWW-Authenticate": "Bearer"} if missing_token else None,
+            )
+            return None
+        if refusal is None:
+            # Waiting for `start` is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
+            busy = self.hub.unstarted.refusal(self.connection.client_host)
+            if busy is not None:
+                await self.deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
+                return None
+            self.hub.unstarted.add(self.connection, self.connection.client_host)
+        await self.ws.accept()
+        if refusal is not None:
+            log.info("session=%s refused: %s", self.connection.session_id, refusal)
+            await self.refuse(ErrorCode.UNAUTHORIZED, refusal)
+            return None
+        limit_messages(self.ws, self.settings.ws_message_limit(self.hub.start_message_bytes))
+        start = await self._await_start()
+        if start is None:
+            return None
+        opened = await self._open_session(start)
+        if opened is not None:
+            # only `start` may carry an image
+            limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
+        return opened
+
+    async def _open_session(self, start: StartMessage) -> Opened | Watching | None:
+        """The session `start` asks for (new, resumed, branched, or one to watch); None after refusing.
+
+        The `start` message, which may hold megabytes of image data, lives only as long as this call.
+        """
+        if start.watch is not None:
+            return await self._watch(start)
+        if start.branch is not None:
+            return await self._branch(start)
+        resume_token = start.resume or self.ws.query_params.get("resume")
+        if resume_token is not None:
+            resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
+            if resumed is None:
+                return None
+            return Opened(resumed.session, resumed.next_chunk_index, True)
+        # Admission is asked before the image too: a model still loading offers no images yet, and a
+        # session that cannot be admitted is not worth a decode. Admitted (claimed) after it, as a decode takes
+        # time; the claim and the registration have no await between them (SessionHub.admit).
+        if start.image is not None and not await self._admitted(claim=False):
+            return None
+        start_image: StartImage | None = None
+        if start.image is not None:
+            try:
+                start_image = await self.hub.start_images.resolve(
+                    name=start.image.name, data=start.image.data, offered=self.hub.start_image_names
+                )
+            except StartImageRefused as exc:
+                log.info("session=%s start image refused: %s", self.connection.session_id, exc)
+                await self.refuse(ErrorCode.INVALID_IMAGE, str(exc))
+                return None
+        if not await self._admitted(claim=True):
+            return None
+        codec, quality = self._default_format(start)
+        session = Session(
+            self.connection.session_id,
+            codec=codec,
+            quality=quality,
+            seed=start.seed,
+            prompt=start.prompt,
+            max_pending_ticks=self.settings.max_pending_ticks,
+            start_image=start_image,
+        )
+        session.transition(SessionState.ACTIVE)
+        return Opened(session, 0, False)
+
+    def _default_format(self, start: StartMessage) -> tuple[str, int]:
+        return start.codec or self.settings.codec, start.quality or self.settings.default_jpeg_quality(self.hub.model_card)
+
+    async def _shared_session(self, token: str) -> str | None:
+        """The session a share token names (PROTOCOL.md, "Rewind, branch and watch"), or None after refusing
+        with share_failed; the URL's ``?share=``, when given, must name the same token."""
+        url_token = self.ws.query_params.get("share")
+        try:
+            if url_token is not None and url_token != token:
+                raise ShareRefused("the URL's ?share= and the start message name different share tokens")
+            return self.hub.shares.find(token)
+        except ShareRefused as exc:
+            log.info("session=%s share token %s refused: %s", self.connection.session_id, token_hint(token), exc)
+            await self.refuse(ErrorCode.SHARE_FAILED, str(exc))
+            return None
+
+    async def _watch(self, start: StartMessage) -> Watching | None:
+        assert start.watch is not None
+        if self.settings.max_viewers_per_session == 0:
+            await self.refuse(ErrorCode.SHARE_FAILED, "watching is off on this server (max_viewers_per_session 0)")
+            return None
+        session_id = await self._shared_session(start.watch)
+        return None if session_id is None else Watching(session_id, self._default_format(start))
+
+    async def _branch(self, start: StartMessage) -> Opened | None:
+        """A new session from another's chunk boundary (PROTOCOL.md, "Rewind, branch and watch")."""
+        assert start.branch is not None
+        boundary = start.branch.chunk
+        source_id = await self._shared_session(start.branch.share)
+        if source_id is None:
+            return None
+        source = self.hub.live_or_detached_session(source_id)
+        if source is None:
+            await self.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
+            return None
+        if not await self._admitted(claim=False):
+            return None
+        worker = self.hub.worker
+        assert worker is not None
+        new_id = self.connection.session_id
+        try:
+            await worker.branch_session(source_id, boundary, new_id)
+        except RewindUnavailable as exc:
+            log.info("session=%s branch from chunk %d refused: %s", new_id, boundary, exc)
+            await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from chunk {boundary}: {exc}")
+            return None
+        except PoolExhausted as exc:
+            await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
+            return None
+        # Admitted after the branch (it awaits the worker), with no await before the session is registered.
+        if not await self._admitted(claim=True):
+            worker.drop_session(new_id)
+            return None
+        self.metrics.branches.inc()
+        codec, quality = self._default_format(start)
+        session = Session(
+            new_id,
+            codec=codec,
+            quality=quality,
+            seed=source.seed,
+            prompt=start.prompt if start.prompt is not None else source.prompt,
+            max_pending_ticks=self.settings.max_pending_ticks,
+            start_image=source.start_image,
+        )
+        session.transition(SessionState.ACTIVE)
+        log.info("session=%s branched from %s at chunk %d", new_id, source_id, boundary)
+        return Opened(session, boundary, False, branched_from=boundary)
+
+    async def _admitted(self, *, claim: bool) -> bool:
+        """Whether a new session may start now; False after refusing with over_capacity.
+
+        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask.
+        """
+        hub, connection = self.hub, self.connection
+        refusal = hub.admit(connection) if claim else hub.admission_refusal() or hub.client_cap_refusal(connection)
+        if refusal is None:
+            return True
+        log.info("session=%s not admitted: %s", connection.session_id, refusal)
+        await self.refuse(ErrorCode.OVER_CAPACITY, refusal)
+        return False
+
+    async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
+        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
+        url_token = self.ws.query_params.get("resume")
+        connection = self.connection
+        try:
+            if start.resume is not None and url_token is not None and url_token != start.resume:
+                raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            # A resume passes the same admission as a new session; refused, it spends nothing.
+            refusal = self.hub.admit(connection, resuming=self.hub.resume.lookup(token, connection.token_key))
+            if refusal is not None:
+                hint = token_hint(token)
+                log.info("session=%s resume with token %s not admitted: %s", connection.session_id, hint, refusal)
+                self.metrics.resumes.labels(outcome="refused").inc()
+                await self.refuse(ErrorCode.OVER_CAPACITY, refusal)
+                return None
+            resumed = await self.hub.resume.resume(token, connection, codec=start.codec, quality=start.quality)
+        except ResumeRefused as exc:
+            log.info("session=%s resume with token %s refused: %s", connection.session_id, token_hint(token), exc)
+            self.metrics.resumes.labels(outcome="refused").inc()
+            await self.refuse(ErrorCode.RESUME_FAILED, str(exc))
+            return None
+        self.metrics.resumes.labels(outcome="resumed").inc()
+        return resumed
+
+    # ---- refusals ---------------------------------------------------------------------
+
+    async def deny_upgrade(
+        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
+    ) -> None:
+        """Refuse with HTTP ``status`` before the upgrade; the body is the error object."""
+        log.info("session=%s refused before the upgrade: %s", self.connection.session_id, refusal)
+        self.metrics.errors.labels(code=str(code)).inc()
+        body = error_message(code, refusal)
+        await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
+
+    async def refuse(self, code: ErrorCode, message: str) -> None:
+        """Error then close, for a connection that never became a session.
+
+        Bounded by ``close_timeout_s``: a peer that does not read its refusal
+        is left to the transport, which drops it (see :mod:`arstream.app.guard`).
+        """
+        self.metrics.errors.labels(code=str(code)).inc()
+
+        async def send_refusal() -> None:
+            await self.ws.send_text(dumps(error_message(code, message)))
+            await self.ws.close(ERROR_CLOSE_CODES[code])
+
+        session_id = self.connection.session_id
+        try:
+            await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
+            if self.transport is not None:
+                self.transport.stop_reading()  # refused: nothing it sends now is parsed
+        except TimeoutError:
+            log.debug("session=%s did not take its refusal within %s s", session_id, self.settings.close_timeout_s)
+        except Exception:  # noqa: BLE001 - the client may already be gone
+            log.debug("session=%s gone before its refusal was sent", session_id)
+
+    # ---- the start message ----------------------------------------------------------------
+
+    async def _await_start(self) -> StartMessage | None:
+        """The `start` message, or None after refusing the connection (or on disconnect)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.start_timeout_s
+        while True:
+            delay = self.budget.delay(loop.time())
+            if delay > 0:
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                await self.refuse(
+                    ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
+                )
+                return None
+            if message["type"] == "websocket.disconnect":
+                self.disconnected = True
+                return None
+            text = message.get("text")
+            if text is None:
+                await self.refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
+                return None
+            limit = self.hub.start_message_bytes
+            if too_large(text, limit):
+                with_image = " (max_message_bytes plus a base64 start image)" if self.hub.start_image_names else ""
+                await self.refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")
+                return None
+            try:
+                parsed = parse_client_message(text)
+            except ProtocolError as exc:
+                if exc.message_type == "start":
+                    # A malformed start is still a start: say what is wrong and keep waiting.
+                    self.metrics.errors.labels(code=str(exc.code)).inc()
+                    try:
+                        # Within the start deadline: a client that does not read its errors is not waited on.
+                        await asyncio.wait_for(
+                            self.ws.send_text(dumps(error_message(exc.code, exc.message))),
+                            max(0.0, deadline - loop.time()),
+                        )
+                    except TimeoutError:
+                        await self.refuse(
+                            ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
+                        )
+                        return None
+                    continue
+                await self.refuse(ErrorCode.START_REQUIRED, f"the first message must be start ({exc.message})")
+                return None
+            if not isinstance(parsed, StartMessage):
+                await self.refuse(ErrorCode.START_REQUIRED, f"the first message must be start, got {parsed.type}")
+                return None
+            return parsed
+
+
+def too_large(text: str, limit: int) -> bool:
+    """Whether a text message is over ``limit`` UTF-8 bytes."""
+    # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
+    return len(text) > limit or len(text.encode()) > limit

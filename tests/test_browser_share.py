@@ -1,0 +1,318 @@
+"""Rewind, branch, watch and pass control on the demo page (issue 27), in Debian's Chromium, against a real server.
+
+The server runs the fake-kv pipeline with rewind on: its frames are one flat
+colour, G the frame's absolute position in the rollout (so a rewind shows as G
+going back) and B a bit per held key (w=1, a=2, s=4, d=8). static/share.js's
+plain functions are tested by importing the module in the page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from browser_helpers import (
+    KEY_BITS,
+    PageErrors,
+    browser_marks,
+    debug,
+    new_page,
+    overlay_text,
+    wait,
+    wait_blue,
+    wait_frames_drawn,
+    wait_state,
+)
+from servers import LiveServer, fake_settings, running_server
+
+pytestmark = browser_marks
+PHONE = {"width": 390, "height": 844}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(model_options={"compute_delay_s": 0.01})) as live:
+        yield live
+
+
+@pytest.fixture
+def context(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True)
+    yield context
+    context.close()
+
+
+@pytest.fixture
+def page(context: Any, errors: PageErrors) -> Any:
+    return new_page(context, errors)
+
+
+def share_module(page: Any, call: str) -> Any:
+    """Evaluate ``call`` with static/share.js imported as ``m``."""
+    return page.evaluate(f"import('/share.js').then(m => {call})")
+
+
+# ---- share.js: what a link asks for, the links, the timeline ---------------------------------
+
+
+def test_share_mode_reads_watch_and_branch_links(server: LiveServer, page: Any) -> None:
+    page.goto(server.base_url + "/?autoconnect=0")
+
+    def mode(query: str) -> dict[str, Any]:
+        return share_module(page, f"m.shareMode(new URLSearchParams({query!r}))")
+
+    assert mode("") == {"kind": "play"}
+    assert mode("seed=4") == {"kind": "play"}
+    assert mode("watch=r0.abc") == {"kind": "watch", "token": "r0.abc"}
+    assert mode("branch=r0.abc&chunk=12") == {"kind": "branch", "token": "r0.abc", "chunk": 12}
+    assert mode("branch=r0.abc&chunk=0") == {"kind": "branch", "token": "r0.abc", "chunk": 0}
+    for bad in ("watch=", "branch=r0.abc", "branch=r0.abc&chunk=-1", "branch=r0.abc&chunk=1.5",
+                "branch=r0.abc&chunk=99999999999", "branch=&chunk=2", "watch=a&branch=b&chunk=1"):
+        assert mode(bad)["kind"] == "bad", bad
+
+
+def test_share_links_and_timeline_range(server: LiveServer, page: Any) -> None:
+    page.goto(server.base_url + "/?autoconnect=0")
+    links = share_module(page, "m.shareLinks('http://h:1/', 'r0.a+b/c', 7)")
+    assert links == {"watch": "http://h:1/?watch=r0.a%2Bb%2Fc", "branch": "http://h:1/?branch=r0.a%2Bb%2Fc&chunk=7"}
+    assert share_module(page, "m.shareLinks('http://h:1/', 'r0.x', null).branch") is None
+    # A link the page builds reads back as what it was built from.
+    assert share_module(page, "m.shareMode(new URL(m.shareLinks('http://h:1/', 'r0.a+b', 3).branch).searchParams)") == {
+        "kind": "branch", "token": "r0.a+b", "chunk": 3}
+
+    def timeline(points: str) -> Any:
+        return share_module(page, f"m.timelineRange({points})")
+
+    assert timeline("[2, 10]") == {"min": 2, "max": 10}
+    for nothing in ("undefined", "null", "[5, 5]", "[3]", "[-1, 4]", "[1.5, 4]", "[6, 2]", "'2,10'"):
+        assert timeline(nothing) is None, nothing
+    targets = share_module(page, "[1, 2, 9, 10, 11, 3.5].map(b => m.rewindTarget({min: 2, max: 10}, b))")
+    assert targets == [None, 2, 9, None, None, None], "held points only, and the live end is no rewind"
+    ids = share_module(page, "m.raiseIdsPast({tick: 3, event: 9}, 41, [2, 12, 5])")
+    assert ids == {"tick": 42, "event": 13}
+    assert share_module(page, "m.raiseIdsPast({tick: 50, event: 9}, 41, [])") == {"tick": 50, "event": 9}
+
+
+def test_a_broken_share_link_says_so_and_connects_nowhere(server: LiveServer, page: Any) -> None:
+    page.goto(server.base_url + "/?branch=r0.abc")  # no chunk
+    wait_state(page, "ended")
+    assert "share link cannot be used" in overlay_text(page)
+    assert "chunk" in overlay_text(page)
+    assert debug(page)["connects"] == 0
+    with page.expect_navigation():
+        page.click("#overlay-action")  # Start a world of your own
+    assert "branch" not in page.url
+    wait(page, "window.arstreamDebug && window.arstreamDebug.framesDrawn > 2")
+
+
+# ---- against the real server: timeline, watch, branch, pass control -----------------------------
+
+# Enough rewind points that a link made now is still good when a second page opens it (8 chunks
+# of fake-kv at 16 fps is one second; 64 is eight).
+SHARE_POINTS = 64
+
+
+@pytest.fixture(scope="module")
+def sharing(server: LiveServer) -> Iterator[LiveServer]:
+    """A server that keeps many rewind points (the module's ``server`` keeps the default)."""
+    options = {"compute_delay_s": 0.01}
+    with running_server(fake_settings(model_options=options, rewind_points=SHARE_POINTS)) as live:
+        yield live
+
+
+def new_context(browser: Any, viewport: dict[str, int] | None = None) -> Any:
+    return browser.new_context(viewport=viewport or {"width": 1280, "height": 800}, bypass_csp=True)
+
+
+def wait_rewind_span(page: Any, span: int) -> None:
+    """Wait until the timeline offers at least ``span`` chunks to go back over."""
+    wait(page, f"""() => {{
+        const slider = document.getElementById('rewind');
+        return !document.getElementById('timeline').hidden && Number(slider.max) - Number(slider.min) >= {span};
+    }}""")
+
+
+def share_link(page: Any, which: str) -> str:
+    page.click("#share")
+    link = page.input_value(f"#share-{which}")
+    assert link, f"no {which} link"
+    page.keyboard.press("Escape")  # out of the link's text field (Share selects it): the keys steer again
+    return link
+
+
+def badge(page: Any) -> str:
+    return page.evaluate("(b => b.hidden ? '' : b.textContent)(document.getElementById('role-badge'))")
+
+
+def test_timeline_scrub_rewinds_the_world(sharing: LiveServer, page: Any) -> None:
+    page.goto(sharing.base_url + "/")
+    wait_rewind_span(page, 4)
+    assert debug(page)["restarts"] == []
+    newest = int(page.get_attribute("#rewind", "max") or 0)
+    target = newest - 3  # still held when the tick runs: at most two ticks are ahead of it
+    page.fill("#rewind", str(target))  # the slider let go at that point: input, then change
+    wait(page, "window.arstreamDebug.restarts.some(r => r.why === 'rewind')")
+    state = debug(page)
+    assert state["restarts"] == [{"chunk": target, "why": "rewind"}]
+    indexes = state["chunkIndexes"]
+    at = indexes.index(target, indexes.index(newest - 1) + 1)  # the chunk after the rewind, past the live end
+    assert indexes[at - 1] > target, f"the chunk index drops back: {indexes}"
+    assert [tick for tick in state["sentTickIds"] if tick > state["sentTickIds"][0]], "ticks went on"
+    wait(page, f"window.arstreamDebug.chunkIndexes.includes({target + 3}) && "
+               f"window.arstreamDebug.chunkIndexes.lastIndexOf({target + 3}) > {at}")
+    assert "rewound (rewind)" in (page.text_content("#log") or "")
+    assert debug(page)["errors"] == []
+    # The slider follows the world again: its live end is past the rewind point.
+    assert int(page.get_attribute("#rewind", "max") or 0) > target
+
+
+def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
+    sharing: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    player_context, viewer_context = new_context(browser), new_context(browser)
+    try:
+        player = new_page(player_context, errors)
+        player.goto(sharing.base_url + "/")
+        wait_frames_drawn(player, 2)
+        link = share_link(player, "watch")
+        token = debug(player)["shareToken"]
+        assert token and link == f"{sharing.base_url}/?watch={token}"
+        assert badge(player) == "", "nobody watches yet"
+
+        viewer = new_page(viewer_context, errors)
+        viewer.goto(link)
+        wait_frames_drawn(viewer, 6)
+        watched = debug(viewer)
+        assert watched["role"] == "viewer"
+        assert watched["sessionId"] == debug(player)["sessionId"]
+        assert watched["sentTickIds"] == [], "a viewer asks for no chunks"
+        wait(viewer, "document.getElementById('role-badge').textContent === 'viewing · 1 watching'")
+        wait(player, "document.getElementById('role-badge').textContent === '1 watching'")
+        for control in ("#pad", "#reset", "#timeline", "#pass-box"):
+            assert not viewer.is_visible(control), f"{control} is for the player"
+        assert "watching someone steer" in viewer.inner_text("#explain")
+
+        # The viewer's keys steer nothing; the player's show on the viewer's screen.
+        viewer.keyboard.down("a")
+        player.keyboard.down("d")
+        wait_blue(viewer, KEY_BITS["d"])
+        viewer.keyboard.up("a")
+        assert debug(viewer)["sentEventIds"] == []
+        player.keyboard.up("d")
+
+        # The player stops: the watched world has ended, in those words.
+        player.click("#play")
+        wait_state(viewer, "ended")
+        assert "you were watching has ended" in overlay_text(viewer)
+        assert debug(viewer)["errors"] == []
+    finally:
+        player_context.close()
+        viewer_context.close()
+
+
+def test_branch_link_starts_a_new_session_from_that_chunk(
+    sharing: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    context = new_context(browser)
+    try:
+        player = new_page(context, errors)
+        player.goto(sharing.base_url + "/")
+        wait_rewind_span(player, 3)
+        link = share_link(player, "branch")
+        chunk = int(link.rsplit("chunk=", 1)[1])
+        assert chunk >= 3
+
+        brancher = new_page(context, errors)
+        brancher.goto(link)
+        wait_frames_drawn(brancher, 4)
+        branch = debug(brancher)
+        assert branch["role"] == "controller"
+        assert branch["sessionId"] != debug(player)["sessionId"]
+        assert branch["chunkIndexes"][0] == chunk, "the branch's first chunk is the boundary it started from"
+        assert f"branched from chunk {chunk}" in (brancher.text_content("#log") or "")
+        # The source plays on, and the branch is steered by its own page.
+        before = debug(player)["chunksReceived"]
+        brancher.keyboard.down("s")
+        wait_blue(brancher, KEY_BITS["s"])
+        brancher.keyboard.up("s")
+        wait(player, f"window.arstreamDebug.chunksReceived > {before + 2}")
+        assert debug(player)["restarts"] == [] and debug(brancher)["errors"] == []
+    finally:
+        context.close()
+
+
+def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:
+    player_context, viewer_context = new_context(browser), new_context(browser)
+    try:
+        player = new_page(player_context, errors)
+        player.goto(sharing.base_url + "/")
+        wait_frames_drawn(player, 2)
+        viewer = new_page(viewer_context, errors)
+        viewer.goto(share_link(player, "watch"))
+        wait_frames_drawn(viewer, 2)
+        wait(player, "!document.getElementById('pass-box').hidden")
+        options = player.eval_on_selector_all("#pass-to option", "els => els.map(e => e.value)")
+        assert len(options) == 1 and options[0].startswith("v")
+        # The player steers a little first: the session's event ids move on, and the viewer sees them applied.
+        player.keyboard.down("d")
+        wait_blue(viewer, KEY_BITS["d"])
+        player.keyboard.up("d")
+        wait_blue(viewer, 0)
+
+        player.click("#pass")
+        wait(viewer, "window.arstreamDebug.role === 'controller'")
+        wait(player, "window.arstreamDebug.role === 'viewer'")
+        assert "You have the controls" in (viewer.text_content("#notice") or "")
+        assert viewer.is_visible("#pad") and not player.is_visible("#pad")
+        wait(player, "document.getElementById('role-badge').textContent.startsWith('viewing')")
+
+        # The new player steers, and both screens show it; the old one sends nothing more.
+        ticks_before = len(debug(player)["sentTickIds"])
+        viewer.keyboard.down("s")  # s (4), not w (1): JPEG's tolerance of 3 could take 1 for no key
+        wait_blue(viewer, KEY_BITS["s"])
+        wait_blue(player, KEY_BITS["s"])
+        viewer.keyboard.up("s")
+        assert debug(viewer)["sentTickIds"], "the new player asks for the chunks"
+        # Its event ids go on past the old player's (a repeated id would be acknowledged as a duplicate, unused).
+        assert min(debug(viewer)["sentEventIds"]) > max(debug(player)["sentEventIds"])
+        assert len(debug(player)["sentTickIds"]) == ticks_before
+        assert debug(viewer)["errors"] == [], "no stale ids: the new player's ticks start past the session's floor"
+        # A tick the old player sent while the pass crossed the wire is refused, not fatal: nothing else.
+        assert {error["code"] for error in debug(player)["errors"]} <= {"not_controller"}
+        assert debug(player)["state"] == "streaming"
+    finally:
+        player_context.close()
+        viewer_context.close()
+
+
+def test_a_share_link_the_server_cannot_honour_says_so(sharing: LiveServer, page: Any) -> None:
+    page.goto(sharing.base_url + "/?watch=r0.no-such-session")
+    wait_state(page, "ended")
+    assert "share link no longer works" in overlay_text(page)
+    assert page.inner_text("#overlay-action") == "Start a world of your own"
+
+
+def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:
+    player_context = new_context(browser, PHONE)
+    viewer_context = new_context(browser, PHONE)
+    try:
+        player = new_page(player_context, errors)
+        player.goto(sharing.base_url + "/")
+        wait_rewind_span(player, 2)
+        viewer = new_page(viewer_context, errors)
+        viewer.goto(share_link(player, "watch"))
+        wait_frames_drawn(viewer, 2)
+        wait(player, "!document.getElementById('pass-box').hidden")
+        player.click("#share")
+        viewer.click("#share")
+        for page, shown in ((player, ("#timeline", "#pass-box", "#share-branch")), (viewer, ("#share-watch",))):
+            assert page.evaluate("document.scrollingElement.scrollWidth <= window.innerWidth"), "no sideways scroll"
+            for selector in shown:
+                box = page.locator(selector).bounding_box()
+                assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], selector
+        assert viewer.is_visible("#role-badge")
+    finally:
+        player_context.close()
+        viewer_context.close()
