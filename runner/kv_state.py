@@ -317,9 +317,7 @@ class SessionKVState:
         self.pool.free(old)
 
     def _check_at_boundary(self, call: str) -> None:
-        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()) or any(
-            self.dropped.values()
-        ):
+        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()):
             raise PassStateError(f"{call} needs a resident session at a chunk boundary (no forward in flight)")
 
     # ---- release ------------------------------------------------------------------
