@@ -133,6 +133,9 @@ class ReplicaCollector(Collector):
         info = GaugeMetricFamily("arstream_replica_info", "This replica's id and model", labels=["replica_id", "model"])
         info.add_metric([hub.settings.replica_id, str(hub.model_card.get("name", hub.settings.model))], 1)
         yield info
+        runtime = GaugeMetricFamily("arstream_runtime_info", "The AR runtime serving the model", labels=["runtime"])
+        runtime.add_metric([hub.settings.runtime], 1)
+        yield runtime
         ready = 0 if hub.admission_refusal() else 1
         yield _gauge("arstream_ready", "1 while the replica admits new sessions (/readyz), else 0", ready)
         active = sum(1 for c in hub.connections.values() if c.session is not None and c.session.pending_ticks > 0)

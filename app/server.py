@@ -96,7 +96,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         document = hub.stats()
         if document is None:
             return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
-        return JSONResponse(document)
+        return JSONResponse({**document, "runtime": hub.settings.runtime})
 
     @app.get("/metrics")
     async def metrics() -> Response:

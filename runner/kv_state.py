@@ -70,13 +70,10 @@ class SessionKVState:
         self.sink: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.window: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.pending: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
-        # History dropped at a reset boundary: still held until the chunk joins the history.
-        self.dropped: dict[str, list[int]] = {b: [] for b in self.spec.branch_names}
         self.frames_committed = 0
         self.chunks_committed = 0
-        # Absolute position of the first sink frame (not 0 after a reset boundary).
+        # Absolute position of the first sink frame (0: the sink is the rollout's first frames).
         self.sink_start = 0
-        self._sink_start_before_drop = 0
         self.released = False
         self.staging_row = 0
         self._hold_commit = False
@@ -168,10 +165,9 @@ class SessionKVState:
     def abort_forward(self) -> None:
         """Undo the forward's unfinished work so the tick can run again.
 
-        An open pass is closed, a committed-but-held chunk is dropped, the
-        chunk's blocks go back to the pool, and a history dropped at a reset
-        boundary is restored: block tables and frame counter are as they were
-        before the forward. Only a held chunk can be undone this way; one that
+        An open pass is closed, a committed-but-held chunk is dropped and the
+        chunk's blocks go back to the pool: block tables and frame counter are
+        as they were before the forward. Only a held chunk can be undone this way; one that
         joined the history already (``hold_commit=False``) is part of it.
         """
         self._in_pass = False
@@ -179,11 +175,7 @@ class SessionKVState:
         pending = [i for b in self.spec.branch_names for i in self.pending[b]]
         for branch in self.spec.branch_names:
             self.pending[branch] = []
-            if self.dropped[branch]:
-                self.sink[branch], self.window[branch] = self._split_history(self.dropped[branch])
-                self.dropped[branch] = []
-                self.sink_start = self._sink_start_before_drop
-        # The staging row may hold the chunk's K/V or an emptied history: gather afresh next time.
+        # The staging row may hold the chunk's K/V: gather afresh next time.
         self._history_version += 1
         self.pool.free(pending)
 
@@ -197,10 +189,6 @@ class SessionKVState:
         if self._chunk_held:
             raise PassStateError("begin_pass after this forward's chunk was committed; one commit per forward")
         spec = self.spec
-        if commit and spec.reset_at_boundary and self.history_frames(spec.branch_names[0]) + (
-            spec.frames_per_chunk
-        ) > spec.resident_frames:
-            self._drop_history()
         owner = (id(self), self._history_version)
         if self.pool.staging_owners[self.staging_row] != owner:
             self._gather_history()
@@ -270,10 +258,10 @@ class SessionKVState:
         for branch in spec.branch_names:
             new = self.pending[branch]
             self.pending[branch] = []
-            self.pool.free(self.dropped[branch])
-            self.dropped[branch] = []
             self.sink[branch], self.window[branch] = self._split_history(self.sink[branch] + self.window[branch] + new)
-            overflow = len(self.window[branch]) - spec.history_window_frames
+            # reset_at_boundary keeps only the sink between chunks (vLLM-Omni's meaning; see KVCacheSpec).
+            kept = 0 if spec.reset_at_boundary else spec.history_window_frames
+            overflow = len(self.window[branch]) - kept
             if overflow > 0:
                 evicted = self.window[branch][:overflow]
                 del self.window[branch][:overflow]
@@ -329,9 +317,7 @@ class SessionKVState:
         self.pool.free(old)
 
     def _check_at_boundary(self, call: str) -> None:
-        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()) or any(
-            self.dropped.values()
-        ):
+        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()):
             raise PassStateError(f"{call} needs a resident session at a chunk boundary (no forward in flight)")
 
     # ---- release ------------------------------------------------------------------
@@ -340,17 +326,8 @@ class SessionKVState:
         return [
             i
             for b in self.spec.branch_names
-            for i in self.sink[b] + self.window[b] + self.pending[b] + self.dropped[b]
+            for i in self.sink[b] + self.window[b] + self.pending[b]
         ]
-
-    def _drop_history(self) -> None:
-        """Start the history over at a reset boundary; the old blocks are freed when the chunk joins."""
-        self._sink_start_before_drop = self.sink_start
-        for branch in self.spec.branch_names:
-            self.dropped[branch] = self.sink[branch] + self.window[branch]
-            self.sink[branch] = []
-            self.window[branch] = []
-        self._history_version += 1
 
     def release(self) -> None:
         """Return every block and the cross slot to the pool; safe to call twice."""
@@ -365,7 +342,7 @@ class SessionKVState:
                 owners[row] = None
         held = self.held_blocks()
         for branch in self.spec.branch_names:
-            self.sink[branch], self.window[branch], self.pending[branch], self.dropped[branch] = [], [], [], []
+            self.sink[branch], self.window[branch], self.pending[branch] = [], [], []
         try:
             self.pool.free(held)
         finally:

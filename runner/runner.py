@@ -56,6 +56,7 @@ from arstream.runner.types import (
 
 log = logging.getLogger("arstream.runner")
 
+RUNTIME = "arstream"  # the name `arstream serve --runtime` gives this runner (runner/types.py RUNTIMES)
 WARMUP_SESSION_ID = "__arstream_warmup__"
 
 
@@ -609,7 +610,7 @@ class ARRunner:
         )
 
     def model_card(self) -> dict[str, Any]:
-        return self.pipeline.model_card()
+        return {**self.pipeline.model_card(), "runtime": RUNTIME}
 
 
 def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:

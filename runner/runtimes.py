@@ -101,7 +101,7 @@ def build_runtime(
         if isinstance(pipeline, NativePipeline):
             from arstream.runner.vllm_omni.native import build_native_runner
 
-            return build_native_runner(pipeline)
+            return build_native_runner(pipeline, **options)
         from arstream.runner.vllm_omni.runtime import VllmOmniRunner
 
         return VllmOmniRunner(pipeline, **options)

@@ -189,7 +189,7 @@ def export_session(runner: ARRunner, session_id: str, *, protocol_version: int |
     state = runner.kv_state(session_id)
     if state is None:
         raise SnapshotError(f"session {session_id!r} is not resident; nothing to export")
-    if state.in_pass or state.chunk_held or any(state.pending.values()) or any(state.dropped.values()):
+    if state.in_pass or state.chunk_held or any(state.pending.values()):
         raise SnapshotError(f"session {session_id!r} is inside a forward; export only at a chunk boundary")
     spec = runner.spec
     tensors: dict[str, torch.Tensor] = {}

@@ -40,8 +40,10 @@ class KVCacheSpec:
     Matrix-Game's ``local_attn_size`` count it; so between chunks a session
     keeps ``sink_frames`` blocks forever plus the last
     :attr:`history_window_frames` (``window_frames - frames_per_chunk``)
-    blocks, per branch. ``reset_at_boundary`` drops the whole history (sink
-    included) when it is full instead of sliding it.
+    blocks, per branch. ``reset_at_boundary`` keeps only the sink between
+    chunks: each chunk sees the sink and itself, the window is dropped at every
+    chunk boundary (vLLM-Omni's meaning, ``chunk_window_skipped_tokens``; the
+    conformance suite checks both runtimes agree).
 
     ``max_position_frames`` is the length (in frames) of the model's rotary
     table, when it has one: the positions :meth:`SessionKVState.frame_positions`

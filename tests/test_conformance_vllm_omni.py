@@ -216,6 +216,24 @@ def test_window_counts_the_current_chunk_on_both() -> None:
         assert last[1] is True and last[3].shape[0] == visible
 
 
+def test_reset_at_boundary_keeps_only_the_sink_on_both() -> None:
+    """One meaning of ``reset_at_boundary``: every chunk sees the sink and itself (2, 3, 3, 3 frames), same K/V."""
+    arstream, omni = both(lambda: RecordingToyPipeline(reset_at_boundary=True))
+    spec = arstream.spec
+    for i in range(6):
+        for runner in (arstream, omni):
+            runner.execute_tick(TickRequest(session_id="s", request_id=i, seed=5))
+    seen = {}
+    for runner in (arstream, omni):
+        commits = [p for p in runner.pipeline.passes if p[1] and p[2] == 0]
+        seen[runner] = [entry[3].shape[0] // spec.tokens_per_frame for entry in commits]
+        assert seen[runner] == [2, 3, 3, 3, 3, 3]
+    for left, right in zip(arstream.pipeline.passes, omni.pipeline.passes):
+        assert torch.equal(left[3], right[3]) and torch.equal(left[4], right[4])
+    assert arstream.stats().blocks_used == spec.sink_frames
+    assert omni.stats().blocks_used == spec.sink_frames
+
+
 @pytest.mark.parametrize("model", ["fake-kv", "tiny-world"])
 def test_shipped_pipelines_give_the_same_frames(model: str) -> None:
     """fake-kv (frames encode the KV read) and tiny-world give identical chunks on both runtimes."""

@@ -100,16 +100,17 @@ def test_another_session_between_passes_does_not_corrupt_staging() -> None:
     assert commit_chunk(b, [102, 103]) == [100, 101, 102, 103]
 
 
-def test_reset_at_boundary_drops_the_whole_history_when_full() -> None:
+def test_reset_at_boundary_keeps_only_the_sink_between_chunks() -> None:
+    """vLLM-Omni's meaning: every chunk sees the sink and itself (2, 3, 3, 3 frames with sink 1 and 2 a chunk)."""
     pool = make_pool(reset_at_boundary=True)
     state = SessionKVState(pool, "a")
     assert commit_chunk(state, [0, 1]) == [0, 1]
-    assert commit_chunk(state, [2, 3]) == [0, 1, 2, 3]
-    # 4 frames held + 2 would exceed sink + window (5): start over, positions keep counting
-    assert commit_chunk(state, [4, 5]) == [4, 5]
-    assert commit_chunk(state, [6, 7]) == [4, 5, 6, 7]
+    assert commit_chunk(state, [2, 3]) == [0, 2, 3]
+    assert commit_chunk(state, [4, 5]) == [0, 4, 5]
+    assert state.frame_positions() == [0, 6, 7]
+    assert commit_chunk(state, [6, 7]) == [0, 6, 7]
     assert state.frame_start == 8
-    assert pool.num_used == 4
+    assert pool.num_used == pool.spec.sink_frames
 
 
 def test_release_returns_everything_even_mid_pass_and_twice() -> None:
@@ -212,22 +213,6 @@ def test_abort_forward_returns_the_chunk_blocks_and_keeps_the_history(stage: str
     assert commit_chunk(state, [6, 7]) == [0, 2, 3, 4, 5, 6, 7]
 
 
-def test_abort_forward_restores_a_history_dropped_at_a_reset_boundary() -> None:
-    pool = make_batch_pool(reset_at_boundary=True)
-    state = SessionKVState(pool, "a")
-    commit_chunk(state, [0, 1])
-    commit_chunk(state, [2, 3])
-    before, used = tables(state), pool.num_used
-    state.prepare_forward(hold_commit=True)
-    state.begin_pass(commit=True)
-    assert state.history_frames() == 0 and pool.num_used == used + 2  # dropped but still held
-    state.abort_forward()
-    assert tables(state) == before and pool.num_used == used
-    state.prepare_forward()
-    assert commit_chunk(state, [4, 5]) == [4, 5]
-    assert pool.num_used == 2
-
-
 def test_prepare_forward_refuses_a_missing_row_and_a_running_forward() -> None:
     state = SessionKVState(make_batch_pool(rows=2), "a")
     with pytest.raises(PassStateError, match="staging row 2 does not exist"):
@@ -267,14 +252,6 @@ def test_frame_positions_without_a_sink_keep_every_distance() -> None:
         assert positions == list(range(positions[0], positions[0] + len(positions))) and positions[-1] < 8
         commit_chunk(state, [0.0, 0.0])
     assert state.frame_start == 60
-
-
-def test_frame_positions_after_a_reset_boundary_start_at_the_new_sink() -> None:
-    state = SessionKVState(make_pool(reset_at_boundary=True), "a")
-    for c in range(3):
-        commit_chunk(state, [0.0, 0.0])
-    # the third chunk started the history over at frame 4
-    assert state.frame_positions() == [4, 5, 6, 7]
 
 
 def test_a_rotary_table_shorter_than_the_window_is_refused() -> None:

@@ -389,3 +389,13 @@ def test_pending_ticks_and_stats_while_connected(server: LiveServer, baseline: i
     assert stats["kv"]["blocks_used"] + stats["kv"]["blocks_free"] == stats["kv"]["blocks_total"]
     assert stats["chunks"]["total"] >= 1 and stats["chunks"]["compute_ms_p50"] is not None
     assert json.dumps(stats)  # plain JSON
+
+
+def test_the_runtime_in_use_shows_in_stats_metrics_and_the_model_card() -> None:
+    """``arstream`` here; the vLLM-Omni lane runs this with ARSTREAM_RUNTIME=vllm-omni and sees that name."""
+    settings = fake_settings()
+    with running_server(settings) as server:
+        assert server.stats()["runtime"] == settings.runtime
+        assert server.get("/v1/model").json()["runtime"] == settings.runtime
+        exposition = server.get("/metrics").text
+        assert f'arstream_runtime_info{{runtime="{settings.runtime}"}} 1.0' in exposition

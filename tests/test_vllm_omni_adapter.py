@@ -91,6 +91,27 @@ def test_both_libraries_run_on_arstreams_cpu_platform() -> None:
     assert current_omni_platform.get_free_memory() > 0 and not current_omni_platform.supports_torch_inductor()
 
 
+def test_the_plugins_answer_only_after_arstreams_runtime_activated_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "_active", False)
+    assert platform.register_vllm() is None and platform.register_omni() is None
+
+
+def test_plain_vllm_resolves_its_own_platform_with_arstream_installed() -> None:
+    """A program that is not ARStream's runtime gets vLLM's and vLLM-Omni's own platforms, not ARStream's."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.platforms import current_platform as p\n"
+        "from vllm_omni.platforms import current_omni_platform as o\n"
+        "print(type(p).__module__, type(p).__name__, type(o).__module__, type(o).__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    vllm_module, vllm_name, omni_module, omni_name = done.stdout.split()[-4:]
+    assert not vllm_module.startswith("arstream") and not omni_module.startswith("arstream"), done.stdout
+    assert vllm_module.startswith("vllm.") and omni_module.startswith("vllm_omni."), done.stdout
+
+
 def test_the_factory_builds_either_runtime_and_names_the_choices() -> None:
     assert isinstance(build_runtime("vllm-omni", FakeKVPipeline(), kv_budget_bytes=BUDGET), VllmOmniRunner)
     with pytest.raises(UnsupportedConfiguration, match="expected one of"):

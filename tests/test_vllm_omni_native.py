@@ -1,9 +1,8 @@
 """Pipelines registered in vLLM-Omni itself, named ``vllm-omni:<name>``: resolution and refusals.
 
-No weights are here, and their modules do not import beside the CPU torch
-(both need torchvision), so generation is not tested: only that a name
-resolves to vLLM-Omni's own registry entry, and that every wrong
-configuration is refused in one line before a server binds.
+Only that a name resolves to vLLM-Omni's own registry entry, and that every
+wrong configuration is refused in one line before a server binds; serving
+LingBot-World (a tiny random-weight checkpoint) is test_vllm_omni_lingbot.py.
 Needs vLLM-Omni (``scripts/test-vllm-omni.sh``); the main suite skips this module.
 """
 
@@ -80,14 +79,13 @@ def test_the_arstream_runtime_refuses_a_vllm_omni_model(tmp_path: Path) -> None:
         build_runtime("arstream", native, kv_budget_bytes=1 << 20)
 
 
-@pytest.mark.parametrize("arch", [LINGBOT, DREAMZERO])
-def test_the_vllm_omni_runtime_names_what_blocks_serving_it(arch: str, tmp_path: Path) -> None:
-    """Here their modules fail to import (torchvision); where they import, serving is refused with the reason."""
-    native = load_pipeline(f"vllm-omni:{arch}", model=str(tmp_path))
-    with pytest.raises(UnsupportedConfiguration, match=rf"^vllm-omni:{arch} ") as refused:
+def test_a_registered_ar_diffusion_pipeline_that_is_no_world_model_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """DreamZero (a robot policy) is AR-Diffusion but returns actions; LingBot-World: test_vllm_omni_lingbot.py."""
+    native = load_pipeline(f"vllm-omni:{DREAMZERO}", model=str(tmp_path))
+    with pytest.raises(UnsupportedConfiguration, match=rf"^vllm-omni:{DREAMZERO} ") as refused:
         build_runtime("vllm-omni", native, kv_budget_bytes=1 << 20)
     message = str(refused.value)
-    assert "does not import here" in message or "serving it is not wired" in message, message
+    assert "robot policy" in message or "does not import here" in message, message
 
 
 def test_a_registered_pipeline_that_is_not_ar_diffusion_is_refused_when_the_runtime_is_built(tmp_path: Path) -> None:

@@ -8,7 +8,10 @@ diffusion runner calls on every load and forward: peak-memory bookkeeping
 ``max_memory_allocated``), the device barrier (``synchronize``), the free
 memory that sizes the KV pool (``get_free_memory``), the load-time memory
 profiler's ``get_current_memory_usage`` (asked of vLLM's platform) and
-``supports_torch_inductor``. On CPU each has a plain answer: work is
+``supports_torch_inductor``; for vLLM-Omni's own pipelines (LingBot-World)
+also the device count and process-group backend of its single-rank
+distributed set-up, and the diffusion attention backend (omni_platform.py).
+On CPU each has a plain answer: work is
 synchronous, there is no caching allocator to report on, host memory is what
 is free, and the runner runs eager.
 
@@ -31,6 +34,17 @@ class CPUHooks:
     device_name = "cpu"
     device_type = "cpu"
     dispatch_key = "CPU"
+    # The process group vLLM-Omni's model code needs (tensor/sequence-parallel groups of one rank) runs on gloo.
+    dist_backend = "gloo"
+
+    @classmethod
+    def get_device_count(cls) -> int:
+        """One device, the host: vLLM-Omni's distributed set-up maps ranks onto devices by this count."""
+        return 1
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """Nothing to select on the host."""
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

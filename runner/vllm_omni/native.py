@@ -75,9 +75,9 @@ def check_weights(name: str, options: dict[str, Any]) -> Path:
 
 
 def _registry() -> Any:
-    from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations
+    from arstream.runner.vllm_omni.deprecations import importing_vllm
 
-    with ignoring_their_deprecations():  # importing vLLM warns about its own use of torch
+    with importing_vllm():
         from vllm_omni.diffusion.registry import DiffusionModelRegistry
     return DiffusionModelRegistry
 
@@ -111,6 +111,9 @@ def resolve(arch: str, options: dict[str, Any]) -> NativePipeline:
 
 def load_class(native: NativePipeline) -> type:
     """Import the registered class and check it is an AR-Diffusion pipeline; clear errors otherwise."""
+    from arstream.runner.vllm_omni.workarounds import stub_torchvision_if_missing
+
+    stub_torchvision_if_missing()
     try:
         module = importlib.import_module(native.module_name)
     except ImportError as exc:
@@ -127,22 +130,8 @@ def load_class(native: NativePipeline) -> type:
     return cls
 
 
-def build_native_runner(native: NativePipeline) -> Any:
-    """Refuse, after resolving the class, with what blocks serving it (see docs/vllm-omni.md).
+def build_native_runner(native: NativePipeline, **options: Any) -> Any:
+    """vLLM-Omni's runner serving ``native`` (imports vLLM; see :mod:`arstream.runner.vllm_omni.native_runner`)."""
+    from arstream.runner.vllm_omni.native_runner import NativeOmniRunner
 
-    VllmOmniRunner drives vLLM-Omni's runner in request mode (one
-    ``execute_model`` per tick) and streams the RGB frames each tick returns.
-    vLLM-Omni 0.30.0's AR-Diffusion pipelines return none there:
-    LingBot-World refuses request-mode ticks unless ``output_type='latent'``
-    (its pixels come only from its step-execution path, ``execute_stepwise``
-    with a per-session streaming VAE decode, which this runtime does not
-    drive), and its ticks need a conditioning image and exactly one ``camera``
-    control track in its own schemas; DreamZero is a robot policy whose ticks
-    carry ``robot_obs`` and return ``actions``. Loading their weights without
-    serving frames would only take GPU memory, so the runtime stops here.
-    """
-    load_class(native)
-    raise UnsupportedConfiguration(
-        f"{native.name} resolves to vLLM-Omni's {native.module_name}.{native.class_name}, but serving it is not "
-        "wired: its request-mode ticks return no RGB frames (latents or actions; docs/vllm-omni.md)"
-    )
+    return NativeOmniRunner(native, **options)

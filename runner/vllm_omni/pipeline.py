@@ -22,17 +22,20 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVCacheSpec
-from vllm_omni.experimental.ar_diffusion.tick_protocol import ARDiffusionControlInput, ARDiffusionTickRequest
-from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 from arstream.runner.contract import ARPipeline, SupportsWarmup
 from arstream.runner.runner import _check_frames, _video_frames
 from arstream.runner.types import TickRequest
+from arstream.runner.vllm_omni.deprecations import importing_vllm
 from arstream.runner.vllm_omni.spec import to_omni_spec
 from arstream.runner.vllm_omni.state import OmniSessionKVState
+
+with importing_vllm():
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVCacheSpec
+    from vllm_omni.experimental.ar_diffusion.tick_protocol import ARDiffusionControlInput, ARDiffusionTickRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 CONTROLS_TRACK = "controls"
 CONTROLS_SCHEMA = "arstream.controls"

@@ -29,16 +29,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from arstream.runner.contract import ARPipeline, SupportsWarmup
 from arstream.runner.runner import WARMUP_SESSION_ID
+from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest, TickResult
-from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations
+from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations, importing_vllm
 
-with ignoring_their_deprecations():  # importing vLLM (about 10 s, 0.9 GB) warns about its own use of torch
+with importing_vllm():  # about 10 s and 0.9 GB
     from vllm.config import VllmConfig
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
@@ -48,6 +50,7 @@ with ignoring_their_deprecations():  # importing vLLM (about 10 s, 0.9 GB) warns
 
 log = logging.getLogger("arstream.runner.vllm_omni")
 
+RUNTIME = "vllm-omni"
 REWIND_REFUSAL = (
     "the vllm-omni runtime cannot rewind or branch a session: vLLM-Omni's block pool has no shared "
     "(reference-counted) blocks to keep chunk boundaries in; serve with --runtime arstream for rewind and branch"
@@ -56,36 +59,45 @@ REWIND_REFUSAL = (
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9  # ARStream's default, so one setting means the same on both runtimes
 
 
-def build_model_runner(
-    pipeline: ARPipeline, *, device: torch.device, budget_bytes: int | None, memory_fraction: float | None
-) -> Any:
-    """vLLM-Omni's AR-Diffusion runner with ``pipeline`` loaded (through the adapter) and its pool built.
+def kv_config(
+    device: torch.device, budget_bytes: int | None, memory_fraction: float | None
+) -> tuple[int | None, ARDiffusionKVConfig]:
+    """(byte budget, vLLM-Omni's KV config) for ARStream's budget settings, which mean the same on both runtimes.
 
-    The KV budget means what it means on ARStream: an explicit byte count, or
-    a fraction of free device memory. vLLM-Omni sizes its pool from free
-    device memory times a fraction; with a byte count the runner is told that
-    count is what is free, at fraction 1.
+    An explicit byte count, or a fraction of free device memory. vLLM-Omni
+    sizes its pool from free device memory times a fraction; with a byte
+    count the runner is told that count is what is free, at fraction 1.
     """
     if budget_bytes is None and device.type == "cpu":
         raise UnsupportedConfiguration("on cpu the KV budget must be given in bytes (no free-memory query)")
     fraction = 1.0 if budget_bytes is not None else (memory_fraction or DEFAULT_CUDA_MEMORY_FRACTION)
-    spec = pipeline.kv_cache_spec()
+    return budget_bytes, ARDiffusionKVConfig(enable=True, gpu_memory_fraction=fraction)
+
+
+def budgeted_runner_class(budget_bytes: int | None) -> type[ARDiffusionModelRunner]:
+    """vLLM-Omni's runner, told the byte budget instead of querying free memory when one is given."""
 
     class BudgetedRunner(ARDiffusionModelRunner):
-        """vLLM-Omni's runner, told the byte budget instead of querying free memory when one is given."""
-
         def _available_memory_bytes(self) -> int:
             return budget_bytes if budget_bytes is not None else super()._available_memory_bytes()
 
+    return BudgetedRunner
+
+
+def build_model_runner(
+    pipeline: ARPipeline, *, device: torch.device, budget_bytes: int | None, memory_fraction: float | None
+) -> Any:
+    """vLLM-Omni's AR-Diffusion runner with ``pipeline`` loaded (through the adapter) and its pool built."""
+    budget, config = kv_config(device, budget_bytes, memory_fraction)
     od_config = OmniDiffusionConfig(
         model_class_name="OmniPipelineAdapter",
-        dtype=spec.dtype,
+        dtype=pipeline.kv_cache_spec().dtype,
         enforce_eager=True,  # no torch.compile / graph capture: the adapter's pipeline is eager
-        model_config={"ar_diffusion_kv_config": ARDiffusionKVConfig(enable=True, gpu_memory_fraction=fraction)},
+        model_config={"ar_diffusion_kv_config": config},
     )
     # Loading imports more of vLLM lazily; see ignoring_their_deprecations.
     with ignoring_their_deprecations():
-        runner = BudgetedRunner(VllmConfig(), od_config, device)
+        runner = budgeted_runner_class(budget)(VllmConfig(), od_config, device)
         runner.load_model(load_format="custom_pipeline", custom_pipeline_name=adapter_class(pipeline, device))
     return runner
 
@@ -107,14 +119,20 @@ class VllmOmniRunner:
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise UnsupportedConfiguration(f"{type(pipeline).__name__} does not implement the ARPipeline contract")
-        self.device = torch.device(device)
         self.pipeline = pipeline
-        self.spec = pipeline.kv_cache_spec()
         if max_batch_sessions != 1:
             log.info("vllm-omni runs one session per forward; max_batch_sessions=%d is not used", max_batch_sessions)
-        self.model_runner = build_model_runner(
-            pipeline, device=self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction
+        device = torch.device(device)
+        model_runner = build_model_runner(
+            pipeline, device=device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction
         )
+        self._attach(model_runner, pipeline.kv_cache_spec(), device)
+
+    def _attach(self, model_runner: Any, spec: KVCacheSpec, device: torch.device) -> None:
+        """Observe ``model_runner`` (loaded, its pool built) whose sessions have the geometry ``spec``."""
+        self.device = device
+        self.spec = spec
+        self.model_runner = model_runner
         self.kv_cache = self.model_runner.kv_cache
         self.blocks_free_at_start = self.blocks_free
         self.counters = RuntimeCounters()
@@ -209,7 +227,8 @@ class VllmOmniRunner:
         chunk_index = 0 if fresh else self.next_chunk_index(tick.session_id)
         started = time.perf_counter()
         try:
-            output = self.model_runner.execute_model(to_omni_request(tick, chunk_index))
+            output = self.model_runner.execute_model(self._request(tick, chunk_index))
+            frames = self._frames(output, tick)
         except Exception:
             self.counters.failures_total += 1
             raise
@@ -221,11 +240,19 @@ class VllmOmniRunner:
             session_id=tick.session_id,
             request_id=tick.request_id,
             chunk_index=chunk_index,
-            frames=output.output.numpy(),
+            frames=frames,
             compute_s=compute_s,
             new_rollout=fresh,
             applied_event_ids=tick.applied_event_ids,
         )
+
+    def _request(self, tick: TickRequest, chunk_index: int) -> Any:
+        return to_omni_request(tick, chunk_index)
+
+    def _frames(self, output: Any, tick: TickRequest) -> np.ndarray:
+        """The chunk's frames from what ``execute_model`` returned (the adapter checked them in the forward)."""
+        frames: np.ndarray = output.output.numpy()
+        return frames
 
     def _notice_evictions(self, before: list[str], session_id: str) -> None:
         """Sessions that were resident before a tick and are gone after it (not the tick's own) were evicted."""
@@ -243,12 +270,13 @@ class VllmOmniRunner:
         afterwards; :attr:`warmup_round_s` keeps the median step for realtime
         admission, as ARRunner's does. The pool must end as it began.
         """
-        if not isinstance(self.pipeline, SupportsWarmup):
+        ticks = self._warmup_ticks()
+        if not ticks:
             return 0
         free_before = self.blocks_free
         steps: list[float] = []
         try:
-            for tick in self.pipeline.warmup_requests(WARMUP_SESSION_ID):
+            for tick in ticks:
                 started = time.perf_counter()
                 self.execute_tick(tick)
                 steps.append(time.perf_counter() - started)
@@ -260,6 +288,11 @@ class VllmOmniRunner:
         if self.blocks_free != free_before:
             raise RuntimeError(f"warm-up did not restore the KV pool (free {free_before} -> {self.blocks_free})")
         return len(steps)
+
+    def _warmup_ticks(self) -> list[TickRequest]:
+        if not isinstance(self.pipeline, SupportsWarmup):
+            return []
+        return list(self.pipeline.warmup_requests(WARMUP_SESSION_ID))
 
     def stats(self) -> RunnerStats:
         free = self.blocks_free
@@ -279,4 +312,5 @@ class VllmOmniRunner:
 
     def model_card(self) -> dict[str, Any]:
         """The pipeline's card without ``start_images``: a start image cannot travel in vLLM-Omni's tick."""
-        return {key: value for key, value in self.pipeline.model_card().items() if key != "start_images"}
+        card = {key: value for key, value in self.pipeline.model_card().items() if key != "start_images"}
+        return {**card, "runtime": RUNTIME}

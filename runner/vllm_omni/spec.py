@@ -18,10 +18,14 @@ and docs can compare the two from one budget.
 
 from __future__ import annotations
 
-from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+import torch
 
+from arstream.runner.spec import KVBranch, KVCacheSpec
 from arstream.runner.types import UnsupportedConfiguration
-from arstream.runner.spec import KVCacheSpec
+from arstream.runner.vllm_omni.deprecations import importing_vllm
+
+with importing_vllm():
+    from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 
 
 def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
@@ -48,9 +52,34 @@ def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
     )
 
 
+def from_omni_spec(omni: ARDiffusionKVCacheSpec, dtype: torch.dtype) -> KVCacheSpec:
+    """A vLLM-Omni pipeline's spec in ARStream's terms, for the server's stats and capacity figures."""
+    return KVCacheSpec(
+        num_layers=omni.num_layers,
+        num_kv_heads=omni.num_kv_heads,
+        head_size=omni.head_size,
+        tokens_per_frame=omni.tokens_per_frame,
+        frames_per_chunk=omni.frames_per_block,
+        sink_frames=omni.sink_frames,
+        window_frames=omni.window_frames,
+        kv_branches=tuple(KVBranch(b.name, b.local_index) for b in omni.kv_branches),
+        session_capacity=omni.session_capacity,
+        cross_attention_lengths=dict(omni.cross_attention_lengths),
+        model_owned_bytes_per_session=omni.model_owned_state_bytes_per_session,
+        reset_at_boundary=omni.reset_at_boundary,
+        dtype=dtype,
+    )
+
+
 def omni_resident_blocks(spec: KVCacheSpec, frames_committed: int) -> int:
     """Blocks vLLM-Omni keeps for one session, per branch, after ``frames_committed`` frames (sliding window)."""
     return min(frames_committed, spec.sink_frames + spec.window_frames)
+
+
+def omni_session_bytes(spec: KVCacheSpec) -> int:
+    """What one resident session costs vLLM-Omni: ``sink + window`` blocks per branch, cross-attention, model state."""
+    resident = (spec.sink_frames + spec.window_frames) * len(spec.kv_branches) * spec.block_bytes
+    return resident + spec.cross_attention_bytes_per_session + spec.model_owned_bytes_per_session
 
 
 def omni_session_capacity(spec: KVCacheSpec, budget_bytes: int) -> int:
@@ -58,13 +87,12 @@ def omni_session_capacity(spec: KVCacheSpec, budget_bytes: int) -> int:
 
     Its sizing (``ARDiffusionKVCache``, memory fraction 1): scratch of one
     chunk per branch, one in-flight chunk per branch, two blocks vLLM's block
-    pool keeps for itself (the null block and one spare), and ``sink + window``
-    blocks per branch for each resident session, plus model-owned bytes.
+    pool keeps for itself (the null block and one spare), and per resident
+    session :func:`omni_session_bytes`.
     """
     branches = len(spec.kv_branches)
-    block = spec.block_bytes
-    fixed = (spec.frames_per_chunk * branches + spec.frames_per_chunk * branches + 2) * block
-    per_session = (spec.sink_frames + spec.window_frames) * branches * block + spec.model_owned_bytes_per_session
+    fixed = (spec.frames_per_chunk * branches + spec.frames_per_chunk * branches + 2) * spec.block_bytes
+    per_session = omni_session_bytes(spec)
     if budget_bytes < fixed + per_session:
         return 0
     return min(spec.session_capacity, (budget_bytes - fixed) // per_session)
