@@ -315,7 +315,7 @@ class Connection:
             except TimeoutError:
                 continue
 
-    async def _reply(self, payload: dict[str, Any]) -> None:
+    def _reply(self, payload: dict[str, Any]) -> None:
         self.outbox.push_reply(dumps(payload))
         self._check_send_backlog()
 
@@ -333,15 +333,15 @@ class Connection:
         if self.transport is not None:
             self.transport.drop_now("send_buffer", detail)
 
-    async def _reply_error(self, error: ProtocolError) -> None:
+    def _reply_error(self, error: ProtocolError) -> None:
         self.metrics.errors.labels(code=str(error.code)).inc()
-        await self._reply(error_message(error.code, error.message, tick_id=error.tick_id))
+        self._reply(error_message(error.code, error.message, tick_id=error.tick_id))
 
     async def _handle(self, session: Session, message: dict[str, Any]) -> None:
         text = message.get("text")
         if text is None:
             if message.get("bytes") is not None:
-                await self._reply_error(
+                self._reply_error(
                     ProtocolError(ErrorCode.INVALID_MESSAGE, "binary messages from the client are not part of protocol 1")
                 )
             return
@@ -353,7 +353,7 @@ class Connection:
         try:
             parsed = parse_client_message(text)
             if self.role == ROLE_VIEWER:
-                await self._handle_as_viewer(parsed)
+                self._handle_as_viewer(parsed)
             elif isinstance(parsed, TickMessage):
                 self._validate_controls(parsed.controls, tick_id=parsed.tick_id)
                 job = session.accept_tick(parsed)
@@ -370,9 +370,9 @@ class Connection:
                 self._validate_controls(parsed.controls, tick_id=None)
                 duplicate = session.accept_event(parsed)
                 self._idle_since = asyncio.get_running_loop().time()
-                await self._reply(ack_message(parsed.event_id, duplicate=duplicate))
+                self._reply(ack_message(parsed.event_id, duplicate=duplicate))
             elif isinstance(parsed, PingMessage):
-                await self._reply(pong_message(parsed.t))
+                self._reply(pong_message(parsed.t))
             elif isinstance(parsed, CloseMessage):
                 log.info("session=%s closed by the client", self.session_id)
                 self._close(CLOSE_NORMAL, CloseReason.CLIENT)
@@ -381,12 +381,12 @@ class Connection:
             else:
                 raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
         except ProtocolError as exc:
-            await self._reply_error(exc)
+            self._reply_error(exc)
 
-    async def _handle_as_viewer(self, parsed: ClientMessage) -> None:
+    def _handle_as_viewer(self, parsed: ClientMessage) -> None:
         """A viewer may ping and close; what only the controller may send gets not_controller."""
         if isinstance(parsed, PingMessage):
-            await self._reply(pong_message(parsed.t))
+            self._reply(pong_message(parsed.t))
         elif isinstance(parsed, CloseMessage):
             log.info("session=%s viewer %s closed by the client", self.session_id, self.viewer_id)
             self._close(CLOSE_NORMAL, CloseReason.CLIENT)
