@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 import websockets
@@ -136,23 +135,6 @@ def rewind_plan(to: int | None, after: int | None, ticks: int) -> Rewind | None:
     if to > after:
         raise ValueError(f"--rewind-to {to} is a chunk the session has not reached after {after} ticks")
     return Rewind(to=to, after=after)
-
-
-def with_fields(message: str, **fields: Any) -> str:
-    """A JSON message from :mod:`arstream.app.wire` with the rewind/branch/watch fields added (None left out)."""
-    extended = json.loads(message)
-    extended.update({key: value for key, value in fields.items() if value is not None})
-    return json.dumps(extended, allow_nan=False)
-
-
-def share_session_url(url: str, *, token: str | None = None, share: str | None = None) -> str:
-    """The session URL with ``?share=TOKEN``, so a balancer routes a watch or branch to the shared session's replica."""
-    session_url = wire.session_url(url, token=token)
-    if share is None:
-        return session_url
-    parts = urlsplit(session_url)
-    query = [(key, value) for key, value in parse_qsl(parts.query) if key != "share"] + [("share", share)]
-    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 # ---- latency figures --------------------------------------------------------------
@@ -302,11 +284,13 @@ class SessionClient:
         """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
 
         ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
-        session from that boundary of the shared one. Connect with :func:`share_session_url` for both.
+        session from that boundary of the shared one. Connect with ``wire.session_url(..., share=TOKEN)`` for both.
         """
-        start = wire.start_message(codec=codec, seed=seed, prompt=prompt, resume=resume, image=image)
-        branch_field = {"share": branch[0], "chunk": branch[1]} if branch is not None else None
-        await self._send(with_fields(start, watch=watch, branch=branch_field))
+        await self._send(
+            wire.start_message(
+                codec=codec, seed=seed, prompt=prompt, resume=resume, image=image, watch=watch, branch=branch
+            )
+        )
         message = await self._next_control_message()
         if message["type"] != "ready":
             raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")
@@ -354,12 +338,12 @@ class SessionClient:
         tick_id = self.next_tick_id
         self.next_tick_id += 1
         self.tick_sent_at[tick_id] = time.perf_counter()
-        await self._send(with_fields(wire.tick_message(tick_id, **fields), rewind_to=rewind_to))
+        await self._send(wire.tick_message(tick_id, rewind_to=rewind_to, **fields))
         return tick_id
 
     async def pass_control(self, viewer_id: str) -> None:
         """Hand the controls to a viewer (an id from the controller's ``viewers`` message)."""
-        await self._send(json.dumps({"type": "pass_control", "to": viewer_id}))
+        await self._send(wire.pass_control_message(viewer_id))
 
     async def send_input(self, *, controls: dict[str, Any] | None = None, prompt: str | None = None) -> int:
         """Send an ``input`` event; return its id."""
@@ -558,7 +542,7 @@ async def run_script(
     keys, and the client says so.
     """
     connect_started = time.perf_counter()
-    first_url = share_session_url(url, token=token, share=branch[0] if branch else None)
+    first_url = wire.session_url(url, token=token, share=branch[0] if branch else None)
     session = SessionClient(await connect(first_url))
     chunk_indexes: list[int] = []
     restarts: list[tuple[int, str]] = []
@@ -646,7 +630,7 @@ async def run_watch(
     controls (``role``), it asks for the rest of its chunks itself, holding no keys.
     """
     connect_started = time.perf_counter()
-    session = SessionClient(await connect(share_session_url(url, token=token, share=share)))
+    session = SessionClient(await connect(wire.session_url(url, token=token, share=share)))
     frames: list[np.ndarray] = []
     chunk_indexes: list[int] = []
     try:

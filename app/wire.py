@@ -185,17 +185,21 @@ def start_message(
     quality: int | None = None,
     resume: str | None = None,
     image: dict[str, str] | None = None,
+    watch: str | None = None,
+    branch: tuple[str, int] | None = None,
 ) -> str:
     """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one.
 
-    ``image`` is ``start.image`` (:func:`start_image_field`).
+    ``image`` is ``start.image`` (:func:`start_image_field`). ``watch`` (a share token) starts a viewer of
+    that session; ``branch`` (share token, chunk boundary) a new session from that boundary of the shared one.
     """
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {codec!r}")
     return _message(
         {
             "type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume,
-            "image": image,
+            "image": image, "watch": watch,
+            "branch": {"share": branch[0], "chunk": branch[1]} if branch is not None else None,
         }
     )
 
@@ -215,10 +219,14 @@ def tick_message(
     prompt: str | None = None,
     reset: bool = False,
     close: bool = False,
+    rewind_to: int | None = None,
 ) -> str:
-    """Ask for one chunk; ``controls``/``prompt`` (optional) update the session first."""
+    """Ask for one chunk; ``controls``/``prompt`` (optional) update the session first, ``rewind_to`` first
+    takes it back to that chunk boundary."""
     _check_id("tick_id", tick_id)
-    fields: dict[str, Any] = {"type": "tick", "tick_id": tick_id, "controls": controls, "prompt": prompt}
+    fields: dict[str, Any] = {
+        "type": "tick", "tick_id": tick_id, "controls": controls, "prompt": prompt, "rewind_to": rewind_to
+    }
     if reset:
         fields["reset"] = True
     if close:
@@ -236,13 +244,19 @@ def close_message() -> str:
     return _message({"type": "close"})
 
 
-def session_url(url: str, *, token: str | None = None, resume: str | None = None) -> str:
+def pass_control_message(viewer_id: str) -> str:
+    """Hand the session's controls to one of its viewers (an id from the controller's ``viewers`` message)."""
+    return _message({"type": "pass_control", "to": viewer_id})
+
+
+def session_url(url: str, *, token: str | None = None, resume: str | None = None, share: str | None = None) -> str:
     """The ``ws(s)://host:port/v1/sessions`` URL for what a user typed.
 
     Accepts a full WebSocket URL, or an ``http(s)://host:port`` base URL (its
     scheme is swapped and, when it has no path, ``/v1/sessions`` is added). A
     token becomes the ``?token=`` query parameter, a resume ticket's token
-    ``?resume=`` (so a load balancer can route it to the replica that holds the session).
+    ``?resume=`` and a share token ``?share=`` (so a load balancer can route it to the replica that holds
+    the session).
     """
     parts = urlsplit(url if "://" in url else f"ws://{url}")
     scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
@@ -252,10 +266,9 @@ def session_url(url: str, *, token: str | None = None, resume: str | None = None
         raise ValueError(f"URL has no host: {url!r}")
     path = parts.path if parts.path not in ("", "/") else SESSIONS_PATH
     query = parse_qsl(parts.query)
-    if token is not None:
-        query = [(k, v) for k, v in query if k != "token"] + [("token", token)]
-    if resume is not None:
-        query = [(k, v) for k, v in query if k != "resume"] + [("resume", resume)]
+    for name, value in (("token", token), ("resume", resume), ("share", share)):
+        if value is not None:
+            query = [(k, v) for k, v in query if k != name] + [(name, value)]
     return urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
 
 

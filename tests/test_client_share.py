@@ -164,9 +164,9 @@ def test_share_options_are_checked_before_connecting(
 
 
 def test_share_session_url_adds_the_share_token_beside_the_access_token() -> None:
-    url = client.share_session_url("http://h:1", token="t0ken", share="r0.abc")
+    url = wire.session_url("http://h:1", token="t0ken", share="r0.abc")
     assert parse_qs(urlsplit(url).query) == {"token": ["t0ken"], "share": ["r0.abc"]}
-    assert client.share_session_url("http://h:1") == "ws://h:1/v1/sessions"
+    assert wire.session_url("http://h:1") == "ws://h:1/v1/sessions"
 
 
 def test_compact_ranges_shows_a_jump_back() -> None:
