@@ -21,11 +21,12 @@ import torch
 
 from arstream.models.matrix_game.config import MatrixGameConfig
 from arstream.models.matrix_game.controls import extend, windows
-from arstream.models.matrix_game.dit import CausalWanDiT, WanRope
+from arstream.models.matrix_game.dit import CausalWanDiT
+from arstream.models.wan.layers import WanRope
 from arstream.models.matrix_game.images import default_image
 from arstream.models.matrix_game.pipeline import MatrixGamePipeline
-from arstream.models.matrix_game.sampler import shifted_sigma
-from arstream.models.matrix_game.vae import StreamingVAE
+from arstream.models.wan.sampler import shifted_sigma
+from arstream.models.wan.vae import StreamingVAE
 
 
 def whole_rollout_condition(vae: StreamingVAE, image: torch.Tensor, latent_frames: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from arstream.models.matrix_game.config import MatrixGameConfig, get_config
 from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.images import default_image
 from arstream.models.matrix_game.pipeline import MatrixGamePipeline
-from arstream.models.matrix_game.vae import StreamingVAE, build_vae
+from arstream.models.wan.vae import StreamingVAE, build_vae
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, TickRequest
 from matrix_game_reference import dense_rollout

@@ -11,8 +11,8 @@ from arstream.models.matrix_game.config import get_config
 from arstream.models.matrix_game.controls import extend, windows
 from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, action_history_bytes
-from arstream.models.matrix_game.sampler import sample_chunk
-from arstream.models.matrix_game.vae import StreamingVAE, build_vae, cache_bytes
+from arstream.models.wan.sampler import sample_chunk
+from arstream.models.wan.vae import StreamingVAE, build_vae, cache_bytes
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.pool import PagedKVPool, plan_pool
 from arstream.runner.spec import KVCacheSpec
@@ -44,10 +44,12 @@ def test_the_1_3b_dit_runs_batched_rows_through_the_paged_state() -> None:
                 state.prepare_forward(staging_row=row, hold_commit=True)
             ctx = PagedChunkContext(states, histories, cfg)
             mouse, keyboard = windows(controls, range(3 * chunk, 3 * chunk + 3), cfg)
+            cond = torch.zeros(2, 20, 3, 44, 80, device=META)
+            mouse_in, keyboard_in = mouse[None].expand(2, -1, -1).to(META), keyboard[None].expand(2, -1, -1, -1).to(META)
             latents = sample_chunk(
-                model, ctx, torch.zeros(shape, device=META), lambda: torch.zeros(shape, device=META),
-                torch.zeros(2, 20, 3, 44, 80, device=META), context,
-                mouse[None].expand(2, -1, -1).to(META), keyboard[None].expand(2, -1, -1, -1).to(META),
+                lambda x, t: model(x, t, cond, context, mouse_in, keyboard_in, ctx),
+                ctx, torch.zeros(shape, device=META), lambda: torch.zeros(shape, device=META),
+                cfg.denoise_timesteps, cfg.timestep_shift,
             )  # fmt: skip
             histories = ctx.updated_histories()
             for state in states:

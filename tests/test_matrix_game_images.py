@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from arstream.models.matrix_game.config import get_config
 from arstream.models.matrix_game.images import ConditionStream, crop_box, default_image, prepare_image
 from arstream.models.matrix_game.pipeline import MatrixGamePipeline, load_matrix_game
-from arstream.models.matrix_game.vae import StreamingVAE, build_vae
+from arstream.models.wan.vae import StreamingVAE, build_vae
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, StartImage, TickFailure, TickRequest
 from matrix_game_reference import whole_rollout_condition

@@ -10,7 +10,7 @@ from arstream.models.matrix_game.checkpoint import CheckpointError
 from arstream.models.matrix_game.config import get_config
 from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.pipeline import load_matrix_game
-from arstream.models.matrix_game.vae import build_vae
+from arstream.models.wan.vae import build_vae
 from arstream.models.registry import load_pipeline
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import TickRequest

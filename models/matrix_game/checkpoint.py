@@ -1,12 +1,9 @@
-"""Reading a Matrix-Game 2.0 checkpoint directory: the DiT and the Wan VAE, as published.
+"""Reading a Matrix-Game 2.0 checkpoint directory: the DiT, CLIP and the Wan VAE, as published.
 
-Files are read with safetensors or ``torch.load(weights_only=True)`` (never
-unpickling code). The DiT's keys carry a ``model.`` prefix (a training
-wrapper's name), which is stripped; every other name must match
-:class:`~arstream.models.matrix_game.dit.CausalWanDiT` exactly. The VAE comes in
-the original Wan layout (``Wan2.1_VAE.pth``), converted with diffusers' own
-converter, or already in diffusers' layout. Any missing key, unexpected key
-or wrong shape fails with :class:`CheckpointError` naming the file and the keys.
+The readers are :mod:`arstream.models.wan.checkpoint`'s. The DiT's keys carry
+a ``model.`` prefix (a training wrapper's name), which is stripped; every
+other name must match :class:`~arstream.models.matrix_game.dit.CausalWanDiT`
+exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from arstream.models.wan.checkpoint import CheckpointError, find_file, load_into, load_vae, read_state_dict
+
+__all__ = ["CheckpointError", "find_file", "load_vae", "read_state_dict", "load_dit", "load_clip_visual"]
+
 # Where the published repository (Skywork/Matrix-Game-2.0) keeps each part; first match wins. The DiT's
 # published file depends on the config (``MatrixGameConfig.dit_file``); these generic names come after it.
 GENERIC_DIT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
@@ -24,69 +25,6 @@ VAE_FILES = ("Wan2.1_VAE.pth", "vae.safetensors", "vae.pth")
 CLIP_FILES = ("models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth", "clip.safetensors", "clip.pth")
 CLIP_PREFIX = "visual."
 DIT_PREFIX = "model."
-# wrappers training scripts put around a state dict
-WRAPPER_KEYS = ("state_dict", "model", "generator_ema", "generator")
-LISTED = 8
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable or does not fit the model; the message names it."""
-
-
-def find_file(directory: Path, explicit: str | None, candidates: Sequence[str], what: str) -> Path:
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    names = [explicit] if explicit else list(candidates)
-    for name in names:
-        path = directory / name
-        if path.is_file():
-            return path
-    raise CheckpointError(f"no {what} file in {directory}: looked for {', '.join(names)}")
-
-
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` or ``.pth``/``.pt`` file (``weights_only``), unwrapped from a training wrapper."""
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            loaded: object = load_file(str(path))
-        else:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any reader error becomes one message naming the file
-        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
-    while isinstance(loaded, dict) and len(loaded) == 1 and next(iter(loaded)) in WRAPPER_KEYS:
-        loaded = next(iter(loaded.values()))
-    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise CheckpointError(f"{path} does not hold a state dict of tensors")
-    return loaded
-
-
-def _listed(keys: Sequence[str]) -> str:
-    more = f" (+{len(keys) - LISTED} more)" if len(keys) > LISTED else ""
-    return ", ".join(keys[:LISTED]) + more
-
-
-def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Copy ``state`` into ``module``; every key must be present, expected and of the right shape."""
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [
-        f"{k} {tuple(state[k].shape)} (model {tuple(expected[k].shape)})"
-        for k in expected
-        if k in state and state[k].shape != expected[k].shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_listed(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_listed(unexpected)}")
-    if wrong:
-        problems.append(f"wrong shapes: {_listed(wrong)}")
-    if problems:
-        raise CheckpointError(f"{path} does not fit the model: " + "; ".join(problems))
-    module.load_state_dict(state, strict=True)
 
 
 def dit_files(dit_file: str) -> tuple[str, ...]:
@@ -110,17 +48,4 @@ def load_dit(module: nn.Module, path: Path, fitting: Callable[[dict[str, torch.S
 def load_clip_visual(module: nn.Module, path: Path) -> None:
     """The vision tower's ``visual.*`` keys of a CLIP file (its text tower is not needed)."""
     state = {k: v for k, v in read_state_dict(path).items() if k.startswith(CLIP_PREFIX)}
-    load_into(module, state, path)
-
-
-def load_vae(module: nn.Module, path: Path) -> None:
-    """Diffusers-layout keys load as they are; the original Wan layout goes through diffusers' converter."""
-    state = read_state_dict(path)
-    if not all(k in state for k in module.state_dict()):
-        from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-
-        try:
-            state = convert_wan_vae_to_diffusers(state)
-        except Exception as exc:  # noqa: BLE001 - a layout we cannot convert: say which file
-            raise CheckpointError(f"{path} is neither a diffusers nor an original Wan VAE state dict: {exc}") from exc
     load_into(module, state, path)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from arstream.models.wan.vae import VAEConfig
+
 
 @dataclass(frozen=True)
 class ActionConfig:
@@ -49,26 +51,6 @@ class ActionConfig:
     def mouse_dims(self) -> int:
         """Mouse channels per video frame the module reads (0 without a mouse path)."""
         return self.mouse_dim_in if self.enable_mouse else 0
-
-
-@dataclass(frozen=True)
-class VAEConfig:
-    """``diffusers.AutoencoderKLWan`` arguments (Wan2.1 VAE: 8x spatial, 4x temporal, 16 channels)."""
-
-    base_dim: int = 96
-    z_dim: int = 16
-    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
-    num_res_blocks: int = 2
-
-    def kwargs(self) -> dict[str, Any]:
-        return {
-            "base_dim": self.base_dim,
-            "z_dim": self.z_dim,
-            "dim_mult": list(self.dim_mult),
-            "num_res_blocks": self.num_res_blocks,
-            "attn_scales": [],
-            "temperal_downsample": [False, True, True],
-        }
 
 
 @dataclass(frozen=True)

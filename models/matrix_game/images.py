@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from arstream.models.matrix_game.config import MatrixGameConfig
-from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, cache_bytes
+from arstream.models.wan.vae import FeatureCache, StreamingVAE, cache_bytes
 from arstream.runner.types import StartImage
 
 log = logging.getLogger("arstream.models.matrix_game")

@@ -51,8 +51,8 @@ from arstream.models.matrix_game.images import (
     stack_conditions,
 )
 from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, action_history_bytes
-from arstream.models.matrix_game.sampler import sample_chunk
-from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
+from arstream.models.wan.sampler import sample_chunk
+from arstream.models.wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.contract import ModelState
 from arstream.runner.snapshot import tensors_digest, weights_digest
@@ -357,15 +357,15 @@ class MatrixGamePipeline(SessionStateBinding):
                 ctx = PagedChunkContext(states, [s.actions for s in sessions], cfg)
                 images = [s.image for s in sessions]
                 cond = stack_conditions([i.stream for i in images], [s.frame_start for s in states], fpc)
+                context = torch.cat([i.context for i in images])
+                mouse_in, keyboard_in = torch.stack(mouse).to(self.device), torch.stack(keyboard).to(self.device)
                 latents = sample_chunk(
-                    self.model,
+                    lambda x, t: self.model(x, t, cond, context, mouse_in, keyboard_in, ctx),
                     ctx,
                     draw(),
                     draw,
-                    cond,
-                    torch.cat([i.context for i in images]),
-                    torch.stack(mouse).to(self.device),
-                    torch.stack(keyboard).to(self.device),
+                    cfg.denoise_timesteps,
+                    cfg.timestep_shift,
                 )
                 actions = ctx.updated_histories()
                 self._sync()

@@ -14,13 +14,14 @@ The encoder is causal the same way: :meth:`StreamingVAE.encode_step` encodes
 the first frame alone and then four frames at a time through its own feature
 cache, exactly the steps of diffusers' one-call ``encode``, so the image
 conditioning can be extended a latent frame at a time
-(:class:`~arstream.models.matrix_game.images.ConditionStream`). The encoder and
+(matrix-game's :class:`~arstream.models.matrix_game.images.ConditionStream`). The encoder and
 decoder may hold different dtypes: Matrix-Game encodes in bf16 and decodes in fp16.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -29,15 +30,40 @@ try:
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 except ImportError as exc:  # pragma: no cover - the extra is part of the test install
     raise ImportError(
-        "matrix-game-2 needs diffusers' AutoencoderKLWan: pip install 'arstream[wan]'"
+        "the Wan models need diffusers' AutoencoderKLWan: pip install 'arstream[wan]'"
     ) from exc
-
-from arstream.models.matrix_game.config import MatrixGameConfig
 
 FeatureCache = list[Any]
 
 
-def build_vae(cfg: MatrixGameConfig) -> AutoencoderKLWan:
+@dataclass(frozen=True)
+class VAEConfig:
+    """``diffusers.AutoencoderKLWan`` arguments (Wan2.1 VAE: 8x spatial, 4x temporal, 16 channels)."""
+
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "base_dim": self.base_dim,
+            "z_dim": self.z_dim,
+            "dim_mult": list(self.dim_mult),
+            "num_res_blocks": self.num_res_blocks,
+            "attn_scales": [],
+            "temperal_downsample": [False, True, True],
+        }
+
+
+class HasVAE(Protocol):
+    """A model config that names its VAE's geometry."""
+
+    @property
+    def vae(self) -> VAEConfig: ...
+
+
+def build_vae(cfg: HasVAE) -> AutoencoderKLWan:
     return AutoencoderKLWan(**cfg.vae.kwargs())
 
 
