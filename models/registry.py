@@ -74,12 +74,19 @@ def _matrix_game(device: torch.device, **options: Any) -> ARPipeline:
     return load_matrix_game(device=device, **options)
 
 
+def _longlive(device: torch.device, **options: Any) -> ARPipeline:
+    from arstream.models.longlive.loading import load_longlive
+
+    return load_longlive(device=device, **options)
+
+
 # The project's own models; each factory takes (device, **options), as a plugin's does.
 BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,
     "fake-kv": _fake_kv,
     "toy-attention": _toy_attention,
     "matrix-game-2": _matrix_game,
+    "longlive": _longlive,
 }
 
 

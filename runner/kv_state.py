@@ -25,6 +25,14 @@ A batched forward gives each session its own staging row
 until the runner accepts the whole batch (:meth:`SessionKVState.accept_chunk`);
 if the batch fails, :meth:`SessionKVState.abort_forward` returns the chunk's
 blocks and leaves the history as it was, so the tick can be retried alone.
+
+A forward may also *rewrite* the committed history before its chunk
+(:meth:`SessionKVState.begin_rewrite`: LongLive's re-cache after a prompt
+switch recomputes the window's K/V under the new prompt). Copy-on-write: the
+rewritten frames go to fresh blocks and replace the old ones in the tables
+only when the chunk joins the history, so a failed or aborted forward leaves
+the history as it was, and a rewind point or branch that shares the old
+blocks keeps them unchanged.
 """
 
 from __future__ import annotations
@@ -76,6 +84,9 @@ class SessionKVState:
         self.sink_start = 0
         self.released = False
         self.staging_row = 0
+        # A rewrite of the history waiting for the chunk to join it: per branch, (new sink, new window) blocks.
+        self.rewritten: dict[str, tuple[list[int], list[int]]] | None = None
+        self._rewrite: tuple[int, bool] | None = None  # the open rewrite pass: (frames, keep_sink)
         self._hold_commit = False
         self._chunk_held = False
         self._in_pass = False
@@ -84,6 +95,7 @@ class SessionKVState:
         self._history_version = 0
         self._history_tokens = 0
         self._chunk_tokens = self.spec.frames_per_chunk * self.spec.tokens_per_frame
+        self._pass_tokens = self._chunk_tokens  # tokens the open pass writes: a chunk, or a rewrite's frames
         self._chunk_shape = (self.spec.frames_per_chunk, self.spec.tokens_per_frame)
         self.cross_slot: int | None = pool.allocate_slot() if self.spec.cross_attention_lengths else None
         self.cross_written: set[str] = set()
@@ -116,13 +128,25 @@ class SessionKVState:
         rotation and rotates the gathered K with these positions.
         """
         spec = self.spec
-        sink, window = len(self.sink[branch]), len(self.window[branch])
-        start = self.frames_committed
-        end = start + spec.frames_per_chunk
+        return self._positions(len(self.sink[branch]), self.frames_committed - len(self.window[branch]), branch)
+
+    def rewrite_positions(self, frames: int, *, keep_sink: bool, branch: str = "main") -> list[int]:
+        """Rotary positions a rewrite pass (:meth:`begin_rewrite`) sees: the kept sink, then its ``frames``.
+
+        The same scheme as :meth:`frame_positions` for the chunk that follows, so
+        the rewritten K (stored unrotated) reads the same distances later.
+        """
+        positions = self._positions(len(self.sink[branch]) if keep_sink else 0, self.frames_committed - frames, branch)
+        return positions[: len(positions) - self.spec.frames_per_chunk]
+
+    def _positions(self, sink: int, first: int, branch: str) -> list[int]:
+        """``sink`` sink frames' positions, then those of frames ``first`` .. the current chunk's last."""
+        spec = self.spec
+        end = self.frames_committed + spec.frames_per_chunk
         shift = 0 if spec.max_position_frames is None else max(0, end - spec.max_position_frames)
         sink_shift = min(shift, self.sink_start)
         sinks = [self.sink_start + i - sink_shift for i in range(sink)]
-        return sinks + [p - shift for p in range(start - window, end)]
+        return sinks + [p - shift for p in range(first, end)]
 
     def history_frames(self, branch: str = "main") -> int:
         """Frames of history visible to the current chunk."""
@@ -172,7 +196,9 @@ class SessionKVState:
         """
         self._in_pass = False
         self._chunk_held = False
-        pending = [i for b in self.spec.branch_names for i in self.pending[b]]
+        self._rewrite = None
+        pending = [i for b in self.spec.branch_names for i in self.pending[b]] + self._rewritten_blocks()
+        self.rewritten = None
         for branch in self.spec.branch_names:
             self.pending[branch] = []
         # The staging row may hold the chunk's K/V: gather afresh next time.
@@ -197,13 +223,100 @@ class SessionKVState:
             for branch in spec.branch_names:
                 self.pending[branch] = self.pool.allocate(spec.frames_per_chunk)
         self._commit = commit
+        self._pass_tokens = self._chunk_tokens
         self._in_pass = True
+
+    def begin_rewrite(self, frames: int, *, keep_sink: bool) -> None:
+        """Open a pass that recomputes the K/V of the last ``frames`` committed frames (before the chunk's passes).
+
+        The pass's keys are the sink (``keep_sink``: its blocks stay as they
+        are) and then the ``frames`` frames themselves, written through
+        :meth:`write_and_gather` like a chunk (positions:
+        :meth:`rewrite_positions`). Without ``keep_sink`` the frames are the
+        whole rollout so far (``frames`` = every committed frame, at most sink
+        + window) and the sink is rewritten too. At :meth:`end_pass` the
+        frames that the history holds (the sink's, the window's) are stored in
+        fresh blocks; they replace the old ones when this forward's chunk joins
+        the history (:meth:`abort_forward` or a release drops them instead).
+        One rewrite per forward, before its first pass.
+        """
+        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()) or self.rewritten:
+            raise PassStateError("begin_rewrite needs a bound session before its chunk's first pass, once per forward")
+        spec = self.spec
+        if not spec.history_rewrites:
+            raise PassStateError("this KV spec does not declare history_rewrites; the pool has no room counted for one")
+        branch = spec.branch_names[0]
+        sink, window = len(self.sink[branch]), len(self.window[branch])
+        room = spec.resident_frames + spec.frames_per_chunk - (sink if keep_sink else 0)
+        committed = self.frames_committed - self.sink_start  # frames of the rollout the history can speak for
+        low, high = (window, min(room, committed - sink)) if keep_sink else (committed, min(room, committed))
+        if not low <= frames <= high:
+            what = "the window" if keep_sink else "every committed frame (the sink is rewritten too)"
+            raise PassStateError(
+                f"a rewrite must cover {what} and fit the staging row: {frames} frames asked, "
+                f"{low}..{high} possible (sink {sink}, window {window}, {committed} frames committed)"
+            )
+        self.pool.staging_owners[self.staging_row] = None  # the row holds the rewrite now
+        for b in spec.branch_names:
+            kept = self.sink[b] if keep_sink else []
+            self._history_tokens = len(kept) * spec.tokens_per_frame
+            if kept:
+                index = torch.tensor(kept, dtype=torch.long, device=self.pool.device)
+                gathered = self.pool.kv.index_select(2, index)
+                self.pool.staging[b][self.staging_row, :, :, : self._history_tokens] = gathered.flatten(2, 3)
+        self._rewrite = (frames, keep_sink)
+        self._pass_tokens = frames * spec.tokens_per_frame
+        self._commit = False
+        self._in_pass = True
+
+    def _end_rewrite(self) -> None:
+        """Store the rewritten sink (unless kept) and window frames in fresh blocks, held until the chunk joins."""
+        assert self._rewrite is not None
+        frames, keep_sink = self._rewrite
+        self._rewrite = None
+        spec = self.spec
+        tokens = spec.tokens_per_frame
+        base = self._history_tokens  # the kept sink's tokens (0 when the sink is rewritten)
+        self.rewritten = {}
+        for branch in spec.branch_names:
+            sink, window = len(self.sink[branch]), len(self.window[branch])
+            if keep_sink:
+                self.pool.share(self.sink[branch])  # the new tables hold the kept sink too (one reference each)
+                new_sink = list(self.sink[branch])
+                self.rewritten[branch] = (new_sink, [])
+            else:
+                new_sink = self.pool.allocate(sink)
+                self.rewritten[branch] = (new_sink, [])
+                self._store(branch, base, new_sink)
+            new_window = self.pool.allocate(window)
+            self.rewritten[branch] = (new_sink, new_window)  # recorded before the copy: a failure frees them
+            self._store(branch, base + (frames - window) * tokens, new_window)
+        self._history_version += 1  # the chunk's passes gather the rewritten history
+
+    def _store(self, branch: str, start: int, ids: list[int]) -> None:
+        """Copy the staging row's frames from token ``start`` on into blocks ``ids``."""
+        if not ids:
+            return
+        tokens = self.spec.tokens_per_frame
+        staged = self.pool.staging[branch][self.staging_row, :, :, start : start + len(ids) * tokens]
+        index = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
+        self.pool.kv.index_copy_(2, index, staged.unflatten(2, (len(ids), tokens)))
+
+    def _rewritten_blocks(self) -> list[int]:
+        return [i for sink, window in (self.rewritten or {}).values() for i in sink + window]
+
+    def _visible(self, branch: str) -> list[int]:
+        """The history's blocks the next pass reads: the rewritten ones while a rewrite waits."""
+        if self.rewritten is not None:
+            sink, window = self.rewritten[branch]
+            return sink + window
+        return self.sink[branch] + self.window[branch]
 
     def _gather_history(self) -> None:
         """Copy sink + window blocks (all layers, K and V) into this forward's staging row."""
         spec = self.spec
         for branch in spec.branch_names:
-            history = self.sink[branch] + self.window[branch]
+            history = self._visible(branch)
             self._history_tokens = len(history) * spec.tokens_per_frame
             if history:
                 index = torch.tensor(history, dtype=torch.long, device=self.pool.device)
@@ -224,7 +337,7 @@ class SessionKVState:
             raise PassStateError("write_and_gather called outside a pass; expected begin_pass first")
         staging = self.pool.staging_layers[self.staging_row][branch][layer]
         start = self._history_tokens
-        end = start + self._chunk_tokens
+        end = start + self._pass_tokens
         staging[0, start:end] = k
         staging[1, start:end] = v
         return staging[0, :end], staging[1, :end]
@@ -238,6 +351,9 @@ class SessionKVState:
         if not self._in_pass:
             raise PassStateError("end_pass called without begin_pass")
         self._in_pass = False
+        if self._rewrite is not None:
+            self._end_rewrite()
+            return
         if not self._commit:
             return
         start, end = self._history_tokens, self._history_tokens + self._chunk_tokens
@@ -253,6 +369,12 @@ class SessionKVState:
     def _publish_chunk(self) -> None:
         """The stored chunk joins the history: block tables, window eviction, frame counter."""
         spec = self.spec
+        if self.rewritten is not None:  # the rewrite joins first: the old blocks lose this history's reference
+            old = [i for b in spec.branch_names for i in self.sink[b] + self.window[b]]
+            for branch, (sink, window) in self.rewritten.items():
+                self.sink[branch], self.window[branch] = sink, window
+            self.rewritten = None
+            self.pool.free(old)
         if not self.sink[spec.branch_names[0]]:
             self.sink_start = self.frames_committed
         for branch in spec.branch_names:
@@ -317,7 +439,7 @@ class SessionKVState:
         self.pool.free(old)
 
     def _check_at_boundary(self, call: str) -> None:
-        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()):
+        if self.released or self._in_pass or self._chunk_held or any(self.pending.values()) or self.rewritten:
             raise PassStateError(f"{call} needs a resident session at a chunk boundary (no forward in flight)")
 
     # ---- release ------------------------------------------------------------------
@@ -327,7 +449,7 @@ class SessionKVState:
             i
             for b in self.spec.branch_names
             for i in self.sink[b] + self.window[b] + self.pending[b]
-        ]
+        ] + self._rewritten_blocks()
 
     def release(self) -> None:
         """Return every block and the cross slot to the pool; safe to call twice."""
@@ -341,6 +463,7 @@ class SessionKVState:
             if owner is not None and owner[0] == id(self):
                 owners[row] = None
         held = self.held_blocks()
+        self.rewritten, self._rewrite = None, None
         for branch in self.spec.branch_names:
             self.sink[branch], self.window[branch], self.pending[branch] = [], [], []
         try:
@@ -374,14 +497,14 @@ def write_and_gather_rows(
         and state.staging_row == row
         and state._in_pass
         and state._history_tokens == first._history_tokens
-        and state._chunk_tokens == first._chunk_tokens
+        and state._pass_tokens == first._pass_tokens
         for row, state in enumerate(states)
     ):
         # The runner gives a batch's sessions staging rows 0..rows-1: one write for all rows, and the
         # result is a view of those rows (no per-row copies, no stacked copy of every row's history).
         staging = first.pool.staging[branch][: len(states), layer]
         start = first._history_tokens
-        end = start + first._chunk_tokens
+        end = start + first._pass_tokens
         staging[:, 0, start:end] = k
         staging[:, 1, start:end] = v
         return staging[:, 0, :end], staging[:, 1, :end]

@@ -65,8 +65,12 @@ def session_frames(spec: KVCacheSpec, rewind_points: int = 0) -> int:
     The boundaries a session keeps (the last ``rewind_points``) share blocks
     with its live history; together they reach back at most ``rewind_points``
     chunks before the live window (the sink is common to all of them), so
-    that is all they add, never a copy of the window per boundary.
+    that is all they add, never a copy of the window per boundary. A spec
+    with ``history_rewrites`` breaks that sharing: a boundary before a rewrite
+    keeps the old sink and window, so each boundary may hold a whole history.
     """
+    if spec.history_rewrites:
+        return (1 + rewind_points) * spec.resident_frames
     return spec.resident_frames + rewind_points * spec.frames_per_chunk
 
 
@@ -79,7 +83,9 @@ def _budget_terms(
     if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
         raise PoolBudgetError(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
     branches = len(spec.kv_branches)
-    chunk_blocks = spec.frames_per_chunk * branches * max_batch_sessions
+    # each row's committing chunk, and (history_rewrites) a rewrite's fresh sink + window while the old are held
+    in_flight = spec.frames_per_chunk + (spec.resident_frames if spec.history_rewrites else 0)
+    chunk_blocks = in_flight * branches * max_batch_sessions
     scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches * max_batch_sessions
     fixed_bytes = (chunk_blocks + scratch_blocks) * spec.block_bytes
     per_session = (

@@ -50,7 +50,11 @@ class KVCacheSpec:
     hands out then stay below it however long a session runs (see there).
     ``model_owned_bytes_per_session`` is state the pipeline keeps per session
     besides the KV (e.g. a streaming VAE decoder's feature cache, action
-    caches); it is counted in capacity like the KV.
+    caches); it is counted in capacity like the KV. ``history_rewrites``
+    declares that a forward may rewrite the committed history
+    (:meth:`SessionKVState.begin_rewrite`, LongLive's re-cache): the pool then
+    counts a rewrite's fresh blocks per batch row, and rewind points that may
+    each hold a history of their own (see :func:`~arstream.runner.pool.session_frames`).
     """
 
     num_layers: int
@@ -67,6 +71,7 @@ class KVCacheSpec:
     reset_at_boundary: bool = False
     dtype: torch.dtype = torch.float32
     max_position_frames: int | None = None
+    history_rewrites: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -52,7 +52,14 @@ from arstream.models.matrix_game.images import (
 )
 from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, action_history_bytes
 from arstream.models.wan.sampler import sample_chunk
-from arstream.models.wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
+from arstream.models.wan.vae import (
+    FeatureCache,
+    StreamingVAE,
+    build_vae,
+    export_feature_cache,
+    import_feature_cache,
+    to_uint8,
+)
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.contract import ModelState
 from arstream.runner.snapshot import tensors_digest, weights_digest
@@ -130,7 +137,9 @@ class MatrixGamePipeline(SessionStateBinding):
             "latent frames an image (%d KiB each) plus the encoder cache until it settles",
             len(images), image_cache, condition_frames, self.images.default.stream.frame_bytes >> 10,
         )
-        self.vae_cache_bytes = self._measure_vae_cache()
+        self.vae_cache_bytes = self.vae.steady_cache_bytes(
+            (self.cfg.out_dim, self.cfg.frames_per_chunk, self.cfg.latent_height, self.cfg.latent_width)
+        )
         self.action_bytes = action_history_bytes(self.cfg, self.dtype)
 
     @property
@@ -150,14 +159,6 @@ class MatrixGamePipeline(SessionStateBinding):
             context = self.model.image_context(features.to(self.device, self.dtype)[None])
         stream = ConditionStream(self.vae, image.to(self.device), dtype=self.dtype, max_frames=self.condition_frames)
         return ImageEncodings(context=context, stream=stream)
-
-    def _measure_vae_cache(self) -> int:
-        """Bytes of a steady-state decoder cache (after a first and a later chunk of zeros)."""
-        cfg = self.cfg
-        zeros = torch.zeros(1, cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height, cfg.latent_width, device=self.device)
-        _, cache = self.vae.decode(zeros, None)
-        _, cache = self.vae.decode(zeros, cache)
-        return cache_bytes(cache)
 
     # ---- contract ------------------------------------------------------------------------
 
@@ -253,16 +254,7 @@ class MatrixGamePipeline(SessionStateBinding):
         for layer, kv in session.actions.layers.items():
             for i, tensor in enumerate(kv):
                 tensors[f"actions/{layer}/{i}"] = tensor
-        if session.vae_cache is not None:
-            # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
-            kinds = []
-            for i, entry in enumerate(session.vae_cache):
-                if isinstance(entry, torch.Tensor):
-                    tensors[f"vae/{i}"] = entry
-                    kinds.append("tensor")
-                else:
-                    kinds.append(entry)
-            values["vae"] = kinds
+        values["vae"] = export_feature_cache(session.vae_cache, tensors)
         latents = self.last_latents.get(session_id)
         if latents is not None:
             tensors["last_latents"] = latents
@@ -290,9 +282,7 @@ class MatrixGamePipeline(SessionStateBinding):
             )
         layers = {int(layer): tuple(t[f"actions/{layer}/{i}"] for i in range(4)) for layer in values["action_layers"]}
         actions = ActionHistory(frames=int(values["action_frames"]), layers=layers)  # type: ignore[arg-type]
-        cache = None
-        if values["vae"] is not None:
-            cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(values["vae"])]
+        cache = import_feature_cache(values["vae"], t)
         choice = None
         if values.get("image") is not None:
             pixels = t["image/pixels"].numpy() if "image/pixels" in t else None
@@ -371,7 +361,7 @@ class MatrixGamePipeline(SessionStateBinding):
                 self._sync()
                 decoded = time.perf_counter()
                 videos, caches = self.vae.decode_rows(latents, [s.vae_cache for s in sessions])
-                frames_out = [_to_uint8(v) for v in videos]
+                frames_out = [to_uint8(v) for v in videos]
             self.timings = ChunkTimings(dit_s=decoded - started, vae_s=time.perf_counter() - decoded)
         except BaseException:
             for generator, state in zip(generators, rewind):
@@ -391,12 +381,6 @@ def _optional_file(directory: Path, explicit: str | None, candidates: tuple[str,
     if explicit is not None:
         return ckpt.find_file(directory, explicit, candidates, "CLIP")
     return next((directory / name for name in candidates if (directory / name).is_file()), None)
-
-
-def _to_uint8(video: torch.Tensor) -> np.ndarray:
-    """``[1, 3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]``."""
-    pixels = ((video[0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-    return np.ascontiguousarray(pixels.permute(1, 2, 3, 0).cpu().numpy())
 
 
 def configs_fitting(shapes: dict[str, torch.Size]) -> list[str]:

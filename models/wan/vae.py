@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 try:
@@ -116,6 +117,13 @@ class StreamingVAE:
         ]
         return torch.cat(frames, dim=2).clamp(-1, 1), work
 
+    def steady_cache_bytes(self, latent_shape: tuple[int, int, int, int]) -> int:
+        """Bytes of a steady-state decoder cache (after a first and a later chunk of zeros ``[16, F, h, w]``)."""
+        zeros = torch.zeros(1, *latent_shape, device=self.mean.device)
+        _, cache = self.decode(zeros, None)
+        _, cache = self.decode(zeros, cache)
+        return cache_bytes(cache)
+
     def decode_rows(
         self, latents: torch.Tensor, caches: list[FeatureCache | None]
     ) -> tuple[list[torch.Tensor], list[FeatureCache]]:
@@ -161,3 +169,33 @@ def _row(entry: Any, row: int) -> Any:
 
 def cache_bytes(cache: FeatureCache) -> int:
     return sum(t.numel() * t.element_size() for t in cache if isinstance(t, torch.Tensor))
+
+
+def export_feature_cache(cache: FeatureCache | None, tensors: dict[str, torch.Tensor]) -> list[Any] | None:
+    """A session's decoder cache for a snapshot: its tensors into ``tensors`` (``vae/N``), the entries' kinds returned.
+
+    Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
+    """
+    if cache is None:
+        return None
+    kinds: list[Any] = []
+    for i, entry in enumerate(cache):
+        if isinstance(entry, torch.Tensor):
+            tensors[f"vae/{i}"] = entry
+            kinds.append("tensor")
+        else:
+            kinds.append(entry)
+    return kinds
+
+
+def import_feature_cache(kinds: list[Any] | None, tensors: dict[str, torch.Tensor]) -> FeatureCache | None:
+    """The inverse of :func:`export_feature_cache`."""
+    if kinds is None:
+        return None
+    return [tensors[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(kinds)]
+
+
+def to_uint8(video: torch.Tensor) -> np.ndarray:
+    """``[1, 3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]``."""
+    pixels = ((video[0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return np.ascontiguousarray(pixels.permute(1, 2, 3, 0).cpu().numpy())

@@ -1,0 +1,135 @@
+"""Sizes of the LongLive model: the published 1.3B geometry and a tiny one for CI.
+
+``1.3b`` is LongLive v1.0 as shipped (``configs/longlive_interactive_inference.yaml``
+on Wan2.1-T2V-1.3B): 3 latent frames a chunk, ``local_attn_size`` 12 counting
+the 3 sink frames, so each chunk sees the sink, the 6 frames before it and
+itself (a 9-frame window including the chunk, as :class:`KVCacheSpec` counts
+it); four distilled steps (1000, 750, 500, 250) warped by shift 5; 480x832
+video (60x104 latent, 1560 tokens a latent frame); umT5-XXL text, 512 tokens.
+``self-forcing-1.3b`` is Self-Forcing's layout of the same pipeline (no sink,
+``local_attn_size`` -1 there; here a window as long as LongLive's). ``tiny``
+keeps every structural feature at toy size for tests on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from arstream.models.wan.vae import VAEConfig
+
+
+@dataclass(frozen=True)
+class TextEncoderConfig:
+    """umT5's encoder (Wan's ``umt5-xxl``): ``transformers.UMT5Config`` fields."""
+
+    vocab_size: int = 256384
+    dim: int = 4096
+    ffn_dim: int = 10240
+    num_heads: int = 64
+    num_layers: int = 24
+    num_buckets: int = 32
+    max_distance: int = 128
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+@dataclass(frozen=True)
+class LongLiveConfig:
+    name: str
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    in_dim: int = 16
+    out_dim: int = 16
+    freq_dim: int = 256
+    text_len: int = 512  # umT5 tokens the DiT's cross-attention reads (real ones, then zeros)
+    eps: float = 1e-6
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    latent_height: int = 60
+    latent_width: int = 104
+    frames_per_chunk: int = 3  # latent frames
+    sink_size: int = 3
+    local_attn_size: int = 12  # LongLive's count: the sink plus the window, the current chunk included
+    rope_frames: int = 1024  # Wan's rotary table
+    denoise_timesteps: tuple[int, ...] = (1000, 750, 500, 250)
+    timestep_shift: float = 5.0
+    fps: int = 16  # Wan2.1's playback rate
+    video_frames_per_latent: int = 4
+    default_prompt: str = "A calm lake at sunrise, mist over the water, the camera drifting slowly forward."
+    dit_file: str = "longlive_base.pt"
+    lora_file: str | None = "lora.pt"
+    lora_rank: int = 256
+    lora_alpha: int = 256
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def window_frames(self) -> int:
+        """The window as :class:`~arstream.runner.spec.KVCacheSpec` counts it (the chunk included, the sink not)."""
+        return self.local_attn_size - self.sink_size
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.latent_height // self.patch_size[1], self.latent_width // self.patch_size[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        rows, cols = self.grid
+        return rows * cols
+
+    @property
+    def height(self) -> int:
+        return self.latent_height * 8
+
+    @property
+    def width(self) -> int:
+        return self.latent_width * 8
+
+    @property
+    def video_frames_per_chunk(self) -> int:
+        return self.frames_per_chunk * self.video_frames_per_latent
+
+    @property
+    def first_chunk_frames(self) -> int:
+        """The causal VAE turns the first latent frame into one video frame, each later one into four."""
+        return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
+
+
+_TINY: dict[str, Any] = dict(
+    dim=32,
+    ffn_dim=64,
+    num_heads=2,
+    num_layers=2,
+    text_len=24,
+    latent_height=4,
+    latent_width=6,
+    lora_rank=4,
+    lora_alpha=8,
+    vae=VAEConfig(base_dim=8, num_res_blocks=1),
+    text=TextEncoderConfig(vocab_size=260, dim=16, ffn_dim=32, num_heads=2, num_layers=2, num_buckets=8, max_distance=16),
+)
+
+CONFIGS: dict[str, LongLiveConfig] = {
+    "1.3b": LongLiveConfig(name="1.3b"),
+    "self-forcing-1.3b": LongLiveConfig(
+        name="self-forcing-1.3b", sink_size=0, local_attn_size=9, dit_file="self_forcing_dmd.pt", lora_file=None
+    ),
+    "tiny": LongLiveConfig(name="tiny", **_TINY),
+}
+
+
+def get_config(name: str, **overrides: Any) -> LongLiveConfig:
+    try:
+        config = CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown longlive config {name!r}; expected one of {sorted(CONFIGS)}") from None
+    return replace(config, **overrides) if overrides else config

@@ -1,0 +1,91 @@
+"""``load_longlive``: the LongLive pipeline from a checkpoint directory, or with seeded random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from arstream.models.longlive import checkpoint as ckpt
+from arstream.models.longlive.config import get_config
+from arstream.models.longlive.dit import LongLiveDiT
+from arstream.models.longlive.pipeline import LongLivePipeline
+from arstream.models.longlive.text import TOKENIZER_DIR, TextEncoder, UMT5EncoderModel, byte_tokenizer, load_tokenizer, umt5_config
+from arstream.models.wan.checkpoint import find_file, load_vae
+from arstream.models.wan.vae import StreamingVAE, build_vae
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_longlive(
+    device: torch.device | str = "cpu",
+    *,
+    config: str = "1.3b",
+    checkpoint: str | None = None,
+    random_init: bool = False,
+    seed: int = 0,
+    dtype: str | None = None,
+    dit_file: str | None = None,
+    lora_file: str | None = None,
+    no_lora: bool = False,
+    t5_file: str | None = None,
+    vae_file: str | None = None,
+    tokenizer: str | None = None,
+    default_prompt: str | None = None,
+    prompt_cache: int = 4,
+    session_capacity: int = 8,
+) -> LongLivePipeline:
+    """Build LongLive from a directory in the published layout (:mod:`.checkpoint`), or ``random_init``.
+
+    bf16 on CUDA, fp32 on the CPU (``dtype`` overrides); the text encoder runs
+    in the same dtype on the same device. With ``random_init`` and no
+    ``tokenizer`` directory the prompts go through a byte-level tokenizer.
+    Nothing is downloaded.
+    """
+    device = torch.device(device)
+    cfg = get_config(config)
+    if (checkpoint is None) == (not random_init):
+        raise ValueError("longlive needs either checkpoint=DIR or random_init=true (not both)")
+    name = dtype if dtype is not None else ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    torch_dtype = DTYPES[name]
+    with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
+        model = LongLiveDiT(cfg)
+        encoder = UMT5EncoderModel(umt5_config(cfg.text))
+    model = model.to_empty(device="cpu")
+    encoder = encoder.to_empty(device="cpu")
+    vae = build_vae(cfg)
+    if checkpoint is not None:
+        directory = Path(checkpoint)
+        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"))
+        lora = lora_file or cfg.lora_file
+        if lora is not None and not no_lora:
+            path = find_file(directory, lora, (lora,), "LoRA")
+            model = ckpt.merge_lora(model, ckpt.read_lora(path), path, cfg)
+        ckpt.load_text_encoder(encoder, find_file(directory, t5_file, (ckpt.T5_FILE,), "umT5 encoder"))
+        load_vae(vae, find_file(directory, vae_file, (ckpt.VAE_FILE,), "VAE"))
+        tokens = load_tokenizer(Path(tokenizer) if tokenizer else directory / TOKENIZER_DIR)
+    else:
+        model.init_random(seed)
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for param in encoder.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        torch.manual_seed(seed)
+        vae = build_vae(cfg)  # diffusers' own random init, seeded
+        tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
+    model = model.to(device=device, dtype=torch_dtype)
+    encoder = encoder.to(device=device, dtype=torch_dtype)
+    vae = vae.to(device=device)
+    if torch_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
+        vae = vae.to(dtype=torch_dtype)
+    return LongLivePipeline(
+        model,
+        StreamingVAE(vae),
+        TextEncoder(encoder, tokens, cfg.text_len),
+        device=device,
+        session_capacity=session_capacity,
+        prompt_cache=prompt_cache,
+        default_prompt=default_prompt,
+    )

@@ -1,0 +1,313 @@
+"""LongLivePipeline: the causal Wan T2V DiT, umT5 text and the streaming Wan VAE behind the runner's contract.
+
+The runner owns the self-attention KV (one pool block per latent frame: the
+sink's 3, the window's 6 between chunks). The pipeline owns, per session, the
+noise generator, the prompt its history is under, the last latent frames
+(what a prompt switch re-caches from) and the VAE decoder's feature cache;
+all of it changes only once a whole forward succeeded, so a failed batch
+leaves every session as it was (generators rewound).
+
+A prompt comes with every tick (``TickRequest.prompt``: the session's
+latest; None keeps the one in use). A chunk whose prompt differs from the
+session's (cleaned) is a *switch*, LongLive's re-cache: before the chunk,
+the latent frames LongLive's cache holds are run once more at t=0 under the
+new prompt, every frame seeing every other (no causal mask), and their K/V
+replace the history's through the runner's copy-on-write rewrite
+(:meth:`SessionKVState.begin_rewrite`). LongLive's cache holds the sink and
+the last ``window`` frames (the window counts the chunk, so 9 frames: the
+runner keeps only 6 of them between chunks, but all 9 are re-cached, as in
+LongLive, and the first 3 shape the other 6 through attention). The sink
+keeps the old prompt (LongLive's ``global_sink``), except in a switch within
+the first ``sink + window`` frames, where LongLive's cache still starts at
+frame 0 and the whole history, sink included, is re-encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from arstream.models.longlive.config import LongLiveConfig
+from arstream.models.longlive.dit import LongLiveDiT, stack_prompt_kv
+from arstream.models.longlive.kv import PagedContext
+from arstream.models.longlive.prompts import PromptEntry, Prompts
+from arstream.models.longlive.text import TextEncoder, clean_prompt
+from arstream.models.wan.sampler import sample_chunk
+from arstream.models.wan.vae import (
+    FeatureCache,
+    StreamingVAE,
+    export_feature_cache,
+    import_feature_cache,
+    to_uint8,
+)
+from arstream.runner.binding import SessionStateBinding
+from arstream.runner.contract import ModelState
+from arstream.runner.kv_state import SessionKVState
+from arstream.runner.snapshot import weights_digest
+from arstream.runner.spec import KVCacheSpec
+from arstream.runner.types import TickRequest
+
+log = logging.getLogger("arstream.models.longlive")
+
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class _LongLiveSession:
+    """What carries over between a session's chunks besides the runner's KV (immutable: replaced on success)."""
+
+    generator: torch.Generator
+    prompt: str  # the cleaned prompt the history is under
+    latents: torch.Tensor | None = None  # [16, n, h, w]: the last sink + window latent frames, at most
+    vae_cache: FeatureCache | None = None
+
+
+@dataclass
+class PipelineCounters:
+    """What the tests and the GPU check read: re-caches run, and the time of the last forward's parts."""
+
+    recaches: int = 0
+    recache_s: float = 0.0
+    dit_s: float = 0.0
+    vae_s: float = 0.0
+
+
+class LongLivePipeline(SessionStateBinding):
+    """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
+
+    def __init__(
+        self,
+        model: LongLiveDiT,
+        vae: StreamingVAE,
+        text: TextEncoder,
+        *,
+        device: torch.device,
+        session_capacity: int = 8,
+        prompt_cache: int = 4,
+        default_prompt: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.cfg: LongLiveConfig = model.cfg
+        self.vae = vae
+        self.text = text
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.session_capacity = session_capacity
+        self.default_prompt = clean_prompt(default_prompt if default_prompt is not None else self.cfg.default_prompt)
+        self.prompts = Prompts(self._encode, self._project, spare=prompt_cache)
+        self._sessions: dict[str, _LongLiveSession] = {}
+        self.last_latents: dict[str, torch.Tensor] = {}
+        self.counters = PipelineCounters()
+        cfg = self.cfg
+        self.vae_cache_bytes = vae.steady_cache_bytes((cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height,
+                                                       cfg.latent_width))  # fmt: skip
+        default = self.prompts.get(self.default_prompt)  # warmed at load: the first chunk encodes nothing
+        self.prompt_bytes = _prompt_bytes(cfg, self.dtype, default)
+        self.latent_bytes = 4 * cfg.out_dim * cfg.local_attn_size * cfg.latent_height * cfg.latent_width
+
+    def _encode(self, prompt: str) -> torch.Tensor:
+        return self.text.encode(prompt)
+
+    def _project(self, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        with torch.inference_mode():
+            return self.model.cross_kv(self.model.text_context(tokens))
+
+    # ---- contract ------------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        cfg = self.cfg
+        return KVCacheSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_heads,
+            head_size=cfg.head_dim,
+            tokens_per_frame=cfg.tokens_per_frame,
+            frames_per_chunk=cfg.frames_per_chunk,
+            sink_frames=cfg.sink_size,
+            window_frames=cfg.window_frames,
+            session_capacity=self.session_capacity,
+            # the decoder cache, the latents a re-cache reads, and (worst case: its own) one prompt's K/V + tokens
+            model_owned_bytes_per_session=self.vae_cache_bytes + self.latent_bytes + self.prompt_bytes,
+            dtype=self.dtype,
+            max_position_frames=cfg.rope_frames,
+            history_rewrites=True,
+        )
+
+    def model_card(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "name": "longlive",
+            "width": cfg.width,
+            "height": cfg.height,
+            "fps": cfg.fps,
+            "frames_per_chunk": cfg.video_frames_per_chunk,
+            "first_chunk_frames": cfg.first_chunk_frames,
+            "reads_prompt": True,
+            "default_prompt": self.default_prompt,
+            "controls": {
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+                "type": "object",
+                "properties": {},
+                "additionalProperties": False,
+            },
+            "config": cfg.name,
+        }
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        return self._generate([tick])[0]
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        return self._generate(ticks)
+
+    def reset_session(self, session_id: str) -> None:
+        self._drop(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self._drop(session_id)
+
+    def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
+        return [TickRequest(session_id=session_id, request_id=i, controls={}) for i in range(2)]
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def session_prompt(self, session_id: str) -> str | None:
+        """The cleaned prompt the session's history is under (None: no chunk yet)."""
+        session = self._sessions.get(session_id)
+        return None if session is None else session.prompt
+
+    def _drop(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self.prompts.drop(session.prompt)
+        self.last_latents.pop(session_id, None)
+
+    # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = {
+                "config": self.cfg.name,
+                "dit": weights_digest(self.model),
+                "vae": weights_digest(self.vae.vae),
+                "text": weights_digest(self.text.model),
+            }
+        return self._fingerprint
+
+    def export_session_state(self, session_id: str) -> ModelState:
+        """Noise generator, the prompt (its text: the peer encodes it), latents and the decoder cache."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return ModelState({"session": None})
+        tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
+        if session.latents is not None:
+            tensors["latents"] = session.latents
+        values = {"prompt": session.prompt, "vae": export_feature_cache(session.vae_cache, tensors)}
+        latest = self.last_latents.get(session_id)
+        if latest is not None:
+            tensors["last_latents"] = latest
+        return ModelState({"session": values}, tensors)
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        values = state.json.get("session")
+        if values is None:
+            return
+        t = {n: v.cpu() if n == "generator" else v.to(self.device) for n, v in state.tensors.items()}
+        generator = torch.Generator()
+        generator.set_state(t["generator"])
+        entry = self.prompts.get(str(values["prompt"]))
+        self._drop(session_id)
+        self.prompts.hold(entry.text)
+        self._sessions[session_id] = _LongLiveSession(
+            generator, entry.text, t.get("latents"), import_feature_cache(values["vae"], t)
+        )
+        if "last_latents" in t:
+            self.last_latents[session_id] = t["last_latents"]
+
+    # ---- one chunk for a batch of sessions ----------------------------------------------------
+
+    def _session(self, tick: TickRequest, chunk_index: int) -> _LongLiveSession:
+        session = self._sessions.get(tick.session_id)
+        if session is None or chunk_index == 0:
+            seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
+            return _LongLiveSession(generator=torch.Generator().manual_seed(seed), prompt=self.default_prompt)
+        return session
+
+    def _recache(self, state: SessionKVState, latents: torch.Tensor, entry: PromptEntry) -> None:
+        """LongLive's re-cache of one session's history under ``entry``'s prompt (a rewrite of its committed KV)."""
+        cfg = self.cfg
+        committed = state.frame_start
+        keep_sink = committed > cfg.local_attn_size  # LongLive's cache no longer starts at frame 0
+        frames = cfg.window_frames if keep_sink else committed
+        ctx = PagedContext.recache(state, frames, keep_sink, cfg.rope_frames)
+        state.begin_rewrite(frames, keep_sink=keep_sink)
+        self.model(latents[None, :, -frames:], torch.zeros((1, frames), device=self.device), entry.kv, ctx)
+        state.end_pass()
+
+    def _generate(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        cfg = self.cfg
+        states = [self.bound_state(t.session_id) for t in ticks]
+        sessions = [self._session(t, s.chunk_index) for t, s in zip(ticks, states)]
+        generators = [s.generator for s in sessions]
+        rewind = [g.get_state() for g in generators]
+        fpc = cfg.frames_per_chunk
+        shape = (cfg.out_dim, fpc, cfg.latent_height, cfg.latent_width)
+        try:
+            entries = [
+                self.prompts.get(t.prompt) if t.prompt is not None else self.prompts.get(s.prompt)
+                for t, s in zip(ticks, sessions)
+            ]
+
+            def draw() -> torch.Tensor:
+                return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)
+
+            started = time.perf_counter()
+            recaches = 0
+            with torch.inference_mode():
+                for state, session, entry in zip(states, sessions, entries):
+                    if session.latents is not None and entry.text != session.prompt:
+                        self._recache(state, session.latents, entry)
+                        recaches += 1
+                recached = time.perf_counter()
+                ctx = PagedContext.chunk(states, fpc, cfg.rope_frames)
+                prompt_kv = stack_prompt_kv([e.kv for e in entries])
+                latents = sample_chunk(
+                    lambda x, t: self.model(x, t, prompt_kv, ctx), ctx, draw(), draw,
+                    cfg.denoise_timesteps, cfg.timestep_shift,
+                )  # fmt: skip
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                decoded = time.perf_counter()
+                videos, caches = self.vae.decode_rows(latents, [s.vae_cache for s in sessions])
+                frames_out = [to_uint8(v) for v in videos]
+            self.counters.recaches += recaches
+            self.counters.recache_s = recached - started
+            self.counters.dit_s = decoded - recached
+            self.counters.vae_s = time.perf_counter() - decoded
+        except BaseException:
+            for generator, state in zip(generators, rewind):
+                generator.set_state(state)
+            raise
+        for row, (tick, session, entry) in enumerate(zip(ticks, sessions, entries)):
+            history = latents[row] if session.latents is None else torch.cat([session.latents, latents[row]], dim=1)
+            self._drop(tick.session_id)
+            self.prompts.hold(entry.text)
+            self._sessions[tick.session_id] = _LongLiveSession(
+                session.generator, entry.text, history[:, -cfg.local_attn_size :].clone(), caches[row]
+            )
+            self.last_latents[tick.session_id] = latents[row]
+        return frames_out
+
+
+def _prompt_bytes(cfg: LongLiveConfig, dtype: torch.dtype, entry: PromptEntry) -> int:
+    """One prompt's cross-attention K/V (every layer, ``text_len`` tokens) plus its umT5 outputs (up to ``text_len``)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * cfg.num_layers * cfg.text_len * cfg.dim * elem
+    tokens = cfg.text_len * cfg.text.dim * entry.tokens.element_size()
+    return kv + tokens
