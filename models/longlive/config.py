@@ -108,7 +108,8 @@ _TINY: dict[str, Any] = dict(
     dim=32,
     ffn_dim=64,
     num_heads=2,
-    num_layers=2,
+    # four layers: a re-cache's attention shapes the K/V of every layer past the first, so depth makes it show
+    num_layers=4,
     text_len=24,
     latent_height=4,
     latent_width=6,
