@@ -113,7 +113,7 @@ class DenseLongLive:
             self.rolling = new[cfg.sink_size :]
         else:
             self.sink, self.rolling = new[: cfg.sink_size], new[cfg.sink_size :]
-        self.rolling = self.rolling[len(self.rolling) - (self.local - cfg.sink_size) :] if self.rolling else []
+        self.rolling = self.rolling[max(0, len(self.rolling) - (self.local - cfg.sink_size)) :]
         self.recaches += 1
 
     def step(self, prompt: str) -> torch.Tensor:
