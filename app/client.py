@@ -527,8 +527,12 @@ async def run_script(
     image: dict[str, str] | None = None,
     rewind: Rewind | None = None,
     branch: tuple[str, int] | None = None,
+    prompts_at: Sequence[tuple[int, str]] = (),
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
+
+    ``prompts_at`` (tick, prompt): an ``input`` with that prompt goes just before that tick; the chunk that
+    applied it is printed (the model's world follows the prompt from that chunk on).
 
     ``image`` is the session's ``start.image`` (:func:`start_image_choice`); a resume keeps it.
     ``rewind``: tick ``rewind.after`` carries ``rewind_to`` (its chunk is ``rewind.to`` again).
@@ -554,6 +558,7 @@ async def run_script(
         in_flight_limit = max(1, session.max_pending_ticks - 1)
         frames: list[np.ndarray] = []
         held: tuple[str, ...] | None = ()
+        prompt_events: dict[int, str] = {}  # event id of an input with a prompt -> the prompt
         next_tick = 0
         chunks_received = 0
         ticking_started = time.perf_counter()
@@ -563,6 +568,8 @@ async def run_script(
                     if plan[next_tick] != held:
                         held = plan[next_tick]
                         await session.send_input(controls={"keys": list(held)})
+                    for _, text in (entry for entry in prompts_at if entry[0] == next_tick):
+                        prompt_events[await session.send_input(prompt=text)] = text
                     rewind_to = rewind.to if rewind is not None and next_tick == rewind.after else None
                     await session.send_tick(rewind_to=rewind_to)
                     next_tick += 1
@@ -594,6 +601,9 @@ async def run_script(
             chunks_received += 1
             frames.extend(chunk.frames)
             chunk_indexes.append(int(chunk.message["chunk_index"]))
+            for event_id in chunk.message.get("applied_event_ids") or ():
+                if event_id in prompt_events:
+                    print(f"prompt {prompt_events.pop(event_id)!r} applied at chunk {chunk_indexes[-1]}", flush=True)
             if chunk.message.get("restarted"):
                 restarts.append((chunk_indexes[-1], str(chunk.message["restarted"])))
             if chunk.message.get("restarted") == "rewind":
@@ -755,7 +765,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--prompt")
+    parser.add_argument("--prompt", help="the session's prompt from its first chunk (models that read one: longlive)")
+    parser.add_argument(
+        "--prompt-at",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("N", "PROMPT"),
+        help="switch to PROMPT with tick N (an input event sent just before it, applied by the next chunk that "
+        "starts: N or a queued earlier one; repeatable); prints the chunk that applied it",
+    )
     parser.add_argument("--token", help="auth token, sent as ?token=")
     parser.add_argument(
         "--image",
@@ -802,8 +821,8 @@ def share_choice(args: argparse.Namespace, ticks: int) -> tuple[Rewind | None, t
     if args.watch is not None:
         if args.branch is not None or args.rewind_to is not None or args.rewind_after is not None:
             raise ValueError("--watch only watches: it takes no --branch or --rewind-to")
-        if args.seed is not None or args.prompt is not None or args.image is not None:
-            raise ValueError("--watch shows the watched session's world: it takes no --seed, --prompt or --image")
+        if args.seed is not None or args.prompt is not None or args.image is not None or args.prompt_at:
+            raise ValueError("--watch shows the watched session's world: it takes no --seed, --prompt(-at) or --image")
         if args.chunks is not None and args.chunks < 1:
             raise ValueError(f"--chunks must be at least 1, got {args.chunks}")
     elif args.chunks is not None:
@@ -816,12 +835,23 @@ def share_choice(args: argparse.Namespace, ticks: int) -> tuple[Rewind | None, t
     return rewind_plan(args.rewind_to, args.rewind_after, ticks), branch
 
 
+def prompt_switches(entries: Sequence[Sequence[str]], ticks: int) -> list[tuple[int, str]]:
+    """``--prompt-at N PROMPT`` pairs, checked: N a tick of the key script."""
+    switches = []
+    for tick, text in entries:
+        if not tick.isdigit() or not 0 <= int(tick) < ticks:
+            raise ValueError(f"--prompt-at takes a tick 0..{ticks - 1} of the key script, got {tick!r}")
+        switches.append((int(tick), text))
+    return switches
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         plan = keys_per_tick(parse_key_script(args.keys))
         wire.session_url(args.url)  # reject a malformed URL before connecting
         rewind, branch = share_choice(args, len(plan))
         image = start_image_choice(args.image) if args.image is not None else None
+        prompts_at = prompt_switches(args.prompt_at, len(plan))
     except (ValueError, OSError) as exc:
         print(f"arstream client: {exc}", file=sys.stderr)
         return 2
@@ -842,6 +872,7 @@ def run(args: argparse.Namespace) -> int:
                     image=image,
                     rewind=rewind,
                     branch=branch,
+                    prompts_at=prompts_at,
                 )
             )
     except ServerError as exc:
