@@ -8,12 +8,16 @@ figures the docs give.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from transformers import UMT5EncoderModel
 
 from arstream.models.longlive.config import get_config
 from arstream.models.longlive.dit import LongLiveDiT
 from arstream.models.longlive.pipeline import LongLivePipeline
-from arstream.models.longlive.text import TextEncoder, UMT5EncoderModel, byte_tokenizer, umt5_config
+from arstream.models.longlive.text import TextEncoder, byte_tokenizer, umt5_config
 from arstream.models.wan.vae import StreamingVAE, build_vae
 from arstream.runner.runner import ARRunner
 
@@ -23,11 +27,13 @@ META = torch.device("meta")
 
 def meta_pipeline() -> LongLivePipeline:
     cfg = get_config("1.3b")
+    encoder: Any
+    vae: Any
     with META:
         model = LongLiveDiT(cfg).to(torch.bfloat16)
-        encoder = UMT5EncoderModel(umt5_config(cfg.text)).to(torch.bfloat16)
+        encoder = UMT5EncoderModel(umt5_config(cfg.text))
         vae = build_vae(cfg)
-    vae = vae.to(torch.bfloat16)
+    encoder, vae = encoder.to(torch.bfloat16), vae.to(torch.bfloat16)
     return LongLivePipeline(model, StreamingVAE(vae), TextEncoder(encoder, byte_tokenizer(), cfg.text_len), device=META)
 
 

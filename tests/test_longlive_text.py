@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformers import UMT5EncoderModel
+
 from arstream.models.longlive.config import TextEncoderConfig, get_config
 from arstream.models.longlive.text import (
     TextEncoder,
-    UMT5EncoderModel,
     byte_tokenizer,
     clean_prompt,
     transformers_to_wan_t5,
@@ -73,7 +74,7 @@ def encoder() -> TextEncoder:
         for param in model.parameters():
             param.normal_(0, 0.5)
         model.shared.weight.copy_(model.encoder.embed_tokens.weight)
-    return TextEncoder(model.eval(), byte_tokenizer(), CFG.text_len)
+    return TextEncoder(model, byte_tokenizer(), CFG.text_len)
 
 
 def test_the_mapped_encoder_equals_wan_t5_on_wans_weights(encoder: TextEncoder) -> None:

@@ -15,6 +15,7 @@ file fails with :class:`CheckpointError` naming it and the keys.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -78,8 +79,7 @@ def merge_lora(model: LongLiveDiT, state: dict[str, torch.Tensor], path: Path, c
     if problems:
         raise CheckpointError(f"{path} does not fit the model's LoRA (rank {cfg.lora_rank}): " + "; ".join(problems))
     peft.set_peft_model_state_dict(wrapped, state)
-    merged: LongLiveDiT = wrapped.merge_and_unload()
-    return merged
+    return cast(LongLiveDiT, wrapped.merge_and_unload())
 
 
 def load_text_encoder(module: nn.Module, path: Path) -> None:

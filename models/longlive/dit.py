@@ -12,6 +12,7 @@ prompt reads them (LongLive's ``crossattn_cache``, shared).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,12 +42,12 @@ class LongLiveDiT(WanDiTBase):
         cfg = self.cfg
         padded = tokens.new_zeros(cfg.text_len, cfg.text.dim)
         padded[: tokens.shape[0]] = tokens[: cfg.text_len]
-        weight = self.text_embedding[0].weight
+        weight = next(self.text_embedding.parameters())
         return self.text_embedding(padded.to(weight.device, weight.dtype)[None])
 
     def cross_kv(self, context: torch.Tensor) -> PromptKV:
         """Every layer's cross-attention K/V of an embedded context (:meth:`text_context`)."""
-        return [block.cross_attn.project(context) for block in self.blocks]
+        return [cast(WanAttentionBlock, block).cross_attn.project(context) for block in self.blocks]
 
     def forward(
         self, x: torch.Tensor, timesteps: torch.Tensor, prompt_kv: Sequence[CrossKV], ctx: SelfAttentionContext

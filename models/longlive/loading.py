@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import UMT5EncoderModel
 
 from arstream.models.longlive import checkpoint as ckpt
 from arstream.models.longlive.config import get_config
 from arstream.models.longlive.dit import LongLiveDiT
 from arstream.models.longlive.pipeline import LongLivePipeline
-from arstream.models.longlive.text import TOKENIZER_DIR, TextEncoder, UMT5EncoderModel, byte_tokenizer, load_tokenizer, umt5_config
+from arstream.models.longlive.text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
 from arstream.models.wan.checkpoint import find_file, load_vae
 from arstream.models.wan.vae import StreamingVAE, build_vae
 
@@ -50,6 +52,8 @@ def load_longlive(
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
     torch_dtype = DTYPES[name]
+    encoder: Any  # transformers' and diffusers' modules are untyped here
+    vae: Any
     with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
         model = LongLiveDiT(cfg)
         encoder = UMT5EncoderModel(umt5_config(cfg.text))

@@ -291,8 +291,8 @@ class LongLivePipeline(SessionStateBinding):
             self.counters.dit_s = decoded - recached
             self.counters.vae_s = time.perf_counter() - decoded
         except BaseException:
-            for generator, state in zip(generators, rewind):
-                generator.set_state(state)
+            for generator, saved in zip(generators, rewind):
+                generator.set_state(saved)
             raise
         for row, (tick, session, entry) in enumerate(zip(ticks, sessions, entries)):
             history = latents[row] if session.latents is None else torch.cat([session.latents, latents[row]], dim=1)

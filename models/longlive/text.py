@@ -53,7 +53,6 @@ def umt5_config(cfg: TextEncoderConfig) -> UMT5Config:
         layer_norm_epsilon=cfg.eps,
         feed_forward_proj="gated-gelu",
         dropout_rate=0.0,
-        tie_word_embeddings=False,
     )
 
 
@@ -117,7 +116,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    fast: PreTrainedTokenizerFast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    return fast
 
 
 def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
@@ -134,7 +136,7 @@ class TextEncoder:
     """One per process, on the model's device: cleaned prompt -> umT5 outputs of its real tokens ``[L, dim]``."""
 
     def __init__(self, model: UMT5EncoderModel, tokenizer: PreTrainedTokenizerBase, text_len: int) -> None:
-        self.model = model.eval()
+        self.model = model.eval()  # type: ignore[no-untyped-call]
         self.tokenizer = tokenizer
         self.text_len = text_len
 
