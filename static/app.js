@@ -77,11 +77,14 @@ const debug = {
   shareToken: null,     // ready.share.token
   rewindPoints: null,   // the last chunk's rewind_points: [oldest, newest]
   chunkIndexes: [],     // chunk_index of every chunk received, in order
+  promptChunks: [],     // {prompt, chunk}: the chunk that applied each prompt sent from the prompt box
   restarts: [],         // {chunk, why} for every chunk with `restarted`
   skippedChunks: 0,     // chunks a viewer's slow connection skipped (chunk.skipped_before)
 };
 window.arstreamDebug = debug;
 // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
+// Prompts sent from the box, by event id, until a chunk lists them in applied_event_ids.
+const promptsSent = new Map();
 debug.sendInput = (fields) => { if (connection.session) connection.session.sendInput(fields); };
 // Cut the socket without a `close` message, as a network drop would (tests use it).
 debug.dropSocket = () => { if (connection.session) connection.session.ws.close(4000, 'dropped on purpose'); };
@@ -365,6 +368,13 @@ const connection = new Connection({
     onChunk(message) {
       $('hud-chunk-index').textContent = `${message.chunk_index} (tick ${message.tick_id})`;
       pushBounded(debug.chunkIndexes, message.chunk_index);
+      for (const eventId of message.applied_event_ids || []) {
+        const prompt = promptsSent.get(eventId);
+        if (prompt === undefined) continue;
+        promptsSent.delete(eventId);
+        pushBounded(debug.promptChunks, { prompt, chunk: message.chunk_index });
+        log(`prompt applied at chunk ${message.chunk_index}: ${prompt}`);
+      }
       if (message.restarted) {
         pushBounded(debug.restarts, { chunk: message.chunk_index, why: message.restarted });
         log(`chunk ${message.chunk_index}: ${message.restarted === 'rewind' ? 'rewound' : 'new rollout'} (${message.restarted})`);
@@ -552,7 +562,8 @@ $('prompt-form').addEventListener('submit', (event) => {
   const prompt = $('prompt').value.trim();
   if (!prompt) return;
   if (connection.session && connection.session.live) {
-    connection.prompt(prompt);
+    const eventId = connection.prompt(prompt);
+    if (eventId !== undefined) promptsSent.set(eventId, prompt);
     log(`prompt sent: ${prompt}`);
   } else {
     log('the prompt is used when the next session starts');

@@ -151,8 +151,9 @@ export class Connection {
     this.hooks.log(`passing control to viewer ${viewerId}`);
   }
 
+  /** Send a prompt as an `input`; returns its event id (the chunk whose applied_event_ids lists it applied it). */
   prompt(text) {
-    if (this.session && this.session.live) this.session.sendInput({ prompt: text });
+    return this.session && this.session.live ? this.session.sendInput({ prompt: text }) : undefined;
   }
 
   /** The tab was hidden: give the slot back (keeping the resume ticket when there is one). */

@@ -101,12 +101,14 @@ export class Session {
     return this.role === 'controller';
   }
 
+  /** Send an `input` event; returns its id (undefined when this page does not control a live session). */
   sendInput(fields) {
-    if (!this.live || !this.controller) return;
+    if (!this.live || !this.controller) return undefined;
     const message = { type: 'input', event_id: this.ids.event++, ...fields };
     this.eventsSentAt.set(message.event_id, performance.now());
     pushBounded(this.debug.sentEventIds, message.event_id);
     this.send(message);
+    return message.event_id;
   }
 
   /** The next tick starts a new rollout, with these keys held. */
