@@ -55,7 +55,7 @@ IMAGE_DISTRIBUTIONS = frozenset({"torch", "triton", "numpy", "pillow", "safetens
 # Needed by no code path the check runs, and 4.6 MiB of the 64 MiB the device tool carries: hf-xet (hub
 # downloads; huggingface_hub imports it only to download) and watchfiles (uvicorn's --reload).
 NOT_CARRIED = frozenset({"hf-xet", "watchfiles"})
-CARRIED_EXTRAS = ("video", "wan")  # PyAV for h264, diffusers for matrix-game-2's VAE
+CARRIED_EXTRAS = ("video", "wan", "longlive")  # PyAV for h264, diffusers for the Wan VAE, transformers/peft for LongLive
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ class Profile:
 
     matrix_game_options: dict[str, Any]
     matrix_game_sessions: tuple[int, ...]
+    longlive_options: dict[str, Any]
+    longlive_chunks: int  # normal chunks, and as many switch chunks
     # chunks per session per repetition: this many over all sessions together, at least min each
     matrix_game_total_chunks: int
     matrix_game_min_chunks: int
@@ -89,6 +91,8 @@ def profile_for(device: str) -> Profile:
         return Profile(
             matrix_game_options={"config": "1.3b", "random_init": True, "dtype": "bfloat16"},
             matrix_game_sessions=(1, 2, 4, 8),
+            longlive_options={"config": "1.3b", "random_init": True, "dtype": "bfloat16"},
+            longlive_chunks=6,
             matrix_game_total_chunks=24,
             matrix_game_min_chunks=6,
             matrix_game_repeat=2,
@@ -102,6 +106,8 @@ def profile_for(device: str) -> Profile:
     return Profile(
         matrix_game_options={"config": "tiny", "random_init": True, "dtype": "float32"},
         matrix_game_sessions=(1, 2),
+        longlive_options={"config": "tiny", "random_init": True, "dtype": "float32"},
+        longlive_chunks=2,
         matrix_game_total_chunks=2,
         matrix_game_min_chunks=2,
         matrix_game_repeat=1,
@@ -235,6 +241,59 @@ def matrix_game_sweep(
             save()
 
 
+# ---- phase 4: LongLive, a normal chunk and a prompt switch ------------------------------------------
+
+
+def longlive_figures(profile: Profile, device: str) -> dict[str, Any]:
+    """One LongLive session through the runner: normal chunks, then chunks that each switch the prompt (re-cache).
+
+    p50/p95 of each kind's compute time, the re-cache's own share, the text
+    encoder's time for a new prompt, and the video fps one session gets
+    against the rate it plays at.
+    """
+    from arstream.models.longlive.loading import load_longlive
+    from arstream.runner.runner import runner_for_sessions
+    from arstream.runner.types import TickRequest
+
+    pipeline = load_longlive(device, **profile.longlive_options)
+    runner = runner_for_sessions(pipeline, 1, device=device)
+    runner.warmup()
+    normal: list[float] = []
+    switch: list[float] = []
+    recache: list[float] = []
+    encode: list[float] = []
+    tick = 0
+    for _ in range(profile.warmup_chunks + profile.longlive_chunks):  # the first chunks (and warm-up) are normal
+        result = runner.execute_tick(TickRequest(session_id="longlive", request_id=tick, controls={}, prompt="a lake"))
+        normal.append(result.compute_s)
+        tick += 1
+    for i in range(profile.longlive_chunks):
+        prompt = f"a city street at night, scene {i}"
+        started = time.perf_counter()
+        pipeline.text.encode(prompt)  # the encoder alone; the chunk below encodes the prompt again for its cache
+        encode.append(time.perf_counter() - started)
+        result = runner.execute_tick(TickRequest(session_id="longlive", request_id=tick, controls={}, prompt=prompt))
+        switch.append(result.compute_s)
+        recache.append(pipeline.counters.recache_s)
+        tick += 1
+    runner.close_session("longlive")
+    normal = normal[profile.warmup_chunks :]
+    frames = pipeline.cfg.video_frames_per_chunk
+    p50 = percentile(normal, 50)
+    return {
+        "options": profile.longlive_options,
+        "normal_chunk_ms_p50": round(1000 * p50, 2),
+        "normal_chunk_ms_p95": round(1000 * percentile(normal, 95), 2),
+        "switch_chunk_ms_p50": round(1000 * percentile(switch, 50), 2),
+        "switch_chunk_ms_p95": round(1000 * percentile(switch, 95), 2),
+        "recache_ms_p50": round(1000 * percentile(recache, 50), 2),
+        "text_encode_ms_p50": round(1000 * percentile(encode, 50), 2),
+        "fps": round(frames / p50, 2),
+        "plays_at_fps": pipeline.cfg.fps,
+        "recaches": pipeline.counters.recaches,
+    }
+
+
 # ---- the targets ---------------------------------------------------------------------------------
 
 
@@ -364,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
             save=save,
         ),
     )
+    phase("longlive", lambda: longlive_figures(profile, args.device))
     result["complete"] = not result["errors"]
     save()
     print_summary(result)

@@ -153,3 +153,14 @@ def test_a_failed_phase_is_reported_and_the_others_still_run(
     assert result["aims"]["aggregate_fps_vs_one_session"] == {"2": 2.0}
     assert result["aims"]["one_session_fps_at_least_25"] is False and result["aims"]["server_vs_runner_min"] == 1.0
     assert json.loads((tmp_path / "gpu-check.json").read_text()) == result
+
+
+def test_the_longlive_phase_measures_normal_and_switch_chunks_on_the_cpu_with_the_tiny_config() -> None:
+    profile = gpu_check.profile_for("cpu")
+    figures = gpu_check.longlive_figures(profile, "cpu")
+    assert figures["options"]["config"] == "tiny"
+    assert figures["recaches"] == profile.longlive_chunks  # every switch chunk re-cached, no normal one did
+    keys = ("normal_chunk_ms_p50", "normal_chunk_ms_p95", "switch_chunk_ms_p50", "switch_chunk_ms_p95",
+            "recache_ms_p50", "text_encode_ms_p50", "fps")  # fmt: skip
+    assert_positive(figures, keys, "longlive")
+    assert figures["plays_at_fps"] == 16
