@@ -84,6 +84,7 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
         assert_positive(figures, (*SERVE_KEYS, "dit_ms_per_round_p50", "vae_ms_per_round_p50"), f"{count} sessions")
         # every session's chunks came back: frames per second add up across sessions
         assert figures["fps_total"] >= figures["fps_per_session"] * 0.9
+    assert result["longlive"]["options"]["config"] == "tiny" and result["longlive"]["recaches"] == 2
     assert set(result["aims"]) >= {"one_session_fps_at_least_25", "server_vs_runner_at_least_0_95_everywhere"}
     assert result["aims"]["aggregate_fps_vs_one_session"].keys() == {"2"}
 

@@ -76,8 +76,10 @@ class Prompts:
         self._trim()
 
     def _trim(self, keep: str | None = None) -> None:
-        unused = [text for text, entry in self._entries.items() if entry.sessions == 0 and text != keep]
-        for text in unused[: max(0, len(unused) - self.spare)]:
+        """Unused entries beyond ``spare`` go, oldest first; ``keep`` (just asked for) never does."""
+        unused = [text for text, entry in self._entries.items() if entry.sessions == 0]
+        excess = len(unused) - self.spare
+        for text in [t for t in unused if t != keep][: max(0, excess)]:
             del self._entries[text]
 
     def cached(self) -> list[str]:
