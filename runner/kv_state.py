@@ -248,7 +248,8 @@ class SessionKVState:
         branch = spec.branch_names[0]
         sink, window = len(self.sink[branch]), len(self.window[branch])
         room = spec.resident_frames + spec.frames_per_chunk - (sink if keep_sink else 0)
-        committed = self.frames_committed - self.sink_start  # frames of the rollout the history can speak for
+        # frames of the rollout the history can speak for (without a sink, sink_start follows the window: unused)
+        committed = self.frames_committed - (self.sink_start if spec.sink_frames else 0)
         low, high = (window, min(room, committed - sink)) if keep_sink else (committed, min(room, committed))
         if not low <= frames <= high:
             what = "the window" if keep_sink else "every committed frame (the sink is rewritten too)"

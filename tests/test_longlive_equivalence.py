@@ -89,3 +89,10 @@ def test_a_second_session_with_the_same_prompt_encodes_nothing_and_resending_a_p
     # the negative control: a new prompt does encode once, and switching to it re-caches once
     list(serve(pipeline, [A, "a desert at noon"], session="third"))
     assert (pipeline.prompts.encodes, pipeline.counters.recaches) == (encodes + 1, recaches + 1)
+
+
+def test_self_forcings_layout_without_a_sink_equals_the_reference_too() -> None:
+    pipeline = load_longlive(config="tiny-self-forcing", random_init=True)
+    assert pipeline.kv_cache_spec().sink_frames == 0
+    served = list(serve(pipeline, SCHEDULE))
+    assert max(differences(served, reference(pipeline))) <= 1e-4

@@ -8,7 +8,8 @@ it); four distilled steps (1000, 750, 500, 250) warped by shift 5; 480x832
 video (60x104 latent, 1560 tokens a latent frame); umT5-XXL text, 512 tokens.
 ``self-forcing-1.3b`` is Self-Forcing's layout of the same pipeline (no sink,
 ``local_attn_size`` -1 there; here a window as long as LongLive's). ``tiny``
-keeps every structural feature at toy size for tests on a CPU.
+keeps every structural feature at toy size for tests on a CPU; ``tiny-self-forcing``
+is Self-Forcing's layout at that size.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ CONFIGS: dict[str, LongLiveConfig] = {
         name="self-forcing-1.3b", sink_size=0, local_attn_size=9, dit_file="self_forcing_dmd.pt", lora_file=None
     ),
     "tiny": LongLiveConfig(name="tiny", **_TINY),
+    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", sink_size=0, local_attn_size=9, lora_file=None, **_TINY),
 }
 
 
