@@ -277,6 +277,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         if not self._upgraded:
             self.guard.release(self.transport)
+        self.lost.set()
         super().connection_lost(exc)
 
     def _await_head(self) -> None:
@@ -349,6 +350,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._discarded_bytes = 0
         self._unparsed = b""  # received while reading was paused for the app, parsed from _unparsed_at on
         self._unparsed_at = 0
+        # Set when the TCP connection is gone: the app can stop work done for a client that left (a start
+        # image's decode) without reading from the socket.
+        self.lost = asyncio.Event()
 
     # ---- what the app may do with its transport (through the scope's TRANSPORT_EXTENSION) --------
 
@@ -482,6 +486,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._drop_timer.cancel()
             self._drop_timer = None
         self.guard.release(self.transport)
+        self.lost.set()
         super().connection_lost(exc)
 
     def resume_writing(self) -> None:

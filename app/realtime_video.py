@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket
 from arstream.app import auth
 from arstream.app.outbox import Outbox, QueuedText
 from arstream.app.fmp4 import fmp4_codec
-from arstream.app.guard import limit_messages
+from arstream.app.guard import limit_messages, transport_control
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
 from arstream.app.protocol import dumps, loads_strict
@@ -53,7 +53,7 @@ from arstream.app.realtime_video_events import (
     parse_start,
 )
 from arstream.app.session import Session, SessionState
-from arstream.app.start_image import StartImageRefused
+from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.runner.types import StartImage
 from arstream.app.worker import OutcomeKind, TickOutcome
 
@@ -240,8 +240,16 @@ class RealtimeVideoConnection:
         if refusal is not None:
             await self._refuse(refusal, ErrorCode.OVER_CAPACITY)
             return None
+        transport = transport_control(self.ws.scope)
         try:
-            return await self.hub.start_images.resolve(name=name, data=data, offered=self.hub.start_image_names)
+            return await self.hub.start_images.resolve(
+                name=name, data=data, offered=self.hub.start_image_names, gone=transport.lost if transport else None
+            )
+        except ClientGone:
+            return None  # _finish stops counting it as waiting to start
+        except StartImageBusy as exc:
+            await self._refuse(str(exc), ErrorCode.OVER_CAPACITY)
+            return None
         except StartImageRefused as exc:
             await self._refuse(str(exc), ErrorCode.INVALID_IMAGE)
             return None

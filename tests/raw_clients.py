@@ -9,10 +9,14 @@ small receive buffer so the server's writes back up quickly.
 from __future__ import annotations
 
 import base64
+import io
 import os
+import re
 import socket
 import struct
 from pathlib import Path
+
+from PIL import Image
 
 # Hang guard for blocking socket calls; it asserts nothing about speed.
 SOCKET_GUARD_S = 30.0
@@ -183,3 +187,16 @@ class RawWebSocket:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def jpeg_scan_bomb(width: int, height: int, extra_scans: int) -> bytes:
+    """A progressive JPEG of a flat ``width`` x ``height`` picture with ``extra_scans`` more copies of its
+    smallest scan (about 30 bytes each): libjpeg decodes each one with a pass over the whole picture."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 200)).save(buffer, "JPEG", progressive=True, quality=90)
+    data = buffer.getvalue()
+    starts = [m.start() for m in re.finditer(rb"\xff\xda", data)]
+    end = data.rindex(b"\xff\xd9")
+    scans = [data[a:b] for a, b in zip(starts, [*starts[1:], end])]
+    smallest = min(scans[1:], key=len)  # a refinement scan: an end-of-band run over every block
+    return data[:end] + smallest * extra_scans + data[end:]

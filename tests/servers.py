@@ -374,10 +374,13 @@ async def session_client(
     headers: Iterable[tuple[str, str]] | None = None,
     origin: str | None = None,
     max_queue: int | None = 16,
+    source_host: str | None = None,
 ) -> AsyncIterator[ProbeClient]:
-    """Connect (and, when ``start`` is given, send it and read `ready`)."""
+    """Connect (and, when ``start`` is given, send it and read `ready`); ``source_host`` (e.g. 127.0.0.2) is
+    another client address."""
     async with connect(
         url,
+        **({} if source_host is None else {"local_addr": (source_host, 0)}),
         additional_headers=list(headers or []),
         origin=origin,  # type: ignore[arg-type]
         compression=None,
