@@ -113,6 +113,15 @@ class RawWebSocket:
         self.status = int(self.response_head.split(" ", 2)[1]) if self.response_head else 0
 
     def _frame(self, opcode: int, payload: bytes) -> bytes:
+        return self.frame(opcode, payload)
+
+    @staticmethod
+    def text_frame(text: str) -> bytes:
+        """One masked text frame, to send (again and again) on any connection."""
+        return RawWebSocket.frame(0x1, text.encode())
+
+    @staticmethod
+    def frame(opcode: int, payload: bytes) -> bytes:
         mask = os.urandom(4)
         length = len(payload)
         if length < 126:
