@@ -179,9 +179,11 @@ def decode_pixels(encoded: bytes, limits: ImageLimits) -> np.ndarray:
                         f"(max_start_image_jpeg_scans; a progressive JPEG has about 10)"
                     )
             # Upright as a viewer shows it: phone photos are stored turned, with an EXIF orientation.
-            # In place: a copy of a 16 MP picture is 64 MB more at the decode's peak.
+            # In place, and converted only when not RGB already: each copy of a 16 MP picture is 64 MB more at
+            # the decode's peak.
             ImageOps.exif_transpose(image, in_place=True)
-            pixels = np.array(fit_to_frame(image.convert("RGB"), limits.frame), dtype=np.uint8)
+            rgb = image if image.mode == "RGB" else image.convert("RGB")
+            pixels = np.array(fit_to_frame(rgb, limits.frame), dtype=np.uint8)
     except StartImageRefused:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

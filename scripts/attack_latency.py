@@ -246,6 +246,7 @@ def summary(latencies: list[float]) -> dict[str, Any]:
     return {
         "chunks": len(ordered),
         "median_ms": round(statistics.median(ordered) * 1e3, 2) if ordered else None,
+        "mean_ms": round(statistics.fmean(ordered) * 1e3, 2) if ordered else None,
         "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 2) if ordered else None,
     }
 
@@ -423,8 +424,9 @@ def main() -> None:
                 )
                 results[f"{front}/{kind}/{label}"] = result
                 print(
-                    f"{front:8s} {kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
-                    f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
+                    f"{front:8s} {kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks,"
+                    f" mean {result['alone']['mean_ms']} ms)  beside {result['beside']['median_ms']} ms"
+                    f" ({result['beside']['chunks']} chunks, mean {result['beside']['mean_ms']} ms)"
                     f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)"
                     f"  server RSS +{result['rss_grown_mb']} MB, CPU {result['server_cpu_s']} s"
                     + (f"  honest upload: {result['honest_upload']}" if "honest_upload" in result else ""),
