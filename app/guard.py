@@ -277,7 +277,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         if not self._upgraded:
             self.guard.release(self.transport)
-        self.lost.set()
         super().connection_lost(exc)
 
     def _await_head(self) -> None:
