@@ -16,8 +16,8 @@ pictures at once. A decode waits for a thread and runs within
 ``start_image_timeout_s`` in all; a connection whose client has gone stops
 waiting at once (its decode is dropped if it has not started). What is kept is
 what a model uses (:func:`fit_to_frame`): the centred part of the frame's
-aspect, at most the frame's size, so a session holds at most one frame of
-pixels however large the upload. Anything refused is a
+aspect at the frame's size, so a session holds one frame of pixels however
+large the upload. Anything refused is a
 :class:`StartImageRefused` (``invalid_image``), a decode that could not get a
 thread in time :class:`StartImageBusy` (``over_capacity``).
 """
@@ -146,18 +146,20 @@ def jpeg_scans(encoded: bytes, stop_after: int) -> int:
 
 
 def fit_to_frame(image: Image.Image, frame: tuple[int, int] | None) -> Image.Image:
-    """The part of ``image`` a model with ``frame`` (width, height) uses: the centred box of the frame's aspect,
-    scaled down to the frame when larger (PIL's antialiased bilinear, as Matrix-Game prepares its image);
-    never scaled up (the pipeline does that, as it would have)."""
+    """The part of ``image`` a model with ``frame`` (width, height) shows, at the frame's size: the centred box of
+    the frame's aspect, resized to the frame (PIL's antialiased bilinear), as Matrix-Game prepares its start image,
+    so a model that crops and resizes it again gets the same picture it would have made of the whole upload."""
     if frame is None:
         return image
     width, height = frame
-    box = centre_crop_box(image.width, image.height, width, height)
-    if box != (0, 0, image.width, image.height):
-        image = image.crop(box)
-    if image.width > width or image.height > height:
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
-    return image
+    left, top, right, bottom = centre_crop_box(image.width, image.height, width, height)
+    if right <= left or bottom <= top:
+        raise StartImageRefused(
+            f"the start image ({image.width}x{image.height}) is too narrow for the model's {width}x{height} frame"
+        )
+    if (left, top, right, bottom) != (0, 0, image.width, image.height):
+        image = image.crop((left, top, right, bottom))
+    return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BILINEAR)
 
 
 def decode_pixels(encoded: bytes, limits: ImageLimits) -> np.ndarray:

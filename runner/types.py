@@ -46,8 +46,8 @@ class StartImage:
     Either one the model offers by ``name`` (listed in its card) or the
     client's own ``pixels``: uint8 ``[H, W, 3]`` RGB, already decoded and
     bounded by the transport, which keeps only what a model uses: the
-    centred part of the frame's aspect (:func:`centre_crop_box`), scaled down
-    to the model's frame size when larger (never up; the pipeline resizes).
+    centred part of the frame's aspect (:func:`centre_crop_box`) resized to
+    the model's frame (``width`` x ``height`` of its card).
     ``digest`` identifies the content (e.g. a SHA-256 of the pixels or of the
     name) so a pipeline can cache what it derives from an image.
     """

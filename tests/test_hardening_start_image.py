@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from arstream.app.start_image import ImageLimits, StartImageRefused, decode_pixels, jpeg_scans
+from arstream.app.start_image import ImageLimits, StartImageRefused, decode_pixels, fit_to_frame, jpeg_scans
+from arstream.models.matrix_game.config import get_config
+from arstream.models.matrix_game.images import prepare_image
 from arstream.models.fake import FakeKVPipeline
 from raw_clients import jpeg_scan_bomb, rss_bytes
 from servers import LiveServer, fake_settings, running_server, server_process, session_client, wait_until
@@ -60,6 +63,25 @@ def test_a_scan_bomb_is_refused_before_decoding_and_an_ordinary_progressive_jpeg
     with pytest.raises(StartImageRefused, match="more than 64 scans \\(max_start_image_jpeg_scans"):
         decode_pixels(jpeg_scan_bomb(4096, 4096, 4000), limits)
     assert decode_pixels(jpeg_scan_bomb(640, 352, 0), limits).shape == (352, 640, 3)
+
+
+# ---- what is kept of a picture -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [(480, 640), (720, 1280), (1000, 333), (353, 641), (37, 101), (4096, 4096)])
+def test_the_kept_picture_conditions_matrix_game_exactly_as_the_whole_upload_would(size: tuple[int, int]) -> None:
+    """What the server keeps (at most one frame) prepares into the same conditioning image as the upload."""
+    cfg = get_config("1.3b")
+    pixels = np.random.default_rng(sum(size)).integers(0, 256, (*size, 3), dtype=np.uint8)
+    kept = np.asarray(fit_to_frame(Image.fromarray(pixels), (cfg.width, cfg.height)))
+    assert kept.shape == (cfg.height, cfg.width, 3)
+    torch.testing.assert_close(prepare_image(kept, cfg), prepare_image(pixels, cfg), rtol=0, atol=0)
+
+
+def test_a_picture_too_narrow_for_the_frame_is_refused() -> None:
+    assert fit_to_frame(Image.new("RGB", (30, 20)), (64, 48)).size == (64, 48)
+    with pytest.raises(StartImageRefused, match=r"\(1x4000\) is too narrow for the model's 640x352 frame"):
+        fit_to_frame(Image.new("RGB", (1, 4000)), (640, 352))
 
 
 # ---- a real server ---------------------------------------------------------------------------------
