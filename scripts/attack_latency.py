@@ -11,8 +11,8 @@ attackers use raw sockets and reconnect whenever the server drops them:
   (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
   connection costs; per-address connection limits belong in front, see docs/public.md);
-- ``scan-bombs``: `start` with a progressive JPEG of 4300 tiny scans (a 145 KiB 16 MP file, as the red team's),
-  then hang up at once, from 16 addresses in turn (issue 31, finding 1). Its effect: an honest upload's
+- ``scan-bombs``: `start` with a progressive JPEG of 4300 tiny scans (a 235 KiB 16 MP file; the red team's
+  were 145 KiB), then hang up at once, from 16 addresses in turn (issue 31, finding 1). Its effect: an honest upload's
   time to `ready` (a 64x64 PNG on a new connection, halfway through) and the server's CPU time;
 - ``huge-pixels``: 12 sessions (3 addresses x 4) each started with a flat 16 MP PNG (56 KiB), held (finding 8);
 - ``huge-event-ids``: a ``/v1/realtime/video`` session sending interactions with 60 KB event_ids and

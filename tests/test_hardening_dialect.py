@@ -30,7 +30,8 @@ def start_message(**fields: Any) -> dict[str, Any]:
 
 
 def interaction(event_id: str, prompt: str = "somewhere else") -> str:
-    return json.dumps({"type": "session.interaction", "interaction": {"event_id": event_id, "event": {"prompt": prompt}}})
+    body = {"event_id": event_id, "event": {"prompt": prompt}}
+    return json.dumps({"type": "session.interaction", "interaction": body})
 
 
 def video_url(live: LiveServer) -> str:
