@@ -365,14 +365,14 @@ class SessionHub:
 
     def start_images_held(self, live: list[Session]) -> dict[str, int]:
         """Uploaded start images the live and detached sessions hold: how many pictures, and their bytes
-        (a branch shares its source's picture: counted once)."""
+        (a branch shares its source's picture: counted once); and uploads waiting for or in their decode."""
         detached = (self.resume.detached_session(d.session_id) for d in self.resume.detached())
         held = {
             id(session.start_image.pixels): session.start_image.pixels.nbytes
             for session in (*live, *detached)
             if session is not None and session.start_image is not None and session.start_image.pixels is not None
         }
-        return {"held": len(held), "bytes": sum(held.values())}
+        return {"held": len(held), "bytes": sum(held.values()), "decoding": self.start_images.decoding}
 
     def stats(self) -> dict[str, Any] | None:
         """The /v1/stats document (PROTOCOL.md), or None before the model is loaded."""

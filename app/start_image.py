@@ -30,6 +30,7 @@ import binascii
 import hashlib
 import io
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from arstream.runner.types import StartImage, centre_crop_box
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 DECODE_CONCURRENCY = 2
+# Pillow opens a JPEG holding more than one picture (a phone's MPO) as "MPO"; its first picture is a JPEG.
+JPEG_FORMATS = ("JPEG", "MPO")
 JPEG_START_OF_SCAN = 0xDA
 # In entropy-coded data 0xFF is followed by 0x00 (a stuffed byte), a restart marker (0xD0-0xD7) or a fill
 # byte (0xFF): anything else is the next marker.
@@ -173,7 +176,7 @@ def decode_pixels(encoded: bytes, limits: ImageLimits) -> np.ndarray:
                     f"the start image is {width}x{height} = {width * height} pixels, "
                     f"over {limits.max_pixels} (max_start_image_pixels)"
                 )
-            if image.format == "JPEG":
+            if image.format in JPEG_FORMATS:
                 scans = jpeg_scans(encoded, limits.max_jpeg_scans)
                 if scans > limits.max_jpeg_scans:
                     raise StartImageRefused(
@@ -226,6 +229,18 @@ class StartImageResolver:
         self._executor = ThreadPoolExecutor(
             DECODE_CONCURRENCY, thread_name_prefix="arstream-image", initializer=partial(lower_thread_priority, nice)
         )
+        self._lock = threading.Lock()
+        self._decoding = 0  # submitted and not finished (waiting for a thread, or running), cancelled ones aside
+
+    @property
+    def decoding(self) -> int:
+        """Uploads waiting for a decode thread or decoding now (in ``/v1/stats``)."""
+        with self._lock:
+            return self._decoding
+
+    def _finished(self, _job: Future[StartImage]) -> None:
+        with self._lock:
+            self._decoding -= 1
 
     def set_frame(self, width: int, height: int) -> None:
         """The served model's frame size (from its card): uploads are cut to it."""
@@ -242,6 +257,9 @@ class StartImageResolver:
         if not offered:
             raise StartImageRefused("this model takes no start image (its card offers no start_images)")
         job: Future[StartImage] = self._executor.submit(uploaded_start_image, data, self.limits)
+        with self._lock:
+            self._decoding += 1
+        job.add_done_callback(self._finished)  # run on the decode thread, or here when cancelled
         decoded = asyncio.wrap_future(job)
         waits: set[asyncio.Future[Any]] = {decoded}
         if gone is not None:

@@ -198,14 +198,20 @@ class RawWebSocket:
         self.sock.close()
 
 
-def jpeg_scan_bomb(width: int, height: int, extra_scans: int) -> bytes:
+def jpeg_scan_bomb(width: int, height: int, extra_scans: int, *, multi_picture: bool = False) -> bytes:
     """A progressive JPEG of a flat ``width`` x ``height`` picture with ``extra_scans`` more copies of its
-    smallest scan (about 30 bytes each): libjpeg decodes each one with a pass over the whole picture."""
+    smallest scan (about 30 bytes each): libjpeg decodes each one with a pass over the whole picture.
+    ``multi_picture``: an MPO (a second, small picture after it), which Pillow opens as "MPO", not "JPEG"."""
     buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (90, 120, 200)).save(buffer, "JPEG", progressive=True, quality=90)
+    picture = Image.new("RGB", (width, height), (90, 120, 200))
+    if multi_picture:
+        second = Image.new("RGB", (16, 16))
+        picture.save(buffer, "MPO", save_all=True, append_images=[second], progressive=True, quality=90)
+    else:
+        picture.save(buffer, "JPEG", progressive=True, quality=90)
     data = buffer.getvalue()
-    starts = [m.start() for m in re.finditer(rb"\xff\xda", data)]
-    end = data.rindex(b"\xff\xd9")
+    end = data.index(b"\xff\xd9")  # the first picture's end
+    starts = [m.start() for m in re.finditer(rb"\xff\xda", data[:end])]
     scans = [data[a:b] for a, b in zip(starts, [*starts[1:], end])]
     smallest = min(scans[1:], key=len)  # a refinement scan: an end-of-band run over every block
     return data[:end] + smallest * extra_scans + data[end:]

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from arstream.app.start_image import ImageLimits, StartImageRefused, decode_pixels, fit_to_frame, jpeg_scans
@@ -63,6 +65,17 @@ def test_a_scan_bomb_is_refused_before_decoding_and_an_ordinary_progressive_jpeg
     with pytest.raises(StartImageRefused, match="more than 64 scans \\(max_start_image_jpeg_scans"):
         decode_pixels(jpeg_scan_bomb(4096, 4096, 4000), limits)
     assert decode_pixels(jpeg_scan_bomb(640, 352, 0), limits).shape == (352, 640, 3)
+    # Pillow opens a JPEG with a second picture as MPO, not JPEG: its scans are counted all the same.
+    with pytest.raises(StartImageRefused, match="more than 64 scans"):
+        decode_pixels(jpeg_scan_bomb(1024, 1024, 500, multi_picture=True), limits)
+    assert decode_pixels(jpeg_scan_bomb(64, 48, 0, multi_picture=True), limits).shape == (48, 64, 3)
+
+
+@given(st.binary(max_size=512))
+@settings(max_examples=300, deadline=None)
+def test_counting_scans_ends_on_any_bytes(tail: bytes) -> None:
+    """Whatever follows the start-of-image marker, the walk ends, counting at most one past its limit."""
+    assert 0 <= jpeg_scans(b"\xff\xd8" + tail, 8) <= 9
 
 
 # ---- what is kept of a picture -------------------------------------------------------------------
@@ -101,7 +114,8 @@ async def upload(live: LiveServer, data: bytes, *, host: str | None = None) -> t
 
 def test_a_scan_bomb_is_invalid_image_and_an_honest_upload_beside_it_starts() -> None:
     """Before the fix the bomb decoded (a pass over the picture per scan: 4 MiB of them is minutes of a core)."""
-    with running_server(fake_settings(), FakeKVPipeline(start_images=OFFERED)) as live:
+    settings = fake_settings(start_image_timeout_s=120.0)  # the honest decode must finish on a loaded machine
+    with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
         blocks_free = live.stats()["kv"]["blocks_free"]
 
         async def scenario() -> list[tuple[int | None, dict[str, Any]]]:
@@ -126,7 +140,7 @@ def test_decodes_that_cannot_start_or_finish_in_time_are_refused() -> None:
 
         async def scenario() -> list[tuple[int | None, dict[str, Any]]]:
             bombs = [asyncio.create_task(upload(live, bomb)) for _ in range(2)]
-            await asyncio.sleep(0.1)  # the bombs' decodes go first (a hang guard would not help: order matters)
+            await asyncio.to_thread(wait_until, lambda: live.stats()["start_images"]["decoding"] == 2)
             honest = await upload(live, png(np.full((16, 16, 3), 90, np.uint8)))
             return [*(await asyncio.gather(*bombs)), honest]
 
@@ -148,7 +162,7 @@ def test_a_client_that_leaves_while_its_image_waits_stops_counting_at_once() -> 
 
         async def scenario() -> tuple[int, int, int]:
             bombs = [asyncio.create_task(upload(live, bomb, host=f"127.0.0.{i}")) for i in (2, 3)]
-            await asyncio.to_thread(wait_until, lambda: unstarted.count == 2)
+            await asyncio.to_thread(wait_until, lambda: live.stats()["start_images"]["decoding"] == 2)
             async with session_client(live.ws_url, source_host="127.0.0.4") as leaver:
                 await leaver.send(type="start", image={"data": b64(png(np.zeros((16, 16, 3), np.uint8)))})
                 await asyncio.to_thread(wait_until, lambda: unstarted.waiting_from("127.0.0.4") == 1)
@@ -156,6 +170,7 @@ def test_a_client_that_leaves_while_its_image_waits_stops_counting_at_once() -> 
             await asyncio.to_thread(wait_until, lambda: unstarted.waiting_from("127.0.0.4") == 0)
             # The bombs' decodes are still running: their connections still wait, the leaver's never ran.
             still = (unstarted.waiting_from("127.0.0.2"), unstarted.waiting_from("127.0.0.3"), unstarted.count)
+            assert live.stats()["start_images"]["decoding"] == 2
             for task in bombs:
                 task.cancel()
             await asyncio.gather(*bombs, return_exceptions=True)
@@ -170,7 +185,9 @@ def test_a_huge_flat_picture_is_held_as_one_frame_and_counted() -> None:
     options = json.dumps({"width": 64, "height": 48, "start_images": OFFERED})
     # One malloc arena: a decode's freed memory (the server keeps it, app/memory.py) is reused by the next decode
     # on either thread, so what grows is what is held, not each thread's own peak.
+    # A generous deadline: each 16 MP decode must finish, however loaded the machine running the test.
     serve = ["--model", "fake-kv", "--model-options", options, "--log-level", "warning"]
+    serve += ["--start-image-timeout-s", "120"]
     with server_process(serve, {"MALLOC_ARENA_MAX": "1"}) as live:
         assert live.process is not None
         pid = live.process.pid
@@ -193,5 +210,5 @@ def test_a_huge_flat_picture_is_held_as_one_frame_and_counted() -> None:
 
         grown, stats = asyncio.run(scenario())
         assert grown < 40 * MB, f"4 sessions with a 16 MP start image grew the server by {grown / MB:.0f} MB"
-        assert stats["start_images"] == {"held": 4, "bytes": 4 * 64 * 48 * 3}
-        wait_until(lambda: live.stats()["start_images"] == {"held": 0, "bytes": 0})
+        assert stats["start_images"] == {"held": 4, "bytes": 4 * 64 * 48 * 3, "decoding": 0}
+        wait_until(lambda: live.stats()["start_images"] == {"held": 0, "bytes": 0, "decoding": 0})

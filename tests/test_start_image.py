@@ -425,7 +425,9 @@ def test_an_image_while_the_model_loads_is_over_capacity_not_invalid_image() -> 
 
 def test_a_decode_does_not_hold_up_other_sessions() -> None:
     """A picture at the pixel limit takes a while to decode; another session's ping is answered meanwhile."""
-    with running_server(fake_settings(), FakeKVPipeline(start_images=OFFERED)) as live:
+    # A generous deadline: the decode must finish, however loaded the machine running the test.
+    settings = fake_settings(start_image_timeout_s=120.0)
+    with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
         largest = b64(image_file(np.zeros((4096, 4096, 3), np.uint8)))  # 16 MP in about 50 KB
 
         async def scenario() -> list[str]:
