@@ -22,7 +22,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from arstream.app.realtime_video import PATH as REALTIME_PATH
-from servers import RECEIVE_GUARD_S, LiveServer, ProbeClient, session_client
+from servers import RECEIVE_GUARD_S, LiveServer, ProbeClient, server_process, session_client, wait_until
 from test_balancer import CAPACITY, Sessions, agent_line, balancer, replica, wait_heard
 
 SECRET = "a-cluster-secret"
@@ -178,3 +178,20 @@ def test_the_replica_decodes_percent_escapes_in_its_paths() -> None:
         port = int(server.base_url.rsplit(":", 1)[1])
         assert raw_status(port, "GET /%6detrics HTTP/1.1") == 200
         assert raw_status(port, "GET /%72eadyz HTTP/1.1") == 200
+
+
+def test_an_old_share_link_puts_its_token_in_no_log_line(tmp_path: Path) -> None:
+    """Old code: uvicorn's access line had the whole `?watch=` / `?branch=` token (the page now builds
+    `#watch=` links, which a browser never sends; links made before still work, so both logs redact)."""
+    haproxy_log = tmp_path / "haproxy.log"
+    serve = ["--model", "fake-kv", "--log-level", "info", "--agent-port", "0", "--replica-id", "r0"]
+    with ExitStack() as stack:
+        r0 = stack.enter_context(server_process(serve))
+        lb = stack.enter_context(balancer(tmp_path, {"r0": r0}, "--check-interval", "200ms", log=haproxy_log))
+        for query in ("watch=r0.WATCHSECRET", "branch=r0.BRANCHSECRET&chunk=3"):
+            assert httpx.get(f"{lb.url}/?{query}", timeout=10.0).status_code == 200
+        wait_until(lambda: sum("GET /?" in line for line in r0.output) >= 2)
+        wait_until(lambda: haproxy_log.read_text().count('"GET / HTTP/1.1"') >= 2)
+        logs = "".join(r0.output) + haproxy_log.read_text()
+        assert "WATCHSECRET" not in logs and "BRANCHSECRET" not in logs
+        assert "/?watch=<redacted>" in logs and "chunk=3" in logs  # redacted, not left out
