@@ -10,7 +10,10 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``idle-upgrades``: WebSocket upgrades that never send ``start``, from 250 loopback addresses
   (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
-  connection costs; per-address connection limits belong in front, see docs/public.md).
+  connection costs; per-address connection limits belong in front, see docs/public.md);
+- ``snapshot-headers``: a peer with the cluster secret posting session snapshots whose JSON header is
+  15 MiB of small numbers to ``/v1/cluster/import``, one after another (direct only: HAProxy never
+  forwards ``/v1/cluster/``).
 
 ``--fronts direct haproxy`` measures each attack against the server alone
 and behind HAProxy running the shipped configuration (deploy/haproxy, rendered
@@ -37,6 +40,7 @@ import json
 import multiprocessing
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -55,7 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
 
 TOKEN = "bench-token"
-ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect")
+ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", "snapshot-headers")
+CLUSTER_SECRET = "bench-cluster-secret"
+SNAPSHOT_HEADER_BYTES = 15 * 2**20
 IDLE_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 251)]
 IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
@@ -84,6 +90,9 @@ def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
     if kind == "idle-upgrades":
         idle_upgrades(port, stop, connections)
+        return
+    if kind == "snapshot-headers":
+        snapshot_headers(port, stop, connections)
         return
     while not stop.is_set():
         try:
@@ -125,6 +134,21 @@ def idle_upgrades(port: int, stop: Any, connections: Any) -> None:
     finally:
         for client in held:
             client.close()
+
+
+def snapshot_headers(port: int, stop: Any, connections: Any) -> None:
+    """Post snapshots whose header is ``SNAPSHOT_HEADER_BYTES`` of JSON numbers (slow to parse), one at a time."""
+    inner = '{"format_version":1,"model":[' + ",".join(["1"] * (SNAPSHOT_HEADER_BYTES // 2)) + "]}"
+    outer = json.dumps({"__metadata__": {"arstream_session": inner}}).encode()
+    body = struct.pack("<Q", len(outer)) + outer
+    headers = {"authorization": f"Bearer {CLUSTER_SECRET}", "content-type": "application/octet-stream"}
+    with httpx.Client(timeout=60.0) as client:
+        while not stop.is_set():
+            try:
+                client.post(f"http://127.0.0.1:{port}/v1/cluster/import", content=body, headers=headers)
+            except httpx.TransportError:
+                continue
+            connections.value += 1
 
 
 def summary(latencies: list[float]) -> dict[str, Any]:
@@ -197,6 +221,8 @@ def measure_attack(
     serve = ["--model", model, "--log-level", "warning"] + (["--forwarded-allow-ips", ""] if front == "direct" else [])
     if kind.endswith("no-token"):
         serve += ["--auth-token", TOKEN]
+    if kind == "snapshot-headers":
+        serve += ["--cluster-secret", CLUSTER_SECRET]
     if not rate_bounds:
         serve += ["--connection-rate-per-client", str(UNBOUNDED)]
     tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
