@@ -31,7 +31,7 @@ WIDTH, HEIGHT = 16, 16
 
 def hub_of(server: LiveServer) -> Any:
     assert server.server is not None
-    return server.server.config.app.state.hub
+    return server.server.hub
 
 
 def raw_status(port: int, request_line: str) -> int:

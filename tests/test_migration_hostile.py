@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from arstream.app import migration
 from arstream.app.migration import CLUSTER_AUTH_BURST, IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
+from arstream.runner import snapshot
 from arstream.runner.snapshot import SessionSnapshot
 from arstream.runner.snapshot_header import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, METADATA_KEY
 from servers import LiveServer, running_server
@@ -35,9 +35,9 @@ def raw_snapshot(header_text: str) -> bytes:
 
 def with_session(**changes: Any) -> bytes:
     """A snapshot this replica would take, with its `session` section changed."""
-    snapshot = SessionSnapshot.from_bytes(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
-    snapshot.header["session"] = {**snapshot.header["session"], **changes}
-    return snapshot.to_bytes()
+    moved = SessionSnapshot.from_bytes(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
+    moved.header["session"] = {**moved.header["session"], **changes}
+    return moved.to_bytes()
 
 
 def at_baseline(server: LiveServer, free: int) -> bool:
@@ -67,13 +67,13 @@ def test_a_header_past_its_bounds_is_a_clear_400(why: str, header: str) -> None:
 def test_the_header_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Old code: read_header ran on the event loop (a 15 MiB header stalled every session 237-381 ms)."""
     threads: list[str] = []
-    real = migration.read_header
+    real = snapshot.read_header
 
     def recording(data: bytes) -> dict[str, Any]:
         threads.append(threading.current_thread().name)
         return real(data)
 
-    monkeypatch.setattr(migration, "read_header", recording)
+    monkeypatch.setattr("arstream.app.migration.read_header", recording)
     with running_server(cluster_settings("r1")) as r1:
         assert r1.server is not None
         loop_thread = r1.thread.name if r1.thread is not None else ""
