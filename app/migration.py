@@ -10,8 +10,10 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   draining itself, makes the session resident on its worker and holds it
   detached (:meth:`ResumeRegistry.hold_moved`) under a fresh resume token with
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
-  A refusal (401 secret, 409 model/config/room, 400 malformed, 503 not ready)
-  leaves its pool as it was.
+  A refusal (401 secret, 429 after too many wrong secrets from one address,
+  409 model/config/room, 400 malformed: past the header's bounds or a
+  `session` section a replica would not make, 503 not ready) leaves its pool
+  as it was.
 - ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``):
   the replica stops admitting, then moves each live session at a chunk
   boundary: its connection stops running ticks (their controls are kept), the
@@ -44,9 +46,9 @@ from arstream.app.connection import Connection
 from arstream.app.drain import DRAIN_PATH
 from arstream.app.guard import BAN_TABLE_PRUNE_AT
 from arstream.app.limits import MessageBudget
-from arstream.app.resume import ResumeRefused
 from arstream.app.portable_session import PortableSessionError, validated_session
 from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
+from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible, read_header
@@ -318,8 +320,10 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         try:
             ticket = await migration.accept(bytes(body))
         except ImportRefused as exc:
-            log.info("refused a moved session: %s", excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS))
-            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+            # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
+            detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)
+            log.info("refused a moved session: %s", detail)
+            return JSONResponse({"detail": detail}, status_code=exc.status)
         return JSONResponse(ticket)
 
     @app.post(DRAIN_PATH)
