@@ -110,7 +110,8 @@ class SecretGate:
     def refusal(self, request: Request) -> JSONResponse | None:
         """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None."""
         if self.secret is None:
-            return JSONResponse({"detail": "cluster routes are off on this replica (no cluster_secret)"}, status_code=404)
+            off = "cluster routes are off on this replica (no cluster_secret)"
+            return JSONResponse({"detail": off}, status_code=404)
         host = request.client.host if request.client is not None else ""
         now = time.monotonic()
         budget = self._tries.get(host)

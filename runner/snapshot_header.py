@@ -50,4 +50,6 @@ def parse_header(data: bytes) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         # The reason, never the bytes: they came from the network.
         reason = str(exc) if isinstance(exc, ValueError) and "nests deeper" in str(exc) else type(exc).__name__
-        raise SnapshotHeaderError(f"not a session snapshot: no ARStream header in the safetensors metadata ({reason})") from None
+        raise SnapshotHeaderError(
+            f"not a session snapshot: no ARStream header in the safetensors metadata ({reason})"
+        ) from None

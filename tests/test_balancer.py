@@ -143,7 +143,9 @@ class Balancer:
 
 
 @contextmanager
-def balancer(tmp_path: Path, replicas: dict[str, LiveServer], *args: str, log: Path | None = None) -> Iterator[Balancer]:
+def balancer(
+    tmp_path: Path, replicas: dict[str, LiveServer], *args: str, log: Path | None = None
+) -> Iterator[Balancer]:
     port, stats_port = free_port(), free_port()
     specs = [f"{name}=127.0.0.1:{s.port}/{CAPACITY}@{agent_port(s)}" for name, s in replicas.items()]
     command = [sys.executable, str(RENDER), *(a for spec in specs for a in ("--replica", spec))]

@@ -71,7 +71,9 @@ def test_a_percent_encoded_private_path_is_refused_as_the_plain_one_is(tmp_path:
         assert raw_status(lb.port, "GET /%72eadyz HTTP/1.1") == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/cluster/drain", "/replicas/r0/v1/cluster/drain", "/replicas/r0/v1/%63luster/import"])
+@pytest.mark.parametrize(
+    "path", ["/v1/cluster/drain", "/replicas/r0/v1/cluster/drain", "/replicas/r0/v1/%63luster/import"]
+)
 def test_the_private_port_does_not_forward_the_cluster_routes_either(tmp_path: Path, path: str) -> None:
     """Old config: the private port forwarded /v1/cluster/drain and /replicas/r0/v1/cluster/* (401 from the replica)."""
     with ExitStack() as stack:

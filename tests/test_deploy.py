@@ -141,7 +141,8 @@ def test_replicas_trust_forwarded_addresses_from_the_balancer_alone() -> None:
     network = services["networks"]["default"]["ipam"]["config"][0]
     subnet = ipaddress.ip_network(compose_default(network["subnet"]))
     dynamic = ipaddress.ip_network(compose_default(network["ip_range"]))
-    balancer = ipaddress.ip_address(compose_default(services["services"]["haproxy"]["networks"]["default"]["ipv4_address"]))
+    haproxy = services["services"]["haproxy"]
+    balancer = ipaddress.ip_address(compose_default(haproxy["networks"]["default"]["ipv4_address"]))
     # HAProxy's address is fixed, in the network, and never handed to another container.
     assert balancer in subnet and dynamic.subnet_of(subnet) and balancer not in dynamic  # type: ignore[arg-type]
     for name, service in replica_services().items():

@@ -22,7 +22,13 @@ from arstream.app.migration import CLUSTER_AUTH_BURST, IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner import snapshot
 from arstream.runner.snapshot import SessionSnapshot
-from arstream.runner.snapshot_header import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, METADATA_KEY
+from arstream.runner.snapshot_header import (
+    MAX_HEADER_BYTES,
+    MAX_HEADER_DEPTH,
+    METADATA_KEY,
+    SnapshotHeaderError,
+    parse_header,
+)
 from servers import LiveServer, running_server
 from test_migration import SECRET, _post_import, _snapshot_bytes, cluster_settings
 
@@ -49,7 +55,7 @@ def at_baseline(server: LiveServer, free: int) -> bool:
     ("why", "header"),
     [
         ("deep", '{"format_version": 1, "model": ' + "[" * 100_000 + "]" * 100_000 + "}"),
-        ("deep outside strings only", '{"format_version": 1, "x": ' + "[" * (MAX_HEADER_DEPTH + 1) + "]" * (MAX_HEADER_DEPTH + 1) + "}"),
+        ("one level too deep", '{"format_version": 1, "x": ' + "[" * MAX_HEADER_DEPTH + "]" * MAX_HEADER_DEPTH + "}"),
         ("large", json.dumps({"format_version": 1, "model": "x" * (MAX_HEADER_BYTES + 1)})),
     ],
 )
@@ -62,6 +68,17 @@ def test_a_header_past_its_bounds_is_a_clear_400(why: str, header: str) -> None:
         detail = response.json()["detail"]
         assert ("at most" in detail) if why == "large" else ("not a session snapshot" in detail), detail
         assert at_baseline(r1, free) and r1.get("/readyz").status_code == 200
+
+
+def test_a_header_at_its_bounds_still_parses() -> None:
+    """The bounds refuse only what is past them (negative control for the test above)."""
+    deepest = '{"format_version": 1, "x": ' + "[" * (MAX_HEADER_DEPTH - 1) + "]" * (MAX_HEADER_DEPTH - 1) + "}"
+    assert parse_header(raw_snapshot(deepest))["format_version"] == 1
+    with pytest.raises(SnapshotHeaderError, match="nests deeper"):
+        parse_header(raw_snapshot('{"x": ' + "[" * MAX_HEADER_DEPTH + "]" * MAX_HEADER_DEPTH + "}"))
+    room = MAX_HEADER_BYTES - len(raw_snapshot(json.dumps({"format_version": 1, "model": ""}))) + 8
+    assert len(raw_snapshot(json.dumps({"format_version": 1, "model": "x" * room}))) - 8 == MAX_HEADER_BYTES
+    assert parse_header(raw_snapshot(json.dumps({"format_version": 1, "model": "x" * room})))["model"] == "x" * room
 
 
 def test_the_header_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
