@@ -17,6 +17,9 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``huge-pixels``: 12 sessions (3 addresses x 4) each started with a flat 16 MP PNG (56 KiB), held (finding 8);
 - ``huge-event-ids``: a ``/v1/realtime/video`` session sending interactions with 60 KB event_ids and
   reading everything (finding 3).
+- ``snapshot-headers``: a peer with the cluster secret posting session snapshots whose JSON header is
+  15 MiB of small numbers to ``/v1/cluster/import``, one after another (direct only: HAProxy never
+  forwards ``/v1/cluster/``).
 
 Every attack also reports the server's RSS growth during it (from /proc), and the image and dialect attacks run
 against fake-kv at 64x48 offering a start image.
@@ -49,6 +52,7 @@ import multiprocessing
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,11 +75,15 @@ from raw_clients import RawWebSocket, jpeg_scan_bomb, rss_bytes, tcp_connect  # 
 
 TOKEN = "bench-token"
 IMAGE_ATTACKS = ("scan-bombs", "huge-pixels", "huge-event-ids")
-ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", *IMAGE_ATTACKS)
+ATTACKS = (
+    "fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", "snapshot-headers", *IMAGE_ATTACKS
+)
 IMAGE_MODEL_OPTIONS = {"width": 64, "height": 48, "start_images": ["meadow"]}
 BOMB_ADDRESSES = [f"127.0.2.{i}" for i in range(1, 17)]
 PIXEL_ADDRESSES = [f"127.0.3.{i}" for i in range(1, 4)]
 UPLOAD_GUARD_S = 60.0
+CLUSTER_SECRET = "bench-cluster-secret"
+SNAPSHOT_HEADER_BYTES = 15 * 2**20
 IDLE_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 251)]
 IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
@@ -109,6 +117,9 @@ def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
         {"scan-bombs": scan_bombs, "huge-pixels": huge_pixels, "huge-event-ids": huge_event_ids}[kind](
             port, stop, connections
         )
+        return
+    if kind == "snapshot-headers":
+        snapshot_headers(port, stop, connections)
         return
     while not stop.is_set():
         try:
@@ -240,6 +251,20 @@ def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+def snapshot_headers(port: int, stop: Any, connections: Any) -> None:
+    """Post snapshots whose header is ``SNAPSHOT_HEADER_BYTES`` of JSON numbers (slow to parse), one at a time."""
+    inner = '{"format_version":1,"model":[' + ",".join(["1"] * (SNAPSHOT_HEADER_BYTES // 2)) + "]}"
+    outer = json.dumps({"__metadata__": {"arstream_session": inner}}).encode()
+    body = struct.pack("<Q", len(outer)) + outer
+    headers = {"authorization": f"Bearer {CLUSTER_SECRET}", "content-type": "application/octet-stream"}
+    with httpx.Client(timeout=60.0) as client:
+        while not stop.is_set():
+            try:
+                client.post(f"http://127.0.0.1:{port}/v1/cluster/import", content=body, headers=headers)
+            except httpx.TransportError:
+                continue
+            connections.value += 1
+
 
 def summary(latencies: list[float]) -> dict[str, Any]:
     ordered = sorted(latencies)
@@ -312,6 +337,8 @@ def measure_attack(
     serve = ["--model", model, "--log-level", "warning"] + (["--forwarded-allow-ips", ""] if front == "direct" else [])
     if kind.endswith("no-token"):
         serve += ["--auth-token", TOKEN]
+    if kind == "snapshot-headers":
+        serve += ["--cluster-secret", CLUSTER_SECRET]
     if not rate_bounds:
         serve += ["--connection-rate-per-client", str(UNBOUNDED)]
     if kind in IMAGE_ATTACKS:
