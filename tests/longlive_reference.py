@@ -36,6 +36,18 @@ class Frame:
     v: list[torch.Tensor]
 
 
+class DenseContext:
+    """Everything visible: the input frames are all the keys."""
+
+    self_mask = None
+
+    def __init__(self, frames: int) -> None:
+        self.query_positions = self.key_positions = torch.arange(frames)[None]
+
+    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+
 class _Context:
     """The dense attention context of one forward: keys are ``visible`` (per layer) then the input frames."""
 

@@ -13,23 +13,12 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from longlive_reference import DenseContext
 
 from arstream.models.longlive.config import get_config
 from arstream.models.longlive.dit import LongLiveDiT
 
 FRAMES = 3
-
-
-class DenseContext:
-    """Everything visible: the input frames are all the keys."""
-
-    self_mask = None
-
-    def __init__(self, frames: int) -> None:
-        self.query_positions = self.key_positions = torch.arange(frames)[None]
-
-    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v
 
 
 def diffusers_twin(model: LongLiveDiT) -> Any:

@@ -9,10 +9,10 @@ from typing import Any
 import peft
 import pytest
 import torch
-
-from arstream.models.longlive.checkpoint import T5_FILE, VAE_FILE, lora_targets
+from longlive_reference import DenseContext
 from transformers import UMT5EncoderModel
 
+from arstream.models.longlive.checkpoint import T5_FILE, VAE_FILE, lora_targets
 from arstream.models.longlive.config import get_config
 from arstream.models.longlive.dit import LongLiveDiT
 from arstream.models.longlive.loading import load_longlive
@@ -21,16 +21,6 @@ from arstream.models.wan.checkpoint import CheckpointError
 from arstream.models.wan.vae import build_vae
 
 CFG = get_config("tiny")
-
-
-class DenseContext:
-    self_mask = None
-
-    def __init__(self, frames: int) -> None:
-        self.query_positions = self.key_positions = torch.arange(frames)[None]
-
-    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v
 
 
 def write_published(directory: Path) -> tuple[LongLiveDiT, peft.PeftModel]:
