@@ -37,6 +37,7 @@ import torch
 from arstream.models.matrix_game import checkpoint as ckpt
 from arstream.models.matrix_game.clip import ClipImageEncoder
 from arstream.models.matrix_game.config import CONFIGS, MatrixGameConfig, get_config
+from arstream.models.matrix_game.decoders import LatentDecoder, build_decoder, decoder_digest
 from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
 from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.images import (
@@ -101,6 +102,7 @@ class MatrixGamePipeline(SessionStateBinding):
         image_cache: int = 4,
         condition_frames: int = MAX_CONDITION_FRAMES,
         session_capacity: int = 8,
+        decoder: LatentDecoder | None = None,
     ) -> None:
         """``images``: the offered start images by name, ``[3, H, W]`` in [-1, 1], the default first.
 
@@ -112,6 +114,8 @@ class MatrixGamePipeline(SessionStateBinding):
         self.model = model.eval()
         self.cfg = model.cfg
         self.vae = vae
+        # what decodes the latents into frames: the VAE itself unless another decoder was chosen
+        self.decoder: LatentDecoder = vae if decoder is None else decoder
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.session_capacity = session_capacity
@@ -155,9 +159,9 @@ class MatrixGamePipeline(SessionStateBinding):
         """Bytes of a steady-state decoder cache (after a first and a later chunk of zeros)."""
         cfg = self.cfg
         zeros = torch.zeros(1, cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height, cfg.latent_width, device=self.device)
-        _, cache = self.vae.decode(zeros, None)
-        _, cache = self.vae.decode(zeros, cache)
-        return cache_bytes(cache)
+        _, caches = self.decoder.decode_rows(zeros, [None])
+        _, caches = self.decoder.decode_rows(zeros, caches)  # type: ignore[arg-type]
+        return cache_bytes(caches[0])
 
     # ---- contract ------------------------------------------------------------------------
 
@@ -229,6 +233,7 @@ class MatrixGamePipeline(SessionStateBinding):
                 "config": self.cfg.name,
                 "dit": weights_digest(self.model),
                 "vae": weights_digest(self.vae.vae),
+                "decoder": decoder_digest(self.decoder),
                 "clip": None if self._clip is None else weights_digest(self._clip),
                 "start_images": tensors_digest(
                     {f"{name}/{part}": tensor for name, encodings in offered.items()
@@ -370,7 +375,7 @@ class MatrixGamePipeline(SessionStateBinding):
                 actions = ctx.updated_histories()
                 self._sync()
                 decoded = time.perf_counter()
-                videos, caches = self.vae.decode_rows(latents, [s.vae_cache for s in sessions])
+                videos, caches = self.decoder.decode_rows(latents, [s.vae_cache for s in sessions])
                 frames_out = [_to_uint8(v) for v in videos]
             self.timings = ChunkTimings(dit_s=decoded - started, vae_s=time.perf_counter() - decoded)
         except BaseException:
@@ -445,6 +450,8 @@ def load_matrix_game(
     vae_file: str | None = None,
     clip_file: str | None = None,
     session_capacity: int = 8,
+    decoder: str = "wan-vae",
+    decoder_file: str | None = None,
 ) -> MatrixGamePipeline:
     """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
 
@@ -457,6 +464,10 @@ def load_matrix_game(
     image only, from ``clip_features`` (a file holding a ``[257, 1280]``
     tensor named ``clip_features``), which wins; with neither, the image
     context is zeros (with a warning).
+
+    ``decoder`` ``taehv`` decodes with TAEHV (``decoder_file`` in the
+    checkpoint directory, default ``taew2_1.pth``; seeded random with
+    ``random_init``) in ``vae_dtype`` instead of the Wan VAE's decoder.
     """
     device = torch.device(device)
     cfg = get_config(config)
@@ -509,9 +520,17 @@ def load_matrix_game(
         getattr(vae_module, part).to(dtype=part_dtype)
     if encoder is not None:
         encoder = encoder.to(device=device, dtype=torch_dtype)
+    if random_init and decoder_file is not None:
+        raise ValueError("decoder_file names a file in the checkpoint directory; random_init has none")
+    streaming_vae = StreamingVAE(vae_module)
+    chosen = build_decoder(
+        decoder, streaming_vae, cfg, device=device, dtype=decode_dtype,
+        checkpoint=None if checkpoint is None else Path(checkpoint), decoder_file=decoder_file, seed=seed,
+    )
     return MatrixGamePipeline(
         model,
-        StreamingVAE(vae_module),
+        streaming_vae,
+        decoder=None if chosen is streaming_vae else chosen,
         device=device,
         images=offered,
         clip=encoder,
