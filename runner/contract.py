@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from arstream.runner.types import PendingDecode, TickRequest
 
 if TYPE_CHECKING:
     from arstream.runner.kv_state import SessionKVState
@@ -75,6 +75,30 @@ class SupportsBatchedChunks(Protocol):
 
     def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
         """One uint8 ``[F, H, W, 3]`` array per tick, in the order of ``ticks``."""
+
+
+@runtime_checkable
+class SupportsSplitDecode(Protocol):
+    """Optional: a chunk in two calls, the forward (latents) and the decode (frames), so the decode can overlap
+    the next forward.
+
+    :meth:`generate_latents` is :meth:`SupportsBatchedChunks.generate_chunks`
+    without the decode: same binding, same all-or-nothing rule, and it commits
+    the KV and every model-owned state except the decoder's.
+    :meth:`decode_latents` may run on another thread while the next forward
+    runs, of these sessions too: the runner hands each session's chunks over in
+    order, one round at a time, and never two decodes at once. It updates a
+    session's decoder state only if it succeeds, and the state that
+    ``export_session_state`` sees (snapshots, rewind points) is always a whole
+    chunk's: export waits for a decode in flight. A reset or close of a session
+    with a decode in flight keeps that decode from storing its state.
+    """
+
+    def generate_latents(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
+        """One forward for the bound sessions of ``ticks``; a chunk to decode per tick, in order."""
+
+    def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
+        """uint8 ``[F, H, W, 3]`` frames per chunk (distinct sessions), in order; raises if any fails."""
 
 
 @dataclass

@@ -56,9 +56,10 @@ from arstream.models.matrix_game.sampler import sample_chunk
 from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.contract import ModelState
+from arstream.runner.decode_states import DecoderStates
 from arstream.runner.snapshot import tensors_digest, weights_digest
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import StartImage, TickRequest
+from arstream.runner.types import PendingDecode, StartImage, TickRequest
 
 log = logging.getLogger("arstream.models.matrix_game")
 
@@ -75,7 +76,6 @@ class _MatrixGameSession:
     generator: torch.Generator
     controls: ControlHistory | None = None
     actions: ActionHistory = field(default_factory=ActionHistory)
-    vae_cache: FeatureCache | None = None
     image: ImageEncodings | None = None  # the rollout's start image (fixed for the rollout)
 
 
@@ -88,7 +88,7 @@ class ChunkTimings:
 
 
 class MatrixGamePipeline(SessionStateBinding):
-    """Implements ``ARPipeline``, ``SupportsBatchedChunks`` and ``SupportsWarmup``."""
+    """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsSplitDecode`` and ``SupportsWarmup``."""
 
     def __init__(
         self,
@@ -127,6 +127,8 @@ class MatrixGamePipeline(SessionStateBinding):
         # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
         self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
         self.last_latents: dict[str, torch.Tensor] = {}
+        # each session's decoder cache, apart from the rest: a split decode writes it on the decode stage's thread
+        self._decoder_states: DecoderStates[FeatureCache] = DecoderStates()
         self.timings = ChunkTimings()
         self.images = StartImages(images, self._encode_image, self.cfg, capacity=image_cache)
         log.info(
@@ -198,11 +200,42 @@ class MatrixGamePipeline(SessionStateBinding):
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        return self._generate([tick])[0]
+        return self._generate([tick], decode_inline=True)[0].payload  # type: ignore[no-any-return]
 
     def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
-        """One DiT forward for several bound sessions (equal history lengths); row ``i`` is ``ticks[i]``."""
-        return self._generate(ticks)
+        """One DiT forward for several bound sessions (equal history lengths); row ``i`` is ``ticks[i]``.
+
+        The decode runs inside: nothing is stored unless both succeed (the batching contract).
+        """
+        pending = self._generate(ticks, decode_inline=True)
+        return [p.payload for p in pending]
+
+    def generate_latents(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
+        """The DiT forward only: every state but the decoder's is stored; the latents wait for :meth:`decode_latents`."""
+        return self._generate(ticks, decode_inline=False)
+
+    def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
+        """Decode one round's chunks (rows decode together where the decoder can), each from its session's state."""
+        try:
+            caches = [self._decoder_states.before(c.session_id, c.chunk_index) for c in chunks]
+            frames, new_caches = self._decode(torch.stack([c.payload for c in chunks]), caches)
+        except BaseException:
+            for c in chunks:
+                self._decoder_states.finish(c.session_id, c.chunk_index, None)
+            raise
+        for c, cache in zip(chunks, new_caches):
+            self._decoder_states.finish(c.session_id, c.chunk_index, cache)
+        return frames
+
+    def _decode(
+        self, latents: torch.Tensor, caches: list[FeatureCache | None]
+    ) -> tuple[list[np.ndarray], list[FeatureCache]]:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            videos, new_caches = self.decoder.decode_rows(latents, caches)
+            frames = [_to_uint8(v) for v in videos]
+        self.timings.vae_s = time.perf_counter() - started
+        return frames, new_caches
 
     def reset_session(self, session_id: str) -> None:
         self._drop(session_id)
@@ -217,7 +250,7 @@ class MatrixGamePipeline(SessionStateBinding):
 
     def session_ids(self) -> list[str]:
         """Sessions with model-owned state (for tests of release on reset/close)."""
-        return list(self._sessions)
+        return [*self._sessions, *(s for s in self._decoder_states.sessions() if s not in self._sessions)]
 
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
 
@@ -249,6 +282,7 @@ class MatrixGamePipeline(SessionStateBinding):
             return ModelState({"session": None})
         tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
         values: dict[str, Any] = {"controls": None, "action_frames": session.actions.frames, "vae": None}
+        decoded = self._decoder_states.settled(session_id)  # a whole chunk's: waits for a decode in flight
         if session.controls is not None:
             c = session.controls
             values["controls"] = {"start": c.start}
@@ -258,10 +292,11 @@ class MatrixGamePipeline(SessionStateBinding):
         for layer, kv in session.actions.layers.items():
             for i, tensor in enumerate(kv):
                 tensors[f"actions/{layer}/{i}"] = tensor
-        if session.vae_cache is not None:
+        if decoded is not None:
+            values["vae_chunks"], cache = decoded
             # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
             kinds = []
-            for i, entry in enumerate(session.vae_cache):
+            for i, entry in enumerate(cache):
                 if isinstance(entry, torch.Tensor):
                     tensors[f"vae/{i}"] = entry
                     kinds.append("tensor")
@@ -295,21 +330,23 @@ class MatrixGamePipeline(SessionStateBinding):
             )
         layers = {int(layer): tuple(t[f"actions/{layer}/{i}"] for i in range(4)) for layer in values["action_layers"]}
         actions = ActionHistory(frames=int(values["action_frames"]), layers=layers)  # type: ignore[arg-type]
-        cache = None
+        self._decoder_states.drop(session_id)
         if values["vae"] is not None:
             cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(values["vae"])]
+            self._decoder_states.store(session_id, int(values["vae_chunks"]) - 1, cache)
         choice = None
         if values.get("image") is not None:
             pixels = t["image/pixels"].numpy() if "image/pixels" in t else None
             choice = StartImage(digest=values["image"]["digest"], name=values["image"]["name"], pixels=pixels)
             self._choices[session_id] = choice
         image = self.images.resolve(choice)
-        self._sessions[session_id] = _MatrixGameSession(generator, controls, actions, cache, image=image)
+        self._sessions[session_id] = _MatrixGameSession(generator, controls, actions, image=image)
         if "last_latents" in t:
             self.last_latents[session_id] = t["last_latents"]
 
     def _drop(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        self._decoder_states.drop(session_id)
         self.last_latents.pop(session_id, None)
 
     # ---- one chunk for a batch of sessions ----------------------------------------------------
@@ -336,10 +373,12 @@ class MatrixGamePipeline(SessionStateBinding):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _generate(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+    def _generate(self, ticks: Sequence[TickRequest], *, decode_inline: bool) -> list[PendingDecode]:
+        """The DiT passes for ``ticks``; with ``decode_inline`` the decode too (payloads are then frames)."""
         cfg = self.cfg
         states = [self.bound_state(t.session_id) for t in ticks]
-        sessions = [self._session(t, s.chunk_index) for t, s in zip(ticks, states)]
+        indices = [s.chunk_index for s in states]  # before the forward commits
+        sessions = [self._session(t, i) for t, i in zip(ticks, indices)]
         generators = [s.generator for s in sessions]
         rewind = [g.get_state() for g in generators]
         fpc = cfg.frames_per_chunk
@@ -374,21 +413,26 @@ class MatrixGamePipeline(SessionStateBinding):
                 )
                 actions = ctx.updated_histories()
                 self._sync()
-                decoded = time.perf_counter()
-                videos, caches = self.decoder.decode_rows(latents, [s.vae_cache for s in sessions])
-                frames_out = [_to_uint8(v) for v in videos]
-            self.timings = ChunkTimings(dit_s=decoded - started, vae_s=time.perf_counter() - decoded)
+            self.timings = ChunkTimings(dit_s=time.perf_counter() - started)
+            payloads: list[Any] = list(latents)
+            if decode_inline:
+                caches = [self._decoder_states.before(t.session_id, i) for t, i in zip(ticks, indices)]
+                payloads, new_caches = self._decode(latents, caches)
         except BaseException:
             for generator, state in zip(generators, rewind):
                 generator.set_state(state)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions)):
             self._sessions[tick.session_id] = _MatrixGameSession(
-                session.generator, controls[row], actions[row], caches[row], session.image
+                session.generator, controls[row], actions[row], session.image
             )
             self._remember(tick)
             self.last_latents[tick.session_id] = latents[row]
-        return frames_out
+            if decode_inline:
+                self._decoder_states.store(tick.session_id, indices[row], new_caches[row])
+            else:
+                self._decoder_states.begin(tick.session_id, indices[row])
+        return [PendingDecode(t.session_id, i, p) for t, i, p in zip(ticks, indices, payloads)]
 
 
 def _optional_file(directory: Path, explicit: str | None, candidates: tuple[str, ...]) -> Path | None:
