@@ -70,6 +70,7 @@ class SplitDecodeRuntime(Protocol):
     """A runtime whose chunks may come back undecoded (``ChunkResult.pending``), for the worker's decode stage."""
 
     split_decode: bool
+    device: torch.device
 
     def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
         """Decode pending chunks; safe on another thread while ``execute`` runs."""
