@@ -18,7 +18,7 @@ sessions (``fail_session``) before the next round.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -47,8 +47,12 @@ class DecodedRound(Generic[_Item]):
 
 
 class DecodeStage(Generic[_Item]):
-    def __init__(self, runtime: SplitDecodeRuntime, device: torch.device) -> None:
+    def __init__(
+        self, runtime: SplitDecodeRuntime, device: torch.device, on_done: Callable[[], None] = lambda: None
+    ) -> None:
+        """``on_done`` runs on the stage's thread when a round's decode ends (the worker wakes up to join it)."""
         self._runtime = runtime
+        self._on_done = on_done
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="arstream-decode")
         self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._inflight: Future[DecodedRound[_Item]] | None = None
@@ -58,11 +62,17 @@ class DecodeStage(Generic[_Item]):
         """A round was handed over and not joined yet."""
         return self._inflight is not None
 
+    @property
+    def done(self) -> bool:
+        """The round handed over has finished decoding (joining it will not wait)."""
+        return self._inflight is not None and self._inflight.done()
+
     def submit(self, items: Sequence[_Item], results: Sequence[ChunkResult]) -> None:
         """Start decoding one round's chunks (``items[i]`` goes with ``results[i]``); join the previous one first."""
         if self._inflight is not None:
             raise RuntimeError("the decode stage holds a round already: join it before submitting the next")
         self._inflight = self._executor.submit(self._decode, tuple(items), list(results))
+        self._inflight.add_done_callback(lambda _: self._on_done())
 
     def join(self) -> DecodedRound[_Item] | None:
         """Wait for the round in flight (None if there is none); its failures are the caller's to release."""

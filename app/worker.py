@@ -422,7 +422,7 @@ class ModelWorker:
             self.runner.on_evict = self._on_evict
             self.model_card = self.runner.model_card()
             if isinstance(self.runner, SplitDecodeRuntime) and self.runner.split_decode:
-                self._decode_stage = DecodeStage(self.runner, self.runner.device)
+                self._decode_stage = DecodeStage(self.runner, self.runner.device, on_done=self._wake)
             # Warm-up's round time per batch size: realtime admission's first figures.
             warmup_round_s = self.runner.warmup_round_s
             for sessions, seconds in warmup_round_s.items():
@@ -454,9 +454,11 @@ class ModelWorker:
         """Wait for the next control job or round of ticks (call with the lock held); None when stopping."""
         assert self.runner is not None
         # A decode in flight is joined before a control job (it sees whole chunks, after their outcomes), before
-        # stopping, and instead of waiting idle (its chunks must not wait for the next tick).
-        decoding = self._decode_stage is not None and self._decode_stage.busy
+        # stopping, and once it is done while no round is ready (its chunks must not wait for the next tick; until
+        # then a tick that arrives still gets its forward beside the decode: the stage's end wakes this wait).
         while True:
+            stage = self._decode_stage
+            decoding = stage is not None and stage.busy
             if self._controls:
                 return self._join_decode if decoding else self._controls.popleft()
             if self._stopping:
@@ -464,9 +466,13 @@ class ModelWorker:
             step = self._scheduler.next_round(self._lanes.line, self.runner.batch_limit, now=time.monotonic())
             if isinstance(step, Run):
                 return self._lanes.take_round(step.sessions)
-            if decoding:
+            if stage is not None and stage.done:
                 return self._join_decode
             self._cond.wait(step.seconds)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _publish_stats(self) -> None:
         if self.runner is not None:

@@ -9,8 +9,10 @@ behind one lock, tagged with the chunk it follows:
 - the forward announces each chunk it leaves to decode (:meth:`DecoderStates.begin`);
 - the decode reads the state its chunk follows (:meth:`DecoderStates.before`:
   none for a rollout's chunk 0, else exactly the previous chunk's, or it
-  raises) and stores the new one only on success, and only if no reset or
-  close dropped the session meanwhile (:meth:`DecoderStates.finish`);
+  raises) and stores the new one on success, unless a reset or close
+  dropped the session meanwhile (:meth:`DecoderStates.finish`); a failed
+  decode stores nothing and stays announced, since the runner may retry it
+  alone, and a session that fails for good is dropped by its close;
 - an export waits until no decode of the session is in flight
   (:meth:`DecoderStates.settled`), so snapshots and rewind points always see
   a whole chunk's state.
@@ -58,16 +60,14 @@ class DecoderStates(Generic[S]):
             )
         return stored[1]
 
-    def finish(self, session_id: str, chunk_index: int, state: S | None) -> None:
-        """The decode of ``chunk_index`` ended: ``state`` is the new state, or None if it failed (nothing stored)."""
+    def finish(self, session_id: str, chunk_index: int, state: S) -> None:
+        """The decode of ``chunk_index`` succeeded with the new ``state`` (stored unless the session was dropped)."""
         with self._cond:
             pending = self._pending.get(session_id, [])
-            announced = chunk_index in pending
-            if announced:
+            if chunk_index in pending:
                 pending.remove(chunk_index)
                 if not pending:
                     del self._pending[session_id]
-            if state is not None and announced:
                 self._states[session_id] = (chunk_index + 1, state)
             self._cond.notify_all()
 

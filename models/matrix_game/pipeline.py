@@ -216,13 +216,9 @@ class MatrixGamePipeline(SessionStateBinding):
 
     def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
         """Decode one round's chunks (rows decode together where the decoder can), each from its session's state."""
-        try:
-            caches = [self._decoder_states.before(c.session_id, c.chunk_index) for c in chunks]
-            frames, new_caches = self._decode(torch.stack([c.payload for c in chunks]), caches)
-        except BaseException:
-            for c in chunks:
-                self._decoder_states.finish(c.session_id, c.chunk_index, None)
-            raise
+        caches = [self._decoder_states.before(c.session_id, c.chunk_index) for c in chunks]
+        # a failure stores nothing: the runner may retry each chunk alone
+        frames, new_caches = self._decode(torch.stack([c.payload for c in chunks]), caches)
         for c, cache in zip(chunks, new_caches):
             self._decoder_states.finish(c.session_id, c.chunk_index, cache)
         return frames
