@@ -605,6 +605,8 @@ class ModelWorker:
             with self._times_lock:
                 self._compute_times.append(result.compute_s)
             self._encode_and_send(item.job, item.inputs, result, item.restarted, item.queue_s)
+        # Rewind points taken while that decode ran get its decoder state, before the next decode changes it.
+        self.runner.complete_boundaries()
         self._publish_stats()
 
     def _model_failed(self, job: TickJob, inputs: ChunkInputs, failure: TickFailure, queue_s: float) -> None:

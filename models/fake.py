@@ -228,9 +228,18 @@ class FakeKVPipeline(SessionStateBinding):
         return {"fake-kv": 1}
 
     def export_session_state(self, session_id: str) -> ModelState:
+        return self.export_forward_state(session_id).merge(self.export_decoder_state(session_id))
+
+    def export_forward_state(self, session_id: str) -> ModelState:
         session = self.sessions.get(session_id)
-        decoded = self.decoder_states.settled(session_id)  # a whole chunk's: waits for a decode in flight
-        return ModelState({"session": None if session is None else dict(session), "decoded": decoded})
+        return ModelState({"session": None if session is None else dict(session)})
+
+    def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
+        # a whole chunk's: waits for a decode in flight
+        return ModelState({"decoded": self.decoder_states.settled(session_id, chunks)})
+
+    def decode_in_flight(self, session_id: str) -> bool:
+        return self.decoder_states.in_flight(session_id)
 
     def import_session_state(self, session_id: str, state: ModelState) -> None:
         session = state.json.get("session")

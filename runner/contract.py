@@ -100,6 +100,20 @@ class SupportsSplitDecode(Protocol):
     def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
         """uint8 ``[F, H, W, 3]`` frames per chunk (distinct sessions), in order; raises if any fails."""
 
+    def decode_in_flight(self, session_id: str) -> bool:
+        """A chunk of the session was forwarded and its decode has not succeeded yet."""
+
+    def export_forward_state(self, session_id: str) -> ModelState:
+        """``export_session_state`` less the decoder's part (never waits); top-level keys apart from the decoder's."""
+
+    def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
+        """The decoder's part of ``export_session_state`` (waits for a decode in flight); with ``chunks``, the
+        state after the session's first ``chunks`` chunks (a rewind point's), even with later ones decoding.
+
+        ``export_forward_state(s).merge(export_decoder_state(s))`` is what
+        ``export_session_state(s)`` returns, and what ``import_session_state`` takes.
+        """
+
 
 @dataclass
 class ModelState:
@@ -107,6 +121,10 @@ class ModelState:
 
     json: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def merge(self, other: ModelState) -> ModelState:
+        """Both parts in one (their keys are disjoint: a forward's part and a decoder's, say)."""
+        return ModelState({**self.json, **other.json}, {**self.tensors, **other.tensors})
 
 
 @runtime_checkable

@@ -76,12 +76,31 @@ class DecoderStates(Generic[S]):
         with self._cond:
             self._states[session_id] = (chunk_index + 1, state)
 
-    def settled(self, session_id: str) -> tuple[int, S] | None:
-        """``(chunks decoded, state)`` once no decode of the session is in flight; None when it has none."""
+    def settled(self, session_id: str, chunks: int | None = None) -> tuple[int, S] | None:
+        """``(chunks decoded, state)`` once no decode of the session is in flight; None when it has none.
+
+        With ``chunks``, the state after that many chunks (a rewind point's), as soon as it is there, even
+        with later chunks still to decode; None if the session was dropped or has no such state.
+        """
+
+        def ready() -> bool:
+            if chunks is None:
+                return session_id not in self._pending
+            stored = self._states.get(session_id)
+            return session_id not in self._pending or (stored is not None and stored[0] >= chunks)
+
         with self._cond:
-            if not self._cond.wait_for(lambda: session_id not in self._pending, SETTLE_TIMEOUT_S):
+            if not self._cond.wait_for(ready, SETTLE_TIMEOUT_S):
                 raise DecoderStateError(f"session {session_id!r}: a decode still in flight after {SETTLE_TIMEOUT_S} s")
-            return self._states.get(session_id)
+            stored = self._states.get(session_id)
+            if chunks is not None and (stored is None or stored[0] != chunks):
+                return None
+            return stored
+
+    def in_flight(self, session_id: str) -> bool:
+        """A chunk of the session was forwarded and its decode has not succeeded yet."""
+        with self._cond:
+            return session_id in self._pending
 
     def drop(self, session_id: str) -> None:
         """Reset or close: the stored state goes, and a decode in flight will not store one."""

@@ -129,6 +129,8 @@ class ARRunner:
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
         # each resident session's kept boundaries (only while rewind is offered)
         self._rewind: dict[str, RewindPoints] = {}
+        # boundaries recorded while the chunk before them was decoding: (session, boundary, the one before it)
+        self._unfinished_boundaries: list[tuple[str, Boundary, Boundary | None]] = []
         self.counters = RuntimeCounters()
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
@@ -341,13 +343,42 @@ class ARRunner:
         pipeline.import_session_state(session_id, boundary.model)
 
     def _record_boundary(self, session_id: str, state: SessionKVState) -> None:
-        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it)."""
+        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it).
+
+        With a split decode whose previous chunk is still decoding, the boundary
+        takes the forward's state now and the decoder's once that decode is done
+        (:meth:`complete_boundaries`): waiting here would undo the overlap.
+        """
         points = self._rewind.get(session_id)
         newest = None if points is None else points.newest
         if points is None or (newest is not None and newest.index == state.chunk_index):
             return
-        model = self._export_model_state(session_id, previous=None if newest is None else newest.model)
-        points.record(Boundary(state.share_tables(), model))
+        previous = None if newest is None else newest.model
+        pipeline = self.pipeline
+        if self.split_decode and isinstance(pipeline, SupportsSplitDecode) and pipeline.decode_in_flight(session_id):
+            boundary = Boundary(state.share_tables(), copy_model_state(pipeline.export_forward_state(session_id), previous))
+            self._unfinished_boundaries.append((session_id, boundary, newest))
+        else:
+            boundary = Boundary(state.share_tables(), self._export_model_state(session_id, previous))
+        points.record(boundary)
+
+    def complete_boundaries(self) -> None:
+        """Give the boundaries recorded while a decode was in flight their decoder state, now that it is done.
+
+        Called on the runner's thread once the decode of the chunk before each
+        such boundary has ended and before the next one starts (the worker
+        does, when it joins its decode stage), so the decoder state is exactly
+        the boundary's. A session released meanwhile took its boundaries along.
+        """
+        unfinished, self._unfinished_boundaries = self._unfinished_boundaries, []
+        pipeline = self.pipeline
+        for session_id, boundary, before in unfinished:
+            points = self._rewind.get(session_id)
+            if points is None or not points.holds(boundary.index) or not isinstance(pipeline, SupportsSplitDecode):
+                continue
+            previous = None if before is None else before.model  # completed by now: boundaries complete in order
+            decoder = copy_model_state(pipeline.export_decoder_state(session_id, boundary.index), previous)
+            boundary.model = boundary.model.merge(decoder)
 
     def _check_rewind(self, tick: TickRequest) -> None:
         """Raise :class:`RewindUnavailable` unless ``tick.rewind_to`` names a boundary held (after its reset)."""

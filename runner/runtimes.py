@@ -78,6 +78,9 @@ class SplitDecodeRuntime(Protocol):
     def fail_session(self, session_id: str, reason: str = ...) -> None:
         """Release a session whose decode failed (on the runtime's thread)."""
 
+    def complete_boundaries(self) -> None:
+        """Rewind points recorded while a decode was in flight get its decoder state (on the runtime's thread)."""
+
 
 def build_runtime(
     name: str,

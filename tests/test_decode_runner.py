@@ -106,3 +106,22 @@ def test_an_export_waits_for_the_decode_in_flight_and_sees_its_whole_chunk() -> 
     states.finish("s", 1, 2)
     exporter.join(GUARD_S)
     assert seen == [(2, 2)]
+
+
+def test_a_rewind_point_taken_while_the_chunk_before_it_decodes_gets_that_chunks_decoder_state() -> None:
+    split = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind_points=4, split_decode=True)
+    serial = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind_points=4)
+    first = _chunks(split.execute([tick("a", 0, controls={"keys": ["w"]})]))
+    # chunk 1's forward runs while chunk 0 is still to decode (the worker's overlap): boundary 1 is taken then
+    second = _chunks(split.execute([tick("a", 1, controls={"keys": ["d"]})]))
+    _chunks(split.decode_chunks(first))
+    split.complete_boundaries()
+    _chunks(split.decode_chunks(second))
+    for t in (tick("a", 0, controls={"keys": ["w"]}), tick("a", 1, controls={"keys": ["d"]})):
+        serial.execute_tick(t)
+    again = tick("a", 2, controls={"keys": ["s"]}, rewind_to=1)
+    got, want = split.execute_tick(again), serial.execute_tick(again)
+    assert got.chunk_index == want.chunk_index == 1
+    np.testing.assert_array_equal(got.frames, want.frames)
+    # the boundary carried the decoder state after chunk 0: the rewound chunk decoded from it, in order
+    assert split.pipeline.decoder_states.settled("a") == (2, 2)  # type: ignore[attr-defined]

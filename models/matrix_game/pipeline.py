@@ -272,13 +272,37 @@ class MatrixGamePipeline(SessionStateBinding):
         return self._fingerprint
 
     def export_session_state(self, session_id: str) -> ModelState:
-        """Noise generator, control history, action caches and the VAE decoder's feature cache."""
+        """Noise generator, control history, action caches and the decoder's state (the VAE's feature cache)."""
+        return self.export_forward_state(session_id).merge(self.export_decoder_state(session_id))
+
+    def decode_in_flight(self, session_id: str) -> bool:
+        return self._decoder_states.in_flight(session_id)
+
+    def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
+        """The decoder's state after the session's last chunk (a whole chunk's: waits for one in flight), or
+        after its first ``chunks`` chunks (a rewind point's)."""
+        decoded = self._decoder_states.settled(session_id, chunks)
+        if decoded is None:
+            return ModelState({"decoder": None})
+        chunks, cache = decoded
+        # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
+        kinds: list[Any] = []
+        tensors: dict[str, torch.Tensor] = {}
+        for i, entry in enumerate(cache):
+            if isinstance(entry, torch.Tensor):
+                tensors[f"vae/{i}"] = entry
+                kinds.append("tensor")
+            else:
+                kinds.append(entry)
+        return ModelState({"decoder": {"chunks": chunks, "kinds": kinds}}, tensors)
+
+    def export_forward_state(self, session_id: str) -> ModelState:
+        """Everything but the decoder's state: noise generator, control history, action caches, start image."""
         session = self._sessions.get(session_id)
         if session is None:
             return ModelState({"session": None})
         tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
-        values: dict[str, Any] = {"controls": None, "action_frames": session.actions.frames, "vae": None}
-        decoded = self._decoder_states.settled(session_id)  # a whole chunk's: waits for a decode in flight
+        values: dict[str, Any] = {"controls": None, "action_frames": session.actions.frames}
         if session.controls is not None:
             c = session.controls
             values["controls"] = {"start": c.start}
@@ -288,17 +312,6 @@ class MatrixGamePipeline(SessionStateBinding):
         for layer, kv in session.actions.layers.items():
             for i, tensor in enumerate(kv):
                 tensors[f"actions/{layer}/{i}"] = tensor
-        if decoded is not None:
-            values["vae_chunks"], cache = decoded
-            # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
-            kinds = []
-            for i, entry in enumerate(cache):
-                if isinstance(entry, torch.Tensor):
-                    tensors[f"vae/{i}"] = entry
-                    kinds.append("tensor")
-                else:
-                    kinds.append(entry)
-            values["vae"] = kinds
         latents = self.last_latents.get(session_id)
         if latents is not None:
             tensors["last_latents"] = latents
@@ -327,9 +340,10 @@ class MatrixGamePipeline(SessionStateBinding):
         layers = {int(layer): tuple(t[f"actions/{layer}/{i}"] for i in range(4)) for layer in values["action_layers"]}
         actions = ActionHistory(frames=int(values["action_frames"]), layers=layers)  # type: ignore[arg-type]
         self._decoder_states.drop(session_id)
-        if values["vae"] is not None:
-            cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(values["vae"])]
-            self._decoder_states.store(session_id, int(values["vae_chunks"]) - 1, cache)
+        decoder = state.json.get("decoder")
+        if decoder is not None:
+            cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(decoder["kinds"])]
+            self._decoder_states.store(session_id, int(decoder["chunks"]) - 1, cache)
         choice = None
         if values.get("image") is not None:
             pixels = t["image/pixels"].numpy() if "image/pixels" in t else None
