@@ -54,7 +54,7 @@ class DecodeStage(Generic[_Item]):
         self._runtime = runtime
         self._on_done = on_done
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="arstream-decode")
-        self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._inflight: Future[DecodedRound[_Item]] | None = None
 
     @property

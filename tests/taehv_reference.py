@@ -57,7 +57,9 @@ def reference_decoder(widths: tuple[int, int, int, int], latent_channels: int = 
 @torch.no_grad()
 def decode_clip(holder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """Latents ``[1, T, 16, h, w]`` -> frames ``[1, 4T - 3, 3, H, W]`` in [0, 1], one frame and one block at a time."""
-    blocks = list(holder.decoder)
+    decoder = holder.decoder
+    assert isinstance(decoder, nn.Sequential)
+    blocks = list(decoder)
     memory: list[torch.Tensor | None] = [None] * len(blocks)
     queue: list[tuple[torch.Tensor, int]] = [(latents[:, t], 0) for t in range(latents.shape[1])]
     out: list[torch.Tensor] = []

@@ -56,7 +56,7 @@ def test_streamed_chunks_equal_the_whole_clip(cuts: tuple[int, ...]) -> None:
     pieces, start = [], 0
     with torch.no_grad():
         for n in cuts:
-            before = None if state is None else [t.clone() for t in state]
+            before: list[torch.Tensor] | None = None if state is None else [t.clone() for t in state]
             video, new_state = module.decode(latents[:, start : start + n], state)
             if state is not None and before is not None:  # the state given is never changed
                 assert all(torch.equal(a, b) for a, b in zip(state, before))
@@ -83,7 +83,7 @@ def test_rows_with_their_own_states_decode_as_one_batch_like_alone() -> None:
     a, b = _latents(3, seed=2), _latents(3, seed=3)
     wan = torch.cat([a, b]).permute(0, 2, 1, 3, 4)  # [B, 16, F, h, w]
     first, states = streaming.decode_rows(wan, [None, None])
-    second, _ = streaming.decode_rows(wan, states)  # type: ignore[arg-type]
+    second, _ = streaming.decode_rows(wan, states)
     for row in range(2):
         alone_first, alone_state = streaming.decode(wan[row : row + 1], None)
         alone_second, _ = streaming.decode(wan[row : row + 1], alone_state)

@@ -190,7 +190,7 @@ class StreamingTAEHV:
         if all(c is None for c in caches):
             video, state = self.decode(latents, None)
         elif all(c is not None for c in caches):
-            stacked = [torch.cat(entries) for entries in zip(*caches)]  # type: ignore[arg-type]
+            stacked = [torch.cat(entries) for entries in zip(*caches)]
             video, state = self.decode(latents, stacked)
         else:
             decoded = [self.decode(latents[row : row + 1], caches[row]) for row in range(rows)]
