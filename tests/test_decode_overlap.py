@@ -57,7 +57,17 @@ def _run(model: str, options: dict[str, Any], overlap: bool, sessions: int, **kw
         free = server.stats()["kv"]["blocks_free"]
         seen = asyncio.run(_serve(server, sessions, **kw))
         stats = server.settled(free)  # every session gone, every block back
+        stats["metrics"] = _samples(server.get("/metrics").text)
     return seen, stats
+
+
+def _samples(exposition: str) -> dict[str, float]:
+    samples = {}
+    for line in exposition.splitlines():
+        if line.startswith("arstream_round"):  # the phase counters (comment lines start with #)
+            name, _, value = line.partition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 @pytest.mark.parametrize(
@@ -98,3 +108,10 @@ def test_stats_show_dit_decode_and_overlap_per_round() -> None:
     assert phases["rounds_total"] >= TICKS and phases["decode_ms_mean"] > 0 and phases["dit_ms_mean"] > 0
     # one session's ticks queued ahead: its chunk n+1's forward ran beside chunk n's decode
     assert phases["overlap_ms_mean"] > 0
+    metrics = overlapped["metrics"]
+    assert metrics["arstream_rounds_total"] == phases["rounds_total"]
+    for name in ("dit", "decode", "overlap"):
+        assert metrics[f"arstream_round_{name}_seconds_total"] == pytest.approx(
+            phases[f"{name}_ms_mean"] * phases["rounds_total"] / 1e3, rel=1e-2
+        )
+    assert serial["metrics"]["arstream_round_decode_seconds_total"] == 0
