@@ -51,8 +51,12 @@ async def _serve(server: LiveServer, sessions: int, fail_decode: tuple[int, int]
     return seen
 
 
-def _run(model: str, options: dict[str, Any], overlap: bool, sessions: int, **kw: Any) -> tuple[list[list[Any]], dict[str, Any]]:
-    settings = fake_settings(model=model, model_options=options, decode_overlap=overlap, rewind_points=2)
+def _run(
+    model: str, options: dict[str, Any], overlap: bool, sessions: int, batch: int = 1, **kw: Any
+) -> tuple[list[list[Any]], dict[str, Any]]:
+    settings = fake_settings(
+        model=model, model_options=options, decode_overlap=overlap, rewind_points=2, max_batch_sessions=batch
+    )
     with running_server(settings) as server:
         free = server.stats()["kv"]["blocks_free"]
         seen = asyncio.run(_serve(server, sessions, **kw))
@@ -71,11 +75,14 @@ def _samples(exposition: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("model", "options"), [("fake-kv", FAKE), ("matrix-game-2", TINY_TAEHV)], ids=["fake-kv", "matrix-game-2-taehv"]
+    ("model", "options", "batch"),
+    [("fake-kv", FAKE, 1), ("fake-kv", FAKE, 2), ("matrix-game-2", TINY_TAEHV, 1), ("matrix-game-2", TINY_TAEHV, 2)],
+    ids=["fake-kv", "fake-kv-batched", "matrix-game-2-taehv", "matrix-game-2-taehv-batched"],
 )
-def test_frames_with_overlap_are_bit_identical_to_serial(model: str, options: dict[str, Any]) -> None:
-    serial, serial_stats = _run(model, options, overlap=False, sessions=2)
-    overlapped, stats = _run(model, options, overlap=True, sessions=2)
+def test_frames_with_overlap_are_bit_identical_to_serial(model: str, options: dict[str, Any], batch: int) -> None:
+    """Batched too: both sessions' rows share one forward and one decode when their histories line up."""
+    serial, serial_stats = _run(model, options, overlap=False, sessions=2, batch=batch)
+    overlapped, stats = _run(model, options, overlap=True, sessions=2, batch=batch)
     assert stats["phases"]["decode_overlap"] is True and serial_stats["phases"]["decode_overlap"] is False
     for a, b in zip(sorted(serial, key=str), sorted(overlapped, key=str)):
         assert [r[:3] for r in a] == [r[:3] for r in b] == [("chunk", t, t) for t in range(TICKS)]
