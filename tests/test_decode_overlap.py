@@ -122,3 +122,20 @@ def test_stats_show_dit_decode_and_overlap_per_round() -> None:
             phases[f"{name}_ms_mean"] * phases["rounds_total"] / 1e3, rel=1e-2
         )
     assert serial["metrics"]["arstream_round_decode_seconds_total"] == 0
+
+
+def test_a_model_without_the_split_serves_as_before_with_the_overlap_asked_for() -> None:
+    """tiny-world has no SupportsSplitDecode: --decode-overlap changes nothing, and the stats say so."""
+    settings = fake_settings(model="tiny-world", decode_overlap=True)
+    with running_server(settings) as server:
+        free = server.stats()["kv"]["blocks_free"]
+
+        async def one() -> dict[str, Any]:
+            async with session_client(server.ws_url, start={"codec": "raw"}) as client:
+                await client.send(type="tick", tick_id=0)
+                chunk, _ = await client.recv_chunk()
+                return chunk
+
+        assert asyncio.run(one())["chunk_index"] == 0
+        stats = server.settled(free)
+    assert stats["phases"]["decode_overlap"] is False and stats["phases"]["decode_ms_mean"] == 0
