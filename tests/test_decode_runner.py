@@ -12,7 +12,7 @@ from runner_fakes import FAKE_KV_BUDGET_BYTES, tick
 
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.decode_states import DecoderStateError, DecoderStates
-from arstream.runner.runner import ARRunner
+from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import NOT_DECODED, ChunkResult, TickFailure
 
 # a hang guard for the one wait on another thread, not a speed check
@@ -127,3 +127,18 @@ def test_a_rewind_point_taken_while_the_chunk_before_it_decodes_gets_that_chunks
     np.testing.assert_array_equal(got.frames, want.frames)
     # the boundary carried the decoder state after chunk 0: the rewound chunk decoded from it, in order
     assert split.pipeline.decoder_states.settled("a") == (2, 2)  # type: ignore[attr-defined]
+
+
+def test_a_session_evicted_while_its_chunk_decodes_keeps_no_decoder_state() -> None:
+    pipeline = FakeKVPipeline()
+    runner = runner_for_sessions(pipeline, 2, split_decode=True)
+    free = runner.pool.num_free
+    first = _chunks(runner.execute([tick("a", 0), tick("b", 0)]))
+    _chunks(runner.decode_chunks(_chunks(runner.execute([tick("c", 0)]))))  # a third session: "a" is evicted...
+    assert not runner.is_resident("a")
+    decoded = _chunks(runner.decode_chunks(first))  # ...while its chunk 0 was still to decode
+    assert [r.session_id for r in decoded] == ["a", "b"]  # the chunk it had made is still delivered
+    assert pipeline.decoder_states.sessions() == ["b", "c"]  # but the evicted session's state is not kept
+    for s in "bc":
+        runner.close_session(s)
+    assert runner.pool.num_free == free and pipeline.decoder_states.sessions() == []
