@@ -296,8 +296,10 @@ def decode_path_sweep(
     pace_s: float | None = None  # seconds the last variant took
     for decoder, overlap in DECODE_VARIANTS:
         name = f"{decoder}/{'overlapped' if overlap else 'serial'}"
-        if pace_s is not None and pace_s > time_left_s():
-            report["skipped"][name] = f"the last variant took {pace_s:.0f} s, {max(time_left_s(), 0):.0f} s left"
+        left = time_left_s()
+        if left <= 0 or (pace_s is not None and pace_s > left):
+            took = "nothing measured yet" if pace_s is None else f"the last variant took {pace_s:.0f} s"
+            report["skipped"][name] = f"{took}, {max(left, 0):.0f} s left"
             save()
             continue
         print(f"== decode path: {name}", flush=True)

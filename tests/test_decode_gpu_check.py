@@ -30,8 +30,15 @@ def test_the_decode_path_phase_measures_both_decoders_serial_and_overlapped() ->
 def test_a_variant_past_the_deadline_is_skipped_and_says_so() -> None:
     profile = gpu_check.profile_for("cpu")
     report: dict[str, Any] = {}
-    # the first variant always runs (nothing measured yet to project from); then no time is left
-    gpu_check.decode_path_sweep(profile, "cpu", report, time_left_s=lambda: 0.0, save=lambda: None)
+    left = iter([math.inf] + [1.0] * 3)  # time for the first variant; then less than it took
+    gpu_check.decode_path_sweep(profile, "cpu", report, time_left_s=lambda: next(left), save=lambda: None)
     assert list(report["variants"]) == ["wan-vae/serial"]
     assert sorted(report["skipped"]) == ["taehv/overlapped", "taehv/serial", "wan-vae/overlapped"]
-    assert "s left" in report["skipped"]["taehv/serial"]
+    assert "the last variant took" in report["skipped"]["taehv/serial"]
+
+
+def test_no_variant_starts_past_the_deadline() -> None:
+    report: dict[str, Any] = {}
+    gpu_check.decode_path_sweep(gpu_check.profile_for("cpu"), "cpu", report, time_left_s=lambda: 0.0, save=lambda: None)
+    assert report["variants"] == {} and len(report["skipped"]) == 4
+    assert report["skipped"]["wan-vae/serial"] == "nothing measured yet, 0 s left"
