@@ -60,3 +60,18 @@ def test_an_unknown_decoder_is_refused_by_name() -> None:
         _pipeline(decoder="tae")
     with pytest.raises(ValueError, match="decoder_file names a file in the checkpoint directory"):
         _pipeline(decoder="taehv", decoder_file="taew2_1.pth")
+
+
+def test_decode_device_places_taehv_and_its_states_there_and_is_refused_for_the_vae() -> None:
+    # Only the CPU here: the option's path (latents moved, states kept and imported there), not a second GPU.
+    pipeline = _pipeline(decoder="taehv", decode_device="cpu")
+    assert isinstance(pipeline.decoder, StreamingTAEHV) and pipeline.decoder.device.type == "cpu"
+    runner = runner_for_sessions(pipeline, 1)
+    runner.execute_tick(TickRequest("s", 0, seed=3))
+    state = pipeline.export_session_state("s")
+    assert state.json["decoder"]["chunks"] == 1 and all(t.device.type == "cpu" for t in state.tensors.values())
+    runner.close_session("s")
+    with pytest.raises(ValueError, match="decode_device needs decoder 'taehv'"):
+        _pipeline(decode_device="cpu")
+    with pytest.raises(ValueError, match="decode_device: "):
+        _pipeline(decoder="taehv", decode_device="gpu:7")

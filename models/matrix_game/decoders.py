@@ -73,20 +73,36 @@ def build_decoder(
     checkpoint: Path | None,
     decoder_file: str | None,
     seed: int,
+    decode_device: str | None = None,
 ) -> LatentDecoder:
-    """The decoder the ``decoder`` option names, on ``device`` in ``dtype`` (the VAE is returned as it is)."""
+    """The decoder the ``decoder`` option names, on ``device`` (or ``decode_device``) in ``dtype``.
+
+    The Wan VAE is returned as it is: its decoder shares a module with the encoder the image conditioning needs.
+    """
     if name not in DECODERS:
         raise ValueError(f"decoder must be one of {list(DECODERS)}, got {name!r}")
     if name == "wan-vae":
         if decoder_file is not None:
             raise ValueError("decoder_file is for decoder 'taehv'; the Wan VAE's file is vae_file")
+        if decode_device is not None:
+            raise ValueError("decode_device needs decoder 'taehv' (the Wan VAE decodes where it encodes)")
         return vae
+    if decode_device is not None:
+        try:
+            device = torch.device(decode_device)
+        except RuntimeError as exc:
+            raise ValueError(f"decode_device: {exc}") from None
     if checkpoint is not None:
         module = load_taehv(ckpt.find_file(checkpoint, decoder_file, TAEHV_FILES, "TAEHV decoder"))
     else:
         torch.manual_seed(seed + 2)
         module = TAEHVDecoder(TAEHVShape(widths=TINY_WIDTHS) if cfg.name.startswith("tiny") else TAEHVShape())
     return StreamingTAEHV(module.to(device=device, dtype=dtype))
+
+
+def decoder_device(decoder: LatentDecoder, default: torch.device) -> torch.device:
+    """Where a decoder keeps its sessions' states (TAEHV may sit on its own device; the VAE on the model's)."""
+    return decoder.device if isinstance(decoder, StreamingTAEHV) else default
 
 
 def decoder_digest(decoder: LatentDecoder) -> str | None:

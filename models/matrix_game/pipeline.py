@@ -37,7 +37,7 @@ import torch
 from arstream.models.matrix_game import checkpoint as ckpt
 from arstream.models.matrix_game.clip import ClipImageEncoder
 from arstream.models.matrix_game.config import CONFIGS, MatrixGameConfig, get_config
-from arstream.models.matrix_game.decoders import LatentDecoder, build_decoder, decoder_digest
+from arstream.models.matrix_game.decoders import LatentDecoder, build_decoder, decoder_device, decoder_digest
 from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
 from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.images import (
@@ -327,8 +327,12 @@ class MatrixGamePipeline(SessionStateBinding):
         if values is None:
             return
         # Caches and latents live on the model's device; the generator and control history on the CPU, as they are made.
-        on_device = ("actions/", "vae/", "last_latents")
-        t = {n: v.to(self.device) if n.startswith(on_device) else v.cpu() for n, v in state.tensors.items()}
+        on_device = ("actions/", "last_latents")
+        states_device = decoder_device(self.decoder, self.device)  # the decoder's state lives where it decodes
+        t = {
+            n: v.to(states_device) if n.startswith("vae/") else v.to(self.device) if n.startswith(on_device) else v.cpu()
+            for n, v in state.tensors.items()
+        }
         generator = torch.Generator()
         generator.set_state(t["generator"])
         controls = None
@@ -506,6 +510,7 @@ def load_matrix_game(
     session_capacity: int = 8,
     decoder: str = "wan-vae",
     decoder_file: str | None = None,
+    decode_device: str | None = None,
 ) -> MatrixGamePipeline:
     """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
 
@@ -521,7 +526,8 @@ def load_matrix_game(
 
     ``decoder`` ``taehv`` decodes with TAEHV (``decoder_file`` in the
     checkpoint directory, default ``taew2_1.pth``; seeded random with
-    ``random_init``) in ``vae_dtype`` instead of the Wan VAE's decoder.
+    ``random_init``) in ``vae_dtype`` instead of the Wan VAE's decoder, on
+    ``decode_device`` if given (another GPU: the latents go there, frames come back).
     """
     device = torch.device(device)
     cfg = get_config(config)
@@ -580,6 +586,7 @@ def load_matrix_game(
     chosen = build_decoder(
         decoder, streaming_vae, cfg, device=device, dtype=decode_dtype,
         checkpoint=None if checkpoint is None else Path(checkpoint), decoder_file=decoder_file, seed=seed,
+        decode_device=decode_device,
     )
     return MatrixGamePipeline(
         model,

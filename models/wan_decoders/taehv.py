@@ -176,10 +176,15 @@ class StreamingTAEHV:
     def dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where it decodes (and keeps each session's state): the model's device, or another (``decode_device``)."""
+        return next(self.module.parameters()).device
+
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, cache: DecoderState | None) -> tuple[torch.Tensor, DecoderState]:
         """One chunk of one or more rows sharing a state layout (all new rollouts, or none)."""
-        video, state = self.module.decode(latents.permute(0, 2, 1, 3, 4).to(self.dtype), cache)
+        video, state = self.module.decode(latents.permute(0, 2, 1, 3, 4).to(self.device, self.dtype), cache)
         return (video * 2 - 1).permute(0, 2, 1, 3, 4), state
 
     def decode_rows(
