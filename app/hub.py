@@ -164,6 +164,7 @@ class SessionHub:
             memory_fraction=settings.memory_fraction,
             max_batch_sessions=settings.resolved_max_batch_sessions(),
             rewind_points=settings.rewind_points,
+            split_decode=settings.resolved_decode_overlap(),
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
@@ -419,4 +420,6 @@ class SessionHub:
                 "rounds_total": worker.round_times.rounds_total,
                 "round_sessions_total": worker.round_times.round_sessions_total,
             },
+            # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
+            "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
         }

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
+    decode_overlap: bool | None = Field(
+        None,
+        description="decode each round's chunks on a thread (a CUDA stream) of its own while the next round's forward "
+        "runs, for models that split forward and decode (matrix-game-2, fake-kv); default: on for accelerators, off "
+        "on CPU (docs/decode.md)",
+    )
     rewind_points: int = Field(
         8,
         ge=0,
@@ -357,6 +363,12 @@ class Settings(BaseSettings):
         if self.max_batch_sessions is not None:
             return self.max_batch_sessions
         return default_max_batch_sessions(self.device)
+
+    def resolved_decode_overlap(self) -> bool:
+        """Explicit, else on for accelerators: on a CPU the forward and the decode share the same cores."""
+        if self.decode_overlap is not None:
+            return self.decode_overlap
+        return self.device.split(":")[0] != "cpu"
 
     def resolved_torch_threads(self) -> int:
         """Explicit, else leave a core to the event loop and frame encoding."""

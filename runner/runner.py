@@ -18,6 +18,14 @@ A batch is all or nothing: if the model raises, every session's KV is put
 back as it was and each tick runs again alone, where a failure releases only
 that tick's session (see :meth:`ARRunner._forward_batch` for failures after
 the model returned).
+
+Split decode (``split_decode=True`` and a pipeline that implements
+:class:`SupportsSplitDecode`): :meth:`ARRunner.execute` runs the forwards only
+and its chunks carry ``pending`` (what to decode) instead of frames;
+:meth:`ARRunner.decode_chunks` decodes them (on another thread, while the
+next forward runs: the worker's decode stage) and :meth:`ARRunner.fail_session`
+releases a session whose decode failed, on the runner's own thread.
+:meth:`ARRunner.execute_tick` and warm-up still decode in line.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -38,6 +47,7 @@ from arstream.runner.contract import (
     ModelState,
     SupportsBatchedChunks,
     SupportsSessionTransfer,
+    SupportsSplitDecode,
     SupportsWarmup,
 )
 from arstream.runner.kv_state import SessionKVState
@@ -46,7 +56,9 @@ from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import (
+    NOT_DECODED,
     ChunkResult,
+    PendingDecode,
     RewindUnavailable,
     TickFailure,
     TickRequest,
@@ -82,6 +94,7 @@ class ARRunner:
         sync: Callable[[torch.device], None] = _device_sync,
         max_batch_sessions: int = 1,
         rewind_points: int = 0,
+        split_decode: bool = False,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise UnsupportedConfiguration(
@@ -98,6 +111,8 @@ class ARRunner:
         if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
             raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
         self.max_batch_sessions = max_batch_sessions
+        # the forward and the decode are separate calls (pipelines without the split always decode in the forward)
+        self.split_decode = split_decode and isinstance(pipeline, SupportsSplitDecode)
         self.video_frames_per_chunk, self.first_chunk_frames = _video_frames(pipeline.model_card(), spec)
         if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
             raise UnsupportedConfiguration(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
@@ -114,6 +129,8 @@ class ARRunner:
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
         # each resident session's kept boundaries (only while rewind is offered)
         self._rewind: dict[str, RewindPoints] = {}
+        # boundaries recorded while the chunk before them was decoding: (session, boundary, the one before it)
+        self._unfinished_boundaries: list[tuple[str, Boundary, Boundary | None]] = []
         self.counters = RuntimeCounters()
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
@@ -326,13 +343,42 @@ class ARRunner:
         pipeline.import_session_state(session_id, boundary.model)
 
     def _record_boundary(self, session_id: str, state: SessionKVState) -> None:
-        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it)."""
+        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it).
+
+        With a split decode whose previous chunk is still decoding, the boundary
+        takes the forward's state now and the decoder's once that decode is done
+        (:meth:`complete_boundaries`): waiting here would undo the overlap.
+        """
         points = self._rewind.get(session_id)
         newest = None if points is None else points.newest
         if points is None or (newest is not None and newest.index == state.chunk_index):
             return
-        model = self._export_model_state(session_id, previous=None if newest is None else newest.model)
-        points.record(Boundary(state.share_tables(), model))
+        previous = None if newest is None else newest.model
+        pipeline = self.pipeline
+        if self.split_decode and isinstance(pipeline, SupportsSplitDecode) and pipeline.decode_in_flight(session_id):
+            boundary = Boundary(state.share_tables(), copy_model_state(pipeline.export_forward_state(session_id), previous))
+            self._unfinished_boundaries.append((session_id, boundary, newest))
+        else:
+            boundary = Boundary(state.share_tables(), self._export_model_state(session_id, previous))
+        points.record(boundary)
+
+    def complete_boundaries(self) -> None:
+        """Give the boundaries recorded while a decode was in flight their decoder state, now that it is done.
+
+        Called on the runner's thread once the decode of the chunk before each
+        such boundary has ended and before the next one starts (the worker
+        does, when it joins its decode stage), so the decoder state is exactly
+        the boundary's. A session released meanwhile took its boundaries along.
+        """
+        unfinished, self._unfinished_boundaries = self._unfinished_boundaries, []
+        pipeline = self.pipeline
+        for session_id, boundary, before in unfinished:
+            points = self._rewind.get(session_id)
+            if points is None or not points.holds(boundary.index) or not isinstance(pipeline, SupportsSplitDecode):
+                continue
+            previous = None if before is None else before.model  # completed by now: boundaries complete in order
+            decoder = copy_model_state(pipeline.export_decoder_state(session_id, boundary.index), previous)
+            boundary.model = boundary.model.merge(decoder)
 
     def _check_rewind(self, tick: TickRequest) -> None:
         """Raise :class:`RewindUnavailable` unless ``tick.rewind_to`` names a boundary held (after its reset)."""
@@ -378,9 +424,16 @@ class ARRunner:
             self._rewind_session(tick.session_id, tick.rewind_to)
 
     def _result(
-        self, tick: TickRequest, chunk_index: int, frames: np.ndarray, compute_s: float, new_rollout: bool
+        self,
+        tick: TickRequest,
+        chunk_index: int,
+        frames: np.ndarray,
+        compute_s: float,
+        new_rollout: bool,
+        pending: PendingDecode | None = None,
     ) -> ChunkResult:
         return ChunkResult(
+            pending=pending,
             session_id=tick.session_id,
             request_id=tick.request_id,
             chunk_index=chunk_index,
@@ -438,7 +491,7 @@ class ARRunner:
         A ``rewind_to`` that is not held raises :class:`RewindUnavailable` before anything changes.
         """
         self._before_forward(tick)
-        result = self._forward_alone(tick)
+        result = self._decoded(self._forward_alone(tick))
         if tick.close:
             self.close_session(tick.session_id)
         return result
@@ -460,17 +513,23 @@ class ARRunner:
         """One bound forward of one session with ``generate_chunk``; fails closed."""
         new_rollout = tick.session_id not in self._sessions or self._sessions[tick.session_id].chunks_committed == 0
         started = time.perf_counter()
+        pending: PendingDecode | None = None
         with self._bound(tick.session_id) as state:
             chunk_index = state.chunk_index
-            frames = self.pipeline.generate_chunk(tick)
-            _check_frames(frames, self.video_frames(chunk_index))
+            if self.split_decode:
+                assert isinstance(self.pipeline, SupportsSplitDecode)
+                pending = _one_pending(self.pipeline.generate_latents([tick]), tick)
+                frames = NOT_DECODED
+            else:
+                frames = self.pipeline.generate_chunk(tick)
+                _check_frames(frames, self.video_frames(chunk_index))
             if state.chunk_index != chunk_index + 1:
                 raise RuntimeError(
                     f"pipeline did not commit exactly one chunk (chunk index {chunk_index} -> {state.chunk_index})"
                 )
         compute_s = time.perf_counter() - started
         self.counters.chunks(compute_s)
-        return self._result(tick, chunk_index, frames, compute_s, new_rollout)
+        return self._result(tick, chunk_index, frames, compute_s, new_rollout, pending)
 
     def _forward_batch(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
         """One forward for distinct sessions with equally long histories; if the model raises, each tick alone.
@@ -496,9 +555,18 @@ class ARRunner:
                     self._record_boundary(tick.session_id, state)
                     state.prepare_forward(staging_row=row, hold_commit=True)
                     bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
-                frames = self.pipeline.generate_chunks(ticks)
-                generated = True
-                _check_batch(frames, states, [self.video_frames(s.chunk_index) for s in states])
+                pendings: list[PendingDecode | None] = [None] * len(ticks)
+                if self.split_decode:
+                    assert isinstance(self.pipeline, SupportsSplitDecode)
+                    pendings = list(self.pipeline.generate_latents(ticks))
+                    generated = True
+                    frames = [NOT_DECODED] * len(ticks)
+                    _check_pending(pendings, ticks)
+                    _check_commits(states)
+                else:
+                    frames = self.pipeline.generate_chunks(ticks)
+                    generated = True
+                    _check_batch(frames, states, [self.video_frames(s.chunk_index) for s in states])
             self._sync(self.device)
         except BaseException as exc:
             if generated:
@@ -516,9 +584,77 @@ class ARRunner:
         self.counters.batched_forwards_total += 1
         self.counters.chunks(compute_s, len(ticks))
         return [
-            self._result(tick, state.chunk_index - 1, chunk, compute_s, new_rollout=state.chunk_index == 1)
-            for tick, state, chunk in zip(ticks, states, frames)
+            self._result(tick, state.chunk_index - 1, chunk, compute_s, state.chunk_index == 1, pending)
+            for tick, state, chunk, pending in zip(ticks, states, frames, pendings)
         ]
+
+    # ---- split decode ---------------------------------------------------------------
+
+    def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
+        """Decode one round's pending chunks (distinct sessions); a chunk without ``pending`` passes as it is.
+
+        Safe on another thread while :meth:`execute` runs: it calls only the
+        pipeline's ``decode_latents`` and touches no session. If the decode of
+        the whole round raises, each chunk is decoded again alone (the
+        pipeline stores a decoder state only on success), so only a session
+        whose own decode fails gets a :class:`TickFailure`: the caller then
+        releases it with :meth:`fail_session` on the runner's thread.
+        """
+        out: list[TickResult] = list(results)
+        todo = [i for i, r in enumerate(results) if r.pending is not None]
+        if not todo:
+            return out
+        try:
+            self._decode_into(out, results, todo)
+            return out
+        except Exception as exc:  # noqa: BLE001 - reported in the tick's place, or retried alone
+            if len(todo) == 1:
+                r = results[todo[0]]
+                out[todo[0]] = TickFailure(r.session_id, r.request_id, exc)
+                return out
+            log.warning("decoding %d chunks together failed (%s: %s); each alone", len(todo), type(exc).__name__, exc)
+        for i in todo:
+            try:
+                self._decode_into(out, results, [i])
+            except Exception as exc:  # noqa: BLE001 - only this session fails
+                out[i] = TickFailure(results[i].session_id, results[i].request_id, exc)
+        return out
+
+    def _decode_into(self, out: list[TickResult], results: Sequence[ChunkResult], rows: list[int]) -> None:
+        started = time.perf_counter()
+        chunks = [results[i].pending for i in rows]
+        frames = self._decode([c for c in chunks if c is not None], [results[i] for i in rows])
+        decode_s = time.perf_counter() - started
+        self.counters.decodes(decode_s, len(rows))
+        for i, chunk in zip(rows, frames):
+            r = results[i]
+            out[i] = replace(r, frames=chunk, pending=None, decode_s=decode_s, compute_s=r.compute_s + decode_s)
+
+    def _decode(self, chunks: list[PendingDecode], results: list[ChunkResult]) -> list[np.ndarray]:
+        assert isinstance(self.pipeline, SupportsSplitDecode)
+        frames = self.pipeline.decode_latents(chunks)
+        if not isinstance(frames, list) or len(frames) != len(chunks):
+            raise ChunkShapeError(f"decode_latents must return a list of {len(chunks)} frame arrays")
+        for chunk, result in zip(frames, results):
+            _check_frames(chunk, self.video_frames(result.chunk_index))
+        self._sync(self.device)
+        return frames
+
+    def fail_session(self, session_id: str, reason: str = "decode_failed") -> None:
+        """Release a session whose chunk failed after its forward (its decode): fail closed, every block back."""
+        self.counters.failures_total += 1
+        self._release(session_id, reset_model=False, reason=reason, suppress_errors=True)
+        log.warning("session=%s failed after its forward (%s); its KV and model state were released", session_id, reason)
+
+    def _decoded(self, result: ChunkResult) -> ChunkResult:
+        """A chunk decoded in line (execute_tick, warm-up); a failed decode releases its session and raises."""
+        if result.pending is None:
+            return result
+        (decoded,) = self.decode_chunks([result])
+        if isinstance(decoded, TickFailure):
+            self.fail_session(result.session_id)
+            raise decoded.error
+        return decoded
 
     def _fail_batch(self, ticks: Sequence[TickRequest], error: BaseException) -> None:
         """Release every session of a batch that failed after the pipeline's forward returned."""
@@ -575,7 +711,9 @@ class ARRunner:
                 steps: list[float] = []
                 for ticks in zip(*rows):
                     started = time.perf_counter()
-                    for result in self.execute(ticks):
+                    executed = self.execute(ticks)
+                    decoded = self.decode_chunks([r for r in executed if isinstance(r, ChunkResult)])
+                    for result in [*executed, *decoded]:
                         if isinstance(result, TickFailure):
                             raise result.error
                     steps.append(time.perf_counter() - started)
@@ -637,15 +775,34 @@ def _check_frames(frames: object, expected: int) -> None:
         raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, the model card says {expected}")
 
 
+def _one_pending(chunks: object, tick: TickRequest) -> PendingDecode:
+    _check_pending(chunks, [tick])
+    assert isinstance(chunks, list)
+    return chunks[0]
+
+
+def _check_pending(chunks: object, ticks: Sequence[TickRequest]) -> None:
+    if not isinstance(chunks, list) or len(chunks) != len(ticks):
+        got = len(chunks) if isinstance(chunks, list) else type(chunks).__name__
+        raise ChunkShapeError(f"generate_latents must return a list of {len(ticks)} PendingDecode, got {got}")
+    for chunk, tick in zip(chunks, ticks):
+        if not isinstance(chunk, PendingDecode) or chunk.session_id != tick.session_id:
+            raise ChunkShapeError(f"generate_latents must return a PendingDecode for session {tick.session_id!r}")
+
+
+def _check_commits(states: Sequence[SessionKVState]) -> None:
+    for state in states:
+        if state.in_pass or not state.chunk_held:
+            raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")
+
+
 def _check_batch(frames: object, states: Sequence[SessionKVState], expected: Sequence[int]) -> None:
     if not isinstance(frames, list) or len(frames) != len(states):
         got = len(frames) if isinstance(frames, list) else type(frames).__name__
         raise ChunkShapeError(f"generate_chunks must return a list of {len(states)} frame arrays, got {got}")
     for chunk, count in zip(frames, expected):
         _check_frames(chunk, count)
-    for state in states:
-        if state.in_pass or not state.chunk_held:
-            raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")
+    _check_commits(states)
 
 
 def _distinct_session_runs(ticks: Sequence[TickRequest]) -> Iterator[list[int]]:
@@ -669,6 +826,7 @@ def runner_for_sessions(
     max_batch_sessions: int = 1,
     device: torch.device | str = "cpu",
     rewind_points: int = 0,
+    split_decode: bool = False,
 ) -> ARRunner:
     """A runner whose pool has room for exactly ``sessions`` resident sessions (benches, evaluation, tests)."""
     budget = budget_for_sessions(
@@ -680,6 +838,7 @@ def runner_for_sessions(
         kv_budget_bytes=budget,
         max_batch_sessions=max_batch_sessions,
         rewind_points=rewind_points,
+        split_decode=split_decode,
     )
 
 

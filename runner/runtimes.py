@@ -8,7 +8,7 @@ the optional extra ``arstream[vllm-omni]``; see docs/vllm-omni.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +65,23 @@ class Runtime(Protocol):
     def model_card(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class SplitDecodeRuntime(Protocol):
+    """A runtime whose chunks may come back undecoded (``ChunkResult.pending``), for the worker's decode stage."""
+
+    split_decode: bool
+    device: torch.device
+
+    def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
+        """Decode pending chunks; safe on another thread while ``execute`` runs."""
+
+    def fail_session(self, session_id: str, reason: str = ...) -> None:
+        """Release a session whose decode failed (on the runtime's thread)."""
+
+    def complete_boundaries(self) -> None:
+        """Rewind points recorded while a decode was in flight get its decoder state (on the runtime's thread)."""
+
+
 def build_runtime(
     name: str,
     pipeline: ARPipeline | NativePipeline,
@@ -74,11 +91,13 @@ def build_runtime(
     memory_fraction: float | None = None,
     max_batch_sessions: int = 1,
     rewind_points: int = 0,
+    split_decode: bool = False,
 ) -> Runtime:
     """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings.
 
     A :class:`NativePipeline` (``vllm-omni:<name>``, registered in vLLM-Omni itself) runs only on vllm-omni.
     ``rewind_points`` is the chunk boundaries each session keeps (ARRunner only: vllm-omni refuses rewinds).
+    ``split_decode`` runs a pipeline's decode apart from its forward (ARRunner only; :class:`SplitDecodeRuntime`).
     """
     options: dict[str, Any] = dict(
         device=device,
@@ -91,7 +110,7 @@ def build_runtime(
             raise UnsupportedConfiguration(
                 f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
             )
-        return ARRunner(pipeline, rewind_points=rewind_points, **options)
+        return ARRunner(pipeline, rewind_points=rewind_points, split_decode=split_decode, **options)
     if name == "vllm-omni":
         if not vllm_omni_available():
             raise UnsupportedConfiguration(

@@ -29,6 +29,15 @@ class RuntimeCounters:
     # batched forwards that raised; their ticks were run again one by one
     batch_fallbacks_total: int = 0
 
+    # chunks decoded apart from their forward (a split decode) and the seconds those decodes took
+    decodes_total: int = 0
+    decode_seconds_total: float = 0.0
+
+    def decodes(self, decode_s: float, count: int = 1) -> None:
+        """``count`` chunks came out of one decode of ``decode_s`` seconds (after their forward)."""
+        self.decodes_total += count
+        self.decode_seconds_total += decode_s
+
     def chunks(self, compute_s: float, count: int = 1) -> None:
         """``count`` chunks came out of one forward of ``compute_s`` seconds."""
         self.chunk_times_s.extend([compute_s] * count)
@@ -40,6 +49,8 @@ class RuntimeCounters:
         self.chunks_total = 0
         self.batched_forwards_total = 0
         self.batch_fallbacks_total = 0
+        self.decodes_total = 0
+        self.decode_seconds_total = 0.0
 
 
 @dataclass(frozen=True)
