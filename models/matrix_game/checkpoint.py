@@ -16,7 +16,7 @@ from torch import nn
 
 from arstream.models.wan.checkpoint import CheckpointError, find_file, load_into, load_vae, read_state_dict
 
-__all__ = ["CheckpointError", "find_file", "load_vae", "read_state_dict", "load_dit", "load_clip_visual"]
+__all__ = ["CheckpointError", "find_file", "load_into", "load_vae", "read_state_dict", "load_dit", "load_clip_visual"]
 
 # Where the published repository (Skywork/Matrix-Game-2.0) keeps each part; first match wins. The DiT's
 # published file depends on the config (``MatrixGameConfig.dit_file``); these generic names come after it.
