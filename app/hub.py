@@ -159,7 +159,8 @@ class SessionHub:
             kv_budget_bytes=settings.resolved_kv_budget_bytes(),
             memory_fraction=settings.memory_fraction,
             max_batch_sessions=settings.resolved_max_batch_sessions(),
-            rewind_points=settings.rewind_points,
+            rewind_seconds=settings.rewind_seconds,
+            rewind_budget_bytes=settings.rewind_budget_bytes(),
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
@@ -218,10 +219,16 @@ class SessionHub:
 
     @property
     def rewind_points(self) -> int:
-        """Chunk boundaries each session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
+        """Most chunk boundaries a session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
         keeps none (vllm-omni, a model without rewind)."""
         stats = self.worker.runner_stats if self.worker else None
         return stats.rewind_points if stats is not None else 0
+
+    @property
+    def rewind_seconds(self) -> float:
+        """How far back those boundaries reach, in seconds of play (``ready.rewind_seconds``)."""
+        stats = self.worker.runner_stats if self.worker else None
+        return stats.rewind_seconds if stats is not None else 0.0
 
     def live_or_detached_session(self, session_id: str) -> Session | None:
         """The protocol state of a session this replica holds (connected or detached), or None."""

@@ -80,6 +80,8 @@ class ChunkResult:
     evictions itself). ``rewind_points`` is ``(oldest, newest)``: the
     boundaries a later ``rewind_to`` may name (newest is ``chunk_index + 1``,
     where the session now is); None when the runtime keeps none.
+    ``rewind_held`` lists every boundary held between the two (older ones are
+    thinned out, docs/rewind.md), oldest first.
     """
 
     session_id: str
@@ -91,6 +93,7 @@ class ChunkResult:
     applied_event_ids: tuple[int, ...] = ()
     restarted: Literal["rewind"] | None = None
     rewind_points: tuple[int, int] | None = None
+    rewind_held: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ SHARE_POINTS = 64
 def sharing(server: LiveServer) -> Iterator[LiveServer]:
     """A server that keeps many rewind points (the module's ``server`` keeps the default)."""
     options = {"compute_delay_s": 0.01}
-    with running_server(fake_settings(model_options=options, rewind_points=SHARE_POINTS)) as live:
+    with running_server(fake_settings(model_options=options, rewind_seconds=SHARE_POINTS / 8)) as live:
         yield live
 
 

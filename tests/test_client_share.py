@@ -269,9 +269,10 @@ def test_rewind_to_replays_that_chunk_exactly(
 def test_a_rewind_past_the_held_points_is_refused_clearly(
     server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    points = 8  # the server's default rewind_points
-    ticks = points + 4
-    argv = ["--keys", f"-*{ticks}", "--rewind-to", "0", "--rewind-after", str(ticks - 1)]
+    # The server keeps every boundary of the last 2 s (16 chunks of fake-kv), then every other one:
+    # boundary 1 is thinned out 20 chunks later.
+    ticks = 20
+    argv = ["--keys", f"-*{ticks}", "--rewind-to", "1", "--rewind-after", str(ticks - 1)]
     assert client.main([server.base_url, *argv, "--out", str(tmp_path)]) == 1
     assert "rewind_unavailable" in capsys.readouterr().err
 
