@@ -68,9 +68,18 @@ class RewindSchedule:
         return cls(dense=points, horizon=points - 1, chunks_per_second=chunks_per_second)
 
     @property
+    def reach(self) -> int:
+        """Chunks back the oldest kept boundary always is, once a session has played that long.
+
+        The oldest is the oldest multiple of the last tier's stride inside the
+        horizon, so it may sit up to a stride short of the horizon.
+        """
+        return self.horizon - self.stride(self.horizon) + 1
+
+    @property
     def seconds(self) -> float:
-        """The horizon in seconds of play (0 when the play rate is unknown)."""
-        return self.horizon / self.chunks_per_second if self.chunks_per_second > 0 else 0.0
+        """:attr:`reach` in seconds of play (0 when the play rate is unknown)."""
+        return self.reach / self.chunks_per_second if self.chunks_per_second > 0 else 0.0
 
     def describe(self, spec: KVCacheSpec) -> str:
         """The schedule in words, for logs and refusals."""
@@ -133,7 +142,9 @@ def plan_rewind(
     Tries every-chunk points for the last :data:`DENSE_SECONDS` first and
     shortens the dense tier (so every tier behind it) a chunk at a time until
     the worst case fits; when not even one dense point fits, the horizon
-    halves. None when ``seconds`` is 0 or no horizon of one chunk fits.
+    halves. The horizon is long enough that the oldest point is always at
+    least ``seconds`` back (:attr:`RewindSchedule.reach`). None when
+    ``seconds`` is 0 or no horizon of one chunk fits.
     """
     if not (math.isfinite(seconds) and seconds >= 0) or not (math.isfinite(chunks_per_second) and chunks_per_second > 0):
         raise RewindPlanError(
@@ -141,14 +152,23 @@ def plan_rewind(
         )
     if budget_bytes < 0:
         raise RewindPlanError(f"the rewind budget must be >= 0 bytes per session, got {budget_bytes}")
-    horizon = math.ceil(seconds * chunks_per_second)
-    while horizon >= 1:
+    need = math.ceil(seconds * chunks_per_second - 1e-9)  # chunks back the oldest point must always be
+    while need >= 1:
         # a horizon of h chunks spans h + 1 boundaries (ages 0..h): all of them when it is short
-        dense = min(horizon + 1, max(1, math.ceil(DENSE_SECONDS * chunks_per_second)))
-        while dense >= 1:
-            schedule = RewindSchedule(dense, horizon, chunks_per_second)
+        # at least 2: with one dense point the tiers behind it hold half a point each, and may hold none
+        dense = min(need + 1, max(2, math.ceil(DENSE_SECONDS * chunks_per_second)))
+        while dense >= 2:
+            schedule = _reaching(dense, need, chunks_per_second)
             if schedule.peak(spec).extra_bytes(spec) <= budget_bytes:
                 return schedule
             dense -= 1
-        horizon //= 2
+        need //= 2
     return None
+
+
+def _reaching(dense: int, need: int, chunks_per_second: float) -> RewindSchedule:
+    """The shortest horizon whose :attr:`~RewindSchedule.reach` is at least ``need`` chunks."""
+    horizon = max(need, dense - 1)
+    while RewindSchedule(dense, horizon).reach < need:
+        horizon += 1
+    return RewindSchedule(dense, horizon, chunks_per_second)

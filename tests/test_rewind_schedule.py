@@ -35,6 +35,14 @@ def test_thinning_only_drops_a_boundary_never_wants_one_back() -> None:
         assert later - {newest + 1} <= set(schedule.kept(newest)), newest
 
 
+def test_the_oldest_point_is_always_at_least_the_reach_back() -> None:
+    for dense, need in ((16, 240), (8, 240), (3, 40), (2, 7)):
+        schedule = plan_rewind(tiny_spec(), chunks_per_second=8, seconds=need / 8, budget_bytes=1 << 40)
+        assert schedule is not None and schedule.reach >= need
+        for newest in range(need, need + 4 * schedule.stride(schedule.horizon)):
+            assert newest - schedule.kept(newest)[0] >= need, (dense, need, newest)
+
+
 def test_boundary_frames_are_the_sink_and_the_window_as_they_were() -> None:
     # sink 1, window history 4, chunks of 2: boundary 5 holds frame 0 and frames 6..9
     assert boundary_frames(5, 2, 1, 4) == ((0, 1), (6, 10))
@@ -76,13 +84,15 @@ def test_the_plan_counts_the_schedules_peak_in_every_session() -> None:
 def test_a_budget_buys_the_densest_schedule_that_fits_and_a_shorter_horizon_last() -> None:
     spec = tiny_spec()  # 16-byte blocks
     wide = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=1 << 30)
-    assert wide == RewindSchedule(dense=16, horizon=240, chunks_per_second=8)  # every chunk of the last 2 s
-    assert wide.seconds == 30
-    budget = RewindSchedule(dense=5, horizon=240).peak(spec).extra_bytes(spec)
-    assert plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=budget) == RewindSchedule(5, 240, 8)
-    one = RewindSchedule(dense=1, horizon=240).peak(spec).extra_bytes(spec)
-    shorter = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=one - 1)
-    assert shorter is not None and shorter.horizon < 240 and shorter.dense == 1
+    # every chunk of the last 2 s; the horizon runs past 240 chunks so the oldest point is always 30 s back
+    assert wide == RewindSchedule(dense=16, horizon=255, chunks_per_second=8)
+    assert (wide.reach, wide.seconds, wide.kept(1000)[0]) == (240, 30, 752)
+    budget = RewindSchedule(dense=5, horizon=303).peak(spec).extra_bytes(spec)
+    chosen = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=budget)
+    assert chosen is not None and chosen.dense == 5 and chosen.reach >= 240
+    two = RewindSchedule(dense=2, horizon=495).peak(spec).extra_bytes(spec)
+    shorter = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=two - 1)
+    assert shorter is not None and shorter.reach < 240 and shorter.dense == 2
     assert plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=0) is None
     assert plan_rewind(spec, chunks_per_second=8, seconds=0, budget_bytes=1 << 30) is None
     with pytest.raises(RewindPlanError, match="horizon >= 0 s"):
