@@ -26,9 +26,9 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 from arstream import __version__
+from arstream.app.address import display_host, network_lines, refusal_before_loading
 from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
 from arstream.app.connection import Connection
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
@@ -38,7 +38,7 @@ from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
 from arstream.app.migration import add_cluster_routes
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
-from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
+from arstream.app.settings import Settings, add_serve_arguments, settings_from_args
 from arstream.cli import main_for
 from arstream.runner.contract import ARPipeline
 
@@ -212,14 +212,6 @@ def build_server(settings: Settings, pipeline: ARPipeline | None = None, **confi
     return ARStreamServer(uvicorn_config(app, settings, **config_overrides), app.state.hub)
 
 
-def display_host(host: str) -> str:
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
 async def serve(server: ARStreamServer) -> int:
     """Run until stopped; print the listening line once the port is bound and the model is ready."""
     serving = asyncio.create_task(server.serve())
@@ -241,6 +233,8 @@ async def serve(server: ARStreamServer) -> int:
             print(f"{AGENT_MARKER} {display_host(server.config.host)}:{agent_port}", flush=True)
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
+        for line in network_lines(server.config.host, server.bound_port):
+            print(line, flush=True)
     elif loaded.done():
         print(f"arstream serve: {server.hub.not_ready_reason}", file=sys.stderr, flush=True)
         server.should_exit = True
@@ -250,36 +244,19 @@ async def serve(server: ARStreamServer) -> int:
     return 1 if server.hub.load_error is not None else 0
 
 
-def port_taken(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound (checked before the model loads, with uvicorn's options), or None."""
-    if port == 0:
-        return None
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return f"cannot listen on {display_host(host)}:{port} ({exc.strerror}); choose another with --port"
-    return None
-
-
 add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch
 
 
 def run(args: argparse.Namespace) -> int:
-    # Every setting is checked here, before a port is bound or a model loaded.
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        print(f"arstream serve: {describe_settings_error(exc)}", file=sys.stderr)
-        return 2
+    # Every setting and the address are checked before a port is bound or a model loaded (the CLI has
+    # checked them once already, before importing this module and torch; `python -m` comes straight here).
+    refused = refusal_before_loading(args)
+    if refused is not None:
+        return refused
+    settings = settings_from_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if (taken := port_taken(settings.host, settings.port)) is not None:
-        print(f"arstream serve: {taken}", file=sys.stderr)
-        return 2
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)
