@@ -23,8 +23,10 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse, Response
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from arstream import __version__
@@ -45,6 +47,7 @@ from arstream.runner.contract import ARPipeline
 log = logging.getLogger("arstream.server")
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+NOT_FOUND_PAGE = "not-found.html"
 LISTENING_MARKER = "ARSTREAM_LISTENING"
 AGENT_MARKER = "ARSTREAM_AGENT"
 
@@ -124,6 +127,14 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
 
     # Private routes for the cluster (drain, moved sessions); off without a cluster secret.
     app.state.migration = add_cluster_routes(app, hub)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def friendly_not_found(request: Request, exc: StarletteHTTPException) -> Response:
+        """A browser that asks for a page that is not there gets a page with a way back to ``/``; APIs keep JSON."""
+        page = STATIC_DIR / NOT_FOUND_PAGE
+        if exc.status_code == 404 and "text/html" in request.headers.get("accept", "") and page.is_file():
+            return HTMLResponse(page.read_text(), status_code=404)
+        return await http_exception_handler(request, exc)
 
     if STATIC_DIR.is_dir():
         # Last, so the API routes win.

@@ -1,0 +1,60 @@
+"""Pages a stranger meets in the first hour, in Chromium at desktop (1280x800) and phone (390x844, touch) size:
+a wrong address, the viewer's page."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import httpx
+
+from browser_helpers import PageErrors, browser_marks, new_page, wait, wait_frames_drawn
+from servers import LiveServer, fake_settings, running_server
+
+pytestmark = browser_marks
+
+SIZES = {
+    "desktop": {"viewport": {"width": 1280, "height": 800}},
+    "phone": {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True, "device_scale_factor": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(model_options={"compute_delay_s": 0.01})) as live:
+        yield live
+
+
+@pytest.fixture(params=sorted(SIZES))
+def context(request: pytest.FixtureRequest, browser: Any) -> Iterator[Any]:
+    context = browser.new_context(**SIZES[request.param], bypass_csp=True)
+    yield context
+    context.close()
+
+
+def test_a_wrong_address_gets_a_page_with_a_way_back(server: LiveServer, context: Any, errors: PageErrors) -> None:
+    page = new_page(context, errors)
+    response = page.goto(server.base_url + "/no/such/page")
+    assert response is not None and response.status == 404
+    assert "There is no page at this address" in (page.text_content("body") or "")
+    assert "detail" not in (page.text_content("body") or "")
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") != "rgba(0, 0, 0, 0)", "styled"
+    page.click("text=Go to the world model demo")
+    page.wait_for_url(server.base_url + "/")
+    # a script or an API client still gets JSON
+    answer = httpx.get(server.base_url + "/no/such/page", headers={"Accept": "application/json"}, timeout=10)
+    assert answer.status_code == 404 and answer.json() == {"detail": "Not Found"}
+
+
+def test_a_viewer_is_not_told_to_steer(server: LiveServer, context: Any, errors: PageErrors) -> None:
+    player = new_page(context, errors)
+    player.goto(server.base_url + "/")
+    wait_frames_drawn(player, 2)
+    wait(player, "window.arstreamDebug.shareToken !== null")
+    token = player.evaluate("window.arstreamDebug.shareToken")
+    viewer = new_page(context, errors)
+    viewer.goto(f"{server.base_url}/?watch={token}")
+    wait_frames_drawn(viewer, 2)
+    assert not viewer.is_visible("#hint"), "a viewer cannot steer: no 'Hold W A S D' hint"
+    assert player.is_visible("#hint") or player.evaluate("window.arstreamDebug.heldKeys.length") > 0
