@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from arstream import __version__
 from arstream.app.address import display_host, network_lines, refusal_before_loading
+from arstream.app.codecs import FMP4
 from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
 from arstream.app.connection import Connection
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
@@ -268,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if (missing := FMP4.unavailable_reason()) is not None:  # the README's install has no PyAV
+        log.warning("the realtime video page (/realtime-video.html, %s) is off: %s", REALTIME_VIDEO_PATH, missing)
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)

@@ -58,3 +58,19 @@ def test_a_viewer_is_not_told_to_steer(server: LiveServer, context: Any, errors:
     wait_frames_drawn(viewer, 2)
     assert not viewer.is_visible("#hint"), "a viewer cannot steer: no 'Hold W A S D' hint"
     assert player.is_visible("#hint") or player.evaluate("window.arstreamDebug.heldKeys.length") > 0
+
+
+def test_the_realtime_video_page_shows_the_video_at_the_models_shape_and_width(
+    server: LiveServer, context: Any, errors: PageErrors
+) -> None:
+    card = httpx.get(server.base_url + "/v1/model", timeout=10).json()
+    page = new_page(context, errors)
+    page.goto(server.base_url + "/realtime-video.html")
+    wait(page, "document.getElementById('video').dataset.modelSize !== undefined")
+    box = page.locator("#video").bounding_box()
+    viewport = page.viewport_size
+    assert box is not None and viewport is not None
+    assert box["width"] >= min(4 * card["width"], viewport["width"] - 40), box  # not a 64 px postage stamp
+    assert box["x"] + box["width"] <= viewport["width"], "it fits the screen"
+    assert abs(box["width"] / box["height"] - card["width"] / card["height"]) < 0.02, box
+    assert page.locator("header.top h1").text_content() == "ARStream", "styled like the main page"
