@@ -520,7 +520,7 @@ function showHint(text) {
 
 // A touch screen without a keyboard or mouse: the first hint names what a finger can do.
 if (matchMedia('(hover: none) and (pointer: coarse)').matches) {
-  $('hint').textContent = 'Hold an arrow on the pad below, or drag on the world';
+  $('hint').textContent = 'Hold an arrow on the pad, or drag on the world';
 }
 
 // Keys reach the page only while it has the focus: say how to get it back.

@@ -74,3 +74,21 @@ def test_the_realtime_video_page_shows_the_video_at_the_models_shape_and_width(
     assert box["x"] + box["width"] <= viewport["width"], "it fits the screen"
     assert abs(box["width"] / box["height"] - card["width"] / card["height"]) < 0.02, box
     assert page.locator("header.top h1").text_content() == "ARStream", "styled like the main page"
+
+
+def test_on_a_phone_share_does_not_push_the_pad_off_the_screen(server: LiveServer, browser: Any, errors: PageErrors) -> None:
+    context = browser.new_context(**SIZES["phone"], bypass_csp=True)
+    try:
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait_frames_drawn(page, 2)
+        wait(page, "window.arstreamDebug.shareToken !== null")
+        page.click("#share")
+        wait(page, "!document.getElementById('share-box').hidden")
+        pad = page.locator("#pad").bounding_box()
+        share = page.locator("#share-box").bounding_box()
+        assert pad is not None and share is not None
+        assert pad["y"] + pad["height"] <= 844, f"the pad is below the fold: {pad}"
+        assert share["y"] > pad["y"], "the links come after the pad"
+    finally:
+        context.close()
