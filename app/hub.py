@@ -9,6 +9,7 @@ and closes every session with ``server_shutdown`` when the server stops.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -170,7 +171,9 @@ class SessionHub:
         assert self._loaded is not None and self.worker is not None
         if error is not None:
             self.load_error = error
-            self.not_ready_reason = f"the model failed to load: {type(error).__name__}: {error}"
+            # A TypeError from the loader is a keyword it does not take: an option the user gave.
+            options = f" with --model-options {json.dumps(self.settings.model_options)}" if isinstance(error, TypeError) else ""
+            self.not_ready_reason = f"the model failed to load{options}: {error}"
         else:
             card = self.worker.model_card or {}
             try:

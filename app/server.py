@@ -224,8 +224,41 @@ def build_server(settings: Settings, pipeline: ARPipeline | None = None, **confi
     return ARStreamServer(uvicorn_config(app, settings, **config_overrides), app.state.hub)
 
 
+class HeldRunningLine(logging.Filter):
+    """Holds back uvicorn's "Uvicorn running on ..." until the model is ready, so a server whose model fails to
+    load never says it is running (the failure is its one line); released, the line is logged as it was."""
+
+    PREFIX = "Uvicorn running on"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: logging.LogRecord | None = None
+        self.released = False
+
+    @classmethod
+    def install(cls) -> HeldRunningLine:
+        logger = logging.getLogger("uvicorn.error")
+        for old in [f for f in logger.filters if isinstance(f, cls)]:
+            logger.removeFilter(old)
+        held = cls()
+        logger.addFilter(held)
+        return held
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.released or not record.getMessage().startswith(self.PREFIX):
+            return True
+        self.held = record
+        return False
+
+    def release(self) -> None:
+        self.released = True
+        if self.held is not None:
+            logging.getLogger("uvicorn.error").handle(self.held)
+
+
 async def serve(server: ARStreamServer) -> int:
     """Run until stopped; print the listening line once the port is bound and the model is ready."""
+    running_line = HeldRunningLine.install()
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
@@ -247,8 +280,8 @@ async def serve(server: ARStreamServer) -> int:
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
         for line in network_lines(server.config.host, server.bound_port):
             print(line, flush=True)
-    elif loaded.done():
-        print(f"arstream serve: {server.hub.not_ready_reason}", file=sys.stderr, flush=True)
+        running_line.release()
+    elif loaded.done():  # the hub has logged why, in one line
         server.should_exit = True
     else:
         loaded.cancel()

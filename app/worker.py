@@ -389,7 +389,8 @@ class ModelWorker:
             self._scheduler.last_round_s = warmup_round_s.get(1, 0.0)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
-            log.exception("model failed to load")
+            # The hub says why in one line; the traceback is for debugging (a bad --model-options is no bug).
+            log.debug("model failed to load", exc_info=True)
             self._loop.call_soon_threadsafe(self._on_ready, exc)
             return
         self._loop.call_soon_threadsafe(self._on_ready, None)

@@ -306,7 +306,10 @@ def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:
         timeout=EXIT_GUARD_S,
     )
     assert result.returncode == 1
-    assert "no_such_option" in result.stderr
+    said = [line for line in result.stderr.splitlines() if "no_such_option" in line]
+    assert len(said) == 1 and "--model-options" in said[0], result.stderr
+    assert "Traceback" not in result.stderr, "a bad option is one line, not a traceback"
+    assert "Uvicorn running" not in result.stderr, "a server whose model failed never says it is running"
     assert "ARSTREAM_LISTENING" not in result.stdout
 
 
