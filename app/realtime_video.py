@@ -162,9 +162,9 @@ class RealtimeVideoConnection:
         request = await self._await_start()
         if request is None:
             return
-        missing = FMP4.unavailable_reason()  # said before admission, not as a failure at every tick
-        if missing is not None:
-            await self._refuse(f"this server cannot stream realtime video: {missing}", ErrorCode.INVALID_MESSAGE)
+        no_video = FMP4.unavailable_reason()  # said before admission, not as a failure at every tick
+        if no_video is not None:
+            await self._refuse(f"this server cannot stream realtime video: {no_video}", ErrorCode.INVALID_MESSAGE)
             return
         limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
         start_image = None

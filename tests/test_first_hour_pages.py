@@ -14,7 +14,7 @@ from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     "desktop": {"viewport": {"width": 1280, "height": 800}},
     "phone": {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True, "device_scale_factor": 3},
 }
