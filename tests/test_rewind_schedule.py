@@ -36,11 +36,15 @@ def test_thinning_only_drops_a_boundary_never_wants_one_back() -> None:
 
 
 def test_the_oldest_point_is_always_at_least_the_reach_back() -> None:
-    for dense, need in ((16, 240), (8, 240), (3, 40), (2, 7)):
+    for need in (240, 40, 7, 1):
         schedule = plan_rewind(tiny_spec(), chunks_per_second=8, seconds=need / 8, budget_bytes=1 << 40)
         assert schedule is not None and schedule.reach >= need
         for newest in range(need, need + 4 * schedule.stride(schedule.horizon)):
-            assert newest - schedule.kept(newest)[0] >= need, (dense, need, newest)
+            assert newest - schedule.kept(newest)[0] >= need, (need, newest)
+    for dense, need in ((16, 240), (8, 240), (3, 40), (2, 7)):  # the budget's fallbacks reach as far
+        reached = RewindSchedule(dense, need)
+        assert plan_rewind(tiny_spec(), chunks_per_second=8, seconds=need / 8,
+                           budget_bytes=reached.peak(tiny_spec()).extra_bytes(tiny_spec())) is not None
 
 
 def test_boundary_frames_are_the_sink_and_the_window_as_they_were() -> None:
