@@ -95,7 +95,7 @@ class TickOutcome:
     codec: str = ""
     quality: int = 0
     frames: np.ndarray | None = None
-    rewind_points: tuple[int, int] | None = None  # boundaries a later rewind_to may name (None: rewind off)
+    rewind_points: tuple[int, ...] | None = None  # boundaries a later rewind_to may name, oldest first (None: off)
 
     @property
     def applied_event_ids(self) -> list[int]:
@@ -303,15 +303,16 @@ class ModelWorker:
 
         return self._control(adopt, lane=None)
 
-    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> asyncio.Future[None]:
-        """Resolves once ``new_session_id`` is resident, continuing from ``source_id``'s chunk boundary
-        ``boundary``; :class:`RewindUnavailable` when the boundary is not held, the runtime's capacity error
-        when there is no room."""
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
+        """Resolves to the boundary once ``new_session_id`` is resident, continuing from ``source_id``'s chunk
+        boundary ``boundary`` (None: where the source is now); :class:`RewindUnavailable` when the boundary is
+        not held, the runtime's capacity error when there is no room."""
 
-        def branch(runner: Runtime) -> None:
-            runner.branch_session(source_id, boundary, new_session_id)
+        def branch(runner: Runtime) -> int:
+            index = runner.branch_session(source_id, boundary, new_session_id)
             self._produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
             self._encoders.restart_stream(new_session_id)
+            return index
 
         return self._control(branch, lane=None)
 
@@ -431,7 +432,8 @@ class ModelWorker:
             self._scheduler.last_round_s = warmup_round_s.get(1, 0.0)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
-            log.exception("model failed to load")
+            # The hub says why in one line; the traceback is for debugging (a bad --model-options is no bug).
+            log.debug("model failed to load", exc_info=True)
             self._loop.call_soon_threadsafe(self._on_ready, exc)
             return
         self._loop.call_soon_threadsafe(self._on_ready, None)
@@ -673,6 +675,6 @@ class ModelWorker:
             codec=codec,
             quality=quality,
             frames=result.frames if keep_frames else None,
-            rewind_points=result.rewind_points,
+            rewind_points=result.rewind_held,
         )
         self._handoff.call(lambda: self._deliver(chunk))

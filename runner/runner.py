@@ -6,9 +6,9 @@ session's :class:`SessionKVState` for one forward at a time. Every path that
 ends a session (reset, close, eviction, failure) goes through
 :meth:`ARRunner._release`, which attempts each cleanup step even when one fails.
 
-Rewind and branch (``rewind_points`` K > 0, :mod:`arstream.runner.rewind`):
-each session keeps its last K chunk boundaries, sharing blocks with its live
-history; ``TickRequest.rewind_to`` goes back to one before the chunk runs, and
+Rewind and branch (a ``rewind`` schedule, :mod:`arstream.runner.rewind`):
+each session keeps the chunk boundaries of its last seconds of play (every
+chunk recently, sparser further back), sharing blocks with its live history; ``TickRequest.rewind_to`` goes back to one before the chunk runs, and
 :meth:`ARRunner.branch_session` starts a new session from one.
 
 Cross-session batching (:meth:`ARRunner.execute`): with ``max_batch_sessions``
@@ -53,6 +53,7 @@ from arstream.runner.contract import (
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
+from arstream.runner.rewind_schedule import RewindSchedule, plan_rewind
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import (
@@ -93,7 +94,7 @@ class ARRunner:
         memory_fraction: float | None = None,
         sync: Callable[[torch.device], None] = _device_sync,
         max_batch_sessions: int = 1,
-        rewind_points: int = 0,
+        rewind: RewindSchedule | None = None,
         split_decode: bool = False,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
@@ -114,15 +115,15 @@ class ARRunner:
         # the forward and the decode are separate calls (pipelines without the split always decode in the forward)
         self.split_decode = split_decode and isinstance(pipeline, SupportsSplitDecode)
         self.video_frames_per_chunk, self.first_chunk_frames = _video_frames(pipeline.model_card(), spec)
-        if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
-            raise UnsupportedConfiguration(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
-        # Why rewind and branch are refused (None: they are offered), and how many boundaries a session keeps.
-        self.rewind_refusal = _rewind_refusal(pipeline, spec, rewind_points)
-        self.rewind_keep = 0 if self.rewind_refusal else rewind_points
-        if rewind_points and self.rewind_refusal:
-            log.info("rewind_points=%d not used: %s", rewind_points, self.rewind_refusal)
+        if rewind is not None and not isinstance(rewind, RewindSchedule):
+            raise UnsupportedConfiguration(f"rewind must be a RewindSchedule or None, got {type(rewind).__name__}")
+        # Why rewind and branch are refused (None: they are offered), and which boundaries a session keeps.
+        self.rewind_refusal = _rewind_refusal(pipeline, spec, rewind)
+        self.rewind: RewindSchedule | None = None if self.rewind_refusal else rewind
+        if rewind is not None and self.rewind_refusal:
+            log.info("rewind not used: %s", self.rewind_refusal)
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
-        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions, rewind_points=self.rewind_keep)
+        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions, rewind=self.rewind)
         self.pool = PagedKVPool(spec, self.plan, self.device)
         self.blocks_free_at_start = self.pool.num_free
         self._sync = sync
@@ -139,15 +140,15 @@ class ARRunner:
         without = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity
         log.info(
             "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
-            "%d rewind point(s) per session%s, up to %d session(s) per forward%s",
+            "rewind %s%s, up to %d session(s) per forward%s",
             self.plan.num_blocks,
             self.plan.block_bytes,
             self.plan.scratch_blocks,
             self.plan.session_capacity,
             spec.sink_frames,
             spec.window_frames,
-            self.rewind_keep,
-            f" ({without} sessions with --rewind-points 0)" if without != self.plan.session_capacity else "",
+            (self.rewind.describe(spec) if self.rewind else 'off'),
+            f" ({without} sessions without rewind)" if without != self.plan.session_capacity else "",
             self.batch_limit,
             "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
         )
@@ -202,8 +203,8 @@ class ARRunner:
         if state.pool is not self.pool or state.session_id in self._sessions:
             raise ValueError(f"cannot adopt session {state.session_id!r}: another pool's, or already resident")
         self._sessions[state.session_id] = state
-        if self.rewind_keep:  # its boundaries stayed behind: it can rewind to those it passes from here
-            self._rewind[state.session_id] = RewindPoints(self.pool, self.rewind_keep)
+        if self.rewind:  # its boundaries stayed behind: it can rewind to those it passes from here
+            self._rewind[state.session_id] = RewindPoints(self.pool, self.rewind)
 
     def _get_or_create(self, session_id: str) -> SessionKVState:
         state = self._sessions.get(session_id)
@@ -216,8 +217,8 @@ class ARRunner:
                     self.on_evict(oldest)
             state = SessionKVState(self.pool, session_id)
             self._sessions[session_id] = state
-            if self.rewind_keep:
-                self._rewind[session_id] = RewindPoints(self.pool, self.rewind_keep)
+            if self.rewind:
+                self._rewind[session_id] = RewindPoints(self.pool, self.rewind)
         self._sessions.move_to_end(session_id)
         return state
 
@@ -278,17 +279,26 @@ class ARRunner:
 
         A session that is not resident is at boundary 0 of a new rollout: ``(0, 0)``.
         """
+        held = self.rewind_held(session_id)
+        return None if held is None else (held[0], held[-1])
+
+    def rewind_held(self, session_id: str) -> tuple[int, ...] | None:
+        """Every boundary ``rewind_to`` may name now, oldest first (the last: where the session is); None when off.
+
+        Between :meth:`rewind_points`' two ends only these are held: older boundaries are thinned out.
+        """
         if self.rewind_refusal:
             return None
         state = self._sessions.get(session_id)
         if state is None:
-            return (0, 0)
-        return self._rewind[session_id].span(state.chunk_index)
+            return (0,)
+        return self._rewind[session_id].indices(state.chunk_index)
 
-    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
         """Make ``new_session_id`` a resident session that continues from ``source_id``'s boundary ``boundary``.
 
-        Its next chunk has ``chunk_index == boundary``; it shares the
+        ``boundary`` None is the latest: where the source is now. Returns the
+        boundary; the new session's next chunk has that ``chunk_index``; it shares the
         boundary's blocks with the source (copy-on-write: neither ever writes
         a committed block) and gets a copy of the model-owned state there.
         Room is made like for any new session (LRU eviction; the source counts
@@ -299,7 +309,11 @@ class ARRunner:
             raise RewindUnavailable(self.rewind_refusal)
         if new_session_id in self._sessions:
             raise ValueError(f"cannot branch into session {new_session_id!r}: it is already resident")
-        branch = self._share_boundary(source_id, boundary)
+        source = self._sessions.get(source_id)
+        if source is None:  # the message reaches clients: no internal session id in it
+            raise RewindUnavailable("the shared session is not resident here; it holds no chunk boundaries")
+        index = source.chunk_index if boundary is None else boundary
+        branch = self._share_boundary(source_id, index)
         self._sessions.move_to_end(source_id)
         adopted = False
         try:
@@ -311,12 +325,11 @@ class ARRunner:
                 self.pool.free(branch.tables.blocks())
             self._release(new_session_id, reset_model=False, reason="branch_failed", suppress_errors=True)
             raise
+        return index
 
     def _share_boundary(self, session_id: str, index: int) -> Boundary:
         """Boundary ``index`` of a resident session, for a branch (references and a model-state copy of its own)."""
-        state = self._sessions.get(session_id)
-        if state is None:
-            raise RewindUnavailable(f"session {session_id!r} is not resident here; it holds no chunk boundaries")
+        state = self._sessions[session_id]
         if index == state.chunk_index:
             return Boundary(state.share_tables(), self._export_model_state(session_id))
         points = self._rewind[session_id]
@@ -325,10 +338,13 @@ class ARRunner:
         return points.share(index)
 
     def _not_held(self, session_id: str, index: object) -> RewindUnavailable:
-        oldest, newest = self.rewind_points(session_id) or (0, 0)
+        """The refusal clients see (so no internal session id): what is held instead."""
+        held = self.rewind_held(session_id) or (0,)
+        shown = ", ".join(map(str, held)) if len(held) <= 12 else f"{held[0]}..{held[-1]} ({len(held)} of them)"
+        schedule = self.rewind.describe(self.spec) if self.rewind else "rewind off"
         return RewindUnavailable(
-            f"chunk boundary {index!r} is not held for session {session_id!r}: it can go back to "
-            f"{oldest}..{newest} (the last {self.rewind_keep} chunks of its current rollout)"
+            f"chunk boundary {index!r} is not held: the session holds boundaries {shown} of its current rollout "
+            f"({schedule})"
         )
 
     def _export_model_state(self, session_id: str, previous: ModelState | None = None) -> ModelState:
@@ -443,6 +459,7 @@ class ARRunner:
             applied_event_ids=tick.applied_event_ids,
             restarted="rewind" if tick.rewind_to is not None else None,
             rewind_points=self.rewind_points(tick.session_id),
+            rewind_held=self.rewind_held(tick.session_id),
         )
 
     # ---- execution ----------------------------------------------------------------
@@ -744,7 +761,8 @@ class ARRunner:
             session_capacity=self.session_capacity,
             sessions_resident=len(self._sessions),
             batch_limit=self.batch_limit,
-            rewind_points=self.rewind_keep,
+            rewind_points=0 if self.rewind is None else self.rewind.peak(self.spec).copies,
+            rewind_seconds=0.0 if self.rewind is None else self.rewind.seconds,
         )
 
     def model_card(self) -> dict[str, Any]:
@@ -825,27 +843,53 @@ def runner_for_sessions(
     *,
     max_batch_sessions: int = 1,
     device: torch.device | str = "cpu",
-    rewind_points: int = 0,
+    rewind: RewindSchedule | None = None,
     split_decode: bool = False,
 ) -> ARRunner:
     """A runner whose pool has room for exactly ``sessions`` resident sessions (benches, evaluation, tests)."""
     budget = budget_for_sessions(
-        pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions, rewind_points=rewind_points
+        pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions, rewind=rewind
     )
     return ARRunner(
         pipeline,
         device=device,
         kv_budget_bytes=budget,
         max_batch_sessions=max_batch_sessions,
-        rewind_points=rewind_points,
+        rewind=rewind,
         split_decode=split_decode,
     )
 
 
-def _rewind_refusal(pipeline: ARPipeline, spec: KVCacheSpec, rewind_points: int) -> str | None:
+def rewind_for(pipeline: ARPipeline, *, seconds: float, budget_bytes: int) -> RewindSchedule | None:
+    """The rewind schedule a server gives this pipeline: ``seconds`` of play within ``budget_bytes`` per session.
+
+    The play rate (chunks per second) is the model card's ``fps`` over its
+    ``frames_per_chunk``; a card without ``fps`` gets no rewind (logged).
+    """
+    if seconds == 0:
+        return None
+    card = pipeline.model_card()
+    fps = card.get("fps") if isinstance(card, dict) else None
+    if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+        log.info("rewind off: the model card gives no fps, so %g s of play is no chunk count", seconds)
+        return None
+    spec = pipeline.kv_cache_spec()
+    per_chunk, _first = _video_frames(card, spec)
+    schedule = plan_rewind(spec, chunks_per_second=fps / per_chunk, seconds=seconds, budget_bytes=budget_bytes)
+    if schedule is None or schedule.seconds < seconds:
+        log.warning(
+            "a rewind horizon of %g s does not fit %d bytes per session; %s",
+            seconds,
+            budget_bytes,
+            "rewind is off" if schedule is None else f"it reaches back {schedule.seconds:g} s (--rewind-budget-mib)",
+        )
+    return schedule
+
+
+def _rewind_refusal(pipeline: ARPipeline, spec: KVCacheSpec, rewind: RewindSchedule | None) -> str | None:
     """Why this runner cannot offer rewind and branch, or None when it can."""
-    if rewind_points == 0:
-        return "rewind is off (rewind_points is 0)"
+    if rewind is None:
+        return "rewind is off (no rewind horizon)"
     if not isinstance(pipeline, SupportsSessionTransfer):
         name = pipeline.model_card().get("name")
         return f"model {name!r} cannot snapshot its per-session state (no export_session_state hook)"

@@ -75,8 +75,10 @@ class RunnerStats:
     batch_limit: int = 1
     batched_forwards_total: int = 0
     batch_fallbacks_total: int = 0
-    # chunk boundaries each session keeps to rewind to (0: the runtime keeps none; docs/rewind.md)
+    # most chunk boundaries a session keeps to rewind to (0: the runtime keeps none; docs/rewind.md),
+    # and how far back they reach in seconds of play
     rewind_points: int = 0
+    rewind_seconds: float = 0.0
 
     @classmethod
     def build(
@@ -94,6 +96,7 @@ class RunnerStats:
         sessions_resident: int,
         batch_limit: int,
         rewind_points: int = 0,
+        rewind_seconds: float = 0.0,
     ) -> RunnerStats:
         """The stats of a runtime with these pool figures, over ``spec``, with these counters."""
         return cls(
@@ -115,4 +118,5 @@ class RunnerStats:
             batched_forwards_total=counters.batched_forwards_total,
             batch_fallbacks_total=counters.batch_fallbacks_total,
             rewind_points=rewind_points,
+            rewind_seconds=rewind_seconds,
         )

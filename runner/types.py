@@ -114,6 +114,8 @@ class ChunkResult:
     evictions itself). ``rewind_points`` is ``(oldest, newest)``: the
     boundaries a later ``rewind_to`` may name (newest is ``chunk_index + 1``,
     where the session now is); None when the runtime keeps none.
+    ``rewind_held`` lists every boundary held between the two (older ones are
+    thinned out, docs/rewind.md), oldest first.
     """
 
     session_id: str
@@ -128,6 +130,7 @@ class ChunkResult:
     # With a split decode (ARRunner(split_decode=True)): the chunk to decode; ``frames`` is NOT_DECODED until then.
     pending: PendingDecode | None = None
     decode_s: float = 0.0
+    rewind_held: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

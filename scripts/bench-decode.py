@@ -47,18 +47,18 @@ SCENARIOS: dict[str, tuple[str, dict[str, Any]]] = {
 SIDES = ("overlapped", "serial")
 
 
-def serve_args(model: str, options: dict[str, Any], overlap: bool, threads: int, rewind_points: int) -> list[str]:
+def serve_args(model: str, options: dict[str, Any], overlap: bool, threads: int, rewind_seconds: float) -> list[str]:
     return [
         "--model", model, "--model-options", json.dumps(options), "--torch-threads", str(threads),
         "--decode-overlap" if overlap else "--no-decode-overlap", "--log-level", "warning",
-        "--rewind-points", str(rewind_points),
+        "--rewind-seconds", str(rewind_seconds),
     ]
 
 
-def bench_serving(name: str, sessions: int, chunks: int, repeats: int, threads: int, rewind_points: int) -> dict[str, Any]:
+def bench_serving(name: str, sessions: int, chunks: int, repeats: int, threads: int, rewind_seconds: float) -> dict[str, Any]:
     model, options = SCENARIOS[name]
     servers = {
-        side: ServerProcess(serve_args(model, options, side == "overlapped", threads, rewind_points)) for side in SIDES
+        side: ServerProcess(serve_args(model, options, side == "overlapped", threads, rewind_seconds)) for side in SIDES
     }
     with servers["overlapped"], servers["serial"]:
 
@@ -78,7 +78,7 @@ def bench_serving(name: str, sessions: int, chunks: int, repeats: int, threads: 
     return {
         "scenario": name,
         "sessions": sessions,
-        "rewind_points": rewind_points,
+        "rewind_seconds": rewind_seconds,
         "overlapped_chunks_per_s": round(comparison.median("overlapped"), 3),
         "serial_chunks_per_s": round(comparison.median("serial"), 3),
         "overlapped_vs_serial_ratio": round(comparison.median_ratio, 3),
@@ -128,14 +128,14 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=24, help="chunks per session per repetition (default 24)")
     parser.add_argument("--repeat", type=int, default=3, help="alternating repetitions (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server (default 1)")
-    parser.add_argument("--rewind-points", type=int, default=8, help="each server's --rewind-points (default 8)")
+    parser.add_argument("--rewind-seconds", type=float, default=30.0, help="each server's --rewind-seconds (default 30)")
     parser.add_argument("--decoders", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     summary: dict[str, Any] = {"serving": []}
     for name in args.scenarios:
         for sessions in args.sessions:
-            result = bench_serving(name, sessions, args.chunks, args.repeat, args.threads, args.rewind_points)
+            result = bench_serving(name, sessions, args.chunks, args.repeat, args.threads, args.rewind_seconds)
             print(f"{name} x{sessions}: overlapped/serial {result['overlapped_vs_serial_ratio']}", flush=True)
             summary["serving"].append(result)
     if args.decoders:

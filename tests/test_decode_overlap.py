@@ -55,7 +55,7 @@ def _run(
     model: str, options: dict[str, Any], overlap: bool, sessions: int, batch: int = 1, **kw: Any
 ) -> tuple[list[list[Any]], dict[str, Any]]:
     settings = fake_settings(
-        model=model, model_options=options, decode_overlap=overlap, rewind_points=2, max_batch_sessions=batch
+        model=model, model_options=options, decode_overlap=overlap, rewind_seconds=1.0, max_batch_sessions=batch
     )
     with running_server(settings) as server:
         free = server.stats()["kv"]["blocks_free"]

@@ -12,6 +12,7 @@ from runner_fakes import FAKE_KV_BUDGET_BYTES, tick
 
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.decode_states import DecoderStateError, DecoderStates
+from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import NOT_DECODED, ChunkResult, TickFailure
 
@@ -111,8 +112,8 @@ def test_an_export_waits_for_the_decode_in_flight_and_sees_its_whole_chunk() -> 
 
 
 def test_a_rewind_point_taken_while_the_chunk_before_it_decodes_gets_that_chunks_decoder_state() -> None:
-    split = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind_points=4, split_decode=True)
-    serial = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind_points=4)
+    split = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind=RewindSchedule.last(4), split_decode=True)
+    serial = ARRunner(FakeKVPipeline(), kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind=RewindSchedule.last(4))
     first = _chunks(split.execute([tick("a", 0, controls={"keys": ["w"]})]))
     # chunk 1's forward runs while chunk 0 is still to decode (the worker's overlap): boundary 1 is taken then
     second = _chunks(split.execute([tick("a", 1, controls={"keys": ["d"]})]))

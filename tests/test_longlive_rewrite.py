@@ -19,6 +19,7 @@ from arstream.models.longlive.loading import load_longlive
 from arstream.models.longlive.pipeline import LongLivePipeline
 from arstream.runner.kv_state import PassStateError, SessionKVState
 from arstream.runner.pool import PagedKVPool, plan_pool
+from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import export_session, import_session, SessionSnapshot
 from arstream.runner.spec import KVCacheSpec
@@ -54,7 +55,7 @@ def stored(pool: PagedKVPool, blocks: list[int]) -> list[float]:
 @pytest.fixture
 def pool() -> PagedKVPool:
     s = spec()
-    return PagedKVPool(s, plan_pool(s, 10**6, rewind_points=2), torch.device("cpu"))
+    return PagedKVPool(s, plan_pool(s, 10**6, rewind=RewindSchedule.last(2)), torch.device("cpu"))
 
 
 def test_a_rewrite_goes_to_fresh_blocks_and_joins_with_the_chunk_leaving_shared_blocks_as_they_were(
@@ -107,7 +108,7 @@ def test_an_aborted_forward_drops_its_rewrite_and_a_spec_without_rewrites_refuse
 
 
 def test_the_pool_counts_a_rewrites_blocks_and_whole_histories_per_rewind_point() -> None:
-    with_rewrites, without = plan_pool(spec(), 10**6, rewind_points=2), plan_pool(spec(history_rewrites=False), 10**6, rewind_points=2)
+    with_rewrites, without = plan_pool(spec(), 10**6, rewind=RewindSchedule.last(2)), plan_pool(spec(history_rewrites=False), 10**6, rewind=RewindSchedule.last(2))
     s = spec()
     # per session: (1 + rewind points) whole histories; per batch row: a chunk and a rewritten history in flight
     assert with_rewrites.num_blocks == with_rewrites.session_capacity * 3 * s.resident_frames + s.frames_per_chunk + s.resident_frames
@@ -133,7 +134,7 @@ def run(runner: ARRunner, session: str, prompts: Sequence[str], start: int = 0, 
 
 
 def test_a_failed_recache_frees_every_block(pipeline: LongLivePipeline, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = runner_for_sessions(pipeline, 2, rewind_points=2)
+    runner = runner_for_sessions(pipeline, 2, rewind=RewindSchedule.last(2))
     run(runner, "s", [A, A, A])
     original = pipeline._recache
 
@@ -149,7 +150,7 @@ def test_a_failed_recache_frees_every_block(pipeline: LongLivePipeline, monkeypa
 
 
 def test_a_rewind_to_before_a_switch_reproduces_the_old_continuation(pipeline: LongLivePipeline) -> None:
-    runner = runner_for_sessions(pipeline, 1, rewind_points=3)
+    runner = runner_for_sessions(pipeline, 1, rewind=RewindSchedule.last(3))
     old = run(runner, "s", [A] * 6)
     runner.close_session("s")
     run(runner, "s", [A] * 4 + [B, B])
@@ -193,7 +194,7 @@ def test_batched_sessions_with_a_switch_equal_their_alone_runs(pipeline: LongLiv
 def test_sessions_switching_every_chunk_at_capacity_with_rewind_points_never_exhaust_the_pool(
     pipeline: LongLivePipeline,
 ) -> None:
-    runner = runner_for_sessions(pipeline, 2, max_batch_sessions=2, rewind_points=2)
+    runner = runner_for_sessions(pipeline, 2, max_batch_sessions=2, rewind=RewindSchedule.last(2))
     prompts = [A, B, C]
     for i in range(7):
         results = runner.execute(

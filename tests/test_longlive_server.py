@@ -57,7 +57,7 @@ async def chunk_frames(client: Any) -> tuple[dict[str, Any], np.ndarray]:
 
 def test_a_prompt_switch_over_the_websocket_equals_the_reference(pipeline: LongLivePipeline) -> None:
     args = ["--model", "longlive", "--model-options", OPTIONS, "--torch-threads", "1", "--max-batch-sessions", "2",
-            "--rewind-points", "4"]  # fmt: skip
+            "--rewind-seconds", "10"]  # fmt: skip
     with server_process(args) as server:
         server.wait_ready()
         card = server.get("/v1/model").json()
