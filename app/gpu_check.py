@@ -273,7 +273,7 @@ def decode_variant_figures(profile: Profile, device: str, decoder: str, overlap:
     largest = max(profile.decode_sessions)
     serve_args = [
         "--model", "matrix-game-2", "--model-options", json.dumps(options), "--device", device,
-        "--max-batch-sessions", str(largest), "--torch-threads", str(profile.threads), "--rewind-points", "0",
+        "--max-batch-sessions", str(largest), "--torch-threads", str(profile.threads), "--rewind-seconds", "0",
         "--decode-overlap" if overlap else "--no-decode-overlap", "--log-level", "warning",
     ]  # fmt: skip
     figures: dict[str, Any] = {}
