@@ -618,6 +618,7 @@ class Connection:
 
     async def _finish(self) -> None:
         self.hub.unstarted.discard(self)  # refused, or gone before its session started
+        self.hub.drop_claim(self)  # gone between a branch's admission and its registration
         session = self.session
         if session is not None and self.role == ROLE_VIEWER:
             self._watch_ended = True

@@ -195,24 +195,28 @@ class Handshake:
         if source is None:
             await self.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
             return None
-        if not await self._admitted(claim=False):
+        # The slot is claimed before the branch is made, and held until the session is registered: made first,
+        # each branch of a burst would make room in the runner, which evicts its least recently used sessions,
+        # ones that live connections hold.
+        if not await self._admitted(claim=True, hold=True):
             return None
         worker = self.hub.worker
         assert worker is not None
         new_id = self.connection.session_id
         try:
             await worker.branch_session(source_id, boundary, new_id)
-        except RewindUnavailable as exc:
-            log.info("session=%s branch from chunk %d refused: %s", new_id, boundary, exc)
-            await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from chunk {boundary}: {exc}")
+        except (RewindUnavailable, PoolExhausted) as exc:
+            self.hub.drop_claim(self.connection)
+            if isinstance(exc, PoolExhausted):
+                await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
+            else:
+                log.info("session=%s branch from chunk %d refused: %s", new_id, boundary, exc)
+                await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from chunk {boundary}: {exc}")
             return None
-        except PoolExhausted as exc:
-            await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
-            return None
-        # Admitted after the branch (it awaits the worker), with no await before the session is registered.
-        if not await self._admitted(claim=True):
-            worker.drop_session(new_id)
-            return None
+        except BaseException:
+            self.hub.drop_claim(self.connection)
+            worker.drop_session(new_id)  # gone while the worker made it (cancelled): nothing of it stays
+            raise
         self.metrics.branches.inc()
         codec, quality = self._default_format(start)
         session = Session(
@@ -228,13 +232,17 @@ class Handshake:
         log.info("session=%s branched from %s at chunk %d", new_id, source_id, boundary)
         return Opened(session, boundary, False, branched_from=boundary)
 
-    async def _admitted(self, *, claim: bool) -> bool:
+    async def _admitted(self, *, claim: bool, hold: bool = False) -> bool:
         """Whether a new session may start now; False after refusing with over_capacity.
 
-        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask.
+        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask. ``hold``: keep
+        the slot claimed across awaits until the session is registered (SessionHub.claim).
         """
         hub, connection = self.hub, self.connection
-        refusal = hub.admit(connection) if claim else hub.admission_refusal() or hub.client_cap_refusal(connection)
+        if claim:
+            refusal = hub.claim(connection) if hold else hub.admit(connection)
+        else:
+            refusal = hub.admission_refusal() or hub.client_cap_refusal(connection)
         if refusal is None:
             return True
         log.info("session=%s not admitted: %s", connection.session_id, refusal)

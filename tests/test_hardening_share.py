@@ -1,0 +1,98 @@
+"""Hostile clients of branch, watch and pass_control (issue 31, findings 2, 4, 6, 7; issue 36, item 9).
+
+Each test attacks a real server with real clients (``websockets``, or raw sockets where the attack needs a
+client that never reads) and checks the bound docs/public.md names ("Watching, branching and passing
+control"); every session's KV blocks are back when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client
+
+SEED = 5
+REWIND = 4
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def share_url(server: LiveServer, token: str) -> str:
+    return f"{server.ws_url}?share={token}"
+
+
+async def next_of(client: ProbeClient, kind: str) -> dict[str, Any]:
+    """The next text message of type ``kind`` (binary frames and other texts before it are passed over)."""
+    while True:
+        message = await client.recv()
+        if isinstance(message, str) and json.loads(message)["type"] == kind:
+            return json.loads(message)
+
+
+async def tick(client: ProbeClient, tick_id: int, **fields: Any) -> dict[str, Any]:
+    """One tick and its chunk's header (its frames read); an `error` about it is returned instead."""
+    await client.send(type="tick", tick_id=tick_id, **fields)
+    while True:
+        message = await client.recv()
+        if isinstance(message, bytes):
+            continue
+        parsed = json.loads(message)
+        if parsed["type"] == "error":
+            return parsed
+        if parsed["type"] == "chunk":
+            for _ in range(parsed["frames"]):
+                assert isinstance(await client.recv(), bytes)
+            return parsed
+
+
+# ---- finding 2: a branch burst ------------------------------------------------------------------------
+
+
+def test_a_branch_burst_never_evicts_a_session_a_connection_holds() -> None:
+    """Two honest sessions and the attacker's source hold 3 of 4 slots; 3 branches sent at once get one slot
+    between them and the other two `over_capacity` (1013). Before, each branch was made before its slot was
+    claimed, and the runner made room for it by evicting the least recently used sessions: the honest ones
+    (their next chunk said ``restarted: "evicted"`` at chunk 0)."""
+    settings = fake_settings(replica_id="r0", rewind_points=REWIND, model_options={"session_capacity": 4})
+    with running_server(settings) as live:
+
+        async def scenario() -> None:
+            baseline = live.stats()["kv"]["blocks_free"]
+            async with session_client(live.ws_url, start={"seed": 1}) as first, \
+                    session_client(live.ws_url, start={"seed": 2}) as second, \
+                    session_client(live.ws_url, start={"seed": SEED}) as source:
+                for honest in (first, second):
+                    assert (await tick(honest, 0))["chunk_index"] == 0
+                for tick_id in range(3):
+                    await tick(source, tick_id)
+                token = source.ready["share"]["token"]  # type: ignore[index]
+
+                async def branch() -> tuple[str, int | None]:
+                    async with session_client(share_url(live, token)) as client:
+                        await client.send(type="start", branch={"share": token, "chunk": 1})
+                        message = await client.recv_json()
+                        if message["type"] == "ready":
+                            await tick(client, 0)
+                            await client.send(type="close")
+                        return message["type"], (await client.closed_by_server()).code
+
+                outcomes = await asyncio.gather(*(branch() for _ in range(3)))
+                assert sorted(outcomes) == [("error", 1013), ("error", 1013), ("ready", 1000)]
+                for honest in (first, second):
+                    header = await tick(honest, 1)
+                    assert header["type"] == "chunk" and header["restarted"] is None
+                    assert header["chunk_index"] == 1  # its rollout went on
+                assert live.stats()["sessions"]["evictions_total"] == 0
+                for client in (first, second, source):
+                    await client.send(type="close")
+                    await client.closed_by_server()
+            await asyncio.to_thread(live.settled, baseline)
+
+        run(scenario())
