@@ -405,6 +405,12 @@ class Connection:
             raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
         if self.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
+        # The session counts against the new controller's address and token from now on: their caps hold.
+        refusal = self.hub.transfer_refusal(target, session.id)
+        if refusal is not None:
+            raise ProtocolError(
+                ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
+            )
         self._offer_held()  # chunks before the pass go to the viewers as they were
         # Its queued ticks were this client's: they do not run for the next one (their controls are kept).
         assert self.hub.worker is not None

@@ -58,6 +58,7 @@ class ErrorCode(StrEnum):
     NOT_CONTROLLER = "not_controller"
     UNKNOWN_VIEWER = "unknown_viewer"
     REWIND_UNAVAILABLE = "rewind_unavailable"
+    CONTROL_REFUSED = "control_refused"
 
 
 # Fatal codes and the WebSocket close code that follows their `error` message.
@@ -85,6 +86,7 @@ class CloseReason(StrEnum):
     MOVED = "moved"
     ERROR = "error"
     SESSION_ENDED = "session_ended"  # to a viewer: the session it watched ended
+    NOT_READING = "not_reading"  # to a viewer: it took nothing for viewer_stall_timeout_s, or left too much untaken
 
 
 class ProtocolError(Exception):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.asyncio.client import connect
 
 from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client
 
@@ -94,5 +96,75 @@ def test_a_branch_burst_never_evicts_a_session_a_connection_holds() -> None:
                     await client.send(type="close")
                     await client.closed_by_server()
             await asyncio.to_thread(live.settled, baseline)
+
+        run(scenario())
+
+
+# ---- finding 6: pass_control and the session caps --------------------------------------------------------
+
+
+@asynccontextmanager
+async def client_from(host: str, url: str, *, start: dict[str, Any] | None = None) -> AsyncIterator[ProbeClient]:
+    """A ``websockets`` client from loopback address ``host`` (another client for the per-address caps)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.connect(("127.0.0.1", int(url.split(":")[2].split("/")[0])))
+    async with connect(url, sock=sock, compression=None, proxy=None, max_size=None, open_timeout=30) as ws:
+        client = ProbeClient(ws)
+        if start is not None:
+            await client.start(**start)
+        yield client
+
+
+def test_pass_control_to_a_viewer_whose_address_is_at_its_cap_is_refused() -> None:
+    """Address B holds its one session (max_sessions_per_client 1) and watches A's: A's pass_control to B's
+    viewer is `control_refused` (non-fatal) and A keeps control. Before, the pass went through and B controlled
+    two sessions; cooperating addresses could pile any number onto one."""
+    settings = fake_settings(replica_id="r0", max_sessions_per_client=1, forwarded_allow_ips="")
+    with running_server(settings) as live:
+
+        async def scenario() -> None:
+            baseline = live.stats()["kv"]["blocks_free"]
+            async with session_client(live.ws_url, start={"seed": SEED}) as player, \
+                    client_from("127.0.0.2", live.ws_url, start={"seed": 1}) as own:
+                token = player.ready["share"]["token"]  # type: ignore[index]
+                async with client_from("127.0.0.2", share_url(live, token), start={"watch": token}) as viewer:
+                    await tick(player, 0)
+                    await player.send(type="pass_control", to=viewer.ready["viewer_id"])  # type: ignore[index]
+                    refused = await next_of(player, "error")
+                    assert refused["code"] == "control_refused"
+                    assert "max_sessions_per_client 1" in refused["message"]
+                    assert (await tick(player, 1))["chunk_index"] == 1  # still the controller
+                    await viewer.send(type="tick", tick_id=5)
+                    assert (await next_of(viewer, "error"))["code"] == "not_controller"
+                    # with room (its own session closed) the same pass goes through
+                    await own.send(type="close")
+                    await own.closed_by_server()
+                    await asyncio.to_thread(live.wait_for_stats, lambda s: s["sessions"]["connected"] == 1)
+                    await player.send(type="pass_control", to=viewer.ready["viewer_id"])  # type: ignore[index]
+                    assert (await next_of(viewer, "role"))["role"] == "controller"
+                    assert (await tick(viewer, 5))["chunk_index"] == 2
+                    await viewer.send(type="close")
+                    await viewer.closed_by_server()
+            await asyncio.to_thread(live.settled, baseline)
+
+        run(scenario())
+
+
+def test_pass_control_keeps_the_per_token_cap() -> None:
+    """The same with one auth token per tenant: tenant B at max_sessions_per_token cannot be handed A's."""
+    settings = fake_settings(replica_id="r0", auth_token="ta,tb", max_sessions_per_token=1)
+    with running_server(settings) as live:
+
+        async def scenario() -> None:
+            url_a, url_b = f"{live.ws_url}?token=ta", f"{live.ws_url}?token=tb"
+            async with session_client(url_a, start={"seed": SEED}) as player, \
+                    session_client(url_b, start={"seed": 1}):
+                token = player.ready["share"]["token"]  # type: ignore[index]
+                async with session_client(f"{url_b}&share={token}", start={"watch": token}) as viewer:
+                    await player.send(type="pass_control", to=viewer.ready["viewer_id"])  # type: ignore[index]
+                    refused = await next_of(player, "error")
+                    assert refused["code"] == "control_refused" and "max_sessions_per_token 1" in refused["message"]
+                    assert (await tick(player, 0))["chunk_index"] == 0
 
         run(scenario())
