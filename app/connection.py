@@ -112,6 +112,8 @@ class Connection:
         # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
         self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
         self._viewer_timer: asyncio.TimerHandle | None = None
+        # A viewer's writer is on one item this long at most (viewer_stall_timeout_s), or it is not reading.
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -216,6 +218,7 @@ class Connection:
             return
         self._last_chunk_seq = chunk.seq
         self.outbox.push(chunk)
+        self._check_send_backlog()
 
     def skip_chunk(self) -> None:
         self.outbox.chunks_skipped += 1
@@ -327,11 +330,36 @@ class Connection:
         if backlog <= limit:
             return
         detail = f"a client left {backlog} bytes untaken (max_send_buffer_bytes {limit})"
+        if self.role == ROLE_VIEWER:
+            self._drop_viewer(detail)
+            return
         log.warning("session=%s dropped: not reading, %s", self.session_id, detail)
         self.outbox.drop_pending()
         self._close(CLOSE_POLICY_VIOLATION, CloseReason.ERROR)
         if self.transport is not None:
             self.transport.drop_now("send_buffer", detail)
+
+    def _drop_viewer(self, detail: str) -> None:
+        """A viewer that does not read: what it had queued goes, `closed` (not_reading) and close 1008 go next,
+        and its connection is dropped ``close_timeout_s`` later unless it takes them (docs/public.md)."""
+        if self._watch_ended:
+            return
+        log.warning("session=%s viewer %s dropped: not reading, %s", self.session_id, self.viewer_id, detail)
+        self.outbox.drop_pending()
+        self._close(CLOSE_POLICY_VIOLATION, CloseReason.NOT_READING)
+
+    def _watch_stall(self) -> None:
+        """Arm the stall bound for the item a viewer's writer is about to send (disarmed once it is sent)."""
+        if self.role == ROLE_VIEWER and not self._watch_ended:
+            timeout = self.settings.viewer_stall_timeout_s
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                timeout, self._drop_viewer, f"it took nothing for {timeout:g} s (viewer_stall_timeout_s)"
+            )
+
+    def _sent(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
 
     def _reply_error(self, error: ProtocolError) -> None:
         self.metrics.errors.labels(code=str(error.code)).inc()
@@ -560,6 +588,11 @@ class Connection:
                 self._watch_ended = True
                 self.outbox.push(QueuedClose(code, reason))
                 self._leave_audience()
+                # Its last messages go out while it is counted (sessions.closing); a peer that does not take
+                # them within close_timeout_s is dropped, so no viewer outlives its session.
+                self.hub.closing.add(self)
+                if self.transport is not None:
+                    self.transport.drop_soon()
             return
         session = self.session
         if session is None or not session.live:
@@ -658,6 +691,7 @@ class Connection:
         try:
             while True:
                 item = await self.outbox.get()
+                self._watch_stall()
                 if isinstance(item, QueuedText):
                     await self.ws.send_text(item.text)
                     if item.returns_credit:
@@ -669,11 +703,13 @@ class Connection:
                 else:
                     if item.reason is not None:
                         await self.ws.send_text(dumps(closed_message(item.reason)))
-                    await self.ws.close(item.code)
+                    await self.ws.close(item.code, item.reason or "")  # the reason in the close frame too
                     return
+                self._sent()
         except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
             log.debug("session=%s writer stopped: %s", self.session_id, exc)
         finally:
+            self._sent()
             self.outbox.close()
 
     @staticmethod

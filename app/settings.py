@@ -176,6 +176,14 @@ class Settings(BaseSettings):
         64, ge=0, description="viewers one session may have (watch links; they hold no KV, and count in the "
         "connection caps); 0: no watching"
     )
+    viewer_stall_timeout_s: float = Field(
+        10.0, gt=0, description="a viewer that takes nothing the server is sending it for this long is not reading: "
+        "it gets `closed` (not_reading) and close 1008, and is dropped close_timeout_s later"
+    )
+    max_viewer_encodings: int = Field(
+        2, ge=0, description="formats (codec, quality) one session's viewers may have encoded besides the "
+        "controller's own frames; a viewer past it is served the nearest format already encoded"
+    )
     max_connections: int | None = Field(
         None, ge=1, description="open TCP connections in all; default: 1000, fewer if the open-file limit is lower"
     )

@@ -11,12 +11,21 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 from websockets.asyncio.client import connect
 
-from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client
+from raw_clients import RawWebSocket, close_code, closed_by_server, open_files
+from servers import (
+    LiveServer,
+    ProbeClient,
+    fake_settings,
+    running_server,
+    server_process,
+    session_client,
+    wait_until,
+)
 
 SEED = 5
 REWIND = 4
@@ -166,5 +175,98 @@ def test_pass_control_keeps_the_per_token_cap() -> None:
                     refused = await next_of(player, "error")
                     assert refused["code"] == "control_refused" and "max_sessions_per_token 1" in refused["message"]
                     assert (await tick(player, 0))["chunk_index"] == 0
+
+        run(scenario())
+
+
+# ---- finding 4 and issue 36 item 9: viewers that do not read ------------------------------------------
+
+
+def frames_until_close(viewer: RawWebSocket) -> tuple[list[dict[str, Any]], int | None, str]:
+    """Everything a raw viewer was sent, read now: its text messages, then the close frame's code and reason."""
+    texts: list[dict[str, Any]] = []
+    while True:
+        opcode, payload = viewer.read_frame()
+        if opcode == 0x1:
+            texts.append(json.loads(payload))
+        elif opcode == 0x8:
+            return texts, close_code(payload), payload[2:].decode()
+
+
+def raw_viewer(port: int, token: str, codec: str = "raw") -> RawWebSocket:
+    """A viewer over a raw socket with a 4 KB receive buffer; it reads nothing unless told to."""
+    viewer = RawWebSocket(port, f"/v1/sessions?share={token}")
+    assert viewer.status == 101
+    viewer.send_text(json.dumps({"type": "start", "watch": token, "codec": codec}))
+    return viewer
+
+
+def test_viewers_that_never_read_end_with_their_session() -> None:
+    """20 viewers that never read a byte watch a session that sends 256x256 raw chunks; the player closes.
+    Every viewer's connection is gone ``close_timeout_s`` later (the server's open files from /proc are back
+    where they were). Before, all 20 stayed connected for as long as their peers kept the sockets, invisible
+    in /v1/stats, and 39 of them filled a 40-connection server."""
+    options = json.dumps({"width": 256, "height": 256})
+    args = ["--model", "fake-kv", "--model-options", options, "--replica-id", "r0", "--close-timeout-s", "1",
+            "--max-connections-per-client", "64"]
+    with server_process(args) as live, ExitStack() as sockets:
+        pid = live.process.pid  # type: ignore[union-attr]
+        player = RawWebSocket(live.port)
+        sockets.callback(player.close)
+        player.send_text(json.dumps({"type": "start", "codec": "raw"}))
+        token = json.loads(player.read_text())["share"]["token"]
+        files_before = open_files(pid)
+        viewers = []
+        for _ in range(20):
+            viewers.append(raw_viewer(live.port, token))
+            sockets.callback(viewers[-1].close)
+        live.wait_for_stats(lambda s: s["sessions"]["viewers"] == 20)
+        assert open_files(pid) == files_before + 20
+        for tick_id in range(8):  # the player reads its chunks; its viewers' sockets fill up
+            player.send_text(json.dumps({"type": "tick", "tick_id": tick_id}))
+            while json.loads(player.read_text())["type"] != "chunk":
+                pass
+            for _ in range(2):
+                player.read_frame()
+        player.send_text(json.dumps({"type": "close"}))
+        assert closed_by_server(player.sock)
+        wait_until(lambda: open_files(pid) <= files_before - 1, attempts=400)  # the player's socket gone too
+        sessions = live.stats()["sessions"]
+        assert (sessions["viewers"], sessions["closing"], sessions["connected"]) == (0, 0, 0)
+        for viewer in viewers:
+            viewer.sock.settimeout(0.5)
+            assert closed_by_server(viewer.sock)  # dropped: reset, or closed after what it was sent
+
+
+def test_a_viewer_that_stops_reading_is_closed_not_reading_and_the_player_goes_on() -> None:
+    """A viewer reads its `ready`, then stops reading 256x256 raw chunks. After ``viewer_stall_timeout_s``
+    without taking anything it leaves the audience, shows in /v1/stats as closing, and when it reads again it
+    finds the chunks it was sent, then `closed` (not_reading) and close 1008 with that reason; the player
+    never missed a chunk. Before, nothing ended it but the transport's keepalive, with no `closed` at all."""
+    settings = fake_settings(replica_id="r0", model_options={"width": 256, "height": 256},
+                             viewer_stall_timeout_s=0.5, close_timeout_s=20.0)
+    with running_server(settings) as live, ExitStack() as sockets:
+
+        async def scenario() -> None:
+            baseline = live.stats()["kv"]["blocks_free"]
+            async with session_client(live.ws_url, start={"seed": SEED, "codec": "raw"}) as player:
+                token = player.ready["share"]["token"]  # type: ignore[index]
+                viewer = await asyncio.to_thread(raw_viewer, live.port, token)
+                sockets.callback(viewer.close)
+                assert json.loads(await asyncio.to_thread(viewer.read_text))["type"] == "ready"
+                tick_id = 0
+                while live.stats()["sessions"]["viewers"] == 1 and tick_id < 2000:
+                    assert (await tick(player, tick_id))["tick_id"] == tick_id
+                    tick_id += 1
+                stats = live.stats()["sessions"]
+                assert stats["viewers"] == 0 and stats["closing"] == 1  # gone from the audience, still counted
+                texts, code, reason = await asyncio.to_thread(frames_until_close, viewer)
+                assert texts[-1] == {"type": "closed", "reason": "not_reading"}
+                assert code == 1008 and reason == "not_reading"
+                assert any(t["type"] == "chunk" for t in texts)
+                assert (await tick(player, tick_id))["chunk_index"] == tick_id  # the player went on, unskipped
+                await player.send(type="close")
+                await player.closed_by_server()
+            await asyncio.to_thread(live.settled, baseline)
 
         run(scenario())
