@@ -504,6 +504,9 @@ class Connection:
             detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
             message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
             self.outbox.push(QueuedText(dumps(message), returns_credit=True))
+            if job.close:
+                session.keep_open()  # nothing ran, so no close either: a close comes after the tick's chunk
+            return
         elif outcome.kind is OutcomeKind.INTERNAL:
             log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
             self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)

@@ -270,3 +270,36 @@ def test_a_viewer_that_stops_reading_is_closed_not_reading_and_the_player_goes_o
             await asyncio.to_thread(live.settled, baseline)
 
         run(scenario())
+
+
+# ---- issue 36 item 9: rewind edges (PROTOCOL.md is the contract) -----------------------------------------
+
+
+def test_rewind_to_where_the_session_is_is_a_plain_tick_and_a_refused_rewind_does_not_close() -> None:
+    """``rewind_to`` equal to the current position: a plain chunk (``restarted`` null; before, "rewind").
+    A refused rewind on a tick with ``close: true``: `rewind_unavailable`, no chunk, and the session stays
+    open (before, it was closed with tick_close though no chunk was sent)."""
+    settings = fake_settings(replica_id="r0", rewind_points=REWIND)
+    with running_server(settings) as live:
+
+        async def scenario() -> None:
+            baseline = live.stats()["kv"]["blocks_free"]
+            async with session_client(live.ws_url, start={"seed": SEED}) as client:
+                for tick_id in range(3):
+                    await tick(client, tick_id)
+                plain = await tick(client, 3, rewind_to=3)
+                assert (plain["chunk_index"], plain["restarted"]) == (3, None)
+                back = await tick(client, 4, rewind_to=2)
+                assert (back["chunk_index"], back["restarted"]) == (2, "rewind")
+                refused = await tick(client, 5, rewind_to=99, close=True)
+                assert (refused["code"], refused["tick_id"]) == ("rewind_unavailable", 5)
+                after = await tick(client, 6)  # still open, unchanged
+                assert after["type"] == "chunk", after
+                assert (after["chunk_index"], after["restarted"]) == (3, None)
+                last = await tick(client, 7, close=True)
+                assert last["chunk_index"] == 4
+                closed = await client.closed_by_server()
+                assert closed.code == 1000 and closed.messages[-1] == {"type": "closed", "reason": "tick_close"}
+            await asyncio.to_thread(live.settled, baseline)
+
+        run(scenario())
