@@ -182,8 +182,10 @@ class Connection:
             )
             return
         self.role = ROLE_VIEWER
-        self._watch_format = watching.format
         try:
+            self._watch_format = self.hub.shares.served_format(
+                session.id, watching.format, (session.codec, session.quality)
+            )
             self.viewer_id = self.hub.shares.join(session.id, self)
         except AudienceFull as exc:
             self.role = ROLE_CONTROLLER
@@ -195,7 +197,7 @@ class Connection:
         ready = ready_message(
             session_id=session.id,
             model_card=self.hub.model_card,
-            codec=watching.format[0],
+            codec=self._watch_format[0],
             max_pending_ticks=self.settings.max_pending_ticks,
             max_message_bytes=self.settings.max_message_bytes,
             idle_timeout_s=self.settings.idle_timeout_s,
@@ -203,7 +205,7 @@ class Connection:
             viewer_id=self.viewer_id,
         )
         self.outbox.push(QueuedText(dumps(ready), is_reply=True))
-        log.info("session=%s viewer %s joined codec=%s", session.id, self.viewer_id, watching.format[0])
+        log.info("session=%s viewer %s joined codec=%s", session.id, self.viewer_id, self._watch_format[0])
         self._audience_changed(session)
         await self._receive_loop(session)
 

@@ -117,7 +117,9 @@ class SessionHub:
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
         self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
         self.shares = ShareRegistry(
-            replica_id=settings.replica_id, max_viewers_per_session=settings.max_viewers_per_session
+            replica_id=settings.replica_id,
+            max_viewers_per_session=settings.max_viewers_per_session,
+            max_viewer_encodings=settings.max_viewer_encodings,
         )
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id,

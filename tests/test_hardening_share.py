@@ -11,9 +11,10 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from typing import Any
 
+import pytest
 from websockets.asyncio.client import connect
 
 from raw_clients import RawWebSocket, close_code, closed_by_server, open_files
@@ -301,5 +302,59 @@ def test_rewind_to_where_the_session_is_is_a_plain_tick_and_a_refused_rewind_doe
                 closed = await client.closed_by_server()
                 assert closed.code == 1000 and closed.messages[-1] == {"type": "closed", "reason": "tick_close"}
             await asyncio.to_thread(live.settled, baseline)
+
+        run(scenario())
+
+
+# ---- finding 7: viewer encode amplification -----------------------------------------------------------
+
+
+def test_viewers_get_at_most_max_viewer_encodings_formats_and_the_rest_the_nearest() -> None:
+    """A JPEG q80 player; viewers ask for JPEG q10, q20, q30 and raw. With ``max_viewer_encodings`` 2 the
+    session's chunks are encoded for viewers in q10 and q20 only: q30 is served q20 (the same codec, nearest
+    quality) and raw the player's own JPEG frames (``ready.codec`` says so). Before, each distinct format was
+    one more encode per chunk, whether or not its viewers read."""
+    with running_server(fake_settings(replica_id="r0", max_viewer_encodings=2)) as live:
+
+        async def scenario() -> None:
+            async with session_client(live.ws_url, start={"seed": SEED, "codec": "jpeg", "quality": 80}) as player:
+                token = player.ready["share"]["token"]  # type: ignore[index]
+                url = share_url(live, token)
+                asked = [("jpeg", 10), ("jpeg", 20), ("jpeg", 30), ("raw", 80)]
+                async with AsyncExitStack() as stack:
+                    viewers = [
+                        await stack.enter_async_context(
+                            session_client(url, start={"watch": token, "codec": codec, "quality": quality})
+                        )
+                        for codec, quality in asked
+                    ]
+                    assert [v.ready["codec"] for v in viewers] == ["jpeg", "jpeg", "jpeg", "jpeg"]  # type: ignore[index]
+                    hub = live.server.hub  # type: ignore[union-attr]
+                    session_id = player.ready["session_id"]  # type: ignore[index]
+                    served = sorted(v.watch_format for v in hub.shares.viewers(session_id).values())
+                    assert served == [("jpeg", 10), ("jpeg", 20), ("jpeg", 20), ("jpeg", 80)]
+                    assert hub.shares.formats_needed(session_id, ("jpeg", 80)) == {("jpeg", 10), ("jpeg", 20)}
+                    await tick(player, 0)
+                    for viewer in viewers:  # every viewer gets the chunk, in the format it was served
+                        header = await next_of(viewer, "chunk")
+                        assert header["chunk_index"] == 0
+                        assert isinstance(await viewer.recv(), bytes)
+
+        run(scenario())
+
+
+def test_with_no_viewer_encodings_a_viewer_of_an_h264_player_is_refused() -> None:
+    """``max_viewer_encodings`` 0 and a player whose frames cannot be shared (an H.264 stream of its own):
+    a viewer has nothing to be served and gets `over_capacity` (1013), naming the setting."""
+    pytest.importorskip("av")
+    with running_server(fake_settings(replica_id="r0", max_viewer_encodings=0)) as live:
+
+        async def scenario() -> None:
+            async with session_client(live.ws_url, start={"seed": SEED, "codec": "h264"}) as player:
+                token = player.ready["share"]["token"]  # type: ignore[index]
+                async with session_client(share_url(live, token)) as viewer:
+                    await viewer.send(type="start", watch=token, codec="jpeg")
+                    closed = await viewer.closed_by_server()
+                    assert closed.code == 1013 and "max_viewer_encodings 0" in closed.messages[0]["message"]
 
         run(scenario())
