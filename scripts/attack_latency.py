@@ -10,7 +10,9 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``idle-upgrades``: WebSocket upgrades that never send ``start``, from 250 loopback addresses
   (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
-  connection costs; per-address connection limits belong in front, see docs/public.md).
+  connection costs; per-address connection limits belong in front, see docs/public.md);
+- ``branch-burst``, ``viewer-zombies``, ``pass-control``, ``viewer-encodings``: attacks on branch, watch and
+  pass_control (scripts/share_attacks.py), each with what it got (``effect``) beside the latency.
 
 ``--fronts direct haproxy`` measures each attack against the server alone
 and behind HAProxy running the shipped configuration (deploy/haproxy, rendered
@@ -42,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +54,12 @@ from websockets.sync.client import ClientConnection, connect
 from arstream.app.bench import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
+from raw_clients import RawWebSocket, open_files, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
+from share_attacks import BYSTANDERS, SERVE_ARGS, run_attack  # noqa: E402
+from share_attacks import ATTACKS as SHARE_ATTACKS  # noqa: E402
 
 TOKEN = "bench-token"
-ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect")
+ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", *SHARE_ATTACKS)
 IDLE_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 251)]
 IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
@@ -73,15 +77,20 @@ def honest_latencies(ws: ClientConnection, seconds: float) -> list[float]:
         sent = time.perf_counter()
         ws.send(json.dumps({"type": "tick", "tick_id": next(TICK_IDS)}))
         chunk = json.loads(ws.recv(timeout=60))
+        while chunk["type"] != "chunk":  # a shared session also hears how many watch it
+            chunk = json.loads(ws.recv(timeout=60))
         for _ in range(chunk["frames"]):
             ws.recv(timeout=60)
         latencies.append(time.perf_counter() - sent)
     return latencies
 
 
-def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
+def attacker(port: int, kind: str, stop: Any, connections: Any, token: str = "", effect: Any = None) -> None:
     """Flood tiny frames; reconnect whenever the server drops the connection (in its own process: in the
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
+    if kind in SHARE_ATTACKS:
+        run_attack(kind, port, token, stop, connections, effect)
+        return
     if kind == "idle-upgrades":
         idle_upgrades(port, stop, connections)
         return
@@ -199,31 +208,49 @@ def measure_attack(
         serve += ["--auth-token", TOKEN]
     if not rate_bounds:
         serve += ["--connection-rate-per-client", str(UNBOUNDED)]
+    serve += SERVE_ARGS.get(kind, [])
     tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
     with server_of(serve, cwd) as server, _front(front, server, tree, rate_bounds) as port:
         url = f"ws://127.0.0.1:{port}/v1/sessions" + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
         # One honest session, started before the attack: what the attack does to sessions already running
         # (a flood of idle upgrades from many addresses refuses new ones while it holds the waiting cap).
-        with connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as honest:
+        with connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as honest, \
+                ExitStack() as bystanders:
             honest.send(json.dumps({"type": "start"}))
-            json.loads(honest.recv(timeout=60))
+            token = json.loads(honest.recv(timeout=60)).get("share", {}).get("token", "")
+            for _ in range(BYSTANDERS.get(kind, 0)):  # idle sessions that have run a chunk (resident)
+                bystander = bystanders.enter_context(connect(url, compression=None, proxy=None, open_timeout=60))
+                bystander.send(json.dumps({"type": "start"}))
+                bystander.recv(timeout=60)
+                bystander.send(json.dumps({"type": "tick", "tick_id": 0}))
+                for _ in range(json.loads(bystander.recv(timeout=60))["frames"]):
+                    bystander.recv(timeout=60)
             honest_latencies(honest, 1.0)  # warm
             alone = summary(honest_latencies(honest, seconds))
+            server_pid = server._process.pid  # type: ignore[union-attr]
+            files_before = open_files(server_pid)
             stop = multiprocessing.Event()
             connections = multiprocessing.Value("i", 0)
+            effect = multiprocessing.Value("i", 0)
             attack = kind.removesuffix("-no-token")
-            flood = multiprocessing.Process(target=attacker, args=(port, attack, stop, connections))
+            flood = multiprocessing.Process(target=attacker, args=(port, attack, stop, connections, token, effect))
             flood.start()
             try:
                 time.sleep(0.5)
                 beside = summary(honest_latencies(honest, seconds))
+                files_grown = open_files(server_pid) - files_before
             finally:
                 stop.set()
                 flood.join()
+            evictions = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["sessions"]["evictions_total"]
             honest.send(json.dumps({"type": "close"}))
     ratio = beside["median_ms"] / alone["median_ms"] if beside["median_ms"] and alone["median_ms"] else None
     median_ratio = None if ratio is None else round(ratio, 2)
-    return {"alone": alone, "beside": beside, "median_ratio": median_ratio, "connections": connections.value}
+    return {
+        "alone": alone, "beside": beside, "median_ratio": median_ratio, "connections": connections.value,
+        # what the attack got: sessions evicted from under connections, server files held, and its own report
+        "evictions": evictions, "server_files_grown": files_grown, "effect": effect.value,
+    }
 
 
 @contextmanager
@@ -284,7 +311,9 @@ def main() -> None:
                 print(
                     f"{front:8s} {kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
                     f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
-                    f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)",
+                    f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)"
+                    f"  evictions {result['evictions']} server files +{result['server_files_grown']}"
+                    f" effect {result['effect']}",
                     flush=True,
                 )
     if args.rss:
