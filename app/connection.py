@@ -14,6 +14,9 @@ not yet taken by it, in bytes, stays under ``max_send_buffer_bytes`` or the
 client is dropped; a taken-over connection drops what it had queued and is
 dropped ``close_timeout_s`` later if it does not take its close. Only ticks
 and inputs keep a session from going idle (pings keep just the connection).
+A viewer has no credits and never goes idle: one whose writer waits on it for
+``viewer_stall_timeout_s`` is closed ``not_reading``, and one whose watch ended
+is dropped ``close_timeout_s`` after its close, so no viewer outlives its session.
 """
 
 from __future__ import annotations

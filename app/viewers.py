@@ -19,6 +19,12 @@ most a couple of chunks; a viewer that falls behind has whole chunks skipped
 and is told how many (``skipped_before``). Nothing a viewer does waits the
 controller or the worker.
 
+Each format encoded costs CPU time on every chunk, whether or not its viewers
+read, so a session has at most ``max_viewer_encodings`` of them; a viewer that
+asks for another is served the nearest one there is (:meth:`ShareRegistry.served_format`).
+A viewer that takes nothing for ``viewer_stall_timeout_s`` is closed
+``not_reading`` (:mod:`arstream.app.connection`).
+
 Viewers count in the transport's connection caps (``max_connections``,
 ``max_connections_per_client``) and in ``max_viewers_per_session``; they hold
 no KV, so the session caps and admission do not count them.

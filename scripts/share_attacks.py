@@ -13,8 +13,8 @@ after):
   end over those before (from /proc), read by the caller.
 - ``pass-control``: address A opens sessions and passes each to a viewer from address B, which already
   holds ``max_sessions_per_client`` (4) of its own; the effect is how many sessions B ends up controlling.
-- ``viewer-encodings``: 32 viewers of the honest session, each asking for another JPEG quality (and raw),
-  that never read; its effect is the honest session's latency itself.
+- ``viewer-encodings``: 32 viewers of the honest session, each asking for another H.264 quality, that
+  never read; its effect is the honest session's latency itself (the server needs PyAV).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ ATTACKS = ("branch-burst", "viewer-zombies", "pass-control", "viewer-encodings")
 # branch burst, larger frames where encoding and sockets must cost something.
 SERVE_ARGS = {
     "branch-burst": ["--rewind-points", "4", "--model-options", json.dumps({"session_capacity": 5})],
-    "viewer-zombies": ["--model-options", json.dumps({"width": 128, "height": 128}), "--close-timeout-s", "1"],
+    "viewer-zombies": ["--model-options", json.dumps({"width": 256, "height": 256}), "--close-timeout-s", "1"],
     "pass-control": [],
     "viewer-encodings": ["--model-options", json.dumps({"width": 256, "height": 256})],
 }
@@ -156,7 +156,8 @@ def pass_control(port: int, token: str, stop: Any, connections: Any, effect: Any
 
 def viewer_encodings(port: int, token: str, stop: Any, connections: Any, effect: Any) -> None:
     viewers: list[RawWebSocket] = []
-    asked = [("raw", 80)] + [("jpeg", quality) for quality in range(1, 32)]
+    # H.264 costs the most: a viewer's stream starts again at every chunk, so each format is a new encoder
+    asked = [("h264", quality) for quality in range(50, 82)]
     try:
         for index, (codec, quality) in enumerate(asked):
             host = VIEWER_HOSTS[index % len(VIEWER_HOSTS)]
