@@ -22,9 +22,11 @@ from servers import (
     LiveServer,
     ProbeClient,
     fake_settings,
+    next_of,
     running_server,
     server_process,
     session_client,
+    share_url,
     wait_until,
 )
 
@@ -36,16 +38,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def share_url(server: LiveServer, token: str) -> str:
-    return f"{server.ws_url}?share={token}"
-
-
-async def next_of(client: ProbeClient, kind: str) -> dict[str, Any]:
-    """The next text message of type ``kind`` (binary frames and other texts before it are passed over)."""
-    while True:
-        message = await client.recv()
-        if isinstance(message, str) and json.loads(message)["type"] == kind:
-            return json.loads(message)
 
 
 async def tick(client: ProbeClient, tick_id: int, **fields: Any) -> dict[str, Any]:
