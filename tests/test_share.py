@@ -8,7 +8,6 @@ player has been sent the player's chunks, not something like them.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from collections.abc import Iterator
