@@ -206,6 +206,7 @@ class Connection:
             idle_timeout_s=self.settings.idle_timeout_s,
             role=ROLE_VIEWER,
             viewer_id=self.viewer_id,
+            quality=self._watch_format[1],
         )
         self.outbox.push(QueuedText(dumps(ready), is_reply=True))
         log.info("session=%s viewer %s joined codec=%s", session.id, self.viewer_id, self._watch_format[0])

@@ -360,12 +360,13 @@ def ready_message(
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
     max_start_image_bytes: int | None = None, share: str | None = None, rewind_points: int = 0,
     role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
+    quality: int | None = None,
 ) -> dict[str, Any]:
     """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
 
     ``max_start_image_bytes`` goes in ``limits`` when the model offers start images. ``share`` (the share
     token), ``rewind_points``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
-    "Rewind, branch and watch" fields.
+    "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served.
     """
     message = {
         "type": "ready",
@@ -388,6 +389,8 @@ def ready_message(
     message["role"] = role
     if viewer_id is not None:
         message["viewer_id"] = viewer_id
+    if quality is not None:
+        message["quality"] = quality
     if share is not None:
         message["share"] = {"token": share}
     if rewind_points:

@@ -320,7 +320,8 @@ def test_viewers_get_at_most_max_viewer_encodings_formats_and_the_rest_the_neare
                         )
                         for codec, quality in asked
                     ]
-                    assert [v.ready["codec"] for v in viewers] == ["jpeg", "jpeg", "jpeg", "jpeg"]  # type: ignore[index]
+                    served_ready = [(v.ready["codec"], v.ready["quality"]) for v in viewers]  # type: ignore[index]
+                    assert served_ready == [("jpeg", 10), ("jpeg", 20), ("jpeg", 20), ("jpeg", 80)]
                     hub = live.server.hub  # type: ignore[union-attr]
                     session_id = player.ready["session_id"]  # type: ignore[index]
                     served = sorted(v.watch_format for v in hub.shares.viewers(session_id).values())
