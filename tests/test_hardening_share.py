@@ -78,10 +78,13 @@ def test_a_branch_burst_never_evicts_a_session_a_connection_holds() -> None:
                     await tick(source, tick_id)
                 token = source.ready["share"]["token"]  # type: ignore[index]
 
+                answered = asyncio.Barrier(3)  # the admitted branch stays until every branch has its answer
+
                 async def branch() -> tuple[str, int | None]:
                     async with session_client(share_url(live, token)) as client:
                         await client.send(type="start", branch={"share": token, "chunk": 1})
                         message = await client.recv_json()
+                        await answered.wait()
                         if message["type"] == "ready":
                             await tick(client, 0)
                             await client.send(type="close")
