@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 
+from arstream.app.viewers import ShareRegistry
 from raw_clients import RawWebSocket, close_code, closed_by_server, open_files
 from servers import (
     LiveServer,
@@ -354,3 +355,41 @@ def test_with_no_viewer_encodings_a_viewer_of_an_h264_player_is_refused() -> Non
                     assert closed.code == 1013 and "max_viewer_encodings 0" in closed.messages[0]["message"]
 
         run(scenario())
+
+
+class FakeViewer:
+    """A fake watching connection for ShareRegistry's unit tests: it only has a format."""
+
+    viewer_id: str | None = None
+
+    def __init__(self, codec: str, quality: int) -> None:
+        self.watch_format = (codec, quality)
+
+    def offer_chunk(self, chunk: Any) -> None: ...
+
+    def skip_chunk(self) -> None: ...
+
+    def notify(self, message: dict[str, Any], *, latest_of: str | None = None) -> None: ...
+
+    def end_watching(self, reason: Any) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("controller", "asked", "served"),
+    [
+        (("jpeg", 80), ("jpeg", 80), ("jpeg", 80)),  # the player's own frames: never an encode
+        (("jpeg", 80), ("jpeg", 10), ("jpeg", 10)),  # an encoding already there
+        (("jpeg", 80), ("jpeg", 45), ("jpeg", 30)),  # past the cap: same codec, nearest quality (30 of 10/30)
+        (("jpeg", 80), ("raw", 80), ("jpeg", 80)),  # no raw encoded: the player's own frames
+        (("h264", 80), ("raw", 80), ("jpeg", 10)),  # h264 frames cannot be shared: the first of the rest
+    ],
+)
+def test_the_format_a_viewer_is_served_past_max_viewer_encodings(
+    controller: tuple[str, int], asked: tuple[str, int], served: tuple[str, int]
+) -> None:
+    shares = ShareRegistry(replica_id="r0", max_viewers_per_session=8, max_viewer_encodings=2)
+    shares.token("s")
+    for codec, quality in (("jpeg", 10), ("jpeg", 30)):
+        if (codec, quality) != controller:
+            shares.join("s", FakeViewer(codec, quality))
+    assert shares.served_format("s", asked, controller) == served
