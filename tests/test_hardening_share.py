@@ -2,7 +2,8 @@
 
 Each test attacks a real server with real clients (``websockets``, or raw sockets where the attack needs a
 client that never reads) and checks the bound docs/public.md names ("Watching, branching and passing
-control"); every session's KV blocks are back when it ends.
+control"); every session's KV blocks are back when it ends. The policy choosing a viewer's format is also
+tested alone, on chosen audiences of fake viewers.
 """
 
 from __future__ import annotations
