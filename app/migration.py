@@ -10,8 +10,10 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   draining itself, makes the session resident on its worker and holds it
   detached (:meth:`ResumeRegistry.hold_moved`) under a fresh resume token with
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
-  A refusal (401 secret, 409 model/config/room, 400 malformed, 503 not ready)
-  leaves its pool as it was.
+  A refusal (401 secret, 429 after too many wrong secrets from one address,
+  409 model/config/room, 400 malformed: past the header's bounds or a
+  `session` section a replica would not make, 503 not ready) leaves its pool
+  as it was.
 - ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``):
   the replica stops admitting, then moves each live session at a chunk
   boundary: its connection stops running ticks (their controls are kept), the
@@ -42,6 +44,10 @@ from fastapi.responses import JSONResponse
 
 from arstream.app.connection import Connection
 from arstream.app.drain import DRAIN_PATH
+from arstream.app.guard import BAN_TABLE_PRUNE_AT
+from arstream.app.limits import MessageBudget
+from arstream.app.portable_session import PortableSessionError, validated_session
+from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
@@ -56,6 +62,9 @@ IMPORT_PATH = "/v1/cluster/import"
 # A snapshot's bytes beyond the session's own resident bytes (headers, JSON state, model tensors the spec does not count).
 SNAPSHOT_SLACK_BYTES = 64 * 1024 * 1024
 PEER_TIMEOUT_S = 60.0
+# Wrong cluster secrets one address may send at once, then how many per second (SecretGate).
+CLUSTER_AUTH_BURST = 5
+CLUSTER_AUTH_RATE_PER_S = 0.1
 
 
 class ImportRefused(Exception):
@@ -89,15 +98,39 @@ class DrainReport:
         return {"moved": self.moved, "ended": self.ended, "sessions": [asdict(s) for s in self.sessions]}
 
 
-def secret_refusal(request: Request, secret: str | None) -> JSONResponse | None:
-    """404 when cluster routes are off, 401 without the right bearer secret, else None."""
-    if secret is None:
-        return JSONResponse({"detail": "cluster routes are off on this replica (no cluster_secret)"}, status_code=404)
-    offered = request.headers.get("authorization", "")
-    scheme, _, value = offered.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), secret.encode()):
+class SecretGate:
+    """The cluster secret's check, with a price on guessing: each client address has
+    ``CLUSTER_AUTH_BURST`` wrong tries, then one per ``1 / CLUSTER_AUTH_RATE_PER_S`` seconds; meanwhile every
+    request from it gets 429 and the secret is not even compared. The right secret costs nothing."""
+
+    def __init__(self, secret: str | None) -> None:
+        self.secret = secret
+        self._tries: dict[str, MessageBudget] = {}  # client address -> its budget of wrong secrets
+
+    def refusal(self, request: Request) -> JSONResponse | None:
+        """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None."""
+        if self.secret is None:
+            off = "cluster routes are off on this replica (no cluster_secret)"
+            return JSONResponse({"detail": off}, status_code=404)
+        host = request.client.host if request.client is not None else ""
+        now = time.monotonic()
+        budget = self._tries.get(host)
+        if budget is not None and not budget.has_token(now):
+            wait_s = 1.0 / CLUSTER_AUTH_RATE_PER_S
+            return JSONResponse(
+                {"detail": f"too many wrong cluster secrets from this address; one try per {wait_s:g} s"},
+                status_code=429,
+                headers={"retry-after": f"{wait_s:.0f}"},
+            )
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), self.secret.encode()):
+            return None
+        if budget is None:
+            if len(self._tries) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
+                self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
+            budget = self._tries[host] = MessageBudget(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
+        budget.try_spend(now)
         return JSONResponse({"detail": "wrong or missing cluster secret"}, status_code=401)
-    return None
 
 
 class Migration:
@@ -125,18 +158,19 @@ class Migration:
         if hub.draining or hub.shutting_down or not hub.ready or worker is None or worker.runner is None:
             raise ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
         try:
-            header = read_header(data)
+            # Off the event loop: a header is bounded (runner/snapshot_header.py), but parsing it still takes a while.
+            header = await asyncio.to_thread(read_header, data)
             check_compatible(worker.runner, header, PROTOCOL_VERSION)  # type: ignore[arg-type]
+            portable = validated_session(header.get("session"))
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
-        except SnapshotError as exc:
+        except (SnapshotError, PortableSessionError) as exc:
             raise ImportRefused(400, str(exc)) from None
         held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
         try:
             snapshot = await asyncio.to_thread(SessionSnapshot.from_bytes, data)
-            portable = snapshot.session
             session_id = str(portable["id"])
             if session_id in hub.connections or worker.runner.is_resident(session_id):
                 raise ImportRefused(409, f"session {session_id!r} is already on this replica")
@@ -271,10 +305,11 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
     """``POST /v1/cluster/import`` and ``POST /v1/cluster/drain`` (see the module docstring)."""
     migration = Migration(hub)
     settings = hub.settings
+    gate = SecretGate(settings.cluster_secret)
 
     @app.post(IMPORT_PATH)
     async def import_session(request: Request) -> JSONResponse:
-        refusal = secret_refusal(request, settings.cluster_secret)
+        refusal = gate.refusal(request)
         if refusal is not None:
             return refusal
         limit = migration._max_snapshot_bytes()
@@ -286,13 +321,15 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         try:
             ticket = await migration.accept(bytes(body))
         except ImportRefused as exc:
-            log.info("refused a moved session: %s", exc)
-            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+            # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
+            detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)
+            log.info("refused a moved session: %s", detail)
+            return JSONResponse({"detail": detail}, status_code=exc.status)
         return JSONResponse(ticket)
 
     @app.post(DRAIN_PATH)
     async def drain(request: Request) -> JSONResponse:
-        refusal = secret_refusal(request, settings.cluster_secret)
+        refusal = gate.refusal(request)
         if refusal is not None:
             return refusal
         try:
