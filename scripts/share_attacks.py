@@ -31,7 +31,7 @@ ATTACKS = ("branch-burst", "viewer-zombies", "pass-control", "viewer-encodings")
 # Server options each attack needs (the same for both trees): room for exactly one more session for a
 # branch burst, larger frames where encoding and sockets must cost something.
 SERVE_ARGS = {
-    "branch-burst": ["--rewind-points", "4", "--model-options", json.dumps({"session_capacity": 5})],
+    "branch-burst": ["--model-options", json.dumps({"session_capacity": 5})],
     "viewer-zombies": ["--model-options", json.dumps({"width": 256, "height": 256}), "--close-timeout-s", "1"],
     "pass-control": [],
     "viewer-encodings": ["--model-options", json.dumps({"width": 256, "height": 256})],

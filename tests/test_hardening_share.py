@@ -33,7 +33,6 @@ from servers import (
 )
 
 SEED = 5
-REWIND = 4
 
 
 def run(coro: Any) -> Any:
@@ -66,7 +65,7 @@ def test_a_branch_burst_never_evicts_a_session_a_connection_holds() -> None:
     between them and the other two `over_capacity` (1013). Before, each branch was made before its slot was
     claimed, and the runner made room for it by evicting the least recently used sessions: the honest ones
     (their next chunk said ``restarted: "evicted"`` at chunk 0)."""
-    settings = fake_settings(replica_id="r0", rewind_points=REWIND, model_options={"session_capacity": 4})
+    settings = fake_settings(replica_id="r0", model_options={"session_capacity": 4})
     with running_server(settings) as live:
 
         async def scenario() -> None:
@@ -277,7 +276,7 @@ def test_rewind_to_where_the_session_is_is_a_plain_tick_and_a_refused_rewind_doe
     """``rewind_to`` equal to the current position: a plain chunk (``restarted`` null; before, "rewind").
     A refused rewind on a tick with ``close: true``: `rewind_unavailable`, no chunk, and the session stays
     open (before, it was closed with tick_close though no chunk was sent)."""
-    settings = fake_settings(replica_id="r0", rewind_points=REWIND)
+    settings = fake_settings(replica_id="r0")
     with running_server(settings) as live:
 
         async def scenario() -> None:
