@@ -127,6 +127,7 @@ class Migration:
         self._cut: asyncio.Event | None = None  # set to end a drain early (a second SIGTERM)
         self._stop_reason = ""
         self.report: DrainReport | None = None  # the last drain's
+        self.moves: dict[str, asyncio.Task[MoveReport]] = {}  # the current (or last) drain's, by session id
         # This replica's own base URLs (set by the server once bound): never a peer of its own drain.
         self.own_urls: set[str] = set()
         # Set by the server (ARStreamServer): stops it once a drain with ``exit`` has finished.
@@ -227,7 +228,7 @@ class Migration:
         self._stop_reason = f"the drain's time ran out (drain_timeout_s {self.settings.drain_timeout_s:g})"
         peers = given if given else await configured_peers(self.settings, own=self.own_urls)
         log.info("draining: moving every session to %s", ", ".join(peers) or "no peer (none configured or resolved)")
-        moves: dict[str, asyncio.Task[MoveReport]] = {}
+        moves = self.moves = {}
         # TLS only matters for https:// peers; loading the CA bundle otherwise costs a drain ~0.3 s for nothing.
         tls = any(peer.startswith("https://") for peer in peers)
         async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, verify=tls) as client:
@@ -343,7 +344,7 @@ class Migration:
 
     async def _move_resumed(self, client: httpx.AsyncClient, session_id: str, peers: list[str]) -> MoveReport:
         """A resume in flight when the drain began: once it has its connection, move it like any live session."""
-        await self.hub.resume.until_gone(session_id, self.settings.drain_timeout_s)
+        await self.hub.resume.until_resumed(session_id, self.settings.drain_timeout_s)
         connection = self.hub.connections.get(session_id)
         if isinstance(connection, Connection) and connection.session is not None and connection.session.live:
             return await self._move_live(client, connection, peers, "resuming")

@@ -252,10 +252,19 @@ class ResumeRegistry:
 
     async def until_gone(self, session_id: str, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until the session's ticket goes (moved, released, ended, claimed by a
-        resume) and no resume of it is in progress; a session resumed meanwhile is live on its new connection."""
+        resume) and no resume of it is in progress."""
+        await self._wait_while(
+            session_id, lambda: session_id in self._entries or session_id in self._resuming, timeout_s
+        )
+
+    async def until_resumed(self, session_id: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until a resume of the session in progress has its connection, or failed."""
+        await self._wait_while(session_id, lambda: session_id in self._resuming, timeout_s)
+
+    async def _wait_while(self, session_id: str, held: Callable[[], bool], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (session_id in self._entries or session_id in self._resuming) and loop.time() < deadline:
+        while held() and loop.time() < deadline:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.setdefault(session_id, []).append(waiter)
             try:
