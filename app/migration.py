@@ -126,6 +126,7 @@ class Migration:
         self._drain: asyncio.Task[DrainReport] | None = None
         self._cut: asyncio.Event | None = None  # set to end a drain early (a second SIGTERM)
         self._stop_reason = ""
+        self._deadline = 0.0  # loop time the current drain ends by
         self.report: DrainReport | None = None  # the last drain's
         self.moves: dict[str, asyncio.Task[MoveReport]] = {}  # the current (or last) drain's, by session id
         # This replica's own base URLs (set by the server once bound): never a peer of its own drain.
@@ -208,6 +209,25 @@ class Migration:
             self._stop_reason = reason
             self._cut.set()
 
+    async def linger(self) -> None:
+        """After a drain, before exiting: stay until every moved detached session's client has come back for its
+        new token (it would get a 503 from a replica that is gone), at most until the drain's deadline; a
+        second SIGTERM ends the wait."""
+        left = self._deadline - asyncio.get_running_loop().time()
+        if left <= 0 or self._cut is None or self._cut.is_set():
+            return
+        claimed = asyncio.ensure_future(self.hub.resume.until_forwards_claimed(left))
+        cut = asyncio.ensure_future(self._cut.wait())
+        await asyncio.wait({claimed, cut}, return_when="FIRST_COMPLETED")
+        claimed.cancel()
+        cut.cancel()
+
+    async def drain_then_exit(self) -> None:
+        """What ``POST /v1/cluster/drain`` with ``exit`` does after answering: linger, then stop the server."""
+        await self.linger()
+        if self.request_exit is not None:
+            asyncio.get_running_loop().call_later(0.1, self.request_exit)  # after the report has gone out
+
     async def drain(self, peers: list[str] | None = None) -> DrainReport:
         """Stop admitting, move every session to a peer (or end it); one drain at a time.
 
@@ -223,7 +243,7 @@ class Migration:
         hub.draining = True
         hub.metrics.drains.inc()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.drain_timeout_s
+        deadline = self._deadline = loop.time() + self.settings.drain_timeout_s
         self._cut = asyncio.Event()
         self._stop_reason = f"the drain's time ran out (drain_timeout_s {self.settings.drain_timeout_s:g})"
         peers = given if given else await configured_peers(self.settings, own=self.own_urls)
@@ -421,6 +441,8 @@ def _settled_now(report: MoveReport) -> asyncio.Task[MoveReport]:
     return asyncio.create_task(settled())
 
 
+_exits: set[asyncio.Future[None]] = set()  # drains' exits in progress (a task must be referenced until done)
+
 START_IMAGE_TENSOR = "start_image/pixels"
 
 
@@ -500,8 +522,10 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         except (ValueError, AttributeError) as exc:
             return JSONResponse({"detail": f"bad drain request: {exc}"}, status_code=400)
         report = await migration.drain(peers)
-        if exit_after and migration.request_exit is not None:
-            asyncio.get_running_loop().call_later(0.1, migration.request_exit)
+        if exit_after:
+            exiting = asyncio.ensure_future(migration.drain_then_exit())
+            exiting.add_done_callback(_exits.discard)
+            _exits.add(exiting)
         return JSONResponse(report.as_json())
 
     @app.get(HOLDER_PATH + "/{session_id}")
