@@ -159,8 +159,10 @@ def test_sigterm_moves_all_nine_kinds_of_session_and_they_continue_bit_identical
         report = drain_report(tmp_path, "r0")
         assert report["moved"] == HELD and report["ended"] == 0, report
         kinds = sorted(s["kind"] for s in report["sessions"])
-        assert kinds.count("live") + kinds.count("resuming") == STREAMING + 1, kinds
-        assert kinds.count("ready") == 1 and kinds.count("detached") == 1, kinds
+        # The resumer is "resuming" (claimed when the drain took stock), "live" (resumed before it) or
+        # "detached" (not yet claimed: its resume then waited for the move); the others are what they were.
+        assert kinds.count("ready") == 1 and kinds.count("live") >= STREAMING, kinds
+        assert 1 <= kinds.count("detached") <= 2 and len(kinds) == HELD, kinds
         assert len({s["session_id"] for s in report["sessions"]}) == HELD  # each once
         wait_until(lambda: (lambda s: s["sessions"]["connected"] == 0 and s["sessions"]["detached"] == 0
                             and s["kv"]["blocks_free"] == baseline)(cluster.replica_stats("r1")), "r1 at baseline")
