@@ -145,15 +145,20 @@ def test_sigterm_moves_all_nine_kinds_of_session_and_they_continue_bit_identical
                     await returning.send(type="start", resume=late, codec="raw")
                     movers.append((await moved_of(returning), MOVE_AT))
                 assert len(movers) == HELD
-                for moved, first in movers:
+                followers = []
+                for moved, first in movers:  # every client reconnects at once (within the peer's grace)
                     assert moved["type"] == "moved" and moved["resume"].startswith("r1."), moved
                     assert moved["next_chunk_index"] == first, moved
                     url = f"{cluster.ws_url}?resume={moved['resume']}"
-                    async with session_client(url, start={"resume": moved["resume"], "codec": "raw"}) as follower:
-                        assert replica_of(follower) == "r1"
-                        await ticks(follower, range(first, len(KEYS)), want)
-                        await follower.send(type="close")
-                        await follower.closed_by_server()
+                    follower = await stack.enter_async_context(
+                        session_client(url, start={"resume": moved["resume"], "codec": "raw"})
+                    )
+                    assert replica_of(follower) == "r1"
+                    followers.append((follower, first))
+                for follower, first in followers:
+                    await ticks(follower, range(first, len(KEYS)), want)
+                    await follower.send(type="close")
+                    await follower.closed_by_server()
 
         asyncio.run(scenario())
         report = drain_report(tmp_path, "r0")
