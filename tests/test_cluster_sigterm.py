@@ -246,3 +246,37 @@ def test_sigterm_with_no_room_or_no_peer_ends_sessions_with_the_reason(peer: str
         if peer == "full":
             wait_until(lambda: cluster.replica_stats("r1")["kv"]["blocks_free"] == baseline, "r1 at baseline")
             assert cluster.replica_stats("r1")["sessions"]["detached"] == 0
+
+
+def test_arstream_client_starts_afresh_after_server_shutdown(capsys: pytest.CaptureFixture[str]) -> None:
+    """No cluster secret: SIGTERM ends the sessions (server_shutdown); `--resume-on-drop` begins the world again
+    on the other replica through the balancer, and says so (it used to exit on `server_shutdown`)."""
+    plan = [("d",)] * 60
+    with launch_cluster(cluster_options("fake-kv", 4, 0.05)) as cluster:
+
+        async def scenario() -> Any:
+            script = asyncio.create_task(run_script(cluster.ws_url, plan, codec="raw", seed=SEED, resume_on_drop=True))
+            await asyncio.to_thread(wait_until, lambda: any(
+                cluster.replica_stats(n)["chunks"]["total"] > 5 for n in cluster.replicas), "the script streams")
+            holder = next(n for n in cluster.replicas if cluster.replica_stats(n)["sessions"]["connected"] == 1)
+            os.kill(cluster.replicas[holder][1], signal.SIGTERM)
+            return await asyncio.wait_for(script, RESTART_GUARD_S)
+
+        result = asyncio.run(scenario())
+    assert len(result.frames) == len(plan) * 2 and result.closed_reason == "client"
+    out = capsys.readouterr().out
+    assert "server_shutdown" in out and "the world starts over" in out, out
+
+
+def test_a_draining_refusal_is_one_the_client_starts_afresh_after() -> None:
+    """The words the client looks for are the ones a draining replica says (app/hub.py's refusal)."""
+    from arstream.app.client import ServerError, afresh_reason, draining_refusal
+    from arstream.app.hub import SessionHub
+    from servers import fake_settings
+
+    hub = SessionHub(fake_settings())
+    hub.draining = True
+    refusal = ServerError({"type": "error", "code": "over_capacity", "message": hub.admission_refusal(), "fatal": True})
+    assert draining_refusal(refusal) and afresh_reason(refusal) is not None
+    full = ServerError({"type": "error", "code": "over_capacity", "message": "all 4 session slots are in use"})
+    assert not draining_refusal(full) and afresh_reason(full) is None  # a full server: wait, not start afresh
