@@ -12,18 +12,19 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
   A refusal (401 secret, 409 model/config/room, 400 malformed, 503 not ready)
   leaves its pool as it was.
-- ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``):
-  the replica stops admitting, then moves each live session at a chunk
-  boundary: its connection stops running ticks (their controls are kept), the
-  worker exports it after the chunks already queued have reached the client,
-  the snapshot goes to the first peer that takes it, and the client gets
-  ``moved`` with the peer's token and is closed (``closed``: ``moved``); the
-  session is then released here. A session no peer takes ends as on shutdown
-  (``server_shutdown``). Answers with a report once none is left or
-  ``drain_timeout_s`` has passed, and then (``exit``) stops the server.
-
-Detached sessions are not moved: their clients hold tokens for this replica,
-so they end at shutdown as before.
+- ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
+  app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
+  live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker
+  exports the session after the chunks already queued have reached the client), ones with `ready` but no
+  tick (nothing resident: an unstarted snapshot), detached ones (held out of their grace timer while they
+  are shipped) and ones being resumed when the drain began (moved once the resume has its connection). Each
+  snapshot goes to the first peer that takes it; a live client gets ``moved`` with the peer's token and is
+  closed (``closed``: ``moved``); the old token forwards to the new one (app/resume.py), so a client coming
+  back here gets ``moved`` too; the session is then released here. A session no peer takes ends as on
+  shutdown (``server_shutdown``), as does what is left at ``drain_timeout_s`` or a second SIGTERM. The
+  report lists every session once, moved or ended with the reason. With ``exit`` the server then stops,
+  once each moved detached session's client has come back for its token (at most until the deadline).
+- ``GET /v1/cluster/sessions/{id}`` (``arstream drain --which``): whether this replica holds that session.
 """
 
 from __future__ import annotations
