@@ -140,7 +140,7 @@ def test_live_ready_and_detached_sessions_all_move_and_each_is_reported_once() -
 
 @contextmanager
 def gated(server: LiveServer, method: str) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """Hold the results of ``server``'s worker ``method`` (session_position, export_session) until the test
+    """Hold the results of ``server``'s worker ``method`` (session_position, export_plan) until the test
     opens the gate: ``entered`` is set when it is called, ``gate`` releases it."""
     assert server.server is not None and server.server.hub.worker is not None
     worker = server.server.hub.worker
@@ -211,7 +211,7 @@ def test_a_resume_that_arrives_while_its_detached_session_is_shipped_waits_and_f
             async with session_client(r0.ws_url, start={"codec": "raw", "seed": SEED}) as first:
                 token = await detach(r0, first, MOVE_AT, want)
                 session_id = first.ready["session_id"] if first.ready else ""
-            with gated(r0, "export_session") as (entered, gate):
+            with gated(r0, "export_plan") as (entered, gate):
                 draining = asyncio.create_task(asyncio.to_thread(drain, r0, [r1.base_url]))
                 await asyncio.to_thread(entered.wait, GATE_GUARD_S)  # the drain is shipping the detached session
                 async with session_client(f"{r0.ws_url}?resume={token}") as late:
