@@ -439,12 +439,12 @@ class Migration:
 async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[bytes]:
     """The plan's bytes in pieces, the next piece read on the worker while this one is sent."""
     yield plan.head()
-    parts = [part for tensor in plan.tensors for part in tensor.parts]
-    ahead: asyncio.Future[bytes] | None = worker.read_part(parts[0]) if parts else None
-    for index in range(len(parts)):
+    pieces = plan.pieces()
+    ahead: asyncio.Future[bytes] | None = worker.read_parts(pieces[0]) if pieces else None
+    for index in range(len(pieces)):
         assert ahead is not None
         piece = await ahead
-        ahead = worker.read_part(parts[index + 1]) if index + 1 < len(parts) else None
+        ahead = worker.read_parts(pieces[index + 1]) if index + 1 < len(pieces) else None
         yield piece
 
 

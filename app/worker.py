@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -273,9 +273,10 @@ class ModelWorker:
 
         return self._control(plan, lane=session_id)
 
-    def read_part(self, part: Part) -> asyncio.Future[bytes]:
-        """One piece of a plan's bytes, read on the worker between forwards (it owns the device and the pool)."""
-        return self._control(lambda _runner: piece_bytes(part()), lane=None)
+    def read_parts(self, parts: Sequence[Part]) -> asyncio.Future[bytes]:
+        """A piece of a plan's bytes (``parts`` in order), read on the worker between forwards: it owns the
+        device and the pool."""
+        return self._control(lambda _runner: b"".join(piece_bytes(part()) for part in parts), lane=None)
 
     def import_session(self, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
         """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""

@@ -111,6 +111,21 @@ class SnapshotPlan:
     def nbytes(self) -> int:
         return len(self.head()) + sum(p.nbytes for p in self.tensors)
 
+    def pieces(self) -> list[list[Part]]:
+        """The parts in order, grouped into pieces of about PIECE_BYTES (small blocks travel together: one
+        worker call each piece, not each block)."""
+        pieces: list[list[Part]] = []
+        size = PIECE_BYTES
+        for tensor in self.tensors:
+            part_bytes = tensor.nbytes // max(1, len(tensor.parts))
+            for part in tensor.parts:
+                if size + part_bytes > PIECE_BYTES and size > 0:
+                    pieces.append([])
+                    size = 0
+                pieces[-1].append(part)
+                size += part_bytes
+        return pieces
+
 
 def plan_export(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
     """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched."""

@@ -69,3 +69,14 @@ def test_the_reader_refuses_what_is_not_one_whole_snapshot() -> None:
         SnapshotReader(max_bytes=len(data) + 4).feed(data + b"more")
     with pytest.raises(SnapshotError, match="header length"):
         SnapshotReader(max_bytes=1024).feed(b"not a snapshot at all")
+
+
+def test_small_blocks_travel_together_in_pieces_of_bounded_size() -> None:
+    plan = plan_export(runner_with_history(head_size=4096), SESSION, protocol_version=1)  # type: ignore[arg-type]
+    pieces = plan.pieces()
+    block = plan.tensors[0].nbytes // len(plan.tensors[0].parts)
+    assert block < PIECE_BYTES // 4  # several blocks fit one piece ...
+    assert [part for piece in pieces for part in piece] == [p for t in plan.tensors for p in t.parts]  # in order
+    for piece in pieces:  # ... and none is over the bound
+        assert len(b"".join(piece_bytes(part()) for part in piece)) <= PIECE_BYTES
+    assert len(pieces) < len(plan.tensors[0].parts)
