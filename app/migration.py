@@ -1,4 +1,4 @@
-"""Drain: move a replica's live sessions to peers, so a rolling restart loses no world.
+"""Drain: move every session of a replica to its peers, so a rolling restart loses no world.
 
 Two routes on the replica's private side, both off unless ``cluster_secret``
 is set, and both requiring it as a bearer token (a replica never accepts
