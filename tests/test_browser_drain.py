@@ -19,7 +19,17 @@ from typing import Any
 import httpx
 import pytest
 
-from browser_helpers import PageErrors, browser_marks, debug, new_page, wait, wait_frames_drawn, wait_state
+from browser_helpers import (
+    PageErrors,
+    browser_marks,
+    debug,
+    new_page,
+    overlay_text,
+    wait,
+    wait_frames_drawn,
+    wait_state,
+)
+from servers import fake_settings, running_server
 from test_cluster import Cluster, launch_cluster, wait_until
 
 pytestmark = browser_marks
@@ -104,3 +114,24 @@ def test_the_page_keeps_its_world_across_a_sigterm(cluster: Cluster, context: An
     assert after["sessionId"] == before["sessionId"] and after["lastClose"]["code"] == 1001
     assert "your world carried on" in (page.text_content("#log") or "")
     errors.check()
+
+
+def test_a_draining_server_s_refusal_is_met_by_trying_another(context: Any, errors: PageErrors) -> None:
+    """A new world refused by a draining server (over_capacity, "draining"): the page says the server is
+    restarting and tries again by itself (through a balancer that is another server), instead of waiting for
+    a slot of the server that is going away."""
+    settings = fake_settings(replica_id="r0", cluster_secret=SECRET, resume_grace_s=30.0)
+    with running_server(settings) as server:
+        response = httpx.post(  # a drain with nowhere to go and no exit: the server stays up, draining
+            server.base_url + "/v1/cluster/drain", json={"peers": ["http://127.0.0.1:9"], "exit": False},
+            headers={"authorization": f"Bearer {SECRET}"}, timeout=60.0,
+        )
+        assert response.status_code == 200 and response.json()["ended"] == 0, response.text
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait_state(page, "reconnecting")
+        text = overlay_text(page)
+        assert "restarting and takes no new worlds" in text and "Reconnecting" in text, text
+        assert "full" not in text and "Waiting for a free slot" not in text, text
+        assert debug(page)["errors"][-1]["code"] == "over_capacity"
+        errors.check()
