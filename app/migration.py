@@ -156,10 +156,17 @@ class Migration:
         refusal = self._not_taking()
         if refusal is not None:
             raise refusal  # before a byte is read: the sender learns at once
-        reader = SnapshotReader(self._max_snapshot_bytes())
+        reader = SnapshotReader(self._max_snapshot_bytes(), check=self._check_header)
         try:
             async for piece in pieces:
-                reader.feed(piece)
+                try:
+                    reader.feed(piece)
+                except ImportRefused:
+                    # Refused by its header: nothing is allocated; the rest is read and dropped, so the sender
+                    # gets this answer rather than a connection cut in the middle of its upload.
+                    async for _rest in pieces:
+                        pass
+                    raise
             return reader.snapshot()
         except SnapshotTooLarge as exc:
             raise ImportRefused(413, str(exc)) from None
@@ -168,21 +175,29 @@ class Migration:
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
 
-    async def accept(self, snapshot: SessionSnapshot) -> dict[str, Any]:
-        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
+    def _check_header(self, header: dict[str, Any]) -> None:
+        """Whether this replica takes a session with this header now (model, config, room); ImportRefused if not.
+        Asked as soon as the header has come (before the tensors arrive) and again before the import."""
         hub = self.hub
-        worker = hub.worker
         refusal = self._not_taking()
         if refusal is not None:
             raise refusal
+        worker = hub.worker
         assert worker is not None and worker.runner is not None
         try:
-            check_compatible(worker.runner, snapshot.header, PROTOCOL_VERSION)  # type: ignore[arg-type]
+            check_compatible(worker.runner, header, PROTOCOL_VERSION)  # type: ignore[arg-type]
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
         held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
+
+    async def accept(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
+        hub = self.hub
+        worker = hub.worker
+        self._check_header(snapshot.header)
+        assert worker is not None and worker.runner is not None
         try:
             portable = snapshot.session
             session_id = str(portable["id"])

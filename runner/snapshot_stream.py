@@ -172,8 +172,10 @@ class SnapshotReader:
     """Reads a snapshot's bytes as they arrive (:meth:`feed`), then :meth:`snapshot`; :class:`SnapshotError`
     for anything that is not a well-formed snapshot within ``max_bytes``."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, check: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.max_bytes = max_bytes
+        # Called with the header as soon as it has come, before any tensor is allocated: refuse early.
+        self._check = check
         self._pending = bytearray()  # bytes of the head not yet parsed
         self._head_length: int | None = None
         self.header: dict[str, Any] | None = None
@@ -219,7 +221,10 @@ class SnapshotReader:
                 raise SnapshotError(f"not a session snapshot: header length {length} does not fit")
             return False
         head = bytes(self._pending[: 8 + length])
-        self.header = read_header(head)
+        header = read_header(head)
+        if self._check is not None:
+            self._check(header)
+        self.header = header
         table = json.loads(head[8:])
         entries = sorted(
             ((k, v) for k, v in table.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]

@@ -80,3 +80,18 @@ def test_small_blocks_travel_together_in_pieces_of_bounded_size() -> None:
     for piece in pieces:  # ... and none is over the bound
         assert len(b"".join(piece_bytes(part()) for part in piece)) <= PIECE_BYTES
     assert len(pieces) < len(plan.tensors[0].parts)
+
+
+def test_a_header_the_receiver_refuses_stops_the_read_before_any_tensor_is_allocated() -> None:
+    data = export_session(runner_with_history(), SESSION, protocol_version=1).to_bytes()  # type: ignore[arg-type]
+    seen: list[dict[str, object]] = []
+
+    def refuse(header: dict[str, object]) -> None:
+        seen.append(header)
+        raise RuntimeError("no room")
+
+    reader = SnapshotReader(max_bytes=len(data), check=refuse)
+    with pytest.raises(RuntimeError, match="no room"):
+        reader.feed(data)
+    assert seen and seen[0]["model"] == "fake-kv"
+    assert reader.header is None  # nothing taken: no tensor buffers were made
