@@ -340,7 +340,7 @@ export class Connection {
       this.ticket = null;
       this.afterDrop = false;
       this.hooks.notice(MOVE_TEXT.ended);
-      this.setState('reconnecting', { text: MOVE_TEXT.ended, tone: 'warn', action: 'play-now' });
+      this.setState('reconnecting', { text: `${MOVE_TEXT.ended} Reconnecting…`, tone: 'warn', action: 'play-now' });
       this.probeThenConnect(MOVE_TEXT.ended);
     } else if (fatal === 'share_failed' || code === 4005) {
       const why = session.fatal ? ` (${session.fatal.message})` : '';
