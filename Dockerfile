@@ -32,8 +32,9 @@ ENV ARSTREAM_HOST=0.0.0.0 \
     ARSTREAM_DEVICE=cuda
 EXPOSE 8000
 VOLUME ["/models"]
-# Loading and warming a large model takes a while: the start period covers it.
+# Loading and warming a large model takes a while: the start period covers it. The port is the server's own
+# (ARSTREAM_PORT, as `docker run -e ARSTREAM_PORT=...` or compose may set it), read when the check runs.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('ARSTREAM_PORT') or '8000'; urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=2)"]
 # The replica id and GPU a scaled compose service cannot give each container (deploy/replica-entrypoint.sh).
 ENTRYPOINT ["arstream-replica"]

@@ -39,6 +39,15 @@ log = logging.getLogger("arstream.encoding")
 Task = Callable[[], None]
 
 
+def lower_thread_priority(steps: int) -> None:
+    """Run the calling thread ``steps`` of CPU niceness below the thread that started it (at most 19)."""
+    # Linux nice values are per thread: this lowers only the calling thread (raising a nice value needs no
+    # privilege; lowering one would).
+    if steps:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + steps, 19))
+
+
 def default_encode_threads() -> int:
     """One encoder thread per core: encoders release the GIL, and a lane never runs on two threads."""
     return max(1, os.cpu_count() or 1)
@@ -64,11 +73,7 @@ class OrderedLanes:
         self._closed = False
 
     def _start_thread(self) -> None:
-        # Linux nice values are per thread: this lowers only the pool's own threads, relative to the thread
-        # that started them (raising a nice value needs no privilege; lowering one would).
-        if self.nice:
-            thread = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + self.nice, 19))
+        lower_thread_priority(self.nice)
 
     def submit(self, lane: str, task: Task) -> None:
         with self._lock:

@@ -64,7 +64,8 @@ HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-lengt
 MESSAGE_LIMIT_EXTENSION = "arstream.message_limit"
 # One query parameter (separator, name, value) in a logged path; the name is compared as the server decodes it.
 QUERY_PARAMETER = re.compile(r"([?&])([^=&\s\"?#]*)=([^&\s\"#]*)")
-SECRET_PARAMETERS = frozenset({"token", "resume", "share"})
+# The page's old share links carried watch/branch tokens in the query (new ones use the fragment, never sent).
+SECRET_PARAMETERS = frozenset({"token", "resume", "share", "watch", "branch"})
 # Bytes parsed at a time: whole messages in a slice pause reading at the first one, and other frames
 # spend from the frame budget one by one, so one call parses at most the budget's worth of tiny frames.
 PARSE_SLICE_BYTES = 1024
@@ -349,6 +350,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._discarded_bytes = 0
         self._unparsed = b""  # received while reading was paused for the app, parsed from _unparsed_at on
         self._unparsed_at = 0
+        # Set when the TCP connection is gone: the app can stop work done for a client that left (a start
+        # image's decode) without reading from the socket.
+        self.lost = asyncio.Event()
 
     # ---- what the app may do with its transport (through the scope's TRANSPORT_EXTENSION) --------
 
@@ -482,6 +486,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._drop_timer.cancel()
             self._drop_timer = None
         self.guard.release(self.transport)
+        self.lost.set()
         super().connection_lost(exc)
 
     def resume_writing(self) -> None:

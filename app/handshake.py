@@ -36,7 +36,7 @@ from arstream.app.protocol import (
 )
 from arstream.app.resume import Forward, ResumableConnection, Resumed, ResumeRefused, token_hint
 from arstream.app.session import Session, SessionState
-from arstream.app.start_image import StartImageRefused
+from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.app.viewers import ShareRefused
 from arstream.runner.pool import PoolExhausted
 from arstream.runner.types import RewindUnavailable, StartImage
@@ -143,8 +143,17 @@ class Handshake:
         if start.image is not None:
             try:
                 start_image = await self.hub.start_images.resolve(
-                    name=start.image.name, data=start.image.data, offered=self.hub.start_image_names
+                    name=start.image.name,
+                    data=start.image.data,
+                    offered=self.hub.start_image_names,
+                    gone=None if self.transport is None else self.transport.lost,
                 )
+            except ClientGone:
+                self.disconnected = True  # no longer waiting to start: the caller stops counting it
+                return None
+            except StartImageBusy as exc:
+                await self.refuse(ErrorCode.OVER_CAPACITY, str(exc))
+                return None
             except StartImageRefused as exc:
                 log.info("session=%s start image refused: %s", self.connection.session_id, exc)
                 await self.refuse(ErrorCode.INVALID_IMAGE, str(exc))

@@ -108,7 +108,11 @@ class SessionHub:
         # The start images the model card offers (first: the default); empty: it takes none.
         self.start_image_names: tuple[str, ...] = ()
         self.start_images = StartImageResolver(
-            max_bytes=settings.max_start_image_bytes, max_pixels=settings.max_start_image_pixels
+            max_bytes=settings.max_start_image_bytes,
+            max_pixels=settings.max_start_image_pixels,
+            max_jpeg_scans=settings.max_start_image_jpeg_scans,
+            timeout_s=settings.start_image_timeout_s,
+            nice=settings.encoder_nice,
         )
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
@@ -180,6 +184,8 @@ class SessionHub:
                 validator_class.check_schema(schema)
                 self.controls_validator = validator_class(schema)
                 self.start_image_names = offered_start_images(card)
+                if self.start_image_names:
+                    self.start_images.set_frame(int(card["width"]), int(card["height"]))
                 self.model_card = card
                 self.ready = True
                 self.not_ready_reason = ""
@@ -213,6 +219,7 @@ class SessionHub:
 
     async def stop(self) -> None:
         await self.close_sessions()
+        self.start_images.close()
         if self.worker is not None:
             await asyncio.to_thread(self.worker.stop, WORKER_STOP_TIMEOUT_S)
 
@@ -358,6 +365,17 @@ class SessionHub:
 
     # ---- stats -----------------------------------------------------------------------
 
+    def start_images_held(self, live: list[Session]) -> dict[str, int]:
+        """Uploaded start images the live and detached sessions hold: how many pictures, and their bytes
+        (a branch shares its source's picture: counted once); and uploads waiting for or in their decode."""
+        detached = (self.resume.detached_session(d.session_id) for d in self.resume.detached())
+        held = {
+            id(session.start_image.pixels): session.start_image.pixels.nbytes
+            for session in (*live, *detached)
+            if session is not None and session.start_image is not None and session.start_image.pixels is not None
+        }
+        return {"held": len(held), "bytes": sum(held.values()), "decoding": self.start_images.decoding}
+
     def stats(self) -> dict[str, Any] | None:
         """The /v1/stats document (PROTOCOL.md), or None before the model is loaded."""
         worker = self.worker
@@ -368,6 +386,7 @@ class SessionHub:
         capacity = self.realtime_capacity()
         sessions = [c.session for c in self.connections.values() if c.session is not None]
         return {
+            "start_images": self.start_images_held(sessions),
             "kv": {
                 "blocks_total": runner_stats.blocks_total,
                 "blocks_free": runner_stats.blocks_free,

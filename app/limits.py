@@ -40,6 +40,11 @@ class MessageBudget:
         self._tokens -= 1.0
         return True
 
+    def has_token(self, now: float) -> bool:
+        """Whether a whole token is there now (nothing is spent)."""
+        self._refill(now)
+        return self._tokens >= 1.0
+
     def full(self, now: float) -> bool:
         """Whether the bucket has refilled completely (its owner has been quiet long enough to be forgotten)."""
         self._refill(now)

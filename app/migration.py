@@ -10,8 +10,12 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   draining itself, makes the session resident on its worker and holds it
   detached (:meth:`ResumeRegistry.hold_moved`) under a fresh resume token with
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
-  A refusal (401 secret, 409 model/config/room, 400 malformed, 503 not ready)
-  leaves its pool as it was.
+  A refusal (401 secret, 429 after too many wrong secrets from one address,
+  409 model/config/room, 400 malformed: past the header's bounds or a
+  `session` section a replica would not make, 413 too large, 503 not ready)
+  leaves its pool as it was. The snapshot is read as it arrives
+  (runner/snapshot_stream.py): its header is checked before any tensor is
+  allocated.
 - ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
   app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
   live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker
@@ -45,7 +49,11 @@ from fastapi.responses import JSONResponse
 
 from arstream.app.connection import Connection
 from arstream.app.drain import DRAIN_PATH, HOLDER_PATH
+from arstream.app.guard import BAN_TABLE_PRUNE_AT
+from arstream.app.limits import MessageBudget
 from arstream.app.peers import configured_peers
+from arstream.app.portable_session import PortableSessionError, validated_session
+from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
@@ -63,6 +71,9 @@ IMPORT_PATH = "/v1/cluster/import"
 # A snapshot's bytes beyond the session's own resident bytes (headers, JSON state, model tensors the spec does not count).
 SNAPSHOT_SLACK_BYTES = 64 * 1024 * 1024
 PEER_TIMEOUT_S = 60.0
+# Wrong cluster secrets one address may send at once, then how many per second (SecretGate).
+CLUSTER_AUTH_BURST = 5
+CLUSTER_AUTH_RATE_PER_S = 0.1
 
 
 class ImportRefused(Exception):
@@ -97,27 +108,49 @@ class DrainReport:
         return {"moved": self.moved, "ended": self.ended, "sessions": [asdict(s) for s in self.sessions]}
 
 
-def secret_refusal(request: Request, secret: str | None) -> JSONResponse | None:
-    """404 when cluster routes are off, 401 without the right bearer secret, else None."""
-    if secret is None:
-        return JSONResponse(
-            {
-                "detail": "cluster routes are off on this replica: it was started without a cluster secret "
+class SecretGate:
+    """The cluster secret's check, with a price on guessing: each client address has
+    ``CLUSTER_AUTH_BURST`` wrong tries, then one per ``1 / CLUSTER_AUTH_RATE_PER_S`` seconds; meanwhile every
+    request from it gets 429 and the secret is not even compared. The right secret costs nothing."""
+
+    def __init__(self, secret: str | None) -> None:
+        self.secret = secret
+        self._tries: dict[str, MessageBudget] = {}  # client address -> its budget of wrong secrets
+
+    def refusal(self, request: Request) -> JSONResponse | None:
+        """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None.
+        Each says what is missing (issue 36: an operator reads them through `arstream drain`)."""
+        if self.secret is None:
+            off = (
+                "cluster routes are off on this replica: it was started without a cluster secret "
                 "(set ARSTREAM_CLUSTER_SECRET, or pass --cluster-secret, to the same value on every replica, "
                 "and restart it)"
-            },
-            status_code=404,
-        )
-    offered = request.headers.get("authorization", "")
-    scheme, _, value = offered.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), secret.encode()):
+            )
+            return JSONResponse({"detail": off}, status_code=404)
+        host = request.client.host if request.client is not None else ""
+        now = time.monotonic()
+        budget = self._tries.get(host)
+        if budget is not None and not budget.has_token(now):
+            wait_s = 1.0 / CLUSTER_AUTH_RATE_PER_S
+            return JSONResponse(
+                {"detail": f"too many wrong cluster secrets from this address; one try per {wait_s:g} s"},
+                status_code=429,
+                headers={"retry-after": f"{wait_s:.0f}"},
+            )
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), self.secret.encode()):
+            return None
+        if budget is None:
+            if len(self._tries) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
+                self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
+            budget = self._tries[host] = MessageBudget(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
+        budget.try_spend(now)
         what = "a different cluster secret" if scheme.lower() == "bearer" else "no cluster secret"
         return JSONResponse(
             {"detail": f"this replica's cluster secret was not given: the request carried {what} "
              "(arstream drain reads ARSTREAM_CLUSTER_SECRET or --cluster-secret)"},
             status_code=401,
         )
-    return None
 
 
 class Migration:
@@ -175,9 +208,10 @@ class Migration:
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
 
-    def _check_header(self, header: dict[str, Any]) -> None:
-        """Whether this replica takes a session with this header now (model, config, room); ImportRefused if not.
-        Asked as soon as the header has come (before the tensors arrive) and again before the import."""
+    def _check_header(self, header: dict[str, Any]) -> dict[str, Any]:
+        """The session section of a snapshot this replica takes now (model, config, room, a `session` it would
+        make); ImportRefused if not. Asked as soon as the header has come (before the tensors arrive) and again
+        before the import."""
         hub = self.hub
         refusal = self._not_taking()
         if refusal is not None:
@@ -186,20 +220,23 @@ class Migration:
         assert worker is not None and worker.runner is not None
         try:
             check_compatible(worker.runner, header, PROTOCOL_VERSION)  # type: ignore[arg-type]
+            portable = validated_session(header.get("session"))
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
+        except PortableSessionError as exc:
+            raise ImportRefused(400, str(exc)) from None
         held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
+        return portable
 
     async def accept(self, snapshot: SessionSnapshot) -> dict[str, Any]:
         """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
         hub = self.hub
         worker = hub.worker
-        self._check_header(snapshot.header)
+        portable = self._check_header(snapshot.header)
         assert worker is not None and worker.runner is not None
         try:
-            portable = snapshot.session
             session_id = str(portable["id"])
             if session_id in hub.connections or worker.runner.is_resident(session_id):
                 raise ImportRefused(409, f"session {session_id!r} is already on this replica")
@@ -541,22 +578,25 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
     """``POST /v1/cluster/import`` and ``POST /v1/cluster/drain`` (see the module docstring)."""
     migration = Migration(hub)
     settings = hub.settings
+    gate = SecretGate(settings.cluster_secret)
 
     @app.post(IMPORT_PATH)
     async def import_session(request: Request) -> JSONResponse:
-        refusal = secret_refusal(request, settings.cluster_secret)
+        refusal = gate.refusal(request)
         if refusal is not None:
             return refusal
         try:
             ticket = await migration.accept(await migration.receive(request.stream()))
         except ImportRefused as exc:
-            log.info("refused a moved session: %s", exc)
-            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+            # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
+            detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)
+            log.info("refused a moved session: %s", detail)
+            return JSONResponse({"detail": detail}, status_code=exc.status)
         return JSONResponse(ticket)
 
     @app.post(DRAIN_PATH)
     async def drain(request: Request) -> JSONResponse:
-        refusal = secret_refusal(request, settings.cluster_secret)
+        refusal = gate.refusal(request)
         if refusal is not None:
             return refusal
         try:
@@ -577,7 +617,7 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
     @app.get(HOLDER_PATH + "/{session_id}")
     async def holds(request: Request, session_id: str) -> JSONResponse:
         # `arstream drain --which SESSION`: does this replica hold the session, and how?
-        refusal = secret_refusal(request, settings.cluster_secret)
+        refusal = gate.refusal(request)
         if refusal is not None:
             return refusal
         held = migration.holding(session_id)

@@ -15,7 +15,6 @@ ignored so clients may send additive extensions.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from enum import StrEnum
@@ -25,8 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from arstream.app.codecs import CODECS, CodecName
 from arstream.app.wire import PROTOCOL_VERSION
+# Strict parsing is shared with the snapshot header; both names are part of this module's interface too.
+from arstream.strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
+from arstream.strict_json import loads_strict as loads_strict
 
-MAX_JSON_DEPTH = 32
 # An error's message never grows with what the client sent: at most this many bytes as sent (docs/public.md).
 MAX_ERROR_MESSAGE_CHARS = 480
 EXCERPT_CHARS = 64
@@ -106,45 +107,7 @@ class ProtocolError(Exception):
         return self.code in ERROR_CLOSE_CODES
 
 
-# ---- strict JSON ---------------------------------------------------------------------
-
-# Possessive, and an unterminated string runs to the end: linear time on hostile input.
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.?)*+(?:"|\Z)', re.DOTALL)
-_JSON_BRACKET = re.compile(r"[\[\]{}]")
-
-
-def _nests_deeper_than(text: str, limit: int) -> bool:
-    """Whether brackets outside strings nest deeper than ``limit`` (checked before parsing, so
-    hostile input can neither recurse in the parser nor cost more than linear time here)."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    depth = 0
-    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', text)):
-        if match.group() in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
-    return value
-
-
-def loads_strict(text: str) -> Any:
-    """``json.loads`` that refuses NaN, Infinity, overflowing numbers and deep nesting."""
-    if _nests_deeper_than(text, MAX_JSON_DEPTH):
-        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
-    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+# ---- what a client sent, as errors and logs show it ------------------------------------
 
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
@@ -309,7 +272,8 @@ def _tick_id_of(obj: dict[str, Any]) -> int | None:
     return None
 
 
-def _describe(error: ValidationError) -> str:
+def describe_errors(error: ValidationError) -> str:
+    """A pydantic error as error messages and logs show it: each field named as an excerpt, values never quoted."""
     parts = []
     for item in error.errors(include_url=False):
         where = ".".join(excerpt(str(p)) for p in item["loc"]) or "message"
@@ -345,7 +309,7 @@ def parse_client_message(text: str) -> ClientMessage:
     except ValidationError as exc:
         raise ProtocolError(
             ErrorCode.INVALID_MESSAGE,
-            f"invalid {kind} message: {_describe(exc)}",
+            f"invalid {kind} message: {describe_errors(exc)}",
             tick_id=_tick_id_of(obj),
             message_type=kind,
         ) from None

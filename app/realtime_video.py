@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket
 from arstream.app import auth
 from arstream.app.outbox import Outbox, QueuedText
 from arstream.app.fmp4 import fmp4_codec
-from arstream.app.guard import limit_messages
+from arstream.app.guard import limit_messages, transport_control
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
 from arstream.app.protocol import CLOSE_GOING_AWAY, dumps, loads_strict
@@ -53,7 +53,7 @@ from arstream.app.realtime_video_events import (
     parse_start,
 )
 from arstream.app.session import Session, SessionState
-from arstream.app.start_image import StartImageRefused
+from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.runner.types import StartImage
 from arstream.app.worker import OutcomeKind, TickOutcome
 
@@ -65,8 +65,40 @@ log = logging.getLogger("arstream.realtime_video")
 PATH = "/v1/realtime/video"
 CLOSE_INTERNAL = ERROR_CLOSE_CODES[ErrorCode.INTERNAL]  # 1011
 SERVER_SHUTDOWN = "server_shutdown"  # the error code of a session ended by shutdown (protocol 1's `closed` reason)
-# Interaction event_ids remembered for event_id_conflict (vLLM-Omni remembers all; a session here may be endless).
+# Interaction event_ids remembered for event_id_conflict (vLLM-Omni remembers all; a session here may be endless),
+# at most this many and this many bytes of them (each is at most MAX_EVENT_ID_BYTES).
 EVENT_IDS_REMEMBERED = 4096
+EVENT_ID_BYTES_REMEMBERED = 256 * 1024
+# Interactions queued and not yet started by a chunk: each is listed in the next chunk's metadata, so this
+# (with MAX_EVENT_ID_BYTES) bounds a video.chunk_metadata to a few tens of KB.
+MAX_PENDING_INTERACTIONS = 64
+
+
+class RecentIds:
+    """The last ids seen, at most ``max_count`` of them and ``max_bytes`` of their UTF-8 in all; oldest go first."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._order: deque[str] = deque()
+        self._ids: set[str] = set()
+        self.bytes = 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._ids
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, name: str) -> None:
+        size = len(name.encode())
+        while self._order and (len(self._order) >= self.max_count or self.bytes + size > self.max_bytes):
+            oldest = self._order.popleft()
+            self._ids.discard(oldest)
+            self.bytes -= len(oldest.encode())
+        self._order.append(name)
+        self._ids.add(name)
+        self.bytes += size
 
 
 # ---- the connection ---------------------------------------------------------------------------
@@ -113,8 +145,7 @@ class RealtimeVideoConnection:
         self._progress_at = 0.0
         # Interaction ids: ARStream's event ids are integers, vLLM-Omni's are strings.
         self._event_names: dict[int, str] = {}
-        self._names_seen: deque[str] = deque(maxlen=EVENT_IDS_REMEMBERED)
-        self._names_seen_set: set[str] = set()
+        self._names_seen = RecentIds(EVENT_IDS_REMEMBERED, EVENT_ID_BYTES_REMEMBERED)
         # field (controls, prompt) -> (start order, event_id) of the interaction whose value holds now
         self._active: dict[str, tuple[int, str]] = {}
         self._started_count = 0
@@ -208,8 +239,16 @@ class RealtimeVideoConnection:
         if refusal is not None:
             await self._refuse(refusal, ErrorCode.OVER_CAPACITY)
             return None
+        transport = transport_control(self.ws.scope)
         try:
-            return await self.hub.start_images.resolve(name=name, data=data, offered=self.hub.start_image_names)
+            return await self.hub.start_images.resolve(
+                name=name, data=data, offered=self.hub.start_image_names, gone=transport.lost if transport else None
+            )
+        except ClientGone:
+            return None  # _finish stops counting it as waiting to start
+        except StartImageBusy as exc:
+            await self._refuse(str(exc), ErrorCode.OVER_CAPACITY)
+            return None
         except StartImageRefused as exc:
             await self._refuse(str(exc), ErrorCode.INVALID_IMAGE)
             return None
@@ -406,8 +445,15 @@ class RealtimeVideoConnection:
     def _interact(self, session: Session, message: dict[str, Any]) -> None:
         interaction = parse_interaction(message, self.hub.model_card)
         name = interaction.event_id
-        if name in self._names_seen_set:
+        if name in self._names_seen:
             raise RealtimeVideoError("event_id_conflict", "event_id_conflict", event_id=name)
+        if len(self._event_names) >= MAX_PENDING_INTERACTIONS:
+            raise RealtimeVideoError(
+                f"{len(self._event_names)} interactions are already waiting for the next chunk "
+                f"(at most {MAX_PENDING_INTERACTIONS}); send this one after video.chunk_metadata starts them",
+                "interaction_failed",
+                event_id=name,
+            )
         if interaction.controls is not None:
             try:
                 self._validate_controls(interaction.controls)
@@ -420,10 +466,7 @@ class RealtimeVideoConnection:
             )
         except ProtocolError as exc:
             raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
-        if len(self._names_seen) == self._names_seen.maxlen:
-            self._names_seen_set.discard(self._names_seen[0])
-        self._names_seen.append(name)
-        self._names_seen_set.add(name)
+        self._names_seen.add(name)
         self._event_names[event_id] = name
         fields = ("controls",) * (interaction.controls is not None) + ("prompt",) * (interaction.prompt is not None)
         self._event_fields[name] = fields

@@ -31,6 +31,8 @@ TRANSLATION_DEAD_ZONE = 1e-3
 # Fields of vLLM-Omni's request that ask for something no ARStream model does: refused rather than ignored.
 UNSUPPORTED_FIELDS = ("video_reference", "audio_reference", "lora")
 DATA_URL_BASE64 = ";base64,"
+# An interaction's event_id, at most (vLLM-Omni sets none; its examples use short names and UUIDs, 36 bytes).
+MAX_EVENT_ID_BYTES = 128
 
 
 class RealtimeVideoError(Exception):
@@ -83,8 +85,10 @@ class SessionStart(BaseModel):
     type: Literal["session.start"]
     model: str | None = None
     prompt: str
-    seconds: str | None = Field(None, pattern=r"^[1-9]\d*$")
-    size: str | None = Field(None, pattern=r"^\d+x\d+$")
+    # Digits bounded: a 400-digit ``seconds`` overflows a float and a 5000-digit ``size`` is past Python's
+    # int parsing limit; no model makes a frame wider than 99999 px or a session longer than 10^9 s.
+    seconds: str | None = Field(None, pattern=r"^[1-9]\d{0,8}$")
+    size: str | None = Field(None, pattern=r"^\d{1,5}x\d{1,5}$")
     width: int | None = Field(None, ge=1)
     height: int | None = Field(None, ge=1)
     fps: float | None = Field(None, ge=1, allow_inf_nan=False)
@@ -329,6 +333,13 @@ def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> In
         event_id = secrets.token_hex(16)
     elif not isinstance(event_id, str) or not event_id:
         raise RealtimeVideoError("session.interaction event_id must be a non-empty string", ErrorCode.INVALID_MESSAGE)
+    elif len(event_id) > MAX_EVENT_ID_BYTES or len(event_id.encode()) > MAX_EVENT_ID_BYTES:
+        # Ids are remembered for event_id_conflict and listed in chunk metadata: their size is what those hold.
+        raise RealtimeVideoError(
+            f"session.interaction event_id must be at most {MAX_EVENT_ID_BYTES} bytes (UTF-8), "
+            f"got {len(event_id.encode())}",
+            ErrorCode.INVALID_MESSAGE,
+        )
     event = interaction.get("event")
     if not isinstance(event, dict):
         raise RealtimeVideoError("session.interaction requires event object", ErrorCode.INVALID_MESSAGE)

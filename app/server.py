@@ -98,7 +98,9 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     @app.websocket(REALTIME_VIDEO_PATH)
     async def realtime_video(websocket: WebSocket) -> None:
         # vLLM-Omni's realtime video API over the same sessions (PROTOCOL.md, "vLLM-Omni realtime video dialect").
-        await RealtimeVideoConnection(websocket, hub).run()
+        # HAProxy sends these through its sessions backend too, so they count against its slots here as well.
+        with balancers.connection(websocket.headers.get(BALANCER_HEADER)):
+            await RealtimeVideoConnection(websocket, hub).run()
 
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:

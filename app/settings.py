@@ -105,8 +105,8 @@ class Settings(BaseSettings):
         10,
         ge=0,
         le=19,
-        description="steps of CPU niceness the encoder threads run below the model worker, so the worker gets a core "
-        "first when cores are short",
+        description="steps of CPU niceness the encoder and start-image decode threads run below the model worker, "
+        "so the worker gets a core first when cores are short",
     )
     keep_freed_memory: bool = Field(
         True, description="keep freed frame memory in the process (glibc) instead of faulting in fresh pages each round"
@@ -138,6 +138,18 @@ class Settings(BaseSettings):
         ge=1,
         description="most pixels (width x height, read from the file's header before decoding) of a client's "
         "start image",
+    )
+    max_start_image_jpeg_scans: int = Field(
+        64,
+        ge=1,
+        description="most scans of a client's JPEG start image, counted before decoding (libjpeg makes a pass over "
+        "the whole picture per scan; a progressive JPEG has about 10)",
+    )
+    start_image_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="time a client's start image may take to decode, waiting for one of the 2 decode threads "
+        "included; past it: over_capacity if its decode never started, else invalid_image",
     )
     # Bounds for serving strangers; docs/public.md says what each one protects.
     max_messages_per_s: float = Field(

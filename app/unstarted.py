@@ -10,6 +10,8 @@ caps), the upgrade is refused with HTTP 503 at once: the TCP connection
 closes when the answer is written, so a refused client holds nothing. A
 client banned for a frame flood (app/guard.py ``FloodBans``) is refused the
 same way: behind a proxy, this is the first place that knows its address.
+A connection whose client leaves while its start image waits or decodes
+stops counting at once (app/start_image.py), not when the decode returns.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class UnstartedConnections:
     @property
     def count(self) -> int:
         return len(self._hosts)
+
+    def waiting_from(self, host: str) -> int:
+        """Connections from ``host`` waiting to start a session."""
+        return self._per_host[host]
 
     def refusal(self, host: str) -> str | None:
         """Why one more connection from ``host`` may not wait to start a session, or None (and it is logged)."""

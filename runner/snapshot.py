@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from safetensors.torch import save as save_tensors
 
 from arstream.runner.contract import ModelState, SupportsSessionTransfer
 from arstream.runner.kv_state import SessionKVState
+from arstream.runner.snapshot_header import METADATA_KEY, SnapshotHeaderError, parse_header
 
 if TYPE_CHECKING:
     from arstream.runner.runner import ARRunner
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
-METADATA_KEY = "arstream_session"
-# What a snapshot's JSON header may weigh; the tensors are bounded by the spec's shapes.
-MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
 class SnapshotError(ValueError):
@@ -105,17 +102,13 @@ class SessionSnapshot:
 
 
 def read_header(data: bytes) -> dict[str, Any]:
-    """The JSON header of a snapshot's bytes, checked for the format version; nothing else is parsed."""
-    if len(data) < 8:
-        raise SnapshotError("not a session snapshot: shorter than a safetensors header")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise SnapshotError(f"not a session snapshot: header length {length} does not fit")
+    """The JSON header of a snapshot's bytes, checked for the format version; nothing else is parsed.
+
+    Bounded in length and depth before parsing (runner/snapshot_header.py)."""
     try:
-        outer = json.loads(data[8 : 8 + length])
-        header = json.loads(outer["__metadata__"][METADATA_KEY])
-    except (ValueError, KeyError, TypeError):
-        raise SnapshotError("not a session snapshot: no ARStream header in the safetensors metadata") from None
+        header = parse_header(data)
+    except SnapshotHeaderError as exc:
+        raise SnapshotError(str(exc)) from None
     if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
         got = header.get("format_version") if isinstance(header, dict) else None
         raise SnapshotRefused(f"snapshot format version {got!r}; this server reads version {FORMAT_VERSION}")

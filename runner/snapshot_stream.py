@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from arstream.runner.snapshot import METADATA_KEY, SessionSnapshot, SnapshotError, export_header, read_header
+from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, read_header
+from arstream.runner.snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 
 if TYPE_CHECKING:
     from arstream.runner.runner import ARRunner
@@ -172,7 +173,7 @@ class SnapshotReader:
     """Reads a snapshot's bytes as they arrive (:meth:`feed`), then :meth:`snapshot`; :class:`SnapshotError`
     for anything that is not a well-formed snapshot within ``max_bytes``."""
 
-    def __init__(self, max_bytes: int, check: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, max_bytes: int, check: Callable[[dict[str, Any]], object] | None = None) -> None:
         self.max_bytes = max_bytes
         # Called with the header as soon as it has come, before any tensor is allocated: refuse early.
         self._check = check
@@ -216,21 +217,26 @@ class SnapshotReader:
                 return False
             (self._head_length,) = struct.unpack("<Q", self._pending[:8])
         length = self._head_length
+        if length > min(MAX_HEADER_BYTES, self.max_bytes):  # before buffering it: a header is bounded
+            raise SnapshotError(
+                f"not a session snapshot: header length {length} does not fit (at most {MAX_HEADER_BYTES} bytes)"
+            )
         if len(self._pending) < 8 + length:
-            if length > self.max_bytes:
-                raise SnapshotError(f"not a session snapshot: header length {length} does not fit")
             return False
         head = bytes(self._pending[: 8 + length])
         header = read_header(head)
         if self._check is not None:
             self._check(header)
         self.header = header
-        table = json.loads(head[8:])
-        entries = sorted(
-            ((k, v) for k, v in table.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
-        )
+        try:  # read_header has bounded and parsed these bytes already: the tensor table is what is left to check
+            table = json.loads(head[8:])
+            entries = sorted(
+                ((k, v) for k, v in table.items() if k != "__metadata__"), key=lambda kv: int(kv[1]["data_offsets"][0])
+            )
+            total = 8 + length + sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0]) for _k, v in entries)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            raise SnapshotError("not a session snapshot: its tensor table is malformed") from None
         offset = 0
-        total = 8 + length + sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0]) for _k, v in entries)
         if total > self.max_bytes:
             raise SnapshotTooLarge(f"a session snapshot here is at most {self.max_bytes} bytes; this one has {total}")
         for name, entry in entries:

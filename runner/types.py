@@ -25,13 +25,29 @@ class RewindUnavailable(ValueError):
     """
 
 
+def centre_crop_box(width: int, height: int, frame_width: int, frame_height: int) -> tuple[int, int, int, int]:
+    """The centred box of a ``width`` x ``height`` picture with the frame's aspect (left, top, right, bottom).
+
+    Matrix-Game's ``_resizecrop``, rounded as PIL's ``crop`` rounds: the part of a start image a model shows.
+    """
+    if height / width > frame_height / frame_width:
+        new_w, new_h = width, int(width * frame_height / frame_width)
+    else:
+        new_w, new_h = int(height * frame_width / frame_height), height
+    box = ((width - new_w) / 2, (height - new_h) / 2, (width + new_w) / 2, (height + new_h) / 2)
+    left, top, right, bottom = (round(v) for v in box)
+    return left, top, right, bottom
+
+
 @dataclass(frozen=True)
 class StartImage:
     """A session's start image, chosen when the session starts.
 
     Either one the model offers by ``name`` (listed in its card) or the
     client's own ``pixels``: uint8 ``[H, W, 3]`` RGB, already decoded and
-    bounded by the transport, any size (the pipeline crops and resizes).
+    bounded by the transport, which keeps only what a model uses: the
+    centred part of the frame's aspect (:func:`centre_crop_box`) resized to
+    the model's frame (``width`` x ``height`` of its card).
     ``digest`` identifies the content (e.g. a SHA-256 of the pixels or of the
     name) so a pipeline can cache what it derives from an image.
     """

@@ -10,7 +10,19 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``idle-upgrades``: WebSocket upgrades that never send ``start``, from 250 loopback addresses
   (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
-  connection costs; per-address connection limits belong in front, see docs/public.md).
+  connection costs; per-address connection limits belong in front, see docs/public.md);
+- ``scan-bombs``: `start` with a progressive JPEG of 4300 tiny scans (a 235 KiB 16 MP file; the red team's
+  were 145 KiB), then hang up at once, from 16 addresses in turn (issue 31, finding 1). Its effect: an honest upload's
+  time to `ready` (a 64x64 PNG on a new connection, halfway through) and the server's CPU time;
+- ``huge-pixels``: 12 sessions (3 addresses x 4) each started with a flat 16 MP PNG (56 KiB), held (finding 8);
+- ``huge-event-ids``: a ``/v1/realtime/video`` session sending interactions with 60 KB event_ids and
+  reading everything (finding 3).
+- ``snapshot-headers``: a peer with the cluster secret posting session snapshots whose JSON header is
+  15 MiB of small numbers to ``/v1/cluster/import``, one after another (direct only: HAProxy never
+  forwards ``/v1/cluster/``).
+
+Every attack also reports the server's RSS growth during it (from /proc), and the image and dialect attacks run
+against fake-kv at 64x48 offering a start image.
 
 ``--fronts direct haproxy`` measures each attack against the server alone
 and behind HAProxy running the shipped configuration (deploy/haproxy, rendered
@@ -32,14 +44,19 @@ send 60 KB bad messages and never read their error replies. The last line is JSO
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import itertools
 import json
 import multiprocessing
+import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,15 +64,26 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from PIL import Image
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from arstream.app.bench import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from raw_clients import RawWebSocket, rss_bytes  # noqa: E402 - the attack tests' raw client, reused
+from raw_clients import RawWebSocket, jpeg_scan_bomb, rss_bytes, tcp_connect  # noqa: E402 - the attack tests'
 
 TOKEN = "bench-token"
-ATTACKS = ("fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect")
+IMAGE_ATTACKS = ("scan-bombs", "huge-pixels", "huge-event-ids")
+ATTACKS = (
+    "fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", "snapshot-headers", *IMAGE_ATTACKS
+)
+IMAGE_MODEL_OPTIONS = {"width": 64, "height": 48, "start_images": ["meadow"]}
+BOMB_ADDRESSES = [f"127.0.2.{i}" for i in range(1, 17)]
+PIXEL_ADDRESSES = [f"127.0.3.{i}" for i in range(1, 4)]
+UPLOAD_GUARD_S = 60.0
+CLUSTER_SECRET = "bench-cluster-secret"
+SNAPSHOT_HEADER_BYTES = 15 * 2**20
 IDLE_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 251)]
 IDLE_HELD = 1000
 FLOOD_FRAMES = 4096  # frames per send: the attacker writes as fast as the server reads
@@ -84,6 +112,14 @@ def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
     if kind == "idle-upgrades":
         idle_upgrades(port, stop, connections)
+        return
+    if kind in IMAGE_ATTACKS:
+        {"scan-bombs": scan_bombs, "huge-pixels": huge_pixels, "huge-event-ids": huge_event_ids}[kind](
+            port, stop, connections
+        )
+        return
+    if kind == "snapshot-headers":
+        snapshot_headers(port, stop, connections)
         return
     while not stop.is_set():
         try:
@@ -127,19 +163,123 @@ def idle_upgrades(port: int, stop: Any, connections: Any) -> None:
             client.close()
 
 
+def start_with_image(picture: bytes) -> str:
+    return json.dumps({"type": "start", "image": {"data": base64.b64encode(picture).decode()}})
+
+
+def scan_bombs(port: int, stop: Any, connections: Any) -> None:
+    """Send a scan bomb in `start` and hang up at once, from many addresses (an abandoned decode each)."""
+    bomb = RawWebSocket.text_frame(start_with_image(jpeg_scan_bomb(4096, 4096, 4300)))
+    for index in itertools.count():
+        if stop.is_set():
+            return
+        try:
+            client = RawWebSocket(port, source_host=BOMB_ADDRESSES[index % len(BOMB_ADDRESSES)])
+        except OSError:
+            continue
+        connections.value += 1
+        client.try_send(bomb)
+        client.close()
+        time.sleep(0.01)
+
+
+def huge_pixels(port: int, stop: Any, connections: Any) -> None:
+    """Sessions each holding a flat 16 MP start image (a few tens of KB as PNG), never ticking."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (4096, 4096), (90, 90, 90)).save(buffer, format="PNG")
+    start = RawWebSocket.text_frame(start_with_image(buffer.getvalue()))
+    held: list[RawWebSocket] = []
+
+    def open_session(host: str) -> None:
+        client = RawWebSocket(port, source_host=host)
+        held.append(client)
+        client.try_send(start)
+        if json.loads(client.read_text())["type"] == "ready":
+            connections.value += 1
+
+    # At once, as a crowd would: 4 from each address (max_sessions_per_client).
+    openers = [threading.Thread(target=open_session, args=(host,)) for host in PIXEL_ADDRESSES for _ in range(4)]
+    try:
+        for opener in openers:
+            opener.start()
+        for opener in openers:
+            opener.join()
+        stop.wait()
+    finally:
+        for client in held:
+            client.close()
+
+
+def huge_event_ids(port: int, stop: Any, connections: Any) -> None:
+    """A realtime video session whose interactions carry 60 KB event_ids; it reads everything it is sent."""
+    huge = "z" * 60_000
+    sock = tcp_connect(port, receive_buffer=None, source_host=ATTACKER_HOST)
+    with connect(f"ws://127.0.0.1:{port}/v1/realtime/video", sock=sock, compression=None, max_size=None) as ws:
+        connections.value += 1
+        ws.send(json.dumps({"type": "session.start", "prompt": "p", "width": 64, "height": 48}))
+        for index in itertools.count():
+            if stop.is_set():
+                return
+            event = {"event_id": f"{index}-{huge}", "event": {"prompt": f"p{index}"}}
+            ws.send(json.dumps({"type": "session.interaction", "interaction": event}))
+            try:
+                while True:
+                    ws.recv(timeout=0)
+            except TimeoutError:
+                pass
+
+
+def honest_upload(port: int) -> dict[str, Any]:
+    """A new session with a 64x64 PNG start image: seconds to its first reply, and what that was."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(buffer, format="PNG")
+    sent = time.perf_counter()
+    try:
+        with connect(f"ws://127.0.0.1:{port}/v1/sessions", compression=None, proxy=None, open_timeout=60) as ws:
+            ws.send(start_with_image(buffer.getvalue()))
+            reply = json.loads(ws.recv(timeout=UPLOAD_GUARD_S))
+            outcome = reply["type"] if reply["type"] == "ready" else reply.get("code")
+    except TimeoutError:
+        outcome = f"no answer in {UPLOAD_GUARD_S:g} s"
+    except Exception as exc:  # noqa: BLE001 - a refused upgrade (503) is an outcome to report
+        outcome = f"{type(exc).__name__}: {exc}"[:120]
+    return {"seconds": round(time.perf_counter() - sent, 3), "outcome": outcome}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+def snapshot_headers(port: int, stop: Any, connections: Any) -> None:
+    """Post snapshots whose header is ``SNAPSHOT_HEADER_BYTES`` of JSON numbers (slow to parse), one at a time."""
+    inner = '{"format_version":1,"model":[' + ",".join(["1"] * (SNAPSHOT_HEADER_BYTES // 2)) + "]}"
+    outer = json.dumps({"__metadata__": {"arstream_session": inner}}).encode()
+    body = struct.pack("<Q", len(outer)) + outer
+    headers = {"authorization": f"Bearer {CLUSTER_SECRET}", "content-type": "application/octet-stream"}
+    with httpx.Client(timeout=60.0) as client:
+        while not stop.is_set():
+            try:
+                client.post(f"http://127.0.0.1:{port}/v1/cluster/import", content=body, headers=headers)
+            except httpx.TransportError:
+                continue
+            connections.value += 1
+
+
 def summary(latencies: list[float]) -> dict[str, Any]:
     ordered = sorted(latencies)
     return {
         "chunks": len(ordered),
         "median_ms": round(statistics.median(ordered) * 1e3, 2) if ordered else None,
+        "mean_ms": round(statistics.fmean(ordered) * 1e3, 2) if ordered else None,
         "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 2) if ordered else None,
     }
 
 
-def server_of(serve: list[str], tree: str | None) -> ServerProcess:
+def server_of(serve: list[str], tree: str | None, env: dict[str, str] | None = None) -> ServerProcess:
     """This checkout's server, or another checkout's run by that checkout's own venv (``TREE/.venv``, an
     editable install of it): the server runs with ``python -P``, so the working directory alone selects nothing."""
-    server = ServerProcess(serve, cwd=tree)
+    server = ServerProcess(serve, cwd=tree, env=None if env is None else {**os.environ, **env})
     if tree is not None:
         python = Path(tree) / ".venv" / "bin" / "python"
         if not python.exists():
@@ -197,10 +337,17 @@ def measure_attack(
     serve = ["--model", model, "--log-level", "warning"] + (["--forwarded-allow-ips", ""] if front == "direct" else [])
     if kind.endswith("no-token"):
         serve += ["--auth-token", TOKEN]
+    if kind == "snapshot-headers":
+        serve += ["--cluster-secret", CLUSTER_SECRET]
     if not rate_bounds:
         serve += ["--connection-rate-per-client", str(UNBOUNDED)]
+    if kind in IMAGE_ATTACKS:
+        serve += ["--model-options", json.dumps(IMAGE_MODEL_OPTIONS)]
     tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
-    with server_of(serve, cwd) as server, _front(front, server, tree, rate_bounds) as port:
+    # One malloc arena for the image attacks: a decode's freed memory (kept by the server, app/memory.py) is reused
+    # by the next decode on either thread, so the RSS growth is what is held, not each decode thread's own peak.
+    env = {"MALLOC_ARENA_MAX": "1"} if kind in IMAGE_ATTACKS else None
+    with server_of(serve, cwd, env) as server, _front(front, server, tree, rate_bounds) as port:
         url = f"ws://127.0.0.1:{port}/v1/sessions" + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
         # One honest session, started before the attack: what the attack does to sessions already running
         # (a flood of idle upgrades from many addresses refuses new ones while it holds the waiting cap).
@@ -212,18 +359,40 @@ def measure_attack(
             stop = multiprocessing.Event()
             connections = multiprocessing.Value("i", 0)
             attack = kind.removesuffix("-no-token")
+            pid = server._process.pid  # type: ignore[union-attr]
+            rss_before, cpu_before = rss_bytes(pid), cpu_seconds(pid)
             flood = multiprocessing.Process(target=attacker, args=(port, attack, stop, connections))
             flood.start()
+            upload: dict[str, Any] = {}
             try:
                 time.sleep(0.5)
+                uploader = None
+                if kind == "scan-bombs":
+                    uploader = threading.Timer(seconds / 2, lambda: upload.update(honest_upload(port)))
+                    uploader.start()
                 beside = summary(honest_latencies(honest, seconds))
+                rss_grown = (rss_bytes(pid) - rss_before) / 2**20
+                cpu_used = cpu_seconds(pid) - cpu_before
+                if uploader is not None:
+                    uploader.join()
             finally:
                 stop.set()
                 flood.join()
-            honest.send(json.dumps({"type": "close"}))
+            try:
+                honest.send(json.dumps({"type": "close"}))
+            except ConnectionClosed:
+                pass  # idle while an honest upload was waited for (a minute, before the bounds)
     ratio = beside["median_ms"] / alone["median_ms"] if beside["median_ms"] and alone["median_ms"] else None
     median_ratio = None if ratio is None else round(ratio, 2)
-    return {"alone": alone, "beside": beside, "median_ratio": median_ratio, "connections": connections.value}
+    return {
+        "alone": alone,
+        "beside": beside,
+        "median_ratio": median_ratio,
+        "connections": connections.value,
+        "rss_grown_mb": round(rss_grown, 1),
+        "server_cpu_s": round(cpu_used, 2),
+        **({"honest_upload": upload} if upload else {}),
+    }
 
 
 @contextmanager
@@ -282,9 +451,12 @@ def main() -> None:
                 )
                 results[f"{front}/{kind}/{label}"] = result
                 print(
-                    f"{front:8s} {kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks)"
-                    f"  beside {result['beside']['median_ms']} ms ({result['beside']['chunks']} chunks)"
-                    f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)",
+                    f"{front:8s} {kind:20s} {label:6s} alone {result['alone']['median_ms']} ms ({result['alone']['chunks']} chunks,"
+                    f" mean {result['alone']['mean_ms']} ms)  beside {result['beside']['median_ms']} ms"
+                    f" ({result['beside']['chunks']} chunks, mean {result['beside']['mean_ms']} ms)"
+                    f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)"
+                    f"  server RSS +{result['rss_grown_mb']} MB, CPU {result['server_cpu_s']} s"
+                    + (f"  honest upload: {result['honest_upload']}" if "honest_upload" in result else ""),
                     flush=True,
                 )
     if args.rss:

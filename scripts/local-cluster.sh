@@ -37,16 +37,37 @@ mkdir -p "$dir"
 startup_guard_s=${ARSTREAM_STARTUP_GUARD_S:-600}
 
 pids=()
+holder_pid=""  # the process holding HAProxy's ports until it listens (hold_ports)
 stop_all() {
     trap - TERM INT EXIT
-    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}" $holder_pid; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}" $holder_pid; do wait "$pid" 2>/dev/null || true; done
 }
 trap 'stop_all; exit 0' TERM INT
 trap 'stop_all' EXIT
 
-free_port() {
-    "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+# HAProxy's two ports are chosen before the replicas start (their allowed origins name the balancer's), and
+# held until HAProxy listens: a port chosen, released and bound again later can be taken in between by any
+# process's bind or outgoing connection (about 1 start in 13 on a busy host). The holder binds them with
+# SO_REUSEPORT, as HAProxy binds its listeners on Linux, so HAProxy can bind them while they are held; no
+# other socket can. It prints "LB_PORT STATS_PORT" and holds them until it is stopped.
+hold_ports() {  # WANTED_LB_PORT (0: any)
+    # exec: the holder is this (background) process itself, so $! is its pid and TERM reaches it.
+    exec "$python" - "$1" <<'PY'
+import signal, socket, sys
+held = []
+for wanted in (int(sys.argv[1]), 0):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(("127.0.0.1", wanted))
+    except OSError as exc:
+        sys.exit(f"local-cluster.sh: cannot take port {wanted} for the balancer: {exc}")
+    held.append(sock)
+print(*(sock.getsockname()[1] for sock in held), flush=True)
+signal.pause()
+PY
 }
 
 http_get() {  # URL -> body on stdout; fails on anything but 200
@@ -57,8 +78,14 @@ with urllib.request.urlopen(sys.argv[1], timeout=5) as response:
 PY
 }
 
-lb_port=${ARSTREAM_LB_PORT:-$(free_port)}
-stats_port=$(free_port)
+: >"$dir/ports"
+hold_ports "${ARSTREAM_LB_PORT:-0}" >"$dir/ports" &
+holder_pid=$!
+until [ -s "$dir/ports" ]; do
+    kill -0 "$holder_pid" 2>/dev/null || { wait "$holder_pid" || true; exit 1; }
+    sleep 0.05
+done
+read -r lb_port stats_port <"$dir/ports"
 lb="http://127.0.0.1:$lb_port"
 # The demo page is served through the balancer: its origin must be allowed. Options given later win.
 origins="$lb,http://localhost:$lb_port"
@@ -74,6 +101,7 @@ start_replica() {  # INDEX HTTP_PORT AGENT_PORT: start replica rINDEX (port 0: a
     pids[i]=$!
 }
 for ((i = 0; i < replicas; i++)); do
+    : >"$dir/r$i.log"  # a reused log folder: the URLs below are read from this start's lines only
     start_replica "$i" 0 0
 done
 
@@ -131,6 +159,10 @@ for ((i = 0; i < replicas; i++)); do
         sleep 0.1
     done
 done
+# HAProxy listens on both ports now (the private one answered above, the public one is bound with it).
+kill -TERM "$holder_pid" 2>/dev/null || true
+wait "$holder_pid" 2>/dev/null || true
+holder_pid=""
 echo "ARSTREAM_LB $lb"
 echo "arstream cluster: $replicas replica(s) behind $lb; logs in $dir; Ctrl-C stops everything" >&2
 

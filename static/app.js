@@ -22,7 +22,7 @@ import { Player } from './player.js';
 import { SHARE_TEXT } from './messages.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
-import { rewindTarget, shareLinks, shareMode, timelineRange } from './share.js';
+import { rewindTarget, shareLinks, shareMode, shareParams, timelineRange } from './share.js';
 
 const TOKEN_KEY = 'arstream-token';
 const STATS_POLL_MS = 1000;
@@ -88,8 +88,19 @@ debug.dropSocket = () => { if (connection.session) connection.session.ws.close(4
 // The resume token held now (tests resume it from elsewhere to take the session over).
 debug.resumeToken = () => connection.ticket;
 
-const mode = shareMode(params);
+const mode = shareMode(shareParams(location.search, location.hash));
 debug.mode = mode;
+// An old link (`?watch=`, `?branch=`): its token moves to the fragment, so a reload or a bookmark sends it nowhere.
+const linkInQuery = shareParams(location.search, '').toString() !== '' && !shareParams('', location.hash).toString();
+if (linkInQuery && (params.has('watch') || params.has('branch'))) {
+  const moved = new URLSearchParams();
+  for (const name of ['watch', 'branch', 'chunk']) {
+    if (params.has(name)) moved.set(name, params.get(name));
+    params.delete(name);
+  }
+  const query = params.toString();
+  history.replaceState(null, '', `${location.pathname}${query ? `?${query}` : ''}#${moved}`);
+}
 if (mode.kind === 'watch') document.body.dataset.role = 'viewer';  // no steering controls, even before `ready`
 
 let model = null;  // the model card, from /v1/model or `ready`

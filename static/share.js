@@ -4,10 +4,22 @@
 // no page state: the tests import this module in Chromium and call them.
 
 /**
- * What this page load is, from its URL parameters:
+ * The parameters a share link carries: from the URL's fragment (`#watch=TOKEN`), which a browser never
+ * sends, so the token is in no server's or balancer's access log; else from its query, as links made
+ * before the fragment (`?watch=TOKEN`) carried them, which keep working.
+ * @param {string} search  location.search
+ * @param {string} hash    location.hash
+ */
+export function shareParams(search, hash) {
+  const fragment = new URLSearchParams(hash.replace(/^#/, ''));
+  return fragment.has('watch') || fragment.has('branch') ? fragment : new URLSearchParams(search);
+}
+
+/**
+ * What this page load is, from its share parameters (shareParams):
  *   {kind: 'play'}                              a world of its own (no share parameters)
- *   {kind: 'watch', token}                      `?watch=TOKEN`: a viewer of someone's session
- *   {kind: 'branch', token, chunk}              `?branch=TOKEN&chunk=B`: a new session from that boundary
+ *   {kind: 'watch', token}                      `#watch=TOKEN`: a viewer of someone's session
+ *   {kind: 'branch', token, chunk}              `#branch=TOKEN&chunk=B`: a new session from that boundary
  *   {kind: 'bad', reason}                       a share link the page cannot use (said in plain words)
  * @param {URLSearchParams} params
  */
@@ -32,15 +44,16 @@ function boundaryFromText(text) {
 
 /**
  * The two links a player hands out, built on this page's own address. The share
- * token is a read-only capability (watch and branch, never steer); the access
- * token is never in a link.
+ * token is a read-only capability (watch and branch, never steer), carried in the
+ * fragment so that opening a link sends it to no server; the access token is
+ * never in a link.
  * @param {string} base      origin + path of the page, e.g. "http://127.0.0.1:8000/"
  * @param {string} token     ready.share.token
  * @param {number | null} chunk  the boundary "branch from here" starts at; null: no branch link yet
  */
 export function shareLinks(base, token, chunk) {
-  const watch = `${base}?${new URLSearchParams({ watch: token })}`;
-  const branch = chunk === null ? null : `${base}?${new URLSearchParams({ branch: token, chunk: String(chunk) })}`;
+  const watch = `${base}#${new URLSearchParams({ watch: token })}`;
+  const branch = chunk === null ? null : `${base}#${new URLSearchParams({ branch: token, chunk: String(chunk) })}`;
   return { watch, branch };
 }
 

@@ -9,10 +9,14 @@ small receive buffer so the server's writes back up quickly.
 from __future__ import annotations
 
 import base64
+import io
 import os
+import re
 import socket
 import struct
 from pathlib import Path
+
+from PIL import Image
 
 # Hang guard for blocking socket calls; it asserts nothing about speed.
 SOCKET_GUARD_S = 30.0
@@ -109,6 +113,15 @@ class RawWebSocket:
         self.status = int(self.response_head.split(" ", 2)[1]) if self.response_head else 0
 
     def _frame(self, opcode: int, payload: bytes) -> bytes:
+        return self.frame(opcode, payload)
+
+    @staticmethod
+    def text_frame(text: str) -> bytes:
+        """One masked text frame, to send (again and again) on any connection."""
+        return RawWebSocket.frame(0x1, text.encode())
+
+    @staticmethod
+    def frame(opcode: int, payload: bytes) -> bytes:
         mask = os.urandom(4)
         length = len(payload)
         if length < 126:
@@ -183,3 +196,22 @@ class RawWebSocket:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def jpeg_scan_bomb(width: int, height: int, extra_scans: int, *, multi_picture: bool = False) -> bytes:
+    """A progressive JPEG of a flat ``width`` x ``height`` picture with ``extra_scans`` more copies of its
+    smallest scan (about 30 bytes each): libjpeg decodes each one with a pass over the whole picture.
+    ``multi_picture``: an MPO (a second, small picture after it), which Pillow opens as "MPO", not "JPEG"."""
+    buffer = io.BytesIO()
+    picture = Image.new("RGB", (width, height), (90, 120, 200))
+    if multi_picture:
+        second = Image.new("RGB", (16, 16))
+        picture.save(buffer, "MPO", save_all=True, append_images=[second], progressive=True, quality=90)
+    else:
+        picture.save(buffer, "JPEG", progressive=True, quality=90)
+    data = buffer.getvalue()
+    end = data.index(b"\xff\xd9")  # the first picture's end
+    starts = [m.start() for m in re.finditer(rb"\xff\xda", data[:end])]
+    scans = [data[a:b] for a, b in zip(starts, [*starts[1:], end])]
+    smallest = min(scans[1:], key=len)  # a refinement scan: an end-of-band run over every block
+    return data[:end] + smallest * extra_scans + data[end:]

@@ -374,10 +374,14 @@ async def session_client(
     headers: Iterable[tuple[str, str]] | None = None,
     origin: str | None = None,
     max_queue: int | None = 16,
+    source_host: str | None = None,
 ) -> AsyncIterator[ProbeClient]:
-    """Connect (and, when ``start`` is given, send it and read `ready`)."""
+    """Connect (and, when ``start`` is given, send it and read `ready`); ``source_host`` (e.g. 127.0.0.2) is
+    another client address."""
+    source: dict[str, Any] = {} if source_host is None else {"local_addr": (source_host, 0)}  # to create_connection
     async with connect(
         url,
+        **source,
         additional_headers=list(headers or []),
         origin=origin,  # type: ignore[arg-type]
         compression=None,

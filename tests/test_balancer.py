@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import os
 import signal
 import socket
 import subprocess
@@ -63,7 +64,9 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 
 def agent_port(server: LiveServer) -> int:
-    assert server.server is not None
+    if server.server is None:  # a server process: the port it printed
+        line = next(line for line in server.output if line.startswith("ARSTREAM_AGENT "))
+        return int(line.rsplit(":", 1)[1])
     agent = server.server.config.app.state.agent
     return int(agent.sockets[0].getsockname()[1])
 
@@ -89,6 +92,7 @@ class Balancer:
     port: int
     stats_port: int
     process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None  # where HAProxy's log lines (its standard output) go, for a test that reads them
 
     @property
     def url(self) -> str:
@@ -99,9 +103,10 @@ class Balancer:
         return f"ws://127.0.0.1:{self.port}/v1/sessions"
 
     def start(self, *extra: str) -> None:
-        self.process = subprocess.Popen(
-            ["haproxy", "-db", "-f", str(self.config), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        with self.log.open("ab") if self.log is not None else open(os.devnull, "wb") as out:
+            self.process = subprocess.Popen(
+                ["haproxy", "-db", "-f", str(self.config), *extra], stdout=out, stderr=subprocess.DEVNULL
+            )
         wait_until(self._answers, "HAProxy answers on its statistics port")
 
     def _answers(self) -> bool:
@@ -138,14 +143,16 @@ class Balancer:
 
 
 @contextmanager
-def balancer(tmp_path: Path, replicas: dict[str, LiveServer], *args: str) -> Iterator[Balancer]:
+def balancer(
+    tmp_path: Path, replicas: dict[str, LiveServer], *args: str, log: Path | None = None
+) -> Iterator[Balancer]:
     port, stats_port = free_port(), free_port()
     specs = [f"{name}=127.0.0.1:{s.port}/{CAPACITY}@{agent_port(s)}" for name, s in replicas.items()]
     command = [sys.executable, str(RENDER), *(a for spec in specs for a in ("--replica", spec))]
     command += ["--bind", f"127.0.0.1:{port}", "--stats-bind", f"127.0.0.1:{stats_port}", *args]
     config = tmp_path / "haproxy.cfg"
     config.write_text(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    lb = Balancer(config, port, stats_port)
+    lb = Balancer(config, port, stats_port, log=log)
     lb.start()
     try:
         yield lb

@@ -71,16 +71,26 @@ def test_share_mode_reads_watch_and_branch_links(server: LiveServer, page: Any) 
     for bad in ("watch=", "branch=r0.abc", "branch=r0.abc&chunk=-1", "branch=r0.abc&chunk=1.5",
                 "branch=r0.abc&chunk=99999999999", "branch=&chunk=2", "watch=a&branch=b&chunk=1"):
         assert mode(bad)["kind"] == "bad", bad
+    # A link's parameters: from the fragment (never sent to a server), else from the query (links made before).
+    def linked(search: str, fragment: str) -> dict[str, Any]:
+        return share_module(page, f"m.shareMode(m.shareParams({search!r}, {fragment!r}))")
+
+    assert linked("", "#watch=r0.new") == {"kind": "watch", "token": "r0.new"}
+    assert linked("?watch=r0.old", "") == {"kind": "watch", "token": "r0.old"}
+    assert linked("?seed=3", "#branch=r0.new&chunk=2") == {"kind": "branch", "token": "r0.new", "chunk": 2}
+    assert linked("?watch=r0.old", "#watch=r0.new") == {"kind": "watch", "token": "r0.new"}
+    assert linked("?seed=3", "#anchor") == {"kind": "play"}
 
 
 def test_share_links_and_timeline_range(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/?autoconnect=0")
     links = share_module(page, "m.shareLinks('http://h:1/', 'r0.a+b/c', 7)")
-    assert links == {"watch": "http://h:1/?watch=r0.a%2Bb%2Fc", "branch": "http://h:1/?branch=r0.a%2Bb%2Fc&chunk=7"}
+    # The token is in the fragment: opening the link sends it to no server (issue 31, finding 11).
+    assert links == {"watch": "http://h:1/#watch=r0.a%2Bb%2Fc", "branch": "http://h:1/#branch=r0.a%2Bb%2Fc&chunk=7"}
     assert share_module(page, "m.shareLinks('http://h:1/', 'r0.x', null).branch") is None
     # A link the page builds reads back as what it was built from.
-    assert share_module(page, "m.shareMode(new URL(m.shareLinks('http://h:1/', 'r0.a+b', 3).branch).searchParams)") == {
-        "kind": "branch", "token": "r0.a+b", "chunk": 3}
+    read_back = "(u => m.shareMode(m.shareParams(u.search, u.hash)))(new URL(m.shareLinks('http://h:1/', 'r0.a+b', 3).branch))"
+    assert share_module(page, read_back) == {"kind": "branch", "token": "r0.a+b", "chunk": 3}
 
     def timeline(points: str) -> Any:
         return share_module(page, f"m.timelineRange({points})")
@@ -178,7 +188,7 @@ def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
         wait_frames_drawn(player, 2)
         link = share_link(player, "watch")
         token = debug(player)["shareToken"]
-        assert token and link == f"{sharing.base_url}/?watch={token}"
+        assert token and link == f"{sharing.base_url}/#watch={token}"
         assert badge(player) == "", "nobody watches yet"
 
         viewer = new_page(viewer_context, errors)
@@ -288,10 +298,12 @@ def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: 
 
 
 def test_a_share_link_the_server_cannot_honour_says_so(sharing: LiveServer, page: Any) -> None:
-    page.goto(sharing.base_url + "/?watch=r0.no-such-session")
+    page.goto(sharing.base_url + "/?watch=r0.no-such-session&seed=3")  # a link made before the fragment
     wait_state(page, "ended")
     assert "share link no longer works" in overlay_text(page)
     assert page.inner_text("#overlay-action") == "Start a world of your own"
+    # Its token moved out of the query: a reload or a bookmark sends it to no server.
+    assert page.evaluate("[location.search, location.hash]") == ["?seed=3", "#watch=r0.no-such-session"]
 
 
 def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:

@@ -89,14 +89,16 @@ def test_pick_an_offered_image_then_upload_one(server: LiveServer, fake: FakeKVP
     uploaded = new_session_streaming(page, picked)
     assert debug(page)["startImage"] == {"upload": "mine.png"}
     seen = images_seen(fake, uploaded)
-    assert seen and all(image is not None and image.digest == pixels_digest(pixels) for image in seen)
+    # What the model uses: the centred 36x36 of the 48x36 picture (its 8x8 frame's aspect), scaled to 8x8.
+    fitted = np.asarray(Image.fromarray(pixels).crop((6, 0, 42, 36)).resize((8, 8), Image.Resampling.BILINEAR))
+    assert seen and all(image is not None and image.digest == pixels_digest(fitted) for image in seen)
     assert "your picture: mine.png" in page.inner_text("#start-image")
 
     # Restart world keeps the picture: a reset is a new rollout of the same session.
     page.click("#reset")
     wait(page, f"window.arstreamDebug.chunksReceived > {debug(page)['chunksReceived'] + 2}")
     assert debug(page)["sessionId"] == uploaded
-    assert {image.digest for image in images_seen(fake, uploaded) if image} == {pixels_digest(pixels)}
+    assert {image.digest for image in images_seen(fake, uploaded) if image} == {pixels_digest(fitted)}
 
 
 def test_a_refused_upload_is_said_in_plain_words_and_play_starts_from_the_default(

@@ -13,6 +13,7 @@ and the alert rules query exists in a live server's and a live HAProxy's
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import re
 import shutil
@@ -125,6 +126,28 @@ def test_secrets_come_from_the_environment_and_prometheus_keeps_its_data() -> No
     private = [port for name in ("prometheus", "grafana") for port in services[name]["ports"]]
     private += [port for port in services["haproxy"]["ports"] if port.endswith(":8404")]
     assert private and all(port.startswith("127.0.0.1:") for port in private)
+
+
+def compose_default(value: str) -> str:
+    """The value compose uses for ``${NAME:-default}`` when NAME is unset (a plain value as it is)."""
+    match = re.fullmatch(r"\$\{[A-Z_]+:-([^}]*)\}", value)
+    return match.group(1) if match else value
+
+
+def test_replicas_trust_forwarded_addresses_from_the_balancer_alone() -> None:
+    """Old compose.yaml: the replicas trusted every private range, so any client or container with a private
+    address could name itself any client in X-Forwarded-For (issue 31, finding 9)."""
+    services = compose()
+    network = services["networks"]["default"]["ipam"]["config"][0]
+    subnet = ipaddress.ip_network(compose_default(network["subnet"]))
+    dynamic = ipaddress.ip_network(compose_default(network["ip_range"]))
+    haproxy = services["services"]["haproxy"]
+    balancer = ipaddress.ip_address(compose_default(haproxy["networks"]["default"]["ipv4_address"]))
+    # HAProxy's address is fixed, in the network, and never handed to another container.
+    assert balancer in subnet and dynamic.subnet_of(subnet) and balancer not in dynamic  # type: ignore[arg-type]
+    for name, service in replica_services().items():
+        trusted = compose_default(service["environment"]["ARSTREAM_FORWARDED_ALLOW_IPS"])
+        assert [ipaddress.ip_address(entry) for entry in trusted.split(",")] == [balancer], name
 
 
 def test_prometheus_finds_every_replica_by_dns_and_loads_the_alert_rules() -> None:
@@ -280,6 +303,28 @@ def test_image_runs_as_non_root_with_a_health_check_the_extras_and_the_weights()
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert not {"models", "app", "runner", "static", "arstream"} & set(ignored)
     assert "!deploy/replica-entrypoint.sh" in ignored
+
+
+def healthcheck_command() -> list[str]:
+    """The Dockerfile's HEALTHCHECK command (exec form)."""
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", "")
+    match = re.search(r"^HEALTHCHECK .*? CMD (\[.*\])$", dockerfile, re.MULTILINE)
+    assert match, "no exec-form HEALTHCHECK in the Dockerfile"
+    command: list[str] = json.loads(match.group(1))
+    return command
+
+
+def test_the_health_check_asks_the_port_the_server_listens_on() -> None:
+    """Old Dockerfile: the check asked port 8000 whatever ARSTREAM_PORT said (issue 33)."""
+    command = [sys.executable if part == "python" else part for part in healthcheck_command()]
+
+    def check(port: int) -> int:
+        env = {"ARSTREAM_PORT": str(port), "PATH": "/usr/bin:/bin"}
+        return subprocess.run(command, env=env, capture_output=True, timeout=60).returncode
+
+    with running_server(fake_settings()) as server:
+        assert check(int(server.base_url.rsplit(":", 1)[1])) == 0
+    assert check(free_port()) != 0  # nothing listening there: the check fails (negative control)
 
 
 # ---- Grafana ------------------------------------------------------------------------------------

@@ -582,7 +582,9 @@ def test_image_reference_starts_the_session_from_a_start_image() -> None:
     assert len(seen[uploaded_id]) == 2
     for image in seen[uploaded_id]:
         assert image.name is None
-        np.testing.assert_array_equal(image.pixels, pixels)
+        # What the model uses: the centred 26x20 of the 30x20 picture (its 64x48 frame's aspect), at 64x48.
+        fitted = Image.fromarray(pixels).crop((2, 0, 28, 20)).resize((WIDTH, HEIGHT), Image.Resampling.BILINEAR)
+        np.testing.assert_array_equal(image.pixels, np.asarray(fitted))
 
 
 def test_shutdown_ends_a_streaming_session_with_server_shutdown() -> None:

@@ -28,10 +28,12 @@ from arstream.app import client, wire
 from arstream.app.protocol import ErrorCode, ProtocolError, parse_client_message
 from arstream.app.settings import WS_FRAME_SLACK_BYTES
 from arstream.app.start_image import (
+    ImageLimits,
     StartImageRefused,
     base64_length,
     decode_base64,
     decode_pixels,
+    fit_to_frame,
     named_start_image,
     offered_start_images,
     pixels_digest,
@@ -43,6 +45,7 @@ from servers import RECEIVE_GUARD_S, LiveServer, ProbeClient, fake_settings, run
 OFFERED = ["meadow", "canyon"]
 MAX_IMAGE_BYTES = 64 * 1024
 MAX_IMAGE_PIXELS = 200 * 200
+LIMITS = ImageLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXELS, max_jpeg_scans=64)  # no frame: as sent
 
 
 def image_file(pixels: np.ndarray, image_format: str = "PNG") -> bytes:
@@ -115,7 +118,7 @@ def test_base64_is_bounded_by_its_length_before_it_is_decoded() -> None:
 def test_lossless_files_decode_to_their_exact_pixels(image_format: str) -> None:
     pixels = noise(12, 20)
     encoded = image_file(pixels, image_format) if image_format == "PNG" else _lossless_webp(pixels)
-    decoded = decode_pixels(encoded, MAX_IMAGE_PIXELS)
+    decoded = decode_pixels(encoded, LIMITS)
     assert decoded.dtype == np.uint8 and decoded.shape == (12, 20, 3)
     np.testing.assert_array_equal(decoded, pixels)
     assert not decoded.flags.writeable
@@ -129,12 +132,12 @@ def _lossless_webp(pixels: np.ndarray) -> bytes:
 
 def test_jpeg_and_other_modes_decode_to_rgb() -> None:
     flat = np.full((16, 16, 3), (200, 40, 90), dtype=np.uint8)
-    decoded = decode_pixels(image_file(flat, "JPEG"), MAX_IMAGE_PIXELS)
+    decoded = decode_pixels(image_file(flat, "JPEG"), LIMITS)
     assert decoded.shape == (16, 16, 3) and np.abs(decoded.astype(int) - (200, 40, 90)).max() <= 4
     grey = Image.new("L", (5, 3), 77)
     buffer = io.BytesIO()
     grey.save(buffer, format="PNG")
-    assert (decode_pixels(buffer.getvalue(), MAX_IMAGE_PIXELS) == 77).all()
+    assert (decode_pixels(buffer.getvalue(), LIMITS) == 77).all()
 
 
 def test_a_photo_is_turned_upright_by_its_exif_orientation() -> None:
@@ -144,7 +147,7 @@ def test_a_photo_is_turned_upright_by_its_exif_orientation() -> None:
     exif[0x0112] = 6  # orientation 6: a viewer turns it 90 degrees clockwise
     buffer = io.BytesIO()
     Image.fromarray(stored).save(buffer, format="PNG", exif=exif)
-    upright = decode_pixels(buffer.getvalue(), MAX_IMAGE_PIXELS)
+    upright = decode_pixels(buffer.getvalue(), LIMITS)
     assert upright.shape == (30, 10, 3)
     assert upright[:10].min() == 255 and upright[10:].max() == 0  # the white third is on top now
 
@@ -163,7 +166,7 @@ def test_a_photo_is_turned_upright_by_its_exif_orientation() -> None:
 )
 def test_what_does_not_decode_is_refused(encoded: bytes, complaint: str) -> None:
     with pytest.raises(StartImageRefused, match=complaint.replace("(", r"\(").replace(")", r"\)")):
-        decode_pixels(encoded, MAX_IMAGE_PIXELS)
+        decode_pixels(encoded, LIMITS)
 
 
 def test_the_pixel_limit_is_checked_before_decoding() -> None:
@@ -171,7 +174,7 @@ def test_the_pixel_limit_is_checked_before_decoding() -> None:
     bomb = image_file(np.zeros((2000, 2000, 3), dtype=np.uint8))
     assert len(bomb) < 64 * 1024  # 12 MB of pixels in a few KB
     with pytest.raises(StartImageRefused, match="2000x2000 = 4000000 pixels"):
-        decode_pixels(bomb, MAX_IMAGE_PIXELS)
+        decode_pixels(bomb, LIMITS)
 
 
 def test_the_digest_is_of_the_pixels_and_their_size() -> None:
@@ -265,9 +268,11 @@ def test_an_uploaded_image_reaches_the_model_as_its_pixels(
     session_id = asyncio.run(scenario())
     seen = seen_by_the_model(fake, session_id)
     assert len(seen) == 4
+    # What the model uses: the centred 30x30 of the 50x30 picture (its 8x8 frame's aspect), scaled to 8x8.
+    fitted = np.asarray(Image.fromarray(pixels).crop((10, 0, 40, 30)).resize((8, 8), Image.Resampling.BILINEAR))
     for image in seen:
-        assert image is not None and image.name is None and image.digest == pixels_digest(pixels)
-        np.testing.assert_array_equal(image.pixels, pixels)
+        assert image is not None and image.name is None and image.digest == pixels_digest(fitted)
+        np.testing.assert_array_equal(image.pixels, fitted)
 
 
 def test_a_resumed_session_keeps_its_image() -> None:
@@ -420,7 +425,9 @@ def test_an_image_while_the_model_loads_is_over_capacity_not_invalid_image() -> 
 
 def test_a_decode_does_not_hold_up_other_sessions() -> None:
     """A picture at the pixel limit takes a while to decode; another session's ping is answered meanwhile."""
-    with running_server(fake_settings(), FakeKVPipeline(start_images=OFFERED)) as live:
+    # A generous deadline: the decode must finish, however loaded the machine running the test.
+    settings = fake_settings(start_image_timeout_s=120.0)
+    with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
         largest = b64(image_file(np.zeros((4096, 4096, 3), np.uint8)))  # 16 MP in about 50 KB
 
         async def scenario() -> list[str]:
@@ -455,7 +462,8 @@ def test_the_client_sends_a_name_or_a_file(
     before = len(fake.start_images_seen)
     assert client.main([server.base_url, "--image", str(picture), "--keys", "w*2", "--out", str(tmp_path / "b")]) == 0
     uploaded = [image for _, image in fake.start_images_seen[before:]]
-    assert len(uploaded) == 2 and all(image is not None and image.digest == pixels_digest(pixels) for image in uploaded)
+    fitted = np.asarray(fit_to_frame(Image.fromarray(pixels), (8, 8)))  # the fake's frame
+    assert len(uploaded) == 2 and all(image is not None and image.digest == pixels_digest(fitted) for image in uploaded)
 
 
 def test_the_client_reports_a_refused_image(

@@ -32,7 +32,7 @@ import torch
 
 from arstream.models.matrix_game.config import MatrixGameConfig
 from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, cache_bytes
-from arstream.runner.types import StartImage
+from arstream.runner.types import StartImage, centre_crop_box
 
 log = logging.getLogger("arstream.models.matrix_game")
 
@@ -58,14 +58,7 @@ def default_image(cfg: MatrixGameConfig) -> torch.Tensor:
 
 def crop_box(width: int, height: int, cfg: MatrixGameConfig) -> tuple[int, int, int, int]:
     """Matrix-Game's ``_resizecrop``: the centred box of the model's aspect, rounded as PIL's ``crop`` rounds."""
-    th, tw = cfg.height, cfg.width
-    if height / width > th / tw:
-        new_w, new_h = width, int(width * th / tw)
-    else:
-        new_w, new_h = int(height * tw / th), height
-    box = ((width - new_w) / 2, (height - new_h) / 2, (width + new_w) / 2, (height + new_h) / 2)
-    left, top, right, bottom = (round(v) for v in box)
-    return left, top, right, bottom
+    return centre_crop_box(width, height, cfg.width, cfg.height)
 
 
 def prepare_image(pixels: np.ndarray, cfg: MatrixGameConfig) -> torch.Tensor:

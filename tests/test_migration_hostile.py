@@ -1,0 +1,149 @@
+"""A moved session's snapshot from a hostile sender that has the cluster secret, and a sender guessing it
+(issue 31, findings 5 and 12), against a real server on loopback.
+
+Before: a deeply nested header was a 500, a 15 MiB header was parsed on the
+event loop, the `session` section was taken as it came (codec `evil`, quality
+10^9, negative counters) and a session id with a newline wrote forged log
+lines; the secret could be guessed at any rate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from arstream.app.migration import CLUSTER_AUTH_BURST, IMPORT_PATH
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner import snapshot
+from arstream.runner.snapshot import SessionSnapshot
+from arstream.runner.snapshot_header import (
+    MAX_HEADER_BYTES,
+    MAX_HEADER_DEPTH,
+    METADATA_KEY,
+    SnapshotHeaderError,
+    parse_header,
+)
+from servers import LiveServer, running_server
+from test_migration import SECRET, _post_import, _snapshot_bytes, cluster_settings
+
+
+def raw_snapshot(header_text: str) -> bytes:
+    """Safetensors bytes with no tensors whose ARStream metadata is ``header_text`` as given."""
+    outer = json.dumps({"__metadata__": {METADATA_KEY: header_text}}).encode()
+    return struct.pack("<Q", len(outer)) + outer
+
+
+def with_session(**changes: Any) -> bytes:
+    """A snapshot this replica would take, with its `session` section changed."""
+    moved = SessionSnapshot.from_bytes(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
+    moved.header["session"] = {**moved.header["session"], **changes}
+    return moved.to_bytes()
+
+
+def at_baseline(server: LiveServer, free: int) -> bool:
+    stats = server.stats()
+    return bool(stats["kv"]["blocks_free"] == free and stats["sessions"]["detached"] == 0)
+
+
+@pytest.mark.parametrize(
+    ("why", "header"),
+    [
+        ("deep", '{"format_version": 1, "model": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        ("one level too deep", '{"format_version": 1, "x": ' + "[" * MAX_HEADER_DEPTH + "]" * MAX_HEADER_DEPTH + "}"),
+        ("large", json.dumps({"format_version": 1, "model": "x" * (MAX_HEADER_BYTES + 1)})),
+    ],
+)
+def test_a_header_past_its_bounds_is_a_clear_400(why: str, header: str) -> None:
+    """Old code: the deep header was a 500 (RecursionError), the large one was parsed and then refused (409)."""
+    with running_server(cluster_settings("r1")) as r1:
+        free = r1.stats()["kv"]["blocks_free"]
+        response = _post_import(r1, raw_snapshot(header))
+        assert response.status_code == 400, response.text
+        detail = response.json()["detail"]
+        assert ("at most" in detail) if why == "large" else ("not a session snapshot" in detail), detail
+        assert at_baseline(r1, free) and r1.get("/readyz").status_code == 200
+
+
+def test_a_header_at_its_bounds_still_parses() -> None:
+    """The bounds refuse only what is past them (negative control for the test above)."""
+    deepest = '{"format_version": 1, "x": ' + "[" * (MAX_HEADER_DEPTH - 1) + "]" * (MAX_HEADER_DEPTH - 1) + "}"
+    assert parse_header(raw_snapshot(deepest))["format_version"] == 1
+    with pytest.raises(SnapshotHeaderError, match="nests deeper"):
+        parse_header(raw_snapshot('{"x": ' + "[" * MAX_HEADER_DEPTH + "]" * MAX_HEADER_DEPTH + "}"))
+    room = MAX_HEADER_BYTES - len(raw_snapshot(json.dumps({"format_version": 1, "model": ""}))) + 8
+    assert len(raw_snapshot(json.dumps({"format_version": 1, "model": "x" * room}))) - 8 == MAX_HEADER_BYTES
+    assert parse_header(raw_snapshot(json.dumps({"format_version": 1, "model": "x" * room})))["model"] == "x" * room
+
+
+def test_the_header_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old code: read_header ran on the event loop (a 15 MiB header stalled every session 237-381 ms)."""
+    threads: list[str] = []
+    real = snapshot.read_header
+
+    def recording(data: bytes) -> dict[str, Any]:
+        threads.append(threading.current_thread().name)
+        return real(data)
+
+    monkeypatch.setattr("arstream.app.migration.read_header", recording)
+    with running_server(cluster_settings("r1")) as r1:
+        assert r1.server is not None
+        loop_thread = r1.thread.name if r1.thread is not None else ""
+        assert _post_import(r1, _snapshot_bytes(FakeKVPipeline(window_frames=6))).status_code == 200
+    assert threads and loop_thread not in threads, threads
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("codec", "evil"),
+        ("quality", 10**9),
+        ("quality", 0),
+        ("last_tick_id", -5),
+        ("event_floor", -1),
+        ("pending_event_ids", [-1]),
+        ("recent_event_ids", list(range(257))),
+        ("seed", "7"),
+        ("id", "s-1\nINFO arstream.hub: a forged line"),
+        ("client_host", "10.0.0.1\nforged"),
+        ("controls", ["not", "an", "object"]),
+    ],
+)
+def test_a_session_section_a_replica_would_not_make_is_refused_naming_the_field(
+    field: str, value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Old code: each was taken (200), and the session failed later; the id's newline forged log lines."""
+    with running_server(cluster_settings("r1")) as r1:
+        free = r1.stats()["kv"]["blocks_free"]
+        with caplog.at_level(logging.INFO, logger="arstream"):
+            response = _post_import(r1, with_session(**{field: value}))
+        assert response.status_code == 400, response.text
+        assert field in response.json()["detail"] and "forged" not in response.json()["detail"]
+        assert at_baseline(r1, free)
+        # No log line carries what the sender wrote raw: a newline in it would start a line of its own.
+        assert not [r for r in caplog.records if "\n" in r.getMessage()]
+        # The same snapshot with the field as a replica makes it is taken (the refusal was that field's doing).
+        assert _post_import(r1, with_session()).status_code == 200
+
+
+def post_with_secret(server: LiveServer, secret: str, source: str = "127.0.0.1") -> int:
+    transport = httpx.HTTPTransport(local_address=source)
+    with httpx.Client(transport=transport, timeout=10.0) as client:
+        headers = {"authorization": f"Bearer {secret}"}
+        return client.post(server.base_url + IMPORT_PATH, content=b"x" * 64, headers=headers).status_code
+
+
+def test_guessing_the_cluster_secret_is_throttled_per_address() -> None:
+    """Old code: every wrong guess got its 401 at once, at any rate."""
+    with running_server(cluster_settings("r1")) as r1:
+        assert [post_with_secret(r1, f"guess-{i}") for i in range(CLUSTER_AUTH_BURST)] == [401] * CLUSTER_AUTH_BURST
+        assert post_with_secret(r1, "guess-next") == 429
+        # While throttled even the right secret is not compared (a 400 here would confirm a guess).
+        assert post_with_secret(r1, SECRET) == 429
+        # Another address is not held back: the right secret is checked and the body refused as malformed.
+        assert post_with_secret(r1, SECRET, source="127.0.0.2") == 400
