@@ -3,10 +3,11 @@
 Token: ``Authorization: Bearer T`` or ``?token=T`` (browsers cannot set
 headers on a WebSocket). ``--auth-token`` may hold several tokens separated
 by commas (one per tenant; ``max_sessions_per_token`` caps each). Origin: a
-request without an ``Origin`` header (scripts) passes; otherwise the origin
-must be on ``--allowed-origins`` (normalised at start-up, see
-:func:`arstream.app.settings.normalise_origin`), or, when that is empty, be
-the page's own origin: this server on the loopback names
+request without an ``Origin`` header (scripts) passes; so does the page's own
+origin, always (the server's own page must work whatever the allow list says);
+any other origin must be on ``--allowed-origins`` (normalised at start-up, see
+:func:`arstream.app.settings.normalise_origin`). The page's own origin is
+this server on the loopback names
 (``http://127.0.0.1:PORT``, ``http://localhost:PORT``, ``http://[::1]:PORT``)
 and, when the server listens beyond loopback (``--host 0.0.0.0``, a LAN
 address), whatever host the page was served as (the Origin's host equals the
@@ -79,24 +80,23 @@ def origin_refusal(
         return None
     # Browsers serialise origins in lower case; a proxy or script may not.
     origin = origin.rstrip("/").lower()
-    if "*" in allowed:
+    if "*" in allowed or origin in allowed:
         return None
-    if allowed:
-        if origin in allowed:
-            return None
-        return f"origin '{excerpt(origin)}' is not on --allowed-origins"
     if server_port and origin in same_host_origins(server_port):
         return None
     scheme, _, authority = origin.partition("://")
     host = headers.get("host", "").lower()
     if beyond_loopback and scheme in ("http", "https") and host and authority == host:
         return None
+    if allowed:
+        return f"origin '{excerpt(origin)}' is not on --allowed-origins (nor this server's own)"
     if beyond_loopback:
         return f"origin '{excerpt(origin)}' is not this server's own origin; list it in --allowed-origins"
+    own = f"http://127.0.0.1:{server_port}" if server_port else "this server's own address"
     return (
-        f"origin '{excerpt(origin)}' is not allowed: this server listens on loopback only, so only pages served from "
-        "127.0.0.1/localhost may connect (start it with --host 0.0.0.0 to serve other devices, or list the "
-        "origin in --allowed-origins)"
+        f"origin '{excerpt(origin)}' is not allowed: only this server's own pages ({own}, or localhost) may "
+        "connect; list the page's origin in --allowed-origins (a file:// page has none: open it from the server, "
+        "e.g. /examples/client.html)"
     )
 
 

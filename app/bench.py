@@ -333,7 +333,7 @@ class BareRunner:
     """The same model in this process, driven straight through the runtime's execute, one call per chunk boundary."""
 
     def __init__(
-        self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int, rewind_points: int
+        self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int, settings: Settings
     ) -> None:
         from arstream.runner.runtimes import build_runtime
 
@@ -344,7 +344,8 @@ class BareRunner:
             device=device,
             kv_budget_bytes=kv_budget_bytes,
             max_batch_sessions=max_batch_sessions,
-            rewind_points=rewind_points,
+            rewind_seconds=settings.rewind_seconds,
+            rewind_budget_bytes=settings.rewind_budget_bytes(),
         )
         self.runner.warmup()
         self.keys = control_keys(self.runner.model_card())
@@ -456,6 +457,8 @@ class ServeBench:
     def __enter__(self) -> ServeBench:
         from arstream.models.registry import load_pipeline
         from arstream.runner.pool import budget_for_sessions
+        from arstream.runner.contract import ARPipeline
+        from arstream.runner.runner import rewind_for
 
         args = self.args
         torch.set_num_threads(self.threads)
@@ -463,19 +466,22 @@ class ServeBench:
         keep_freed_memory()
         # The bare runner's model is loaded first: its KV spec sizes the budget both sides get.
         pipeline = load_pipeline(args.model, args.device, **self.options)
-        # Both sides keep the server's default rewind points (a boundary taken per chunk, counted in the budget).
-        rewind_points = Settings.model_fields["rewind_points"].default
-        spec = pipeline.kv_cache_spec()
-        needed = budget_for_sessions(
-            spec, args.sessions, max_batch_sessions=args.max_batch_sessions, rewind_points=rewind_points
+        # Both sides keep the server's default rewind horizon (a boundary taken per chunk, counted in the budget).
+        defaults = Settings()
+        rewind = (
+            rewind_for(pipeline, seconds=defaults.rewind_seconds, budget_bytes=defaults.rewind_budget_bytes())
+            if isinstance(pipeline, ARPipeline)
+            else None  # a vLLM-Omni pipeline: no rewind
         )
+        spec = pipeline.kv_cache_spec()
+        needed = budget_for_sessions(spec, args.sessions, max_batch_sessions=args.max_batch_sessions, rewind=rewind)
         self.kv_budget_bytes = args.kv_budget_bytes or max(DEFAULT_KV_BUDGET_BYTES, needed)
         self.bare = BareRunner(
             pipeline,
             device=args.device,
             kv_budget_bytes=self.kv_budget_bytes,
             max_batch_sessions=args.max_batch_sessions,
-            rewind_points=rewind_points,
+            settings=defaults,
         )
         self.serve_args = [
             "--torch-threads", str(self.threads),
@@ -484,7 +490,6 @@ class ServeBench:
             "--device", args.device,
             "--kv-budget-bytes", str(self.kv_budget_bytes),
             "--max-batch-sessions", str(args.max_batch_sessions),
-            "--rewind-points", str(rewind_points),
             "--log-level", "warning",
             *args.serve_arg,
         ]  # fmt: skip

@@ -22,7 +22,7 @@ joined by ``+`` (``w+d``), or ``-``/``none`` for no key; COUNT is how many ticks
 
 Sharing (PROTOCOL.md, "Rewind, branch and watch"): the client prints the share
 token its session got; ``--watch TOKEN`` watches that session as a viewer (saves
-``--chunks`` chunks of it, sends no ticks), ``--branch TOKEN --chunk B`` plays the
+``--chunks`` chunks of it, sends no ticks), ``--branch TOKEN [--chunk B]`` plays the
 key script in a new session that starts from the shared session's chunk boundary
 B, and ``--rewind-to B`` sends the key script's tick ``--rewind-after`` with
 ``rewind_to: B`` (the session goes back to boundary B and plays on from there).
@@ -287,7 +287,7 @@ class SessionClient:
         resume: str | None = None,
         image: dict[str, str] | None = None,
         watch: str | None = None,
-        branch: tuple[str, int] | None = None,
+        branch: tuple[str, int | None] | None = None,
     ) -> dict[str, Any]:
         """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
 
@@ -541,8 +541,11 @@ def say_ready(session: SessionClient) -> None:
         line += f" (branched from chunk {branched.get('chunk')})"
     if session.share_token:
         points = ready.get("rewind_points") or 0
-        line += f"; share token {session.share_token} (--watch TOKEN, or --branch TOKEN --chunk B"
-        line += f" within the last {points} chunks)" if points else "; rewind is off on this server)"
+        seconds = ready.get("rewind_seconds") or 0
+        line += f"; share token {session.share_token} (--watch TOKEN, or --branch TOKEN to branch from now"
+        # an older server gives no seconds, only how many chunks back its boundaries reach
+        held = f"of the last {seconds:g} s" if seconds else f"within the last {points} chunks"
+        line += f", --chunk B for a boundary {held})" if points else "; rewind is off on this server)"
     print(line, flush=True)
 
 
@@ -557,7 +560,7 @@ async def run_script(
     resume_on_drop: bool = False,
     image: dict[str, str] | None = None,
     rewind: Rewind | None = None,
-    branch: tuple[str, int] | None = None,
+    branch: tuple[str, int | None] | None = None,
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
 
@@ -850,12 +853,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     share.add_argument(
         "--branch",
         metavar="TOKEN",
-        help="play the key script in a new session that starts from chunk --chunk of the session with this share token",
+        help="play the key script in a new session that starts from the session with this share token: where it "
+        "is now, or at chunk boundary --chunk",
     )
-    share.add_argument("--chunk", type=int, metavar="B", help="with --branch: the chunk boundary to start from")
+    share.add_argument(
+        "--chunk", type=int, metavar="B", help="with --branch: the chunk boundary to start from (default: the latest)"
+    )
 
 
-def share_choice(args: argparse.Namespace, ticks: int) -> tuple[Rewind | None, tuple[str, int] | None]:
+def share_choice(args: argparse.Namespace, ticks: int) -> tuple[Rewind | None, tuple[str, int | None] | None]:
     """The rewind and branch options checked together (watch excludes what only a player does)."""
     if args.watch is not None:
         if args.branch is not None or args.rewind_to is not None or args.rewind_after is not None:
@@ -866,8 +872,8 @@ def share_choice(args: argparse.Namespace, ticks: int) -> tuple[Rewind | None, t
             raise ValueError(f"--chunks must be at least 1, got {args.chunks}")
     elif args.chunks is not None:
         raise ValueError("--chunks is for --watch (a player's chunks are its key script's ticks)")
-    if (args.branch is None) != (args.chunk is None):
-        raise ValueError("--branch TOKEN and --chunk B go together")
+    if args.chunk is not None and args.branch is None:
+        raise ValueError("--chunk B is for --branch TOKEN (the boundary to branch from)")
     if args.chunk is not None and args.chunk < 0:
         raise ValueError(f"--chunk must be at least 0, got {args.chunk}")
     branch = (args.branch, args.chunk) if args.branch is not None else None

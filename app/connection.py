@@ -160,6 +160,7 @@ class Connection:
                         max_start_image_bytes=upload_limit,
                         share=self.hub.shares.token(session.id),
                         rewind_points=self.hub.rewind_points,
+                        rewind_seconds=self.hub.rewind_seconds,
                         branched_from=opened.branched_from,
                     )
                 ),

@@ -16,6 +16,11 @@ ends (so a run cut short by a timeout still returns what it measured):
    sessions (1 and 2 on a CPU) with one server and one bare runner built for
    the largest count. A session count whose projected time would pass
    ``--deadline-s`` is skipped (and says so), so the run ends in time.
+4. ``decode_path``: matrix-game-2 served with the Wan VAE and with the TAEHV
+   decoder, each serial and with the decode overlapped with the next forward
+   (``--decode-overlap``): DiT and decode ms per round (/v1/stats phases),
+   overlap, and fps per session at 1, 2 and 4 sessions (1 and 2 on a CPU).
+   A variant that would start past the deadline is skipped (and says so).
 
 The last line printed is one JSON object: these phases, ``aims`` (the GPU
 targets, checked), ``errors`` (a phase that failed, with its message; the
@@ -25,6 +30,7 @@ others still run) and where the ``arstream`` package was imported from.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import math
@@ -73,6 +79,8 @@ class Profile:
     tiny_world_repeat: int
     warmup_chunks: int
     h264_frames: int
+    decode_sessions: tuple[int, ...]
+    decode_chunks: int
     deadline_s: float
     threads: int = field(default_factory=default_torch_threads)
 
@@ -97,6 +105,8 @@ def profile_for(device: str) -> Profile:
             tiny_world_repeat=3,
             warmup_chunks=2,
             h264_frames=100,
+            decode_sessions=(1, 2, 4),
+            decode_chunks=8,
             deadline_s=400.0,
         )
     return Profile(
@@ -110,6 +120,8 @@ def profile_for(device: str) -> Profile:
         tiny_world_repeat=1,
         warmup_chunks=1,
         h264_frames=12,
+        decode_sessions=(1, 2),
+        decode_chunks=2,
         deadline_s=math.inf,  # CI must see every phase
         threads=1,
     )
@@ -235,6 +247,68 @@ def matrix_game_sweep(
             save()
 
 
+# ---- phase 4: the decode path -------------------------------------------------------------------
+
+DECODE_VARIANTS = (("wan-vae", False), ("wan-vae", True), ("taehv", False), ("taehv", True))
+
+
+def _phase_totals(stats: dict[str, Any]) -> tuple[int, float, float, float]:
+    """(rounds, DiT ms, decode ms, overlap ms) summed since start-up, from /v1/stats' per-round means."""
+    phases = stats["phases"]
+    rounds = int(phases["rounds_total"])
+    return rounds, *(phases[key] * rounds for key in ("dit_ms_mean", "decode_ms_mean", "overlap_ms_mean"))
+
+
+def decode_variant_figures(profile: Profile, device: str, decoder: str, overlap: bool) -> dict[str, Any]:
+    """One server (this decoder, overlapped or serial) at each of ``profile.decode_sessions``."""
+    options = {**profile.matrix_game_options, "decoder": decoder}
+    largest = max(profile.decode_sessions)
+    serve_args = [
+        "--model", "matrix-game-2", "--model-options", json.dumps(options), "--device", device,
+        "--max-batch-sessions", str(largest), "--torch-threads", str(profile.threads), "--rewind-points", "0",
+        "--decode-overlap" if overlap else "--no-decode-overlap", "--log-level", "warning",
+    ]  # fmt: skip
+    figures: dict[str, Any] = {}
+    with bench.ServerProcess(serve_args) as server:
+        for sessions in profile.decode_sessions:
+            before = _phase_totals(server.get_json("/v1/stats"))
+            run = bench.server_phase(
+                server.sessions_url, sessions=sessions, chunks=profile.decode_chunks, input_every=4, codec="raw"
+            )
+            measured = asyncio.run(run)
+            after = _phase_totals(server.get_json("/v1/stats"))
+            rounds = max(after[0] - before[0], 1)
+            figures[str(sessions)] = {
+                "fps_per_session": round(bench.server_frames_per_s(measured) / sessions, 3),
+                "dit_ms_per_round": round((after[1] - before[1]) / rounds, 3),
+                "decode_ms_per_round": round((after[2] - before[2]) / rounds, 3),
+                "overlap_ms_per_round": round((after[3] - before[3]) / rounds, 3),
+                "rounds": rounds,
+            }
+    return figures
+
+
+def decode_path_sweep(
+    profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float], save: Callable[[], None]
+) -> None:
+    """Each decoder serial and overlapped, into ``report`` (``variants``, ``skipped``) as it goes."""
+    report.update(options=profile.matrix_game_options, sessions=list(profile.decode_sessions), variants={}, skipped={})
+    pace_s: float | None = None  # seconds the last variant took
+    for decoder, overlap in DECODE_VARIANTS:
+        name = f"{decoder}/{'overlapped' if overlap else 'serial'}"
+        left = time_left_s()
+        if left <= 0 or (pace_s is not None and pace_s > left):
+            took = "nothing measured yet" if pace_s is None else f"the last variant took {pace_s:.0f} s"
+            report["skipped"][name] = f"{took}, {max(left, 0):.0f} s left"
+            save()
+            continue
+        print(f"== decode path: {name}", flush=True)
+        started = time.perf_counter()
+        report["variants"][name] = decode_variant_figures(profile, device, decoder, overlap)
+        pace_s = time.perf_counter() - started
+        save()
+
+
 # ---- the targets ---------------------------------------------------------------------------------
 
 
@@ -319,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
         "h264": None,
         "tiny_world": None,
         "matrix_game": None,
+        "decode_path": None,
         "aims": None,
         "errors": {},
         "arstream_modules_elsewhere": [],
@@ -360,6 +435,17 @@ def run(args: argparse.Namespace) -> int:
             profile,
             args.device,
             result["matrix_game"],
+            time_left_s=lambda: profile.deadline_s - (time.perf_counter() - started),
+            save=save,
+        ),
+    )
+    result["decode_path"] = {}
+    phase(
+        "decode_path",
+        lambda: decode_path_sweep(
+            profile,
+            args.device,
+            result["decode_path"],
             time_left_s=lambda: profile.deadline_s - (time.perf_counter() - started),
             save=save,
         ),

@@ -200,7 +200,7 @@ class Handshake:
     async def _branch(self, start: StartMessage) -> Opened | None:
         """A new session from another's chunk boundary (PROTOCOL.md, "Rewind, branch and watch")."""
         assert start.branch is not None
-        boundary = start.branch.chunk
+        asked = start.branch.chunk  # None: the latest boundary, where the source is when the branch is made
         source_id = await self._shared_session(start.branch.share)
         if source_id is None:
             return None
@@ -213,11 +213,12 @@ class Handshake:
         worker = self.hub.worker
         assert worker is not None
         new_id = self.connection.session_id
+        where = "its latest chunk" if asked is None else f"chunk {asked}"
         try:
-            await worker.branch_session(source_id, boundary, new_id)
+            boundary = await worker.branch_session(source_id, asked, new_id)
         except RewindUnavailable as exc:
-            log.info("session=%s branch from chunk %d refused: %s", new_id, boundary, exc)
-            await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from chunk {boundary}: {exc}")
+            log.info("session=%s branch from %s refused: %s", new_id, where, exc)
+            await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from {where}: {exc}")
             return None
         except PoolExhausted as exc:
             await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")

@@ -9,6 +9,7 @@ and closes every session with ``server_shutdown`` when the server stops.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -165,7 +166,9 @@ class SessionHub:
             kv_budget_bytes=settings.resolved_kv_budget_bytes(),
             memory_fraction=settings.memory_fraction,
             max_batch_sessions=settings.resolved_max_batch_sessions(),
-            rewind_points=settings.rewind_points,
+            rewind_seconds=settings.rewind_seconds,
+            rewind_budget_bytes=settings.rewind_budget_bytes(),
+            split_decode=settings.resolved_decode_overlap(),
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
@@ -175,7 +178,9 @@ class SessionHub:
         assert self._loaded is not None and self.worker is not None
         if error is not None:
             self.load_error = error
-            self.not_ready_reason = f"the model failed to load: {type(error).__name__}: {error}"
+            # A TypeError from the loader is a keyword it does not take: an option the user gave.
+            options = f" with --model-options {json.dumps(self.settings.model_options)}" if isinstance(error, TypeError) else ""
+            self.not_ready_reason = f"the model failed to load{options}: {error}"
         else:
             card = self.worker.model_card or {}
             try:
@@ -227,10 +232,16 @@ class SessionHub:
 
     @property
     def rewind_points(self) -> int:
-        """Chunk boundaries each session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
+        """Most chunk boundaries a session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
         keeps none (vllm-omni, a model without rewind)."""
         stats = self.worker.runner_stats if self.worker else None
         return stats.rewind_points if stats is not None else 0
+
+    @property
+    def rewind_seconds(self) -> float:
+        """How far back those boundaries reach, in seconds of play (``ready.rewind_seconds``)."""
+        stats = self.worker.runner_stats if self.worker else None
+        return stats.rewind_seconds if stats is not None else 0.0
 
     def live_or_detached_session(self, session_id: str) -> Session | None:
         """The protocol state of a session this replica holds (connected or detached), or None."""
@@ -421,4 +432,6 @@ class SessionHub:
                 "rounds_total": worker.round_times.rounds_total,
                 "round_sessions_total": worker.round_times.round_sessions_total,
             },
+            # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
+            "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
         }

@@ -160,6 +160,16 @@ class ReplicaCollector(Collector):
         if worker is None or worker.runner_stats is None or not hub.model_card:
             return
         yield _gauge("arstream_queue_depth", "Ticks waiting for the model worker", worker.queue_depth)
+        rounds, dit_s, decode_s, overlap = worker.phase_seconds()
+        for name, help_text, value in (
+            ("arstream_rounds", "Worker rounds whose phases are counted below", rounds),
+            ("arstream_round_dit_seconds", "Time in DiT forwards, summed over rounds", dit_s),
+            ("arstream_round_decode_seconds", "Time in decodes run apart from their forward, summed over rounds", decode_s),
+            ("arstream_round_overlap_seconds", "Time a decode and the next forward ran at once, summed", overlap),
+        ):
+            counter = CounterMetricFamily(name, help_text)
+            counter.add_metric([], value)
+            yield counter
         yield _gauge("arstream_free_session_slots", "New sessions the replica would admit now", free_slots(hub))
         fps = hub.model_card.get("fps")
         if isinstance(fps, (int, float)) and fps > 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -183,10 +184,11 @@ ShareToken = Annotated[str, Field(min_length=1, max_length=MAX_RESUME_TOKEN_CHAR
 
 
 class BranchSpec(_ClientMessage):
-    """``start.branch``: a new session from chunk boundary ``chunk`` of the session ``share`` names."""
+    """``start.branch``: a new session from chunk boundary ``chunk`` of the session ``share`` names (absent:
+    its latest boundary, where it is when the branch is made)."""
 
     share: ShareToken
-    chunk: WireId
+    chunk: WireId | None = None
 
 
 class StartMessage(_ClientMessage):
@@ -322,12 +324,12 @@ def ready_message(
     *, session_id: str, model_card: dict[str, Any], codec: str, max_pending_ticks: int, max_message_bytes: int,
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
     max_start_image_bytes: int | None = None, share: str | None = None, rewind_points: int = 0,
-    role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
+    rewind_seconds: float = 0.0, role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
 ) -> dict[str, Any]:
     """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
 
     ``max_start_image_bytes`` goes in ``limits`` when the model offers start images. ``share`` (the share
-    token), ``rewind_points``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
+    token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
     "Rewind, branch and watch" fields.
     """
     message = {
@@ -355,6 +357,7 @@ def ready_message(
         message["share"] = {"token": share}
     if rewind_points:
         message["rewind_points"] = rewind_points
+        message["rewind_seconds"] = round(rewind_seconds, 3)
     if branched_from is not None:
         message["branched_from"] = {"chunk": branched_from}
     return message
@@ -362,8 +365,13 @@ def ready_message(
 
 def chunk_message(
     *, tick_id: int, chunk_index: int, frames: int, applied_event_ids: list[int], restarted: str | None,
-    queue_ms: float, compute_ms: float, encode_ms: float, rewind_points: tuple[int, int] | None = None,
+    queue_ms: float, compute_ms: float, encode_ms: float, rewind_points: Sequence[int] | None = None,
 ) -> dict[str, Any]:
+    """The `chunk` header; ``rewind_points`` lists every boundary a later ``rewind_to`` may name, oldest first.
+
+    On the wire it is ``rewind_points: [oldest, newest]`` (as protocol 1 had it) and ``rewind_held``, the
+    whole list (older boundaries are thinned out, so not every index between the two is held).
+    """
     message: dict[str, Any] = {
         "type": "chunk",
         "tick_id": tick_id,
@@ -373,8 +381,9 @@ def chunk_message(
         "restarted": restarted,
         "timings": {"queue_ms": round(queue_ms, 3), "compute_ms": round(compute_ms, 3), "encode_ms": round(encode_ms, 3)},
     }
-    if rewind_points is not None:
-        message["rewind_points"] = list(rewind_points)
+    if rewind_points:
+        message["rewind_points"] = [rewind_points[0], rewind_points[-1]]
+        message["rewind_held"] = list(rewind_points)
     return message
 
 

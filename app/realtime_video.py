@@ -39,6 +39,7 @@ from starlette.websockets import WebSocket
 from arstream.app import auth
 from arstream.app.outbox import Outbox, QueuedText
 from arstream.app.fmp4 import fmp4_codec
+from arstream.app.codecs import FMP4
 from arstream.app.guard import limit_messages, transport_control
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
@@ -190,6 +191,10 @@ class RealtimeVideoConnection:
             return
         request = await self._await_start()
         if request is None:
+            return
+        no_video = FMP4.unavailable_reason()  # said before admission, not as a failure at every tick
+        if no_video is not None:
+            await self._refuse(f"this server cannot stream realtime video: {no_video}", ErrorCode.INVALID_MESSAGE)
             return
         limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
         start_image = None

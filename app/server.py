@@ -30,12 +30,15 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse, Response
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 from arstream import __version__
+from arstream.app.address import display_host, network_lines, refusal_before_loading
+from arstream.app.codecs import FMP4
 from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
 from arstream.app.connection import Connection
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
@@ -46,13 +49,14 @@ from arstream.app.metrics import ReplicaCollector
 from arstream.app.migration import Migration, add_cluster_routes
 from arstream.app.peers import own_urls
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
-from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
+from arstream.app.settings import Settings, add_serve_arguments, settings_from_args
 from arstream.cli import main_for
 from arstream.runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+NOT_FOUND_PAGE = "not-found.html"
 LISTENING_MARKER = "ARSTREAM_LISTENING"
 AGENT_MARKER = "ARSTREAM_AGENT"
 DRAIN_REPORT_MARKER = "ARSTREAM_DRAIN_REPORT"
@@ -135,6 +139,14 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
 
     # Private routes for the cluster (drain, moved sessions); off without a cluster secret.
     app.state.migration = add_cluster_routes(app, hub)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def friendly_not_found(request: Request, exc: StarletteHTTPException) -> Response:
+        """A browser that asks for a page that is not there gets a page with a way back to ``/``; APIs keep JSON."""
+        page = STATIC_DIR / NOT_FOUND_PAGE
+        if exc.status_code == 404 and "text/html" in request.headers.get("accept", "") and page.is_file():
+            return HTMLResponse(page.read_text(), status_code=404)
+        return await http_exception_handler(request, exc)
 
     if STATIC_DIR.is_dir():
         # Last, so the API routes win.
@@ -257,16 +269,41 @@ def build_server(settings: Settings, pipeline: ARPipeline | None = None, **confi
     return ARStreamServer(uvicorn_config(app, settings, **config_overrides), app.state.hub)
 
 
-def display_host(host: str) -> str:
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
+class HeldRunningLine(logging.Filter):
+    """Holds back uvicorn's "Uvicorn running on ..." until the model is ready, so a server whose model fails to
+    load never says it is running (the failure is its one line); released, the line is logged as it was."""
+
+    PREFIX = "Uvicorn running on"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: logging.LogRecord | None = None
+        self.released = False
+
+    @classmethod
+    def install(cls) -> HeldRunningLine:
+        logger = logging.getLogger("uvicorn.error")
+        for old in [f for f in logger.filters if isinstance(f, cls)]:
+            logger.removeFilter(old)
+        held = cls()
+        logger.addFilter(held)
+        return held
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.released or not record.getMessage().startswith(self.PREFIX):
+            return True
+        self.held = record
+        return False
+
+    def release(self) -> None:
+        self.released = True
+        if self.held is not None:
+            logging.getLogger("uvicorn.error").handle(self.held)
 
 
 async def serve(server: ARStreamServer) -> int:
     """Run until stopped; print the listening line once the port is bound and the model is ready."""
+    running_line = HeldRunningLine.install()
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
@@ -286,8 +323,10 @@ async def serve(server: ARStreamServer) -> int:
             print(f"{AGENT_MARKER} {display_host(server.config.host)}:{agent_port}", flush=True)
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
-    elif loaded.done():
-        print(f"arstream serve: {server.hub.not_ready_reason}", file=sys.stderr, flush=True)
+        for line in network_lines(server.config.host, server.bound_port):
+            print(line, flush=True)
+        running_line.release()
+    elif loaded.done():  # the hub has logged why, in one line
         server.should_exit = True
     else:
         loaded.cancel()
@@ -295,36 +334,21 @@ async def serve(server: ARStreamServer) -> int:
     return 1 if server.hub.load_error is not None else 0
 
 
-def port_taken(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound (checked before the model loads, with uvicorn's options), or None."""
-    if port == 0:
-        return None
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return f"cannot listen on {display_host(host)}:{port} ({exc.strerror}); choose another with --port"
-    return None
-
-
 add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch
 
 
 def run(args: argparse.Namespace) -> int:
-    # Every setting is checked here, before a port is bound or a model loaded.
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        print(f"arstream serve: {describe_settings_error(exc)}", file=sys.stderr)
-        return 2
+    # Every setting and the address are checked before a port is bound or a model loaded (the CLI has
+    # checked them once already, before importing this module and torch; `python -m` comes straight here).
+    refused = refusal_before_loading(args)
+    if refused is not None:
+        return refused
+    settings = settings_from_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if (taken := port_taken(settings.host, settings.port)) is not None:
-        print(f"arstream serve: {taken}", file=sys.stderr)
-        return 2
+    if (missing := FMP4.unavailable_reason()) is not None:  # the README's install has no PyAV
+        log.warning("the realtime video page (/realtime-video.html, %s) is off: %s", REALTIME_VIDEO_PATH, missing)
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)

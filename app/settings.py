@@ -73,13 +73,26 @@ class Settings(BaseSettings):
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
-    rewind_points: int = Field(
-        8,
+    decode_overlap: bool | None = Field(
+        None,
+        description="decode each round's chunks on a thread (a CUDA stream) of its own while the next round's forward "
+        "runs, for models that split forward and decode (matrix-game-2, fake-kv); default: on for accelerators, off "
+        "on CPU (docs/decode.md)",
+    )
+    rewind_seconds: float = Field(
+        30.0,
         ge=0,
-        le=1024,
-        description="chunk boundaries each session keeps to rewind to or branch from (the last K chunks; shared KV "
-        "blocks plus a copy of the model's per-session state each, counted in capacity); 0 turns rewind off "
+        le=3600,
+        description="how far back a session may rewind or be branched from, in seconds of play: every chunk "
+        "boundary of the last 2 s, sparser further back, within --rewind-budget-mib; 0 turns rewind off "
         "(docs/rewind.md)",
+    )
+    rewind_budget_mib: float = Field(
+        32.0,
+        ge=0,
+        description="memory each session's rewind points may take on top of the session (shared KV blocks and "
+        "copies of the model's per-session state), counted in capacity; a model whose points cost more gets "
+        "fewer, sparser ones, or a shorter horizon (docs/rewind.md)",
     )
     runtime: RuntimeName = Field(
         "arstream",
@@ -357,11 +370,20 @@ class Settings(BaseSettings):
             return None
         return CPU_KV_BUDGET_BYTES
 
+    def rewind_budget_bytes(self) -> int:
+        return int(self.rewind_budget_mib * 1024 * 1024)
+
     def resolved_max_batch_sessions(self) -> int:
         """Explicit, else :func:`default_max_batch_sessions` for the device."""
         if self.max_batch_sessions is not None:
             return self.max_batch_sessions
         return default_max_batch_sessions(self.device)
+
+    def resolved_decode_overlap(self) -> bool:
+        """Explicit, else on for accelerators: on a CPU the forward and the decode share the same cores."""
+        if self.decode_overlap is not None:
+            return self.decode_overlap
+        return self.device.split(":")[0] != "cpu"
 
     def resolved_torch_threads(self) -> int:
         """Explicit, else leave a core to the event loop and frame encoding."""

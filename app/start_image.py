@@ -38,7 +38,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from arstream.app.encoding import lower_thread_priority
 from arstream.runner.types import StartImage, centre_crop_box
@@ -194,9 +194,13 @@ def decode_pixels(encoded: bytes, limits: ImageLimits) -> np.ndarray:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # Pillow's own limit, far above ours, fired in Image.open: a header claiming an enormous picture.
         raise StartImageRefused(f"the start image claims too many pixels ({exc})") from None
+    except UnidentifiedImageError:
+        raise StartImageRefused(f"start.image.data is not a {', '.join(ALLOWED_FORMATS)} file") from None
     except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds (OSError, SyntaxError, ValueError, ...)
+        # The reason, without Python's names for objects (the client sees this): "<_io.BytesIO object at 0x...>".
+        reason = re.sub(r"<[^<>]* object at 0x[0-9a-fA-F]+>", "the file", str(exc))
         raise StartImageRefused(
-            f"start.image.data is not a {', '.join(ALLOWED_FORMATS)} file that decodes: {type(exc).__name__}: {exc}"
+            f"start.image.data is not a {', '.join(ALLOWED_FORMATS)} file that decodes: {reason}"
         ) from None
     pixels.flags.writeable = False  # pipelines share it through every tick; none may change it
     return pixels

@@ -167,9 +167,14 @@ def decode_frame(message: bytes) -> tuple[FrameHeader, np.ndarray]:
     return header, decode_payload(header, payload)
 
 
+def _present(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that have a value (an absent field and a null one mean the same to the server)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def _message(fields: dict[str, Any]) -> str:
     # allow_nan=False: the server refuses NaN/Infinity, so fail here with a Python error instead.
-    return json.dumps({k: v for k, v in fields.items() if v is not None}, allow_nan=False)
+    return json.dumps(_present(fields), allow_nan=False)
 
 
 def _check_id(name: str, value: int) -> None:
@@ -186,12 +191,13 @@ def start_message(
     resume: str | None = None,
     image: dict[str, str] | None = None,
     watch: str | None = None,
-    branch: tuple[str, int] | None = None,
+    branch: tuple[str, int | None] | None = None,
 ) -> str:
     """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one.
 
     ``image`` is ``start.image`` (:func:`start_image_field`). ``watch`` (a share token) starts a viewer of
-    that session; ``branch`` (share token, chunk boundary) a new session from that boundary of the shared one.
+    that session; ``branch`` (share token, chunk boundary) a new session from that boundary of the shared one
+    (boundary None: its latest, where it is when the branch is made).
     """
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {codec!r}")
@@ -199,7 +205,7 @@ def start_message(
         {
             "type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume,
             "image": image, "watch": watch,
-            "branch": {"share": branch[0], "chunk": branch[1]} if branch is not None else None,
+            "branch": _present({"share": branch[0], "chunk": branch[1]}) if branch is not None else None,
         }
     )
 

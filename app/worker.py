@@ -20,7 +20,17 @@ The worker runs forwards and nothing else: every outcome goes to the
 deliver to the event loop while the next forward runs, in order per session
 (each session's lane carries its chunks, its errors and its position reports).
 Each round's wall time is recorded per number of sessions in it, for realtime
-admission (:mod:`arstream.app.admission`). The queue is bounded by
+admission (:mod:`arstream.app.admission`).
+
+Decode overlap (``decode_overlap``, a runtime with ``split_decode``): a
+round's forward returns latents, which :class:`~arstream.app.decode_stage.DecodeStage`
+decodes on its own thread while the next round's forward runs. The worker
+joins that decode after the next forward and sends its outcomes before
+anything of the next round, so every session's chunks stay in order; a decode
+failure releases that session (fail closed, every block back) and its next
+chunk, already forwarded, is dropped. Control jobs (releases, snapshots,
+positions) and idle waits join the decode first. :attr:`ModelWorker.phases`
+sums DiT, decode and overlap time per round. The queue is bounded by
 the sessions' credits (sessions x ``max_pending_ticks``); the event loop
 enforces the credits and the worker checks the bound.
 """
@@ -40,12 +50,13 @@ from typing import TypeVar
 import numpy as np
 
 from arstream.app.admission import RoundTimes
+from arstream.app.decode_stage import DecodedRound, DecodeStage, RoundPhases, overlap_s
 from arstream.app.encoding import EncoderPool
 from arstream.app.scheduler import RoundScheduler, Run, TickLanes
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
-from arstream.runner.runtimes import Runtime
+from arstream.runner.runtimes import Runtime, SplitDecodeRuntime
 from arstream.runner.snapshot import SessionSnapshot, import_session, transferable, unstarted_snapshot
 from arstream.runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
 from arstream.runner.stats import RunnerStats
@@ -85,7 +96,7 @@ class TickOutcome:
     codec: str = ""
     quality: int = 0
     frames: np.ndarray | None = None
-    rewind_points: tuple[int, int] | None = None  # boundaries a later rewind_to may name (None: rewind off)
+    rewind_points: tuple[int, ...] | None = None  # boundaries a later rewind_to may name, oldest first (None: off)
 
     @property
     def applied_event_ids(self) -> list[int]:
@@ -135,6 +146,17 @@ class _Handoff:
                 log.exception("delivering a worker result failed")
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    """A chunk handed to the decode stage, with what its outcome needs."""
+
+    job: TickJob
+    inputs: ChunkInputs
+    restarted: str | None
+    queue_s: float
+    forward_s: float
+
+
 class QueueBoundExceeded(RuntimeError):
     """More ticks were queued than the sessions' credits allow (a server bug)."""
 
@@ -175,6 +197,8 @@ class ModelWorker:
         self._times_lock = threading.Lock()
         self._compute_times: deque[float] = deque(maxlen=COMPUTE_TIMES_KEPT)
         self.round_times = RoundTimes()
+        self.phases = RoundPhases()
+        self._decode_stage: DecodeStage[_Decoding] | None = None
         self._encoders = EncoderPool(encode_threads, nice=encoder_nice)
         self._handoff = _Handoff(loop)
         self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
@@ -289,15 +313,16 @@ class ModelWorker:
 
         return self._control(adopt, lane=None)
 
-    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> asyncio.Future[None]:
-        """Resolves once ``new_session_id`` is resident, continuing from ``source_id``'s chunk boundary
-        ``boundary``; :class:`RewindUnavailable` when the boundary is not held, the runtime's capacity error
-        when there is no room."""
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
+        """Resolves to the boundary once ``new_session_id`` is resident, continuing from ``source_id``'s chunk
+        boundary ``boundary`` (None: where the source is now); :class:`RewindUnavailable` when the boundary is
+        not held, the runtime's capacity error when there is no room."""
 
-        def branch(runner: Runtime) -> None:
-            runner.branch_session(source_id, boundary, new_session_id)
+        def branch(runner: Runtime) -> int:
+            index = runner.branch_session(source_id, boundary, new_session_id)
             self._produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
             self._encoders.restart_stream(new_session_id)
+            return index
 
         return self._control(branch, lane=None)
 
@@ -363,6 +388,21 @@ class ModelWorker:
 
         self._encoders.submit(session_id + VIEWERS_LANE_SUFFIX, encode)
 
+    @property
+    def decode_overlap(self) -> bool:
+        """Whether decodes run on the decode stage, beside the next forward."""
+        return self._decode_stage is not None
+
+    def phases_summary(self) -> dict[str, float | int]:
+        with self._times_lock:
+            return self.phases.summary()
+
+    def phase_seconds(self) -> tuple[int, float, float, float]:
+        """(rounds, DiT s, decode s, overlap s) since start-up, for /metrics."""
+        with self._times_lock:
+            p = self.phases
+            return p.rounds_total, p.dit_seconds_total, p.decode_seconds_total, p.overlap_seconds_total
+
     def compute_ms_percentiles(self) -> tuple[float | None, float | None]:
         with self._times_lock:
             times = list(self._compute_times)
@@ -380,6 +420,8 @@ class ModelWorker:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("model worker still busy after %.1f s; leaving it (daemon thread)", timeout_s)
+        if self._decode_stage is not None and not self._thread.is_alive():
+            self._decode_stage.shutdown()
         # Sessions are closed by now: what the encoders still hold would be dropped on delivery.
         self._encoders.shutdown(wait=not self._thread.is_alive())
 
@@ -390,6 +432,8 @@ class ModelWorker:
             self.runner = self._build_runner()
             self.runner.on_evict = self._on_evict
             self.model_card = self.runner.model_card()
+            if isinstance(self.runner, SplitDecodeRuntime) and self.runner.split_decode:
+                self._decode_stage = DecodeStage(self.runner, self.runner.device, on_done=self._wake)
             # Warm-up's round time per batch size: realtime admission's first figures.
             warmup_round_s = self.runner.warmup_round_s
             for sessions, seconds in warmup_round_s.items():
@@ -398,7 +442,8 @@ class ModelWorker:
             self._scheduler.last_round_s = warmup_round_s.get(1, 0.0)
             self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which decides to exit
-            log.exception("model failed to load")
+            # The hub says why in one line; the traceback is for debugging (a bad --model-options is no bug).
+            log.debug("model failed to load", exc_info=True)
             self._loop.call_soon_threadsafe(self._on_ready, exc)
             return
         self._loop.call_soon_threadsafe(self._on_ready, None)
@@ -420,15 +465,26 @@ class ModelWorker:
     def _next_work(self) -> Callable[[], None] | list[TickJob] | None:
         """Wait for the next control job or round of ticks (call with the lock held); None when stopping."""
         assert self.runner is not None
+        # A decode in flight is joined before a control job (it sees whole chunks, after their outcomes), before
+        # stopping, and once it is done while no round is ready (its chunks must not wait for the next tick; until
+        # then a tick that arrives still gets its forward beside the decode: the stage's end wakes this wait).
         while True:
+            stage = self._decode_stage
+            decoding = stage is not None and stage.busy
             if self._controls:
-                return self._controls.popleft()
+                return self._join_decode if decoding else self._controls.popleft()
             if self._stopping:
-                return None
+                return self._join_decode if decoding else None
             step = self._scheduler.next_round(self._lanes.line, self.runner.batch_limit, now=time.monotonic())
             if isinstance(step, Run):
                 return self._lanes.take_round(step.sessions)
+            if stage is not None and stage.done:
+                return self._join_decode
             self._cond.wait(step.seconds)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _publish_stats(self) -> None:
         if self.runner is not None:
@@ -484,18 +540,28 @@ class ModelWorker:
             results = self.runner.execute([tick for _, _, tick in runnable])
         except Exception as exc:  # noqa: BLE001 - model errors come back per tick; this is a server fault
             log.exception("runner failed outside any one forward")
+            self._join_decode()
             for job, _, _ in runnable:
                 error = f"runner failed: {type(exc).__name__}: {exc}"
                 self._send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
             return
+        forward_s = time.perf_counter() - started
+        # The previous round's decode ran beside this forward: its outcomes go first (each session's in order).
+        self._join_decode(beside=(started, started + forward_s),
+                          later_events={job.session.id: inputs.events for job, inputs, _ in runnable})
         round_s = time.perf_counter() - started
         self.round_times.record(len(runnable), round_s)
         with self._cond:
             self._scheduler.round_ran([job.session.id for job, _, _ in runnable], round_s)
         # Before any outcome leaves, so a client that has its chunk sees the pool as that round left it.
         self._publish_stats()
+        decoding: list[tuple[_Decoding, ChunkResult]] = []
         for (job, inputs, _tick), result in zip(runnable, results):
             queue_s = started - job.accepted_at
+            if isinstance(result, ChunkResult) and result.pending is not None and job.session.id in self._failed:
+                # Its previous chunk's decode failed while this forward ran: the session is gone, this chunk too.
+                self._send(TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed"))
+                continue
             if isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable):
                 # Nothing ran and the session is as it was: only this tick is refused.
                 job.session.restore_events(inputs.events)
@@ -507,15 +573,53 @@ class ModelWorker:
                 continue
             self._failed.discard(job.session.id)
             self._produced.add(job.session.id)
-            with self._times_lock:
-                self._compute_times.append(result.compute_s)
             restarted = restart_reason(
                 reset=job.reset,
                 new_rollout=result.new_rollout,
                 produced_before=produced_before[job.session.id],
                 rewound=result.restarted == "rewind",
             )
+            if result.pending is not None:
+                decoding.append((_Decoding(job, inputs, restarted, queue_s, forward_s), result))
+                continue
+            with self._times_lock:
+                self._compute_times.append(result.compute_s)
             self._encode_and_send(job, inputs, result, restarted, queue_s)
+        if decoding and self._decode_stage is not None:
+            self._decode_stage.submit([item for item, _ in decoding], [result for _, result in decoding])
+        else:
+            with self._times_lock:
+                self.phases.record(forward_s, 0.0, 0.0)
+
+    def _join_decode(
+        self, beside: tuple[float, float] | None = None, later_events: dict[str, tuple[PendingEvent, ...]] | None = None
+    ) -> None:
+        """Wait for the decode in flight and send its outcomes; release every session whose decode failed.
+
+        ``beside``: the forward that ran meanwhile (for the overlap figure). ``later_events``: the events
+        of each session's tick in that forward, put back behind a failed chunk's own.
+        """
+        stage = self._decode_stage
+        decoded: DecodedRound[_Decoding] | None = None if stage is None else stage.join()
+        if decoded is None:
+            return
+        assert self.runner is not None and isinstance(self.runner, SplitDecodeRuntime)
+        forward_s = decoded.items[0].forward_s if decoded.items else 0.0
+        shared = 0.0 if beside is None else overlap_s((decoded.started, decoded.ended), beside)
+        with self._times_lock:
+            self.phases.record(forward_s, decoded.decode_s, shared)
+        for item, result in zip(decoded.items, decoded.results):
+            if isinstance(result, TickFailure):
+                self.runner.fail_session(item.job.session.id)
+                item.job.session.restore_events((later_events or {}).get(item.job.session.id, ()))
+                self._model_failed(item.job, item.inputs, result, item.queue_s)
+                continue
+            with self._times_lock:
+                self._compute_times.append(result.compute_s)
+            self._encode_and_send(item.job, item.inputs, result, item.restarted, item.queue_s)
+        # Rewind points taken while that decode ran get its decoder state, before the next decode changes it.
+        self.runner.complete_boundaries()
+        self._publish_stats()
 
     def _model_failed(self, job: TickJob, inputs: ChunkInputs, failure: TickFailure, queue_s: float) -> None:
         """The runner failed closed for this tick's session; the client hears session_failed."""
@@ -581,6 +685,6 @@ class ModelWorker:
             codec=codec,
             quality=quality,
             frames=result.frames if keep_frames else None,
-            rewind_points=result.rewind_points,
+            rewind_points=result.rewind_held,
         )
         self._handoff.call(lambda: self._deliver(chunk))

@@ -25,6 +25,9 @@ class Command:
     summary: str  # one line for the parent's command list
     # "module:function" adding the options, where that is lighter than importing ``module`` (no torch for --help)
     arguments: str | None = None
+    # "module:function" checking the parsed options before ``module`` is imported: an exit status, or None to go
+    # on (so a bad flag is refused in well under a second, not after torch has loaded)
+    precheck: str | None = None
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -33,6 +36,7 @@ COMMANDS: tuple[Command, ...] = (
         "arstream.app.server",
         "serve a world model over WebSocket, with the demo page at /",
         arguments="arstream.app.settings:add_serve_arguments",
+        precheck="arstream.app.address:refusal_before_loading",
     ),
     Command(("drain",), "arstream.app.drain", "move a replica's live sessions to peers, then let it exit"),
     Command(("client",), "arstream.app.client", "run one scripted session against a server and save its frames"),
@@ -81,6 +85,11 @@ def command_functions(command: Command) -> tuple[Callable[[argparse.ArgumentPars
     add_options = getattr(importlib.import_module(module_name), function)
 
     def run(args: argparse.Namespace) -> int:
+        if command.precheck is not None:
+            check_module, _, check = command.precheck.partition(":")
+            refused = getattr(importlib.import_module(check_module), check)(args)
+            if refused is not None:
+                return int(refused)
         return int(importlib.import_module(command.module).run(args) or 0)
 
     return add_options, run

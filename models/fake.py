@@ -13,6 +13,12 @@ records the start image every tick carried (session id, StartImage or None).
 It batches sessions (``generate_chunks``): one forward runs every row's passes,
 and a row asking to fail fails the whole batched forward, as a real model's
 error would; the runner then retries each session alone.
+
+It splits its forward from its decode (``SupportsSplitDecode``): the forward
+makes the frames' values, the decode (``decode_delay_s``, a sleep that holds
+no GIL, like a GPU kernel's wait) hands them over and counts, per session,
+the chunks decoded: its decoder state, which must follow the chunks in order.
+Controls ``{"fail_decode": true}`` raise in that chunk's decode.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import torch
 
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.contract import ModelState
+from arstream.runner.decode_states import DecoderStates
 from arstream.runner.kv_state import write_and_gather_rows
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import StartImage, TickRequest
+from arstream.runner.types import PendingDecode, StartImage, TickRequest
 
 KEYS = ("w", "a", "s", "d")
 SCRATCH_POISON = -1.0e6
@@ -66,6 +73,7 @@ class FakeKVPipeline(SessionStateBinding):
         width: int = 8,
         height: int = 8,
         compute_delay_s: float = 0.0,
+        decode_delay_s: float = 0.0,
         denoise_passes: int = 1,
         reads_prompt: bool = False,
         start_images: Sequence[str] = (),
@@ -86,6 +94,9 @@ class FakeKVPipeline(SessionStateBinding):
         self.width = width
         self.height = height
         self.compute_delay_s = compute_delay_s
+        self.decode_delay_s = decode_delay_s
+        # chunks decoded per session: the decoder state a split decode keeps in order
+        self.decoder_states: DecoderStates[int] = DecoderStates()
         self.denoise_passes = denoise_passes
         # The fake ignores prompts; ``reads_prompt`` only changes its card, so tests can show the demo's prompt box.
         self.reads_prompt = reads_prompt
@@ -112,6 +123,7 @@ class FakeKVPipeline(SessionStateBinding):
                 "properties": {
                     "keys": {"type": "array", "items": {"enum": list(KEYS)}, "uniqueItems": True, "maxItems": 4},
                     "fail": {"type": "boolean"},
+                    "fail_decode": {"type": "boolean"},
                 },
                 "additionalProperties": False,
             },
@@ -121,13 +133,36 @@ class FakeKVPipeline(SessionStateBinding):
         return card
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        return self._forward([tick])[0]
+        return self._decode(self._forward([tick]))[0]
 
     def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
         """The batched forward: every pass runs all rows, row ``i`` on ``ticks[i]``'s session KV."""
-        return self._forward(ticks)
+        return self._decode(self._forward(ticks))
 
-    def _forward(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+    def generate_latents(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
+        chunks = self._forward(ticks)
+        for chunk in chunks:
+            self.decoder_states.begin(chunk.session_id, chunk.chunk_index)
+        return chunks
+
+    def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
+        """:meth:`_decode`, each session's chunks in order (counted in its decoder state)."""
+        decoded = [self.decoder_states.before(c.session_id, c.chunk_index) or 0 for c in chunks]
+        frames = self._decode(chunks)  # a failure stores nothing: the runner may retry each chunk alone
+        for c, count in zip(chunks, decoded):
+            self.decoder_states.finish(c.session_id, c.chunk_index, count + 1)
+        return frames
+
+    def _decode(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
+        """Wait ``decode_delay_s`` and hand the frames over, or fail where a tick asked to."""
+        if self.decode_delay_s:
+            time.sleep(self.decode_delay_s)
+        failing = [c.session_id for c in chunks if c.payload[1]]
+        if failing:
+            raise FakeForwardError(f"fake pipeline asked to fail the decode of session(s) {', '.join(failing)}")
+        return [c.payload[0] for c in chunks]
+
+    def _forward(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
         states = [self.bound_state(t.session_id) for t in ticks]
         self.start_images_seen.extend((t.session_id, t.start_image) for t in ticks)
         spec = self.spec
@@ -147,6 +182,7 @@ class FakeKVPipeline(SessionStateBinding):
         if failing:
             raise FakeForwardError(f"fake pipeline asked to fail on session(s) {', '.join(failing)}")
         frame_starts = [state.frame_start for state in states]
+        chunk_indices = [state.chunk_index for state in states]
         codes = [[frame_code(start + i, t.controls) for i in range(fpc)] for start, t in zip(frame_starts, ticks)]
         kv = torch.tensor(codes).repeat_interleave(tpf, dim=1)[:, :, None, None].expand(-1, -1, 1, spec.head_size)
         for state in states:
@@ -173,15 +209,20 @@ class FakeKVPipeline(SessionStateBinding):
                 frames[i, :, :, 1] = (start + i) % 256
                 frames[i, :, :, 2] = controls_code(tick.controls)
             chunks.append(frames)
-        return chunks
+        return [
+            PendingDecode(t.session_id, index, (frames, bool(t.controls.get("fail_decode"))))
+            for t, index, frames in zip(ticks, chunk_indices, chunks)
+        ]
 
     def reset_session(self, session_id: str) -> None:
         self.events.append(("reset", session_id))
         self.sessions.pop(session_id, None)
+        self.decoder_states.drop(session_id)
 
     def close_session(self, session_id: str) -> None:
         self.events.append(("close", session_id))
         self.sessions.pop(session_id, None)
+        self.decoder_states.drop(session_id)
 
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
 
@@ -189,13 +230,27 @@ class FakeKVPipeline(SessionStateBinding):
         return {"fake-kv": 1}
 
     def export_session_state(self, session_id: str) -> ModelState:
+        return self.export_forward_state(session_id).merge(self.export_decoder_state(session_id))
+
+    def export_forward_state(self, session_id: str) -> ModelState:
         session = self.sessions.get(session_id)
         return ModelState({"session": None if session is None else dict(session)})
+
+    def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
+        # a whole chunk's: waits for a decode in flight
+        return ModelState({"decoded": self.decoder_states.settled(session_id, chunks)})
+
+    def decode_in_flight(self, session_id: str) -> bool:
+        return self.decoder_states.in_flight(session_id)
 
     def import_session_state(self, session_id: str, state: ModelState) -> None:
         session = state.json.get("session")
         if session is not None:
             self.sessions[session_id] = dict(session)
+        self.decoder_states.drop(session_id)
+        decoded = state.json.get("decoded")
+        if decoded is not None:
+            self.decoder_states.store(session_id, int(decoded[0]) - 1, int(decoded[1]))
 
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
         return [TickRequest(session_id=session_id, request_id=i) for i in range(3)]

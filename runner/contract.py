@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from arstream.runner.types import PendingDecode, TickRequest
 
 if TYPE_CHECKING:
     from arstream.runner.kv_state import SessionKVState
@@ -77,12 +77,54 @@ class SupportsBatchedChunks(Protocol):
         """One uint8 ``[F, H, W, 3]`` array per tick, in the order of ``ticks``."""
 
 
+@runtime_checkable
+class SupportsSplitDecode(Protocol):
+    """Optional: a chunk in two calls, the forward (latents) and the decode (frames), so the decode can overlap
+    the next forward.
+
+    :meth:`generate_latents` is :meth:`SupportsBatchedChunks.generate_chunks`
+    without the decode: same binding, same all-or-nothing rule, and it commits
+    the KV and every model-owned state except the decoder's.
+    :meth:`decode_latents` may run on another thread while the next forward
+    runs, of these sessions too: the runner hands each session's chunks over in
+    order, one round at a time, and never two decodes at once. It updates a
+    session's decoder state only if it succeeds, and the state that
+    ``export_session_state`` sees (snapshots, rewind points) is always a whole
+    chunk's: export waits for a decode in flight. A reset or close of a session
+    with a decode in flight keeps that decode from storing its state.
+    """
+
+    def generate_latents(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
+        """One forward for the bound sessions of ``ticks``; a chunk to decode per tick, in order."""
+
+    def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
+        """uint8 ``[F, H, W, 3]`` frames per chunk (distinct sessions), in order; raises if any fails."""
+
+    def decode_in_flight(self, session_id: str) -> bool:
+        """A chunk of the session was forwarded and its decode has not succeeded yet."""
+
+    def export_forward_state(self, session_id: str) -> ModelState:
+        """``export_session_state`` less the decoder's part (never waits); top-level keys apart from the decoder's."""
+
+    def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
+        """The decoder's part of ``export_session_state`` (waits for a decode in flight); with ``chunks``, the
+        state after the session's first ``chunks`` chunks (a rewind point's), even with later ones decoding.
+
+        ``export_forward_state(s).merge(export_decoder_state(s))`` is what
+        ``export_session_state(s)`` returns, and what ``import_session_state`` takes.
+        """
+
+
 @dataclass
 class ModelState:
     """A session's model-owned state in portable form: JSON-able values and named tensors."""
 
     json: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def merge(self, other: ModelState) -> ModelState:
+        """Both parts in one (their keys are disjoint: a forward's part and a decoder's, say)."""
+        return ModelState({**self.json, **other.json}, {**self.tensors, **other.tensors})
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.spec import KVCacheSpec
 
 
@@ -40,9 +41,9 @@ class PoolPlan:
 
     Scratch is one staging row per session a forward may batch
     (``staging_rows``): the visible history plus the current chunk, per branch
-    (``resident + chunk`` frames each). ``rewind_points`` is how many chunk
-    boundaries each session keeps to rewind to (0: none), which
-    ``per_session_bytes`` and ``num_blocks`` include.
+    (``resident + chunk`` frames each). ``rewind`` is which chunk boundaries
+    each session keeps to rewind to (None: none); their worst case is in
+    ``per_session_bytes`` and ``num_blocks``.
     """
 
     session_capacity: int
@@ -52,47 +53,46 @@ class PoolPlan:
     per_session_bytes: int
     budget_bytes: int
     staging_rows: int = 1
-    rewind_points: int = 0
+    rewind: RewindSchedule | None = None
 
     @property
     def pool_bytes(self) -> int:
         return (self.num_blocks + self.scratch_blocks) * self.block_bytes
 
 
-def session_frames(spec: KVCacheSpec, rewind_points: int = 0) -> int:
+def session_frames(spec: KVCacheSpec, rewind: RewindSchedule | None = None) -> int:
     """Blocks per branch one resident session may hold between chunks: sink + window, plus its rewind points'.
 
-    The boundaries a session keeps (the last ``rewind_points``) share blocks
-    with its live history; together they reach back at most ``rewind_points``
-    chunks before the live window (the sink is common to all of them), so
-    that is all they add, never a copy of the window per boundary.
+    The boundaries a session keeps share blocks with its live history and
+    with each other (the sink always; the window where boundaries are closer
+    than a window apart), so they add only the frames their windows reach
+    beyond the live one (:meth:`RewindSchedule.peak`), never a copy of the
+    window per boundary.
     """
-    return spec.resident_frames + rewind_points * spec.frames_per_chunk
+    return spec.resident_frames if rewind is None else rewind.peak(spec).frames
 
 
 def _budget_terms(
-    spec: KVCacheSpec, max_batch_sessions: int, rewind_points: int
+    spec: KVCacheSpec, max_batch_sessions: int, rewind: RewindSchedule | None
 ) -> tuple[int, int, int, int]:
     """``(chunk_blocks, scratch_blocks, fixed_bytes, per_session_bytes)``: what every budget pays once, and per session."""
     if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
         raise PoolBudgetError(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
-    if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
-        raise PoolBudgetError(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
     branches = len(spec.kv_branches)
     chunk_blocks = spec.frames_per_chunk * branches * max_batch_sessions
     scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches * max_batch_sessions
     fixed_bytes = (chunk_blocks + scratch_blocks) * spec.block_bytes
     per_session = (
-        session_frames(spec, rewind_points) * branches * spec.block_bytes
+        session_frames(spec, rewind) * branches * spec.block_bytes
         + spec.cross_attention_bytes_per_session
         # the live model-owned state, and a copy of it per rewind point
-        + (1 + rewind_points) * spec.model_owned_bytes_per_session
+        + (1 + (0 if rewind is None else rewind.peak(spec).copies)) * spec.model_owned_bytes_per_session
     )
     return chunk_blocks, scratch_blocks, fixed_bytes, per_session
 
 
 def budget_for_sessions(
-    spec: KVCacheSpec, sessions: int, *, max_batch_sessions: int = 1, rewind_points: int = 0
+    spec: KVCacheSpec, sessions: int, *, max_batch_sessions: int = 1, rewind: RewindSchedule | None = None
 ) -> int:
     """The smallest byte budget with room for ``sessions`` resident sessions (:func:`plan_pool` inverted).
 
@@ -101,24 +101,24 @@ def budget_for_sessions(
     """
     if sessions < 1:
         raise PoolBudgetError(f"a pool needs room for at least one session, got {sessions}")
-    _, _, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions, rewind_points)
+    _, _, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions, rewind)
     return fixed_bytes + max(sessions * per_session, 1)
 
 
 def plan_pool(
-    spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1, rewind_points: int = 0
+    spec: KVCacheSpec, budget_bytes: int, *, max_batch_sessions: int = 1, rewind: RewindSchedule | None = None
 ) -> PoolPlan:
     """Largest session count whose resident KV fits ``budget_bytes``.
 
     Each resident session holds sink + window blocks per branch plus its
-    cross-attention and model-owned bytes, and with ``rewind_points`` K the
-    blocks of up to K more chunks and K copies of its model-owned state (its
+    cross-attention and model-owned bytes, and with a ``rewind`` schedule the
+    blocks and model-state copies its kept boundaries may add at most (its
     rewind points; :func:`session_frames`). One forward runs at a time, but it
     may batch up to ``max_batch_sessions`` sessions, so their committing
     chunks' blocks and their staging rows (the denoise scratch) are counted
     that many times.
     """
-    chunk_blocks, scratch_blocks, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions, rewind_points)
+    chunk_blocks, scratch_blocks, fixed_bytes, per_session = _budget_terms(spec, max_batch_sessions, rewind)
     branches = len(spec.kv_branches)
     if budget_bytes <= fixed_bytes:
         fitting = 0
@@ -130,20 +130,20 @@ def plan_pool(
         need = fixed_bytes + per_session
         raise PoolBudgetError(
             f"KV budget of {budget_bytes} bytes cannot hold one session: one session needs "
-            f"{need} bytes ({session_frames(spec, rewind_points)} resident frames x {branches} branch(es) x "
+            f"{need} bytes ({session_frames(spec, rewind)} resident frames x {branches} branch(es) x "
             f"{spec.block_bytes} bytes per block, plus {max_batch_sessions} in-flight chunk(s) and scratch). "
-            f"Raise the KV budget, shrink the window or keep fewer rewind points."
+            f"Raise the KV budget, shrink the window or give rewind a smaller budget."
         )
     capacity = min(int(fitting), spec.session_capacity)
     return PoolPlan(
         session_capacity=capacity,
-        num_blocks=capacity * session_frames(spec, rewind_points) * branches + chunk_blocks,
+        num_blocks=capacity * session_frames(spec, rewind) * branches + chunk_blocks,
         scratch_blocks=scratch_blocks,
         block_bytes=spec.block_bytes,
         per_session_bytes=per_session,
         budget_bytes=budget_bytes,
         staging_rows=max_batch_sessions,
-        rewind_points=rewind_points,
+        rewind=rewind,
     )
 
 

@@ -1,4 +1,8 @@
-"""Rewind points: a session's last K chunk boundaries, kept so it can go back to one (or branch from it).
+"""Rewind points: the chunk boundaries a session keeps, so it can go back to one (or branch from it).
+
+Which ones (every chunk of the last seconds, sparser further back, none past
+the horizon) is the session's :class:`~arstream.runner.rewind_schedule.RewindSchedule`;
+this module holds them.
 
 Boundary b is the session's state after its chunks 0..b-1: its KV block tables
 and counters (:class:`~arstream.runner.kv_state.HistoryTables`) and its
@@ -29,6 +33,7 @@ import torch
 from arstream.runner.contract import ModelState
 from arstream.runner.kv_state import HistoryTables
 from arstream.runner.pool import PagedKVPool
+from arstream.runner.rewind_schedule import RewindSchedule
 
 
 @dataclass
@@ -65,20 +70,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class RewindPoints:
-    """One session's kept boundaries before the one it is at, oldest first; at most ``keep`` of them.
+    """One session's kept boundaries before the one it is at, oldest first, thinned by ``schedule``.
 
     Together with the boundary the session is at (its live state), the session
-    can go back to any of ``span(now)``.
+    can go back to any of :meth:`indices`.
     """
 
-    def __init__(self, pool: PagedKVPool, keep: int) -> None:
+    def __init__(self, pool: PagedKVPool, schedule: RewindSchedule) -> None:
         self.pool = pool
-        self.keep = keep
+        self.schedule = schedule
         self._boundaries: list[Boundary] = []
 
-    def span(self, now: int) -> tuple[int, int]:
-        """``(oldest, newest)`` boundaries a rewind may name when the session is at boundary ``now``."""
-        return (self._boundaries[0].index if self._boundaries else now), now
+    def indices(self, now: int) -> tuple[int, ...]:
+        """Every boundary a rewind may name when the session is at ``now``, oldest first (``now`` last)."""
+        return (*(b.index for b in self._boundaries if b.index != now), now)
 
     def holds(self, index: int) -> bool:
         return any(b.index == index for b in self._boundaries)
@@ -88,10 +93,13 @@ class RewindPoints:
         return self._boundaries[-1] if self._boundaries else None
 
     def record(self, boundary: Boundary) -> None:
-        """Keep ``boundary`` (its references become ours), dropping the oldest beyond ``keep``."""
-        while len(self._boundaries) >= self.keep:
-            self._drop(self._boundaries.pop(0))
-        self._boundaries.append(boundary)
+        """Keep ``boundary`` (its references become ours), dropping those the schedule no longer keeps."""
+        held, self._boundaries = [*self._boundaries, boundary], []
+        for b in held:
+            if self.schedule.keeps(b.index, boundary.index):
+                self._boundaries.append(b)
+            else:
+                self._drop(b)
 
     def take(self, index: int) -> Boundary:
         """Remove boundary ``index`` and hand it (with its references) to the caller; later ones are dropped.

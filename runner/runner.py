@@ -6,9 +6,9 @@ session's :class:`SessionKVState` for one forward at a time. Every path that
 ends a session (reset, close, eviction, failure) goes through
 :meth:`ARRunner._release`, which attempts each cleanup step even when one fails.
 
-Rewind and branch (``rewind_points`` K > 0, :mod:`arstream.runner.rewind`):
-each session keeps its last K chunk boundaries, sharing blocks with its live
-history; ``TickRequest.rewind_to`` goes back to one before the chunk runs, and
+Rewind and branch (a ``rewind`` schedule, :mod:`arstream.runner.rewind`):
+each session keeps the chunk boundaries of its last seconds of play (every
+chunk recently, sparser further back), sharing blocks with its live history; ``TickRequest.rewind_to`` goes back to one before the chunk runs, and
 :meth:`ARRunner.branch_session` starts a new session from one.
 
 Cross-session batching (:meth:`ARRunner.execute`): with ``max_batch_sessions``
@@ -18,6 +18,14 @@ A batch is all or nothing: if the model raises, every session's KV is put
 back as it was and each tick runs again alone, where a failure releases only
 that tick's session (see :meth:`ARRunner._forward_batch` for failures after
 the model returned).
+
+Split decode (``split_decode=True`` and a pipeline that implements
+:class:`SupportsSplitDecode`): :meth:`ARRunner.execute` runs the forwards only
+and its chunks carry ``pending`` (what to decode) instead of frames;
+:meth:`ARRunner.decode_chunks` decodes them (on another thread, while the
+next forward runs: the worker's decode stage) and :meth:`ARRunner.fail_session`
+releases a session whose decode failed, on the runner's own thread.
+:meth:`ARRunner.execute_tick` and warm-up still decode in line.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -38,15 +47,19 @@ from arstream.runner.contract import (
     ModelState,
     SupportsBatchedChunks,
     SupportsSessionTransfer,
+    SupportsSplitDecode,
     SupportsWarmup,
 )
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
+from arstream.runner.rewind_schedule import RewindSchedule, plan_rewind
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import (
+    NOT_DECODED,
     ChunkResult,
+    PendingDecode,
     RewindUnavailable,
     TickFailure,
     TickRequest,
@@ -81,7 +94,8 @@ class ARRunner:
         memory_fraction: float | None = None,
         sync: Callable[[torch.device], None] = _device_sync,
         max_batch_sessions: int = 1,
-        rewind_points: int = 0,
+        rewind: RewindSchedule | None = None,
+        split_decode: bool = False,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise UnsupportedConfiguration(
@@ -98,22 +112,26 @@ class ARRunner:
         if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
             raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
         self.max_batch_sessions = max_batch_sessions
+        # the forward and the decode are separate calls (pipelines without the split always decode in the forward)
+        self.split_decode = split_decode and isinstance(pipeline, SupportsSplitDecode)
         self.video_frames_per_chunk, self.first_chunk_frames = _video_frames(pipeline.model_card(), spec)
-        if not isinstance(rewind_points, int) or isinstance(rewind_points, bool) or rewind_points < 0:
-            raise UnsupportedConfiguration(f"rewind_points must be an integer >= 0, got {rewind_points!r}")
-        # Why rewind and branch are refused (None: they are offered), and how many boundaries a session keeps.
-        self.rewind_refusal = _rewind_refusal(pipeline, spec, rewind_points)
-        self.rewind_keep = 0 if self.rewind_refusal else rewind_points
-        if rewind_points and self.rewind_refusal:
-            log.info("rewind_points=%d not used: %s", rewind_points, self.rewind_refusal)
+        if rewind is not None and not isinstance(rewind, RewindSchedule):
+            raise UnsupportedConfiguration(f"rewind must be a RewindSchedule or None, got {type(rewind).__name__}")
+        # Why rewind and branch are refused (None: they are offered), and which boundaries a session keeps.
+        self.rewind_refusal = _rewind_refusal(pipeline, spec, rewind)
+        self.rewind: RewindSchedule | None = None if self.rewind_refusal else rewind
+        if rewind is not None and self.rewind_refusal:
+            log.info("rewind not used: %s", self.rewind_refusal)
         budget = resolve_budget_bytes(self.device, budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction)
-        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions, rewind_points=self.rewind_keep)
+        self.plan = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions, rewind=self.rewind)
         self.pool = PagedKVPool(spec, self.plan, self.device)
         self.blocks_free_at_start = self.pool.num_free
         self._sync = sync
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
         # each resident session's kept boundaries (only while rewind is offered)
         self._rewind: dict[str, RewindPoints] = {}
+        # boundaries recorded while the chunk before them was decoding: (session, boundary, the one before it)
+        self._unfinished_boundaries: list[tuple[str, Boundary, Boundary | None]] = []
         self.counters = RuntimeCounters()
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
@@ -122,15 +140,15 @@ class ARRunner:
         without = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity
         log.info(
             "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
-            "%d rewind point(s) per session%s, up to %d session(s) per forward%s",
+            "rewind %s%s, up to %d session(s) per forward%s",
             self.plan.num_blocks,
             self.plan.block_bytes,
             self.plan.scratch_blocks,
             self.plan.session_capacity,
             spec.sink_frames,
             spec.window_frames,
-            self.rewind_keep,
-            f" ({without} sessions with --rewind-points 0)" if without != self.plan.session_capacity else "",
+            (self.rewind.describe(spec) if self.rewind else 'off'),
+            f" ({without} sessions without rewind)" if without != self.plan.session_capacity else "",
             self.batch_limit,
             "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
         )
@@ -185,8 +203,8 @@ class ARRunner:
         if state.pool is not self.pool or state.session_id in self._sessions:
             raise ValueError(f"cannot adopt session {state.session_id!r}: another pool's, or already resident")
         self._sessions[state.session_id] = state
-        if self.rewind_keep:  # its boundaries stayed behind: it can rewind to those it passes from here
-            self._rewind[state.session_id] = RewindPoints(self.pool, self.rewind_keep)
+        if self.rewind:  # its boundaries stayed behind: it can rewind to those it passes from here
+            self._rewind[state.session_id] = RewindPoints(self.pool, self.rewind)
 
     def _get_or_create(self, session_id: str) -> SessionKVState:
         state = self._sessions.get(session_id)
@@ -199,8 +217,8 @@ class ARRunner:
                     self.on_evict(oldest)
             state = SessionKVState(self.pool, session_id)
             self._sessions[session_id] = state
-            if self.rewind_keep:
-                self._rewind[session_id] = RewindPoints(self.pool, self.rewind_keep)
+            if self.rewind:
+                self._rewind[session_id] = RewindPoints(self.pool, self.rewind)
         self._sessions.move_to_end(session_id)
         return state
 
@@ -261,17 +279,26 @@ class ARRunner:
 
         A session that is not resident is at boundary 0 of a new rollout: ``(0, 0)``.
         """
+        held = self.rewind_held(session_id)
+        return None if held is None else (held[0], held[-1])
+
+    def rewind_held(self, session_id: str) -> tuple[int, ...] | None:
+        """Every boundary ``rewind_to`` may name now, oldest first (the last: where the session is); None when off.
+
+        Between :meth:`rewind_points`' two ends only these are held: older boundaries are thinned out.
+        """
         if self.rewind_refusal:
             return None
         state = self._sessions.get(session_id)
         if state is None:
-            return (0, 0)
-        return self._rewind[session_id].span(state.chunk_index)
+            return (0,)
+        return self._rewind[session_id].indices(state.chunk_index)
 
-    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
         """Make ``new_session_id`` a resident session that continues from ``source_id``'s boundary ``boundary``.
 
-        Its next chunk has ``chunk_index == boundary``; it shares the
+        ``boundary`` None is the latest: where the source is now. Returns the
+        boundary; the new session's next chunk has that ``chunk_index``; it shares the
         boundary's blocks with the source (copy-on-write: neither ever writes
         a committed block) and gets a copy of the model-owned state there.
         Room is made like for any new session (LRU eviction; the source counts
@@ -282,7 +309,11 @@ class ARRunner:
             raise RewindUnavailable(self.rewind_refusal)
         if new_session_id in self._sessions:
             raise ValueError(f"cannot branch into session {new_session_id!r}: it is already resident")
-        branch = self._share_boundary(source_id, boundary)
+        source = self._sessions.get(source_id)
+        if source is None:  # the message reaches clients: no internal session id in it
+            raise RewindUnavailable("the shared session is not resident here; it holds no chunk boundaries")
+        index = source.chunk_index if boundary is None else boundary
+        branch = self._share_boundary(source_id, index)
         self._sessions.move_to_end(source_id)
         adopted = False
         try:
@@ -294,12 +325,11 @@ class ARRunner:
                 self.pool.free(branch.tables.blocks())
             self._release(new_session_id, reset_model=False, reason="branch_failed", suppress_errors=True)
             raise
+        return index
 
     def _share_boundary(self, session_id: str, index: int) -> Boundary:
         """Boundary ``index`` of a resident session, for a branch (references and a model-state copy of its own)."""
-        state = self._sessions.get(session_id)
-        if state is None:
-            raise RewindUnavailable(f"session {session_id!r} is not resident here; it holds no chunk boundaries")
+        state = self._sessions[session_id]
         if index == state.chunk_index:
             return Boundary(state.share_tables(), self._export_model_state(session_id))
         points = self._rewind[session_id]
@@ -308,10 +338,13 @@ class ARRunner:
         return points.share(index)
 
     def _not_held(self, session_id: str, index: object) -> RewindUnavailable:
-        oldest, newest = self.rewind_points(session_id) or (0, 0)
+        """The refusal clients see (so no internal session id): what is held instead."""
+        held = self.rewind_held(session_id) or (0,)
+        shown = ", ".join(map(str, held)) if len(held) <= 12 else f"{held[0]}..{held[-1]} ({len(held)} of them)"
+        schedule = self.rewind.describe(self.spec) if self.rewind else "rewind off"
         return RewindUnavailable(
-            f"chunk boundary {index!r} is not held for session {session_id!r}: it can go back to "
-            f"{oldest}..{newest} (the last {self.rewind_keep} chunks of its current rollout)"
+            f"chunk boundary {index!r} is not held: the session holds boundaries {shown} of its current rollout "
+            f"({schedule})"
         )
 
     def _export_model_state(self, session_id: str, previous: ModelState | None = None) -> ModelState:
@@ -326,13 +359,42 @@ class ARRunner:
         pipeline.import_session_state(session_id, boundary.model)
 
     def _record_boundary(self, session_id: str, state: SessionKVState) -> None:
-        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it)."""
+        """Keep the boundary the session's next chunk starts from (once: a batch retried alone keeps it).
+
+        With a split decode whose previous chunk is still decoding, the boundary
+        takes the forward's state now and the decoder's once that decode is done
+        (:meth:`complete_boundaries`): waiting here would undo the overlap.
+        """
         points = self._rewind.get(session_id)
         newest = None if points is None else points.newest
         if points is None or (newest is not None and newest.index == state.chunk_index):
             return
-        model = self._export_model_state(session_id, previous=None if newest is None else newest.model)
-        points.record(Boundary(state.share_tables(), model))
+        previous = None if newest is None else newest.model
+        pipeline = self.pipeline
+        if self.split_decode and isinstance(pipeline, SupportsSplitDecode) and pipeline.decode_in_flight(session_id):
+            boundary = Boundary(state.share_tables(), copy_model_state(pipeline.export_forward_state(session_id), previous))
+            self._unfinished_boundaries.append((session_id, boundary, newest))
+        else:
+            boundary = Boundary(state.share_tables(), self._export_model_state(session_id, previous))
+        points.record(boundary)
+
+    def complete_boundaries(self) -> None:
+        """Give the boundaries recorded while a decode was in flight their decoder state, now that it is done.
+
+        Called on the runner's thread once the decode of the chunk before each
+        such boundary has ended and before the next one starts (the worker
+        does, when it joins its decode stage), so the decoder state is exactly
+        the boundary's. A session released meanwhile took its boundaries along.
+        """
+        unfinished, self._unfinished_boundaries = self._unfinished_boundaries, []
+        pipeline = self.pipeline
+        for session_id, boundary, before in unfinished:
+            points = self._rewind.get(session_id)
+            if points is None or not points.holds(boundary.index) or not isinstance(pipeline, SupportsSplitDecode):
+                continue
+            previous = None if before is None else before.model  # completed by now: boundaries complete in order
+            decoder = copy_model_state(pipeline.export_decoder_state(session_id, boundary.index), previous)
+            boundary.model = boundary.model.merge(decoder)
 
     def _check_rewind(self, tick: TickRequest) -> None:
         """Raise :class:`RewindUnavailable` unless ``tick.rewind_to`` names a boundary held (after its reset)."""
@@ -378,9 +440,16 @@ class ARRunner:
             self._rewind_session(tick.session_id, tick.rewind_to)
 
     def _result(
-        self, tick: TickRequest, chunk_index: int, frames: np.ndarray, compute_s: float, new_rollout: bool
+        self,
+        tick: TickRequest,
+        chunk_index: int,
+        frames: np.ndarray,
+        compute_s: float,
+        new_rollout: bool,
+        pending: PendingDecode | None = None,
     ) -> ChunkResult:
         return ChunkResult(
+            pending=pending,
             session_id=tick.session_id,
             request_id=tick.request_id,
             chunk_index=chunk_index,
@@ -390,6 +459,7 @@ class ARRunner:
             applied_event_ids=tick.applied_event_ids,
             restarted="rewind" if tick.rewind_to is not None else None,
             rewind_points=self.rewind_points(tick.session_id),
+            rewind_held=self.rewind_held(tick.session_id),
         )
 
     # ---- execution ----------------------------------------------------------------
@@ -438,7 +508,7 @@ class ARRunner:
         A ``rewind_to`` that is not held raises :class:`RewindUnavailable` before anything changes.
         """
         self._before_forward(tick)
-        result = self._forward_alone(tick)
+        result = self._decoded(self._forward_alone(tick))
         if tick.close:
             self.close_session(tick.session_id)
         return result
@@ -460,17 +530,23 @@ class ARRunner:
         """One bound forward of one session with ``generate_chunk``; fails closed."""
         new_rollout = tick.session_id not in self._sessions or self._sessions[tick.session_id].chunks_committed == 0
         started = time.perf_counter()
+        pending: PendingDecode | None = None
         with self._bound(tick.session_id) as state:
             chunk_index = state.chunk_index
-            frames = self.pipeline.generate_chunk(tick)
-            _check_frames(frames, self.video_frames(chunk_index))
+            if self.split_decode:
+                assert isinstance(self.pipeline, SupportsSplitDecode)
+                pending = _one_pending(self.pipeline.generate_latents([tick]), tick)
+                frames = NOT_DECODED
+            else:
+                frames = self.pipeline.generate_chunk(tick)
+                _check_frames(frames, self.video_frames(chunk_index))
             if state.chunk_index != chunk_index + 1:
                 raise RuntimeError(
                     f"pipeline did not commit exactly one chunk (chunk index {chunk_index} -> {state.chunk_index})"
                 )
         compute_s = time.perf_counter() - started
         self.counters.chunks(compute_s)
-        return self._result(tick, chunk_index, frames, compute_s, new_rollout)
+        return self._result(tick, chunk_index, frames, compute_s, new_rollout, pending)
 
     def _forward_batch(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
         """One forward for distinct sessions with equally long histories; if the model raises, each tick alone.
@@ -496,9 +572,18 @@ class ARRunner:
                     self._record_boundary(tick.session_id, state)
                     state.prepare_forward(staging_row=row, hold_commit=True)
                     bindings.enter_context(self.pipeline.bind_session_state(tick.session_id, state))
-                frames = self.pipeline.generate_chunks(ticks)
-                generated = True
-                _check_batch(frames, states, [self.video_frames(s.chunk_index) for s in states])
+                pendings: list[PendingDecode | None] = [None] * len(ticks)
+                if self.split_decode:
+                    assert isinstance(self.pipeline, SupportsSplitDecode)
+                    pendings = list(self.pipeline.generate_latents(ticks))
+                    generated = True
+                    frames = [NOT_DECODED] * len(ticks)
+                    _check_pending(pendings, ticks)
+                    _check_commits(states)
+                else:
+                    frames = self.pipeline.generate_chunks(ticks)
+                    generated = True
+                    _check_batch(frames, states, [self.video_frames(s.chunk_index) for s in states])
             self._sync(self.device)
         except BaseException as exc:
             if generated:
@@ -516,9 +601,77 @@ class ARRunner:
         self.counters.batched_forwards_total += 1
         self.counters.chunks(compute_s, len(ticks))
         return [
-            self._result(tick, state.chunk_index - 1, chunk, compute_s, new_rollout=state.chunk_index == 1)
-            for tick, state, chunk in zip(ticks, states, frames)
+            self._result(tick, state.chunk_index - 1, chunk, compute_s, state.chunk_index == 1, pending)
+            for tick, state, chunk, pending in zip(ticks, states, frames, pendings)
         ]
+
+    # ---- split decode ---------------------------------------------------------------
+
+    def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
+        """Decode one round's pending chunks (distinct sessions); a chunk without ``pending`` passes as it is.
+
+        Safe on another thread while :meth:`execute` runs: it calls only the
+        pipeline's ``decode_latents`` and touches no session. If the decode of
+        the whole round raises, each chunk is decoded again alone (the
+        pipeline stores a decoder state only on success), so only a session
+        whose own decode fails gets a :class:`TickFailure`: the caller then
+        releases it with :meth:`fail_session` on the runner's thread.
+        """
+        out: list[TickResult] = list(results)
+        todo = [i for i, r in enumerate(results) if r.pending is not None]
+        if not todo:
+            return out
+        try:
+            self._decode_into(out, results, todo)
+            return out
+        except Exception as exc:  # noqa: BLE001 - reported in the tick's place, or retried alone
+            if len(todo) == 1:
+                r = results[todo[0]]
+                out[todo[0]] = TickFailure(r.session_id, r.request_id, exc)
+                return out
+            log.warning("decoding %d chunks together failed (%s: %s); each alone", len(todo), type(exc).__name__, exc)
+        for i in todo:
+            try:
+                self._decode_into(out, results, [i])
+            except Exception as exc:  # noqa: BLE001 - only this session fails
+                out[i] = TickFailure(results[i].session_id, results[i].request_id, exc)
+        return out
+
+    def _decode_into(self, out: list[TickResult], results: Sequence[ChunkResult], rows: list[int]) -> None:
+        started = time.perf_counter()
+        chunks = [results[i].pending for i in rows]
+        frames = self._decode([c for c in chunks if c is not None], [results[i] for i in rows])
+        decode_s = time.perf_counter() - started
+        self.counters.decodes(decode_s, len(rows))
+        for i, chunk in zip(rows, frames):
+            r = results[i]
+            out[i] = replace(r, frames=chunk, pending=None, decode_s=decode_s, compute_s=r.compute_s + decode_s)
+
+    def _decode(self, chunks: list[PendingDecode], results: list[ChunkResult]) -> list[np.ndarray]:
+        assert isinstance(self.pipeline, SupportsSplitDecode)
+        frames = self.pipeline.decode_latents(chunks)
+        if not isinstance(frames, list) or len(frames) != len(chunks):
+            raise ChunkShapeError(f"decode_latents must return a list of {len(chunks)} frame arrays")
+        for chunk, result in zip(frames, results):
+            _check_frames(chunk, self.video_frames(result.chunk_index))
+        self._sync(self.device)
+        return frames
+
+    def fail_session(self, session_id: str, reason: str = "decode_failed") -> None:
+        """Release a session whose chunk failed after its forward (its decode): fail closed, every block back."""
+        self.counters.failures_total += 1
+        self._release(session_id, reset_model=False, reason=reason, suppress_errors=True)
+        log.warning("session=%s failed after its forward (%s); its KV and model state were released", session_id, reason)
+
+    def _decoded(self, result: ChunkResult) -> ChunkResult:
+        """A chunk decoded in line (execute_tick, warm-up); a failed decode releases its session and raises."""
+        if result.pending is None:
+            return result
+        (decoded,) = self.decode_chunks([result])
+        if isinstance(decoded, TickFailure):
+            self.fail_session(result.session_id)
+            raise decoded.error
+        return decoded
 
     def _fail_batch(self, ticks: Sequence[TickRequest], error: BaseException) -> None:
         """Release every session of a batch that failed after the pipeline's forward returned."""
@@ -575,7 +728,9 @@ class ARRunner:
                 steps: list[float] = []
                 for ticks in zip(*rows):
                     started = time.perf_counter()
-                    for result in self.execute(ticks):
+                    executed = self.execute(ticks)
+                    decoded = self.decode_chunks([r for r in executed if isinstance(r, ChunkResult)])
+                    for result in [*executed, *decoded]:
                         if isinstance(result, TickFailure):
                             raise result.error
                     steps.append(time.perf_counter() - started)
@@ -606,7 +761,8 @@ class ARRunner:
             session_capacity=self.session_capacity,
             sessions_resident=len(self._sessions),
             batch_limit=self.batch_limit,
-            rewind_points=self.rewind_keep,
+            rewind_points=0 if self.rewind is None else self.rewind.peak(self.spec).copies,
+            rewind_seconds=0.0 if self.rewind is None else self.rewind.seconds,
         )
 
     def model_card(self) -> dict[str, Any]:
@@ -637,15 +793,34 @@ def _check_frames(frames: object, expected: int) -> None:
         raise ChunkShapeError(f"pipeline returned {frames.shape[0]} frames, the model card says {expected}")
 
 
+def _one_pending(chunks: object, tick: TickRequest) -> PendingDecode:
+    _check_pending(chunks, [tick])
+    assert isinstance(chunks, list)
+    return chunks[0]
+
+
+def _check_pending(chunks: object, ticks: Sequence[TickRequest]) -> None:
+    if not isinstance(chunks, list) or len(chunks) != len(ticks):
+        got = len(chunks) if isinstance(chunks, list) else type(chunks).__name__
+        raise ChunkShapeError(f"generate_latents must return a list of {len(ticks)} PendingDecode, got {got}")
+    for chunk, tick in zip(chunks, ticks):
+        if not isinstance(chunk, PendingDecode) or chunk.session_id != tick.session_id:
+            raise ChunkShapeError(f"generate_latents must return a PendingDecode for session {tick.session_id!r}")
+
+
+def _check_commits(states: Sequence[SessionKVState]) -> None:
+    for state in states:
+        if state.in_pass or not state.chunk_held:
+            raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")
+
+
 def _check_batch(frames: object, states: Sequence[SessionKVState], expected: Sequence[int]) -> None:
     if not isinstance(frames, list) or len(frames) != len(states):
         got = len(frames) if isinstance(frames, list) else type(frames).__name__
         raise ChunkShapeError(f"generate_chunks must return a list of {len(states)} frame arrays, got {got}")
     for chunk, count in zip(frames, expected):
         _check_frames(chunk, count)
-    for state in states:
-        if state.in_pass or not state.chunk_held:
-            raise RuntimeError(f"pipeline did not commit exactly one chunk for session {state.session_id!r}")
+    _check_commits(states)
 
 
 def _distinct_session_runs(ticks: Sequence[TickRequest]) -> Iterator[list[int]]:
@@ -668,25 +843,53 @@ def runner_for_sessions(
     *,
     max_batch_sessions: int = 1,
     device: torch.device | str = "cpu",
-    rewind_points: int = 0,
+    rewind: RewindSchedule | None = None,
+    split_decode: bool = False,
 ) -> ARRunner:
     """A runner whose pool has room for exactly ``sessions`` resident sessions (benches, evaluation, tests)."""
     budget = budget_for_sessions(
-        pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions, rewind_points=rewind_points
+        pipeline.kv_cache_spec(), sessions, max_batch_sessions=max_batch_sessions, rewind=rewind
     )
     return ARRunner(
         pipeline,
         device=device,
         kv_budget_bytes=budget,
         max_batch_sessions=max_batch_sessions,
-        rewind_points=rewind_points,
+        rewind=rewind,
+        split_decode=split_decode,
     )
 
 
-def _rewind_refusal(pipeline: ARPipeline, spec: KVCacheSpec, rewind_points: int) -> str | None:
+def rewind_for(pipeline: ARPipeline, *, seconds: float, budget_bytes: int) -> RewindSchedule | None:
+    """The rewind schedule a server gives this pipeline: ``seconds`` of play within ``budget_bytes`` per session.
+
+    The play rate (chunks per second) is the model card's ``fps`` over its
+    ``frames_per_chunk``; a card without ``fps`` gets no rewind (logged).
+    """
+    if seconds == 0:
+        return None
+    card = pipeline.model_card()
+    fps = card.get("fps") if isinstance(card, dict) else None
+    if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+        log.info("rewind off: the model card gives no fps, so %g s of play is no chunk count", seconds)
+        return None
+    spec = pipeline.kv_cache_spec()
+    per_chunk, _first = _video_frames(card, spec)
+    schedule = plan_rewind(spec, chunks_per_second=fps / per_chunk, seconds=seconds, budget_bytes=budget_bytes)
+    if schedule is None or schedule.seconds < seconds:
+        log.warning(
+            "a rewind horizon of %g s does not fit %d bytes per session; %s",
+            seconds,
+            budget_bytes,
+            "rewind is off" if schedule is None else f"it reaches back {schedule.seconds:g} s (--rewind-budget-mib)",
+        )
+    return schedule
+
+
+def _rewind_refusal(pipeline: ARPipeline, spec: KVCacheSpec, rewind: RewindSchedule | None) -> str | None:
     """Why this runner cannot offer rewind and branch, or None when it can."""
-    if rewind_points == 0:
-        return "rewind is off (rewind_points is 0)"
+    if rewind is None:
+        return "rewind is off (no rewind horizon)"
     if not isinstance(pipeline, SupportsSessionTransfer):
         name = pipeline.model_card().get("name")
         return f"model {name!r} cannot snapshot its per-session state (no export_session_state hook)"

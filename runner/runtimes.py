@@ -8,12 +8,12 @@ the optional extra ``arstream[vllm-omni]``; see docs/vllm-omni.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from arstream.runner.contract import ARPipeline
-from arstream.runner.runner import ARRunner
+from arstream.runner.runner import ARRunner, rewind_for
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import RUNTIMES, ChunkResult, TickRequest, TickResult, UnsupportedConfiguration
@@ -49,8 +49,9 @@ class Runtime(Protocol):
     def rewind_points(self, session_id: str) -> tuple[int, int] | None:
         """``(oldest, newest)`` chunk boundaries ``TickRequest.rewind_to`` may name now; None when rewind is off."""
 
-    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
-        """A new resident session continuing from ``source_id``'s boundary (shared blocks, copied model state).
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
+        """A new resident session continuing from ``source_id``'s boundary (shared blocks, copied model state);
+        ``boundary`` None is where the source is now. Returns the boundary.
 
         Raises :class:`~arstream.runner.types.RewindUnavailable` if the boundary is not held (or the runtime
         cannot branch), the usual capacity error if there is no room; called on the worker thread.
@@ -65,6 +66,23 @@ class Runtime(Protocol):
     def model_card(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class SplitDecodeRuntime(Protocol):
+    """A runtime whose chunks may come back undecoded (``ChunkResult.pending``), for the worker's decode stage."""
+
+    split_decode: bool
+    device: torch.device
+
+    def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
+        """Decode pending chunks; safe on another thread while ``execute`` runs."""
+
+    def fail_session(self, session_id: str, reason: str = ...) -> None:
+        """Release a session whose decode failed (on the runtime's thread)."""
+
+    def complete_boundaries(self) -> None:
+        """Rewind points recorded while a decode was in flight get its decoder state (on the runtime's thread)."""
+
+
 def build_runtime(
     name: str,
     pipeline: ARPipeline | NativePipeline,
@@ -73,12 +91,16 @@ def build_runtime(
     kv_budget_bytes: int | None = None,
     memory_fraction: float | None = None,
     max_batch_sessions: int = 1,
-    rewind_points: int = 0,
+    rewind_seconds: float = 0.0,
+    rewind_budget_bytes: int = 0,
+    split_decode: bool = False,
 ) -> Runtime:
     """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings.
 
     A :class:`NativePipeline` (``vllm-omni:<name>``, registered in vLLM-Omni itself) runs only on vllm-omni.
-    ``rewind_points`` is the chunk boundaries each session keeps (ARRunner only: vllm-omni refuses rewinds).
+    ``rewind_seconds`` is how far back a session may rewind, in seconds of play, within
+    ``rewind_budget_bytes`` per session (ARRunner only: vllm-omni refuses rewinds; docs/rewind.md).
+    ``split_decode`` runs a pipeline's decode apart from its forward (ARRunner only; :class:`SplitDecodeRuntime`).
     """
     options: dict[str, Any] = dict(
         device=device,
@@ -91,7 +113,8 @@ def build_runtime(
             raise UnsupportedConfiguration(
                 f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
             )
-        return ARRunner(pipeline, rewind_points=rewind_points, **options)
+        rewind = rewind_for(pipeline, seconds=rewind_seconds, budget_bytes=rewind_budget_bytes)
+        return ARRunner(pipeline, rewind=rewind, split_decode=split_decode, **options)
     if name == "vllm-omni":
         if not vllm_omni_available():
             raise UnsupportedConfiguration(

@@ -29,6 +29,15 @@ class RuntimeCounters:
     # batched forwards that raised; their ticks were run again one by one
     batch_fallbacks_total: int = 0
 
+    # chunks decoded apart from their forward (a split decode) and the seconds those decodes took
+    decodes_total: int = 0
+    decode_seconds_total: float = 0.0
+
+    def decodes(self, decode_s: float, count: int = 1) -> None:
+        """``count`` chunks came out of one decode of ``decode_s`` seconds (after their forward)."""
+        self.decodes_total += count
+        self.decode_seconds_total += decode_s
+
     def chunks(self, compute_s: float, count: int = 1) -> None:
         """``count`` chunks came out of one forward of ``compute_s`` seconds."""
         self.chunk_times_s.extend([compute_s] * count)
@@ -40,6 +49,8 @@ class RuntimeCounters:
         self.chunks_total = 0
         self.batched_forwards_total = 0
         self.batch_fallbacks_total = 0
+        self.decodes_total = 0
+        self.decode_seconds_total = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,10 @@ class RunnerStats:
     batch_limit: int = 1
     batched_forwards_total: int = 0
     batch_fallbacks_total: int = 0
-    # chunk boundaries each session keeps to rewind to (0: the runtime keeps none; docs/rewind.md)
+    # most chunk boundaries a session keeps to rewind to (0: the runtime keeps none; docs/rewind.md),
+    # and how far back they reach in seconds of play
     rewind_points: int = 0
+    rewind_seconds: float = 0.0
 
     @classmethod
     def build(
@@ -83,6 +96,7 @@ class RunnerStats:
         sessions_resident: int,
         batch_limit: int,
         rewind_points: int = 0,
+        rewind_seconds: float = 0.0,
     ) -> RunnerStats:
         """The stats of a runtime with these pool figures, over ``spec``, with these counters."""
         return cls(
@@ -104,4 +118,5 @@ class RunnerStats:
             batched_forwards_total=counters.batched_forwards_total,
             batch_fallbacks_total=counters.batch_fallbacks_total,
             rewind_points=rewind_points,
+            rewind_seconds=rewind_seconds,
         )

@@ -85,17 +85,37 @@ class TickRequest:
 
 
 @dataclass(frozen=True)
+class PendingDecode:
+    """A chunk whose forward ran (KV committed, model state advanced) and whose frames are still to decode.
+
+    ``payload`` is the pipeline's own (its latents); the runner only carries it to
+    :meth:`~arstream.runner.contract.SupportsSplitDecode.decode_latents`.
+    """
+
+    session_id: str
+    chunk_index: int
+    payload: Any
+
+
+# The frames of a ChunkResult whose decode is still to run (``pending`` holds what to decode).
+NOT_DECODED = np.zeros((0, 0, 0, 3), dtype=np.uint8)
+
+
+@dataclass(frozen=True)
 class ChunkResult:
     """One generated chunk.
 
     ``frames`` is uint8 ``[F, H, W, 3]``. ``chunk_index`` counts chunks since
     the session's rollout began; 0 means a new rollout (first chunk, reset or
     after the session was evicted). ``compute_s`` is the bound forward's wall
-    time including the device sync. ``restarted`` is ``"rewind"`` when the
+    time including the device sync (and, with a split decode, ``decode_s``, the
+    decode's). ``restarted`` is ``"rewind"`` when the
     tick asked for ``rewind_to`` (else None; the transport names resets and
     evictions itself). ``rewind_points`` is ``(oldest, newest)``: the
     boundaries a later ``rewind_to`` may name (newest is ``chunk_index + 1``,
     where the session now is); None when the runtime keeps none.
+    ``rewind_held`` lists every boundary held between the two (older ones are
+    thinned out, docs/rewind.md), oldest first.
     """
 
     session_id: str
@@ -107,6 +127,10 @@ class ChunkResult:
     applied_event_ids: tuple[int, ...] = ()
     restarted: Literal["rewind"] | None = None
     rewind_points: tuple[int, int] | None = None
+    # With a split decode (ARRunner(split_decode=True)): the chunk to decode; ``frames`` is NOT_DECODED until then.
+    pending: PendingDecode | None = None
+    decode_s: float = 0.0
+    rewind_held: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

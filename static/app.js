@@ -22,7 +22,7 @@ import { Player } from './player.js';
 import { SHARE_TEXT } from './messages.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
-import { rewindTarget, shareLinks, shareMode, shareParams, timelineRange } from './share.js';
+import { rewindTarget, shareLinks, shareMode, shareParams, timeBack, timelineRange } from './share.js';
 
 const TOKEN_KEY = 'arstream-token';
 const STATS_POLL_MS = 1000;
@@ -76,6 +76,8 @@ const debug = {
   viewerIds: [],        // their ids (the controller's copy of `viewers` has them)
   shareToken: null,     // ready.share.token
   rewindPoints: null,   // the last chunk's rewind_points: [oldest, newest]
+  rewindHeld: null,     // the last chunk's rewind_held: every boundary held, oldest first
+  rewindSeconds: 0,     // ready.rewind_seconds: how far back the boundaries reach
   chunkIndexes: [],     // chunk_index of every chunk received, in order
   restarts: [],         // {chunk, why} for every chunk with `restarted`
   skippedChunks: 0,     // chunks a viewer's slow connection skipped (chunk.skipped_before)
@@ -364,12 +366,13 @@ const connection = new Connection({
     onState,
     onReady(_session, ready) {
       uploadLimit = ready.limits.max_start_image_bytes ?? null;
+      debug.rewindSeconds = ready.rewind_seconds ?? 0;
       debug.sessionId = ready.session_id;
       debug.shareToken = connection.shareToken;
       debug.viewerIds = [];
       debug.viewers = 0;
       showViewers();
-      showTimeline(null);
+      showTimeline(null, null);
       showModel(ready.model);
       showShareLinks();
     },
@@ -384,7 +387,7 @@ const connection = new Connection({
         debug.skippedChunks += message.skipped_before;
         log(`${message.skipped_before} chunk(s) skipped: this connection fell behind the world`);
       }
-      showTimeline(message.rewind_points ?? null);
+      showTimeline(message.rewind_points ?? null, message.rewind_held ?? null);
     },
     onRole(role) {
       debug.role = role;
@@ -418,13 +421,25 @@ const connection = new Connection({
 
 // ---- sharing: the timeline, viewers, links -----------------------------------------------
 
-let timeline = null;     // {min, max} from the last chunk's rewind_points, or null
+let timeline = null;     // {min, max, held} from the last chunk's rewind_points and rewind_held, or null
 let scrubbing = false;   // a finger or the mouse is on the timeline: chunks must not move it
 
-/** The rewind points of the last chunk: the timeline's range; its live end is the newest point. */
-function showTimeline(points) {
+/** Chunks of play per second (the model card's fps over its frames per chunk), 0 when unknown. */
+function chunksPerSecond() {
+  return model && model.fps > 0 && model.frames_per_chunk > 0 ? model.fps / model.frames_per_chunk : 0;
+}
+
+/** The timeline's live label: how far back it reaches (ready.rewind_seconds) and how many points it holds. */
+function liveLabel() {
+  const reach = debug.rewindSeconds > 0 ? `last ${Math.round(debug.rewindSeconds)} s` : timeBack(timeline, timeline.min, chunksPerSecond());
+  return `live · ${reach}, ${timeline.held.length - 1} points`;
+}
+
+/** The rewind points of the last chunk: the timeline's range and its held points (tick marks); its live end is the newest. */
+function showTimeline(points, held) {
   debug.rewindPoints = points;
-  timeline = timelineRange(points);
+  debug.rewindHeld = held;
+  timeline = timelineRange(points, held);
   if ($('timeline').hidden !== (timeline === null)) {
     $('timeline').hidden = timeline === null;
     fit();  // the player makes room for it, or takes the room back
@@ -434,20 +449,21 @@ function showTimeline(points) {
   slider.min = String(timeline.min);
   slider.max = String(timeline.max);
   slider.value = String(timeline.max);
-  $('rewind-label').textContent = `live (chunk ${timeline.max})`;
+  $('rewind-points').replaceChildren(...timeline.held.map((point) => new Option('', String(point))));
+  $('rewind-label').textContent = liveLabel();
 }
 
 $('rewind').addEventListener('input', () => {
   scrubbing = true;
-  const chosen = Number($('rewind').value);
-  $('rewind-label').textContent = rewindTarget(timeline, chosen) === null ? 'live' : `back to chunk ${chosen}`;
+  const target = rewindTarget(timeline, Number($('rewind').value));
+  $('rewind-label').textContent = target === null ? 'live' : timeBack(timeline, target, chunksPerSecond());
 });
 $('rewind').addEventListener('change', () => {
   scrubbing = false;
   const target = rewindTarget(timeline, Number($('rewind').value));
   $('rewind').blur();  // back to steering
   if (target !== null) connection.rewind(target);
-  showTimeline(debug.rewindPoints);
+  showTimeline(debug.rewindPoints, debug.rewindHeld);
 });
 
 /** The badge on the world ("viewing · 2 watching") and the pass-control menu (the player's, with viewers). */
@@ -478,16 +494,16 @@ function pageBase() {
   return `${location.origin}${location.pathname}`;
 }
 
-/** The watch and branch links, once the session has a share token; branch starts at the newest rewind point. */
+/** The watch and branch links, once the session has a share token; a branch starts wherever the world is when the
+ * link is opened (a link naming a chunk would die once that boundary is thinned out or past the horizon). */
 function showShareLinks() {
   const token = connection.shareToken;
   for (const el of document.querySelectorAll('[data-live-share]')) el.hidden = !token;
   if (!token) return null;
-  const points = timelineRange(debug.rewindPoints);
-  const links = shareLinks(pageBase(), token, points ? points.max : null);
+  const links = shareLinks(pageBase(), token);
   $('share-watch').value = links.watch;
-  $('share-branch').value = links.branch || '';
-  for (const el of document.querySelectorAll('[for=share-branch], #share-branch')) el.hidden = !links.branch;
+  $('share-branch').value = links.branch;
+  for (const el of document.querySelectorAll('[for=share-branch], #share-branch')) el.hidden = !debug.rewindSeconds;
   return links;
 }
 
@@ -515,7 +531,7 @@ function showHint(text) {
 
 // A touch screen without a keyboard or mouse: the first hint names what a finger can do.
 if (matchMedia('(hover: none) and (pointer: coarse)').matches) {
-  $('hint').textContent = 'Hold an arrow on the pad below, or drag on the world';
+  $('hint').textContent = 'Hold an arrow on the pad, or drag on the world';
 }
 
 // Keys reach the page only while it has the focus: say how to get it back.

@@ -193,7 +193,7 @@ export class Connection {
       delete start.prompt;
       delete start.image;
       if (this.mode.kind === 'watch') start.watch = this.mode.token;
-      else start.branch = { share: this.mode.token, chunk: this.mode.chunk };
+      else start.branch = this.mode.chunk === null ? { share: this.mode.token } : { share: this.mode.token, chunk: this.mode.chunk };
     }
     if (resuming) {
       start.resume = this.ticket;
@@ -233,7 +233,7 @@ export class Connection {
     this.shareToken = ready.share && ready.share.token ? ready.share.token : watched;
     if (this.mode.kind === 'branch') {
       // The branch exists now: a drop resumes it by its ticket, and a fresh start is a world of its own.
-      this.hooks.log(`branched from chunk ${ready.branched_from ? ready.branched_from.chunk : this.mode.chunk}`);
+      this.hooks.log(`branched from chunk ${ready.branched_from ? ready.branched_from.chunk : this.mode.chunk ?? 'now'}`);
       this.mode = { kind: 'play' };
     }
     this.debug.sessionId = ready.session_id;

@@ -12,10 +12,19 @@ function show(text) {
   status.textContent = text;
 }
 
+/** The video at the model's aspect ratio, scaled up to the page's width (CSS caps it), pixels kept sharp. */
+async function sizeToModel() {
+  const card = await (await fetch('/v1/model')).json();
+  video.style.aspectRatio = `${card.width} / ${card.height}`;
+  video.dataset.modelSize = `${card.width}x${card.height}`;
+  return card;
+}
+const loadedCard = sizeToModel();
+
 async function start(event) {
   event.preventDefault();
   startButton.disabled = true;
-  const card = await (await fetch('/v1/model')).json();
+  const card = await loadedCard;
   const url = `${location.protocol === 'https:' ? 'wss' : 'ws'}://${location.host}/v1/realtime/video`;
   player = new RealtimeVideoPlayer(video, {
     onEvent: (message) => {

@@ -19,7 +19,8 @@ export function shareParams(search, hash) {
  * What this page load is, from its share parameters (shareParams):
  *   {kind: 'play'}                              a world of its own (no share parameters)
  *   {kind: 'watch', token}                      `#watch=TOKEN`: a viewer of someone's session
- *   {kind: 'branch', token, chunk}              `#branch=TOKEN&chunk=B`: a new session from that boundary
+ *   {kind: 'branch', token, chunk}              `#branch=TOKEN&chunk=B`: a new session from that boundary;
+ *                                               `#branch=TOKEN` (chunk null): from where that session is when opened
  *   {kind: 'bad', reason}                       a share link the page cannot use (said in plain words)
  * @param {URLSearchParams} params
  */
@@ -30,8 +31,9 @@ export function shareMode(params) {
   if (watch !== null) return watch ? { kind: 'watch', token: watch } : { kind: 'bad', reason: 'the watch link has no token' };
   if (branch === null) return { kind: 'play' };
   if (!branch) return { kind: 'bad', reason: 'the branch link has no token' };
+  if (params.get('chunk') === null) return { kind: 'branch', token: branch, chunk: null };
   const chunk = boundaryFromText(params.get('chunk'));
-  if (chunk === null) return { kind: 'bad', reason: 'the branch link names no chunk (chunk=N, a whole number)' };
+  if (chunk === null) return { kind: 'bad', reason: 'the branch link\'s chunk is not a whole number (chunk=N)' };
   return { kind: 'branch', token: branch, chunk };
 }
 
@@ -49,36 +51,59 @@ function boundaryFromText(text) {
  * never in a link.
  * @param {string} base      origin + path of the page, e.g. "http://127.0.0.1:8000/"
  * @param {string} token     ready.share.token
- * @param {number | null} chunk  the boundary "branch from here" starts at; null: no branch link yet
+ * @param {number | null} chunk  the boundary the branch link starts at; null: wherever the world is when
+ *                               the link is opened (good for as long as the session lives)
  */
-export function shareLinks(base, token, chunk) {
+export function shareLinks(base, token, chunk = null) {
   const watch = `${base}#${new URLSearchParams({ watch: token })}`;
-  const branch = chunk === null ? null : `${base}#${new URLSearchParams({ branch: token, chunk: String(chunk) })}`;
-  return { watch, branch };
+  const fields = chunk === null ? { branch: token } : { branch: token, chunk: String(chunk) };
+  return { watch, branch: `${base}#${new URLSearchParams(fields)}` };
 }
 
 /**
- * The timeline's range from a chunk's `rewind_points` ([oldest, newest]), or
- * null when rewind is off or nothing can be rewound yet (oldest === newest: the
- * only point is "now"). newest is the live end: choosing it is no rewind.
+ * The timeline from a chunk's `rewind_points` ([oldest, newest]) and `rewind_held`
+ * (every boundary held, oldest first: older ones are thinned out), or null when
+ * rewind is off or nothing can be rewound yet (oldest === newest: the only point
+ * is "now"). newest is the live end: choosing it is no rewind. A server without
+ * `rewind_held` holds every boundary between the two.
  * @param {unknown} points
+ * @param {unknown} held
+ * @returns {{min: number, max: number, held: number[]} | null}
  */
-export function timelineRange(points) {
+export function timelineRange(points, held) {
   if (!Array.isArray(points) || points.length !== 2) return null;
   const [oldest, newest] = points;
   if (!Number.isInteger(oldest) || !Number.isInteger(newest) || oldest < 0 || oldest >= newest) return null;
-  return { min: oldest, max: newest };
+  const listed = Array.isArray(held) && held.length >= 2 && held.every(Number.isInteger)
+    && held[0] === oldest && held[held.length - 1] === newest;
+  const every = Array.from({ length: newest - oldest + 1 }, (_, i) => oldest + i);
+  return { min: oldest, max: newest, held: listed ? held : every };
 }
 
 /**
- * The boundary a scrub asks for: the chosen point when it is held and not the
- * live end, else null (nothing to send).
- * @param {{min: number, max: number} | null} range
+ * The boundary a scrub asks for: the held point at or before the chosen one
+ * (the slider moves over chunks, the points are sparser further back), or null
+ * when that is the live end or outside the range (nothing to send).
+ * @param {{min: number, max: number, held?: number[]} | null} range
  * @param {number} chosen
  */
 export function rewindTarget(range, chosen) {
-  if (!range || !Number.isInteger(chosen)) return null;
-  return chosen >= range.min && chosen < range.max ? chosen : null;
+  if (!range || !Number.isInteger(chosen) || chosen < range.min || chosen >= range.max) return null;
+  const held = range.held ?? [chosen];
+  let target = null;
+  for (const point of held) if (point <= chosen) target = point;
+  return target !== null && target < range.max ? target : null;
+}
+
+/**
+ * Words for the timeline: how far back `boundary` is from the live end, in
+ * seconds of play. `chunksPerSecond` 0 (unknown): chunks.
+ */
+export function timeBack(range, boundary, chunksPerSecond) {
+  const chunks = range.max - boundary;
+  if (!(chunksPerSecond > 0)) return `${chunks} chunks back`;
+  const seconds = chunks / chunksPerSecond;
+  return `${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s back`;
 }
 
 /**

@@ -68,7 +68,7 @@ def test_share_mode_reads_watch_and_branch_links(server: LiveServer, page: Any) 
     assert mode("watch=r0.abc") == {"kind": "watch", "token": "r0.abc"}
     assert mode("branch=r0.abc&chunk=12") == {"kind": "branch", "token": "r0.abc", "chunk": 12}
     assert mode("branch=r0.abc&chunk=0") == {"kind": "branch", "token": "r0.abc", "chunk": 0}
-    for bad in ("watch=", "branch=r0.abc", "branch=r0.abc&chunk=-1", "branch=r0.abc&chunk=1.5",
+    for bad in ("watch=", "branch=r0.abc&chunk=", "branch=r0.abc&chunk=-1", "branch=r0.abc&chunk=1.5",
                 "branch=r0.abc&chunk=99999999999", "branch=&chunk=2", "watch=a&branch=b&chunk=1"):
         assert mode(bad)["kind"] == "bad", bad
     # A link's parameters: from the fragment (never sent to a server), else from the query (links made before).
@@ -87,7 +87,10 @@ def test_share_links_and_timeline_range(server: LiveServer, page: Any) -> None:
     links = share_module(page, "m.shareLinks('http://h:1/', 'r0.a+b/c', 7)")
     # The token is in the fragment: opening the link sends it to no server (issue 31, finding 11).
     assert links == {"watch": "http://h:1/#watch=r0.a%2Bb%2Fc", "branch": "http://h:1/#branch=r0.a%2Bb%2Fc&chunk=7"}
-    assert share_module(page, "m.shareLinks('http://h:1/', 'r0.x', null).branch") is None
+    # no chunk: the branch starts wherever the world is when the link is opened
+    assert share_module(page, "m.shareLinks('http://h:1/', 'r0.x').branch") == "http://h:1/#branch=r0.x"
+    assert share_module(page, "m.shareMode(new URLSearchParams('branch=r0.x'))") == {
+        "kind": "branch", "token": "r0.x", "chunk": None}
     # A link the page builds reads back as what it was built from.
     read_back = "(u => m.shareMode(m.shareParams(u.search, u.hash)))(new URL(m.shareLinks('http://h:1/', 'r0.a+b', 3).branch))"
     assert share_module(page, read_back) == {"kind": "branch", "token": "r0.a+b", "chunk": 3}
@@ -95,18 +98,24 @@ def test_share_links_and_timeline_range(server: LiveServer, page: Any) -> None:
     def timeline(points: str) -> Any:
         return share_module(page, f"m.timelineRange({points})")
 
-    assert timeline("[2, 10]") == {"min": 2, "max": 10}
+    assert timeline("[2, 5]") == {"min": 2, "max": 5, "held": [2, 3, 4, 5]}  # an older server holds every one
+    assert timeline("[2, 10], [2, 6, 8, 9, 10]") == {"min": 2, "max": 10, "held": [2, 6, 8, 9, 10]}
     for nothing in ("undefined", "null", "[5, 5]", "[3]", "[-1, 4]", "[1.5, 4]", "[6, 2]", "'2,10'"):
         assert timeline(nothing) is None, nothing
     targets = share_module(page, "[1, 2, 9, 10, 11, 3.5].map(b => m.rewindTarget({min: 2, max: 10}, b))")
     assert targets == [None, 2, 9, None, None, None], "held points only, and the live end is no rewind"
+    thinned = "{min: 2, max: 10, held: [2, 6, 8, 9, 10]}"
+    snapped = share_module(page, f"[2, 3, 5, 6, 7, 9, 10].map(b => m.rewindTarget({thinned}, b))")
+    assert snapped == [2, 2, 2, 6, 6, 9, None], "a scrub between thinned points goes to the held one before it"
+    assert share_module(page, f"m.timeBack({thinned}, 2, 8)") == "1.0 s back"
+    assert share_module(page, f"m.timeBack({thinned}, 6, 0)") == "4 chunks back"
     ids = share_module(page, "m.raiseIdsPast({tick: 3, event: 9}, 41, [2, 12, 5])")
     assert ids == {"tick": 42, "event": 13}
     assert share_module(page, "m.raiseIdsPast({tick: 50, event: 9}, 41, [])") == {"tick": 50, "event": 9}
 
 
 def test_a_broken_share_link_says_so_and_connects_nowhere(server: LiveServer, page: Any) -> None:
-    page.goto(server.base_url + "/?branch=r0.abc")  # no chunk
+    page.goto(server.base_url + "/?branch=r0.abc&chunk=x")
     wait_state(page, "ended")
     assert "share link cannot be used" in overlay_text(page)
     assert "chunk" in overlay_text(page)
@@ -128,7 +137,7 @@ SHARE_POINTS = 64
 def sharing(server: LiveServer) -> Iterator[LiveServer]:
     """A server that keeps many rewind points (the module's ``server`` keeps the default)."""
     options = {"compute_delay_s": 0.01}
-    with running_server(fake_settings(model_options=options, rewind_points=SHARE_POINTS)) as live:
+    with running_server(fake_settings(model_options=options, rewind_seconds=SHARE_POINTS / 8)) as live:
         yield live
 
 
@@ -178,6 +187,18 @@ def test_timeline_scrub_rewinds_the_world(sharing: LiveServer, page: Any) -> Non
     assert int(page.get_attribute("#rewind", "max") or 0) > target
 
 
+def test_timeline_says_its_horizon_in_seconds_and_marks_the_thinned_points(sharing: LiveServer, page: Any) -> None:
+    page.goto(sharing.base_url + "/")
+    # 8 s of fake-kv at 8 chunks a second: every boundary of the last 16 chunks, then every other one
+    wait(page, "(window.arstreamDebug.rewindHeld || []).length > 0 && "
+               "window.arstreamDebug.rewindHeld.at(-1) - window.arstreamDebug.rewindHeld[0] > 24")
+    held = page.evaluate("[...document.querySelectorAll('#rewind-points option')].map(o => Number(o.value))")
+    assert held[-1] - held[0] > len(held) - 1, f"older points are thinned out: {held}"
+    assert held[0] % 2 == 0
+    label = page.text_content("#rewind-label") or ""
+    assert label.startswith("live · last 8 s, ") and label.endswith(" points"), label
+
+
 def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
     sharing: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
@@ -222,7 +243,7 @@ def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
         viewer_context.close()
 
 
-def test_branch_link_starts_a_new_session_from_that_chunk(
+def test_branch_link_made_long_ago_starts_a_new_session_where_the_world_is(
     sharing: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
     context = new_context(browser)
@@ -231,16 +252,19 @@ def test_branch_link_starts_a_new_session_from_that_chunk(
         player.goto(sharing.base_url + "/")
         wait_rewind_span(player, 3)
         link = share_link(player, "branch")
-        chunk = int(link.rsplit("chunk=", 1)[1])
-        assert chunk >= 3
+        assert "chunk=" not in link, link
+        made_at = max(debug(player)["chunkIndexes"])
+        # Opened well after it was made (more chunks than the old eight rewind points): still good.
+        wait(player, f"Math.max(...window.arstreamDebug.chunkIndexes) > {made_at + 20}")
 
         brancher = new_page(context, errors)
         brancher.goto(link)
         wait_frames_drawn(brancher, 4)
         branch = debug(brancher)
+        chunk = branch["chunkIndexes"][0]
         assert branch["role"] == "controller"
         assert branch["sessionId"] != debug(player)["sessionId"]
-        assert branch["chunkIndexes"][0] == chunk, "the branch's first chunk is the boundary it started from"
+        assert chunk > made_at + 20, "the branch starts where the world was when the link was opened"
         assert f"branched from chunk {chunk}" in (brancher.text_content("#log") or "")
         # The source plays on, and the branch is steered by its own page.
         before = debug(player)["chunksReceived"]

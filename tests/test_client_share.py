@@ -150,8 +150,7 @@ def test_rewind_plan_rejects(to: int | None, after: int | None, ticks: int, comp
         (["--watch", "r0.x", "--seed", "3"], "takes no --seed"),
         (["--watch", "r0.x", "--chunks", "0"], "at least 1"),
         (["--chunks", "3"], "is for --watch"),
-        (["--branch", "r0.x"], "go together"),
-        (["--chunk", "2"], "go together"),
+        (["--chunk", "2"], "is for --branch"),
         (["--branch", "r0.x", "--chunk", "-1"], "at least 0"),
     ],
 )
@@ -269,9 +268,10 @@ def test_rewind_to_replays_that_chunk_exactly(
 def test_a_rewind_past_the_held_points_is_refused_clearly(
     server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    points = 8  # the server's default rewind_points
-    ticks = points + 4
-    argv = ["--keys", f"-*{ticks}", "--rewind-to", "0", "--rewind-after", str(ticks - 1)]
+    # The server keeps every boundary of the last 2 s (16 chunks of fake-kv), then every other one:
+    # boundary 1 is thinned out 20 chunks later.
+    ticks = 20
+    argv = ["--keys", f"-*{ticks}", "--rewind-to", "1", "--rewind-after", str(ticks - 1)]
     assert client.main([server.base_url, *argv, "--out", str(tmp_path)]) == 1
     assert "rewind_unavailable" in capsys.readouterr().err
 
@@ -328,6 +328,32 @@ def test_watch_and_branch_a_live_session(
     assert len(branch) == len(source)
     assert all(np.array_equal(a, b) for a, b in zip(branch, source, strict=True))
     assert [int(chunk.message["chunk_index"]) for chunk in played] == list(range(len(played))), "the source went on"
+    server.settled(baseline)
+
+
+async def branch_from_now(url: str, tmp_path: Path) -> int:
+    """A player plays three chunks, then ``--branch TOKEN`` with no ``--chunk``; returns its exit code."""
+    player = client.SessionClient(await client.connect(wire.session_url(url)))
+    try:
+        await player.start(codec="raw", seed=5)
+        assert player.share_token
+        for _ in range(3):
+            await player.send_tick()
+            await player.receive_chunk()
+        argv = [url, "--branch", player.share_token, "--keys", "-*2", "--codec", "raw", "--out", str(tmp_path)]
+        code = await asyncio.to_thread(client.main, argv)
+        await player.close()
+    finally:
+        await player.ws.close()
+    return code
+
+
+def test_a_branch_without_a_chunk_starts_where_the_session_is_now(
+    server: LiveServer, baseline: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert asyncio.run(branch_from_now(server.base_url, tmp_path)) == 0
+    output = capsys.readouterr().out
+    assert "branched from chunk 3" in output and "chunk indexes: 3-4" in output
     server.settled(baseline)
 
 

@@ -11,6 +11,7 @@ from arstream.runner.pool import (
     budget_for_sessions,
     plan_pool,
 )
+from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.spec import KVBranch, SpecError
 from runner_fakes import tiny_spec
 
@@ -162,13 +163,11 @@ def test_rewind_points_add_their_chunks_and_model_state_copies_to_each_session()
     # 16-byte blocks, 5 resident frames, chunk of 2: K rewind points add K chunks of blocks per branch
     # and K copies of the model-owned state, never K copies of the window.
     plain = plan_pool(spec, 1 << 16)
-    kept = plan_pool(spec, 1 << 16, rewind_points=3)
+    kept = plan_pool(spec, 1 << 16, rewind=RewindSchedule.last(3))
     assert plain.per_session_bytes == 5 * 2 * 16 + 24
     assert kept.per_session_bytes == (5 + 3 * 2) * 2 * 16 + 4 * 24
     assert kept.num_blocks == kept.session_capacity * (5 + 3 * 2) * 2 + 4
-    assert plan_pool(spec, 1 << 16, rewind_points=0) == plain
-    budget = budget_for_sessions(spec, 4, rewind_points=3)
-    assert plan_pool(spec, budget, rewind_points=3).session_capacity == 4
-    assert plan_pool(spec, budget - 1, rewind_points=3).session_capacity == 3
-    with pytest.raises(PoolBudgetError, match="rewind_points must be an integer >= 0"):
-        plan_pool(spec, 1 << 16, rewind_points=-1)
+    assert plan_pool(spec, 1 << 16, rewind=None) == plain
+    budget = budget_for_sessions(spec, 4, rewind=RewindSchedule.last(3))
+    assert plan_pool(spec, budget, rewind=RewindSchedule.last(3)).session_capacity == 4
+    assert plan_pool(spec, budget - 1, rewind=RewindSchedule.last(3)).session_capacity == 3

@@ -604,3 +604,24 @@ def test_shutdown_ends_a_streaming_session_with_server_shutdown() -> None:
         live.thread.join(30)
     last = messages[-1]
     assert (last["type"], last["code"], code) == ("error", "server_shutdown", 1001), messages
+
+
+def test_without_pyav_the_start_is_refused_naming_the_extra_and_nothing_is_held(
+    server: LiveServer, baseline: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from arstream.app import video
+
+    monkeypatch.setattr(video, "h264_available", lambda: False)  # a machine installed without the video extra
+
+    async def refused() -> tuple[dict[str, Any], int | None]:
+        async with session_client(video_url(server)) as client:
+            await client.send_text(json.dumps(start_message()))
+            closed = await client.closed_by_server()
+            (error,) = closed.messages
+            return error, closed.code
+
+    error, code = asyncio.run(refused())
+    assert set(error) <= ERROR_FIELDS and error["type"] == "error", error
+    assert "cannot stream realtime video" in error["message"] and "pip install 'arstream[video]'" in error["message"]
+    assert code is not None and code >= 1008
+    server.settled(baseline)

@@ -26,6 +26,7 @@ from arstream.runner.contract import ARPipeline, ModelState
 from arstream.runner.kv_state import HistoryTables
 from arstream.runner.pool import PagedKVPool, plan_pool, session_frames
 from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
+from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
@@ -50,6 +51,8 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # tiny matrix-game-2 (random weights, seeded): KV, action caches, VAE feature cache, control history, noise
     "matrix-game-2": lambda: _loaded("matrix-game-2", config="tiny", random_init=True),
+    # the same with the TAEHV decoder: its per-memory-block state instead of the VAE cache
+    "matrix-game-2-taehv": lambda: _loaded("matrix-game-2", config="tiny", random_init=True, decoder="taehv"),
 }
 
 
@@ -60,7 +63,7 @@ def _pipeline(model: str) -> ARPipeline:
 
 
 def _runner(model: str, sessions: int = 3) -> ARRunner:
-    return runner_for_sessions(_pipeline(model), sessions, rewind_points=K)
+    return runner_for_sessions(_pipeline(model), sessions, rewind=RewindSchedule.last(K))
 
 
 def _tick(session: str, index: int, keys: list[list[str]] = KEYS, **fields: Any) -> TickRequest:
@@ -149,14 +152,14 @@ def test_a_branch_continues_like_the_uninterrupted_session_and_its_source_goes_o
 
 def test_boundaries_share_blocks_with_the_live_window_and_stay_within_the_plan() -> None:
     pipeline = FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2)
-    runner = runner_for_sessions(pipeline, 2, rewind_points=K)
+    runner = runner_for_sessions(pipeline, 2, rewind=RewindSchedule.last(K))
     spec = runner.spec
     peak = 0
     for i in range(12):
         runner.execute_tick(tick("s", i))
         peak = max(peak, runner.pool.num_used)
     # sink + window + K chunks, not (K + 1) copies of sink + window
-    assert peak == session_frames(spec, K) == spec.resident_frames + K * spec.frames_per_chunk
+    assert peak == session_frames(spec, RewindSchedule.last(K)) == spec.resident_frames + K * spec.frames_per_chunk
     assert peak < (K + 1) * spec.resident_frames
     state = runner._sessions["s"]
     boundary_blocks = set(runner._rewind["s"].blocks())
@@ -181,7 +184,7 @@ def test_rewind_points_zero_plans_exactly_todays_pool_and_refuses_rewinds() -> N
     with pytest.raises(RewindUnavailable, match="rewind is off"):
         off.branch_session("s", 1, "b")
     assert off.next_chunk_index("s") == 1 and not off.is_resident("b")
-    kept = ARRunner(pipeline, kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind_points=K)
+    kept = ARRunner(pipeline, kv_budget_bytes=FAKE_KV_BUDGET_BYTES, rewind=RewindSchedule.last(K))
     assert kept.plan.per_session_bytes > off.plan.per_session_bytes
     assert kept.plan.session_capacity <= off.plan.session_capacity
 
@@ -192,7 +195,7 @@ def test_a_boundary_not_held_is_refused_and_the_session_is_unchanged(target: int
     runner = _runner("fake-kv")
     _run(runner, "s", range(6))  # holds boundaries 2..6
     before = (runner.pool.ref_counts(), runner.next_chunk_index("s"), runner.rewind_points("s"))
-    with pytest.raises(RewindUnavailable, match=f"boundary {target} is not held.*2..6"):
+    with pytest.raises(RewindUnavailable, match=f"boundary {target} is not held: the session holds boundaries 2, 3, 4, 5, 6 "):
         runner.execute_tick(_tick("s", 6, rewind_to=target))
     with pytest.raises(RewindUnavailable, match=f"boundary {target} is not held"):
         runner.branch_session("s", target, "b")
@@ -202,7 +205,7 @@ def test_a_boundary_not_held_is_refused_and_the_session_is_unchanged(target: int
 
 
 def test_a_refused_rewind_in_a_round_fails_only_its_tick_and_keeps_the_session() -> None:
-    runner = runner_for_sessions(BatchRecordingFakePipeline(), 3, max_batch_sessions=3, rewind_points=K)
+    runner = runner_for_sessions(BatchRecordingFakePipeline(), 3, max_batch_sessions=3, rewind=RewindSchedule.last(K))
     for i in range(3):
         runner.execute([tick("a", i), tick("b", i), tick("c", i)])
     results = runner.execute(
@@ -218,7 +221,7 @@ def test_a_refused_rewind_in_a_round_fails_only_its_tick_and_keeps_the_session()
 
 def test_rewinds_in_a_batched_round_equal_the_uninterrupted_sessions() -> None:
     pipeline = BatchRecordingFakePipeline(sink_frames=1, window_frames=6, frames_per_chunk=2)
-    runner = runner_for_sessions(pipeline, 3, max_batch_sessions=3, rewind_points=K)
+    runner = runner_for_sessions(pipeline, 3, max_batch_sessions=3, rewind=RewindSchedule.last(K))
     reference = [runner.execute_tick(_tick("reference", i)).frames for i in range(6)]
     runner.close_session("reference")
     runner.execute([_tick("a", 0), _tick("b", 0)])
@@ -237,7 +240,7 @@ def test_rewinds_in_a_batched_round_equal_the_uninterrupted_sessions() -> None:
 
 def test_every_end_of_a_session_returns_its_boundaries() -> None:
     pipeline = FakeKVPipeline(session_capacity=2)
-    runner = runner_for_sessions(pipeline, 2, rewind_points=K)
+    runner = runner_for_sessions(pipeline, 2, rewind=RewindSchedule.last(K))
     for i in range(5):
         runner.execute_tick(tick("a", i))
     runner.execute_tick(tick("a", 5, reset=True))  # reset: the old rollout's boundaries are gone
@@ -263,7 +266,7 @@ def test_every_end_of_a_session_returns_its_boundaries() -> None:
 
 
 def test_branching_into_a_resident_session_or_from_an_absent_one_is_refused() -> None:
-    runner = runner_for_sessions(FakeKVPipeline(), 3, rewind_points=K)
+    runner = runner_for_sessions(FakeKVPipeline(), 3, rewind=RewindSchedule.last(K))
     runner.execute_tick(tick("a", 0))
     runner.execute_tick(tick("b", 0))
     with pytest.raises(ValueError, match="already resident"):
@@ -278,7 +281,7 @@ def test_a_moved_session_arrives_without_boundaries_and_keeps_new_ones_there() -
     reference = _reference("fake-kv")
     source = _runner("fake-kv")
     _run(source, "s", range(4))
-    target = runner_for_sessions(FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2), 2, rewind_points=K)
+    target = runner_for_sessions(FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2), 2, rewind=RewindSchedule.last(K))
     import_session(target, "s", SessionSnapshot.from_bytes(export_session(source, "s").to_bytes()))
     source.close_session("s")
     _assert_at_baseline(source)
@@ -303,7 +306,7 @@ class FailingImportFakePipeline(FakeKVPipeline):
 
 def test_a_rewind_or_branch_whose_model_state_will_not_go_back_fails_closed() -> None:
     pipeline = FailingImportFakePipeline()
-    runner = runner_for_sessions(pipeline, 3, rewind_points=K)
+    runner = runner_for_sessions(pipeline, 3, rewind=RewindSchedule.last(K))
     for i in range(4):
         runner.execute_tick(tick("s", i))
     pipeline.fail_import = True
@@ -327,7 +330,7 @@ def test_model_state_copies_keep_an_unchanged_tensor_once_and_hand_out_private_c
     assert torch.equal(first.tensors["canvas"], torch.zeros(3)) and torch.equal(second.tensors["canvas"], canvas)
     spec = FakeKVPipeline().kv_cache_spec()
     pool = PagedKVPool(spec, plan_pool(spec, FAKE_KV_BUDGET_BYTES), torch.device("cpu"))
-    points = RewindPoints(pool, keep=2)
+    points = RewindPoints(pool, RewindSchedule.last(2))
     for index, model in enumerate((first, second)):
         points.record(Boundary(HistoryTables({"main": []}, {"main": []}, 2 * index, index, 0), model))
     taken = points.take(0)  # what a pipeline gets is its own: writing to it changes no kept boundary

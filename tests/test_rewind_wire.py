@@ -25,6 +25,8 @@ KEYS = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"]]
 OTHER = [["s", "a"], ["w"], ["a"], ["d", "w"], [], ["s"], ["a"]]
 SEED = 1234
 K = 4
+# fake-kv and tiny-world play 8 chunks a second: a horizon of 3 chunks keeps exactly the last K boundaries
+SECONDS = (K - 1) / 8
 B = 3
 MODELS = {"fake-kv": {"sink_frames": 1, "window_frames": 6, "frames_per_chunk": 2}, "tiny-world": {}}
 
@@ -32,7 +34,7 @@ MODELS = {"fake-kv": {"sink_frames": 1, "window_frames": 6, "frames_per_chunk": 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     settings = fake_settings(
-        model=request.param, model_options=MODELS[request.param], replica_id="r0", rewind_points=K
+        model=request.param, model_options=MODELS[request.param], replica_id="r0", rewind_seconds=SECONDS
     )
     with running_server(settings) as live:
         yield live
@@ -154,7 +156,7 @@ def test_a_branch_continues_from_the_boundary_and_the_source_goes_on_unaffected(
 
 
 def test_a_branch_that_does_not_fit_is_over_capacity_and_holds_nothing() -> None:
-    settings = fake_settings(model_options=MODELS["fake-kv"], replica_id="r0", rewind_points=K, max_sessions=1)
+    settings = fake_settings(model_options=MODELS["fake-kv"], replica_id="r0", rewind_seconds=SECONDS, max_sessions=1)
     with running_server(settings) as live:
 
         async def scenario() -> None:

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from arstream.models.fake import FakeForwardError
 from arstream.runner.pool import session_frames
+from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 from runner_fakes import RaisingAfterCommitFakePipeline
@@ -31,7 +32,7 @@ class RunnerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pipeline = RaisingAfterCommitFakePipeline(session_capacity=3, sink_frames=1, window_frames=6)
-        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3, rewind_points=3)
+        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3, rewind=RewindSchedule.last(3))
         self.request_id = 0
 
     def _tick(self, session: str, **fields: object) -> None:
@@ -137,7 +138,7 @@ class RunnerMachine(RuleBasedStateMachine):
     @invariant()
     def kept_boundaries_stay_within_the_plan(self) -> None:
         # shared or not, the resident sessions' blocks never exceed what the plan counts per session
-        per_session = session_frames(self.runner.spec, self.runner.rewind_keep)
+        per_session = session_frames(self.runner.spec, self.runner.rewind)
         assert self.runner.pool.num_used <= len(self.runner.resident_sessions()) * per_session
 
     @invariant()

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, get_args
 
@@ -244,26 +245,55 @@ def test_serve_refuses_bad_settings_in_one_line_before_binding_the_port(argv: li
     assert complaint in result.stderr  # the reason itself, not only the flag's name
 
 
-def test_a_port_in_use_is_one_line_naming_it_before_the_model_loads() -> None:
+# `arstream serve` with torch made unimportable: a refusal that needs no torch comes out, one that waits for it
+# fails with an ImportError instead. (Fast refusals, checked without timing anything.) PyAV is made
+# unimportable too, as on a machine installed without the video extra.
+WITHOUT_TORCH = (
+    "import sys; sys.modules['torch'] = None; sys.modules['av'] = None; "
+    "from arstream.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def serve_without_torch(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, "serve", *argv],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=EXIT_GUARD_S,
+        env=env,
+    )
+
+
+def test_a_port_in_use_is_one_line_naming_it_before_torch_loads() -> None:
     import socket
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        # tiny-world (the default model) takes seconds to load; the refusal comes before it.
-        result = subprocess.run(
-            [sys.executable, "-m", "arstream", "serve", "--port", str(port), "--log-level", "info"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=EXIT_GUARD_S,
-        )
+        result = serve_without_torch("--port", str(port), "--log-level", "info")
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
-        f"arstream serve: cannot listen on 127.0.0.1:{port} (Address already in use); choose another with --port"
+        f"arstream serve: cannot listen on 127.0.0.1:{port}: the port is in use; choose another with --port"
     ], result.stderr
     assert "ARSTREAM_LISTENING" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--port", "99999"], "--port (ARSTREAM_PORT): Input should be less than or equal to 65535, got 99999"),
+        # TEST-NET-1: an address no machine here holds; the refusal names the host, not the port
+        (["--host", "192.0.2.1", "--port", "8123"], "192.0.2.1 is not an address of this machine; choose another with --host"),
+        (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is not an address or a name"),
+        (["--codec", "h264"], "the h264 codec needs"),
+    ],
+)
+def test_flag_and_address_errors_are_refused_before_torch_loads(argv: list[str], said: str) -> None:
+    result = serve_without_torch(*argv)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and said in result.stderr, result.stderr
 
 
 def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:
@@ -276,7 +306,10 @@ def test_serve_with_a_model_that_fails_to_load_exits_nonzero() -> None:
         timeout=EXIT_GUARD_S,
     )
     assert result.returncode == 1
-    assert "no_such_option" in result.stderr
+    said = [line for line in result.stderr.splitlines() if "no_such_option" in line]
+    assert len(said) == 1 and "--model-options" in said[0], result.stderr
+    assert "Traceback" not in result.stderr, "a bad option is one line, not a traceback"
+    assert "Uvicorn running" not in result.stderr, "a server whose model failed never says it is running"
     assert "ARSTREAM_LISTENING" not in result.stdout
 
 
@@ -310,3 +343,20 @@ def test_small_frames_get_a_higher_default_jpeg_quality() -> None:
     assert settings.default_jpeg_quality({}) == 80  # a card without a frame size: the general default
     tuned = settings_from_argv(["--jpeg-quality", "70", "--small-frame-jpeg-quality", "90"])
     assert (tuned.default_jpeg_quality({"width": 8, "height": 8}), tuned.default_jpeg_quality({})) == (90, 70)
+
+
+def test_listening_on_every_interface_announces_the_lan_urls() -> None:
+    from arstream.app.address import lan_addresses, network_lines
+
+    assert network_lines("127.0.0.1", 8000) == [], "a loopback server says nothing about the network"
+    with server_process(["--model", "fake-kv", "--host", "0.0.0.0"]) as server:
+        port = server.port
+        expected = network_lines("0.0.0.0", port)
+        deadline = 600  # polls of 0.05 s: a hang guard, not a speed check
+        while not any(expected[0] in line for line in server.output) and deadline:
+            deadline -= 1
+            time.sleep(0.05)
+        printed = "".join(server.output)
+    assert expected[0] in printed, printed
+    for address in lan_addresses():
+        assert f"http://{address}:{port}/" in expected[0] and not address.startswith("127.")

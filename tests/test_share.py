@@ -291,7 +291,7 @@ def test_metrics_count_viewers(server: LiveServer) -> None:
     [
         ('{"type": "start", "watch": "r0.a", "resume": "r0.b"}', "at most one of resume, watch and branch"),
         ('{"type": "start", "watch": "r0.a", "branch": {"share": "r0.a", "chunk": 1}}', "at most one"),
-        ('{"type": "start", "branch": {"share": "r0.a"}}', "branch.chunk"),
+        ('{"type": "start", "branch": {"share": "r0.a", "chunk": "5"}}', "branch.chunk"),
         ('{"type": "start", "branch": {"share": "r0.a", "chunk": -1}}', "branch.chunk"),
         ('{"type": "start", "watch": ""}', "watch"),
         ('{"type": "tick", "tick_id": 1, "rewind_to": -2}', "rewind_to"),
@@ -313,6 +313,8 @@ def test_the_new_messages_parse() -> None:
     assert isinstance(passed, PassControlMessage) and passed.to == "v1a2b"
     start = parse_client_message('{"type": "start", "branch": {"share": "r0.x", "chunk": 4}}')
     assert isinstance(start, StartMessage) and start.branch is not None and start.branch.chunk == 4
+    latest = parse_client_message('{"type": "start", "branch": {"share": "r0.x"}}')  # no chunk: the latest boundary
+    assert isinstance(latest, StartMessage) and latest.branch is not None and latest.branch.chunk is None
 
 
 def test_viewers_end_with_the_players_dropped_connection_and_an_h264_viewer_decodes_every_chunk_alone(

@@ -42,6 +42,8 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # tiny matrix-game-2 (random weights, seeded): KV, action caches, VAE feature cache, control history, noise
     "matrix-game-2": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True),
+    # the same with the TAEHV decoder: its per-memory-block state instead of the VAE cache
+    "matrix-game-2-taehv": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True, decoder="taehv"),
 }
 
 

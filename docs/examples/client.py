@@ -1,7 +1,10 @@
 """A minimal ARStream client: one session, hold a key, save the frames (docs/PROTOCOL.md).
 
     pip install websockets
-    python client.py ws://127.0.0.1:8000/v1/sessions d 40 frames/
+    python client.py URL KEY CHUNKS OUT_DIR
+    python client.py ws://127.0.0.1:8000/v1/sessions d 40 saved/   # hold d for 40 chunks (not frames)
+
+Each chunk brings the model card's frames_per_chunk frames; all are saved in OUT_DIR as JPEG files.
 """
 
 import json

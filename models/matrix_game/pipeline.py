@@ -37,6 +37,7 @@ import torch
 from arstream.models.matrix_game import checkpoint as ckpt
 from arstream.models.matrix_game.clip import ClipImageEncoder
 from arstream.models.matrix_game.config import CONFIGS, MatrixGameConfig, get_config
+from arstream.models.matrix_game.decoders import LatentDecoder, build_decoder, decoder_device, decoder_digest
 from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
 from arstream.models.matrix_game.dit import CausalWanDiT
 from arstream.models.matrix_game.images import (
@@ -55,9 +56,10 @@ from arstream.models.matrix_game.sampler import sample_chunk
 from arstream.models.matrix_game.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes
 from arstream.runner.binding import SessionStateBinding
 from arstream.runner.contract import ModelState
+from arstream.runner.decode_states import DecoderStates
 from arstream.runner.snapshot import tensors_digest, weights_digest
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import StartImage, TickRequest
+from arstream.runner.types import PendingDecode, StartImage, TickRequest
 
 log = logging.getLogger("arstream.models.matrix_game")
 
@@ -74,7 +76,6 @@ class _MatrixGameSession:
     generator: torch.Generator
     controls: ControlHistory | None = None
     actions: ActionHistory = field(default_factory=ActionHistory)
-    vae_cache: FeatureCache | None = None
     image: ImageEncodings | None = None  # the rollout's start image (fixed for the rollout)
 
 
@@ -87,7 +88,7 @@ class ChunkTimings:
 
 
 class MatrixGamePipeline(SessionStateBinding):
-    """Implements ``ARPipeline``, ``SupportsBatchedChunks`` and ``SupportsWarmup``."""
+    """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsSplitDecode`` and ``SupportsWarmup``."""
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class MatrixGamePipeline(SessionStateBinding):
         image_cache: int = 4,
         condition_frames: int = MAX_CONDITION_FRAMES,
         session_capacity: int = 8,
+        decoder: LatentDecoder | None = None,
     ) -> None:
         """``images``: the offered start images by name, ``[3, H, W]`` in [-1, 1], the default first.
 
@@ -112,6 +114,8 @@ class MatrixGamePipeline(SessionStateBinding):
         self.model = model.eval()
         self.cfg = model.cfg
         self.vae = vae
+        # what decodes the latents into frames: the VAE itself unless another decoder was chosen
+        self.decoder: LatentDecoder = vae if decoder is None else decoder
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.session_capacity = session_capacity
@@ -123,6 +127,8 @@ class MatrixGamePipeline(SessionStateBinding):
         # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
         self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
         self.last_latents: dict[str, torch.Tensor] = {}
+        # each session's decoder cache, apart from the rest: a split decode writes it on the decode stage's thread
+        self._decoder_states: DecoderStates[FeatureCache] = DecoderStates()
         self.timings = ChunkTimings()
         self.images = StartImages(images, self._encode_image, self.cfg, capacity=image_cache)
         log.info(
@@ -155,9 +161,9 @@ class MatrixGamePipeline(SessionStateBinding):
         """Bytes of a steady-state decoder cache (after a first and a later chunk of zeros)."""
         cfg = self.cfg
         zeros = torch.zeros(1, cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height, cfg.latent_width, device=self.device)
-        _, cache = self.vae.decode(zeros, None)
-        _, cache = self.vae.decode(zeros, cache)
-        return cache_bytes(cache)
+        _, caches = self.decoder.decode_rows(zeros, [None])
+        _, caches = self.decoder.decode_rows(zeros, caches)  # type: ignore[arg-type]
+        return cache_bytes(caches[0])
 
     # ---- contract ------------------------------------------------------------------------
 
@@ -194,11 +200,38 @@ class MatrixGamePipeline(SessionStateBinding):
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        return self._generate([tick])[0]
+        return self._generate([tick], decode_inline=True)[0].payload  # type: ignore[no-any-return]
 
     def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
-        """One DiT forward for several bound sessions (equal history lengths); row ``i`` is ``ticks[i]``."""
-        return self._generate(ticks)
+        """One DiT forward for several bound sessions (equal history lengths); row ``i`` is ``ticks[i]``.
+
+        The decode runs inside: nothing is stored unless both succeed (the batching contract).
+        """
+        pending = self._generate(ticks, decode_inline=True)
+        return [p.payload for p in pending]
+
+    def generate_latents(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
+        """The DiT forward only: every state but the decoder's is stored; the latents wait for :meth:`decode_latents`."""
+        return self._generate(ticks, decode_inline=False)
+
+    def decode_latents(self, chunks: Sequence[PendingDecode]) -> list[np.ndarray]:
+        """Decode one round's chunks (rows decode together where the decoder can), each from its session's state."""
+        caches = [self._decoder_states.before(c.session_id, c.chunk_index) for c in chunks]
+        # a failure stores nothing: the runner may retry each chunk alone
+        frames, new_caches = self._decode(torch.stack([c.payload for c in chunks]), caches)
+        for c, cache in zip(chunks, new_caches):
+            self._decoder_states.finish(c.session_id, c.chunk_index, cache)
+        return frames
+
+    def _decode(
+        self, latents: torch.Tensor, caches: list[FeatureCache | None]
+    ) -> tuple[list[np.ndarray], list[FeatureCache]]:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            videos, new_caches = self.decoder.decode_rows(latents, caches)
+            frames = [_to_uint8(v) for v in videos]
+        self.timings.vae_s = time.perf_counter() - started
+        return frames, new_caches
 
     def reset_session(self, session_id: str) -> None:
         self._drop(session_id)
@@ -213,7 +246,7 @@ class MatrixGamePipeline(SessionStateBinding):
 
     def session_ids(self) -> list[str]:
         """Sessions with model-owned state (for tests of release on reset/close)."""
-        return list(self._sessions)
+        return [*self._sessions, *(s for s in self._decoder_states.sessions() if s not in self._sessions)]
 
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
 
@@ -229,6 +262,7 @@ class MatrixGamePipeline(SessionStateBinding):
                 "config": self.cfg.name,
                 "dit": weights_digest(self.model),
                 "vae": weights_digest(self.vae.vae),
+                "decoder": decoder_digest(self.decoder),
                 "clip": None if self._clip is None else weights_digest(self._clip),
                 "start_images": tensors_digest(
                     {f"{name}/{part}": tensor for name, encodings in offered.items()
@@ -238,12 +272,37 @@ class MatrixGamePipeline(SessionStateBinding):
         return self._fingerprint
 
     def export_session_state(self, session_id: str) -> ModelState:
-        """Noise generator, control history, action caches and the VAE decoder's feature cache."""
+        """Noise generator, control history, action caches and the decoder's state (the VAE's feature cache)."""
+        return self.export_forward_state(session_id).merge(self.export_decoder_state(session_id))
+
+    def decode_in_flight(self, session_id: str) -> bool:
+        return self._decoder_states.in_flight(session_id)
+
+    def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
+        """The decoder's state after the session's last chunk (a whole chunk's: waits for one in flight), or
+        after its first ``chunks`` chunks (a rewind point's)."""
+        decoded = self._decoder_states.settled(session_id, chunks)
+        if decoded is None:
+            return ModelState({"decoder": None})
+        chunks, cache = decoded
+        # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
+        kinds: list[Any] = []
+        tensors: dict[str, torch.Tensor] = {}
+        for i, entry in enumerate(cache):
+            if isinstance(entry, torch.Tensor):
+                tensors[f"vae/{i}"] = entry
+                kinds.append("tensor")
+            else:
+                kinds.append(entry)
+        return ModelState({"decoder": {"chunks": chunks, "kinds": kinds}}, tensors)
+
+    def export_forward_state(self, session_id: str) -> ModelState:
+        """Everything but the decoder's state: noise generator, control history, action caches, start image."""
         session = self._sessions.get(session_id)
         if session is None:
             return ModelState({"session": None})
         tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
-        values: dict[str, Any] = {"controls": None, "action_frames": session.actions.frames, "vae": None}
+        values: dict[str, Any] = {"controls": None, "action_frames": session.actions.frames}
         if session.controls is not None:
             c = session.controls
             values["controls"] = {"start": c.start}
@@ -253,16 +312,6 @@ class MatrixGamePipeline(SessionStateBinding):
         for layer, kv in session.actions.layers.items():
             for i, tensor in enumerate(kv):
                 tensors[f"actions/{layer}/{i}"] = tensor
-        if session.vae_cache is not None:
-            # Entries are tensors, None, or diffusers' "Rep" marker (repeat the first frame).
-            kinds = []
-            for i, entry in enumerate(session.vae_cache):
-                if isinstance(entry, torch.Tensor):
-                    tensors[f"vae/{i}"] = entry
-                    kinds.append("tensor")
-                else:
-                    kinds.append(entry)
-            values["vae"] = kinds
         latents = self.last_latents.get(session_id)
         if latents is not None:
             tensors["last_latents"] = latents
@@ -278,8 +327,12 @@ class MatrixGamePipeline(SessionStateBinding):
         if values is None:
             return
         # Caches and latents live on the model's device; the generator and control history on the CPU, as they are made.
-        on_device = ("actions/", "vae/", "last_latents")
-        t = {n: v.to(self.device) if n.startswith(on_device) else v.cpu() for n, v in state.tensors.items()}
+        on_device = ("actions/", "last_latents")
+        states_device = decoder_device(self.decoder, self.device)  # the decoder's state lives where it decodes
+        t = {
+            n: v.to(states_device) if n.startswith("vae/") else v.to(self.device) if n.startswith(on_device) else v.cpu()
+            for n, v in state.tensors.items()
+        }
         generator = torch.Generator()
         generator.set_state(t["generator"])
         controls = None
@@ -290,21 +343,24 @@ class MatrixGamePipeline(SessionStateBinding):
             )
         layers = {int(layer): tuple(t[f"actions/{layer}/{i}"] for i in range(4)) for layer in values["action_layers"]}
         actions = ActionHistory(frames=int(values["action_frames"]), layers=layers)  # type: ignore[arg-type]
-        cache = None
-        if values["vae"] is not None:
-            cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(values["vae"])]
+        self._decoder_states.drop(session_id)
+        decoder = state.json.get("decoder")
+        if decoder is not None:
+            cache = [t[f"vae/{i}"] if kind == "tensor" else kind for i, kind in enumerate(decoder["kinds"])]
+            self._decoder_states.store(session_id, int(decoder["chunks"]) - 1, cache)
         choice = None
         if values.get("image") is not None:
             pixels = t["image/pixels"].numpy() if "image/pixels" in t else None
             choice = StartImage(digest=values["image"]["digest"], name=values["image"]["name"], pixels=pixels)
             self._choices[session_id] = choice
         image = self.images.resolve(choice)
-        self._sessions[session_id] = _MatrixGameSession(generator, controls, actions, cache, image=image)
+        self._sessions[session_id] = _MatrixGameSession(generator, controls, actions, image=image)
         if "last_latents" in t:
             self.last_latents[session_id] = t["last_latents"]
 
     def _drop(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        self._decoder_states.drop(session_id)
         self.last_latents.pop(session_id, None)
 
     # ---- one chunk for a batch of sessions ----------------------------------------------------
@@ -331,10 +387,12 @@ class MatrixGamePipeline(SessionStateBinding):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _generate(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+    def _generate(self, ticks: Sequence[TickRequest], *, decode_inline: bool) -> list[PendingDecode]:
+        """The DiT passes for ``ticks``; with ``decode_inline`` the decode too (payloads are then frames)."""
         cfg = self.cfg
         states = [self.bound_state(t.session_id) for t in ticks]
-        sessions = [self._session(t, s.chunk_index) for t, s in zip(ticks, states)]
+        indices = [s.chunk_index for s in states]  # before the forward commits
+        sessions = [self._session(t, i) for t, i in zip(ticks, indices)]
         generators = [s.generator for s in sessions]
         rewind = [g.get_state() for g in generators]
         fpc = cfg.frames_per_chunk
@@ -369,21 +427,26 @@ class MatrixGamePipeline(SessionStateBinding):
                 )
                 actions = ctx.updated_histories()
                 self._sync()
-                decoded = time.perf_counter()
-                videos, caches = self.vae.decode_rows(latents, [s.vae_cache for s in sessions])
-                frames_out = [_to_uint8(v) for v in videos]
-            self.timings = ChunkTimings(dit_s=decoded - started, vae_s=time.perf_counter() - decoded)
+            self.timings = ChunkTimings(dit_s=time.perf_counter() - started)
+            payloads: list[Any] = list(latents)
+            if decode_inline:
+                caches = [self._decoder_states.before(t.session_id, i) for t, i in zip(ticks, indices)]
+                payloads, new_caches = self._decode(latents, caches)
         except BaseException:
             for generator, state in zip(generators, rewind):
                 generator.set_state(state)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions)):
             self._sessions[tick.session_id] = _MatrixGameSession(
-                session.generator, controls[row], actions[row], caches[row], session.image
+                session.generator, controls[row], actions[row], session.image
             )
             self._remember(tick)
             self.last_latents[tick.session_id] = latents[row]
-        return frames_out
+            if decode_inline:
+                self._decoder_states.store(tick.session_id, indices[row], new_caches[row])
+            else:
+                self._decoder_states.begin(tick.session_id, indices[row])
+        return [PendingDecode(t.session_id, i, p) for t, i, p in zip(ticks, indices, payloads)]
 
 
 def _optional_file(directory: Path, explicit: str | None, candidates: tuple[str, ...]) -> Path | None:
@@ -445,6 +508,9 @@ def load_matrix_game(
     vae_file: str | None = None,
     clip_file: str | None = None,
     session_capacity: int = 8,
+    decoder: str = "wan-vae",
+    decoder_file: str | None = None,
+    decode_device: str | None = None,
 ) -> MatrixGamePipeline:
     """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
 
@@ -457,6 +523,11 @@ def load_matrix_game(
     image only, from ``clip_features`` (a file holding a ``[257, 1280]``
     tensor named ``clip_features``), which wins; with neither, the image
     context is zeros (with a warning).
+
+    ``decoder`` ``taehv`` decodes with TAEHV (``decoder_file`` in the
+    checkpoint directory, default ``taew2_1.pth``; seeded random with
+    ``random_init``) in ``vae_dtype`` instead of the Wan VAE's decoder, on
+    ``decode_device`` if given (another GPU: the latents go there, frames come back).
     """
     device = torch.device(device)
     cfg = get_config(config)
@@ -509,9 +580,18 @@ def load_matrix_game(
         getattr(vae_module, part).to(dtype=part_dtype)
     if encoder is not None:
         encoder = encoder.to(device=device, dtype=torch_dtype)
+    if random_init and decoder_file is not None:
+        raise ValueError("decoder_file names a file in the checkpoint directory; random_init has none")
+    streaming_vae = StreamingVAE(vae_module)
+    chosen = build_decoder(
+        decoder, streaming_vae, cfg, device=device, dtype=decode_dtype,
+        checkpoint=None if checkpoint is None else Path(checkpoint), decoder_file=decoder_file, seed=seed,
+        decode_device=decode_device,
+    )
     return MatrixGamePipeline(
         model,
-        StreamingVAE(vae_module),
+        streaming_vae,
+        decoder=None if chosen is streaming_vae else chosen,
         device=device,
         images=offered,
         clip=encoder,

@@ -203,7 +203,7 @@ class VllmOmniRunner:
     def rewind_points(self, session_id: str) -> tuple[int, int] | None:
         return None
 
-    def branch_session(self, source_id: str, boundary: int, new_session_id: str) -> None:
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
         raise RewindUnavailable(REWIND_REFUSAL)
 
     # ---- execution ----------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""Which chunk boundaries a session keeps to rewind to, and what that costs: a horizon in seconds of play.
+
+A :class:`RewindSchedule` keeps every boundary of the last ``dense`` chunks,
+then every 2nd, every 4th, ... further back (each tier twice as long and half
+as dense as the one before), and none older than ``horizon`` chunks. Whether
+boundary ``b`` is kept depends only on ``b`` and on the newest boundary, and a
+boundary dropped once is never wanted again (strides only grow with age and
+each divides the next), so thinning as the session plays is a filter over what
+it holds (:meth:`RewindSchedule.keeps`).
+
+:func:`plan_rewind` turns a horizon in seconds and a per-session byte budget
+into a schedule: the densest recent tier (up to :data:`DENSE_SECONDS` of
+every-chunk points) whose worst case fits the budget, and the horizon shortened
+only when even one point per tier does not fit. :meth:`RewindSchedule.peak`
+is that worst case, exact: the pool plan (runner/pool.py) counts it for every
+session, so capacity includes rewind.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from arstream.runner.spec import KVCacheSpec
+
+DENSE_SECONDS = 2.0  # every chunk boundary of the last this many seconds is kept (when the budget allows)
+
+
+class RewindPlanError(ValueError):
+    """A rewind horizon or budget that is not a number the plan can use."""
+
+
+@dataclass(frozen=True)
+class RewindPeak:
+    """The most a session holds between chunks under a schedule: blocks per KV branch (its live history
+    included) and kept copies of its model-owned state."""
+
+    frames: int
+    copies: int
+
+    def extra_bytes(self, spec: KVCacheSpec) -> int:
+        """Bytes beyond what the session holds without rewind (its live history and model state)."""
+        kv = (self.frames - spec.resident_frames) * len(spec.kv_branches) * spec.block_bytes
+        return kv + self.copies * spec.model_owned_bytes_per_session
+
+
+@dataclass(frozen=True)
+class RewindSchedule:
+    """Keep every boundary of the last ``dense`` chunks, sparser tiers behind them, nothing older than ``horizon``.
+
+    Ages count chunks back from the newest kept boundary (the one a session's
+    next chunk starts from, age 0). ``chunks_per_second`` (the model's play
+    rate) only converts the horizon into seconds for people.
+    """
+
+    dense: int
+    horizon: int
+    chunks_per_second: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.dense < 1 or self.horizon < self.dense - 1:
+            raise RewindPlanError(f"a schedule needs dense >= 1 and horizon >= dense - 1, got {self}")
+
+    @classmethod
+    def last(cls, points: int, chunks_per_second: float = 0.0) -> RewindSchedule:
+        """Exactly the last ``points`` boundaries, every one (no thinning)."""
+        return cls(dense=points, horizon=points - 1, chunks_per_second=chunks_per_second)
+
+    @property
+    def reach(self) -> int:
+        """Chunks back the oldest kept boundary always is, once a session has played that long.
+
+        The oldest is the oldest multiple of the last tier's stride inside the
+        horizon, so it may sit up to a stride short of the horizon.
+        """
+        return self.horizon - self.stride(self.horizon) + 1
+
+    @property
+    def seconds(self) -> float:
+        """:attr:`reach` in seconds of play (0 when the play rate is unknown)."""
+        return self.reach / self.chunks_per_second if self.chunks_per_second > 0 else 0.0
+
+    def describe(self, spec: KVCacheSpec) -> str:
+        """The schedule in words, for logs and refusals."""
+        seconds = f"{self.seconds:g} s = " if self.seconds else ""
+        return (
+            f"up to {self.peak(spec).copies} boundaries over the last {seconds}{self.horizon} chunks, "
+            f"every one of the last {self.dense}"
+        )
+
+    def stride(self, age: int) -> int:
+        """Spacing of kept boundaries at this age: 1 for the last ``dense``, then 2, 4, ... per tier."""
+        return 1 << (age // self.dense).bit_length()
+
+    def keeps(self, index: int, newest: int) -> bool:
+        """Whether boundary ``index`` is kept while ``newest`` is the newest one."""
+        age = newest - index
+        return 0 <= age <= self.horizon and index % self.stride(age) == 0
+
+    def kept(self, newest: int) -> list[int]:
+        """Every boundary kept while ``newest`` is the newest, oldest first (for a session that ran from 0)."""
+        return [b for b in range(max(0, newest - self.horizon), newest + 1) if self.keeps(b, newest)]
+
+    def peak(self, spec: KVCacheSpec) -> RewindPeak:
+        """The most blocks (per branch) and model-state copies a session holds between chunks."""
+        return _peak(self.dense, self.horizon, spec.frames_per_chunk, spec.sink_frames, spec.history_window_frames)
+
+
+def boundary_frames(index: int, chunk: int, sink: int, history: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Frame ranges ``[start, end)`` boundary ``index``'s history holds: its sink, and its window."""
+    committed = index * chunk
+    return (0, min(committed, sink)), (max(sink, committed - history), committed)
+
+
+@functools.cache
+def _peak(dense: int, horizon: int, chunk: int, sink: int, history: int) -> RewindPeak:
+    schedule = RewindSchedule(dense, horizon)
+    # Past the horizon the kept set repeats with the largest stride's period; a few periods cover every shape.
+    period = schedule.stride(horizon)
+    most_frames = most_copies = 0
+    for newest in range(horizon + 2 * period + math.ceil(sink / chunk) + 1):
+        kept = schedule.kept(newest)
+        # Between chunks the live history is at newest + 1: the chunk from the newest boundary was committed.
+        ranges = sorted(r for b in [*kept, newest + 1] for r in boundary_frames(b, chunk, sink, history))
+        frames, reach = 0, 0
+        for start, end in ranges:
+            start = max(start, reach)
+            if end > start:
+                frames += end - start
+                reach = end
+        most_frames = max(most_frames, frames)
+        most_copies = max(most_copies, len(kept))
+    return RewindPeak(frames=most_frames, copies=most_copies)
+
+
+def plan_rewind(
+    spec: KVCacheSpec, *, chunks_per_second: float, seconds: float, budget_bytes: int
+) -> RewindSchedule | None:
+    """The schedule for a horizon of ``seconds`` of play within ``budget_bytes`` per session; None: rewind off.
+
+    Tries every-chunk points for the last :data:`DENSE_SECONDS` first and
+    shortens the dense tier (so every tier behind it) a chunk at a time until
+    the worst case fits; when not even one dense point fits, the horizon
+    halves. The horizon is long enough that the oldest point is always at
+    least ``seconds`` back (:attr:`RewindSchedule.reach`). None when
+    ``seconds`` is 0 or no horizon of one chunk fits.
+    """
+    if not (math.isfinite(seconds) and seconds >= 0) or not (math.isfinite(chunks_per_second) and chunks_per_second > 0):
+        raise RewindPlanError(
+            f"rewind needs a horizon >= 0 s and a play rate > 0 chunks/s, got {seconds} s at {chunks_per_second}"
+        )
+    if budget_bytes < 0:
+        raise RewindPlanError(f"the rewind budget must be >= 0 bytes per session, got {budget_bytes}")
+    need = math.ceil(seconds * chunks_per_second - 1e-9)  # chunks back the oldest point must always be
+    while need >= 1:
+        # a horizon of h chunks spans h + 1 boundaries (ages 0..h): all of them when it is short
+        # at least 2: with one dense point the tiers behind it hold half a point each, and may hold none
+        dense = min(need + 1, max(2, math.ceil(DENSE_SECONDS * chunks_per_second)))
+        while dense >= 2:
+            schedule = _reaching(dense, need, chunks_per_second)
+            if schedule.peak(spec).extra_bytes(spec) <= budget_bytes:
+                return schedule
+            dense -= 1
+        need //= 2
+    return None
+
+
+def _reaching(dense: int, need: int, chunks_per_second: float) -> RewindSchedule:
+    """The shortest horizon whose :attr:`~RewindSchedule.reach` is at least ``need`` chunks."""
+    horizon = max(need, dense - 1)
+    while RewindSchedule(dense, horizon).reach < need:
+        horizon += 1
+    return RewindSchedule(dense, horizon, chunks_per_second)

@@ -1,0 +1,85 @@
+"""A dense, frame-by-frame TAEHV decoder written from the published ``taehv.py`` (madebyollin/taehv), for tests.
+
+Independent of :mod:`arstream.models.wan_decoders.taehv` in what matters: its
+own module tree in the published layout (it loads the decoder's state dict
+strictly, so the key names and shapes are checked too) and the published
+sequential algorithm: a work queue over (frame, block) visited in causal
+order, each memory block remembering its previous input, a grow block pushing
+its output frames back onto the queue, and the first ``t_upscale - 1`` output
+frames of the clip dropped. It decodes a whole clip in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _conv(n_in: int, n_out: int, bias: bool = True) -> nn.Conv2d:
+    return nn.Conv2d(n_in, n_out, 3, padding=1, bias=bias)
+
+
+class RefMem(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(_conv(2 * n, n), nn.ReLU(), _conv(n, n), nn.ReLU(), _conv(n, n))
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv(torch.cat([x, past], 1)) + x)
+
+
+class RefGrow(nn.Module):
+    def __init__(self, n: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv2d(n, n * stride, 1, bias=False)
+
+
+class RefClamp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 3 * torch.tanh(x / 3)
+
+
+def reference_decoder(widths: tuple[int, int, int, int], latent_channels: int = 16) -> nn.Module:
+    a, b, c, d = widths
+    holder = nn.Module()
+    holder.decoder = nn.Sequential(
+        RefClamp(), _conv(latent_channels, a), nn.ReLU(),
+        RefMem(a), RefMem(a), RefMem(a), nn.Upsample(scale_factor=2), RefGrow(a, 1), _conv(a, b, bias=False),
+        RefMem(b), RefMem(b), RefMem(b), nn.Upsample(scale_factor=2), RefGrow(b, 2), _conv(b, c, bias=False),
+        RefMem(c), RefMem(c), RefMem(c), nn.Upsample(scale_factor=2), RefGrow(c, 2), _conv(c, d, bias=False),
+        nn.ReLU(), _conv(d, 3),
+    )
+    return holder
+
+
+@torch.no_grad()
+def decode_clip(holder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """Latents ``[1, T, 16, h, w]`` -> frames ``[1, 4T - 3, 3, H, W]`` in [0, 1], one frame and one block at a time."""
+    decoder = holder.decoder
+    assert isinstance(decoder, nn.Sequential)
+    blocks = list(decoder)
+    memory: list[torch.Tensor | None] = [None] * len(blocks)
+    queue: list[tuple[torch.Tensor, int]] = [(latents[:, t], 0) for t in range(latents.shape[1])]
+    out: list[torch.Tensor] = []
+    while queue:
+        x, i = queue.pop(0)
+        if i == len(blocks):
+            out.append(x)
+            continue
+        block = blocks[i]
+        if isinstance(block, RefMem):
+            past = memory[i]
+            memory[i] = x
+            queue.insert(0, (block(x, torch.zeros_like(x) if past is None else past), i + 1))
+        elif isinstance(block, RefGrow):
+            grown = block.conv(x)
+            pieces = grown.chunk(block.stride, 1)  # channel group k is output frame k
+            for piece in reversed(pieces):
+                queue.insert(0, (piece, i + 1))
+        else:
+            queue.insert(0, (block(x), i + 1))
+    stride_total = 4
+    video = torch.stack(out, 1).clamp(0, 1)
+    return video[:, stride_total - 1 :]
