@@ -49,7 +49,9 @@ def launch(model: str, capacity: int, folder: Path, delay_s: float = 0.0, restar
     env = {"ARSTREAM_CLUSTER_SECRET": SECRET, "ARSTREAM_CLUSTER_DIR": str(folder)}
     if not restart:
         env["ARSTREAM_RESTART"] = "0"
-    return launch_cluster(cluster_options(model, capacity, delay_s) + ["--drain-timeout-s", "60"], env)
+    # Rewind off: its points cost slots (docs/rewind.md), and ten sessions must fit one replica here.
+    options = cluster_options(model, capacity, delay_s) + ["--drain-timeout-s", "60", "--rewind-seconds", "0"]
+    return launch_cluster(options, env)
 
 
 def drain_report(folder: Path, replica: str) -> dict[str, Any]:
