@@ -4,9 +4,13 @@ Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``WS /v1/realtime/video`
 ``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz``, ``/servingz`` and the demo page at
 ``/`` (the repository's ``static/`` directory).
 
-:class:`ARStreamServer` is uvicorn's server with one change: on shutdown it
-first sends every open session ``closed`` (``server_shutdown``) and a close
-frame, then lets uvicorn close what is left.
+:class:`ARStreamServer` is uvicorn's server with two changes. SIGTERM drains
+when the replica knows its peers and the cluster secret (docs/deployment.md,
+"Drain"): it stops admitting, moves every session to peers with room, logs
+the drain's report (one ``ARSTREAM_DRAIN_REPORT {json}`` line on standard
+output) and exits; a second SIGTERM, or ``--drain-timeout-s``, ends what is
+left. And on shutdown it first sends every open session ``closed``
+(``server_shutdown``) and a close frame, then lets uvicorn close what is left.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
+import signal
 import socket
 import sys
+from types import FrameType
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -36,7 +43,8 @@ from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_pa
 from arstream.app.hub import SessionHub
 from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
-from arstream.app.migration import add_cluster_routes
+from arstream.app.migration import DrainReport, Migration, add_cluster_routes
+from arstream.app.peers import own_urls
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
 from arstream.cli import main_for
@@ -47,6 +55,7 @@ log = logging.getLogger("arstream.server")
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 LISTENING_MARKER = "ARSTREAM_LISTENING"
 AGENT_MARKER = "ARSTREAM_AGENT"
+DRAIN_REPORT_MARKER = "ARSTREAM_DRAIN_REPORT"
 
 
 def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAPI:
@@ -155,14 +164,48 @@ class ARStreamServer(uvicorn.Server):
         super().__init__(config)
         self.hub = hub
         migration = getattr(getattr(config.app, "state", None), "migration", None)
+        self.migration: Migration | None = migration
         if migration is not None:
             migration.request_exit = lambda: setattr(self, "should_exit", True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sigterm_drain: asyncio.Task[DrainReport] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         app = self.config.app
+        self._loop = asyncio.get_running_loop()
         if isinstance(app, FastAPI):
-            quiet_resource_errors(asyncio.get_running_loop(), app.state.refusals)
+            quiet_resource_errors(self._loop, app.state.refusals)
         await super().startup(sockets)
+        if self.migration is not None and self.servers:
+            self.migration.own_urls = own_urls(self.config.host, self.bound_port)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM drains when this replica can (see the module docstring); a second SIGTERM cuts it short."""
+        migration, loop = self.migration, self._loop
+        if sig != signal.SIGTERM or migration is None or loop is None or not migration.drains_on_sigterm:
+            super().handle_exit(sig, frame)
+            return
+        if self._sigterm_drain is None and self.hub.ready and not self.should_exit:
+            log.info("SIGTERM: draining (a second SIGTERM ends the sessions not moved yet)")
+            loop.call_soon_threadsafe(self._begin_sigterm_drain, migration)
+        elif self._sigterm_drain is not None:
+            log.info("second SIGTERM: ending the sessions not moved yet")
+            loop.call_soon_threadsafe(migration.cut_short, "a second SIGTERM ended the drain")
+        else:
+            super().handle_exit(sig, frame)  # not serving sessions yet (loading): nothing to move
+
+    def _begin_sigterm_drain(self, migration: Migration) -> None:
+        if self._sigterm_drain is not None:
+            return
+        self._sigterm_drain = asyncio.ensure_future(migration.drain())
+        self._sigterm_drain.add_done_callback(self._sigterm_drain_done)
+
+    def _sigterm_drain_done(self, task: asyncio.Task[DrainReport]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            print(f"{DRAIN_REPORT_MARKER} {json.dumps(task.result().as_json())}", flush=True)
+        else:
+            log.error("the SIGTERM drain failed", exc_info=None if task.cancelled() else task.exception())
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:

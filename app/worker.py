@@ -46,7 +46,13 @@ from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_rea
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
 from arstream.runner.runtimes import Runtime
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session, transferable
+from arstream.runner.snapshot import (
+    SessionSnapshot,
+    export_session,
+    import_session,
+    transferable,
+    unstarted_snapshot,
+)
 from arstream.runner.stats import RunnerStats
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 
@@ -262,7 +268,11 @@ class ModelWorker:
         """
 
         def export(runner: Runtime) -> SessionSnapshot:
-            snapshot = export_session(transferable(runner), session_id, protocol_version=PROTOCOL_VERSION)
+            transfer = transferable(runner)
+            if not transfer.is_resident(session_id) and session_id not in self._produced:
+                # `ready` but no chunk yet: nothing to copy, the peer starts its rollout.
+                return unstarted_snapshot(transfer, protocol_version=PROTOCOL_VERSION)
+            snapshot = export_session(transfer, session_id, protocol_version=PROTOCOL_VERSION)
             # Copies on the CPU: serialising them off the worker thread must not race the next forward.
             snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}
             return snapshot
@@ -274,7 +284,8 @@ class ModelWorker:
 
         def adopt(runner: Runtime) -> None:
             import_session(transferable(runner), session_id, snapshot, protocol_version=PROTOCOL_VERSION)
-            self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
+            if snapshot.resident:
+                self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
             self._encoders.restart_stream(session_id)
 
         return self._control(adopt, lane=None)

@@ -76,6 +76,11 @@ class SessionSnapshot:
         return int(self.header["kv"]["chunks_committed"])
 
     @property
+    def resident(self) -> bool:
+        """False for a session that had not run its first chunk: it holds no KV or model state to restore."""
+        return self.header.get("resident", True) is not False
+
+    @property
     def session(self) -> dict[str, Any]:
         """The server's section (protocol state); empty when only the runner state was taken."""
         return self.header.setdefault("session", {})
@@ -220,6 +225,17 @@ def export_session(runner: ARRunner, session_id: str, *, protocol_version: int |
     return SessionSnapshot(header, tensors)
 
 
+def unstarted_snapshot(runner: ARRunner, *, protocol_version: int | None = None) -> SessionSnapshot:
+    """A session that has not run its first chunk (``ready``, no tick yet): nothing is resident, so only its
+    identity travels; the peer starts its rollout at chunk 0 from what the server's section carries."""
+    header = _identity(runner, protocol_version)
+    header["resident"] = False
+    header["kv"] = {"frames_committed": 0, "chunks_committed": 0, "sink_start": 0, "sink_frames": {}, "cross_written": []}
+    header["model_state"] = {}
+    header["session"] = {}
+    return SessionSnapshot(header, {})
+
+
 def transferable(runtime: Runtime) -> ARRunner:
     """``runtime`` as ARStream's runner, the one whose sessions can be exported and imported; else SnapshotRefused."""
     from arstream.runner.runner import ARRunner  # here: runner.py imports this module's neighbours at load
@@ -240,6 +256,10 @@ def import_session(
     Never evicts another session: a replica with no free slot refuses.
     """
     check_compatible(runner, snapshot.header, protocol_version)
+    if not snapshot.resident:
+        if snapshot.tensors:
+            raise SnapshotError("a snapshot of a session with nothing resident carries tensors")
+        return  # its first chunk runs here as a new rollout
     pipeline = runner.pipeline
     assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
     if runner.is_resident(session_id):
