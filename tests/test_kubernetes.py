@@ -185,7 +185,7 @@ def drain_problems(objects: list[Manifest]) -> list[str]:
     except (argparse.ArgumentError, SystemExit) as exc:
         return [*problems, f"arstream drain refuses the preStop arguments {command[2:]}: {exc}"]
     listening = replica_environment(objects)["ARSTREAM_PORT"]
-    if not re.fullmatch(rf"http://(127\.0\.0\.1|localhost):{listening}/?", args.url):
+    if len(args.url) != 1 or not re.fullmatch(rf"http://(127\.0\.0\.1|localhost):{listening}/?", args.url[0]):
         problems.append(f"preStop drains {args.url}, not this pod's own server on port {listening}")
     if not drain_timeout < args.timeout < grace:
         problems.append(f"need drain timeout {drain_timeout} < preStop's --timeout {args.timeout} < grace {grace}")
@@ -330,11 +330,11 @@ def test_envoy_config_is_render_py_for_the_statefulset() -> None:
     assert all(f'"prefix": "{pod}."' in committed and f'"address": "{pod}.{service}"' in committed for pod in pods)
 
 
-def test_the_drain_peers_and_the_autoscaler_name_the_same_pods() -> None:
+def test_the_drain_peers_are_the_headless_service_and_the_autoscaler_scales_the_statefulset() -> None:
     objects = rendered("gpu")
     name, service, port, pods = statefulset_names(objects)
-    peers = replica_environment(objects)["ARSTREAM_CLUSTER_PEERS"].split(",")
-    assert peers == [f"http://{pod}.{service}:{port}" for pod in pods]
+    # One DNS name, the headless Service's: every pod's address at drain time (app/peers.py).
+    assert replica_environment(objects)["ARSTREAM_CLUSTER_PEERS"] == f"http://{service}:{port}"
     target = one(objects, "ScaledObject")["spec"]["scaleTargetRef"]
     assert target == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name}
 
