@@ -71,7 +71,21 @@ def _cluster(name: str, endpoints: list[Endpoint], *, dns: bool, health_path: st
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": CONNECT_TIMEOUT,
-        "lb_policy": "LEAST_REQUEST",
+        # The replica with the fewest open requests (sessions) of all, as HAProxy's leastconn: Envoy's default
+        # compares two hosts picked at random, which can put two new sessions on one replica of two.
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.least_request",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+                            "selection_method": "FULL_SCAN",
+                        },
+                    }
+                }
+            ]
+        },
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [

