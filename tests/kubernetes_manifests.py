@@ -14,7 +14,6 @@ from typing import Any
 import jsonschema
 import referencing
 from ruamel.yaml import YAML
-
 from servers import REPO_ROOT
 from test_deploy import run_tool, tool
 

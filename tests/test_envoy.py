@@ -18,17 +18,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
 import numpy as np
-
-from websockets.exceptions import InvalidStatus
-
 from servers import REPO_ROOT, STOP_GUARD_S, LiveServer, ProbeClient, running_server, session_client
 from test_balancer import Sessions, free_port, placed, run_sessions, start_or_refusal, wait_until
 from test_deploy import run_tool, tool
-from test_migration import KEYS, MOVE_AT, SEED, SECRET, cluster_settings, drain, frames_of, reference
+from test_migration import KEYS, MOVE_AT, SEED, cluster_settings, drain, frames_of, reference
+from websockets.exceptions import InvalidStatus
 
 RENDER = REPO_ROOT / "deploy" / "envoy" / "render.py"
 SHIPPED = REPO_ROOT / "deploy" / "kubernetes" / "envoy" / "envoy.json"
@@ -56,7 +55,9 @@ class Envoy:
         clusters = httpx.get(f"http://127.0.0.1:{self.admin_port}/clusters?format=json", timeout=10.0).json()
         statuses = next(c for c in clusters["cluster_statuses"] if c["name"] == cluster).get("host_statuses", [])
         return {
-            str(h["address"]["socket_address"]["port_value"]): not h["health_status"].get("failed_active_health_check", False)
+            str(h["address"]["socket_address"]["port_value"]): not h["health_status"].get(
+                "failed_active_health_check", False
+            )
             for h in statuses
         }
 
@@ -64,7 +65,11 @@ class Envoy:
 @contextmanager
 def envoy(tmp_path: Path, replicas: dict[str, LiveServer]) -> Iterator[Envoy]:
     port, admin_port = free_port(), free_port()
-    command = [sys.executable, str(RENDER), *(a for n, s in replicas.items() for a in ("--replica", f"{n}=127.0.0.1:{s.port}"))]
+    command = [
+        sys.executable,
+        str(RENDER),
+        *(a for n, s in replicas.items() for a in ("--replica", f"{n}=127.0.0.1:{s.port}")),
+    ]
     command += ["--bind", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}"]
     config = tmp_path / "envoy.json"
     config.write_text(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
@@ -75,7 +80,9 @@ def envoy(tmp_path: Path, replicas: dict[str, LiveServer]) -> Iterator[Envoy]:
     balancer = Envoy(port, admin_port)
     try:
         ports = {str(s.port) for s in replicas.values()}
-        wait_until(lambda: process.poll() is None and _passes(balancer, "sessions") == ports, "Envoy sees both replicas")
+        wait_until(
+            lambda: process.poll() is None and _passes(balancer, "sessions") == ports, "Envoy sees both replicas"
+        )
         yield balancer
     finally:
         process.terminate()
@@ -93,8 +100,11 @@ def _passes(balancer: Envoy, cluster: str) -> set[str]:
 @contextmanager
 def two_replicas_behind_envoy(tmp_path: Path) -> Iterator[tuple[dict[str, LiveServer], Envoy]]:
     with ExitStack() as stack:
-        options = {"model_options": {"window_frames": 6, "session_capacity": CAPACITY}}
-        replicas = {name: stack.enter_context(running_server(cluster_settings(name, **options))) for name in ("r0", "r1")}
+        options = {"window_frames": 6, "session_capacity": CAPACITY}
+        replicas = {
+            name: stack.enter_context(running_server(cluster_settings(name, model_options=options)))
+            for name in ("r0", "r1")
+        }
         yield replicas, stack.enter_context(envoy(tmp_path, replicas))
 
 
@@ -123,7 +133,7 @@ def test_resumes_reach_their_owner_even_when_it_has_no_room(tmp_path: Path) -> N
                 token, session_id = client.ready["resume"]["token"], client.ready["session_id"]
                 client.abort()
                 owner = replicas[token.split(".", 1)[0]]
-                await asyncio.to_thread(wait_until, lambda: owner.stats()["sessions"]["detached"] == 1, "detached")
+                await asyncio.to_thread(wait_until, partial(holds_detached, owner), "detached")
                 resumed = await sessions.open(f"{lb.ws_url}?resume={token}", resume=token)
                 assert resumed.ready is not None and resumed.ready["resumed"] is True
                 assert resumed.ready["session_id"] == session_id and placed(resumed) == placed(client)
@@ -180,6 +190,10 @@ def test_drained_sessions_follow_moved_through_envoy_and_new_sessions_avoid_the_
         run_sessions(scenario)
 
 
+def holds_detached(replica: LiveServer) -> bool:
+    return bool(replica.stats()["sessions"]["detached"] == 1)
+
+
 async def first_admitted(url: str, sessions: Sessions) -> ProbeClient:
     """A new session through Envoy, asked again while Envoy answers 503: its worker threads learn a health
     check's verdict a moment after its admin page shows it."""
@@ -189,7 +203,7 @@ async def first_admitted(url: str, sessions: Sessions) -> ProbeClient:
             outcome = await start_or_refusal(url, sessions)
         except InvalidStatus as refused:
             assert refused.response.status_code == 503, refused
-            answers.append(refused.response.body or b"")
+            answers.append(bytes(refused.response.body or b""))
             await asyncio.sleep(RETRY_S)
             continue
         assert isinstance(outcome, ProbeClient), outcome

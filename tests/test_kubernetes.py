@@ -23,11 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-from arstream.app import drain
-from arstream.app.server import create_app
-from arstream.app.settings import Settings
-from arstream.cli import COMMANDS
 from kubernetes_manifests import (
     KUBERNETES,
     OVERLAYS,
@@ -43,6 +38,11 @@ from kubernetes_manifests import (
 from servers import REPO_ROOT, fake_settings, running_server, session_client
 from test_deploy import run_tool, tool
 from test_server_http import SlowWarmupFakePipeline
+
+from arstream.app import drain
+from arstream.app.server import create_app
+from arstream.app.settings import Settings
+from arstream.cli import COMMANDS
 
 HAPROXY_RENDER = REPO_ROOT / "deploy" / "haproxy" / "render.py"
 ENVOY_RENDER = REPO_ROOT / "deploy" / "envoy" / "render.py"
@@ -243,7 +243,10 @@ def test_each_pod_is_its_own_replica_with_one_gpu_weights_from_a_volume_and_the_
         container = replica_container(objects)
         env = {v["name"]: v for v in container["env"]}
         assert env["ARSTREAM_REPLICA_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-        assert env["ARSTREAM_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "arstream-cluster", "key": "secret"}
+        assert env["ARSTREAM_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {
+            "name": "arstream-cluster",
+            "key": "secret",
+        }
         gpus = container["resources"]["limits"].get("nvidia.com/gpu")
         assert gpus == (None if overlay == "cpu" else 1), overlay
         assert replica_environment(objects)["ARSTREAM_DEVICE"] == ("cpu" if overlay == "cpu" else "cuda")
@@ -260,7 +263,9 @@ def test_rollouts_and_disruptions_take_one_pod_at_a_time() -> None:
     assert replicas["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
     budget = one(objects, "PodDisruptionBudget")
     assert budget["spec"]["maxUnavailable"] == 1
-    assert budget["spec"]["selector"]["matchLabels"].items() <= replicas["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        budget["spec"]["selector"]["matchLabels"].items() <= replicas["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 # ---- names: the StatefulSet, its Services, the balancers, the drain's peers, KEDA -------------------------------
@@ -289,7 +294,7 @@ def haproxy_servers(config: str) -> dict[str, list[str]]:
 
 def test_the_headless_service_publishes_every_pod_by_name_loading_or_draining() -> None:
     objects = rendered("gpu")
-    name, service, port, _pods = statefulset_names(objects)
+    _name, service, port, _pods = statefulset_names(objects)
     headless = one(objects, "Service", service)["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
     assert headless["selector"].items() <= one(objects, "StatefulSet")["spec"]["template"]["metadata"]["labels"].items()
@@ -312,7 +317,10 @@ def test_haproxy_config_is_render_py_for_the_statefulset_and_passes_haproxy_chec
     config = tmp_path / "haproxy.cfg"
     config.write_text(committed)
     check = subprocess.run(
-        [tool("haproxy"), "-c", "-q", "-f", str(config)], env={"POD_NAMESPACE": "arstream"}, capture_output=True, text=True
+        [tool("haproxy"), "-c", "-q", "-f", str(config)],
+        env={"POD_NAMESPACE": "arstream"},
+        capture_output=True,
+        text=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     balancer = one(objects, "Deployment", "arstream-balancer")["spec"]["template"]["spec"]["containers"][0]
@@ -332,7 +340,7 @@ def test_envoy_config_is_render_py_for_the_statefulset() -> None:
 
 def test_the_drain_peers_are_the_headless_service_and_the_autoscaler_scales_the_statefulset() -> None:
     objects = rendered("gpu")
-    name, service, port, pods = statefulset_names(objects)
+    name, service, port, _pods = statefulset_names(objects)
     # One DNS name, the headless Service's: every pod's address at drain time (app/peers.py).
     assert replica_environment(objects)["ARSTREAM_CLUSTER_PEERS"] == f"http://{service}:{port}"
     target = one(objects, "ScaledObject")["spec"]["scaleTargetRef"]

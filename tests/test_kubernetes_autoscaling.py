@@ -20,7 +20,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-
 from kubernetes_manifests import one, rendered
 from servers import STOP_GUARD_S, ProbeClient
 from test_balancer import CAPACITY, Sessions, balancer, free_port, replica, run_sessions, start_or_refusal, wait_until
@@ -83,7 +82,11 @@ def seen(url: str, connected: int, detached: int, queued: int) -> dict[str, floa
 def test_the_autoscaling_query_counts_connected_detached_and_queued_sessions(tmp_path: Path) -> None:
     scaled = one(rendered("gpu"), "ScaledObject")
     [trigger] = scaled["spec"]["triggers"]
-    assert (trigger["type"], trigger["metricType"], trigger["metadata"]["threshold"]) == ("prometheus", "AverageValue", "1")
+    assert (trigger["type"], trigger["metricType"], trigger["metadata"]["threshold"]) == (
+        "prometheus",
+        "AverageValue",
+        "1",
+    )
     query = trigger["metadata"]["query"]
     assert f"{TARGET_FULLNESS} * avg(arstream_session_capacity)" in query
     # The negative control: what a query counting only connected sessions would ask for.
@@ -135,4 +138,6 @@ def test_the_autoscaling_query_counts_connected_detached_and_queued_sessions(tmp
         "queued, undercounted": 3.0,
     }, values
     # Never below the live sessions: each count holds every session there was, at 80 % full.
-    assert values["held"] * CAPACITY * TARGET_FULLNESS >= 4 and values["queued"] * CAPACITY * TARGET_FULLNESS >= 5
+    held, queued = values["held"], values["queued"]
+    assert held is not None and queued is not None
+    assert held * CAPACITY * TARGET_FULLNESS >= 4 and queued * CAPACITY * TARGET_FULLNESS >= 5

@@ -38,16 +38,18 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from kubernetes_manifests import one, rendered, replica_container, replica_environment
+from servers import REPO_ROOT, STARTUP_GUARD_S, STOP_GUARD_S, ProbeClient, fake_settings, running_server, session_client
+from test_balancer import free_port
+from test_cluster import wait_until
 
 from arstream.app.wire import decode_frame
-from kubernetes_manifests import one, rendered, replica_container, replica_environment
-from servers import REPO_ROOT, STOP_GUARD_S, ProbeClient, fake_settings, running_server, session_client
-from test_balancer import free_port, wait_until
 
 RENDER = REPO_ROOT / "deploy" / "haproxy" / "render.py"
 NAMESPACE = "arstream-test"
@@ -110,12 +112,13 @@ class Cluster:
         self.hosts.write_text("\n".join([f"{self.dns} {CANARY}", *lines]) + "\n")
         dnsmasq.send_signal(signal.SIGHUP)
         for pod, address in self.addresses.items():
-            wait_until(lambda: self.resolves(f"{pod}.{domain}") == address, f"DNS answers {pod}")
+            wait_until(partial(self.answers, f"{pod}.{domain}", address), f"DNS answers {pod}")
+
+    def answers(self, name: str, address: str) -> bool:
+        return self.resolves(name) == address
 
     def resolves(self, name: str) -> str | None:
-        result = subprocess.run(
-            self.in_pod(["getent", "ahostsv4", name]), capture_output=True, text=True, timeout=30
-        )
+        result = subprocess.run(self.in_pod(["getent", "ahostsv4", name]), capture_output=True, text=True, timeout=30)
         return result.stdout.split()[0] if result.returncode == 0 and result.stdout else None
 
     def pod_environment(self, pod: str) -> dict[str, str]:
@@ -163,6 +166,9 @@ class Cluster:
         except httpx.TransportError:
             return False
 
+    def holds_sessions(self, pod: str) -> bool:
+        return bool(httpx.get(self.url(pod) + "/v1/stats", timeout=10.0).json()["sessions"]["connected"])
+
     def log_of(self, pod: str) -> str:
         return "".join(path.read_text() for path in sorted(self.tmp.glob(f"{pod}-*.log")))[-4000:]
 
@@ -203,9 +209,19 @@ def cluster_dns(cluster: Cluster) -> Iterator[subprocess.Popen[bytes]]:
     binary = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
     assert Path(binary).exists(), "dnsmasq is not installed (scripts/test.sh installs dnsmasq-base)"
     command = [
-        binary, "--keep-in-foreground", "--no-resolv", "--no-hosts", "--bind-interfaces", "--port=53",
-        f"--listen-address={cluster.dns}", f"--addn-hosts={cluster.hosts}", "--local=/cluster.local/",
-        "--local-ttl=0", "--pid-file=", "--user=root", "--log-facility=-",
+        binary,
+        "--keep-in-foreground",
+        "--no-resolv",
+        "--no-hosts",
+        "--bind-interfaces",
+        "--port=53",
+        f"--listen-address={cluster.dns}",
+        f"--addn-hosts={cluster.hosts}",
+        "--local=/cluster.local/",
+        "--local-ttl=0",
+        "--pid-file=",
+        "--user=root",
+        "--log-facility=-",
     ]
     with (cluster.tmp / "dnsmasq.log").open("wb") as log:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
@@ -236,7 +252,14 @@ def haproxy(cluster: Cluster, slots: int) -> Iterator[Balancer]:
     name = one(cluster.objects, "StatefulSet")["metadata"]["name"]
     render = [sys.executable, str(RENDER), "--statefulset", f"{name}={slots}", "--headless-service", cluster.service]
     render += ["--replica-port", str(ports["http"]), "--agent-port", str(ports["agent"]), "--maxconn", "4"]
-    render += ["--bind", f"{cluster.dns}:{port}", "--stats-bind", f"{cluster.dns}:{stats_port}", "--check-interval", "200ms"]
+    render += [
+        "--bind",
+        f"{cluster.dns}:{port}",
+        "--stats-bind",
+        f"{cluster.dns}:{stats_port}",
+        "--check-interval",
+        "200ms",
+    ]
     config = cluster.tmp / "haproxy.cfg"
     config.write_text(subprocess.run(render, check=True, capture_output=True, text=True).stdout)
     with (cluster.tmp / "haproxy.log").open("wb") as log:
@@ -356,23 +379,20 @@ def test_a_rolling_update_in_statefulset_order_loses_no_session_and_every_frame_
         for pod in pods:
             cluster.start_pod(pod, dnsmasq)
         for pod in pods:
-            wait_until(lambda: cluster.ready(pod), f"{pod} Ready")
+            wait_until(partial(cluster.ready, pod), f"{pod} Ready", STARTUP_GUARD_S)
         lb = stack.enter_context(haproxy(cluster, slots))
         for pod in pods:
-            wait_until(lambda: lb.up(pod), f"HAProxy sees {pod} UP")
+            wait_until(partial(lb.up, pod), f"HAProxy sees {pod} UP")
 
         async def rollout(done: asyncio.Event, streams: list[asyncio.Task[Stream]]) -> None:
             for pod in update_order:
                 # Every session streaming, and some on the pod about to go.
-                await asyncio.to_thread(
-                    wait_until, lambda: httpx.get(cluster.url(pod) + "/v1/stats", timeout=10.0).json()["sessions"]["connected"] > 0,
-                    f"sessions on {pod}",
-                )
+                await asyncio.to_thread(wait_until, partial(cluster.holds_sessions, pod), f"sessions on {pod}")
                 assert not any(task.done() for task in streams), [t.exception() for t in streams if t.done()]
                 reports.append(await asyncio.to_thread(cluster.terminate, pod))
                 cluster.start_pod(pod, dnsmasq)
-                await asyncio.to_thread(wait_until, lambda: cluster.ready(pod), f"new {pod} Ready")
-                await asyncio.to_thread(wait_until, lambda: lb.up(pod), f"HAProxy sees the new {pod} UP")
+                await asyncio.to_thread(wait_until, partial(cluster.ready, pod), f"new {pod} Ready", STARTUP_GUARD_S)
+                await asyncio.to_thread(wait_until, partial(lb.up, pod), f"HAProxy sees the new {pod} UP")
             done.set()
 
         async def scenario() -> list[Stream]:
@@ -387,8 +407,13 @@ def test_a_rolling_update_in_statefulset_order_loses_no_session_and_every_frame_
             assert stats["sessions"]["connected"] == 0 and stats["kv"]["blocks_free"] == stats["kv"]["blocks_total"]
     assert [r["ended"] for r in reports] == [0] * PODS, reports
     moved = sum(int(r["moved"]) for r in reports)
-    assert moved >= PODS and moved == sum(len(s.served_by) - 1 for s in results), (reports, [s.served_by for s in results])
+    assert moved >= PODS and moved == sum(len(s.served_by) - 1 for s in results), (
+        reports,
+        [s.served_by for s in results],
+    )
     assert all(set(s.served_by) <= set(pods) for s in results)
     want = asyncio.run(reference(max(len(s.chunks) for s in results)))
     for seen in results:
-        assert seen.chunks == want[: len(seen.chunks)], f"session {seen.session_id} (served by {seen.served_by}) differs"
+        assert seen.chunks == want[: len(seen.chunks)], (
+            f"session {seen.session_id} (served by {seen.served_by}) differs"
+        )

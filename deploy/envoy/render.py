@@ -44,6 +44,7 @@ CONNECT_TIMEOUT = "3s"
 SESSION_IDLE_TIMEOUT = "3600s"
 PRIVATE_PATHS = ("/metrics", "/v1/stats")
 PRIVATE_PREFIXES = ("/replicas/",)
+TYPES = "type.googleapis.com/envoy.extensions."  # the type URLs of Envoy's extensions' settings
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _cluster(name: str, endpoints: list[Endpoint], *, dns: bool, health_path: st
                     "typed_extension_config": {
                         "name": "envoy.load_balancing_policies.least_request",
                         "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+                            "@type": TYPES + "load_balancing_policies.least_request.v3.LeastRequest",
                             "selection_method": "FULL_SCAN",
                         },
                     }
@@ -146,7 +147,7 @@ def render(
     routes.append({"match": {"path": "/v1/sessions"}, "route": {**_route("sessions"), **_retry_elsewhere()}})
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": "pages"}})
     manager = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "arstream",
         "upgrade_configs": [{"upgrade_type": "websocket"}],
         # X-Forwarded-For: the client's address, so per-client caps count browsers (--forwarded-allow-ips).
@@ -159,7 +160,7 @@ def render(
         "http_filters": [
             {
                 "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},
             }
         ],
     }
@@ -188,9 +189,7 @@ def _retry_elsewhere() -> dict[str, Any]:
             "retry_host_predicate": [
                 {
                     "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                    },
+                    "typed_config": {"@type": TYPES + "retry.host.previous_hosts.v3.PreviousHostsPredicate"},
                 }
             ],
             "host_selection_retry_max_attempts": 3,

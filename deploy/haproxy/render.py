@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compose-project", default="arstream", help="compose project name (default arstream)")
     parser.add_argument("--statefulset", action="append", default=[], metavar="NAME=COUNT", help="server slots")
     parser.add_argument(
-        "--headless-service", default="arstream-peers", help="the StatefulSet's headless Service (default arstream-peers)"
+        "--headless-service", default="arstream-peers", help="the StatefulSet's headless Service (arstream-peers)"
     )
     parser.add_argument("--replica-port", type=int, default=8000, help="the pods' serving port (default 8000)")
     parser.add_argument("--maxconn", type=int, default=4, help="sessions per replica when a replica names none")
