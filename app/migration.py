@@ -12,18 +12,19 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
   A refusal (401 secret, 409 model/config/room, 400 malformed, 503 not ready)
   leaves its pool as it was.
-- ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``):
-  the replica stops admitting, then moves each live session at a chunk
-  boundary: its connection stops running ticks (their controls are kept), the
-  worker exports it after the chunks already queued have reached the client,
-  the snapshot goes to the first peer that takes it, and the client gets
-  ``moved`` with the peer's token and is closed (``closed``: ``moved``); the
-  session is then released here. A session no peer takes ends as on shutdown
-  (``server_shutdown``). Answers with a report once none is left or
-  ``drain_timeout_s`` has passed, and then (``exit``) stops the server.
-
-Detached sessions are not moved: their clients hold tokens for this replica,
-so they end at shutdown as before.
+- ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
+  app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
+  live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker
+  exports the session after the chunks already queued have reached the client), ones with `ready` but no
+  tick (nothing resident: an unstarted snapshot), detached ones (held out of their grace timer while they
+  are shipped) and ones being resumed when the drain began (moved once the resume has its connection). Each
+  snapshot goes to the first peer that takes it; a live client gets ``moved`` with the peer's token and is
+  closed (``closed``: ``moved``); the old token forwards to the new one (app/resume.py), so a client coming
+  back here gets ``moved`` too; the session is then released here. A session no peer takes ends as on
+  shutdown (``server_shutdown``), as does what is left at ``drain_timeout_s`` or a second SIGTERM. The
+  report lists every session once, moved or ended with the reason. With ``exit`` the server then stops,
+  once each moved detached session's client has come back for its token (at most until the deadline).
+- ``GET /v1/cluster/sessions/{id}`` (``arstream drain --which``): whether this replica holds that session.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ class Migration:
         self._drain: asyncio.Task[DrainReport] | None = None
         self._cut: asyncio.Event | None = None  # set to end a drain early (a second SIGTERM)
         self._stop_reason = ""
+        self._deadline = 0.0  # loop time the current drain ends by
         self.report: DrainReport | None = None  # the last drain's
+        self.moves: dict[str, asyncio.Task[MoveReport]] = {}  # the current (or last) drain's, by session id
         # This replica's own base URLs (set by the server once bound): never a peer of its own drain.
         self.own_urls: set[str] = set()
         # Set by the server (ARStreamServer): stops it once a drain with ``exit`` has finished.
@@ -207,6 +210,25 @@ class Migration:
             self._stop_reason = reason
             self._cut.set()
 
+    async def linger(self) -> None:
+        """After a drain, before exiting: stay until every moved detached session's client has come back for its
+        new token (it would get a 503 from a replica that is gone), at most until the drain's deadline; a
+        second SIGTERM ends the wait."""
+        left = self._deadline - asyncio.get_running_loop().time()
+        if left <= 0 or self._cut is None or self._cut.is_set():
+            return
+        claimed = asyncio.ensure_future(self.hub.resume.until_forwards_claimed(left))
+        cut = asyncio.ensure_future(self._cut.wait())
+        await asyncio.wait({claimed, cut}, return_when="FIRST_COMPLETED")
+        claimed.cancel()
+        cut.cancel()
+
+    async def drain_then_exit(self) -> None:
+        """What ``POST /v1/cluster/drain`` with ``exit`` does after answering: linger, then stop the server."""
+        await self.linger()
+        if self.request_exit is not None:
+            asyncio.get_running_loop().call_later(0.1, self.request_exit)  # after the report has gone out
+
     async def drain(self, peers: list[str] | None = None) -> DrainReport:
         """Stop admitting, move every session to a peer (or end it); one drain at a time.
 
@@ -222,12 +244,12 @@ class Migration:
         hub.draining = True
         hub.metrics.drains.inc()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.drain_timeout_s
+        deadline = self._deadline = loop.time() + self.settings.drain_timeout_s
         self._cut = asyncio.Event()
         self._stop_reason = f"the drain's time ran out (drain_timeout_s {self.settings.drain_timeout_s:g})"
         peers = given if given else await configured_peers(self.settings, own=self.own_urls)
         log.info("draining: moving every session to %s", ", ".join(peers) or "no peer (none configured or resolved)")
-        moves: dict[str, asyncio.Task[MoveReport]] = {}
+        moves = self.moves = {}
         # TLS only matters for https:// peers; loading the CA bundle otherwise costs a drain ~0.3 s for nothing.
         tls = any(peer.startswith("https://") for peer in peers)
         async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, verify=tls) as client:
@@ -343,7 +365,7 @@ class Migration:
 
     async def _move_resumed(self, client: httpx.AsyncClient, session_id: str, peers: list[str]) -> MoveReport:
         """A resume in flight when the drain began: once it has its connection, move it like any live session."""
-        await self.hub.resume.until_gone(session_id, self.settings.drain_timeout_s)
+        await self.hub.resume.until_resumed(session_id, self.settings.drain_timeout_s)
         connection = self.hub.connections.get(session_id)
         if isinstance(connection, Connection) and connection.session is not None and connection.session.live:
             return await self._move_live(client, connection, peers, "resuming")
@@ -419,6 +441,8 @@ def _settled_now(report: MoveReport) -> asyncio.Task[MoveReport]:
 
     return asyncio.create_task(settled())
 
+
+_exits: set[asyncio.Future[None]] = set()  # drains' exits in progress (a task must be referenced until done)
 
 START_IMAGE_TENSOR = "start_image/pixels"
 
@@ -499,8 +523,10 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         except (ValueError, AttributeError) as exc:
             return JSONResponse({"detail": f"bad drain request: {exc}"}, status_code=400)
         report = await migration.drain(peers)
-        if exit_after and migration.request_exit is not None:
-            asyncio.get_running_loop().call_later(0.1, migration.request_exit)
+        if exit_after:
+            exiting = asyncio.ensure_future(migration.drain_then_exit())
+            exiting.add_done_callback(_exits.discard)
+            _exits.add(exiting)
         return JSONResponse(report.as_json())
 
     @app.get(HOLDER_PATH + "/{session_id}")

@@ -155,6 +155,8 @@ class ResumeRegistry:
         self._resuming: dict[str, ResumableConnection] = {}
         self._closed = False  # shutting down: nothing is detached any more
         self._forwards: dict[bytes, Forward] = {}  # old token digest -> where its session moved
+        self._unclaimed: set[bytes] = set()  # forwards no client has come back for yet
+        self._forward_claimed = asyncio.Event()
         # Futures resolved when a session's entry goes (resumed, moved, released): resumes waiting on a drain.
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
 
@@ -237,6 +239,8 @@ class ResumeRegistry:
             now = time.monotonic()
             self._forwards = {d: f for d, f in self._forwards.items() if f.until > now}  # drop the expired
             self._forwards[entry.digest] = Forward(resume, next_chunk_index, now + self.grace_s)
+            if session_id in self._detached:  # a live client is told at once; a detached one has to come back
+                self._unclaimed.add(entry.digest)
         detached = session_id in self._detached
         self._forget_entry(session_id)
         if detached:
@@ -245,17 +249,46 @@ class ResumeRegistry:
 
     def forwarded(self, token: str) -> Forward | None:
         """Where the session ``token`` named has moved, within the grace period; None otherwise."""
-        forward = self._forwards.get(_digest(token))
+        digest = _digest(token)
+        forward = self._forwards.get(digest)
         if forward is None or forward.until <= time.monotonic():
             return None
+        if digest in self._unclaimed:
+            self._unclaimed.discard(digest)
+            self._forward_claimed.set()
         return forward
+
+    async def until_forwards_claimed(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every detached client whose session moved has come back for its
+        new token, or the forwards have expired: a drained replica that exits sooner would leave them a 503."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            now = time.monotonic()
+            self._unclaimed = {d for d in self._unclaimed if d in self._forwards and self._forwards[d].until > now}
+            if not self._unclaimed:
+                return
+            self._forward_claimed.clear()
+            try:
+                await asyncio.wait_for(self._forward_claimed.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return
 
     async def until_gone(self, session_id: str, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until the session's ticket goes (moved, released, ended, claimed by a
-        resume) and no resume of it is in progress; a session resumed meanwhile is live on its new connection."""
+        resume) and no resume of it is in progress."""
+        await self._wait_while(
+            session_id, lambda: session_id in self._entries or session_id in self._resuming, timeout_s
+        )
+
+    async def until_resumed(self, session_id: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until a resume of the session in progress has its connection, or failed."""
+        await self._wait_while(session_id, lambda: session_id in self._resuming, timeout_s)
+
+    async def _wait_while(self, session_id: str, held: Callable[[], bool], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (session_id in self._entries or session_id in self._resuming) and loop.time() < deadline:
+        while held() and loop.time() < deadline:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.setdefault(session_id, []).append(waiter)
             try:

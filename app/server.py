@@ -43,7 +43,7 @@ from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_pa
 from arstream.app.hub import SessionHub
 from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
-from arstream.app.migration import DrainReport, Migration, add_cluster_routes
+from arstream.app.migration import Migration, add_cluster_routes
 from arstream.app.peers import own_urls
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, describe_settings_error, settings_from_args
@@ -168,7 +168,7 @@ class ARStreamServer(uvicorn.Server):
         if migration is not None:
             migration.request_exit = lambda: setattr(self, "should_exit", True)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sigterm_drain: asyncio.Task[DrainReport] | None = None
+        self._sigterm_drain: asyncio.Future[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         app = self.config.app
@@ -195,16 +195,16 @@ class ARStreamServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # not serving sessions yet (loading): nothing to move
 
     def _begin_sigterm_drain(self, migration: Migration) -> None:
-        if self._sigterm_drain is not None:
-            return
-        self._sigterm_drain = asyncio.ensure_future(migration.drain())
-        self._sigterm_drain.add_done_callback(self._sigterm_drain_done)
+        if self._sigterm_drain is None:
+            self._sigterm_drain = asyncio.ensure_future(self._drain_then_exit(migration))
 
-    def _sigterm_drain_done(self, task: asyncio.Task[DrainReport]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            print(f"{DRAIN_REPORT_MARKER} {json.dumps(task.result().as_json())}", flush=True)
-        else:
-            log.error("the SIGTERM drain failed", exc_info=None if task.cancelled() else task.exception())
+    async def _drain_then_exit(self, migration: Migration) -> None:
+        try:
+            report = await migration.drain()
+            print(f"{DRAIN_REPORT_MARKER} {json.dumps(report.as_json())}", flush=True)
+            await migration.linger()
+        except Exception:  # noqa: BLE001 - whatever went wrong, SIGTERM still stops the server
+            log.exception("the SIGTERM drain failed")
         self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -3,8 +3,9 @@
 scripts/local-cluster.sh runs 2 fake-kv replicas behind HAProxy; the page
 streams from one. A drain moves its session to the other: the page follows
 ``moved`` without a click, keeps the same session (and world) and shows a
-brief notice. A killed replica cannot move anything: the page starts a new
-world on the survivor, says so in plain words, and keeps its seed.
+brief notice. A SIGTERM alone does the same (the replicas know their peers). A killed
+replica cannot move anything: the page starts a new world on the survivor,
+says so in plain words, and keeps its seed.
 """
 
 from __future__ import annotations
@@ -86,4 +87,20 @@ def test_a_killed_replica_starts_a_new_world_with_the_same_seed(
     after = debug(page)
     assert after["seed"] == before["seed"] == 5
     assert "The server that held your world is gone" in (page.text_content("#log") or "")
+    errors.check()
+
+
+def test_the_page_keeps_its_world_across_a_sigterm(cluster: Cluster, context: Any, errors: PageErrors) -> None:
+    page = new_page(context, errors)
+    page.goto(cluster.lb + "/?seed=5")
+    wait_frames_drawn(page, 6)
+    before = debug(page)
+    source = _holder(cluster)
+    os.kill(cluster.replicas[source][1], signal.SIGTERM)  # what an orchestrator sends; no drain command
+    wait(page, f"window.arstreamDebug.resumed > {before['resumed']}")
+    wait_state(page, "streaming")
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 6)
+    after = debug(page)
+    assert after["sessionId"] == before["sessionId"] and after["lastClose"]["code"] == 1001
+    assert "your world carried on" in (page.text_content("#log") or "")
     errors.check()
