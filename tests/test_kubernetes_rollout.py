@@ -19,7 +19,9 @@ What stands in for the cluster, and nothing else:
 HAProxy runs deploy/haproxy/render.py's StatefulSet mode (the manifest's own configuration, with loopback
 binds and a faster check), finding each pod by its DNS name. Six sessions stream throughout; each one that
 is moved follows `moved` through HAProxy. None is lost, every chunk index arrives once and in order, and
-every frame equals an uninterrupted session's with the same seed and controls.
+every frame equals an uninterrupted session's with the same seed and controls. Played twice: the manifest's
+path (the preStop drain, then SIGTERM), and SIGTERM alone (the replica drains on it: a preStop hook that
+failed loses nothing either).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from servers import REPO_ROOT, STARTUP_GUARD_S, STOP_GUARD_S, ProbeClient, fake_
 from test_balancer import free_port
 from test_cluster import wait_until
 
+from arstream.app.server import DRAIN_REPORT_MARKER
 from arstream.app.wire import decode_frame
 
 RENDER = REPO_ROOT / "deploy" / "haproxy" / "render.py"
@@ -81,6 +84,7 @@ class Cluster:
     hosts: Path = field(init=False)
     addresses: dict[str, str] = field(default_factory=dict)
     pods: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
     next_host: int = 10
 
     def __post_init__(self) -> None:
@@ -152,7 +156,8 @@ class Cluster:
         self.next_host += 1
         self.publish(dnsmasq)
         command = self.in_pod([sys.executable, "-m", "arstream", "serve"])
-        with (self.tmp / f"{pod}-{self.next_host}.log").open("wb") as log:
+        self.logs[pod] = self.tmp / f"{pod}-{self.next_host}.log"
+        with self.logs[pod].open("wb") as log:
             self.pods[pod] = subprocess.Popen(
                 command, env=self.pod_environment(pod), stdout=log, stderr=subprocess.STDOUT
             )
@@ -177,19 +182,23 @@ class Cluster:
             process.kill()
             process.wait(STOP_GUARD_S)
 
-    def terminate(self, pod: str) -> dict[str, Any]:
-        """The kubelet deletes POD: the preStop hook, then SIGTERM, then at most the grace period. The drain's
-        report (the preStop's last line)."""
+    def terminate(self, pod: str, *, hook_runs: bool) -> dict[str, Any]:
+        """The kubelet deletes POD: the preStop hook (unless ``hook_runs`` is False: a hook that failed, or a
+        kubelet that skips it), then SIGTERM, then at most the grace period. The drain's report: the preStop's
+        last line, or the pod's ``ARSTREAM_DRAIN_REPORT`` line when SIGTERM drained it."""
         spec = one(self.objects, "StatefulSet")["spec"]["template"]["spec"]
-        command = replica_container(self.objects)["lifecycle"]["preStop"]["exec"]["command"]
-        # The hook runs inside the pod, whose loopback is its own; here the pods share one network, so the
-        # pod's loopback is the address it binds.
-        command = [word.replace("127.0.0.1", self.addresses[pod]) for word in command]
         grace = float(spec["terminationGracePeriodSeconds"])
-        hook = subprocess.run(
-            self.in_pod(command), env=self.pod_environment(pod), capture_output=True, text=True, timeout=grace
-        )
-        assert hook.returncode == 0, f"preStop failed ({hook.returncode}): {hook.stderr}\n{self.log_of(pod)}"
+        hook_output = ""
+        if hook_runs:
+            command = replica_container(self.objects)["lifecycle"]["preStop"]["exec"]["command"]
+            # The hook runs inside the pod, whose loopback is its own; here the pods share one network, so the
+            # pod's loopback is the address it binds.
+            command = [word.replace("127.0.0.1", self.addresses[pod]) for word in command]
+            hook = subprocess.run(
+                self.in_pod(command), env=self.pod_environment(pod), capture_output=True, text=True, timeout=grace
+            )
+            assert hook.returncode == 0, f"preStop failed ({hook.returncode}): {hook.stderr}\n{self.log_of(pod)}"
+            hook_output = hook.stdout
         process = self.pods.pop(pod)
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -200,7 +209,12 @@ class Cluster:
             process.wait(STOP_GUARD_S)
             raise AssertionError(f"{pod} outlived its grace period of {grace} s") from None
         del self.addresses[pod]
-        report: dict[str, Any] = json.loads(hook.stdout.strip().splitlines()[-1])
+        if hook_runs:
+            report: dict[str, Any] = json.loads(hook_output.strip().splitlines()[-1])
+            return report
+        lines = [line for line in self.logs[pod].read_text().splitlines() if line.startswith(DRAIN_REPORT_MARKER)]
+        assert len(lines) == 1, f"{pod} did not drain on SIGTERM: {self.log_of(pod)}"
+        report = json.loads(lines[0].removeprefix(DRAIN_REPORT_MARKER))
         return report
 
 
@@ -364,7 +378,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     yield Cluster(tmp_path, prefix, rendered("gpu"))
 
 
-def test_a_rolling_update_in_statefulset_order_loses_no_session_and_every_frame_matches(cluster: Cluster) -> None:
+@pytest.mark.parametrize("hook_runs", [True, False], ids=["prestop-then-sigterm", "sigterm-alone"])
+def test_a_rolling_update_in_statefulset_order_loses_no_session_and_every_frame_matches(
+    cluster: Cluster, hook_runs: bool
+) -> None:
+    """The manifest's path (preStop drain, then SIGTERM), and SIGTERM alone (a preStop hook that failed)."""
     objects = cluster.objects
     replicas = one(objects, "StatefulSet")
     assert replicas["spec"]["updateStrategy"]["type"] == "RollingUpdate"
@@ -389,7 +407,7 @@ def test_a_rolling_update_in_statefulset_order_loses_no_session_and_every_frame_
                 # Every session streaming, and some on the pod about to go.
                 await asyncio.to_thread(wait_until, partial(cluster.holds_sessions, pod), f"sessions on {pod}")
                 assert not any(task.done() for task in streams), [t.exception() for t in streams if t.done()]
-                reports.append(await asyncio.to_thread(cluster.terminate, pod))
+                reports.append(await asyncio.to_thread(partial(cluster.terminate, pod, hook_runs=hook_runs)))
                 cluster.start_pod(pod, dnsmasq)
                 await asyncio.to_thread(wait_until, partial(cluster.ready, pod), f"new {pod} Ready", STARTUP_GUARD_S)
                 await asyncio.to_thread(wait_until, partial(lb.up, pod), f"HAProxy sees the new {pod} UP")
