@@ -45,14 +45,15 @@ def prometheus(tmp_path: Path, targets: list[str]) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _answers(url + "/-/ready") and process.poll() is None, "Prometheus is ready")
+        wait_until(lambda: answers(url + "/-/ready") and process.poll() is None, "Prometheus is ready")
         yield url
     finally:
         process.terminate()
         process.wait(STOP_GUARD_S)
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether URL answers 200 (a server that is not up yet does not)."""
     try:
         return httpx.get(url, timeout=5.0).status_code == 200
     except httpx.TransportError:

@@ -50,6 +50,7 @@ from kubernetes_manifests import one, rendered, replica_container, replica_envir
 from servers import REPO_ROOT, STARTUP_GUARD_S, STOP_GUARD_S, ProbeClient, fake_settings, running_server, session_client
 from test_balancer import free_port
 from test_cluster import wait_until
+from test_kubernetes_autoscaling import answers
 
 from arstream.app.server import DRAIN_REPORT_MARKER
 from arstream.app.wire import decode_frame
@@ -285,18 +286,11 @@ def haproxy(cluster: Cluster, slots: int) -> Iterator[Balancer]:
         )
     balancer = Balancer(f"ws://{cluster.dns}:{port}/v1/sessions", f"http://{cluster.dns}:{stats_port}")
     try:
-        wait_until(lambda: process.poll() is None and _answers(balancer.stats + "/stats"), "HAProxy answers")
+        wait_until(lambda: process.poll() is None and answers(balancer.stats + "/stats"), "HAProxy answers")
         yield balancer
     finally:
         process.terminate()
         process.wait(STOP_GUARD_S)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5.0).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @dataclass
