@@ -23,9 +23,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from servers import REPO_ROOT, STOP_GUARD_S, LiveServer, ProbeClient, running_server, session_client
-from test_balancer import Sessions, free_port, placed, run_sessions, start_or_refusal, wait_until
+from kubernetes_manifests import config_map_file
+from servers import REPO_ROOT, STARTUP_GUARD_S, STOP_GUARD_S, LiveServer, ProbeClient, running_server, session_client
+from test_balancer import Sessions, free_port, placed, run_sessions, start_or_refusal
+from test_cluster import wait_until
 from test_deploy import run_tool, tool
+from test_kubernetes_rollout import cluster_dns, loopback_cluster
 from test_migration import KEYS, MOVE_AT, SEED, cluster_settings, drain, frames_of, reference
 from websockets.exceptions import InvalidStatus
 
@@ -51,11 +54,11 @@ class Envoy:
         return f"ws://127.0.0.1:{self.port}/v1/sessions"
 
     def healthy(self, cluster: str) -> dict[str, bool]:
-        """Each host of ``cluster`` (by port) and whether Envoy's active health check passes it."""
+        """Each host of ``cluster`` (HOST:PORT) and whether Envoy's active health check passes it."""
         clusters = httpx.get(f"http://127.0.0.1:{self.admin_port}/clusters?format=json", timeout=10.0).json()
         statuses = next(c for c in clusters["cluster_statuses"] if c["name"] == cluster).get("host_statuses", [])
         return {
-            str(h["address"]["socket_address"]["port_value"]): not h["health_status"].get(
+            "{address}:{port_value}".format(**h["address"]["socket_address"]): not h["health_status"].get(
                 "failed_active_health_check", False
             )
             for h in statuses
@@ -79,7 +82,7 @@ def envoy(tmp_path: Path, replicas: dict[str, LiveServer]) -> Iterator[Envoy]:
     )
     balancer = Envoy(port, admin_port)
     try:
-        ports = {str(s.port) for s in replicas.values()}
+        ports = {f"127.0.0.1:{s.port}" for s in replicas.values()}
         wait_until(
             lambda: process.poll() is None and _passes(balancer, "sessions") == ports, "Envoy sees both replicas"
         )
@@ -175,7 +178,9 @@ def test_drained_sessions_follow_moved_through_envoy_and_new_sessions_avoid_the_
             await asyncio.to_thread(wait_until, lambda: _passes(lb, "sessions") == set(), "r0 draining, r1 full")
             await follower.send(type="close")
             await follower.closed_by_server()
-            await asyncio.to_thread(wait_until, lambda: _passes(lb, "sessions") == {str(r1.port)}, "r1 has room")
+            await asyncio.to_thread(
+                wait_until, lambda: _passes(lb, "sessions") == {f"127.0.0.1:{r1.port}"}, "r1 has room"
+            )
             newcomer = await first_admitted(lb.ws_url, sessions)
             assert placed(newcomer) == "r1"
             # r1 full again, r0 draining: no replica passes, and Envoy answers itself rather than panic and
@@ -218,3 +223,50 @@ async def upgrade_status(url: str) -> int:
             return 101
     except InvalidStatus as refused:
         return refused.response.status_code
+
+
+def test_the_kubernetes_configuration_finds_each_pod_by_its_dns_name(tmp_path: Path) -> None:
+    """The shipped envoy.json itself (only its listener and admin moved to this test's addresses), in front of
+    two pods found by DNS as in a cluster (the stand-ins of tests/test_kubernetes_rollout.py: dnsmasq, the
+    pods' resolv.conf with the cluster's search domains): new sessions reach both pods by the headless
+    Service's name, and a resume reaches its pod by the pod's own short name."""
+    cluster = loopback_cluster(tmp_path, "gpu-envoy")
+    config = json.loads(config_map_file(cluster.objects, "arstream-envoy", "envoy.json"))
+    port, admin_port = free_port(), free_port()
+    config["static_resources"]["listeners"][0]["address"]["socket_address"] = {
+        "address": cluster.dns,
+        "port_value": port,
+    }
+    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
+    (tmp_path / "envoy.json").write_text(json.dumps(config))
+    pods = ["arstream-0", "arstream-1"]
+    with ExitStack() as stack:
+        dnsmasq = stack.enter_context(cluster_dns(cluster))
+        stack.callback(cluster.stop_all)
+        for pod in pods:
+            cluster.start_pod(pod, dnsmasq)
+        for pod in pods:
+            wait_until(partial(cluster.ready, pod), f"{pod} Ready", STARTUP_GUARD_S)
+        command = [tool("envoy"), "-c", str(tmp_path / "envoy.json"), "--base-id", str(port), "--log-level", "warn"]
+        with (tmp_path / "envoy.log").open("w") as log:
+            process = subprocess.Popen(cluster.in_pod(command), stdout=log, stderr=log)
+        stack.callback(process.wait, STOP_GUARD_S)
+        stack.callback(process.terminate)
+        lb = Envoy(port, admin_port)
+        wait_until(lambda: process.poll() is None and len(_passes(lb, "sessions")) == len(pods), "Envoy finds both")
+        for pod in pods:  # each pod's own cluster holds that pod's address, from its DNS name
+            assert list(lb.healthy(pod)) == [cluster.url(pod).removeprefix("http://")]
+
+        async def scenario(sessions: Sessions) -> None:
+            url = f"ws://{cluster.dns}:{port}/v1/sessions"
+            clients = [await sessions.open(url) for _ in pods]
+            assert sorted(placed(c) for c in clients) == pods
+            for client in clients:
+                assert client.ready is not None
+                token, session_id = client.ready["resume"]["token"], client.ready["session_id"]
+                client.abort()
+                resumed = await sessions.open(f"{url}?resume={token}", resume=token)
+                assert resumed.ready is not None and resumed.ready["session_id"] == session_id
+                assert placed(resumed) == placed(client)
+
+        run_sessions(scenario)

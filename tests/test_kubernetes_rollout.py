@@ -364,12 +364,16 @@ async def reference(chunks: int) -> list[str]:
     return out
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def loopback_cluster(tmp_path: Path, overlay: str) -> Cluster:
+    """The stand-ins for OVERLAY's cluster, on loopback addresses 127.X.Y.* of this test's own."""
     if os.geteuid() != 0:
-        pytest.fail("the rollout test needs root: a private mount namespace for each pod's resolv.conf")
-    prefix = f"127.{random.randint(100, 250)}.{random.randint(1, 250)}"
-    yield Cluster(tmp_path, prefix, rendered("gpu"))
+        pytest.fail("these tests need root: a private mount namespace for each pod's resolv.conf")
+    return Cluster(tmp_path, f"127.{random.randint(100, 250)}.{random.randint(1, 250)}", rendered(overlay))
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Cluster:
+    return loopback_cluster(tmp_path, "gpu")
 
 
 @pytest.mark.parametrize("hook_runs", [True, False], ids=["prestop-then-sigterm", "sigterm-alone"])

@@ -100,8 +100,7 @@ def _cluster(name: str, endpoints: list[Endpoint], *, dns: bool, health_path: st
         },
     }
     if dns:
-        # A pod replaced or added appears within seconds (HAProxy holds a name 10 s).
-        cluster["dns_refresh_rate"] = "5s"
+        # Envoy looks each name up again every 5 s (its default): a pod replaced or added appears within seconds.
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if health_path is not None:
         cluster["health_checks"] = [
