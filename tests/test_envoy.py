@@ -6,7 +6,8 @@ sessions go only to replicas whose /readyz says they have room; a drained replic
 through Envoy to the peer and continue bit-identically, and Envoy sends the drained replica nothing new
 (its health check fails within a second, and with healthy_panic_threshold 0 Envoy never falls back to it).
 The replica-to-replica routes are refused. The configuration shipped for Kubernetes passes
-``envoy --mode validate``; a misspelt one does not.
+``envoy --mode validate``, a misspelt one does not, and the shipped one finds pods by their DNS names
+(through tests/test_kubernetes_rollout.py's stand-ins for cluster DNS).
 """
 
 from __future__ import annotations
