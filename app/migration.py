@@ -1,4 +1,4 @@
-"""Drain: move a replica's live sessions to peers, so a rolling restart loses no world.
+"""Drain: move every session of a replica to its peers, so a rolling restart loses no world.
 
 Two routes on the replica's private side, both off unless ``cluster_secret``
 is set, and both requiring it as a bearer token (a replica never accepts
@@ -33,7 +33,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +49,13 @@ from arstream.app.peers import configured_peers
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
-from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible, read_header
+from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
+from arstream.runner.snapshot_stream import SnapshotPlan, SnapshotReader, SnapshotTooLarge
 from arstream.runner.types import StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
+    from arstream.app.worker import ModelWorker
 
 log = logging.getLogger("arstream.migration")
 
@@ -143,24 +145,45 @@ class Migration:
         per_session = plan.per_session_bytes if plan is not None else 0
         return per_session + SNAPSHOT_SLACK_BYTES
 
-    async def accept(self, data: bytes) -> dict[str, Any]:
-        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
+    def _not_taking(self) -> ImportRefused | None:
         hub = self.hub
-        worker = hub.worker
-        if hub.draining or hub.shutting_down or not hub.ready or worker is None or worker.runner is None:
-            raise ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
+        if hub.draining or hub.shutting_down or not hub.ready or hub.worker is None or hub.worker.runner is None:
+            return ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
+        return None
+
+    async def receive(self, pieces: AsyncIterator[bytes]) -> SessionSnapshot:
+        """A snapshot from its bytes as they arrive (runner/snapshot_stream.py): never the whole file in memory."""
+        refusal = self._not_taking()
+        if refusal is not None:
+            raise refusal  # before a byte is read: the sender learns at once
+        reader = SnapshotReader(self._max_snapshot_bytes())
         try:
-            header = read_header(data)
-            check_compatible(worker.runner, header, PROTOCOL_VERSION)  # type: ignore[arg-type]
+            async for piece in pieces:
+                reader.feed(piece)
+            return reader.snapshot()
+        except SnapshotTooLarge as exc:
+            raise ImportRefused(413, str(exc)) from None
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
+
+    async def accept(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
+        hub = self.hub
+        worker = hub.worker
+        refusal = self._not_taking()
+        if refusal is not None:
+            raise refusal
+        assert worker is not None and worker.runner is not None
+        try:
+            check_compatible(worker.runner, snapshot.header, PROTOCOL_VERSION)  # type: ignore[arg-type]
+        except SnapshotRefused as exc:
+            raise ImportRefused(409, str(exc)) from None
         held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
         try:
-            snapshot = await asyncio.to_thread(SessionSnapshot.from_bytes, data)
             portable = snapshot.session
             session_id = str(portable["id"])
             if session_id in hub.connections or worker.runner.is_resident(session_id):
@@ -379,25 +402,26 @@ class Migration:
         assert worker is not None
         started = time.perf_counter()
         try:
-            snapshot = await worker.export_session(session.id)
+            plan = await worker.export_plan(session.id)
         except SnapshotError as exc:
             return Shipped(None, f"export failed: {exc}")
         # After the export resolved, every earlier chunk has reached the client: the protocol state is final.
         # Whose session it is travels too: a resume must present the same auth token (by its key), and the
         # session counts against the same client's caps on the peer.
-        snapshot.header["session"] = {**session.portable_state(), "owner": owner, "client_host": client_host}
-        carry_start_image(snapshot, session.start_image)
-        data = await asyncio.to_thread(snapshot.to_bytes)
+        plan.header["session"] = {**session.portable_state(), "owner": owner, "client_host": client_host}
+        carry_start_image(plan, session.start_image)
+        size = plan.nbytes
         export_ms = (time.perf_counter() - started) * 1e3
         refusals: list[str] = []
         for peer in peers:
             try:
                 response = await client.post(
                     peer.rstrip("/") + IMPORT_PATH,
-                    content=data,
+                    content=_pieces(worker, plan),  # streamed: the file is never whole on this side
                     headers={
                         "authorization": f"Bearer {self.settings.cluster_secret}",
                         "content-type": "application/octet-stream",
+                        "content-length": str(size),
                     },
                 )
             except httpx.HTTPError as exc:
@@ -406,10 +430,22 @@ class Migration:
             if response.status_code != 200:
                 refusals.append(f"{peer}: {response.status_code} {_detail(response)}")
                 continue
-            log.info("session=%s moved to %s (%d bytes)", session.id, peer, len(data))
-            return Shipped(response.json(), "", peer, len(data), export_ms)
+            log.info("session=%s moved to %s (%d bytes)", session.id, peer, size)
+            return Shipped(response.json(), "", peer, size, export_ms)
         reason = "no peer took it: " + ("; ".join(refusals) or "no peer given")
-        return Shipped(None, reason, None, len(data), export_ms)
+        return Shipped(None, reason, None, size, export_ms)
+
+
+async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[bytes]:
+    """The plan's bytes in pieces, the next piece read on the worker while this one is sent."""
+    yield plan.head()
+    pieces = plan.pieces()
+    ahead: asyncio.Future[bytes] | None = worker.read_parts(pieces[0]) if pieces else None
+    for index in range(len(pieces)):
+        assert ahead is not None
+        piece = await ahead
+        ahead = worker.read_parts(pieces[index + 1]) if index + 1 < len(pieces) else None
+        yield piece
 
 
 @dataclass(frozen=True)
@@ -447,14 +483,14 @@ _exits: set[asyncio.Future[None]] = set()  # drains' exits in progress (a task m
 START_IMAGE_TENSOR = "start_image/pixels"
 
 
-def carry_start_image(snapshot: SessionSnapshot, image: StartImage | None) -> None:
+def carry_start_image(plan: SnapshotPlan, image: StartImage | None) -> None:
     """Put the session's start image in its snapshot: a reset on the peer starts from the same picture, and a
     session moved before its first chunk starts from it there."""
     if image is None:
         return
-    snapshot.header["start_image"] = {"digest": image.digest, "name": image.name}
+    plan.header["start_image"] = {"digest": image.digest, "name": image.name}
     if image.pixels is not None:
-        snapshot.tensors[START_IMAGE_TENSOR] = torch.from_numpy(np.array(image.pixels, dtype=np.uint8, copy=True))
+        plan.add_tensor(START_IMAGE_TENSOR, torch.from_numpy(np.array(image.pixels, dtype=np.uint8, copy=True)))
 
 
 def carried_start_image(snapshot: SessionSnapshot, max_pixels: int) -> StartImage | None:
@@ -496,14 +532,8 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         refusal = secret_refusal(request, settings.cluster_secret)
         if refusal is not None:
             return refusal
-        limit = migration._max_snapshot_bytes()
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                return JSONResponse({"detail": f"a session snapshot here is at most {limit} bytes"}, status_code=413)
         try:
-            ticket = await migration.accept(bytes(body))
+            ticket = await migration.accept(await migration.receive(request.stream()))
         except ImportRefused as exc:
             log.info("refused a moved session: %s", exc)
             return JSONResponse({"detail": str(exc)}, status_code=exc.status)

@@ -38,6 +38,7 @@ from arstream.app.client import run_script
 from servers import ProbeClient, session_client
 from test_cluster import Cluster, _alive, launch_cluster, replica_of, wait_until
 from test_cluster_drain import KEYS, MOVE_AT, SECRET, SEED, chunk_pixels, cluster_options
+from test_drain_sessions import moved_message
 
 STREAMING = 6
 HELD = STREAMING + 3  # the detached, the ready-only and the mid-resume sessions
@@ -78,12 +79,6 @@ async def ticks(client: ProbeClient, span: range, want: list[np.ndarray]) -> Non
         chunk, got = await chunk_pixels(client)
         assert chunk["chunk_index"] == tick_id and chunk["restarted"] is None, chunk
         assert np.array_equal(got, want[tick_id]), f"chunk {tick_id} differs from the uninterrupted session's"
-
-
-async def moved_of(client: ProbeClient) -> dict[str, Any]:
-    closed = await client.closed_by_server()
-    assert closed.messages[-1] == {"type": "closed", "reason": "moved"}, closed.messages
-    return closed.messages[-2]
 
 
 @pytest.fixture(params=["fake-kv", "tiny-world", "matrix-game-2"])
@@ -131,10 +126,10 @@ def test_sigterm_moves_all_nine_kinds_of_session_and_they_continue_bit_identical
                 os.kill(r0_pid, signal.SIGTERM)
                 movers: list[tuple[dict[str, Any], int]] = []
                 for client in [*streaming, ready_only]:
-                    movers.append((await moved_of(client), 0 if client is ready_only else MOVE_AT))
+                    movers.append((await moved_message(client), 0 if client is ready_only else MOVE_AT))
                 message = await resumer.recv_json()
                 if message["type"] == "ready":  # resumed before the drain took stock: moved as a live session
-                    message = await moved_of(resumer)
+                    message = await moved_message(resumer)
                 else:  # it waited for the move, then was told where the session went
                     assert message["type"] == "moved", message
                 movers.append((message, MOVE_AT))
@@ -143,7 +138,7 @@ def test_sigterm_moves_all_nine_kinds_of_session_and_they_continue_bit_identical
                 late = tokens[id(dropped)]
                 async with session_client(f"{cluster.ws_url}?resume={late}") as returning:
                     await returning.send(type="start", resume=late, codec="raw")
-                    movers.append((await moved_of(returning), MOVE_AT))
+                    movers.append((await moved_message(returning), MOVE_AT))
                 assert len(movers) == HELD
                 followers = []
                 for moved, first in movers:  # every client reconnects at once (within the peer's grace)

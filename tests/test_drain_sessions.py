@@ -140,7 +140,7 @@ def test_live_ready_and_detached_sessions_all_move_and_each_is_reported_once() -
 
 @contextmanager
 def gated(server: LiveServer, method: str) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """Hold the results of ``server``'s worker ``method`` (session_position, export_session) until the test
+    """Hold the results of ``server``'s worker ``method`` (session_position, export_plan) until the test
     opens the gate: ``entered`` is set when it is called, ``gate`` releases it."""
     assert server.server is not None and server.server.hub.worker is not None
     worker = server.server.hub.worker
@@ -211,7 +211,7 @@ def test_a_resume_that_arrives_while_its_detached_session_is_shipped_waits_and_f
             async with session_client(r0.ws_url, start={"codec": "raw", "seed": SEED}) as first:
                 token = await detach(r0, first, MOVE_AT, want)
                 session_id = first.ready["session_id"] if first.ready else ""
-            with gated(r0, "export_session") as (entered, gate):
+            with gated(r0, "export_plan") as (entered, gate):
                 draining = asyncio.create_task(asyncio.to_thread(drain, r0, [r1.base_url]))
                 await asyncio.to_thread(entered.wait, GATE_GUARD_S)  # the drain is shipping the detached session
                 async with session_client(f"{r0.ws_url}?resume={token}") as late:
@@ -321,3 +321,29 @@ def test_a_dns_name_stands_for_every_address_it_has() -> None:
     settings = cluster_settings("r0", cluster_peers="http://localhost:8123,http://10.1.2.3:8000")
     peers = asyncio.run(configured_peers(settings, own={"http://127.0.0.1:8123", "http://[::1]:8123"}))
     assert peers == ["http://10.1.2.3:8000"]  # its own addresses left out
+
+
+def test_a_second_sigterm_ends_what_the_drain_has_not_moved() -> None:
+    with running_server(cluster_settings("r1")) as r1:
+        with running_server(cluster_settings("r0", cluster_peers=r1.base_url)) as r0:
+
+            async def scenario() -> tuple[dict[str, Any], Any]:
+                async with session_client(r0.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+                    await client.send(type="tick", tick_id=0)
+                    await frames_of(client)
+                    assert r0.server is not None
+                    with gated(r0, "export_plan") as (entered, gate):  # the move hangs at its export
+                        r0.server.handle_exit(signal.SIGTERM, None)
+                        await asyncio.to_thread(entered.wait, GATE_GUARD_S)
+                        r0.server.handle_exit(signal.SIGTERM, None)  # the second: end what is left
+                        closed = await client.closed_by_server()
+                        gate.set()  # the move was cut short already; let its held export go
+                        assert r0.thread is not None
+                        await asyncio.to_thread(r0.thread.join, RECEIVE_GUARD_S)
+                return migration_of(r0).report.as_json(), closed
+
+            report, closed = asyncio.run(scenario())
+            assert not (r0.thread and r0.thread.is_alive()), "the replica did not exit"
+        assert closed.messages[-1] == {"type": "closed", "reason": "server_shutdown"}, closed.messages
+        assert report["moved"] == 0 and report["sessions"][0]["reason"] == "a second SIGTERM ended the drain", report
+        at_baseline(r1)
