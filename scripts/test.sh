@@ -18,8 +18,7 @@ fi
 # kubectl renders deploy/kubernetes/ (kubectl kustomize, tests/test_kubernetes*.py). This machine's image
 # carries kubectl 1.32; Debian's kubernetes-client (1.20) bundles a kustomize too old for the overlays.
 if ! kubectl kustomize --help >/dev/null 2>&1; then
-    echo "scripts/test.sh: kubectl (1.21 or newer, with kustomize) is needed for the Kubernetes tests" >&2
-    exit 1
+    echo "scripts/test.sh: kubectl (1.21 or newer, with kustomize) is missing: the Kubernetes tests will fail" >&2
 fi
 
 if [ ! -x .venv/bin/python ]; then
