@@ -1,7 +1,7 @@
 """``arstream serve``: the FastAPI app factory, its HTTP routes and WebSocket endpoint, and the CLI.
 
 Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``WS /v1/realtime/video``, ``GET /v1/stats``,
-``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz`` and the demo page at
+``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz``, ``/servingz`` and the demo page at
 ``/`` (the repository's ``static/`` directory).
 
 :class:`ARStreamServer` is uvicorn's server with two changes. SIGTERM drains
@@ -136,6 +136,16 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         if refusal is not None:
             return JSONResponse({"ready": False, "reason": refusal}, status_code=503)
         return JSONResponse({"ready": True})
+
+    @app.get("/servingz")
+    async def servingz() -> JSONResponse:
+        # Kubernetes' readinessProbe (docs/kubernetes.md): loaded and not draining or shutting down. Unlike
+        # /readyz a full replica still serves: its sessions and their resumes go on, and a pod marked unready
+        # for being full would hold up a rolling update and count against the disruption budget. Fullness
+        # is the balancer's business (the agent check's maxconn).
+        if hub.ready and not (hub.draining or hub.shutting_down):
+            return JSONResponse({"serving": True})
+        return JSONResponse({"serving": False, "reason": hub.admission_refusal()}, status_code=503)
 
     # Private routes for the cluster (drain, moved sessions); off without a cluster secret.
     app.state.migration = add_cluster_routes(app, hub)

@@ -4,12 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks.
-if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null; then
+# chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks;
+# dnsmasq-base: the DNS a Kubernetes pod sees, on loopback, for tests/test_kubernetes_rollout.py (the binary
+# only: Debian's dnsmasq package would also start a system-wide resolver).
+if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null \
+    || [ ! -x /usr/sbin/dnsmasq ]; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus \
+        dnsmasq-base >/dev/null
+fi
+# kubectl renders deploy/kubernetes/ (kubectl kustomize, tests/test_kubernetes*.py). This machine's image
+# carries kubectl 1.32; Debian's kubernetes-client (1.20) bundles a kustomize too old for the overlays.
+if ! kubectl kustomize --help >/dev/null 2>&1; then
+    echo "scripts/test.sh: kubectl (1.21 or newer, with kustomize) is missing: the Kubernetes tests will fail" >&2
 fi
 
 if [ ! -x .venv/bin/python ]; then
