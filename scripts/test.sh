@@ -15,11 +15,6 @@ if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus \
         dnsmasq-base >/dev/null
 fi
-# kubectl renders deploy/kubernetes/ (kubectl kustomize, tests/test_kubernetes*.py). This machine's image
-# carries kubectl 1.32; Debian's kubernetes-client (1.20) bundles a kustomize too old for the overlays.
-if ! kubectl kustomize --help >/dev/null 2>&1; then
-    echo "scripts/test.sh: kubectl (1.21 or newer, with kustomize) is missing: the Kubernetes tests will fail" >&2
-fi
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
