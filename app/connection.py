@@ -37,6 +37,7 @@ from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, Queued
 
 __all__ = ["REPLY_BACKLOG_LIMIT", "Connection"]  # the reply bound is part of a connection's contract (tests use it)
 from arstream.app.protocol import (
+    CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     ERROR_CLOSE_CODES,
     ClientMessage,
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("arstream.session")
 
-CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
 ROLE_CONTROLLER = "controller"
 ROLE_VIEWER = "viewer"

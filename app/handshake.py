@@ -22,15 +22,19 @@ from arstream.app import auth
 from arstream.app.guard import GuardedWebSocketProtocol, limit_messages
 from arstream.app.limits import MessageBudget
 from arstream.app.protocol import (
+    CLOSE_GOING_AWAY,
     ERROR_CLOSE_CODES,
+    CloseReason,
     ErrorCode,
     ProtocolError,
     StartMessage,
+    closed_message,
     dumps,
     error_message,
+    moved_message,
     parse_client_message,
 )
-from arstream.app.resume import ResumableConnection, Resumed, ResumeRefused, token_hint
+from arstream.app.resume import Forward, ResumableConnection, Resumed, ResumeRefused, token_hint
 from arstream.app.session import Session, SessionState
 from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.app.viewers import ShareRefused
@@ -266,6 +270,10 @@ class Handshake:
         try:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            forward = await self._moved_to(token)
+            if forward is not None:
+                await self.redirect(forward)
+                return None
             # A resume passes the same admission as a new session; refused, it spends nothing.
             refusal = self.hub.admit(connection, resuming=self.hub.resume.lookup(token, connection.token_key))
             if refusal is not None:
@@ -282,6 +290,31 @@ class Handshake:
             return None
         self.metrics.resumes.labels(outcome="resumed").inc()
         return resumed
+
+    async def _moved_to(self, token: str) -> Forward | None:
+        """Where the session ``token`` names went, if a drain moved it (or is moving it now: wait for that).
+
+        While the replica drains nothing is claimed here (the drain may be shipping the session), so a resume
+        waits for the session's move to settle and then follows it; a session the drain could not move has
+        ended, and the resume is refused saying so.
+        """
+        resume = self.hub.resume
+        forward = resume.forwarded(token)
+        if forward is not None or not self.hub.draining:
+            return forward
+        session_id = resume.lookup(token, self.connection.token_key)  # an unknown token is refused as ever
+        await resume.until_gone(session_id, self.settings.drain_timeout_s)
+        forward = resume.forwarded(token)
+        if forward is None:
+            raise ResumeRefused("this replica is draining and could not move the session to a peer; start a new one")
+        return forward
+
+    async def redirect(self, forward: Forward) -> None:
+        """Answer a resume of a session that moved: `moved` with the peer's token, `closed` (moved), 1001."""
+        log.info("session=%s resume answered with moved (%s)", self.connection.session_id, token_hint(forward.resume))
+        self.metrics.resumes.labels(outcome="moved").inc()
+        moved = moved_message(resume=forward.resume, next_chunk_index=forward.next_chunk_index)
+        await self._send_then_close([dumps(moved), dumps(closed_message(CloseReason.MOVED))], CLOSE_GOING_AWAY)
 
     # ---- refusals ---------------------------------------------------------------------
 
@@ -301,10 +334,15 @@ class Handshake:
         is left to the transport, which drops it (see :mod:`arstream.app.guard`).
         """
         self.metrics.errors.labels(code=str(code)).inc()
+        await self._send_then_close([dumps(error_message(code, message))], ERROR_CLOSE_CODES[code])
+
+    async def _send_then_close(self, texts: list[str], close_code: int) -> None:
+        """Send ``texts`` then the close frame, bounded by ``close_timeout_s``; nothing it sends later is read."""
 
         async def send_refusal() -> None:
-            await self.ws.send_text(dumps(error_message(code, message)))
-            await self.ws.close(ERROR_CLOSE_CODES[code])
+            for text in texts:
+                await self.ws.send_text(text)
+            await self.ws.close(close_code)
 
         session_id = self.connection.session_id
         try:

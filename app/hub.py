@@ -105,7 +105,9 @@ class SessionHub:
         self.not_ready_reason = "the model is loading and warming up"
         self.load_error: BaseException | None = None
         self.shutting_down = False
-        self.draining = False  # moving its sessions to peers (app/migration.py): admits nothing new
+        # Moving its sessions to peers (app/migration.py, a drain or SIGTERM): admits nothing new. Readiness
+        # (/readyz, the agent check) reads it: a draining replica is loaded but not ready.
+        self.draining = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
         # The start images the model card offers (first: the default); empty: it takes none.

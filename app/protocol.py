@@ -77,6 +77,7 @@ ERROR_CLOSE_CODES: dict[ErrorCode, int] = {
     ErrorCode.SHARE_FAILED: 4005,
 }
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # the server is going away: shutdown, or the session moved to a peer
 
 
 class CloseReason(StrEnum):

@@ -264,10 +264,15 @@ class Settings(BaseSettings):
         "require it as a bearer token; default: off",
     )
     cluster_peers: str = Field(
-        "", description="comma list of peer replica URLs a drain moves sessions to when the drain names none"
+        "", description="comma list of peer replica URLs a drain (SIGTERM, or one that names none) moves sessions "
+        "to; an http:// URL with a DNS name stands for every address the name has at drain time"
+    )
+    cluster_peers_file: str | None = Field(
+        None, description="a file of peer replica URLs, one a line, read at drain time (added to --cluster-peers)"
     )
     drain_timeout_s: float = Field(
-        30.0, gt=0, description="how long a drain may take; sessions not moved by then end as on shutdown"
+        30.0, gt=0, description="how long a drain may take (SIGTERM or arstream drain); sessions not moved by "
+        "then end as on shutdown"
     )
     resume_grace_s: float = Field(
         30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
