@@ -53,6 +53,10 @@ NO_KEYS = ("-", "none")
 WATCH_CHUNKS = 10  # chunks a viewer saves when --chunks is left out
 VIDEO_NAME = "video.mp4"
 MAX_MESSAGE_BYTES = 16 * 2**20
+MAX_MOVE_HOPS = 4  # a resume told `moved` follows at most this many replicas in a row
+# A new session refused by a draining replica tries again: the balancer stops routing there at its next check.
+FRESH_START_ATTEMPTS = 20
+FRESH_START_RETRY_S = 0.5
 
 
 # ---- the key script -----------------------------------------------------------------
@@ -162,6 +166,10 @@ class ServerError(RuntimeError):
 
 class SessionClosed(RuntimeError):
     """The session ended (``closed`` message or the WebSocket closed) while we expected more."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason  # the `closed` message's reason, when one came
 
 
 class ConnectionDropped(SessionClosed):
@@ -321,10 +329,17 @@ class SessionClient:
                 raise SessionClosed("the connection dropped and the server offered no resume ticket")
             resume_token = str(ticket["token"])
         dropped_at = time.perf_counter()
-        await self.ws.close()
-        self.ws = await connect(wire.session_url(url, token=token, resume=resume_token))
-        self.tick_sent_at.clear()
-        ready = await self.start(codec=self.ready["codec"], resume=resume_token)
+        for _hop in range(MAX_MOVE_HOPS):
+            await self.ws.close()
+            self.ws = await connect(wire.session_url(url, token=token, resume=resume_token))
+            self.tick_sent_at.clear()
+            try:
+                ready = await self.start(codec=self.ready["codec"], resume=resume_token)
+                break
+            except SessionMoved as moved:  # its replica was drained meanwhile: follow it to the peer
+                resume_token = moved.resume_token
+        else:
+            raise SessionClosed(f"the session kept moving: {MAX_MOVE_HOPS} replicas in a row sent it on")
         return ResumeGap(
             session_id=ready["session_id"],
             seconds=time.perf_counter() - dropped_at,
@@ -435,7 +450,8 @@ class SessionClient:
                     if message.get("type") == "moved":
                         raise SessionMoved(message) from None
                     if message.get("type") == "closed":
-                        raise SessionClosed(f"server closed the session (reason {message.get('reason')!r})") from None
+                        reason = message.get("reason")
+                        raise SessionClosed(f"server closed the session (reason {reason!r})", reason) from None
 
     async def _recv(self) -> str | bytes:
         try:
@@ -468,11 +484,26 @@ class SessionClient:
             if kind == "moved":
                 raise SessionMoved(message)
             if kind == "closed":
-                raise SessionClosed(f"server closed the session (reason {message.get('reason')!r})")
+                reason = message.get("reason")
+                raise SessionClosed(f"server closed the session (reason {reason!r})", reason)
             return message
 
 
 # ---- the scripted run ---------------------------------------------------------------
+
+
+def draining_refusal(error: ServerError) -> bool:
+    """A replica that is draining (being restarted) refused the session: another replica will take it."""
+    return error.code == "over_capacity" and "draining" in error.detail
+
+
+def afresh_reason(error: SessionClosed | ServerError) -> str | None:
+    """Why the session cannot go on, in words, when a new one should begin (``--resume-on-drop``); else None."""
+    if isinstance(error, SessionClosed) and error.reason == "server_shutdown":
+        return "the server ended the session as it shut down (server_shutdown) and could not move it"
+    if isinstance(error, ServerError) and draining_refusal(error):
+        return "the server is restarting (draining) and refused the session"
+    return None
 
 
 async def connect(url: str) -> Any:
@@ -544,17 +575,43 @@ async def run_script(
     A session the server moves to another replica (``moved``) is followed: the
     client resumes it there and sends again the ticks whose chunks did not come.
     With ``resume_on_drop``, a dropped connection is resumed the same way (the
-    gap is printed); when it cannot be (its replica was killed), a new session
-    starts on a replica that answers, with the same seed, start image and held
-    keys, and the client says so.
+    gap is printed); when it cannot be (its replica was killed), or the server
+    ended the session as it shut down (``server_shutdown``: no peer could take
+    it) or refused it while draining, a new session starts on a replica that
+    answers, with the same seed, start image and held keys, and the client
+    says so.
     """
     connect_started = time.perf_counter()
     first_url = wire.session_url(url, token=token, share=branch[0] if branch else None)
-    session = SessionClient(await connect(first_url))
+
+    async def fresh_session() -> SessionClient:
+        """A new session through ``url``; with ``resume_on_drop``, one a draining replica refused tries again."""
+        for attempt in range(FRESH_START_ATTEMPTS):
+            client = SessionClient(await connect(first_url))
+            try:
+                await client.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
+                return client
+            except ServerError as exc:
+                await client.ws.close()
+                if not (resume_on_drop and draining_refusal(exc)) or attempt == FRESH_START_ATTEMPTS - 1:
+                    raise
+            await asyncio.sleep(FRESH_START_RETRY_S)
+        raise AssertionError("unreachable")
+
+    async def start_over(why: str) -> SessionClient:
+        await session.ws.close()
+        fresh = await fresh_session()
+        print(
+            f"{why}; started a new session {fresh.ready['session_id']} with the same seed, start image and keys: "
+            "the world starts over",
+            flush=True,
+        )
+        return fresh
+
+    session = await fresh_session()
     chunk_indexes: list[int] = []
     restarts: list[tuple[int, str]] = []
     try:
-        await session.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
         say_ready(session)
         # Enough ticks queued to keep the model busy, with one credit spare for a reset or close tick
         # that an interactive client may need to send at any moment.
@@ -588,17 +645,17 @@ async def run_script(
                 try:
                     gap = await session.resume(url, token=token)
                     print(gap.describe(), flush=True)
-                except (ServerError, websockets.InvalidHandshake, OSError) as exc:
+                except (ServerError, SessionClosed, websockets.InvalidHandshake, OSError) as exc:
                     # Its replica is gone (killed, host lost): the world cannot come back, so begin it again.
-                    await session.ws.close()
-                    session = SessionClient(await connect(first_url))
-                    await session.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
-                    print(
-                        f"the server holding the session is gone ({type(exc).__name__}); started a new session "
-                        f"{session.ready['session_id']} with the same seed, start image and keys: the world starts over",
-                        flush=True,
-                    )
+                    session = await start_over(f"the server holding the session is gone ({type(exc).__name__})")
                 # Ask again for the chunks that were lost; resend the keys (an input may have been lost too).
+                next_tick, held = chunks_received, None
+                continue
+            except (SessionClosed, ServerError) as exc:
+                why = afresh_reason(exc)
+                if not resume_on_drop or why is None:
+                    raise
+                session = await start_over(why)
                 next_tick, held = chunks_received, None
                 continue
             chunks_received += 1
@@ -789,7 +846,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume-on-drop",
         action="store_true",
         help="when the connection drops, reconnect and resume the session with its ticket (prints the gap); "
-        "if its server is gone, start a new session with the same seed and keys (and say so)",
+        "if its server is gone, ended it at shutdown (server_shutdown) or is draining and refuses it, start a "
+        "new session with the same seed, start image and keys (and say so)",
     )
     share = parser.add_argument_group("rewind, branch and watch (a session prints its share token when it starts)")
     share.add_argument(

@@ -14,6 +14,9 @@ not yet taken by it, in bytes, stays under ``max_send_buffer_bytes`` or the
 client is dropped; a taken-over connection drops what it had queued and is
 dropped ``close_timeout_s`` later if it does not take its close. Only ticks
 and inputs keep a session from going idle (pings keep just the connection).
+A viewer has no credits and never goes idle: one whose writer waits on it for
+``viewer_stall_timeout_s`` is closed ``not_reading``, and one whose watch ended
+is dropped ``close_timeout_s`` after its close, so no viewer outlives its session.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, Queued
 
 __all__ = ["REPLY_BACKLOG_LIMIT", "Connection"]  # the reply bound is part of a connection's contract (tests use it)
 from arstream.app.protocol import (
+    CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     ERROR_CLOSE_CODES,
     ClientMessage,
@@ -66,7 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("arstream.session")
 
-CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
 ROLE_CONTROLLER = "controller"
 ROLE_VIEWER = "viewer"
@@ -112,6 +115,8 @@ class Connection:
         # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
         self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
         self._viewer_timer: asyncio.TimerHandle | None = None
+        # A viewer's writer is on one item this long at most (viewer_stall_timeout_s), or it is not reading.
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -181,8 +186,10 @@ class Connection:
             )
             return
         self.role = ROLE_VIEWER
-        self._watch_format = watching.format
         try:
+            self._watch_format = self.hub.shares.served_format(
+                session.id, watching.format, (session.codec, session.quality)
+            )
             self.viewer_id = self.hub.shares.join(session.id, self)
         except AudienceFull as exc:
             self.role = ROLE_CONTROLLER
@@ -194,15 +201,16 @@ class Connection:
         ready = ready_message(
             session_id=session.id,
             model_card=self.hub.model_card,
-            codec=watching.format[0],
+            codec=self._watch_format[0],
             max_pending_ticks=self.settings.max_pending_ticks,
             max_message_bytes=self.settings.max_message_bytes,
             idle_timeout_s=self.settings.idle_timeout_s,
             role=ROLE_VIEWER,
             viewer_id=self.viewer_id,
+            quality=self._watch_format[1],
         )
         self.outbox.push(QueuedText(dumps(ready), is_reply=True))
-        log.info("session=%s viewer %s joined codec=%s", session.id, self.viewer_id, watching.format[0])
+        log.info("session=%s viewer %s joined codec=%s", session.id, self.viewer_id, self._watch_format[0])
         self._audience_changed(session)
         await self._receive_loop(session)
 
@@ -217,6 +225,7 @@ class Connection:
             return
         self._last_chunk_seq = chunk.seq
         self.outbox.push(chunk)
+        self._check_send_backlog()
 
     def skip_chunk(self) -> None:
         self.outbox.chunks_skipped += 1
@@ -328,11 +337,36 @@ class Connection:
         if backlog <= limit:
             return
         detail = f"a client left {backlog} bytes untaken (max_send_buffer_bytes {limit})"
+        if self.role == ROLE_VIEWER:
+            self._drop_viewer(detail)
+            return
         log.warning("session=%s dropped: not reading, %s", self.session_id, detail)
         self.outbox.drop_pending()
         self._close(CLOSE_POLICY_VIOLATION, CloseReason.ERROR)
         if self.transport is not None:
             self.transport.drop_now("send_buffer", detail)
+
+    def _drop_viewer(self, detail: str) -> None:
+        """A viewer that does not read: what it had queued goes, `closed` (not_reading) and close 1008 go next,
+        and its connection is dropped ``close_timeout_s`` later unless it takes them (docs/public.md)."""
+        if self._watch_ended:
+            return
+        log.warning("session=%s viewer %s dropped: not reading, %s", self.session_id, self.viewer_id, detail)
+        self.outbox.drop_pending()
+        self._close(CLOSE_POLICY_VIOLATION, CloseReason.NOT_READING)
+
+    def _watch_stall(self) -> None:
+        """Arm the stall bound for the item a viewer's writer is about to send (disarmed once it is sent)."""
+        if self.role == ROLE_VIEWER and not self._watch_ended:
+            timeout = self.settings.viewer_stall_timeout_s
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                timeout, self._drop_viewer, f"it took nothing for {timeout:g} s (viewer_stall_timeout_s)"
+            )
+
+    def _sent(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
 
     def _reply_error(self, error: ProtocolError) -> None:
         self.metrics.errors.labels(code=str(error.code)).inc()
@@ -406,6 +440,12 @@ class Connection:
             raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
         if self.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
+        # The session counts against the new controller's address and token from now on: their caps hold.
+        refusal = self.hub.transfer_refusal(target, session.id)
+        if refusal is not None:
+            raise ProtocolError(
+                ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
+            )
         self._offer_held()  # chunks before the pass go to the viewers as they were
         # Its queued ticks were this client's: they do not run for the next one (their controls are kept).
         assert self.hub.worker is not None
@@ -471,6 +511,9 @@ class Connection:
             detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
             message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
             self.outbox.push(QueuedText(dumps(message), returns_credit=True))
+            if job.close:
+                session.keep_open()  # nothing ran, so no close either: a close comes after the tick's chunk
+            return
         elif outcome.kind is OutcomeKind.INTERNAL:
             log.error("session=%s tick=%d %s", self.session_id, job.tick_id, outcome.error)
             self._fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
@@ -555,6 +598,11 @@ class Connection:
                 self._watch_ended = True
                 self.outbox.push(QueuedClose(code, reason))
                 self._leave_audience()
+                # Its last messages go out while it is counted (sessions.closing); a peer that does not take
+                # them within close_timeout_s is dropped, so no viewer outlives its session.
+                self.hub.closing.add(self)
+                if self.transport is not None:
+                    self.transport.drop_soon()
             return
         session = self.session
         if session is None or not session.live:
@@ -619,6 +667,7 @@ class Connection:
 
     async def _finish(self) -> None:
         self.hub.unstarted.discard(self)  # refused, or gone before its session started
+        self.hub.drop_claim(self)  # gone between a branch's admission and its registration
         session = self.session
         if session is not None and self.role == ROLE_VIEWER:
             self._watch_ended = True
@@ -652,6 +701,7 @@ class Connection:
         try:
             while True:
                 item = await self.outbox.get()
+                self._watch_stall()
                 if isinstance(item, QueuedText):
                     await self.ws.send_text(item.text)
                     if item.returns_credit:
@@ -663,11 +713,13 @@ class Connection:
                 else:
                     if item.reason is not None:
                         await self.ws.send_text(dumps(closed_message(item.reason)))
-                    await self.ws.close(item.code)
+                    await self.ws.close(item.code, item.reason or "")  # the reason in the close frame too
                     return
+                self._sent()
         except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
             log.debug("session=%s writer stopped: %s", self.session_id, exc)
         finally:
+            self._sent()
             self.outbox.close()
 
     @staticmethod

@@ -22,15 +22,19 @@ from arstream.app import auth
 from arstream.app.guard import GuardedWebSocketProtocol, limit_messages
 from arstream.app.limits import MessageBudget
 from arstream.app.protocol import (
+    CLOSE_GOING_AWAY,
     ERROR_CLOSE_CODES,
+    CloseReason,
     ErrorCode,
     ProtocolError,
     StartMessage,
+    closed_message,
     dumps,
     error_message,
+    moved_message,
     parse_client_message,
 )
-from arstream.app.resume import ResumableConnection, Resumed, ResumeRefused, token_hint
+from arstream.app.resume import Forward, ResumableConnection, Resumed, ResumeRefused, token_hint
 from arstream.app.session import Session, SessionState
 from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.app.viewers import ShareRefused
@@ -204,7 +208,10 @@ class Handshake:
         if source is None:
             await self.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
             return None
-        if not await self._admitted(claim=False):
+        # The slot is claimed before the branch is made, and held until the session is registered: made first,
+        # each branch of a burst would make room in the runner, which evicts its least recently used sessions,
+        # ones that live connections hold.
+        if not await self._admitted(claim=True, hold=True):
             return None
         worker = self.hub.worker
         assert worker is not None
@@ -212,17 +219,18 @@ class Handshake:
         where = "its latest chunk" if asked is None else f"chunk {asked}"
         try:
             boundary = await worker.branch_session(source_id, asked, new_id)
-        except RewindUnavailable as exc:
-            log.info("session=%s branch from %s refused: %s", new_id, where, exc)
-            await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from {where}: {exc}")
+        except (RewindUnavailable, PoolExhausted) as exc:
+            self.hub.drop_claim(self.connection)
+            if isinstance(exc, PoolExhausted):
+                await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
+            else:
+                log.info("session=%s branch from %s refused: %s", new_id, where, exc)
+                await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from {where}: {exc}")
             return None
-        except PoolExhausted as exc:
-            await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
-            return None
-        # Admitted after the branch (it awaits the worker), with no await before the session is registered.
-        if not await self._admitted(claim=True):
-            worker.drop_session(new_id)
-            return None
+        except BaseException:
+            self.hub.drop_claim(self.connection)
+            worker.drop_session(new_id)  # gone while the worker made it (cancelled): nothing of it stays
+            raise
         self.metrics.branches.inc()
         codec, quality = self._default_format(start)
         session = Session(
@@ -238,13 +246,17 @@ class Handshake:
         log.info("session=%s branched from %s at chunk %d", new_id, source_id, boundary)
         return Opened(session, boundary, False, branched_from=boundary)
 
-    async def _admitted(self, *, claim: bool) -> bool:
+    async def _admitted(self, *, claim: bool, hold: bool = False) -> bool:
         """Whether a new session may start now; False after refusing with over_capacity.
 
-        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask.
+        ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask. ``hold``: keep
+        the slot claimed across awaits until the session is registered (SessionHub.claim).
         """
         hub, connection = self.hub, self.connection
-        refusal = hub.admit(connection) if claim else hub.admission_refusal() or hub.client_cap_refusal(connection)
+        if claim:
+            refusal = hub.claim(connection) if hold else hub.admit(connection)
+        else:
+            refusal = hub.admission_refusal() or hub.client_cap_refusal(connection)
         if refusal is None:
             return True
         log.info("session=%s not admitted: %s", connection.session_id, refusal)
@@ -258,6 +270,10 @@ class Handshake:
         try:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
+            forward = await self._moved_to(token)
+            if forward is not None:
+                await self.redirect(forward)
+                return None
             # A resume passes the same admission as a new session; refused, it spends nothing.
             refusal = self.hub.admit(connection, resuming=self.hub.resume.lookup(token, connection.token_key))
             if refusal is not None:
@@ -274,6 +290,31 @@ class Handshake:
             return None
         self.metrics.resumes.labels(outcome="resumed").inc()
         return resumed
+
+    async def _moved_to(self, token: str) -> Forward | None:
+        """Where the session ``token`` names went, if a drain moved it (or is moving it now: wait for that).
+
+        While the replica drains nothing is claimed here (the drain may be shipping the session), so a resume
+        waits for the session's move to settle and then follows it; a session the drain could not move has
+        ended, and the resume is refused saying so.
+        """
+        resume = self.hub.resume
+        forward = resume.forwarded(token)
+        if forward is not None or not self.hub.draining:
+            return forward
+        session_id = resume.lookup(token, self.connection.token_key)  # an unknown token is refused as ever
+        await resume.until_gone(session_id, self.settings.drain_timeout_s)
+        forward = resume.forwarded(token)
+        if forward is None:
+            raise ResumeRefused("this replica is draining and could not move the session to a peer; start a new one")
+        return forward
+
+    async def redirect(self, forward: Forward) -> None:
+        """Answer a resume of a session that moved: `moved` with the peer's token, `closed` (moved), 1001."""
+        log.info("session=%s resume answered with moved (%s)", self.connection.session_id, token_hint(forward.resume))
+        self.metrics.resumes.labels(outcome="moved").inc()
+        moved = moved_message(resume=forward.resume, next_chunk_index=forward.next_chunk_index)
+        await self._send_then_close([dumps(moved), dumps(closed_message(CloseReason.MOVED))], CLOSE_GOING_AWAY)
 
     # ---- refusals ---------------------------------------------------------------------
 
@@ -293,10 +334,15 @@ class Handshake:
         is left to the transport, which drops it (see :mod:`arstream.app.guard`).
         """
         self.metrics.errors.labels(code=str(code)).inc()
+        await self._send_then_close([dumps(error_message(code, message))], ERROR_CLOSE_CODES[code])
+
+    async def _send_then_close(self, texts: list[str], close_code: int) -> None:
+        """Send ``texts`` then the close frame, bounded by ``close_timeout_s``; nothing it sends later is read."""
 
         async def send_refusal() -> None:
-            await self.ws.send_text(dumps(error_message(code, message)))
-            await self.ws.close(ERROR_CLOSE_CODES[code])
+            for text in texts:
+                await self.ws.send_text(text)
+            await self.ws.close(close_code)
 
         session_id = self.connection.session_id
         try:

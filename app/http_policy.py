@@ -32,7 +32,7 @@ STATIC_HEADERS: list[tuple[bytes, bytes]] = [
     (b"referrer-policy", b"no-referrer"),
     (b"x-frame-options", b"DENY"),
 ]
-API_PREFIXES = ("/v1/", "/metrics", "/healthz", "/readyz")
+API_PREFIXES = ("/v1/", "/metrics", "/healthz", "/readyz", "/servingz")
 
 
 def allowed_host_patterns(settings: Settings) -> list[str] | None:

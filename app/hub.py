@@ -94,14 +94,20 @@ class SessionHub:
         self._pipeline = pipeline
         self.admission = admission_policy(settings.admission)
         self.connections: dict[str, HubConnection] = {}
-        # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out.
+        # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out,
+        # and viewers whose watch has ended, while theirs do.
         self.closing: set[HubConnection] = set()
+        # Sessions admitted and still being made (a branch, which waits on the worker), by id: they hold a slot
+        # from admission on, so that a burst of branches cannot each make room in the runner (LRU eviction).
+        self.claims: dict[str, ResumableConnection] = {}
         self.worker: ModelWorker | None = None
         self.ready = False
         self.not_ready_reason = "the model is loading and warming up"
         self.load_error: BaseException | None = None
         self.shutting_down = False
-        self.draining = False  # moving its sessions to peers (app/migration.py): admits nothing new
+        # Moving its sessions to peers (app/migration.py, a drain or SIGTERM): admits nothing new. Readiness
+        # (/readyz, the agent check) reads it: a draining replica is loaded but not ready.
+        self.draining = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
         # The start images the model card offers (first: the default); empty: it takes none.
@@ -118,7 +124,9 @@ class SessionHub:
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
         self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
         self.shares = ShareRegistry(
-            replica_id=settings.replica_id, max_viewers_per_session=settings.max_viewers_per_session
+            replica_id=settings.replica_id,
+            max_viewers_per_session=settings.max_viewers_per_session,
+            max_viewer_encodings=settings.max_viewer_encodings,
         )
         self.resume = ResumeRegistry(
             replica_id=settings.replica_id,
@@ -271,6 +279,7 @@ class SessionHub:
         """Connections holding a live session or resuming one, except those of session ``resuming``."""
         holders: list[SessionHolder] = [c for sid, c in self.connections.items() if sid != resuming]
         holders += [c for sid, c in self.resume.resuming.items() if sid != resuming]
+        holders += [c for sid, c in self.claims.items() if sid != resuming]
         return holders
 
     def admission_refusal(self, resuming: str | None = None) -> str | None:
@@ -340,6 +349,30 @@ class SessionHub:
             self._make_room(connection, resuming)
         return refusal
 
+    def claim(self, connection: ResumableConnection) -> str | None:
+        """Admit ``connection``'s new session and hold its slot across the awaits before it is registered
+        (a branch is made on the worker first): None, or why not. The claim ends at :meth:`register`, or at
+        :meth:`drop_claim` when the session is not made after all."""
+        refusal = self.admit(connection)
+        if refusal is None:
+            self.claims[connection.session_id] = connection
+        return refusal
+
+    def drop_claim(self, connection: HubConnection | ResumableConnection) -> None:
+        if self.claims.get(connection.session_id) is connection:
+            del self.claims[connection.session_id]
+
+    def transfer_refusal(self, connection: ResumableConnection, session_id: str) -> str | None:
+        """Why live session ``session_id`` may not pass to ``connection``'s client (pass_control), or None.
+
+        The session counts against its new holder's address and token from then on (PROTOCOL.md), so the
+        per-client caps apply as to a resume of it: it does not count against itself, and the new holder's
+        own detached sessions give way. It adds nothing to the pool or to realtime admission."""
+        refusal = self.client_cap_refusal(connection, resuming=session_id)
+        if refusal is None:
+            self._make_room(connection, session_id)
+        return refusal
+
     def _make_room(self, connection: ResumableConnection, resuming: str | None) -> None:
         holders = self._live_holders(resuming)
         detached = [d for d in self.resume.detached() if d.session_id != resuming]
@@ -360,6 +393,7 @@ class SessionHub:
     def register(self, connection: HubConnection) -> None:
         """``connection``'s session is live (admitted with :meth:`admit`): it waits to start no more."""
         self.unstarted.discard(connection)
+        self.drop_claim(connection)
         self.connections[connection.session_id] = connection
 
     def unregister(self, connection: HubConnection) -> None:

@@ -102,13 +102,28 @@ class ServerMetrics:
         )
         self.websocket_open = Gauge("arstream_websocket_open", "WebSocket connections open now", registry=registry)
         self.resumes = Counter(
-            "arstream_resumes", "Resume attempts, by outcome (resumed; refused: resume_failed or over_capacity)", ["outcome"], registry=registry
+            "arstream_resumes",
+            "Resume attempts, by outcome (resumed; refused: resume_failed or over_capacity; moved: answered with "
+            "the peer its session moved to)",
+            ["outcome"],
+            registry=registry,
         )
-        for outcome in ("resumed", "refused"):
+        for outcome in ("resumed", "refused", "moved"):
             self.resumes.labels(outcome=outcome)  # both series exist from the start, so rates are never empty
         self.drains = Counter(
-            "arstream_drains", "Drains begun on this replica (POST /v1/cluster/drain, arstream drain)", registry=registry
+            "arstream_drains",
+            "Drains begun on this replica (SIGTERM, POST /v1/cluster/drain, arstream drain)",
+            registry=registry,
         )
+        self.drained_sessions = Counter(
+            "arstream_drain_sessions",
+            "Sessions a drain settled, by kind (live, ready, detached, resuming) and outcome (moved, ended)",
+            ["kind", "outcome"],
+            registry=registry,
+        )
+        for kind in ("live", "ready", "detached", "resuming"):
+            for outcome in ("moved", "ended"):
+                self.drained_sessions.labels(kind=kind, outcome=outcome)
         self.rewinds = Counter("arstream_rewinds", "Ticks that rewound their session (tick.rewind_to)", registry=registry)
         self.branches = Counter("arstream_branches", "Sessions branched from another's chunk boundary", registry=registry)
         registry.register(RunnerCollector(stats, connected, detached))

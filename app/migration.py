@@ -1,4 +1,4 @@
-"""Drain: move a replica's live sessions to peers, so a rolling restart loses no world.
+"""Drain: move every session of a replica to its peers, so a rolling restart loses no world.
 
 Two routes on the replica's private side, both off unless ``cluster_secret``
 is set, and both requiring it as a bearer token (a replica never accepts
@@ -12,20 +12,23 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
   A refusal (401 secret, 429 after too many wrong secrets from one address,
   409 model/config/room, 400 malformed: past the header's bounds or a
-  `session` section a replica would not make, 503 not ready) leaves its pool
-  as it was.
-- ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``):
-  the replica stops admitting, then moves each live session at a chunk
-  boundary: its connection stops running ticks (their controls are kept), the
-  worker exports it after the chunks already queued have reached the client,
-  the snapshot goes to the first peer that takes it, and the client gets
-  ``moved`` with the peer's token and is closed (``closed``: ``moved``); the
-  session is then released here. A session no peer takes ends as on shutdown
-  (``server_shutdown``). Answers with a report once none is left or
-  ``drain_timeout_s`` has passed, and then (``exit``) stops the server.
-
-Detached sessions are not moved: their clients hold tokens for this replica,
-so they end at shutdown as before.
+  `session` section a replica would not make, 413 too large, 503 not ready)
+  leaves its pool as it was. The snapshot is read as it arrives
+  (runner/snapshot_stream.py): its header is checked before any tensor is
+  allocated.
+- ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
+  app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
+  live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker
+  exports the session after the chunks already queued have reached the client), ones with `ready` but no
+  tick (nothing resident: an unstarted snapshot), detached ones (held out of their grace timer while they
+  are shipped) and ones being resumed when the drain began (moved once the resume has its connection). Each
+  snapshot goes to the first peer that takes it; a live client gets ``moved`` with the peer's token and is
+  closed (``closed``: ``moved``); the old token forwards to the new one (app/resume.py), so a client coming
+  back here gets ``moved`` too; the session is then released here. A session no peer takes ends as on
+  shutdown (``server_shutdown``), as does what is left at ``drain_timeout_s`` or a second SIGTERM. The
+  report lists every session once, moved or ended with the reason. With ``exit`` the server then stops,
+  once each moved detached session's client has come back for its token (at most until the deadline).
+- ``GET /v1/cluster/sessions/{id}`` (``arstream drain --which``): whether this replica holds that session.
 """
 
 from __future__ import annotations
@@ -34,27 +37,33 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import numpy as np
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from arstream.app.connection import Connection
-from arstream.app.drain import DRAIN_PATH
+from arstream.app.drain import DRAIN_PATH, HOLDER_PATH
 from arstream.app.guard import BAN_TABLE_PRUNE_AT
 from arstream.app.limits import MessageBudget
+from arstream.app.peers import configured_peers
 from arstream.app.portable_session import PortableSessionError, validated_session
 from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
-from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible, read_header
+from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
+from arstream.runner.snapshot_stream import SnapshotPlan, SnapshotReader, SnapshotTooLarge
+from arstream.runner.types import StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
+    from arstream.app.worker import ModelWorker
 
 log = logging.getLogger("arstream.migration")
 
@@ -77,10 +86,11 @@ class ImportRefused(Exception):
 
 @dataclass
 class MoveReport:
-    """What became of one session in a drain."""
+    """What became of one session in a drain: moved (to ``peer``) or ended (``reason``)."""
 
     session_id: str
     moved: bool
+    kind: str = "live"  # live (streaming), ready (no tick yet), detached, resuming (a resume in flight at the start)
     peer: str | None = None
     reason: str = ""
     snapshot_bytes: int = 0
@@ -108,9 +118,14 @@ class SecretGate:
         self._tries: dict[str, MessageBudget] = {}  # client address -> its budget of wrong secrets
 
     def refusal(self, request: Request) -> JSONResponse | None:
-        """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None."""
+        """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None.
+        Each says what is missing (issue 36: an operator reads them through `arstream drain`)."""
         if self.secret is None:
-            off = "cluster routes are off on this replica (no cluster_secret)"
+            off = (
+                "cluster routes are off on this replica: it was started without a cluster secret "
+                "(set ARSTREAM_CLUSTER_SECRET, or pass --cluster-secret, to the same value on every replica, "
+                "and restart it)"
+            )
             return JSONResponse({"detail": off}, status_code=404)
         host = request.client.host if request.client is not None else ""
         now = time.monotonic()
@@ -130,7 +145,12 @@ class SecretGate:
                 self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
             budget = self._tries[host] = MessageBudget(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
         budget.try_spend(now)
-        return JSONResponse({"detail": "wrong or missing cluster secret"}, status_code=401)
+        what = "a different cluster secret" if scheme.lower() == "bearer" else "no cluster secret"
+        return JSONResponse(
+            {"detail": f"this replica's cluster secret was not given: the request carried {what} "
+             "(arstream drain reads ARSTREAM_CLUSTER_SECRET or --cluster-secret)"},
+            status_code=401,
+        )
 
 
 class Migration:
@@ -140,6 +160,13 @@ class Migration:
         self.hub = hub
         self.settings = hub.settings
         self._drain: asyncio.Task[DrainReport] | None = None
+        self._cut: asyncio.Event | None = None  # set to end a drain early (a second SIGTERM)
+        self._stop_reason = ""
+        self._deadline = 0.0  # loop time the current drain ends by
+        self.report: DrainReport | None = None  # the last drain's
+        self.moves: dict[str, asyncio.Task[MoveReport]] = {}  # the current (or last) drain's, by session id
+        # This replica's own base URLs (set by the server once bound): never a peer of its own drain.
+        self.own_urls: set[str] = set()
         # Set by the server (ARStreamServer): stops it once a drain with ``exit`` has finished.
         self.request_exit: Callable[[], None] | None = None
 
@@ -151,32 +178,72 @@ class Migration:
         per_session = plan.per_session_bytes if plan is not None else 0
         return per_session + SNAPSHOT_SLACK_BYTES
 
-    async def accept(self, data: bytes) -> dict[str, Any]:
-        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
+    def _not_taking(self) -> ImportRefused | None:
         hub = self.hub
-        worker = hub.worker
-        if hub.draining or hub.shutting_down or not hub.ready or worker is None or worker.runner is None:
-            raise ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
+        if hub.draining or hub.shutting_down or not hub.ready or hub.worker is None or hub.worker.runner is None:
+            return ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
+        return None
+
+    async def receive(self, pieces: AsyncIterator[bytes]) -> SessionSnapshot:
+        """A snapshot from its bytes as they arrive (runner/snapshot_stream.py): never the whole file in memory."""
+        refusal = self._not_taking()
+        if refusal is not None:
+            raise refusal  # before a byte is read: the sender learns at once
+        reader = SnapshotReader(self._max_snapshot_bytes(), check=self._check_header)
         try:
-            # Off the event loop: a header is bounded (runner/snapshot_header.py), but parsing it still takes a while.
-            header = await asyncio.to_thread(read_header, data)
+            async for piece in pieces:
+                try:
+                    reader.feed(piece)
+                except ImportRefused:
+                    # Refused by its header: nothing is allocated; the rest is read and dropped, so the sender
+                    # gets this answer rather than a connection cut in the middle of its upload.
+                    async for _rest in pieces:
+                        pass
+                    raise
+            return reader.snapshot()
+        except SnapshotTooLarge as exc:
+            raise ImportRefused(413, str(exc)) from None
+        except SnapshotRefused as exc:
+            raise ImportRefused(409, str(exc)) from None
+        except SnapshotError as exc:
+            raise ImportRefused(400, str(exc)) from None
+
+    def _check_header(self, header: dict[str, Any]) -> dict[str, Any]:
+        """The session section of a snapshot this replica takes now (model, config, room, a `session` it would
+        make); ImportRefused if not. Asked as soon as the header has come (before the tensors arrive) and again
+        before the import."""
+        hub = self.hub
+        refusal = self._not_taking()
+        if refusal is not None:
+            raise refusal
+        worker = hub.worker
+        assert worker is not None and worker.runner is not None
+        try:
             check_compatible(worker.runner, header, PROTOCOL_VERSION)  # type: ignore[arg-type]
             portable = validated_session(header.get("session"))
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
-        except (SnapshotError, PortableSessionError) as exc:
+        except PortableSessionError as exc:
             raise ImportRefused(400, str(exc)) from None
         held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
+        return portable
+
+    async def accept(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
+        hub = self.hub
+        worker = hub.worker
+        portable = self._check_header(snapshot.header)
+        assert worker is not None and worker.runner is not None
         try:
-            snapshot = await asyncio.to_thread(SessionSnapshot.from_bytes, data)
             session_id = str(portable["id"])
             if session_id in hub.connections or worker.runner.is_resident(session_id):
                 raise ImportRefused(409, f"session {session_id!r} is already on this replica")
             session = Session.from_portable(
                 portable, session_id=session_id, max_pending_ticks=self.settings.max_pending_ticks
             )
+            session.start_image = carried_start_image(snapshot, self.settings.max_start_image_pixels)
         except (SnapshotError, KeyError, TypeError, ValueError) as exc:
             raise ImportRefused(400, f"malformed session snapshot: {type(exc).__name__}: {exc}") from None
         try:
@@ -194,85 +261,219 @@ class Migration:
             raise ImportRefused(409, str(exc)) from None
         return {"resume": token, "next_chunk_index": snapshot.next_chunk_index, "session_id": session_id}
 
+    def holding(self, session_id: str) -> str | None:
+        """How this replica holds ``session_id``: "live", "detached", "resuming", or None when it does not."""
+        hub = self.hub
+        connection = hub.connections.get(session_id)
+        if connection is not None and connection.session is not None and connection.session.live:
+            return "live"
+        if hub.resume.detached_session(session_id) is not None:
+            return "detached"
+        return "resuming" if session_id in hub.resume.resuming else None
+
     # ---- draining side: moving sessions away ---------------------------------------------------
 
-    async def drain(self, peers: list[str]) -> DrainReport:
-        """Stop admitting, move every live session to a peer (or end it); one drain at a time."""
+    @property
+    def drains_on_sigterm(self) -> bool:
+        """Whether SIGTERM drains (a cluster secret and peers to ask) rather than ending every session."""
+        settings = self.settings
+        return settings.cluster_secret is not None and bool(settings.cluster_peers or settings.cluster_peers_file)
+
+    def cut_short(self, reason: str) -> None:
+        """End the drain now (a second SIGTERM): the sessions not moved yet end with ``reason``."""
+        if self._cut is not None and not self._cut.is_set():
+            self._stop_reason = reason
+            self._cut.set()
+
+    async def linger(self) -> None:
+        """After a drain, before exiting: stay until every moved detached session's client has come back for its
+        new token (it would get a 503 from a replica that is gone), at most until the drain's deadline; a
+        second SIGTERM ends the wait."""
+        left = self._deadline - asyncio.get_running_loop().time()
+        if left <= 0 or self._cut is None or self._cut.is_set():
+            return
+        claimed = asyncio.ensure_future(self.hub.resume.until_forwards_claimed(left))
+        cut = asyncio.ensure_future(self._cut.wait())
+        await asyncio.wait({claimed, cut}, return_when="FIRST_COMPLETED")
+        claimed.cancel()
+        cut.cancel()
+
+    async def drain_then_exit(self) -> None:
+        """What ``POST /v1/cluster/drain`` with ``exit`` does after answering: linger, then stop the server."""
+        await self.linger()
+        if self.request_exit is not None:
+            asyncio.get_running_loop().call_later(0.1, self.request_exit)  # after the report has gone out
+
+    async def drain(self, peers: list[str] | None = None) -> DrainReport:
+        """Stop admitting, move every session to a peer (or end it); one drain at a time.
+
+        ``peers``: base URLs; None: this replica's ``--cluster-peers`` (and ``--cluster-peers-file``), DNS
+        names resolved to every address they have now, this replica left out.
+        """
         if self._drain is None or self._drain.done() and self._drain.cancelled():
             self._drain = asyncio.create_task(self._drain_all(peers))
         return await asyncio.shield(self._drain)
 
-    async def _drain_all(self, peers: list[str]) -> DrainReport:
+    async def _drain_all(self, given: list[str] | None) -> DrainReport:
         hub = self.hub
         hub.draining = True
         hub.metrics.drains.inc()
-        report = DrainReport()
-        live = [c for c in hub.connections.values() if c.session is not None and c.session.live]
-        # Protocol 1 sessions move; the realtime video dialect's have no `moved` message: they end as on shutdown.
-        connections = [c for c in live if isinstance(c, Connection)]
-        for other in live:
-            if not isinstance(other, Connection):
-                other.close_for_shutdown()
-                report.sessions.append(MoveReport(other.session_id, False, reason="its dialect cannot follow a move"))
-        log.info("draining: moving %d session(s) to %s", len(connections), ", ".join(peers) or "no peer")
+        loop = asyncio.get_running_loop()
+        deadline = self._deadline = loop.time() + self.settings.drain_timeout_s
+        self._cut = asyncio.Event()
+        self._stop_reason = f"the drain's time ran out (drain_timeout_s {self.settings.drain_timeout_s:g})"
+        peers = given if given else await configured_peers(self.settings, own=self.own_urls)
+        log.info("draining: moving every session to %s", ", ".join(peers) or "no peer (none configured or resolved)")
+        moves = self.moves = {}
         # TLS only matters for https:// peers; loading the CA bundle otherwise costs a drain ~0.3 s for nothing.
         tls = any(peer.startswith("https://") for peer in peers)
         async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, verify=tls) as client:
-            moves = [asyncio.create_task(self._move(client, c, peers)) for c in connections]
-            done, pending = await asyncio.wait(moves, timeout=self.settings.drain_timeout_s) if moves else (set(), set())
-            for task in pending:
-                task.cancel()
-            for connection, task in zip(connections, moves):
-                if task in done and task.exception() is None:
-                    outcome = task.result()
-                else:
-                    error = task.exception() if task in done else None
-                    if error is not None:
-                        log.error("session=%s move failed", connection.session_id, exc_info=error)
-                    reason = f"the move failed: {error!r}" if error is not None else "the drain's time ran out"
-                    outcome = MoveReport(connection.session_id, False, reason=reason)
-                    connection.close_for_shutdown()
-                report.sessions.append(outcome)
+            # Until no session is left unsettled: a resume in flight at the start turns into a live session.
+            while self._collect(client, peers, moves) or any(not t.done() for t in moves.values()):
+                pending: set[asyncio.Future[Any]] = {t for t in moves.values() if not t.done()}
+                cut = asyncio.ensure_future(self._cut.wait())
+                await asyncio.wait(pending | {cut}, timeout=max(0.0, deadline - loop.time()), return_when="FIRST_COMPLETED")
+                cut.cancel()
+                if self._cut.is_set() or loop.time() >= deadline:
+                    break
+            for task in moves.values():
+                task.cancel()  # a move cancelled ends its session (_settled); finished ones ignore this
+            outcomes = await asyncio.gather(*moves.values())
+        report = DrainReport(sessions=list(outcomes))
         report.moved = sum(1 for s in report.sessions if s.moved)
         report.ended = len(report.sessions) - report.moved
+        for outcome in report.sessions:
+            hub.metrics.drained_sessions.labels(kind=outcome.kind, outcome="moved" if outcome.moved else "ended").inc()
         log.info("drained: %d session(s) moved, %d ended", report.moved, report.ended)
+        self.report = report
         return report
 
-    async def _move(self, client: httpx.AsyncClient, connection: Connection, peers: list[str]) -> MoveReport:
+    def _collect(self, client: httpx.AsyncClient, peers: list[str], moves: dict[str, asyncio.Task[MoveReport]]) -> bool:
+        """Start a move for every session held here that has none yet: live, ready, detached, being resumed.
+        Returns whether any was started."""
+        hub = self.hub
+        started = len(moves)
+        for connection in list(hub.connections.values()):
+            session = connection.session
+            sid = connection.session_id
+            if sid in moves or session is None or not session.live:
+                continue
+            if not isinstance(connection, Connection):
+                # The realtime video dialect has no `moved` message: its sessions end as on shutdown.
+                connection.close_for_shutdown()
+                moves[sid] = _settled_now(MoveReport(sid, False, kind="live", reason="its dialect cannot follow a move"))
+                continue
+            kind = "live" if session.last_tick_id is not None else "ready"
+            moves[sid] = self._start(kind, sid, self._move_live(client, connection, peers, kind), connection)
+        for detached in hub.resume.detached():
+            sid = detached.session_id
+            if sid not in moves:
+                moves[sid] = self._start("detached", sid, self._move_detached(client, sid, peers), None)
+        for sid in list(hub.resume.resuming):
+            if sid not in moves:
+                moves[sid] = self._start("resuming", sid, self._move_resumed(client, sid, peers), None)
+        return len(moves) > started
+
+    def _start(
+        self, kind: str, session_id: str, move: Coroutine[Any, Any, MoveReport], connection: Connection | None
+    ) -> asyncio.Task[MoveReport]:
+        return asyncio.create_task(self._settled(kind, session_id, move, connection), name=f"move-{session_id}")
+
+    async def _settled(
+        self, kind: str, session_id: str, move: Coroutine[Any, Any, MoveReport], connection: Connection | None
+    ) -> MoveReport:
+        """The move's report; a move that fails or is cut short ends its session here, with the reason."""
+        try:
+            return await move
+        except asyncio.CancelledError:
+            reason = self._stop_reason
+        except Exception as exc:  # noqa: BLE001 - a session that cannot move ends as on shutdown
+            log.error("session=%s move failed", session_id, exc_info=exc)
+            reason = f"the move failed: {type(exc).__name__}: {exc}"
+        self._end(session_id, connection, reason)
+        return MoveReport(session_id, False, kind=kind, reason=reason)
+
+    def _end(self, session_id: str, connection: Connection | None, reason: str) -> None:
+        """A session that did not move ends here: its client gets `closed` (server_shutdown), its KV goes back."""
+        hub = self.hub
+        holder = connection if connection is not None else hub.connections.get(session_id)
+        if holder is not None:
+            holder.close_for_shutdown()
+        hub.resume.release(session_id, f"the drain could not move it: {reason}")  # nothing if it is not detached
+        log.info("session=%s not moved (%s); ended", session_id, reason)
+
+    async def _move_live(
+        self, client: httpx.AsyncClient, connection: Connection, peers: list[str], kind: str
+    ) -> MoveReport:
         session = connection.session
         worker = self.hub.worker
         assert session is not None and worker is not None
         started = time.perf_counter()
         if session.state is not SessionState.ACTIVE:
-            connection.close_for_shutdown()  # failed or closing on its own: nothing worth moving
-            return MoveReport(session.id, False, reason=f"the session was {session.state.value}")
+            reason = f"the session was {session.state.value}"  # failed or closing on its own: nothing worth moving
+            self._end(session.id, connection, reason)
+            return MoveReport(session.id, False, kind=kind, reason=reason)
         connection.moving = True
         for job in worker.drop_ticks(session.id):
             session.absorb_update(job)
+        shipped = await self._ship(client, session, connection.token_key, connection.client_host, peers)
+        if shipped.ticket is None:
+            self._end(session.id, connection, shipped.reason)
+            return shipped.report(session.id, kind, started)
+        token, next_chunk = str(shipped.ticket["resume"]), int(shipped.ticket["next_chunk_index"])
+        self.hub.resume.forward(session.id, token, next_chunk)  # a reconnect with its old token follows too
+        connection.close_moved(token, next_chunk)
+        return shipped.report(session.id, kind, started)
+
+    async def _move_detached(self, client: httpx.AsyncClient, session_id: str, peers: list[str]) -> MoveReport:
+        started = time.perf_counter()
+        held = self.hub.resume.hold_for_move(session_id)
+        if held is None:  # released meanwhile (its grace ran out)
+            return MoveReport(session_id, False, kind="detached", reason="it was released before its move began")
+        shipped = await self._ship(client, held.session, held.owner, held.client_host, peers)
+        if shipped.ticket is None:
+            self._end(session_id, None, shipped.reason)
+        else:
+            # Its client comes back here with the old token: it gets `moved` with the peer's.
+            self.hub.resume.forward(session_id, str(shipped.ticket["resume"]), int(shipped.ticket["next_chunk_index"]))
+        return shipped.report(session_id, "detached", started)
+
+    async def _move_resumed(self, client: httpx.AsyncClient, session_id: str, peers: list[str]) -> MoveReport:
+        """A resume in flight when the drain began: once it has its connection, move it like any live session."""
+        await self.hub.resume.until_resumed(session_id, self.settings.drain_timeout_s)
+        connection = self.hub.connections.get(session_id)
+        if isinstance(connection, Connection) and connection.session is not None and connection.session.live:
+            return await self._move_live(client, connection, peers, "resuming")
+        return MoveReport(session_id, False, kind="resuming", reason="its resume failed, which ended it")
+
+    async def _ship(
+        self, client: httpx.AsyncClient, session: Session, owner: str | None, client_host: str, peers: list[str]
+    ) -> Shipped:
+        """Export the session at its next chunk boundary and post it to the first peer that takes it."""
+        worker = self.hub.worker
+        assert worker is not None
+        started = time.perf_counter()
         try:
-            snapshot = await worker.export_session(session.id)
-        except Exception as exc:  # noqa: BLE001 - a session that cannot move ends as on shutdown
-            connection.close_for_shutdown()
-            return MoveReport(session.id, False, reason=f"export failed: {exc}")
-        # After the export resolved, every earlier chunk has reached this connection: the protocol state is final.
+            plan = await worker.export_plan(session.id)
+        except SnapshotError as exc:
+            return Shipped(None, f"export failed: {exc}")
+        # After the export resolved, every earlier chunk has reached the client: the protocol state is final.
         # Whose session it is travels too: a resume must present the same auth token (by its key), and the
         # session counts against the same client's caps on the peer.
-        snapshot.header["session"] = {
-            **session.portable_state(),
-            "owner": connection.token_key,
-            "client_host": connection.client_host,
-        }
-        data = await asyncio.to_thread(snapshot.to_bytes)
+        plan.header["session"] = {**session.portable_state(), "owner": owner, "client_host": client_host}
+        carry_start_image(plan, session.start_image)
+        size = plan.nbytes
         export_ms = (time.perf_counter() - started) * 1e3
         refusals: list[str] = []
         for peer in peers:
             try:
                 response = await client.post(
                     peer.rstrip("/") + IMPORT_PATH,
-                    content=data,
+                    content=_pieces(worker, plan),  # streamed: the file is never whole on this side
                     headers={
                         "authorization": f"Bearer {self.settings.cluster_secret}",
                         "content-type": "application/octet-stream",
+                        "content-length": str(size),
                     },
                 )
             except httpx.HTTPError as exc:
@@ -281,17 +482,89 @@ class Migration:
             if response.status_code != 200:
                 refusals.append(f"{peer}: {response.status_code} {_detail(response)}")
                 continue
-            ticket = response.json()
-            connection.close_moved(str(ticket["resume"]), int(ticket["next_chunk_index"]))
-            move_ms = (time.perf_counter() - started) * 1e3
-            log.info("session=%s moved to %s in %.0f ms (%d bytes)", session.id, peer, move_ms, len(data))
-            return MoveReport(
-                session.id, True, peer=peer, snapshot_bytes=len(data), move_ms=move_ms, export_ms=export_ms
-            )
-        connection.close_for_shutdown()
+            log.info("session=%s moved to %s (%d bytes)", session.id, peer, size)
+            return Shipped(response.json(), "", peer, size, export_ms)
         reason = "no peer took it: " + ("; ".join(refusals) or "no peer given")
-        log.info("session=%s not moved (%s); ended", session.id, reason)
-        return MoveReport(session.id, False, reason=reason, snapshot_bytes=len(data))
+        return Shipped(None, reason, None, size, export_ms)
+
+
+async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[bytes]:
+    """The plan's bytes in pieces, the next piece read on the worker while this one is sent."""
+    yield plan.head()
+    pieces = plan.pieces()
+    ahead: asyncio.Future[bytes] | None = worker.read_parts(pieces[0]) if pieces else None
+    for index in range(len(pieces)):
+        assert ahead is not None
+        piece = await ahead
+        ahead = worker.read_parts(pieces[index + 1]) if index + 1 < len(pieces) else None
+        yield piece
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """What one shipment came to: the peer's ticket (None: no peer took it, ``reason`` says why)."""
+
+    ticket: dict[str, Any] | None
+    reason: str
+    peer: str | None = None
+    snapshot_bytes: int = 0
+    export_ms: float = 0.0
+
+    def report(self, session_id: str, kind: str, started: float) -> MoveReport:
+        return MoveReport(
+            session_id,
+            self.ticket is not None,
+            kind=kind,
+            peer=self.peer,
+            reason=self.reason,
+            snapshot_bytes=self.snapshot_bytes,
+            move_ms=(time.perf_counter() - started) * 1e3,
+            export_ms=self.export_ms,
+        )
+
+
+def _settled_now(report: MoveReport) -> asyncio.Task[MoveReport]:
+    async def settled() -> MoveReport:
+        return report
+
+    return asyncio.create_task(settled())
+
+
+_exits: set[asyncio.Future[None]] = set()  # drains' exits in progress (a task must be referenced until done)
+
+START_IMAGE_TENSOR = "start_image/pixels"
+
+
+def carry_start_image(plan: SnapshotPlan, image: StartImage | None) -> None:
+    """Put the session's start image in its snapshot: a reset on the peer starts from the same picture, and a
+    session moved before its first chunk starts from it there."""
+    if image is None:
+        return
+    plan.header["start_image"] = {"digest": image.digest, "name": image.name}
+    if image.pixels is not None:
+        plan.add_tensor(START_IMAGE_TENSOR, torch.from_numpy(np.array(image.pixels, dtype=np.uint8, copy=True)))
+
+
+def carried_start_image(snapshot: SessionSnapshot, max_pixels: int) -> StartImage | None:
+    """The start image a snapshot carries (:func:`carry_start_image`), checked like an upload; ValueError if bad."""
+    meta = snapshot.header.get("start_image")
+    pixels = snapshot.tensors.pop(START_IMAGE_TENSOR, None)
+    if meta is None:
+        if pixels is not None:
+            raise ValueError("start image pixels without their start_image section")
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("digest"), str):
+        raise ValueError("the start_image section must be an object with a digest")
+    name = meta.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ValueError("the start image's name must be a string")
+    if pixels is None:
+        return StartImage(digest=meta["digest"], name=name)
+    if pixels.dtype != torch.uint8 or pixels.dim() != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"start image pixels must be uint8 [H, W, 3], got {pixels.dtype} {list(pixels.shape)}")
+    if pixels.shape[0] * pixels.shape[1] > max_pixels:
+        raise ValueError(f"the start image has over max_start_image_pixels {max_pixels} pixels")
+    return StartImage(digest=meta["digest"], name=name, pixels=pixels.numpy())
 
 
 def _detail(response: httpx.Response) -> str:
@@ -312,14 +585,8 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         refusal = gate.refusal(request)
         if refusal is not None:
             return refusal
-        limit = migration._max_snapshot_bytes()
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                return JSONResponse({"detail": f"a session snapshot here is at most {limit} bytes"}, status_code=413)
         try:
-            ticket = await migration.accept(bytes(body))
+            ticket = await migration.accept(await migration.receive(request.stream()))
         except ImportRefused as exc:
             # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
             detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)
@@ -334,15 +601,27 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
             return refusal
         try:
             options = await request.json() if await request.body() else {}
-            peers = options.get("peers") or [p.strip() for p in settings.cluster_peers.split(",") if p.strip()]
+            peers = options.get("peers") or None  # None: this replica's --cluster-peers
             exit_after = bool(options.get("exit", True))
-            if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            if peers is not None and (not isinstance(peers, list) or not all(isinstance(p, str) for p in peers)):
                 raise ValueError("peers must be a list of URLs")
         except (ValueError, AttributeError) as exc:
             return JSONResponse({"detail": f"bad drain request: {exc}"}, status_code=400)
         report = await migration.drain(peers)
-        if exit_after and migration.request_exit is not None:
-            asyncio.get_running_loop().call_later(0.1, migration.request_exit)
+        if exit_after:
+            exiting = asyncio.ensure_future(migration.drain_then_exit())
+            exiting.add_done_callback(_exits.discard)
+            _exits.add(exiting)
         return JSONResponse(report.as_json())
+
+    @app.get(HOLDER_PATH + "/{session_id}")
+    async def holds(request: Request, session_id: str) -> JSONResponse:
+        # `arstream drain --which SESSION`: does this replica hold the session, and how?
+        refusal = gate.refusal(request)
+        if refusal is not None:
+            return refusal
+        held = migration.holding(session_id)
+        body = {"session_id": session_id, "replica": settings.replica_id, "held": held}
+        return JSONResponse(body, status_code=200 if held is not None else 404)
 
     return migration

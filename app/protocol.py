@@ -60,6 +60,7 @@ class ErrorCode(StrEnum):
     NOT_CONTROLLER = "not_controller"
     UNKNOWN_VIEWER = "unknown_viewer"
     REWIND_UNAVAILABLE = "rewind_unavailable"
+    CONTROL_REFUSED = "control_refused"
 
 
 # Fatal codes and the WebSocket close code that follows their `error` message.
@@ -76,6 +77,7 @@ ERROR_CLOSE_CODES: dict[ErrorCode, int] = {
     ErrorCode.SHARE_FAILED: 4005,
 }
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # the server is going away: shutdown, or the session moved to a peer
 
 
 class CloseReason(StrEnum):
@@ -87,6 +89,7 @@ class CloseReason(StrEnum):
     MOVED = "moved"
     ERROR = "error"
     SESSION_ENDED = "session_ended"  # to a viewer: the session it watched ended
+    NOT_READING = "not_reading"  # to a viewer: it took nothing for viewer_stall_timeout_s, or left too much untaken
 
 
 class ProtocolError(Exception):
@@ -324,12 +327,13 @@ def ready_message(
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
     max_start_image_bytes: int | None = None, share: str | None = None, rewind_points: int = 0,
     rewind_seconds: float = 0.0, role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
+    quality: int | None = None,
 ) -> dict[str, Any]:
     """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
 
     ``max_start_image_bytes`` goes in ``limits`` when the model offers start images. ``share`` (the share
     token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
-    "Rewind, branch and watch" fields.
+    "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served.
     """
     message = {
         "type": "ready",
@@ -352,6 +356,8 @@ def ready_message(
     message["role"] = role
     if viewer_id is not None:
         message["viewer_id"] = viewer_id
+    if quality is not None:
+        message["quality"] = quality
     if share is not None:
         message["share"] = {"token": share}
     if rewind_points:

@@ -43,7 +43,7 @@ from arstream.app.codecs import FMP4
 from arstream.app.guard import limit_messages, transport_control
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
-from arstream.app.protocol import dumps, loads_strict
+from arstream.app.protocol import CLOSE_GOING_AWAY, dumps, loads_strict
 from arstream.app.realtime_video_events import (
     OUTPUT_FORMAT,
     RealtimeVideoError,
@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("arstream.realtime_video")
 
 PATH = "/v1/realtime/video"
-CLOSE_GOING_AWAY = 1001
 CLOSE_INTERNAL = ERROR_CLOSE_CODES[ErrorCode.INTERNAL]  # 1011
 SERVER_SHUTDOWN = "server_shutdown"  # the error code of a session ended by shutdown (protocol 1's `closed` reason)
 # Interaction event_ids remembered for event_id_conflict (vLLM-Omni remembers all; a session here may be endless),

@@ -22,6 +22,14 @@ progress keeps its slot too. Which detached session gives way to a new one is
 the hub's policy (:meth:`arstream.app.hub.SessionHub.admit`); the registry
 says who holds what (:meth:`ResumeRegistry.detached`, :attr:`ResumeRegistry.resuming`)
 and releases (:meth:`ResumeRegistry.release`).
+
+Moves (app/migration.py): a draining replica takes a detached session out of
+its grace timer (:meth:`ResumeRegistry.hold_for_move`) while it ships it, and
+a session that reached a peer leaves a *forward* behind
+(:meth:`ResumeRegistry.forward`): for ``resume_grace_s`` its old token
+answers with the peer's token (``moved``) instead of a refusal, so a client
+that comes back here late still follows its world. :meth:`ResumeRegistry.until_gone`
+lets a resume that arrives during a drain wait for the session's move to settle.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import hashlib
 import logging
 import secrets
 from collections.abc import Callable, Mapping
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -86,6 +95,24 @@ class _Entry:
 
 
 @dataclass(frozen=True)
+class Forward:
+    """Where a moved session went: the peer's resume token and the index of its next chunk there."""
+
+    resume: str
+    next_chunk_index: int
+    until: float  # time.monotonic() after which the old token is unknown again
+
+
+@dataclass(frozen=True)
+class HeldForMove:
+    """A detached session a drain is shipping: its protocol state and whose it is."""
+
+    session: Session
+    owner: str | None
+    client_host: str
+
+
+@dataclass(frozen=True)
 class DetachedSession:
     """A detached session and the client it counts against."""
 
@@ -127,6 +154,11 @@ class ResumeRegistry:
         # claimed, not yet attached to the new connection: session id -> the resuming connection
         self._resuming: dict[str, ResumableConnection] = {}
         self._closed = False  # shutting down: nothing is detached any more
+        self._forwards: dict[bytes, Forward] = {}  # old token digest -> where its session moved
+        self._unclaimed: set[bytes] = set()  # forwards no client has come back for yet
+        self._forward_claimed = asyncio.Event()
+        # Futures resolved when a session's entry goes (resumed, moved, released): resumes waiting on a drain.
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -179,6 +211,94 @@ class ResumeRegistry:
             self._detached.pop(session_id, None)
             if entry.timer is not None:
                 entry.timer.cancel()
+        self._wake(session_id)
+
+    def _wake(self, session_id: str) -> None:
+        for waiter in self._waiters.pop(session_id, []):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # ---- moves (app/migration.py) -------------------------------------------------------------
+
+    def hold_for_move(self, session_id: str) -> HeldForMove | None:
+        """A detached session a drain is about to ship: its grace timer stops (it must not be released
+        mid-move) and it stays findable by its token; None when it is not detached (any more)."""
+        entry = self._entries.get(session_id) if session_id in self._detached else None
+        if entry is None or entry.session is None:
+            return None
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        return HeldForMove(entry.session, entry.owner, entry.client_host)
+
+    def forward(self, session_id: str, resume: str, next_chunk_index: int) -> None:
+        """The session now lives on a peer under ``resume``: its current token answers with that for the
+        grace period. A detached session's KV is released here; a live one's connection releases its own."""
+        entry = self._entries.get(session_id)
+        if entry is not None and self.grace_s > 0:
+            now = time.monotonic()
+            self._forwards = {d: f for d, f in self._forwards.items() if f.until > now}  # drop the expired
+            self._forwards[entry.digest] = Forward(resume, next_chunk_index, now + self.grace_s)
+            if session_id in self._detached:  # a live client is told at once; a detached one has to come back
+                self._unclaimed.add(entry.digest)
+        detached = session_id in self._detached
+        self._forget_entry(session_id)
+        if detached:
+            self._drop(session_id)
+        log.info("session=%s moved away; its token forwards to %s", session_id, token_hint(resume))
+
+    def forwarded(self, token: str) -> Forward | None:
+        """Where the session ``token`` named has moved, within the grace period; None otherwise."""
+        digest = _digest(token)
+        forward = self._forwards.get(digest)
+        if forward is None or forward.until <= time.monotonic():
+            return None
+        if digest in self._unclaimed:
+            self._unclaimed.discard(digest)
+            self._forward_claimed.set()
+        return forward
+
+    async def until_forwards_claimed(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every detached client whose session moved has come back for its
+        new token, or the forwards have expired: a drained replica that exits sooner would leave them a 503."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            now = time.monotonic()
+            self._unclaimed = {d for d in self._unclaimed if d in self._forwards and self._forwards[d].until > now}
+            if not self._unclaimed:
+                return
+            self._forward_claimed.clear()
+            try:
+                await asyncio.wait_for(self._forward_claimed.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return
+
+    async def until_gone(self, session_id: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the session's ticket goes (moved, released, ended, claimed by a
+        resume) and no resume of it is in progress."""
+        await self._wait_while(
+            session_id, lambda: session_id in self._entries or session_id in self._resuming, timeout_s
+        )
+
+    async def until_resumed(self, session_id: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until a resume of the session in progress has its connection, or failed."""
+        await self._wait_while(session_id, lambda: session_id in self._resuming, timeout_s)
+
+    async def _wait_while(self, session_id: str, held: Callable[[], bool], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while held() and loop.time() < deadline:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.setdefault(session_id, []).append(waiter)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                pass
+            finally:
+                waiters = self._waiters.get(session_id, [])
+                if waiter in waiters:
+                    waiters.remove(waiter)
 
     # ---- detaching and releasing ------------------------------------------------------------
 
@@ -238,12 +358,16 @@ class ResumeRegistry:
         if session_id not in self._detached:
             return
         self._forget_entry(session_id)
+        self._drop(session_id)
+        log.info("session=%s released while detached: %s", session_id, why)
+
+    def _drop(self, session_id: str) -> None:
+        """Give a session's KV back on the worker, and its share tokens with it."""
         worker = self._worker()
         assert worker is not None
         worker.drop_session(session_id)
         if self._on_release is not None:
             self._on_release(session_id)
-        log.info("session=%s released while detached: %s", session_id, why)
 
     def release_all(self) -> None:
         """Server shutdown: release every detached session, and detach no more."""
@@ -280,12 +404,11 @@ class ResumeRegistry:
             )
         except BaseException:
             # Nobody holds a ticket for it any more: release it rather than leak its KV.
-            worker.drop_session(session_id)
-            if self._on_release is not None:
-                self._on_release(session_id)
+            self._drop(session_id)
             raise
         finally:
             self._resuming.pop(session_id, None)
+            self._wake(session_id)
         log.info(
             "session=%s resumed with token %s at chunk %d", session_id, token_hint(token), position.next_chunk_index
         )

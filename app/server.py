@@ -1,12 +1,16 @@
 """``arstream serve``: the FastAPI app factory, its HTTP routes and WebSocket endpoint, and the CLI.
 
 Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``WS /v1/realtime/video``, ``GET /v1/stats``,
-``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz`` and the demo page at
+``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz``, ``/servingz`` and the demo page at
 ``/`` (the repository's ``static/`` directory).
 
-:class:`ARStreamServer` is uvicorn's server with one change: on shutdown it
-first sends every open session ``closed`` (``server_shutdown``) and a close
-frame, then lets uvicorn close what is left.
+:class:`ARStreamServer` is uvicorn's server with two changes. SIGTERM drains
+when the replica knows its peers and the cluster secret (docs/deployment.md,
+"Drain"): it stops admitting, moves every session to peers with room, logs
+the drain's report (one ``ARSTREAM_DRAIN_REPORT {json}`` line on standard
+output) and exits; a second SIGTERM, or ``--drain-timeout-s``, ends what is
+left. And on shutdown it first sends every open session ``closed``
+(``server_shutdown``) and a close frame, then lets uvicorn close what is left.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
+import signal
 import socket
 import sys
+from types import FrameType
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -39,7 +46,8 @@ from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_pa
 from arstream.app.hub import SessionHub
 from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
-from arstream.app.migration import add_cluster_routes
+from arstream.app.migration import Migration, add_cluster_routes
+from arstream.app.peers import own_urls
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
 from arstream.app.settings import Settings, add_serve_arguments, settings_from_args
 from arstream.cli import main_for
@@ -51,6 +59,7 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 NOT_FOUND_PAGE = "not-found.html"
 LISTENING_MARKER = "ARSTREAM_LISTENING"
 AGENT_MARKER = "ARSTREAM_AGENT"
+DRAIN_REPORT_MARKER = "ARSTREAM_DRAIN_REPORT"
 
 
 def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAPI:
@@ -128,6 +137,16 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
             return JSONResponse({"ready": False, "reason": refusal}, status_code=503)
         return JSONResponse({"ready": True})
 
+    @app.get("/servingz")
+    async def servingz() -> JSONResponse:
+        # Kubernetes' readinessProbe (docs/kubernetes.md): loaded and not draining or shutting down. Unlike
+        # /readyz a full replica still serves: its sessions and their resumes go on, and a pod marked unready
+        # for being full would hold up a rolling update and count against the disruption budget. Fullness
+        # is the balancer's business (the agent check's maxconn).
+        if hub.ready and not (hub.draining or hub.shutting_down):
+            return JSONResponse({"serving": True})
+        return JSONResponse({"serving": False, "reason": hub.admission_refusal()}, status_code=503)
+
     # Private routes for the cluster (drain, moved sessions); off without a cluster secret.
     app.state.migration = add_cluster_routes(app, hub)
 
@@ -159,14 +178,48 @@ class ARStreamServer(uvicorn.Server):
         super().__init__(config)
         self.hub = hub
         migration = getattr(getattr(config.app, "state", None), "migration", None)
+        self.migration: Migration | None = migration
         if migration is not None:
             migration.request_exit = lambda: setattr(self, "should_exit", True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sigterm_drain: asyncio.Future[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         app = self.config.app
+        self._loop = asyncio.get_running_loop()
         if isinstance(app, FastAPI):
-            quiet_resource_errors(asyncio.get_running_loop(), app.state.refusals)
+            quiet_resource_errors(self._loop, app.state.refusals)
         await super().startup(sockets)
+        if self.migration is not None and self.servers:
+            self.migration.own_urls = own_urls(self.config.host, self.bound_port)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM drains when this replica can (see the module docstring); a second SIGTERM cuts it short."""
+        migration, loop = self.migration, self._loop
+        if sig != signal.SIGTERM or migration is None or loop is None or not migration.drains_on_sigterm:
+            super().handle_exit(sig, frame)
+            return
+        if self._sigterm_drain is None and self.hub.ready and not self.should_exit:
+            log.info("SIGTERM: draining (a second SIGTERM ends the sessions not moved yet)")
+            loop.call_soon_threadsafe(self._begin_sigterm_drain, migration)
+        elif self._sigterm_drain is not None:
+            log.info("second SIGTERM: ending the sessions not moved yet")
+            loop.call_soon_threadsafe(migration.cut_short, "a second SIGTERM ended the drain")
+        else:
+            super().handle_exit(sig, frame)  # not serving sessions yet (loading): nothing to move
+
+    def _begin_sigterm_drain(self, migration: Migration) -> None:
+        if self._sigterm_drain is None:
+            self._sigterm_drain = asyncio.ensure_future(self._drain_then_exit(migration))
+
+    async def _drain_then_exit(self, migration: Migration) -> None:
+        try:
+            report = await migration.drain()
+            print(f"{DRAIN_REPORT_MARKER} {json.dumps(report.as_json())}", flush=True)
+            await migration.linger()
+        except Exception:  # noqa: BLE001 - whatever went wrong, SIGTERM still stops the server
+            log.exception("the SIGTERM drain failed")
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:

@@ -52,7 +52,10 @@ TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
     SessionState.FAILED: frozenset(
         {SessionState.ACTIVE, SessionState.DRAINING, SessionState.CLOSING, SessionState.CLOSED}
     ),
-    SessionState.DRAINING: frozenset({SessionState.FAILED, SessionState.CLOSING, SessionState.CLOSED}),
+    # DRAINING -> ACTIVE: the close: true tick ran nothing (a refused rewind), so the session goes on.
+    SessionState.DRAINING: frozenset(
+        {SessionState.ACTIVE, SessionState.FAILED, SessionState.CLOSING, SessionState.CLOSED}
+    ),
     SessionState.CLOSING: frozenset({SessionState.CLOSED}),
     SessionState.CLOSED: frozenset(),
 }
@@ -229,6 +232,11 @@ class Session:
             self.transition(SessionState.DRAINING)
         update = self._next_update(message.controls, message.prompt)
         return TickJob(self, tick_id, update, message.reset, message.close, rewind_to=message.rewind_to)
+
+    def keep_open(self) -> None:
+        """The tick with close: true ran nothing (its rewind was refused): no chunk, so no close either."""
+        if self.state is SessionState.DRAINING:
+            self.transition(SessionState.ACTIVE)
 
     def accept_event(self, message: InputMessage) -> bool:
         """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again)."""

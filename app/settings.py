@@ -201,6 +201,14 @@ class Settings(BaseSettings):
         64, ge=0, description="viewers one session may have (watch links; they hold no KV, and count in the "
         "connection caps); 0: no watching"
     )
+    viewer_stall_timeout_s: float = Field(
+        10.0, gt=0, description="a viewer that takes nothing the server is sending it for this long is not reading: "
+        "it gets `closed` (not_reading) and close 1008, and is dropped close_timeout_s later"
+    )
+    max_viewer_encodings: int = Field(
+        2, ge=0, description="formats (codec, quality) one session's viewers may have encoded besides the "
+        "controller's own frames; a viewer past it is served the nearest format already encoded"
+    )
     max_connections: int | None = Field(
         None, ge=1, description="open TCP connections in all; default: 1000, fewer if the open-file limit is lower"
     )
@@ -256,10 +264,15 @@ class Settings(BaseSettings):
         "require it as a bearer token; default: off",
     )
     cluster_peers: str = Field(
-        "", description="comma list of peer replica URLs a drain moves sessions to when the drain names none"
+        "", description="comma list of peer replica URLs a drain (SIGTERM, or one that names none) moves sessions "
+        "to; an http:// URL with a DNS name stands for every address the name has at drain time"
+    )
+    cluster_peers_file: str | None = Field(
+        None, description="a file of peer replica URLs, one a line, read at drain time (added to --cluster-peers)"
     )
     drain_timeout_s: float = Field(
-        30.0, gt=0, description="how long a drain may take; sessions not moved by then end as on shutdown"
+        30.0, gt=0, description="how long a drain may take (SIGTERM or arstream drain); sessions not moved by "
+        "then end as on shutdown"
     )
     resume_grace_s: float = Field(
         30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"

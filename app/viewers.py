@@ -19,6 +19,12 @@ most a couple of chunks; a viewer that falls behind has whole chunks skipped
 and is told how many (``skipped_before``). Nothing a viewer does waits the
 controller or the worker.
 
+Each format encoded costs CPU time on every chunk, whether or not its viewers
+read, so a session has at most ``max_viewer_encodings`` of them; a viewer that
+asks for another is served the nearest one there is (:meth:`ShareRegistry.served_format`).
+A viewer that takes nothing for ``viewer_stall_timeout_s`` is closed
+``not_reading`` (:mod:`arstream.app.connection`).
+
 Viewers count in the transport's connection caps (``max_connections``,
 ``max_connections_per_client``) and in ``max_viewers_per_session``; they hold
 no KV, so the session caps and admission do not count them.
@@ -87,12 +93,22 @@ def shares_frames(viewer: Format, controller: Format) -> bool:
     return viewer == controller and not wire.Codec.from_name(viewer[0]).stateful
 
 
+def nearest_format(asked: Format, candidates: set[Format], controller: Format) -> Format:
+    """The candidate nearest ``asked``: the same codec at the nearest quality, else the controller's own
+    format, else the first in a fixed order."""
+    same_codec = sorted((abs(quality - asked[1]), quality) for codec, quality in candidates if codec == asked[0])
+    if same_codec:
+        return (asked[0], same_codec[0][1])
+    return controller if controller in candidates else min(candidates)
+
+
 class ShareRegistry:
     """Share tokens and audiences of one server; lives on the event loop (no locking)."""
 
-    def __init__(self, *, replica_id: str, max_viewers_per_session: int) -> None:
+    def __init__(self, *, replica_id: str, max_viewers_per_session: int, max_viewer_encodings: int) -> None:
         self.replica_id = replica_id
         self.max_viewers_per_session = max_viewers_per_session
+        self.max_viewer_encodings = max_viewer_encodings
         self._audiences: dict[str, Audience] = {}  # session id -> its audience
         self._by_digest: dict[bytes, str] = {}  # token digest -> session id
 
@@ -165,6 +181,24 @@ class ShareRegistry:
         viewers, audience.viewers = list(audience.viewers.values()), {}
         for viewer in viewers:
             viewer.end_watching(reason)
+
+    def served_format(self, session_id: str, asked: Format, controller: Format) -> Format:
+        """The format a new viewer that asked for ``asked`` is served: its own, unless that would be one more
+        encode per chunk than ``max_viewer_encodings`` (each is CPU time on every chunk, whether or not its
+        viewers read); then the nearest one already there (:func:`nearest_format`). Raises
+        :class:`AudienceFull` when there is none (no encoding allowed, and the controller's frames are a
+        stream of their own)."""
+        encoded = self.formats_needed(session_id, controller)
+        if shares_frames(asked, controller) or asked in encoded or len(encoded) < self.max_viewer_encodings:
+            return asked
+        candidates = set(encoded) | ({controller} if shares_frames(controller, controller) else set())
+        if not candidates:
+            raise AudienceFull(
+                f"no format for another viewer: the session's viewers have {len(encoded)} encodings "
+                f"(max_viewer_encodings {self.max_viewer_encodings}) and its player's {controller[0]} frames "
+                "cannot be shared"
+            )
+        return nearest_format(asked, candidates, controller)
 
     def formats_needed(self, session_id: str, controller: Format) -> frozenset[Format]:
         """The formats the session's viewers need encoded apart from the controller's frames."""

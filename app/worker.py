@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -57,7 +57,8 @@ from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_rea
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
 from arstream.runner.runtimes import Runtime, SplitDecodeRuntime
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session, transferable
+from arstream.runner.snapshot import SessionSnapshot, import_session, transferable, unstarted_snapshot
+from arstream.runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
 from arstream.runner.stats import RunnerStats
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 
@@ -275,30 +276,39 @@ class ModelWorker:
             self._cond.notify()
         return future
 
-    def export_session(self, session_id: str) -> asyncio.Future[SessionSnapshot]:
-        """Resolves with the session's snapshot (tensors on the CPU) taken at its next chunk boundary.
+    def export_plan(self, session_id: str) -> asyncio.Future[SnapshotPlan]:
+        """Resolves with the session's snapshot as a plan to read in pieces (runner/snapshot_stream.py), taken
+        at its next chunk boundary; nothing is copied yet. The session must run no tick until its parts are
+        read (:meth:`read_part`).
 
         Like :meth:`session_position`, it resolves through the session's lane, after
         the outcomes of its earlier ticks: the client has every chunk before the
         snapshot's ``next_chunk_index``. Raises :class:`SnapshotError` through the
-        future when the session cannot be exported (not resident, a model without
-        the hook).
+        future when the session cannot be exported (evicted, a model without the hook).
+        A session that had ``ready`` but no chunk yet has nothing resident: its plan
+        is an unstarted snapshot (the peer starts its rollout).
         """
 
-        def export(runner: Runtime) -> SessionSnapshot:
-            snapshot = export_session(transferable(runner), session_id, protocol_version=PROTOCOL_VERSION)
-            # Copies on the CPU: serialising them off the worker thread must not race the next forward.
-            snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}
-            return snapshot
+        def plan(runner: Runtime) -> SnapshotPlan:
+            transfer = transferable(runner)
+            if not transfer.is_resident(session_id) and session_id not in self._produced:
+                return plan_of(unstarted_snapshot(transfer, protocol_version=PROTOCOL_VERSION))
+            return plan_export(transfer, session_id, protocol_version=PROTOCOL_VERSION)
 
-        return self._control(export, lane=session_id)
+        return self._control(plan, lane=session_id)
+
+    def read_parts(self, parts: Sequence[Part]) -> asyncio.Future[bytes]:
+        """A piece of a plan's bytes (``parts`` in order), read on the worker between forwards: it owns the
+        device and the pool."""
+        return self._control(lambda _runner: b"".join(piece_bytes(part()) for part in parts), lane=None)
 
     def import_session(self, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
         """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""
 
         def adopt(runner: Runtime) -> None:
             import_session(transferable(runner), session_id, snapshot, protocol_version=PROTOCOL_VERSION)
-            self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
+            if snapshot.resident:
+                self._produced.add(session_id)  # its chunks were produced elsewhere: a later eviction says so
             self._encoders.restart_stream(session_id)
 
         return self._control(adopt, lane=None)

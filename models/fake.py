@@ -77,12 +77,14 @@ class FakeKVPipeline(SessionStateBinding):
         denoise_passes: int = 1,
         reads_prompt: bool = False,
         start_images: Sequence[str] = (),
+        head_size: int = 4,
     ) -> None:
         super().__init__()
+        # ``head_size`` makes a session's KV as large as a test or bench needs (a streamed move's memory bound).
         self.spec = KVCacheSpec(
             num_layers=2,
             num_kv_heads=1,
-            head_size=4,
+            head_size=head_size,
             tokens_per_frame=2,
             frames_per_chunk=frames_per_chunk,
             sink_frames=sink_frames,

@@ -130,6 +130,9 @@ class ARRunner:
         self._sessions: OrderedDict[str, SessionKVState] = OrderedDict()
         # each resident session's kept boundaries (only while rewind is offered)
         self._rewind: dict[str, RewindPoints] = {}
+        # Sessions whose next chunk follows a rewind that went back (``restarted: "rewind"``); a rewind_to
+        # naming where the session already is changes nothing and its chunk is a plain one.
+        self._rewound: set[str] = set()
         # boundaries recorded while the chunk before them was decoding: (session, boundary, the one before it)
         self._unfinished_boundaries: list[tuple[str, Boundary, Boundary | None]] = []
         self.counters = RuntimeCounters()
@@ -226,6 +229,7 @@ class ARRunner:
         """The one release path for reset, close, eviction and failure (its boundaries go with it)."""
         state = self._sessions.pop(session_id, None)
         points = self._rewind.pop(session_id, None)
+        self._rewound.discard(session_id)
         errors: list[Exception] = []
         for owner in (state, points):
             if owner is None:
@@ -417,6 +421,7 @@ class ARRunner:
         state = self._sessions.get(session_id)
         if state is None or index == state.chunk_index:
             return
+        self._rewound.add(session_id)
         boundary = self._rewind[session_id].take(index)
         adopted = False
         try:
@@ -457,7 +462,7 @@ class ARRunner:
             compute_s=compute_s,
             new_rollout=new_rollout,
             applied_event_ids=tick.applied_event_ids,
-            restarted="rewind" if tick.rewind_to is not None else None,
+            restarted="rewind" if _take(self._rewound, tick.session_id) else None,
             rewind_points=self.rewind_points(tick.session_id),
             rewind_held=self.rewind_held(tick.session_id),
         )
@@ -783,6 +788,14 @@ def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
     return per_chunk, first
+
+
+def _take(members: set[str], member: str) -> bool:
+    """Whether ``member`` was in ``members``; it is not any more."""
+    if member in members:
+        members.remove(member)
+        return True
+    return False
 
 
 def _check_frames(frames: object, expected: int) -> None:

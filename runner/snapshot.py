@@ -73,6 +73,11 @@ class SessionSnapshot:
         return int(self.header["kv"]["chunks_committed"])
 
     @property
+    def resident(self) -> bool:
+        """False for a session that had not run its first chunk: it holds no KV or model state to restore."""
+        return self.header.get("resident", True) is not False
+
+    @property
     def session(self) -> dict[str, Any]:
         """The server's section (protocol state); empty when only the runner state was taken."""
         return self.header.setdefault("session", {})
@@ -173,8 +178,11 @@ def check_compatible(runner: ARRunner, header: dict[str, Any], protocol_version:
 # ---- export -------------------------------------------------------------------------------------
 
 
-def export_session(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
-    """The session's state at its chunk boundary; the session stays resident (the caller releases it)."""
+def export_header(
+    runner: ARRunner, session_id: str, *, protocol_version: int | None = None
+) -> tuple[dict[str, Any], ModelState]:
+    """What a snapshot of the session says (its header) and the model-owned state it carries; the KV blocks
+    are the session's own (sink, then window, per branch). At its chunk boundary only."""
     pipeline = runner.pipeline
     if not isinstance(pipeline, SupportsSessionTransfer):
         name = runner.model_card().get("name")
@@ -184,12 +192,28 @@ def export_session(runner: ARRunner, session_id: str, *, protocol_version: int |
         raise SnapshotError(f"session {session_id!r} is not resident; nothing to export")
     if state.in_pass or state.chunk_held or any(state.pending.values()):
         raise SnapshotError(f"session {session_id!r} is inside a forward; export only at a chunk boundary")
-    spec = runner.spec
+    model = pipeline.export_session_state(session_id)
+    header = _identity(runner, protocol_version)
+    header["kv"] = {
+        "frames_committed": state.frames_committed,
+        "chunks_committed": state.chunks_committed,
+        "sink_start": state.sink_start,
+        "sink_frames": {branch: len(state.sink[branch]) for branch in runner.spec.branch_names},
+        "cross_written": sorted(state.cross_written),
+    }
+    header["model_state"] = model.json
+    header["session"] = {}
+    return header, model
+
+
+def export_session(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
+    """The session's state at its chunk boundary; the session stays resident (the caller releases it)."""
+    header, model = export_header(runner, session_id, protocol_version=protocol_version)
+    state = runner.kv_state(session_id)
+    assert state is not None
     tensors: dict[str, torch.Tensor] = {}
-    sink_counts: dict[str, int] = {}
-    for branch in spec.branch_names:
+    for branch in runner.spec.branch_names:
         blocks = state.sink[branch] + state.window[branch]
-        sink_counts[branch] = len(state.sink[branch])
         if blocks:
             index = torch.tensor(blocks, dtype=torch.long, device=runner.pool.device)
             tensors[f"kv/{branch}"] = runner.pool.kv.index_select(2, index)
@@ -197,20 +221,20 @@ def export_session(runner: ARRunner, session_id: str, *, protocol_version: int |
         for name in runner.pool.cross_k:
             tensors[f"cross_k/{name}"] = runner.pool.cross_k[name][state.cross_slot]
             tensors[f"cross_v/{name}"] = runner.pool.cross_v[name][state.cross_slot]
-    model = pipeline.export_session_state(session_id)
     for name, tensor in model.tensors.items():
         tensors[f"model/{name}"] = tensor
-    header = _identity(runner, protocol_version)
-    header["kv"] = {
-        "frames_committed": state.frames_committed,
-        "chunks_committed": state.chunks_committed,
-        "sink_start": state.sink_start,
-        "sink_frames": sink_counts,
-        "cross_written": sorted(state.cross_written),
-    }
-    header["model_state"] = model.json
-    header["session"] = {}
     return SessionSnapshot(header, tensors)
+
+
+def unstarted_snapshot(runner: ARRunner, *, protocol_version: int | None = None) -> SessionSnapshot:
+    """A session that has not run its first chunk (``ready``, no tick yet): nothing is resident, so only its
+    identity travels; the peer starts its rollout at chunk 0 from what the server's section carries."""
+    header = _identity(runner, protocol_version)
+    header["resident"] = False
+    header["kv"] = {"frames_committed": 0, "chunks_committed": 0, "sink_start": 0, "sink_frames": {}, "cross_written": []}
+    header["model_state"] = {}
+    header["session"] = {}
+    return SessionSnapshot(header, {})
 
 
 def transferable(runtime: Runtime) -> ARRunner:
@@ -233,6 +257,10 @@ def import_session(
     Never evicts another session: a replica with no free slot refuses.
     """
     check_compatible(runner, snapshot.header, protocol_version)
+    if not snapshot.resident:
+        if snapshot.tensors:
+            raise SnapshotError("a snapshot of a session with nothing resident carries tensors")
+        return  # its first chunk runs here as a new rollout
     pipeline = runner.pipeline
     assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
     if runner.is_resident(session_id):

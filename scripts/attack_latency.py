@@ -11,6 +11,8 @@ attackers use raw sockets and reconnect whenever the server drops them:
   (127.0.1.1-250) in turn, each held until the server drops it (at most 1000 held);
 - ``reconnect``: the control: upgrade and hang up, as fast as possible, no frames at all (what any
   connection costs; per-address connection limits belong in front, see docs/public.md);
+- ``branch-burst``, ``viewer-zombies``, ``pass-control``, ``viewer-encodings``: attacks on branch, watch and
+  pass_control (scripts/share_attacks.py), each with what it got (``effect``) beside the latency;
 - ``scan-bombs``: `start` with a progressive JPEG of 4300 tiny scans (a 235 KiB 16 MP file; the red team's
   were 145 KiB), then hang up at once, from 16 addresses in turn (issue 31, finding 1). Its effect: an honest upload's
   time to `ready` (a 64x64 PNG on a new connection, halfway through) and the server's CPU time;
@@ -59,7 +61,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +73,15 @@ from websockets.sync.client import ClientConnection, connect
 from arstream.app.bench import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from raw_clients import RawWebSocket, jpeg_scan_bomb, rss_bytes, tcp_connect  # noqa: E402 - the attack tests'
+from raw_clients import RawWebSocket, jpeg_scan_bomb, open_files, rss_bytes, tcp_connect  # noqa: E402 - the attack tests'
+from share_attacks import BYSTANDERS, SERVE_ARGS, run_attack  # noqa: E402
+from share_attacks import ATTACKS as SHARE_ATTACKS  # noqa: E402
 
 TOKEN = "bench-token"
 IMAGE_ATTACKS = ("scan-bombs", "huge-pixels", "huge-event-ids")
 ATTACKS = (
-    "fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", "snapshot-headers", *IMAGE_ATTACKS
+    "fragments", "pongs", "fragments-no-token", "idle-upgrades", "reconnect", "snapshot-headers", *IMAGE_ATTACKS,
+    *SHARE_ATTACKS,
 )
 IMAGE_MODEL_OPTIONS = {"width": 64, "height": 48, "start_images": ["meadow"]}
 BOMB_ADDRESSES = [f"127.0.2.{i}" for i in range(1, 17)]
@@ -101,15 +106,20 @@ def honest_latencies(ws: ClientConnection, seconds: float) -> list[float]:
         sent = time.perf_counter()
         ws.send(json.dumps({"type": "tick", "tick_id": next(TICK_IDS)}))
         chunk = json.loads(ws.recv(timeout=60))
+        while chunk["type"] != "chunk":  # a shared session also hears how many watch it
+            chunk = json.loads(ws.recv(timeout=60))
         for _ in range(chunk["frames"]):
             ws.recv(timeout=60)
         latencies.append(time.perf_counter() - sent)
     return latencies
 
 
-def attacker(port: int, kind: str, stop: Any, connections: Any) -> None:
+def attacker(port: int, kind: str, stop: Any, connections: Any, token: str = "", effect: Any = None) -> None:
     """Flood tiny frames; reconnect whenever the server drops the connection (in its own process: in the
     honest client's, its busy loop would hold the GIL and slow the honest client itself)."""
+    if kind in SHARE_ATTACKS:
+        run_attack(kind, port, token, stop, connections, effect)
+        return
     if kind == "idle-upgrades":
         idle_upgrades(port, stop, connections)
         return
@@ -343,6 +353,7 @@ def measure_attack(
         serve += ["--connection-rate-per-client", str(UNBOUNDED)]
     if kind in IMAGE_ATTACKS:
         serve += ["--model-options", json.dumps(IMAGE_MODEL_OPTIONS)]
+    serve += SERVE_ARGS.get(kind, [])
     tree = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
     # One malloc arena for the image attacks: a decode's freed memory (kept by the server, app/memory.py) is reused
     # by the next decode on either thread, so the RSS growth is what is held, not each decode thread's own peak.
@@ -351,17 +362,26 @@ def measure_attack(
         url = f"ws://127.0.0.1:{port}/v1/sessions" + (f"?token={TOKEN}" if kind.endswith("no-token") else "")
         # One honest session, started before the attack: what the attack does to sessions already running
         # (a flood of idle upgrades from many addresses refuses new ones while it holds the waiting cap).
-        with connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as honest:
+        with connect(url, compression=None, max_size=None, proxy=None, open_timeout=60) as honest, \
+                ExitStack() as bystanders:
             honest.send(json.dumps({"type": "start"}))
-            json.loads(honest.recv(timeout=60))
+            token = json.loads(honest.recv(timeout=60)).get("share", {}).get("token", "")
+            for _ in range(BYSTANDERS.get(kind, 0)):  # idle sessions that have run a chunk (resident)
+                bystander = bystanders.enter_context(connect(url, compression=None, proxy=None, open_timeout=60))
+                bystander.send(json.dumps({"type": "start"}))
+                bystander.recv(timeout=60)
+                bystander.send(json.dumps({"type": "tick", "tick_id": 0}))
+                for _ in range(json.loads(bystander.recv(timeout=60))["frames"]):
+                    bystander.recv(timeout=60)
             honest_latencies(honest, 1.0)  # warm
             alone = summary(honest_latencies(honest, seconds))
             stop = multiprocessing.Event()
             connections = multiprocessing.Value("i", 0)
+            effect = multiprocessing.Value("i", 0)
             attack = kind.removesuffix("-no-token")
             pid = server._process.pid  # type: ignore[union-attr]
-            rss_before, cpu_before = rss_bytes(pid), cpu_seconds(pid)
-            flood = multiprocessing.Process(target=attacker, args=(port, attack, stop, connections))
+            rss_before, cpu_before, files_before = rss_bytes(pid), cpu_seconds(pid), open_files(pid)
+            flood = multiprocessing.Process(target=attacker, args=(port, attack, stop, connections, token, effect))
             flood.start()
             upload: dict[str, Any] = {}
             try:
@@ -373,11 +393,13 @@ def measure_attack(
                 beside = summary(honest_latencies(honest, seconds))
                 rss_grown = (rss_bytes(pid) - rss_before) / 2**20
                 cpu_used = cpu_seconds(pid) - cpu_before
+                files_grown = open_files(pid) - files_before
                 if uploader is not None:
                     uploader.join()
             finally:
                 stop.set()
                 flood.join()
+            evictions = httpx.get(f"{server.base_url}/v1/stats", timeout=10).json()["sessions"]["evictions_total"]
             try:
                 honest.send(json.dumps({"type": "close"}))
             except ConnectionClosed:
@@ -391,6 +413,10 @@ def measure_attack(
         "connections": connections.value,
         "rss_grown_mb": round(rss_grown, 1),
         "server_cpu_s": round(cpu_used, 2),
+        # what the attack got: sessions evicted from under connections, server files held, and its own report
+        "evictions": evictions,
+        "server_files_grown": files_grown,
+        "effect": effect.value,
         **({"honest_upload": upload} if upload else {}),
     }
 
@@ -456,6 +482,8 @@ def main() -> None:
                     f" ({result['beside']['chunks']} chunks, mean {result['beside']['mean_ms']} ms)"
                     f"  x{result['median_ratio']}  attacker: {result['connections']} connections (refused included)"
                     f"  server RSS +{result['rss_grown_mb']} MB, CPU {result['server_cpu_s']} s"
+                    f"  evictions {result['evictions']}, server files +{result['server_files_grown']},"
+                    f" effect {result['effect']}"
                     + (f"  honest upload: {result['honest_upload']}" if "honest_upload" in result else ""),
                     flush=True,
                 )

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """What moving a live session costs: a drain's time to the first frame on the peer, and the bytes moved.
 
-    .venv/bin/python scripts/bench-drain.py --model tiny-world --sessions 4 --rounds 3
+    .venv/bin/python scripts/bench-drain.py --model tiny-world --sessions 4 --rounds 3 [--trigger sigterm]
 
 Each round starts two replicas (``arstream serve``, real processes on loopback, a shared
 cluster secret), streams SESSIONS sessions on r0 (one tick at a time, each waiting for its
-chunk, at most one chunk per chunk period of the model's fps, as a player's page asks), then drains r0 to r1 (``POST /v1/cluster/drain``). Every client follows its ``moved``
+chunk, at most one chunk per chunk period of the model's fps, as a player's page asks), then drains r0 to r1: ``POST /v1/cluster/drain``,
+or with ``--trigger sigterm`` a SIGTERM to r0 alone (r0 started with ``--cluster-peers`` r1). Every client follows its ``moved``
 message straight to r1 (``arstream client``'s own code: SessionClient.resume with the token),
 sends its next tick and takes the chunk. Reported per model, over all sessions of all rounds:
 
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,11 +42,14 @@ SECRET = "bench-drain-cluster-secret"
 CHUNKS_BEFORE_DRAIN = 3
 
 
-def start_replica(name: str, model: str, options: dict[str, Any], stack: ExitStack) -> str:
-    """An ``arstream serve`` process; its URL once it prints that it is listening."""
+def start_replica(
+    name: str, model: str, options: dict[str, Any], stack: ExitStack, peers: str = ""
+) -> tuple[str, subprocess.Popen[str]]:
+    """An ``arstream serve`` process and its URL, once it prints that it is listening."""
     process = subprocess.Popen(
         [sys.executable, "-m", "arstream", "serve", "--port", "0", "--replica-id", name, "--model", model,
-         "--model-options", json.dumps(options), "--resume-grace-s", "60", "--log-level", "warning"],
+         "--model-options", json.dumps(options), "--resume-grace-s", "60", "--log-level", "warning",
+         "--cluster-peers", peers],
         env={**os.environ, "ARSTREAM_CLUSTER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
         text=True,
@@ -54,8 +59,18 @@ def start_replica(name: str, model: str, options: dict[str, Any], stack: ExitSta
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith("ARSTREAM_LISTENING"):
-            return line.split()[1]
+            return line.split()[1], process
     raise RuntimeError(f"replica {name} did not start")
+
+
+def sigterm_report(process: subprocess.Popen[str]) -> dict[str, Any]:
+    """SIGTERM the replica; the drain report it prints (``ARSTREAM_DRAIN_REPORT``) before exiting."""
+    process.send_signal(signal.SIGTERM)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("ARSTREAM_DRAIN_REPORT"):
+            return dict(json.loads(line.split(" ", 1)[1]))
+    raise RuntimeError("the replica exited without a drain report")
 
 
 async def one_session(r0: str, r1: str, streaming: asyncio.Event, drain_started: list[float]) -> dict[str, float]:
@@ -86,12 +101,19 @@ async def one_session(r0: str, r1: str, streaming: asyncio.Event, drain_started:
         }
 
 
-async def one_round(r0: str, r1: str, sessions: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
+async def one_round(
+    r0: str, r1: str, sessions: int, r0_process: subprocess.Popen[str] | None
+) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """``r0_process``: drain by SIGTERM to it; None: by ``POST /v1/cluster/drain``."""
     events = [asyncio.Event() for _ in range(sessions)]
     drain_started: list[float] = []
     tasks = [asyncio.create_task(one_session(r0, r1, event, drain_started)) for event in events]
     for event in events:
         await event.wait()
+    if r0_process is not None:
+        drain_started.append(time.perf_counter())
+        report = await asyncio.to_thread(sigterm_report, r0_process)
+        return await asyncio.gather(*tasks), report
     async with httpx.AsyncClient(timeout=120.0) as client:
         drain_started.append(time.perf_counter())
         response = await client.post(
@@ -107,15 +129,17 @@ def main() -> int:
     parser.add_argument("--model-options", default="{}", help="JSON, e.g. '{\"session_capacity\": 8}'")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trigger", choices=("http", "sigterm"), default="http", help="how r0 is told to drain")
     args = parser.parse_args()
     options = json.loads(args.model_options)
     samples: list[dict[str, float]] = []
     reports: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         with ExitStack() as stack:
-            r0 = start_replica("r0", args.model, options, stack)
-            r1 = start_replica("r1", args.model, options, stack)
-            got, report = asyncio.run(one_round(r0, r1, args.sessions))
+            r1, _ = start_replica("r1", args.model, options, stack)
+            r0, r0_process = start_replica("r0", args.model, options, stack, peers=r1)
+            trigger = r0_process if args.trigger == "sigterm" else None
+            got, report = asyncio.run(one_round(r0, r1, args.sessions, trigger))
             if report["moved"] != args.sessions:
                 raise SystemExit(f"not every session moved: {report}")
             samples += got
@@ -127,6 +151,7 @@ def main() -> int:
     server_ms = [m["move_ms"] for m in moves]
     result = {
         "model": args.model,
+        "trigger": args.trigger,
         "sessions": len(samples),
         "drain_to_first_frame_ms_p50": round(percentile(from_drain, 50), 1),
         "drain_to_first_frame_ms_p99": round(percentile(from_drain, 99), 1),
@@ -137,7 +162,7 @@ def main() -> int:
         "snapshot_bytes_per_session": round(statistics.median(sizes)),
     }
     print(
-        f"{args.model}: {len(samples)} sessions moved; drain start -> first frame on the peer "
+        f"{args.model}: {len(samples)} sessions moved ({args.trigger}); drain start -> first frame on the peer "
         f"p50 {result['drain_to_first_frame_ms_p50']} ms, p99 {result['drain_to_first_frame_ms_p99']} ms; "
         f"'moved' -> first frame p50 {result['moved_to_first_frame_ms_p50']} ms; "
         f"{result['snapshot_bytes_per_session']} bytes per session"

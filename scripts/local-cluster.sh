@@ -15,6 +15,8 @@
 # again on the same ports (ARSTREAM_RESTART=0: left dead). Logs: $ARSTREAM_CLUSTER_DIR
 # (default: a new temporary directory). ARSTREAM_LB_PORT picks the balancer's port. ARSTREAM_GPUS=0,1,...
 # gives replica i the GPU at position i (CUDA_VISIBLE_DEVICES; wraps around), for N GPUs on one host.
+# Each replica reads its peers from $ARSTREAM_CLUSTER_DIR/peers (--cluster-peers-file, written once all are
+# listening), so with ARSTREAM_CLUSTER_SECRET set a SIGTERM'd replica moves its sessions to the others.
 set -euo pipefail
 
 usage() { echo "usage: $0 N [arstream serve options]" >&2; exit 2; }
@@ -30,6 +32,7 @@ haproxy_bin=${HAPROXY:-haproxy}
 command -v "$haproxy_bin" >/dev/null || { echo "$0: haproxy not found (apt-get install haproxy)" >&2; exit 1; }
 dir=${ARSTREAM_CLUSTER_DIR:-$(mktemp -d -t arstream-cluster.XXXXXX)}
 mkdir -p "$dir"
+: >"$dir/peers"  # filled once every replica listens (a reused folder's old list must not be read meanwhile)
 # Hang guard for start-up only (loading a model can take a while); it asserts nothing about speed.
 startup_guard_s=${ARSTREAM_STARTUP_GUARD_S:-600}
 
@@ -93,7 +96,8 @@ start_replica() {  # INDEX HTTP_PORT AGENT_PORT: start replica rINDEX (port 0: a
     local i=$1 gpu_env=()
     [ ${#gpus[@]} -eq 0 ] || gpu_env=("CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]}")
     env "${gpu_env[@]}" PYTHONUNBUFFERED=1 "$python" -m arstream serve --host 127.0.0.1 --port "$2" \
-        --agent-port "$3" --replica-id "r$i" --allowed-origins "$origins" "${serve_options[@]}" >>"$dir/r$i.log" 2>&1 &
+        --agent-port "$3" --replica-id "r$i" --allowed-origins "$origins" --cluster-peers-file "$dir/peers" \
+        "${serve_options[@]}" >>"$dir/r$i.log" 2>&1 &
     pids[i]=$!
 }
 for ((i = 0; i < replicas; i++)); do
@@ -120,6 +124,8 @@ for ((i = 0; i < replicas; i++)); do
     urls+=("$url")
     agents+=("$(sed -n 's/^ARSTREAM_AGENT [^:]*:\([0-9]*\)$/\1/p' "$dir/r$i.log" | head -n 1)")
 done
+
+printf '%s\n' "${urls[@]}" >"$dir/peers"
 
 # maxconn per replica until its agent check reports: its session capacity, as the replica itself reports it.
 render_args=()

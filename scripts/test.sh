@@ -4,12 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks.
-if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null; then
+# chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks;
+# dnsmasq-base: the DNS a Kubernetes pod sees, on loopback, for tests/test_kubernetes_rollout.py (the binary
+# only: Debian's dnsmasq package would also start a system-wide resolver).
+if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null \
+    || [ ! -x /usr/sbin/dnsmasq ]; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus \
+        dnsmasq-base >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

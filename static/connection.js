@@ -335,6 +335,14 @@ export class Connection {
     if (session.closedReason === 'session_ended' && !session.controller) {
       // The world we watched ended: there is nothing to come back to.
       this.setState('ended', { text: SHARE_TEXT.watchedEnded, action: 'own-world' });
+    } else if (session.closedReason === 'server_shutdown' && session.controller) {
+      // The server ended the world as it stopped (no other server could take it): there is nothing to resume.
+      // Begin a new one wherever the service answers (a balancer picks another server), same seed and keys.
+      this.ticket = null;
+      this.afterDrop = false;
+      this.hooks.notice(MOVE_TEXT.ended);
+      this.setState('reconnecting', { text: `${MOVE_TEXT.ended} Reconnecting…`, tone: 'warn', action: 'play-now' });
+      this.probeThenConnect(MOVE_TEXT.ended);
     } else if (fatal === 'share_failed' || code === 4005) {
       const why = session.fatal ? ` (${session.fatal.message})` : '';
       this.setState('ended', { text: `${errorText('share_failed')}${why}`, tone: 'warn', action: 'own-world' });
@@ -350,6 +358,11 @@ export class Connection {
     } else if (fatal === 'over_capacity' && /loading|warming/i.test(session.fatal.message || '')) {
       // Not full: the model is still loading. Wait for it in those words.
       this.waitForSlot(errorText('loading'), 'the model to be ready');
+    } else if (fatal === 'over_capacity' && /draining/i.test(session.fatal.message || '')) {
+      // This server is restarting and takes no new world: another one will, after a short wait.
+      this.ticket = null;
+      this.hooks.notice(MOVE_TEXT.draining);
+      this.retry(MOVE_TEXT.draining);
     } else if (fatal === 'over_capacity' || code === 1013) {
       // A cap on this address or token, rather than a full server, has its own words.
       const own = session.fatal && /client address|token/i.test(session.fatal.message || '');

@@ -59,6 +59,8 @@ export const MOVE_TEXT = {
   moved: 'Moved to another server: your world carried on where it was.',
   moveLost: 'Moved to another server, but it could not keep your world, so a new one starts.',
   gone: 'The server that held your world is gone, so a new world starts on another server, with the same seed and keys.',
+  ended: 'The server stopped and could not keep your world, so a new world starts, with the same seed and keys.',
+  draining: 'That server is restarting and takes no new worlds, so the page starts yours on another one.',
 };
 
 /** Words for an `error` message, falling back to the server's own text for a code this page does not know. */

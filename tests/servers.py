@@ -395,3 +395,16 @@ async def session_client(
         if start is not None:
             await client.start(**start)
         yield client
+
+
+def share_url(server: LiveServer, token: str) -> str:
+    """The URL a viewer or a branch connects to (``?share=`` routes it to the replica holding the session)."""
+    return f"{server.ws_url}?share={token}"
+
+
+async def next_of(client: ProbeClient, kind: str) -> dict[str, Any]:
+    """The next text message of type ``kind``; binary frames and other texts before it are passed over."""
+    while True:
+        message = await client.recv()
+        if isinstance(message, str) and json.loads(message)["type"] == kind:
+            return json.loads(message)

@@ -3,8 +3,9 @@
 scripts/local-cluster.sh runs 2 fake-kv replicas behind HAProxy; the page
 streams from one. A drain moves its session to the other: the page follows
 ``moved`` without a click, keeps the same session (and world) and shows a
-brief notice. A killed replica cannot move anything: the page starts a new
-world on the survivor, says so in plain words, and keeps its seed.
+brief notice. A SIGTERM alone does the same (the replicas know their peers). A killed
+replica cannot move anything: the page starts a new world on the survivor,
+says so in plain words, and keeps its seed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from typing import Any
 import httpx
 import pytest
 
-from browser_helpers import PageErrors, browser_marks, debug, new_page, wait, wait_frames_drawn, wait_state
+from browser_helpers import (
+    PageErrors,
+    browser_marks,
+    debug,
+    new_page,
+    overlay_text,
+    wait,
+    wait_frames_drawn,
+    wait_state,
+)
+from servers import fake_settings, running_server
 from test_cluster import Cluster, launch_cluster, wait_until
 
 pytestmark = browser_marks
@@ -85,5 +96,45 @@ def test_a_killed_replica_starts_a_new_world_with_the_same_seed(
     wait_frames_drawn(page, debug(page)["framesDrawn"] + 6)
     after = debug(page)
     assert after["seed"] == before["seed"] == 5
-    assert "The server that held your world is gone" in (page.text_content("#log") or "")
+    # Its token answered 503 while it was down, or resume_failed once local-cluster.sh had it back: a new world
+    # either way, said in words.
+    log = page.text_content("#log") or ""
+    assert "The server that held your world is gone" in log or "could not be picked up again" in log, log
     errors.check()
+
+
+def test_the_page_keeps_its_world_across_a_sigterm(cluster: Cluster, context: Any, errors: PageErrors) -> None:
+    page = new_page(context, errors)
+    page.goto(cluster.lb + "/?seed=5")
+    wait_frames_drawn(page, 6)
+    before = debug(page)
+    source = _holder(cluster)
+    os.kill(cluster.replicas[source][1], signal.SIGTERM)  # what an orchestrator sends; no drain command
+    wait(page, f"window.arstreamDebug.resumed > {before['resumed']}")
+    wait_state(page, "streaming")
+    wait_frames_drawn(page, debug(page)["framesDrawn"] + 6)
+    after = debug(page)
+    assert after["sessionId"] == before["sessionId"] and after["lastClose"]["code"] == 1001
+    assert "your world carried on" in (page.text_content("#log") or "")
+    errors.check()
+
+
+def test_a_draining_server_s_refusal_is_met_by_trying_another(context: Any, errors: PageErrors) -> None:
+    """A new world refused by a draining server (over_capacity, "draining"): the page says the server is
+    restarting and tries again by itself (through a balancer that is another server), instead of waiting for
+    a slot of the server that is going away."""
+    settings = fake_settings(replica_id="r0", cluster_secret=SECRET, resume_grace_s=30.0)
+    with running_server(settings) as server:
+        response = httpx.post(  # a drain with nowhere to go and no exit: the server stays up, draining
+            server.base_url + "/v1/cluster/drain", json={"peers": ["http://127.0.0.1:9"], "exit": False},
+            headers={"authorization": f"Bearer {SECRET}"}, timeout=60.0,
+        )
+        assert response.status_code == 200 and response.json()["ended"] == 0, response.text
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait_state(page, "reconnecting")
+        text = overlay_text(page)
+        assert "restarting and takes no new worlds" in text and "Reconnecting" in text, text
+        assert "full" not in text and "Waiting for a free slot" not in text, text
+        assert debug(page)["errors"][-1]["code"] == "over_capacity"
+        errors.check()

@@ -8,7 +8,6 @@ player has been sent the player's chunks, not something like them.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from collections.abc import Iterator
@@ -31,7 +30,16 @@ from arstream.app.protocol import (
 )
 from arstream.app.video import FrameDecoder
 from arstream.app.wire import decode_frame
-from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
+from servers import (
+    LiveServer,
+    ProbeClient,
+    fake_settings,
+    next_of,
+    running_server,
+    session_client,
+    share_url,
+    wait_until,
+)
 
 SEED = 3
 HELD = {"keys": ["d"]}
@@ -47,16 +55,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def share_url(server: LiveServer, token: str) -> str:
-    return f"{server.ws_url}?share={token}"
-
-
-async def next_of(client: ProbeClient, kind: str) -> dict[str, Any]:
-    """The next text message of type ``kind``; binary frames and other texts before it are passed over."""
-    while True:
-        message = await client.recv()
-        if isinstance(message, str) and json.loads(message)["type"] == kind:
-            return json.loads(message)
 
 
 async def viewer_chunk(client: ProbeClient) -> tuple[dict[str, Any], list[np.ndarray]]:

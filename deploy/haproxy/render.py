@@ -13,6 +13,15 @@ Template lines starting with ``@each `` repeat once per replica.
 SERVICE-COUNT at PROJECT-SERVICE-i:8000 (the container names, resolved by Docker's DNS while HAProxy
 runs; a slot with no container stays in maintenance). deploy/replica-entrypoint.sh gives each container
 the replica id SERVICE-i, so resumes find it.
+
+``--statefulset NAME=COUNT`` declares COUNT server slots for a Kubernetes StatefulSet (deploy/kubernetes/):
+NAME-0 .. NAME-(COUNT-1), the pod names and so the replicas' ids, each at its stable DNS name under the
+headless Service (``--headless-service``), NAME-i.SERVICE.$POD_NAMESPACE.svc.CLUSTER_DOMAIN. HAProxy's
+resolvers do not apply resolv.conf's search domains, so the name is whole; the namespace comes from the
+balancer pod's environment when HAProxy starts (HAProxy expands "${VAR}" in quoted words), so one rendered
+file serves any namespace. A slot whose pod does not exist (scaled down, or being replaced) stays in
+maintenance until its name resolves. Why not ``server-template``: it numbers its slots in the order the DNS
+answers come, so slot NAME-2 may hold pod NAME-0's address, and resumes route by the slot's name.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from string import Template
 TEMPLATE = Path(__file__).resolve().parent / "haproxy.cfg.template"
 EACH = "@each "
 REPLICA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # the server's replica_id rule
+# The balancer pod's namespace (the downward API sets it in deploy/kubernetes/haproxy/balancer.yaml).
+NAMESPACE_ENV = "POD_NAMESPACE"
 
 
 @dataclass(frozen=True)
@@ -57,12 +68,29 @@ def parse_replica(text: str, default_maxconn: int, default_agent_port: int = 800
     return Replica(name, address, count, agent_port)
 
 
+def slot_count(text: str, what: str) -> tuple[str, int]:
+    """``WHAT=COUNT`` (a compose service's or a StatefulSet's name, and how many server slots it gets)."""
+    name, eq, count = text.partition("=")
+    if not eq or not REPLICA_NAME.match(name) or not count.isdigit() or not 0 < int(count) <= 64:
+        raise ValueError(f"expected {what}=COUNT with COUNT 1-64; got {text!r}")
+    return name, int(count)
+
+
 def compose_slots(text: str, project: str, default_maxconn: int, agent_port: int) -> list[Replica]:
-    service, eq, count = text.partition("=")
-    if not eq or not REPLICA_NAME.match(service) or not count.isdigit() or not 0 < int(count) <= 64:
-        raise ValueError(f"expected SERVICE=COUNT with COUNT 1-64; got {text!r}")
-    names = [f"{service}-{i}" for i in range(1, int(count) + 1)]
+    service, count = slot_count(text, "SERVICE")
+    names = [f"{service}-{i}" for i in range(1, count + 1)]
     return [Replica(name, f"{project}-{name}:8000", default_maxconn, agent_port) for name in names]
+
+
+def statefulset_slots(
+    text: str, service: str, port: int, default_maxconn: int, agent_port: int, cluster_domain: str = "cluster.local"
+) -> list[Replica]:
+    name, count = slot_count(text, "NAME")
+    if not REPLICA_NAME.match(service):
+        raise ValueError(f"the headless Service's name is letters, digits, - or _; got {service!r}")
+    pods = [f"{name}-{ordinal}" for ordinal in range(count)]  # a StatefulSet counts its pods from 0
+    domain = f"{service}.${{{NAMESPACE_ENV}}}.svc.{cluster_domain}"
+    return [Replica(pod, f'"{pod}.{domain}:{port}"', default_maxconn, agent_port) for pod in pods]
 
 
 def render(
@@ -107,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica", action="append", default=[], metavar="NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]")
     parser.add_argument("--compose", action="append", default=[], metavar="SERVICE=COUNT", help="server slots")
     parser.add_argument("--compose-project", default="arstream", help="compose project name (default arstream)")
+    parser.add_argument("--statefulset", action="append", default=[], metavar="NAME=COUNT", help="server slots")
+    parser.add_argument(
+        "--headless-service", default="arstream-peers", help="the StatefulSet's headless Service (arstream-peers)"
+    )
+    parser.add_argument("--replica-port", type=int, default=8000, help="the pods' serving port (default 8000)")
     parser.add_argument("--maxconn", type=int, default=4, help="sessions per replica when a replica names none")
     parser.add_argument("--agent-port", type=int, default=8001, help="replicas' --agent-port (default 8001)")
     parser.add_argument("--bind", default=":8080", help="where clients connect (default :8080)")
@@ -128,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         replicas = [parse_replica(text, args.maxconn, args.agent_port) for text in args.replica]
         for text in args.compose:
             replicas += compose_slots(text, args.compose_project, args.maxconn, args.agent_port)
+        for text in args.statefulset:
+            replicas += statefulset_slots(text, args.headless_service, args.replica_port, args.maxconn, args.agent_port)
         text = render(
             replicas,
             bind=args.bind,

@@ -1,0 +1,268 @@
+"""A session snapshot in pieces: exported, sent and read without ever holding the whole file.
+
+The bytes are the same safetensors file :meth:`SessionSnapshot.to_bytes`
+writes (:func:`SessionSnapshot.from_bytes` reads either), but neither side
+builds it whole:
+
+- :func:`plan_export` runs on the worker thread at the session's chunk
+  boundary and returns a :class:`SnapshotPlan`: the header (its tensor table
+  computed from shapes alone) and, per tensor, the *parts* that copy its
+  bytes out of the pool or the model's state, each at most about
+  :data:`PIECE_BYTES`. A KV part is one frame's block of one layer's K or V,
+  read straight from the pool (no gathered copy of the session). The parts
+  must be read while the session stays as it was: a session being moved runs
+  no tick, so the worker serves them between others' forwards.
+- :class:`SnapshotReader` takes the bytes as they arrive, checks the header
+  as soon as it is complete (format, tensor table, total size within a
+  limit), and writes each piece into its tensor: what it holds is the
+  session's tensors, once, and never the file.
+
+So a move's extra memory is a few pieces on the sending side, and the
+session's tensors (which the import needs anyway) on the receiving side,
+instead of the snapshot three times over (copies, file bytes, request body).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, read_header
+from arstream.runner.snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
+
+if TYPE_CHECKING:
+    from arstream.runner.runner import ARRunner
+
+PIECE_BYTES = 4 * 2**20
+
+# safetensors' dtype names for the dtypes a session's tensors have.
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
+
+
+
+class SnapshotTooLarge(SnapshotError):
+    """More bytes than the receiver takes for one session."""
+
+
+Part = Callable[[], torch.Tensor]  # returns a slice of one tensor's bytes, in order (any device)
+
+
+def _span(flat: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return flat[start : start + length]
+
+
+def _block(kv: torch.Tensor, layer: int, kind: int, block: int) -> torch.Tensor:
+    return kv[layer, kind, block]
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class SnapshotPlan:
+    """What :func:`plan_export` returns: the header and, per tensor, the parts to read in order."""
+
+    header: dict[str, Any]
+    tensors: list[TensorPlan]
+
+    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """A whole tensor (model state, a start image), read in pieces of about PIECE_BYTES."""
+        flat = tensor.detach().reshape(-1)
+        step = max(1, PIECE_BYTES // max(1, flat.element_size()))
+        parts: list[Part] = [partial(_span, flat, a, step) for a in range(0, flat.numel(), step)]
+        self.tensors.append(TensorPlan(name, tensor.dtype, tuple(tensor.shape), parts))
+
+    def head(self) -> bytes:
+        """The file's first bytes: the length and the JSON table (offsets from the shapes), padded to 8."""
+        table: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(self.header, separators=(",", ":"))}}
+        offset = 0
+        for plan in self.tensors:
+            if plan.dtype not in DTYPES:
+                raise SnapshotError(f"tensor {plan.name!r} has dtype {plan.dtype}, which a snapshot cannot carry")
+            table[plan.name] = {"dtype": DTYPES[plan.dtype], "shape": list(plan.shape),
+                                "data_offsets": [offset, offset + plan.nbytes]}
+            offset += plan.nbytes
+        text = json.dumps(table, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return struct.pack("<Q", len(text)) + text
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head()) + sum(p.nbytes for p in self.tensors)
+
+    def pieces(self) -> list[list[Part]]:
+        """The parts in order, grouped into pieces of about PIECE_BYTES (small blocks travel together: one
+        worker call each piece, not each block)."""
+        pieces: list[list[Part]] = []
+        size = PIECE_BYTES
+        for tensor in self.tensors:
+            part_bytes = tensor.nbytes // max(1, len(tensor.parts))
+            for part in tensor.parts:
+                if size + part_bytes > PIECE_BYTES and size > 0:
+                    pieces.append([])
+                    size = 0
+                pieces[-1].append(part)
+                size += part_bytes
+        return pieces
+
+
+def plan_export(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
+    """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched."""
+    header, model = export_header(runner, session_id, protocol_version=protocol_version)
+    state = runner.kv_state(session_id)
+    assert state is not None
+    plan = SnapshotPlan(header, [])
+    pool = runner.pool
+    for branch in runner.spec.branch_names:
+        blocks = state.sink[branch] + state.window[branch]
+        if not blocks:
+            continue
+        layers, kinds = pool.kv.shape[0], pool.kv.shape[1]
+        shape = (layers, kinds, len(blocks), *pool.kv.shape[3:])
+        # Frame order within each layer's K, then V: the bytes of index_select(2, blocks), one block at a time.
+        parts: list[Part] = [
+            partial(_block, pool.kv, layer, kind, block)
+            for layer in range(layers) for kind in range(kinds) for block in blocks
+        ]
+        plan.tensors.append(TensorPlan(f"kv/{branch}", pool.kv.dtype, shape, parts))
+    if state.cross_slot is not None:
+        for name in pool.cross_k:
+            plan.add_tensor(f"cross_k/{name}", pool.cross_k[name][state.cross_slot])
+            plan.add_tensor(f"cross_v/{name}", pool.cross_v[name][state.cross_slot])
+    for name, tensor in model.tensors.items():
+        plan.add_tensor(f"model/{name}", tensor)
+    return plan
+
+
+def plan_of(snapshot: SessionSnapshot) -> SnapshotPlan:
+    """A snapshot already in memory (an unstarted session's) as a plan."""
+    plan = SnapshotPlan(snapshot.header, [])
+    for name, tensor in snapshot.tensors.items():
+        plan.add_tensor(name, tensor)
+    return plan
+
+
+def piece_bytes(piece: torch.Tensor) -> bytes:
+    """A part's bytes (copied to the CPU)."""
+    return piece.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class SnapshotReader:
+    """Reads a snapshot's bytes as they arrive (:meth:`feed`), then :meth:`snapshot`; :class:`SnapshotError`
+    for anything that is not a well-formed snapshot within ``max_bytes``."""
+
+    def __init__(self, max_bytes: int, check: Callable[[dict[str, Any]], object] | None = None) -> None:
+        self.max_bytes = max_bytes
+        # Called with the header as soon as it has come, before any tensor is allocated: refuse early.
+        self._check = check
+        self._pending = bytearray()  # bytes of the head not yet parsed
+        self._head_length: int | None = None
+        self.header: dict[str, Any] | None = None
+        self._tensors: list[tuple[str, torch.Tensor, torch.dtype, tuple[int, ...]]] = []
+        self._current = 0  # index into _tensors
+        self._filled = 0  # bytes of the current tensor written
+        self.received = 0
+
+    def feed(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.max_bytes:
+            raise SnapshotTooLarge(f"a session snapshot here is at most {self.max_bytes} bytes")
+        view = memoryview(data)
+        if self.header is None:
+            self._pending += view
+            view = memoryview(b"")
+            if not self._parse_head():
+                return
+            assert self._head_length is not None
+            view = memoryview(bytes(self._pending[8 + self._head_length :]))  # the tensors' first bytes
+            self._pending = bytearray()
+        while view.nbytes:
+            self._skip_empty()
+            if self._current >= len(self._tensors):
+                raise SnapshotError("a session snapshot has bytes after its last tensor")
+            _name, buffer, _dtype, _shape = self._tensors[self._current]
+            take = min(view.nbytes, buffer.numel() - self._filled)
+            buffer.numpy()[self._filled : self._filled + take] = np.frombuffer(view[:take], dtype=np.uint8)
+            self._filled += take
+            view = view[take:]
+            if self._filled == buffer.numel():
+                self._current, self._filled = self._current + 1, 0
+
+    def _parse_head(self) -> bool:
+        """Parse the head once it is all here; False while it is not. Allocates every tensor's buffer."""
+        if self._head_length is None:
+            if len(self._pending) < 8:
+                return False
+            (self._head_length,) = struct.unpack("<Q", self._pending[:8])
+        length = self._head_length
+        if length > min(MAX_HEADER_BYTES, self.max_bytes):  # before buffering it: a header is bounded
+            raise SnapshotError(
+                f"not a session snapshot: header length {length} does not fit (at most {MAX_HEADER_BYTES} bytes)"
+            )
+        if len(self._pending) < 8 + length:
+            return False
+        head = bytes(self._pending[: 8 + length])
+        header = read_header(head)
+        if self._check is not None:
+            self._check(header)
+        self.header = header
+        try:  # read_header has bounded and parsed these bytes already: the tensor table is what is left to check
+            table = json.loads(head[8:])
+            entries = sorted(
+                ((k, v) for k, v in table.items() if k != "__metadata__"), key=lambda kv: int(kv[1]["data_offsets"][0])
+            )
+            total = 8 + length + sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0]) for _k, v in entries)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            raise SnapshotError("not a session snapshot: its tensor table is malformed") from None
+        offset = 0
+        if total > self.max_bytes:
+            raise SnapshotTooLarge(f"a session snapshot here is at most {self.max_bytes} bytes; this one has {total}")
+        for name, entry in entries:
+            try:
+                dtype = BY_NAME[entry["dtype"]]
+                shape = tuple(int(n) for n in entry["shape"])
+                begin, end = (int(n) for n in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise SnapshotError(f"not a session snapshot: tensor {name!r} is described wrongly") from None
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if begin != offset or end - begin != size or min(shape, default=0) < 0:
+                raise SnapshotError(f"not a session snapshot: tensor {name!r}'s offsets do not fit its shape")
+            offset = end
+            self._tensors.append((name, torch.empty(size, dtype=torch.uint8), dtype, shape))
+        self._skip_empty()
+        return True
+
+    def _skip_empty(self) -> None:
+        while self._current < len(self._tensors) and self._tensors[self._current][1].numel() == 0:
+            self._current += 1
+
+    def snapshot(self) -> SessionSnapshot:
+        """The snapshot, once every byte has come; :class:`SnapshotError` if the stream ended early."""
+        self._skip_empty()
+        if self.header is None or self._current < len(self._tensors):
+            raise SnapshotError(f"the session snapshot ended early, after {self.received} bytes")
+        tensors = {name: buffer.view(dtype).reshape(shape) for name, buffer, dtype, shape in self._tensors}
+        return SessionSnapshot(self.header, tensors)
+
