@@ -193,7 +193,9 @@ class Migration:
         try:
             async for piece in pieces:
                 try:
-                    reader.feed(piece)
+                    # Off the event loop: the header's parse (up to 1 MiB of JSON) and the copies into the tensors'
+                    # buffers would stall every session's frames.
+                    await asyncio.to_thread(reader.feed, piece)
                 except ImportRefused:
                     # Refused by its header: nothing is allocated; the rest is read and dropped, so the sender
                     # gets this answer rather than a connection cut in the middle of its upload.

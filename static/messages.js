@@ -25,6 +25,7 @@ export const ERROR_TEXT = {
   rewind_unavailable: 'That moment is no longer kept (the server keeps only the last few), so the world carries on.',
   not_controller: 'You are watching: only the player steers this world.',
   unknown_viewer: 'That viewer has left, so the controls stay with you.',
+  control_refused: 'That viewer already holds as many sessions as the server allows, so the controls stay with you.',
   share_failed: 'This share link no longer works: the world it points to has ended, or its server cannot share it.',
 };
 

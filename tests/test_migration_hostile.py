@@ -90,7 +90,7 @@ def test_the_header_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch
         threads.append(threading.current_thread().name)
         return real(data)
 
-    monkeypatch.setattr("arstream.app.migration.read_header", recording)
+    monkeypatch.setattr("arstream.runner.snapshot_stream.read_header", recording)
     with running_server(cluster_settings("r1")) as r1:
         assert r1.server is not None
         loop_thread = r1.thread.name if r1.thread is not None else ""

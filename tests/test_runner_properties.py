@@ -83,20 +83,22 @@ class RunnerMachine(RuleBasedStateMachine):
     @rule(session=SESSIONS, back=BACK, fail=st.booleans())
     def rewind(self, session: str, back: int, fail: bool) -> None:
         now = self.runner.next_chunk_index(session)
-        oldest, newest = self.runner.rewind_points(session) or (0, 0)
+        held = self.runner.rewind_held(session) or ()
         target = now - back
         before = (self.runner.pool.ref_counts(), now, self.runner.is_resident(session))
         controls = {"fail": True} if fail else {}
         self.request_id += 1
         ticks = [TickRequest(session, self.request_id, controls=controls, rewind_to=target)]
         [result] = self.runner.execute(ticks)
-        if not oldest <= target <= newest:
+        if target != now and target not in held:
             assert isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable)
             assert (self.runner.pool.ref_counts(), now, self.runner.is_resident(session)) == before
         elif fail:
             assert isinstance(result, TickFailure) and not self.runner.is_resident(session)
         else:
-            assert isinstance(result, ChunkResult) and result.chunk_index == target and result.restarted == "rewind"
+            # rewind_to where the session already is, is a plain tick (PROTOCOL.md): no "rewind" label
+            restarted = None if target == now else "rewind"
+            assert isinstance(result, ChunkResult) and result.chunk_index == target and result.restarted == restarted
 
     @rule(source=SESSIONS, back=BACK, new=SESSIONS)
     def branch(self, source: str, back: int, new: str) -> None:
