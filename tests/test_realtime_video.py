@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import io
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -47,9 +45,7 @@ from servers import (
 WIDTH, HEIGHT = 64, 48
 MODEL = "fake-kv"
 FRAMES_PER_CHUNK = 2  # fake-kv's default spec
-EXAMPLE_DIR = Path(__file__).resolve().parent / "vllm_omni_example"
-EXAMPLE_CLIENT = EXAMPLE_DIR / "streaming_video_client.py"
-EXAMPLE_CLIENT_BLOB = "e8dcd8cdd22b1058768fdccb3fcbeb2b1db2b13b"  # vLLM-Omni's file, NOTICE.md
+OUTSIDE_CLIENT = Path(__file__).resolve().parent / "realtime_video_client.py"  # our own, from PROTOCOL.md
 ERROR_FIELDS = {"type", "message", "code", "request_id", "event_id"}
 
 
@@ -423,29 +419,21 @@ def test_seconds_sets_the_frame_budget(server: LiveServer, baseline: int) -> Non
 # ---- vLLM-Omni's example client, unchanged -----------------------------------------------------------
 
 
-def test_vllm_omnis_example_client_runs_unchanged_against_arstream_serve(tmp_path: Path) -> None:
-    blob = subprocess.run(["git", "hash-object", str(EXAMPLE_CLIENT)], capture_output=True, text=True, check=True)
-    assert blob.stdout.strip() == EXAMPLE_CLIENT_BLOB, "the example client must stay vLLM-Omni's file, unchanged"
+def test_a_separate_client_process_streams_switches_the_prompt_and_finishes(tmp_path: Path) -> None:
     output = tmp_path / "stream.mp4"
     options = json.dumps({"width": WIDTH, "height": HEIGHT})
     with server_process(["--model", MODEL, "--model-options", options]) as live:
-        # The client's one library import: vLLM-Omni's own where the vllm-omni extra is installed, else the fake.
-        installed = importlib.util.find_spec("vllm_omni") is not None
-        env = {**os.environ} if installed else {**os.environ, "PYTHONPATH": str(EXAMPLE_DIR / "fake_vllm_omni")}
-        updates = json.dumps([{"at": 0.0, "prompt": "a sunlit valley", "transition_chunks": 1}])
         command = [
-            sys.executable, str(EXAMPLE_CLIENT), "--host", "127.0.0.1", "--port", str(live.port), "--model", MODEL,
+            sys.executable, str(OUTSIDE_CLIENT), f"ws://127.0.0.1:{live.port}{PATH}", "--model", MODEL,
             "--width", str(WIDTH), "--height", str(HEIGHT), "--fps", "16", "--num-frames", "12",
-            "--prompt-updates", updates, "--output", str(output),
+            "--prompt-after-first-chunk", "a sunlit valley", "--output", str(output),
         ]  # fmt: skip
-        result = subprocess.run(
-            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RECEIVE_GUARD_S * 4
-        )
+        result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RECEIVE_GUARD_S * 4)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Session complete" in result.stdout and "ERROR" not in result.stdout, result.stdout
     assert "Interaction queued by server" in result.stdout, result.stdout
     assert result.stdout.count("[chunk ") == 6, result.stdout
-    frames = decode_fmp4(output.read_bytes())  # the client's progressive MP4
+    frames = decode_fmp4(output.read_bytes())  # the client's fragmented MP4
     assert len(frames) == 12 and frames[0].shape == (HEIGHT, WIDTH, 3)
 
 
