@@ -311,21 +311,38 @@ const player = new Player($('screen'), {
   },
 });
 
+/** Below this width the fps badge and the role badge do not fit side by side on the picture. */
+const BADGES_ROW_PX = 340;
+
 /** Fit the player to the room the layout leaves it (or the whole screen in fullscreen). */
 function fit() {
   const box = $('player');
   if (document.fullscreenElement === box) {
     player.fit(window.innerWidth, window.innerHeight);
-    return;
+  } else {
+    fitInLayout(box);
   }
+  const picture = $('picture');
+  picture.toggleAttribute('data-narrow', picture.offsetWidth < BADGES_ROW_PX);
+}
+
+function fitInLayout(box) {
   const layout = document.querySelector('.layout');
   const style = getComputedStyle(layout);
-  const stacked = window.matchMedia('(max-width: 899px) and (orientation: portrait)').matches;  // as in style.css
+  // The media queries of style.css's layouts: stacked (a narrow portrait screen) and beside (a phone on its side).
+  const stacked = window.matchMedia('(max-width: 899px) and (orientation: portrait)').matches;
+  const beside = window.matchMedia('(max-height: 500px) and (orientation: landscape)').matches;
   const coarse = window.matchMedia('(pointer: coarse)').matches;
+  const top = box.getBoundingClientRect().top + window.scrollY;
   // The stage hugs the player, so the room comes from the layout: its width less the side column.
   let width = layout.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  if (beside) {
+    // Everything else is in the column beside the world: the world takes the height under the title.
+    width -= parseFloat(style.getPropertyValue('--beside-world')) + parseFloat(style.columnGap);
+    player.fit(width, window.innerHeight - top - parseFloat(style.paddingBottom));
+    return;
+  }
   if (!stacked) width -= $('side').offsetWidth + parseFloat(style.columnGap);
-  const top = box.getBoundingClientRect().top + window.scrollY;
   // Room under the player for the controls, and for the pad when it sits below on a touch screen.
   let below = $('controls-bar').offsetHeight + 28;
   // The rewind timeline and the pass-control row, while shown, sit under the controls too.
@@ -404,6 +421,10 @@ const connection = new Connection({
       document.body.dataset.role = role;
       $('hud-role').textContent = role === 'viewer' ? 'viewer (watching)' : 'controller (playing)';
       if (role === 'viewer') controls.releaseAll();
+      // Figures of the old role would stay on the badge and in the menu: key to frame starts afresh, and the
+      // viewer ids (the controller's to pass to) wait for the server's next `viewers` message.
+      hud.forget('action');
+      if (role === 'viewer') debug.viewerIds = [];
       showViewers();
       if (model) showModel(model);
     },

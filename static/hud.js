@@ -22,6 +22,11 @@ export class Hud {
     this.drawnAt = [];
   }
 
+  /** Forget the samples of one kind (key-to-frame after control passed: they were another steering's). */
+  forget(kind) {
+    this.samples[kind] = [];
+  }
+
   sample(kind, value) {
     const list = this.samples[kind];
     list.push(value);
@@ -55,7 +60,8 @@ export class Hud {
     }
     const keyToFrame = median(this.samples.action);
     const badge = live ? [`${fps} fps`] : [];
-    if (live && Number.isFinite(keyToFrame)) badge.push(`key→frame ${ms(keyToFrame)}`);
+    // Key to frame is a steering figure: a viewer's keys move nothing.
+    if (live && session.controller && Number.isFinite(keyToFrame)) badge.push(`key→frame ${ms(keyToFrame)}`);
     this.set('badge', badge.join(' · '));
     this.$('badge').hidden = !live;
   }
