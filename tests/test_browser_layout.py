@@ -1,0 +1,193 @@
+"""The demo page's layout in Chromium at desktop (1280x800) and phone size, upright (390x844) and on its side
+(844x390), with touch: how tall the world is on screen, what covers it, the badges, the pad above the fold;
+the badges in fullscreen and after control passes. Against a real server (fake-kv) and a real viewer page.
+
+The world is measured as the canvas's on-screen box; "above the fold" means inside the viewport without scrolling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from browser_helpers import PageErrors, browser_marks, new_page, wait, wait_frames_drawn
+from servers import LiveServer, fake_settings, running_server
+
+pytestmark = browser_marks
+
+SIZES: dict[str, dict[str, Any]] = {
+    "desktop": {"viewport": {"width": 1280, "height": 800}},
+    "portrait": {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True, "device_scale_factor": 3},
+    "landscape": {"viewport": {"width": 844, "height": 390}, "is_mobile": True, "has_touch": True, "device_scale_factor": 3},
+}
+# The least on-screen height of the world at each size, with the controls, the rewind timeline and the pass-control
+# row shown: on its side a phone gives the world most of its height (before: 240 px of 390).
+WORLD_HEIGHT_AT_LEAST = {"desktop": 480, "portrait": 340, "landscape": 0.8 * 390}
+BOXES = """(selectors) => Object.fromEntries(selectors.map((selector) => {
+    const el = document.querySelector(selector);
+    const box = el.getBoundingClientRect();
+    const style = getComputedStyle(el);
+    const shown = !el.hidden && style.display !== 'none' && box.width > 0;
+    return [selector, {x: box.x, y: box.y, right: box.right, bottom: box.bottom, width: box.width,
+                       height: box.height, shown, lineHeight: parseFloat(style.lineHeight), text: el.textContent}];
+}))"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(model_options={"compute_delay_s": 0.01})) as live:
+        yield live
+
+
+def _context(browser: Any, size: str) -> Any:
+    return browser.new_context(**SIZES[size], bypass_csp=True)
+
+
+def _overlap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The area two boxes share."""
+    width = min(a["right"], b["right"]) - max(a["x"], b["x"])
+    height = min(a["bottom"], b["bottom"]) - max(a["y"], b["y"])
+    return max(0.0, width) * max(0.0, height)
+
+
+def _inside(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
+    return (
+        inner["x"] >= outer["x"] - 0.5
+        and inner["y"] >= outer["y"] - 0.5
+        and inner["right"] <= outer["right"] + 0.5
+        and inner["bottom"] <= outer["bottom"] + 0.5
+    )
+
+
+def _watch(browser: Any, player: Any, errors: PageErrors) -> tuple[Any, Any]:
+    """A viewer in a window of its own (a background tab's frames are throttled): its context and page."""
+    wait(player, "window.arstreamDebug.shareToken !== null")
+    token = player.evaluate("window.arstreamDebug.shareToken")
+    context = _context(browser, "desktop")
+    viewer = new_page(context, errors)
+    viewer.goto(f"{player.url.split('#')[0].split('?')[0]}#watch={token}")
+    wait_frames_drawn(viewer, 2)
+    return context, viewer
+
+
+def _steer_until_key_to_frame_shows(page: Any) -> None:
+    page.keyboard.down("d")
+    wait(page, "document.getElementById('badge').textContent.includes('key→frame')")
+    page.keyboard.up("d")
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_the_world_fills_the_screen_and_nothing_that_matters_covers_it_or_falls_below_the_fold(
+    server: LiveServer, browser: Any, errors: PageErrors, size: str
+) -> None:
+    context = _context(browser, size)
+    viewer_context = None
+    try:
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait_frames_drawn(page, 3)
+        viewer_context, _viewer = _watch(browser, page, errors)
+        # The player's longest badges: fps with key to frame, and the viewer count; the rewind timeline and the
+        # pass-control row shown; then Share opens its links and shows its toast.
+        wait(page, "!document.getElementById('pass-box').hidden && !document.getElementById('timeline').hidden")
+        _steer_until_key_to_frame_shows(page)
+        wait(page, "!document.getElementById('role-badge').hidden")
+        page.click("#share")
+        wait(page, "!document.getElementById('notice').hidden && !document.getElementById('share-box').hidden")
+        width, height = SIZES[size]["viewport"]["width"], SIZES[size]["viewport"]["height"]
+        boxes = page.evaluate(BOXES, ["#screen", "#notice", "#badge", "#role-badge", "#pad", "#controls-bar", "#timeline"])
+        world = boxes["#screen"]
+
+        assert world["height"] >= WORLD_HEIGHT_AT_LEAST[size], f"the world is {world['height']} px tall at {size}"
+        assert world["y"] >= 0 and world["bottom"] <= height and world["right"] <= width, "the whole world is on screen"
+        assert page.evaluate("document.scrollingElement.scrollWidth") <= width, "no sideways scroll"
+
+        toast = boxes["#notice"]
+        assert toast["shown"] and "Link copied" in toast["text"]
+        assert toast["y"] >= 0 and toast["right"] <= width + 0.5, "the toast is on screen"
+        covered = _overlap(toast, world) / (world["width"] * world["height"])
+        if size == "landscape":
+            assert covered == 0, f"on a phone on its side the toast covers the world: {toast} over {world}"
+        else:
+            assert covered <= 0.1, f"the toast covers {covered:.0%} of the world"
+
+        badge, role = boxes["#badge"], boxes["#role-badge"]
+        for name, box in (("fps badge", badge), ("role badge", role)):
+            assert box["shown"], name
+            assert box["height"] < 2 * box["lineHeight"], f"the {name} wraps: {box}"
+            assert _inside(box, world), f"the {name} is off the picture: {box} {world}"
+        assert "key→frame" in badge["text"] and "watching" in role["text"]
+        assert _overlap(badge, role) == 0, f"the badges overlap: {badge} {role}"
+
+        for selector in ("#pad", "#controls-bar", "#timeline"):
+            box = boxes[selector]
+            assert box["shown"], selector
+            assert box["y"] >= 0 and box["bottom"] <= height, f"{selector} is below the fold at {size}: {box}"
+            assert _overlap(box, world) == 0, f"{selector} covers the world"
+        assert page.evaluate("window.scrollY") == 0
+    finally:
+        context.close()
+        if viewer_context is not None:
+            viewer_context.close()
+
+
+def test_in_fullscreen_the_badges_sit_on_the_letterboxed_picture(
+    server: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    context = _context(browser, "desktop")
+    viewer_context = None
+    try:
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/")
+        wait_frames_drawn(page, 3)
+        viewer_context, _viewer = _watch(browser, page, errors)
+        wait(page, "!document.getElementById('role-badge').hidden")
+        page.click("#fullscreen")
+        wait(page, "document.fullscreenElement === document.getElementById('player')")
+        # The square world in a wide screen: letterboxed, with black bars left and right.
+        wait(page, "document.getElementById('screen').getBoundingClientRect().x > 100")
+        boxes = page.evaluate(BOXES, ["#screen", "#badge", "#role-badge"])
+        for name in ("#badge", "#role-badge"):
+            assert boxes[name]["shown"] and _inside(boxes[name], boxes["#screen"]), f"{name} is off the picture: {boxes}"
+        page.evaluate("document.exitFullscreen()")
+        wait(page, "document.fullscreenElement === null")
+    finally:
+        context.close()
+        if viewer_context is not None:
+            viewer_context.close()
+
+
+def test_after_passing_control_the_badges_show_the_new_roles_figures(
+    server: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    context = _context(browser, "desktop")
+    viewer_context = None
+    try:
+        player = new_page(context, errors)
+        player.goto(server.base_url + "/")
+        wait_frames_drawn(player, 3)
+        viewer_context, viewer = _watch(browser, player, errors)
+        wait(player, "window.arstreamDebug.viewerIds.length === 1")
+        _steer_until_key_to_frame_shows(player)
+        player.click("#pass")
+        wait(player, "window.arstreamDebug.role === 'viewer'")
+        wait(viewer, "window.arstreamDebug.role === 'controller'")
+        # The old player watches now: its keys move nothing, so no key-to-frame figure (it stayed at the last one).
+        wait_frames_drawn(player, player.evaluate("window.arstreamDebug.framesDrawn") + 3)
+        badge = player.text_content("#badge") or ""
+        assert "fps" in badge and "key→frame" not in badge, badge
+        assert player.text_content("#role-badge") == "viewing · 1 watching"
+        assert player.evaluate("window.arstreamDebug.viewerIds") == [], "no stale ids to pass to"
+        assert player.is_hidden("#pass-box")
+        # The new player has the controls and the one viewer (the old player) to pass them back to.
+        wait(viewer, "window.arstreamDebug.viewerIds.length === 1")
+        assert viewer.text_content("#role-badge") == "1 watching"
+        options = viewer.evaluate("[...document.getElementById('pass-to').options].map((o) => o.value)")
+        assert options == viewer.evaluate("window.arstreamDebug.viewerIds")
+        assert viewer.is_visible("#pass-box")
+    finally:
+        context.close()
+        if viewer_context is not None:
+            viewer_context.close()
