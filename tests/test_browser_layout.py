@@ -24,7 +24,7 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 # The least on-screen height of the world at each size, with the controls, the rewind timeline and the pass-control
 # row shown: on its side a phone gives the world most of its height (before: 240 px of 390).
-WORLD_HEIGHT_AT_LEAST = {"desktop": 480, "portrait": 340, "landscape": 0.8 * 390}
+WORLD_HEIGHT_AT_LEAST = {"desktop": 480, "portrait": 0.8 * 390, "landscape": 0.8 * 390}
 BOXES = """(selectors) => Object.fromEntries(selectors.map((selector) => {
     const el = document.querySelector(selector);
     const box = el.getBoundingClientRect();
@@ -37,7 +37,9 @@ BOXES = """(selectors) => Object.fromEntries(selectors.map((selector) => {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with running_server(fake_settings(model_options={"compute_delay_s": 0.01})) as live:
+    # 64x64 frames, as tiny-world's: a whole-number scale of them need not fill the room the layout leaves.
+    options = {"compute_delay_s": 0.01, "width": 64, "height": 64}
+    with running_server(fake_settings(model_options=options)) as live:
         yield live
 
 
@@ -97,8 +99,10 @@ def test_the_world_fills_the_screen_and_nothing_that_matters_covers_it_or_falls_
         page.click("#share")
         wait(page, "!document.getElementById('notice').hidden && !document.getElementById('share-box').hidden")
         width, height = SIZES[size]["viewport"]["width"], SIZES[size]["viewport"]["height"]
-        boxes = page.evaluate(BOXES, ["#screen", "#notice", "#badge", "#role-badge", "#pad", "#controls-bar", "#timeline"])
+        selectors = ["#screen", "#player", "#notice", "#badge", "#role-badge", "#pad", "#controls-bar", "#timeline"]
+        boxes = page.evaluate(BOXES, selectors)
         world = boxes["#screen"]
+        assert boxes["#player"]["width"] - world["width"] <= 2.5, f"a black bar beside the picture: {boxes['#player']}"
 
         assert world["height"] >= WORLD_HEIGHT_AT_LEAST[size], f"the world is {world['height']} px tall at {size}"
         assert world["y"] >= 0 and world["bottom"] <= height and world["right"] <= width, "the whole world is on screen"
@@ -111,7 +115,8 @@ def test_the_world_fills_the_screen_and_nothing_that_matters_covers_it_or_falls_
         if size == "landscape":
             assert covered == 0, f"on a phone on its side the toast covers the world: {toast} over {world}"
         else:
-            assert covered <= 0.1, f"the toast covers {covered:.0%} of the world"
+            # over the top of the picture, one or two lines: a strip, not the world's middle
+            assert covered <= 0.15 and toast["bottom"] <= world["y"] + world["height"] / 3, f"the toast covers {covered:.0%}"
 
         badge, role = boxes["#badge"], boxes["#role-badge"]
         for name, box in (("fps badge", badge), ("role badge", role)):
