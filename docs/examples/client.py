@@ -14,6 +14,8 @@ import time
 
 from websockets.sync.client import connect
 
+if len(sys.argv) != 5:
+    sys.exit(__doc__)  # the usage above
 url, key, chunks, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), pathlib.Path(sys.argv[4])
 out.mkdir(parents=True, exist_ok=True)
 
