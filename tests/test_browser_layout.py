@@ -8,6 +8,7 @@ The world is measured as the canvas's on-screen box; "above the fold" means insi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -63,15 +64,23 @@ def _inside(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
     )
 
 
-def _watch(browser: Any, player: Any, errors: PageErrors) -> tuple[Any, Any]:
-    """A viewer in a window of its own (a background tab's frames are throttled): its context and page."""
-    wait(player, "window.arstreamDebug.shareToken !== null")
-    token = player.evaluate("window.arstreamDebug.shareToken")
-    context = _context(browser, "desktop")
-    viewer = new_page(context, errors)
-    viewer.goto(f"{player.url.split('#')[0].split('?')[0]}#watch={token}")
-    wait_frames_drawn(viewer, 2)
-    return context, viewer
+@contextmanager
+def _player_and_viewer(server: LiveServer, browser: Any, errors: PageErrors, size: str) -> Iterator[tuple[Any, Any]]:
+    """A playing page at ``size`` and a page watching it, in a window of its own (a background tab is throttled)."""
+    player_context = _context(browser, size)
+    viewer_context = _context(browser, "desktop")
+    try:
+        player = new_page(player_context, errors)
+        player.goto(server.base_url + "/")
+        wait_frames_drawn(player, 3)
+        wait(player, "window.arstreamDebug.shareToken !== null")
+        viewer = new_page(viewer_context, errors)
+        viewer.goto(f"{server.base_url}/#watch={player.evaluate('window.arstreamDebug.shareToken')}")
+        wait_frames_drawn(viewer, 2)
+        yield player, viewer
+    finally:
+        player_context.close()
+        viewer_context.close()
 
 
 def _steer_until_key_to_frame_shows(page: Any) -> None:
@@ -84,13 +93,7 @@ def _steer_until_key_to_frame_shows(page: Any) -> None:
 def test_the_world_fills_the_screen_and_nothing_that_matters_covers_it_or_falls_below_the_fold(
     server: LiveServer, browser: Any, errors: PageErrors, size: str
 ) -> None:
-    context = _context(browser, size)
-    viewer_context = None
-    try:
-        page = new_page(context, errors)
-        page.goto(server.base_url + "/")
-        wait_frames_drawn(page, 3)
-        viewer_context, _viewer = _watch(browser, page, errors)
+    with _player_and_viewer(server, browser, errors, size) as (page, _viewer):
         # The player's longest badges: fps with key to frame, and the viewer count; the rewind timeline and the
         # pass-control row shown; then Share opens its links and shows its toast.
         wait(page, "!document.getElementById('pass-box').hidden && !document.getElementById('timeline').hidden")
@@ -132,22 +135,12 @@ def test_the_world_fills_the_screen_and_nothing_that_matters_covers_it_or_falls_
             assert box["y"] >= 0 and box["bottom"] <= height, f"{selector} is below the fold at {size}: {box}"
             assert _overlap(box, world) == 0, f"{selector} covers the world"
         assert page.evaluate("window.scrollY") == 0
-    finally:
-        context.close()
-        if viewer_context is not None:
-            viewer_context.close()
 
 
 def test_in_fullscreen_the_badges_sit_on_the_letterboxed_picture(
     server: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
-    context = _context(browser, "desktop")
-    viewer_context = None
-    try:
-        page = new_page(context, errors)
-        page.goto(server.base_url + "/")
-        wait_frames_drawn(page, 3)
-        viewer_context, _viewer = _watch(browser, page, errors)
+    with _player_and_viewer(server, browser, errors, "desktop") as (page, _viewer):
         wait(page, "!document.getElementById('role-badge').hidden")
         page.click("#fullscreen")
         wait(page, "document.fullscreenElement === document.getElementById('player')")
@@ -158,22 +151,12 @@ def test_in_fullscreen_the_badges_sit_on_the_letterboxed_picture(
             assert boxes[name]["shown"] and _inside(boxes[name], boxes["#screen"]), f"{name} is off the picture: {boxes}"
         page.evaluate("document.exitFullscreen()")
         wait(page, "document.fullscreenElement === null")
-    finally:
-        context.close()
-        if viewer_context is not None:
-            viewer_context.close()
 
 
 def test_after_passing_control_the_badges_show_the_new_roles_figures(
     server: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
-    context = _context(browser, "desktop")
-    viewer_context = None
-    try:
-        player = new_page(context, errors)
-        player.goto(server.base_url + "/")
-        wait_frames_drawn(player, 3)
-        viewer_context, viewer = _watch(browser, player, errors)
+    with _player_and_viewer(server, browser, errors, "desktop") as (player, viewer):
         wait(player, "window.arstreamDebug.viewerIds.length === 1")
         _steer_until_key_to_frame_shows(player)
         player.click("#pass")
@@ -192,7 +175,3 @@ def test_after_passing_control_the_badges_show_the_new_roles_figures(
         options = viewer.evaluate("[...document.getElementById('pass-to').options].map((o) => o.value)")
         assert options == viewer.evaluate("window.arstreamDebug.viewerIds")
         assert viewer.is_visible("#pass-box")
-    finally:
-        context.close()
-        if viewer_context is not None:
-            viewer_context.close()
