@@ -254,7 +254,7 @@ def import_session(
 ) -> None:
     """Make ``snapshot`` the resident session ``session_id``; refuse, leaving the pool as it was, if it does not fit.
 
-    Never evicts another session: a replica with no free slot refuses.
+    Never evicts another session: a replica with no free slot (and no park room) refuses.
     """
     check_compatible(runner, snapshot.header, protocol_version)
     if not snapshot.resident:
@@ -265,7 +265,8 @@ def import_session(
     assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
     if runner.is_resident(session_id):
         raise SnapshotRefused(f"session {session_id!r} is already resident here")
-    if len(runner.resident_sessions()) >= runner.session_capacity:
+    # a full pool parks its least recently used session when there is park room (runner/parking.py)
+    if len(runner.resident_sessions()) >= runner.session_capacity and not runner.make_room():
         raise SnapshotRefused(f"no room: all {runner.session_capacity} session slots of this replica's pool are in use")
     kv = snapshot.header.get("kv")
     if not isinstance(kv, dict):
