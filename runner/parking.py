@@ -106,9 +106,12 @@ class _HostCopier:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the forward that wrote them is done first
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "cuda" or self.stream is None:
-            return tensor.detach().to("cpu", copy=True)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        """A contiguous host copy (a spill file takes only contiguous tensors)."""
+        pinned = tensor.device.type == "cuda" and self.stream is not None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+        if not pinned:
+            host.copy_(tensor.detach())
+            return host
         with torch.cuda.stream(self.stream):
             host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self.stream)
