@@ -509,7 +509,7 @@ class ARRunner:
         """
         if self.rewind_refusal:
             raise RewindUnavailable(self.rewind_refusal)
-        if new_session_id in self._sessions:
+        if self.is_resident(new_session_id):
             raise ValueError(f"cannot branch into session {new_session_id!r}: it is already resident")
         source = self._resident_state(source_id)
         if source is None:  # the message reaches clients: no internal session id in it
@@ -609,9 +609,9 @@ class ARRunner:
             if target != 0:
                 raise RewindUnavailable(f"chunk boundary {target} is not held after a reset; only 0 is")
             return
-        state = self._sessions.get(tick.session_id)
-        now = 0 if state is None else state.chunk_index
-        if target != now and (state is None or not self._rewind[tick.session_id].holds(target)):
+        # answered from a parked session's copy too: a refusal restores nothing
+        now = self.next_chunk_index(tick.session_id)
+        if target != now and target not in (self.rewind_held(tick.session_id) or ()):
             raise self._not_held(tick.session_id, target)
 
     def _rewind_session(self, session_id: str, index: int) -> None:
@@ -635,13 +635,12 @@ class ARRunner:
 
     def _before_forward(self, tick: TickRequest) -> None:
         """Check ``rewind_to`` first (a refusal changes nothing), then reset, then rewind."""
-        if tick.rewind_to is not None and not tick.reset:
-            self._resident_state(tick.session_id)  # a parked session's boundaries are back in the pool first
         if tick.rewind_to is not None:
             self._check_rewind(tick)
         if tick.reset:
             self.reset_session(tick.session_id)
         if tick.rewind_to is not None:
+            self._resident_state(tick.session_id)  # a parked session's boundaries come back to the pool first
             self._rewind_session(tick.session_id, tick.rewind_to)
 
     def _result(
