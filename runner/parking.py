@@ -107,21 +107,21 @@ class _HostCopier:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous host copy (a spill file takes only contiguous tensors)."""
-        pinned = tensor.device.type == "cuda" and self.stream is not None
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-        if not pinned:
+        stream = self.stream if tensor.device.type == "cuda" else None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=stream is not None)
+        if stream is None:
             host.copy_(tensor.detach())
             return host
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self.stream)
+            tensor.record_stream(stream)
         return host
 
     def finish(self) -> Any:
         """The event the copies are done at (None on CPU); later compute-stream work waits for it."""
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(event)  # freed blocks are rewritten only after the copy
         return event

@@ -146,7 +146,10 @@ class ARRunner:
         self._last_used: dict[str, float] = {}
         # sessions being exported (kv_state): never parked while their blocks are read, until their next chunk
         self._pinned: set[str] = set()
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.parking.enabled else None
+        # parking's device <-> host copies run here, beside the forward (CUDA only)
+        self._copy_stream: Any = None
+        if self.device.type == "cuda" and self.parking.enabled:
+            self._copy_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
         self.warmup_round_s: dict[int, float] = {}
