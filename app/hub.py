@@ -459,6 +459,7 @@ class SessionHub:
                 "pending_ticks": sum(s.pending_ticks for s in sessions),
                 "replies_queued": sum(c.outbox.replies_queued for c in self.connections.values()),
             },
+            "parking": runner_stats.parking(),  # runner/parking.py
             "queue": {"depth": worker.queue_depth},
             "chunks": {
                 "total": runner_stats.chunks_total,

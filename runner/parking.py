@@ -334,6 +334,15 @@ class ParkingLot:
         finally:
             parked.spill_path.unlink(missing_ok=True)
 
+    def peek(self, session_id: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """A parked session's layout and tensors (read from its file when spilled); it stays parked. None: not parked."""
+        parked = self._parked.get(session_id)
+        if parked is None:
+            return None
+        parked.wait_ready()
+        tensors = parked.tensors if parked.tensors is not None else load_file(str(parked.spill_path))
+        return parked.layout, tensors
+
     def discard(self, session_id: str) -> bool:
         """Forget a parked session (it ended); whether it was parked."""
         parked = self._parked.pop(session_id, None)

@@ -52,7 +52,7 @@ from arstream.runner.contract import (
 )
 from arstream.runner.kv_state import SessionKVState
 from arstream.runner.parking import ParkedSession, ParkingPolicy, RestoreFailed, park_payload, restore_payload
-from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
+from arstream.runner.pool import PagedKVPool, PoolExhausted, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.rewind_schedule import RewindSchedule, plan_rewind
 from arstream.runner.spec import KVCacheSpec
@@ -229,12 +229,14 @@ class ARRunner:
     def kv_state(self, session_id: str) -> SessionKVState | None:
         """The session's KV state between forwards (for :mod:`arstream.runner.snapshot`), or None.
 
-        A parked session is restored first (so a drain moves it like any other). The
-        session is then kept in the pool (never parked to make room) until its next
-        chunk or its release: an export reads its blocks in pieces between others' forwards.
+        A parked session is restored first (exports take it from its host copy
+        instead: :func:`~arstream.runner.snapshot.export_parked`). With parking on,
+        the session is then kept in the pool (never parked or evicted to make room)
+        until its next chunk or its release: an export reads its blocks in pieces
+        between others' forwards.
         """
         state = self._resident_state(session_id)
-        if state is not None:
+        if state is not None and self.parking.enabled:
             self._pinned.add(session_id)
         return state
 
@@ -288,7 +290,9 @@ class ARRunner:
                 continue
             if not evict:
                 return False
-            oldest = next((s for s in self._sessions if s not in self._pinned), next(iter(self._sessions)))
+            oldest = next((s for s in self._sessions if s not in self._pinned), None)
+            if oldest is None:  # ending one would break an export reading its blocks
+                raise PoolExhausted(f"all {self.session_capacity} session slots hold sessions being exported")
             self._release(oldest, reset_model=False, reason="lru_eviction", suppress_errors=True)
             self.counters.evictions_total += 1
             if self.on_evict is not None:

@@ -107,6 +107,22 @@ class RunnerStats:
     restores_total: int = 0
     restore_failures_total: int = 0
 
+    def parking(self) -> dict[str, int]:
+        """The /v1/stats ``parking`` section: resident and parked sessions and bytes, and the moves so far."""
+        return {
+            "resident_capacity": self.resident_capacity,
+            "park_capacity": self.park_capacity,
+            "sessions_resident": self.sessions_resident,
+            "sessions_parked": self.sessions_parked,
+            "sessions_spilled": self.sessions_spilled,
+            "parked_bytes": self.parked_bytes,
+            "spilled_bytes": self.spilled_bytes,
+            "park_budget_bytes": self.park_budget_bytes,
+            "parks_total": self.parks_total,
+            "restores_total": self.restores_total,
+            "restore_failures_total": self.restore_failures_total,
+        }
+
     @classmethod
     def build(
         cls,

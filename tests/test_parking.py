@@ -258,3 +258,27 @@ def test_an_exported_session_is_never_parked_until_its_next_chunk() -> None:
     assert not runner.park_session("a")
     runner.execute_tick(_fake_ticks("a", 3)[2])
     assert runner.park_session("a")
+
+
+@pytest.mark.parametrize("model", ["fake-kv", "tiny-world"])
+def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str, tmp_path: Path) -> None:
+    from arstream.runner.snapshot import SessionSnapshot, export_session
+    from arstream.runner.snapshot_stream import piece_bytes, plan_export
+
+    def same_snapshot(a: SessionSnapshot, b: SessionSnapshot) -> bool:
+        return a.header == b.header and a.tensors.keys() == b.tensors.keys() and all(
+            torch.equal(a.tensors[name], b.tensors[name]) for name in a.tensors
+        )
+
+    played_alike = _runner(model, 1)
+    _play(played_alike, _script(_pipeline(model), "s")[:5])
+    resident = SessionSnapshot.from_bytes(export_session(played_alike, "s").to_bytes())
+    runner = _runner(model, 1, parking=ParkingPolicy(spill_dir=str(tmp_path), spill_budget_bytes=PLENTY))
+    _play(runner, _script(_pipeline(model), "s")[:5])
+    runner.execute_tick(_script(_pipeline(model), "t")[0])  # "s" is parked to make room (and spilled)
+    assert runner.parked_sessions() == ["s"] and runner.stats().sessions_spilled == 1
+    assert same_snapshot(SessionSnapshot.from_bytes(export_session(runner, "s").to_bytes()), resident)
+    plan = plan_export(runner, "s")
+    streamed = plan.head() + b"".join(piece_bytes(part()) for piece in plan.pieces() for part in piece)
+    assert same_snapshot(SessionSnapshot.from_bytes(streamed), resident)
+    assert runner.parked_sessions() == ["s"] and runner.stats().restores_total == 0
