@@ -325,6 +325,14 @@ class ARRunner:
         """Park a session now (it detached: its next use restores it); whether it was parked."""
         return self._parkable(session_id) and self._park(session_id)
 
+    def restore_session(self, session_id: str) -> bool:
+        """Bring a parked session back into the pool now (ahead of its next tick, e.g. as it resumes); whether it
+        was parked. A failed restore ends it and raises :class:`RestoreFailed`."""
+        if session_id not in self.parking:
+            return False
+        self._resident_state(session_id)
+        return True
+
     def park_idle(self) -> int:
         """Park every session idle for ``park_after_s`` or longer; how many were parked."""
         after = self.parking_policy.after_s
