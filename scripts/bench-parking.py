@@ -95,11 +95,12 @@ def measure(name: str, pipeline: ARPipeline, device: torch.device, args: argpars
     plain = runner_for_sessions(pipeline, 2, device=device, rewind=rewind)
     with_parking: list[float] = []
     without: list[float] = []
+    # one pipeline serves both runners: their sessions need ids of their own (the pipeline keys its state by id)
     for index in range(args.warm + args.turns):
         for session in ("a", "b"):
-            sides = [(turns, with_parking), (plain, without)]
-            for side, times in sides if (index + (session == "b")) % 2 == 0 else sides[::-1]:
-                elapsed = _timed(device, lambda: side.execute_tick(_tick(session, index)))
+            sides = [(turns, "turns-" + session, with_parking), (plain, "plain-" + session, without)]
+            for side, session_id, times in sides if (index + (session == "b")) % 2 == 0 else sides[::-1]:
+                elapsed = _timed(device, lambda: side.execute_tick(_tick(session_id, index)))
                 if index >= args.warm:
                     times.append(elapsed)
     assert turns.stats().evictions_total == 0

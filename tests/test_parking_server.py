@@ -124,3 +124,25 @@ def test_a_replica_holding_parked_sessions_drains_them_all_to_a_peer() -> None:
 
         asyncio.run(scenario())
         assert r0.stats()["parking"]["sessions_parked"] == 0
+
+
+def test_a_detached_session_is_parked_and_its_resume_restores_it_bit_identically() -> None:
+    with running_server(parking_settings("r0", 1)) as server:
+        blocks_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            want = await reference(server)
+            async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as dropped:
+                token = await detach(server, dropped, MOVE_AT, want)
+            await asyncio.to_thread(wait_until, lambda: server.stats()["parking"]["sessions_parked"] == 1)
+            assert server.stats()["parking"]["sessions_resident"] == 0
+            async with session_client(f"{server.ws_url}?resume={token}", start={"resume": token, "codec": "raw"}) as back:
+                assert back.ready is not None and back.ready["resumed"] is True
+                assert back.ready["resume"]["next_chunk_index"] == MOVE_AT
+                await tick_through(back, range(MOVE_AT, len(KEYS)), want)
+                assert server.stats()["parking"]["restores_total"] == 1
+                await back.send(type="close")
+                await back.closed_by_server()
+
+        asyncio.run(scenario())
+        server.settled(blocks_free)
