@@ -105,8 +105,14 @@ class _HostCopier:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the forward that wrote them is done first
 
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous host copy (a spill file takes only contiguous tensors)."""
+    def copy(self, tensor: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
+        """A contiguous host copy (a spill file takes only contiguous tensors).
+
+        ``owned``: nothing else writes ``tensor`` (a gathered copy, a rewind point's
+        kept state), so a contiguous one already in host memory is kept as it is.
+        """
+        if owned and tensor.device.type == "cpu" and tensor.is_contiguous():
+            return tensor
         stream = self.stream if tensor.device.type == "cuda" else None
         host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=stream is not None)
         if stream is None:
@@ -157,7 +163,7 @@ def park_payload(
     tensors: dict[str, torch.Tensor] = {}
     if number:
         index = torch.tensor(list(number), dtype=torch.long, device=pool.device)
-        tensors["blocks"] = copier.copy(pool.kv.index_select(2, index))
+        tensors["blocks"] = copier.copy(pool.kv.index_select(2, index), owned=True)
     if state.cross_slot is not None:
         for name in pool.cross_k:
             tensors[f"cross_k/{name}"] = copier.copy(pool.cross_k[name][state.cross_slot])
@@ -166,13 +172,14 @@ def park_payload(
     by_identity: dict[int, str] = {}
     devices: dict[str, str] = {}
     models = []
-    for model in [live_model, *(b.model for b in boundaries)]:
+    # the live state is the pipeline's (it may reuse its tensors): copied; a boundary's is a kept copy already
+    for position, model in enumerate([live_model, *(b.model for b in boundaries)]):
         used = {}
         for name, tensor in model.tensors.items():
             key = by_identity.get(id(tensor))
             if key is None:
                 key = by_identity[id(tensor)] = f"model/{len(by_identity)}"
-                tensors[key] = copier.copy(tensor)
+                tensors[key] = copier.copy(tensor, owned=position > 0)
                 devices[key] = str(tensor.device)
             used[name] = key
         models.append({"json": copy.deepcopy(model.json), "tensors": used})
