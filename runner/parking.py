@@ -147,14 +147,7 @@ def park_payload(
     the pipeline's session closed).
     """
     copier = _HostCopier(pool.device, copy_stream)
-    names = pool.spec.branch_names
-    live = HistoryTables(
-        sink={b: list(state.sink[b]) for b in names},
-        window={b: list(state.window[b]) for b in names},
-        frames_committed=state.frames_committed,
-        chunks_committed=state.chunks_committed,
-        sink_start=state.sink_start,
-    )
+    live = state.tables()
     every = [live, *(b.tables for b in boundaries)]
     number: dict[int, int] = {}
     for tables in every:

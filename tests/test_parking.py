@@ -282,3 +282,10 @@ def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str
     streamed = plan.head() + b"".join(piece_bytes(part()) for piece in plan.pieces() for part in piece)
     assert same_snapshot(SessionSnapshot.from_bytes(streamed), resident)
     assert runner.parked_sessions() == ["s"] and runner.stats().restores_total == 0
+
+
+def test_a_spill_budget_without_a_directory_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs a spill directory"):
+        ParkingPolicy(spill_budget_bytes=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        ParkingPolicy(after_s=-1.0)
