@@ -20,6 +20,7 @@ from arstream.models.fake import FakeKVPipeline
 from arstream.runner.pool import budget_for_sessions
 from arstream.runner.runner import rewind_for
 from servers import running_server, session_client, wait_until
+from test_balancer import agent_line
 from test_drain_sessions import continue_on_peer, detach, moved_message, tick_through
 from test_migration import KEYS, MOVE_AT, SEED, cluster_settings, drain, frames_of, reference
 
@@ -44,7 +45,11 @@ def pool_budget(settings: Any, slots: int) -> int:
 def parking_settings(replica: str, slots: int) -> Any:
     probe = cluster_settings(replica)
     return cluster_settings(
-        replica, kv_budget_bytes=pool_budget(probe, slots), park_budget_bytes=PARK_BUDGET_BYTES, **OPEN_CAPS
+        replica,
+        kv_budget_bytes=pool_budget(probe, slots),
+        park_budget_bytes=PARK_BUDGET_BYTES,
+        agent_port=0,
+        **OPEN_CAPS,
     )
 
 
@@ -78,6 +83,9 @@ def test_n_slots_serve_10n_sessions_taking_turns_and_none_ends() -> None:
                 assert parking["restores_total"] > 0 and parking["restore_failures_total"] == 0
                 assert stats["kv"]["session_capacity"] == SLOTS + parking["park_capacity"] >= 10 * SLOTS
                 assert stats["sessions"]["evictions_total"] == 0 and stats["sessions"]["connected"] == 10 * SLOTS
+                # the HAProxy agent offers the slots parking makes: more sessions than the pool holds are admitted
+                free = stats["kv"]["session_capacity"] - 10 * SLOTS
+                assert agent_line(server) == f"up 100% maxconn:{free}\n"
                 text = server.get("/metrics").text
                 assert metric(text, "arstream_sessions_parked") == 10 * SLOTS - SLOTS
                 assert metric(text, "arstream_resident_capacity") == SLOTS
