@@ -26,6 +26,14 @@ and its chunks carry ``pending`` (what to decode) instead of frames;
 next forward runs: the worker's decode stage) and :meth:`ARRunner.fail_session`
 releases a session whose decode failed, on the runner's own thread.
 :meth:`ARRunner.execute_tick` and warm-up still decode in line.
+
+Parking (a :class:`~arstream.runner.parking.ParkingPolicy` with a budget):
+the LRU victim of a full pool, a session idle past ``after_s``
+(:meth:`ARRunner.park_idle`) and one the server parks (:meth:`ARRunner.park_session`,
+a detached session) move to host memory with their rewind points, and their
+next tick, rewind or branch restores them (:mod:`arstream.runner.parking`).
+``is_resident`` counts parked sessions as held; ``resident_sessions`` lists
+those in the pool. A restore that fails ends its session (``restore_failed``).
 """
 
 from __future__ import annotations
