@@ -21,11 +21,12 @@ import torch
 from arstream.models.fake import FakeKVPipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
-from arstream.runner.contract import ARPipeline, ModelState
+from arstream.runner.contract import ARPipeline
 from arstream.runner.parking import ParkingPolicy, RestoreFailed
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import ChunkResult, StartImage, TickFailure, TickRequest
+from runner_fakes import FailingImportFakePipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
@@ -136,36 +137,25 @@ def test_a_branch_from_a_parked_session_restores_it_and_both_continue(model: str
     assert _same(_play(runner, [TickRequest(session_id="b", request_id=9, controls={"keys": ["a"]}, seed=SEED)]), expected)
 
 
-class FailingImportFake(FakeKVPipeline):
-    """A fake whose import of a model state raises while ``fail`` is set (a restore that cannot finish)."""
-
-    fail = False
-
-    def import_session_state(self, session_id: str, state: ModelState) -> None:
-        if self.fail:
-            raise RuntimeError("fake import failure")
-        super().import_session_state(session_id, state)
-
-
 def _fake_ticks(session: str, count: int) -> list[TickRequest]:
     return [TickRequest(session_id=session, request_id=i, controls={"keys": KEYS[i % len(KEYS)]}, seed=SEED) for i in range(count)]
 
 
 def test_a_failed_restore_ends_only_that_session_and_leaves_the_pool_at_baseline() -> None:
-    pipeline = FailingImportFake(sink_frames=1, window_frames=6, frames_per_chunk=2)
+    pipeline = FailingImportFakePipeline(sink_frames=1, window_frames=6, frames_per_chunk=2)
     runner = runner_for_sessions(pipeline, 2, rewind=RewindSchedule.last(K), parking=ParkingPolicy(PLENTY))
     baseline = runner.pool.num_free
     _play(runner, _fake_ticks("a", 5))
     _play(runner, _fake_ticks("b", 5))
     assert runner.park_session("a")
     with_b_only = runner.pool.num_free
-    pipeline.fail = True
+    pipeline.fail_import = True
     (result,) = runner.execute([_fake_ticks("a", 6)[5]])
     assert isinstance(result, TickFailure) and isinstance(result.error, RestoreFailed)
     assert "could not be restored" in str(result.error)
     assert not runner.is_resident("a") and runner.pool.num_free == with_b_only
     assert runner.stats().restore_failures_total == 1
-    pipeline.fail = False
+    pipeline.fail_import = False
     assert runner.next_chunk_index("b") == 5 and isinstance(runner.execute([_fake_ticks("b", 6)[5]])[0], ChunkResult)
     runner.close_session("b")
     assert runner.pool.num_free == baseline

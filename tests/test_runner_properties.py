@@ -19,13 +19,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from arstream.models.fake import FakeForwardError
-from arstream.runner.contract import ModelState
 from arstream.runner.parking import ParkingPolicy, RestoreFailed
 from arstream.runner.pool import session_frames
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
-from runner_fakes import RaisingAfterCommitFakePipeline
+from runner_fakes import FailingImportFakePipeline, RaisingAfterCommitFakePipeline
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e"])
 # (session, fail, reset, close) per tick of a round
@@ -34,15 +33,9 @@ ROUND_TICKS = st.lists(st.tuples(SESSIONS, st.booleans(), st.booleans(), st.bool
 BACK = st.integers(min_value=-1, max_value=5)
 
 
-class ImportFailingFakePipeline(RaisingAfterCommitFakePipeline):
-    """The fake, whose import of a model state (a restore) raises while ``fail_import`` is set."""
-
-    fail_import = False
-
-    def import_session_state(self, session_id: str, state: ModelState) -> None:
-        if self.fail_import:
-            raise RuntimeError("fake import failure")
-        super().import_session_state(session_id, state)
+class ImportFailingFakePipeline(FailingImportFakePipeline, RaisingAfterCommitFakePipeline):
+    """The fake that fails after a commit when asked, whose import of a model state (a restore) raises while
+    ``fail_import`` is set."""
 
 
 class RunnerMachine(RuleBasedStateMachine):
