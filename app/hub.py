@@ -30,6 +30,7 @@ from arstream.app.viewers import ShareRegistry
 from arstream.app.worker import ModelWorker, TickOutcome
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
+from arstream.runner.parking import ParkingPolicy
 from arstream.runner.runtimes import Runtime, build_runtime
 
 log = logging.getLogger("arstream.hub")
@@ -175,6 +176,9 @@ class SessionHub:
             rewind_seconds=settings.rewind_seconds,
             rewind_budget_bytes=settings.rewind_budget_bytes(),
             split_decode=settings.resolved_decode_overlap(),
+            parking=ParkingPolicy(  # parking (runner/parking.py)
+                settings.park_budget_bytes, settings.park_after_s, settings.park_spill_dir, settings.park_spill_budget_bytes
+            ),
         )
         warmed = runner.warmup()
         log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
@@ -455,6 +459,7 @@ class SessionHub:
                 "pending_ticks": sum(s.pending_ticks for s in sessions),
                 "replies_queued": sum(c.outbox.replies_queued for c in self.connections.values()),
             },
+            "parking": runner_stats.parking(),  # runner/parking.py
             "queue": {"depth": worker.queue_depth},
             "chunks": {
                 "total": runner_stats.chunks_total,

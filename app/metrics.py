@@ -54,8 +54,25 @@ class RunnerCollector(Collector):
         # (family, name, help, value): one sample each, straight from the runner's stats
         single_samples = (
             (GaugeMetricFamily, "arstream_kv_pool_bytes", "Bytes preallocated for the KV pool", stats.pool_bytes),
-            (GaugeMetricFamily, "arstream_session_capacity", "Sessions the KV pool can hold", stats.session_capacity),
+            (
+                GaugeMetricFamily,
+                "arstream_session_capacity",
+                "Sessions the replica can hold: pool slots plus parked sessions (--park-budget-bytes)",
+                stats.session_capacity,
+            ),
+            (GaugeMetricFamily, "arstream_resident_capacity", "Sessions the KV pool can hold", stats.resident_capacity),
             (GaugeMetricFamily, "arstream_sessions_resident", "Sessions holding KV in the pool", stats.sessions_resident),
+            (GaugeMetricFamily, "arstream_sessions_parked", "Sessions parked in host memory or on disk", stats.sessions_parked),
+            (GaugeMetricFamily, "arstream_parked_bytes", "Host memory parked sessions take", stats.parked_bytes),
+            (GaugeMetricFamily, "arstream_spilled_bytes", "Disk bytes parked sessions take", stats.spilled_bytes),
+            (CounterMetricFamily, "arstream_parks", "Sessions moved out of the pool to host memory", stats.parks_total),
+            (CounterMetricFamily, "arstream_restores", "Parked sessions restored into the pool", stats.restores_total),
+            (
+                CounterMetricFamily,
+                "arstream_restore_failures",
+                "Parked sessions whose restore failed (the session ended)",
+                stats.restore_failures_total,
+            ),
             (CounterMetricFamily, "arstream_evictions", "Sessions evicted from the pool (LRU)", stats.evictions_total),
             (
                 CounterMetricFamily,

@@ -320,6 +320,7 @@ class ResumeRegistry:
         # The dropped ticks never run, but their controls and prompt were accepted: keep them.
         for job in worker.drop_ticks(session.id):
             session.absorb_update(job)
+        worker.park_session(session.id)  # in host memory until it resumes, where there is park room (runner/parking.py)
         loop = asyncio.get_running_loop()
         entry.connection = None
         entry.session = session

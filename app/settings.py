@@ -94,6 +94,23 @@ class Settings(BaseSettings):
         "copies of the model's per-session state), counted in capacity; a model whose points cost more gets "
         "fewer, sparser ones, or a shorter horizon (docs/rewind.md)",
     )
+    park_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="host memory for parked sessions: an idle (past park_after_s), detached or least recently used "
+        "session moves there with its rewind points, its pool slot goes to another, and its next tick restores it "
+        "(a slower chunk); the sessions a replica holds grow by this over a session's bytes; 0 turns parking off "
+        "(docs/deployment.md, Parking)",
+    )
+    park_after_s: float | None = Field(
+        None, ge=0, description="park a session idle this long (default: only when its slot is needed or it detached)"
+    )
+    park_spill_dir: str | None = Field(
+        None, description="local directory for parked sessions past the park budget (one file each)"
+    )
+    park_spill_budget_bytes: int = Field(
+        0, ge=0, description="disk bytes parked sessions may take in the spill directory (which it needs)"
+    )
     runtime: RuntimeName = Field(
         "arstream",
         description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "

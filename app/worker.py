@@ -56,7 +56,7 @@ from arstream.app.scheduler import RoundScheduler, Run, TickLanes
 from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
 from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
-from arstream.runner.runtimes import Runtime, SplitDecodeRuntime
+from arstream.runner.runtimes import Runtime, SplitDecodeRuntime, park_idle, park_session
 from arstream.runner.snapshot import SessionSnapshot, import_session, transferable, unstarted_snapshot
 from arstream.runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
 from arstream.runner.stats import RunnerStats
@@ -244,6 +244,12 @@ class ModelWorker:
         """Remove the session's queued ticks (call with the lock held)."""
         self._scheduler.forget(session_id)
         return self._lanes.take_lane(session_id)
+
+    def park_session(self, session_id: str) -> None:
+        """Park the session's device state in host memory at the next chunk boundary (it detached; runner/parking.py)."""
+        with self._cond:
+            self._controls.append(lambda: park_session(self.runner, session_id))
+            self._cond.notify()
 
     def session_position(self, session_id: str) -> asyncio.Future[SessionPosition]:
         """Resolves on the event loop with where the session stands once none of its ticks is running.
@@ -460,6 +466,7 @@ class ModelWorker:
             except BaseException:  # noqa: BLE001 - the worker must outlive any one job
                 log.exception("worker job failed")
             finally:
+                park_idle(self.runner)  # sessions idle past --park-after-s go to host memory (runner/parking.py)
                 self._publish_stats()
 
     def _next_work(self) -> Callable[[], None] | list[TickJob] | None:

@@ -416,16 +416,20 @@ class SessionKVState:
         boundary's K/V for as long as their references are held.
         """
         self._check_at_boundary("share_tables")
+        tables = self.tables()
+        self.pool.share(tables.blocks())
+        return tables
+
+    def tables(self) -> HistoryTables:
+        """The history's block tables as they are now, copied, with no pool reference of their own."""
         names = self.spec.branch_names
-        tables = HistoryTables(
+        return HistoryTables(
             sink={b: list(self.sink[b]) for b in names},
             window={b: list(self.window[b]) for b in names},
             frames_committed=self.frames_committed,
             chunks_committed=self.chunks_committed,
             sink_start=self.sink_start,
         )
-        self.pool.share(tables.blocks())
-        return tables
 
     def adopt_tables(self, tables: HistoryTables) -> None:
         """Go to the boundary ``tables`` describe, taking over their references; the current history's are dropped."""

@@ -122,6 +122,16 @@ class RewindPoints:
         self.pool.share(tables.blocks())
         return Boundary(tables, copy_model_state(boundary.model))
 
+    def boundaries(self) -> list[Boundary]:
+        """The kept boundaries, oldest first (still held here: for a copy, e.g. parking)."""
+        return list(self._boundaries)
+
+    def restore(self, boundaries: list[Boundary]) -> None:
+        """Hold ``boundaries`` (oldest first, their references ours): a restored session's (runner/parking.py)."""
+        if self._boundaries:
+            raise ValueError("restore needs empty rewind points")
+        self._boundaries = list(boundaries)
+
     def blocks(self) -> list[int]:
         """Every block reference held (a block kept by two boundaries is listed twice)."""
         return [i for b in self._boundaries for i in b.tables.blocks()]

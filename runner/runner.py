@@ -26,6 +26,14 @@ and its chunks carry ``pending`` (what to decode) instead of frames;
 next forward runs: the worker's decode stage) and :meth:`ARRunner.fail_session`
 releases a session whose decode failed, on the runner's own thread.
 :meth:`ARRunner.execute_tick` and warm-up still decode in line.
+
+Parking (a :class:`~arstream.runner.parking.ParkingPolicy` with a budget):
+the LRU victim of a full pool, a session idle past ``after_s``
+(:meth:`ARRunner.park_idle`) and one the server parks (:meth:`ARRunner.park_session`,
+a detached session) move to host memory with their rewind points, and their
+next tick, rewind or branch restores them (:mod:`arstream.runner.parking`).
+``is_resident`` counts parked sessions as held; ``resident_sessions`` lists
+those in the pool. A restore that fails ends its session (``restore_failed``).
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ from arstream.runner.contract import (
     SupportsWarmup,
 )
 from arstream.runner.kv_state import SessionKVState
-from arstream.runner.pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
+from arstream.runner.parking import ParkedSession, ParkingPolicy, RestoreFailed, park_payload, restore_payload
+from arstream.runner.pool import PagedKVPool, PoolExhausted, budget_for_sessions, plan_pool, resolve_budget_bytes
 from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.rewind_schedule import RewindSchedule, plan_rewind
 from arstream.runner.spec import KVCacheSpec
@@ -96,6 +105,8 @@ class ARRunner:
         max_batch_sessions: int = 1,
         rewind: RewindSchedule | None = None,
         split_decode: bool = False,
+        parking: ParkingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise UnsupportedConfiguration(
@@ -136,6 +147,17 @@ class ARRunner:
         # boundaries recorded while the chunk before them was decoding: (session, boundary, the one before it)
         self._unfinished_boundaries: list[tuple[str, Boundary, Boundary | None]] = []
         self.counters = RuntimeCounters()
+        # Parking (runner/parking.py): sessions moved to host memory, restored on their next use.
+        self.parking_policy = parking or ParkingPolicy()
+        self.parking = self.parking_policy.lot()
+        self._clock = clock
+        self._last_used: dict[str, float] = {}
+        # sessions being exported (kv_state): never parked while their blocks are read, until their next chunk
+        self._pinned: set[str] = set()
+        # parking's device <-> host copies run here, beside the forward (CUDA only)
+        self._copy_stream: Any = None
+        if self.device.type == "cuda" and self.parking.enabled:
+            self._copy_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.on_evict: Callable[[str], None] | None = None
         # median seconds of one warm-up step (an execute call) per batch size, filled by warmup()
         self.warmup_round_s: dict[int, float] = {}
@@ -181,55 +203,253 @@ class ARRunner:
         return self.first_chunk_frames if chunk_index == 0 else self.video_frames_per_chunk
 
     def history_frames(self, session_id: str) -> int:
-        """Frames of history the session's next chunk sees (0 for a session that is not resident)."""
+        """Frames of history the session's next chunk sees (0 for a session that is not held)."""
         state = self._sessions.get(session_id)
-        return 0 if state is None else state.history_frames(self.spec.branch_names[0])
+        if state is None:
+            parked = self.parking.get(session_id)
+            return 0 if parked is None else parked.history_frames
+        return state.history_frames(self.spec.branch_names[0])
 
     def resident_sessions(self) -> list[str]:
-        """Session ids from least to most recently used."""
+        """Session ids in the pool, from least to most recently used (parked ones are not: :meth:`parked_sessions`)."""
         return list(self._sessions)
 
+    def parked_sessions(self) -> list[str]:
+        """Session ids parked in host memory (runner/parking.py), least recently parked first."""
+        return self.parking.sessions()
+
     def is_resident(self, session_id: str) -> bool:
+        """Whether this runner holds the session: in the pool, or parked (its next use restores it)."""
+        return session_id in self._sessions or session_id in self.parking
+
+    def in_pool(self, session_id: str) -> bool:
+        """Whether the session holds pool blocks now (not parked)."""
         return session_id in self._sessions
 
     def next_chunk_index(self, session_id: str) -> int:
-        """The ``chunk_index`` the session's next chunk will have (0 when it is not resident: a new rollout)."""
+        """The ``chunk_index`` the session's next chunk will have (0 when it is not held: a new rollout)."""
         state = self._sessions.get(session_id)
-        return 0 if state is None else state.chunk_index
+        if state is None:
+            parked = self.parking.get(session_id)
+            return 0 if parked is None else parked.chunk_index
+        return state.chunk_index
 
     def kv_state(self, session_id: str) -> SessionKVState | None:
-        """The session's KV state between forwards (for :mod:`arstream.runner.snapshot`), or None."""
-        return self._sessions.get(session_id)
+        """The session's KV state between forwards (for :mod:`arstream.runner.snapshot`), or None.
+
+        A parked session is restored first (exports take it from its host copy
+        instead: :func:`~arstream.runner.snapshot.export_parked`). With parking on,
+        the session is then kept in the pool (never parked or evicted to make room)
+        until its next chunk or its release: an export reads its blocks in pieces
+        between others' forwards.
+        """
+        state = self._resident_state(session_id)
+        if state is not None and self.parking.enabled:
+            self._pinned.add(session_id)
+        return state
+
+    def _resident_state(self, session_id: str) -> SessionKVState | None:
+        """The session's KV state, restored first when it is parked; None when the runner does not hold it."""
+        state = self._sessions.get(session_id)
+        if state is None and session_id in self.parking:
+            self._make_room()
+            state = self._restore(session_id)
+        return state
+
+    def make_room(self, *, evict: bool = False) -> bool:
+        """Free a pool slot for an incoming session by parking the least recently used one (an import).
+
+        With ``evict`` a session past the park room is ended (as a new session's
+        first tick does); without, returns False when no slot can be freed.
+        """
+        return self._make_room(evict=evict)
 
     def adopt_kv_state(self, state: SessionKVState) -> None:
         """Make an imported session resident (most recently used); the caller filled ``state`` from a snapshot."""
         if state.pool is not self.pool or state.session_id in self._sessions:
             raise ValueError(f"cannot adopt session {state.session_id!r}: another pool's, or already resident")
         self._sessions[state.session_id] = state
+        self._last_used[state.session_id] = self._clock()
         if self.rewind:  # its boundaries stayed behind: it can rewind to those it passes from here
             self._rewind[state.session_id] = RewindPoints(self.pool, self.rewind)
 
     def _get_or_create(self, session_id: str) -> SessionKVState:
-        state = self._sessions.get(session_id)
+        state = self._resident_state(session_id)
         if state is None:
-            while len(self._sessions) >= self.session_capacity:
-                oldest = next(iter(self._sessions))
-                self._release(oldest, reset_model=False, reason="lru_eviction", suppress_errors=True)
-                self.counters.evictions_total += 1
-                if self.on_evict is not None:
-                    self.on_evict(oldest)
+            self._make_room()
             state = SessionKVState(self.pool, session_id)
             self._sessions[session_id] = state
             if self.rewind:
                 self._rewind[session_id] = RewindPoints(self.pool, self.rewind)
+        self._pinned.discard(session_id)  # it runs a chunk: an export of it is over
+        self._touch(session_id)
+        return state
+
+    def _touch(self, session_id: str) -> None:
+        """The session was just used: most recently used, and its idle time starts again."""
         self._sessions.move_to_end(session_id)
+        self._last_used[session_id] = self._clock()
+
+    def _make_room(self, *, evict: bool = True) -> bool:
+        """Until a pool slot is free: park the least recently used parkable session, else end the oldest (evict)."""
+        while len(self._sessions) >= self.session_capacity:
+            victim = next((s for s in self._sessions if self._parkable(s)), None)
+            if victim is not None and self._park(victim):
+                continue
+            if not evict:
+                return False
+            oldest = next((s for s in self._sessions if s not in self._pinned), None)
+            if oldest is None:  # ending one would break an export reading its blocks
+                raise PoolExhausted(f"all {self.session_capacity} session slots hold sessions being exported")
+            self._release(oldest, reset_model=False, reason="lru_eviction", suppress_errors=True)
+            self.counters.evictions_total += 1
+            if self.on_evict is not None:
+                self.on_evict(oldest)
+        return True
+
+    # ---- parking (runner/parking.py) --------------------------------------------------
+
+    @property
+    def park_capacity(self) -> int:
+        """Most sessions parked at once: the park budgets over a session's worst-case bytes."""
+        if not self.parking.enabled or not isinstance(self.pipeline, SupportsSessionTransfer):
+            return 0
+        room = self.parking.budget_bytes + self.parking.spill_budget_bytes
+        return room // max(self.plan.per_session_bytes, 1)
+
+    def _parkable(self, session_id: str) -> bool:
+        """Whether the session can be parked now: at its chunk boundary, no decode of it in flight, not exported."""
+        state = self._sessions.get(session_id)
+        pipeline = self.pipeline
+        if state is None or session_id in self._pinned or not self.park_capacity:
+            return False
+        if state.in_pass or state.chunk_held or any(state.pending.values()) or state.rewritten:
+            return False
+        if any(sid == session_id for sid, _b, _p in self._unfinished_boundaries):
+            return False
+        return not (self.split_decode and isinstance(pipeline, SupportsSplitDecode) and pipeline.decode_in_flight(session_id))
+
+    def park_session(self, session_id: str) -> bool:
+        """Park a session now (it detached: its next use restores it); whether it was parked."""
+        return self._parkable(session_id) and self._park(session_id)
+
+    def restore_session(self, session_id: str) -> bool:
+        """Bring a parked session back into the pool now (ahead of its next tick, e.g. as it resumes); whether it
+        was parked. A failed restore ends it and raises :class:`RestoreFailed`."""
+        if session_id not in self.parking:
+            return False
+        self._resident_state(session_id)
+        return True
+
+    def park_idle(self) -> int:
+        """Park every session idle for ``park_after_s`` or longer; how many were parked."""
+        after = self.parking_policy.after_s
+        if after is None:
+            return 0
+        now = self._clock()
+        idle = [s for s in self._sessions if now - self._last_used.get(s, now) >= after and self._parkable(s)]
+        return sum(1 for s in idle if self._park(s))
+
+    def _park(self, session_id: str) -> bool:
+        """Move a parkable session to the parking lot; False (nothing changed) when it does not fit or fails."""
+        if len(self.parking) >= self.park_capacity:
+            return False
+        pipeline = self.pipeline
+        assert isinstance(pipeline, SupportsSessionTransfer)  # else park_capacity is 0
+        state = self._sessions[session_id]
+        points = self._rewind.get(session_id)
+        started = time.perf_counter()
+        try:
+            boundaries = [] if points is None else points.boundaries()
+            layout, tensors, ready = park_payload(
+                self.pool, state, boundaries, pipeline.export_session_state(session_id), copy_stream=self._copy_stream
+            )
+            layout["rewound"] = session_id in self._rewound
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            if not self.parking.room_for(nbytes):
+                return False
+            held = self.rewind_held(session_id)
+            parked = ParkedSession(
+                session_id,
+                layout,
+                tensors,
+                nbytes,
+                last_used=self._last_used.get(session_id, self._clock()),
+                chunk_index=state.chunk_index,
+                history_frames=state.history_frames(self.spec.branch_names[0]),
+                rewind_held=held,
+                ready=ready,
+            )
+            self.parking.put(parked)
+        except Exception as exc:  # noqa: BLE001 - the session stays resident; making room may end it instead
+            log.warning("session=%s could not be parked (%s: %s)", session_id, type(exc).__name__, exc)
+            return False
+        # Its state is in the lot: the device side goes (blocks, boundaries, the pipeline's copy), not the session.
+        del self._sessions[session_id]
+        self._rewind.pop(session_id, None)
+        self._rewound.discard(session_id)
+        errors: list[Exception] = []
+        for owner in (state, points):
+            try:
+                if owner is not None:
+                    owner.release()
+            except Exception as exc:  # noqa: BLE001 - each step is attempted
+                errors.append(exc)
+        try:
+            pipeline.close_session(session_id)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        if errors:
+            log.warning("session=%s parked; releasing its device state had errors: %s", session_id, errors)
+        self.counters.parked(time.perf_counter() - started)
+        log.debug("parked session=%s (%d bytes)", session_id, nbytes)
+        return True
+
+    def _restore(self, session_id: str) -> SessionKVState:
+        """Bring a parked session back into the pool (a slot is free); a failure ends it and raises RestoreFailed."""
+        pipeline = self.pipeline
+        assert isinstance(pipeline, SupportsSessionTransfer)
+        started = time.perf_counter()
+        try:
+            parked, tensors = self.parking.take(session_id)
+            restored = restore_payload(self.pool, session_id, parked.layout, tensors)
+            try:
+                pipeline.import_session_state(session_id, restored.live_model)
+                points = RewindPoints(self.pool, self.rewind) if self.rewind else None
+                if points is not None:
+                    points.restore(restored.boundaries)
+                elif restored.boundaries:
+                    raise RestoreFailed("the session was parked with rewind points this runner does not keep")
+            except BaseException:
+                restored.state.release()
+                self.pool.free(i for b in restored.boundaries for i in b.tables.blocks())
+                raise
+        except Exception as exc:  # noqa: BLE001 - fail closed: the session ends, the pool is back at baseline
+            self.counters.failures_total += 1
+            self.counters.restore_failures_total += 1
+            self._release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            log.warning("session=%s could not be restored from parking (%s: %s); it ended", session_id, type(exc).__name__, exc)
+            raise RestoreFailed(
+                f"the session was parked in host memory and could not be restored ({type(exc).__name__}: {exc})"
+            ) from exc
+        state = restored.state
+        self._sessions[session_id] = state
+        if points is not None:
+            self._rewind[session_id] = points
+        if parked.layout.get("rewound"):
+            self._rewound.add(session_id)
+        self._last_used[session_id] = self._clock()
+        self.counters.restored(time.perf_counter() - started)
         return state
 
     def _release(self, session_id: str, *, reset_model: bool, reason: str, suppress_errors: bool = False) -> None:
-        """The one release path for reset, close, eviction and failure (its boundaries go with it)."""
+        """The one release path for reset, close, eviction and failure (its boundaries, or its parked copy, go too)."""
         state = self._sessions.pop(session_id, None)
         points = self._rewind.pop(session_id, None)
         self._rewound.discard(session_id)
+        self._last_used.pop(session_id, None)
+        self._pinned.discard(session_id)
+        self.parking.discard(session_id)
         errors: list[Exception] = []
         for owner in (state, points):
             if owner is None:
@@ -295,7 +515,8 @@ class ARRunner:
             return None
         state = self._sessions.get(session_id)
         if state is None:
-            return (0,)
+            parked = self.parking.get(session_id)
+            return (0,) if parked is None or parked.rewind_held is None else parked.rewind_held
         return self._rewind[session_id].indices(state.chunk_index)
 
     def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
@@ -311,14 +532,14 @@ class ARRunner:
         """
         if self.rewind_refusal:
             raise RewindUnavailable(self.rewind_refusal)
-        if new_session_id in self._sessions:
+        if self.is_resident(new_session_id):
             raise ValueError(f"cannot branch into session {new_session_id!r}: it is already resident")
-        source = self._sessions.get(source_id)
+        source = self._resident_state(source_id)
         if source is None:  # the message reaches clients: no internal session id in it
             raise RewindUnavailable("the shared session is not resident here; it holds no chunk boundaries")
         index = source.chunk_index if boundary is None else boundary
         branch = self._share_boundary(source_id, index)
-        self._sessions.move_to_end(source_id)
+        self._touch(source_id)
         adopted = False
         try:
             self._get_or_create(new_session_id).adopt_tables(branch.tables)
@@ -411,9 +632,9 @@ class ARRunner:
             if target != 0:
                 raise RewindUnavailable(f"chunk boundary {target} is not held after a reset; only 0 is")
             return
-        state = self._sessions.get(tick.session_id)
-        now = 0 if state is None else state.chunk_index
-        if target != now and (state is None or not self._rewind[tick.session_id].holds(target)):
+        # answered from a parked session's copy too: a refusal restores nothing
+        now = self.next_chunk_index(tick.session_id)
+        if target != now and target not in (self.rewind_held(tick.session_id) or ()):
             raise self._not_held(tick.session_id, target)
 
     def _rewind_session(self, session_id: str, index: int) -> None:
@@ -442,6 +663,7 @@ class ARRunner:
         if tick.reset:
             self.reset_session(tick.session_id)
         if tick.rewind_to is not None:
+            self._resident_state(tick.session_id)  # a parked session's boundaries come back to the pool first
             self._rewind_session(tick.session_id, tick.rewind_to)
 
     def _result(
@@ -494,6 +716,9 @@ class ARRunner:
                 history = self.history_frames(ticks[waiting[0]].session_id)
                 group = [i for i in waiting if self.history_frames(ticks[i].session_id) == history][: self.batch_limit]
                 waiting = [i for i in waiting if i not in group]
+                group = self._restore_group(ticks, group, results)
+                if not group:
+                    continue
                 group_ticks = [ticks[i] for i in group]
                 if len(group) > 1:
                     forwarded = self._forward_batch(group_ticks)
@@ -506,6 +731,26 @@ class ARRunner:
                         results[i] = result if closed is None else closed
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def _restore_group(
+        self, ticks: Sequence[TickRequest], group: list[int], results: list[TickResult | None]
+    ) -> list[int]:
+        """Restore the parked sessions of one forward's group; a failed restore is that tick's result.
+
+        The group's resident sessions count as just used first, so bringing one
+        back never parks another member of the same forward.
+        """
+        for i in group:
+            if ticks[i].session_id in self._sessions:
+                self._touch(ticks[i].session_id)
+        kept = []
+        for i in group:
+            failure = self._attempt(ticks[i], lambda tick: self._resident_state(tick.session_id))
+            if failure is None:
+                kept.append(i)
+            else:
+                results[i] = failure
+        return kept
 
     def execute_tick(self, tick: TickRequest) -> ChunkResult:
         """Reset and rewind before (if asked), one bound forward, close after (if asked); raises if the forward does.
@@ -768,6 +1013,12 @@ class ARRunner:
             batch_limit=self.batch_limit,
             rewind_points=0 if self.rewind is None else self.rewind.peak(self.spec).copies,
             rewind_seconds=0.0 if self.rewind is None else self.rewind.seconds,
+            park_capacity=self.park_capacity,
+            sessions_parked=len(self.parking),
+            sessions_spilled=self.parking.spilled_sessions,
+            parked_bytes=self.parking.host_bytes,
+            spilled_bytes=self.parking.spilled_bytes,
+            park_budget_bytes=self.parking.budget_bytes,
         )
 
     def model_card(self) -> dict[str, Any]:
@@ -858,6 +1109,8 @@ def runner_for_sessions(
     device: torch.device | str = "cpu",
     rewind: RewindSchedule | None = None,
     split_decode: bool = False,
+    parking: ParkingPolicy | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> ARRunner:
     """A runner whose pool has room for exactly ``sessions`` resident sessions (benches, evaluation, tests)."""
     budget = budget_for_sessions(
@@ -870,6 +1123,8 @@ def runner_for_sessions(
         max_batch_sessions=max_batch_sessions,
         rewind=rewind,
         split_decode=split_decode,
+        parking=parking,
+        clock=clock,
     )
 
 

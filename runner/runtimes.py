@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from arstream.runner.contract import ARPipeline
+from arstream.runner.parking import ParkingPolicy
 from arstream.runner.runner import ARRunner, rewind_for
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
@@ -94,6 +95,7 @@ def build_runtime(
     rewind_seconds: float = 0.0,
     rewind_budget_bytes: int = 0,
     split_decode: bool = False,
+    parking: ParkingPolicy | None = None,
 ) -> Runtime:
     """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings.
 
@@ -101,6 +103,7 @@ def build_runtime(
     ``rewind_seconds`` is how far back a session may rewind, in seconds of play, within
     ``rewind_budget_bytes`` per session (ARRunner only: vllm-omni refuses rewinds; docs/rewind.md).
     ``split_decode`` runs a pipeline's decode apart from its forward (ARRunner only; :class:`SplitDecodeRuntime`).
+    ``parking`` moves idle sessions to host memory (ARRunner only: runner/parking.py; vllm-omni holds its own).
     """
     options: dict[str, Any] = dict(
         device=device,
@@ -114,7 +117,7 @@ def build_runtime(
                 f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
             )
         rewind = rewind_for(pipeline, seconds=rewind_seconds, budget_bytes=rewind_budget_bytes)
-        return ARRunner(pipeline, rewind=rewind, split_decode=split_decode, **options)
+        return ARRunner(pipeline, rewind=rewind, split_decode=split_decode, parking=parking, **options)
     if name == "vllm-omni":
         if not vllm_omni_available():
             raise UnsupportedConfiguration(
@@ -129,3 +132,15 @@ def build_runtime(
 
         return VllmOmniRunner(pipeline, **options)
     raise UnsupportedConfiguration(f"unknown runtime {name!r}; expected one of {list(RUNTIMES)}")
+
+
+def park_session(runtime: Runtime | None, session_id: str) -> None:
+    """Park one session in host memory now, where it can be (ARStream's runner only: other runtimes do not park)."""
+    if isinstance(runtime, ARRunner):
+        runtime.park_session(session_id)
+
+
+def park_idle(runtime: Runtime | None) -> None:
+    """Park the sessions idle past the runtime's ``park_after_s`` (ARStream's runner only)."""
+    if isinstance(runtime, ARRunner):
+        runtime.park_idle()

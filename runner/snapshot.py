@@ -193,21 +193,28 @@ def export_header(
     if state.in_pass or state.chunk_held or any(state.pending.values()):
         raise SnapshotError(f"session {session_id!r} is inside a forward; export only at a chunk boundary")
     model = pipeline.export_session_state(session_id)
-    header = _identity(runner, protocol_version)
-    header["kv"] = {
+    kv = {
         "frames_committed": state.frames_committed,
         "chunks_committed": state.chunks_committed,
         "sink_start": state.sink_start,
         "sink_frames": {branch: len(state.sink[branch]) for branch in runner.spec.branch_names},
         "cross_written": sorted(state.cross_written),
     }
-    header["model_state"] = model.json
+    return _header(runner, protocol_version, kv, model.json), model
+
+
+def _header(runner: ARRunner, protocol_version: int | None, kv: dict[str, Any], model_json: Any) -> dict[str, Any]:
+    header = _identity(runner, protocol_version)
+    header["kv"] = kv
+    header["model_state"] = model_json
     header["session"] = {}
-    return header, model
+    return header
 
 
 def export_session(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
     """The session's state at its chunk boundary; the session stays resident (the caller releases it)."""
+    if session_id in runner.parking:
+        return export_parked(runner, session_id, protocol_version=protocol_version)
     header, model = export_header(runner, session_id, protocol_version=protocol_version)
     state = runner.kv_state(session_id)
     assert state is not None
@@ -224,6 +231,32 @@ def export_session(runner: ARRunner, session_id: str, *, protocol_version: int |
     for name, tensor in model.tensors.items():
         tensors[f"model/{name}"] = tensor
     return SessionSnapshot(header, tensors)
+
+
+def export_parked(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
+    """The snapshot of a parked session (runner/parking.py), taken from its host copy: nothing is restored,
+    and it stays parked (the caller releases it). The same snapshot :func:`export_session` takes of it resident."""
+    held = runner.parking.peek(session_id)
+    if held is None:
+        raise SnapshotError(f"session {session_id!r} is not parked; nothing to export")
+    layout, parked = held
+    live, model = layout["live"], layout["models"][0]
+    kv = {
+        "frames_committed": live["frames_committed"],
+        "chunks_committed": live["chunks_committed"],
+        "sink_start": live["sink_start"],
+        "sink_frames": {branch: len(live["sink"][branch]) for branch in runner.spec.branch_names},
+        "cross_written": layout["cross_written"],
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    for branch in runner.spec.branch_names:
+        numbers = live["sink"][branch] + live["window"][branch]
+        if numbers:
+            tensors[f"kv/{branch}"] = parked["blocks"].index_select(2, torch.tensor(numbers, dtype=torch.long))
+    tensors.update({name: t for name, t in parked.items() if name.startswith(("cross_k/", "cross_v/"))})
+    for name, key in model["tensors"].items():
+        tensors[f"model/{name}"] = parked[key]
+    return SessionSnapshot(_header(runner, protocol_version, kv, model["json"]), tensors)
 
 
 def unstarted_snapshot(runner: ARRunner, *, protocol_version: int | None = None) -> SessionSnapshot:
@@ -254,7 +287,7 @@ def import_session(
 ) -> None:
     """Make ``snapshot`` the resident session ``session_id``; refuse, leaving the pool as it was, if it does not fit.
 
-    Never evicts another session: a replica with no free slot refuses.
+    Never evicts another session: a replica with no free slot (and no park room) refuses.
     """
     check_compatible(runner, snapshot.header, protocol_version)
     if not snapshot.resident:
@@ -265,7 +298,8 @@ def import_session(
     assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
     if runner.is_resident(session_id):
         raise SnapshotRefused(f"session {session_id!r} is already resident here")
-    if len(runner.resident_sessions()) >= runner.session_capacity:
+    # a full pool parks its least recently used session when there is park room (runner/parking.py)
+    if len(runner.resident_sessions()) >= runner.session_capacity and not runner.make_room():
         raise SnapshotRefused(f"no room: all {runner.session_capacity} session slots of this replica's pool are in use")
     kv = snapshot.header.get("kv")
     if not isinstance(kv, dict):

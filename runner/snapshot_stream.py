@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, read_header
+from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
 from arstream.runner.snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 
 if TYPE_CHECKING:
@@ -130,6 +130,8 @@ class SnapshotPlan:
 
 def plan_export(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
     """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched."""
+    if session_id in runner.parking:  # already a host copy (runner/parking.py): planned from it, not restored
+        return plan_of(export_parked(runner, session_id, protocol_version=protocol_version))
     header, model = export_header(runner, session_id, protocol_version=protocol_version)
     state = runner.kv_state(session_id)
     assert state is not None

@@ -29,6 +29,21 @@ class RuntimeCounters:
     # batched forwards that raised; their ticks were run again one by one
     batch_fallbacks_total: int = 0
 
+    # parking (runner/parking.py): sessions moved to host memory and back, and the seconds each move took
+    parks_total: int = 0
+    restores_total: int = 0
+    restore_failures_total: int = 0
+    restore_times_s: deque[float] = field(default_factory=lambda: deque(maxlen=CHUNK_TIMES_KEPT))
+    park_seconds_total: float = 0.0
+
+    def parked(self, seconds: float) -> None:
+        self.parks_total += 1
+        self.park_seconds_total += seconds
+
+    def restored(self, seconds: float) -> None:
+        self.restores_total += 1
+        self.restore_times_s.append(seconds)
+
     # chunks decoded apart from their forward (a split decode) and the seconds those decodes took
     decodes_total: int = 0
     decode_seconds_total: float = 0.0
@@ -79,6 +94,34 @@ class RunnerStats:
     # and how far back they reach in seconds of play
     rewind_points: int = 0
     rewind_seconds: float = 0.0
+    # Parking (docs/deployment.md, "Parking"). ``session_capacity`` above counts the sessions the replica
+    # holds in all: ``resident_capacity`` pool slots plus ``park_capacity`` parked ones.
+    resident_capacity: int = 0
+    park_capacity: int = 0
+    sessions_parked: int = 0
+    sessions_spilled: int = 0
+    parked_bytes: int = 0
+    spilled_bytes: int = 0
+    park_budget_bytes: int = 0
+    parks_total: int = 0
+    restores_total: int = 0
+    restore_failures_total: int = 0
+
+    def parking(self) -> dict[str, int]:
+        """The /v1/stats ``parking`` section: resident and parked sessions and bytes, and the moves so far."""
+        return {
+            "resident_capacity": self.resident_capacity,
+            "park_capacity": self.park_capacity,
+            "sessions_resident": self.sessions_resident,
+            "sessions_parked": self.sessions_parked,
+            "sessions_spilled": self.sessions_spilled,
+            "parked_bytes": self.parked_bytes,
+            "spilled_bytes": self.spilled_bytes,
+            "park_budget_bytes": self.park_budget_bytes,
+            "parks_total": self.parks_total,
+            "restores_total": self.restores_total,
+            "restore_failures_total": self.restore_failures_total,
+        }
 
     @classmethod
     def build(
@@ -97,8 +140,17 @@ class RunnerStats:
         batch_limit: int,
         rewind_points: int = 0,
         rewind_seconds: float = 0.0,
+        park_capacity: int = 0,
+        sessions_parked: int = 0,
+        sessions_spilled: int = 0,
+        parked_bytes: int = 0,
+        spilled_bytes: int = 0,
+        park_budget_bytes: int = 0,
     ) -> RunnerStats:
-        """The stats of a runtime with these pool figures, over ``spec``, with these counters."""
+        """The stats of a runtime with these pool figures, over ``spec``, with these counters.
+
+        ``session_capacity`` is the pool's slots; the stats' ``session_capacity`` adds ``park_capacity``.
+        """
         return cls(
             blocks_total=blocks_total,
             blocks_free=blocks_free,
@@ -106,8 +158,18 @@ class RunnerStats:
             scratch_blocks=scratch_blocks,
             block_bytes=block_bytes,
             pool_bytes=pool_bytes,
-            session_capacity=session_capacity,
+            session_capacity=session_capacity + park_capacity,
             sessions_resident=sessions_resident,
+            resident_capacity=session_capacity,
+            park_capacity=park_capacity,
+            sessions_parked=sessions_parked,
+            sessions_spilled=sessions_spilled,
+            parked_bytes=parked_bytes,
+            spilled_bytes=spilled_bytes,
+            park_budget_bytes=park_budget_bytes,
+            parks_total=counters.parks_total,
+            restores_total=counters.restores_total,
+            restore_failures_total=counters.restore_failures_total,
             sink_frames=spec.sink_frames,
             window_frames=spec.window_frames,
             frames_per_chunk=spec.frames_per_chunk,

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from arstream.models.fake import FakeKVPipeline
+from arstream.runner.contract import ModelState
 from arstream.runner.runner import ARRunner
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import TickRequest
@@ -69,3 +70,14 @@ class RaisingAfterCommitFakePipeline(FakeKVPipeline):
             self.raise_next_batch = False
             raise RuntimeError("fault after the committing pass")
         return frames
+
+
+class FailingImportFakePipeline(FakeKVPipeline):
+    """Test fake: ``import_session_state`` raises while ``fail_import`` is set."""
+
+    fail_import = False
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        if self.fail_import:
+            raise RuntimeError("import failed on purpose")
+        super().import_session_state(session_id, state)

@@ -30,7 +30,7 @@ from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
-from runner_fakes import FAKE_KV_BUDGET_BYTES, BatchRecordingFakePipeline, tick
+from runner_fakes import FAKE_KV_BUDGET_BYTES, BatchRecordingFakePipeline, FailingImportFakePipeline, tick
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
@@ -291,17 +291,6 @@ def test_a_moved_session_arrives_without_boundaries_and_keeps_new_ones_there() -
     assert np.array_equal(back.frames, reference[4])
     target.close_session("s")
     _assert_at_baseline(target)
-
-
-class FailingImportFakePipeline(FakeKVPipeline):
-    """Test fake: ``import_session_state`` raises while ``fail_import`` is set."""
-
-    fail_import = False
-
-    def import_session_state(self, session_id: str, state: ModelState) -> None:
-        if self.fail_import:
-            raise RuntimeError("import failed on purpose")
-        super().import_session_state(session_id, state)
 
 
 def test_a_rewind_or_branch_whose_model_state_will_not_go_back_fails_closed() -> None:

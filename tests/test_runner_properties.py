@@ -5,6 +5,10 @@ through the batched path too, including batches that fail before and after
 their rows committed. Sessions keep rewind points, so blocks are shared
 between live histories, kept boundaries and branches: every reference the
 sessions hold is one the pool counts, and none is left when no session is.
+Sessions are also parked (runner/parking.py: explicitly, when idle, and as
+the LRU victim of a full pool, within a park budget of about two sessions)
+and restored, and some restores fail: a parked session holds no block, and
+the parked bytes are what the lot holds, within its budget.
 """
 
 from collections import Counter
@@ -15,11 +19,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from arstream.models.fake import FakeForwardError
+from arstream.runner.parking import ParkingPolicy, RestoreFailed
 from arstream.runner.pool import session_frames
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
-from runner_fakes import RaisingAfterCommitFakePipeline
+from runner_fakes import FailingImportFakePipeline, RaisingAfterCommitFakePipeline
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e"])
 # (session, fail, reset, close) per tick of a round
@@ -28,12 +33,30 @@ ROUND_TICKS = st.lists(st.tuples(SESSIONS, st.booleans(), st.booleans(), st.bool
 BACK = st.integers(min_value=-1, max_value=5)
 
 
+class ImportFailingFakePipeline(FailingImportFakePipeline, RaisingAfterCommitFakePipeline):
+    """The fake that fails after a commit when asked, whose import of a model state (a restore) raises while
+    ``fail_import`` is set."""
+
+
 class RunnerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pipeline = RaisingAfterCommitFakePipeline(session_capacity=3, sink_frames=1, window_frames=6)
-        self.runner = ARRunner(self.pipeline, kv_budget_bytes=1 << 20, max_batch_sessions=3, rewind=RewindSchedule.last(3))
+        self.pipeline = ImportFailingFakePipeline(session_capacity=3, sink_frames=1, window_frames=6)
+        self.now = 0.0
+        self.runner = self._runner(park_budget_bytes=0)
+        # room for about two parked sessions: some LRU victims park, the others end as before
+        self.runner = self._runner(park_budget_bytes=2 * self.runner.plan.per_session_bytes)
         self.request_id = 0
+
+    def _runner(self, park_budget_bytes: int) -> ARRunner:
+        return ARRunner(
+            self.pipeline,
+            kv_budget_bytes=1 << 20,
+            max_batch_sessions=3,
+            rewind=RewindSchedule.last(3),
+            parking=ParkingPolicy(park_budget_bytes, after_s=5.0),
+            clock=lambda: self.now,
+        )
 
     def _tick(self, session: str, **fields: object) -> None:
         self.request_id += 1
@@ -120,6 +143,35 @@ class RunnerMachine(RuleBasedStateMachine):
         self.runner.close_session(session)
 
     @rule(session=SESSIONS)
+    def park(self, session: str) -> None:
+        before = (self.runner.next_chunk_index(session), self.runner.rewind_held(session))
+        was_held = self.runner.is_resident(session)
+        parked = self.runner.park_session(session)
+        assert self.runner.is_resident(session) == was_held
+        assert parked == (session in self.runner.parked_sessions() and not self.runner.in_pool(session)) or not parked
+        assert (self.runner.next_chunk_index(session), self.runner.rewind_held(session)) == before
+
+    @rule(seconds=st.sampled_from([1.0, 6.0]))
+    def idle(self, seconds: float) -> None:
+        self.now += seconds
+        self.runner.park_idle()
+
+    @rule(session=SESSIONS)
+    def restore_fails(self, session: str) -> None:
+        parked = session in self.runner.parked_sessions()
+        self.pipeline.fail_import = True
+        try:
+            self.request_id += 1
+            [result] = self.runner.execute([TickRequest(session, self.request_id)])
+        finally:
+            self.pipeline.fail_import = False
+        if parked:
+            assert isinstance(result, TickFailure) and isinstance(result.error, RestoreFailed)
+            assert not self.runner.is_resident(session)
+        else:
+            assert isinstance(result, ChunkResult)
+
+    @rule(session=SESSIONS)
     def reset(self, session: str) -> None:
         self.runner.reset_session(session)
 
@@ -157,6 +209,17 @@ class RunnerMachine(RuleBasedStateMachine):
     @invariant()
     def never_over_capacity(self) -> None:
         assert len(self.runner.resident_sessions()) <= self.runner.session_capacity
+
+    @invariant()
+    def parked_sessions_hold_no_blocks_and_their_bytes_are_counted(self) -> None:
+        runner = self.runner
+        parked = runner.parked_sessions()
+        assert not set(parked) & set(runner.resident_sessions())
+        lot = [runner.parking.get(s) for s in parked]
+        stats = runner.stats()
+        assert stats.parked_bytes == sum(p.nbytes for p in lot if p is not None) <= runner.parking.budget_bytes
+        assert stats.sessions_parked == len(parked) <= runner.park_capacity
+        assert (stats.blocks_used, stats.blocks_free) == (runner.pool.num_used, runner.pool.num_free)
 
 
 RunnerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
