@@ -6,9 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import UMT5EncoderModel
 
-from arstream.models.longlive import checkpoint as ckpt
+from arstream.models.longlive.extra import check_longlive_extra
+
+check_longlive_extra()  # before transformers is imported (here and by the modules below)
+
+from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
+
+from arstream.models.longlive import checkpoint as ckpt  # noqa: E402
 from arstream.models.longlive.config import get_config
 from arstream.models.longlive.dit import LongLiveDiT
 from arstream.models.longlive.pipeline import LongLivePipeline
