@@ -33,6 +33,7 @@ def load_longlive(
     seed: int = 0,
     dtype: str | None = None,
     dit_file: str | None = None,
+    dit_entry: str | None = None,
     lora_file: str | None = None,
     no_lora: bool = False,
     t5_file: str | None = None,
@@ -67,7 +68,7 @@ def load_longlive(
     vae = build_vae(cfg)
     if checkpoint is not None:
         directory = Path(checkpoint)
-        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"))
+        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"), dit_entry or cfg.dit_entry)
         lora = lora_file or cfg.lora_file
         if lora is not None and not no_lora:
             path = find_file(directory, lora, (lora,), "LoRA")

@@ -281,7 +281,7 @@ class LongLivePipeline(SessionStateBinding):
                 prompt_kv = stack_prompt_kv([e.kv for e in entries])
                 latents = sample_chunk(
                     lambda x, t: self.model(x, t, prompt_kv, ctx), ctx, draw(), draw,
-                    cfg.denoise_timesteps, cfg.timestep_shift,
+                    cfg.denoise_timesteps, cfg.timestep_shift, warp=cfg.warp_timesteps,
                 )  # fmt: skip
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
