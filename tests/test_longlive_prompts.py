@@ -70,7 +70,7 @@ def test_cached_prompts_no_session_uses_are_counted_in_capacity() -> None:
         seen.append((cached_bytes(three_spare), (3 + 2 + 2) * prompt))  # spare, 2 sessions, 2 rows in flight
         original(*args)  # type: ignore[arg-type]
 
-    three_spare._recache = recording  # type: ignore[method-assign]
+    three_spare._recache = recording  # type: ignore[method-assign,assignment]
     words = ["fox", "street", "reef", "desert", "forest", "harbour", "glacier", "market", "canyon"]
     for i in range(6):  # every chunk both sessions switch to prompts never seen before
         ticks = [TickRequest(session_id=s, request_id=i, controls={}, prompt=f"a {words[(2 * i + j) % 9]} {i}")
