@@ -89,7 +89,11 @@ def _budget_terms(
     in_flight = spec.frames_per_chunk + (spec.resident_frames if spec.history_rewrites else 0)
     chunk_blocks = in_flight * branches * max_batch_sessions
     scratch_blocks = (spec.resident_frames + spec.frames_per_chunk) * branches * max_batch_sessions
-    fixed_bytes = (chunk_blocks + scratch_blocks) * spec.block_bytes
+    fixed_bytes = (
+        (chunk_blocks + scratch_blocks) * spec.block_bytes
+        + spec.model_owned_bytes_fixed
+        + max_batch_sessions * spec.model_owned_bytes_per_forward_row
+    )
     per_session = (
         session_frames(spec, rewind) * branches * spec.block_bytes
         + spec.cross_attention_bytes_per_session

@@ -50,7 +50,13 @@ class KVCacheSpec:
     hands out then stay below it however long a session runs (see there).
     ``model_owned_bytes_per_session`` is state the pipeline keeps per session
     besides the KV (e.g. a streaming VAE decoder's feature cache, action
-    caches); it is counted in capacity like the KV. ``history_rewrites``
+    caches); it is counted in capacity like the KV. ``model_owned_bytes_fixed``
+    is state the pipeline keeps once, however many sessions run, that the
+    pool must leave room for (LongLive's cached prompts no session uses);
+    ``model_owned_bytes_per_forward_row`` is state a forward holds per batch
+    row while it runs, beyond the session's own (LongLive: the prompt a
+    switching row moves to, held beside the old one until the chunk commits).
+    Both are counted once in the plan's fixed bytes, the second per batch row. ``history_rewrites``
     declares that a forward may rewrite the committed history
     (:meth:`SessionKVState.begin_rewrite`, LongLive's re-cache): the pool then
     counts a rewrite's fresh blocks per batch row, and rewind points that may
@@ -68,6 +74,8 @@ class KVCacheSpec:
     session_capacity: int = 64
     cross_attention_lengths: Mapping[str, int] = field(default_factory=dict)
     model_owned_bytes_per_session: int = 0
+    model_owned_bytes_fixed: int = 0
+    model_owned_bytes_per_forward_row: int = 0
     reset_at_boundary: bool = False
     dtype: torch.dtype = torch.float32
     max_position_frames: int | None = None
@@ -101,8 +109,9 @@ class KVCacheSpec:
             raise SpecError(f"kv_branches local_index values must be 0..{len(indices) - 1}, got {indices}")
         for name, length in self.cross_attention_lengths.items():
             _positive(f"cross_attention_lengths[{name!r}]", length)
-        if self.model_owned_bytes_per_session < 0:
-            raise SpecError("model_owned_bytes_per_session must be >= 0")
+        for name in ("model_owned_bytes_per_session", "model_owned_bytes_fixed", "model_owned_bytes_per_forward_row"):
+            if getattr(self, name) < 0:
+                raise SpecError(f"{name} must be >= 0")
         if self.max_position_frames is not None and self.max_position_frames < self.sink_frames + self.window_frames:
             raise SpecError(
                 f"max_position_frames ({self.max_position_frames}) must hold the sink and the window "

@@ -15,7 +15,13 @@ their absolute positions (not the runner's pages) and keeps every frame it holds
 
 Knobs for the negative controls: ``recache=False`` (a switch only changes the cross-attention),
 ``causal_recache`` (a block-causal mask inside the re-cache), ``reencode_sink`` (a recompute
-rewrites the sink too) and ``local_attn_size`` (another window).
+rewrites the sink too), ``local_attn_size`` (another window) and ``warp`` (timesteps warped or not).
+
+CausVid (tianweiy/CausVid, ``causvid/models/wan/causal_inference.py`` with
+``configs/wan_causal_dmd.yaml``) is the same loop with no sink, a cache of all
+21 frames of its rollout, and its timesteps fed unwarped (``warp_denoising_step``
+false): the DiT sees 1000, 757, 522, and the flow-matching scheduler noises and
+denoises with the sigma of its grid timestep nearest to each.
 """
 
 from __future__ import annotations
@@ -81,18 +87,32 @@ class _Context:
 
 class DenseLongLive:
     def __init__(self, pipeline: LongLivePipeline, seed: int = 0, *, recache: bool = True, causal_recache: bool = False,
-                 reencode_sink: bool = False, local_attn_size: int | None = None) -> None:  # fmt: skip
+                 reencode_sink: bool = False, local_attn_size: int | None = None,
+                 warp: bool | None = None) -> None:  # fmt: skip
         self.pipeline = pipeline
         self.model = pipeline.model
         self.cfg = pipeline.cfg
         self.local = self.cfg.local_attn_size if local_attn_size is None else local_attn_size
         self.recache_on, self.causal_recache, self.reencode_sink = recache, causal_recache, reencode_sink
+        self.warp = self.cfg.warp_timesteps if warp is None else warp
         self.sink: list[Frame] = []
         self.rolling: list[Frame] = []
         self.latents: list[torch.Tensor] = []  # every frame's clean latent [16, h, w] ("output")
         self.generator = torch.Generator().manual_seed(seed)
         self.prompt: str | None = None
         self.recaches = 0
+
+    def _schedule(self) -> tuple[list[float], list[float]]:
+        """What the DiT is fed at each denoising step, and the sigma each step noises and denoises with."""
+        cfg, shift = self.cfg, self.cfg.timestep_shift
+        if self.warp:  # ``timesteps[1000 - t]``: the scheduler's shifted grid at s = t / 1000, fed as 1000 * sigma
+            sigmas = [shifted_sigma(t, shift) for t in cfg.denoise_timesteps]
+            return [1000.0 * sigma for sigma in sigmas], sigmas
+        # CausVid's warp_denoising_step false: t is fed as it is; the scheduler's sigma is that of its grid
+        # timestep nearest to t (grid: the shifted sigmas of s = 1, 0.999, ..., 0.001)
+        grid = [shift * s / (1 + (shift - 1) * s) for s in (1 - i / 1000 for i in range(1000))]
+        sigmas = [min(grid, key=lambda sigma: abs(1000 * sigma - t)) for t in cfg.denoise_timesteps]
+        return [float(t) for t in cfg.denoise_timesteps], sigmas
 
     def _prompt_kv(self, prompt: str) -> PromptKV:
         model = self.model
@@ -138,14 +158,14 @@ class DenseLongLive:
         s, fpc = len(self.latents), cfg.frames_per_chunk
         positions = list(range(s, s + fpc))
         history = self.local - cfg.sink_size - fpc  # rolling frames a chunk sees besides itself
-        visible = self.sink + (self.rolling[len(self.rolling) - history :] if history > 0 and self.rolling else [])
+        visible = self.sink + (self.rolling[max(0, len(self.rolling) - history) :] if history > 0 else [])
         shape = (1, cfg.out_dim, fpc, cfg.latent_height, cfg.latent_width)
         x = torch.randn(shape[1:], generator=self.generator)[None]
-        sigmas = [shifted_sigma(t, cfg.timestep_shift) for t in cfg.denoise_timesteps]
+        fed, sigmas = self._schedule()
         clean = x
         with torch.inference_mode():
             for i, sigma in enumerate(sigmas):
-                flow = self._forward(x, sigma * 1000.0, _Context(visible, positions, None, cfg.tokens_per_frame), kv)
+                flow = self._forward(x, fed[i], _Context(visible, positions, None, cfg.tokens_per_frame), kv)
                 clean = x - sigma * flow
                 if i + 1 < len(sigmas):
                     x = (1 - sigmas[i + 1]) * clean + sigmas[i + 1] * torch.randn(shape[1:], generator=self.generator)[None]

@@ -98,3 +98,33 @@ def test_a_missing_or_mismatched_file_fails_with_its_name_and_the_keys(
     torch.save(state, tmp_path / "base.pt")
     with pytest.raises(CheckpointError, match=r"base\.pt does not fit the model: wrong shapes: blocks\.0\.cross_attn\.q\.weight"):
         load_longlive(config="tiny", checkpoint=str(directory), dit_file=str(tmp_path / "base.pt"))
+
+
+def test_self_forcings_and_causvids_published_checkpoints_load(
+    published: tuple[Path, LongLiveDiT, peft.PeftModel],
+) -> None:
+    """Synthesised in their published layouts (as their inference scripts read them; the real files were not
+    available here): Self-Forcing's ``self_forcing_dmd.pt`` holds ``generator``, ``generator_ema`` (with FSDP's
+    wrapper segments in its names, as LongLive's loader expects of EMA copies) and ``critic``, and its README runs
+    the EMA weights; CausVid's ``model.pt`` holds ``generator``. No LoRA for either."""
+    directory, base, _ = published
+    ema = LongLiveDiT(CFG)
+    ema.init_random(11)
+    critic = {"model.blocks.0.self_attn.q.weight": torch.zeros(2, 2)}
+
+    def fsdp_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"model._fsdp_wrapped_module." + k.replace(".self_attn.", "._fsdp_wrapped_module.self_attn."): v
+                for k, v in state.items()}  # fmt: skip
+
+    plain = {f"model.{k}": v for k, v in base.state_dict().items()}
+    torch.save({"generator": plain, "generator_ema": fsdp_names(ema.state_dict()), "critic": critic},
+               directory / "self_forcing_dmd.pt")  # fmt: skip
+    torch.save({"generator": plain}, directory / "model.pt")
+    self_forcing = load_longlive(config="tiny-self-forcing", checkpoint=str(directory))
+    assert all(torch.equal(a, b) for a, b in zip(self_forcing.model.state_dict().values(), ema.state_dict().values()))
+    chosen = load_longlive(config="tiny-self-forcing", checkpoint=str(directory), dit_entry="generator")
+    assert all(torch.equal(a, b) for a, b in zip(chosen.model.state_dict().values(), base.state_dict().values()))
+    causvid = load_longlive(config="tiny-causvid", checkpoint=str(directory))
+    assert all(torch.equal(a, b) for a, b in zip(causvid.model.state_dict().values(), base.state_dict().values()))
+    with pytest.raises(CheckpointError, match=r"model\.pt has no 'generator_ema' entry \(its entries: generator\)"):
+        load_longlive(config="tiny-self-forcing", checkpoint=str(directory), dit_file="model.pt")

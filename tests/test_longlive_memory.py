@@ -52,8 +52,11 @@ def test_the_1_3b_figures_and_the_pool_plan_agree() -> None:
     budget = 100 * GIB
     runner = ARRunner(pipeline, device=META, kv_budget_bytes=budget)
     stats = runner.stats()
-    # fixed: per batch row, a chunk and a re-cached history in flight (3 + 9 blocks) and a staging row (12)
-    fixed = (3 + 9 + 12) * spec.block_bytes
+    # fixed: per batch row, a chunk and a re-cached history in flight (3 + 9 blocks), a staging row (12) and the
+    # prompt a switching row moves to; once, the prompt cache's 4 unreferenced entries (94 MiB each)
+    prompt = pipeline.prompt_bytes
+    assert round(prompt / MIB) == 94 and spec.model_owned_bytes_fixed == 4 * prompt
+    fixed = (3 + 9 + 12) * spec.block_bytes + prompt + 4 * prompt
     assert runner.plan.per_session_bytes == per_session
     assert stats.session_capacity == min(8, (budget - fixed) // per_session)
     assert round(per_session / GIB, 2) == 4.27

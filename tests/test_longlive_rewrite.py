@@ -2,7 +2,7 @@
 
 Unit tests of :meth:`SessionKVState.begin_rewrite` on a pool with exact block
 ids, then the real tiny LongLive pipeline under the runner: a failed
-re-cache frees every block, a rewind to before a switch reproduces the old
+re-cache frees every block (in a batch, only its session's), a rewind to before a switch reproduces the old
 continuation, an export after a switch continues bit-identically, batched
 sessions equal their alone runs, and sessions that switch every chunk at full
 capacity with rewind points never run the pool dry.
@@ -17,13 +17,14 @@ import torch
 
 from arstream.models.longlive.loading import load_longlive
 from arstream.models.longlive.pipeline import LongLivePipeline
+from arstream.models.longlive.prompts import PromptEntry
 from arstream.runner.kv_state import PassStateError, SessionKVState
 from arstream.runner.pool import PagedKVPool, plan_pool
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import export_session, import_session, SessionSnapshot
 from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import ChunkResult, TickRequest
+from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
 A, B, C = "a red fox in the snow", "a city street at night, rain", "an underwater reef, bright fish"
 
@@ -203,4 +204,33 @@ def test_sessions_switching_every_chunk_at_capacity_with_rewind_points_never_exh
         assert all(isinstance(r, ChunkResult) for r in results), results
     for s in "xy":
         runner.close_session(s)
+    assert runner.pool.num_free == runner.blocks_free_at_start
+
+
+def test_a_recache_failing_in_a_batch_fails_only_its_session_and_gives_back_its_prompt_references(
+    pipeline: LongLivePipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched forward aborts, each tick runs again alone: the switching session is released, the other's
+    chunk equals its alone run, and no prompt reference the failed forwards took is left behind."""
+    alone = run(runner_for_sessions(pipeline, 1), "y", [C] * 4)
+    runner = runner_for_sessions(pipeline, 2, max_batch_sessions=2)
+    for i in range(3):
+        runner.execute([TickRequest(session_id=s, request_id=i, controls={}, prompt=p) for s, p in (("x", A), ("y", C))])
+    original = pipeline._recache
+    fault = pipeline.prompts.get("a prompt whose re-cache fails").text
+
+    def failing(state: SessionKVState, latents: torch.Tensor, entry: PromptEntry) -> None:
+        original(state, latents, entry)
+        if entry.text == fault:
+            raise RuntimeError("device fault in the re-cache")
+
+    monkeypatch.setattr(pipeline, "_recache", failing)
+    results = runner.execute([TickRequest(session_id="x", request_id=3, controls={}, prompt=fault),
+                              TickRequest(session_id="y", request_id=3, controls={}, prompt=C)])  # fmt: skip
+    assert isinstance(results[0], TickFailure) and isinstance(results[1], ChunkResult)
+    assert runner.counters.batch_fallbacks_total == 1 and not runner.is_resident("x")
+    assert float((pipeline.last_latents["y"] - alone[3]).abs().max()) <= 1e-5  # batched rows: rounding only
+    held = {text: entry.references for text in pipeline.prompts.cached() if (entry := pipeline.prompts.entry(text))}
+    assert held.get(pipeline.prompts.get(C).text) == 1 and held.get(fault, 0) == 0  # only y's history holds one
+    runner.close_session("y")
     assert runner.pool.num_free == runner.blocks_free_at_start

@@ -114,3 +114,21 @@ def test_a_text_encoder_file_that_does_not_fit_names_the_keys(encoder: TextEncod
     del wan["blocks.1.ffn.fc2.weight"]
     with pytest.raises(CheckpointError, match=r"umt5\.pth does not fit the model: missing keys: encoder\.block\.1\.layer\.1\.DenseReluDense\.wo"):
         load_into(UMT5EncoderModel(umt5_config(CFG.text)), wan_t5_to_transformers(wan), Path("umt5.pth"))
+
+
+def test_without_transformers_or_tokenizers_loading_longlive_fails_with_one_line_naming_them() -> None:
+    """What the GPU check's longlive phase reports on a machine whose copy lacks the extra."""
+    import subprocess
+    import sys
+
+    blocked = "import sys; sys.modules['transformers'] = None; sys.modules['tokenizers'] = None\n"
+    probe = blocked + (
+        "try:\n"
+        "    import arstream.models.longlive.loading\n"
+        "except ImportError as error:\n"
+        "    print(f'{type(error).__name__}: {error}')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.splitlines() == [
+        "ImportError: longlive needs transformers, tokenizers, not installed here: pip install 'arstream[longlive]'"
+    ], done.stdout + done.stderr

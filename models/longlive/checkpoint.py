@@ -2,7 +2,9 @@
 
 Layout, as LongLive v1.0 ships it and Wan2.1 publishes the rest, all in one
 directory: ``longlive_base.pt`` (a dict whose ``generator`` key holds the
-DiT, its keys prefixed ``model.``), ``lora.pt`` (peft's LoRA layout, under a
+DiT, its keys prefixed ``model.``; Self-Forcing's ``self_forcing_dmd.pt`` and
+CausVid's ``model.pt`` are the same layout, Self-Forcing's weights read from
+``generator_ema``), ``lora.pt`` (peft's LoRA layout, under a
 ``generator_lora`` key or bare: ``base_model.model.blocks.N.<linear>.lora_A.weight``
 / ``lora_B.weight`` for every linear layer of every block, rank 256, alpha
 256), ``models_t5_umt5-xxl-enc-bf16.pth`` (umT5's encoder in Wan's layout),
@@ -28,6 +30,7 @@ from arstream.models.wan.checkpoint import CheckpointError, load_into, read_stat
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 VAE_FILE = "Wan2.1_VAE.pth"
 DIT_PREFIX = "model."
+FSDP_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 LORA_KEY = "generator_lora"
 LISTED = 6
 
@@ -37,10 +40,19 @@ def lora_targets(model: LongLiveDiT) -> list[str]:
     return [name for name, module in model.named_modules() if name.startswith("blocks.") and isinstance(module, nn.Linear)]
 
 
-def load_dit(model: LongLiveDiT, path: Path) -> None:
-    """``longlive_base.pt``'s ``generator`` (``model.``-prefixed keys; a bare state dict is read too)."""
-    state = read_state_dict(path)
-    load_into(model, {k.removeprefix(DIT_PREFIX): v for k, v in state.items()}, path)
+def dit_key(name: str) -> str:
+    """A published DiT key as the model names it: FSDP's wrapper segments gone (training scripts' EMA copies keep
+    them; LongLive's loader strips them the same way), then the wrapper's ``model.`` prefix."""
+    for segment in FSDP_SEGMENTS:
+        name = name.replace(segment, "")
+    return name.removeprefix(DIT_PREFIX)
+
+
+def load_dit(model: LongLiveDiT, path: Path, entry: str = "generator") -> None:
+    """The DiT file's ``entry`` (``generator``; Self-Forcing's EMA weights: ``generator_ema``), keys prefixed
+    ``model.``; a bare state dict is read too."""
+    state = read_state_dict(path, entry)
+    load_into(model, {dit_key(k): v for k, v in state.items()}, path)
 
 
 def read_lora(path: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Sizes of the LongLive model: the published 1.3B geometry and a tiny one for CI.
+"""Sizes of the LongLive model: the published 1.3B geometry, Self-Forcing's and CausVid's, and tiny ones for CI.
 
 ``1.3b`` is LongLive v1.0 as shipped (``configs/longlive_interactive_inference.yaml``
 on Wan2.1-T2V-1.3B): 3 latent frames a chunk, ``local_attn_size`` 12 counting
@@ -6,10 +6,20 @@ the 3 sink frames, so each chunk sees the sink, the 6 frames before it and
 itself (a 9-frame window including the chunk, as :class:`KVCacheSpec` counts
 it); four distilled steps (1000, 750, 500, 250) warped by shift 5; 480x832
 video (60x104 latent, 1560 tokens a latent frame); umT5-XXL text, 512 tokens.
-``self-forcing-1.3b`` is Self-Forcing's layout of the same pipeline (no sink,
-``local_attn_size`` -1 there; here a window as long as LongLive's). ``tiny``
-keeps every structural feature at toy size for tests on a CPU; ``tiny-self-forcing``
-is Self-Forcing's layout at that size.
+
+``self-forcing-1.3b`` is Self-Forcing's (``configs/self_forcing_dmd.yaml``):
+no sink, and every frame of its 21-frame rollout sees every earlier one
+(``local_attn_size`` -1 over a 21-frame cache); here a 21-frame window, which
+is that exactly for the first 21 latent frames and then rolls as
+Self-Forcing's own code does with ``local_attn_size`` 21. Its weights are the
+EMA ones (``generator_ema``, as its README runs them). ``causvid-1.3b`` is
+CausVid's published autoregressive checkpoint with ``configs/wan_causal_dmd.yaml``:
+the same 21-frame attention, three steps (1000, 757, 522) *not* warped
+(the DiT sees them as they are), shift 8. Beyond 21 latent frames CausVid's
+code does not roll: it starts a new rollout from re-encoded frames, which a
+stream cannot do (docs/models.md, "CausVid"); here the window rolls.
+``tiny`` keeps every structural feature at toy size for tests on a CPU;
+``tiny-self-forcing`` and ``tiny-causvid`` are the other layouts at that size.
 """
 
 from __future__ import annotations
@@ -59,10 +69,12 @@ class LongLiveConfig:
     rope_frames: int = 1024  # Wan's rotary table
     denoise_timesteps: tuple[int, ...] = (1000, 750, 500, 250)
     timestep_shift: float = 5.0
+    warp_timesteps: bool = True  # the DiT sees 1000 * sigma (False: the timestep itself; CausVid's 3-step config)
     fps: int = 16  # Wan2.1's playback rate
     video_frames_per_latent: int = 4
     default_prompt: str = "A calm lake at sunrise, mist over the water, the camera drifting slowly forward."
     dit_file: str = "longlive_base.pt"
+    dit_entry: str = "generator"  # the entry of the DiT file that holds the weights (files hold several)
     lora_file: str | None = "lora.pt"
     lora_rank: int = 256
     lora_alpha: int = 256
@@ -120,13 +132,19 @@ _TINY: dict[str, Any] = dict(
     text=TextEncoderConfig(vocab_size=260, dim=16, ffn_dim=32, num_heads=2, num_layers=2, num_buckets=8, max_distance=16),
 )
 
+# Self-Forcing and CausVid: no sink, every frame of a 21-frame rollout sees every earlier one, no LoRA
+_SELF_FORCING: dict[str, Any] = dict(sink_size=0, local_attn_size=21, lora_file=None, dit_file="self_forcing_dmd.pt",
+                                     dit_entry="generator_ema")  # fmt: skip
+_CAUSVID: dict[str, Any] = dict(sink_size=0, local_attn_size=21, lora_file=None, dit_file="model.pt",
+                                denoise_timesteps=(1000, 757, 522), warp_timesteps=False, timestep_shift=8.0)  # fmt: skip
+
 CONFIGS: dict[str, LongLiveConfig] = {
     "1.3b": LongLiveConfig(name="1.3b"),
-    "self-forcing-1.3b": LongLiveConfig(
-        name="self-forcing-1.3b", sink_size=0, local_attn_size=9, dit_file="self_forcing_dmd.pt", lora_file=None
-    ),
+    "self-forcing-1.3b": LongLiveConfig(name="self-forcing-1.3b", **_SELF_FORCING),
+    "causvid-1.3b": LongLiveConfig(name="causvid-1.3b", **_CAUSVID),
     "tiny": LongLiveConfig(name="tiny", **_TINY),
-    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", sink_size=0, local_attn_size=9, lora_file=None, **_TINY),
+    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", **_SELF_FORCING, **_TINY),
+    "tiny-causvid": LongLiveConfig(name="tiny-causvid", **_CAUSVID, **_TINY),
 }
 
 

@@ -6,9 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import UMT5EncoderModel
 
-from arstream.models.longlive import checkpoint as ckpt
+from arstream.models.longlive.extra import check_longlive_extra
+
+check_longlive_extra()  # before transformers is imported (here and by the modules below)
+
+from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
+
+from arstream.models.longlive import checkpoint as ckpt  # noqa: E402
 from arstream.models.longlive.config import get_config
 from arstream.models.longlive.dit import LongLiveDiT
 from arstream.models.longlive.pipeline import LongLivePipeline
@@ -28,6 +33,7 @@ def load_longlive(
     seed: int = 0,
     dtype: str | None = None,
     dit_file: str | None = None,
+    dit_entry: str | None = None,
     lora_file: str | None = None,
     no_lora: bool = False,
     t5_file: str | None = None,
@@ -62,7 +68,7 @@ def load_longlive(
     vae = build_vae(cfg)
     if checkpoint is not None:
         directory = Path(checkpoint)
-        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"))
+        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"), dit_entry or cfg.dit_entry)
         lora = lora_file or cfg.lora_file
         if lora is not None and not no_lora:
             path = find_file(directory, lora, (lora,), "LoRA")

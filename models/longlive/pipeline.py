@@ -134,6 +134,10 @@ class LongLivePipeline(SessionStateBinding):
             session_capacity=self.session_capacity,
             # the decoder cache, the latents a re-cache reads, and (worst case: its own) one prompt's K/V + tokens
             model_owned_bytes_per_session=self.vae_cache_bytes + self.latent_bytes + self.prompt_bytes,
+            # the prompt cache's unreferenced entries (at most ``spare``), and per batch row the prompt a
+            # switching row moves to while its old one is still held
+            model_owned_bytes_fixed=self.prompts.spare * self.prompt_bytes,
+            model_owned_bytes_per_forward_row=self.prompt_bytes,
             dtype=self.dtype,
             max_position_frames=cfg.rope_frames,
             history_rewrites=True,
@@ -221,9 +225,8 @@ class LongLivePipeline(SessionStateBinding):
         t = {n: v.cpu() if n == "generator" else v.to(self.device) for n, v in state.tensors.items()}
         generator = torch.Generator()
         generator.set_state(t["generator"])
-        entry = self.prompts.get(str(values["prompt"]))
+        entry = self.prompts.acquire(str(values["prompt"]))  # referenced first: the drop below cannot evict it
         self._drop(session_id)
-        self.prompts.hold(entry.text)
         self._sessions[session_id] = _LongLiveSession(
             generator, entry.text, t.get("latents"), import_feature_cache(values["vae"], t)
         )
@@ -258,11 +261,10 @@ class LongLivePipeline(SessionStateBinding):
         rewind = [g.get_state() for g in generators]
         fpc = cfg.frames_per_chunk
         shape = (cfg.out_dim, fpc, cfg.latent_height, cfg.latent_width)
+        entries: list[PromptEntry] = []  # each row's prompt, referenced for the forward (the session's on success)
         try:
-            entries = [
-                self.prompts.get(t.prompt) if t.prompt is not None else self.prompts.get(s.prompt)
-                for t, s in zip(ticks, sessions)
-            ]
+            for t, s in zip(ticks, sessions):
+                entries.append(self.prompts.acquire(t.prompt if t.prompt is not None else s.prompt))
 
             def draw() -> torch.Tensor:
                 return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)
@@ -279,7 +281,7 @@ class LongLivePipeline(SessionStateBinding):
                 prompt_kv = stack_prompt_kv([e.kv for e in entries])
                 latents = sample_chunk(
                     lambda x, t: self.model(x, t, prompt_kv, ctx), ctx, draw(), draw,
-                    cfg.denoise_timesteps, cfg.timestep_shift,
+                    cfg.denoise_timesteps, cfg.timestep_shift, warp=cfg.warp_timesteps,
                 )  # fmt: skip
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -293,11 +295,12 @@ class LongLivePipeline(SessionStateBinding):
         except BaseException:
             for generator, saved in zip(generators, rewind):
                 generator.set_state(saved)
+            for entry in entries:
+                self.prompts.drop(entry.text)
             raise
         for row, (tick, session, entry) in enumerate(zip(ticks, sessions, entries)):
             history = latents[row] if session.latents is None else torch.cat([session.latents, latents[row]], dim=1)
-            self._drop(tick.session_id)
-            self.prompts.hold(entry.text)
+            self._drop(tick.session_id)  # the old history's reference; the forward's becomes the session's
             self._sessions[tick.session_id] = _LongLiveSession(
                 session.generator, entry.text, history[:, -cfg.local_attn_size :].clone(), caches[row]
             )

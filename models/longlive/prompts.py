@@ -3,10 +3,14 @@
 The text encoder runs once per cleaned prompt while its output stays in the
 LRU (``encodes`` counts the runs); the DiT's cross-attention K/V of a prompt
 (every layer, 90 MiB at 1.3B in bf16) are computed once and shared by every
-session whose chunks run under it: reference counted by those sessions, and
-kept after the last one leaves only while the LRU has room. A rewind point
-holds a prompt's text, not its K/V: going back looks the prompt up (encoded
-again if it left the cache: the same weights give the same K/V).
+session whose chunks run under it: reference counted (:meth:`Prompts.acquire`,
+:meth:`Prompts.drop`) by those sessions and by a forward while it runs under
+it, and kept after the last reference goes only while the LRU has room. At
+most ``spare`` entries are ever kept with no reference: that bound is what
+the pipeline declares in capacity (``KVCacheSpec.model_owned_bytes_fixed``),
+so cached prompts nobody uses never take memory capacity does not count. A
+rewind point holds a prompt's text, not its K/V: going back looks the prompt
+up (encoded again if it left the cache: the same weights give the same K/V).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class PromptEntry:
     text: str  # the cleaned prompt
     tokens: torch.Tensor  # umT5 outputs of its real tokens [L, text_dim]
     kv: PromptKV
-    sessions: int = 0  # sessions whose history is under this prompt
+    references: int = 0  # sessions whose history is under this prompt, and forwards running under it
 
     @property
     def nbytes(self) -> int:
@@ -36,7 +40,7 @@ class PromptEntry:
 
 
 class Prompts:
-    """Cleaned prompt -> :class:`PromptEntry`; entries no session uses are kept up to ``spare`` (LRU)."""
+    """Cleaned prompt -> :class:`PromptEntry`; entries with no reference are kept up to ``spare`` (LRU)."""
 
     def __init__(self, encode: Callable[[str], torch.Tensor], project: Callable[[torch.Tensor], PromptKV],
                  spare: int = 4) -> None:  # fmt: skip
@@ -50,7 +54,30 @@ class Prompts:
         self.projections = 0  # cross-attention K/V computed
 
     def get(self, prompt: str) -> PromptEntry:
-        """The entry of ``prompt`` (cleaned first), encoding it if no entry is cached; does not take a reference."""
+        """The entry of ``prompt`` (cleaned first), encoding it if none is cached; takes no reference.
+
+        With no reference the entry stays cached only while the LRU has room
+        for it (``spare`` unreferenced entries; with 0, not at all).
+        """
+        entry = self._lookup(prompt)
+        self._trim()
+        return entry
+
+    def acquire(self, prompt: str) -> PromptEntry:
+        """The entry of ``prompt``, with a reference taken before anything is evicted (:meth:`drop` gives it back)."""
+        entry = self._lookup(prompt)
+        entry.references += 1
+        self._trim()
+        return entry
+
+    def drop(self, text: str) -> None:
+        """Give back a reference to ``text`` (a cleaned prompt); the entry stays while the LRU has room."""
+        entry = self._entries.get(text)
+        if entry is not None and entry.references > 0:
+            entry.references -= 1
+        self._trim()
+
+    def _lookup(self, prompt: str) -> PromptEntry:
         text = clean_prompt(prompt)
         entry = self._entries.get(text)
         if entry is None:
@@ -61,25 +88,12 @@ class Prompts:
             entry = PromptEntry(text, tokens, kv)
             self._entries[text] = entry
         self._entries.move_to_end(text)
-        self._trim(keep=text)
         return entry
 
-    def hold(self, text: str) -> None:
-        """A session's history is now under ``text`` (a cleaned prompt with an entry)."""
-        self._entries[text].sessions += 1
-
-    def drop(self, text: str) -> None:
-        """A session left ``text``; the entry stays while the LRU has room for unused ones."""
-        entry = self._entries.get(text)
-        if entry is not None and entry.sessions > 0:
-            entry.sessions -= 1
-        self._trim()
-
-    def _trim(self, keep: str | None = None) -> None:
-        """Unused entries beyond ``spare`` go, oldest first; ``keep`` (just asked for) never does."""
-        unused = [text for text, entry in self._entries.items() if entry.sessions == 0]
-        excess = len(unused) - self.spare
-        for text in [t for t in unused if t != keep][: max(0, excess)]:
+    def _trim(self) -> None:
+        """Unreferenced entries beyond ``spare`` go, least recently used first."""
+        unused = [text for text, entry in self._entries.items() if entry.references == 0]
+        for text in unused[: max(0, len(unused) - self.spare)]:
             del self._entries[text]
 
     def cached(self) -> list[str]:
@@ -87,3 +101,7 @@ class Prompts:
 
     def entry(self, text: str) -> PromptEntry | None:
         return self._entries.get(text)
+
+    def unused(self) -> int:
+        """Entries kept with no reference (at most ``spare``)."""
+        return sum(1 for entry in self._entries.values() if entry.references == 0)

@@ -22,12 +22,18 @@ from typing import Any
 import torch
 
 from arstream.models.longlive.config import TextEncoderConfig
+from arstream.models.longlive.extra import check_longlive_extra
 
-try:
-    import ftfy
-    from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
-except ImportError as exc:  # pragma: no cover - the extra is part of the test install
-    raise ImportError("longlive needs transformers and ftfy: pip install 'arstream[longlive]'") from exc
+check_longlive_extra()
+
+import ftfy  # noqa: E402 - after the check, which names what is missing
+from transformers import (  # noqa: E402
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 # Where Wan keeps umT5's tokenizer beside its weights (a transformers tokenizer directory).
 TOKENIZER_DIR = "google/umt5-xxl"

@@ -37,8 +37,13 @@ def find_file(directory: Path, explicit: str | None, candidates: Sequence[str], 
     raise CheckpointError(f"no {what} file in {directory}: looked for {', '.join(names)}")
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` or ``.pth``/``.pt`` file (``weights_only``), unwrapped from a training wrapper."""
+def read_state_dict(path: Path, entry: str | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` or ``.pth``/``.pt`` file (``weights_only``), unwrapped from a training wrapper.
+
+    ``entry`` picks one of several top-level entries (a training checkpoint's
+    ``generator``, ``generator_ema``, ``critic``...); a bare state dict is
+    read as it is.
+    """
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -48,6 +53,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any reader error becomes one message naming the file
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    if entry is not None and isinstance(loaded, dict) and not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        if entry not in loaded:
+            raise CheckpointError(f"{path} has no {entry!r} entry (its entries: {_listed([str(k) for k in loaded])})")
+        loaded = loaded[entry]
     while isinstance(loaded, dict) and len(loaded) == 1 and next(iter(loaded)) in WRAPPER_KEYS:
         loaded = next(iter(loaded.values()))
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):

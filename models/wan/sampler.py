@@ -1,4 +1,4 @@
-"""The few-step sampler of the distilled causal Wan models (Self-Forcing, LongLive, Matrix-Game 2.0).
+"""The few-step sampler of the distilled causal Wan models (Self-Forcing, LongLive, CausVid, Matrix-Game 2.0).
 
 Distilled timesteps with shift, fresh noise between steps, one commit pass.
 Flow matching: ``x_t = (1 - sigma) * x0 + sigma * noise`` and the DiT predicts
@@ -31,6 +31,21 @@ def shifted_sigma(timestep: float, shift: float) -> float:
     return shift * s / (1 + (shift - 1) * s)
 
 
+def scheduler_sigma(timestep: float, shift: float) -> float:
+    """The noise level the training scheduler gives an unwarped timestep: its grid's nearest entry.
+
+    CausVid's scheduler (DiffSynth's flow matching, 1000 training steps,
+    ``sigma_min`` 0, ``extra_one_step``) holds the shifted sigmas of
+    ``s = 1, 0.999, ..., 0.001`` and their timesteps ``1000 * sigma``; a
+    timestep that is not warped onto that grid (CausVid's published
+    ``warp_denoising_step: false``) is fed to the DiT as it is, and noised and
+    denoised with the sigma of the grid timestep nearest to it.
+    """
+    grid = torch.linspace(1.0, 0.0, 1001)[:-1]
+    sigmas = shift * grid / (1 + (shift - 1) * grid)
+    return float(sigmas[torch.argmin((sigmas * 1000.0 - timestep).abs())])
+
+
 def sample_chunk(
     flow: Flow,
     ctx: ChunkContext,
@@ -38,15 +53,28 @@ def sample_chunk(
     draw_noise: Callable[[], torch.Tensor],
     timesteps: Sequence[float],
     shift: float,
+    *,
+    warp: bool = True,
 ) -> torch.Tensor:
-    """Denoise ``noise`` ``[B, 16, F, h, w]`` into the chunk's clean latent and commit it; returns the latent."""
+    """Denoise ``noise`` ``[B, 16, F, h, w]`` into the chunk's clean latent and commit it; returns the latent.
+
+    ``warp``: each distilled timestep is warped by the shift (Self-Forcing,
+    LongLive, Matrix-Game 2.0: the DiT sees ``1000 * sigma``); without it the
+    DiT sees the timestep itself, at the scheduler's sigma for it
+    (:func:`scheduler_sigma`; CausVid's published 3-step config).
+    """
     b, _, frames = noise.shape[:3]
-    sigmas = [shifted_sigma(t, shift) for t in timesteps]
+    if warp:
+        sigmas = [shifted_sigma(t, shift) for t in timesteps]
+        fed = [1000.0 * sigma for sigma in sigmas]
+    else:
+        sigmas = [scheduler_sigma(t, shift) for t in timesteps]
+        fed = [float(t) for t in timesteps]
     x = noise
     clean = noise
     for i, sigma in enumerate(sigmas):
         ctx.begin_pass(commit=False)
-        predicted = flow(x, torch.full((b, frames), sigma * 1000.0, device=noise.device))
+        predicted = flow(x, torch.full((b, frames), fed[i], device=noise.device))
         ctx.end_pass()
         clean = x - sigma * predicted
         if i + 1 < len(sigmas):
