@@ -110,7 +110,17 @@ class SessionImport:
         self._model: dict[str, torch.Tensor] = {}  # model-owned tensors, on the pool's device, by name
         self._extra: dict[str, torch.Tensor] = {}
         self._state: SessionKVState | None = None  # while this import holds the session resident
+        self.held = False  # whether it ever did (begin made it resident)
         self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def holds(self) -> bool:
+        """Whether the session is resident by this import's doing (from begin, through finish, until an abort)."""
+        return self._state is not None
 
     @property
     def resident(self) -> bool:
@@ -219,33 +229,33 @@ class SessionImport:
             raise SnapshotError("the snapshot's KV section has no sink_frames")
         state = self._state = SessionKVState(pool, self.session_id)  # takes the cross-attention slot, if any
         for branch in spec.branch_names:
-            index = by_name.get(f"kv/{branch}")
-            entry = None if index is None else self.tensors[index]
-            frames = 0 if entry is None else entry.shape[2] if len(entry.shape) == 6 else -1
+            found = by_name.get(f"kv/{branch}")
+            stored = None if found is None else self.tensors[found]
+            frames = 0 if stored is None else stored.shape[2] if len(stored.shape) == 6 else -1
             sinks = _count(sink_frames, branch) if branch in sink_frames else 0
             expected = (spec.num_layers, 2, frames, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
-            if entry is not None and (entry.shape != expected or entry.dtype != spec.dtype):
+            if stored is not None and (stored.shape != expected or stored.dtype != spec.dtype):
                 raise SnapshotError(f"the snapshot's KV for branch {branch!r} does not fit this spec")
             if frames > spec.resident_frames or sinks > min(frames, spec.sink_frames):
                 raise SnapshotError(f"the snapshot's KV for branch {branch!r} does not fit this spec")
-            if index is None:
+            if found is None:
                 continue
             blocks = pool.allocate(frames)
             state.sink[branch], state.window[branch] = blocks[:sinks], blocks[sinks:]
             # The tensor's bytes are the blocks' in (layer, K/V, frame) order: one region per block of a layer's K or V.
             layers, kinds = pool.kv.shape[0], pool.kv.shape[1]
-            self._regions[index] = _Regions(
+            self._regions[found] = _Regions(
                 [flat_bytes(pool.kv[layer, kind, block]) for layer in range(layers) for kind in range(kinds)
                  for block in blocks]
             )
         if state.cross_slot is not None:
             for name in pool.cross_k:
                 for kind, tensors in (("cross_k", pool.cross_k), ("cross_v", pool.cross_v)):
-                    index = by_name.get(f"{kind}/{name}")
+                    found = by_name.get(f"{kind}/{name}")
                     target = tensors[name][state.cross_slot]
-                    if index is None or self.tensors[index] != TensorEntry.of(f"{kind}/{name}", target):
+                    if found is None or self.tensors[found] != TensorEntry.of(f"{kind}/{name}", target):
                         raise SnapshotError(f"the snapshot's {kind} cache {name!r} does not fit this spec")
-                    self._regions[index] = _Regions([flat_bytes(target)])
+                    self._regions[found] = _Regions([flat_bytes(target)])
             written = kv.get("cross_written", [])
             if not isinstance(written, list) or not all(isinstance(n, str) for n in written):
                 raise SnapshotError("the snapshot's cross_written is not a list of names")
@@ -263,6 +273,8 @@ class SessionImport:
         state.chunks_committed = counters["chunks_committed"]
         state.sink_start = counters["sink_start"]
         runner.adopt_kv_state(state)
+        self.held = True
+        runner.kv_state(self.session_id)  # asked for, as an export does: a runtime that parks keeps it in the pool
 
 
 def _count(section: Mapping[str, Any], key: str) -> int:
