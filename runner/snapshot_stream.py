@@ -137,7 +137,11 @@ class SnapshotPlan:
         """The file's bytes in order, each piece read here (the caller owns the tensors: a test, a tool, or
         :meth:`SessionSnapshot.to_bytes`), then the digest; a server's sender reads its pieces on the worker."""
         seal = Seal()
-        for data in (self.head(), *(b"".join(piece_bytes(part()) for part in piece) for piece in self.pieces())):
+        head = self.head()
+        seal.add(head)
+        yield head
+        for piece in self.pieces():  # one at a time: the file is never whole here either
+            data = b"".join(piece_bytes(part()) for part in piece)
             seal.add(data)
             yield data
         yield seal.digest()
@@ -246,12 +250,15 @@ class SnapshotReader:
         if self.received > self.max_bytes:
             raise SnapshotTooLarge(f"a session snapshot here is at most {self.max_bytes} bytes")
         view = memoryview(data)
-        if self.header is None:
-            self._pending += view
+        while self.header is None:
+            # Only the head's own bytes are buffered (what follows is written where it belongs, uncopied).
+            want = 8 - len(self._pending) if self._head_length is None else 8 + self._head_length - len(self._pending)
+            self._pending += view[:want]
+            view = view[want:]
             if not self._parse_head():
-                return []
-            assert self._head_length is not None
-            view = memoryview(bytes(self._pending[8 + self._head_length :]))  # the tensors' first bytes
+                if not view.nbytes:
+                    return []
+                continue
             self._pending = bytearray()
         writes: list[Write] = []
         while view.nbytes:
