@@ -15,7 +15,10 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   `session` section a replica would not make, 413 too large, 503 not ready)
   leaves its pool as it was. The snapshot is read as it arrives
   (runner/snapshot_stream.py): its header is checked before any tensor is
-  allocated.
+  allocated, then each piece is written straight into the session's pool
+  blocks (runner/snapshot_import.py). An upload that ends early (the sender
+  gone or silent for ``PIECE_TIMEOUT_S``: 408, a corrupt piece, a header that
+  lies: 400) releases every block it took; nothing is held for resume.
 - ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
   app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
   live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker

@@ -13,12 +13,14 @@ flight) and holds
 - an opaque ``session`` section for the layer above (the server puts the
   protocol state there: controls, prompt, seed, pending events, id floors).
 
-On the wire it is one safetensors file: the tensors, and in its metadata a
+On the wire it is one safetensors file (runner/snapshot_stream.py writes and
+reads it in pieces; its last tensor is the SHA-256 of the bytes before it): the tensors, and in its metadata a
 JSON header (``FORMAT_VERSION``, model name, config hash, runtime, protocol
 version, counters, the model's and the server's JSON state). A runner refuses
 a snapshot of another model, config, runtime or format with
 :class:`SnapshotRefused`, and an import that fails for any reason leaves the
-pool as it was (every block allocated for it goes back).
+pool as it was (every block allocated for it goes back): whole or streamed, an
+import is runner/snapshot_import.py's :class:`SessionImport`.
 
 Bit-identical continuation is the contract: export at chunk ``k``, import
 into a fresh runner of the same model, and chunk ``k`` onwards equals what the

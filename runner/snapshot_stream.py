@@ -14,12 +14,17 @@ builds it whole:
   no tick, so the worker serves them between others' forwards.
 - :class:`SnapshotReader` takes the bytes as they arrive, checks the header
   as soon as it is complete (format, tensor table, total size within a
-  limit), and writes each piece into its tensor: what it holds is the
-  session's tensors, once, and never the file.
+  limit), and says where each byte goes (:class:`Write`): a server writes
+  them straight into the session's pool blocks (runner/snapshot_import.py),
+  so it holds a piece, never the file nor a copy of the session's tensors.
+- The file's last tensor, ``digest/sha256``, is the SHA-256 of every byte
+  before it, hashed as the pieces go out (:class:`Seal`); the reader checks
+  it at the end (:meth:`SnapshotReader.finish`), so a corrupt piece is
+  refused and the import that wrote it released.
 
-So a move's extra memory is a few pieces on the sending side, and the
-session's tensors (which the import needs anyway) on the receiving side,
-instead of the snapshot three times over (copies, file bytes, request body).
+So a move's extra memory is a few pieces on either side (measured:
+scripts/bench-snapshot-memory.py, docs/deployment.md), instead of the
+snapshot three times over (copies, file bytes, request body).
 """
 
 from __future__ import annotations
