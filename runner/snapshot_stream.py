@@ -33,7 +33,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,7 @@ import torch
 
 from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, read_header
 from arstream.runner.snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
-from arstream.runner.snapshot_import import TensorEntry
+from arstream.runner.snapshot_import import SessionImport, TensorEntry
 
 if TYPE_CHECKING:
     from arstream.runner.runner import ARRunner
@@ -364,3 +364,39 @@ class SnapshotReader:
         assert self.header is not None and self._hold
         tensors = {t.name: buffer.view(t.dtype).reshape(t.shape) for t, buffer in zip(self.tensors, self._buffers)}
         return SessionSnapshot(self.header, tensors)
+
+
+def import_pieces(
+    runner: ARRunner,
+    session_id: str,
+    pieces: Iterable[bytes | bytearray],
+    *,
+    max_bytes: int,
+    protocol_version: int | None = None,
+    finish: bool = True,
+) -> SessionImport:
+    """Stream ``pieces`` straight into ``runner``'s pool as ``session_id``, in this thread (tests, tools; a
+    server runs the same steps with the writes on its worker, app/migration.py). Without ``finish`` the import
+    is left open after the last piece (the caller aborts it); an error aborts it."""
+    reader = SnapshotReader(max_bytes=max_bytes, hold=False)
+    job: SessionImport | None = None
+    try:
+        for piece in pieces:
+            writes = reader.feed(piece)
+            if job is None and reader.header is not None:
+                job = SessionImport(session_id, reader.header, reader.tensors, protocol_version=protocol_version)
+                job.begin(runner)
+            for write in writes:
+                assert job is not None
+                job.write(runner, write.index, write.offset, write.as_tensor())
+        if finish:
+            reader.finish()
+        if job is None:
+            raise SnapshotError("the session snapshot ended early, before its header")
+        if finish:
+            job.finish(runner)
+    except BaseException:
+        if job is not None:
+            job.abort(runner)
+        raise
+    return job

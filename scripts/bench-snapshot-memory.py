@@ -25,14 +25,13 @@ import ctypes
 import gc
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
-from arstream.runner.snapshot_import import SessionImport
-from arstream.runner.snapshot_stream import PIECE_BYTES, SnapshotReader, plan_export
+from arstream.runner.snapshot_stream import PIECE_BYTES, import_pieces, plan_export
 from arstream.runner.types import TickRequest
 
 SESSION = "s-0000000000000big"
@@ -104,24 +103,16 @@ def main() -> int:
         import_session(peer, SESSION, SessionSnapshot.from_bytes(bytes(body)), protocol_version=1)
 
     def streamed_peer(peer: ARRunner) -> None:
-        reader = SnapshotReader(max_bytes=len(data), hold=False)
-        job: SessionImport | None = None
-        piece = bytearray()
-        for index, read in enumerate(reads):
-            piece += read
-            if len(piece) < PIECE_BYTES and index + 1 < len(reads) and reader.header is not None:
-                continue
-            writes = reader.feed(piece)
+        def pieces() -> Iterator[bytearray]:  # the reads gathered into pieces, as the server does
             piece = bytearray()
-            if job is None and reader.header is not None:
-                job = SessionImport(SESSION, reader.header, reader.tensors, protocol_version=1)
-                job.begin(peer)
-            for write in writes:
-                assert job is not None
-                job.write(peer, write.index, write.offset, write.as_tensor())
-        reader.finish()
-        assert job is not None
-        job.finish(peer)
+            for read in reads:
+                piece += read
+                if len(piece) >= PIECE_BYTES:
+                    yield piece
+                    piece = bytearray()
+            yield piece
+
+        import_pieces(peer, SESSION, pieces(), max_bytes=len(data), protocol_version=1)
 
     first = peer_runner()
     peer_whole_mib, _ = peak_above(lambda: whole_peer(first))

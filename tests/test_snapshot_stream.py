@@ -28,6 +28,7 @@ from arstream.runner.snapshot_stream import (
     PIECE_BYTES,
     SnapshotReader,
     SnapshotTooLarge,
+    import_pieces,
     plan_export,
 )
 from arstream.runner.types import TickRequest
@@ -132,24 +133,11 @@ def free_blocks(runner: Any) -> int:
 
 
 def stream_into(runner: Any, data: bytes, *, cut: int = 64, stop_after: int | None = None) -> SessionImport:
-    """Feed ``data`` in reads of ``cut`` bytes through a reader into an import on ``runner``, as a server does;
-    stop (leaving the import open) after ``stop_after`` bytes."""
-    reader = SnapshotReader(max_bytes=len(data), hold=False)
-    job: SessionImport | None = None
+    """Feed ``data`` in reads of ``cut`` bytes into an import on ``runner``, as a server does; stop (leaving the
+    import open) after ``stop_after`` bytes."""
     end = len(data) if stop_after is None else stop_after
-    for start in range(0, end, cut):
-        writes = reader.feed(data[start : min(start + cut, end)])
-        if job is None and reader.header is not None:
-            job = SessionImport(SESSION, reader.header, reader.tensors, protocol_version=1)
-            job.begin(runner)
-        for write in writes:
-            assert job is not None
-            job.write(runner, write.index, write.offset, write.as_tensor())
-    assert job is not None
-    if stop_after is None:
-        reader.finish()
-        job.finish(runner)
-    return job
+    reads = (data[start : min(start + cut, end)] for start in range(0, end, cut))
+    return import_pieces(runner, SESSION, reads, max_bytes=len(data), protocol_version=1, finish=stop_after is None)
 
 
 def test_streamed_pieces_land_in_the_pool_blocks_as_they_arrive_and_continue_bit_identically() -> None:
