@@ -69,8 +69,8 @@ from arstream.runner.types import StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
-    from arstream.runner.runner import ARRunner
     from arstream.app.worker import ModelWorker
+    from arstream.runner.runner import ARRunner
 
 log = logging.getLogger("arstream.migration")
 
@@ -217,7 +217,8 @@ class Migration:
                         self.importing.add(incoming.session_id)
                         await worker.import_step(incoming.job, incoming.job.begin)
                     if writes:
-                        await worker.import_step(incoming.job, partial(_write_all, incoming.job, writes))  # type: ignore[union-attr]
+                        assert incoming is not None  # bytes to write come only after the header
+                        await worker.import_step(incoming.job, partial(_write_all, incoming.job, writes))
                 reader.finish()
                 if incoming is None:
                     raise SnapshotError("the session snapshot ended early, before its header")
