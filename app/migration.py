@@ -15,7 +15,10 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   `session` section a replica would not make, 413 too large, 503 not ready)
   leaves its pool as it was. The snapshot is read as it arrives
   (runner/snapshot_stream.py): its header is checked before any tensor is
-  allocated.
+  allocated, then each piece is written straight into the session's pool
+  blocks (runner/snapshot_import.py). An upload that ends early (the sender
+  gone or silent for ``PIECE_TIMEOUT_S``: 408, a corrupt piece, a header that
+  lies: 400) releases every block it took; nothing is held for resume.
 - ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
   app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
   live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker
@@ -39,6 +42,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -46,6 +50,7 @@ import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from arstream.app.connection import Connection
 from arstream.app.drain import DRAIN_PATH, HOLDER_PATH
@@ -57,13 +62,15 @@ from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
 from arstream.app.wire import PROTOCOL_VERSION
-from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
-from arstream.runner.snapshot_stream import SnapshotPlan, SnapshotReader, SnapshotTooLarge
+from arstream.runner.snapshot import SnapshotError, SnapshotRefused, check_compatible
+from arstream.runner.snapshot_import import SessionImport, TensorEntry
+from arstream.runner.snapshot_stream import PIECE_BYTES, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, Write
 from arstream.runner.types import StartImage
 
 if TYPE_CHECKING:
     from arstream.app.hub import SessionHub
     from arstream.app.worker import ModelWorker
+    from arstream.runner.runner import ARRunner
 
 log = logging.getLogger("arstream.migration")
 
@@ -71,6 +78,8 @@ IMPORT_PATH = "/v1/cluster/import"
 # A snapshot's bytes beyond the session's own resident bytes (headers, JSON state, model tensors the spec does not count).
 SNAPSHOT_SLACK_BYTES = 64 * 1024 * 1024
 PEER_TIMEOUT_S = 60.0
+# A sender silent this long mid-snapshot has gone: the import ends and its blocks go back.
+PIECE_TIMEOUT_S = 30.0
 # Wrong cluster secrets one address may send at once, then how many per second (SecretGate).
 CLUSTER_AUTH_BURST = 5
 CLUSTER_AUTH_RATE_PER_S = 0.1
@@ -164,6 +173,7 @@ class Migration:
         self._stop_reason = ""
         self._deadline = 0.0  # loop time the current drain ends by
         self.report: DrainReport | None = None  # the last drain's
+        self.importing: set[str] = set()  # ids of the sessions being taken now (their bytes arriving)
         self.moves: dict[str, asyncio.Task[MoveReport]] = {}  # the current (or last) drain's, by session id
         # This replica's own base URLs (set by the server once bound): never a peer of its own drain.
         self.own_urls: set[str] = set()
@@ -184,31 +194,89 @@ class Migration:
             return ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
         return None
 
-    async def receive(self, pieces: AsyncIterator[bytes]) -> SessionSnapshot:
-        """A snapshot from its bytes as they arrive (runner/snapshot_stream.py): never the whole file in memory."""
+    async def take(self, body: AsyncIterator[bytes]) -> dict[str, Any]:
+        """Take a moved session as its bytes arrive: each piece goes straight into the session's pool blocks
+        (runner/snapshot_import.py), so this side holds a piece or two, never the snapshot. Returns its resume
+        ticket for the client, or raises :class:`ImportRefused`; however the stream ends early (refused, cut,
+        stalled, corrupt, a header that lies), what the import made is released: pool and registry as before."""
         refusal = self._not_taking()
         if refusal is not None:
             raise refusal  # before a byte is read: the sender learns at once
-        reader = SnapshotReader(self._max_snapshot_bytes(), check=self._check_header)
+        worker = self.hub.worker
+        assert worker is not None
+        reader = SnapshotReader(self._max_snapshot_bytes(), check=self._check_header, hold=False)
+        pieces = _gathered(body, gather=lambda: reader.header is not None)
+        incoming: Incoming | None = None
         try:
-            async for piece in pieces:
-                try:
-                    # Off the event loop: the header's parse (up to 1 MiB of JSON) and the copies into the tensors'
-                    # buffers would stall every session's frames.
-                    await asyncio.to_thread(reader.feed, piece)
-                except ImportRefused:
-                    # Refused by its header: nothing is allocated; the rest is read and dropped, so the sender
-                    # gets this answer rather than a connection cut in the middle of its upload.
-                    async for _rest in pieces:
-                        pass
-                    raise
-            return reader.snapshot()
+            try:
+                async for piece in pieces:
+                    # Off the event loop: the header's parse (up to 1 MiB of JSON) and the digest of each piece.
+                    writes = await asyncio.to_thread(reader.feed, piece)
+                    if incoming is None and reader.header is not None:
+                        incoming = self._incoming(reader)
+                        self.importing.add(incoming.session_id)
+                        await worker.import_step(incoming.job, incoming.job.begin)
+                    if writes:
+                        assert incoming is not None  # bytes to write come only after the header
+                        await worker.import_step(incoming.job, partial(_write_all, incoming.job, writes))
+                reader.finish()
+                if incoming is None:
+                    raise SnapshotError("the session snapshot ended early, before its header")
+                extras = await worker.import_step(incoming.job, incoming.job.finish)
+            except (ImportRefused, SnapshotError):
+                # The rest is read and dropped (within the size bound), so the sender gets this answer rather
+                # than a connection cut in the middle of its upload.
+                await _drop_rest(pieces, self._max_snapshot_bytes())
+                raise
         except SnapshotTooLarge as exc:
             raise ImportRefused(413, str(exc)) from None
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
+        except TimeoutError:
+            raise ImportRefused(408, f"the sender sent nothing for {PIECE_TIMEOUT_S:g} s") from None
+        except ClientDisconnect:
+            raise ImportRefused(400, f"the sender went away after {reader.received} bytes") from None
+        finally:
+            if incoming is not None:
+                self.importing.discard(incoming.session_id)
+                if not incoming.job.finished:
+                    # After every step already queued (the worker runs them in order), even when this was cancelled.
+                    _quietly(worker.import_step(incoming.job, incoming.job.abort))
+        try:
+            session = incoming.session
+            session.start_image = carried_start_image(reader.header or {}, extras, self.settings.max_start_image_pixels)
+            token = self.hub.resume.hold_moved(
+                session, owner=incoming.portable.get("owner"), client_host=str(incoming.portable.get("client_host", ""))
+            )
+        except (ResumeRefused, ValueError) as exc:
+            worker.drop_session(incoming.session_id)
+            raise ImportRefused(409 if isinstance(exc, ResumeRefused) else 400, str(exc)) from None
+        return {"resume": token, "next_chunk_index": incoming.next_chunk_index, "session_id": incoming.session_id}
+
+    def _incoming(self, reader: SnapshotReader) -> Incoming:
+        """What a session's header and table say it is, checked before anything is allocated for it."""
+        header = reader.header
+        assert header is not None
+        portable = self._check_header(header)
+        worker = self.hub.worker
+        assert worker is not None and worker.runner is not None
+        try:
+            session_id = str(portable["id"])
+            if session_id in self.importing or session_id in self.hub.connections:
+                raise ImportRefused(409, f"session {session_id!r} is already on this replica")
+            session = Session.from_portable(
+                portable, session_id=session_id, max_pending_ticks=self.settings.max_pending_ticks
+            )
+            image = next((t for t in reader.tensors if t.name == START_IMAGE_TENSOR), None)
+            check_start_image(header, image, self.settings.max_start_image_pixels)
+            next_chunk = int(header["kv"]["chunks_committed"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImportRefused(400, f"malformed session snapshot: {type(exc).__name__}: {exc}") from None
+        extras = {START_IMAGE_TENSOR: image.nbytes} if image is not None else {}
+        job = SessionImport(session_id, header, reader.tensors, protocol_version=PROTOCOL_VERSION, extras=extras)
+        return Incoming(job, session, portable, next_chunk)
 
     def _check_header(self, header: dict[str, Any]) -> dict[str, Any]:
         """The session section of a snapshot this replica takes now (model, config, room, a `session` it would
@@ -227,41 +295,11 @@ class Migration:
             raise ImportRefused(409, str(exc)) from None
         except PortableSessionError as exc:
             raise ImportRefused(400, str(exc)) from None
-        held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count
+        # Sessions whose bytes are arriving hold their slot too (they are resident here from their header on).
+        held = len(hub.connections) + len(hub.resume.resuming) + hub.resume.detached_count + len(self.importing)
         if held >= hub.session_capacity:
             raise ImportRefused(409, f"no room: {held} of {hub.session_capacity} session slots are held")
         return portable
-
-    async def accept(self, snapshot: SessionSnapshot) -> dict[str, Any]:
-        """Take a moved session; its resume ticket for the client, or :class:`ImportRefused`."""
-        hub = self.hub
-        worker = hub.worker
-        portable = self._check_header(snapshot.header)
-        assert worker is not None and worker.runner is not None
-        try:
-            session_id = str(portable["id"])
-            if session_id in hub.connections or worker.runner.is_resident(session_id):
-                raise ImportRefused(409, f"session {session_id!r} is already on this replica")
-            session = Session.from_portable(
-                portable, session_id=session_id, max_pending_ticks=self.settings.max_pending_ticks
-            )
-            session.start_image = carried_start_image(snapshot, self.settings.max_start_image_pixels)
-        except (SnapshotError, KeyError, TypeError, ValueError) as exc:
-            raise ImportRefused(400, f"malformed session snapshot: {type(exc).__name__}: {exc}") from None
-        try:
-            await worker.import_session(session_id, snapshot)
-        except SnapshotRefused as exc:
-            raise ImportRefused(409, str(exc)) from None
-        except SnapshotError as exc:
-            raise ImportRefused(400, str(exc)) from None
-        try:
-            token = hub.resume.hold_moved(
-                session, owner=portable.get("owner"), client_host=str(portable.get("client_host", ""))
-            )
-        except ResumeRefused as exc:
-            worker.drop_session(session_id)
-            raise ImportRefused(409, str(exc)) from None
-        return {"resume": token, "next_chunk_index": snapshot.next_chunk_index, "session_id": session_id}
 
     def holding(self, session_id: str) -> str | None:
         """How this replica holds ``session_id``: "live", "detached", "resuming", or None when it does not."""
@@ -491,15 +529,81 @@ class Migration:
 
 
 async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[bytes]:
-    """The plan's bytes in pieces, the next piece read on the worker while this one is sent."""
-    yield plan.head()
+    """The plan's bytes in pieces, the next piece read on the worker while this one is sent, then their digest
+    (the file's last tensor: runner/snapshot_stream.py), hashed off the event loop."""
+    seal = Seal()
+    head = plan.head()
+    seal.add(head)
+    yield head
     pieces = plan.pieces()
     ahead: asyncio.Future[bytes] | None = worker.read_parts(pieces[0]) if pieces else None
     for index in range(len(pieces)):
         assert ahead is not None
         piece = await ahead
         ahead = worker.read_parts(pieces[index + 1]) if index + 1 < len(pieces) else None
+        await asyncio.to_thread(seal.add, piece)
         yield piece
+    yield seal.digest()
+
+
+async def _gathered(body: AsyncIterator[bytes], gather: Callable[[], bool]) -> AsyncIterator[bytearray]:
+    """A POST's body in pieces of about PIECE_BYTES once ``gather()`` (it arrives in reads of a few KiB: one
+    worker step a piece, not a read), each read as it comes before (the header is checked as soon as it is
+    here); TimeoutError when the sender sends nothing for PIECE_TIMEOUT_S."""
+    piece = bytearray()
+    reads = aiter(body)
+    while True:
+        try:
+            data = await asyncio.wait_for(anext(reads), PIECE_TIMEOUT_S)
+        except StopAsyncIteration:
+            break
+        piece += data
+        if len(piece) >= PIECE_BYTES or not gather():
+            yield piece
+            piece = bytearray()
+    if piece:
+        yield piece
+
+
+async def _drop_rest(pieces: AsyncIterator[bytearray], limit: int) -> None:
+    """Read what is left of a refused upload and drop it, up to ``limit`` bytes; quietly stop if it cannot be read."""
+    dropped = 0
+    try:
+        async for piece in pieces:
+            dropped += len(piece)
+            if dropped > limit:
+                return
+    except (Exception, TimeoutError):  # noqa: BLE001 - the refusal is what the sender gets, not this
+        return
+
+
+def _write_all(job: SessionImport, writes: list[Write], runner: ARRunner) -> None:
+    for write in writes:
+        job.write(runner, write.index, write.offset, write.as_tensor())
+
+
+def _quietly(future: asyncio.Future[Any]) -> None:
+    """Nobody waits for this step (an abort after the request ended): its error, if any, is logged, not raised."""
+
+    def logged(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("releasing a cut-short import failed: %s", done.exception())
+
+    future.add_done_callback(logged)
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A session whose snapshot is arriving: its import, the session it becomes, and whose it is."""
+
+    job: SessionImport
+    session: Session
+    portable: dict[str, Any]
+    next_chunk_index: int
+
+    @property
+    def session_id(self) -> str:
+        return self.job.session_id
 
 
 @dataclass(frozen=True)
@@ -547,26 +651,37 @@ def carry_start_image(plan: SnapshotPlan, image: StartImage | None) -> None:
         plan.add_tensor(START_IMAGE_TENSOR, torch.from_numpy(np.array(image.pixels, dtype=np.uint8, copy=True)))
 
 
-def carried_start_image(snapshot: SessionSnapshot, max_pixels: int) -> StartImage | None:
-    """The start image a snapshot carries (:func:`carry_start_image`), checked like an upload; ValueError if bad."""
-    meta = snapshot.header.get("start_image")
-    pixels = snapshot.tensors.pop(START_IMAGE_TENSOR, None)
+def check_start_image(header: dict[str, Any], pixels: TensorEntry | None, max_pixels: int) -> None:
+    """The start image a snapshot says it carries (:func:`carry_start_image`), checked like an upload from its
+    header and table alone, before a byte of it is taken; ValueError if bad."""
+    meta = header.get("start_image")
     if meta is None:
         if pixels is not None:
             raise ValueError("start image pixels without their start_image section")
-        return None
+        return
     if not isinstance(meta, dict) or not isinstance(meta.get("digest"), str):
         raise ValueError("the start_image section must be an object with a digest")
     name = meta.get("name")
     if name is not None and not isinstance(name, str):
         raise ValueError("the start image's name must be a string")
     if pixels is None:
-        return StartImage(digest=meta["digest"], name=name)
-    if pixels.dtype != torch.uint8 or pixels.dim() != 3 or pixels.shape[2] != 3:
+        return
+    if pixels.dtype != torch.uint8 or len(pixels.shape) != 3 or pixels.shape[2] != 3:
         raise ValueError(f"start image pixels must be uint8 [H, W, 3], got {pixels.dtype} {list(pixels.shape)}")
     if pixels.shape[0] * pixels.shape[1] > max_pixels:
         raise ValueError(f"the start image has over max_start_image_pixels {max_pixels} pixels")
-    return StartImage(digest=meta["digest"], name=name, pixels=pixels.numpy())
+
+
+def carried_start_image(
+    header: dict[str, Any], tensors: dict[str, torch.Tensor], max_pixels: int
+) -> StartImage | None:
+    """The start image a snapshot carries (its header's section, its pixels from ``tensors``); ValueError if bad."""
+    pixels = tensors.get(START_IMAGE_TENSOR)
+    check_start_image(header, None if pixels is None else TensorEntry.of(START_IMAGE_TENSOR, pixels), max_pixels)
+    meta = header.get("start_image")
+    if meta is None:
+        return None
+    return StartImage(digest=meta["digest"], name=meta.get("name"), pixels=None if pixels is None else pixels.numpy())
 
 
 def _detail(response: httpx.Response) -> str:
@@ -588,7 +703,7 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
         if refusal is not None:
             return refusal
         try:
-            ticket = await migration.accept(await migration.receive(request.stream()))
+            ticket = await migration.take(request.stream())
         except ImportRefused as exc:
             # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
             detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)

@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -58,9 +58,13 @@ from arstream.app.wire import PROTOCOL_VERSION
 from arstream.measure import percentile
 from arstream.runner.runtimes import Runtime, SplitDecodeRuntime, park_idle, park_session
 from arstream.runner.snapshot import SessionSnapshot, import_session, transferable, unstarted_snapshot
+from arstream.runner.snapshot_import import SessionImport
 from arstream.runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
 from arstream.runner.stats import RunnerStats
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
+
+if TYPE_CHECKING:
+    from arstream.runner.runner import ARRunner  # a streamed import's steps take the transferable runner
 
 log = logging.getLogger("arstream.worker")
 
@@ -318,6 +322,23 @@ class ModelWorker:
             self._encoders.restart_stream(session_id)
 
         return self._control(adopt, lane=None)
+
+    def import_step(self, job: SessionImport, step: Callable[[ARRunner], _T]) -> asyncio.Future[_T]:
+        """One step of a streamed import (``job.begin``, ``write``, ``finish``, ``abort``: runner/snapshot_import.py)
+        on the worker, which owns the pool. While the import holds the session resident, its chunks count as
+        produced elsewhere, as for :meth:`import_session`."""
+
+        def run(runner: Runtime) -> _T:
+            try:
+                return step(transferable(runner))
+            finally:
+                if job.holds and job.session_id not in self._produced:
+                    self._produced.add(job.session_id)
+                    self._encoders.restart_stream(job.session_id)
+                elif not job.holds and job.held:
+                    self._produced.discard(job.session_id)
+
+        return self._control(run, lane=None)
 
     def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
         """Resolves to the boundary once ``new_session_id`` is resident, continuing from ``source_id``'s chunk

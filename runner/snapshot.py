@@ -13,12 +13,14 @@ flight) and holds
 - an opaque ``session`` section for the layer above (the server puts the
   protocol state there: controls, prompt, seed, pending events, id floors).
 
-On the wire it is one safetensors file: the tensors, and in its metadata a
+On the wire it is one safetensors file (runner/snapshot_stream.py writes and
+reads it in pieces; its last tensor is the SHA-256 of the bytes before it): the tensors, and in its metadata a
 JSON header (``FORMAT_VERSION``, model name, config hash, runtime, protocol
 version, counters, the model's and the server's JSON state). A runner refuses
 a snapshot of another model, config, runtime or format with
 :class:`SnapshotRefused`, and an import that fails for any reason leaves the
-pool as it was (every block allocated for it goes back).
+pool as it was (every block allocated for it goes back): whole or streamed, an
+import is runner/snapshot_import.py's :class:`SessionImport`.
 
 Bit-identical continuation is the contract: export at chunk ``k``, import
 into a fresh runner of the same model, and chunk ``k`` onwards equals what the
@@ -34,12 +36,9 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from arstream.runner.contract import ModelState, SupportsSessionTransfer
-from arstream.runner.kv_state import SessionKVState
-from arstream.runner.snapshot_header import METADATA_KEY, SnapshotHeaderError, parse_header
+from arstream.runner.snapshot_header import SnapshotHeaderError, parse_header
 
 if TYPE_CHECKING:
     from arstream.runner.runner import ARRunner
@@ -83,18 +82,21 @@ class SessionSnapshot:
         return self.header.setdefault("session", {})
 
     def to_bytes(self) -> bytes:
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.tensors.items()}
-        return save_tensors(tensors, metadata={METADATA_KEY: json.dumps(self.header, separators=(",", ":"))})
+        """The wire format whole: what runner/snapshot_stream.py streams, its digest included."""
+        from arstream.runner.snapshot_stream import plan_of  # here: that module builds on this one
+
+        return b"".join(plan_of(self).chunks())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SessionSnapshot:
-        """Parse the header first (cheap, bounded), then the tensors; :class:`SnapshotError` if malformed."""
-        header = read_header(data)
-        try:
-            tensors = load_tensors(data)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise SnapshotError(f"the snapshot's tensors do not parse: {exc}") from None
-        return cls(header, tensors)
+        """Parse the header first (cheap, bounded), then the tensors; :class:`SnapshotError` if malformed (or its
+        digest does not match)."""
+        from arstream.runner.snapshot_stream import SnapshotReader
+
+        read_header(data)  # its own errors for bytes too short for a header, or a header past its bounds
+        reader = SnapshotReader(max_bytes=len(data))
+        reader.feed(data)
+        return reader.snapshot()
 
     @property
     def nbytes(self) -> int:
@@ -287,59 +289,25 @@ def import_session(
 ) -> None:
     """Make ``snapshot`` the resident session ``session_id``; refuse, leaving the pool as it was, if it does not fit.
 
-    Never evicts another session: a replica with no free slot (and no park room) refuses.
+    Never evicts another session: a replica with no free slot (and no park room) refuses. The same import as a streamed one
+    (runner/snapshot_import.py), with every tensor's bytes at hand; tensors that are not the runner's (a start
+    image the server carried) are left to the caller.
     """
-    check_compatible(runner, snapshot.header, protocol_version)
-    if not snapshot.resident:
-        if snapshot.tensors:
-            raise SnapshotError("a snapshot of a session with nothing resident carries tensors")
-        return  # its first chunk runs here as a new rollout
-    pipeline = runner.pipeline
-    assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
-    if runner.is_resident(session_id):
-        raise SnapshotRefused(f"session {session_id!r} is already resident here")
-    # a full pool parks its least recently used session when there is park room (runner/parking.py)
-    if len(runner.resident_sessions()) >= runner.session_capacity and not runner.make_room():
-        raise SnapshotRefused(f"no room: all {runner.session_capacity} session slots of this replica's pool are in use")
-    kv = snapshot.header.get("kv")
-    if not isinstance(kv, dict):
-        raise SnapshotError("the snapshot has no KV section")
-    spec = runner.spec
-    state = SessionKVState(runner.pool, session_id)
+    from arstream.runner.snapshot_import import MODEL_PREFIX, SessionImport, TensorEntry, flat_bytes
+
+    ours = {
+        name: tensor.detach().contiguous()
+        for name, tensor in snapshot.tensors.items()
+        if name.partition("/")[0] in ("kv", "cross_k", "cross_v") or name.startswith(MODEL_PREFIX)
+    }
+    entries = [TensorEntry.of(name, tensor) for name, tensor in ours.items()]
+    job = SessionImport(session_id, snapshot.header, entries, protocol_version=protocol_version)
+    job.begin(runner)
     try:
-        for branch in spec.branch_names:
-            stored = snapshot.tensors.get(f"kv/{branch}")
-            frames = 0 if stored is None else stored.shape[2]
-            sinks = int(kv["sink_frames"][branch])
-            expected = (spec.num_layers, 2, frames, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
-            if frames > spec.resident_frames or sinks > min(frames, spec.sink_frames) or (
-                stored is not None and (tuple(stored.shape) != expected or stored.dtype != spec.dtype)
-            ):
-                raise SnapshotError(f"the snapshot's KV for branch {branch!r} does not fit this spec")
-            if stored is None:
-                continue
-            blocks = runner.pool.allocate(frames)
-            state.sink[branch], state.window[branch] = blocks[:sinks], blocks[sinks:]
-            index = torch.tensor(blocks, dtype=torch.long, device=runner.pool.device)
-            runner.pool.kv.index_copy_(2, index, stored.to(runner.pool.device))
-        if state.cross_slot is not None:
-            for name in runner.pool.cross_k:
-                runner.pool.cross_k[name][state.cross_slot] = snapshot.tensors[f"cross_k/{name}"].to(runner.pool.device)
-                runner.pool.cross_v[name][state.cross_slot] = snapshot.tensors[f"cross_v/{name}"].to(runner.pool.device)
-            state.cross_written = set(kv.get("cross_written", []))
-        state.frames_committed = int(kv["frames_committed"])
-        state.chunks_committed = int(kv["chunks_committed"])
-        state.sink_start = int(kv["sink_start"])
-        prefix = "model/"
-        model_tensors = {k[len(prefix) :]: t for k, t in snapshot.tensors.items() if k.startswith(prefix)}
-        pipeline.import_session_state(session_id, ModelState(snapshot.header.get("model_state", {}), model_tensors))
-    except BaseException as exc:
-        state.release()
-        try:
-            pipeline.close_session(session_id)
-        except Exception:  # noqa: BLE001 - the import's own error is the one to report
-            pass
-        if isinstance(exc, (KeyError, TypeError, ValueError)) and not isinstance(exc, SnapshotError):
-            raise SnapshotError(f"the snapshot does not fit this replica: {type(exc).__name__}: {exc}") from None
+        for index, tensor in enumerate(ours.values()):
+            if tensor.numel():
+                job.write(runner, index, 0, flat_bytes(tensor))
+    except BaseException:
+        job.abort(runner)
         raise
-    runner.adopt_kv_state(state)
+    job.finish(runner)

@@ -14,20 +14,26 @@ builds it whole:
   no tick, so the worker serves them between others' forwards.
 - :class:`SnapshotReader` takes the bytes as they arrive, checks the header
   as soon as it is complete (format, tensor table, total size within a
-  limit), and writes each piece into its tensor: what it holds is the
-  session's tensors, once, and never the file.
+  limit), and says where each byte goes (:class:`Write`): a server writes
+  them straight into the session's pool blocks (runner/snapshot_import.py),
+  so it holds a piece, never the file nor a copy of the session's tensors.
+- The file's last tensor, ``digest/sha256``, is the SHA-256 of every byte
+  before it, hashed as the pieces go out (:class:`Seal`); the reader checks
+  it at the end (:meth:`SnapshotReader.finish`), so a corrupt piece is
+  refused and the import that wrote it released.
 
-So a move's extra memory is a few pieces on the sending side, and the
-session's tensors (which the import needs anyway) on the receiving side,
-instead of the snapshot three times over (copies, file bytes, request body).
+So a move's extra memory is a few pieces on either side (measured:
+scripts/bench-snapshot-memory.py, docs/deployment.md), instead of the
+snapshot three times over (copies, file bytes, request body).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -37,6 +43,7 @@ import torch
 
 from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
 from arstream.runner.snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
+from arstream.runner.snapshot_import import SessionImport, TensorEntry
 
 if TYPE_CHECKING:
     from arstream.runner.runner import ARRunner
@@ -51,6 +58,24 @@ DTYPES: dict[torch.dtype, str] = {
 }
 BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
+# The file's last tensor: the SHA-256 of every byte before it (head and tensors), so a receiver knows that the
+# bytes it wrote into its pool are the ones that were sent. The sender hashes as it streams; a file without it
+# (written by an older replica) is read without the check.
+DIGEST_TENSOR = "digest/sha256"
+DIGEST_BYTES = 32
+
+
+class Seal:
+    """The running SHA-256 a snapshot's last tensor carries (hashlib releases the GIL on large pieces)."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def add(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)
+
+    def digest(self) -> bytes:
+        return self._hash.digest()
 
 
 class SnapshotTooLarge(SnapshotError):
@@ -104,13 +129,27 @@ class SnapshotPlan:
             table[plan.name] = {"dtype": DTYPES[plan.dtype], "shape": list(plan.shape),
                                 "data_offsets": [offset, offset + plan.nbytes]}
             offset += plan.nbytes
+        table[DIGEST_TENSOR] = {"dtype": "U8", "shape": [DIGEST_BYTES], "data_offsets": [offset, offset + DIGEST_BYTES]}
         text = json.dumps(table, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 
     @property
     def nbytes(self) -> int:
-        return len(self.head()) + sum(p.nbytes for p in self.tensors)
+        return len(self.head()) + sum(p.nbytes for p in self.tensors) + DIGEST_BYTES
+
+    def chunks(self) -> Iterator[bytes]:
+        """The file's bytes in order, each piece read here (the caller owns the tensors: a test, a tool, or
+        :meth:`SessionSnapshot.to_bytes`), then the digest; a server's sender reads its pieces on the worker."""
+        seal = Seal()
+        head = self.head()
+        seal.add(head)
+        yield head
+        for piece in self.pieces():  # one at a time: the file is never whole here either
+            data = b"".join(piece_bytes(part()) for part in piece)
+            seal.add(data)
+            yield data
+        yield seal.digest()
 
     def pieces(self) -> list[list[Part]]:
         """The parts in order, grouped into pieces of about PIECE_BYTES (small blocks travel together: one
@@ -171,49 +210,91 @@ def piece_bytes(piece: torch.Tensor) -> bytes:
     return piece.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-class SnapshotReader:
-    """Reads a snapshot's bytes as they arrive (:meth:`feed`), then :meth:`snapshot`; :class:`SnapshotError`
-    for anything that is not a well-formed snapshot within ``max_bytes``."""
+@dataclass(frozen=True)
+class Write:
+    """Bytes of the table's tensor ``index`` (see :attr:`SnapshotReader.tensors`) from byte ``offset`` of it."""
 
-    def __init__(self, max_bytes: int, check: Callable[[dict[str, Any]], object] | None = None) -> None:
+    index: int
+    offset: int
+    data: memoryview
+
+    def as_tensor(self) -> torch.Tensor:
+        """The bytes as a flat uint8 tensor (on the CPU; a read-only buffer is copied, a piece at most)."""
+        data = self.data if not self.data.readonly else memoryview(bytearray(self.data))
+        return torch.frombuffer(data, dtype=torch.uint8) if data.nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+class SnapshotReader:
+    """Reads a snapshot's bytes as they arrive (:meth:`feed`), then :meth:`finish`; :class:`SnapshotError`
+    for anything that is not a well-formed snapshot within ``max_bytes``.
+
+    :meth:`feed` returns where each byte goes (:class:`Write`, per tensor of :attr:`tensors`): a server writes
+    them straight into the session's pool blocks (runner/snapshot_import.py). With ``hold`` the reader also
+    keeps them itself, for :meth:`snapshot` (a snapshot in memory: tests, tools).
+    """
+
+    def __init__(
+        self, max_bytes: int, check: Callable[[dict[str, Any]], object] | None = None, *, hold: bool = True
+    ) -> None:
         self.max_bytes = max_bytes
         # Called with the header as soon as it has come, before any tensor is allocated: refuse early.
         self._check = check
+        self._hold = hold
         self._pending = bytearray()  # bytes of the head not yet parsed
         self._head_length: int | None = None
         self.header: dict[str, Any] | None = None
-        self._tensors: list[tuple[str, torch.Tensor, torch.dtype, tuple[int, ...]]] = []
-        self._current = 0  # index into _tensors
+        self.tensors: list[TensorEntry] = []  # the table, in byte order, the digest left out
+        self._buffers: list[torch.Tensor] = []  # with hold: each tensor's bytes
+        self._seal = Seal()
+        self._digest: bytearray | None = None  # the digest's bytes as they come; None: the snapshot has none
+        self._current = 0  # index into tensors
         self._filled = 0  # bytes of the current tensor written
         self.received = 0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Write]:
+        """Take the next bytes; returns where they go (nothing until the head is complete)."""
         self.received += len(data)
         if self.received > self.max_bytes:
             raise SnapshotTooLarge(f"a session snapshot here is at most {self.max_bytes} bytes")
         view = memoryview(data)
-        if self.header is None:
-            self._pending += view
-            view = memoryview(b"")
+        while self.header is None:
+            # Only the head's own bytes are buffered (what follows is written where it belongs, uncopied).
+            want = 8 - len(self._pending) if self._head_length is None else 8 + self._head_length - len(self._pending)
+            self._pending += view[:want]
+            view = view[want:]
             if not self._parse_head():
-                return
-            assert self._head_length is not None
-            view = memoryview(bytes(self._pending[8 + self._head_length :]))  # the tensors' first bytes
+                if not view.nbytes:
+                    return []
+                continue
             self._pending = bytearray()
+        writes: list[Write] = []
         while view.nbytes:
             self._skip_empty()
-            if self._current >= len(self._tensors):
-                raise SnapshotError("a session snapshot has bytes after its last tensor")
-            _name, buffer, _dtype, _shape = self._tensors[self._current]
-            take = min(view.nbytes, buffer.numel() - self._filled)
-            buffer.numpy()[self._filled : self._filled + take] = np.frombuffer(view[:take], dtype=np.uint8)
+            if self._current >= len(self.tensors):
+                self._take_digest(view)
+                return writes
+            entry = self.tensors[self._current]
+            take = min(view.nbytes, entry.nbytes - self._filled)
+            write = Write(self._current, self._filled, view[:take])
+            self._seal.add(write.data)
+            if self._hold:
+                self._buffers[self._current].numpy()[self._filled : self._filled + take] = np.frombuffer(
+                    write.data, dtype=np.uint8
+                )
+            writes.append(write)
             self._filled += take
             view = view[take:]
-            if self._filled == buffer.numel():
+            if self._filled == entry.nbytes:
                 self._current, self._filled = self._current + 1, 0
+        return writes
+
+    def _take_digest(self, view: memoryview) -> None:
+        if self._digest is None or len(self._digest) + view.nbytes > DIGEST_BYTES:
+            raise SnapshotError("a session snapshot has bytes after its last tensor")
+        self._digest += view
 
     def _parse_head(self) -> bool:
-        """Parse the head once it is all here; False while it is not. Allocates every tensor's buffer."""
+        """Parse the head once it is all here; False while it is not. With ``hold``, allocates the tensors' buffers."""
         if self._head_length is None:
             if len(self._pending) < 8:
                 return False
@@ -229,7 +310,6 @@ class SnapshotReader:
         header = read_header(head)
         if self._check is not None:
             self._check(header)
-        self.header = header
         try:  # read_header has bounded and parsed these bytes already: the tensor table is what is left to check
             table = json.loads(head[8:])
             entries = sorted(
@@ -238,33 +318,87 @@ class SnapshotReader:
             total = 8 + length + sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0]) for _k, v in entries)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             raise SnapshotError("not a session snapshot: its tensor table is malformed") from None
-        offset = 0
         if total > self.max_bytes:
             raise SnapshotTooLarge(f"a session snapshot here is at most {self.max_bytes} bytes; this one has {total}")
-        for name, entry in entries:
+        offset = 0
+        tensors: list[TensorEntry] = []
+        for position, (name, entry) in enumerate(entries):
             try:
-                dtype = BY_NAME[entry["dtype"]]
-                shape = tuple(int(n) for n in entry["shape"])
+                tensor = TensorEntry(
+                    str(name), BY_NAME[entry["dtype"]], tuple(int(n) for n in entry["shape"])
+                )
                 begin, end = (int(n) for n in entry["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise SnapshotError(f"not a session snapshot: tensor {name!r} is described wrongly") from None
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if begin != offset or end - begin != size or min(shape, default=0) < 0:
-                raise SnapshotError(f"not a session snapshot: tensor {name!r}'s offsets do not fit its shape")
+                raise SnapshotError(f"not a session snapshot: tensor {str(name)[:80]!r} is described wrongly") from None
+            if begin != offset or min(tensor.shape, default=0) < 0 or end - begin != tensor.nbytes:
+                raise SnapshotError(f"not a session snapshot: tensor {str(name)[:80]!r}'s offsets do not fit its shape")
             offset = end
-            self._tensors.append((name, torch.empty(size, dtype=torch.uint8), dtype, shape))
+            if name == DIGEST_TENSOR:
+                if position != len(entries) - 1 or tensor != TensorEntry(DIGEST_TENSOR, torch.uint8, (DIGEST_BYTES,)):
+                    raise SnapshotError("not a session snapshot: its digest is not the last 32 bytes")
+                self._digest = bytearray()
+                continue
+            tensors.append(tensor)
+        self.header, self.tensors = header, tensors
+        self._seal.add(head)
+        if self._hold:
+            self._buffers = [torch.empty(t.nbytes, dtype=torch.uint8) for t in tensors]
         self._skip_empty()
         return True
 
     def _skip_empty(self) -> None:
-        while self._current < len(self._tensors) and self._tensors[self._current][1].numel() == 0:
+        while self._current < len(self.tensors) and self.tensors[self._current].nbytes == 0:
             self._current += 1
 
-    def snapshot(self) -> SessionSnapshot:
-        """The snapshot, once every byte has come; :class:`SnapshotError` if the stream ended early."""
+    def finish(self) -> None:
+        """Every byte has come and, where the snapshot carries its digest, they are the bytes that were sent;
+        :class:`SnapshotError` if the stream ended early or a piece is corrupt."""
         self._skip_empty()
-        if self.header is None or self._current < len(self._tensors):
+        digest_short = self._digest is not None and len(self._digest) < DIGEST_BYTES
+        if self.header is None or self._current < len(self.tensors) or digest_short:
             raise SnapshotError(f"the session snapshot ended early, after {self.received} bytes")
-        tensors = {name: buffer.view(dtype).reshape(shape) for name, buffer, dtype, shape in self._tensors}
+        if self._digest is not None and bytes(self._digest) != self._seal.digest():
+            raise SnapshotError("the session snapshot is corrupt: its bytes do not match its SHA-256 digest")
+
+    def snapshot(self) -> SessionSnapshot:
+        """The snapshot, once every byte has come (a reader made with ``hold``); see :meth:`finish`."""
+        self.finish()
+        assert self.header is not None and self._hold
+        tensors = {t.name: buffer.view(t.dtype).reshape(t.shape) for t, buffer in zip(self.tensors, self._buffers)}
         return SessionSnapshot(self.header, tensors)
 
+
+def import_pieces(
+    runner: ARRunner,
+    session_id: str,
+    pieces: Iterable[bytes | bytearray],
+    *,
+    max_bytes: int,
+    protocol_version: int | None = None,
+    finish: bool = True,
+) -> SessionImport:
+    """Stream ``pieces`` straight into ``runner``'s pool as ``session_id``, in this thread (tests, tools; a
+    server runs the same steps with the writes on its worker, app/migration.py). Without ``finish`` the import
+    is left open after the last piece (the caller aborts it); an error aborts it."""
+    reader = SnapshotReader(max_bytes=max_bytes, hold=False)
+    job: SessionImport | None = None
+    try:
+        for piece in pieces:
+            writes = reader.feed(piece)
+            if job is None and reader.header is not None:
+                job = SessionImport(session_id, reader.header, reader.tensors, protocol_version=protocol_version)
+                job.begin(runner)
+            for write in writes:
+                assert job is not None
+                job.write(runner, write.index, write.offset, write.as_tensor())
+        if finish:
+            reader.finish()
+        if job is None:
+            raise SnapshotError("the session snapshot ended early, before its header")
+        if finish:
+            job.finish(runner)
+    except BaseException:
+        if job is not None:
+            job.abort(runner)
+        raise
+    return job

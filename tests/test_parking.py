@@ -253,7 +253,7 @@ def test_an_exported_session_is_never_parked_until_its_next_chunk() -> None:
 @pytest.mark.parametrize("model", ["fake-kv", "tiny-world"])
 def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str, tmp_path: Path) -> None:
     from arstream.runner.snapshot import SessionSnapshot, export_session
-    from arstream.runner.snapshot_stream import piece_bytes, plan_export
+    from arstream.runner.snapshot_stream import plan_export
 
     def same_snapshot(a: SessionSnapshot, b: SessionSnapshot) -> bool:
         return a.header == b.header and a.tensors.keys() == b.tensors.keys() and all(
@@ -269,7 +269,7 @@ def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str
     assert runner.parked_sessions() == ["s"] and runner.stats().sessions_spilled == 1
     assert same_snapshot(SessionSnapshot.from_bytes(export_session(runner, "s").to_bytes()), resident)
     plan = plan_export(runner, "s")
-    streamed = plan.head() + b"".join(piece_bytes(part()) for piece in plan.pieces() for part in piece)
+    streamed = b"".join(plan.chunks())  # the sealed stream a drain sends
     assert same_snapshot(SessionSnapshot.from_bytes(streamed), resident)
     assert runner.parked_sessions() == ["s"] and runner.stats().restores_total == 0
 
