@@ -161,6 +161,13 @@ class QueueBoundExceeded(RuntimeError):
     """More ticks were queued than the sessions' credits allow (a server bug)."""
 
 
+def deliver_to_session(outcome: TickOutcome) -> None:
+    """Hand an outcome to whoever serves its session now (``Session.deliver``; nobody: it is dropped)."""
+    deliver = outcome.job.session.deliver
+    if deliver is not None:
+        deliver(outcome)
+
+
 class ModelWorker:
     """Runs every runner call on one thread; see the module docstring."""
 
@@ -169,7 +176,7 @@ class ModelWorker:
         build_runner: Callable[[], Runtime],
         *,
         loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[TickOutcome], None],
+        deliver: Callable[[TickOutcome], None] = deliver_to_session,
         on_ready: Callable[[BaseException | None], None],
         max_pending_ticks: int,
         encode_threads: int | None = None,
