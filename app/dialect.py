@@ -16,11 +16,15 @@ hub is one), never the hub itself: everything it may ask is named here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import asyncio
+
     import jsonschema
+    import numpy as np
 
     from arstream.app.live_session import LiveSession
     from arstream.app.metrics import ServerMetrics
@@ -30,8 +34,9 @@ if TYPE_CHECKING:
     from arstream.app.start_image import StartImageResolver
     from arstream.app.unstarted import UnstartedConnections
     from arstream.app.viewers import ShareRegistry
-    from arstream.app.worker import ModelWorker, TickOutcome
     from arstream.app.protocol import CloseReason
+    from arstream.app.session import TickJob
+    from arstream.app.worker import TickOutcome
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,39 @@ class Started:
     branched_from: int | None = None  # the source's chunk boundary, for a branch
 
 
+class SessionWorker(Protocol):
+    """The worker's verbs a live session uses (:class:`arstream.app.worker.ModelWorker`)."""
+
+    def submit(self, job: TickJob) -> None:
+        """Queue an accepted tick; its outcome comes to ``job.session.deliver``."""
+
+    def drop_session(self, session_id: str) -> int:
+        """Release the session (its KV, its queued ticks); how many ticks were dropped."""
+
+    def drop_ticks(self, session_id: str) -> tuple[TickJob, ...]:
+        """Take the session's queued ticks back (they will not run); the session stays."""
+
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
+        """Make a new session from another's chunk boundary (a call on the worker thread)."""
+
+    def encode_for_viewers(
+        self,
+        session_id: str,
+        frames: np.ndarray,
+        formats: frozenset[tuple[str, int]],
+        *,
+        chunk_index: int,
+        tick_id: int,
+        deliver: Callable[[dict[tuple[str, int], tuple[bytes, ...]]], None],
+    ) -> None:
+        """Encode a chunk once per format for the session's viewers, off the loop."""
+
+
 class Gate(Protocol):
     """What a live session and its dialect may ask of the server (:class:`arstream.app.hub.SessionHub`)."""
 
     settings: Settings
     metrics: ServerMetrics
-    worker: ModelWorker | None
     ready: bool
     not_ready_reason: str
     draining: bool
@@ -62,6 +94,9 @@ class Gate(Protocol):
     closing: set[LiveSession]
     resume: ResumeRegistry
     shares: ShareRegistry[LiveSession]
+
+    @property
+    def worker(self) -> SessionWorker | None: ...
 
     @property
     def start_message_bytes(self) -> int: ...

@@ -38,7 +38,7 @@ from starlette.types import Message
 from starlette.websockets import WebSocket
 
 from arstream.app import auth
-from arstream.app.dialect import Dialect, Gate
+from arstream.app.dialect import Dialect, Gate, SessionWorker
 from arstream.app.guard import limit_messages, transport_control
 from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
@@ -46,7 +46,7 @@ from arstream.app.protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, ERROR_CLOSE_CO
 from arstream.app.session import Session, SessionState
 from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.app.session import TickJob
-from arstream.app.worker import ModelWorker, OutcomeKind, TickOutcome
+from arstream.app.worker import OutcomeKind, TickOutcome
 from arstream.runner.types import StartImage
 
 log = logging.getLogger("arstream.session")
@@ -101,7 +101,7 @@ class LiveSession:
         self._stall_timer: asyncio.TimerHandle | None = None  # a viewer's writer is on one item this long at most
 
     @property
-    def worker(self) -> ModelWorker:
+    def worker(self) -> SessionWorker:
         worker = self.gate.worker
         assert worker is not None, "a session is served only once the worker runs"
         return worker
