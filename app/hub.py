@@ -30,6 +30,7 @@ from arstream.app.viewers import ShareRegistry
 from arstream.app.worker import ModelWorker
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
+from arstream.runner.vllm_omni.native import NativePipeline
 from arstream.runner.runtimes import Runtime, build_runtime
 
 if TYPE_CHECKING:
@@ -144,8 +145,10 @@ class SessionHub:
         """Runs on the worker thread: load the pipeline, build the runtime and its pool, warm up."""
         settings = self.settings
         torch.set_num_threads(settings.resolved_torch_threads())
-        pipeline = self._pipeline
-        if pipeline is None:
+        pipeline: ARPipeline | NativePipeline
+        if self._pipeline is not None:
+            pipeline = self._pipeline
+        else:
             pipeline = load_pipeline(settings.model, settings.device, **settings.model_options)
         runtime = build_runtime(
             settings.runtime,

@@ -207,7 +207,7 @@ class RealtimeVideo(Dialect):
         self._started = True
         request, card = self._request, live.gate.model_card
         assert request is not None
-        start_event = {"type": "video.start", "request_id": self.request_id, "format": OUTPUT_FORMAT}
+        start_event: dict[str, Any] = {"type": "video.start", "request_id": self.request_id, "format": OUTPUT_FORMAT}
         # ARStream's additions: the session id (as in /v1/stats and the logs) and the chunk size.
         start_event.update(
             config=request.config(), session_id=self.session_id, frames_per_chunk=int(card["frames_per_chunk"])

@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -196,7 +196,7 @@ class ModelWorker:
         self._stopping = False
         self.runner: Runtime | None = None
         self.runner_stats: RunnerStats | None = None
-        self.model_card: dict | None = None
+        self.model_card: dict[str, Any] | None = None
         # Worker-thread bookkeeping per session id: had a failed forward / chunks generated.
         self._failed: set[str] = set()
         # sessions that have produced a chunk in this connection (an evicted restart says so)
