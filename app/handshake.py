@@ -109,7 +109,8 @@ class Handshake:
         return Started(session)
 
     def _default_format(self, start: StartMessage) -> tuple[str, int]:
-        return start.codec or self.settings.codec, start.quality or self.settings.default_jpeg_quality(self.gate.model_card)
+        quality = start.quality or self.settings.default_jpeg_quality(self.gate.model_card)
+        return start.codec or self.settings.codec, quality
 
     async def _shared_session(self, token: str) -> str | None:
         """The session a share token names (PROTOCOL.md, "Rewind, branch and watch"), or None after refusing
@@ -278,7 +279,8 @@ class Handshake:
             limit = self.gate.start_message_bytes
             if too_large(text, limit):
                 with_image = " (max_message_bytes plus a base64 start image)" if self.gate.start_image_names else ""
-                await self.live.refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")
+                detail = f"start messages are limited to {limit} bytes{with_image}"
+                await self.live.refuse(ErrorCode.MESSAGE_TOO_LARGE, detail)
                 return None
             try:
                 parsed = parse_client_message(text)

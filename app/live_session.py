@@ -149,7 +149,8 @@ class LiveSession:
         refusal, missing_token = auth.upgrade_refusal(self.ws, self.settings)
         if refusal is not None and self.settings.refuse_before_upgrade:
             headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
-            await self.deny_upgrade(ErrorCode.UNAUTHORIZED, refusal, status=401 if missing_token else 403, headers=headers)
+            status = 401 if missing_token else 403
+            await self.deny_upgrade(ErrorCode.UNAUTHORIZED, refusal, status=status, headers=headers)
             return False
         if refusal is None:
             # Waiting to start is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.

@@ -158,7 +158,8 @@ class Protocol1(Dialect):
 
     def text_in(self, live: LiveSession, text: str | None) -> None:
         if text is None:
-            error = ProtocolError(ErrorCode.INVALID_MESSAGE, "binary messages from the client are not part of protocol 1")
+            binary = "binary messages from the client are not part of protocol 1"
+            error = ProtocolError(ErrorCode.INVALID_MESSAGE, binary)
             self._reply_error(live, error)
             return
         limit = live.settings.max_message_bytes
