@@ -1,11 +1,12 @@
-"""A connection's handshake: from the upgrade to an admitted session, or a refusal.
+"""Protocol 1's start: from the upgrade to an admitted session, or a refusal.
 
-Auth and origin checks (before or after the upgrade), the cap on connections
-waiting to start, the ``start`` message (within ``start_timeout_s``),
-admission, the start image, and resuming a session (``start.resume`` or
-``?resume=``). What it hands the live session (:mod:`arstream.app.connection`)
-is an :class:`Opened`; every refusal is an `error` then a close, bounded by
-``close_timeout_s``.
+The upgrade checks (:meth:`LiveSession.accept`), the ``start`` message (within
+``start_timeout_s``), admission, the start image, resuming a session
+(``start.resume`` or ``?resume=``), branching one and watching one. What it
+hands the dialect (:mod:`arstream.app.protocol1`) is a
+:class:`~arstream.app.dialect.Started` or a :class:`Watching`; every refusal
+is an `error` then a close, bounded by ``close_timeout_s``
+(:meth:`LiveSession.refuse`).
 """
 
 from __future__ import annotations
@@ -13,17 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from starlette.responses import JSONResponse
-from starlette.websockets import WebSocket
-
-from arstream.app import auth
-from arstream.app.guard import GuardedWebSocketProtocol, limit_messages
-from arstream.app.limits import MessageBudget
+from arstream.app.dialect import Started
+from arstream.app.live_session import LiveSession, too_large
 from arstream.app.protocol import (
     CLOSE_GOING_AWAY,
-    ERROR_CLOSE_CODES,
     CloseReason,
     ErrorCode,
     ProtocolError,
@@ -34,27 +29,13 @@ from arstream.app.protocol import (
     moved_message,
     parse_client_message,
 )
-from arstream.app.resume import Forward, ResumableConnection, Resumed, ResumeRefused, token_hint
+from arstream.app.resume import Forward, Resumed, ResumeRefused, token_hint
 from arstream.app.session import Session, SessionState
-from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
 from arstream.app.viewers import ShareRefused
 from arstream.runner.pool import PoolExhausted
 from arstream.runner.types import RewindUnavailable, StartImage
 
-if TYPE_CHECKING:
-    from arstream.app.hub import SessionHub
-
 log = logging.getLogger("arstream.session")
-
-
-@dataclass(frozen=True)
-class Opened:
-    """A session the handshake admitted: new, resumed or branched, and the index its next chunk will have."""
-
-    session: Session
-    next_chunk_index: int
-    resumed: bool
-    branched_from: int | None = None  # the source's chunk boundary, for a branch
 
 
 @dataclass(frozen=True)
@@ -66,60 +47,28 @@ class Watching:
 
 
 class Handshake:
-    """Runs one connection's handshake; ``connection`` is who the hub admits (its id, address and token)."""
+    """Runs one protocol 1 socket's start for its live session (who the gate admits: its id, address, token)."""
 
-    def __init__(
-        self,
-        ws: WebSocket,
-        hub: SessionHub,
-        connection: ResumableConnection,
-        *,
-        budget: MessageBudget,
-        transport: GuardedWebSocketProtocol | None,
-    ) -> None:
-        self.ws = ws
-        self.hub = hub
-        self.settings = hub.settings
-        self.metrics = hub.metrics
-        self.connection = connection
-        self.budget = budget
-        self.transport = transport
-        self.disconnected = False  # the client went away during the handshake
+    def __init__(self, live: LiveSession) -> None:
+        self.ws = live.ws
+        self.live = live
+        self.gate = live.gate
+        self.settings = live.settings
+        self.metrics = live.metrics
 
-    async def open(self) -> Opened | Watching | None:
+    async def open(self) -> Started | Watching | None:
         """Accept the WebSocket and open the session its `start` asks for; None after a refusal or disconnect."""
-        refusal, missing_token = auth.upgrade_refusal(self.ws, self.settings)
-        if refusal is not None and self.settings.refuse_before_upgrade:
-            await self.deny_upgrade(
-                ErrorCode.UNAUTHORIZED,
-                refusal,
-                status=401 if missing_token else 403,
-                headers={"WWW-Authenticate": "Bearer"} if missing_token else None,
-            )
+        if not await self.live.accept():
             return None
-        if refusal is None:
-            # Waiting for `start` is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
-            busy = self.hub.unstarted.refusal(self.connection.client_host)
-            if busy is not None:
-                await self.deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
-                return None
-            self.hub.unstarted.add(self.connection, self.connection.client_host)
-        await self.ws.accept()
-        if refusal is not None:
-            log.info("session=%s refused: %s", self.connection.session_id, refusal)
-            await self.refuse(ErrorCode.UNAUTHORIZED, refusal)
-            return None
-        limit_messages(self.ws, self.settings.ws_message_limit(self.hub.start_message_bytes))
         start = await self._await_start()
         if start is None:
             return None
         opened = await self._open_session(start)
         if opened is not None:
-            # only `start` may carry an image
-            limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
+            self.live.limit_messages(self.settings.max_message_bytes)  # only `start` may carry an image
         return opened
 
-    async def _open_session(self, start: StartMessage) -> Opened | Watching | None:
+    async def _open_session(self, start: StartMessage) -> Started | Watching | None:
         """The session `start` asks for (new, resumed, branched, or one to watch); None after refusing.
 
         The `start` message, which may hold megabytes of image data, lives only as long as this call.
@@ -133,7 +82,7 @@ class Handshake:
             resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
             if resumed is None:
                 return None
-            return Opened(resumed.session, resumed.next_chunk_index, True)
+            return Started(resumed.session, resumed.next_chunk_index, resumed=True)
         # Admission is asked before the image too: a model still loading offers no images yet, and a
         # session that cannot be admitted is not worth a decode. Admitted (claimed) after it, as a decode takes
         # time; the claim and the registration have no await between them (SessionHub.admit).
@@ -141,28 +90,14 @@ class Handshake:
             return None
         start_image: StartImage | None = None
         if start.image is not None:
-            try:
-                start_image = await self.hub.start_images.resolve(
-                    name=start.image.name,
-                    data=start.image.data,
-                    offered=self.hub.start_image_names,
-                    gone=None if self.transport is None else self.transport.lost,
-                )
-            except ClientGone:
-                self.disconnected = True  # no longer waiting to start: the caller stops counting it
-                return None
-            except StartImageBusy as exc:
-                await self.refuse(ErrorCode.OVER_CAPACITY, str(exc))
-                return None
-            except StartImageRefused as exc:
-                log.info("session=%s start image refused: %s", self.connection.session_id, exc)
-                await self.refuse(ErrorCode.INVALID_IMAGE, str(exc))
+            start_image = await self.live.start_image(start.image.name, start.image.data)
+            if start_image is None:
                 return None
         if not await self._admitted(claim=True):
             return None
         codec, quality = self._default_format(start)
         session = Session(
-            self.connection.session_id,
+            self.live.session_id,
             codec=codec,
             quality=quality,
             seed=start.seed,
@@ -171,10 +106,11 @@ class Handshake:
             start_image=start_image,
         )
         session.transition(SessionState.ACTIVE)
-        return Opened(session, 0, False)
+        return Started(session)
 
     def _default_format(self, start: StartMessage) -> tuple[str, int]:
-        return start.codec or self.settings.codec, start.quality or self.settings.default_jpeg_quality(self.hub.model_card)
+        quality = start.quality or self.settings.default_jpeg_quality(self.gate.model_card)
+        return start.codec or self.settings.codec, quality
 
     async def _shared_session(self, token: str) -> str | None:
         """The session a share token names (PROTOCOL.md, "Rewind, branch and watch"), or None after refusing
@@ -183,52 +119,52 @@ class Handshake:
         try:
             if url_token is not None and url_token != token:
                 raise ShareRefused("the URL's ?share= and the start message name different share tokens")
-            return self.hub.shares.find(token)
+            return self.gate.shares.find(token)
         except ShareRefused as exc:
-            log.info("session=%s share token %s refused: %s", self.connection.session_id, token_hint(token), exc)
-            await self.refuse(ErrorCode.SHARE_FAILED, str(exc))
+            log.info("session=%s share token %s refused: %s", self.live.session_id, token_hint(token), exc)
+            await self.live.refuse(ErrorCode.SHARE_FAILED, str(exc))
             return None
 
     async def _watch(self, start: StartMessage) -> Watching | None:
         assert start.watch is not None
         if self.settings.max_viewers_per_session == 0:
-            await self.refuse(ErrorCode.SHARE_FAILED, "watching is off on this server (max_viewers_per_session 0)")
+            await self.live.refuse(ErrorCode.SHARE_FAILED, "watching is off on this server (max_viewers_per_session 0)")
             return None
         session_id = await self._shared_session(start.watch)
         return None if session_id is None else Watching(session_id, self._default_format(start))
 
-    async def _branch(self, start: StartMessage) -> Opened | None:
+    async def _branch(self, start: StartMessage) -> Started | None:
         """A new session from another's chunk boundary (PROTOCOL.md, "Rewind, branch and watch")."""
         assert start.branch is not None
         asked = start.branch.chunk  # None: the latest boundary, where the source is when the branch is made
         source_id = await self._shared_session(start.branch.share)
         if source_id is None:
             return None
-        source = self.hub.live_or_detached_session(source_id)
+        source = self.gate.live_or_detached_session(source_id)
         if source is None:
-            await self.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
+            await self.live.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
             return None
         # The slot is claimed before the branch is made, and held until the session is registered: made first,
         # each branch of a burst would make room in the runner, which evicts its least recently used sessions,
         # ones that live connections hold.
         if not await self._admitted(claim=True, hold=True):
             return None
-        worker = self.hub.worker
+        worker = self.gate.worker
         assert worker is not None
-        new_id = self.connection.session_id
+        new_id = self.live.session_id
         where = "its latest chunk" if asked is None else f"chunk {asked}"
         try:
             boundary = await worker.branch_session(source_id, asked, new_id)
         except (RewindUnavailable, PoolExhausted) as exc:
-            self.hub.drop_claim(self.connection)
+            self.gate.drop_claim(self.live)
             if isinstance(exc, PoolExhausted):
-                await self.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
+                await self.live.refuse(ErrorCode.OVER_CAPACITY, f"no room in the KV pool for a branch: {exc}")
             else:
                 log.info("session=%s branch from %s refused: %s", new_id, where, exc)
-                await self.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from {where}: {exc}")
+                await self.live.refuse(ErrorCode.SHARE_FAILED, f"cannot branch from {where}: {exc}")
             return None
         except BaseException:
-            self.hub.drop_claim(self.connection)
+            self.gate.drop_claim(self.live)
             worker.drop_session(new_id)  # gone while the worker made it (cancelled): nothing of it stays
             raise
         self.metrics.branches.inc()
@@ -244,7 +180,7 @@ class Handshake:
         )
         session.transition(SessionState.ACTIVE)
         log.info("session=%s branched from %s at chunk %d", new_id, source_id, boundary)
-        return Opened(session, boundary, False, branched_from=boundary)
+        return Started(session, boundary, branched_from=boundary)
 
     async def _admitted(self, *, claim: bool, hold: bool = False) -> bool:
         """Whether a new session may start now; False after refusing with over_capacity.
@@ -252,21 +188,21 @@ class Handshake:
         ``claim``: admit it (detached sessions give way, see SessionHub.admit); else only ask. ``hold``: keep
         the slot claimed across awaits until the session is registered (SessionHub.claim).
         """
-        hub, connection = self.hub, self.connection
+        gate, live = self.gate, self.live
         if claim:
-            refusal = hub.claim(connection) if hold else hub.admit(connection)
+            refusal = gate.claim(live) if hold else gate.admit(live)
         else:
-            refusal = hub.admission_refusal() or hub.client_cap_refusal(connection)
+            refusal = gate.admission_refusal() or gate.client_cap_refusal(live)
         if refusal is None:
             return True
-        log.info("session=%s not admitted: %s", connection.session_id, refusal)
-        await self.refuse(ErrorCode.OVER_CAPACITY, refusal)
+        log.info("session=%s not admitted: %s", live.session_id, refusal)
+        await self.live.refuse(ErrorCode.OVER_CAPACITY, refusal)
         return False
 
     async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
         """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
         url_token = self.ws.query_params.get("resume")
-        connection = self.connection
+        live = self.live
         try:
             if start.resume is not None and url_token is not None and url_token != start.resume:
                 raise ResumeRefused("the URL's ?resume= and start.resume name different tokens")
@@ -275,18 +211,18 @@ class Handshake:
                 await self.redirect(forward)
                 return None
             # A resume passes the same admission as a new session; refused, it spends nothing.
-            refusal = self.hub.admit(connection, resuming=self.hub.resume.lookup(token, connection.token_key))
+            refusal = self.gate.admit(live, resuming=self.gate.resume.lookup(token, live.token_key))
             if refusal is not None:
                 hint = token_hint(token)
-                log.info("session=%s resume with token %s not admitted: %s", connection.session_id, hint, refusal)
+                log.info("session=%s resume with token %s not admitted: %s", live.session_id, hint, refusal)
                 self.metrics.resumes.labels(outcome="refused").inc()
-                await self.refuse(ErrorCode.OVER_CAPACITY, refusal)
+                await self.live.refuse(ErrorCode.OVER_CAPACITY, refusal)
                 return None
-            resumed = await self.hub.resume.resume(token, connection, codec=start.codec, quality=start.quality)
+            resumed = await self.gate.resume.resume(token, live, codec=start.codec, quality=start.quality)
         except ResumeRefused as exc:
-            log.info("session=%s resume with token %s refused: %s", connection.session_id, token_hint(token), exc)
+            log.info("session=%s resume with token %s refused: %s", live.session_id, token_hint(token), exc)
             self.metrics.resumes.labels(outcome="refused").inc()
-            await self.refuse(ErrorCode.RESUME_FAILED, str(exc))
+            await self.live.refuse(ErrorCode.RESUME_FAILED, str(exc))
             return None
         self.metrics.resumes.labels(outcome="resumed").inc()
         return resumed
@@ -298,11 +234,11 @@ class Handshake:
         waits for the session's move to settle and then follows it; a session the drain could not move has
         ended, and the resume is refused saying so.
         """
-        resume = self.hub.resume
+        resume = self.gate.resume
         forward = resume.forwarded(token)
-        if forward is not None or not self.hub.draining:
+        if forward is not None or not self.gate.draining:
             return forward
-        session_id = resume.lookup(token, self.connection.token_key)  # an unknown token is refused as ever
+        session_id = resume.lookup(token, self.live.token_key)  # an unknown token is refused as ever
         await resume.until_gone(session_id, self.settings.drain_timeout_s)
         forward = resume.forwarded(token)
         if forward is None:
@@ -311,48 +247,10 @@ class Handshake:
 
     async def redirect(self, forward: Forward) -> None:
         """Answer a resume of a session that moved: `moved` with the peer's token, `closed` (moved), 1001."""
-        log.info("session=%s resume answered with moved (%s)", self.connection.session_id, token_hint(forward.resume))
+        log.info("session=%s resume answered with moved (%s)", self.live.session_id, token_hint(forward.resume))
         self.metrics.resumes.labels(outcome="moved").inc()
         moved = moved_message(resume=forward.resume, next_chunk_index=forward.next_chunk_index)
-        await self._send_then_close([dumps(moved), dumps(closed_message(CloseReason.MOVED))], CLOSE_GOING_AWAY)
-
-    # ---- refusals ---------------------------------------------------------------------
-
-    async def deny_upgrade(
-        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
-    ) -> None:
-        """Refuse with HTTP ``status`` before the upgrade; the body is the error object."""
-        log.info("session=%s refused before the upgrade: %s", self.connection.session_id, refusal)
-        self.metrics.errors.labels(code=str(code)).inc()
-        body = error_message(code, refusal)
-        await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
-
-    async def refuse(self, code: ErrorCode, message: str) -> None:
-        """Error then close, for a connection that never became a session.
-
-        Bounded by ``close_timeout_s``: a peer that does not read its refusal
-        is left to the transport, which drops it (see :mod:`arstream.app.guard`).
-        """
-        self.metrics.errors.labels(code=str(code)).inc()
-        await self._send_then_close([dumps(error_message(code, message))], ERROR_CLOSE_CODES[code])
-
-    async def _send_then_close(self, texts: list[str], close_code: int) -> None:
-        """Send ``texts`` then the close frame, bounded by ``close_timeout_s``; nothing it sends later is read."""
-
-        async def send_refusal() -> None:
-            for text in texts:
-                await self.ws.send_text(text)
-            await self.ws.close(close_code)
-
-        session_id = self.connection.session_id
-        try:
-            await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
-            if self.transport is not None:
-                self.transport.stop_reading()  # refused: nothing it sends now is parsed
-        except TimeoutError:
-            log.debug("session=%s did not take its refusal within %s s", session_id, self.settings.close_timeout_s)
-        except Exception:  # noqa: BLE001 - the client may already be gone
-            log.debug("session=%s gone before its refusal was sent", session_id)
+        await self.live.send_then_close([dumps(moved), dumps(closed_message(CloseReason.MOVED))], CLOSE_GOING_AWAY)
 
     # ---- the start message ----------------------------------------------------------------
 
@@ -361,27 +259,28 @@ class Handshake:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.start_timeout_s
         while True:
-            delay = self.budget.delay(loop.time())
+            delay = self.live.budget.delay(loop.time())
             if delay > 0:
                 await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
             try:
                 message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                await self.refuse(
+                await self.live.refuse(
                     ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
                 )
                 return None
             if message["type"] == "websocket.disconnect":
-                self.disconnected = True
+                self.live.disconnected = True
                 return None
             text = message.get("text")
             if text is None:
-                await self.refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
+                await self.live.refuse(ErrorCode.START_REQUIRED, "the first message must be a start text message")
                 return None
-            limit = self.hub.start_message_bytes
+            limit = self.gate.start_message_bytes
             if too_large(text, limit):
-                with_image = " (max_message_bytes plus a base64 start image)" if self.hub.start_image_names else ""
-                await self.refuse(ErrorCode.MESSAGE_TOO_LARGE, f"start messages are limited to {limit} bytes{with_image}")
+                with_image = " (max_message_bytes plus a base64 start image)" if self.gate.start_image_names else ""
+                detail = f"start messages are limited to {limit} bytes{with_image}"
+                await self.live.refuse(ErrorCode.MESSAGE_TOO_LARGE, detail)
                 return None
             try:
                 parsed = parse_client_message(text)
@@ -396,20 +295,15 @@ class Handshake:
                             max(0.0, deadline - loop.time()),
                         )
                     except TimeoutError:
-                        await self.refuse(
+                        await self.live.refuse(
                             ErrorCode.START_REQUIRED, f"no start message within {self.settings.start_timeout_s} s"
                         )
                         return None
                     continue
-                await self.refuse(ErrorCode.START_REQUIRED, f"the first message must be start ({exc.message})")
+                await self.live.refuse(ErrorCode.START_REQUIRED, f"the first message must be start ({exc.message})")
                 return None
             if not isinstance(parsed, StartMessage):
-                await self.refuse(ErrorCode.START_REQUIRED, f"the first message must be start, got {parsed.type}")
+                await self.live.refuse(ErrorCode.START_REQUIRED, f"the first message must be start, got {parsed.type}")
                 return None
             return parsed
 
-
-def too_large(text: str, limit: int) -> bool:
-    """Whether a text message is over ``limit`` UTF-8 bytes."""
-    # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
-    return len(text) > limit or len(text.encode()) > limit

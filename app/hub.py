@@ -1,9 +1,10 @@
-"""The app-wide session hub: model readiness, admission, outcome routing, stats and shutdown.
+"""The app-wide session hub: model readiness, admission, the sessions served, stats and shutdown.
 
 One hub per app. It starts the :class:`~arstream.app.worker.ModelWorker` (which loads
-and warms the model on its own thread), admits connections up to the
-runner's session capacity, routes each tick outcome back to its connection,
-and closes every session with ``server_shutdown`` when the server stops.
+and warms the model on its own thread), admits live sessions up to the
+runtime's session capacity, and closes every session with ``server_shutdown``
+when the server stops. It is the :class:`~arstream.app.dialect.Gate` of every
+live session; the worker hands outcomes to the sessions themselves.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jsonschema
 import torch
@@ -20,18 +21,21 @@ import torch
 from arstream.app.admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
 from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
 from arstream.app.metrics import ServerMetrics
-from arstream.app.outbox import Outbox
-from arstream.app.resume import DetachedSession, ResumableConnection, ResumeRegistry
+from arstream.app.resume import DetachedSession, ResumeRegistry
 from arstream.app.settings import Settings
 from arstream.app.start_image import StartImageResolver, offered_start_images
 from arstream.app.session import Session
 from arstream.app.unstarted import UnstartedConnections
 from arstream.app.viewers import ShareRegistry
-from arstream.app.worker import ModelWorker, TickOutcome
+from arstream.app.worker import ModelWorker
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
 from arstream.runner.parking import ParkingPolicy
+from arstream.runner.vllm_omni.native import NativePipeline
 from arstream.runner.runtimes import Runtime, build_runtime
+
+if TYPE_CHECKING:
+    from arstream.app.live_session import LiveSession
 
 log = logging.getLogger("arstream.hub")
 
@@ -39,29 +43,8 @@ log = logging.getLogger("arstream.hub")
 WORKER_STOP_TIMEOUT_S = 10.0
 
 
-class HubConnection(Protocol):
-    """What the hub needs of a connection serving a session (:class:`arstream.app.connection.Connection`,
-    :class:`arstream.app.realtime_video.RealtimeVideoConnection`); the connection modules depend on the hub,
-    never the other way round."""
-
-    session_id: str
-    session: Session | None
-    client_host: str
-    token_key: str | None
-    outbox: Outbox
-
-    def on_outcome(self, outcome: TickOutcome) -> None:
-        """A tick of its session is done (delivered on the event loop, in order per session)."""
-
-    def close_for_shutdown(self) -> None:
-        """Queue `closed` (server_shutdown) and release the session."""
-
-    async def wait_sent(self, timeout_s: float) -> None:
-        """Wait, at most ``timeout_s``, for everything queued to go out."""
-
-
-# Whoever holds a session, live or detached, as the session caps see it: its client address and token.
-SessionHolder = HubConnection | ResumableConnection | DetachedSession
+# Whoever holds a session, live or detached, as the session caps count it: its client address and token.
+SessionHolder: TypeAlias = "LiveSession | DetachedSession"
 
 
 @dataclass(frozen=True)
@@ -80,7 +63,7 @@ class ClientCap:
         return holder.token_key == self.token_key
 
 
-def same_client(detached: DetachedSession, connection: ResumableConnection) -> bool:
+def same_client(detached: DetachedSession, connection: LiveSession) -> bool:
     """Whether a detached session was held by ``connection``'s client address or auth token."""
     if detached.client_host == connection.client_host:
         return True
@@ -94,13 +77,14 @@ class SessionHub:
         self.settings = settings
         self._pipeline = pipeline
         self.admission = admission_policy(settings.admission)
-        self.connections: dict[str, HubConnection] = {}
-        # Connections whose session has ended (closed, taken over, timed out) while their last bytes go out,
+        # The live sessions served here that control their session, by session id.
+        self.connections: dict[str, LiveSession] = {}
+        # Live sessions that have ended (closed, taken over, timed out) while their last bytes go out,
         # and viewers whose watch has ended, while theirs do.
-        self.closing: set[HubConnection] = set()
+        self.closing: set[LiveSession] = set()
         # Sessions admitted and still being made (a branch, which waits on the worker), by id: they hold a slot
         # from admission on, so that a burst of branches cannot each make room in the runner (LRU eviction).
-        self.claims: dict[str, ResumableConnection] = {}
+        self.claims: dict[str, LiveSession] = {}
         self.worker: ModelWorker | None = None
         self.ready = False
         self.not_ready_reason = "the model is loading and warming up"
@@ -124,7 +108,7 @@ class SessionHub:
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
         self.unstarted = UnstartedConnections(settings, self.flood_bans, self.refusals)
-        self.shares = ShareRegistry(
+        self.shares: ShareRegistry[LiveSession] = ShareRegistry(
             replica_id=settings.replica_id,
             max_viewers_per_session=settings.max_viewers_per_session,
             max_viewer_encodings=settings.max_viewer_encodings,
@@ -148,9 +132,8 @@ class SessionHub:
         """Start the worker; the model loads in the background while /readyz says 503."""
         self._loaded = asyncio.Event()
         self.worker = ModelWorker(
-            self._build_runner,
+            self._build_runtime,
             loop=asyncio.get_running_loop(),
-            deliver=self._deliver,
             on_ready=self._on_model_ready,
             max_pending_ticks=self.settings.max_pending_ticks,
             encode_threads=self.settings.encode_threads,
@@ -159,14 +142,16 @@ class SessionHub:
         )
         self.worker.start()
 
-    def _build_runner(self) -> Runtime:
-        """Runs on the worker thread: load the pipeline, build the pool, warm up."""
+    def _build_runtime(self) -> Runtime:
+        """Runs on the worker thread: load the pipeline, build the runtime and its pool, warm up."""
         settings = self.settings
         torch.set_num_threads(settings.resolved_torch_threads())
-        pipeline = self._pipeline
-        if pipeline is None:
+        pipeline: ARPipeline | NativePipeline
+        if self._pipeline is not None:
+            pipeline = self._pipeline
+        else:
             pipeline = load_pipeline(settings.model, settings.device, **settings.model_options)
-        runner = build_runtime(
+        runtime = build_runtime(
             settings.runtime,
             pipeline,
             device=settings.device,
@@ -180,9 +165,9 @@ class SessionHub:
                 settings.park_budget_bytes, settings.park_after_s, settings.park_spill_dir, settings.park_spill_budget_bytes
             ),
         )
-        warmed = runner.warmup()
-        log.info("model %s warmed up with %d chunk(s)", runner.model_card().get("name"), warmed)
-        return runner
+        warmed = runtime.warmup()
+        log.info("model %s warmed up with %d chunk(s)", runtime.model_card().get("name"), warmed)
+        return runtime
 
     def _on_model_ready(self, error: BaseException | None) -> None:
         assert self._loaded is not None and self.worker is not None
@@ -310,7 +295,7 @@ class SessionHub:
             kv_capacity=self.session_capacity,
         )
 
-    def _client_caps(self, connection: ResumableConnection) -> list[ClientCap]:
+    def _client_caps(self, connection: LiveSession) -> list[ClientCap]:
         """The session caps ``connection``'s client is under: its address's and its token's, where set.
 
         Addresses of trusted proxies (``forwarded_allow_ips``) are not capped:
@@ -327,7 +312,7 @@ class SessionHub:
             caps.append(ClientCap("token", "max_sessions_per_token", per_token, None, connection.token_key))
         return caps
 
-    def client_cap_refusal(self, connection: ResumableConnection, resuming: str | None = None) -> str | None:
+    def client_cap_refusal(self, connection: LiveSession, resuming: str | None = None) -> str | None:
         """Why ``connection``'s client address or token may not hold one more live session, or None."""
         holders = self._live_holders(resuming)
         for cap in self._client_caps(connection):
@@ -336,7 +321,7 @@ class SessionHub:
                 return f"this {cap.what} already holds {count} sessions ({cap.setting} {cap.limit})"
         return None
 
-    def admit(self, connection: ResumableConnection, resuming: str | None = None) -> str | None:
+    def admit(self, connection: LiveSession, resuming: str | None = None) -> str | None:
         """Admit ``connection``'s new session, or its resume of session ``resuming``: None, or why not.
 
         Admitted, the session is counted as live, and detached sessions give
@@ -353,7 +338,7 @@ class SessionHub:
             self._make_room(connection, resuming)
         return refusal
 
-    def claim(self, connection: ResumableConnection) -> str | None:
+    def claim(self, connection: LiveSession) -> str | None:
         """Admit ``connection``'s new session and hold its slot across the awaits before it is registered
         (a branch is made on the worker first): None, or why not. The claim ends at :meth:`register`, or at
         :meth:`drop_claim` when the session is not made after all."""
@@ -362,11 +347,11 @@ class SessionHub:
             self.claims[connection.session_id] = connection
         return refusal
 
-    def drop_claim(self, connection: HubConnection | ResumableConnection) -> None:
+    def drop_claim(self, connection: LiveSession) -> None:
         if self.claims.get(connection.session_id) is connection:
             del self.claims[connection.session_id]
 
-    def transfer_refusal(self, connection: ResumableConnection, session_id: str) -> str | None:
+    def transfer_refusal(self, connection: LiveSession, session_id: str) -> str | None:
         """Why live session ``session_id`` may not pass to ``connection``'s client (pass_control), or None.
 
         The session counts against its new holder's address and token from then on (PROTOCOL.md), so the
@@ -377,7 +362,7 @@ class SessionHub:
             self._make_room(connection, session_id)
         return refusal
 
-    def _make_room(self, connection: ResumableConnection, resuming: str | None) -> None:
+    def _make_room(self, connection: LiveSession, resuming: str | None) -> None:
         holders = self._live_holders(resuming)
         detached = [d for d in self.resume.detached() if d.session_id != resuming]
         for cap in self._client_caps(connection):
@@ -394,21 +379,20 @@ class SessionHub:
             for released in by_owner[:excess]:
                 self.resume.release(released.session_id, "a new session needed its slot")
 
-    def register(self, connection: HubConnection) -> None:
+    def controller(self, session_id: str) -> LiveSession | None:
+        """The live session that controls ``session_id`` here, or None."""
+        return self.connections.get(session_id)
+
+    def register(self, connection: LiveSession) -> None:
         """``connection``'s session is live (admitted with :meth:`admit`): it waits to start no more."""
         self.unstarted.discard(connection)
         self.drop_claim(connection)
         self.connections[connection.session_id] = connection
 
-    def unregister(self, connection: HubConnection) -> None:
+    def unregister(self, connection: LiveSession) -> None:
         # A resumed session is registered under the same id by its new connection.
         if self.connections.get(connection.session_id) is connection:
             del self.connections[connection.session_id]
-
-    def _deliver(self, outcome: TickOutcome) -> None:
-        connection = self.connections.get(outcome.job.session.id)
-        if connection is not None:
-            connection.on_outcome(outcome)
 
     # ---- stats -----------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from arstream.app.connection import Connection
+from arstream.app.live_session import LiveSession
 from arstream.app.drain import DRAIN_PATH, HOLDER_PATH
 from arstream.app.guard import BAN_TABLE_PRUNE_AT
 from arstream.app.limits import MessageBudget
@@ -398,8 +398,8 @@ class Migration:
             sid = connection.session_id
             if sid in moves or session is None or not session.live:
                 continue
-            if not isinstance(connection, Connection):
-                # The realtime video dialect has no `moved` message: its sessions end as on shutdown.
+            if not connection.dialect.can_move:
+                # A dialect with no `moved` message (realtime video): its sessions end as on shutdown.
                 connection.close_for_shutdown()
                 moves[sid] = _settled_now(MoveReport(sid, False, kind="live", reason="its dialect cannot follow a move"))
                 continue
@@ -415,12 +415,12 @@ class Migration:
         return len(moves) > started
 
     def _start(
-        self, kind: str, session_id: str, move: Coroutine[Any, Any, MoveReport], connection: Connection | None
+        self, kind: str, session_id: str, move: Coroutine[Any, Any, MoveReport], connection: LiveSession | None
     ) -> asyncio.Task[MoveReport]:
         return asyncio.create_task(self._settled(kind, session_id, move, connection), name=f"move-{session_id}")
 
     async def _settled(
-        self, kind: str, session_id: str, move: Coroutine[Any, Any, MoveReport], connection: Connection | None
+        self, kind: str, session_id: str, move: Coroutine[Any, Any, MoveReport], connection: LiveSession | None
     ) -> MoveReport:
         """The move's report; a move that fails or is cut short ends its session here, with the reason."""
         try:
@@ -433,7 +433,7 @@ class Migration:
         self._end(session_id, connection, reason)
         return MoveReport(session_id, False, kind=kind, reason=reason)
 
-    def _end(self, session_id: str, connection: Connection | None, reason: str) -> None:
+    def _end(self, session_id: str, connection: LiveSession | None, reason: str) -> None:
         """A session that did not move ends here: its client gets `closed` (server_shutdown), its KV goes back."""
         hub = self.hub
         holder = connection if connection is not None else hub.connections.get(session_id)
@@ -443,7 +443,7 @@ class Migration:
         log.info("session=%s not moved (%s); ended", session_id, reason)
 
     async def _move_live(
-        self, client: httpx.AsyncClient, connection: Connection, peers: list[str], kind: str
+        self, client: httpx.AsyncClient, connection: LiveSession, peers: list[str], kind: str
     ) -> MoveReport:
         session = connection.session
         worker = self.hub.worker
@@ -482,7 +482,7 @@ class Migration:
         """A resume in flight when the drain began: once it has its connection, move it like any live session."""
         await self.hub.resume.until_resumed(session_id, self.settings.drain_timeout_s)
         connection = self.hub.connections.get(session_id)
-        if isinstance(connection, Connection) and connection.session is not None and connection.session.live:
+        if connection is not None and connection.dialect.can_move and connection.session is not None and connection.session.live:
             return await self._move_live(client, connection, peers, "resuming")
         return MoveReport(session_id, False, kind="resuming", reason="its resume failed, which ended it")
 

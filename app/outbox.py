@@ -64,8 +64,11 @@ class ViewerChunk:
 
 @dataclass(frozen=True)
 class QueuedClose:
+    """The last thing the writer sends: the dialect's last text (``closed``, ``session.done``...), then the close."""
+
     code: int
-    reason: str | None  # a CloseReason; None: no `closed` message (the session never started)
+    text: str | None
+    reason: str = ""  # the close frame's reason
 
 
 QueuedItem = QueuedText | QueuedChunk | ViewerChunk | QueuedClose

@@ -41,12 +41,13 @@ import secrets
 from collections.abc import Callable, Mapping
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from arstream.app.protocol import excerpt
 from arstream.app.session import Session, SessionState
 
 if TYPE_CHECKING:
+    from arstream.app.live_session import LiveSession
     from arstream.app.worker import ModelWorker
 
 log = logging.getLogger("arstream.resume")
@@ -56,20 +57,6 @@ TOKEN_RANDOM_BYTES = 32
 
 class ResumeRefused(Exception):
     """A resume the server cannot honour; the message says why (sent with ``resume_failed``)."""
-
-
-class ResumableConnection(Protocol):
-    """What the registry needs of a connection (:class:`arstream.app.connection.Connection`)."""
-
-    session_id: str
-    session: Session | None
-    client_host: str  # the client address its session counts against (max_sessions_per_client)
-    # the auth token it presented, as a name (``arstream.app.auth.token_key``): its session counts against
-    # max_sessions_per_token, and only a connection presenting the same token may resume the session
-    token_key: str | None
-
-    def take_over(self) -> None:
-        """Another connection resumed this session: end this one with ``taken_over``, keeping the KV."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +73,7 @@ class _Entry:
 
     digest: bytes
     owner: str | None  # the auth token that started the session (its key): a resume must present the same
-    connection: ResumableConnection | None = None
+    connection: LiveSession | None = None
     session: Session | None = None  # the detached session's protocol state
     timer: asyncio.TimerHandle | None = None
     # whose caps the detached session counts against: its last connection's address and token
@@ -152,7 +139,7 @@ class ResumeRegistry:
         self._by_digest: dict[bytes, str] = {}  # current token digest -> session id
         self._detached: dict[str, None] = {}  # detached session ids, longest-detached first
         # claimed, not yet attached to the new connection: session id -> the resuming connection
-        self._resuming: dict[str, ResumableConnection] = {}
+        self._resuming: dict[str, LiveSession] = {}
         self._closed = False  # shutting down: nothing is detached any more
         self._forwards: dict[bytes, Forward] = {}  # old token digest -> where its session moved
         self._unclaimed: set[bytes] = set()  # forwards no client has come back for yet
@@ -169,7 +156,7 @@ class ResumeRegistry:
         return len(self._detached)
 
     @property
-    def resuming(self) -> Mapping[str, ResumableConnection]:
+    def resuming(self) -> Mapping[str, LiveSession]:
         """Sessions being resumed (claimed, not yet attached), by id, with the connection resuming each."""
         return self._resuming
 
@@ -185,7 +172,7 @@ class ResumeRegistry:
 
     # ---- tickets ------------------------------------------------------------------------
 
-    def ticket(self, connection: ResumableConnection, next_chunk_index: int) -> dict[str, Any] | None:
+    def ticket(self, connection: LiveSession, next_chunk_index: int) -> dict[str, Any] | None:
         """A fresh ticket for the connection's session (for its `ready`); None when resume is off."""
         if not self.enabled:
             return None
@@ -198,7 +185,7 @@ class ResumeRegistry:
         grace = int(self.grace_s) if float(self.grace_s).is_integer() else self.grace_s
         return {"token": token, "grace_s": grace, "next_chunk_index": next_chunk_index}
 
-    def forget(self, connection: ResumableConnection) -> None:
+    def forget(self, connection: LiveSession) -> None:
         """The session ended through ``connection`` (closed, failed, shut down): its ticket is void."""
         entry = self._entries.get(connection.session_id)
         if entry is not None and entry.connection is connection:
@@ -302,7 +289,7 @@ class ResumeRegistry:
 
     # ---- detaching and releasing ------------------------------------------------------------
 
-    def detach(self, connection: ResumableConnection) -> bool:
+    def detach(self, connection: LiveSession) -> bool:
         """The connection dropped with its session live: keep the session for the grace period.
 
         Returns False (the caller releases the session) when it is not to be
@@ -379,7 +366,7 @@ class ResumeRegistry:
     # ---- resuming ---------------------------------------------------------------------------
 
     async def resume(
-        self, token: str, connection: ResumableConnection, *, codec: str | None, quality: int | None
+        self, token: str, connection: LiveSession, *, codec: str | None, quality: int | None
     ) -> Resumed:
         """Adopt the session that ``token`` names for ``connection``; raises :class:`ResumeRefused`.
 
@@ -387,7 +374,7 @@ class ResumeRegistry:
         at the worker's next chunk boundary, the session's queued ticks are gone
         and nothing of it runs, so its position is exact. Outcomes of the old
         connection's ticks never reach the new one: they belong to another
-        :class:`Session` object, which ``Connection.on_outcome`` ignores.
+        :class:`Session` object, which ``LiveSession.on_outcome`` ignores.
         """
         session_id, entry = self._claim(token, connection.token_key)
         worker = self._worker()

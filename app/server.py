@@ -24,7 +24,7 @@ import signal
 import socket
 import sys
 from types import FrameType
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from arstream import __version__
 from arstream.app.address import display_host, network_lines, refusal_before_loading
 from arstream.app.codecs import FMP4
 from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
-from arstream.app.connection import Connection
+from arstream.app.dialects import DIALECTS, DialectFactory
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
 from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
 from arstream.app.hub import SessionHub
@@ -48,7 +48,8 @@ from arstream.app.memory import keep_freed_memory
 from arstream.app.metrics import ReplicaCollector
 from arstream.app.migration import Migration, add_cluster_routes
 from arstream.app.peers import own_urls
-from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH, RealtimeVideoConnection
+from arstream.app.live_session import LiveSession
+from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from arstream.app.settings import Settings, add_serve_arguments, settings_from_args
 from arstream.cli import main_for
 from arstream.runner.contract import ARPipeline
@@ -94,17 +95,16 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HostCheck, patterns=allowed_host_patterns(settings))
 
-    @app.websocket("/v1/sessions")
-    async def sessions(websocket: WebSocket) -> None:
-        with balancers.connection(websocket.headers.get(BALANCER_HEADER)):
-            await Connection(websocket, hub).run()
+    def serve_in(dialect: DialectFactory) -> Callable[[WebSocket], Awaitable[None]]:
+        async def serve_socket(websocket: WebSocket) -> None:
+            # HAProxy sends every dialect through its sessions backend, so each counts against its slots here.
+            with balancers.connection(websocket.headers.get(BALANCER_HEADER)):
+                await LiveSession(websocket, hub, dialect()).run()
 
-    @app.websocket(REALTIME_VIDEO_PATH)
-    async def realtime_video(websocket: WebSocket) -> None:
-        # vLLM-Omni's realtime video API over the same sessions (PROTOCOL.md, "vLLM-Omni realtime video dialect").
-        # HAProxy sends these through its sessions backend too, so they count against its slots here as well.
-        with balancers.connection(websocket.headers.get(BALANCER_HEADER)):
-            await RealtimeVideoConnection(websocket, hub).run()
+        return serve_socket
+
+    for path, dialect in DIALECTS.items():  # protocol 1, vLLM-Omni's realtime video, ... (app/dialects.py)
+        app.add_api_websocket_route(path, serve_in(dialect))
 
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:

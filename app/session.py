@@ -21,10 +21,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from arstream.app.protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 from arstream.runner.types import StartImage
+
+if TYPE_CHECKING:
+    from arstream.app.worker import TickOutcome
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256
@@ -162,6 +166,9 @@ class Session:
         # Event loop only: the index of the next chunk to reach the client, and chunks offered to viewers so far.
         self.next_chunk_index = 0
         self.chunks_out = 0
+        # Whoever serves the session's outcomes now (its live session; passing control moves it): the worker
+        # hands each tick's outcome here, on the event loop (app/worker.py, deliver_to_session).
+        self.deliver: Callable[[TickOutcome], None] | None = None
 
     # ---- state machine -----------------------------------------------------------
 
@@ -333,6 +340,7 @@ class Session:
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
         resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
+        resumed.deliver = None  # the resuming live session takes its outcomes once it is registered
         resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
         return resumed
 

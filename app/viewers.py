@@ -23,7 +23,7 @@ Each format encoded costs CPU time on every chunk, whether or not its viewers
 read, so a session has at most ``max_viewer_encodings`` of them; a viewer that
 asks for another is served the nearest one there is (:meth:`ShareRegistry.served_format`).
 A viewer that takes nothing for ``viewer_stall_timeout_s`` is closed
-``not_reading`` (:mod:`arstream.app.connection`).
+``not_reading`` (:mod:`arstream.app.live_session`).
 
 Viewers count in the transport's connection caps (``max_connections``,
 ``max_connections_per_client``) and in ``max_viewers_per_session``; they hold
@@ -37,7 +37,7 @@ import logging
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from arstream.app import wire
 from arstream.app.outbox import ViewerChunk
@@ -54,9 +54,11 @@ class ShareRefused(Exception):
 
 
 class Viewer(Protocol):
-    """What the registry needs of a watching connection (:class:`arstream.app.connection.Connection`)."""
+    """What the registry needs of a watching socket (:class:`arstream.app.live_session.LiveSession` in its viewer role)."""
 
-    viewer_id: str | None
+    @property
+    def viewer_id(self) -> str | None:
+        """Its id in the audience (None: not watching)."""
 
     @property
     def watch_format(self) -> Format:
@@ -75,13 +77,16 @@ class Viewer(Protocol):
         """The watched session ended: send `closed` with ``reason`` and close."""
 
 
+V = TypeVar("V", bound=Viewer)  # what the registry holds: live sessions in the server, fakes in unit tests
+
+
 @dataclass
-class Audience:
+class Audience(Generic[V]):
     """One shared session: its token and its viewers (in the order they joined)."""
 
     session_id: str
     token: str
-    viewers: dict[str, Viewer] = field(default_factory=dict)
+    viewers: dict[str, V] = field(default_factory=dict)
 
 
 def _digest(token: str) -> bytes:
@@ -102,14 +107,14 @@ def nearest_format(asked: Format, candidates: set[Format], controller: Format) -
     return controller if controller in candidates else min(candidates)
 
 
-class ShareRegistry:
+class ShareRegistry(Generic[V]):
     """Share tokens and audiences of one server; lives on the event loop (no locking)."""
 
     def __init__(self, *, replica_id: str, max_viewers_per_session: int, max_viewer_encodings: int) -> None:
         self.replica_id = replica_id
         self.max_viewers_per_session = max_viewers_per_session
         self.max_viewer_encodings = max_viewer_encodings
-        self._audiences: dict[str, Audience] = {}  # session id -> its audience
+        self._audiences: dict[str, Audience[V]] = {}  # session id -> its audience
         self._by_digest: dict[bytes, str] = {}  # token digest -> session id
 
     @property
@@ -121,7 +126,7 @@ class ShareRegistry:
         audience = self._audiences.get(session_id)
         if audience is None:
             token = f"{self.replica_id}.{secrets.token_urlsafe(TOKEN_RANDOM_BYTES)}"
-            audience = self._audiences[session_id] = Audience(session_id, token)
+            audience = self._audiences[session_id] = Audience[V](session_id, token)
             self._by_digest[_digest(token)] = session_id
         return audience.token
 
@@ -148,11 +153,11 @@ class ShareRegistry:
 
     # ---- viewers --------------------------------------------------------------------
 
-    def viewers(self, session_id: str) -> Mapping[str, Viewer]:
+    def viewers(self, session_id: str) -> Mapping[str, V]:
         audience = self._audiences.get(session_id)
         return audience.viewers if audience is not None else {}
 
-    def join(self, session_id: str, viewer: Viewer, *, cap: bool = True) -> str:
+    def join(self, session_id: str, viewer: V, *, cap: bool = True) -> str:
         """Add a viewer to the session's audience; returns its new viewer id. Raises :class:`ShareRefused`
         when the session is not shared, and :class:`AudienceFull` past ``max_viewers_per_session`` (with
         ``cap``; a controller that passed control becomes a viewer whatever the count)."""
@@ -222,7 +227,7 @@ class ShareRegistry:
             if viewer.watch_format in formats:
                 viewer.skip_chunk()
 
-    def announce(self, session_id: str, controller: Viewer | None) -> None:
+    def announce(self, session_id: str, controller: V | None) -> None:
         """Tell everyone how many viewers there are; the controller also gets their ids (to pass control)."""
         viewers = self.viewers(session_id)
         message: dict[str, Any] = {"type": "viewers", "count": len(viewers)}

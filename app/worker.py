@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -165,6 +165,13 @@ class QueueBoundExceeded(RuntimeError):
     """More ticks were queued than the sessions' credits allow (a server bug)."""
 
 
+def deliver_to_session(outcome: TickOutcome) -> None:
+    """Hand an outcome to whoever serves its session now (``Session.deliver``; nobody: it is dropped)."""
+    deliver = outcome.job.session.deliver
+    if deliver is not None:
+        deliver(outcome)
+
+
 class ModelWorker:
     """Runs every runner call on one thread; see the module docstring."""
 
@@ -173,7 +180,7 @@ class ModelWorker:
         build_runner: Callable[[], Runtime],
         *,
         loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[TickOutcome], None],
+        deliver: Callable[[TickOutcome], None] = deliver_to_session,
         on_ready: Callable[[BaseException | None], None],
         max_pending_ticks: int,
         encode_threads: int | None = None,
@@ -193,7 +200,7 @@ class ModelWorker:
         self._stopping = False
         self.runner: Runtime | None = None
         self.runner_stats: RunnerStats | None = None
-        self.model_card: dict | None = None
+        self.model_card: dict[str, Any] | None = None
         # Worker-thread bookkeeping per session id: had a failed forward / chunks generated.
         self._failed: set[str] = set()
         # sessions that have produced a chunk in this connection (an evicted restart says so)

@@ -387,7 +387,7 @@ class FakeViewer:
 def test_the_format_a_viewer_is_served_past_max_viewer_encodings(
     controller: tuple[str, int], asked: tuple[str, int], served: tuple[str, int]
 ) -> None:
-    shares = ShareRegistry(replica_id="r0", max_viewers_per_session=8, max_viewer_encodings=2)
+    shares = ShareRegistry[FakeViewer](replica_id="r0", max_viewers_per_session=8, max_viewer_encodings=2)
     shares.token("s")
     for codec, quality in (("jpeg", 10), ("jpeg", 30)):
         if (codec, quality) != controller:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from arstream.app import wire
-from arstream.app.connection import REPLY_BACKLOG_LIMIT
+from arstream.app.outbox import REPLY_BACKLOG_LIMIT
 from arstream.models.fake import controls_code
 from servers import (
     GatedFakePipeline,

@@ -18,7 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from arstream.app.connection import Connection
+from arstream.app.live_session import LiveSession
 from arstream.app.outbox import VIEWER_CHUNK_BACKLOG
 from arstream.app.protocol import (
     ErrorCode,
@@ -226,7 +226,7 @@ def test_a_viewer_that_never_reads_skips_whole_chunks_and_never_holds_the_player
                     hub = live.server.hub  # type: ignore[union-attr]
                     session_id = player.ready["session_id"]  # type: ignore[index]
                     (watcher,) = hub.shares.viewers(session_id).values()
-                    assert isinstance(watcher, Connection)
+                    assert isinstance(watcher, LiveSession) and watcher.watch is not None
                     most_queued = 0
                     for tick_id in range(1, chunks + 1):
                         header, _ = await tick(player, tick_id)
