@@ -416,8 +416,12 @@ const connection = new Connection({
       }
       showTimeline(message.rewind_points ?? null, message.rewind_held ?? null);
     },
-    onRole(role) {
+    onRole(role, message) {
       debug.role = role;
+      // a controller by a pass gets the horizon `ready` gave the first one (the timeline and "Share: branch")
+      if (role === 'controller' && message && typeof message.rewind_seconds === 'number') {
+        debug.rewindSeconds = message.rewind_seconds;
+      }
       document.body.dataset.role = role;
       $('hud-role').textContent = role === 'viewer' ? 'viewer (watching)' : 'controller (playing)';
       if (role === 'viewer') controls.releaseAll();
