@@ -61,6 +61,18 @@ def test_cross_attention_specs_are_refused_with_the_reason() -> None:
         to_omni_spec(spec)
 
 
+@pytest.mark.parametrize(
+    "declared", [{"history_rewrites": True}, {"model_owned_bytes_fixed": 1}, {"model_owned_bytes_per_forward_row": 1}]
+)
+def test_a_spec_whose_capacity_terms_vllm_omni_lacks_is_refused(declared: dict[str, Any]) -> None:
+    spec = KVCacheSpec(
+        num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=2, frames_per_chunk=1, sink_frames=0,
+        window_frames=2, **declared,
+    )
+    with pytest.raises(UnsupportedConfiguration, match="--runtime arstream"):
+        to_omni_spec(spec)
+
+
 def test_a_tick_survives_vllm_omnis_tick_protocol() -> None:
     tick = TickRequest(
         session_id="s-1",
