@@ -45,6 +45,7 @@ from arstream.app.limits import MessageBudget, count_exceeds
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, ErrorCode, InputMessage, ProtocolError, TickMessage
 from arstream.app.protocol import CLOSE_GOING_AWAY, dumps, loads_strict
 from arstream.app.realtime_video_events import (
+    MAX_CONTROL_MESSAGE_BYTES,
     OUTPUT_FORMAT,
     RealtimeVideoError,
     StartRequest,
@@ -196,7 +197,7 @@ class RealtimeVideoConnection:
         if no_video is not None:
             await self._refuse(f"this server cannot stream realtime video: {no_video}", ErrorCode.INVALID_MESSAGE)
             return
-        limit_messages(self.ws, self.settings.ws_message_limit(self.settings.max_message_bytes))
+        limit_messages(self.ws, self.settings.ws_message_limit(MAX_CONTROL_MESSAGE_BYTES))
         start_image = None
         if request.image is not None:
             start_image = await self._start_image(*request.image)
@@ -213,7 +214,7 @@ class RealtimeVideoConnection:
             self.session_id,
             codec=fmp4_codec(request.fps),
             quality=self.settings.default_jpeg_quality(card),
-            seed=request.start.seed,
+            seed=request.seed,
             prompt=request.start.prompt,
             max_pending_ticks=self.settings.max_pending_ticks,
             start_image=start_image,
@@ -281,7 +282,7 @@ class RealtimeVideoConnection:
 
 
     def _too_large(self, text: str, limit: int | None = None) -> bool:
-        limit = limit or self.settings.max_message_bytes
+        limit = limit or MAX_CONTROL_MESSAGE_BYTES
         return len(text) > limit or len(text.encode()) > limit
 
     async def _await_start(self) -> StartRequest | None:
@@ -467,7 +468,10 @@ class RealtimeVideoConnection:
         event_id = (session.event_floor or 0) + 1
         try:
             session.accept_event(
-                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt)
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt),
+                hold_chunks=interaction.hold_chunks,
+                release=interaction.release,
+                prompt_transition_chunks=interaction.prompt_transition_chunks,
             )
         except ProtocolError as exc:
             raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
