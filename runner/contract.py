@@ -54,7 +54,7 @@ def prompt_switch(card: dict[str, Any]) -> PromptSwitch | None:
     value = card.get("prompt_switch", "at_once")
     if value not in PROMPT_SWITCHES:
         raise ValueError(f"the model card's prompt_switch must be one of {PROMPT_SWITCHES}, got {value!r}")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 @runtime_checkable

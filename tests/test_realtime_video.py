@@ -162,6 +162,22 @@ async def until_started(client: ProbeClient, stream: Stream, event_id: str) -> d
     return stream.metadata[-1]
 
 
+async def run_interaction(server: LiveServer, message: dict[str, Any], event_id: str, *, chunks_after: int) -> Stream:
+    """A session that sends ``message`` at once, reads to the chunk that starts ``event_id`` and ``chunks_after``
+    more, then stops."""
+    async with session_client(video_url(server)) as client:
+        await client.send(**start_message(**UNTIL_STOPPED))
+        stream = Stream()
+        await read_until_done(client, stream, until="video.start")
+        await client.send(**message)
+        await until_started(client, stream, event_id)
+        for _ in range(chunks_after):
+            await read_until_done(client, stream, until="video.chunk_metadata")
+        await client.send(type="session.stop")
+        await read_until_done(client, stream)
+        return stream
+
+
 # ---- session.start, video.start, video.chunk_metadata, binary, session.done ---------------------------
 
 
@@ -255,20 +271,8 @@ def test_a_dropped_connection_returns_the_sessions_kv(server: LiveServer, baseli
 def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(
     server: LiveServer, baseline: int
 ) -> None:
-    async def move() -> Stream:
-        async with session_client(video_url(server)) as client:
-            await client.send(**start_message(**UNTIL_STOPPED))
-            stream = Stream()
-            await read_until_done(client, stream, until="video.start")
-            await client.send(**interaction({"multi_modal_data": {"camera": camera([0.05, 0.0, 0.05])}}, "fwd-right"))
-            await until_started(client, stream, "fwd-right")
-            for _ in range(2):
-                await read_until_done(client, stream, until="video.chunk_metadata")
-            await client.send(type="session.stop")
-            await read_until_done(client, stream)
-            return stream
-
-    stream = asyncio.run(move())
+    move = interaction({"multi_modal_data": {"camera": camera([0.05, 0.0, 0.05])}}, "fwd-right")
+    stream = asyncio.run(run_interaction(server, move, "fwd-right", chunks_after=2))
 
     request_id = stream.of_type("video.start")[0]["request_id"]
     assert stream.of_type("session.interaction.queued") == [
@@ -652,20 +656,8 @@ def test_a_camera_without_mode_is_a_target_held_for_its_chunks_then_released(ser
     """vLLM-Omni defaults a camera event to ``target``: a pose reached over ``transition_chunks`` chunks."""
     target = {"data": {"translation": [1.0, 0.0, 1.0], "rotation": [0.0, 0.0, 0.0, 1.0]}}  # no mode
 
-    async def reach() -> Stream:
-        async with session_client(video_url(server)) as client:
-            await client.send(**start_message(**UNTIL_STOPPED))
-            stream = Stream()
-            await read_until_done(client, stream, until="video.start")
-            await client.send(**interaction({"multi_modal_data": {"camera": target}}, "there", transition_chunks=2))
-            await until_started(client, stream, "there")
-            for _ in range(4):
-                await read_until_done(client, stream, until="video.chunk_metadata")
-            await client.send(type="session.stop")
-            await read_until_done(client, stream)
-            return stream
-
-    stream = asyncio.run(reach())
+    reach = interaction({"multi_modal_data": {"camera": target}}, "there", transition_chunks=2)
+    stream = asyncio.run(run_interaction(server, reach, "there", chunks_after=4))
     assert stream.of_type("error") == []
     (applied,) = [i for i, m in enumerate(stream.metadata) if m["started_event_ids"] == ["there"]]
     code = controls_code({"keys": ["w", "d"]})  # forward and right: the target's direction
