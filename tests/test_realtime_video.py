@@ -804,3 +804,22 @@ def test_a_page_from_another_local_port_is_told_the_flag_that_admits_it(server: 
     error, code = asyncio.run(refused())
     assert error["code"] == "unauthorized" and code is not None and code >= 1008
     assert f"--allowed-origins {page}" in error["message"] and "another port" in error["message"], error
+
+
+def test_a_held_update_is_released_after_its_chunks_and_a_later_change_cancels_the_hold() -> None:
+    """The session side of a camera target: counted at chunk boundaries, not at submission."""
+    from arstream.app.protocol import InputMessage, TickMessage
+    from arstream.app.session import Session, SessionState
+
+    session = Session("s", codec="fmp4", quality=80, seed=None, prompt=None, max_pending_ticks=8)
+    session.transition(SessionState.ACTIVE)
+    ticks = [session.accept_tick(TickMessage(type="tick", tick_id=i)) for i in range(6)]  # all queued first
+    session.accept_event(
+        InputMessage(type="input", event_id=1, controls={"keys": ["w"]}), hold_chunks=2, release={"keys": []}
+    )
+    seen = [session.take_chunk_inputs(ticks[i]).controls for i in range(3)]
+    assert seen == [{"keys": ["w"]}, {"keys": ["w"]}, {"keys": []}]
+    session.accept_event(InputMessage(type="input", event_id=2, controls={"keys": ["s"]}), hold_chunks=1,
+                         release={"keys": []})  # fmt: skip
+    session.accept_event(InputMessage(type="input", event_id=3, controls={"keys": ["d"]}))  # replaces it, unheld
+    assert [session.take_chunk_inputs(ticks[i]).controls for i in range(3, 6)] == [{"keys": ["d"]}] * 3
