@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -362,27 +363,42 @@ def test_forward_that_commits_no_chunk() -> None:
 # ---- the realtime video dialect against vLLM-Omni's own handlers (issue 37) ------------------------------
 
 
+def vllm_omni_constant(relative_path: str, name: str) -> Any:
+    """A module-level constant of vLLM-Omni, read from its source without importing it: the handler's package
+    imports vLLM's OpenAI server (and, through transformers, torchvision, which this lane uninstalls)."""
+    import ast
+
+    import vllm_omni
+
+    path = Path(vllm_omni.__file__).parent / relative_path
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return eval(compile(ast.Expression(node.value), str(path), "eval"), {}, {})  # upstream's own literal
+    raise AssertionError(f"{relative_path} no longer defines {name}")
+
+
 def test_dialect_limits_and_defaults_are_vllm_omnis() -> None:
     """The control message limit, the seed range, the blend and target defaults: read from vLLM-Omni itself."""
     from pydantic import ValidationError
 
-    from vllm_omni.diffusion.interaction.modality_handlers import camera as omni_camera
-    from vllm_omni.diffusion.interaction.modality_handlers import prompt as omni_prompt
-    from vllm_omni.entrypoints.openai import serving_video_output_stream as omni_stream
-    from vllm_omni.entrypoints.openai.protocol.videos import VideoGenerationRequest
-
     from arstream.app import realtime_video_events as dialect
     from arstream.runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS
+    from arstream.runner.vllm_omni.deprecations import importing_vllm
 
-    assert dialect.MAX_CONTROL_MESSAGE_BYTES == omni_stream._MAX_CONTROL_MESSAGE_SIZE
+    with importing_vllm():
+        from vllm_omni.diffusion.interaction.modality_handlers import camera as omni_camera
+        from vllm_omni.diffusion.interaction.modality_handlers import prompt as omni_prompt
+
+    stream, videos = "entrypoints/openai/serving_video_output_stream.py", "entrypoints/openai/protocol/videos.py"
+    assert dialect.MAX_CONTROL_MESSAGE_BYTES == vllm_omni_constant(stream, "_MAX_CONTROL_MESSAGE_SIZE")
     assert DEFAULT_PROMPT_TRANSITION_CHUNKS == omni_prompt.DEFAULT_TRANSITION_CHUNKS
     assert dialect.DEFAULT_TARGET_TRANSITION_CHUNKS == omni_camera.SE3DeltaCameraHandler.default_transition_chunks
-    for seed in (-(2**63), -5, 0, 2**63 - 1):
-        VideoGenerationRequest(prompt="x", seed=seed)
+    # vLLM-Omni's seed: Field(ge=_INT64_MIN, le=_INT64_MAX); ours takes exactly that range.
+    low, high = vllm_omni_constant(videos, "_INT64_MIN"), vllm_omni_constant(videos, "_INT64_MAX")
+    assert (low, high) == (-(2**63), 2**63 - 1)
+    for seed in (low, -5, 0, high):
         dialect.SessionStart(type="session.start", prompt="x", seed=seed)
-    for seed in (-(2**63) - 1, 2**63):
-        with pytest.raises(ValidationError):
-            VideoGenerationRequest(prompt="x", seed=seed)
+    for seed in (low - 1, high + 1):
         with pytest.raises(ValidationError):
             dialect.SessionStart(type="session.start", prompt="x", seed=seed)
 
