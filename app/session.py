@@ -196,9 +196,9 @@ class Session:
 
     # ---- messages (event loop) ----------------------------------------------------
 
-    def _next_update(self, controls: dict[str, Any] | None, prompt: str | None) -> Update:
+    def _next_update(self, controls: dict[str, Any] | None, prompt: str | None, **extra: Any) -> Update:
         self._seq += 1
-        return Update(self._seq, controls, prompt)
+        return Update(self._seq, controls, prompt, **extra)
 
     def accept_tick(self, message: TickMessage) -> TickJob:
         """Check a tick against the session's state, id floor and credits; on success it holds a credit.
@@ -280,8 +280,13 @@ class Session:
             self._recent_event_set.discard(self._recent_events[0])
         self._recent_events.append(event_id)
         self._recent_event_set.add(event_id)
-        self._seq += 1
-        update = Update(self._seq, message.controls, message.prompt, hold_chunks, release, prompt_transition_chunks)
+        update = self._next_update(
+            message.controls,
+            message.prompt,
+            hold_chunks=hold_chunks,
+            release=release,
+            prompt_transition_chunks=prompt_transition_chunks,
+        )
         with self._lock:
             self._pending_events.append(PendingEvent(event_id, time.perf_counter()))
             if update.controls is not None:
