@@ -40,6 +40,7 @@ from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
 from arstream.app.protocol import TickMessage, dumps, loads_strict
 from arstream.app.realtime_video_events import (
+    MAX_CONTROL_MESSAGE_BYTES,
     OUTPUT_FORMAT,
     RealtimeVideoError,
     StartRequest,
@@ -132,7 +133,7 @@ class RealtimeVideo(Dialect):
         if no_video is not None:
             await live.refuse(ErrorCode.INVALID_MESSAGE, f"this server cannot stream realtime video: {no_video}")
             return None
-        live.limit_messages(live.settings.max_message_bytes)
+        live.limit_messages(MAX_CONTROL_MESSAGE_BYTES)  # upstream's control-message limit
         gate = live.gate
         start_image = None
         if request.image is not None:
@@ -155,7 +156,7 @@ class RealtimeVideo(Dialect):
             self.session_id,
             codec=fmp4_codec(request.fps),
             quality=live.settings.default_jpeg_quality(card),
-            seed=request.start.seed,
+            seed=request.seed,
             prompt=request.start.prompt,
             max_pending_ticks=live.settings.max_pending_ticks,
             start_image=start_image,
@@ -311,7 +312,7 @@ class RealtimeVideo(Dialect):
                 raise RealtimeVideoError(
                     "binary messages from the client are not part of this API", ErrorCode.INVALID_MESSAGE
                 )
-            if too_large(text, live.settings.max_message_bytes):
+            if too_large(text, MAX_CONTROL_MESSAGE_BYTES):
                 raise RealtimeVideoError("control message too large", ErrorCode.MESSAGE_TOO_LARGE)
             try:
                 parsed = loads_strict(text)
@@ -353,7 +354,10 @@ class RealtimeVideo(Dialect):
         event_id = (session.event_floor or 0) + 1
         try:
             session.accept_event(
-                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt)
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt),
+                hold_chunks=interaction.hold_chunks,
+                release=interaction.release,
+                prompt_transition_chunks=interaction.prompt_transition_chunks,
             )
         except ProtocolError as exc:
             raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None

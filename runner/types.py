@@ -70,12 +70,16 @@ class TickRequest:
     after its chunks 0..b-1) before the chunk runs, after a ``reset``; the
     chunk then has ``chunk_index`` b. A boundary the session does not hold
     raises :class:`RewindUnavailable` and nothing changes.
+    ``prompt_transition_chunks`` is how many chunks a model whose card says
+    ``prompt_switch: "blend"`` blends into ``prompt`` when it differs from the
+    one it is on (:mod:`arstream.runner.prompt_blend`); others ignore it.
     """
 
     session_id: str
     request_id: int
     controls: dict[str, Any] = field(default_factory=dict)
     prompt: str | None = None
+    prompt_transition_chunks: int = 0
     seed: int | None = None
     reset: bool = False
     close: bool = False

@@ -79,6 +79,7 @@ def test_a_tick_survives_vllm_omnis_tick_protocol() -> None:
         request_id=42,
         controls={"keys": ["w", "a"], "camera": {"yaw": 0.5}},
         prompt="a forest",
+        prompt_transition_chunks=2,  # rides beside vLLM-Omni's tick (its protocol has no field for it)
         seed=9,
         reset=True,
         close=True,
