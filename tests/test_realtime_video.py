@@ -759,6 +759,8 @@ def test_a_prompt_change_blends_over_transition_chunks_as_vllm_omni() -> None:
             await read_until_done(client, stream, until="video.start")
             await client.send(**interaction({"prompt": "b"}, "to-b", transition_chunks=2))
             await until_started(client, stream, "to-b")
+            # the blend to b (2 chunks) has its second chunk out before c is asked: c starts after it, however loaded
+            await read_until_done(client, stream, until="video.chunk_metadata")
             await client.send(**interaction({"prompt": "c"}, "to-c"))  # vLLM-Omni's default: 3 chunks
             await until_started(client, stream, "to-c")
             for _ in range(3):
