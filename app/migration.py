@@ -48,7 +48,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from arstream.app.connection import Connection
-from arstream.app.drain import DRAIN_PATH, HOLDER_PATH
 from arstream.app.guard import BAN_TABLE_PRUNE_AT
 from arstream.app.limits import MessageBudget
 from arstream.app.peers import configured_peers
@@ -56,7 +55,7 @@ from arstream.app.portable_session import PortableSessionError, validated_sessio
 from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
-from arstream.app.wire import PROTOCOL_VERSION
+from arstream.app.wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
 from arstream.runner.snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
 from arstream.runner.snapshot_stream import SnapshotPlan, SnapshotReader, SnapshotTooLarge
 from arstream.runner.types import StartImage

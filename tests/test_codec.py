@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from arstream import cli
-from arstream.app import bench, client, codecs, protocol, settings, video, wire
+from arstream.app import codecs, protocol, settings, video, wire
+from arstream.programs import bench, client
 from arstream.app.encoding import EncoderPool
 from arstream.app.protocol import ProtocolError
 from arstream.app.video import FrameDecoder, H264Decoder, H264Stream, crf_for_quality

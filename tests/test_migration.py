@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from arstream.app.drain import DRAIN_PATH
+from arstream.app.wire import DRAIN_PATH
 from arstream.app.migration import IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import runner_for_sessions

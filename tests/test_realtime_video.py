@@ -533,7 +533,7 @@ def test_a_start_past_capacity_is_refused_as_protocol_1_is() -> None:
 
 
 def test_bench_serve_runs_over_the_dialect(capsys: pytest.CaptureFixture[str]) -> None:
-    from arstream.app import bench
+    from arstream.programs import bench
 
     options = json.dumps({"compute_delay_s": 0.005, "width": WIDTH, "height": HEIGHT})
     argv = ["--model", MODEL, "--sessions", "2", "--max-batch-sessions", "2", "--chunks", "8", "--repeat", "1"]
