@@ -334,7 +334,7 @@ def ready_message(
     token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
     "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served.
     """
-    message = {
+    message: dict[str, Any] = {
         "type": "ready",
         "protocol": PROTOCOL_VERSION,
         "session_id": session_id,

@@ -301,7 +301,7 @@ class SessionKVState:
         tokens = self.spec.tokens_per_frame
         staged = self.pool.staging[branch][self.staging_row, :, :, start : start + len(ids) * tokens]
         index = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
-        self.pool.kv.index_copy_(2, index, staged.unflatten(2, (len(ids), tokens)))
+        self.pool.kv.index_copy_(2, index, torch.unflatten(staged, 2, (len(ids), tokens)))
 
     def _rewritten_blocks(self) -> list[int]:
         return [i for sink, window in (self.rewritten or {}).values() for i in sink + window]
@@ -359,7 +359,7 @@ class SessionKVState:
             return
         start, end = self._history_tokens, self._history_tokens + self._chunk_tokens
         for branch in self.spec.branch_names:
-            chunk = self.pool.staging[branch][self.staging_row, :, :, start:end].unflatten(2, self._chunk_shape)
+            chunk = torch.unflatten(self.pool.staging[branch][self.staging_row, :, :, start:end], 2, self._chunk_shape)
             index = torch.tensor(self.pending[branch], dtype=torch.long, device=self.pool.device)
             self.pool.kv.index_copy_(2, index, chunk)
         if self._hold_commit:

@@ -66,7 +66,7 @@ def interaction(event: dict[str, Any], event_id: str | None = None, **extra: Any
 
 
 def decode_fmp4(data: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(data), format="mp4") as container:
+    with av.open(io.BytesIO(data), mode="r", format="mp4") as container:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
@@ -186,7 +186,7 @@ def test_the_frames_are_the_models_frames(server: LiveServer, baseline: int) -> 
 
     async def raw_rollout() -> list[np.ndarray]:
         async with session_client(server.ws_url, start={"codec": "raw", "seed": 5, "prompt": "a test world"}) as client:
-            frames = []
+            frames: list[np.ndarray] = []
             for _ in range(3):
                 await client.send(type="tick", tick_id=len(frames))
                 _, received = await client.recv_chunk()
@@ -451,6 +451,7 @@ def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
         async def protocol_1_session() -> None:
             async with session_client(live.ws_url, start={"codec": "jpeg"}) as client:
                 # Every credit busy, as the dialect keeps them.
+                assert client.ready is not None
                 in_flight = int(client.ready["limits"]["max_pending_ticks"])
                 for tick_id in range(min(in_flight, chunks)):
                     await client.send(type="tick", tick_id=tick_id)
