@@ -159,10 +159,10 @@ def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
         start = SessionStart.model_validate(fold_sampling_params(message))
     except ValidationError as exc:
         raise RealtimeVideoError(f"Invalid session.start: {exc}", ErrorCode.INVALID_MESSAGE) from None
-    name = model_card.get("name")
-    if start.model is not None and start.model != name:
+    served = model_card.get("name")
+    if start.model is not None and start.model != served:
         raise RealtimeVideoError(
-            f"Model mismatch: request specifies '{start.model}' but server is running '{name}'.",
+            f"Model mismatch: request specifies '{start.model}' but server is running '{served}'.",
             ErrorCode.INVALID_MESSAGE,
         )
     if start.generate_sound or start.enable_frame_interpolation:
@@ -379,7 +379,7 @@ def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> In
             raise RealtimeVideoError("session.interaction transition_chunks must be >= 0", ErrorCode.INVALID_MESSAGE)
 
     controls: dict[str, Any] | None = None
-    if has_mm:
+    if isinstance(mm, dict) and mm:  # has_mm, spelled so the type checker sees a dict
         unknown = sorted(set(mm) - {"camera"})
         if unknown:
             raise RealtimeVideoError(

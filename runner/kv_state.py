@@ -127,7 +127,6 @@ class SessionKVState:
         frames keep their positions. A model that wants this stores K without
         rotation and rotates the gathered K with these positions.
         """
-        spec = self.spec
         return self._positions(len(self.sink[branch]), self.frames_committed - len(self.window[branch]), branch)
 
     def rewrite_positions(self, frames: int, *, keep_sink: bool, branch: str = "main") -> list[int]:

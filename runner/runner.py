@@ -784,10 +784,13 @@ def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:
     """
     per_chunk = card.get("frames_per_chunk", spec.frames_per_chunk) if isinstance(card, dict) else None
     first = card.get("first_chunk_frames", per_chunk) if isinstance(card, dict) else None
-    for name, value in (("frames_per_chunk", per_chunk), ("first_chunk_frames", first)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
-    return per_chunk, first
+    return _frame_count("frames_per_chunk", per_chunk), _frame_count("first_chunk_frames", first)
+
+
+def _frame_count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _take(members: set[str], member: str) -> bool:

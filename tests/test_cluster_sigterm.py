@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any

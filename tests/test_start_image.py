@@ -25,7 +25,7 @@ from PIL import Image
 from websockets.exceptions import ConnectionClosed
 
 from arstream.programs import client, messages
-from arstream.app.protocol import ErrorCode, ProtocolError, parse_client_message
+from arstream.app.protocol import ErrorCode, ProtocolError, StartMessage, parse_client_message
 from arstream.app.settings import WS_FRAME_SLACK_BYTES
 from arstream.app.start_image import (
     ImageLimits,
@@ -77,7 +77,7 @@ def b64(data: bytes) -> str:
 
 def test_start_image_field_shape_is_checked_by_the_protocol() -> None:
     parsed = parse_client_message('{"type": "start", "image": {"name": "meadow"}}')
-    assert parsed.image is not None and parsed.image.name == "meadow" and parsed.image.data is None
+    assert isinstance(parsed, StartMessage) and parsed.image is not None and parsed.image.name == "meadow" and parsed.image.data is None
     for image in ('{}', '{"name": "a", "data": "AA=="}', '"meadow"', '{"data": 5}', '{"name": ""}'):
         with pytest.raises(ProtocolError) as refused:
             parse_client_message(f'{{"type": "start", "image": {image}}}')

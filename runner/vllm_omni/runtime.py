@@ -77,7 +77,7 @@ def kv_config(
 def budgeted_runner_class(budget_bytes: int | None) -> type[ARDiffusionModelRunner]:
     """vLLM-Omni's runner, told the byte budget instead of querying free memory when one is given."""
 
-    class BudgetedRunner(ARDiffusionModelRunner):
+    class BudgetedRunner(ARDiffusionModelRunner):  # type: ignore[misc]  # vllm-omni is untyped here (not installed)
         def _available_memory_bytes(self) -> int:
             return budget_bytes if budget_bytes is not None else super()._available_memory_bytes()
 
