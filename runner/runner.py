@@ -61,11 +61,13 @@ from arstream.runner.types import (
     ChunkResult,
     PendingDecode,
     RewindUnavailable,
+    RuntimeOptions,
     TickFailure,
     TickRequest,
     TickResult,
     UnsupportedConfiguration,
 )
+from arstream.runner.vllm_omni.native import NativePipeline
 
 log = logging.getLogger("arstream.runner")
 
@@ -84,6 +86,16 @@ def _device_sync(device: torch.device) -> None:
 
 class ARRunner:
     """Model-neutral AR runtime: one pipeline, one pool, many sessions."""
+
+    @classmethod
+    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> ARRunner:
+        """``--runtime arstream``: the settings' pool, rewind horizon and decode split over ``pipeline``."""
+        if isinstance(pipeline, NativePipeline):
+            raise UnsupportedConfiguration(
+                f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
+            )
+        rewind = rewind_for(pipeline, seconds=options.rewind_seconds, budget_bytes=options.rewind_budget_bytes)
+        return cls(pipeline, rewind=rewind, split_decode=options.split_decode, **options.pool())
 
     def __init__(
         self,
