@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse
 
 from arstream.app.connection import Connection
 from arstream.app.guard import BAN_TABLE_PRUNE_AT
-from arstream.app.limits import MessageBudget
+from arstream.app.limits import TokenBucket
 from arstream.app.peers import configured_peers
 from arstream.app.portable_session import PortableSessionError, validated_session
 from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
@@ -114,7 +114,7 @@ class SecretGate:
 
     def __init__(self, secret: str | None) -> None:
         self.secret = secret
-        self._tries: dict[str, MessageBudget] = {}  # client address -> its budget of wrong secrets
+        self._tries: dict[str, TokenBucket] = {}  # client address -> its budget of wrong secrets
 
     def refusal(self, request: Request) -> JSONResponse | None:
         """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None.
@@ -142,7 +142,7 @@ class SecretGate:
         if budget is None:
             if len(self._tries) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
                 self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
-            budget = self._tries[host] = MessageBudget(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
+            budget = self._tries[host] = TokenBucket(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
         budget.try_spend(now)
         what = "a different cluster secret" if scheme.lower() == "bearer" else "no cluster secret"
         return JSONResponse(

@@ -64,10 +64,7 @@ class Codec(IntEnum):
         try:
             return cls[name.upper()]
         except KeyError:
-            raise WireError(f"unknown codec {name!r}; expected one of {list(CODEC_NAMES)}") from None
-
-
-CODEC_NAMES: tuple[str, ...] = tuple(codec.wire_name for codec in Codec)
+            raise WireError(f"unknown codec {name!r}; expected one of {[codec.wire_name for codec in cls]}") from None
 
 
 class WireError(ValueError):
@@ -154,7 +151,7 @@ def decode_payload(header: FrameHeader, payload: bytes | memoryview) -> np.ndarr
     if header.codec is Codec.RAW:
         return np.frombuffer(payload, dtype=np.uint8).reshape(header.height, header.width, 3).copy()
     if header.codec.stateful:
-        raise WireError("h264 frames depend on earlier ones: decode them with arstream.app.video.FrameDecoder")
+        raise WireError("h264 frames depend on earlier ones: decode them with arstream.app.codecs.FrameDecoder")
     image = simplejpeg.decode_jpeg(bytes(payload), colorspace="RGB")
     if image.shape[:2] != (header.height, header.width):
         raise WireError(f"JPEG is {image.shape[1]}x{image.shape[0]}, header says {header.width}x{header.height}")

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import websockets
 
-from arstream.app import wire
+from arstream.app.codecs import CODEC_NAMES
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from arstream.cli import main_for
@@ -408,7 +408,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=WARMUP_CHUNKS,
         help=f"untimed chunks per session on each side before the first repetition (default {WARMUP_CHUNKS})",
     )
-    parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
+    parser.add_argument("--codec", choices=CODEC_NAMES, default="jpeg")
     parser.add_argument(
         "--dialect",
         choices=["sessions", "realtime-video"],

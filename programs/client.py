@@ -45,7 +45,7 @@ import numpy as np
 import websockets
 
 from arstream.app import wire
-from arstream.app.video import FrameDecoder
+from arstream.app.codecs import CODEC_NAMES, FrameDecoder
 from arstream.programs import messages
 from arstream.cli import main_for
 from arstream.measure import percentile
@@ -825,7 +825,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"video.mp4's pixels per model pixel (default: the whole factor that brings the longer side near "
         f"{VIDEO_LONG_SIDE_PX} px, so tiny-world's 64x64 becomes 512x512; the PNGs keep the model's size)",
     )
-    parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
+    parser.add_argument("--codec", choices=CODEC_NAMES, default="jpeg")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--prompt", help="the session's prompt from its first chunk (models that read one: longlive)")
     parser.add_argument(
