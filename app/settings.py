@@ -464,20 +464,7 @@ class ClusterSettings(SettingGroup):
         return value
 
 
-SETTING_GROUPS: tuple[type[SettingGroup], ...] = (
-    ServerSettings,
-    ModelSettings,
-    SchedulingSettings,
-    RewindSettings,
-    CodecSettings,
-    AccessSettings,
-    SessionSettings,
-    MessageSettings,
-    StartImageSettings,
-    ConnectionSettings,
-    ClusterSettings,
-)
-
+# The groups in the order --help and docs/server.md list them.
 class Settings(
     ServerSettings,
     ModelSettings,
@@ -571,6 +558,11 @@ class Settings(
     def ws_message_limit(app_limit: int) -> int:
         return app_limit + WS_FRAME_SLACK_BYTES
 
+
+
+SETTING_GROUPS: tuple[type[SettingGroup], ...] = tuple(
+    base for base in Settings.__bases__ if isinstance(base, type) and issubclass(base, SettingGroup)
+)
 
 def _json_value(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
