@@ -178,7 +178,7 @@ class RewindSettings(SettingGroup):
         "(docs/rewind.md)",
     )
     rewind_budget_mib: float = Field(
-        32.0,
+        24.0,
         ge=0,
         description="memory each session's rewind points may take on top of the session (shared KV blocks and "
         "copies of the model's per-session state), counted in capacity; a model whose points cost more gets "
