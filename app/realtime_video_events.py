@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from arstream.app.protocol import ErrorCode
-from arstream.runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS, PromptSwitch, default_num_frames, prompt_switch
+from arstream.runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS, default_num_frames, prompt_switch
 
 OUTPUT_FORMAT = "m4s"
 # vLLM-Omni's limit on a control message after session.start (its _MAX_CONTROL_MESSAGE_SIZE), this dialect's too.
@@ -172,10 +172,10 @@ def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
         start = SessionStart.model_validate(fold_sampling_params(message))
     except ValidationError as exc:
         raise RealtimeVideoError(f"Invalid session.start: {exc}", ErrorCode.INVALID_MESSAGE) from None
-    name = model_card.get("name")
-    if start.model is not None and start.model != name:
+    served = model_card.get("name")
+    if start.model is not None and start.model != served:
         raise RealtimeVideoError(
-            f"Model mismatch: request specifies '{start.model}' but server is running '{name}'.",
+            f"Model mismatch: request specifies '{start.model}' but server is running '{served}'.",
             ErrorCode.INVALID_MESSAGE,
         )
     if start.generate_sound or start.enable_frame_interpolation:
@@ -437,7 +437,7 @@ def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> In
     blend = DEFAULT_PROMPT_TRANSITION_CHUNKS if transition_chunks is None else transition_chunks
     controls: dict[str, Any] | None = None
     move = CameraMove({})
-    if has_mm:
+    if isinstance(mm, dict) and mm:  # has_mm, spelled so the type checker sees a dict
         unknown = sorted(set(mm) - {"camera"})
         if unknown:
             raise RealtimeVideoError(

@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from arstream import __version__
 from arstream.app.address import display_host, network_lines, refusal_before_loading
-from arstream.app.codecs import FMP4
+from arstream.app.codecs import FMP4, offered_codecs
 from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
 from arstream.app.dialects import DIALECTS, DialectFactory
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
@@ -139,6 +139,11 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         if not hub.model_card:
             return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
         return JSONResponse(openai_model_list(hub.model_card, started_at))
+
+    @app.get("/v1/codecs")
+    async def codecs() -> JSONResponse:
+        # What a `start` may name here, with its ARF1 header id: the page builds its codec menu from it.
+        return JSONResponse({"codecs": offered_codecs(), "default": hub.settings.codec})
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:

@@ -77,7 +77,7 @@ def interaction(event: dict[str, Any], event_id: str | None = None, **extra: Any
 
 
 def decode_fmp4(data: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(data), format="mp4") as container:
+    with av.open(io.BytesIO(data), mode="r", format="mp4") as container:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
@@ -215,7 +215,7 @@ def test_the_frames_are_the_models_frames(server: LiveServer, baseline: int) -> 
 
     async def raw_rollout() -> list[np.ndarray]:
         async with session_client(server.ws_url, start={"codec": "raw", "seed": 5, "prompt": "a test world"}) as client:
-            frames = []
+            frames: list[np.ndarray] = []
             for _ in range(3):
                 await client.send(type="tick", tick_id=len(frames))
                 _, received = await client.recv_chunk()
@@ -478,6 +478,7 @@ def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
         async def protocol_1_session() -> None:
             async with session_client(live.ws_url, start={"codec": "jpeg"}) as client:
                 # Every credit busy, as the dialect keeps them.
+                assert client.ready is not None
                 in_flight = int(client.ready["limits"]["max_pending_ticks"])
                 for tick_id in range(min(in_flight, chunks)):
                     await client.send(type="tick", tick_id=tick_id)
@@ -560,7 +561,7 @@ def test_a_start_past_capacity_is_refused_as_protocol_1_is() -> None:
 
 
 def test_bench_serve_runs_over_the_dialect(capsys: pytest.CaptureFixture[str]) -> None:
-    from arstream.app import bench
+    from arstream.programs import bench
 
     options = json.dumps({"compute_delay_s": 0.005, "width": WIDTH, "height": HEIGHT})
     argv = ["--model", MODEL, "--sessions", "2", "--max-batch-sessions", "2", "--chunks", "8", "--repeat", "1"]

@@ -28,7 +28,7 @@ from arstream.app.protocol import (
     TickMessage,
     parse_client_message,
 )
-from arstream.app.video import FrameDecoder
+from arstream.app.codecs import FrameDecoder
 from arstream.app.wire import decode_frame
 from servers import (
     LiveServer,

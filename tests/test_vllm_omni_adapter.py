@@ -140,14 +140,15 @@ class WrongFramesPipeline(FakeKVPipeline):
 
 
 def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
-    runner = VllmOmniRunner(WrongFramesPipeline(), kv_budget_bytes=BUDGET)
+    pipeline = WrongFramesPipeline()
+    runner = VllmOmniRunner(pipeline, kv_budget_bytes=BUDGET)
     assert runner.warmup() == 3 and runner.stats().blocks_free == runner.blocks_free_at_start
     runner.execute_tick(TickRequest(session_id="s", request_id=0))
     controls: dict[str, Any] = {"short": True}
     (result,) = runner.execute([TickRequest(session_id="s", request_id=1, controls=controls)])
     assert isinstance(result, TickFailure) and isinstance(result.error, ChunkShapeError)
     assert not runner.is_resident("s") and runner.stats().blocks_free == runner.blocks_free_at_start
-    assert runner.pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
+    assert pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
 
 
 def test_rewind_and_branch_are_refused_with_the_reason_and_change_nothing() -> None:
