@@ -34,6 +34,7 @@ ONE_OF_EACH_GROUP = {
     "runtime": ("arstream", "arstream"),
     "max_pending_ticks": ("2", 2),
     "rewind_budget_mib": ("8", 8.0),
+    "park_after_s": ("30", 30.0),
     "jpeg_quality": ("70", 70),
     "allowed_hosts": ("App.Example", "app.example"),
     "idle_timeout_s": ("7", 7.0),
