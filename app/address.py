@@ -15,7 +15,7 @@ import sys
 
 from pydantic import ValidationError
 
-from arstream.app.settings import describe_settings_error, settings_from_args
+from .settings import describe_settings_error, settings_from_args
 
 ALL_INTERFACES = ("", "0.0.0.0", "::")
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 from starlette.datastructures import Headers, QueryParams
 from starlette.requests import HTTPConnection
 
-from arstream.app.protocol import excerpt
+from .protocol import excerpt
 
 if TYPE_CHECKING:
-    from arstream.app.settings import Settings
+    from .settings import Settings
 
 
 def offered_token(headers: Headers, query: QueryParams) -> str | None:

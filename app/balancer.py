@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from arstream.app.hub import SessionHub
+    from .hub import SessionHub
 
 log = logging.getLogger("arstream.balancer")
 

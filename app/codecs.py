@@ -12,7 +12,7 @@ refused where it is named: ``--codec`` at start-up (settings.py) and a
 A new codec: its header id in ``wire.Codec``, an encoder class answering
 :class:`ChunkEncoder` and a decoder answering :class:`PayloadDecoder`, one entry in :data:`CODECS` and its
 name in :data:`CodecName` (the type checker's copy of the table's names); the page's decoder in
-static/decode.js (the page offers what ``GET /v1/codecs`` lists and it can decode). tests/test_codec.py
+static/decode.js (the page offers what ``GET /v1/codecs`` lists and it can decode). tests/server/test_codec.py
 has the tests to copy (round trip, refusal when its dependency is missing).
 
 Import order, one way only: this module imports the encoders (video.py,
@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from arstream.app import fmp4, video, wire
+from . import fmp4, video, wire
 
 
 class ChunkEncoder(Protocol):

@@ -26,8 +26,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from arstream.runner.runtimes import SplitDecodeRuntime
-from arstream.runner.types import ChunkResult, TickResult
+from ..runner.runtimes import SplitDecodeRuntime
+from ..runner.types import ChunkResult, TickResult
 
 _Item = TypeVar("_Item")
 

@@ -26,17 +26,17 @@ if TYPE_CHECKING:
     import jsonschema
     import numpy as np
 
-    from arstream.app.live_session import LiveSession
-    from arstream.app.metrics import ServerMetrics
-    from arstream.app.resume import ResumeRegistry
-    from arstream.app.session import Session
-    from arstream.app.settings import Settings
-    from arstream.app.start_image import StartImageResolver
-    from arstream.app.unstarted import UnstartedConnections
-    from arstream.app.viewers import ShareRegistry
-    from arstream.app.protocol import CloseReason
-    from arstream.app.session import TickJob
-    from arstream.app.worker import TickOutcome
+    from .live_session import LiveSession
+    from .metrics import ServerMetrics
+    from .resume import ResumeRegistry
+    from .session import Session
+    from .settings import Settings
+    from .start_image import StartImageResolver
+    from .unstarted import UnstartedConnections
+    from .viewers import ShareRegistry
+    from .protocol import CloseReason
+    from .session import TickJob
+    from .worker import TickOutcome
 
 
 @dataclass(frozen=True)

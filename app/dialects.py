@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from arstream.app import protocol1, realtime_video
-from arstream.app.dialect import Dialect
+from . import protocol1, realtime_video
+from .dialect import Dialect
 
 DialectFactory = Callable[[], Dialect]
 

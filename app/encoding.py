@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from arstream.app.codecs import ChunkEncoder, new_encoder
+from .codecs import ChunkEncoder, new_encoder
 
 log = logging.getLogger("arstream.encoding")
 

@@ -32,7 +32,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from arstream.app.video import H264Stream
+from .video import H264Stream
 
 CODEC_PREFIX = "fmp4/"
 TIMESCALE = 90_000  # ticks per second of the track's clock (the MPEG convention)

@@ -33,7 +33,7 @@ uvicorn leaves these open, and a stranger can take each one (docs/public.md):
   interval, never one line per attempt.
 
 The protocol classes subclass uvicorn internals (uvicorn >= 0.54, pinned in
-pyproject.toml); tests/test_hardening_http.py exercises each bound against a
+pyproject.toml); tests/server/test_hardening_http.py exercises each bound against a
 real server.
 """
 
@@ -52,8 +52,8 @@ from urllib.parse import unquote_plus
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from arstream.app.limits import TokenBucket
-from arstream.app.settings import RESERVED_FDS, Settings
+from .limits import TokenBucket
+from .settings import RESERVED_FDS, Settings
 
 log = logging.getLogger("arstream.guard")
 

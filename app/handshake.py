@@ -15,9 +15,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from arstream.app.dialect import Started
-from arstream.app.live_session import LiveSession, too_large
-from arstream.app.protocol import (
+from .dialect import Started
+from .live_session import LiveSession, too_large
+from .protocol import (
     CLOSE_GOING_AWAY,
     CloseReason,
     ErrorCode,
@@ -29,11 +29,11 @@ from arstream.app.protocol import (
     moved_message,
     parse_client_message,
 )
-from arstream.app.resume import Forward, Resumed, ResumeRefused, token_hint
-from arstream.app.session import Session, SessionState
-from arstream.app.viewers import ShareRefused
-from arstream.runner.pool import PoolExhausted
-from arstream.runner.types import RewindUnavailable, StartImage
+from .resume import Forward, Resumed, ResumeRefused, token_hint
+from .session import Session, SessionState
+from .viewers import ShareRefused
+from ..runner.pool import PoolExhausted
+from ..runner.types import RewindUnavailable, StartImage
 
 log = logging.getLogger("arstream.session")
 

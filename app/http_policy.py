@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from arstream.app.settings import Settings
+from .settings import Settings
 
 LOOPBACK_BINDS = {"127.0.0.1", "localhost", "::1"}
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]"]

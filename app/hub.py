@@ -18,24 +18,24 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import jsonschema
 import torch
 
-from arstream.app.admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
-from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
-from arstream.app.metrics import ServerMetrics
-from arstream.app.resume import DetachedSession, ResumeRegistry
-from arstream.app.settings import Settings
-from arstream.app.start_image import StartImageResolver, offered_start_images
-from arstream.app.session import Session
-from arstream.app.unstarted import UnstartedConnections
-from arstream.app.viewers import ShareRegistry
-from arstream.app.worker import ModelWorker
-from arstream.models.registry import load_pipeline
-from arstream.runner.contract import ARPipeline
-from arstream.runner.parking import ParkingPolicy
-from arstream.runner.vllm_omni.native import NativePipeline
-from arstream.runner.runtimes import Runtime, build_runtime
+from .admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
+from .guard import FloodBans, RefusalLog, TrustedProxies
+from .metrics import ServerMetrics
+from .resume import DetachedSession, ResumeRegistry
+from .settings import Settings
+from .start_image import StartImageResolver, offered_start_images
+from .session import Session
+from .unstarted import UnstartedConnections
+from .viewers import ShareRegistry
+from .worker import ModelWorker
+from ..models.registry import load_pipeline
+from ..runner.contract import ARPipeline
+from ..runner.parking import ParkingPolicy
+from ..runner.vllm_omni.native import NativePipeline
+from ..runner.runtimes import Runtime, build_runtime
 
 if TYPE_CHECKING:
-    from arstream.app.live_session import LiveSession
+    from .live_session import LiveSession
 
 log = logging.getLogger("arstream.hub")
 

@@ -37,17 +37,17 @@ from starlette.responses import JSONResponse
 from starlette.types import Message
 from starlette.websockets import WebSocket
 
-from arstream.app import auth
-from arstream.app.dialect import Dialect, Gate, SessionWorker
-from arstream.app.guard import limit_messages, transport_control
-from arstream.app.limits import TokenBucket, count_exceeds
-from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
-from arstream.app.protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, dumps
-from arstream.app.session import Session, SessionState
-from arstream.app.start_image import ClientGone, StartImageBusy, StartImageRefused
-from arstream.app.session import TickJob
-from arstream.app.worker import OutcomeKind, TickOutcome
-from arstream.runner.types import StartImage
+from . import auth
+from .dialect import Dialect, Gate, SessionWorker
+from .guard import limit_messages, transport_control
+from .limits import TokenBucket, count_exceeds
+from .outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
+from .protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, dumps
+from .session import Session, SessionState
+from .start_image import ClientGone, StartImageBusy, StartImageRefused
+from .session import TickJob
+from .worker import OutcomeKind, TickOutcome
+from ..runner.types import StartImage
 
 log = logging.getLogger("arstream.session")
 

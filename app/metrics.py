@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from arstream.app.admission import chunk_period_s
-from arstream.app.balancer import free_slots
-from arstream.runner.stats import RunnerStats
+from .admission import chunk_period_s
+from .balancer import free_slots
+from ..runner.stats import RunnerStats
 
 if TYPE_CHECKING:
-    from arstream.app.hub import SessionHub
+    from .hub import SessionHub
 
 # Chunk latencies of interest run from a millisecond (tiny models) to seconds (big ones).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

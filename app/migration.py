@@ -52,24 +52,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from arstream.app.live_session import LiveSession
-from arstream.app.guard import BAN_TABLE_PRUNE_AT
-from arstream.app.limits import TokenBucket
-from arstream.app.peers import configured_peers
-from arstream.app.portable_session import PortableSessionError, validated_session
-from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
-from arstream.app.resume import ResumeRefused
-from arstream.app.session import Session, SessionState
-from arstream.app.wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
-from arstream.runner.snapshot import SnapshotError, SnapshotRefused, check_compatible
-from arstream.runner.snapshot_import import SessionImport, TensorEntry
-from arstream.runner.snapshot_stream import PIECE_BYTES, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, Write
-from arstream.runner.types import StartImage
+from .live_session import LiveSession
+from .guard import BAN_TABLE_PRUNE_AT
+from .limits import TokenBucket
+from .peers import configured_peers
+from .portable_session import PortableSessionError, validated_session
+from .protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
+from .resume import ResumeRefused
+from .session import Session, SessionState
+from .wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
+from ..runner.snapshot import SnapshotError, SnapshotRefused, check_compatible
+from ..runner.snapshot_import import SessionImport, TensorEntry
+from ..runner.snapshot_stream import PIECE_BYTES, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, Write
+from ..runner.types import StartImage
 
 if TYPE_CHECKING:
-    from arstream.app.hub import SessionHub
-    from arstream.app.worker import ModelWorker
-    from arstream.runner.runner import ARRunner
+    from .hub import SessionHub
+    from .worker import ModelWorker
+    from ..runner.runner import ARRunner
 
 log = logging.getLogger("arstream.migration")
 

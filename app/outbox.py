@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from arstream.app.worker import TickOutcome
+    from .worker import TickOutcome
 
 # Immediate replies queued behind a client that does not read, before the receive loop waits.
 REPLY_BACKLOG_LIMIT = 64

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from arstream.app.settings import Settings
+from .settings import Settings
 
 log = logging.getLogger("arstream.migration")
 

@@ -16,9 +16,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from arstream.app.codecs import CodecName
-from arstream.app.protocol import WireId, describe_errors
-from arstream.app.session import MAX_PENDING_EVENTS, RECENT_EVENT_IDS
+from .codecs import CodecName
+from .protocol import WireId, describe_errors
+from .session import MAX_PENDING_EVENTS, RECENT_EVENT_IDS
 
 # The server's own session ids ("s-" and hex, "v-" and a token) fit in this; nothing that can break a log line does.
 SESSION_ID = r"^[A-Za-z0-9_.-]{1,128}$"

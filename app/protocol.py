@@ -23,11 +23,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from arstream.app.codecs import CODECS, CodecName
-from arstream.app.wire import ID_LIMIT, PROTOCOL_VERSION
+from .codecs import CODECS, CodecName
+from .wire import ID_LIMIT, PROTOCOL_VERSION
 # Strict parsing is shared with the snapshot header; both names are part of this module's interface too.
-from arstream.strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
-from arstream.strict_json import loads_strict as loads_strict
+from ..strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
+from ..strict_json import loads_strict as loads_strict
 
 # An error's message never grows with what the client sent: at most this many bytes as sent (docs/public.md).
 MAX_ERROR_MESSAGE_CHARS = 480

@@ -20,11 +20,11 @@ import secrets
 import time
 from typing import Any
 
-from arstream.app.dialect import Dialect, Started
-from arstream.app.handshake import Handshake, Watching
-from arstream.app.live_session import LiveSession, Watch, too_large
-from arstream.app.outbox import QueuedChunk, QueuedText
-from arstream.app.protocol import (
+from .dialect import Dialect, Started
+from .handshake import Handshake, Watching
+from .live_session import LiveSession, Watch, too_large
+from .outbox import QueuedChunk, QueuedText
+from .protocol import (
     CLOSE_NORMAL,
     ClientMessage,
     CloseMessage,
@@ -47,9 +47,9 @@ from arstream.app.protocol import (
     ready_message,
     role_message,
 )
-from arstream.app.session import Session, SessionState
-from arstream.app.viewers import AudienceFull, Format, shares_frames
-from arstream.app.worker import OutcomeKind, TickOutcome
+from .session import Session, SessionState
+from .viewers import AudienceFull, Format, shares_frames
+from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
 

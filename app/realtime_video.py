@@ -32,14 +32,14 @@ import time
 from collections import deque
 from typing import Any
 
-from arstream.app.codecs import FMP4
-from arstream.app.dialect import Dialect, Started
-from arstream.app.fmp4 import fmp4_codec
-from arstream.app.live_session import LiveSession, too_large
-from arstream.app.outbox import QueuedChunk
-from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
-from arstream.app.protocol import TickMessage, dumps, loads_strict
-from arstream.app.realtime_video_events import (
+from .codecs import FMP4
+from .dialect import Dialect, Started
+from .fmp4 import fmp4_codec
+from .live_session import LiveSession, too_large
+from .outbox import QueuedChunk
+from .protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
+from .protocol import TickMessage, dumps, loads_strict
+from .realtime_video_events import (
     MAX_CONTROL_MESSAGE_BYTES,
     OUTPUT_FORMAT,
     RealtimeVideoError,
@@ -49,8 +49,8 @@ from arstream.app.realtime_video_events import (
     parse_interaction,
     parse_start,
 )
-from arstream.app.session import Session, SessionState
-from arstream.app.worker import OutcomeKind, TickOutcome
+from .session import Session, SessionState
+from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.realtime_video")
 

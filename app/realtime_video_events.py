@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from arstream.app.protocol import ErrorCode
-from arstream.runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS, default_num_frames, prompt_switch
+from .protocol import ErrorCode
+from ..runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS, default_num_frames, prompt_switch
 
 OUTPUT_FORMAT = "m4s"
 # vLLM-Omni's limit on a control message after session.start (its _MAX_CONTROL_MESSAGE_SIZE), this dialect's too.

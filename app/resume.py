@@ -43,12 +43,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from arstream.app.protocol import excerpt
-from arstream.app.session import Session, SessionState
+from .protocol import excerpt
+from .session import Session, SessionState
 
 if TYPE_CHECKING:
-    from arstream.app.live_session import LiveSession
-    from arstream.app.worker import ModelWorker
+    from .live_session import LiveSession
+    from .worker import ModelWorker
 
 log = logging.getLogger("arstream.resume")
 

@@ -3,7 +3,7 @@
 Pure policy, no threads and no clock: the worker holds its lock, passes the
 time in, and does what the answer says (run these sessions' next ticks, or
 wait this long for more). Both classes here are therefore tested by calling
-them with chosen times (tests/test_scheduler.py).
+them with chosen times (tests/app/test_scheduler.py).
 
 - :class:`TickLanes`: each session's queued ticks in order, and the line of
   sessions that have one. A round takes the next tick of each of the first

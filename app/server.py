@@ -38,23 +38,23 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from arstream import __version__
-from arstream.app.address import display_host, network_lines, refusal_before_loading
-from arstream.app.codecs import FMP4, offered_codecs
-from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
-from arstream.app.dialects import DIALECTS, DialectFactory
-from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
-from arstream.app.http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
-from arstream.app.hub import SessionHub
-from arstream.app.memory import keep_freed_memory
-from arstream.app.metrics import ReplicaCollector
-from arstream.app.migration import Migration, add_cluster_routes
-from arstream.app.peers import own_urls
-from arstream.app.live_session import LiveSession
-from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
-from arstream.app.settings import Settings, add_serve_arguments, settings_from_args
-from arstream.cli import main_for
-from arstream.runner.contract import ARPipeline
+from .. import __version__
+from .address import display_host, network_lines, refusal_before_loading
+from .codecs import FMP4, offered_codecs
+from .balancer import BALANCER_HEADER, BalancerLedger, start_agent
+from .dialects import DIALECTS, DialectFactory
+from .guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
+from .http_policy import HostCheck, SecurityHeaders, allowed_host_patterns
+from .hub import SessionHub
+from .memory import keep_freed_memory
+from .metrics import ReplicaCollector
+from .migration import Migration, add_cluster_routes
+from .peers import own_urls
+from .live_session import LiveSession
+from .realtime_video import PATH as REALTIME_VIDEO_PATH
+from .settings import Settings, add_serve_arguments, settings_from_args
+from ..cli import main_for
+from ..runner.contract import ARPipeline
 
 log = logging.getLogger("arstream.server")
 

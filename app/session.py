@@ -24,11 +24,11 @@ from enum import Enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from arstream.app.protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
-from arstream.runner.types import StartImage
+from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
+from ..runner.types import StartImage
 
 if TYPE_CHECKING:
-    from arstream.app.worker import TickOutcome
+    from .worker import TickOutcome
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256

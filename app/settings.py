@@ -26,13 +26,13 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from arstream.app.admission import AdmissionName
-from arstream.app.codecs import CODECS, CodecName
-from arstream.app.start_image import base64_length
-from arstream.app.wire import FULL_CHROMA_MAX_PIXELS
-from arstream.models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
-from arstream.runner.types import RuntimeName
-from arstream.runner.threads import default_torch_threads
+from .admission import AdmissionName
+from .codecs import CODECS, CodecName
+from .start_image import base64_length
+from .wire import FULL_CHROMA_MAX_PIXELS
+from ..models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
+from ..runner.types import RuntimeName
+from ..runner.threads import default_torch_threads
 
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024
 # uvicorn's frame limit sits a little above ours so an oversized text message reaches the
@@ -680,7 +680,7 @@ _NOTES_TOLD: set[str] = set()
 
 def settings_from_argv(argv: Sequence[str]) -> Settings:
     """Parse ``arstream serve`` flags; flags given win over the environment."""
-    from arstream.cli import CommandParser
+    from ..cli import CommandParser
 
     parser = CommandParser(prog="arstream serve")
     add_settings_arguments(parser)

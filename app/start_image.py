@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from arstream.app.encoding import lower_thread_priority
-from arstream.runner.types import StartImage, centre_crop_box
+from .encoding import lower_thread_priority
+from ..runner.types import StartImage, centre_crop_box
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 DECODE_CONCURRENCY = 2

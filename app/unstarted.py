@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from arstream.app.guard import FloodBans, RefusalLog
-from arstream.app.settings import Settings
+from .guard import FloodBans, RefusalLog
+from .settings import Settings
 
 
 class UnstartedConnections:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from arstream.app import wire
+from . import wire
 
 ENCODER = "libx264"
 DECODER = "h264"

@@ -39,10 +39,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from arstream.app import wire
-from arstream.app.outbox import ViewerChunk
-from arstream.app.protocol import CloseReason, dumps, excerpt
-from arstream.app.resume import TOKEN_RANDOM_BYTES, token_hint
+from . import wire
+from .outbox import ViewerChunk
+from .protocol import CloseReason, dumps, excerpt
+from .resume import TOKEN_RANDOM_BYTES, token_hint
 
 log = logging.getLogger("arstream.viewers")
 

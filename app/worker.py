@@ -49,22 +49,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from arstream.app.admission import RoundTimes
-from arstream.app.decode_stage import DecodedRound, DecodeStage, RoundPhases, overlap_s
-from arstream.app.encoding import EncoderPool
-from arstream.app.scheduler import RoundScheduler, Run, TickLanes
-from arstream.app.session import ChunkInputs, PendingEvent, TickJob, restart_reason
-from arstream.app.wire import PROTOCOL_VERSION
-from arstream.measure import percentile
-from arstream.runner.runtimes import Runtime, SplitDecodeRuntime, park_idle, park_session
-from arstream.runner.snapshot import SessionSnapshot, import_session, transferable, unstarted_snapshot
-from arstream.runner.snapshot_import import SessionImport
-from arstream.runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
-from arstream.runner.stats import RunnerStats
-from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
+from .admission import RoundTimes
+from .decode_stage import DecodedRound, DecodeStage, RoundPhases, overlap_s
+from .encoding import EncoderPool
+from .scheduler import RoundScheduler, Run, TickLanes
+from .session import ChunkInputs, PendingEvent, TickJob, restart_reason
+from .wire import PROTOCOL_VERSION
+from ..measure import percentile
+from ..runner.runtimes import Runtime, SplitDecodeRuntime, park_idle, park_session
+from ..runner.snapshot import SessionSnapshot, import_session, transferable, unstarted_snapshot
+from ..runner.snapshot_import import SessionImport
+from ..runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
+from ..runner.stats import RunnerStats
+from ..runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 
 if TYPE_CHECKING:
-    from arstream.runner.runner import ARRunner  # a streamed import's steps take the transferable runner
+    from ..runner.runner import ARRunner  # a streamed import's steps take the transferable runner
 
 log = logging.getLogger("arstream.worker")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
-from arstream import __version__
+from . import __version__
 
 
 @dataclass(frozen=True)

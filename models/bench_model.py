@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from arstream.measure import compare, percentile, print_summary
-from arstream.models.registry import DEFAULT_MODEL, load_pipeline
-from arstream.runner.contract import ARPipeline
-from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.threads import default_torch_threads
-from arstream.runner.types import ChunkResult, TickRequest
+from ..measure import compare, percentile, print_summary
+from .registry import DEFAULT_MODEL, load_pipeline
+from ..runner.contract import ARPipeline
+from ..runner.runner import ARRunner, runner_for_sessions
+from ..runner.threads import default_torch_threads
+from ..runner.types import ChunkResult, TickRequest
 
 # Held keys per 8-chunk stretch, shifted per stream; keys a model does not take are left out.
 KEY_CYCLE: tuple[list[str], ...] = (["d"], ["d"], ["s"], ["w", "a"], [])

@@ -24,13 +24,13 @@ from collections.abc import Mapping
 
 import torch
 
-from arstream.measure import compare, print_summary
-from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
-from arstream.runner.runner import ARRunner
-from arstream.runner.runtimes import InspectableRuntime, build_runtime
-from arstream.runner.types import RUNTIMES, UnsupportedConfiguration
-from arstream.runner.threads import default_torch_threads
-from arstream.runner.types import TickRequest
+from ..measure import compare, print_summary
+from .toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
+from ..runner.runner import ARRunner
+from ..runner.runtimes import InspectableRuntime, build_runtime
+from ..runner.types import RUNTIMES, UnsupportedConfiguration
+from ..runner.threads import default_torch_threads
+from ..runner.types import TickRequest
 
 SIDES = ("runner", "direct")
 RUNTIME_SIDES = ("vllm-omni", "arstream")

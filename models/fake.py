@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.runner.binding import SessionStateBinding
-from arstream.runner.contract import ModelState
-from arstream.runner.decode_states import DecoderStates
-from arstream.runner.kv_state import write_and_gather_rows
-from arstream.runner.prompt_blend import PromptBlend, Weights
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import PendingDecode, StartImage, TickRequest
+from ..runner.binding import SessionStateBinding
+from ..runner.contract import ModelState
+from ..runner.decode_states import DecoderStates
+from ..runner.kv_state import write_and_gather_rows
+from ..runner.prompt_blend import PromptBlend, Weights
+from ..runner.spec import KVCacheSpec
+from ..runner.types import PendingDecode, StartImage, TickRequest
 
 KEYS = ("w", "a", "s", "d")
 SCRATCH_POISON = -1.0e6

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from arstream.runner.vllm_omni.native import PREFIX as VLLM_OMNI_PREFIX
-from arstream.runner.vllm_omni.native import (
+from ..runner.vllm_omni.native import PREFIX as VLLM_OMNI_PREFIX
+from ..runner.vllm_omni.native import (
     MissingWeights,
     NativePipeline,
     UnknownNativePipeline,
@@ -34,7 +34,7 @@ from arstream.runner.vllm_omni.native import (
 if TYPE_CHECKING:
     import torch
 
-    from arstream.runner.contract import ARPipeline
+    from ..runner.contract import ARPipeline
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +51,31 @@ class UnsupportedModelRuntime(ValueError):
 
 
 def _fake_kv(device: torch.device, **options: Any) -> ARPipeline:
-    from arstream.models.fake import FakeKVPipeline
+    from .fake import FakeKVPipeline
 
     return FakeKVPipeline(**options)
 
 
 def _tiny_world(device: torch.device, **options: Any) -> ARPipeline:
-    from arstream.models.tiny_world.pipeline import load_tiny_world
+    from .tiny_world.pipeline import load_tiny_world
 
     return load_tiny_world(device=device, **options)
 
 
 def _toy_attention(device: torch.device, **options: Any) -> ARPipeline:
-    from arstream.models.toy_attention import ToyAttentionPipeline
+    from .toy_attention import ToyAttentionPipeline
 
     return ToyAttentionPipeline(device=device, **options)
 
 
 def _matrix_game(device: torch.device, **options: Any) -> ARPipeline:
-    from arstream.models.matrix_game.pipeline import load_matrix_game
+    from .matrix_game.pipeline import load_matrix_game
 
     return load_matrix_game(device=device, **options)
 
 
 def _longlive(device: torch.device, **options: Any) -> ARPipeline:
-    from arstream.models.longlive.loading import load_longlive
+    from .longlive.loading import load_longlive
 
     return load_longlive(device=device, **options)
 
@@ -131,7 +131,7 @@ def check_model_name(name: str) -> str:
         return name
     if is_vllm_omni_model(name) and name != VLLM_OMNI_PREFIX:
         if vllm_omni_available():
-            from arstream.runner.vllm_omni.native import registry_entry
+            from ..runner.vllm_omni.native import registry_entry
 
             try:
                 registry_entry(name.removeprefix(VLLM_OMNI_PREFIX))
@@ -161,7 +161,7 @@ def load_pipeline(name: str, device: torch.device | str = "cpu", **options: Any)
     if is_vllm_omni_model(name):
         if not vllm_omni_available():
             raise UnknownModel(f"{name} needs vLLM-Omni: pip install 'arstream[vllm-omni]', then --runtime vllm-omni")
-        from arstream.runner.vllm_omni.native import resolve
+        from ..runner.vllm_omni.native import resolve
 
         try:
             return resolve(name.removeprefix(VLLM_OMNI_PREFIX), options)

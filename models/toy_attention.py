@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arstream.runner.binding import SessionStateBinding
-from arstream.runner.kv_state import SessionKVState
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from ..runner.binding import SessionStateBinding
+from ..runner.kv_state import SessionKVState
+from ..runner.spec import KVCacheSpec
+from ..runner.types import TickRequest
 
 KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -58,16 +58,16 @@ from typing import Any
 import torch
 import websockets
 
-from arstream.app.codecs import CODEC_NAMES
-from arstream.app.memory import keep_freed_memory
-from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
-from arstream.cli import main_for
-from arstream.measure import compare, percentile, print_summary
-from arstream.models.bench_model import control_keys, forward_split_s
-from arstream.app.settings import Settings, default_max_batch_sessions
-from arstream.programs import messages
-from arstream.programs.client import MAX_MESSAGE_BYTES, SessionClient
-from arstream.runner.threads import default_torch_threads
+from ..app.codecs import CODEC_NAMES
+from ..app.memory import keep_freed_memory
+from ..app.realtime_video import PATH as REALTIME_VIDEO_PATH
+from ..cli import main_for
+from ..measure import compare, percentile, print_summary
+from ..models.bench_model import control_keys, forward_split_s
+from ..app.settings import Settings, default_max_batch_sessions
+from . import messages
+from .client import MAX_MESSAGE_BYTES, SessionClient
+from ..runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
 SERVER_START_TIMEOUT_S = 600.0
@@ -336,7 +336,7 @@ class BareRunner:
     def __init__(
         self, pipeline: Any, *, device: str, kv_budget_bytes: int, max_batch_sessions: int, settings: Settings
     ) -> None:
-        from arstream.runner.runtimes import build_runtime
+        from ..runner.runtimes import build_runtime
 
         self.pipeline = pipeline
         self.runner = build_runtime(
@@ -356,7 +356,7 @@ class BareRunner:
 
     def chunks_per_s(self, *, sessions: int, chunks: int, input_every: int) -> float:
         """Run ``sessions * chunks`` chunks, each session's next tick in one call (as the worker does); chunks/s."""
-        from arstream.runner.types import ChunkResult, TickRequest
+        from ..runner.types import ChunkResult, TickRequest
 
         if self.runner.session_capacity < sessions:
             raise RuntimeError(
@@ -456,10 +456,10 @@ class ServeBench:
         self._server: ServerProcess | None = None
 
     def __enter__(self) -> ServeBench:
-        from arstream.models.registry import load_pipeline
-        from arstream.runner.pool import budget_for_sessions
-        from arstream.runner.contract import ARPipeline
-        from arstream.runner.runner import rewind_for
+        from ..models.registry import load_pipeline
+        from ..runner.pool import budget_for_sessions
+        from ..runner.contract import ARPipeline
+        from ..runner.runner import rewind_for
 
         args = self.args
         torch.set_num_threads(self.threads)

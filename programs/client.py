@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 import websockets
 
-from arstream.app import wire
-from arstream.app.codecs import CODEC_NAMES, FrameDecoder
-from arstream.programs import messages
-from arstream.cli import main_for
-from arstream.measure import percentile
+from ..app import wire
+from ..app.codecs import CODEC_NAMES, FrameDecoder
+from . import messages
+from ..cli import main_for
+from ..measure import percentile
 
 NO_KEYS = ("-", "none")
 WATCH_CHUNKS = 10  # chunks a viewer saves when --chunks is left out

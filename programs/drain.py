@@ -12,8 +12,8 @@ import sys
 
 import httpx
 
-from arstream.app.wire import DRAIN_PATH, HOLDER_PATH  # not the server's modules: no torch here
-from arstream.cli import main_for
+from ..app.wire import DRAIN_PATH, HOLDER_PATH  # not the server's modules: no torch here
+from ..cli import main_for
 
 SECRET_ENV = "ARSTREAM_CLUSTER_SECRET"
 

@@ -48,11 +48,11 @@ import numpy as np
 import torch
 
 import arstream
-from arstream.programs import bench
-from arstream.cli import main_for
-from arstream.measure import percentile, print_summary
-from arstream.models.matrix_game.config import get_config
-from arstream.runner.threads import default_torch_threads
+from . import bench
+from ..cli import main_for
+from ..measure import percentile, print_summary
+from ..models.matrix_game.config import get_config
+from ..runner.threads import default_torch_threads
 
 H264_WIDTH, H264_HEIGHT = 640, 352  # matrix-game-2 1.3b's frames
 H264_QUALITY = 80  # the server's JPEG/H.264 default (crf 23)
@@ -156,7 +156,7 @@ def panning_scene(width: int, height: int, frames: int, *, step_px: int = 4, see
 
 def h264_figures(*, frames: int, fps: int, width: int = H264_WIDTH, height: int = H264_HEIGHT) -> dict[str, Any]:
     """One libx264 stream (the server's settings) over ``frames`` frames: ms and bytes per frame, cost per session."""
-    from arstream.app.video import H264Stream, VideoUnavailable, h264_available
+    from ..app.video import H264Stream, VideoUnavailable, h264_available
 
     if not h264_available():
         raise VideoUnavailable("PyAV with libx264 is not importable here (carry the `av` wheel)")
@@ -211,7 +211,7 @@ def serve_bench_args(
 
 def video_codec() -> str:
     """h264 where PyAV can encode it (what the demo streams at 640x352), else jpeg; the JSON says which."""
-    from arstream.app.video import h264_available
+    from ..app.video import h264_available
 
     return "h264" if h264_available() else "jpeg"
 
@@ -327,9 +327,9 @@ def longlive_figures(profile: Profile, device: str) -> dict[str, Any]:
     encoder's time for a new prompt, and the video fps one session gets
     against the rate it plays at.
     """
-    from arstream.models.longlive.loading import load_longlive
-    from arstream.runner.runner import runner_for_sessions
-    from arstream.runner.types import TickRequest
+    from ..models.longlive.loading import load_longlive
+    from ..runner.runner import runner_for_sessions
+    from ..runner.types import TickRequest
 
     pipeline = load_longlive(device, **profile.longlive_options)
     runner = runner_for_sessions(pipeline, 1, device=device)

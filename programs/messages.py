@@ -11,8 +11,8 @@ import json
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from arstream.app.codecs import CODEC_NAMES
-from arstream.app.wire import ID_LIMIT, SESSIONS_PATH
+from ..app.codecs import CODEC_NAMES
+from ..app.wire import ID_LIMIT, SESSIONS_PATH
 
 
 def _present(fields: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from arstream.runner.kv_state import SessionKVState
+from .kv_state import SessionKVState
 
 
 class SessionStateBinding:

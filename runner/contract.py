@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import PendingDecode, TickRequest
+from .spec import KVCacheSpec
+from .types import PendingDecode, TickRequest
 
 if TYPE_CHECKING:
-    from arstream.runner.kv_state import SessionKVState
+    from .kv_state import SessionKVState
 
 
 # ---- what a model card says beyond its frame geometry (docs/models.md, PROTOCOL.md's card fields) ----

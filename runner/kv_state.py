@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arstream.runner.pool import PagedKVPool
+from .pool import PagedKVPool
 
 
 class PassStateError(RuntimeError):

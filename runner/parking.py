@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from arstream.runner.contract import ModelState
-from arstream.runner.kv_state import HistoryTables, SessionKVState
-from arstream.runner.pool import PagedKVPool
-from arstream.runner.rewind import Boundary
+from .contract import ModelState
+from .kv_state import HistoryTables, SessionKVState
+from .pool import PagedKVPool
+from .rewind import Boundary
 
 SPILL_METADATA_KEY = "arstream_parked"
 

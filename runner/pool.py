@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from arstream.runner.rewind_schedule import RewindSchedule
-from arstream.runner.spec import KVCacheSpec
+from .rewind_schedule import RewindSchedule
+from .spec import KVCacheSpec
 
 
 class PoolBudgetError(ValueError):

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from arstream.runner.contract import ModelState
-from arstream.runner.kv_state import HistoryTables
-from arstream.runner.pool import PagedKVPool
-from arstream.runner.rewind_schedule import RewindSchedule
+from .contract import ModelState
+from .kv_state import HistoryTables
+from .pool import PagedKVPool
+from .rewind_schedule import RewindSchedule
 
 
 @dataclass

@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from arstream.runner.spec import KVCacheSpec
+from .spec import KVCacheSpec
 
 DENSE_SECONDS = 2.0  # every chunk boundary of the last this many seconds is kept (when the budget allows)
 

@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from arstream.runner.contract import (
+from .contract import (
     ARPipeline,
     ModelState,
     SupportsBatchedChunks,
@@ -58,14 +58,14 @@ from arstream.runner.contract import (
     SupportsSplitDecode,
     SupportsWarmup,
 )
-from arstream.runner.kv_state import SessionKVState
-from arstream.runner.parking import ParkedSession, ParkingPolicy, RestoreFailed, park_payload, restore_payload
-from arstream.runner.pool import PagedKVPool, PoolExhausted, budget_for_sessions, plan_pool, resolve_budget_bytes
-from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
-from arstream.runner.rewind_schedule import RewindSchedule, plan_rewind
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.stats import RunnerStats, RuntimeCounters
-from arstream.runner.types import (
+from .kv_state import SessionKVState
+from .parking import ParkedSession, ParkingPolicy, RestoreFailed, park_payload, restore_payload
+from .pool import PagedKVPool, PoolExhausted, budget_for_sessions, plan_pool, resolve_budget_bytes
+from .rewind import Boundary, RewindPoints, copy_model_state
+from .rewind_schedule import RewindSchedule, plan_rewind
+from .spec import KVCacheSpec
+from .stats import RunnerStats, RuntimeCounters
+from .types import (
     NOT_DECODED,
     ChunkResult,
     PendingDecode,
@@ -76,7 +76,7 @@ from arstream.runner.types import (
     TickResult,
     UnsupportedConfiguration,
 )
-from arstream.runner.vllm_omni.native import NativePipeline
+from .vllm_omni.native import NativePipeline
 
 log = logging.getLogger("arstream.runner")
 

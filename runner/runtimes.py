@@ -14,10 +14,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from arstream.runner.contract import ARPipeline
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.stats import RunnerStats, RuntimeCounters
-from arstream.runner.types import (
+from .contract import ARPipeline
+from .spec import KVCacheSpec
+from .stats import RunnerStats, RuntimeCounters
+from .types import (
     RUNTIMES,
     ChunkResult,
     RuntimeOptions,
@@ -25,7 +25,7 @@ from arstream.runner.types import (
     TickResult,
     UnsupportedConfiguration,
 )
-from arstream.runner.vllm_omni.native import NativePipeline, vllm_omni_available
+from .vllm_omni.native import NativePipeline, vllm_omni_available
 
 
 class Runtime(Protocol):
@@ -162,7 +162,7 @@ def build_runtime(name: str, pipeline: ARPipeline | NativePipeline, **options: A
 
 def park_session(runtime: Runtime | None, session_id: str) -> None:
     """Park one session in host memory now, where it can be (ARStream's runner only: other runtimes do not park)."""
-    from arstream.runner.runner import ARRunner  # the table imports runtimes lazily; so does this
+    from .runner import ARRunner  # the table imports runtimes lazily; so does this
 
     if isinstance(runtime, ARRunner):
         runtime.park_session(session_id)
@@ -170,7 +170,7 @@ def park_session(runtime: Runtime | None, session_id: str) -> None:
 
 def park_idle(runtime: Runtime | None) -> None:
     """Park the sessions idle past the runtime's ``park_after_s`` (ARStream's runner only)."""
-    from arstream.runner.runner import ARRunner
+    from .runner import ARRunner
 
     if isinstance(runtime, ARRunner):
         runtime.park_idle()

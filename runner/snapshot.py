@@ -24,7 +24,7 @@ import is runner/snapshot_import.py's :class:`SessionImport`.
 
 Bit-identical continuation is the contract: export at chunk ``k``, import
 into a fresh runner of the same model, and chunk ``k`` onwards equals what the
-uninterrupted session would have produced (tests/test_snapshot.py).
+uninterrupted session would have produced (tests/runner/test_snapshot.py).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from arstream.runner.contract import ModelState, SupportsSessionTransfer
-from arstream.runner.snapshot_header import SnapshotHeaderError, parse_header
+from .contract import ModelState, SupportsSessionTransfer
+from .snapshot_header import SnapshotHeaderError, parse_header
 
 if TYPE_CHECKING:
-    from arstream.runner.runner import ARRunner
-    from arstream.runner.runtimes import Runtime
+    from .runner import ARRunner
+    from .runtimes import Runtime
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
@@ -83,7 +83,7 @@ class SessionSnapshot:
 
     def to_bytes(self) -> bytes:
         """The wire format whole: what runner/snapshot_stream.py streams, its digest included."""
-        from arstream.runner.snapshot_stream import plan_of  # here: that module builds on this one
+        from .snapshot_stream import plan_of  # here: that module builds on this one
 
         return b"".join(plan_of(self).chunks())
 
@@ -91,7 +91,7 @@ class SessionSnapshot:
     def from_bytes(cls, data: bytes) -> SessionSnapshot:
         """Parse the header first (cheap, bounded), then the tensors; :class:`SnapshotError` if malformed (or its
         digest does not match)."""
-        from arstream.runner.snapshot_stream import SnapshotReader
+        from .snapshot_stream import SnapshotReader
 
         read_header(data)  # its own errors for bytes too short for a header, or a header past its bounds
         reader = SnapshotReader(max_bytes=len(data))
@@ -274,7 +274,7 @@ def unstarted_snapshot(runner: ARRunner, *, protocol_version: int | None = None)
 
 def transferable(runtime: Runtime) -> ARRunner:
     """``runtime`` as ARStream's runner, the one whose sessions can be exported and imported; else SnapshotRefused."""
-    from arstream.runner.runner import ARRunner  # here: runner.py imports this module's neighbours at load
+    from .runner import ARRunner  # here: runner.py imports this module's neighbours at load
 
     if not isinstance(runtime, ARRunner):
         raise SnapshotRefused(f"the {type(runtime).__name__} runtime cannot move sessions (only ARStream's runner can)")
@@ -293,7 +293,7 @@ def import_session(
     (runner/snapshot_import.py), with every tensor's bytes at hand; tensors that are not the runner's (a start
     image the server carried) are left to the caller.
     """
-    from arstream.runner.snapshot_import import MODEL_PREFIX, SessionImport, TensorEntry, flat_bytes
+    from .snapshot_import import MODEL_PREFIX, SessionImport, TensorEntry, flat_bytes
 
     ours = {
         name: tensor.detach().contiguous()

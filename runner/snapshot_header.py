@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from arstream.strict_json import MAX_JSON_DEPTH, loads_strict
+from ..strict_json import MAX_JSON_DEPTH, loads_strict
 
 # A real header is a few KiB to a few hundred KiB: counters, the model's JSON state, the session's
 # protocol state (two prompts of at most a message each, escaped twice) and the tensors' index.

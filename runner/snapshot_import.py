@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from arstream.runner.contract import ModelState, SupportsSessionTransfer
-from arstream.runner.kv_state import SessionKVState
-from arstream.runner.pool import PoolExhausted
-from arstream.runner.snapshot import SnapshotError, SnapshotRefused, check_compatible
+from .contract import ModelState, SupportsSessionTransfer
+from .kv_state import SessionKVState
+from .pool import PoolExhausted
+from .snapshot import SnapshotError, SnapshotRefused, check_compatible
 
 if TYPE_CHECKING:
-    from arstream.runner.runner import ARRunner
+    from .runner import ARRunner
 
 MODEL_PREFIX = "model/"
 

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
-from arstream.runner.snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
-from arstream.runner.snapshot_import import SessionImport, TensorEntry
+from .snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
+from .snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
+from .snapshot_import import SessionImport, TensorEntry
 
 if TYPE_CHECKING:
-    from arstream.runner.runner import ARRunner
+    from .runner import ARRunner
 
 PIECE_BYTES = 4 * 2**20
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from arstream.runner.spec import KVCacheSpec
+from .spec import KVCacheSpec
 
 CHUNK_TIMES_KEPT = 100_000
 

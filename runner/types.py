@@ -10,7 +10,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from arstream.runner.parking import ParkingPolicy
+    from .parking import ParkingPolicy
 
 # The runtimes `arstream serve --runtime` offers (their classes: arstream.runner.runtimes.RUNTIMES_BY_NAME).
 RuntimeName = Literal["arstream", "vllm-omni"]

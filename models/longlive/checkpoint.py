@@ -22,10 +22,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from arstream.models.longlive.config import LongLiveConfig
-from arstream.models.longlive.dit import LongLiveDiT
-from arstream.models.longlive.text import wan_t5_to_transformers
-from arstream.models.wan.checkpoint import CheckpointError, load_into, read_state_dict
+from .config import LongLiveConfig
+from .dit import LongLiveDiT
+from .text import wan_t5_to_transformers
+from ..wan.checkpoint import CheckpointError, load_into, read_state_dict
 
 T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 VAE_FILE = "Wan2.1_VAE.pth"

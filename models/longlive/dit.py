@@ -17,8 +17,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from arstream.models.longlive.config import LongLiveConfig
-from arstream.models.wan.layers import CrossKV, SelfAttentionContext, WanAttentionBlock, WanDiTBase
+from .config import LongLiveConfig
+from ..wan.layers import CrossKV, SelfAttentionContext, WanAttentionBlock, WanDiTBase
 
 # per layer, the prompt's cross-attention K and V, [B, text_len, heads, head_dim] each
 PromptKV = list[CrossKV]

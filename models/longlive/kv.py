@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from arstream.runner.kv_state import SessionKVState, write_and_gather_rows
+from ...runner.kv_state import SessionKVState, write_and_gather_rows
 
 
 class PagedContext:

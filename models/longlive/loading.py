@@ -7,19 +7,19 @@ from typing import Any
 
 import torch
 
-from arstream.models.longlive.extra import check_longlive_extra
+from .extra import check_longlive_extra
 
 check_longlive_extra()  # before transformers is imported (here and by the modules below)
 
 from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
 
-from arstream.models.longlive import checkpoint as ckpt  # noqa: E402
-from arstream.models.longlive.config import get_config
-from arstream.models.longlive.dit import LongLiveDiT
-from arstream.models.longlive.pipeline import LongLivePipeline
-from arstream.models.longlive.text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
-from arstream.models.wan.checkpoint import find_file, load_vae
-from arstream.models.wan.vae import StreamingVAE, build_vae
+from . import checkpoint as ckpt  # noqa: E402
+from .config import get_config
+from .dit import LongLiveDiT
+from .pipeline import LongLivePipeline
+from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
+from ..wan.checkpoint import find_file, load_vae
+from ..wan.vae import StreamingVAE, build_vae
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

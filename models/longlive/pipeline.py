@@ -33,25 +33,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.models.longlive.config import LongLiveConfig
-from arstream.models.longlive.dit import LongLiveDiT, stack_prompt_kv
-from arstream.models.longlive.kv import PagedContext
-from arstream.models.longlive.prompts import PromptEntry, Prompts
-from arstream.models.longlive.text import TextEncoder, clean_prompt
-from arstream.models.wan.sampler import sample_chunk
-from arstream.models.wan.vae import (
+from .config import LongLiveConfig
+from .dit import LongLiveDiT, stack_prompt_kv
+from .kv import PagedContext
+from .prompts import PromptEntry, Prompts
+from .text import TextEncoder, clean_prompt
+from ..wan.sampler import sample_chunk
+from ..wan.vae import (
     FeatureCache,
     StreamingVAE,
     export_feature_cache,
     import_feature_cache,
     to_uint8,
 )
-from arstream.runner.binding import SessionStateBinding
-from arstream.runner.contract import ModelState
-from arstream.runner.kv_state import SessionKVState
-from arstream.runner.snapshot import weights_digest
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from ...runner.binding import SessionStateBinding
+from ...runner.contract import ModelState
+from ...runner.kv_state import SessionKVState
+from ...runner.snapshot import weights_digest
+from ...runner.spec import KVCacheSpec
+from ...runner.types import TickRequest
 
 log = logging.getLogger("arstream.models.longlive")
 

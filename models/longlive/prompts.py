@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from arstream.models.longlive.dit import PromptKV
-from arstream.models.longlive.text import clean_prompt
+from .dit import PromptKV
+from .text import clean_prompt
 
 
 @dataclass

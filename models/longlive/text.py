@@ -5,7 +5,7 @@ it with umT5's tokenizer (EOS appended, truncated to ``text_len`` tokens) and
 encodes it with umT5-XXL's encoder, keeping the real tokens' outputs (Wan
 zeroes the padding's; the DiT pads with zeros again). Here the encoder
 runs on the real tokens only: with no padding there is nothing to mask, and
-the outputs equal the padded, masked run's (tests/test_longlive_text.py).
+the outputs equal the padded, masked run's (tests/models/test_longlive_text.py).
 
 Wan publishes the encoder in its own layout (``models_t5_umt5-xxl-enc-bf16.pth``:
 ``token_embedding``, ``blocks.N.attn.q``, ``blocks.N.ffn.gate.0``...);
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from arstream.models.longlive.config import TextEncoderConfig
-from arstream.models.longlive.extra import check_longlive_extra
+from .config import TextEncoderConfig
+from .extra import check_longlive_extra
 
 check_longlive_extra()
 
@@ -131,7 +131,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     """A transformers tokenizer directory (``tokenizer.json``, or umT5's ``spiece.model``), read locally only."""
     if not directory.is_dir():
-        from arstream.models.wan.checkpoint import CheckpointError
+        from ..wan.checkpoint import CheckpointError
 
         raise CheckpointError(f"no tokenizer directory {directory} (umT5's tokenizer, {TOKENIZER_DIR} in Wan's layout)")
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

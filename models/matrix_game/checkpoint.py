@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from arstream.models.wan.checkpoint import CheckpointError, find_file, load_into, load_vae, read_state_dict
+from ..wan.checkpoint import CheckpointError, find_file, load_into, load_vae, read_state_dict
 
 __all__ = ["CheckpointError", "find_file", "load_into", "load_vae", "read_state_dict", "load_dit", "load_clip_visual"]
 

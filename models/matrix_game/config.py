@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from arstream.models.wan.vae import VAEConfig
+from ..wan.vae import VAEConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from arstream.models.matrix_game.config import MatrixGameConfig
+from .config import MatrixGameConfig
 
 CAMERA_AXES = ("pitch", "yaw")
 

@@ -16,11 +16,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from arstream.models.matrix_game import checkpoint as ckpt
-from arstream.models.matrix_game.config import MatrixGameConfig
-from arstream.models.wan.vae import FeatureCache, StreamingVAE
-from arstream.runner.snapshot import weights_digest
-from arstream.models.wan_decoders.taehv import (
+from . import checkpoint as ckpt
+from .config import MatrixGameConfig
+from ..wan.vae import FeatureCache, StreamingVAE
+from ...runner.snapshot import weights_digest
+from ..wan_decoders.taehv import (
     StreamingTAEHV,
     TAEHVDecoder,
     TAEHVShape,

@@ -25,8 +25,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from arstream.models.matrix_game.config import ActionConfig, MatrixGameConfig
-from arstream.models.wan.layers import (
+from .config import ActionConfig, MatrixGameConfig
+from ..wan.layers import (
     Rotation,
     SelfAttentionContext,
     WanAttentionBlock,

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.models.matrix_game.config import MatrixGameConfig
-from arstream.models.wan.vae import FeatureCache, StreamingVAE, cache_bytes
-from arstream.runner.types import StartImage, centre_crop_box
+from .config import MatrixGameConfig
+from ..wan.vae import FeatureCache, StreamingVAE, cache_bytes
+from ...runner.types import StartImage, centre_crop_box
 
 log = logging.getLogger("arstream.models.matrix_game")
 

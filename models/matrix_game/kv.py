@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arstream.models.matrix_game.config import MatrixGameConfig
-from arstream.runner.kv_state import SessionKVState, write_and_gather_rows
+from .config import MatrixGameConfig
+from ...runner.kv_state import SessionKVState, write_and_gather_rows
 
 # per action layer: mouse K, mouse V ([S, F, H, D]; empty without a mouse path), keyboard K, keyboard V ([F, H, D])
 ActionKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.models.matrix_game import checkpoint as ckpt
-from arstream.models.matrix_game.clip import ClipImageEncoder
-from arstream.models.matrix_game.config import CONFIGS, MatrixGameConfig, get_config
-from arstream.models.matrix_game.decoders import LatentDecoder, build_decoder, decoder_device, decoder_digest
-from arstream.models.matrix_game.controls import ControlHistory, controls_schema, extend, trimmed, windows
-from arstream.models.matrix_game.dit import CausalWanDiT
-from arstream.models.matrix_game.images import (
+from . import checkpoint as ckpt
+from .clip import ClipImageEncoder
+from .config import CONFIGS, MatrixGameConfig, get_config
+from .decoders import LatentDecoder, build_decoder, decoder_device, decoder_digest
+from .controls import ControlHistory, controls_schema, extend, trimmed, windows
+from .dit import CausalWanDiT
+from .images import (
     DEFAULT_NAME,
     MAX_CONDITION_FRAMES,
     ConditionStream,
@@ -51,15 +51,15 @@ from arstream.models.matrix_game.images import (
     read_image,
     stack_conditions,
 )
-from arstream.models.matrix_game.kv import ActionHistory, PagedChunkContext, action_history_bytes
-from arstream.models.wan.sampler import sample_chunk
-from arstream.models.wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
-from arstream.runner.binding import SessionStateBinding
-from arstream.runner.contract import ModelState
-from arstream.runner.decode_states import DecoderStates
-from arstream.runner.snapshot import tensors_digest, weights_digest
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import PendingDecode, StartImage, TickRequest
+from .kv import ActionHistory, PagedChunkContext, action_history_bytes
+from ..wan.sampler import sample_chunk
+from ..wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
+from ...runner.binding import SessionStateBinding
+from ...runner.contract import ModelState
+from ...runner.decode_states import DecoderStates
+from ...runner.snapshot import tensors_digest, weights_digest
+from ...runner.spec import KVCacheSpec
+from ...runner.types import PendingDecode, StartImage, TickRequest
 
 log = logging.getLogger("arstream.models.matrix_game")
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arstream.models.tiny_world.world import CLASS_SHARES, PALETTE
+from .world import CLASS_SHARES, PALETTE
 
 NUM_CLASSES = len(PALETTE)
 

@@ -16,7 +16,7 @@
   camera stands still. Contact sheets (ground truth above generated frames)
   go to ``--out`` as PNG, with the figures as ``metrics.json``.
 
-The same checks, shortened, are the tests in ``tests/test_tiny_world_quality.py``.
+The same checks, shortened, are the tests in ``tests/models/test_tiny_world_quality.py``.
 Prints a table and, as the last line, one JSON object.
 """
 
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from arstream.cli import main_for
-from arstream.models.tiny_world.metrics import (
+from ...cli import main_for
+from .metrics import (
     MIN_SHIFT_PX,
     color_histogram,
     drift_report,
@@ -45,11 +45,11 @@ from arstream.models.tiny_world.metrics import (
     responsiveness,
     total_variation,
 )
-from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
-from arstream.models.tiny_world.world import CLASS_NAMES, CLASS_SHARES, ProceduralWorld
-from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.threads import default_torch_threads
-from arstream.runner.types import TickRequest
+from .pipeline import TinyWorldPipeline, load_tiny_world
+from .world import CLASS_NAMES, CLASS_SHARES, ProceduralWorld
+from ...runner.runner import ARRunner, runner_for_sessions
+from ...runner.threads import default_torch_threads
+from ...runner.types import TickRequest
 
 RESPONSIVE_SHARE = 0.8
 MAX_TV = 0.35

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arstream.models.tiny_world.decoder import NUM_CLASSES, ClassLogitsDecoder
+from .decoder import NUM_CLASSES, ClassLogitsDecoder
 
 KVCallback = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

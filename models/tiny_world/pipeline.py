@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.models.tiny_world.decoder import blank_previous
-from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from arstream.models.tiny_world.sampling import (
+from .decoder import blank_previous
+from .model import TinyWorldConfig, TinyWorldDiT
+from .sampling import (
     ChunkKV,
     PagedKV,
     PagedKVRows,
@@ -36,13 +36,13 @@ from arstream.models.tiny_world.sampling import (
     sample_chunk,
     to_uint8,
 )
-from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, WeightsError, load_model
-from arstream.models.tiny_world.world import KEYS, direction_index, velocity
-from arstream.runner.binding import SessionStateBinding
-from arstream.runner.contract import ModelState
-from arstream.runner.snapshot import weights_digest
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.types import TickRequest
+from .weights import DEFAULT_WEIGHTS, WeightsError, load_model
+from .world import KEYS, direction_index, velocity
+from ...runner.binding import SessionStateBinding
+from ...runner.contract import ModelState
+from ...runner.snapshot import weights_digest
+from ...runner.spec import KVCacheSpec
+from ...runner.types import TickRequest
 
 DEFAULT_SEED = 0
 

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from arstream.models.tiny_world.decoder import decode_chunk
-from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
-from arstream.runner.kv_state import SessionKVState, write_and_gather_rows
+from .decoder import decode_chunk
+from .model import TinyWorldConfig, TinyWorldDiT
+from ...runner.kv_state import SessionKVState, write_and_gather_rows
 
 # One generator for the whole batch (training), one per row (batched server sessions, so a
 # session's noise does not depend on who it shares a forward with), or None (global RNG).

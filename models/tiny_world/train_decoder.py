@@ -37,12 +37,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arstream.cli import main_for
-from arstream.models.tiny_world.decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
-from arstream.models.tiny_world.metrics import total_variation
-from arstream.models.tiny_world.model import TinyWorldDiT
-from arstream.models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
-from arstream.models.tiny_world.train import (
+from ...cli import main_for
+from .decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
+from .metrics import total_variation
+from .model import TinyWorldDiT
+from .sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
+from .train import (
     StopOnSignal,
     TrajectorySampler,
     add_run_arguments,
@@ -50,8 +50,8 @@ from arstream.models.tiny_world.train import (
     save_checkpoint,
     training_worlds,
 )
-from arstream.models.tiny_world.weights import DEFAULT_WEIGHTS, load_model, save_weights
-from arstream.models.tiny_world.world import CLASS_SHARES
+from .weights import DEFAULT_WEIGHTS, load_model, save_weights
+from .world import CLASS_SHARES
 
 
 def make_pairs(

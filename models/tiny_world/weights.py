@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
+from .model import TinyWorldConfig, TinyWorldDiT
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "tiny_world.safetensors"

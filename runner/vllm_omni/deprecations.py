@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from arstream.runner.vllm_omni.platform import activate_cpu_platform
+from .platform import activate_cpu_platform
 
 
 @contextmanager

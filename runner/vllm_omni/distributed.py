@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from arstream.runner.vllm_omni.deprecations import importing_vllm
+from .deprecations import importing_vllm
 
 with importing_vllm():
     from vllm.config import set_current_vllm_config

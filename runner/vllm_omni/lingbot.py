@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.runner.types import StartImage, TickRequest
-from arstream.runner.vllm_omni.deprecations import importing_vllm
-from arstream.runner.vllm_omni.workarounds import stub_torchvision_if_missing
+from ..types import StartImage, TickRequest
+from .deprecations import importing_vllm
+from .workarounds import stub_torchvision_if_missing
 
 with importing_vllm():
     stub_torchvision_if_missing()  # LingBot's package imports its wan2_2 sibling, which imports torchvision
@@ -171,7 +171,7 @@ def decode_chunk(pipeline: Any, latents: torch.Tensor, session_id: str) -> np.nd
     with the session id, is private. It is the only way to decode a session's
     chunks with the session's own temporal cache (chunk N+1 continuing chunk
     N), which ``reset_ar_diffusion_session`` / ``close_ar_diffusion_session``
-    release with the session. ``tests/test_vllm_omni_lingbot.py`` checks
+    release with the session. ``tests/vllm_omni_lane/test_vllm_omni_lingbot.py`` checks
     request-mode ticks still refuse pixel output and this method still exists:
     when LingBot decodes in request mode, this call goes.
     """

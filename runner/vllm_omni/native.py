@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arstream.runner.types import UnsupportedConfiguration
+from ..types import UnsupportedConfiguration
 
 PREFIX = "vllm-omni:"
 WEIGHTS_OPTION = "model"  # vLLM-Omni's own name for the weights path (OmniDiffusionConfig.model)
@@ -75,7 +75,7 @@ def check_weights(name: str, options: dict[str, Any]) -> Path:
 
 
 def _registry() -> Any:
-    from arstream.runner.vllm_omni.deprecations import importing_vllm
+    from .deprecations import importing_vllm
 
     with importing_vllm():
         from vllm_omni.diffusion.registry import DiffusionModelRegistry
@@ -111,7 +111,7 @@ def resolve(arch: str, options: dict[str, Any]) -> NativePipeline:
 
 def load_class(native: NativePipeline) -> type:
     """Import the registered class and check it is an AR-Diffusion pipeline; clear errors otherwise."""
-    from arstream.runner.vllm_omni.workarounds import stub_torchvision_if_missing
+    from .workarounds import stub_torchvision_if_missing
 
     stub_torchvision_if_missing()
     try:

@@ -17,21 +17,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.runner.runner import WARMUP_SESSION_ID
-from arstream.runner.types import TickRequest, UnsupportedConfiguration
-from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations, importing_vllm
-from arstream.runner.vllm_omni.native import NativePipeline, load_class
-from arstream.runner.vllm_omni.runtime import RUNTIME, VllmOmniRunner, budgeted_runner_class, kv_config
-from arstream.runner.vllm_omni.spec import from_omni_spec
-from arstream.runner.vllm_omni.workarounds import fix_host_rotary
+from ..runner import WARMUP_SESSION_ID
+from ..types import TickRequest, UnsupportedConfiguration
+from .deprecations import ignoring_their_deprecations, importing_vllm
+from .native import NativePipeline, load_class
+from .runtime import RUNTIME, VllmOmniRunner, budgeted_runner_class, kv_config
+from .spec import from_omni_spec
+from .workarounds import fix_host_rotary
 
 with importing_vllm():
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.registry import get_diffusion_pre_process_func
     from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
-    from arstream.runner.vllm_omni import lingbot
-    from arstream.runner.vllm_omni.distributed import ensure_single_rank, worker_context
+    from . import lingbot
+    from .distributed import ensure_single_rank, worker_context
 
 log = logging.getLogger("arstream.runner.vllm_omni")
 

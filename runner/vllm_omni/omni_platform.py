@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm.platforms.interface import PlatformEnum
 from vllm_omni.platforms.interface import OmniPlatformEnum, UnspecifiedOmniPlatform
 
-from arstream.runner.vllm_omni.cpu_platform import CPUHooks
+from .cpu_platform import CPUHooks
 
 # Imported by vLLM-Omni's attention selector when a layer is built (not here: the platform is still resolving).
 CPU_ATTENTION_BACKEND = "arstream.runner.vllm_omni.cpu_attention.CPUSDPABackend"

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from arstream.runner.contract import ARPipeline, SupportsWarmup
-from arstream.runner.runner import _check_frames, _video_frames
-from arstream.runner.types import TickRequest
-from arstream.runner.vllm_omni.deprecations import importing_vllm
-from arstream.runner.vllm_omni.spec import to_omni_spec
-from arstream.runner.vllm_omni.state import OmniSessionKVState
+from ..contract import ARPipeline, SupportsWarmup
+from ..runner import _check_frames, _video_frames
+from ..types import TickRequest
+from .deprecations import importing_vllm
+from .spec import to_omni_spec
+from .state import OmniSessionKVState
 
 with importing_vllm():
     from vllm_omni.diffusion.data import DiffusionOutput

@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from arstream.runner.contract import ARPipeline, SupportsWarmup
-from arstream.runner.runner import WARMUP_SESSION_ID
-from arstream.runner.spec import KVCacheSpec
-from arstream.runner.stats import RunnerStats, RuntimeCounters
-from arstream.runner.types import UnsupportedConfiguration
-from arstream.runner.types import ChunkResult, RewindUnavailable, RuntimeOptions, TickFailure, TickRequest, TickResult
-from arstream.runner.vllm_omni.native import NativePipeline
-from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations, importing_vllm
+from ..contract import ARPipeline, SupportsWarmup
+from ..runner import WARMUP_SESSION_ID
+from ..spec import KVCacheSpec
+from ..stats import RunnerStats, RuntimeCounters
+from ..types import UnsupportedConfiguration
+from ..types import ChunkResult, RewindUnavailable, RuntimeOptions, TickFailure, TickRequest, TickResult
+from .native import NativePipeline
+from .deprecations import ignoring_their_deprecations, importing_vllm
 
 with importing_vllm():  # about 10 s and 0.9 GB
     from vllm.config import VllmConfig
@@ -47,7 +47,7 @@ with importing_vllm():  # about 10 s and 0.9 GB
     from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
     from vllm_omni.experimental.ar_diffusion.runner import ARDiffusionModelRunner
 
-    from arstream.runner.vllm_omni.pipeline import adapter_class, to_omni_request
+    from .pipeline import adapter_class, to_omni_request
 
 log = logging.getLogger("arstream.runner.vllm_omni")
 
@@ -116,7 +116,7 @@ class VllmOmniRunner:
         Rewind and the decode split are ARRunner's: this runtime refuses rewinds when asked (RewindUnavailable).
         """
         if isinstance(pipeline, NativePipeline):
-            from arstream.runner.vllm_omni.native_runner import NativeOmniRunner
+            from .native_runner import NativeOmniRunner
 
             return NativeOmniRunner(pipeline, **options.pool())
         return cls(pipeline, **options.pool())

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from arstream.runner.spec import KVBranch, KVCacheSpec
-from arstream.runner.types import UnsupportedConfiguration
-from arstream.runner.vllm_omni.deprecations import importing_vllm
+from ..spec import KVBranch, KVCacheSpec
+from ..types import UnsupportedConfiguration
+from .deprecations import importing_vllm
 
 with importing_vllm():
     from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec

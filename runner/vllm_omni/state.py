@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from arstream.runner.kv_state import PassStateError
-from arstream.runner.spec import KVCacheSpec
+from ..kv_state import PassStateError
+from ..spec import KVCacheSpec
 
 
 class OmniSessionKVState:

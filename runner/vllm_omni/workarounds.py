@@ -1,7 +1,7 @@
 """What vLLM-Omni 0.30.0 needs on a CPU-only host that it has no supported way for, each in one place.
 
 Each is named after the vLLM-Omni behaviour it works around, and
-``tests/test_vllm_omni_lingbot.py`` checks that behaviour is still there:
+``tests/vllm_omni_lane/test_vllm_omni_lingbot.py`` checks that behaviour is still there:
 when vLLM-Omni changes it, that test fails and the workaround can go.
 (The tests' tiny LingBot-World also needs its transformer config let through:
 ``tests/tiny_lingbot_world.py``. The other gaps have supported answers: the platform hooks, the attention
@@ -89,6 +89,6 @@ def fix_host_rotary(module: torch.nn.Module) -> int:
 
 
 def _importing() -> Any:
-    from arstream.runner.vllm_omni.deprecations import importing_vllm
+    from .deprecations import importing_vllm
 
     return importing_vllm()
