@@ -15,7 +15,7 @@
 #   phase, is $OUT/gpu-check.json, so a run cut short by a timeout still returns what it measured.
 #   Its last line is the JSON object; the exit status is 0 only when every phase ran.
 # On a CPU:   scripts/gpu-check.sh --cpu   (or DEVICE=cpu): tiny configs, the same code path and JSON keys;
-#   tests/test_gpu_check.py runs it so from a fresh clone.
+#   tests/programs/test_gpu_check.py runs it so from a fresh clone.
 # Knobs: PYTHON (python3), DEVICE (cuda), OUT (./out), WHEELS (build/gpu-check-wheels), DEADLINE_S.
 set -euo pipefail
 CHECKOUT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -5,7 +5,7 @@
 
 Each shot opens the page in Debian's Chromium at its size (phones and tablets
 with touch), lets the world stream, steers for a moment so the picture is a
-played one, and saves a PNG. tests/test_browser.py runs :func:`capture` so this
+played one, and saves a PNG. tests/browser/test_browser.py runs :func:`capture` so this
 script keeps working.
 """
 

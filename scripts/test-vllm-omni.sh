@@ -23,8 +23,8 @@ fi
 # about cross-session batching, which vLLM-Omni's runner does not do (one session per forward). -p imports the
 # runtime (and so vLLM, about 10 s) once at start-up, before any test's start-up guard runs.
 ARSTREAM_RUNTIME=vllm-omni exec "$VENV/bin/python" -m pytest -q -m "not browser" -p arstream.runner.vllm_omni.runtime \
-    tests/test_conformance_vllm_omni.py tests/test_vllm_omni_adapter.py tests/test_vllm_omni_server.py \
-    tests/test_vllm_omni_native.py tests/test_vllm_omni_lingbot.py \
-    tests/test_server_flow.py tests/test_server_session.py tests/test_server_worker.py tests/test_resume.py \
-    --deselect "tests/test_server_flow.py::test_a_round_of_sessions_runs_as_one_batch_and_a_failing_one_fails_alone" \
+    tests/server/test_conformance_vllm_omni.py tests/vllm_omni_lane/test_vllm_omni_adapter.py tests/vllm_omni_lane/test_vllm_omni_server.py \
+    tests/vllm_omni_lane/test_vllm_omni_native.py tests/vllm_omni_lane/test_vllm_omni_lingbot.py \
+    tests/server/test_server_flow.py tests/server/test_server_session.py tests/server/test_server_worker.py tests/server/test_resume.py \
+    --deselect "tests/server/test_server_flow.py::test_a_round_of_sessions_runs_as_one_batch_and_a_failing_one_fails_alone" \
     "$@"

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks;
-# dnsmasq-base: the DNS a Kubernetes pod sees, on loopback, for tests/test_kubernetes_rollout.py (the binary
+# dnsmasq-base: the DNS a Kubernetes pod sees, on loopback, for tests/cluster/test_kubernetes_rollout.py (the binary
 # only: Debian's dnsmasq package would also start a system-wide resolver).
 if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null \
     || [ ! -x /usr/sbin/dnsmasq ]; then

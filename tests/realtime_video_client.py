@@ -1,7 +1,7 @@
 """A client of the realtime video dialect (``WS /v1/realtime/video``), written from docs/PROTOCOL.md's dialect section.
 
 It starts one session, switches the prompt after the first chunk, writes the fMP4 stream it receives to a file and
-prints one line per event, the way a user's script would. tests/test_realtime_video.py runs it as a separate
+prints one line per event, the way a user's script would. tests/server/test_realtime_video.py runs it as a separate
 process against ``arstream serve``: the dialect as an outside client sees it.
 
     python tests/realtime_video_client.py ws://127.0.0.1:8000/v1/realtime/video --model fake-kv \\

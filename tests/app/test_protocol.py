@@ -191,7 +191,7 @@ def test_bad_headers_are_refused() -> None:
         FrameHeader.unpack(b"ARF1")
 
 
-@pytest.mark.parametrize("codec", [codec for codec in Codec if not codec.stateful])  # h264: tests/test_codec.py
+@pytest.mark.parametrize("codec", [codec for codec in Codec if not codec.stateful])  # h264: tests/server/test_codec.py
 def test_chunk_encoding_marks_only_the_last_frame(codec: Codec) -> None:
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, size=(3, 16, 24, 3), dtype=np.uint8)

@@ -16,7 +16,7 @@ it exits, and local-cluster.sh starts it again, as an orchestrator would:
 
 The nine sessions are opened on the replica's own address so that all of
 them are on the one being stopped; every reconnect goes through HAProxy.
-The in-process tests (tests/test_drain_sessions.py) force the resume race
+The in-process tests (tests/cluster/test_drain_sessions.py) force the resume race
 into each order; here the resume and the signal are only sent back to back.
 """
 

@@ -7,7 +7,7 @@ through Envoy to the peer and continue bit-identically, and Envoy sends the drai
 (its health check fails within a second, and with healthy_panic_threshold 0 Envoy never falls back to it).
 The replica-to-replica routes are refused. The configuration shipped for Kubernetes passes
 ``envoy --mode validate``, a misspelt one does not, and the shipped one finds pods by their DNS names
-(through tests/test_kubernetes_rollout.py's stand-ins for cluster DNS).
+(through tests/cluster/test_kubernetes_rollout.py's stand-ins for cluster DNS).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ async def upgrade_status(url: str) -> int:
 
 def test_the_kubernetes_configuration_finds_each_pod_by_its_dns_name(tmp_path: Path) -> None:
     """The shipped envoy.json itself (only its listener and admin moved to this test's addresses), in front of
-    two pods found by DNS as in a cluster (the stand-ins of tests/test_kubernetes_rollout.py: dnsmasq, the
+    two pods found by DNS as in a cluster (the stand-ins of tests/cluster/test_kubernetes_rollout.py: dnsmasq, the
     pods' resolv.conf with the cluster's search domains): new sessions reach both pods by the headless
     Service's name, and a resume reaches its pod by the pod's own short name."""
     cluster = loopback_cluster(tmp_path, "gpu-envoy")

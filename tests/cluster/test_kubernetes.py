@@ -4,8 +4,8 @@ agree with the server and with each other: probe paths the server answers on the
 grace period longer than the drain, a preStop command the image has, the balancers' server slots and the
 drain's peers named as the StatefulSet names its pods. Each check has a negative control that fails.
 
-The rolling update itself is played for real in tests/test_kubernetes_rollout.py, the autoscaling query in
-tests/test_kubernetes_autoscaling.py, Envoy in tests/test_envoy.py.
+The rolling update itself is played for real in tests/cluster/test_kubernetes_rollout.py, the autoscaling query in
+tests/cluster/test_kubernetes_autoscaling.py, Envoy in tests/cluster/test_envoy.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A session streaming on r0 is moved to r1 by a drain: the client gets
 equals the chunk an uninterrupted session (same seed, same controls) gets.
 Refusals (wrong secret, another model, no room) leave both pools at their
 baselines. The balancer in front (HAProxy routing the token's prefix) is
-tests/test_cluster.py's; here the client reconnects to r1 directly.
+tests/cluster/test_cluster.py's; here the client reconnects to r1 directly.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def test_no_room_on_the_peer_ends_the_session_as_on_shutdown() -> None:
 def test_a_rolling_restart_of_both_replicas_under_six_sessions_loses_none() -> None:
     """r0 drains to r1 and is replaced by a new r0, then r1 drains to it: six sessions live through both moves.
 
-    The test routes a reconnect by the token's prefix, as the balancer does (tests/test_cluster_drain.py runs HAProxy).
+    The test routes a reconnect by the token's prefix, as the balancer does (tests/cluster/test_cluster_drain.py runs HAProxy).
     """
     sessions = 6
     with ExitStack() as stack:

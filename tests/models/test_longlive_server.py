@@ -3,7 +3,7 @@
 ``start(A)``, three ticks, ``input(B)``: the next chunk lists the event and
 equals the dense reference's switch; the chunks before it equal a run that
 never switches; a second session served beside it (``--max-batch-sessions 2``:
-batched when their rounds meet; tests/test_longlive_rewrite.py checks batched
+batched when their rounds meet; tests/models/test_longlive_rewrite.py checks batched
 rows exactly) equals its alone run; a
 rewind to before the switch (with the prompt set back) reproduces the old
 continuation. The frames are compared as pixels (raw codec): the server

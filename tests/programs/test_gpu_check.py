@@ -25,7 +25,7 @@ import pytest
 from arstream.programs import bench, gpu_check
 from arstream.programs.gpu_check import carried_requirements
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVE_KEYS = (
     "fps_total", "fps_per_session", "chunk_ms_p50", "chunk_ms_p99", "ttff_ms", "action_to_frame_ms_p50",
     "action_to_frame_ms_p99", "server_vs_runner_ratio", "server_chunks_per_s", "runner_chunks_per_s",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from arstream.models.registry import BUILTIN
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "architecture.md").read_text()
 
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
 
 def test_a_failing_end_check_fails_the_test_and_a_failing_body_keeps_its_own_failure(

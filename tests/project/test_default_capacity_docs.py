@@ -17,7 +17,7 @@ from servers import fake_settings, running_server
 
 from arstream.app.settings import Settings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/models.md", "docs/rewind.md")
 WITH_REWIND = re.compile(r"(\d+)\s+(?:tiny-world\s+)?sessions\s+with\s+the\s+default\s+(\d+)\s+s\s+rewind\s+horizon")
 WITHOUT_REWIND = re.compile(r"(\d+) with `--rewind-seconds 0`")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # layer folder -> (its package, the packages it must never import)
 RULES = {
     "runner": ("arstream.runner", ("arstream.models", "arstream.app", "arstream.programs")),

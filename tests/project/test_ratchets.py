@@ -12,7 +12,7 @@ import re
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # 56 on the day this ratchet came in (issue 32), which asked for at most 27. Lower it as modules are fixed.
 MYPY_EXEMPT_MODULES = 20
 # Where Python of ours lives (the arstream/ folder's symlinks lead to these same folders).
@@ -28,10 +28,11 @@ def mypy_exempt_modules() -> list[str]:
 
 
 def module_file(module: str) -> Path:
-    """``arstream.app.guard`` -> app/guard.py; ``test_codec`` (mypy's name for a test file) -> tests/test_codec.py."""
+    """``arstream.app.guard`` -> app/guard.py; ``test_codec`` (mypy's name for a test file) -> tests/server/test_codec.py."""
     if module.startswith("arstream."):
         return ROOT.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    return ROOT / "tests" / f"{module}.py"
+    found = sorted((ROOT / "tests").rglob(f"{module}.py"))  # the file's name is unique across the layer folders
+    return found[0] if found else ROOT / "tests" / f"{module}.py"
 
 
 def python_files() -> list[Path]:
@@ -78,4 +79,5 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert BARE_IGNORE.search(f"x = f()  {comment}") and BARE_IGNORE.search("x = f()  #type:" + "ignore")
     assert not BARE_IGNORE.search(f"x = f()  {comment}[arg-type]")
     assert module_file("arstream.app.guard") == ROOT / "app" / "guard.py"
-    assert module_file("test_codec") == ROOT / "tests" / "test_codec.py"
+    assert module_file("test_codec") == ROOT / "tests" / "server" / "test_codec.py"
+    assert not module_file("test_no_such_file").is_file()

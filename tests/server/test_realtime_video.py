@@ -53,7 +53,7 @@ from servers import (
 WIDTH, HEIGHT = 64, 48
 MODEL = "fake-kv"
 FRAMES_PER_CHUNK = 2  # fake-kv's default spec
-OUTSIDE_CLIENT = Path(__file__).resolve().parent / "realtime_video_client.py"  # our own, from PROTOCOL.md
+OUTSIDE_CLIENT = Path(__file__).resolve().parents[1] / "realtime_video_client.py"  # our own, from PROTOCOL.md
 ERROR_FIELDS = {"type", "message", "code", "request_id", "event_id"}
 # A start without num_frames gets the model's default length (81 frames: 41 chunks, which fake-kv makes in a
 # blink); a session a test ends with session.stop asks for more than it will ever make.
