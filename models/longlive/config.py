@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from arstream.models.wan.geometry import WanGeometry
 from arstream.models.wan.vae import VAEConfig
 
 
@@ -49,7 +50,7 @@ class TextEncoderConfig:
 
 
 @dataclass(frozen=True)
-class LongLiveConfig:
+class LongLiveConfig(WanGeometry):
     name: str
     dim: int = 1536
     ffn_dim: int = 8960
@@ -71,7 +72,7 @@ class LongLiveConfig:
     timestep_shift: float = 5.0
     warp_timesteps: bool = True  # the DiT sees 1000 * sigma (False: the timestep itself; CausVid's 3-step config)
     fps: int = 16  # Wan2.1's playback rate
-    video_frames_per_latent: int = 4
+    video_frames_per_latent: int = 4  # the VAE's time compression
     default_prompt: str = "A calm lake at sunrise, mist over the water, the camera drifting slowly forward."
     dit_file: str = "longlive_base.pt"
     dit_entry: str = "generator"  # the entry of the DiT file that holds the weights (files hold several)
@@ -82,39 +83,9 @@ class LongLiveConfig:
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
     def window_frames(self) -> int:
         """The window as :class:`~arstream.runner.spec.KVCacheSpec` counts it (the chunk included, the sink not)."""
         return self.local_attn_size - self.sink_size
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.latent_height // self.patch_size[1], self.latent_width // self.patch_size[2]
-
-    @property
-    def tokens_per_frame(self) -> int:
-        rows, cols = self.grid
-        return rows * cols
-
-    @property
-    def height(self) -> int:
-        return self.latent_height * 8
-
-    @property
-    def width(self) -> int:
-        return self.latent_width * 8
-
-    @property
-    def video_frames_per_chunk(self) -> int:
-        return self.frames_per_chunk * self.video_frames_per_latent
-
-    @property
-    def first_chunk_frames(self) -> int:
-        """The causal VAE turns the first latent frame into one video frame, each later one into four."""
-        return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
 _TINY: dict[str, Any] = dict(

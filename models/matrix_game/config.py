@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from arstream.models.wan.geometry import WanGeometry
 from arstream.models.wan.vae import VAEConfig
 
 
@@ -72,7 +73,7 @@ class ClipConfig:
 
 
 @dataclass(frozen=True)
-class MatrixGameConfig:
+class MatrixGameConfig(WanGeometry):
     name: str
     dim: int = 1536
     ffn_dim: int = 8960
@@ -117,39 +118,8 @@ class MatrixGameConfig:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """Token rows and columns of one latent frame."""
-        return self.latent_height // self.patch_size[1], self.latent_width // self.patch_size[2]
-
-    @property
-    def tokens_per_frame(self) -> int:
-        rows, cols = self.grid
-        return rows * cols
-
-    @property
-    def height(self) -> int:
-        return self.latent_height * 8
-
-    @property
-    def width(self) -> int:
-        return self.latent_width * 8
-
-    @property
     def video_frames_per_latent(self) -> int:
         return self.action.vae_time_compression_ratio
-
-    @property
-    def video_frames_per_chunk(self) -> int:
-        return self.frames_per_chunk * self.video_frames_per_latent
-
-    @property
-    def first_chunk_frames(self) -> int:
-        """The causal VAE turns the first latent frame into one video frame, each later one into four."""
-        return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
 _TINY: dict[str, Any] = dict(
