@@ -9,7 +9,8 @@ errors, the last close, held keys) for these checks.
 
 Playwright's string predicates run through ``eval``, which the server's
 Content-Security-Policy forbids, so test contexts bypass the CSP; one test
-loads the page under the real CSP. The ``browser`` and ``errors`` fixtures are in conftest.py.
+loads the page under the real CSP (:func:`open_context` bypasses it for the rest). The ``browser``,
+``errors``, ``viewport``, ``context`` and ``page`` fixtures are in conftest.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 KEY_BITS = {"w": 1, "a": 2, "s": 4, "d": 8}
+DESKTOP = {"width": 1280, "height": 800}  # a laptop's window: the viewport of every test that names none
 # Waits have no wall-clock limit (0 = none): pytest-timeout is the hang guard.
 WAIT_MS = 0
 
@@ -53,6 +55,16 @@ class PageErrors:
 
     def check(self) -> None:
         assert not self.errors, f"JavaScript errors on the page: {self.errors}"
+
+
+def open_context(browser: Any, viewport: dict[str, int] | None = DESKTOP, **options: Any) -> Any:
+    """A browser context for the test pages (CSP bypassed, see above); the caller closes it.
+
+    ``viewport`` None keeps Playwright's default window; ``options`` go to ``new_context`` as they are.
+    """
+    if viewport is not None:
+        options["viewport"] = viewport
+    return browser.new_context(bypass_csp=True, **options)
 
 
 def new_page(context: Any, errors: PageErrors) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import PageErrors, browser_marks, new_page, wait, wait_frames_drawn
+from browser_helpers import PageErrors, browser_marks, new_page, open_context, wait, wait_frames_drawn
 from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
@@ -45,7 +45,7 @@ def server() -> Iterator[LiveServer]:
 
 
 def _context(browser: Any, size: str) -> Any:
-    return browser.new_context(**SIZES[size], bypass_csp=True)
+    return open_context(browser, **SIZES[size])
 
 
 def _overlap(a: dict[str, Any], b: dict[str, Any]) -> float:

@@ -19,6 +19,7 @@ from browser_helpers import (
     browser_marks,
     debug,
     new_page,
+    open_context,
     overlay_text,
     wait,
     wait_blue,
@@ -35,18 +36,6 @@ PHONE = {"width": 390, "height": 844}
 def server() -> Iterator[LiveServer]:
     with running_server(fake_settings(model_options={"compute_delay_s": 0.01})) as live:
         yield live
-
-
-@pytest.fixture
-def context(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True)
-    yield context
-    context.close()
-
-
-@pytest.fixture
-def page(context: Any, errors: PageErrors) -> Any:
-    return new_page(context, errors)
 
 
 def share_module(page: Any, call: str) -> Any:
@@ -141,10 +130,6 @@ def sharing(server: LiveServer) -> Iterator[LiveServer]:
         yield live
 
 
-def new_context(browser: Any, viewport: dict[str, int] | None = None) -> Any:
-    return browser.new_context(viewport=viewport or {"width": 1280, "height": 800}, bypass_csp=True)
-
-
 def wait_rewind_span(page: Any, span: int) -> None:
     """Wait until the timeline offers at least ``span`` chunks to go back over."""
     wait(page, f"""() => {{
@@ -202,7 +187,7 @@ def test_timeline_says_its_horizon_in_seconds_and_marks_the_thinned_points(shari
 def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
     sharing: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
-    player_context, viewer_context = new_context(browser), new_context(browser)
+    player_context, viewer_context = open_context(browser), open_context(browser)
     try:
         player = new_page(player_context, errors)
         player.goto(sharing.base_url + "/")
@@ -246,7 +231,7 @@ def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
 def test_branch_link_made_long_ago_starts_a_new_session_where_the_world_is(
     sharing: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
-    context = new_context(browser)
+    context = open_context(browser)
     try:
         player = new_page(context, errors)
         player.goto(sharing.base_url + "/")
@@ -278,7 +263,7 @@ def test_branch_link_made_long_ago_starts_a_new_session_where_the_world_is(
 
 
 def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:
-    player_context, viewer_context = new_context(browser), new_context(browser)
+    player_context, viewer_context = open_context(browser), open_context(browser)
     try:
         player = new_page(player_context, errors)
         player.goto(sharing.base_url + "/")
@@ -333,8 +318,8 @@ def test_a_share_link_the_server_cannot_honour_says_so(sharing: LiveServer, page
 
 
 def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:
-    player_context = new_context(browser, PHONE)
-    viewer_context = new_context(browser, PHONE)
+    player_context = open_context(browser, PHONE)
+    viewer_context = open_context(browser, PHONE)
     try:
         player = new_page(player_context, errors)
         player.goto(sharing.base_url + "/")
