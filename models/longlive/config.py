@@ -49,27 +49,15 @@ class TextEncoderConfig:
         return self.dim // self.num_heads
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LongLiveConfig(WanGeometry):
+    """The backbone's fields are :class:`WanGeometry`'s (their defaults are LongLive's 1.3B)."""
+
     name: str
-    dim: int = 1536
-    ffn_dim: int = 8960
-    num_heads: int = 12
-    num_layers: int = 30
-    in_dim: int = 16
-    out_dim: int = 16
-    freq_dim: int = 256
     text_len: int = 512  # umT5 tokens the DiT's cross-attention reads (real ones, then zeros)
-    eps: float = 1e-6
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    latent_height: int = 60
-    latent_width: int = 104
-    frames_per_chunk: int = 3  # latent frames
     sink_size: int = 3
     local_attn_size: int = 12  # LongLive's count: the sink plus the window, the current chunk included
-    rope_frames: int = 1024  # Wan's rotary table
     denoise_timesteps: tuple[int, ...] = (1000, 750, 500, 250)
-    timestep_shift: float = 5.0
     warp_timesteps: bool = True  # the DiT sees 1000 * sigma (False: the timestep itself; CausVid's 3-step config)
     fps: int = 16  # Wan2.1's playback rate
     video_frames_per_latent: int = 4  # the VAE's time compression
@@ -79,7 +67,6 @@ class LongLiveConfig(WanGeometry):
     lora_file: str | None = "lora.pt"
     lora_rank: int = 256
     lora_alpha: int = 256
-    vae: VAEConfig = field(default_factory=VAEConfig)
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
 
     @property

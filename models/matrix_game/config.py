@@ -72,29 +72,20 @@ class ClipConfig:
         return (self.image_size // self.patch_size) ** 2 + 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MatrixGameConfig(WanGeometry):
+    """The backbone's fields are :class:`WanGeometry`'s; those its published model sets otherwise are declared again."""
+
     name: str
-    dim: int = 1536
-    ffn_dim: int = 8960
-    num_heads: int = 12
-    num_layers: int = 30
     # noisy latent (16) + mask (4) + image-conditioning latent (16)
     in_dim: int = 36
-    out_dim: int = 16
-    freq_dim: int = 256
     clip_dim: int = 1280
     clip_tokens: int = 257
-    eps: float = 1e-6
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    latent_height: int = 44
+    latent_height: int = 44  # 352x640 video
     latent_width: int = 80
-    frames_per_chunk: int = 3  # latent frames
     local_attn_size: int = 6  # latent frames a chunk attends to, itself included
     sink_size: int = 0
-    rope_frames: int = 1024  # Wan's rotary table
     denoise_timesteps: tuple[int, ...] = (1000, 666, 333)
-    timestep_shift: float = 5.0
     # Playback rate: the published code writes every mode's videos at 12 fps (utils/visualize.py,
     # process_video); the card's "25fps" is generation speed (docs/matrix-game.md, "Playback rate").
     fps: int = 12
@@ -105,7 +96,6 @@ class MatrixGameConfig(WanGeometry):
     # The DiT's file in the published checkpoint directory (Skywork/Matrix-Game-2.0).
     dit_file: str = "base_distilled_model/base_distill.safetensors"
     action: ActionConfig = field(default_factory=ActionConfig)
-    vae: VAEConfig = field(default_factory=VAEConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
 
     def __post_init__(self) -> None:

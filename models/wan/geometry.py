@@ -1,27 +1,43 @@
-"""The sizes every causal Wan2.1 config derives from its fields: heads, token grid, pixels, video frames a chunk.
+"""The Wan2.1-1.3B backbone both causal Wan families share: its fields, and the sizes derived from them.
 
 matrix-game-2's and LongLive's configs both inherit :class:`WanGeometry`, so
-the arithmetic from latent sizes to tokens and pixels is written once. It is
-a plain mixin, not a dataclass: each family's frozen dataclass declares the
-fields (with its own defaults) and this class only reads them.
+the backbone's published sizes (1536 wide, 30 layers, 12 heads, Wan's VAE)
+and the arithmetic from latent sizes to tokens and pixels are written once.
+Every field is keyword-only (the families' configs are too), so a family
+adds its own fields (the attention window, the steps, its modules) and
+declares a shared one again only where its published default differs
+(matrix-game-2's image-conditioned input and 352x640 video).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from arstream.models.wan.vae import VAEConfig
 
 # The Wan VAE's spatial compression: one latent pixel is 8x8 video pixels.
 VAE_SPATIAL_COMPRESSION = 8
 
 
+@dataclass(frozen=True, kw_only=True)
 class WanGeometry:
-    """Derived sizes; the inheriting dataclass supplies the fields named below."""
+    """The backbone's fields (Wan2.1-T2V-1.3B's defaults) and the sizes derived from them."""
 
-    dim: int
-    num_heads: int
-    patch_size: tuple[int, int, int]
-    latent_height: int
-    latent_width: int
-    frames_per_chunk: int  # latent frames
-
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    freq_dim: int = 256
+    eps: float = 1e-6
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    frames_per_chunk: int = 3  # latent frames
+    rope_frames: int = 1024  # Wan's rotary table
+    timestep_shift: float = 5.0
+    in_dim: int = 16  # the noisy latent's channels (a text-to-video DiT reads nothing else)
+    out_dim: int = 16  # latent channels the DiT predicts (the VAE's)
+    latent_height: int = 60  # Wan2.1-T2V's 480x832 video
+    latent_width: int = 104
+    vae: VAEConfig = field(default_factory=VAEConfig)
     @property
     def video_frames_per_latent(self) -> int:
         """Video frames each latent frame after the first decodes to (the VAE's time compression)."""
