@@ -16,6 +16,8 @@ loads the page under the real CSP (:func:`open_context` bypasses it for the rest
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +51,11 @@ class PageErrors:
     def __init__(self) -> None:
         self.errors: list[str] = []
 
-    def watch(self, page: Any) -> Any:
+    def watch(self, page: Any, *, console: bool = False) -> Any:
+        """Collect ``page``'s uncaught errors; with ``console``, the errors it logs to the console too."""
         page.on("pageerror", lambda error: self.errors.append(str(error)))
+        if console:
+            page.on("console", lambda message: self.errors.append(message.text) if message.type == "error" else None)
         return page
 
     def check(self) -> None:
@@ -69,6 +74,20 @@ def open_context(browser: Any, viewport: dict[str, int] | None = DESKTOP, **opti
 
 def new_page(context: Any, errors: PageErrors) -> Any:
     return errors.watch(context.new_page())
+
+
+@contextmanager
+def page_at(browser: Any, url: str, *, console_errors: bool = False) -> Iterator[Any]:
+    """A page in a context of its own, under the server's real CSP, at ``url``, for a module's tests to share.
+
+    Closed afterwards; then it fails if the page raised a JavaScript error (or, with ``console_errors``, logged one).
+    """
+    errors = PageErrors()
+    page = errors.watch(browser.new_page(), console=console_errors)
+    page.goto(url)
+    yield page
+    page.close()
+    errors.check()
 
 
 def debug(page: Any) -> dict[str, Any]:
