@@ -77,6 +77,17 @@ def new_page(context: Any, errors: PageErrors) -> Any:
 
 
 @contextmanager
+def two_windows(browser: Any, errors: PageErrors, viewport: dict[str, int] = DESKTOP) -> Iterator[tuple[Any, Any]]:
+    """A player's page and a viewer's, each in a window (context) of its own: a background tab is throttled."""
+    first, second = open_context(browser, viewport), open_context(browser, viewport)
+    try:
+        yield new_page(first, errors), new_page(second, errors)
+    finally:
+        first.close()
+        second.close()
+
+
+@contextmanager
 def page_at(browser: Any, url: str, *, console_errors: bool = False) -> Iterator[Any]:
     """A page in a context of its own, under the server's real CSP, at ``url``, for a module's tests to share.
 
