@@ -38,10 +38,12 @@ class WanGeometry:
     latent_height: int = 60  # Wan2.1-T2V's 480x832 video
     latent_width: int = 104
     vae: VAEConfig = field(default_factory=VAEConfig)
+
     @property
     def video_frames_per_latent(self) -> int:
         """Video frames each latent frame after the first decodes to (the VAE's time compression)."""
-        raise NotImplementedError  # a field in one family, derived from the action module in the other
+        # LongLive's config has it as a field, matrix-game-2's derives it from its action module
+        raise NotImplementedError(f"{type(self).__name__} must say how many video frames a latent frame decodes to")
 
     @property
     def head_dim(self) -> int:
