@@ -369,6 +369,20 @@ async def serve(server: ARStreamServer) -> int:
 add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch
 
 
+def note_optional_pages() -> None:
+    """Say at start which optional page this install leaves out, and what to install for it.
+
+    INFO, not WARNING: the README's install has no PyAV on purpose and the main page plays without it, so
+    this is the first line a stranger reads, and it should read as a choice, not as a fault.
+    """
+    if FMP4.unavailable_reason() is not None:
+        log.info(
+            "optional: the realtime video page (/realtime-video.html, %s) needs %s; the main page does not",
+            REALTIME_VIDEO_PATH,
+            FMP4.needs,
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     # Every setting and the address are checked before a port is bound or a model loaded (the CLI has
     # checked them once already, before importing this module and torch; `python -m` comes straight here).
@@ -379,8 +393,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if (missing := FMP4.unavailable_reason()) is not None:  # the README's install has no PyAV
-        log.warning("the realtime video page (/realtime-video.html, %s) is off: %s", REALTIME_VIDEO_PATH, missing)
+    note_optional_pages()
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)

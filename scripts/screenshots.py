@@ -35,6 +35,7 @@ SHOTS = {
     "demo-1920x1080.png": Shot(1920, 1080, details=True),
     "demo-phone-390x844.png": Shot(390, 844, touch=True),
     "demo-tablet-768x1024.png": Shot(768, 1024, touch=True),
+    "demo-phone-landscape-844x390.png": Shot(844, 390, touch=True),  # a phone on its side: the pad beside the world
 }
 
 

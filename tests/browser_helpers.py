@@ -9,12 +9,15 @@ errors, the last close, held keys) for these checks.
 
 Playwright's string predicates run through ``eval``, which the server's
 Content-Security-Policy forbids, so test contexts bypass the CSP; one test
-loads the page under the real CSP. The ``browser`` and ``errors`` fixtures are in conftest.py.
+loads the page under the real CSP (:func:`open_context` bypasses it for the rest). The ``browser``,
+``errors``, ``viewport``, ``context`` and ``page`` fixtures are in conftest.py.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 KEY_BITS = {"w": 1, "a": 2, "s": 4, "d": 8}
+DESKTOP = {"width": 1280, "height": 800}  # a laptop's window: the viewport of every test that names none
 # Waits have no wall-clock limit (0 = none): pytest-timeout is the hang guard.
 WAIT_MS = 0
 
@@ -47,16 +51,54 @@ class PageErrors:
     def __init__(self) -> None:
         self.errors: list[str] = []
 
-    def watch(self, page: Any) -> Any:
+    def watch(self, page: Any, *, console: bool = False) -> Any:
+        """Collect ``page``'s uncaught errors; with ``console``, the errors it logs to the console too."""
         page.on("pageerror", lambda error: self.errors.append(str(error)))
+        if console:
+            page.on("console", lambda message: self.errors.append(message.text) if message.type == "error" else None)
         return page
 
     def check(self) -> None:
         assert not self.errors, f"JavaScript errors on the page: {self.errors}"
 
 
+def open_context(browser: Any, viewport: dict[str, int] | None = DESKTOP, **options: Any) -> Any:
+    """A browser context for the test pages (CSP bypassed, see above); the caller closes it.
+
+    ``viewport`` None keeps Playwright's default window; ``options`` go to ``new_context`` as they are.
+    """
+    if viewport is not None:
+        options["viewport"] = viewport
+    return browser.new_context(bypass_csp=True, **options)
+
+
 def new_page(context: Any, errors: PageErrors) -> Any:
     return errors.watch(context.new_page())
+
+
+@contextmanager
+def two_windows(browser: Any, errors: PageErrors, viewport: dict[str, int] = DESKTOP) -> Iterator[tuple[Any, Any]]:
+    """A player's page and a viewer's, each in a window (context) of its own: a background tab is throttled."""
+    first, second = open_context(browser, viewport), open_context(browser, viewport)
+    try:
+        yield new_page(first, errors), new_page(second, errors)
+    finally:
+        first.close()
+        second.close()
+
+
+@contextmanager
+def page_at(browser: Any, url: str, *, console_errors: bool = False) -> Iterator[Any]:
+    """A page in a context of its own, under the server's real CSP, at ``url``, for a module's tests to share.
+
+    Closed afterwards; then it fails if the page raised a JavaScript error (or, with ``console_errors``, logged one).
+    """
+    errors = PageErrors()
+    page = errors.watch(browser.new_page(), console=console_errors)
+    page.goto(url)
+    yield page
+    page.close()
+    errors.check()
 
 
 def debug(page: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from browser_helpers import CHROMIUM, CHROMIUM_ARGS, PageErrors
+from browser_helpers import CHROMIUM, CHROMIUM_ARGS, DESKTOP, PageErrors, new_page, open_context
 from servers import LiveServer
 
 END_CHECKS = pytest.StashKey[list[Callable[[], object]]]()
@@ -73,3 +73,23 @@ def errors() -> Iterator[PageErrors]:
     errors = PageErrors()
     yield errors
     errors.check()
+
+
+@pytest.fixture
+def viewport() -> dict[str, int]:
+    """The window size of the ``context`` fixture; a module overrides this fixture to test at another size."""
+    return DESKTOP
+
+
+@pytest.fixture
+def context(browser: Any, viewport: dict[str, int]) -> Iterator[Any]:
+    """A fresh browser context (:func:`browser_helpers.open_context`) at ``viewport``, closed after the test."""
+    context = open_context(browser, viewport)
+    yield context
+    context.close()
+
+
+@pytest.fixture
+def page(context: Any, errors: PageErrors) -> Any:
+    """A page of ``context`` whose JavaScript errors fail the test (``errors``)."""
+    return new_page(context, errors)

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # the server's replica_id rule
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # deploy/: the parsing both balancers share
+from render_cli import REPLICA_NAME, add_out_option, add_statefulset_options, slot_count, write_rendered  # noqa: E402
 # A token is the replica's id, a dot, then the rest (app/resume.py); these query parameters carry one.
 TOKEN_PARAMETERS = ("resume", "share")
 HEALTH_INTERVAL = "1s"
@@ -62,7 +62,7 @@ def parse_address(text: str) -> Endpoint:
 
 def parse_named(text: str, what: str) -> tuple[str, str]:
     name, eq, rest = text.partition("=")
-    if not eq or not NAME.match(name) or not rest:
+    if not eq or not REPLICA_NAME.match(name) or not rest:
         raise ValueError(f"expected NAME={what} with NAME of letters, digits, - or _; got {text!r}")
     return name, rest
 
@@ -200,20 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replica", action="append", default=[], metavar="NAME=HOST:PORT")
     parser.add_argument("--statefulset", metavar="NAME=COUNT", help="COUNT pods of a StatefulSet, found by DNS")
-    parser.add_argument("--headless-service", default="arstream-peers", help="the StatefulSet's headless Service")
-    parser.add_argument("--replica-port", type=int, default=8000, help="the pods' serving port (default 8000)")
+    add_statefulset_options(parser)
     parser.add_argument("--bind", default="0.0.0.0:8080", help="where clients connect (default 0.0.0.0:8080)")
     parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin page, keep it private")
-    parser.add_argument("--out", type=Path, help="write here instead of standard output")
+    add_out_option(parser)
     args = parser.parse_args(argv)
-    try:
+
+    def rendered() -> str:
         if bool(args.replica) == bool(args.statefulset):
             raise ValueError("give either --replica (one or more) or --statefulset")
         if args.statefulset:
-            name, count = parse_named(args.statefulset, "COUNT")
-            if not count.isdigit() or not 0 < int(count) <= 64:
-                raise ValueError(f"expected NAME=COUNT with COUNT 1-64; got {args.statefulset!r}")
-            pods = [f"{name}-{ordinal}" for ordinal in range(int(count))]  # a StatefulSet counts from 0
+            name, count = slot_count(args.statefulset, "NAME")
+            pods = [f"{name}-{ordinal}" for ordinal in range(count)]  # a StatefulSet counts from 0
             owners = {pod: [Endpoint(f"{pod}.{args.headless_service}", args.replica_port)] for pod in pods}
             shared = [Endpoint(args.headless_service, args.replica_port)]
         else:
@@ -225,15 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         config = render(
             owners, shared, dns=bool(args.statefulset), bind=parse_address(args.bind), admin=parse_address(args.admin)
         )
-    except ValueError as exc:
-        print(f"render.py: {exc}", file=sys.stderr)
-        return 2
-    text = json.dumps(config, indent=2) + "\n"
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        args.out.write_text(text)
-    return 0
+        return json.dumps(config, indent=2) + "\n"
+
+    return write_rendered(rendered, args.out)
 
 
 if __name__ == "__main__":

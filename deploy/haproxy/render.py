@@ -27,15 +27,22 @@ answers come, so slot NAME-2 may hold pod NAME-0's address, and resumes route by
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # deploy/: the parsing both balancers share
+from render_cli import (  # noqa: E402
+    REPLICA_NAME,
+    add_out_option,
+    add_statefulset_options,
+    slot_count,
+    write_rendered,
+)
+
 TEMPLATE = Path(__file__).resolve().parent / "haproxy.cfg.template"
 EACH = "@each "
-REPLICA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # the server's replica_id rule
 # The balancer pod's namespace (the downward API sets it in deploy/kubernetes/haproxy/balancer.yaml).
 NAMESPACE_ENV = "POD_NAMESPACE"
 
@@ -66,14 +73,6 @@ def parse_replica(text: str, default_maxconn: int, default_agent_port: int = 800
     if not 0 < agent_port < 65536:
         raise ValueError(f"the agent port must be 1-65535, got {agent_port} in {text!r}")
     return Replica(name, address, count, agent_port)
-
-
-def slot_count(text: str, what: str) -> tuple[str, int]:
-    """``WHAT=COUNT`` (a compose service's or a StatefulSet's name, and how many server slots it gets)."""
-    name, eq, count = text.partition("=")
-    if not eq or not REPLICA_NAME.match(name) or not count.isdigit() or not 0 < int(count) <= 64:
-        raise ValueError(f"expected {what}=COUNT with COUNT 1-64; got {text!r}")
-    return name, int(count)
 
 
 def compose_slots(text: str, project: str, default_maxconn: int, agent_port: int) -> list[Replica]:
@@ -136,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compose", action="append", default=[], metavar="SERVICE=COUNT", help="server slots")
     parser.add_argument("--compose-project", default="arstream", help="compose project name (default arstream)")
     parser.add_argument("--statefulset", action="append", default=[], metavar="NAME=COUNT", help="server slots")
-    parser.add_argument(
-        "--headless-service", default="arstream-peers", help="the StatefulSet's headless Service (arstream-peers)"
-    )
-    parser.add_argument("--replica-port", type=int, default=8000, help="the pods' serving port (default 8000)")
+    add_statefulset_options(parser)
     parser.add_argument("--maxconn", type=int, default=4, help="sessions per replica when a replica names none")
     parser.add_argument("--agent-port", type=int, default=8001, help="replicas' --agent-port (default 8001)")
     parser.add_argument("--bind", default=":8080", help="where clients connect (default :8080)")
@@ -155,15 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         help="new connections one client address may open in any 10 s (default 100)",
     )
     parser.add_argument("--queue-timeout", default="10s", help="how long a new session waits for a slot (default 10s)")
-    parser.add_argument("--out", type=Path, help="write here instead of standard output")
+    add_out_option(parser)
     args = parser.parse_args(argv)
-    try:
+
+    def rendered() -> str:
         replicas = [parse_replica(text, args.maxconn, args.agent_port) for text in args.replica]
         for text in args.compose:
             replicas += compose_slots(text, args.compose_project, args.maxconn, args.agent_port)
         for text in args.statefulset:
             replicas += statefulset_slots(text, args.headless_service, args.replica_port, args.maxconn, args.agent_port)
-        text = render(
+        return render(
             replicas,
             bind=args.bind,
             stats_bind=args.stats_bind,
@@ -172,14 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             per_source_connections=args.per_source_connections,
             per_source_connection_rate=args.per_source_connection_rate,
         )
-    except ValueError as exc:
-        print(f"render.py: {exc}", file=sys.stderr)
-        return 2
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        args.out.write_text(text)
-    return 0
+
+    return write_rendered(rendered, args.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..wan.geometry import WanGeometry
 from ..wan.vae import VAEConfig
 
 
@@ -48,73 +49,30 @@ class TextEncoderConfig:
         return self.dim // self.num_heads
 
 
-@dataclass(frozen=True)
-class LongLiveConfig:
+@dataclass(frozen=True, kw_only=True)
+class LongLiveConfig(WanGeometry):
+    """The backbone's fields are :class:`WanGeometry`'s (their defaults are LongLive's 1.3B)."""
+
     name: str
-    dim: int = 1536
-    ffn_dim: int = 8960
-    num_heads: int = 12
-    num_layers: int = 30
-    in_dim: int = 16
-    out_dim: int = 16
-    freq_dim: int = 256
     text_len: int = 512  # umT5 tokens the DiT's cross-attention reads (real ones, then zeros)
-    eps: float = 1e-6
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    latent_height: int = 60
-    latent_width: int = 104
-    frames_per_chunk: int = 3  # latent frames
     sink_size: int = 3
     local_attn_size: int = 12  # LongLive's count: the sink plus the window, the current chunk included
-    rope_frames: int = 1024  # Wan's rotary table
     denoise_timesteps: tuple[int, ...] = (1000, 750, 500, 250)
-    timestep_shift: float = 5.0
     warp_timesteps: bool = True  # the DiT sees 1000 * sigma (False: the timestep itself; CausVid's 3-step config)
     fps: int = 16  # Wan2.1's playback rate
-    video_frames_per_latent: int = 4
+    video_frames_per_latent: int = 4  # the VAE's time compression
     default_prompt: str = "A calm lake at sunrise, mist over the water, the camera drifting slowly forward."
     dit_file: str = "longlive_base.pt"
     dit_entry: str = "generator"  # the entry of the DiT file that holds the weights (files hold several)
     lora_file: str | None = "lora.pt"
     lora_rank: int = 256
     lora_alpha: int = 256
-    vae: VAEConfig = field(default_factory=VAEConfig)
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
 
     @property
     def window_frames(self) -> int:
         """The window as :class:`~arstream.runner.spec.KVCacheSpec` counts it (the chunk included, the sink not)."""
         return self.local_attn_size - self.sink_size
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.latent_height // self.patch_size[1], self.latent_width // self.patch_size[2]
-
-    @property
-    def tokens_per_frame(self) -> int:
-        rows, cols = self.grid
-        return rows * cols
-
-    @property
-    def height(self) -> int:
-        return self.latent_height * 8
-
-    @property
-    def width(self) -> int:
-        return self.latent_width * 8
-
-    @property
-    def video_frames_per_chunk(self) -> int:
-        return self.frames_per_chunk * self.video_frames_per_latent
-
-    @property
-    def first_chunk_frames(self) -> int:
-        """The causal VAE turns the first latent frame into one video frame, each later one into four."""
-        return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
 _TINY: dict[str, Any] = dict(

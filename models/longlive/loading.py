@@ -19,9 +19,8 @@ from .dit import LongLiveDiT
 from .pipeline import LongLivePipeline
 from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
 from ..wan.checkpoint import find_file, load_vae
+from ..wan.loading import check_weights_source, torch_dtype
 from ..wan.vae import StreamingVAE, build_vae
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_longlive(
@@ -52,12 +51,8 @@ def load_longlive(
     """
     device = torch.device(device)
     cfg = get_config(config)
-    if (checkpoint is None) == (not random_init):
-        raise ValueError("longlive needs either checkpoint=DIR or random_init=true (not both)")
-    name = dtype if dtype is not None else ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    torch_dtype = DTYPES[name]
+    check_weights_source("longlive", checkpoint, random_init)
+    weights_dtype = torch_dtype(dtype, "bfloat16" if device.type == "cuda" else "float32", "dtype")
     encoder: Any  # transformers' and diffusers' modules are untyped here
     vae: Any
     with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
@@ -85,11 +80,11 @@ def load_longlive(
         torch.manual_seed(seed)
         vae = build_vae(cfg)  # diffusers' own random init, seeded
         tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
-    model = model.to(device=device, dtype=torch_dtype)
-    encoder = encoder.to(device=device, dtype=torch_dtype)
+    model = model.to(device=device, dtype=weights_dtype)
+    encoder = encoder.to(device=device, dtype=weights_dtype)
     vae = vae.to(device=device)
-    if torch_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
-        vae = vae.to(dtype=torch_dtype)
+    if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
+        vae = vae.to(dtype=weights_dtype)
     return LongLivePipeline(
         model,
         StreamingVAE(vae),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..wan.geometry import WanGeometry
 from ..wan.vae import VAEConfig
 
 
@@ -71,29 +72,20 @@ class ClipConfig:
         return (self.image_size // self.patch_size) ** 2 + 1
 
 
-@dataclass(frozen=True)
-class MatrixGameConfig:
+@dataclass(frozen=True, kw_only=True)
+class MatrixGameConfig(WanGeometry):
+    """The backbone's fields are :class:`WanGeometry`'s; those its published model sets otherwise are declared again."""
+
     name: str
-    dim: int = 1536
-    ffn_dim: int = 8960
-    num_heads: int = 12
-    num_layers: int = 30
     # noisy latent (16) + mask (4) + image-conditioning latent (16)
     in_dim: int = 36
-    out_dim: int = 16
-    freq_dim: int = 256
     clip_dim: int = 1280
     clip_tokens: int = 257
-    eps: float = 1e-6
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    latent_height: int = 44
+    latent_height: int = 44  # 352x640 video
     latent_width: int = 80
-    frames_per_chunk: int = 3  # latent frames
     local_attn_size: int = 6  # latent frames a chunk attends to, itself included
     sink_size: int = 0
-    rope_frames: int = 1024  # Wan's rotary table
     denoise_timesteps: tuple[int, ...] = (1000, 666, 333)
-    timestep_shift: float = 5.0
     # Playback rate: the published code writes every mode's videos at 12 fps (utils/visualize.py,
     # process_video); the card's "25fps" is generation speed (docs/matrix-game.md, "Playback rate").
     fps: int = 12
@@ -104,7 +96,6 @@ class MatrixGameConfig:
     # The DiT's file in the published checkpoint directory (Skywork/Matrix-Game-2.0).
     dit_file: str = "base_distilled_model/base_distill.safetensors"
     action: ActionConfig = field(default_factory=ActionConfig)
-    vae: VAEConfig = field(default_factory=VAEConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
 
     def __post_init__(self) -> None:
@@ -117,39 +108,8 @@ class MatrixGameConfig:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """Token rows and columns of one latent frame."""
-        return self.latent_height // self.patch_size[1], self.latent_width // self.patch_size[2]
-
-    @property
-    def tokens_per_frame(self) -> int:
-        rows, cols = self.grid
-        return rows * cols
-
-    @property
-    def height(self) -> int:
-        return self.latent_height * 8
-
-    @property
-    def width(self) -> int:
-        return self.latent_width * 8
-
-    @property
     def video_frames_per_latent(self) -> int:
         return self.action.vae_time_compression_ratio
-
-    @property
-    def video_frames_per_chunk(self) -> int:
-        return self.frames_per_chunk * self.video_frames_per_latent
-
-    @property
-    def first_chunk_frames(self) -> int:
-        """The causal VAE turns the first latent frame into one video frame, each later one into four."""
-        return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
 _TINY: dict[str, Any] = dict(

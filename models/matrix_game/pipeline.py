@@ -52,6 +52,7 @@ from .images import (
     stack_conditions,
 )
 from .kv import ActionHistory, PagedChunkContext, action_history_bytes
+from ..wan.loading import check_weights_source, torch_dtype
 from ..wan.sampler import sample_chunk
 from ..wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
 from ...runner.binding import SessionStateBinding
@@ -66,7 +67,6 @@ log = logging.getLogger("arstream.models.matrix_game")
 DEFAULT_SEED = 0
 # Sessions whose start-image choice is remembered past a reset, close or eviction (the choice, not its encodings).
 REMEMBERED_CHOICES_PER_SESSION_SLOT = 4
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -467,13 +467,6 @@ def configs_fitting(shapes: dict[str, torch.Size]) -> list[str]:
     return fits
 
 
-def _dtype(name: str | None, default: str, option: str) -> torch.dtype:
-    name = default if name is None else name
-    if name not in DTYPES:
-        raise ValueError(f"{option} must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
 def _offered_images(image: str | None, images: str | None, cfg: MatrixGameConfig) -> dict[str, torch.Tensor]:
     """The default (the `image` file, named by its stem, or the built-in picture) first, then the directory's."""
     default_name = Path(image).stem if image is not None else DEFAULT_NAME
@@ -525,11 +518,10 @@ def load_matrix_game(
     """
     device = torch.device(device)
     cfg = get_config(config)
-    if (checkpoint is None) == (not random_init):
-        raise ValueError("matrix-game-2 needs either checkpoint=DIR or random_init=true (not both)")
+    check_weights_source("matrix-game-2", checkpoint, random_init)
     on_cuda = device.type == "cuda"
-    torch_dtype = _dtype(dtype, "bfloat16" if on_cuda else "float32", "dtype")
-    decode_dtype = _dtype(vae_dtype, "float16" if on_cuda else "float32", "vae_dtype")
+    weights_dtype = torch_dtype(dtype, "bfloat16" if on_cuda else "float32", "dtype")
+    decode_dtype = torch_dtype(vae_dtype, "float16" if on_cuda else "float32", "vae_dtype")
     offered = _offered_images(image, images, cfg)
     encoder: ClipImageEncoder | None = None
     # Built without memory, then filled: a 1.3B model is neither default-initialised nor held twice.
@@ -566,14 +558,14 @@ def load_matrix_game(
             )
     elif encoder is None:
         log.warning("no CLIP file and no clip_features: the image context is zeros")
-    model = model.to(device=device, dtype=torch_dtype)
+    model = model.to(device=device, dtype=weights_dtype)
     # Matrix-Game encodes the start image in bf16 and decodes in fp16 (inference.py): one module, two dtypes.
     vae_module = vae_module.to(device=device)
-    for part, part_dtype in (("encoder", torch_dtype), ("quant_conv", torch_dtype), ("post_quant_conv", decode_dtype),
+    for part, part_dtype in (("encoder", weights_dtype), ("quant_conv", weights_dtype), ("post_quant_conv", decode_dtype),
                              ("decoder", decode_dtype)):
         getattr(vae_module, part).to(dtype=part_dtype)
     if encoder is not None:
-        encoder = encoder.to(device=device, dtype=torch_dtype)
+        encoder = encoder.to(device=device, dtype=weights_dtype)
     if random_init and decoder_file is not None:
         raise ValueError("decoder_file names a file in the checkpoint directory; random_init has none")
     streaming_vae = StreamingVAE(vae_module)

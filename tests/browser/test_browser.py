@@ -25,6 +25,7 @@ from browser_helpers import (
     corner_blue,
     debug,
     new_page,
+    open_context,
     overlay_text,
     wait,
     wait_blue,
@@ -44,18 +45,6 @@ def server() -> Iterator[LiveServer]:
     options = {"compute_delay_s": 0.01, "reads_prompt": True}
     with running_server(fake_settings(model_options=options)) as live:
         yield live
-
-
-@pytest.fixture
-def context(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True, accept_downloads=True)
-    yield context
-    context.close()
-
-
-@pytest.fixture
-def page(context: Any, errors: PageErrors) -> Any:
-    return new_page(context, errors)
 
 
 def _pixel(page: Any) -> list[int]:
@@ -213,7 +202,7 @@ def test_model_failure_in_plain_words_and_restart_recovers_with_the_held_keys(se
 
 def test_token_field_on_unauthorized_and_token_kept_out_of_the_url(browser: Any, errors: PageErrors) -> None:
     with running_server(fake_settings(auth_token="let-me-in")) as secured:
-        context = browser.new_context(bypass_csp=True)
+        context = open_context(browser, viewport=None)
         try:
             page = new_page(context, errors)
             page.goto(secured.base_url + "/")
@@ -234,7 +223,7 @@ def test_token_field_on_unauthorized_and_token_kept_out_of_the_url(browser: Any,
             context.close()
     # A server that refuses before the upgrade (HTTP 401): the page sees only failed sockets while /readyz says yes.
     with running_server(fake_settings(auth_token="let-me-in", refuse_before_upgrade=True)) as strict:
-        context = browser.new_context(bypass_csp=True)
+        context = open_context(browser, viewport=None)
         try:
             page = new_page(context, errors)
             page.goto(strict.base_url + "/")

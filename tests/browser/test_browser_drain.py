@@ -44,10 +44,8 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def context(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1100, "height": 760}, bypass_csp=True)
-    yield context
-    context.close()
+def viewport() -> dict[str, int]:
+    return {"width": 1100, "height": 760}
 
 
 def _holder(cluster: Cluster) -> str:

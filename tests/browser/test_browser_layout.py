@@ -1,6 +1,6 @@
 """The demo page's layout in Chromium at desktop (1280x800) and phone size, upright (390x844) and on its side
-(844x390), with touch: how tall the world is on screen, what covers it, the badges, the pad above the fold;
-the badges in fullscreen and after control passes. Against a real server (fake-kv) and a real viewer page.
+(844x390), with touch: how tall the world is on screen, what covers it, the badges, the pad above the fold, the
+share links in sight at desktop size; the badges in fullscreen and after control passes. Against a real server (fake-kv) and a real viewer page.
 
 The world is measured as the canvas's on-screen box; "above the fold" means inside the viewport without scrolling.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import PageErrors, browser_marks, new_page, wait, wait_frames_drawn
+from browser_helpers import PageErrors, browser_marks, new_page, open_context, wait, wait_frames_drawn
 from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
@@ -45,7 +45,7 @@ def server() -> Iterator[LiveServer]:
 
 
 def _context(browser: Any, size: str) -> Any:
-    return browser.new_context(**SIZES[size], bypass_csp=True)
+    return open_context(browser, **SIZES[size])
 
 
 def _overlap(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -134,6 +134,27 @@ def test_the_world_fills_the_screen_and_nothing_that_matters_covers_it_or_falls_
             assert box["shown"], selector
             assert box["y"] >= 0 and box["bottom"] <= height, f"{selector} is below the fold at {size}: {box}"
             assert _overlap(box, world) == 0, f"{selector} covers the world"
+        assert page.evaluate("window.scrollY") == 0
+
+
+def test_at_desktop_size_share_opens_its_links_in_sight_without_scrolling(
+    server: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    # At 1280x800 the links once opened under the timeline and the pass-control row, from y 792: below the fold.
+    # (A phone's screens have no room for them beside the pad and the rows: there the page scrolls to them.)
+    size = "desktop"
+    with _player_and_viewer(server, browser, errors, size) as (page, _viewer):
+        wait(page, "!document.getElementById('pass-box').hidden && !document.getElementById('timeline').hidden")
+        page.click("#share")
+        wait(page, "!document.getElementById('share-box').hidden && !document.getElementById('share-watch').hidden")
+        width, height = SIZES[size]["viewport"]["width"], SIZES[size]["viewport"]["height"]
+        links = ["#share-link", "#share-watch", "#share-branch"]
+        boxes = page.evaluate(BOXES, ["#screen", *links])
+        for selector in links:
+            box = boxes[selector]
+            assert box["shown"], selector
+            assert box["y"] >= 0 and box["bottom"] <= height and box["right"] <= width, f"{selector} is out of sight: {box}"
+            assert _overlap(box, boxes["#screen"]) == 0, f"{selector} covers the world"
         assert page.evaluate("window.scrollY") == 0
 
 

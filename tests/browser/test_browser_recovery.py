@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from websockets.sync.client import connect
@@ -37,10 +36,8 @@ RESUME_GRACE_S = 30.0  # tests/servers.py turns resume off unless asked
 
 
 @pytest.fixture
-def context(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1100, "height": 760}, bypass_csp=True)
-    yield context
-    context.close()
+def viewport() -> dict[str, int]:
+    return {"width": 1100, "height": 760}
 
 
 def _wait_new_frames(page: Any) -> None:

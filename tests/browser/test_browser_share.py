@@ -19,7 +19,9 @@ from browser_helpers import (
     browser_marks,
     debug,
     new_page,
+    open_context,
     overlay_text,
+    two_windows,
     wait,
     wait_blue,
     wait_frames_drawn,
@@ -35,18 +37,6 @@ PHONE = {"width": 390, "height": 844}
 def server() -> Iterator[LiveServer]:
     with running_server(fake_settings(model_options={"compute_delay_s": 0.01})) as live:
         yield live
-
-
-@pytest.fixture
-def context(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True)
-    yield context
-    context.close()
-
-
-@pytest.fixture
-def page(context: Any, errors: PageErrors) -> Any:
-    return new_page(context, errors)
 
 
 def share_module(page: Any, call: str) -> Any:
@@ -141,10 +131,6 @@ def sharing(server: LiveServer) -> Iterator[LiveServer]:
         yield live
 
 
-def new_context(browser: Any, viewport: dict[str, int] | None = None) -> Any:
-    return browser.new_context(viewport=viewport or {"width": 1280, "height": 800}, bypass_csp=True)
-
-
 def wait_rewind_span(page: Any, span: int) -> None:
     """Wait until the timeline offers at least ``span`` chunks to go back over."""
     wait(page, f"""() => {{
@@ -202,9 +188,7 @@ def test_timeline_says_its_horizon_in_seconds_and_marks_the_thinned_points(shari
 def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
     sharing: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
-    player_context, viewer_context = new_context(browser), new_context(browser)
-    try:
-        player = new_page(player_context, errors)
+    with two_windows(browser, errors) as (player, viewer):
         player.goto(sharing.base_url + "/")
         wait_frames_drawn(player, 2)
         link = share_link(player, "watch")
@@ -212,7 +196,6 @@ def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
         assert token and link == f"{sharing.base_url}/#watch={token}"
         assert badge(player) == "", "nobody watches yet"
 
-        viewer = new_page(viewer_context, errors)
         viewer.goto(link)
         wait_frames_drawn(viewer, 6)
         watched = debug(viewer)
@@ -238,15 +221,12 @@ def test_watch_link_opens_a_viewer_with_frames_a_badge_and_the_viewer_count(
         wait_state(viewer, "ended")
         assert "you were watching has ended" in overlay_text(viewer)
         assert debug(viewer)["errors"] == []
-    finally:
-        player_context.close()
-        viewer_context.close()
 
 
 def test_branch_link_made_long_ago_starts_a_new_session_where_the_world_is(
     sharing: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
-    context = new_context(browser)
+    context = open_context(browser)
     try:
         player = new_page(context, errors)
         player.goto(sharing.base_url + "/")
@@ -278,12 +258,9 @@ def test_branch_link_made_long_ago_starts_a_new_session_where_the_world_is(
 
 
 def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:
-    player_context, viewer_context = new_context(browser), new_context(browser)
-    try:
-        player = new_page(player_context, errors)
+    with two_windows(browser, errors) as (player, viewer):
         player.goto(sharing.base_url + "/")
         wait_frames_drawn(player, 2)
-        viewer = new_page(viewer_context, errors)
         viewer.goto(share_link(player, "watch"))
         wait_frames_drawn(viewer, 2)
         wait(player, "!document.getElementById('pass-box').hidden")
@@ -318,9 +295,6 @@ def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: 
         # A tick the old player sent while the pass crossed the wire is refused, not fatal: nothing else.
         assert {error["code"] for error in debug(player)["errors"]} <= {"not_controller"}
         assert debug(player)["state"] == "streaming"
-    finally:
-        player_context.close()
-        viewer_context.close()
 
 
 def test_a_share_link_the_server_cannot_honour_says_so(sharing: LiveServer, page: Any) -> None:
@@ -333,13 +307,9 @@ def test_a_share_link_the_server_cannot_honour_says_so(sharing: LiveServer, page
 
 
 def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, browser: Any, errors: PageErrors) -> None:
-    player_context = new_context(browser, PHONE)
-    viewer_context = new_context(browser, PHONE)
-    try:
-        player = new_page(player_context, errors)
+    with two_windows(browser, errors, PHONE) as (player, viewer):
         player.goto(sharing.base_url + "/")
         wait_rewind_span(player, 2)
-        viewer = new_page(viewer_context, errors)
         viewer.goto(share_link(player, "watch"))
         wait_frames_drawn(viewer, 2)
         wait(player, "!document.getElementById('pass-box').hidden")
@@ -351,6 +321,3 @@ def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, brows
                 box = page.locator(selector).bounding_box()
                 assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], selector
         assert viewer.is_visible("#role-badge")
-    finally:
-        player_context.close()
-        viewer_context.close()

@@ -20,6 +20,7 @@ from browser_helpers import (
     browser_marks,
     debug,
     new_page,
+    open_context,
     overlay_text,
     wait,
     wait_frames_drawn,
@@ -43,13 +44,6 @@ def fake() -> FakeKVPipeline:
 def server(fake: FakeKVPipeline) -> Iterator[LiveServer]:
     with running_server(fake_settings(max_start_image_bytes=32 * 1024), fake) as live:
         yield live
-
-
-@pytest.fixture
-def page(browser: Any, errors: PageErrors) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True)
-    yield new_page(context, errors)
-    context.close()
 
 
 def images_seen(fake: FakeKVPipeline, session_id: str) -> list[StartImage | None]:
@@ -129,7 +123,7 @@ def test_a_picture_over_the_servers_limit_is_not_sent(server: LiveServer, page: 
 
 def test_no_picker_for_a_model_without_start_images(browser: Any, errors: PageErrors) -> None:
     with running_server(fake_settings()) as plain:
-        context = browser.new_context(bypass_csp=True)
+        context = open_context(browser, viewport=None)
         page = new_page(context, errors)
         page.goto(plain.base_url + "/")
         new_session_streaming(page, None)

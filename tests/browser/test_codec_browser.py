@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from arstream.programs.bench import ServerProcess
-from browser_helpers import browser_marks
+from browser_helpers import browser_marks, page_at
 
 KEY_D = 8
 
@@ -76,14 +76,9 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def page(server: ServerProcess, browser: Any) -> Iterator[Any]:
-    page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
     # Any page of the server's origin: a secure context (loopback) where WebCodecs exists.
-    page.goto(server.base_url + "/video-decoder.js")
-    yield page
-    page.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    with page_at(browser, server.base_url + "/video-decoder.js") as page:
+        yield page
 
 
 def test_chromium_decodes_h264_frames_with_webcodecs(server: ServerProcess, page: Any) -> None:

@@ -18,6 +18,7 @@ from browser_helpers import (
     PageErrors,
     browser_marks,
     new_page,
+    open_context,
     wait_frames_drawn,
 )
 from servers import fake_settings, running_server
@@ -42,7 +43,7 @@ def test_a_server_listening_beyond_loopback_serves_the_page_to_another_device(
 ) -> None:
     # --host 0.0.0.0 is what a user starts to open the demo from a phone; no token, no --allowed-origins.
     with running_server(fake_settings(host="0.0.0.0", model_options={"compute_delay_s": 0.01})) as server:
-        context = lan_browser.new_context(bypass_csp=True)
+        context = open_context(lan_browser, viewport=None)
         try:
             page = new_page(context, errors)
             page.goto(f"http://{LAN_NAME}:{server.port}/")
@@ -57,7 +58,7 @@ def test_the_servers_own_page_is_admitted_whatever_allowed_origins_lists(lan_bro
     options = {"compute_delay_s": 0.01}
     settings = fake_settings(host="0.0.0.0", allowed_origins="https://game.example", model_options=options)
     with running_server(settings) as server:
-        context = lan_browser.new_context(bypass_csp=True)
+        context = open_context(lan_browser, viewport=None)
         try:
             for base in (f"http://{LAN_NAME}:{server.port}", server.base_url):
                 page = new_page(context, errors)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import PageErrors, browser_marks, debug, new_page, wait, wait_frames_drawn
+from browser_helpers import browser_marks, debug, wait, wait_frames_drawn
 from servers import LiveServer, fake_settings, running_server
 
 pytestmark = browser_marks
@@ -19,24 +19,17 @@ def server() -> Iterator[LiveServer]:
         yield live
 
 
-def test_the_prompt_box_switches_the_prompt_and_shows_the_chunk_that_applied_it(server: LiveServer, browser: Any) -> None:
-    errors = PageErrors()
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, bypass_csp=True)
+def test_the_prompt_box_switches_the_prompt_and_shows_the_chunk_that_applied_it(server: LiveServer, page: Any) -> None:
     sent: list[str] = []
-    try:
-        page = new_page(context, errors)
-        page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
-        page.goto(server.base_url + "/")
-        wait_frames_drawn(page, 9 + 12)
-        assert page.locator("#prompt-form").is_visible()
-        page.fill("#prompt", "a city street at night, rain")
-        page.press("#prompt", "Enter")
-        wait(page, "window.arstreamDebug.promptChunks.length >= 1")
-        applied = debug(page)["promptChunks"][0]
-        assert applied["prompt"] == "a city street at night, rain" and applied["chunk"] >= 1
-        assert any('"type":"input"' in m and '"prompt":"a city street at night, rain"' in m for m in sent), sent
-        assert (page.locator("#log").text_content() or "").count(f"prompt applied at chunk {applied['chunk']}") == 1
-        assert debug(page)["errors"] == []
-    finally:
-        context.close()
-    errors.check()
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
+    page.goto(server.base_url + "/")
+    wait_frames_drawn(page, 9 + 12)
+    assert page.locator("#prompt-form").is_visible()
+    page.fill("#prompt", "a city street at night, rain")
+    page.press("#prompt", "Enter")
+    wait(page, "window.arstreamDebug.promptChunks.length >= 1")
+    applied = debug(page)["promptChunks"][0]
+    assert applied["prompt"] == "a city street at night, rain" and applied["chunk"] >= 1
+    assert any('"type":"input"' in m and '"prompt":"a city street at night, rain"' in m for m in sent), sent
+    assert (page.locator("#log").text_content() or "").count(f"prompt applied at chunk {applied['chunk']}") == 1
+    assert debug(page)["errors"] == []

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from arstream.programs.bench import ServerProcess
-from browser_helpers import browser_marks
+from browser_helpers import browser_marks, page_at
 
 WIDTH, HEIGHT = 64, 48
 KEY_D = 8
@@ -49,14 +49,8 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def page(server: ServerProcess, browser: Any) -> Iterator[Any]:
-    page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
-    page.goto(server.base_url + "/realtime-video.html")
-    yield page
-    page.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    with page_at(browser, server.base_url + "/realtime-video.html", console_errors=True) as page:
+        yield page
 
 
 def test_chromium_plays_the_dialect_through_media_source_extensions(page: Any) -> None:

@@ -360,3 +360,23 @@ def test_listening_on_every_interface_announces_the_lan_urls() -> None:
     assert expected[0] in printed, printed
     for address in lan_addresses():
         assert f"http://{address}:{port}/" in expected[0] and not address.startswith("127.")
+
+
+@pytest.mark.parametrize("has_pyav", [False, True])
+def test_without_pyav_the_start_says_what_to_install_as_info_not_a_warning(
+    has_pyav: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The README's install has no PyAV: its note is the first line a stranger reads, so it reads as a choice.
+    from arstream.app import server, video
+
+    monkeypatch.setattr(video, "h264_available", lambda: has_pyav)
+    with caplog.at_level("DEBUG", logger="arstream.server"):
+        server.note_optional_pages()
+    if has_pyav:
+        assert caplog.records == []
+        return
+    (record,) = caplog.records
+    assert record.levelname == "INFO", record.levelname
+    note = record.getMessage()
+    assert "/realtime-video.html" in note and "pip install 'arstream[video]'" in note, note
+    assert "missing" not in note and "is off" not in note, note
