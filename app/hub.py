@@ -125,6 +125,7 @@ class SessionHub:
             detached=lambda: self.resume.detached_count,
         )
         self._loaded: asyncio.Event | None = None
+        self._park_clock: asyncio.Task[None] | None = None  # --park-after-s on a server with no ticks
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -197,7 +198,15 @@ class SessionHub:
                 self.not_ready_reason = str(exc)
         if self.load_error is not None:
             log.error("%s", self.not_ready_reason)
+        elif self.settings.park_after_s is not None and self.settings.park_budget_bytes > 0:
+            self._park_clock = asyncio.get_running_loop().create_task(self._park_idle_sessions(self.settings.park_after_s))
         self._loaded.set()
+
+    async def _park_idle_sessions(self, after_s: float) -> None:
+        """The worker parks idle sessions after each job; this asks it to on a quiet server too (no ticks at all)."""
+        while self.worker is not None:
+            await asyncio.sleep(max(0.25, after_s / 4))
+            self.worker.park_idle()
 
     async def wait_loaded(self) -> None:
         """Until the model is ready or failed to load (check ``load_error``)."""
@@ -218,6 +227,8 @@ class SessionHub:
             await asyncio.gather(*(c.wait_sent(self.settings.shutdown_grace_s) for c in connections))
 
     async def stop(self) -> None:
+        if self._park_clock is not None:
+            self._park_clock.cancel()
         await self.close_sessions()
         self.start_images.close()
         if self.worker is not None:

@@ -262,6 +262,12 @@ class ModelWorker:
             self._controls.append(lambda: park_session(self.runner, session_id))
             self._cond.notify()
 
+    def park_idle(self) -> None:
+        """Park the sessions idle past ``--park-after-s`` at the next chunk boundary, whether or not a tick comes."""
+        with self._cond:
+            self._controls.append(lambda: park_idle(self.runner))
+            self._cond.notify()
+
     def session_position(self, session_id: str) -> asyncio.Future[SessionPosition]:
         """Resolves on the event loop with where the session stands once none of its ticks is running.
 

@@ -154,3 +154,24 @@ def test_a_detached_session_is_parked_and_its_resume_restores_it_bit_identically
 
         asyncio.run(scenario())
         server.settled(blocks_free)
+
+
+def test_a_quiet_server_parks_a_session_idle_past_park_after_s() -> None:
+    """No tick, no other session, no job at all: the idle session still goes to host memory, and its next tick
+    restores it (the worker alone checks only after a job)."""
+    with running_server(cluster_settings("r0", park_budget_bytes=PARK_BUDGET_BYTES, park_after_s=0.2)) as server:
+        blocks_free = server.stats()["kv"]["blocks_free"]
+
+        async def scenario() -> None:
+            want = await reference(server)
+            async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as idle:
+                await tick_through(idle, range(MOVE_AT), want)
+                await asyncio.to_thread(wait_until, lambda: server.stats()["parking"]["sessions_parked"] == 1)
+                assert server.stats()["parking"]["restores_total"] == 0
+                await tick_through(idle, range(MOVE_AT, len(KEYS)), want)  # restored, frames as if never parked
+                assert server.stats()["parking"]["restores_total"] == 1
+                await idle.send(type="close")
+                await idle.closed_by_server()
+
+        asyncio.run(scenario())
+        server.settled(blocks_free)
