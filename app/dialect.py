@@ -143,6 +143,8 @@ class Dialect:
     can_move = False
     # The error that ends a session idle for ``idle_timeout_s`` (formatted with ``seconds``).
     idle_detail = "no tick or input for {seconds} s while no tick was queued or running"
+    # The close code of that end (None: ``idle_timeout``'s own, 4001).
+    idle_close_code: int | None = None
     # Whether the close frame carries the close reason too (protocol 1's `closed` reason).
     reason_in_close_frame = True
 

@@ -256,7 +256,12 @@ class LiveSession:
             if message is None:
                 if self.serving:
                     detail = self.dialect.idle_detail.format(seconds=self.settings.idle_timeout_s)
-                    self.fatal(ErrorCode.IDLE_TIMEOUT, detail, reason=CloseReason.IDLE_TIMEOUT)
+                    self.fatal(
+                        ErrorCode.IDLE_TIMEOUT,
+                        detail,
+                        reason=CloseReason.IDLE_TIMEOUT,
+                        close_code=self.dialect.idle_close_code,
+                    )
                 return
             if message["type"] == "websocket.disconnect":
                 self.disconnected = True

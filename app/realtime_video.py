@@ -99,6 +99,8 @@ class RealtimeVideo(Dialect):
     """vLLM-Omni's realtime video on one socket (the module docstring says what differs from protocol 1)."""
 
     idle_detail = "Stall timeout: no generation progress and no session.ping for {seconds:g} s"
+    # vLLM-Omni's stall: its error, then session.done (stopped), then its handler returns (close 1000).
+    idle_close_code = CLOSE_NORMAL
     reason_in_close_frame = False
 
     def __init__(self) -> None:
@@ -132,7 +134,10 @@ class RealtimeVideo(Dialect):
         if no_video is not None:
             await live.refuse(ErrorCode.INVALID_MESSAGE, f"this server cannot stream realtime video: {no_video}")
             return None
-        live.limit_messages(live.settings.max_message_bytes)
+        # vLLM-Omni reads a control message of any size its transport takes (uvicorn's 16 MiB) and answers one
+        # over its limit with an error, the session going on; here the transport keeps what every connection
+        # opens with (room for the largest start), so only a message past that is closed 1009 by the transport.
+        live.limit_messages(live.settings.max_start_message_bytes)
         gate = live.gate
         start_image = None
         if request.image is not None:
@@ -371,12 +376,13 @@ class RealtimeVideo(Dialect):
         return error_event(message, code, request_id=self.request_id if self._started else None)
 
     def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
-        if reason is CloseReason.CLIENT or reason is CloseReason.TICK_CLOSE:
+        if reason in (CloseReason.CLIENT, CloseReason.TICK_CLOSE, CloseReason.IDLE_TIMEOUT):
+            # A stall ends as vLLM-Omni's does: its error is queued already, session.done (stopped) follows.
             done = {
                 "type": "session.done",
                 "request_id": self.request_id,
                 "chunks": self._chunks_sent,
-                "stopped": reason is CloseReason.CLIENT,
+                "stopped": reason is not CloseReason.TICK_CLOSE,
             }
             return dumps(done)
         if reason is CloseReason.SERVER_SHUTDOWN:
