@@ -145,6 +145,10 @@ class Dialect:
     idle_detail = "no tick or input for {seconds} s while no tick was queued or running"
     # The close code of that end (None: ``idle_timeout``'s own, 4001).
     idle_close_code: int | None = None
+    # Its sessions' chunks made and not yet written, at most, before the worker starts the next (None: no bound,
+    # the client's own ticks in flight decide). A dialect whose server ticks for the client bounds it, so that an
+    # input binds to a chunk that starts soon after it, not behind chunks made long before it is seen.
+    chunks_ahead: int | None = None
     # Whether the close frame carries the close reason too (protocol 1's `closed` reason).
     reason_in_close_frame = True
 

@@ -132,6 +132,8 @@ class LiveSession:
         self.session, self.session_id = session, session.id
         if self.watch is None:
             session.deliver = self.on_outcome
+            # Where the server ticks for the client, it runs only this far ahead of the socket (Dialect.chunks_ahead).
+            session.chunks_ahead_limit = self.dialect.chunks_ahead
             session.next_chunk_index = started.next_chunk_index
             self.gate.register(self)
         else:

@@ -48,7 +48,7 @@ from arstream.app.realtime_video_events import (
     parse_interaction,
     parse_start,
 )
-from arstream.app.session import Session, SessionState
+from arstream.app.session import CHUNKS_AHEAD, Session, SessionState
 from arstream.app.worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.realtime_video")
@@ -101,6 +101,9 @@ class RealtimeVideo(Dialect):
     idle_detail = "Stall timeout: no generation progress and no session.ping for {seconds:g} s"
     # vLLM-Omni's stall: its error, then session.done (stopped), then its handler returns (close 1000).
     idle_close_code = CLOSE_NORMAL
+    # The server ticks with all the session's credits: an interaction binds to the next chunk that starts, so
+    # no more than this are made ahead of the socket (the worker holds the rest of its ticks in line).
+    chunks_ahead = CHUNKS_AHEAD
     reason_in_close_frame = False
 
     def __init__(self) -> None:

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 RECENT_EVENT_IDS = 256
 # Input events waiting for the next chunk; one more is refused until a chunk applies them.
 MAX_PENDING_EVENTS = 4096
+# A session's chunks made (or being made) and not yet written to its socket, at most, before the worker starts
+# its next one (Session.chunks_ahead_limit, where its dialect bounds it): one in the model and one on its way out
+# keep both busy, and a chunk not started yet takes the newest input. Queued ticks wait in line, credits unchanged.
+CHUNKS_AHEAD = 2
 
 
 class SessionState(Enum):
@@ -150,6 +154,10 @@ class Session:
         self._recent_event_set: set[int] = set()
         # Ticks accepted and not yet written out in full (the credits in use).
         self.pending_ticks = 0
+        # At most this many of its chunks started and not yet written before its next one starts (None: no
+        # bound, for sessions no socket serves); the worker reads it, and is woken when a credit comes back.
+        self.chunks_ahead_limit: int | None = None
+        self.on_credit_returned: Callable[[], None] | None = None
         self._seq = 0
         self._lock = threading.Lock()
         self._controls: dict[str, Any] = {}
@@ -286,6 +294,13 @@ class Session:
         if self.pending_ticks <= 0:
             raise RuntimeError(f"session {self.id} returned a tick credit it did not hold")
         self.pending_ticks -= 1
+        if self.on_credit_returned is not None:
+            self.on_credit_returned()  # a queued tick held back by chunks_ahead_limit may start now
+
+    def may_start_chunk(self, queued: int) -> bool:
+        """Whether its next chunk may start, with ``queued`` of its ticks still queued (worker thread)."""
+        limit = self.chunks_ahead_limit
+        return limit is None or self.pending_ticks - queued < limit
 
     # ---- chunk boundary (worker thread) --------------------------------------------
 
