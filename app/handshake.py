@@ -79,7 +79,7 @@ class Handshake:
             return await self._branch(start)
         resume_token = start.resume or self.ws.query_params.get("resume")
         if resume_token is not None:
-            resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
+            resumed = await self.adopt(resume_token, start)  # a resumed session keeps its own start image
             if resumed is None:
                 return None
             return Started(resumed.session, resumed.next_chunk_index, resumed=True)
@@ -199,8 +199,11 @@ class Handshake:
         await self.live.refuse(ErrorCode.OVER_CAPACITY, refusal)
         return False
 
-    async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
-        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
+    async def adopt(self, token: str, start: StartMessage) -> Resumed | None:
+        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed.
+
+        Also the realtime video dialect's resume (its ``session.start`` with ``resume``): a redirect and every
+        refusal are in the live session's dialect."""
         url_token = self.ws.query_params.get("resume")
         live = self.live
         try:
@@ -249,8 +252,10 @@ class Handshake:
         """Answer a resume of a session that moved: `moved` with the peer's token, `closed` (moved), 1001."""
         log.info("session=%s resume answered with moved (%s)", self.live.session_id, token_hint(forward.resume))
         self.metrics.resumes.labels(outcome="moved").inc()
-        moved = moved_message(resume=forward.resume, next_chunk_index=forward.next_chunk_index)
-        await self.live.send_then_close([dumps(moved), dumps(closed_message(CloseReason.MOVED))], CLOSE_GOING_AWAY)
+        dialect = self.live.dialect
+        texts = [dialect.moved(forward.resume, forward.next_chunk_index)]
+        last = dialect.closed(self.live, CloseReason.MOVED)
+        await self.live.send_then_close(texts if last is None else [*texts, last], CLOSE_GOING_AWAY)
 
     # ---- the start message ----------------------------------------------------------------
 

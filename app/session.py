@@ -158,6 +158,9 @@ class Session:
         # bound, for sessions no socket serves); the worker reads it, and is woken when a credit comes back.
         self.chunks_ahead_limit: int | None = None
         self.on_credit_returned: Callable[[], None] | None = None
+        # What its dialect keeps beyond this object, for a resume (the realtime video dialect's VideoStreamState;
+        # None for protocol 1, whose state is all here). Event loop only; a resume gets a copy.
+        self.dialect_state: Any = None
         self._seq = 0
         self._lock = threading.Lock()
         self._controls: dict[str, Any] = {}
@@ -326,6 +329,11 @@ class Session:
         with self._lock:
             self._apply(job.update)
 
+    def pending_event_ids(self) -> list[int]:
+        """The ids of the input events waiting for their chunk."""
+        with self._lock:
+            return [e.event_id for e in self._pending_events]
+
     def restore_events(self, events: tuple[PendingEvent, ...]) -> None:
         """Put back the events of a chunk that failed, so the next chunk lists them as applied.
 
@@ -352,6 +360,7 @@ class Session:
                 if isinstance(value, (list, dict, set, deque)):
                     setattr(resumed, name, copy.copy(value))
         resumed._lock = threading.Lock()
+        resumed.dialect_state = copy.deepcopy(self.dialect_state)
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
         resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
@@ -390,6 +399,8 @@ class Session:
                 "last_reset_tick_id": self._last_reset_tick_id,
                 "event_floor": self.event_floor,
                 "recent_event_ids": list(self._recent_events),
+                # its dialect's own (a realtime video session's VideoStreamState), as JSON; None for protocol 1
+                "dialect_state": None if self.dialect_state is None else self.dialect_state.portable(),
             }
 
     @classmethod
@@ -418,6 +429,8 @@ class Session:
         for event_id in state["recent_event_ids"]:
             session._recent_events.append(int(event_id))
         session._recent_event_set = set(session._recent_events)
+        # As JSON until its dialect's resume reads it (realtime_video.VideoStreamState.from_portable).
+        session.dialect_state = state.get("dialect_state")
         session.state = SessionState.ACTIVE
         return session
 
