@@ -186,6 +186,11 @@ class Dialect:
         """The session is closing with ``reason``: the last text before the close frame, or None."""
         return None
 
+    def owns(self, session: Session) -> bool:
+        """Whether ``session`` is one of this dialect's (a resume here may adopt it): protocol 1 keeps no state
+        of its own (``Session.dialect_state``), other dialects say which is theirs."""
+        return session.dialect_state is None
+
     def moved(self, resume: str, next_chunk_index: int) -> str:
         """The text that tells a client its session moved to a peer (only where :attr:`can_move`)."""
         raise NotImplementedError(f"{type(self).__name__} sessions cannot move")

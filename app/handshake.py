@@ -213,8 +213,13 @@ class Handshake:
             if forward is not None:
                 await self.redirect(forward)
                 return None
+            session_id = self.gate.resume.lookup(token, live.token_key)
+            holder = self.gate.controller(session_id)
+            held = holder.session if holder is not None else self.gate.resume.detached_session(session_id)
+            if held is not None and not live.dialect.owns(held):
+                raise ResumeRefused("the token names a session of another wire dialect: resume it where it started")
             # A resume passes the same admission as a new session; refused, it spends nothing.
-            refusal = self.gate.admit(live, resuming=self.gate.resume.lookup(token, live.token_key))
+            refusal = self.gate.admit(live, resuming=session_id)
             if refusal is not None:
                 hint = token_hint(token)
                 log.info("session=%s resume with token %s not admitted: %s", live.session_id, hint, refusal)

@@ -52,7 +52,6 @@ from arstream.app.realtime_video_events import (
     parse_interaction,
     parse_start,
 )
-from arstream.app.resume import ResumeRefused
 from arstream.app.session import CHUNKS_AHEAD, Session, SessionState
 from arstream.app.worker import OutcomeKind, TickOutcome
 
@@ -271,10 +270,6 @@ class RealtimeVideo(Dialect):
 
     async def _resume(self, live: LiveSession, token: str) -> Started | None:
         """Adopt the detached (or still attached) session ``token`` names, as protocol 1's resume does."""
-        refusal = self._resume_refusal(live, token)
-        if refusal is not None:
-            await live.refuse(ErrorCode.RESUME_FAILED, refusal)
-            return None
         live.limit_messages(live.settings.max_start_message_bytes)  # as a new session's (see start)
         resumed = await Handshake(live).adopt(token, StartMessage(type="start", resume=token))
         if resumed is None:
@@ -282,31 +277,13 @@ class RealtimeVideo(Dialect):
         state = resumed.session.dialect_state
         if isinstance(state, dict):  # moved here from a peer: its state came as JSON (Session.portable_state)
             state = resumed.session.dialect_state = VideoStreamState.from_portable(state)
-        assert isinstance(state, VideoStreamState)  # _resume_refusal checked its dialect
+        assert isinstance(state, VideoStreamState)  # the resume checked its dialect (owns)
         # Events applied by chunks that ran and never reached the client are done: only the waiting keep names.
         waiting = set(resumed.session.pending_event_ids())
         state.event_names = {i: name for i, name in state.event_names.items() if i in waiting}
         self._state, self.request_id, self.session_id = state, state.request_id, resumed.session.id
         self._chunks_planned = resumed.next_chunk_index  # the dropped ticks never ran; the rest made chunks
         return Started(resumed.session, resumed.next_chunk_index, resumed=True)
-
-    @staticmethod
-    def _resume_refusal(live: LiveSession, token: str) -> str | None:
-        """Why ``token`` cannot resume here (it names a session of another dialect), or None (the resume
-        registry says the rest)."""
-        gate = live.gate
-        try:
-            session_id = gate.resume.lookup(token, live.token_key)
-        except ResumeRefused:
-            return None  # refused by the resume itself, with its reason
-        holder = gate.controller(session_id)
-        session = holder.session if holder is not None else gate.resume.detached_session(session_id)
-        state = None if session is None else session.dialect_state
-        if session is not None and not (
-            isinstance(state, VideoStreamState) or (isinstance(state, dict) and state.get("dialect") == PATH)
-        ):
-            return "the token names a protocol 1 session: resume it on /v1/sessions"
-        return None
 
     async def _await_start(self, live: LiveSession) -> StartRequest | Started | None:
         """The accepted ``session.start`` (or, for a resume, the session it resumed), or None after refusing
@@ -529,6 +506,10 @@ class RealtimeVideo(Dialect):
         )
 
     # ---- errors and the last words ----------------------------------------------------------------
+
+    def owns(self, session: Session) -> bool:
+        state = session.dialect_state  # a moved session's is still JSON until its resume
+        return isinstance(state, VideoStreamState) or (isinstance(state, dict) and state.get("dialect") == PATH)
 
     def moved(self, resume: str, next_chunk_index: int) -> str:
         """ARStream's ``session.moved``: the session goes on on a peer; resume it with this token there."""

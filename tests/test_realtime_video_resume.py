@@ -209,3 +209,29 @@ def test_a_drain_moves_a_resumable_session_to_the_peer_where_it_goes_on_bit_iden
     made_here, made_there = r0_pipeline.made[session_id], r1_pipeline.made[session_id]
     assert len(made_here) == next_index and len(made_there) >= AFTER
     assert same_rollout(r1_pipeline.made[plain_id], made_here + made_there, next_index + AFTER)
+
+
+def test_a_token_resumes_only_on_the_wire_dialect_that_started_its_session() -> None:
+    with running_server(fake_settings(resume_grace_s=30.0), FakeKVPipeline(width=WIDTH, height=HEIGHT)) as live:
+
+        async def cross() -> tuple[list[dict[str, Any]], int | None, list[dict[str, Any]], int | None]:
+            async with session_client(video_url(live)) as client:
+                await client.send(**start(resumable=True))
+                video_token = (await events_until(client, "video.start", []))["resume"]["token"]
+                async with session_client(live.ws_url, start={}) as protocol1:
+                    assert protocol1.ready is not None
+                    protocol1_token = protocol1.ready["resume"]["token"]
+                    async with session_client(video_url(live)) as other:
+                        await other.send(type="session.start", resume=protocol1_token)
+                        as_video = await other.closed_by_server()
+                async with session_client(live.ws_url) as other:
+                    await other.send(type="start", resume=video_token)
+                    as_protocol1 = await other.closed_by_server()
+                await client.send(type="session.stop")
+                await events_until(client, "session.done", [])  # the session itself went on meanwhile
+            return as_video.messages, as_video.code, as_protocol1.messages, as_protocol1.code
+
+        video_messages, video_code, protocol1_messages, protocol1_code = asyncio.run(cross())
+    assert (video_messages[-1]["code"], video_code) == ("resume_failed", 4002), video_messages
+    assert (protocol1_messages[-1]["code"], protocol1_code) == ("resume_failed", 4002), protocol1_messages
+    assert "another wire dialect" in video_messages[-1]["message"]
