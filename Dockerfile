@@ -12,6 +12,7 @@ WORKDIR /opt/arstream
 COPY pyproject.toml README.md ./
 COPY arstream ./arstream
 COPY app ./app
+COPY programs ./programs
 COPY runner ./runner
 COPY models ./models
 COPY static ./static

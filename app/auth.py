@@ -92,12 +92,24 @@ def origin_refusal(
         return f"origin '{excerpt(origin)}' is not on --allowed-origins (nor this server's own)"
     if beyond_loopback:
         return f"origin '{excerpt(origin)}' is not this server's own origin; list it in --allowed-origins"
+    if scheme in ("http", "https") and server_port and _loopback_host(authority):
+        # A page on this machine served from another port: vLLM-Omni's demo page (Gradio, :7860), say.
+        return (
+            f"origin '{excerpt(origin)}' is a page on this machine served from another port than this server's "
+            f"({server_port}); start the server with --allowed-origins {excerpt(origin)} to let it connect"
+        )
     own = f"http://127.0.0.1:{server_port}" if server_port else "this server's own address"
     return (
         f"origin '{excerpt(origin)}' is not allowed: only this server's own pages ({own}, or localhost) may "
         "connect; list the page's origin in --allowed-origins (a file:// page has none: open it from the server, "
         "e.g. /examples/client.html)"
     )
+
+
+def _loopback_host(authority: str) -> bool:
+    """Whether an origin's ``host[:port]`` names this machine by a loopback name."""
+    host = authority.rsplit(":", 1)[0] if not authority.endswith("]") else authority
+    return not listens_beyond_loopback(host)
 
 
 def listens_beyond_loopback(bind_host: str) -> bool:

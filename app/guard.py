@@ -52,7 +52,7 @@ from urllib.parse import unquote_plus
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from arstream.app.limits import MessageBudget
+from arstream.app.limits import TokenBucket
 from arstream.app.settings import RESERVED_FDS, Settings
 
 log = logging.getLogger("arstream.guard")
@@ -195,7 +195,7 @@ class ConnectionGuard:
         self._per_peer: dict[str, int] = {}
         self.rate_per_peer = settings.connection_rate_per_client
         self.burst_per_peer = settings.connection_burst_per_client
-        self._new_connections: dict[str, MessageBudget] = {}  # client address -> its connection rate budget
+        self._new_connections: dict[str, TokenBucket] = {}  # client address -> its connection rate budget
 
     @property
     def open(self) -> int:
@@ -239,7 +239,7 @@ class ConnectionGuard:
         if budget is None:
             if len(self._new_connections) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
                 self._new_connections = {h: b for h, b in self._new_connections.items() if not b.full(now)}
-            budget = self._new_connections[host] = MessageBudget(self.rate_per_peer, self.burst_per_peer, now)
+            budget = self._new_connections[host] = TokenBucket(self.rate_per_peer, self.burst_per_peer, now)
         return budget.try_spend(now)
 
     def release(self, transport: asyncio.BaseTransport) -> None:
@@ -344,7 +344,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.close_timeout = self.close_timeout_s
         self._drop_timer: asyncio.TimerHandle | None = None
         self._ponged_while_paused = False
-        self._frames = MessageBudget(self.max_frames_per_s, self.frame_burst, self.loop.time())
+        self._frames = TokenBucket(self.max_frames_per_s, self.frame_burst, self.loop.time())
         self._over_frame_budget = False
         self._refused = False  # the app refused the connection: nothing more is parsed
         self._discarded_bytes = 0

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 
-class MessageBudget:
-    """A token bucket: ``burst`` messages at once, refilled at ``rate_per_s``."""
+class TokenBucket:
+    """``burst`` tokens at once, refilled at ``rate_per_s``: a client's messages, frames, new connections or
+    wrong cluster secrets, each spent as one token."""
 
     def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
         self.rate_per_s = rate_per_s
@@ -49,6 +50,7 @@ class MessageBudget:
         """Whether the bucket has refilled completely (its owner has been quiet long enough to be forgotten)."""
         self._refill(now)
         return self._tokens >= self.burst
+
 
 
 def count_exceeds(value: Any, limit: int) -> bool:

@@ -40,7 +40,7 @@ from starlette.websockets import WebSocket
 from arstream.app import auth
 from arstream.app.dialect import Dialect, Gate, SessionWorker
 from arstream.app.guard import limit_messages, transport_control
-from arstream.app.limits import MessageBudget, count_exceeds
+from arstream.app.limits import TokenBucket, count_exceeds
 from arstream.app.outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
 from arstream.app.protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, dumps
 from arstream.app.session import Session, SessionState
@@ -86,7 +86,7 @@ class LiveSession:
         self.client_host = websocket.client.host if websocket.client else ""
         self.token_key = auth.token_key(auth.offered_token(websocket.headers, websocket.query_params))
         self.transport = transport_control(websocket.scope)
-        self.budget = MessageBudget(
+        self.budget = TokenBucket(
             self.settings.max_messages_per_s, self.settings.message_burst, asyncio.get_running_loop().time()
         )
         self.watch: Watch | None = None  # set while this socket watches a session instead of controlling it

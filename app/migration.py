@@ -53,15 +53,14 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from arstream.app.live_session import LiveSession
-from arstream.app.drain import DRAIN_PATH, HOLDER_PATH
 from arstream.app.guard import BAN_TABLE_PRUNE_AT
-from arstream.app.limits import MessageBudget
+from arstream.app.limits import TokenBucket
 from arstream.app.peers import configured_peers
 from arstream.app.portable_session import PortableSessionError, validated_session
 from arstream.app.protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from arstream.app.resume import ResumeRefused
 from arstream.app.session import Session, SessionState
-from arstream.app.wire import PROTOCOL_VERSION
+from arstream.app.wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
 from arstream.runner.snapshot import SnapshotError, SnapshotRefused, check_compatible
 from arstream.runner.snapshot_import import SessionImport, TensorEntry
 from arstream.runner.snapshot_stream import PIECE_BYTES, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, Write
@@ -124,7 +123,7 @@ class SecretGate:
 
     def __init__(self, secret: str | None) -> None:
         self.secret = secret
-        self._tries: dict[str, MessageBudget] = {}  # client address -> its budget of wrong secrets
+        self._tries: dict[str, TokenBucket] = {}  # client address -> its budget of wrong secrets
 
     def refusal(self, request: Request) -> JSONResponse | None:
         """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None.
@@ -152,7 +151,7 @@ class SecretGate:
         if budget is None:
             if len(self._tries) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
                 self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
-            budget = self._tries[host] = MessageBudget(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
+            budget = self._tries[host] = TokenBucket(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
         budget.try_spend(now)
         what = "a different cluster secret" if scheme.lower() == "bearer" else "no cluster secret"
         return JSONResponse(

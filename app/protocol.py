@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arstream.app.codecs import CODECS, CodecName
-from arstream.app.wire import PROTOCOL_VERSION
+from arstream.app.wire import ID_LIMIT, PROTOCOL_VERSION
 # Strict parsing is shared with the snapshot header; both names are part of this module's interface too.
 from arstream.strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
 from arstream.strict_json import loads_strict as loads_strict
@@ -34,7 +34,6 @@ MAX_ERROR_MESSAGE_CHARS = 480
 EXCERPT_CHARS = 64
 # A \u escape of a UTF-16 surrogate: the only way a lone one gets into a parsed string.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-ID_LIMIT = 2**32
 MAX_RESUME_TOKEN_CHARS = 256
 MAX_START_IMAGE_NAME_CHARS = 256
 MAX_VIEWER_ID_CHARS = 64
@@ -335,7 +334,7 @@ def ready_message(
     token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
     "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served.
     """
-    message = {
+    message: dict[str, Any] = {
         "type": "ready",
         "protocol": PROTOCOL_VERSION,
         "session_id": session_id,

@@ -257,7 +257,12 @@ class Protocol1(Dialect):
         gate.resume.forget(live)
         live.watch.viewer_id = gate.shares.join(session.id, live, cap=False)
         ticket = gate.resume.ticket(target, session.next_chunk_index)
-        target.notify(role_message(ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=ticket))
+        # how far back it can rewind and branch from, as `ready` says it: the new controller's page shows the same timeline
+        target.notify(
+            role_message(
+                ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=ticket, rewind_seconds=gate.rewind_seconds
+            )
+        )
         live.notify(role_message(ROLE_VIEWER, viewer_id=live.watch.viewer_id))
         log.info(
             "session=%s control passed to %s; the controller became viewer %s",

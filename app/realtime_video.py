@@ -43,6 +43,7 @@ from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
 from arstream.app.protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, dumps, loads_strict
 from arstream.app.realtime_video_events import (
+    MAX_CONTROL_MESSAGE_BYTES,
     MAX_EVENT_ID_BYTES,
     OUTPUT_FORMAT,
     RealtimeVideoError,
@@ -160,6 +161,16 @@ class VideoStreamState:
         return state
 
 
+def limit_control_messages(live: LiveSession) -> None:
+    """The transport's message limit once a session started (or resumed) here.
+
+    vLLM-Omni reads a control message of any size its transport takes (uvicorn's 16 MiB) and answers one over
+    its 128 KiB with an error, the session going on; here the transport keeps what every connection opens with
+    (room for the largest start), so only a message past that is closed 1009 by the transport.
+    """
+    live.limit_messages(max(MAX_CONTROL_MESSAGE_BYTES, live.settings.max_start_message_bytes))
+
+
 def resume_token_of(message: Any) -> str | None:
     """The token a ``session.start`` resumes with (ARStream's ``resume``), or None; raises RealtimeVideoError."""
     if not isinstance(message, dict) or message.get("type") != "session.start" or message.get("resume") is None:
@@ -230,10 +241,7 @@ class RealtimeVideo(Dialect):
         if no_video is not None:
             await live.refuse(ErrorCode.INVALID_MESSAGE, f"this server cannot stream realtime video: {no_video}")
             return None
-        # vLLM-Omni reads a control message of any size its transport takes (uvicorn's 16 MiB) and answers one
-        # over its limit with an error, the session going on; here the transport keeps what every connection
-        # opens with (room for the largest start), so only a message past that is closed 1009 by the transport.
-        live.limit_messages(live.settings.max_start_message_bytes)
+        limit_control_messages(live)
         gate = live.gate
         start_image = None
         if request.image is not None:
@@ -256,7 +264,7 @@ class RealtimeVideo(Dialect):
             self.session_id,
             codec=fmp4_codec(request.fps),
             quality=live.settings.default_jpeg_quality(card),
-            seed=request.start.seed,
+            seed=request.seed,
             prompt=request.start.prompt,
             max_pending_ticks=live.settings.max_pending_ticks,
             start_image=start_image,
@@ -270,7 +278,7 @@ class RealtimeVideo(Dialect):
 
     async def _resume(self, live: LiveSession, token: str) -> Started | None:
         """Adopt the detached (or still attached) session ``token`` names, as protocol 1's resume does."""
-        live.limit_messages(live.settings.max_start_message_bytes)  # as a new session's (see start)
+        limit_control_messages(live)
         resumed = await Handshake(live).adopt(token, StartMessage(type="start", resume=token))
         if resumed is None:
             return None
@@ -451,7 +459,7 @@ class RealtimeVideo(Dialect):
                 raise RealtimeVideoError(
                     "binary messages from the client are not part of this API", ErrorCode.INVALID_MESSAGE
                 )
-            if too_large(text, live.settings.max_message_bytes):
+            if too_large(text, MAX_CONTROL_MESSAGE_BYTES):
                 raise RealtimeVideoError("control message too large", ErrorCode.MESSAGE_TOO_LARGE)
             try:
                 parsed = loads_strict(text)
@@ -493,7 +501,10 @@ class RealtimeVideo(Dialect):
         event_id = (session.event_floor or 0) + 1
         try:
             session.accept_event(
-                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt)
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt),
+                hold_chunks=interaction.hold_chunks,
+                release=interaction.release,
+                prompt_transition_chunks=interaction.prompt_transition_chunks,
             )
         except ProtocolError as exc:
             raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None

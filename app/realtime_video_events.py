@@ -4,8 +4,8 @@ vLLM-Omni's schema, field by field (its ``serving_video_output_stream.py``
 and ``VideoGenerationRequest`` in ``vllm-omni==0.30.0``): :func:`parse_start`
 checks a ``session.start`` against it and the served model's card,
 :func:`parse_interaction` a ``session.interaction`` (in vLLM-Omni's order of
-checks, with its messages), and :func:`camera_to_controls` turns a
-structural SE3 camera velocity into the model's own controls. Every refusal
+checks, with its messages), and :func:`camera_move` turns a
+structural SE3 camera velocity or target into the model's own controls. Every refusal
 is a :class:`RealtimeVideoError`, sent in vLLM-Omni's error shape
 (:func:`error_event`). The connection that uses them is
 :mod:`arstream.app.realtime_video`.
@@ -21,8 +21,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from arstream.app.protocol import ErrorCode
+from arstream.runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS, default_num_frames, prompt_switch
 
 OUTPUT_FORMAT = "m4s"
+# vLLM-Omni's limit on a control message after session.start (its _MAX_CONTROL_MESSAGE_SIZE), this dialect's too.
+MAX_CONTROL_MESSAGE_BYTES = 128 * 1024
+# vLLM-Omni takes any int64 seed; torch seeds a generator from a negative one as from it plus 2**64, and so does
+# this dialect (ARStream's sessions and models take seeds from 0).
+SEED_WRAP = 2**64
+# vLLM-Omni's camera default: an event without ``mode`` is a target; a target takes one chunk unless told.
+DEFAULT_CAMERA_MODE = "target"
+DEFAULT_TARGET_TRANSITION_CHUNKS = 1
 # vLLM-Omni's LingBot-World helper turns 6 degrees a frame for one look key; Matrix-Game's key-driven camera
 # turns 0.1 of its units a frame. Equating the two gives the scale of a rotation in the model's camera units.
 CAMERA_UNITS_PER_DEGREE = 0.1 / 6.0
@@ -94,7 +103,7 @@ class SessionStart(BaseModel):
     fps: float | None = Field(None, ge=1, allow_inf_nan=False)
     num_frames: int | None = Field(None, ge=1)
     video_params: VideoParamsBlock | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # vLLM-Omni's int64
     image_reference: Any = None  # checked by start_image_request: vLLM-Omni's {image_url} or {file_id}
     num_outputs_per_prompt: int = Field(1, ge=1, le=1)
     generate_sound: bool = False
@@ -110,7 +119,7 @@ class StartRequest:
     width: int
     height: int
     fps: float
-    num_frames: int | None  # None: until session.stop
+    num_frames: int  # the frames asked for, or the model's default length (vLLM-Omni's default_num_frames)
     controls: dict[str, Any] | None  # ARStream's extra_params.controls, the first chunk's controls
     image: tuple[str | None, str | None] | None  # the start image asked for: (name, base64 data), or None
 
@@ -122,10 +131,14 @@ class StartRequest:
         echoed = self.start.model_dump(exclude_none=True, exclude={"type", "video_params", "image_reference"})
         if self.image is not None and self.image[0] is not None:
             echoed["image_reference"] = {"file_id": self.image[0]}
-        echoed.update(width=self.width, height=self.height, fps=self.fps)
-        if self.num_frames is not None:
-            echoed["num_frames"] = self.num_frames
+        echoed.update(width=self.width, height=self.height, fps=self.fps, num_frames=self.num_frames)
         return echoed
+
+    @property
+    def seed(self) -> int | None:
+        """The session's seed: a negative int64 as torch takes it (plus 2**64)."""
+        seed = self.start.seed
+        return seed + SEED_WRAP if seed is not None and seed < 0 else seed
 
 
 def fold_sampling_params(message: dict[str, Any]) -> dict[str, Any]:
@@ -159,10 +172,10 @@ def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
         start = SessionStart.model_validate(fold_sampling_params(message))
     except ValidationError as exc:
         raise RealtimeVideoError(f"Invalid session.start: {exc}", ErrorCode.INVALID_MESSAGE) from None
-    name = model_card.get("name")
-    if start.model is not None and start.model != name:
+    served = model_card.get("name")
+    if start.model is not None and start.model != served:
         raise RealtimeVideoError(
-            f"Model mismatch: request specifies '{start.model}' but server is running '{name}'.",
+            f"Model mismatch: request specifies '{start.model}' but server is running '{served}'.",
             ErrorCode.INVALID_MESSAGE,
         )
     if start.generate_sound or start.enable_frame_interpolation:
@@ -189,6 +202,8 @@ def parse_start(message: Any, model_card: dict[str, Any]) -> StartRequest:
     num_frames = start.num_frames or block.num_frames
     if num_frames is None and start.seconds is not None:
         num_frames = int(float(start.seconds) * card_fps)
+    if num_frames is None:
+        num_frames = default_num_frames(model_card)
     controls = (start.extra_params or {}).get("controls")
     if controls is not None and not isinstance(controls, dict):
         raise RealtimeVideoError("extra_params.controls must be a JSON object", ErrorCode.INVALID_CONTROLS)
@@ -259,23 +274,31 @@ def yaw_pitch_degrees(rotation: list[float]) -> tuple[float, float]:
     return math.degrees(yaw), math.degrees(pitch)
 
 
-def camera_to_controls(camera: Any, model_card: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CameraMove:
+    """A camera event as the model's controls: held until replaced, or for a target's chunks then released."""
+
+    controls: dict[str, Any]
+    hold_chunks: int | None = None  # None: until another controls change (velocity); N: a target's chunks
+    release: dict[str, Any] | None = None  # the controls after those chunks: no key pressed, no turn
+
+
+def camera_move(camera: Any, model_card: dict[str, Any], transition_chunks: int | None = None) -> CameraMove:
     """A structural SE3 camera payload as the model's controls; raises ValueError saying what does not fit.
 
-    ``velocity`` (a per-frame delta, held until replaced) maps onto what
-    ARStream's models take per frame: the translation's sign along +Z/-Z and
-    +X/-X presses W/S and D/A (keys have no magnitude), the rotation's yaw and
-    pitch set the camera axes (``CAMERA_UNITS_PER_DEGREE``, clamped to the
-    schema). ``target`` (an absolute pose) is refused: these models take motion,
-    not poses.
+    ``mode`` defaults to ``target``, as in vLLM-Omni. A ``velocity`` (a
+    per-frame delta) holds until replaced. A ``target`` (a pose, relative to
+    where the camera is when the target starts: ARStream's models report no
+    pose) becomes the per-frame delta that reaches it over
+    ``transition_chunks`` chunks (default 1; 0 also takes one chunk, the least
+    a model can move in), held for those chunks and then released: no key,
+    no turn. Either delta maps through :func:`motion_controls`.
     """
     if not isinstance(camera, dict):
         raise ValueError("multi_modal_data.camera must be an object")
-    mode = camera.get("mode")
-    if mode == "target":
-        raise ValueError("camera mode 'target' is not supported: ARStream's models take motion, use 'velocity'")
-    if mode != "velocity":
-        raise ValueError(f"camera mode must be 'velocity' or 'target', got {mode!r}")
+    mode = camera.get("mode", DEFAULT_CAMERA_MODE)
+    if mode not in ("velocity", "target"):
+        raise ValueError(f"camera mode must be 'target' or 'velocity', got {mode!r}")
     data = camera.get("data")
     if not isinstance(data, dict):
         raise ValueError("camera.data must be an object with translation and rotation")
@@ -283,7 +306,27 @@ def camera_to_controls(camera: Any, model_card: dict[str, Any]) -> dict[str, Any
         raise ValueError("camera.data.actions (key tokens) is not accepted: send structural SE3")
     dx, _dy, dz = _numbers(data.get("translation", [0.0, 0.0, 0.0]), 3, "camera.data.translation")
     yaw, pitch = yaw_pitch_degrees(_numbers(data.get("rotation", [0.0, 0.0, 0.0, 1.0]), 4, "camera.data.rotation"))
+    if mode == "velocity":
+        return CameraMove(motion_controls(dx, dz, yaw, pitch, model_card))
+    chunks = max(1, DEFAULT_TARGET_TRANSITION_CHUNKS if transition_chunks is None else transition_chunks)
+    frames = chunks * int(model_card["frames_per_chunk"])
+    per_frame = motion_controls(dx / frames, dz / frames, yaw / frames, pitch / frames, model_card)
+    return CameraMove(per_frame, chunks, motion_controls(0.0, 0.0, 0.0, 0.0, model_card))
 
+
+def camera_to_controls(camera: Any, model_card: dict[str, Any]) -> dict[str, Any]:
+    """The controls a camera payload sets first (see :func:`camera_move`)."""
+    return camera_move(camera, model_card).controls
+
+
+def motion_controls(dx: float, dz: float, yaw: float, pitch: float, model_card: dict[str, Any]) -> dict[str, Any]:
+    """A per-frame camera motion as the model's controls; raises ValueError where the model has no control for it.
+
+    It maps onto what ARStream's models take per frame: the translation's sign
+    along +Z/-Z and +X/-X presses W/S and D/A (keys have no magnitude), the
+    yaw and pitch (degrees a frame) set the camera axes
+    (``CAMERA_UNITS_PER_DEGREE``, clamped to the schema).
+    """
     properties = model_card.get("controls", {}).get("properties", {})
     pressed = []
     if dz > TRANSLATION_DEAD_ZONE:
@@ -321,6 +364,11 @@ class Interaction:
     prompt: str | None
     controls: dict[str, Any] | None
     transition_chunks: int | None
+    # A camera target's: its controls hold for this many chunks, then ``release`` applies (None: until replaced).
+    hold_chunks: int | None = None
+    release: dict[str, Any] | None = None
+    # The chunks a prompt change blends over (0: at the next chunk; the model card's prompt_switch decides).
+    prompt_transition_chunks: int = 0
 
 
 def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> Interaction:
@@ -378,20 +426,39 @@ def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> In
         if transition_chunks < 0:
             raise RealtimeVideoError("session.interaction transition_chunks must be >= 0", ErrorCode.INVALID_MESSAGE)
 
+    switch = prompt_switch(model_card)
+    if has_prompt and switch is None:
+        # vLLM-Omni refuses a prompt for a pipeline without a prompt handler ("Failed to apply interaction").
+        raise RealtimeVideoError(
+            f"this model ({model_card.get('name')}) reads no prompt: a prompt change cannot be applied",
+            "interaction_failed",
+            event_id=event_id,
+        )
+    blend = DEFAULT_PROMPT_TRANSITION_CHUNKS if transition_chunks is None else transition_chunks
     controls: dict[str, Any] | None = None
-    if has_mm:
+    move = CameraMove({})
+    if isinstance(mm, dict) and mm:  # has_mm, spelled so the type checker sees a dict
         unknown = sorted(set(mm) - {"camera"})
         if unknown:
             raise RealtimeVideoError(
                 f"this model takes no {unknown} interaction (only camera)", "interaction_failed", event_id=event_id
             )
         try:
-            controls = camera_to_controls(mm["camera"], model_card)
+            move = camera_move(mm["camera"], model_card, transition_chunks)
         except ValueError as exc:
             raise RealtimeVideoError(str(exc), "interaction_failed", event_id=event_id) from None
+        controls = move.controls
     if native is not None:
         # ARStream's addition: the model's own controls, as protocol 1's `input` carries them (they win).
         if not isinstance(native, dict):
             raise RealtimeVideoError("event.controls must be an object", ErrorCode.INVALID_CONTROLS, event_id=event_id)
         controls = {**(controls or {}), **native}
-    return Interaction(event_id, prompt if has_prompt else None, controls, transition_chunks)
+    return Interaction(
+        event_id,
+        prompt if has_prompt else None,
+        controls,
+        transition_chunks,
+        hold_chunks=move.hold_chunks,
+        release=move.release,
+        prompt_transition_chunks=blend if switch == "blend" else 0,
+    )

@@ -1,7 +1,7 @@
 """``arstream serve``: the FastAPI app factory, its HTTP routes and WebSocket endpoint, and the CLI.
 
 Routes (PROTOCOL.md, "Endpoints"): ``WS /v1/sessions``, ``WS /v1/realtime/video``, ``GET /v1/stats``,
-``/metrics``, ``/v1/model``, ``/healthz``, ``/readyz``, ``/servingz`` and the demo page at
+``/metrics``, ``/v1/model``, ``/v1/models``, ``/healthz``, ``/readyz``, ``/servingz`` and the demo page at
 ``/`` (the repository's ``static/`` directory).
 
 :class:`ARStreamServer` is uvicorn's server with two changes. SIGTERM drains
@@ -23,7 +23,9 @@ import logging
 import signal
 import socket
 import sys
+import time
 from types import FrameType
+from typing import Any
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -38,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from arstream import __version__
 from arstream.app.address import display_host, network_lines, refusal_before_loading
-from arstream.app.codecs import FMP4
+from arstream.app.codecs import FMP4, offered_codecs
 from arstream.app.balancer import BALANCER_HEADER, BalancerLedger, start_agent
 from arstream.app.dialects import DIALECTS, DialectFactory
 from arstream.app.guard import protocol_classes, quiet_resource_errors, redact_uvicorn_logs
@@ -63,9 +65,17 @@ AGENT_MARKER = "ARSTREAM_AGENT"
 DRAIN_REPORT_MARKER = "ARSTREAM_DRAIN_REPORT"
 
 
+def openai_model_list(card: dict[str, Any], created: int) -> dict[str, Any]:
+    """``GET /v1/models`` as OpenAI's API (and vLLM's) answers it: the one served model, named as its card names it."""
+    name = card["name"]
+    entry = {"id": name, "object": "model", "created": created, "owned_by": "arstream", "root": name, "parent": None}
+    return {"object": "list", "data": [entry]}
+
+
 def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAPI:
     """An app serving ``pipeline`` (or the one ``settings.model`` names, loaded at startup)."""
     hub = SessionHub(settings, pipeline)
+    started_at = int(time.time())
     balancers = BalancerLedger()
 
     @asynccontextmanager
@@ -122,6 +132,18 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         if not hub.model_card:
             return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
         return JSONResponse(hub.model_card)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        # The OpenAI-style list vLLM's (and vLLM-Omni's) clients read the served model's name from.
+        if not hub.model_card:
+            return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
+        return JSONResponse(openai_model_list(hub.model_card, started_at))
+
+    @app.get("/v1/codecs")
+    async def codecs() -> JSONResponse:
+        # What a `start` may name here, with its ARF1 header id: the page builds its codec menu from it.
+        return JSONResponse({"codecs": offered_codecs(), "default": hub.settings.codec})
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:

@@ -89,6 +89,10 @@ class Update:
     seq: int
     controls: dict[str, Any] | None = None
     prompt: str | None = None
+    # The dialect's camera target: ``controls`` hold for this many chunks, then ``release`` replaces them.
+    hold_chunks: int | None = None
+    release: dict[str, Any] | None = None
+    prompt_transition_chunks: int = 0  # the chunks the model blends a prompt change over (0: at once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,7 @@ class ChunkInputs:
     controls: dict[str, Any]
     prompt: str | None
     events: tuple[PendingEvent, ...]
+    prompt_transition_chunks: int = 0
 
     @property
     def applied_event_ids(self) -> tuple[int, ...]:
@@ -167,6 +172,9 @@ class Session:
         self._controls_seq = -1
         self._prompt = prompt
         self._prompt_seq = -1
+        self._prompt_transition_chunks = 0
+        # Chunks the current controls still hold for, and what replaces them then (a camera target's release).
+        self._controls_hold: tuple[int, dict[str, Any]] | None = None
         self._pending_events: list[PendingEvent] = []
         # The latest pending event values per field, with their arrival numbers (see the module docstring).
         self._staged_controls: Update | None = None
@@ -206,9 +214,9 @@ class Session:
 
     # ---- messages (event loop) ----------------------------------------------------
 
-    def _next_update(self, controls: dict[str, Any] | None, prompt: str | None) -> Update:
+    def _next_update(self, controls: dict[str, Any] | None, prompt: str | None, **extra: Any) -> Update:
         self._seq += 1
-        return Update(self._seq, controls, prompt)
+        return Update(self._seq, controls, prompt, **extra)
 
     def accept_tick(self, message: TickMessage) -> TickJob:
         """Check a tick against the session's state, id floor and credits; on success it holds a credit.
@@ -256,8 +264,20 @@ class Session:
         if self.state is SessionState.DRAINING:
             self.transition(SessionState.ACTIVE)
 
-    def accept_event(self, message: InputMessage) -> bool:
-        """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again)."""
+    def accept_event(
+        self,
+        message: InputMessage,
+        *,
+        hold_chunks: int | None = None,
+        release: dict[str, Any] | None = None,
+        prompt_transition_chunks: int = 0,
+    ) -> bool:
+        """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again).
+
+        With ``hold_chunks``, the event's controls hold for that many chunks and
+        then ``release`` applies (at the chunk boundary, whatever is queued);
+        ``prompt_transition_chunks`` goes to the model with the prompt.
+        """
         event_id = message.event_id
         if self.event_floor is not None and event_id <= self.event_floor:
             if event_id in self._recent_event_set:
@@ -278,7 +298,13 @@ class Session:
             self._recent_event_set.discard(self._recent_events[0])
         self._recent_events.append(event_id)
         self._recent_event_set.add(event_id)
-        update = self._next_update(message.controls, message.prompt)
+        update = self._next_update(
+            message.controls,
+            message.prompt,
+            hold_chunks=hold_chunks,
+            release=release,
+            prompt_transition_chunks=prompt_transition_chunks,
+        )
         with self._lock:
             self._pending_events.append(PendingEvent(event_id, time.perf_counter()))
             if update.controls is not None:
@@ -310,8 +336,20 @@ class Session:
     def _apply(self, update: Update) -> None:
         if update.controls is not None and update.seq > self._controls_seq:
             self._controls, self._controls_seq = update.controls, update.seq
+            held = update.hold_chunks is not None and update.release is not None
+            self._controls_hold = (update.hold_chunks, update.release) if held else None  # type: ignore[assignment]
         if update.prompt is not None and update.seq > self._prompt_seq:
             self._prompt, self._prompt_seq = update.prompt, update.seq
+            self._prompt_transition_chunks = update.prompt_transition_chunks
+
+    def _count_held_chunk(self) -> None:
+        """A chunk used the held controls: after their last one, the release replaces them (same arrival number)."""
+        if self._controls_hold is None:
+            return
+        left, release = self._controls_hold
+        self._controls_hold = (left - 1, release) if left > 1 else None
+        if left <= 1:
+            self._controls = release
 
     def take_chunk_inputs(self, job: TickJob) -> ChunkInputs:
         """Apply the tick's own update and every pending input event, newest last; return the result."""
@@ -322,7 +360,9 @@ class Session:
             self._staged_controls = self._staged_prompt = None
             for update in sorted([job.update, *staged], key=lambda u: u.seq):
                 self._apply(update)
-            return ChunkInputs(dict(self._controls), self._prompt, events)
+            inputs = ChunkInputs(dict(self._controls), self._prompt, events, self._prompt_transition_chunks)
+            self._count_held_chunk()
+            return inputs
 
     def absorb_update(self, job: TickJob) -> None:
         """Apply the update of an accepted tick that will not run; pending events wait for the next chunk."""

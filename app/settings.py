@@ -1,4 +1,11 @@
-"""Server settings: environment variables (``ARSTREAM_*``) overridden by ``arstream serve`` flags."""
+"""Server settings: environment variables (``ARSTREAM_*``) overridden by ``arstream serve`` flags.
+
+The settings come in groups, one class each (:class:`ServerSettings`, :class:`ModelSettings`, ...), that
+:class:`Settings` joins into one flat model: ``settings.max_sessions`` and ``ARSTREAM_MAX_SESSIONS`` name a
+setting whatever its group, and the groups show only where a reader looks for a setting (this file,
+``arstream serve --help``, docs/server.md). A renamed or removed setting stays accepted for a while with a
+one-line deprecation (:meth:`Settings.deprecation_notes`).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,13 @@ import json
 import re
 import resource
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,18 +51,43 @@ def default_replica_id() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", label)[:64] or "r0"
 
 
-class Settings(BaseSettings):
-    """Everything ``arstream serve`` can be told; see docs/server.md."""
+class SettingGroup(BaseModel):
+    """Settings read together; ``arstream serve --help`` lists them under ``group_title``, with the docstring."""
 
-    model_config = SettingsConfigDict(env_prefix="ARSTREAM_", extra="forbid")
+    group_title: ClassVar[str]
+
+
+class ServerSettings(SettingGroup):
+    """Where the server listens, what it logs, how long it waits for last bytes at shutdown."""
+
+    group_title = "server"
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="server log level")
+    shutdown_grace_s: float = Field(2.0, ge=0, description="how long shutdown waits for each session's last bytes")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class ModelSettings(SettingGroup):
+    """The model served, what drives it, on which device, with how much memory for its KV."""
+
+    group_title = "model"
+
     model: str = Field(
         DEFAULT_MODEL, description="pipeline name, or vllm-omni:NAME (docs/vllm-omni.md); fake-kv is the test fake"
     )
     model_options: dict[str, Any] = Field(
         default_factory=dict, description="JSON object passed to the pipeline loader as keyword arguments"
+    )
+    runtime: RuntimeName = Field(
+        "arstream",
+        description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "
+        "needs the vllm-omni extra; docs/vllm-omni.md)",
     )
     device: str = Field("cpu", description="torch device")
     torch_threads: int | None = Field(
@@ -66,6 +99,31 @@ class Settings(BaseSettings):
     memory_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool"
     )
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        return check_model_name(value)
+
+    @field_validator("model_options")
+    @classmethod
+    def _options_fit_the_model(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # a vllm-omni: model's weights path is checked here, so a wrong one fails before the port is bound
+        return check_model_options(info.data["model"], value) if "model" in info.data else value
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime_runs_the_model(cls, value: str, info: ValidationInfo) -> str:
+        if "model" in info.data:
+            check_runtime(info.data["model"], value)
+        return value
+
+
+class SchedulingSettings(SettingGroup):
+    """How ticks are served: credits, batching, admission, the threads beside the model worker."""
+
+    group_title = "scheduling"
+
     max_pending_ticks: int = Field(4, ge=1, le=1024, description="ticks a session may have queued or running")
     max_batch_sessions: int | None = Field(
         None,
@@ -73,12 +131,44 @@ class Settings(BaseSettings):
         le=256,
         description="sessions whose chunks may share one forward; 1 disables batching; default: 1 on CPU, 4 elsewhere",
     )
+    batch_wait_fraction: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="wait up to this fraction of the last round's time for its sessions' next ticks, so a round "
+        "is not split in two, and from idle for other sessions' first ticks (batched sessions only; 0: never wait)",
+    )
     decode_overlap: bool | None = Field(
         None,
         description="decode each round's chunks on a thread (a CUDA stream) of its own while the next round's forward "
         "runs, for models that split forward and decode (matrix-game-2, fake-kv); default: on for accelerators, off "
         "on CPU (docs/decode.md)",
     )
+    admission: AdmissionName = Field(
+        "kv",
+        description="kv: admit while the KV pool has a session slot; realtime: also only while every admitted "
+        "session still gets the model's fps at the measured chunk times (docs/server.md)",
+    )
+    encode_threads: int | None = Field(
+        None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
+    )
+    encoder_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="steps of CPU niceness the encoder and start-image decode threads run below the model worker, "
+        "so the worker gets a core first when cores are short",
+    )
+    keep_freed_memory: bool = Field(
+        True, description="keep freed frame memory in the process (glibc) instead of faulting in fresh pages each round"
+    )
+
+
+class RewindSettings(SettingGroup):
+    """How far back a session may rewind or be branched from (docs/rewind.md)."""
+
+    group_title = "rewind"
+
     rewind_seconds: float = Field(
         30.0,
         ge=0,
@@ -94,6 +184,23 @@ class Settings(BaseSettings):
         "copies of the model's per-session state), counted in capacity; a model whose points cost more gets "
         "fewer, sparser ones, or a shorter horizon (docs/rewind.md)",
     )
+    # Deprecated since the horizon is in seconds (issue 36): the count of chunk boundaries kept. Still a field, so
+    # it is parsed, bounded and reported like any other; Settings reads it as what it maps to.
+    rewind_points: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="deprecated: the rewind horizon is --rewind-seconds; 0 reads as --rewind-seconds 0 (rewind "
+        "off), another count is ignored",
+    )
+
+
+class ParkingSettings(SettingGroup):
+    """Idle, detached and least recently used sessions parked in host memory, restored on their next tick
+    (docs/deployment.md, Parking)."""
+
+    group_title = "parking"
+
     park_budget_bytes: int = Field(
         0,
         ge=0,
@@ -111,42 +218,13 @@ class Settings(BaseSettings):
     park_spill_budget_bytes: int = Field(
         0, ge=0, description="disk bytes parked sessions may take in the spill directory (which it needs)"
     )
-    runtime: RuntimeName = Field(
-        "arstream",
-        description="what drives the model: arstream (its own runner) or vllm-omni (vLLM-Omni's AR-Diffusion runner, "
-        "needs the vllm-omni extra; docs/vllm-omni.md)",
-    )
-    admission: AdmissionName = Field(
-        "kv",
-        description="kv: admit while the KV pool has a session slot; realtime: also only while every admitted "
-        "session still gets the model's fps at the measured chunk times (docs/server.md)",
-    )
-    encode_threads: int | None = Field(
-        None, ge=1, le=256, description="frame encoder threads beside the model worker; default: one per CPU core"
-    )
-    batch_wait_fraction: float = Field(
-        0.25,
-        ge=0,
-        le=1,
-        description="wait up to this fraction of the last round's time for its sessions' next ticks, so a round "
-        "is not split in two, and from idle for other sessions' first ticks (batched sessions only; 0: never wait)",
-    )
-    encoder_nice: int = Field(
-        10,
-        ge=0,
-        le=19,
-        description="steps of CPU niceness the encoder and start-image decode threads run below the model worker, "
-        "so the worker gets a core first when cores are short",
-    )
-    keep_freed_memory: bool = Field(
-        True, description="keep freed frame memory in the process (glibc) instead of faulting in fresh pages each round"
-    )
-    idle_timeout_s: float = Field(
-        60.0, gt=0, description="close a session after this long without a tick or input (pings do not count)"
-    )
-    start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
-    auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
-    allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
+
+
+class CodecSettings(SettingGroup):
+    """The frames' format when `start` names none."""
+
+    group_title = "codec"
+
     codec: CodecName = Field("jpeg", description="frame codec when `start` names none")
     jpeg_quality: int = Field(80, ge=1, le=100, description="JPEG quality when `start` names none")
     small_frame_jpeg_quality: int = Field(
@@ -156,7 +234,146 @@ class Settings(BaseSettings):
         description="JPEG quality when `start` names none and the model's frames are at most 128x128 px "
         "(flat colours at that size show JPEG's noise; a 64x64 frame: 2.4 KB at 80, 4.5 KB at 95)",
     )
+
+    @field_validator("codec")
+    @classmethod
+    def _codec_can_encode(cls, value: str) -> str:
+        # Refused before the port is bound, not at the first chunk: `--codec h264` on a machine without PyAV.
+        reason = CODECS[value].unavailable_reason()
+        if reason is not None:
+            raise ValueError(reason)
+        return value
+
+
+class AccessSettings(SettingGroup):
+    """Who may connect: tokens, origins, host names, trusted proxies."""
+
+    group_title = "access"
+
+    auth_token: str | None = Field(None, description="require this bearer token (header or ?token=); default: none")
+    allowed_origins: str = Field("", description="comma list of allowed Origin values; '*' allows every origin")
+    allowed_hosts: str = Field(
+        "", description="comma list of Host names served (*.example.com works); empty: any, or loopback names only "
+        "when bound to loopback; '*': any"
+    )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1", description="comma list of proxy addresses whose X-Forwarded-For is trusted; '*' trusts all"
+    )
+    refuse_before_upgrade: bool = Field(
+        False, description="answer a missing or wrong token, or a refused origin, with HTTP 401/403 before the "
+        "WebSocket upgrade instead of the `unauthorized` error (browsers then see only a failed connection)"
+    )
+
+    @field_validator("auth_token")
+    @classmethod
+    def _usable_auth_token(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        tokens = [token.strip() for token in value.split(",")]
+        if not any(tokens):
+            raise ValueError("the auth token is empty, which would admit an empty ?token=; unset it to run without one")
+        if not all(tokens):
+            raise ValueError("a comma list of auth tokens has an empty entry")
+        return ",".join(tokens)
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _normalised_origins(cls, value: str) -> str:
+        return ",".join(normalise_origin(entry) for entry in value.split(",") if entry.strip())
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _normalised_hosts(cls, value: str) -> str:
+        hosts = [entry.strip().lower() for entry in value.split(",") if entry.strip()]
+        for host in hosts:
+            if "/" in host or (":" in host and not host.startswith("[")):
+                raise ValueError(f"allowed host {host!r} must be a bare host name, without scheme, port or path")
+        return ",".join(hosts)
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _valid_proxy_addresses(cls, value: str) -> str:
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        for entry in entries:
+            if entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ValueError(f"forwarded_allow_ips entry {entry!r} is not an IP address or network") from None
+        return ",".join(entries)
+
+
+class SessionSettings(SettingGroup):
+    """How many sessions and viewers are served, and how long a session may wait."""
+
+    group_title = "sessions"
+
+    max_sessions: int | None = Field(
+        None, ge=1, description="sessions served at once; default: as many as the KV pool holds (/v1/stats "
+        "session_capacity)"
+    )
+    max_sessions_per_client: int | None = Field(
+        4, ge=1, description="sessions one client address may hold (trusted proxies' own address is exempt)"
+    )
+    max_sessions_per_token: int | None = Field(None, ge=1, description="sessions one auth token may hold; default: no cap")
+    start_timeout_s: float = Field(10.0, gt=0, description="time allowed for the first message, `start`")
+    idle_timeout_s: float = Field(
+        60.0, gt=0, description="close a session after this long without a tick or input (pings do not count)"
+    )
+    resume_grace_s: float = Field(
+        30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
+    )
+    max_viewers_per_session: int = Field(
+        64, ge=0, description="viewers one session may have (watch links; they hold no KV, and count in the "
+        "connection caps); 0: no watching"
+    )
+    viewer_stall_timeout_s: float = Field(
+        10.0, gt=0, description="a viewer that takes nothing the server is sending it for this long is not reading: "
+        "it gets `closed` (not_reading) and close 1008, and is dropped close_timeout_s later"
+    )
+    max_viewer_encodings: int = Field(
+        2, ge=0, description="formats (codec, quality) one session's viewers may have encoded besides the "
+        "controller's own frames; a viewer past it is served the nearest format already encoded"
+    )
+
+
+class MessageSettings(SettingGroup):
+    """What one client may send, and have queued for it (bounds for serving strangers: docs/public.md)."""
+
+    group_title = "messages"
+
     max_message_bytes: int = Field(65536, ge=256, description="largest client text message")
+    max_control_items: int = Field(
+        64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
+    )
+    max_messages_per_s: float = Field(
+        200.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
+    )
+    message_burst: int = Field(400, ge=1, description="messages a session may send at once before the rate applies")
+    max_frames_per_s: float = Field(
+        100.0, gt=0, description="WebSocket frames that are not a whole message (fragments, pings, pongs) a connection "
+        "may send per second on average; past it the connection is closed (1008)"
+    )
+    frame_burst: int = Field(
+        200, ge=1, description="fragments, pings and pongs a connection may send at once before the rate applies"
+    )
+    frame_flood_ban_s: float = Field(
+        10.0, ge=0, description="after a connection is closed over its frame budget, its client address may open no "
+        "connection for this long (trusted proxies are exempt); 0: no ban"
+    )
+    max_send_buffer_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=65536,
+        description="bytes queued for one client and not yet taken by it (replies, chunks, the socket's buffer); "
+        "past it the client is not reading and is dropped",
+    )
+
+
+class StartImageSettings(SettingGroup):
+    """A client's start image, checked before and while it is decoded (models that offer start images)."""
+
+    group_title = "start images"
+
     max_start_image_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1,
@@ -181,51 +398,13 @@ class Settings(BaseSettings):
         description="time a client's start image may take to decode, waiting for one of the 2 decode threads "
         "included; past it: over_capacity if its decode never started, else invalid_image",
     )
-    # Bounds for serving strangers; docs/public.md says what each one protects.
-    max_messages_per_s: float = Field(
-        200.0, gt=0, description="messages a session may send per second on average; past it they are read more slowly"
-    )
-    message_burst: int = Field(400, ge=1, description="messages a session may send at once before the rate applies")
-    max_frames_per_s: float = Field(
-        100.0, gt=0, description="WebSocket frames that are not a whole message (fragments, pings, pongs) a connection "
-        "may send per second on average; past it the connection is closed (1008)"
-    )
-    frame_burst: int = Field(
-        200, ge=1, description="fragments, pings and pongs a connection may send at once before the rate applies"
-    )
-    frame_flood_ban_s: float = Field(
-        10.0, ge=0, description="after a connection is closed over its frame budget, its client address may open no "
-        "connection for this long (trusted proxies are exempt); 0: no ban"
-    )
-    max_send_buffer_bytes: int = Field(
-        64 * 1024 * 1024,
-        ge=65536,
-        description="bytes queued for one client and not yet taken by it (replies, chunks, the socket's buffer); "
-        "past it the client is not reading and is dropped",
-    )
-    max_control_items: int = Field(
-        64, ge=1, description="JSON values one controls object may hold, containers included (checked before the schema)"
-    )
-    max_sessions: int | None = Field(
-        None, ge=1, description="sessions served at once; default: as many as the KV pool holds (/v1/stats "
-        "session_capacity)"
-    )
-    max_sessions_per_client: int | None = Field(
-        4, ge=1, description="sessions one client address may hold (trusted proxies' own address is exempt)"
-    )
-    max_sessions_per_token: int | None = Field(None, ge=1, description="sessions one auth token may hold; default: no cap")
-    max_viewers_per_session: int = Field(
-        64, ge=0, description="viewers one session may have (watch links; they hold no KV, and count in the "
-        "connection caps); 0: no watching"
-    )
-    viewer_stall_timeout_s: float = Field(
-        10.0, gt=0, description="a viewer that takes nothing the server is sending it for this long is not reading: "
-        "it gets `closed` (not_reading) and close 1008, and is dropped close_timeout_s later"
-    )
-    max_viewer_encodings: int = Field(
-        2, ge=0, description="formats (codec, quality) one session's viewers may have encoded besides the "
-        "controller's own frames; a viewer past it is served the nearest format already encoded"
-    )
+
+
+class ConnectionSettings(SettingGroup):
+    """TCP and HTTP bounds, before any session exists (docs/public.md)."""
+
+    group_title = "connections"
+
     max_connections: int | None = Field(
         None, ge=1, description="open TCP connections in all; default: 1000, fewer if the open-file limit is lower"
     )
@@ -256,19 +435,24 @@ class Settings(BaseSettings):
     close_timeout_s: float = Field(
         3.0, gt=0, description="time a WebSocket peer has to take its last messages and complete a close"
     )
-    refuse_before_upgrade: bool = Field(
-        False, description="answer a missing or wrong token, or a refused origin, with HTTP 401/403 before the "
-        "WebSocket upgrade instead of the `unauthorized` error (browsers then see only a failed connection)"
-    )
-    forwarded_allow_ips: str = Field(
-        "127.0.0.1", description="comma list of proxy addresses whose X-Forwarded-For is trusted; '*' trusts all"
-    )
-    allowed_hosts: str = Field(
-        "", description="comma list of Host names served (*.example.com works); empty: any, or loopback names only "
-        "when bound to loopback; '*': any"
-    )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="server log level")
-    shutdown_grace_s: float = Field(2.0, ge=0, description="how long shutdown waits for each session's last bytes")
+
+    @field_validator("max_connections")
+    @classmethod
+    def _fits_open_file_limit(cls, value: int | None) -> int | None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if value is not None and hard != resource.RLIM_INFINITY and value + RESERVED_FDS > hard:
+            raise ValueError(
+                f"max_connections {value} does not fit the open-file limit: {hard} descriptors at most "
+                f"(ulimit -Hn), {RESERVED_FDS} kept for the server; raise the limit or lower the cap"
+            )
+        return value
+
+
+class ClusterSettings(SettingGroup):
+    """Replicas behind a load balancer: names, peers, drains, resumes' routing (docs/deployment.md)."""
+
+    group_title = "cluster"
+
     replica_id: str = Field(
         default_factory=default_replica_id,
         pattern=REPLICA_ID_PATTERN,
@@ -291,57 +475,11 @@ class Settings(BaseSettings):
         30.0, gt=0, description="how long a drain may take (SIGTERM or arstream drain); sessions not moved by "
         "then end as on shutdown"
     )
-    resume_grace_s: float = Field(
-        30.0, ge=0, description="how long a dropped session keeps its KV for a resume; 0 disables resume"
-    )
     agent_port: int | None = Field(
         None, ge=0, le=65535, description="TCP port of the HAProxy agent check (readiness and free session slots, "
         "docs/deployment.md); 0 picks a free one; default: none"
     )
 
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, value: str) -> str:
-        return check_model_name(value)
-
-    @field_validator("model_options")
-    @classmethod
-    def _options_fit_the_model(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        # a vllm-omni: model's weights path is checked here, so a wrong one fails before the port is bound
-        return check_model_options(info.data["model"], value) if "model" in info.data else value
-
-    @field_validator("runtime")
-    @classmethod
-    def _runtime_runs_the_model(cls, value: str, info: ValidationInfo) -> str:
-        if "model" in info.data:
-            check_runtime(info.data["model"], value)
-        return value
-
-    @field_validator("codec")
-    @classmethod
-    def _codec_can_encode(cls, value: str) -> str:
-        # Refused before the port is bound, not at the first chunk: `--codec h264` on a machine without PyAV.
-        reason = CODECS[value].unavailable_reason()
-        if reason is not None:
-            raise ValueError(reason)
-        return value
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _lower_log_level(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("auth_token")
-    @classmethod
-    def _usable_auth_token(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        tokens = [token.strip() for token in value.split(",")]
-        if not any(tokens):
-            raise ValueError("the auth token is empty, which would admit an empty ?token=; unset it to run without one")
-        if not all(tokens):
-            raise ValueError("a comma list of auth tokens has an empty entry")
-        return ",".join(tokens)
 
     @field_validator("cluster_secret")
     @classmethod
@@ -350,42 +488,47 @@ class Settings(BaseSettings):
             raise ValueError("the cluster secret must be at least 16 characters (it lets a peer hand this replica sessions)")
         return value
 
-    @field_validator("max_connections")
-    @classmethod
-    def _fits_open_file_limit(cls, value: int | None) -> int | None:
-        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if value is not None and hard != resource.RLIM_INFINITY and value + RESERVED_FDS > hard:
-            raise ValueError(
-                f"max_connections {value} does not fit the open-file limit: {hard} descriptors at most "
-                f"(ulimit -Hn), {RESERVED_FDS} kept for the server; raise the limit or lower the cap"
+
+# The groups in the order --help and docs/server.md list them.
+class Settings(
+    ServerSettings,
+    ModelSettings,
+    SchedulingSettings,
+    RewindSettings,
+    ParkingSettings,
+    CodecSettings,
+    AccessSettings,
+    SessionSettings,
+    MessageSettings,
+    StartImageSettings,
+    ConnectionSettings,
+    ClusterSettings,
+    BaseSettings,  # last, so that its __init__ (which reads the environment) is the one that runs
+):
+    """Everything ``arstream serve`` can be told, in one flat model of the groups above; see docs/server.md."""
+
+    model_config = SettingsConfigDict(env_prefix="ARSTREAM_", extra="forbid")
+
+    _deprecation_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _deprecated_rewind_points(self) -> Self:
+        if self.rewind_points is None:
+            return self
+        said = f"--rewind-points {self.rewind_points} (ARSTREAM_REWIND_POINTS) is deprecated"
+        if self.rewind_points == 0 and "rewind_seconds" not in self.model_fields_set:
+            self.rewind_seconds = 0.0
+            self._deprecation_notes.append(f"{said}: read as --rewind-seconds 0 (rewind off)")
+        else:
+            self._deprecation_notes.append(
+                f"{said} and ignored: the rewind horizon is --rewind-seconds {self.rewind_seconds:g} "
+                "(seconds of play: every chunk boundary of the last 2 s, sparser further back)"
             )
-        return value
+        return self
 
-    @field_validator("allowed_origins")
-    @classmethod
-    def _normalised_origins(cls, value: str) -> str:
-        return ",".join(normalise_origin(entry) for entry in value.split(",") if entry.strip())
-
-    @field_validator("allowed_hosts")
-    @classmethod
-    def _normalised_hosts(cls, value: str) -> str:
-        hosts = [entry.strip().lower() for entry in value.split(",") if entry.strip()]
-        for host in hosts:
-            if "/" in host or (":" in host and not host.startswith("[")):
-                raise ValueError(f"allowed host {host!r} must be a bare host name, without scheme, port or path")
-        return ",".join(hosts)
-
-    @field_validator("forwarded_allow_ips")
-    @classmethod
-    def _valid_proxy_addresses(cls, value: str) -> str:
-        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
-        for entry in entries:
-            if entry != "*":
-                try:
-                    ipaddress.ip_network(entry, strict=False)
-                except ValueError:
-                    raise ValueError(f"forwarded_allow_ips entry {entry!r} is not an IP address or network") from None
-        return ",".join(entries)
+    def deprecation_notes(self) -> list[str]:
+        """One line for each deprecated setting given, saying what it was read as."""
+        return list(self._deprecation_notes)
 
     def resolved_kv_budget_bytes(self) -> int | None:
         """The runner's byte budget: explicit, else 256 MiB on CPU, else None (memory fraction)."""
@@ -442,6 +585,11 @@ class Settings(BaseSettings):
         return app_limit + WS_FRAME_SLACK_BYTES
 
 
+
+SETTING_GROUPS: tuple[type[SettingGroup], ...] = tuple(
+    base for base in Settings.__bases__ if isinstance(base, type) and issubclass(base, SettingGroup)
+)
+
 def _json_value(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -491,29 +639,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """``arstream serve``'s description and options (one per setting)."""
     parser.description = (
         "Serve an autoregressive world model over WebSocket (PROTOCOL.md), with the demo page at /.\n"
-        "Prints 'ARSTREAM_LISTENING URL' once the port is bound and the model is loaded."
+        "Prints 'ARSTREAM_LISTENING URL' once the port is bound and the model is loaded.\n"
+        "Each flag can also be set as ARSTREAM_<NAME> in the environment (e.g. ARSTREAM_PORT); flags win."
     )
     add_settings_arguments(parser)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`Settings` field (``max_pending_ticks`` -> ``--max-pending-ticks``).
+    """One flag per :class:`Settings` field (``max_pending_ticks`` -> ``--max-pending-ticks``), in its group.
 
     Flags left out keep the environment's value, else the field's default, so
-    a field added to :class:`Settings` is a flag, with its help, without more code.
+    a field added to a group is a flag, with its help, without more code.
     """
-    group = parser.add_argument_group(
-        "settings", "Each flag can also be set as ARSTREAM_<NAME> in the environment (e.g. ARSTREAM_PORT); flags win."
-    )
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=_flag_help(field), **_flag_options(field))
+    for group in SETTING_GROUPS:
+        arguments = parser.add_argument_group(f"{group.group_title} settings", " ".join((group.__doc__ or "").split()))
+        for name, field in group.model_fields.items():
+            flag = "--" + name.replace("_", "-")
+            arguments.add_argument(
+                flag, dest=name, default=argparse.SUPPRESS, help=_flag_help(field), **_flag_options(field)
+            )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from parsed flags over the environment; raises pydantic's ``ValidationError``."""
+    """Settings from parsed flags over the environment; raises pydantic's ``ValidationError``.
+
+    Each deprecation note goes to stderr once a process (serve checks its settings twice: before
+    importing torch, and again when it runs).
+    """
     given = {name: getattr(args, name) for name in Settings.model_fields if hasattr(args, name)}
-    return Settings(**given)
+    settings = Settings(**given)
+    for note in settings.deprecation_notes():
+        if note not in _NOTES_TOLD:
+            _NOTES_TOLD.add(note)
+            print(f"arstream serve: {note}", file=sys.stderr)
+    return settings
+
+
+_NOTES_TOLD: set[str] = set()
 
 
 def settings_from_argv(argv: Sequence[str]) -> Settings:
@@ -531,10 +693,15 @@ def describe_settings_error(error: ValidationError) -> str:
     for item in error.errors():
         name = ".".join(str(part) for part in item["loc"])
         field = str(item["loc"][0]) if item["loc"] else ""
-        where = f"--{field.replace('_', '-')} (ARSTREAM_{field.upper()})" if field in Settings.model_fields else name
+        where = flag_and_variable(field) if field in Settings.model_fields else name
         message = item["msg"].removeprefix("Value error, ")
         problems.append(f"{where}: {message}, got {item['input']!r}")
     return "; ".join(problems)
+
+
+def flag_and_variable(name: str) -> str:
+    """``--max-sessions (ARSTREAM_MAX_SESSIONS)``: the two spellings of one setting."""
+    return f"--{name.replace('_', '-')} (ARSTREAM_{name.upper()})"
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -173,24 +173,3 @@ class H264Decoder:
         if image.shape[0] < header.height or image.shape[1] < header.width:
             raise wire.WireError(f"h264 picture is {image.shape[1]}x{image.shape[0]}, header says {header.width}x{header.height}")
         return np.ascontiguousarray(image[: header.height, : header.width])
-
-
-class FrameDecoder:
-    """Decodes every binary frame message of one session, whatever its codec (h264 keeps state)."""
-
-    def __init__(self) -> None:
-        self._h264: H264Decoder | None = None
-
-    def decode_frame(self, message: bytes) -> tuple[wire.FrameHeader, np.ndarray]:
-        """Header and uint8 ``[H, W, 3]`` pixels of the session's next binary frame message."""
-        header, payload = wire.parse_frame(message)
-        return header, self.decode(header, payload)
-
-    def decode(self, header: wire.FrameHeader, payload: bytes | memoryview) -> np.ndarray:
-        """The pixels of a parsed frame (:func:`arstream.app.wire.parse_frame`)."""
-        if header.codec is not wire.Codec.H264:
-            return wire.decode_payload(header, payload)
-        if header.keyframe or self._h264 is None:
-            # A keyframe begins a new stream (a reset, a resume): a fresh decoder takes it from there.
-            self._h264 = H264Decoder()
-        return self._h264.decode(header, payload)

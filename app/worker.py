@@ -572,6 +572,7 @@ class ModelWorker:
                 request_id=job.tick_id,
                 controls=inputs.controls,
                 prompt=inputs.prompt,
+                prompt_transition_chunks=inputs.prompt_transition_chunks,
                 seed=session.seed,
                 reset=job.reset,
                 close=job.close,

@@ -33,7 +33,7 @@ from arstream.runner.threads import default_torch_threads
 from arstream.runner.types import ChunkResult, TickRequest
 
 # Held keys per 8-chunk stretch, shifted per stream; keys a model does not take are left out.
-KEY_CYCLE = (["d"], ["d"], ["s"], ["w", "a"], [])
+KEY_CYCLE: tuple[list[str], ...] = (["d"], ["d"], ["s"], ["w", "a"], [])
 
 
 def control_keys(model_card: dict[str, Any]) -> list[str]:
@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     if args.weights is not None:
         options["weights_path"] = args.weights
     pipeline = load_pipeline(args.model, args.device, **options)
+    if not isinstance(pipeline, ARPipeline):  # this bench drives ARStream's own runner
+        raise SystemExit(f"arstream bench model: {args.model} runs only on the vllm-omni runtime")
     streams = max(args.streams, 1)
     runners = {"round_robin": runner_for_sessions(pipeline, streams, device=args.device)}
     if streams > 1:

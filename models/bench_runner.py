@@ -27,7 +27,7 @@ import torch
 from arstream.measure import compare, print_summary
 from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
 from arstream.runner.runner import ARRunner
-from arstream.runner.runtimes import Runtime, build_runtime
+from arstream.runner.runtimes import InspectableRuntime, build_runtime
 from arstream.runner.types import RUNTIMES, UnsupportedConfiguration
 from arstream.runner.threads import default_torch_threads
 from arstream.runner.types import TickRequest
@@ -65,7 +65,9 @@ def _interleaved_chunk_s(
     return {side: seconds / chunks for side, seconds in total.items()}
 
 
-def _runtimes_chunk_s(runners: Mapping[str, Runtime], chunks: int, session: str, first: str) -> dict[str, float]:
+def _runtimes_chunk_s(
+    runners: Mapping[str, InspectableRuntime], chunks: int, session: str, first: str
+) -> dict[str, float]:
     """Seconds per chunk through each runtime, alternating chunk by chunk (``first`` first), then closed."""
     total = dict.fromkeys(runners, 0.0)
     second = next(side for side in runners if side != first)
@@ -76,7 +78,7 @@ def _runtimes_chunk_s(runners: Mapping[str, Runtime], chunks: int, session: str,
             total[side] += time.perf_counter() - started
     for side, runner in runners.items():
         runner.close_session(session)
-        if runner.stats().blocks_free != runner.blocks_free_at_start:  # type: ignore[attr-defined]
+        if runner.stats().blocks_free != runner.blocks_free_at_start:
             raise RuntimeError(f"bench session leaked KV blocks on {side}")
     return {side: seconds / chunks for side, seconds in total.items()}
 

@@ -14,6 +14,12 @@ It batches sessions (``generate_chunks``): one forward runs every row's passes,
 and a row asking to fail fails the whole batched forward, as a real model's
 error would; the runner then retries each session alone.
 
+With ``reads_prompt`` it blends prompt changes (card ``prompt_switch:
+"blend"``, :class:`~arstream.runner.prompt_blend.PromptBlend`) and records,
+in ``prompt_weights_seen``, the prompts and weights each chunk was
+conditioned on (session id, chunk index, weights): what a real model's
+embedding mix would be.
+
 It splits its forward from its decode (``SupportsSplitDecode``): the forward
 makes the frames' values, the decode (``decode_delay_s``, a sleep that holds
 no GIL, like a GPU kernel's wait) hands them over and counts, per session,
@@ -34,6 +40,7 @@ from arstream.runner.binding import SessionStateBinding
 from arstream.runner.contract import ModelState
 from arstream.runner.decode_states import DecoderStates
 from arstream.runner.kv_state import write_and_gather_rows
+from arstream.runner.prompt_blend import PromptBlend, Weights
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import PendingDecode, StartImage, TickRequest
 
@@ -98,8 +105,9 @@ class FakeKVPipeline(SessionStateBinding):
         # chunks decoded per session: the decoder state a split decode keeps in order
         self.decoder_states: DecoderStates[int] = DecoderStates()
         self.denoise_passes = denoise_passes
-        # The fake ignores prompts; ``reads_prompt`` only changes its card, so tests can show the demo's prompt box.
+        # The fake's pixels ignore prompts; with ``reads_prompt`` it blends them and records each chunk's weights.
         self.reads_prompt = reads_prompt
+        self.prompt_weights_seen: list[tuple[str, int, Weights]] = []
         # Start image names the card offers; the fake only records what each tick carries.
         self.start_images = tuple(start_images)
         self.start_images_seen: list[tuple[str, StartImage | None]] = []
@@ -117,6 +125,7 @@ class FakeKVPipeline(SessionStateBinding):
             "fps": 16,
             "frames_per_chunk": self.spec.frames_per_chunk,
             "reads_prompt": self.reads_prompt,
+            **({"prompt_switch": "blend"} if self.reads_prompt else {}),
             "controls": {
                 "$schema": "https://json-schema.org/draft/2020-12/schema",
                 "type": "object",
@@ -199,8 +208,10 @@ class FakeKVPipeline(SessionStateBinding):
                 ]
         for state in states:
             state.end_pass()
-        for tick in ticks:  # model-owned state changes only once the whole forward went through
-            self.sessions.setdefault(tick.session_id, {"seed": tick.seed})
+        for tick, index in zip(ticks, chunk_indices):  # model-owned state changes only once the forward went through
+            session = self.sessions.setdefault(tick.session_id, {"seed": tick.seed})
+            if self.reads_prompt:
+                self._blend_prompt(session, tick, index)
         chunks = []
         for start, row_values, tick in zip(frame_starts, values, ticks):
             frames = np.zeros((fpc, self.height, self.width, 3), dtype=np.uint8)
@@ -213,6 +224,17 @@ class FakeKVPipeline(SessionStateBinding):
             PendingDecode(t.session_id, index, (frames, bool(t.controls.get("fail_decode"))))
             for t, index, frames in zip(ticks, chunk_indices, chunks)
         ]
+
+    def _blend_prompt(self, session: dict[str, Any], tick: TickRequest, chunk_index: int) -> None:
+        prompt = tick.prompt or ""
+        held = session.get("prompt_blend")
+        blend = (
+            PromptBlend.holding(prompt)
+            if held is None
+            else PromptBlend.from_json(held).next_chunk(prompt, tick.prompt_transition_chunks)
+        )
+        session["prompt_blend"] = blend.to_json()
+        self.prompt_weights_seen.append((tick.session_id, chunk_index, blend.weights()))
 
     def reset_session(self, session_id: str) -> None:
         self.events.append(("reset", session_id))

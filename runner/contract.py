@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -20,6 +20,41 @@ from arstream.runner.types import PendingDecode, TickRequest
 
 if TYPE_CHECKING:
     from arstream.runner.kv_state import SessionKVState
+
+
+# ---- what a model card says beyond its frame geometry (docs/models.md, PROTOCOL.md's card fields) ----
+
+# A video a request that names no length gets: vLLM-Omni's and Wan's default clip, 81 frames (5 s at 16 fps,
+# plus the first). A card's ``default_num_frames`` overrides it for its model.
+DEFAULT_NUM_FRAMES = 81
+
+# How a model takes a prompt that changes mid-session (the card's ``prompt_switch``, read only when
+# ``reads_prompt`` is true): "blend" interpolates the prompt embedding over ``transition_chunks`` chunks
+# (vLLM-Omni's prompt interaction, :mod:`arstream.runner.prompt_blend`), "recache" switches at the next chunk and
+# re-caches the history under the new prompt (LongLive), "at_once" switches at the next chunk (a model that
+# encodes the prompt every chunk). A model that reads no prompt cannot take a change.
+PromptSwitch = Literal["blend", "recache", "at_once"]
+PROMPT_SWITCHES: tuple[PromptSwitch, ...] = ("blend", "recache", "at_once")
+# vLLM-Omni's default blend length (its prompt handler's DEFAULT_TRANSITION_CHUNKS).
+DEFAULT_PROMPT_TRANSITION_CHUNKS = 3
+
+
+def default_num_frames(card: dict[str, Any]) -> int:
+    """The frames a request that names no length gets from this model."""
+    value = card.get("default_num_frames", DEFAULT_NUM_FRAMES)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"the model card's default_num_frames must be an integer >= 1, got {value!r}")
+    return value
+
+
+def prompt_switch(card: dict[str, Any]) -> PromptSwitch | None:
+    """How the model takes a prompt change, or None where it reads no prompt (a change cannot be taken)."""
+    if not card.get("reads_prompt"):
+        return None
+    value = card.get("prompt_switch", "at_once")
+    if value not in PROMPT_SWITCHES:
+        raise ValueError(f"the model card's prompt_switch must be one of {PROMPT_SWITCHES}, got {value!r}")
+    return value
 
 
 @runtime_checkable

@@ -127,7 +127,6 @@ class SessionKVState:
         frames keep their positions. A model that wants this stores K without
         rotation and rotates the gathered K with these positions.
         """
-        spec = self.spec
         return self._positions(len(self.sink[branch]), self.frames_committed - len(self.window[branch]), branch)
 
     def rewrite_positions(self, frames: int, *, keep_sink: bool, branch: str = "main") -> list[int]:
@@ -301,7 +300,7 @@ class SessionKVState:
         tokens = self.spec.tokens_per_frame
         staged = self.pool.staging[branch][self.staging_row, :, :, start : start + len(ids) * tokens]
         index = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
-        self.pool.kv.index_copy_(2, index, staged.unflatten(2, (len(ids), tokens)))
+        self.pool.kv.index_copy_(2, index, torch.unflatten(staged, 2, (len(ids), tokens)))
 
     def _rewritten_blocks(self) -> list[int]:
         return [i for sink, window in (self.rewritten or {}).values() for i in sink + window]
@@ -359,7 +358,7 @@ class SessionKVState:
             return
         start, end = self._history_tokens, self._history_tokens + self._chunk_tokens
         for branch in self.spec.branch_names:
-            chunk = self.pool.staging[branch][self.staging_row, :, :, start:end].unflatten(2, self._chunk_shape)
+            chunk = torch.unflatten(self.pool.staging[branch][self.staging_row, :, :, start:end], 2, self._chunk_shape)
             index = torch.tensor(self.pending[branch], dtype=torch.long, device=self.pool.device)
             self.pool.kv.index_copy_(2, index, chunk)
         if self._hold_commit:

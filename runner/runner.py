@@ -70,11 +70,13 @@ from arstream.runner.types import (
     ChunkResult,
     PendingDecode,
     RewindUnavailable,
+    RuntimeOptions,
     TickFailure,
     TickRequest,
     TickResult,
     UnsupportedConfiguration,
 )
+from arstream.runner.vllm_omni.native import NativePipeline
 
 log = logging.getLogger("arstream.runner")
 
@@ -93,6 +95,18 @@ def _device_sync(device: torch.device) -> None:
 
 class ARRunner:
     """Model-neutral AR runtime: one pipeline, one pool, many sessions."""
+
+    @classmethod
+    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> ARRunner:
+        """``--runtime arstream``: the settings' pool, rewind horizon and decode split over ``pipeline``."""
+        if isinstance(pipeline, NativePipeline):
+            raise UnsupportedConfiguration(
+                f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
+            )
+        rewind = rewind_for(pipeline, seconds=options.rewind_seconds, budget_bytes=options.rewind_budget_bytes)
+        return cls(
+            pipeline, rewind=rewind, split_decode=options.split_decode, parking=options.parking, **options.pool()
+        )
 
     def __init__(
         self,
@@ -1035,10 +1049,13 @@ def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:
     """
     per_chunk = card.get("frames_per_chunk", spec.frames_per_chunk) if isinstance(card, dict) else None
     first = card.get("first_chunk_frames", per_chunk) if isinstance(card, dict) else None
-    for name, value in (("frames_per_chunk", per_chunk), ("first_chunk_frames", first)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
-    return per_chunk, first
+    return _frame_count("frames_per_chunk", per_chunk), _frame_count("first_chunk_frames", first)
+
+
+def _frame_count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedConfiguration(f"the model card's {name} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _take(members: set[str], member: str) -> bool:

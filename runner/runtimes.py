@@ -7,48 +7,54 @@ the optional extra ``arstream[vllm-omni]``; see docs/vllm-omni.md.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from arstream.runner.contract import ARPipeline
-from arstream.runner.parking import ParkingPolicy
-from arstream.runner.runner import ARRunner, rewind_for
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
-from arstream.runner.types import RUNTIMES, ChunkResult, TickRequest, TickResult, UnsupportedConfiguration
+from arstream.runner.types import (
+    RUNTIMES,
+    ChunkResult,
+    RuntimeOptions,
+    TickRequest,
+    TickResult,
+    UnsupportedConfiguration,
+)
 from arstream.runner.vllm_omni.native import NativePipeline, vllm_omni_available
 
 
 class Runtime(Protocol):
-    """What the worker, the hub and the benches call on a runner."""
+    """What the server calls on a runtime: the worker's rounds and control jobs, the hub's load, a drain's check.
 
-    spec: KVCacheSpec
-    counters: RuntimeCounters
+    Eleven members, each with a caller in ``app/``. The concrete runtimes have more (``execute_tick``,
+    ``reset_session``, ``rewind_points``, ``resident_sessions``, the pool's ``spec`` and ``counters``) for
+    tests, benches and snapshots, which hold the concrete class; a member joins this interface only when the
+    server needs it from every runtime.
+    """
+
     on_evict: Callable[[str], None] | None
     warmup_round_s: dict[int, float]
 
     @property
-    def batch_limit(self) -> int: ...
+    def batch_limit(self) -> int:
+        """The most sessions one :meth:`execute` call runs as one forward."""
 
-    @property
-    def session_capacity(self) -> int: ...
+    def warmup(self) -> int:
+        """Run the pipeline's warm-up requests through the real path; leaves the pool as it was. Chunks run."""
 
-    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]: ...
+    def model_card(self) -> dict[str, Any]: ...
 
-    def execute_tick(self, tick: TickRequest) -> ChunkResult: ...
-
-    def reset_session(self, session_id: str) -> None: ...
-
-    def close_session(self, session_id: str) -> None: ...
+    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
+        """One round: a result for each tick, in order; a failed session fails alone."""
 
     def is_resident(self, session_id: str) -> bool: ...
 
     def next_chunk_index(self, session_id: str) -> int: ...
-
-    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
-        """``(oldest, newest)`` chunk boundaries ``TickRequest.rewind_to`` may name now; None when rewind is off."""
 
     def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
         """A new resident session continuing from ``source_id``'s boundary (shared blocks, copied model state);
@@ -58,13 +64,31 @@ class Runtime(Protocol):
         cannot branch), the usual capacity error if there is no room; called on the worker thread.
         """
 
-    def resident_sessions(self) -> list[str]: ...
-
-    def warmup(self) -> int: ...
+    def close_session(self, session_id: str) -> None: ...
 
     def stats(self) -> RunnerStats: ...
 
-    def model_card(self) -> dict[str, Any]: ...
+
+class InspectableRuntime(Runtime, Protocol):
+    """:class:`Runtime` and what tests, benches and the conformance suite drive or read on either runtime
+    (one tick at a time, the pool's figures); the server calls none of it."""
+
+    spec: KVCacheSpec
+    counters: RuntimeCounters
+    blocks_free_at_start: int
+
+    @property
+    def session_capacity(self) -> int: ...
+
+    def execute_tick(self, tick: TickRequest) -> ChunkResult:
+        """One tick alone; raises what its forward raises."""
+
+    def reset_session(self, session_id: str) -> None: ...
+
+    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
+        """``(oldest, newest)`` chunk boundaries ``TickRequest.rewind_to`` may name now; None when rewind is off."""
+
+    def resident_sessions(self) -> list[str]: ...
 
 
 @runtime_checkable
@@ -84,63 +108,69 @@ class SplitDecodeRuntime(Protocol):
         """Rewind points recorded while a decode was in flight get its decoder state (on the runtime's thread)."""
 
 
-def build_runtime(
-    name: str,
-    pipeline: ARPipeline | NativePipeline,
-    *,
-    device: torch.device | str = "cpu",
-    kv_budget_bytes: int | None = None,
-    memory_fraction: float | None = None,
-    max_batch_sessions: int = 1,
-    rewind_seconds: float = 0.0,
-    rewind_budget_bytes: int = 0,
-    split_decode: bool = False,
-    parking: ParkingPolicy | None = None,
-) -> Runtime:
-    """The runner named ``name`` over ``pipeline``, its pool built from the same budget settings.
+class RuntimeClass(Protocol):
+    """A runtime's class, as the table names it: it builds itself over a pipeline, refusing what it cannot run."""
 
-    A :class:`NativePipeline` (``vllm-omni:<name>``, registered in vLLM-Omni itself) runs only on vllm-omni.
-    ``rewind_seconds`` is how far back a session may rewind, in seconds of play, within
-    ``rewind_budget_bytes`` per session (ARRunner only: vllm-omni refuses rewinds; docs/rewind.md).
-    ``split_decode`` runs a pipeline's decode apart from its forward (ARRunner only; :class:`SplitDecodeRuntime`).
-    ``parking`` moves idle sessions to host memory (ARRunner only: runner/parking.py; vllm-omni holds its own).
-    """
-    options: dict[str, Any] = dict(
-        device=device,
-        kv_budget_bytes=kv_budget_bytes,
-        memory_fraction=memory_fraction,
-        max_batch_sessions=max_batch_sessions,
+    @classmethod
+    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> InspectableRuntime: ...
+
+
+@dataclass(frozen=True)
+class RuntimeEntry:
+    """One row of :data:`RUNTIMES_BY_NAME`: where the class is (imported only when chosen: vllm-omni's
+    module imports vLLM), and why it cannot run here, if it cannot (checked before that import)."""
+
+    path: str  # "module:Class"
+    unavailable: Callable[[], str | None] = lambda: None
+
+    def load(self) -> RuntimeClass:
+        module, _, name = self.path.partition(":")
+        runtime_class: RuntimeClass = getattr(importlib.import_module(module), name)
+        return runtime_class
+
+
+def _vllm_omni_missing() -> str | None:
+    if vllm_omni_available():
+        return None
+    return (
+        "the vllm-omni runtime needs vLLM-Omni: pip install 'arstream[vllm-omni]' "
+        "(then uninstall torchvision, torchaudio and torchcodec on a CPU torch; see docs/vllm-omni.md)"
     )
-    if name == "arstream":
-        if isinstance(pipeline, NativePipeline):
-            raise UnsupportedConfiguration(
-                f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
-            )
-        rewind = rewind_for(pipeline, seconds=rewind_seconds, budget_bytes=rewind_budget_bytes)
-        return ARRunner(pipeline, rewind=rewind, split_decode=split_decode, parking=parking, **options)
-    if name == "vllm-omni":
-        if not vllm_omni_available():
-            raise UnsupportedConfiguration(
-                "the vllm-omni runtime needs vLLM-Omni: pip install 'arstream[vllm-omni]' "
-                "(then uninstall torchvision, torchaudio and torchcodec on a CPU torch; see docs/vllm-omni.md)"
-            )
-        if isinstance(pipeline, NativePipeline):
-            from arstream.runner.vllm_omni.native import build_native_runner
 
-            return build_native_runner(pipeline, **options)
-        from arstream.runner.vllm_omni.runtime import VllmOmniRunner
 
-        return VllmOmniRunner(pipeline, **options)
-    raise UnsupportedConfiguration(f"unknown runtime {name!r}; expected one of {list(RUNTIMES)}")
+# ``--runtime NAME`` -> its class, as uvicorn finds its protocols (a name, then "module:Class").
+RUNTIMES_BY_NAME: dict[str, RuntimeEntry] = {
+    "arstream": RuntimeEntry("arstream.runner.runner:ARRunner"),
+    "vllm-omni": RuntimeEntry("arstream.runner.vllm_omni.runtime:VllmOmniRunner", unavailable=_vllm_omni_missing),
+}
+
+
+def build_runtime(name: str, pipeline: ARPipeline | NativePipeline, **options: Any) -> InspectableRuntime:
+    """The runtime named ``name`` over ``pipeline``; ``options`` are :class:`~arstream.runner.types.RuntimeOptions`'
+    fields. The server holds the result as a :class:`Runtime`.
+
+    A :class:`NativePipeline` (``vllm-omni:<name>``, registered in vLLM-Omni itself) runs only on vllm-omni;
+    rewind is ARRunner's only (vllm-omni refuses rewinds), and so is ``split_decode``.
+    """
+    entry = RUNTIMES_BY_NAME.get(name)
+    if entry is None:
+        raise UnsupportedConfiguration(f"unknown runtime {name!r}; expected one of {list(RUNTIMES)}")
+    if (reason := entry.unavailable()) is not None:
+        raise UnsupportedConfiguration(reason)
+    return entry.load().for_pipeline(pipeline, RuntimeOptions(**options))
 
 
 def park_session(runtime: Runtime | None, session_id: str) -> None:
     """Park one session in host memory now, where it can be (ARStream's runner only: other runtimes do not park)."""
+    from arstream.runner.runner import ARRunner  # the table imports runtimes lazily; so does this
+
     if isinstance(runtime, ARRunner):
         runtime.park_session(session_id)
 
 
 def park_idle(runtime: Runtime | None) -> None:
     """Park the sessions idle past the runtime's ``park_after_s`` (ARStream's runner only)."""
+    from arstream.runner.runner import ARRunner
+
     if isinstance(runtime, ARRunner):
         runtime.park_idle()

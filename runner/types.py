@@ -3,13 +3,44 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-# The runtimes `arstream serve --runtime` offers (built in arstream.runner.runtimes).
+if TYPE_CHECKING:
+    import torch
+
+    from arstream.runner.parking import ParkingPolicy
+
+# The runtimes `arstream serve --runtime` offers (their classes: arstream.runner.runtimes.RUNTIMES_BY_NAME).
 RuntimeName = Literal["arstream", "vllm-omni"]
 RUNTIMES: tuple[RuntimeName, ...] = ("arstream", "vllm-omni")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What every runtime is built with, from the server's settings; each uses what applies to it."""
+
+    device: torch.device | str = "cpu"
+    kv_budget_bytes: int | None = None
+    memory_fraction: float | None = None
+    max_batch_sessions: int = 1
+    # how far back a session may rewind, in seconds of play, within rewind_budget_bytes (ARRunner; docs/rewind.md)
+    rewind_seconds: float = 0.0
+    rewind_budget_bytes: int = 0
+    # run a pipeline's decode apart from its forward (ARRunner; runtimes.SplitDecodeRuntime)
+    split_decode: bool = False
+    # move idle, detached and least recently used sessions to host memory (ARRunner; runner/parking.py)
+    parking: ParkingPolicy | None = None
+
+    def pool(self) -> dict[str, Any]:
+        """The pool's sizing, as every runtime's constructor takes it."""
+        return {
+            "device": self.device,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "memory_fraction": self.memory_fraction,
+            "max_batch_sessions": self.max_batch_sessions,
+        }
 
 
 class UnsupportedConfiguration(ValueError):
@@ -70,12 +101,16 @@ class TickRequest:
     after its chunks 0..b-1) before the chunk runs, after a ``reset``; the
     chunk then has ``chunk_index`` b. A boundary the session does not hold
     raises :class:`RewindUnavailable` and nothing changes.
+    ``prompt_transition_chunks`` is how many chunks a model whose card says
+    ``prompt_switch: "blend"`` blends into ``prompt`` when it differs from the
+    one it is on (:mod:`arstream.runner.prompt_blend`); others ignore it.
     """
 
     session_id: str
     request_id: int
     controls: dict[str, Any] = field(default_factory=dict)
     prompt: str | None = None
+    prompt_transition_chunks: int = 0
     seed: int | None = None
     reset: bool = False
     close: bool = False

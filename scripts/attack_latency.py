@@ -70,7 +70,7 @@ from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from arstream.app.bench import ServerProcess
+from arstream.programs.bench import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from raw_clients import RawWebSocket, jpeg_scan_bomb, open_files, rss_bytes, tcp_connect  # noqa: E402 - the attack tests'

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from arstream.app.bench import ServerProcess, server_chunks_per_s, server_phase
+from arstream.programs.bench import ServerProcess, server_chunks_per_s, server_phase
 from arstream.measure import compare, print_summary
 from arstream.models.matrix_game.pipeline import MatrixGamePipeline
 from arstream.models.registry import load_pipeline

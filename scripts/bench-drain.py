@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
-from arstream.app import wire
-from arstream.app.client import SessionClient, SessionMoved, connect
+from arstream.programs import messages
+from arstream.programs.client import SessionClient, SessionMoved, connect
 from arstream.measure import percentile
 
 SECRET = "bench-drain-cluster-secret"
@@ -74,7 +74,7 @@ def sigterm_report(process: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 async def one_session(r0: str, r1: str, streaming: asyncio.Event, drain_started: list[float]) -> dict[str, float]:
-    session = SessionClient(await connect(wire.session_url(r0)), decode=False)
+    session = SessionClient(await connect(messages.session_url(r0)), decode=False)
     await session.start(codec="jpeg", seed=1)
     # Paced like a player's page: a chunk per chunk period at most (the model's fps), not as fast as it goes.
     period_s = session.model["frames_per_chunk"] / session.model["fps"]

@@ -22,6 +22,7 @@ Ends with one JSON line; ``--out FILE`` writes it with the machine, the command 
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import os
@@ -40,7 +41,7 @@ from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
 from arstream.runner.parking import ParkingPolicy
 from arstream.runner.pool import plan_pool
-from arstream.runner.runner import ARRunner, rewind_for, runner_for_sessions
+from arstream.runner.runner import rewind_for, runner_for_sessions
 from arstream.runner.types import TickRequest
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -100,7 +101,7 @@ def measure(name: str, pipeline: ARPipeline, device: torch.device, args: argpars
         for session in ("a", "b"):
             sides = [(turns, "turns-" + session, with_parking), (plain, "plain-" + session, without)]
             for side, session_id, times in sides if (index + (session == "b")) % 2 == 0 else sides[::-1]:
-                elapsed = _timed(device, lambda: side.execute_tick(_tick(session_id, index)))
+                elapsed = _timed(device, functools.partial(side.execute_tick, _tick(session_id, index)))
                 if index >= args.warm:
                     times.append(elapsed)
     assert turns.stats().evictions_total == 0

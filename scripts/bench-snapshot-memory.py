@@ -21,6 +21,7 @@ JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import ctypes
 import gc
 import json
@@ -115,8 +116,8 @@ def main() -> int:
         import_pieces(peer, SESSION, pieces(), max_bytes=len(data), protocol_version=1)
 
     first = peer_runner()
-    peer_whole_mib, _ = peak_above(lambda: whole_peer(first))
-    del first
+    peer_whole_mib, _ = peak_above(functools.partial(whole_peer, first))
+    del first  # its pool is freed before the streamed peer's is made
     second = peer_runner()
     peer_streamed_mib, _ = peak_above(lambda: streamed_peer(second))
     assert second.is_resident(SESSION)

@@ -29,7 +29,7 @@ from typing import Any
 from websockets.asyncio.client import connect as async_connect
 from websockets.sync.client import connect
 
-from arstream.app.bench import ServerProcess
+from arstream.programs.bench import ServerProcess
 
 
 def player_latencies(ws: Any, seconds: float, first_tick: int) -> tuple[list[float], int]:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from playwright.sync_api import sync_playwright
 
-from arstream.app.bench import ServerProcess
+from arstream.programs.bench import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

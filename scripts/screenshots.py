@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from playwright.sync_api import sync_playwright
 
-    from arstream.app.bench import ServerProcess
+    from arstream.programs.bench import ServerProcess
 
     names = args.only or list(SHOTS)
     with ServerProcess(["--model", args.model, "--log-level", "warning"]) as server, sync_playwright() as playwright:

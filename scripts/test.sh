@@ -25,9 +25,10 @@ fi
 # setuptools warns at length about every editable install from a checkout with an arstream/ folder; it is expected.
 PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e ".[test]"
 
-# The whole suite (no arguments, as CI runs it) starts with the type check: mypy over the whole tree, as
-# configured in pyproject.toml ([tool.mypy]).
+# The whole suite (no arguments, as CI runs it) starts with the type check and the linter over the whole
+# tree, as configured in pyproject.toml ([tool.mypy], [tool.ruff]).
 if [ $# -eq 0 ]; then
     .venv/bin/python -m mypy
+    .venv/bin/python -m ruff check --quiet .
 fi
 exec .venv/bin/python -m pytest -q "$@"

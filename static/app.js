@@ -14,7 +14,7 @@
 //   share.js       share links (watch, branch), the timeline's rewind points
 
 import { Connection } from './connection.js';
-import { h264Supported } from './decode.js';
+import { menuCodecs } from './decode.js';
 import { Controls, isTyping } from './input.js';
 import { Hud } from './hud.js';
 import { MouseLook } from './look.js';
@@ -376,7 +376,7 @@ const connection = new Connection({
   fixedChunks,
   mode: mode.kind === 'bad' ? { kind: 'play' } : mode,
   startFields: () => {
-    const fields = { codec: $('codec').value, seed: debug.seed };
+    const fields = { codec: $('codec').value || undefined, seed: debug.seed };
     const prompt = $('prompt').value.trim();
     if (model && model.reads_prompt && prompt) fields.prompt = prompt;
     if (startImage) fields.image = startImage;
@@ -416,8 +416,12 @@ const connection = new Connection({
       }
       showTimeline(message.rewind_points ?? null, message.rewind_held ?? null);
     },
-    onRole(role) {
+    onRole(role, message) {
       debug.role = role;
+      // a controller by a pass gets the horizon `ready` gave the first one (the timeline and "Share: branch")
+      if (role === 'controller' && message && typeof message.rewind_seconds === 'number') {
+        debug.rewindSeconds = message.rewind_seconds;
+      }
       document.body.dataset.role = role;
       $('hud-role').textContent = role === 'viewer' ? 'viewer (watching)' : 'controller (playing)';
       if (role === 'viewer') controls.releaseAll();
@@ -722,10 +726,26 @@ async function pollStats() {
 setInterval(pollStats, STATS_POLL_MS);
 $('details').addEventListener('toggle', pollStats);
 
-// H.264 is offered when this browser decodes it; a server without it falls back to JPEG (connection.js).
-h264Supported().then((yes) => { document.querySelector('#codec option[value="h264"]').hidden = !yes; });
+// The codec menu is what the server offers and this browser decodes (H.264 where WebCodecs has it); the server's
+// default is chosen. Until it is filled a `start` names no codec, and gets the server's default.
+async function loadCodecMenu() {
+  try {
+    const response = await fetch('/v1/codecs', { cache: 'no-store' });
+    if (!response.ok) return;
+    const offer = await response.json();
+    const listed = await menuCodecs(offer);
+    const select = $('codec');
+    const chosen = select.value;
+    select.replaceChildren(...listed.map(({ name, label }) => new Option(label, name)));
+    const names = listed.map(({ name }) => name);
+    select.value = [chosen, offer.default, names[0]].find((name) => names.includes(name)) ?? '';
+  } catch {
+    // The server is away: the connection's own retries say so.
+  }
+}
 
 loadModelCard();
+loadCodecMenu();
 if (mode.kind === 'bad') {
   connection.setState('ended', { text: `${SHARE_TEXT.badLink}: ${mode.reason}.`, tone: 'warn', action: 'own-world' });
 } else if (params.get('autoconnect') === '0') {

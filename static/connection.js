@@ -27,7 +27,7 @@ export class Connection {
    * @param {number} options.fixedChunks            0: adaptive buffer; N: keep N chunks ahead
    * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
    *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec),
-   *                                onImageRefused(), onRole(role), onViewers(message)
+   *                                onImageRefused(), onRole(role, message), onViewers(message)
    * @param {object} [options.mode] what the next fresh session is (share.js shareMode): {kind: 'play'},
    *                                {kind: 'watch', token} or {kind: 'branch', token, chunk}
    * @param {object} options.debug  window.arstreamDebug
@@ -286,7 +286,7 @@ export class Connection {
       this.hooks.notice(SHARE_TEXT.passedControl);
     }
     this.hooks.log(`role: ${message.role}${message.viewer_id ? ` (viewer ${message.viewer_id})` : ''}`);
-    this.hooks.onRole(session.role);
+    this.hooks.onRole(session.role, message);
   }
 
   onError(session, message) {

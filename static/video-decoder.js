@@ -12,7 +12,6 @@
 // decode() returns the same {source, close()} picture as the other decoders;
 // `source` is a VideoFrame, which canvas drawImage takes like an ImageBitmap.
 
-export const H264_CODEC_ID = 2;
 const NAL_IDR = 5;
 const NAL_SPS = 7;
 

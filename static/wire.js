@@ -4,9 +4,6 @@
 export const HEADER_BYTES = 20;
 export const MAGIC = 'ARF1';
 export const FLAG_LAST_IN_CHUNK = 0x01;
-/** Codec ids in the header's codec byte, by the codec's name in `start`. */
-export const CODEC_IDS = Object.freeze({ raw: 0, jpeg: 1, h264: 2 });
-
 export class FrameError extends Error {}
 
 /**

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from fastapi import FastAPI
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -71,6 +72,14 @@ class LiveServer:
         response = self.get("/v1/stats")
         response.raise_for_status()
         return response.json()
+
+    def agent_port(self) -> int:
+        """The HAProxy agent check's port of a server started with ``agent_port=0``."""
+        if self.server is None:  # a server process: the port it printed
+            line = next(line for line in self.output if line.startswith("ARSTREAM_AGENT "))
+            return int(line.rsplit(":", 1)[1])
+        assert isinstance(self.server.config.app, FastAPI)
+        return int(self.server.config.app.state.agent.sockets[0].getsockname()[1])
 
     def wait_ready(self, *, attempts: int = 2000, interval_s: float = 0.025) -> None:
         """Poll /readyz until it answers 200."""

@@ -63,14 +63,6 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
-def agent_port(server: LiveServer) -> int:
-    if server.server is None:  # a server process: the port it printed
-        line = next(line for line in server.output if line.startswith("ARSTREAM_AGENT "))
-        return int(line.rsplit(":", 1)[1])
-    agent = server.server.config.app.state.agent
-    return int(agent.sockets[0].getsockname()[1])
-
-
 @contextmanager
 def replica(name: str, pipeline: Any = None, *, wait_ready: bool = True, **settings: Any) -> Iterator[LiveServer]:
     values: dict[str, Any] = {
@@ -147,7 +139,7 @@ def balancer(
     tmp_path: Path, replicas: dict[str, LiveServer], *args: str, log: Path | None = None
 ) -> Iterator[Balancer]:
     port, stats_port = free_port(), free_port()
-    specs = [f"{name}=127.0.0.1:{s.port}/{CAPACITY}@{agent_port(s)}" for name, s in replicas.items()]
+    specs = [f"{name}=127.0.0.1:{s.port}/{CAPACITY}@{s.agent_port()}" for name, s in replicas.items()]
     command = [sys.executable, str(RENDER), *(a for spec in specs for a in ("--replica", spec))]
     command += ["--bind", f"127.0.0.1:{port}", "--stats-bind", f"127.0.0.1:{stats_port}", *args]
     config = tmp_path / "haproxy.cfg"
@@ -469,7 +461,7 @@ def test_private_routes_are_not_on_the_public_port(tmp_path: Path, path: str) ->
 
 
 def agent_line(server: LiveServer) -> str:
-    with socket.create_connection(("127.0.0.1", agent_port(server)), timeout=10.0) as sock:
+    with socket.create_connection(("127.0.0.1", server.agent_port()), timeout=10.0) as sock:
         data = b""
         while chunk := sock.recv(256):
             data += chunk

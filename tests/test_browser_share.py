@@ -299,6 +299,8 @@ def test_pass_control_makes_the_viewer_the_player(sharing: LiveServer, browser: 
         wait(viewer, "window.arstreamDebug.role === 'controller'")
         wait(player, "window.arstreamDebug.role === 'viewer'")
         assert "You have the controls" in (viewer.text_content("#notice") or "")
+        # the horizon comes with the control (a viewer's `ready` has none): its timeline and branch link are the player's
+        assert debug(viewer)["rewindSeconds"] == debug(player)["rewindSeconds"] > 0
         assert viewer.is_visible("#pad") and not player.is_visible("#pad")
         wait(player, "document.getElementById('role-badge').textContent.startsWith('viewing')")
 

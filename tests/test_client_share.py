@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from arstream.app import client, wire
+from arstream.app import wire
+from arstream.programs import client, messages
 from servers import LiveServer, fake_settings, running_server
 
 MODEL: dict[str, Any] = {"name": "fake-share", "width": 4, "height": 2, "fps": 16, "frames_per_chunk": 2}
@@ -163,9 +164,9 @@ def test_share_options_are_checked_before_connecting(
 
 
 def test_share_session_url_adds_the_share_token_beside_the_access_token() -> None:
-    url = wire.session_url("http://h:1", token="t0ken", share="r0.abc")
+    url = messages.session_url("http://h:1", token="t0ken", share="r0.abc")
     assert parse_qs(urlsplit(url).query) == {"token": ["t0ken"], "share": ["r0.abc"]}
-    assert wire.session_url("http://h:1") == "ws://h:1/v1/sessions"
+    assert messages.session_url("http://h:1") == "ws://h:1/v1/sessions"
 
 
 def test_compact_ranges_shows_a_jump_back() -> None:
@@ -279,7 +280,7 @@ def test_a_rewind_past_the_held_points_is_refused_clearly(
 async def watch_and_branch(url: str, tmp_path: Path) -> tuple[list[client.Chunk], int, int, int]:
     """A player holding d; while it plays, a viewer (``--watch``); then a branch (``--branch``) from two chunks
     back (a boundary the server still holds). Returns the player's chunks, both exit codes and the branch point."""
-    player = client.SessionClient(await client.connect(wire.session_url(url)))
+    player = client.SessionClient(await client.connect(messages.session_url(url)))
     try:
         await player.start(codec="raw", seed=11)
         token = player.share_token
@@ -333,7 +334,7 @@ def test_watch_and_branch_a_live_session(
 
 async def branch_from_now(url: str, tmp_path: Path) -> int:
     """A player plays three chunks, then ``--branch TOKEN`` with no ``--chunk``; returns its exit code."""
-    player = client.SessionClient(await client.connect(wire.session_url(url)))
+    player = client.SessionClient(await client.connect(messages.session_url(url)))
     try:
         await player.start(codec="raw", seed=5)
         assert player.share_token
@@ -369,7 +370,7 @@ def test_a_share_token_the_server_cannot_honour(
 
 async def watch_then_take_control(url: str, out: Path) -> tuple[int, list[int]]:
     """A player; a ``--watch`` client; once it watches, the player passes it the controls and watches."""
-    player = client.SessionClient(await client.connect(wire.session_url(url)))
+    player = client.SessionClient(await client.connect(messages.session_url(url)))
     try:
         await player.start(codec="raw")
         token = player.share_token

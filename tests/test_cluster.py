@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import functools
 import io
 import os
 import re
@@ -272,7 +273,11 @@ def test_sigterm_stops_every_process_the_script_started(cluster: Cluster) -> Non
     cluster.process.send_signal(signal.SIGTERM)
     assert cluster.process.wait(STOP_GUARD_S) == 0
     for pid in started:
-        wait_until(lambda: not _alive(pid), f"process {pid} stopped")
+        wait_until(functools.partial(_stopped, pid), f"process {pid} stopped")
+
+
+def _stopped(pid: int) -> bool:
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:

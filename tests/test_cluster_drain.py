@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from arstream.app.client import run_script
+from arstream.programs.client import run_script
 from servers import ProbeClient, session_client
 from test_cluster import Cluster, _alive, launch_cluster, replica_of, wait_until
 

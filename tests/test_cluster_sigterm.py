@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from arstream.app.client import run_script
+from arstream.programs.client import run_script
 from servers import ProbeClient, session_client
 from test_cluster import Cluster, _alive, launch_cluster, replica_of, wait_until
 from test_cluster_drain import KEYS, MOVE_AT, SECRET, SEED, chunk_pixels, cluster_options
@@ -267,7 +266,7 @@ def test_arstream_client_starts_afresh_after_server_shutdown(capsys: pytest.Capt
 
 def test_a_draining_refusal_is_one_the_client_starts_afresh_after() -> None:
     """The words the client looks for are the ones a draining replica says (app/hub.py's refusal)."""
-    from arstream.app.client import ServerError, afresh_reason, draining_refusal
+    from arstream.programs.client import ServerError, afresh_reason, draining_refusal
     from arstream.app.hub import SessionHub
     from servers import fake_settings
 

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 from arstream import cli
-from arstream.app import bench, client, codecs, protocol, settings, video, wire
+from arstream.app import codecs, protocol, settings, video, wire
+from arstream.programs import bench, client
 from arstream.app.encoding import EncoderPool
 from arstream.app.protocol import ProtocolError
-from arstream.app.video import FrameDecoder, H264Decoder, H264Stream, crf_for_quality
+from arstream.app.codecs import FrameDecoder
+from arstream.app.video import H264Decoder, H264Stream, crf_for_quality
 from arstream.models.fake import FakeKVPipeline
 from servers import fake_settings, running_server, session_client
 
@@ -107,7 +109,7 @@ def test_the_keyframe_flag_is_bit_1_of_the_flags_byte() -> None:
     parsed = wire.FrameHeader.unpack(packed)
     assert parsed.codec is wire.Codec.H264 and parsed.keyframe and parsed.last_in_chunk
     assert not wire.FrameHeader.unpack(wire.FrameHeader(wire.Codec.JPEG, True, 0, 0, 0, 8, 8).pack()).keyframe
-    assert wire.Codec.from_name("h264") is wire.Codec.H264 and "h264" in wire.CODEC_NAMES
+    assert wire.Codec.from_name("h264") is wire.Codec.H264 and "h264" in codecs.CODEC_NAMES
 
 
 def test_stateless_decoding_points_at_the_stream_decoder() -> None:
@@ -292,12 +294,38 @@ def test_small_jpeg_frames_keep_full_chroma(height: int, width: int, full_chroma
 
 
 def test_the_codec_table_names_every_arf1_codec_once_with_its_header_id() -> None:
-    assert set(codecs.CODECS) == set(get_args(codecs.CodecName)) == set(wire.CODEC_NAMES)
+    assert set(codecs.CODECS) == set(get_args(codecs.CodecName)) == {codec.wire_name for codec in wire.Codec}
     for name, codec in codecs.CODECS.items():
         assert codec.name == name and codec.header_id is wire.Codec.from_name(name)
     assert codecs.codec_named("fmp4/16") is codecs.FMP4 and codecs.FMP4.header_id is None
     with pytest.raises(ValueError, match=r"unknown codec 'vp9'; expected one of \['raw', 'jpeg', 'h264'\]"):
         codecs.new_encoder("vp9", 80)
+
+
+def test_one_frame_decoder_reads_every_codec_through_the_table() -> None:
+    """A session's frames in each codec in turn (a client that restarts with another codec) decode back."""
+    frames = moving_gradient(2, 16, 16)
+    decoder = FrameDecoder()
+    for name in codecs.CODECS:
+        encoder = codecs.new_encoder(name, 95)
+        for message, frame in zip(encoder.encode(frames, chunk_index=0, tick_id=0), frames, strict=True):
+            header, pixels = decoder.decode_frame(message)
+            assert header.codec is wire.Codec.from_name(name)
+            assert np.abs(pixels.astype(int) - frame.astype(int)).mean() < 6, name
+        encoder.close()
+
+
+def test_the_server_offers_the_codecs_it_can_encode(monkeypatch: pytest.MonkeyPatch) -> None:
+    every = [
+        {"name": name, "id": int(codec.header_id)}
+        for name, codec in codecs.CODECS.items()
+        if codec.header_id is not None
+    ]
+    assert [offer["name"] for offer in every] == ["raw", "jpeg", "h264"] and every[0]["id"] == 0
+    with running_server(fake_settings()) as server:
+        assert server.get("/v1/codecs").json() == {"codecs": every, "default": "jpeg"}
+        monkeypatch.setattr(video, "h264_available", lambda: False)  # as on a machine without PyAV
+        assert [offer["name"] for offer in server.get("/v1/codecs").json()["codecs"]] == ["raw", "jpeg"]
 
 
 def test_each_codec_gets_its_own_encoder_class() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from arstream.app.bench import ServerProcess
+from arstream.programs.bench import ServerProcess
 from browser_helpers import browser_marks
 
 KEY_D = 8

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -357,3 +358,110 @@ def test_forward_that_commits_no_chunk() -> None:
         else:
             assert isinstance(result, ChunkResult) and result.chunk_index == 1
             assert runner.is_resident("a") and runner.frames_committed("a") == runner.spec.frames_per_chunk
+
+
+# ---- the realtime video dialect against vLLM-Omni's own handlers (issue 37) ------------------------------
+
+
+def vllm_omni_constant(relative_path: str, name: str) -> Any:
+    """A module-level constant of vLLM-Omni, read from its source without importing it: the handler's package
+    imports vLLM's OpenAI server (and, through transformers, torchvision, which this lane uninstalls)."""
+    import ast
+
+    import vllm_omni
+
+    path = Path(vllm_omni.__file__).parent / relative_path
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return eval(compile(ast.Expression(node.value), str(path), "eval"), {}, {})  # upstream's own literal
+    raise AssertionError(f"{relative_path} no longer defines {name}")
+
+
+def test_dialect_limits_and_defaults_are_vllm_omnis() -> None:
+    """The control message limit, the seed range, the blend and target defaults: read from vLLM-Omni itself."""
+    from pydantic import ValidationError
+
+    from arstream.app import realtime_video_events as dialect
+    from arstream.runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS
+    from arstream.runner.vllm_omni.deprecations import importing_vllm
+
+    with importing_vllm():
+        from vllm_omni.diffusion.interaction.modality_handlers import camera as omni_camera
+        from vllm_omni.diffusion.interaction.modality_handlers import prompt as omni_prompt
+
+    stream, videos = "entrypoints/openai/serving_video_output_stream.py", "entrypoints/openai/protocol/videos.py"
+    assert dialect.MAX_CONTROL_MESSAGE_BYTES == vllm_omni_constant(stream, "_MAX_CONTROL_MESSAGE_SIZE")
+    assert DEFAULT_PROMPT_TRANSITION_CHUNKS == omni_prompt.DEFAULT_TRANSITION_CHUNKS
+    assert dialect.DEFAULT_TARGET_TRANSITION_CHUNKS == omni_camera.SE3DeltaCameraHandler.default_transition_chunks
+    # vLLM-Omni's seed: Field(ge=_INT64_MIN, le=_INT64_MAX); ours takes exactly that range.
+    low, high = vllm_omni_constant(videos, "_INT64_MIN"), vllm_omni_constant(videos, "_INT64_MAX")
+    assert (low, high) == (-(2**63), 2**63 - 1)
+    for seed in (low, -5, 0, high):
+        dialect.SessionStart(type="session.start", prompt="x", seed=seed)
+    for seed in (low - 1, high + 1):
+        with pytest.raises(ValidationError):
+            dialect.SessionStart(type="session.start", prompt="x", seed=seed)
+
+
+def test_camera_target_default_mode_and_length_are_vllm_omnis() -> None:
+    """A camera event without mode is a target on both; it lasts the chunks vLLM-Omni's timeline takes to reach it."""
+    from vllm_omni.diffusion.interaction.modality_handlers.camera import CameraSession, SE3DeltaCameraHandler
+    from vllm_omni.diffusion.worker.utils import StepRequestState
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    from arstream.app.realtime_video_events import camera_move
+
+    card = FakeKVPipeline(width=8, height=8).model_card()
+    payload = {"data": {"translation": [0.0, 0.0, 1.0], "rotation": [0.0, 0.0, 0.0, 1.0]}}  # no mode
+    for transition in (None, 1, 2, 3):
+        handler = SE3DeltaCameraHandler()
+        state = StepRequestState(request_id="r", sampling=OmniDiffusionSamplingParams())
+        handler.enqueue(state, event_id="e", received_at=0.0, payload=payload, transition_chunks=transition)
+        session = state.interaction_sessions["camera"]
+        assert isinstance(session, CameraSession) and session.pending_events[0].mode == "target"
+        chunks = 0
+        while True:
+            chunks += 1
+            meta = handler.apply_at_chunk_boundary(state, boundary_at=0.0, num_media_frames=2, fps=16.0)
+            assert meta is not None
+            if "e" in meta.completed_event_ids:
+                break
+        assert session.current_pose.translation == pytest.approx((0.0, 0.0, 1.0))
+        move = camera_move(payload, card, transition)
+        assert move.hold_chunks == chunks and move.controls == {"keys": ["w"]} and move.release == {"keys": []}
+
+
+def test_prompt_blend_weights_are_vllm_omnis_lerp() -> None:
+    """vLLM-Omni's prompt handler on one-hot embeddings gives, chunk by chunk, the weights PromptBlend gives."""
+    from vllm_omni.diffusion.interaction.modality_handlers.prompt import PromptInteractionHandler
+    from vllm_omni.diffusion.worker.utils import StepRequestState
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    from arstream.runner.prompt_blend import PromptBlend
+
+    prompts = ["a", "b", "c", "d"]
+
+    def one_hot(prompt: str, **_: Any) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.one_hot(torch.tensor(prompts.index(prompt)), len(prompts)).double(), None
+
+    handler = PromptInteractionHandler(encode_prompt=one_hot, device="cpu", dtype=torch.float64)
+    state = StepRequestState(request_id="r", sampling=OmniDiffusionSamplingParams())
+    state.prompt_embeds = one_hot("a")[0]
+    blend = PromptBlend.holding("a")
+    # (chunk, new prompt, transition_chunks): a change cut short by another, a sharp one, and vLLM-Omni's default.
+    changes = {1: ("b", 4), 3: ("c", 2), 6: ("d", 0), 8: ("b", None)}
+    current, transition = "a", 0
+    for chunk in range(14):
+        if chunk in changes:
+            current, chunks = changes[chunk]
+            handler.enqueue(state, event_id=f"e{chunk}", received_at=0.0, payload={"prompt": current},
+                            transition_chunks=chunks)  # fmt: skip
+            transition = 3 if chunks is None else chunks
+        if "prompt" in state.interaction_sessions:
+            handler.apply_at_chunk_boundary(state, boundary_at=0.0)
+        if chunk > 0:
+            blend = blend.next_chunk(current, transition)
+        ours = torch.zeros(len(prompts), dtype=torch.float64)
+        for prompt, weight in blend.weights():
+            ours[prompts.index(prompt)] += weight
+        assert torch.allclose(ours, state.prompt_embeds.double()), (chunk, ours, state.prompt_embeds)

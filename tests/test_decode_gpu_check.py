@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from arstream.app import gpu_check
+from arstream.programs import gpu_check
 
 KEYS = ("fps_per_session", "dit_ms_per_round", "decode_ms_per_round", "overlap_ms_per_round", "rounds")
 

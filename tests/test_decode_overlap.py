@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
 import pytest
 
 from servers import LiveServer, fake_settings, running_server, session_client

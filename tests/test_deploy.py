@@ -382,7 +382,7 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]
         stats_port = free_port()
         config = render(
             "--replica",
-            f"r0=127.0.0.1:{server.port}@{server.server.config.app.state.agent.sockets[0].getsockname()[1]}",
+            f"r0=127.0.0.1:{server.port}@{server.agent_port()}",
             "--bind",
             f"127.0.0.1:{free_port()}",
             "--stats-bind",

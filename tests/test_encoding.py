@@ -107,7 +107,12 @@ def test_lane_threads_run_at_the_given_niceness_and_the_caller_keeps_its_own() -
     lanes = OrderedLanes(2, name="test-lanes", nice=5)
     done = threading.Event()
     lanes.submit("a", lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    lanes.submit("b", lambda: (seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), done.set()))
+
+    def note_priority_and_finish() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        done.set()
+
+    lanes.submit("b", note_priority_and_finish)
     assert done.wait(GUARD_S)
     lanes.shutdown(wait=True)
     assert seen and all(nice == min(own + 5, 19) for nice in seen), (own, seen)
@@ -144,7 +149,10 @@ def test_a_new_stream_starts_at_rollout_start_codec_change_and_restart(monkeypat
     done = threading.Event()
 
     def encode(chunk_index: int, codec: str = "raw") -> Callable[[], None]:
-        return lambda: pool.encode("s", frames, codec=codec, quality=80, chunk_index=chunk_index, tick_id=chunk_index)
+        def step() -> None:
+            pool.encode("s", frames, codec=codec, quality=80, chunk_index=chunk_index, tick_id=chunk_index)
+
+        return step
 
     for step in (encode(0), encode(1), encode(2), encode(0), encode(1), encode(2, "jpeg")):
         pool.submit("s", step)
@@ -217,7 +225,7 @@ def test_many_batched_sessions_each_receive_their_chunks_in_order() -> None:
     with running_server(settings, FakeKVPipeline(width=64, height=48)) as server:
 
         async def one_session(ticks: int) -> list[tuple[int, int, int]]:
-            seen = []
+            seen: list[tuple[int, int, int]] = []
             async with session_client(server.ws_url, start={"codec": "jpeg"}) as client:
                 for tick_id in range(4):
                     await client.send(type="tick", tick_id=tick_id)

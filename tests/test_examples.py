@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from browser_helpers import CHROMIUM, browser_marks, free_port
+from browser_helpers import CHROMIUM, free_port
 from servers import REPO_ROOT, fake_settings, running_server
 
 EXAMPLES = REPO_ROOT / "docs" / "examples"  # client.html there is a link to static/examples/client.html

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from arstream.app import bench, gpu_check
-from arstream.app.gpu_check import carried_requirements
+from arstream.programs import bench, gpu_check
+from arstream.programs.gpu_check import carried_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_KEYS = (

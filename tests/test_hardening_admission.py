@@ -114,7 +114,7 @@ def test_resumes_cannot_take_a_token_past_its_session_cap() -> None:
 
 
 # 16 fps, 4 frames a chunk: 250 ms of video per chunk; 100 ms forwards, one session each: realtime for 2.
-SLOW = {"compute_delay_s": 0.1, "frames_per_chunk": 4, "window_frames": 8, "session_capacity": 8}
+SLOW: dict[str, Any] = {"compute_delay_s": 0.1, "frames_per_chunk": 4, "window_frames": 8, "session_capacity": 8}
 
 
 def test_resumes_pass_realtime_admission() -> None:
@@ -225,8 +225,8 @@ def test_connections_waiting_to_start_are_capped_per_address_and_in_all(waiting_
         refused = [sock for sock in idle if sock is not None and sock.status == 503]
         # The server closes a refused connection itself, at once: it holds no slot of max_connections.
         assert all(closed_by_server(sock.sock) for sock in refused)
-        for sock in refused:
-            sock.close()
+        for refused_sock in refused:
+            refused_sock.close()
         health = healthz_answers(server)
         figures = f"upgrade statuses {statuses} (0: dropped at the connection cap), /healthz answered: {health}"
         assert statuses == [101, 101, 503] + [101] * 4 + [503] * 8 and health, figures

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from arstream.app.protocol import ErrorCode, ProtocolError, error_message, parse_client_message
+from arstream.app.protocol import ErrorCode, ProtocolError, StartMessage, error_message, parse_client_message
 from arstream.app.resume import token_hint
 from raw_clients import RawWebSocket, close_code, closed_by_server, rss_bytes
 from servers import LiveServer, fake_settings, running_server, server_process, session_client, wait_until
@@ -43,7 +43,9 @@ def errors_sent(server: LiveServer, code: str) -> float:
     return float(lines[0].removeprefix(prefix)) if lines else 0.0
 
 
-def raw_session(port: int, *, start: dict[str, Any] | None = None, query: str = "") -> tuple[RawWebSocket, dict]:
+def raw_session(
+    port: int, *, start: dict[str, Any] | None = None, query: str = ""
+) -> tuple[RawWebSocket, dict[str, Any]]:
     """A raw client that sent `start` and read its `ready` (and reads nothing more unless told)."""
     client = RawWebSocket(port, path="/v1/sessions" + query)
     assert client.status == 101, client.response_head
@@ -205,14 +207,16 @@ def test_an_error_reply_echoes_a_bounded_part_of_the_input() -> None:
 
         async def scenario() -> list[str]:
             async with session_client(server.ws_url, start={}) as client:
-                replies = []
+                replies: list[str] = []
                 for bad in (
                     {"type": WIDE},
                     {"type": "input", "event_id": 0, "controls": {WIDE: 1}},
                     {"type": "tick", "tick_id": 1, "controls": {"keys": [WIDE]}},
                 ):
                     await client.send_text(json.dumps(bad, ensure_ascii=False))
-                    replies.append(await client.recv())
+                    reply = await client.recv()
+                    assert isinstance(reply, str)  # an error is a text message
+                    replies.append(reply)
                 return replies
 
         replies = asyncio.run(scenario())
@@ -389,4 +393,4 @@ def test_a_lone_surrogate_is_invalid_message(field: str) -> None:
         parse_client_message('{"type": "start", "%s": "ok \\ud800 no"}' % field)
     assert refused.value.code == ErrorCode.INVALID_MESSAGE and "surrogate" in refused.value.message
     paired = parse_client_message('{"type": "start", "prompt": "a pair \\ud83d\\ude00 is fine"}')
-    assert paired.prompt == "a pair 😀 is fine"
+    assert isinstance(paired, StartMessage) and paired.prompt == "a pair 😀 is fine"

@@ -23,10 +23,12 @@ from servers import LiveServer, fake_settings, running_server, server_process, s
 
 MB = 2**20
 SIZE = {"width": 64, "height": 48}  # fMP4 wants a frame H.264 takes
+OPTIONS = {**SIZE, "reads_prompt": True}  # the interactions here change the prompt: a model that reads one
+UNTIL_STOPPED = 10**9  # frames: more than a session here makes before session.stop (the default is 81)
 
 
 def start_message(**fields: Any) -> dict[str, Any]:
-    return {"type": "session.start", "prompt": "a test world", **SIZE, **fields}
+    return {"type": "session.start", "prompt": "a test world", **SIZE, "num_frames": UNTIL_STOPPED, **fields}
 
 
 def interaction(event_id: str, prompt: str = "somewhere else") -> str:
@@ -56,7 +58,7 @@ def test_recent_ids_keep_the_newest_within_a_count_and_a_byte_budget() -> None:
 
 
 def test_a_long_event_id_is_invalid_message_and_the_session_goes_on() -> None:
-    with running_server(fake_settings(model_options=SIZE)) as live:
+    with running_server(fake_settings(model_options=OPTIONS)) as live:
         blocks_free = live.stats()["kv"]["blocks_free"]
 
         async def scenario() -> list[dict[str, Any]]:
@@ -84,7 +86,7 @@ def test_a_long_event_id_is_invalid_message_and_the_session_goes_on() -> None:
 
 def test_interactions_waiting_for_a_chunk_are_capped_and_each_chunk_lists_at_most_that_many() -> None:
     # Slow chunks: a burst of interactions lands between two chunk boundaries.
-    with running_server(fake_settings(model_options={**SIZE, "compute_delay_s": 0.5})) as live:
+    with running_server(fake_settings(model_options={**OPTIONS, "compute_delay_s": 0.5})) as live:
         blocks_free = live.stats()["kv"]["blocks_free"]
         burst = 3 * MAX_PENDING_INTERACTIONS
 
@@ -122,7 +124,7 @@ def test_interactions_waiting_for_a_chunk_are_capped_and_each_chunk_lists_at_mos
 def test_a_client_sending_interactions_with_huge_ids_holds_little_memory() -> None:
     """Before the fix each 60 KB id was remembered (4096 of them a session: 269 MB) and listed in chunk
     metadata; the client here reads everything, as the red team's did."""
-    options = json.dumps({**SIZE, "compute_delay_s": 0.05})
+    options = json.dumps({**OPTIONS, "compute_delay_s": 0.05})
     with server_process(["--model", "fake-kv", "--model-options", options, "--log-level", "warning"]) as live:
         assert live.process is not None
         pid = live.process.pid
@@ -169,7 +171,7 @@ def test_a_client_sending_interactions_with_huge_ids_holds_little_memory() -> No
 )
 def test_a_start_with_numbers_too_long_to_parse_is_invalid_message(fields: dict[str, str]) -> None:
     """Before the fix: close 1011 `internal` and a traceback in the log."""
-    with running_server(fake_settings(model_options=SIZE)) as live:
+    with running_server(fake_settings(model_options=OPTIONS)) as live:
 
         async def scenario() -> tuple[int | None, list[dict[str, Any]]]:
             async with session_client(video_url(live)) as client:

@@ -21,7 +21,6 @@ from websockets.asyncio.client import connect
 from arstream.app.viewers import ShareRegistry
 from raw_clients import RawWebSocket, close_code, closed_by_server, open_files
 from servers import (
-    LiveServer,
     ProbeClient,
     fake_settings,
     next_of,

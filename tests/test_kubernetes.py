@@ -39,7 +39,7 @@ from servers import REPO_ROOT, fake_settings, running_server, session_client
 from test_deploy import run_tool, tool
 from test_server_http import SlowWarmupFakePipeline
 
-from arstream.app import drain
+from arstream.programs import drain
 from arstream.app.server import create_app
 from arstream.app.settings import Settings
 from arstream.cli import COMMANDS

@@ -226,7 +226,7 @@ def test_prepare_forward_refuses_a_missing_row_and_a_running_forward() -> None:
 
 def test_frame_positions_are_absolute_inside_the_rotary_table() -> None:
     state = SessionKVState(make_pool(), "a")
-    for c in range(4):
+    for _ in range(4):
         commit_chunk(state, [0.0, 0.0])
     # sink frame 0, the window's 4 frames, the current chunk
     assert state.frame_positions() == [0, 4, 5, 6, 7, 8, 9]
@@ -236,7 +236,7 @@ def test_frame_positions_stay_inside_the_rotary_table_for_endless_sessions() -> 
     """Past the table the window shifts down: distances inside it are kept, the sink stays put."""
     state = SessionKVState(make_pool(max_position_frames=10), "a")
     seen = []
-    for c in range(40):
+    for _ in range(40):
         positions = state.frame_positions()
         seen.append(positions)
         commit_chunk(state, [0.0, 0.0])
@@ -247,7 +247,7 @@ def test_frame_positions_stay_inside_the_rotary_table_for_endless_sessions() -> 
 
 def test_frame_positions_without_a_sink_keep_every_distance() -> None:
     state = SessionKVState(make_pool(sink_frames=0, max_position_frames=8), "a")
-    for c in range(30):
+    for _ in range(30):
         positions = state.frame_positions()
         assert positions == list(range(positions[0], positions[0] + len(positions))) and positions[-1] < 8
         commit_chunk(state, [0.0, 0.0])

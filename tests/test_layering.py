@@ -1,5 +1,6 @@
 """The import arrows the architecture forbids: the runtime (``runner/``) never imports a model or the transport,
-and the models (``models/``) never import the transport.
+the models (``models/``) never import the transport, and the server (``app/``) never imports the programs
+that run beside it (``programs/``: client, bench serve, gpu-check, drain).
 
 Tools that drive a model (``bench runner``, ``bench model``, ``train``, ``eval``) live in ``models/``; the
 ``arstream`` command tree that names them all is ``arstream/cli.py``, outside every layer.
@@ -15,8 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # layer folder -> (its package, the packages it must never import)
 RULES = {
-    "runner": ("arstream.runner", ("arstream.models", "arstream.app")),
-    "models": ("arstream.models", ("arstream.app",)),
+    "runner": ("arstream.runner", ("arstream.models", "arstream.app", "arstream.programs")),
+    "models": ("arstream.models", ("arstream.app", "arstream.programs")),
+    "app": ("arstream.app", ("arstream.programs",)),
 }
 
 

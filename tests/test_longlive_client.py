@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from servers import server_process
 
-from arstream.app import client
+from arstream.programs import client
 
 OPTIONS = json.dumps({"config": "tiny", "random_init": True})
 

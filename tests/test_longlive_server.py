@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from longlive_reference import DenseLongLive
 from servers import session_client, server_process
 

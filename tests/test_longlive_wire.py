@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from arstream.app.drain import DRAIN_PATH
+from arstream.app.wire import DRAIN_PATH
 from arstream.models.longlive.loading import load_longlive
 from arstream.models.longlive.pipeline import LongLivePipeline
 from arstream.models.longlive.prompts import PromptEntry

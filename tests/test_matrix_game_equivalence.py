@@ -190,7 +190,7 @@ def test_chunked_vae_decode_equals_one_call_decode(pipeline: MatrixGamePipeline)
     latents = torch.randn(1, 16, 9, 4, 6, generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         whole = vae.vae.decode(latents * vae.std + vae.mean).sample
-    parts, cache = [], None
+    parts, cache, snapshot = [], None, []
     for start in range(0, 9, 3):
         video, new_cache = vae.decode(latents[:, :, start : start + 3], cache)
         if cache is not None:  # decode leaves the cache it was given untouched (a failed batch relies on it)

@@ -25,7 +25,7 @@ def test_serve_streams_a_steerable_world_with_9_then_12_frames_per_chunk() -> No
                 for tick_id in range(3):
                     camera = {"yaw": 0.2 * tick_id, "pitch": -0.1}
                     await client.send(type="tick", tick_id=tick_id, controls={"keys": keys, "camera": camera})
-                for tick_id in range(3):
+                for _ in range(3):
                     chunk, frames = await client.recv_chunk()
                     header, pixels = frames[0]
                     assert (header.width, header.height, pixels.shape) == (48, 32, (32, 48, 3))

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from arstream.app.drain import DRAIN_PATH
+from arstream.app.wire import DRAIN_PATH
 from arstream.app.migration import IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import runner_for_sessions
@@ -98,7 +98,7 @@ def drain(server: LiveServer, peers: list[str], *, secret: str = SECRET) -> http
     )
 
 
-async def frames_of(client: Any) -> np.ndarray:
+async def frames_of(client: Any) -> tuple[dict[str, Any], np.ndarray]:
     chunk, frames = await client.recv_chunk()
     return chunk, np.stack([pixels for _header, pixels in frames])
 
@@ -132,6 +132,7 @@ def test_a_drained_session_continues_on_the_peer_bit_identically(case: str) -> N
             want = await reference(r1, extra.get("start"), headers)
             start = {"codec": "raw", "seed": SEED, **extra.get("start", {})}
             async with session_client(r0.ws_url, start=start, headers=headers) as client:
+                assert client.ready is not None
                 session_id = client.ready["session_id"]
                 for tick_id in range(MOVE_AT):
                     await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
@@ -152,7 +153,7 @@ def test_a_drained_session_continues_on_the_peer_bit_identically(case: str) -> N
                 f"{r1.ws_url}?resume={token}", start={"resume": token, "codec": "raw"}, headers=headers
             ) as client:
                 ready = client.ready
-                assert ready["resumed"] is True and ready["session_id"] == session_id
+                assert ready is not None and ready["resumed"] is True and ready["session_id"] == session_id
                 assert ready["resume"]["next_chunk_index"] == MOVE_AT
                 for tick_id in range(MOVE_AT, len(KEYS)):
                     await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})

@@ -4,10 +4,11 @@ import torch
 
 from arstream.models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk, toy_spec
 from arstream.runner.runner import ARRunner
+from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import TickRequest
 
 
-def dense_rollout(pipeline: ToyAttentionPipeline, chunks: int, seed: int, spec=None) -> list[torch.Tensor]:
+def dense_rollout(pipeline: ToyAttentionPipeline, chunks: int, seed: int, spec: KVCacheSpec | None = None) -> list[torch.Tensor]:
     cache = DenseKVCache(spec or pipeline.spec)
     generator = torch.Generator().manual_seed(seed)
     return [
@@ -39,6 +40,7 @@ def test_the_comparison_detects_a_wrong_window() -> None:
     paged = []
     for i in range(6):
         runner.execute_tick(TickRequest(session_id="a", request_id=i, seed=1))
+        assert pipeline.last_latent is not None
         paged.append(pipeline.last_latent.clone())
     wrong = dense_rollout(pipeline, 6, seed=1, spec=toy_spec(sink_frames=1, window_frames=4))
     assert not torch.allclose(paged[-1], wrong[-1], atol=1e-3)

@@ -1,5 +1,7 @@
 """PagedKVPool and plan_pool as plain data structures, with exact block ids."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -107,7 +109,7 @@ def test_over_allocation_says_how_many_are_free() -> None:
         ({"cross_attention_lengths": {"text": 0}}, "cross_attention_lengths"),
     ],
 )
-def test_inconsistent_specs_say_what_was_expected(overrides: dict, message: str) -> None:
+def test_inconsistent_specs_say_what_was_expected(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=message):
         tiny_spec(**overrides)
 

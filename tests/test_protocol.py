@@ -13,6 +13,7 @@ from arstream.app.wire import HEADER_BYTES, Codec, FrameHeader, WireError, decod
 from arstream.app.protocol import (
     ERROR_CLOSE_CODES,
     MAX_JSON_DEPTH,
+    CloseMessage,
     ErrorCode,
     InputMessage,
     PingMessage,
@@ -48,7 +49,7 @@ def test_parses_every_client_message_type() -> None:
     event = parse({"type": "input", "event_id": 2**32 - 1, "prompt": "x"})
     assert isinstance(event, InputMessage) and event.event_id == 2**32 - 1 and event.controls is None
     assert parse({"type": "ping", "t": 3}) == PingMessage(type="ping", t=3)
-    assert parse({"type": "close"}).type == "close"
+    assert isinstance(parse({"type": "close"}), CloseMessage)
 
 
 def test_unknown_fields_are_ignored_for_additive_extensions() -> None:
@@ -285,9 +286,9 @@ def test_failure_requires_reset_unless_one_is_already_queued() -> None:
         session.accept_tick(tick(2))
     assert caught.value.code is ErrorCode.SESSION_FAILED and caught.value.tick_id == 2
     session.accept_tick(tick(3, reset=True))
-    assert session.state is SessionState.ACTIVE
+    assert state_of(session) is SessionState.ACTIVE
     session.note_failure(2)  # an older failure reported late: the queued reset recovers it
-    assert session.state is SessionState.ACTIVE
+    assert state_of(session) is SessionState.ACTIVE
 
 
 def test_close_flag_drains_the_session() -> None:
@@ -350,3 +351,8 @@ def test_random_message_sequences_keep_credits_and_floors(operations: list[tuple
     for job in jobs or [session.accept_tick(tick(1000))]:
         applied.extend(session.take_chunk_inputs(job).applied_event_ids)
     assert applied == accepted_events == sorted(set(accepted_events))
+
+
+def state_of(session: Session) -> SessionState:
+    """The state read afresh (mypy keeps an ``assert session.state is X`` narrowing across the calls that change it)."""
+    return session.state

@@ -26,11 +26,19 @@ from typing import Any
 import av
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from arstream.app.realtime_video import PATH
-from arstream.app.realtime_video_events import camera_to_controls, chunks_for_frames
+from arstream.app.realtime_video_events import (
+    MAX_CONTROL_MESSAGE_BYTES,
+    SEED_WRAP,
+    camera_move,
+    camera_to_controls,
+    chunks_for_frames,
+)
 from arstream.models.fake import FakeKVPipeline, controls_code
+from arstream.runner.contract import DEFAULT_NUM_FRAMES
 from servers import (
     RECEIVE_GUARD_S,
     REPO_ROOT,
@@ -47,6 +55,9 @@ MODEL = "fake-kv"
 FRAMES_PER_CHUNK = 2  # fake-kv's default spec
 OUTSIDE_CLIENT = Path(__file__).resolve().parent / "realtime_video_client.py"  # our own, from PROTOCOL.md
 ERROR_FIELDS = {"type", "message", "code", "request_id", "event_id"}
+# A start without num_frames gets the model's default length (81 frames: 41 chunks, which fake-kv makes in a
+# blink); a session a test ends with session.stop asks for more than it will ever make.
+UNTIL_STOPPED = {"num_frames": 10**9}
 
 
 def start_message(**fields: Any) -> dict[str, Any]:
@@ -66,13 +77,15 @@ def interaction(event: dict[str, Any], event_id: str | None = None, **extra: Any
 
 
 def decode_fmp4(data: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(data), format="mp4") as container:
+    with av.open(io.BytesIO(data), mode="r", format="mp4") as container:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with running_server(fake_settings(model_options={"width": WIDTH, "height": HEIGHT})) as live:
+    # reads_prompt: the fake's card says it blends prompt changes (a model that reads none refuses them)
+    options = {"width": WIDTH, "height": HEIGHT, "reads_prompt": True}
+    with running_server(fake_settings(model_options=options)) as live:
         yield live
 
 
@@ -149,6 +162,22 @@ async def until_started(client: ProbeClient, stream: Stream, event_id: str) -> d
     return stream.metadata[-1]
 
 
+async def run_interaction(server: LiveServer, message: dict[str, Any], event_id: str, *, chunks_after: int) -> Stream:
+    """A session that sends ``message`` at once, reads to the chunk that starts ``event_id`` and ``chunks_after``
+    more, then stops."""
+    async with session_client(video_url(server)) as client:
+        await client.send(**start_message(**UNTIL_STOPPED))
+        stream = Stream()
+        await read_until_done(client, stream, until="video.start")
+        await client.send(**message)
+        await until_started(client, stream, event_id)
+        for _ in range(chunks_after):
+            await read_until_done(client, stream, until="video.chunk_metadata")
+        await client.send(type="session.stop")
+        await read_until_done(client, stream)
+        return stream
+
+
 # ---- session.start, video.start, video.chunk_metadata, binary, session.done ---------------------------
 
 
@@ -186,7 +215,7 @@ def test_the_frames_are_the_models_frames(server: LiveServer, baseline: int) -> 
 
     async def raw_rollout() -> list[np.ndarray]:
         async with session_client(server.ws_url, start={"codec": "raw", "seed": 5, "prompt": "a test world"}) as client:
-            frames = []
+            frames: list[np.ndarray] = []
             for _ in range(3):
                 await client.send(type="tick", tick_id=len(frames))
                 _, received = await client.recv_chunk()
@@ -206,14 +235,14 @@ def test_the_frames_are_the_models_frames(server: LiveServer, baseline: int) -> 
 
 
 def test_ping_gets_pong(server: LiveServer, baseline: int) -> None:
-    stream, _ = asyncio.run(run_session(server, start_message(), chunks_after=1))
+    stream, _ = asyncio.run(run_session(server, start_message(**UNTIL_STOPPED), chunks_after=1))
     assert stream.of_type("session.pong") == [{"type": "session.pong"}]
 
 
 def test_stop_ends_the_session_with_done_stopped_and_returns_its_kv(server: LiveServer, baseline: int) -> None:
     async def stop_after_one_chunk() -> tuple[Stream, int]:
         async with session_client(video_url(server)) as client:
-            await client.send(**start_message())  # no num_frames: it would run until stopped
+            await client.send(**start_message(**UNTIL_STOPPED))  # more frames than it makes before session.stop
             stream = Stream()
             await read_until_done(client, stream, until="video.chunk_metadata")
             await client.send(type="session.stop")
@@ -229,7 +258,7 @@ def test_stop_ends_the_session_with_done_stopped_and_returns_its_kv(server: Live
 def test_a_dropped_connection_returns_the_sessions_kv(server: LiveServer, baseline: int) -> None:
     async def drop_mid_stream() -> None:
         async with session_client(video_url(server)) as client:
-            await client.send(**start_message())
+            await client.send(**start_message(**UNTIL_STOPPED))
             await read_until_done(client, Stream(), until="video.chunk_metadata")
             client.abort()  # no session.stop, no close frame
 
@@ -242,20 +271,8 @@ def test_a_dropped_connection_returns_the_sessions_kv(server: LiveServer, baseli
 def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(
     server: LiveServer, baseline: int
 ) -> None:
-    async def move() -> Stream:
-        async with session_client(video_url(server)) as client:
-            await client.send(**start_message())
-            stream = Stream()
-            await read_until_done(client, stream, until="video.start")
-            await client.send(**interaction({"multi_modal_data": {"camera": camera([0.05, 0.0, 0.05])}}, "fwd-right"))
-            await until_started(client, stream, "fwd-right")
-            for _ in range(2):
-                await read_until_done(client, stream, until="video.chunk_metadata")
-            await client.send(type="session.stop")
-            await read_until_done(client, stream)
-            return stream
-
-    stream = asyncio.run(move())
+    move = interaction({"multi_modal_data": {"camera": camera([0.05, 0.0, 0.05])}}, "fwd-right")
+    stream = asyncio.run(run_interaction(server, move, "fwd-right", chunks_after=2))
 
     request_id = stream.of_type("video.start")[0]["request_id"]
     assert stream.of_type("session.interaction.queued") == [
@@ -275,7 +292,7 @@ def test_a_camera_velocity_reaches_the_model_as_keys_and_is_reported_per_chunk(
 def test_a_later_interaction_completes_the_one_it_replaces(server: LiveServer, baseline: int) -> None:
     async def three_interactions() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         async with session_client(video_url(server)) as client:
-            await client.send(**start_message())
+            await client.send(**start_message(**UNTIL_STOPPED))
             stream = Stream()
             await read_until_done(client, stream, until="video.start")
             await client.send(**interaction({"multi_modal_data": {"camera": camera([0.0, 0.0, 0.05])}}, "first"))
@@ -326,7 +343,7 @@ KEY_TOKENS = {"actions": ["w"]}  # what vLLM-Omni's helper sends as SE3 instead;
 BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
     ("not json", "{nope", "Invalid JSON message"),
     # vLLM-Omni answers any message its transport reads; past the limit's 4 KiB of frame slack it was closed 1009.
-    ("far over the size limit", json.dumps({"type": "session.ping", "pad": "x" * (2 * 65536)}), "too large"),
+    ("far over the size limit", json.dumps({"type": "session.ping", "pad": "x" * (3 * 65536)}), "too large"),
     ("not an object", "[1, 2]", "WebSocket messages must be JSON objects"),
     ("unknown type", {"type": "session.rewind"}, "Unknown message type: session.rewind"),
     ("no interaction object", {"type": "session.interaction"}, "requires an interaction object"),
@@ -337,7 +354,7 @@ BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
     ("negative prompt", interaction({"prompt": "x", "negative_prompt": "y"}, "e"), "negative_prompt is not supported"),
     ("fractional transition", interaction({"prompt": "x"}, "e", transition_chunks=1.5), "must be an integer"),
     ("negative transition", interaction({"prompt": "x"}, "e", transition_chunks=-1), "must be >= 0"),
-    ("target mode", interaction({"multi_modal_data": {"camera": camera([0, 0, 1], mode="target")}}), "'target' is not"),
+    ("unknown camera mode", interaction({"multi_modal_data": {"camera": camera([0, 0, 1], mode="orbit")}}), "'orbit'"),
     ("key tokens", interaction({"multi_modal_data": {"camera": {"mode": "velocity", "data": KEY_TOKENS}}}), "act"),
     ("short translation", interaction({"multi_modal_data": {"camera": camera([0, 1])}}, "s"), "3 finite numbers"),
     ("unknown modality", interaction({"multi_modal_data": {"image": {"url": "x"}}}, "i"), "only camera"),
@@ -349,7 +366,7 @@ BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
 def test_a_bad_event_gets_an_error_and_the_session_goes_on(
     server: LiveServer, baseline: int, message: str | dict[str, Any], expected: str
 ) -> None:
-    stream, close_code = asyncio.run(run_session(server, start_message(), message, chunks_after=2))
+    stream, close_code = asyncio.run(run_session(server, start_message(**UNTIL_STOPPED), message, chunks_after=2))
     (error,) = stream.of_type("error")
     assert set(error) <= ERROR_FIELDS and error["type"] == "error"
     assert expected in error["message"], error
@@ -361,7 +378,7 @@ def test_a_bad_event_gets_an_error_and_the_session_goes_on(
 
 def test_a_reused_event_id_is_an_event_id_conflict(server: LiveServer, baseline: int) -> None:
     again = interaction({"prompt": "again"}, "same")
-    stream, _ = asyncio.run(run_session(server, start_message(), again, again, chunks_after=1))
+    stream, _ = asyncio.run(run_session(server, start_message(**UNTIL_STOPPED), again, again, chunks_after=1))
     assert [e["event_id"] for e in stream.of_type("session.interaction.queued")] == ["same"]
     (error,) = stream.of_type("error")
     assert (error["code"], error["event_id"], error["message"]) == ("event_id_conflict", "same", "event_id_conflict")
@@ -369,7 +386,7 @@ def test_a_reused_event_id_is_an_event_id_conflict(server: LiveServer, baseline:
 
 def test_a_bad_session_does_not_disturb_another(server: LiveServer, baseline: int) -> None:
     async def both() -> tuple[Stream, Stream]:
-        noisy = run_session(server, start_message(), *(m for _, m, _ in BAD_EVENTS), chunks_after=1)
+        noisy = run_session(server, start_message(**UNTIL_STOPPED), *(m for _, m, _ in BAD_EVENTS), chunks_after=1)
         quiet = run_session(server, start_message(num_frames=8))
         return tuple(s for s, _ in await asyncio.gather(noisy, quiet))  # type: ignore[return-value]
 
@@ -423,17 +440,27 @@ def test_seconds_sets_the_frame_budget(server: LiveServer, baseline: int) -> Non
 
 def test_a_separate_client_process_streams_switches_the_prompt_and_finishes(tmp_path: Path) -> None:
     output = tmp_path / "stream.mp4"
-    options = json.dumps({"width": WIDTH, "height": HEIGHT})
+    picture = tmp_path / "first_frame.png"
+    Image.fromarray(np.full((24, 32, 3), 90, dtype=np.uint8)).save(picture)
+    updates = [
+        {"at": 0.0, "actions": ["w", "d"]},  # keys, turned into a velocity as vLLM-Omni's helper turns them
+        {"at": 0.0, "camera": {"data": {"translation": [0.0, 0.0, 1.0]}}, "transition_chunks": 1},  # a target
+    ]
+    options = json.dumps({"width": WIDTH, "height": HEIGHT, "reads_prompt": True, "start_images": ["meadow"]})
     with server_process(["--model", MODEL, "--model-options", options]) as live:
         command = [
             sys.executable, str(OUTSIDE_CLIENT), f"ws://127.0.0.1:{live.port}{PATH}", "--model", MODEL,
             "--width", str(WIDTH), "--height", str(HEIGHT), "--fps", "16", "--num-frames", "12",
             "--prompt-after-first-chunk", "a sunlit valley", "--output", str(output),
+            "--image-reference", str(picture), "--camera-updates", json.dumps(updates), "--seed", "-7",
         ]  # fmt: skip
         result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RECEIVE_GUARD_S * 4)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Session complete" in result.stdout and "ERROR" not in result.stdout, result.stdout
-    assert "Interaction queued by server" in result.stdout, result.stdout
+    for event_id in ("prompt-1", "camera-0", "camera-1"):
+        assert f"Interaction queued by server: {event_id}" in result.stdout, result.stdout
+    started = [line.split("started=")[1].split(" active=")[0] for line in result.stdout.splitlines() if "[chunk " in line]
+    assert any("'camera-1'" in ids for ids in started), result.stdout  # the target reached a chunk
     assert result.stdout.count("[chunk ") == 6, result.stdout
     frames = decode_fmp4(output.read_bytes())  # the client's fragmented MP4
     assert len(frames) == 12 and frames[0].shape == (HEIGHT, WIDTH, 3)
@@ -453,6 +480,7 @@ def test_two_dialect_sessions_batch_with_one_protocol_1_session() -> None:
         async def protocol_1_session() -> None:
             async with session_client(live.ws_url, start={"codec": "jpeg"}) as client:
                 # Every credit busy, as the dialect keeps them.
+                assert client.ready is not None
                 in_flight = int(client.ready["limits"]["max_pending_ticks"])
                 for tick_id in range(min(in_flight, chunks)):
                     await client.send(type="tick", tick_id=tick_id)
@@ -538,7 +566,7 @@ def test_a_start_past_capacity_is_refused_as_protocol_1_is() -> None:
 
 
 def test_bench_serve_runs_over_the_dialect(capsys: pytest.CaptureFixture[str]) -> None:
-    from arstream.app import bench
+    from arstream.programs import bench
 
     options = json.dumps({"compute_delay_s": 0.005, "width": WIDTH, "height": HEIGHT})
     argv = ["--model", MODEL, "--sessions", "2", "--max-batch-sessions", "2", "--chunks", "8", "--repeat", "1"]
@@ -585,7 +613,7 @@ def test_shutdown_ends_a_streaming_session_with_server_shutdown() -> None:
 
         async def streaming_when_stopped() -> tuple[list[dict[str, Any]], int | None]:
             async with session_client(video_url(live)) as client:
-                await client.send(**start_message())
+                await client.send(**start_message(**UNTIL_STOPPED))
                 await read_until_done(client, Stream(), until="video.chunk_metadata")
                 assert live.server is not None
                 live.server.should_exit = True  # what SIGINT/SIGTERM do
@@ -618,3 +646,188 @@ def test_without_pyav_the_start_is_refused_naming_the_extra_and_nothing_is_held(
     assert "cannot stream realtime video" in error["message"] and "pip install 'arstream[video]'" in error["message"]
     assert code is not None and code >= 1008
     server.settled(baseline)
+
+
+# ---- round two (issue 37): what vLLM-Omni does that this dialect did not ---------------------------------
+
+
+def blue_per_chunk(stream: Stream) -> list[float]:
+    """The mean blue of each chunk's frames: fake-kv paints the code of the keys the chunk was made with."""
+    frames = decode_fmp4(stream.data)
+    return [float(np.mean([f[..., 2].mean() for f in frames[i : i + FRAMES_PER_CHUNK]]))
+            for i in range(0, len(frames), FRAMES_PER_CHUNK)]  # fmt: skip
+
+
+def test_a_camera_without_mode_is_a_target_held_for_its_chunks_then_released(server: LiveServer, baseline: int) -> None:
+    """vLLM-Omni defaults a camera event to ``target``: a pose reached over ``transition_chunks`` chunks."""
+    target = {"data": {"translation": [1.0, 0.0, 1.0], "rotation": [0.0, 0.0, 0.0, 1.0]}}  # no mode
+
+    reach = interaction({"multi_modal_data": {"camera": target}}, "there", transition_chunks=2)
+    stream = asyncio.run(run_interaction(server, reach, "there", chunks_after=4))
+    assert stream.of_type("error") == []
+    (applied,) = [i for i, m in enumerate(stream.metadata) if m["started_event_ids"] == ["there"]]
+    code = controls_code({"keys": ["w", "d"]})  # forward and right: the target's direction
+    blue = blue_per_chunk(stream)
+    moving = [b > code / 2 for b in blue]
+    assert moving[:applied] == [False] * applied, blue
+    assert moving[applied : applied + 2] == [True, True], blue  # its two chunks
+    assert not any(moving[applied + 2 :]) and len(moving) > applied + 2, blue  # then released
+
+
+def test_a_target_is_the_velocity_that_reaches_it_over_its_chunks() -> None:
+    card = {
+        "frames_per_chunk": 2,
+        "controls": {
+            "properties": {
+                "keys": {"items": {"enum": ["w", "s", "a", "d"]}},
+                "camera": {"properties": {axis: {"minimum": -1, "maximum": 1} for axis in ("pitch", "yaw")}},
+            }
+        },
+        "mouse": "camera",
+    }
+    turn_12_degrees = [0.0, 0.10452846, 0.0, 0.9945219]  # about +Y
+    target = {"data": {"translation": [0.0, 0.0, 2.0], "rotation": turn_12_degrees}}
+    one = camera_move(target, card)  # default: one chunk (vLLM-Omni's camera default), two frames of 6 degrees
+    assert one.controls["keys"] == ["w"] and one.controls["camera"]["yaw"] == pytest.approx(0.1)
+    assert (one.hold_chunks, one.release) == (1, {"keys": [], "camera": {"pitch": 0.0, "yaw": 0.0}})
+    three = camera_move(target, card, transition_chunks=3)
+    assert three.hold_chunks == 3 and three.controls["camera"]["yaw"] == pytest.approx(0.1 / 3)
+    assert camera_move(target, card, transition_chunks=0).hold_chunks == 1  # a model cannot jump: one chunk
+    velocity = camera_move({**target, "mode": "velocity"}, card)
+    assert velocity.hold_chunks is None and velocity.controls["camera"]["yaw"] == pytest.approx(0.2)
+
+
+def test_a_control_message_up_to_128_kib_is_taken(server: LiveServer, baseline: int) -> None:
+    """vLLM-Omni's control messages may be 128 KiB; one more byte is message_too_large and the session goes on."""
+    padding = MAX_CONTROL_MESSAGE_BYTES - 100
+    near_limit = json.dumps({"type": "session.ping", "padding": "x" * padding})
+    over = json.dumps({"type": "session.ping", "padding": "x" * (MAX_CONTROL_MESSAGE_BYTES + 1)})
+    assert 64 * 1024 < len(near_limit) <= MAX_CONTROL_MESSAGE_BYTES < len(over)
+    stream, close_code = asyncio.run(run_session(server, start_message(**UNTIL_STOPPED), near_limit, over,
+                                                 chunks_after=1))  # fmt: skip
+    (error,) = stream.of_type("error")
+    assert error["code"] == "message_too_large"
+    assert len(stream.of_type("session.pong")) == 2 and close_code == 1000  # the large ping and run_session's
+
+
+class SeedRecordingFake(FakeKVPipeline):
+    """A test fake: fake-kv that remembers the seed each closed session had."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.closed_seeds: dict[str, int | None] = {}
+
+    def close_session(self, session_id: str) -> None:
+        self.closed_seeds[session_id] = self.sessions.get(session_id, {}).get("seed")
+        super().close_session(session_id)
+
+
+def test_a_negative_seed_is_taken_as_torch_takes_it() -> None:
+    """vLLM-Omni takes any int64 seed; torch seeds from a negative one as from it plus 2**64, so does the model here."""
+    fake = SeedRecordingFake(width=WIDTH, height=HEIGHT)
+    with running_server(fake_settings(), fake) as live:
+        stream, close_code = asyncio.run(run_session(live, start_message(num_frames=2, seed=-5)))
+        live.settled(int(live.stats()["kv"]["blocks_free"]))
+    (start,) = stream.of_type("video.start")
+    assert start["config"]["seed"] == -5 and close_code == 1000
+    assert fake.closed_seeds[start["session_id"]] == SEED_WRAP - 5
+    assert torch.Generator().manual_seed(-5).initial_seed() == SEED_WRAP - 5
+
+
+def test_a_start_without_num_frames_makes_the_models_default_length(server: LiveServer, baseline: int) -> None:
+    stream, close_code = asyncio.run(run_session(server, start_message()))
+    (start,) = stream.of_type("video.start")
+    assert start["config"]["num_frames"] == DEFAULT_NUM_FRAMES == 81
+    chunks = chunks_for_frames(DEFAULT_NUM_FRAMES, {"frames_per_chunk": FRAMES_PER_CHUNK})
+    assert len(stream.metadata) == chunks == 41
+    assert stream.of_type("session.done")[0]["stopped"] is False and close_code == 1000
+
+
+def test_a_prompt_change_for_a_model_that_reads_none_is_interaction_failed() -> None:
+    with running_server(fake_settings(model_options={"width": WIDTH, "height": HEIGHT})) as live:
+        start_free = int(live.stats()["kv"]["blocks_free"])
+        change = interaction({"prompt": "a new world"}, "p")
+        stream, close_code = asyncio.run(run_session(live, start_message(**UNTIL_STOPPED), change, chunks_after=2))
+        live.settled(start_free)
+    (error,) = stream.of_type("error")
+    assert (error["code"], error["event_id"]) == ("interaction_failed", "p") and "reads no prompt" in error["message"]
+    assert stream.of_type("session.interaction.queued") == [] and close_code == 1000
+
+
+def test_a_prompt_change_blends_over_transition_chunks_as_vllm_omni() -> None:
+    """vLLM-Omni lerps the prompt embedding from where it is: 1/N of the way at the change's first chunk."""
+    fake = FakeKVPipeline(width=WIDTH, height=HEIGHT, reads_prompt=True)
+
+    async def two_changes() -> Stream:
+        async with session_client(video_url(live)) as client:
+            await client.send(**start_message(prompt="a", **UNTIL_STOPPED))
+            stream = Stream()
+            await read_until_done(client, stream, until="video.start")
+            await client.send(**interaction({"prompt": "b"}, "to-b", transition_chunks=2))
+            await until_started(client, stream, "to-b")
+            # the blend to b (2 chunks) has its second chunk out before c is asked: c starts after it, however loaded
+            await read_until_done(client, stream, until="video.chunk_metadata")
+            await client.send(**interaction({"prompt": "c"}, "to-c"))  # vLLM-Omni's default: 3 chunks
+            await until_started(client, stream, "to-c")
+            for _ in range(3):
+                await read_until_done(client, stream, until="video.chunk_metadata")
+            await client.send(type="session.stop")
+            await read_until_done(client, stream)
+            return stream
+
+    with running_server(fake_settings(), fake) as live:
+        stream = asyncio.run(two_changes())
+    session_id = stream.of_type("video.start")[0]["session_id"]
+    weights = {index: dict(mix) for sid, index, mix in fake.prompt_weights_seen if sid == session_id}
+    to_b = next(m["generation_chunk_index"] for m in stream.metadata if m["started_event_ids"] == ["to-b"])
+    to_c = next(m["generation_chunk_index"] for m in stream.metadata if m["started_event_ids"] == ["to-c"])
+    assert all(weights[i] == {"a": 1.0} for i in range(to_b))
+    assert weights[to_b] == {"a": 0.5, "b": 0.5} and weights[to_b + 1] == {"b": 1.0}
+    assert all(weights[i] == {"b": 1.0} for i in range(to_b + 1, to_c))
+    thirds = [weights[to_c + step] for step in range(3)]
+    assert [mix.get("c") for mix in thirds] == [pytest.approx(1 / 3), pytest.approx(2 / 3), 1.0]
+    assert weights[to_c + 3] == {"c": 1.0}
+
+
+def test_v1_models_lists_the_served_model_as_openai_does(server: LiveServer) -> None:
+    response = server.get("/v1/models")
+    assert response.status_code == 200
+    listing = response.json()
+    assert listing["object"] == "list" and len(listing["data"]) == 1
+    (entry,) = listing["data"]
+    assert (entry["id"], entry["object"], entry["owned_by"]) == (MODEL, "model", "arstream")
+    assert isinstance(entry["created"], int)
+
+
+def test_a_page_from_another_local_port_is_told_the_flag_that_admits_it(server: LiveServer) -> None:
+    """vLLM-Omni's demo page is served on its own port (Gradio, 7860): the refusal names --allowed-origins."""
+    page = "http://127.0.0.1:7860"
+
+    async def refused() -> tuple[dict[str, Any], int | None]:
+        async with session_client(video_url(server), headers=[("Origin", page)]) as client:
+            closed = await client.closed_by_server()
+            (error,) = closed.messages
+            return error, closed.code
+
+    error, code = asyncio.run(refused())
+    assert error["code"] == "unauthorized" and code is not None and code >= 1008
+    assert f"--allowed-origins {page}" in error["message"] and "another port" in error["message"], error
+
+
+def test_a_held_update_is_released_after_its_chunks_and_a_later_change_cancels_the_hold() -> None:
+    """The session side of a camera target: counted at chunk boundaries, not at submission."""
+    from arstream.app.protocol import InputMessage, TickMessage
+    from arstream.app.session import Session, SessionState
+
+    session = Session("s", codec="fmp4", quality=80, seed=None, prompt=None, max_pending_ticks=8)
+    session.transition(SessionState.ACTIVE)
+    ticks = [session.accept_tick(TickMessage(type="tick", tick_id=i)) for i in range(6)]  # all queued first
+    session.accept_event(
+        InputMessage(type="input", event_id=1, controls={"keys": ["w"]}), hold_chunks=2, release={"keys": []}
+    )
+    seen = [session.take_chunk_inputs(ticks[i]).controls for i in range(3)]
+    assert seen == [{"keys": ["w"]}, {"keys": ["w"]}, {"keys": []}]
+    session.accept_event(InputMessage(type="input", event_id=2, controls={"keys": ["s"]}), hold_chunks=1,
+                         release={"keys": []})  # fmt: skip
+    session.accept_event(InputMessage(type="input", event_id=3, controls={"keys": ["d"]}))  # replaces it, unheld
+    assert [session.take_chunk_inputs(ticks[i]).controls for i in range(3, 6)] == [{"keys": ["d"]}] * 3

@@ -46,7 +46,9 @@ def video_url(server: LiveServer, query: str = "") -> str:
 
 
 def start(**fields: Any) -> dict[str, Any]:
-    return {"type": "session.start", "model": "fake-kv", "prompt": "a test world", "seed": 7, **fields}
+    # num_frames far past what a test reads: without one a session is the model's default length (81 frames)
+    base = {"type": "session.start", "model": "fake-kv", "prompt": "a test world", "seed": 7, "num_frames": 2**40}
+    return {**base, **fields}
 
 
 async def until_chunk(client: Any, index: int, seen: list[dict[str, Any]]) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from arstream.app.client import ConnectionDropped, RunResult, run_script
+from arstream.programs.client import ConnectionDropped, RunResult, run_script
 from arstream.models.fake import FakeKVPipeline, controls_code
 from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.types import TickRequest
@@ -167,7 +167,7 @@ def test_ticks_in_flight_at_the_drop_are_dropped_and_the_ticket_says_where_it_co
     with running_server(resume_settings(), pipeline) as server:
         start_free = server.stats()["kv"]["blocks_free"]
 
-        async def scenario() -> None:
+        async def scenario() -> list[np.ndarray]:
             async with session_client(server.ws_url, start={"codec": "raw", "seed": SEED}) as client:
                 assert client.ready is not None
                 token = client.ready["resume"]["token"]

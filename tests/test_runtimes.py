@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Generic, Protocol
 
 import pytest
 from pydantic import ValidationError
@@ -10,8 +11,8 @@ from pydantic import ValidationError
 from arstream.app.settings import Settings, describe_settings_error
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.runtimes import Runtime, build_runtime
-from arstream.runner.types import UnsupportedConfiguration
+from arstream.runner.runtimes import RUNTIMES_BY_NAME, InspectableRuntime, Runtime, build_runtime
+from arstream.runner.types import RUNTIMES, UnsupportedConfiguration
 from arstream.runner.vllm_omni.native import vllm_omni_available
 
 
@@ -53,11 +54,43 @@ def test_a_vllm_omni_model_names_its_missing_weights_path(tmp_path: Path) -> Non
         Settings(model="vllm-omni:DreamZeroPipeline", model_options={"model": str(missing)}, runtime="vllm-omni")
 
 
-def test_arstreams_runner_answers_every_member_of_the_runtime_interface() -> None:
+def members(interface: type) -> set[str]:
+    """A Protocol's own members and its bases' (annotations and methods), without the Protocol machinery."""
+    names: set[str] = set()
+    for cls in interface.__mro__:
+        if cls in (object, Protocol, Generic) or not getattr(cls, "_is_protocol", False):
+            continue
+        names |= {name for name in vars(cls) if not name.startswith("_")} | set(getattr(cls, "__annotations__", {}))
+    return names
+
+
+# What the server calls on a runtime (issue 32 narrowed it from 18): a member joins only when app/ needs it.
+SERVER_INTERFACE = {
+    "on_evict", "warmup_round_s", "batch_limit", "warmup", "model_card", "execute", "is_resident",
+    "next_chunk_index", "branch_session", "close_session", "stats",
+}
+
+
+def test_the_servers_runtime_interface_stays_narrow() -> None:
+    assert members(Runtime) == SERVER_INTERFACE
+    assert members(InspectableRuntime) > SERVER_INTERFACE  # what tests and benches drive besides
+
+
+def test_arstreams_runner_answers_every_member_of_both_interfaces() -> None:
     runner = build_runtime("arstream", FakeKVPipeline(), kv_budget_bytes=1 << 20)
-    members = {name for name in vars(Runtime) if not name.startswith("_")} | set(Runtime.__annotations__)
-    assert {"execute", "stats", "batch_limit", "counters", "warmup_round_s"} <= members
-    assert [name for name in sorted(members) if not hasattr(runner, name)] == []
+    assert [name for name in sorted(members(InspectableRuntime)) if not hasattr(runner, name)] == []
+
+
+def test_every_runtime_name_has_a_row_in_the_table() -> None:
+    assert list(RUNTIMES_BY_NAME) == list(RUNTIMES)
+    assert RUNTIMES_BY_NAME["arstream"].load() is ARRunner
+    assert RUNTIMES_BY_NAME["arstream"].unavailable() is None
+
+
+@pytest.mark.skipif(not vllm_omni_available(), reason="needs the vllm-omni extra (scripts/test-vllm-omni.sh)")
+def test_vllm_omnis_runner_answers_every_member_of_both_interfaces() -> None:
+    runner = build_runtime("vllm-omni", FakeKVPipeline(), kv_budget_bytes=64 << 20)
+    assert [name for name in sorted(members(InspectableRuntime)) if not hasattr(runner, name)] == []
 
 
 def test_stats_report_the_batch_limit_a_forward_uses_not_the_setting() -> None:

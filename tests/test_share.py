@@ -28,7 +28,7 @@ from arstream.app.protocol import (
     TickMessage,
     parse_client_message,
 )
-from arstream.app.video import FrameDecoder
+from arstream.app.codecs import FrameDecoder
 from arstream.app.wire import decode_frame
 from servers import (
     LiveServer,
@@ -184,6 +184,8 @@ def test_control_passes_to_a_viewer_and_back(server: LiveServer) -> None:
                 await player.send(type="pass_control", to=viewer_id)
                 became = await next_of(viewer, "role")
                 assert became["role"] == "controller" and became["last_tick_id"] == 1
+                # the horizon `ready` gave the first controller: the new one's timeline and branch link need it
+                assert became["rewind_seconds"] == player.ready["rewind_seconds"] > 0  # type: ignore[index]
                 assert "resume" not in became  # resume is off here (test_resume.py: the ticket follows control)
                 left = await next_of(player, "role")
                 assert left["role"] == "viewer" and left["viewer_id"].startswith("v")

@@ -24,8 +24,8 @@ import pytest
 from PIL import Image
 from websockets.exceptions import ConnectionClosed
 
-from arstream.app import client, wire
-from arstream.app.protocol import ErrorCode, ProtocolError, parse_client_message
+from arstream.programs import client, messages
+from arstream.app.protocol import ErrorCode, ProtocolError, StartMessage, parse_client_message
 from arstream.app.settings import WS_FRAME_SLACK_BYTES
 from arstream.app.start_image import (
     ImageLimits,
@@ -77,7 +77,7 @@ def b64(data: bytes) -> str:
 
 def test_start_image_field_shape_is_checked_by_the_protocol() -> None:
     parsed = parse_client_message('{"type": "start", "image": {"name": "meadow"}}')
-    assert parsed.image is not None and parsed.image.name == "meadow" and parsed.image.data is None
+    assert isinstance(parsed, StartMessage) and parsed.image is not None and parsed.image.name == "meadow" and parsed.image.data is None
     for image in ('{}', '{"name": "a", "data": "AA=="}', '"meadow"', '{"data": 5}', '{"name": ""}'):
         with pytest.raises(ProtocolError) as refused:
             parse_client_message(f'{{"type": "start", "image": {image}}}')
@@ -288,7 +288,7 @@ def test_a_resumed_session_keeps_its_image() -> None:
                 assert first.ready is not None
                 token, session_id = first.ready["resume"]["token"], first.ready["session_id"]
                 first.abort()
-            url = wire.session_url(live.ws_url, resume=token)
+            url = messages.session_url(live.ws_url, resume=token)
             # An image in a resume's start is ignored, as its prompt and seed are.
             async with session_client(url, start={"resume": token, "image": {"name": "canyon"}}) as resumed:
                 assert resumed.ready is not None and resumed.ready["resumed"] is True

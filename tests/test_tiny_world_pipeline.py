@@ -100,7 +100,7 @@ def test_paged_runner_matches_a_dense_reference(pipeline: TinyWorldPipeline, run
     kv = DenseChunkKV(cfg, batch=1)
     generator = torch.Generator().manual_seed(11)
     x = y = 0
-    dense = []
+    dense: list[np.ndarray] = []
     previous = None  # the frame decoder's last canvas and its cell, carried from chunk to chunk as the pipeline does
     with torch.inference_mode():
         for keys in KEYS_SEQUENCE:

@@ -61,12 +61,25 @@ def test_cross_attention_specs_are_refused_with_the_reason() -> None:
         to_omni_spec(spec)
 
 
+@pytest.mark.parametrize(
+    "declared", [{"history_rewrites": True}, {"model_owned_bytes_fixed": 1}, {"model_owned_bytes_per_forward_row": 1}]
+)
+def test_a_spec_whose_capacity_terms_vllm_omni_lacks_is_refused(declared: dict[str, Any]) -> None:
+    spec = KVCacheSpec(
+        num_layers=1, num_kv_heads=1, head_size=4, tokens_per_frame=2, frames_per_chunk=1, sink_frames=0,
+        window_frames=2, **declared,
+    )
+    with pytest.raises(UnsupportedConfiguration, match="--runtime arstream"):
+        to_omni_spec(spec)
+
+
 def test_a_tick_survives_vllm_omnis_tick_protocol() -> None:
     tick = TickRequest(
         session_id="s-1",
         request_id=42,
         controls={"keys": ["w", "a"], "camera": {"yaw": 0.5}},
         prompt="a forest",
+        prompt_transition_chunks=2,  # rides beside vLLM-Omni's tick (its protocol has no field for it)
         seed=9,
         reset=True,
         close=True,
@@ -127,14 +140,15 @@ class WrongFramesPipeline(FakeKVPipeline):
 
 
 def test_a_wrong_chunk_fails_closed_and_the_pool_comes_back() -> None:
-    runner = VllmOmniRunner(WrongFramesPipeline(), kv_budget_bytes=BUDGET)
+    pipeline = WrongFramesPipeline()
+    runner = VllmOmniRunner(pipeline, kv_budget_bytes=BUDGET)
     assert runner.warmup() == 3 and runner.stats().blocks_free == runner.blocks_free_at_start
     runner.execute_tick(TickRequest(session_id="s", request_id=0))
     controls: dict[str, Any] = {"short": True}
     (result,) = runner.execute([TickRequest(session_id="s", request_id=1, controls=controls)])
     assert isinstance(result, TickFailure) and isinstance(result.error, ChunkShapeError)
     assert not runner.is_resident("s") and runner.stats().blocks_free == runner.blocks_free_at_start
-    assert runner.pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
+    assert pipeline.events[-1] == ("close", "s") and runner.stats().failures_total == 1
 
 
 def test_rewind_and_branch_are_refused_with_the_reason_and_change_nothing() -> None:

@@ -153,6 +153,7 @@ class LongLivePipeline(SessionStateBinding):
             "frames_per_chunk": cfg.video_frames_per_chunk,
             "first_chunk_frames": cfg.first_chunk_frames,
             "reads_prompt": True,
+            "prompt_switch": "recache",  # LongLive's own switch: the history re-cached under the new prompt
             "default_prompt": self.default_prompt,
             "controls": {
                 "$schema": "https://json-schema.org/draft/2020-12/schema",

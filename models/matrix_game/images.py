@@ -126,7 +126,8 @@ class ConditionStream:
         self.dtype = dtype
         self.max_frames = max_frames
         self._black = torch.zeros(1, 3, 4, *image.shape[1:], device=self.vae.mean.device)
-        first, self._cache = vae.encode_step(image[None, :, None].to(self._black.device), None)
+        first, cache = vae.encode_step(image[None, :, None].to(self._black.device), None)
+        self._cache: FeatureCache | None = cache  # None once the latents settled (or max_frames were made)
         self._latents = [first[:, 0].to(dtype)]
         self.fixed_at: int | None = None  # the last distinct latent frame, once the cache stopped changing
 

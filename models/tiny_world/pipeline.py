@@ -205,7 +205,7 @@ class TinyWorldPipeline(SessionStateBinding):
         self._sessions.pop(session_id, None)
 
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
-        keys = ([], ["d"], ["w", "a"])
+        keys: tuple[list[str], ...] = ([], ["d"], ["w", "a"])
         return [TickRequest(session_id=session_id, request_id=i, controls={"keys": k}) for i, k in enumerate(keys)]
 
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------

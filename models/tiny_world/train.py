@@ -168,8 +168,8 @@ def class_loss(pred: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor | Non
 
 def prime_history(model: TinyWorldDiT, kv: DenseChunkKV, batch: Batch, gen: torch.Generator) -> None:
     """For a continuing session: commit an old chunk from elsewhere, keep its first frame as the sink."""
-    if batch.stale_sink is None:
-        return
+    if batch.stale_sink is None or batch.stale_directions is None or batch.stale_cells is None:
+        return  # the three are set together (a stale chunk), or none
     commit_chunk(model, kv, batch.stale_sink, batch.stale_directions, batch.stale_cells, gen)
     kv.jump_to(batch.frame_start)
 
@@ -463,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
             batch = sampler.sample(args.batch_size, args.chunks, stale)
             loss = diffusion_forcing_loss(model, batch, gen, args.class_loss)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():

@@ -11,7 +11,7 @@ diffusers' layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -97,8 +97,10 @@ def load_vae(module: nn.Module, path: Path) -> None:
     if not all(k in state for k in module.state_dict()):
         from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
+        # diffusers leaves it unannotated: a state dict in, a state dict out
+        convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = convert_wan_vae_to_diffusers
         try:
-            state = convert_wan_vae_to_diffusers(state)
+            state = convert(state)
         except Exception as exc:  # noqa: BLE001 - a layout we cannot convert: say which file
             raise CheckpointError(f"{path} is neither a diffusers nor an original Wan VAE state dict: {exc}") from exc
     load_into(module, state, path)

@@ -68,7 +68,7 @@ def rotate_pairs(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
     cos, sin = rot
     pairs = cos.shape[-1]
     head, tail = x[..., : 2 * pairs], x[..., 2 * pairs :]
-    a, b = head.float().unflatten(-1, (pairs, 2)).unbind(-1)
+    a, b = torch.unflatten(head.float(), -1, (pairs, 2)).unbind(-1)
     rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([rotated, tail], dim=-1) if tail.shape[-1] else rotated
 

@@ -85,7 +85,7 @@ class CPUHooks:
         return False
 
 
-class ARStreamCPUPlatform(CPUHooks, UnspecifiedPlatform):
+class ARStreamCPUPlatform(CPUHooks, UnspecifiedPlatform):  # type: ignore[misc]  # vllm is untyped here (not installed)
     """vLLM's platform on a CPU-only host (``vllm.platform_plugins`` entry point)."""
 
     _enum = PlatformEnum.OOT

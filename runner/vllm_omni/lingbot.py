@@ -105,6 +105,8 @@ class LingBotTicks:
             "frames_per_chunk": self.frames_per_chunk,
             "first_chunk_frames": self.first_chunk_frames,
             "reads_prompt": True,
+            # Each tick's prompt is encoded (cached by text) and the cross-attention K/V rebuilt when it changes.
+            "prompt_switch": "at_once",
             "default_prompt": self.prompt,
             "description": "LingBot-World: a world from a start picture, walked through with the camera keys",
             "controls": CONTROLS_SCHEMA,

@@ -128,10 +128,3 @@ def load_class(native: NativePipeline) -> type:
             f"it lacks {', '.join(missing)} (SupportsARDiffusionPipeline)"
         )
     return cls
-
-
-def build_native_runner(native: NativePipeline, **options: Any) -> Any:
-    """vLLM-Omni's runner serving ``native`` (imports vLLM; see :mod:`arstream.runner.vllm_omni.native_runner`)."""
-    from arstream.runner.vllm_omni.native_runner import NativeOmniRunner
-
-    return NativeOmniRunner(native, **options)

@@ -11,7 +11,7 @@ from arstream.runner.vllm_omni.cpu_platform import CPUHooks
 CPU_ATTENTION_BACKEND = "arstream.runner.vllm_omni.cpu_attention.CPUSDPABackend"
 
 
-class ARStreamCPUOmniPlatform(CPUHooks, UnspecifiedOmniPlatform):
+class ARStreamCPUOmniPlatform(CPUHooks, UnspecifiedOmniPlatform):  # type: ignore[misc]  # vllm-omni untyped here
     """vLLM-Omni's unspecified (CPU) platform plus the hooks its AR-Diffusion runner and pipelines need."""
 
     _omni_enum = OmniPlatformEnum.OOT

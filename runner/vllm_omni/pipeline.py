@@ -39,6 +39,8 @@ with importing_vllm():
 
 CONTROLS_TRACK = "controls"
 CONTROLS_SCHEMA = "arstream.controls"
+# A prompt change's blend length has no field in vLLM-Omni's tick protocol: it rides beside the tick in extra_args.
+PROMPT_TRANSITION_KEY = "arstream_prompt_transition_chunks"
 
 
 def to_omni_request(tick: TickRequest, chunk_index: int) -> OmniDiffusionRequest:
@@ -59,7 +61,8 @@ def to_omni_request(tick: TickRequest, chunk_index: int) -> OmniDiffusionRequest
         reset=tick.reset,
         close_session=tick.close,
     )
-    params = OmniDiffusionSamplingParams(seed=tick.seed, extra_args=omni_tick.to_extra_args())
+    extra_args = {**omni_tick.to_extra_args(), PROMPT_TRANSITION_KEY: tick.prompt_transition_chunks}
+    params = OmniDiffusionSamplingParams(seed=tick.seed, extra_args=extra_args)
     # vLLM-Omni refuses a request without a prompt; a model that takes none ignores it.
     return OmniDiffusionRequest(
         prompt=tick.prompt or "", sampling_params=params, request_id=f"{tick.session_id}/{tick.request_id}"
@@ -77,6 +80,7 @@ def tick_from_request(request: OmniDiffusionRequest) -> TickRequest:
         request_id=int(omni_tick.request_id),
         controls=controls,
         prompt=omni_tick.prompt,
+        prompt_transition_chunks=int(request.sampling_params.extra_args.get(PROMPT_TRANSITION_KEY, 0)),
         seed=request.sampling_params.seed,
         reset=omni_tick.reset,
         close=omni_tick.close_session,

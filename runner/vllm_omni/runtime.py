@@ -37,7 +37,8 @@ from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.stats import RunnerStats, RuntimeCounters
 from arstream.runner.types import UnsupportedConfiguration
-from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest, TickResult
+from arstream.runner.types import ChunkResult, RewindUnavailable, RuntimeOptions, TickFailure, TickRequest, TickResult
+from arstream.runner.vllm_omni.native import NativePipeline
 from arstream.runner.vllm_omni.deprecations import ignoring_their_deprecations, importing_vllm
 
 with importing_vllm():  # about 10 s and 0.9 GB
@@ -77,7 +78,7 @@ def kv_config(
 def budgeted_runner_class(budget_bytes: int | None) -> type[ARDiffusionModelRunner]:
     """vLLM-Omni's runner, told the byte budget instead of querying free memory when one is given."""
 
-    class BudgetedRunner(ARDiffusionModelRunner):
+    class BudgetedRunner(ARDiffusionModelRunner):  # type: ignore[misc]  # vllm-omni is untyped here (not installed)
         def _available_memory_bytes(self) -> int:
             return budget_bytes if budget_bytes is not None else super()._available_memory_bytes()
 
@@ -107,6 +108,18 @@ class VllmOmniRunner:
 
     batches = False
     batch_limit = 1
+
+    @classmethod
+    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> VllmOmniRunner:
+        """``--runtime vllm-omni``: an ARStream pipeline through the adapter, or one registered in vLLM-Omni.
+
+        Rewind and the decode split are ARRunner's: this runtime refuses rewinds when asked (RewindUnavailable).
+        """
+        if isinstance(pipeline, NativePipeline):
+            from arstream.runner.vllm_omni.native_runner import NativeOmniRunner
+
+            return NativeOmniRunner(pipeline, **options.pool())
+        return cls(pipeline, **options.pool())
 
     def __init__(
         self,

@@ -37,6 +37,12 @@ def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
             "the vllm-omni runtime does not adapt cross-attention caches yet; "
             f"this spec declares {sorted(spec.cross_attention_lengths)}"
         )
+    if spec.history_rewrites or spec.model_owned_bytes_fixed or spec.model_owned_bytes_per_forward_row:
+        # vLLM-Omni's spec has no term for them: its capacity would count too many sessions (LongLive's prompts)
+        raise UnsupportedConfiguration(
+            "the vllm-omni runtime cannot count history rewrites or shared model-owned state yet "
+            "(history_rewrites, model_owned_bytes_fixed, model_owned_bytes_per_forward_row): use --runtime arstream"
+        )
     return ARDiffusionKVCacheSpec(
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,

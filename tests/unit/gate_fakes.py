@@ -33,6 +33,7 @@ FAKE_CARD: dict[str, Any] = {
     "width": 8,
     "height": 8,
     "fps": 8,
+    "reads_prompt": True,  # a prompt change is taken (at once), as the dialect tests send one
     "controls": {"type": "object", "properties": {"x": {"type": "number"}}, "additionalProperties": False},
 }
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 import arstream
-from arstream.app import bench
+from arstream.programs import bench
 from arstream.cli import main_for
 from arstream.measure import percentile, print_summary
 from arstream.models.matrix_game.config import get_config

@@ -58,14 +58,15 @@ from typing import Any
 import torch
 import websockets
 
-from arstream.app import wire
+from arstream.app.codecs import CODEC_NAMES
 from arstream.app.memory import keep_freed_memory
 from arstream.app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from arstream.cli import main_for
 from arstream.measure import compare, percentile, print_summary
 from arstream.models.bench_model import control_keys, forward_split_s
-from arstream.app.client import MAX_MESSAGE_BYTES, SessionClient
 from arstream.app.settings import Settings, default_max_batch_sessions
+from arstream.programs import messages
+from arstream.programs.client import MAX_MESSAGE_BYTES, SessionClient
 from arstream.runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
@@ -134,7 +135,7 @@ class ServerProcess:
 
     @property
     def sessions_url(self) -> str:
-        return wire.session_url(self.base_url)
+        return messages.session_url(self.base_url)
 
     def get_json(self, path: str) -> Any:
         with urllib.request.urlopen(self.base_url + path, timeout=30) as response:
@@ -297,7 +298,7 @@ async def server_phase(
     """``sessions`` paced sessions that connect and start, then tick together (like the bare runner's rounds)."""
     all_started = asyncio.Barrier(sessions)
     if dialect == "realtime-video":
-        with urllib.request.urlopen(wire.http_base_url(url) + "/v1/model", timeout=30) as response:
+        with urllib.request.urlopen(messages.http_base_url(url) + "/v1/model", timeout=30) as response:
             card = json.load(response)
         url = url.replace("/v1/sessions", REALTIME_VIDEO_PATH)
         phase = (
@@ -412,7 +413,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=WARMUP_CHUNKS,
         help=f"untimed chunks per session on each side before the first repetition (default {WARMUP_CHUNKS})",
     )
-    parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
+    parser.add_argument("--codec", choices=CODEC_NAMES, default="jpeg")
     parser.add_argument(
         "--dialect",
         choices=["sessions", "realtime-video"],
@@ -471,13 +472,11 @@ class ServeBench:
         keep_freed_memory()
         # The bare runner's model is loaded first: its KV spec sizes the budget both sides get.
         pipeline = load_pipeline(args.model, args.device, **self.options)
+        if not isinstance(pipeline, ARPipeline):  # the bare side is ARStream's own runner, driven directly
+            raise SystemExit(f"arstream bench serve: {args.model} runs only on the vllm-omni runtime, which it cannot drive bare")
         # Both sides keep the server's default rewind horizon (a boundary taken per chunk, counted in the budget).
         defaults = Settings()
-        rewind = (
-            rewind_for(pipeline, seconds=defaults.rewind_seconds, budget_bytes=defaults.rewind_budget_bytes())
-            if isinstance(pipeline, ARPipeline)
-            else None  # a vLLM-Omni pipeline: no rewind
-        )
+        rewind = rewind_for(pipeline, seconds=defaults.rewind_seconds, budget_bytes=defaults.rewind_budget_bytes())
         spec = pipeline.kv_cache_spec()
         needed = budget_for_sessions(spec, args.sessions, max_batch_sessions=args.max_batch_sessions, rewind=rewind)
         self.kv_budget_bytes = args.kv_budget_bytes or max(DEFAULT_KV_BUDGET_BYTES, needed)

@@ -45,7 +45,8 @@ import numpy as np
 import websockets
 
 from arstream.app import wire
-from arstream.app.video import FrameDecoder
+from arstream.app.codecs import CODEC_NAMES, FrameDecoder
+from arstream.programs import messages
 from arstream.cli import main_for
 from arstream.measure import percentile
 
@@ -295,10 +296,10 @@ class SessionClient:
         """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
 
         ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
-        session from that boundary of the shared one. Connect with ``wire.session_url(..., share=TOKEN)`` for both.
+        session from that boundary of the shared one. Connect with ``messages.session_url(..., share=TOKEN)`` for both.
         """
         await self._send(
-            wire.start_message(
+            messages.start_message(
                 codec=codec, seed=seed, prompt=prompt, resume=resume, image=image, watch=watch, branch=branch
             )
         )
@@ -334,7 +335,7 @@ class SessionClient:
         dropped_at = time.perf_counter()
         for _hop in range(MAX_MOVE_HOPS):
             await self.ws.close()
-            self.ws = await connect(wire.session_url(url, token=token, resume=resume_token))
+            self.ws = await connect(messages.session_url(url, token=token, resume=resume_token))
             self.tick_sent_at.clear()
             try:
                 ready = await self.start(codec=self.ready["codec"], resume=resume_token)
@@ -356,12 +357,12 @@ class SessionClient:
         tick_id = self.next_tick_id
         self.next_tick_id += 1
         self.tick_sent_at[tick_id] = time.perf_counter()
-        await self._send(wire.tick_message(tick_id, rewind_to=rewind_to, **fields))
+        await self._send(messages.tick_message(tick_id, rewind_to=rewind_to, **fields))
         return tick_id
 
     async def pass_control(self, viewer_id: str) -> None:
         """Hand the controls to a viewer (an id from the controller's ``viewers`` message)."""
-        await self._send(wire.pass_control_message(viewer_id))
+        await self._send(messages.pass_control_message(viewer_id))
 
     async def send_input(self, *, controls: dict[str, Any] | None = None, prompt: str | None = None) -> int:
         """Send an ``input`` event; return its id."""
@@ -369,7 +370,7 @@ class SessionClient:
         self.next_event_id += 1
         self.event_sent_at[event_id] = time.perf_counter()
         self._event_sent_after[event_id] = -1 if self.last_chunk_index is None else self.last_chunk_index
-        await self._send(wire.input_message(event_id, controls=controls, prompt=prompt))
+        await self._send(messages.input_message(event_id, controls=controls, prompt=prompt))
         return event_id
 
     async def receive_chunk(self) -> Chunk:
@@ -406,7 +407,7 @@ class SessionClient:
     async def close(self) -> str:
         """Send ``close``; skip what is still in flight; return the ``closed`` reason."""
         try:
-            await self.ws.send(wire.close_message())
+            await self.ws.send(messages.close_message())
         except websockets.ConnectionClosed:
             pass  # already closed by the server: read what it said before closing
         while True:
@@ -587,7 +588,7 @@ async def run_script(
     says so.
     """
     connect_started = time.perf_counter()
-    first_url = wire.session_url(url, token=token, share=branch[0] if branch else None)
+    first_url = messages.session_url(url, token=token, share=branch[0] if branch else None)
 
     async def fresh_session() -> SessionClient:
         """A new session through ``url``; with ``resume_on_drop``, one a draining replica refused tries again."""
@@ -705,7 +706,7 @@ async def run_watch(
     controls (``role``), it asks for the rest of its chunks itself, holding no keys.
     """
     connect_started = time.perf_counter()
-    session = SessionClient(await connect(wire.session_url(url, token=token, share=share)))
+    session = SessionClient(await connect(messages.session_url(url, token=token, share=share)))
     frames: list[np.ndarray] = []
     chunk_indexes: list[int] = []
     try:
@@ -751,8 +752,8 @@ def start_image_choice(value: str) -> dict[str, str]:
     """``--image``: a file that exists is sent as data (PNG, JPEG or WebP); anything else is an offered name."""
     path = Path(value)
     if path.is_file():
-        return wire.start_image_field(data=path.read_bytes())
-    return wire.start_image_field(name=value)
+        return messages.start_image_field(data=path.read_bytes())
+    return messages.start_image_field(name=value)
 
 
 def save_pngs(frames: Sequence[np.ndarray], out_dir: Path) -> list[Path]:
@@ -787,6 +788,7 @@ def save_mp4(frames: Sequence[np.ndarray], path: Path, fps: int, scale: int = 1)
     with av.open(str(path), mode="w") as container:
         codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
         stream = container.add_stream(codec, rate=fps)
+        assert isinstance(stream, av.VideoStream)  # a video codec's stream (PyAV types it as any stream)
         # yuv420p needs even sizes; pad by repeating the last row/column when the model's are odd.
         stream.width, stream.height = width + width % 2, height + height % 2
         stream.pix_fmt = "yuv420p"
@@ -828,7 +830,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"video.mp4's pixels per model pixel (default: the whole factor that brings the longer side near "
         f"{VIDEO_LONG_SIDE_PX} px, so tiny-world's 64x64 becomes 512x512; the PNGs keep the model's size)",
     )
-    parser.add_argument("--codec", choices=wire.CODEC_NAMES, default="jpeg")
+    parser.add_argument("--codec", choices=CODEC_NAMES, default="jpeg")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--prompt", help="the session's prompt from its first chunk (models that read one: longlive)")
     parser.add_argument(
@@ -917,7 +919,7 @@ def prompt_switches(entries: Sequence[Sequence[str]], ticks: int) -> list[tuple[
 def run(args: argparse.Namespace) -> int:
     try:
         plan = keys_per_tick(parse_key_script(args.keys))
-        wire.session_url(args.url)  # reject a malformed URL before connecting
+        messages.session_url(args.url)  # reject a malformed URL before connecting
         rewind, branch = share_choice(args, len(plan))
         image = start_image_choice(args.image) if args.image is not None else None
         prompts_at = prompt_switches(args.prompt_at, len(plan))

@@ -12,12 +12,10 @@ import sys
 
 import httpx
 
+from arstream.app.wire import DRAIN_PATH, HOLDER_PATH  # not the server's modules: no torch here
 from arstream.cli import main_for
 
 SECRET_ENV = "ARSTREAM_CLUSTER_SECRET"
-# The replica's route (app/migration.py); defined here so this command does not load the server (or torch).
-DRAIN_PATH = "/v1/cluster/drain"
-HOLDER_PATH = "/v1/cluster/sessions"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
