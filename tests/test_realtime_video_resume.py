@@ -72,6 +72,24 @@ async def events_until(client: Any, kind: str, seen: list[dict[str, Any]]) -> di
         assert event["type"] != "error", (event, seen)
 
 
+async def stream_a_while(client: Any, seen: list[dict[str, Any]]) -> dict[str, Any]:
+    """Start a resumable session and read ``DROP_AFTER`` chunks of it; its video.start."""
+    await client.send(**start(resumable=True))
+    first = await events_until(client, "video.start", seen)
+    for _ in range(DROP_AFTER):
+        await events_until(client, "video.chunk_metadata", seen)
+    return first
+
+
+async def resume_and_read(server: LiveServer, token: str, after: list[dict[str, Any]]) -> dict[str, Any]:
+    """Resume ``token`` on ``server`` and read ``AFTER`` chunks past where it goes on; its video.start."""
+    async with session_client(video_url(server, f"?resume={token}")) as client:
+        await client.send(type="session.start", resume=token)
+        resumed = await events_until(client, "video.start", after)
+        await until_chunk(client, resumed["resume"]["next_chunk_index"] + AFTER - 1, after)
+    return resumed
+
+
 async def plain_session(server: LiveServer, last_index: int) -> str:
     """A session never dropped, read to chunk ``last_index``; its id."""
     async with session_client(video_url(server)) as client:
@@ -96,18 +114,12 @@ def test_a_dropped_resumable_session_resumes_and_its_rollout_goes_on_bit_identic
         async def dropped_and_resumed() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
             seen: list[dict[str, Any]] = []
             async with session_client(video_url(live)) as client:
-                await client.send(**start(resumable=True))
-                first = await events_until(client, "video.start", seen)
-                for _ in range(DROP_AFTER):
-                    await events_until(client, "video.chunk_metadata", seen)
+                first = await stream_a_while(client, seen)
                 client.abort()  # no session.stop, no close frame
             token = first["resume"]["token"]
             await asyncio.to_thread(wait_until_detached, live)
             after: list[dict[str, Any]] = []
-            async with session_client(video_url(live, f"?resume={token}")) as client:
-                await client.send(type="session.start", resume=token)
-                resumed = await events_until(client, "video.start", after)
-                await until_chunk(client, resumed["resume"]["next_chunk_index"] + AFTER - 1, after)
+            resumed = await resume_and_read(live, token, after)
             return first, resumed, after
 
         first, resumed, after = asyncio.run(dropped_and_resumed())
@@ -179,10 +191,7 @@ def test_a_drain_moves_a_resumable_session_to_the_peer_where_it_goes_on_bit_iden
         async def moved_and_resumed() -> tuple[dict[str, Any], dict[str, Any], int | None, dict[str, Any], list[Any]]:
             seen: list[dict[str, Any]] = []
             async with session_client(video_url(r0)) as client:
-                await client.send(**start(resumable=True))
-                first = await events_until(client, "video.start", seen)
-                for _ in range(DROP_AFTER):
-                    await events_until(client, "video.chunk_metadata", seen)
+                first = await stream_a_while(client, seen)
                 drained = asyncio.create_task(asyncio.to_thread(drain, r0, [r1.base_url]))
                 moved = await events_until(client, "session.moved", seen)
                 closed = await client.closed_by_server()
@@ -190,10 +199,7 @@ def test_a_drain_moves_a_resumable_session_to_the_peer_where_it_goes_on_bit_iden
                 assert report.status_code == 200, report.text
             token = str(moved["resume"])
             after: list[dict[str, Any]] = []
-            async with session_client(video_url(r1, f"?resume={token}")) as client:
-                await client.send(type="session.start", resume=token)
-                resumed = await events_until(client, "video.start", after)
-                await until_chunk(client, moved["next_chunk_index"] + AFTER - 1, after)
+            resumed = await resume_and_read(r1, token, after)
             return first, moved, closed.code, resumed, after
 
         first, moved, close_code, resumed, after = asyncio.run(moved_and_resumed())
