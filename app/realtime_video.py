@@ -13,14 +13,20 @@ differs (PROTOCOL.md, "vLLM-Omni realtime video dialect"):
 - ``session.interaction`` becomes an input event: ``event.prompt`` the
   prompt, ``event.multi_modal_data.camera`` (structural SE3) the model's
   keys and camera controls
-  (:func:`~arstream.app.realtime_video_events.camera_to_controls`), applied at the next
-  chunk boundary and acknowledged with ``session.interaction.queued``;
+  (:func:`~arstream.app.realtime_video_events.camera_to_controls`), applied by the
+  next chunk that starts (the worker runs at most ``CHUNKS_AHEAD`` of the session's
+  chunks ahead of its socket) and acknowledged with ``session.interaction.queued``;
 - each chunk goes out as ``video.chunk_metadata`` then one binary message of
   fragmented MP4 (:mod:`arstream.app.fmp4`), the first one opening with the
   init segment;
 - refusals and bad messages get vLLM-Omni's error shape,
   ``{"type": "error", "message": ..., "code"?, "request_id"?, "event_id"?}``;
-  a bad control message costs only its error, the session goes on.
+  a bad control message costs only its error, the session goes on, and a stall
+  ends as vLLM-Omni's (its error, ``session.done``, close 1000);
+- ARStream's extension, off unless ``session.start`` has ``"resumable": true``:
+  a resume ticket in ``video.start``, a resume with ``session.start``'s
+  ``resume``, and ``session.moved`` when a drain moves the session
+  (:class:`VideoStreamState` is what the dialect keeps on the session for that).
 """
 
 from __future__ import annotations
