@@ -23,10 +23,8 @@ from arstream.app.protocol import (
     ErrorCode,
     ProtocolError,
     StartMessage,
-    closed_message,
     dumps,
     error_message,
-    moved_message,
     parse_client_message,
 )
 from arstream.app.resume import Forward, Resumed, ResumeRefused, token_hint

@@ -530,9 +530,8 @@ class RealtimeVideo(Dialect):
 
     def moved(self, resume: str, next_chunk_index: int) -> str:
         """ARStream's ``session.moved``: the session goes on on a peer; resume it with this token there."""
-        return dumps(
-            {"type": "session.moved", "request_id": self.request_id, "resume": resume, "next_chunk_index": next_chunk_index}
-        )
+        moved = {"type": "session.moved", "request_id": self.request_id, "resume": resume}
+        return dumps({**moved, "next_chunk_index": next_chunk_index})
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_event(message, code, request_id=self.request_id if self._started else None)

@@ -77,7 +77,8 @@ class TickLanes(Generic[_Job]):
         """The next job of each of ``sessions`` (in line order; sessions held back keep their places ahead of
         them); those with more go to the back."""
         if list(sessions) != [s for s in self._line if s in set(sessions)] or len(set(sessions)) != len(sessions):
-            raise ValueError(f"a round takes sessions of the line {list(self._line)} in its order, got {list(sessions)}")
+            line = list(self._line)
+            raise ValueError(f"a round takes sessions of the line {line} in its order, got {list(sessions)}")
         jobs: list[_Job] = []
         still_queued: list[str] = []
         for session_id in sessions:

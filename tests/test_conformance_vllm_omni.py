@@ -496,13 +496,12 @@ def test_the_dialects_ends_are_vllm_omnis() -> None:
     stream = "entrypoints/openai/serving_video_output_stream.py"
     control_loop = vllm_omni_function(stream, "_control_loop")
     # Over the limit: its error, then `continue` (the session goes on), in the branch that tests the size.
-    (too_large,) = [
-        n for n in ast.walk(control_loop) if isinstance(n, ast.If) and "_MAX_CONTROL_MESSAGE_SIZE" in ast.unparse(n.test)
-    ]
+    branches = [n for n in ast.walk(control_loop) if isinstance(n, ast.If)]
+    (too_large,) = [n for n in branches if "_MAX_CONTROL_MESSAGE_SIZE" in ast.unparse(n.test)]
     assert "control message too large" in string_constants(too_large)
     assert isinstance(too_large.body[-1], ast.Continue)
     # A stall: its error, the request stopped; handle_session then sends session.done with stopped true.
-    (stall,) = [n for n in ast.walk(control_loop) if isinstance(n, ast.If) and "stalled_for" in ast.unparse(n.test)]
+    (stall,) = [n for n in branches if "stalled_for" in ast.unparse(n.test)]
     (stall_message,) = [text for text in string_constants(stall) if text.startswith("Stall timeout")]
     assert "stop_event.set()" in ast.unparse(stall)
     handle_session = ast.unparse(vllm_omni_function(stream, "handle_session"))
