@@ -143,6 +143,12 @@ class Dialect:
     can_move = False
     # The error that ends a session idle for ``idle_timeout_s`` (formatted with ``seconds``).
     idle_detail = "no tick or input for {seconds} s while no tick was queued or running"
+    # The close code of that end (None: ``idle_timeout``'s own, 4001).
+    idle_close_code: int | None = None
+    # Its sessions' chunks made and not yet written, at most, before the worker starts the next (None: no bound,
+    # the client's own ticks in flight decide). A dialect whose server ticks for the client bounds it, so that an
+    # input binds to a chunk that starts soon after it, not behind chunks made long before it is seen.
+    chunks_ahead: int | None = None
     # Whether the close frame carries the close reason too (protocol 1's `closed` reason).
     reason_in_close_frame = True
 
@@ -179,6 +185,11 @@ class Dialect:
     def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
         """The session is closing with ``reason``: the last text before the close frame, or None."""
         return None
+
+    def owns(self, session: Session) -> bool:
+        """Whether ``session`` is one of this dialect's (a resume here may adopt it): protocol 1 keeps no state
+        of its own (``Session.dialect_state``), other dialects say which is theirs."""
+        return session.dialect_state is None
 
     def moved(self, resume: str, next_chunk_index: int) -> str:
         """The text that tells a client its session moved to a peer (only where :attr:`can_move`)."""

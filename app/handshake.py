@@ -23,10 +23,8 @@ from .protocol import (
     ErrorCode,
     ProtocolError,
     StartMessage,
-    closed_message,
     dumps,
     error_message,
-    moved_message,
     parse_client_message,
 )
 from .resume import Forward, Resumed, ResumeRefused, token_hint
@@ -79,7 +77,7 @@ class Handshake:
             return await self._branch(start)
         resume_token = start.resume or self.ws.query_params.get("resume")
         if resume_token is not None:
-            resumed = await self._adopt(resume_token, start)  # a resumed session keeps its own start image
+            resumed = await self.adopt(resume_token, start)  # a resumed session keeps its own start image
             if resumed is None:
                 return None
             return Started(resumed.session, resumed.next_chunk_index, resumed=True)
@@ -199,8 +197,11 @@ class Handshake:
         await self.live.refuse(ErrorCode.OVER_CAPACITY, refusal)
         return False
 
-    async def _adopt(self, token: str, start: StartMessage) -> Resumed | None:
-        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed."""
+    async def adopt(self, token: str, start: StartMessage) -> Resumed | None:
+        """The session ``token`` resumes (PROTOCOL.md, "Resume ..."), or None after refusing with resume_failed.
+
+        Also the realtime video dialect's resume (its ``session.start`` with ``resume``): a redirect and every
+        refusal are in the live session's dialect."""
         url_token = self.ws.query_params.get("resume")
         live = self.live
         try:
@@ -210,8 +211,13 @@ class Handshake:
             if forward is not None:
                 await self.redirect(forward)
                 return None
+            session_id = self.gate.resume.lookup(token, live.token_key)
+            holder = self.gate.controller(session_id)
+            held = holder.session if holder is not None else self.gate.resume.detached_session(session_id)
+            if held is not None and not live.dialect.owns(held):
+                raise ResumeRefused("the token names a session of another wire dialect: resume it where it started")
             # A resume passes the same admission as a new session; refused, it spends nothing.
-            refusal = self.gate.admit(live, resuming=self.gate.resume.lookup(token, live.token_key))
+            refusal = self.gate.admit(live, resuming=session_id)
             if refusal is not None:
                 hint = token_hint(token)
                 log.info("session=%s resume with token %s not admitted: %s", live.session_id, hint, refusal)
@@ -249,8 +255,10 @@ class Handshake:
         """Answer a resume of a session that moved: `moved` with the peer's token, `closed` (moved), 1001."""
         log.info("session=%s resume answered with moved (%s)", self.live.session_id, token_hint(forward.resume))
         self.metrics.resumes.labels(outcome="moved").inc()
-        moved = moved_message(resume=forward.resume, next_chunk_index=forward.next_chunk_index)
-        await self.live.send_then_close([dumps(moved), dumps(closed_message(CloseReason.MOVED))], CLOSE_GOING_AWAY)
+        dialect = self.live.dialect
+        texts = [dialect.moved(forward.resume, forward.next_chunk_index)]
+        last = dialect.closed(self.live, CloseReason.MOVED)
+        await self.live.send_then_close(texts if last is None else [*texts, last], CLOSE_GOING_AWAY)
 
     # ---- the start message ----------------------------------------------------------------
 

@@ -132,6 +132,8 @@ class LiveSession:
         self.session, self.session_id = session, session.id
         if self.watch is None:
             session.deliver = self.on_outcome
+            # Where the server ticks for the client, it runs only this far ahead of the socket (Dialect.chunks_ahead).
+            session.chunks_ahead_limit = self.dialect.chunks_ahead
             session.next_chunk_index = started.next_chunk_index
             self.gate.register(self)
         else:
@@ -256,7 +258,12 @@ class LiveSession:
             if message is None:
                 if self.serving:
                     detail = self.dialect.idle_detail.format(seconds=self.settings.idle_timeout_s)
-                    self.fatal(ErrorCode.IDLE_TIMEOUT, detail, reason=CloseReason.IDLE_TIMEOUT)
+                    self.fatal(
+                        ErrorCode.IDLE_TIMEOUT,
+                        detail,
+                        reason=CloseReason.IDLE_TIMEOUT,
+                        close_code=self.dialect.idle_close_code,
+                    )
                 return
             if message["type"] == "websocket.disconnect":
                 self.disconnected = True

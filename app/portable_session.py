@@ -22,6 +22,8 @@ from .session import MAX_PENDING_EVENTS, RECENT_EVENT_IDS
 
 # The server's own session ids ("s-" and hex, "v-" and a token) fit in this; nothing that can break a log line does.
 SESSION_ID = r"^[A-Za-z0-9_.-]{1,128}$"
+# The realtime video dialect's codec, fMP4 at its frame rate (fmp4.fmp4_codec: a fraction, denominator <= 1001).
+FMP4_CODEC = r"^fmp4/[1-9][0-9]{0,5}(/[1-9][0-9]{0,3})?$"
 TOKEN_KEY = r"^[0-9a-f]{1,64}$"
 
 
@@ -35,7 +37,7 @@ class PortableSession(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
     id: Annotated[str, Field(pattern=SESSION_ID)]
-    codec: CodecName
+    codec: CodecName | Annotated[str, Field(pattern=FMP4_CODEC)]
     quality: Annotated[int, Field(ge=1, le=100)]
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None
     controls: dict[str, Any]
@@ -48,7 +50,21 @@ class PortableSession(BaseModel):
     event_floor: WireId | None
     recent_event_ids: Annotated[list[WireId], Field(max_length=RECENT_EVENT_IDS)]
     owner: Annotated[str, Field(pattern=TOKEN_KEY)] | None = None
+    # A realtime video session's own state (realtime_video.VideoStreamState.portable); None for protocol 1.
+    dialect_state: dict[str, Any] | None = None
     client_host: str = ""
+
+    @field_validator("dialect_state")
+    @classmethod
+    def _a_dialects_state(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from .realtime_video import VideoStreamState  # the one dialect with a state of its own
+
+        if value is not None:
+            try:
+                VideoStreamState.from_portable(value)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"not a realtime video session's state ({type(exc).__name__})") from None
+        return value
 
     @field_validator("client_host")
     @classmethod

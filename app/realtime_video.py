@@ -13,14 +13,20 @@ differs (PROTOCOL.md, "vLLM-Omni realtime video dialect"):
 - ``session.interaction`` becomes an input event: ``event.prompt`` the
   prompt, ``event.multi_modal_data.camera`` (structural SE3) the model's
   keys and camera controls
-  (:func:`~arstream.app.realtime_video_events.camera_to_controls`), applied at the next
-  chunk boundary and acknowledged with ``session.interaction.queued``;
+  (:func:`~arstream.app.realtime_video_events.camera_to_controls`), applied by the
+  next chunk that starts (the worker runs at most ``CHUNKS_AHEAD`` of the session's
+  chunks ahead of its socket) and acknowledged with ``session.interaction.queued``;
 - each chunk goes out as ``video.chunk_metadata`` then one binary message of
   fragmented MP4 (:mod:`arstream.app.fmp4`), the first one opening with the
   init segment;
 - refusals and bad messages get vLLM-Omni's error shape,
   ``{"type": "error", "message": ..., "code"?, "request_id"?, "event_id"?}``;
-  a bad control message costs only its error, the session goes on.
+  a bad control message costs only its error, the session goes on, and a stall
+  ends as vLLM-Omni's (its error, ``session.done``, close 1000);
+- ARStream's extension, off unless ``session.start`` has ``"resumable": true``:
+  a resume ticket in ``video.start``, a resume with ``session.start``'s
+  ``resume``, and ``session.moved`` when a drain moves the session
+  (:class:`VideoStreamState` is what the dialect keeps on the session for that).
 """
 
 from __future__ import annotations
@@ -30,17 +36,21 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import FMP4
 from .dialect import Dialect, Started
 from .fmp4 import fmp4_codec
+from .handshake import Handshake
 from .live_session import LiveSession, too_large
 from .outbox import QueuedChunk
 from .protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
-from .protocol import TickMessage, dumps, loads_strict
+from .protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, dumps, loads_strict
 from .realtime_video_events import (
     MAX_CONTROL_MESSAGE_BYTES,
+    MAX_EVENT_ID_BYTES,
     OUTPUT_FORMAT,
     RealtimeVideoError,
     StartRequest,
@@ -49,7 +59,7 @@ from .realtime_video_events import (
     parse_interaction,
     parse_start,
 )
-from .session import Session, SessionState
+from .session import CHUNKS_AHEAD, Session, SessionState
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.realtime_video")
@@ -82,6 +92,10 @@ class RecentIds:
     def __len__(self) -> int:
         return len(self._order)
 
+    def __iter__(self) -> Iterator[str]:
+        """Oldest first."""
+        return iter(self._order)
+
     def add(self, name: str) -> None:
         size = len(name.encode())
         while self._order and (len(self._order) >= self.max_count or self.bytes + size > self.max_bytes):
@@ -93,6 +107,97 @@ class RecentIds:
         self.bytes += size
 
 
+@dataclass
+class VideoStreamState:
+    """What a session of this dialect is beyond its :class:`Session`, kept on it (``Session.dialect_state``) so
+    that a resume (PROTOCOL.md, the dialect's "Resume") goes on with it: the request, the frame budget, and the
+    interactions (their names, which wait for a chunk, which hold)."""
+
+    request_id: str
+    config: dict[str, Any]
+    chunks_target: int | None  # None: until session.stop
+    resumable: bool  # the client asked for a resume ticket (`"resumable": true`)
+    # Interaction ids: ARStream's event ids are integers, vLLM-Omni's are strings.
+    event_names: dict[int, str] = field(default_factory=dict)
+    names_seen: RecentIds = field(default_factory=lambda: RecentIds(EVENT_IDS_REMEMBERED, EVENT_ID_BYTES_REMEMBERED))
+    # field (controls, prompt) -> (start order, event_id) of the interaction whose value holds now
+    active: dict[str, tuple[int, str]] = field(default_factory=dict)
+    started_count: int = 0
+    event_fields: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def portable(self) -> dict[str, Any]:
+        """As JSON, for a move to a peer (``Session.portable_state``); :meth:`from_portable` reads it back."""
+        return {
+            "dialect": PATH,
+            "request_id": self.request_id,
+            "config": self.config,
+            "chunks_target": self.chunks_target,
+            "resumable": self.resumable,
+            "event_names": [[i, name] for i, name in self.event_names.items()],
+            "names_seen": list(self.names_seen),
+            "active": [[changed, order, name] for changed, (order, name) in self.active.items()],
+            "started_count": self.started_count,
+            "event_fields": [[name, list(fields)] for name, fields in self.event_fields.items()],
+        }
+
+    @classmethod
+    def from_portable(cls, value: dict[str, Any]) -> VideoStreamState:
+        """The state :meth:`portable` wrote (raises KeyError, TypeError or ValueError on anything else)."""
+        if value.get("dialect") != PATH:
+            raise ValueError(f"not a {PATH} session's state")
+        # Held to what a session of this dialect can hold (a move's snapshot comes over the network).
+        names = [name for _, name in value["event_names"]] + list(value["names_seen"])
+        if len(value["event_names"]) > MAX_PENDING_INTERACTIONS or len(value["names_seen"]) > EVENT_IDS_REMEMBERED:
+            raise ValueError("more interactions than a session keeps")
+        if any(not isinstance(name, str) or len(name.encode()) > MAX_EVENT_ID_BYTES for name in names):
+            raise ValueError(f"an event_id that is not a string of at most {MAX_EVENT_ID_BYTES} bytes")
+        target = value["chunks_target"]
+        state = cls(
+            str(value["request_id"]),
+            dict(value["config"]),
+            None if target is None else int(target),
+            bool(value["resumable"]),
+            event_names={int(i): str(name) for i, name in value["event_names"]},
+            active={str(changed): (int(order), str(name)) for changed, order, name in value["active"]},
+            started_count=int(value["started_count"]),
+            event_fields={str(name): tuple(str(f) for f in fields) for name, fields in value["event_fields"]},
+        )
+        for name in value["names_seen"]:
+            state.names_seen.add(str(name))
+        return state
+
+
+def limit_control_messages(live: LiveSession) -> None:
+    """The transport's message limit once a session started (or resumed) here.
+
+    vLLM-Omni reads a control message of any size its transport takes (uvicorn's 16 MiB) and answers one over
+    its 128 KiB with an error, the session going on; here the transport keeps what every connection opens with
+    (room for the largest start), so only a message past that is closed 1009 by the transport.
+    """
+    live.limit_messages(max(MAX_CONTROL_MESSAGE_BYTES, live.settings.max_start_message_bytes))
+
+
+def resume_token_of(message: Any) -> str | None:
+    """The token a ``session.start`` resumes with (ARStream's ``resume``), or None; raises RealtimeVideoError."""
+    if not isinstance(message, dict) or message.get("type") != "session.start" or message.get("resume") is None:
+        return None
+    token = message["resume"]
+    if not isinstance(token, str) or not 0 < len(token) <= MAX_RESUME_TOKEN_CHARS:
+        raise RealtimeVideoError(
+            f"session.start resume must be a resume token (a string of at most {MAX_RESUME_TOKEN_CHARS} characters)",
+            ErrorCode.INVALID_MESSAGE,
+        )
+    return token
+
+
+def asks_resumable(message: dict[str, Any]) -> bool:
+    """ARStream's ``"resumable": true`` in a ``session.start``; raises RealtimeVideoError on another value."""
+    resumable = message.get("resumable", False)
+    if not isinstance(resumable, bool):
+        raise RealtimeVideoError("session.start resumable must be true or false", ErrorCode.INVALID_MESSAGE)
+    return resumable
+
+
 # ---- the dialect -------------------------------------------------------------------------------
 
 
@@ -100,26 +205,35 @@ class RealtimeVideo(Dialect):
     """vLLM-Omni's realtime video on one socket (the module docstring says what differs from protocol 1)."""
 
     idle_detail = "Stall timeout: no generation progress and no session.ping for {seconds:g} s"
+    # vLLM-Omni's stall: its error, then session.done (stopped), then its handler returns (close 1000).
+    idle_close_code = CLOSE_NORMAL
+    # The server ticks with all the session's credits: an interaction binds to the next chunk that starts, so
+    # no more than this are made ahead of the socket (the worker holds the rest of its ticks in line).
+    chunks_ahead = CHUNKS_AHEAD
     reason_in_close_frame = False
 
     def __init__(self) -> None:
         super().__init__()
         token = secrets.token_hex(16)
         self.session_id = "v-" + token
-        self.request_id = "video_stream-" + token
+        self.request_id = "video_stream-" + token  # a resumed session's is its first connection's
         self._started = False  # errors carry the request id once the session started
-        self._ticks_submitted = 0
-        self._chunks_target: int | None = None
-        self._chunks_sent = 0
-        # Interaction ids: ARStream's event ids are integers, vLLM-Omni's are strings.
-        self._event_names: dict[int, str] = {}
-        self._names_seen = RecentIds(EVENT_IDS_REMEMBERED, EVENT_ID_BYTES_REMEMBERED)
-        # field (controls, prompt) -> (start order, event_id) of the interaction whose value holds now
-        self._active: dict[str, tuple[int, str]] = {}
-        self._started_count = 0
-        self._event_fields: dict[str, tuple[str, ...]] = {}
+        self._state: VideoStreamState | None = None  # set once the session started (or resumed)
+        self._chunks_planned = 0  # chunks made or asked for (a tick submitted), against the frame budget
+        self._chunks_sent = 0  # on this connection (transport_chunk_index)
+        self._last_sent_index = -1  # the generation_chunk_index of the last chunk sent
         self._first_controls: dict[str, Any] | None = None
-        self._request: StartRequest | None = None
+        self._resumable = False  # its session.start asked for resume tickets
+
+    @property
+    def state(self) -> VideoStreamState:
+        assert self._state is not None, "the session has not started"
+        return self._state
+
+    @property
+    def can_move(self) -> bool:  # type: ignore[override]
+        """A session whose client asked for resume tickets follows a drain to a peer (its client knows how)."""
+        return self._state is not None and self._state.resumable
 
     # ---- start ----------------------------------------------------------------------------------
 
@@ -127,13 +241,13 @@ class RealtimeVideo(Dialect):
         if not await live.accept():
             return None
         request = await self._await_start(live)
-        if request is None:
-            return None
+        if request is None or isinstance(request, Started):
+            return request
         no_video = FMP4.unavailable_reason()  # said before admission, not as a failure at every tick
         if no_video is not None:
             await live.refuse(ErrorCode.INVALID_MESSAGE, f"this server cannot stream realtime video: {no_video}")
             return None
-        live.limit_messages(MAX_CONTROL_MESSAGE_BYTES)  # upstream's control-message limit
+        limit_control_messages(live)
         gate = live.gate
         start_image = None
         if request.image is not None:
@@ -162,14 +276,32 @@ class RealtimeVideo(Dialect):
             start_image=start_image,
         )
         session.transition(SessionState.ACTIVE)
-        if request.num_frames is not None:
-            self._chunks_target = chunks_for_frames(request.num_frames, card)
+        target = None if request.num_frames is None else chunks_for_frames(request.num_frames, card)
+        self._state = VideoStreamState(self.request_id, request.config(), target, self._resumable)
+        session.dialect_state = self._state
         self._first_controls = request.controls
-        self._request = request
         return Started(session)
 
-    async def _await_start(self, live: LiveSession) -> StartRequest | None:
-        """The accepted ``session.start``, or None after refusing (vLLM-Omni ends the connection on a bad one)."""
+    async def _resume(self, live: LiveSession, token: str) -> Started | None:
+        """Adopt the detached (or still attached) session ``token`` names, as protocol 1's resume does."""
+        limit_control_messages(live)
+        resumed = await Handshake(live).adopt(token, StartMessage(type="start", resume=token))
+        if resumed is None:
+            return None
+        state = resumed.session.dialect_state
+        if isinstance(state, dict):  # moved here from a peer: its state came as JSON (Session.portable_state)
+            state = resumed.session.dialect_state = VideoStreamState.from_portable(state)
+        assert isinstance(state, VideoStreamState)  # the resume checked its dialect (owns)
+        # Events applied by chunks that ran and never reached the client are done: only the waiting keep names.
+        waiting = set(resumed.session.pending_event_ids())
+        state.event_names = {i: name for i, name in state.event_names.items() if i in waiting}
+        self._state, self.request_id, self.session_id = state, state.request_id, resumed.session.id
+        self._chunks_planned = resumed.next_chunk_index  # the dropped ticks never ran; the rest made chunks
+        return Started(resumed.session, resumed.next_chunk_index, resumed=True)
+
+    async def _await_start(self, live: LiveSession) -> StartRequest | Started | None:
+        """The accepted ``session.start`` (or, for a resume, the session it resumed), or None after refusing
+        (vLLM-Omni ends the connection on a bad one)."""
         gate = live.gate
         try:
             message = await asyncio.wait_for(live.ws.receive(), live.settings.start_timeout_s)
@@ -195,7 +327,15 @@ class RealtimeVideo(Dialect):
             await live.refuse(ErrorCode.OVER_CAPACITY, gate.not_ready_reason)
             return None
         try:
+            token = resume_token_of(parsed)
+        except RealtimeVideoError as exc:
+            await live.refuse(ErrorCode.INVALID_MESSAGE, exc.message)
+            return None
+        if token is not None:
+            return await self._resume(live, token)  # the rest of a resume's start is ignored, as protocol 1's
+        try:
             request = parse_start(parsed, gate.model_card)
+            self._resumable = asks_resumable(parsed)
             problem = None if request.controls is None else live.controls_problem(request.controls)
             if problem is not None:
                 raise RealtimeVideoError(problem, ErrorCode.INVALID_CONTROLS)
@@ -206,31 +346,40 @@ class RealtimeVideo(Dialect):
 
     def ready(self, live: LiveSession, started: Started) -> None:
         self._started = True
-        request, card = self._request, live.gate.model_card
-        assert request is not None
+        state, card = self.state, live.gate.model_card
         start_event: dict[str, Any] = {"type": "video.start", "request_id": self.request_id, "format": OUTPUT_FORMAT}
-        # ARStream's additions: the session id (as in /v1/stats and the logs) and the chunk size.
+        # ARStream's additions: the session id (as in /v1/stats and the logs) and the chunk size; a resume
+        # ticket when the client asked for one, and whether this start resumed the session.
         start_event.update(
-            config=request.config(), session_id=self.session_id, frames_per_chunk=int(card["frames_per_chunk"])
+            config=state.config, session_id=self.session_id, frames_per_chunk=int(card["frames_per_chunk"])
         )
+        if state.resumable:
+            start_event["resume"] = live.gate.resume.ticket(live, started.next_chunk_index)
+        if started.resumed:
+            start_event["resumed"] = True
         live.outbox.push_reply(dumps(start_event))
-        log.info("session=%s started (realtime video, %s frames)", self.session_id, request.num_frames or "endless")
+        how = "resumed" if started.resumed else "started"
+        log.info("session=%s %s (realtime video, %s chunks)", self.session_id, how, state.chunks_target or "endless")
         self._submit_ticks(live, started.session)
 
     # ---- generation: the server ticks on the client's behalf ------------------------------------
 
     def _submit_ticks(self, live: LiveSession, session: Session) -> None:
         """Keep the session's credits in flight until the frame budget is covered."""
+        target = self.state.chunks_target
         while (
             session.state is SessionState.ACTIVE
+            and not live.moving  # its state is on its way to a peer (app/migration.py): nothing more runs here
             and session.pending_ticks < session.max_pending_ticks
-            and (self._chunks_target is None or self._ticks_submitted < self._chunks_target)
+            and (target is None or self._chunks_planned < target)
         ):
-            tick = TickMessage(type="tick", tick_id=self._ticks_submitted, controls=self._first_controls)
+            # Tick ids go on past a resumed session's (its dropped ticks had ids too).
+            tick_id = 0 if session.last_tick_id is None else session.last_tick_id + 1
+            tick = TickMessage(type="tick", tick_id=tick_id, controls=self._first_controls)
             self._first_controls = None
             # Nobody waits on these but the server: only a chunk out (or a ping) is progress.
             live.submit(session.accept_tick(tick), client_waits=False)
-            self._ticks_submitted += 1
+            self._chunks_planned += 1
 
     def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
         if outcome.kind is OutcomeKind.CHUNK:
@@ -254,13 +403,16 @@ class RealtimeVideo(Dialect):
             live.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
         live.count_sent(self._frames_in(live, outcome), len(payload))
         self._chunks_sent += 1
+        self._last_sent_index = outcome.chunk_index
         live.touch()
 
     def chunk_sent(self, live: LiveSession) -> None:
         session = live.session
         if session is None or not session.live:
             return
-        if self._chunks_target is not None and self._chunks_sent >= self._chunks_target:
+        target = self.state.chunks_target
+        # Counted in chunks made, so that a resumed session ends where the one never dropped would have.
+        if target is not None and self._last_sent_index + 1 >= target:
             log.info("session=%s done after %d chunk(s)", self.session_id, self._chunks_sent)
             live.close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
             return
@@ -268,13 +420,14 @@ class RealtimeVideo(Dialect):
 
     def _chunk_metadata(self, live: LiveSession, outcome: TickOutcome, payload: bytes) -> dict[str, Any]:
         """``video.chunk_metadata``, with the interactions this chunk started, holds and ended."""
-        started = [self._event_names.pop(i) for i in outcome.applied_event_ids if i in self._event_names]
-        before = [name for _, name in sorted(set(self._active.values()))]
+        state = self.state
+        started = [state.event_names.pop(i) for i in outcome.applied_event_ids if i in state.event_names]
+        before = [name for _, name in sorted(set(state.active.values()))]
         for name in started:
-            self._started_count += 1
-            for field in self._event_fields.pop(name, ()):
-                self._active[field] = (self._started_count, name)
-        active = [name for _, name in sorted(set(self._active.values()))]  # in the order they started
+            state.started_count += 1
+            for changed in state.event_fields.pop(name, ()):
+                state.active[changed] = (state.started_count, name)
+        active = [name for _, name in sorted(set(state.active.values()))]  # in the order they started
         completed = [n for n in dict.fromkeys([*before, *started]) if n not in active]
         return {
             "type": "video.chunk_metadata",
@@ -338,12 +491,12 @@ class RealtimeVideo(Dialect):
 
     def _interact(self, live: LiveSession, session: Session, message: dict[str, Any]) -> None:
         interaction = parse_interaction(message, live.gate.model_card)
-        name = interaction.event_id
-        if name in self._names_seen:
+        name, state = interaction.event_id, self.state
+        if name in state.names_seen:
             raise RealtimeVideoError("event_id_conflict", "event_id_conflict", event_id=name)
-        if len(self._event_names) >= MAX_PENDING_INTERACTIONS:
+        if len(state.event_names) >= MAX_PENDING_INTERACTIONS:
             raise RealtimeVideoError(
-                f"{len(self._event_names)} interactions are already waiting for the next chunk "
+                f"{len(state.event_names)} interactions are already waiting for the next chunk "
                 f"(at most {MAX_PENDING_INTERACTIONS}); send this one after video.chunk_metadata starts them",
                 "interaction_failed",
                 event_id=name,
@@ -361,26 +514,36 @@ class RealtimeVideo(Dialect):
             )
         except ProtocolError as exc:
             raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
-        self._names_seen.add(name)
-        self._event_names[event_id] = name
+        state.names_seen.add(name)
+        state.event_names[event_id] = name
         fields = ("controls",) * (interaction.controls is not None) + ("prompt",) * (interaction.prompt is not None)
-        self._event_fields[name] = fields
+        state.event_fields[name] = fields
         live.outbox.push_reply(
             dumps({"type": "session.interaction.queued", "request_id": self.request_id, "event_id": name})
         )
 
     # ---- errors and the last words ----------------------------------------------------------------
 
+    def owns(self, session: Session) -> bool:
+        state = session.dialect_state  # a moved session's is still JSON until its resume
+        return isinstance(state, VideoStreamState) or (isinstance(state, dict) and state.get("dialect") == PATH)
+
+    def moved(self, resume: str, next_chunk_index: int) -> str:
+        """ARStream's ``session.moved``: the session goes on on a peer; resume it with this token there."""
+        moved = {"type": "session.moved", "request_id": self.request_id, "resume": resume}
+        return dumps({**moved, "next_chunk_index": next_chunk_index})
+
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_event(message, code, request_id=self.request_id if self._started else None)
 
     def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
-        if reason is CloseReason.CLIENT or reason is CloseReason.TICK_CLOSE:
+        if reason in (CloseReason.CLIENT, CloseReason.TICK_CLOSE, CloseReason.IDLE_TIMEOUT):
+            # A stall ends as vLLM-Omni's does: its error is queued already, session.done (stopped) follows.
             done = {
                 "type": "session.done",
                 "request_id": self.request_id,
                 "chunks": self._chunks_sent,
-                "stopped": reason is CloseReason.CLIENT,
+                "stopped": reason is not CloseReason.TICK_CLOSE,
             }
             return dumps(done)
         if reason is CloseReason.SERVER_SHUTDOWN:

@@ -69,14 +69,20 @@ class TickLanes(Generic[_Job]):
         self._line.remove(session_id)
         return tuple(lane)
 
+    def front(self, session_id: str) -> _Job:
+        """The session's next job (it must be in line)."""
+        return self._lanes[session_id][0]
+
     def take_round(self, sessions: Sequence[str]) -> list[_Job]:
-        """The next job of each of ``sessions`` (the front of the line); those with more go to the back."""
-        if tuple(sessions) != self.line[: len(sessions)]:
-            raise ValueError(f"a round takes the front of the line {list(self._line)}, got {list(sessions)}")
+        """The next job of each of ``sessions`` (in line order; sessions held back keep their places ahead of
+        them); those with more go to the back."""
+        if list(sessions) != [s for s in self._line if s in set(sessions)] or len(set(sessions)) != len(sessions):
+            line = list(self._line)
+            raise ValueError(f"a round takes sessions of the line {line} in its order, got {list(sessions)}")
         jobs: list[_Job] = []
         still_queued: list[str] = []
         for session_id in sessions:
-            self._line.popleft()
+            self._line.remove(session_id)
             lane = self._lanes[session_id]
             jobs.append(lane.popleft())
             self.queued -= 1

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 RECENT_EVENT_IDS = 256
 # Input events waiting for the next chunk; one more is refused until a chunk applies them.
 MAX_PENDING_EVENTS = 4096
+# A session's chunks made (or being made) and not yet written to its socket, at most, before the worker starts
+# its next one (Session.chunks_ahead_limit, where its dialect bounds it): one in the model and one on its way out
+# keep both busy, and a chunk not started yet takes the newest input. Queued ticks wait in line, credits unchanged.
+CHUNKS_AHEAD = 2
 
 
 class SessionState(Enum):
@@ -155,6 +159,13 @@ class Session:
         self._recent_event_set: set[int] = set()
         # Ticks accepted and not yet written out in full (the credits in use).
         self.pending_ticks = 0
+        # At most this many of its chunks started and not yet written before its next one starts (None: no
+        # bound, for sessions no socket serves); the worker reads it, and is woken when a credit comes back.
+        self.chunks_ahead_limit: int | None = None
+        self.on_credit_returned: Callable[[], None] | None = None
+        # What its dialect keeps beyond this object, for a resume (the realtime video dialect's VideoStreamState;
+        # None for protocol 1, whose state is all here). Event loop only; a resume gets a copy.
+        self.dialect_state: Any = None
         self._seq = 0
         self._lock = threading.Lock()
         self._controls: dict[str, Any] = {}
@@ -312,6 +323,13 @@ class Session:
         if self.pending_ticks <= 0:
             raise RuntimeError(f"session {self.id} returned a tick credit it did not hold")
         self.pending_ticks -= 1
+        if self.on_credit_returned is not None:
+            self.on_credit_returned()  # a queued tick held back by chunks_ahead_limit may start now
+
+    def may_start_chunk(self, queued: int) -> bool:
+        """Whether its next chunk may start, with ``queued`` of its ticks still queued (worker thread)."""
+        limit = self.chunks_ahead_limit
+        return limit is None or self.pending_ticks - queued < limit
 
     # ---- chunk boundary (worker thread) --------------------------------------------
 
@@ -351,6 +369,11 @@ class Session:
         with self._lock:
             self._apply(job.update)
 
+    def pending_event_ids(self) -> list[int]:
+        """The ids of the input events waiting for their chunk."""
+        with self._lock:
+            return [e.event_id for e in self._pending_events]
+
     def restore_events(self, events: tuple[PendingEvent, ...]) -> None:
         """Put back the events of a chunk that failed, so the next chunk lists them as applied.
 
@@ -377,6 +400,7 @@ class Session:
                 if isinstance(value, (list, dict, set, deque)):
                     setattr(resumed, name, copy.copy(value))
         resumed._lock = threading.Lock()
+        resumed.dialect_state = copy.deepcopy(self.dialect_state)
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
         resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
@@ -415,6 +439,8 @@ class Session:
                 "last_reset_tick_id": self._last_reset_tick_id,
                 "event_floor": self.event_floor,
                 "recent_event_ids": list(self._recent_events),
+                # its dialect's own (a realtime video session's VideoStreamState), as JSON; None for protocol 1
+                "dialect_state": None if self.dialect_state is None else self.dialect_state.portable(),
             }
 
     @classmethod
@@ -443,6 +469,8 @@ class Session:
         for event_id in state["recent_event_ids"]:
             session._recent_events.append(int(event_id))
         session._recent_event_set = set(session._recent_events)
+        # As JSON until its dialect's resume reads it (realtime_video.VideoStreamState.from_portable).
+        session.dialect_state = state.get("dialect_state")
         session.state = SessionState.ACTIVE
         return session
 

@@ -236,6 +236,8 @@ class ModelWorker:
                     f"(max_pending_ticks={self._max_pending_ticks})"
                 )
             self._lanes.push(job.session.id, job)
+            if job.session.chunks_ahead_limit is not None:
+                job.session.on_credit_returned = self._wake
             self._cond.notify()
 
     def drop_session(self, session_id: str) -> int:
@@ -516,12 +518,22 @@ class ModelWorker:
                 return self._join_decode if decoding else self._controls.popleft()
             if self._stopping:
                 return self._join_decode if decoding else None
-            step = self._scheduler.next_round(self._lanes.line, self.runner.batch_limit, now=time.monotonic())
+            step = self._scheduler.next_round(self._startable(), self.runner.batch_limit, now=time.monotonic())
             if isinstance(step, Run):
                 return self._lanes.take_round(step.sessions)
             if stage is not None and stage.done:
                 return self._join_decode
             self._cond.wait(step.seconds)
+
+    def _startable(self) -> tuple[str, ...]:
+        """The sessions in line whose next chunk may start now (call with the lock held).
+
+        A tick's chunk binds the session's newest controls and events when it starts (Session.take_chunk_inputs),
+        so a session with enough chunks made and not yet written (Session.chunks_ahead_limit) waits here, its
+        ticks queued, rather than run ahead of its socket with what it knew then; a credit back wakes the worker.
+        """
+        lanes = self._lanes
+        return tuple(s for s in lanes.line if lanes.front(s).session.may_start_chunk(lanes.lane_length(s)))
 
     def _wake(self) -> None:
         with self._cond:

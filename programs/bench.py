@@ -52,7 +52,7 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -174,6 +174,8 @@ class SessionFigures:
     time_to_first_frame_s: float
     chunk_latencies_s: list[float]
     action_to_frame_s: list[float]
+    # per input: the index of the chunk that applied it less the last chunk index the client had when it sent it
+    action_to_frame_chunks: list[int] = field(default_factory=list)
     payload_bytes: int = 0  # frame payloads, headers excluded
     encode_s: float = 0.0  # the server's encode time for these frames (chunk timings)
 
@@ -228,6 +230,7 @@ async def paced_session(
         time_to_first_frame_s=started_after + session.first_frame_at - first_tick_at,
         chunk_latencies_s=session.chunk_latencies_s,
         action_to_frame_s=session.action_to_frame_s,
+        action_to_frame_chunks=session.action_to_frame_chunks,
         payload_bytes=payload_bytes,
         encode_s=encode_ms / 1e3,
     )
@@ -252,7 +255,7 @@ async def realtime_video_session(
         first_tick_at = last_at = time.perf_counter()
         await ws.send(json.dumps(start))
         figures = SessionFigures(0, 0, first_tick_at, first_tick_at, 0.0, [], [])
-        sent_at: dict[str, float] = {}
+        sent_at: dict[str, tuple[float, int]] = {}  # event_id -> (when, the last chunk index the client had)
         metadata: dict[str, Any] = {}
         while True:
             message = await ws.recv()
@@ -268,14 +271,16 @@ async def realtime_video_session(
                 figures.payload_bytes += len(message)
                 figures.encode_s += float(metadata["timings"]["encode_ms"]) / 1e3
                 for event_id in metadata["started_event_ids"]:
-                    figures.action_to_frame_s.append(now - sent_at.pop(event_id))
+                    when, had = sent_at.pop(event_id)
+                    figures.action_to_frame_s.append(now - when)
+                    figures.action_to_frame_chunks.append(int(metadata["generation_chunk_index"]) - had)
                 if keys and input_every and figures.chunks % input_every == 0 and figures.chunks < chunks:
                     press = (keys + [None])[(figures.chunks // input_every) % (len(keys) + 1)]
                     translation = KEY_TRANSLATIONS[press] if press else [0.0, 0.0, 0.0]
                     event_id = f"bench-{figures.chunks}"
                     camera = {"mode": "velocity", "data": {"translation": translation, "rotation": [0, 0, 0, 1]}}
                     interaction = {"event_id": event_id, "event": {"multi_modal_data": {"camera": camera}}}
-                    sent_at[event_id] = time.perf_counter()
+                    sent_at[event_id] = (time.perf_counter(), int(metadata["generation_chunk_index"]))
                     await ws.send(json.dumps({"type": "session.interaction", "interaction": interaction}))
                 continue
             event = json.loads(message)
@@ -549,6 +554,7 @@ class ServeBench:
         result = compare(("server", "runner"), args.repeat, measure)
         chunk_latencies = [x for f in all_figures for x in f.chunk_latencies_s]
         action_latencies = [x for f in all_figures for x in f.action_to_frame_s]
+        action_chunks = [float(x) for f in all_figures for x in f.action_to_frame_chunks]
         frames = sum(f.frames for f in all_figures)
         splits = bare.forward_splits[figures_from:]
         return {
@@ -572,6 +578,9 @@ class ServeBench:
             "chunk_ms_p99": _ms(percentile(chunk_latencies, 99)),
             "action_to_frame_ms_p50": _ms(percentile(action_latencies, 50)),
             "action_to_frame_ms_p99": _ms(percentile(action_latencies, 99)),
+            # chunks from the last one the client had when it sent an input to the one that applied it
+            "action_to_frame_chunks_p50": percentile(action_chunks, 50) if action_chunks else None,
+            "action_to_frame_chunks_max": max(action_chunks) if action_chunks else None,
             # the bare runner's forwards (one per round of all sessions), for pipelines that time DiT and VAE
             "dit_ms_per_round_p50": _ms(percentile([dit for dit, _ in splits], 50)),
             "vae_ms_per_round_p50": _ms(percentile([vae for _, vae in splits], 50)),

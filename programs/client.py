@@ -259,6 +259,9 @@ class SessionClient:
         self.event_sent_at: dict[int, float] = {}  # events not yet seen in applied_event_ids
         self.chunk_latencies_s: list[float] = []
         self.action_to_frame_s: list[float] = []
+        # per applied event: its chunk's index less the last chunk index seen when it was sent (-1: none yet)
+        self.action_to_frame_chunks: list[int] = []
+        self._event_sent_after: dict[int, int] = {}
         self.first_frame_at = math.nan
         self.frames_received = 0
         self.last_chunk_index: int | None = None
@@ -366,6 +369,7 @@ class SessionClient:
         event_id = self.next_event_id
         self.next_event_id += 1
         self.event_sent_at[event_id] = time.perf_counter()
+        self._event_sent_after[event_id] = -1 if self.last_chunk_index is None else self.last_chunk_index
         await self._send(messages.input_message(event_id, controls=controls, prompt=prompt))
         return event_id
 
@@ -427,6 +431,7 @@ class SessionClient:
             sent_at = self.event_sent_at.pop(event_id, None)
             if sent_at is not None:
                 self.action_to_frame_s.append(chunk.first_frame_at - sent_at)
+                self.action_to_frame_chunks.append(self.last_chunk_index - self._event_sent_after.pop(event_id))
 
     def _take_role(self, message: dict[str, Any]) -> None:
         """``role``: control passed to us (our tick ids start past the session's ``last_tick_id``) or away."""

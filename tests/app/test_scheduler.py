@@ -31,10 +31,16 @@ def test_a_round_takes_one_tick_per_session_and_sends_the_busy_to_the_back() -> 
     assert list(lanes.line) == [] and lanes.queued == 0
 
 
-def test_a_round_must_be_the_front_of_the_line() -> None:
-    lanes = lanes_with(("a", "a0"), ("b", "b0"))
-    with pytest.raises(ValueError, match="front of the line"):
-        lanes.take_round(["b"])
+def test_a_round_takes_sessions_in_line_order_and_one_held_back_keeps_its_place() -> None:
+    lanes = lanes_with(("a", "a0"), ("b", "b0"), ("b", "b1"), ("c", "c0"))
+    with pytest.raises(ValueError, match="in its order"):
+        lanes.take_round(["c", "b"])
+    with pytest.raises(ValueError, match="in its order"):
+        lanes.take_round(["b", "b"])
+    assert lanes.front("b") == "b0"
+    # a's next chunk may not start yet (the worker's chunks-ahead bound): it stays first, b goes to the back
+    assert lanes.take_round(["b", "c"]) == ["b0", "c0"]
+    assert list(lanes.line) == ["a", "b"]
 
 
 def test_taking_a_lane_removes_the_session_from_the_line() -> None:

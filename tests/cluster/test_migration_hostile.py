@@ -112,6 +112,9 @@ def test_the_header_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch
         ("id", "s-1\nINFO arstream.hub: a forged line"),
         ("client_host", "10.0.0.1\nforged"),
         ("controls", ["not", "an", "object"]),
+        ("codec", "fmp4/16\nforged"),  # the realtime dialect's codec is fmp4/<fps>, nothing else
+        ("dialect_state", {"dialect": "/v1/realtime/video", "event_names": [[1, "x" * 200]]}),
+        ("dialect_state", {"dialect": "/v1/elsewhere"}),
     ],
 )
 def test_a_session_section_a_replica_would_not_make_is_refused_naming_the_field(

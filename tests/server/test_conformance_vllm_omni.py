@@ -465,3 +465,53 @@ def test_prompt_blend_weights_are_vllm_omnis_lerp() -> None:
         for prompt, weight in blend.weights():
             ours[prompts.index(prompt)] += weight
         assert torch.allclose(ours, state.prompt_embeds.double()), (chunk, ours, state.prompt_embeds)
+
+
+def vllm_omni_function(relative_path: str, name: str) -> Any:
+    """A function (or method) of vLLM-Omni's source, as an AST, found without importing the module."""
+    import ast
+
+    import vllm_omni
+
+    tree = ast.parse((Path(vllm_omni.__file__).parent / relative_path).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    raise AssertionError(f"{relative_path} no longer defines {name}")
+
+
+def string_constants(node: Any) -> list[str]:
+    import ast
+
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def test_the_dialects_ends_are_vllm_omnis() -> None:
+    """A message over the limit and a stall end as vLLM-Omni's handler ends them (issue 37's second part)."""
+    import ast
+
+    from arstream.app.protocol import CloseReason
+    from arstream.app.realtime_video import RealtimeVideo
+
+    stream = "entrypoints/openai/serving_video_output_stream.py"
+    control_loop = vllm_omni_function(stream, "_control_loop")
+    # Over the limit: its error, then `continue` (the session goes on), in the branch that tests the size.
+    branches = [n for n in ast.walk(control_loop) if isinstance(n, ast.If)]
+    (too_large,) = [n for n in branches if "_MAX_CONTROL_MESSAGE_SIZE" in ast.unparse(n.test)]
+    assert "control message too large" in string_constants(too_large)
+    assert isinstance(too_large.body[-1], ast.Continue)
+    # A stall: its error, the request stopped; handle_session then sends session.done with stopped true.
+    (stall,) = [n for n in branches if "stalled_for" in ast.unparse(n.test)]
+    (stall_message,) = [text for text in string_constants(stall) if text.startswith("Stall timeout")]
+    assert "stop_event.set()" in ast.unparse(stall)
+    handle_session = ast.unparse(vllm_omni_function(stream, "handle_session"))
+    assert "'type': 'session.done'" in handle_session and "stop_event.is_set()" in handle_session
+
+    dialect = RealtimeVideo()
+    assert dialect.idle_detail.startswith(stall_message) and dialect.idle_close_code == 1000
+
+    class UnusedLiveSession:  # closed() reads nothing of its live session for a stall (only on shutdown)
+        metrics = None
+
+    done = dialect.closed(UnusedLiveSession(), CloseReason.IDLE_TIMEOUT)  # type: ignore[arg-type]
+    assert done is not None and '"type":"session.done"' in done.replace(" ", "") and '"stopped":true' in done

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from arstream.app.protocol import TickMessage
+from arstream.app.protocol import InputMessage, TickMessage
 from arstream.app.session import Session
 from arstream.app.worker import ModelWorker, OutcomeKind, QueueBoundExceeded, TickOutcome
 from arstream.models.fake import FakeKVPipeline
@@ -168,3 +168,26 @@ def test_a_runner_fault_outside_any_forward_still_answers_every_tick() -> None:
 
     seen = asyncio.run(with_worker(FakeKVPipeline(), body, runner_class=ExecuteRaisingFakeRunner))
     assert seen == [(OutcomeKind.INTERNAL, "runner failed: RuntimeError: runner bug")]
+
+
+def test_a_session_runs_at_most_its_chunks_ahead_and_the_next_chunk_takes_the_newest_input() -> None:
+    """Four ticks queued, two chunks made and not written: the third starts only when a credit comes back, with
+    the input that arrived meanwhile (an input binds when its chunk starts, however many ticks were queued)."""
+
+    async def body(worker: ModelWorker, outcomes: asyncio.Queue[TickOutcome]) -> tuple[int, list[list[int]]]:
+        session = make_session("s-a")
+        session.chunks_ahead_limit = 2
+        for tick_id in range(4):
+            worker.submit(session.accept_tick(TickMessage(type="tick", tick_id=tick_id)))
+        made = [await asyncio.wait_for(outcomes.get(), 30) for _ in range(2)]
+        held_back = worker.queue_depth  # nothing writes these two chunks, so no credit comes back
+        session.accept_event(InputMessage(type="input", event_id=1, controls={"keys": ["w"]}))
+        for _ in range(2):
+            session.release_credit()  # as the writer does once a chunk is written
+            made.append(await asyncio.wait_for(outcomes.get(), 30))
+        worker.drop_session("s-a")
+        return held_back, [outcome.applied_event_ids for outcome in made]
+
+    held_back, applied = asyncio.run(with_worker(FakeKVPipeline(), body))
+    assert held_back == 2
+    assert applied == [[], [], [1], []]
