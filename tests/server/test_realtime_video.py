@@ -763,6 +763,8 @@ def test_a_prompt_change_blends_over_transition_chunks_as_vllm_omni() -> None:
             await client.send(**start_message(prompt="a", **UNTIL_STOPPED))
             stream = Stream()
             await read_until_done(client, stream, until="video.start")
+            # chunk 0 is out under "a" first (a change that reaches the rollout's first chunk is its prompt, unblended)
+            await read_until_done(client, stream, until="video.chunk_metadata")
             await client.send(**interaction({"prompt": "b"}, "to-b", transition_chunks=2))
             await until_started(client, stream, "to-b")
             # the blend to b (2 chunks) has its second chunk out before c is asked: c starts after it, however loaded
@@ -782,7 +784,7 @@ def test_a_prompt_change_blends_over_transition_chunks_as_vllm_omni() -> None:
     to_b = next(m["generation_chunk_index"] for m in stream.metadata if m["started_event_ids"] == ["to-b"])
     to_c = next(m["generation_chunk_index"] for m in stream.metadata if m["started_event_ids"] == ["to-c"])
     assert all(weights[i] == {"a": 1.0} for i in range(to_b))
-    assert weights[to_b] == {"a": 0.5, "b": 0.5} and weights[to_b + 1] == {"b": 1.0}
+    assert weights[to_b] == {"a": 0.5, "b": 0.5} and weights[to_b + 1] == {"b": 1.0}, (to_b, fake.prompt_weights_seen)
     assert all(weights[i] == {"b": 1.0} for i in range(to_b + 1, to_c))
     thirds = [weights[to_c + step] for step in range(3)]
     assert [mix.get("c") for mix in thirds] == [pytest.approx(1 / 3), pytest.approx(2 / 3), 1.0]
