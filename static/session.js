@@ -174,6 +174,7 @@ export class Session {
       raiseIdsPast(this.ids, Math.max(this.lastTickId, floor), this.debug.appliedEventIds);
     } else {
       this.ticksInFlight.clear();  // their chunks still come, to everyone; they no longer pace us
+      this.eventsSentAt.clear();  // nor do they measure key to frame: that figure is the steerer's
       this.rewind = null;
       this.resetKeys = null;
     }
