@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+from arstream.app.settings import Settings
 from websockets.exceptions import InvalidStatus
 
 from servers import (
@@ -247,11 +248,15 @@ def test_cluster_routes_sessions_resumes_and_survives_a_dead_replica(cluster: Cl
                 await context.__aexit__(None, None, None)
 
     asyncio.run(scenario())
+    # r0's last session ends by its socket closing, so it is detached and keeps its blocks for the resume grace
+    # (the replicas' default) before the registry releases them: the guard covers that wait too.
+    resume_grace_s = float(Settings.model_fields["resume_grace_s"].default)
     wait_until(
         lambda: (lambda s: s["sessions"]["connected"] == 0 and s["kv"]["blocks_free"] == r0_free_at_start)(
             cluster.replica_stats("r0")
         ),
         "r0 back at its baseline",
+        resume_grace_s + POLL_GUARD_S,
     )
     # Resume tokens travel in URLs: neither HAProxy's log nor a replica's holds one.
     log_dir = Path(re.search(r"logs in (\S+);", "".join(cluster.output)).group(1))  # type: ignore[union-attr]
