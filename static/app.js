@@ -15,7 +15,7 @@
 
 import { Connection } from './connection.js';
 import { menuCodecs } from './decode.js';
-import { Controls, isTyping } from './input.js';
+import { Controls, isTyping, takesKeys } from './input.js';
 import { Hud } from './hud.js';
 import { MouseLook } from './look.js';
 import { Player } from './player.js';
@@ -68,7 +68,8 @@ const debug = {
   heldKeys: [],
   startImage: null, // what the next fresh session starts from: {name} or {upload: file name}; null: the default
   looking: false,   // the model has a camera: mouse movement over the player turns it
-  samples: { action: [], chunk: [] },
+  samples: { action: [], prompt: [], chunk: [] },
+  steering: null,       // 'keys' or 'prompt': what the model card's controls take
   pacer: null,
   mode: null,           // what this page load is: play, watch or branch (from ?watch= / ?branch=&chunk=)
   role: null,           // 'controller' or 'viewer', from ready.role and `role` messages
@@ -186,7 +187,15 @@ function onState(state, view) {
 function showModel(card) {
   model = card;
   const what = card.description ? `: ${card.description}` : '';
-  const doing = debug.role === 'viewer' ? 'watching someone steer' : 'steering';
+  // A model whose controls take no keys is steered by its prompt: no pad or key hints, the prompt box first.
+  const keyed = takesKeys(card) || !card.reads_prompt;
+  document.body.dataset.steer = keyed ? 'keys' : 'prompt';
+  hud.steerBy(keyed ? 'key' : 'prompt');
+  debug.steering = keyed ? 'keys' : 'prompt';
+  $('player').setAttribute('aria-label', keyed ? 'World view: use W A S D or the arrow keys to move'
+    : `World view: type a prompt to change what ${card.name} draws`);
+  const doing = debug.role === 'viewer'
+    ? `watching someone ${keyed ? 'steer' : 'prompt'}` : keyed ? 'steering' : 'prompting';
   $('explain').textContent = `You are ${doing} ${card.name}${what}. The model draws every frame as it is played; `
     + 'nothing is pre-recorded.';
   $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);

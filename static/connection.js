@@ -118,7 +118,12 @@ export class Connection {
   /** The held keys changed. */
   input(keys) {
     this.keys = keys;
-    if (this.session && this.session.live) this.session.sendInput({ controls: this.controls() });
+    if (this.session && this.session.live) this.sendControls(this.session);
+  }
+
+  /** Tell the server what is held now; a model that takes no keys (steered by prompts) is sent none. */
+  sendControls(session) {
+    if (session.takesKeys) session.sendInput({ controls: this.controls() });
   }
 
   /**
@@ -264,7 +269,7 @@ export class Connection {
     this.hooks.onReady(session, ready);
     this.hooks.onRole(session.role);
     // The server starts with the controls of the session it resumed, or none: tell it what is held now.
-    if (ready.resumed || this.keys.length) session.sendInput({ controls: this.controls() });
+    if (ready.resumed || this.keys.length) this.sendControls(session);
     const waitText = session.controller ? 'Generating the first frames…' : 'Waiting for the next frames of this world…';
     this.setState('streaming', ready.resumed ? {} : { text: waitText, soft: true });
   }
@@ -278,7 +283,7 @@ export class Connection {
       this.mode = { kind: 'play' };
       this.hooks.notice(SHARE_TEXT.gotControl);
       // Tell the server what is held now: the world goes on with this page's keys.
-      session.sendInput({ controls: this.controls() });
+      this.sendControls(session);
     } else {
       // Watching now: a drop comes back as a viewer, through the share token (our resume ticket would take over).
       this.ticket = null;
