@@ -139,7 +139,17 @@ const ACTIONS = {
   'play-now': ['Reconnect now', () => connection.play()],
   reset: ['Restart world', () => connection.reset()],
   'own-world': ['Start a world of your own', () => { location.assign(location.pathname); }],
+  'branch-now': ['Branch from now', () => branchFromNow()],
 };
+
+/** The link's chunk leaves the address too, so a reload branches from now rather than asking for it again. */
+function branchFromNow() {
+  const fragment = new URLSearchParams(location.hash.replace(/^#/, ''));
+  fragment.delete('chunk');
+  history.replaceState(null, '', `${location.pathname}${location.search}#${fragment}`);
+  connection.branchFromNow();
+  debug.mode = connection.mode;
+}
 
 let softOverlay = false;  // shown until the first frame is drawn
 

@@ -106,6 +106,13 @@ export class Connection {
     this.play();
   }
 
+  /** A branch link's moment is no longer held: branch from where its world is now instead. */
+  branchFromNow() {
+    if (this.mode.kind !== 'branch') return;
+    this.mode = { kind: 'branch', token: this.mode.token, chunk: null };
+    this.play();
+  }
+
   /** Restart the rollout; the reset tick carries the keys held now. */
   reset() {
     if (!this.session || !this.session.live) return;
@@ -348,6 +355,10 @@ export class Connection {
       this.hooks.notice(MOVE_TEXT.ended);
       this.setState('reconnecting', { text: `${MOVE_TEXT.ended} Reconnecting…`, tone: 'warn', action: 'play-now' });
       this.probeThenConnect(MOVE_TEXT.ended);
+    } else if (fatal === 'share_failed' && this.mode.kind === 'branch' && this.mode.chunk !== null
+      && /not held/i.test(session.fatal.message || '')) {
+      // The link's moment was thinned out or passed the horizon; the world it names may well be live.
+      this.setState('ended', { text: SHARE_TEXT.notHeld, action: 'branch-now' });
     } else if (fatal === 'share_failed' || code === 4005) {
       const why = session.fatal ? ` (${session.fatal.message})` : '';
       this.setState('ended', { text: `${errorText('share_failed')}${why}`, tone: 'warn', action: 'own-world' });

@@ -9,6 +9,7 @@ plain functions are tested by importing the module in the page.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from urllib.parse import urlencode
 from typing import Any
 
 import pytest
@@ -321,3 +322,39 @@ def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, brows
                 box = page.locator(selector).bounding_box()
                 assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], selector
         assert viewer.is_visible("#role-badge")
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    "desktop": {"viewport": {"width": 1280, "height": 800}},
+    "portrait": {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True},
+    "landscape": {"viewport": {"width": 844, "height": 390}, "is_mobile": True, "has_touch": True},
+}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_branch_link_to_a_moment_no_longer_held_offers_a_branch_from_now(
+    sharing: LiveServer, browser: Any, errors: PageErrors, size: str
+) -> None:
+    context = open_context(browser, **SIZES[size])
+    try:
+        player = new_page(context, errors)
+        player.goto(sharing.base_url + "/")
+        # Every chunk of the last 2 s is held, every other one behind: odd boundary 1 is thinned out by chunk 18.
+        wait(player, "window.arstreamDebug.shareToken && Math.max(...window.arstreamDebug.chunkIndexes) > 20")
+        token = debug(player)["shareToken"]
+        brancher = new_page(context, errors)
+        brancher.goto(f"{sharing.base_url}/#{urlencode({'branch': token, 'chunk': 1})}")
+        wait_state(brancher, "ended")
+        text = overlay_text(brancher)
+        assert "no longer held" in text and "branch from where it is now" in text, text
+        assert "ended" not in text and "not held:" not in text, "no raw reason, no world ended: it is live"
+        assert brancher.get_attribute("#overlay", "data-tone") == "info"
+        assert brancher.inner_text("#overlay-action") == "Branch from now"
+        brancher.click("#overlay-action")
+        wait_frames_drawn(brancher, 2)
+        chunk = debug(brancher)["chunkIndexes"][0]
+        assert chunk > 20 and f"branched from chunk {chunk}" in (brancher.text_content("#log") or "")
+        assert "chunk=" not in brancher.evaluate("location.hash"), "a reload branches from now too"
+        assert debug(brancher)["state"] == "streaming" and debug(brancher)["restarts"] == []
+    finally:
+        context.close()
