@@ -22,7 +22,7 @@ import { Player } from './player.js';
 import { SHARE_TEXT } from './messages.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
-import { rewindTarget, shareLinks, shareMode, shareParams, timeBack, timelineRange } from './share.js';
+import { playTime, rewindTarget, shareLinks, shareMode, shareParams, timeBack, timelineRange } from './share.js';
 
 const TOKEN_KEY = 'arstream-token';
 const STATS_POLL_MS = 1000;
@@ -404,6 +404,7 @@ const connection = new Connection({
   hooks: {
     onState,
     onReady(_session, ready) {
+      if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
       uploadLimit = ready.limits.max_start_image_bytes ?? null;
       debug.rewindSeconds = ready.rewind_seconds ?? 0;
       debug.sessionId = ready.session_id;
@@ -425,6 +426,12 @@ const connection = new Connection({
         pushBounded(debug.promptChunks, { prompt, chunk: message.chunk_index });
         log(`prompt applied at chunk ${message.chunk_index}: ${prompt}`);
       }
+      if (message.restarted === 'rewind' && lastChunkIndex !== null) {
+        // How far back the world went: from the live end it was at to the boundary it goes on from.
+        notice(`Rewound ${playTime(lastChunkIndex + 1 - message.chunk_index, chunksPerSecond())}: `
+          + 'the world goes on from there.');
+      }
+      lastChunkIndex = message.chunk_index;
       if (message.restarted) {
         pushBounded(debug.restarts, { chunk: message.chunk_index, why: message.restarted });
         log(`chunk ${message.chunk_index}: ${message.restarted === 'rewind' ? 'rewound' : 'new rollout'} (${message.restarted})`);
@@ -476,6 +483,7 @@ const connection = new Connection({
 // ---- sharing: the timeline, viewers, links -----------------------------------------------
 
 let timeline = null;     // {min, max, held} from the last chunk's rewind_points and rewind_held, or null
+let lastChunkIndex = null;  // the last chunk's chunk_index (a rewind says how far back it went from there)
 let scrubbing = false;   // a finger or the mouse is on the timeline: chunks must not move it
 
 /** Chunks of play per second (the model card's fps over its frames per chunk), 0 when unknown. */
@@ -511,9 +519,14 @@ $('rewind').addEventListener('input', () => {
   scrubbing = true;
   const target = rewindTarget(timeline, Number($('rewind').value));
   $('rewind-label').textContent = target === null ? 'live' : timeBack(timeline, target, chunksPerSecond());
+  // Where letting go lands, on the world itself (the label beside the slider is out of sight on a phone).
+  $('notice').textContent = target === null ? 'Let go here to stay live' : `Let go to rewind ${$('rewind-label').textContent}`;
+  $('notice').hidden = false;
+  clearTimeout(noticeTimer);
 });
 $('rewind').addEventListener('change', () => {
   scrubbing = false;
+  $('notice').hidden = true;
   const target = rewindTarget(timeline, Number($('rewind').value));
   $('rewind').blur();  // back to steering
   if (target !== null) connection.rewind(target);

@@ -6,6 +6,7 @@
 import { MOVE_TEXT, SHARE_TEXT, closeText, errorText, notReadyText } from './messages.js';
 import { Pacer } from './player.js';
 import { Session } from './session.js';
+import { playTime } from './share.js';
 
 const BACKOFF_FIRST_MS = 500;
 const BACKOFF_MAX_MS = 8000;
@@ -55,6 +56,7 @@ export class Connection {
     this.afterMove = false;            // the next `ready` follows a move to another replica
     this.mode = mode;                  // play, watch or branch: what a fresh session starts as
     this.shareToken = null;            // ready.share.token of the session this page plays or watches
+    this.branchedNotice = null;        // what the page says once a branch is made
   }
 
   setState(state, view = {}) {
@@ -246,8 +248,14 @@ export class Connection {
     this.shareToken = ready.share && ready.share.token ? ready.share.token : watched;
     if (this.mode.kind === 'branch') {
       // The branch exists now: a drop resumes it by its ticket, and a fresh start is a world of its own.
-      this.hooks.log(`branched from chunk ${ready.branched_from ? ready.branched_from.chunk : this.mode.chunk ?? 'now'}`);
+      const chunk = ready.branched_from ? ready.branched_from.chunk : this.mode.chunk;
+      this.hooks.log(`branched from chunk ${chunk ?? 'now'}`);
       this.mode = { kind: 'play' };
+      const rate = ready.model.fps / ready.model.frames_per_chunk;
+      this.branchedNotice = Number.isInteger(chunk)
+        ? `You branched this world from ${chunk ? `${playTime(chunk, rate)} into its play` : 'its first frame'}: `
+          + 'it is yours to steer, and the original goes on without you.'
+        : null;
     }
     this.debug.sessionId = ready.session_id;
     this.debug.resumed += ready.resumed ? 1 : 0;
@@ -266,6 +274,9 @@ export class Connection {
       this.hooks.notice(ready.resumed ? MOVE_TEXT.moved : MOVE_TEXT.moveLost);
       this.afterMove = false;
       this.afterDrop = false;
+    } else if (this.branchedNotice) {
+      this.hooks.notice(this.branchedNotice);
+      this.branchedNotice = null;
     } else if (this.afterDrop) {
       this.hooks.notice(ready.resumed
         ? 'Reconnected: your world carried on where it was.'

@@ -100,10 +100,14 @@ export function rewindTarget(range, chosen) {
  * seconds of play. `chunksPerSecond` 0 (unknown): chunks.
  */
 export function timeBack(range, boundary, chunksPerSecond) {
-  const chunks = range.max - boundary;
-  if (!(chunksPerSecond > 0)) return `${chunks} chunks back`;
+  return `${playTime(range.max - boundary, chunksPerSecond)} back`;
+}
+
+/** `chunks` of play in words: "1.5 s", "12 s", or "5 chunks" when the play rate is unknown. */
+export function playTime(chunks, chunksPerSecond) {
+  if (!(chunksPerSecond > 0)) return `${chunks} chunks`;
   const seconds = chunks / chunksPerSecond;
-  return `${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s back`;
+  return `${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s`;
 }
 
 /**

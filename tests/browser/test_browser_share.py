@@ -8,6 +8,7 @@ plain functions are tested by importing the module in the page.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from urllib.parse import urlencode
 from typing import Any
@@ -356,5 +357,39 @@ def test_a_branch_link_to_a_moment_no_longer_held_offers_a_branch_from_now(
         assert chunk > 20 and f"branched from chunk {chunk}" in (brancher.text_content("#log") or "")
         assert "chunk=" not in brancher.evaluate("location.hash"), "a reload branches from now too"
         assert debug(brancher)["state"] == "streaming" and debug(brancher)["restarts"] == []
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_rewind_and_a_branch_say_so_on_the_world(
+    sharing: LiveServer, browser: Any, errors: PageErrors, size: str
+) -> None:
+    context = open_context(browser, **SIZES[size])
+    try:
+        player = new_page(context, errors)
+        player.goto(sharing.base_url + "/")
+        wait_rewind_span(player, 12)
+        newest = int(player.get_attribute("#rewind", "max") or 0)
+        target = newest - 10
+        # While the slider is held, the world says where letting go lands.
+        player.evaluate(f"(s => {{ s.value = '{target}'; s.dispatchEvent(new Event('input')); }})"
+                        "(document.getElementById('rewind'))")
+        assert player.evaluate("document.getElementById('notice').hidden") is False
+        assert (player.text_content("#notice") or "").startswith("Let go to rewind 1.")  # 10 chunks: 1.2 s or so
+        player.evaluate("document.getElementById('rewind').dispatchEvent(new Event('change'))")
+        wait(player, "window.arstreamDebug.restarts.some(r => r.why === 'rewind')")
+        wait(player, "document.getElementById('notice').textContent.startsWith('Rewound ')")
+        said = player.text_content("#notice") or ""
+        assert re.fullmatch(r"Rewound \d\.\d s: the world goes on from there\.", said), said
+
+        token = debug(player)["shareToken"]
+        chunk = max(debug(player)["rewindHeld"]) - 2  # still held when the branch is made
+        brancher = new_page(context, errors)
+        brancher.goto(f"{sharing.base_url}/#{urlencode({'branch': token, 'chunk': chunk})}")
+        wait_frames_drawn(brancher, 2)
+        said = brancher.text_content("#notice") or ""
+        assert re.fullmatch(r"You branched this world from \d+(\.\d)? s into its play: it is yours to steer, "
+                            r"and the original goes on without you\.", said), said
     finally:
         context.close()
