@@ -355,7 +355,8 @@ async def serve(server: ARStreamServer) -> int:
             print(f"{AGENT_MARKER} {display_host(server.config.host)}:{agent_port}", flush=True)
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
-        for line in network_lines(server.config.host, server.bound_port):
+        token_required = server.hub.settings.auth_token is not None
+        for line in network_lines(server.config.host, server.bound_port, token_required=token_required):
             print(line, flush=True)
         capacity = capacity_line(server.hub.stats(), server.hub.rewind_seconds)
         if capacity:

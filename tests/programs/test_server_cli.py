@@ -360,6 +360,9 @@ def test_listening_on_every_interface_announces_the_lan_urls() -> None:
     assert expected[0] in printed, printed
     for address in lan_addresses():
         assert f"http://{address}:{port}/" in expected[0] and not address.startswith("127.")
+    # Without a token anyone on that network can play: the banner says how to ask for one.
+    assert "Anyone who can reach this address can play: add --auth-token TOKEN" in printed, printed
+    assert "Players need the access token (--auth-token)" in network_lines("0.0.0.0", 8000, token_required=True)[-1]
 
 
 @pytest.mark.parametrize("has_pyav", [False, True])
