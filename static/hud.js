@@ -14,6 +14,11 @@ function ms(value) {
   return Number.isFinite(value) ? `${value.toFixed(0)} ms` : '–';
 }
 
+/** "1 tick", "2 ticks". */
+function counted(n, word) {
+  return `${n} ${word}${n === 1 ? '' : 's'}`;
+}
+
 export class Hud {
   /** @param {(id: string) => HTMLElement} $ */
   constructor($) {
@@ -64,7 +69,9 @@ export class Hud {
     this.set('hud-compute', this.samples.compute.length ? `${ms(median(this.samples.compute))} per chunk` : '–');
     if (session && pacer) {
       const queued = session.player.queue.length;
-      this.set('hud-flight', `${session.ticksInFlight.size} ticks / ${queued} frames, target ${ms(pacer.targetLeadMs())}`);
+      const ticks = session.ticksInFlight.size;
+      this.set('hud-flight', `${counted(ticks, 'tick')} / ${counted(queued, 'frame')}`);
+      this.set('hud-target', ms(pacer.targetLeadMs()));
     }
     const toFrame = median(steering);
     const badge = live ? [`${fps} fps`] : [];
