@@ -16,7 +16,7 @@
 import { Connection } from './connection.js';
 import { menuCodecs } from './decode.js';
 import { Controls, isTyping, takesKeys } from './input.js';
-import { Hud } from './hud.js';
+import { Hud, median } from './hud.js';
 import { MouseLook } from './look.js';
 import { Player } from './player.js';
 import { SHARE_TEXT } from './messages.js';
@@ -65,6 +65,7 @@ const debug = {
   connects: 0,
   resumed: 0,
   stalls: 0,
+  stallReasons: [],     // what the page said about each stall it explained
   heldKeys: [],
   startImage: null, // what the next fresh session starts from: {name} or {upload: file name}; null: the default
   looking: false,   // the model has a camera: mouse movement over the player turns it
@@ -327,8 +328,28 @@ const player = new Player($('screen'), {
     if (connection.state !== 'streaming' || !session || !session.pacer) return;
     debug.stalls += 1;
     session.pacer.noteStall();
+    explainStall();
   },
 });
+
+const STALL_NOTICE_EVERY_MS = 20000;  // a stalling stream says why at most this often
+let stallSaidAt = -Infinity;
+
+/** The picture ran out of frames: say why, in plain words, from the server's compute time per chunk. */
+function explainStall() {
+  const now = performance.now();
+  // (a notice already on the world says something else that matters now: it is not replaced)
+  if (now - stallSaidAt < STALL_NOTICE_EVERY_MS || !model || debug.framesDrawn === 0 || !$('notice').hidden) return;
+  stallSaidAt = now;
+  const playMs = (1000 * model.frames_per_chunk) / model.fps;  // how long a chunk's frames play
+  const computeMs = median(hud.samples.compute);
+  const why = Number.isFinite(computeMs) && computeMs > playMs
+    ? `the server draws a chunk in ${Math.round(computeMs)} ms, and it plays for ${Math.round(playMs)} ms: `
+      + 'this machine draws the world slower than it plays (busy, or too small for this model)'
+    : 'frames are slow to arrive: the network, or a server busy with other sessions';
+  notice(`Waiting for frames: ${why}.`);
+  debug.stallReasons.push(why);
+}
 
 /** Below this width the fps badge and the role badge do not fit side by side on the picture. */
 const BADGES_ROW_PX = 340;
