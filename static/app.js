@@ -207,8 +207,13 @@ function showModel(card) {
     : `World view: type a prompt to change what ${card.name} draws`);
   const doing = debug.role === 'viewer'
     ? `watching someone ${keyed ? 'steer' : 'prompt'}` : keyed ? 'steering' : 'prompting';
+  // Random weights (a test set-up) draw noise: say so, or the page looks broken.
+  const random = card.weights === 'random'
+    ? ' It runs with random weights (a test set-up, no trained model loaded), so the picture is noise; '
+      + 'that is expected.'
+    : '';
   $('explain').textContent = `You are ${doing} ${card.name}${what}. The model draws every frame as it is played; `
-    + 'nothing is pre-recorded.';
+    + `nothing is pre-recorded.${random}`;
   $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);
   $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
   $('prompt-form').hidden = !card.reads_prompt;

@@ -68,6 +68,7 @@ def test_a_prompt_only_model_gets_a_prompt_page_not_a_steering_pad(
         assert page.evaluate(TOP, "#prompt-form") < page.evaluate(TOP, "#explain")
         explain = page.locator("#explain").text_content() or ""
         assert "steering" not in explain and "prompting longlive" in explain, explain
+        assert "random weights" in explain and "the picture is noise" in explain, explain
         assert page.locator("#hud-action-label").text_content() == "prompt → frame"
         wait_frames_drawn(page, 9)
         # A key pressed on the world sends nothing the model would refuse.
