@@ -431,6 +431,9 @@ const connection = new Connection({
     onState,
     onReady(_session, ready) {
       if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
+      // The same world picked up again (a move to another server, a reconnect): its first chunk says whether its
+      // rewind points came with it.
+      checkHistory = ready.resumed && timeline !== null && timeline.held.length > 2;
       uploadLimit = ready.limits.max_start_image_bytes ?? null;
       debug.rewindSeconds = ready.rewind_seconds ?? 0;
       debug.sessionId = ready.session_id;
@@ -465,6 +468,10 @@ const connection = new Connection({
       if (message.skipped_before) {
         debug.skippedChunks += message.skipped_before;
         log(`${message.skipped_before} chunk(s) skipped: this connection fell behind the world`);
+      }
+      if (checkHistory) {
+        checkHistory = false;
+        if ((message.rewind_held || []).length <= 2) historyStartsAgain();
       }
       showTimeline(message.rewind_points ?? null, message.rewind_held ?? null);
     },
@@ -510,6 +517,19 @@ const connection = new Connection({
 
 let timeline = null;     // {min, max, held} from the last chunk's rewind_points and rewind_held, or null
 let lastChunkIndex = null;  // the last chunk's chunk_index (a rewind says how far back it went from there)
+let checkHistory = false;   // the next chunk is the first of a resumed world that had rewind points
+
+/** A resumed world's rewind points stayed behind (a move to another server does not carry them yet): say so. */
+function historyStartsAgain() {
+  const text = 'Its rewind history starts again here: the earlier moments stayed with the old server.';
+  const box = $('notice');
+  if (box.hidden) {
+    notice(text);
+  } else {
+    box.textContent = `${box.textContent} ${text}`;  // after "Moved to another server: ..."
+    log(text);
+  }
+}
 let scrubbing = false;   // a finger or the mouse is on the timeline: chunks must not move it
 
 /** Chunks of play per second (the model card's fps over its frames per chunk), 0 when unknown. */
