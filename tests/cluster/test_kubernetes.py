@@ -48,7 +48,7 @@ HAPROXY_RENDER = REPO_ROOT / "deploy" / "haproxy" / "render.py"
 ENVOY_RENDER = REPO_ROOT / "deploy" / "envoy" / "render.py"
 # The manifests' own render commands (deploy/kubernetes/haproxy/kustomization.yaml, .../envoy/kustomization.yaml),
 # less the parts the StatefulSet and the ScaledObject decide (names, ports, slot count).
-HAPROXY_OPTIONS = ("--maxconn", "4", "--bind", ":8080", "--stats-bind", ":8404")
+HAPROXY_OPTIONS = ("--maxconn", "4", "--bind", ":8080", "--stats-bind", ":8404", "--admin-bind", "127.0.0.1:8405")
 ENVOY_OPTIONS = ("--bind", "0.0.0.0:8080", "--admin", "127.0.0.1:9901")
 SECRET = "kubernetes-test-cluster-secret"
 
