@@ -320,7 +320,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {SOCKET_PEER_EXTENSION: self.client}  # type: ignore[typeddict-unknown-key]
+        self.scope["extensions"] = {SOCKET_PEER_EXTENSION: self.client}  # type: ignore[dict-item]
 
     def on_headers_complete(self) -> None:
         self._head_done = True

@@ -498,7 +498,7 @@ def test_pods_carry_no_api_token_and_write_only_to_their_named_volumes(overlay: 
             }
             assert all("emptyDir" in volumes[name] for name in writable.values()), (kind, writable)
             assert "/tmp" in writable, (kind, writable)
-    writable = {m["mountPath"] for m in replica_container(objects)["volumeMounts"] if not m.get("readOnly", False)}
-    assert writable == {"/tmp", "/home/arstream", "/var/spool/arstream"}, writable
+    replica_writes = {m["mountPath"] for m in replica_container(objects)["volumeMounts"] if not m.get("readOnly")}
+    assert replica_writes == {"/tmp", "/home/arstream", "/var/spool/arstream"}, replica_writes
     spill = "# ARSTREAM_PARK_SPILL_DIR: /var/spool/arstream"
     assert spill in (KUBERNETES / "base" / "settings.yaml").read_text()  # where parking's spill files would go

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from arstream.app import migration
 from arstream.app.migration import CLUSTER_AUTH_BURST, IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner import snapshot
@@ -135,6 +136,10 @@ def test_a_session_section_a_replica_would_not_make_is_refused_naming_the_field(
         assert _post_import(r1, with_session()).status_code == 200
 
 
+FORGED_TRIES = 60
+NO_REFILL_PER_S = 1e-6  # the tries' refill rate in these tests: none within a run, however slow
+
+
 def post_with_secret(
     server: LiveServer, secret: str, source: str = "127.0.0.1", forwarded_for: str | None = None
 ) -> int:
@@ -146,8 +151,9 @@ def post_with_secret(
         return client.post(server.base_url + IMPORT_PATH, content=b"x" * 64, headers=headers).status_code
 
 
-def test_guessing_the_cluster_secret_is_throttled_per_address() -> None:
+def test_guessing_the_cluster_secret_is_throttled_per_address(monkeypatch: pytest.MonkeyPatch) -> None:
     """Old code: every wrong guess got its 401 at once, at any rate."""
+    monkeypatch.setattr(migration, "CLUSTER_AUTH_RATE_PER_S", NO_REFILL_PER_S)
     with running_server(cluster_settings("r1")) as r1:
         assert [post_with_secret(r1, f"guess-{i}") for i in range(CLUSTER_AUTH_BURST)] == [401] * CLUSTER_AUTH_BURST
         assert post_with_secret(r1, "guess-next") == 429
@@ -159,13 +165,13 @@ def test_guessing_the_cluster_secret_is_throttled_per_address() -> None:
         assert post_with_secret(r1, "guess-elsewhere", source="127.0.0.2") == 401
 
 
-FORGED_TRIES = 60
-
-
-def test_wrong_secrets_from_a_trusted_proxy_are_throttled_whatever_address_each_claims() -> None:
+def test_wrong_secrets_from_a_trusted_proxy_are_throttled_whatever_address_each_claims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Old code: the throttle counted the forwarded address, which a trusted proxy (in Kubernetes, any pod of
     the private ranges the manifests trusted) sets as it likes: 60 of 60 wrong secrets, each claiming a fresh
     address, got 401 and none 429."""
+    monkeypatch.setattr(migration, "CLUSTER_AUTH_RATE_PER_S", NO_REFILL_PER_S)  # a slow run refills no try
     with running_server(cluster_settings("r1", forwarded_allow_ips="127.0.0.0/8")) as r1:
         statuses = [
             post_with_secret(r1, f"guess-{i}", source="127.0.0.2", forwarded_for=f"198.51.100.{i}")
@@ -175,9 +181,10 @@ def test_wrong_secrets_from_a_trusted_proxy_are_throttled_whatever_address_each_
         assert counts == {401: CLUSTER_AUTH_BURST, 429: FORGED_TRIES - CLUSTER_AUTH_BURST}, counts
 
 
-def test_wrong_secrets_claiming_a_peers_address_do_not_keep_that_peer_out() -> None:
+def test_wrong_secrets_claiming_a_peers_address_do_not_keep_that_peer_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """Old code: 6 wrong secrets from another socket claiming the draining replica's address (127.0.0.1, from
     which r0 calls r1) spent that address's tries: r0's drain got 429 and ended its session instead of moving it."""
+    monkeypatch.setattr(migration, "CLUSTER_AUTH_RATE_PER_S", NO_REFILL_PER_S)
     with two_replicas(forwarded_allow_ips="127.0.0.0/8") as (r0, r1):
         forged = [
             post_with_secret(r1, f"guess-{i}", source="127.0.0.2", forwarded_for="127.0.0.1")
