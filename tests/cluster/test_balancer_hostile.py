@@ -5,7 +5,8 @@ Each test is an attack that worked through the configuration before it: a
 percent-encoded private path (the replica decodes it, HAProxy matched the raw
 one), the cluster routes through the private port, a forged X-Forwarded-For
 that HAProxy appended to, a forged balancer-identity header on a watch
-connection, and the realtime dialect round-robined past the agent's slots.
+connection, the realtime dialect round-robined past the agent's slots, and the
+stats page's admin actions (cut sessions, MAINT) open to anyone on the private port.
 """
 
 from __future__ import annotations
@@ -257,4 +258,23 @@ def test_the_stats_page_acts_only_for_an_operator_with_the_password(
         assert stats_post(admin_url, "drain", ["r0"], ("operator", ADMIN_PASSWORD)) in (200, 303)
         assert lb.row("sessions", "r0")["status"].startswith("DRAIN")
         assert stats_post(admin_url, "ready", ["r0"], ("operator", ADMIN_PASSWORD)) in (200, 303)
+        assert lb.row("sessions", "r0")["status"].startswith("UP")
+
+
+@pytest.mark.parametrize("password", [None, "", "short-password"])
+def test_without_a_long_enough_password_the_admin_page_refuses_everyone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, password: str | None
+) -> None:
+    """An unset password would otherwise be an empty one: `operator` with no password would be admitted."""
+    if password is None:
+        monkeypatch.delenv("ARSTREAM_LB_ADMIN_PASSWORD", raising=False)
+    else:
+        monkeypatch.setenv("ARSTREAM_LB_ADMIN_PASSWORD", password)
+    with ExitStack() as stack:
+        replicas = {"r0": stack.enter_context(replica("r0"))}
+        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
+        admin_url = f"http://127.0.0.1:{lb.admin_port}/stats"
+        answers = [stats_post(admin_url, "maint", ["r0"], ("operator", password or "")) for _ in range(2)]
+        answers.append(stats_post(admin_url, "maint", ["r0"]))
+        assert answers == [403] * 3
         assert lb.row("sessions", "r0")["status"].startswith("UP")
