@@ -7,7 +7,6 @@ The world is measured as the canvas's on-screen box; "above the fold" means insi
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
