@@ -98,7 +98,9 @@ def test_share_links_and_timeline_range(server: LiveServer, page: Any) -> None:
     assert targets == [None, 2, 9, None, None, None], "held points only, and the live end is no rewind"
     thinned = "{min: 2, max: 10, held: [2, 6, 8, 9, 10]}"
     snapped = share_module(page, f"[2, 3, 5, 6, 7, 9, 10].map(b => m.rewindTarget({thinned}, b))")
-    assert snapped == [2, 2, 2, 6, 6, 9, None], "a scrub between thinned points goes to the held one before it"
+    # a scrub between thinned points goes to the nearest held one (halfway: the older), never the live end
+    assert snapped == [2, 2, 6, 6, 6, 9, None], snapped
+    assert share_module(page, "m.rewindTarget({min: 0, max: 10, held: [0, 4, 10]}, 9)") == 4
     assert share_module(page, f"m.timeBack({thinned}, 2, 8)") == "1.0 s back"
     assert share_module(page, f"m.timeBack({thinned}, 6, 0)") == "4 chunks back"
     ids = share_module(page, "m.raiseIdsPast({tick: 3, event: 9}, 41, [2, 12, 5])")
