@@ -12,6 +12,7 @@ import torch
 
 from arstream.app.settings import settings_from_argv
 from arstream.models.registry import load_pipeline
+from arstream.runner.contract import ARPipeline
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs/models.md").read_text()
@@ -31,5 +32,6 @@ def test_the_section_gives_the_default_longlive_matrix_game_and_the_fake() -> No
 def test_each_serve_line_loads_on_the_cpu_and_its_card_says_whether_the_weights_are_random(line: str) -> None:
     settings = settings_from_argv(shlex.split(line))
     pipeline = load_pipeline(settings.model, torch.device("cpu"), **settings.model_options)
+    assert isinstance(pipeline, ARPipeline)
     random = bool(settings.model_options.get("random_init"))
     assert (pipeline.model_card().get("weights") == "random") == random, pipeline.model_card()
