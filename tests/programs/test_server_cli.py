@@ -406,3 +406,8 @@ def test_a_plain_start_opens_with_the_address_and_says_its_capacity_parked_sessi
     assert parked > 0
     line = next(line for line in printed if line.startswith("Sessions: "))
     assert f"room for {held} at once" in line and f"{parked} more parked in host memory" in line, line
+    # the pool's own line leads with what it means (memory, sessions, what each remembers, rewind in seconds)
+    pool = next(line for line in printed if "model memory (KV pool): " in line)
+    resident = stats["parking"]["resident_capacity"]
+    assert re.search(rf"\d+ MiB, room for {resident} sessions", pool), pool
+    assert "each remembers its first" in pool and "back to 30 s (none older than 36 s)" in pool, pool
