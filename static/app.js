@@ -351,7 +351,7 @@ function explainStall() {
   const why = Number.isFinite(computeMs) && computeMs > playMs
     ? `the server draws a chunk in ${Math.round(computeMs)} ms, and it plays for ${Math.round(playMs)} ms: `
       + 'this machine draws the world slower than it plays (busy, or too small for this model)'
-    : 'frames are slow to arrive: the network, or a server busy with other sessions';
+    : 'they are slow to arrive (the network, or a server busy with other sessions)';
   notice(`Waiting for frames: ${why}.`);
   debug.stallReasons.push(why);
 }
