@@ -85,8 +85,11 @@ def slow_server() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-def test_a_stalling_stream_says_why_on_the_world(slow_server: Any, browser: Any, errors: PageErrors, size: str) -> None:
-    context = open_context(browser, **SIZES[size])
+def test_a_stalling_stream_says_why_on_the_world(
+    slow_server: Any, lan_browser: Any, errors: PageErrors, size: str
+) -> None:
+    # (this module's Chromium: one Playwright per module)
+    context = open_context(lan_browser, **SIZES[size])
     try:
         page = new_page(context, errors)
         page.goto(slow_server.base_url + "/")
