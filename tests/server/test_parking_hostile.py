@@ -1,21 +1,26 @@
-"""Parking with every slot and every park place held (uvicorn in-process, fake-kv, real WebSocket clients).
+"""Parking under pressure: every slot and park place held, and spill files a killed process left.
 
-Two resident slots and room to park nine: eleven sessions, each held by its
-connection, tick at once. A parked session's tick swaps with the least
-recently used resident one (that one is parked, this one restored): no
-session is evicted, every chunk equals an uninterrupted session's, and a
-twelfth session is refused while the eleven hold every place.
+Two resident slots and room to park nine (uvicorn in-process, fake-kv, real
+WebSocket clients): eleven sessions, each held by its connection, tick at
+once. A parked session's tick swaps with the least recently used resident one
+(that one is parked, this one restored): no session is evicted, every chunk
+equals an uninterrupted session's, and a twelfth session is refused while the
+eleven hold every place.
+
+A server process that spilled parked sessions to disk is SIGKILLed: its files
+stay; the next server started on the directory removes them (files counted).
 """
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from servers import ProbeClient, running_server, session_client
+from servers import LiveServer, ProbeClient, running_server, server_process, session_client
 from test_admission import refusal_of_one_more
 from test_migration import KEYS, SEED, frames_of, reference
 from test_parking_server import parking_settings, pool_budget
@@ -70,3 +75,41 @@ def test_a_parked_sessions_tick_swaps_with_a_resident_one_when_every_place_is_he
         assert stats["parking"]["sessions_parked"] == PARKED and stats["parking"]["restores_total"] > 0
         server.settled(blocks_free)
         assert server.stats()["parking"]["sessions_parked"] == 0
+
+
+def spill_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("parked-*.safetensors"))
+
+
+async def spill_and_count(server: LiveServer, spill: Path, sessions: int, *, kill: bool = False) -> int:
+    """SESSIONS sessions that each run one chunk and stay connected (so spilled: --park-after-s 0); the spill
+    files counted while they are held. With ``kill`` the server is SIGKILLed while they are."""
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(session_client(server.ws_url, start={})) for _ in range(sessions)]
+        for client in clients:
+            await client.send(type="tick", tick_id=0)
+            await frames_of(client)
+        await asyncio.to_thread(server.wait_for_stats, lambda s: s["parking"]["sessions_spilled"] == sessions)
+        spilled = len(spill_files(spill))
+        if kill:
+            assert server.process is not None
+            server.process.kill()  # SIGKILL: nothing of the server runs after it
+            server.process.wait()
+        for client in clients:
+            client.abort()
+    return spilled
+
+
+def test_spill_files_a_killed_server_left_are_removed_when_the_next_one_starts(tmp_path: Path) -> None:
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    not_ours = spill / "operator-notes.txt"  # a file of another naming stays
+    not_ours.write_text("kept")
+    args = ["--park-after-s", "0", "--park-spill-dir", str(spill), "--park-spill-budget-bytes", str(256 * 2**20)]
+    with server_process(args) as first:
+        assert asyncio.run(spill_and_count(first, spill, 3, kill=True)) == 3
+    assert len(spill_files(spill)) == 3  # what the killed process left
+    with server_process(args) as second:
+        second.wait_ready()
+        assert spill_files(spill) == [] and not_ours.read_text() == "kept"
+        assert asyncio.run(spill_and_count(second, spill, 2)) == 2  # and it spills as before
