@@ -324,11 +324,15 @@ class ARRunner:
 
     @property
     def park_capacity(self) -> int:
-        """Most sessions parked at once: the park budgets over a session's worst-case bytes."""
+        """Most sessions parked at once: each park budget over a session's worst-case bytes.
+
+        Apiece, since a parked session is kept whole in host memory or in a file: so whenever fewer are
+        parked, one more fits somewhere, and a restore's swap never finds the lot too small.
+        """
         if not self.parking.enabled or not isinstance(self.pipeline, SupportsSessionTransfer):
             return 0
-        room = self.parking.budget_bytes + self.parking.spill_budget_bytes
-        return room // max(self.plan.per_session_bytes, 1)
+        per_session = max(self.plan.per_session_bytes, 1)
+        return self.parking.budget_bytes // per_session + self.parking.spill_budget_bytes // per_session
 
     def _parkable(self, session_id: str) -> bool:
         """Whether the session can be parked now: at its chunk boundary, no decode of it in flight, not exported."""
