@@ -186,6 +186,9 @@ class Dialect:
         """The session is closing with ``reason``: the last text before the close frame, or None."""
         return None
 
+    async def finished(self, live: LiveSession) -> None:
+        """The socket's session has ended, whatever ended it: let go of what the dialect holds beside it."""
+
     def owns(self, session: Session) -> bool:
         """Whether ``session`` is one of this dialect's (a resume here may adopt it): protocol 1 keeps no state
         of its own (``Session.dialect_state``), other dialects say which is theirs."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import jsonschema
 import torch
 
+from . import webrtc
 from .admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
 from .guard import FloodBans, RefusalLog, TrustedProxies
 from .metrics import ServerMetrics
@@ -466,4 +467,6 @@ class SessionHub:
             },
             # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
             "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
+            # WebRTC video (app/webrtc.py): the peer connections held open, whether the server offers the path
+            "webrtc": {"available": webrtc.AVAILABLE, "peer_connections": webrtc.open_peer_connections()},
         }

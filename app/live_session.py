@@ -121,6 +121,7 @@ class LiveSession:
                 self.fatal(ErrorCode.INTERNAL, "internal server error")
         finally:
             await self._finish()
+            await self.dialect.finished(self)
             self.gate.closing.discard(self)
             self.metrics.websocket_open.dec()
 

@@ -60,6 +60,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_VIEWER = "unknown_viewer"
     REWIND_UNAVAILABLE = "rewind_unavailable"
     CONTROL_REFUSED = "control_refused"
+    WEBRTC_FAILED = "webrtc_failed"
 
 
 # Fatal codes and the WebSocket close code that follows their `error` message.
@@ -255,7 +256,16 @@ class PassControlMessage(_ClientMessage):
     to: Annotated[str, Field(min_length=1, max_length=MAX_VIEWER_ID_CHARS)]
 
 
-ClientMessage = StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage | PassControlMessage
+class WebRTCOfferMessage(_ClientMessage):
+    """``webrtc_offer``: a complete SDP offer (its ICE candidates inside), answered by ``webrtc_answer``."""
+
+    type: Literal["webrtc_offer"]
+    sdp: Annotated[str, Field(min_length=1)]
+
+
+ClientMessage = (
+    StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage | PassControlMessage | WebRTCOfferMessage
+)
 
 MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
     "start": StartMessage,
@@ -264,6 +274,7 @@ MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
     "close": CloseMessage,
     "ping": PingMessage,
     "pass_control": PassControlMessage,
+    "webrtc_offer": WebRTCOfferMessage,
 }
 
 

@@ -35,6 +35,7 @@ from .protocol import (
     PingMessage,
     ProtocolError,
     TickMessage,
+    WebRTCOfferMessage,
     ack_message,
     chunk_message,
     closed_message,
@@ -49,6 +50,7 @@ from .protocol import (
 )
 from .session import Session, SessionState
 from .viewers import AudienceFull, Format, shares_frames
+from .webrtc import SessionVideo
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
@@ -89,6 +91,7 @@ class Protocol1(Dialect):
         # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
         self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
         self._viewer_timer: asyncio.TimerHandle | None = None
+        self._video: SessionVideo | None = None  # a controller's WebRTC path, from its webrtc_offer
 
     # ---- start and ready -----------------------------------------------------------------------
 
@@ -203,6 +206,10 @@ class Protocol1(Dialect):
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, PassControlMessage):
             self._pass_control(live, session, parsed.to)
+        elif isinstance(parsed, WebRTCOfferMessage):
+            if self._video is None:
+                self._video = SessionVideo(live)
+            self._video.offer(parsed.sdp)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
 
@@ -213,6 +220,8 @@ class Protocol1(Dialect):
         elif isinstance(parsed, CloseMessage):
             log.info("session=%s viewer %s closed by the client", live.session_id, live.viewer_id)
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
+        elif isinstance(parsed, WebRTCOfferMessage):
+            raise ProtocolError(ErrorCode.WEBRTC_FAILED, "a viewer gets its frames on the WebSocket")
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
             raise ProtocolError(
@@ -307,15 +316,27 @@ class Protocol1(Dialect):
             live.close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
 
     async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
-        ws = live.ws
-        await ws.send_text(dumps(chunk_header(outcome)))
+        ws, header = live.ws, chunk_header(outcome)
+        if self._video is not None and await self._video.send_chunk(outcome, header):
+            self._observe_action_to_frame(live, outcome)
+            live.count_sent(len(outcome.frame_messages), 0)  # on the track: no WebSocket bytes
+            return
+        await ws.send_text(dumps(header))
         for index, frame in enumerate(outcome.frame_messages):
             await ws.send_bytes(frame)
-            if index == 0 and outcome.events:
-                sent_at = time.perf_counter()
-                for event in outcome.events:
-                    live.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+            if index == 0:
+                self._observe_action_to_frame(live, outcome)
             live.count_sent(1, len(frame))
+
+    @staticmethod
+    def _observe_action_to_frame(live: LiveSession, outcome: TickOutcome) -> None:
+        sent_at = time.perf_counter()
+        for event in outcome.events:
+            live.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+
+    async def finished(self, live: LiveSession) -> None:
+        if self._video is not None:
+            await self._video.close()
 
     # ---- the viewers' chunks ----------------------------------------------------------------------
 

@@ -1,0 +1,173 @@
+"""WebRTC video for protocol-1 sessions (PROTOCOL.md, "WebRTC video"): a real server, an aiortc client.
+
+The client offers (non-trickle) on the session's WebSocket, reads the answer, and plays the track while the
+`chunk` messages go on arriving on the WebSocket. Each decoded frame maps back to its chunk by its RTP
+timestamp (track frame number times the step); fake-kv paints a frame's absolute position into its green
+channel, so the mapping is checked against the picture too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from arstream.app import webrtc
+from arstream.models.fake import FakeKVPipeline
+from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
+
+aiortc = pytest.importorskip("aiortc")
+
+GUARD_S = 30.0  # hang guard only
+FPS = 16  # fake-kv's model card
+STEP = webrtc.frame_step(FPS)
+CHUNKS = 6
+# Chunks played on the WebSocket before the offer: the video path starts mid-session, and fake-kv's green
+# has grown past the near-black values that YUV's limited range clips.
+CHUNKS_BEFORE = 20
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(), FakeKVPipeline(width=64, height=64)) as live:
+        yield live
+
+
+async def next_of(client: ProbeClient, kind: str, seen: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The next text message of ``kind``, skipping (and keeping in ``seen``) others; binary frames skipped."""
+    while True:
+        message = await client.recv()
+        if isinstance(message, bytes):
+            continue
+        parsed = json.loads(message)
+        if parsed["type"] == kind:
+            return parsed
+        if seen is not None:
+            seen.append(parsed)
+
+
+async def offer_sdp(pc: Any) -> str:
+    pc.addTransceiver("video", direction="recvonly")
+    await pc.setLocalDescription(await pc.createOffer())  # aiortc gathers every candidate here
+    return str(pc.localDescription.sdp)
+
+
+async def connect_video(client: ProbeClient) -> tuple[Any, asyncio.Future[Any], dict[str, Any]]:
+    """Offer, apply the answer, wait until the server says the peer connection is up."""
+    pc = aiortc.RTCPeerConnection()
+    track: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    pc.on("track", lambda t: track.done() or track.set_result(t))
+    await client.send(type="webrtc_offer", sdp=await offer_sdp(pc))
+    answer = await next_of(client, "webrtc_answer")
+    await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=answer["sdp"], type="answer"))
+    state = await next_of(client, "webrtc_state")
+    assert state["state"] == "connected", state
+    return pc, track, answer
+
+
+def test_a_session_plays_on_the_track_and_each_frame_maps_to_its_chunk(server: LiveServer) -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[int, int]], str]:
+        async with session_client(server.ws_url, start={"seed": 3}) as client:
+            for tick_id in range(CHUNKS_BEFORE):
+                await client.send(type="tick", tick_id=tick_id)
+                await client.recv_chunk()
+            pc, track_future, answer = await connect_video(client)
+            try:
+                chunks = []
+                for tick_id in range(CHUNKS_BEFORE, CHUNKS_BEFORE + CHUNKS):
+                    await client.send(type="tick", tick_id=tick_id, controls={"keys": []})
+                    chunk = await next_of(client, "chunk")
+                    assert chunk["tick_id"] == tick_id
+                    chunks.append(chunk)
+                track = await asyncio.wait_for(track_future, GUARD_S)
+                # The receiver lets a frame out once the next one begins: every chunk's but the last's.
+                wanted = sum(c["frames"] for c in chunks[:-1])
+                decoded = []
+                for _ in range(wanted):
+                    frame = await asyncio.wait_for(track.recv(), GUARD_S)
+                    green = int(frame.to_ndarray(format="rgb24")[..., 1].mean().round())
+                    decoded.append((frame.pts // STEP, green))
+            finally:
+                await pc.close()
+            await client.send(type="close")
+            await next_of(client, "closed")
+            return chunks, decoded, answer["codec"]
+
+    chunks, decoded, codec = asyncio.run(scenario())
+    assert codec in ("H264", "VP8")
+    assert all(c["delivery"] == "webrtc" for c in chunks)
+    # consecutive chunks hold consecutive track frames, from frame 0 on
+    assert [c["track_frame"] for c in chunks] == [2 * i for i in range(CHUNKS)]
+    # every frame decoded once, in order, and numbered as its chunk message says
+    assert [number for number, _ in decoded] == list(range(2 * (CHUNKS - 1)))
+    # the picture agrees: fake-kv's green is the frame's position in the rollout, chunk_index * 2 + frame
+    by_number = {c["track_frame"] + i: c["chunk_index"] * 2 + i for c in chunks for i in range(c["frames"])}
+    for number, green in decoded:
+        assert abs(green - by_number[number] % 256) <= 3, (number, green)
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: server.stats()["kv"]["sessions_resident"] == 0)
+
+
+def test_a_dropped_connection_closes_its_peer_connection_and_returns_its_kv(server: LiveServer) -> None:
+    async def scenario() -> int:
+        async with session_client(server.ws_url, start={}) as client:
+            pc, _, _ = await connect_video(client)
+            await client.send(type="tick", tick_id=0)
+            assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
+            held = webrtc.open_peer_connections()
+            client.abort()
+        await pc.close()
+        return held
+
+    assert asyncio.run(scenario()) == 1
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    stats = server.stats()
+    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
+    assert stats["webrtc"]["available"] is True
+
+
+def test_a_bad_offer_is_refused_and_the_session_goes_on_over_the_websocket(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], list[bytes]]:
+        async with session_client(server.ws_url, start={}) as client:
+            await client.send(type="webrtc_offer", sdp="v=0\r\nthis is not SDP\r\n")
+            refused = await next_of(client, "error")
+            await client.send(type="tick", tick_id=0)
+            chunk, frames = await client.recv_chunk()
+            return refused, chunk, [f[0].codec for f in frames]
+
+    refused, chunk, codecs = asyncio.run(scenario())
+    assert refused["code"] == "webrtc_failed" and refused["fatal"] is False
+    assert "delivery" not in chunk and len(codecs) == chunk["frames"]
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
+
+
+def test_a_second_offer_is_refused(server: LiveServer) -> None:
+    async def scenario() -> dict[str, Any]:
+        async with session_client(server.ws_url, start={}) as client:
+            pc, _, _ = await connect_video(client)
+            another = aiortc.RTCPeerConnection()
+            try:
+                await client.send(type="webrtc_offer", sdp=await offer_sdp(another))
+                return await next_of(client, "error")
+            finally:
+                await another.close()
+                await pc.close()
+
+    refused = asyncio.run(scenario())
+    assert refused["code"] == "webrtc_failed" and "already" in refused["message"]
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
+
+
+def test_an_offer_before_start_is_start_required(server: LiveServer) -> None:
+    async def scenario() -> tuple[int | None, list[dict[str, Any]]]:
+        async with session_client(server.ws_url) as client:
+            await client.send(type="webrtc_offer", sdp="v=0\r\n")
+            closed = await client.closed_by_server()
+            return closed.code, closed.messages
+
+    code, messages = asyncio.run(scenario())
+    assert code == 1008 and messages[0]["code"] == "start_required"
+    assert webrtc.open_peer_connections() == 0
