@@ -18,6 +18,7 @@ aiortc is the ``webrtc`` extra: without it a ``webrtc_offer`` is refused with ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fractions
 import logging
 from collections import deque
@@ -46,6 +47,10 @@ log = logging.getLogger("arstream.webrtc")
 
 # RTP's video clock: a track frame n carries the RTP timestamp origin + n * (VIDEO_CLOCK_HZ // fps).
 VIDEO_CLOCK_HZ = 90_000
+RTP_TIMESTAMP_MODULUS = 2**32
+# How long the first chunk on the track waits for its first frame to leave, so that its `chunk` message can
+# carry the RTP timestamp (the encoder takes milliseconds; a stuck one must not hold the session's writer).
+FIRST_FRAME_WAIT_S = 2.0
 # Frames waiting for the encoder, at most; past it the oldest is dropped (a late frame is worth less than
 # the newest one, and a peer that stopped taking frames must not hold the server's memory).
 MAX_QUEUED_FRAMES = 64
@@ -77,11 +82,22 @@ class ChunkTrack(MediaStreamTrack):  # type: ignore[misc]
 
     def __init__(self, fps: float) -> None:
         super().__init__()
-        self._step = frame_step(fps)
+        self.step = frame_step(fps)
         self._queued: deque[av.VideoFrame] = deque()
         self._wake = asyncio.Event()
         self.frames_in = 0  # track frame numbers given out so far
         self.frames_dropped = 0  # dropped while the encoder was behind
+        self.sender: Any = None  # the RTCRtpSender that takes this track's frames
+        self._last_pts: int | None = None  # the pts of the frame the sender took last
+        # The RTP timestamp of track frame 0 (the sender starts at a random one), once its first frame left.
+        self.rtp_origin: int | None = None
+        self.origin_known = asyncio.Event()
+
+    def rtp_timestamp(self, frame_number: int) -> int | None:
+        """The RTP timestamp a track frame carries, once the sender's origin is known."""
+        if self.rtp_origin is None:
+            return None
+        return (self.rtp_origin + frame_number * self.step) % RTP_TIMESTAMP_MODULUS
 
     def push(self, frames: Sequence[Any]) -> int:
         """Queue RGB frames (height x width x 3 uint8); returns the track frame number of the first."""
@@ -90,7 +106,7 @@ class ChunkTrack(MediaStreamTrack):  # type: ignore[misc]
         first = self.frames_in
         for rgb in frames:
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-            frame.pts = self.frames_in * self._step
+            frame.pts = self.frames_in * self.step
             frame.time_base = fractions.Fraction(1, VIDEO_CLOCK_HZ)
             self.frames_in += 1
             if len(self._queued) >= MAX_QUEUED_FRAMES:
@@ -101,6 +117,7 @@ class ChunkTrack(MediaStreamTrack):  # type: ignore[misc]
         return first
 
     async def recv(self) -> av.VideoFrame:
+        self._learn_origin()
         while not self._queued:
             if self.readyState != "live":
                 from aiortc.mediastreams import MediaStreamError
@@ -108,11 +125,25 @@ class ChunkTrack(MediaStreamTrack):  # type: ignore[misc]
                 raise MediaStreamError
             self._wake.clear()
             await self._wake.wait()
-        return self._queued.popleft()
+        frame = self._queued.popleft()
+        self._last_pts = frame.pts
+        return frame
+
+    def _learn_origin(self) -> None:
+        """The sender asks for the next frame only once it has sent every packet of the last one, so its last
+        RTP timestamp is that frame's: the origin follows. aiortc keeps that timestamp private (read here
+        and only here; the tests check the mapping against the pictures a browser shows)."""
+        if self.rtp_origin is not None or self._last_pts is None or self.sender is None:
+            return
+        sent = getattr(self.sender, "_RTCRtpSender__rtp_timestamp", None)
+        if isinstance(sent, int) and sent != 0:
+            self.rtp_origin = (sent - self._last_pts) % RTP_TIMESTAMP_MODULUS
+            self.origin_known.set()
 
     def stop(self) -> None:
         super().stop()
         self._wake.set()
+        self.origin_known.set()
 
 
 def _prefer_codecs(transceiver: Any) -> None:
@@ -161,15 +192,18 @@ class WebRTCDelivery:
         def changed() -> None:
             self._state(pc.connectionState)
 
+        # The track's transceiver comes first, so that the offer's video section takes it and the codec
+        # preference applies when the offer is read (aiortc picks the codecs there).
+        sending = pc.addTransceiver(self.track, direction="sendonly")
+        self.track.sender = sending.sender
+        _prefer_codecs(sending)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
         except Exception as exc:  # noqa: BLE001 - aiortc raises ValueError and others on SDP it cannot use
             raise WebRTCError(f"the offer's SDP cannot be used: {exc}") from None
-        video = [t for t in pc.getTransceivers() if t.kind == "video"]
-        if len(video) != 1:
+        video = [t for t in pc.getTransceivers() if t.kind == "video" and t.mid is not None]
+        if len(video) != 1 or video[0] is not sending:
             raise WebRTCError(f"the offer must have exactly one video section, not {len(video)}")
-        _prefer_codecs(video[0])
-        pc.addTrack(self.track)
         try:
             await pc.setLocalDescription(await pc.createAnswer())
         except Exception as exc:  # noqa: BLE001 - no codec in common, a direction the server cannot send
@@ -267,7 +301,15 @@ class SessionVideo:
         first = delivery.push_chunk(outcome.frame_messages)
         if first is None:
             return False
-        await self._live.ws.send_text(dumps({**header, "delivery": "webrtc", "track_frame": first}))
+        track = delivery.track
+        if not track.origin_known.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(track.origin_known.wait(), FIRST_FRAME_WAIT_S)
+        message = {**header, "delivery": "webrtc", "track_frame": first}
+        rtp_timestamp = track.rtp_timestamp(first)
+        if rtp_timestamp is not None:
+            message["rtp_timestamp"] = rtp_timestamp
+        await self._live.ws.send_text(dumps(message))
         return True
 
     async def close(self) -> None:

@@ -101,6 +101,9 @@ def test_a_session_plays_on_the_track_and_each_frame_maps_to_its_chunk(server: L
     assert all(c["delivery"] == "webrtc" for c in chunks)
     # consecutive chunks hold consecutive track frames, from frame 0 on
     assert [c["track_frame"] for c in chunks] == [2 * i for i in range(CHUNKS)]
+    # the chunk messages' RTP timestamps follow the track frame numbers (the browser test maps frames by them)
+    origin = chunks[0]["rtp_timestamp"]
+    assert [(c["rtp_timestamp"] - origin) % 2**32 for c in chunks] == [c["track_frame"] * STEP for c in chunks]
     # every frame decoded once, in order, and numbered as its chunk message says
     assert [number for number, _ in decoded] == list(range(2 * (CHUNKS - 1)))
     # the picture agrees: fake-kv's green is the frame's position in the rollout, chunk_index * 2 + frame

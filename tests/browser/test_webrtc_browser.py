@@ -1,0 +1,139 @@
+"""WebRTC video (PROTOCOL.md, "WebRTC video") played in Debian's Chromium over loopback, from a real server.
+
+The page opens its own session (no demo page code involved), offers a recvonly video section once ICE
+gathering is complete (non-trickle), plays the answer's track in a <video> element and ticks. It counts
+the frames Chromium decoded (the inbound RTP stats) and, for each frame shown
+(``requestVideoFrameCallback``), maps its RTP timestamp to a track frame number by the chunk messages'
+``rtp_timestamp``. (The pictures are checked in tests/server/test_webrtc.py, decoded by aiortc: Chromium
+converts the track's YUV with another colour matrix than aiortc's encoder, so its flat colours shift.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from arstream.app import webrtc
+from arstream.models.fake import FakeKVPipeline
+from browser_helpers import browser_marks, page_at
+from servers import LiveServer, fake_settings, running_server, wait_until
+
+pytest.importorskip("aiortc")
+pytestmark = browser_marks
+
+FPS = 16  # fake-kv's model card
+CHUNKS = 12
+# Chunks played on the WebSocket first: the track starts mid-session.
+CHUNKS_BEFORE = 4
+
+SESSION_SCRIPT = """
+async ({ wsUrl, chunksBefore, chunks }) => {
+  const ws = new WebSocket(wsUrl);
+  ws.binaryType = 'arraybuffer';
+  const inbox = [];
+  let wake = null;
+  ws.onmessage = (event) => { inbox.push(event.data); if (wake) { wake(); wake = null; } };
+  const next = async (type) => {
+    for (;;) {
+      while (!inbox.length) await new Promise((resolve) => { wake = resolve; });
+      const data = inbox.shift();
+      if (typeof data !== 'string') continue;
+      const message = JSON.parse(data);
+      if (message.type === type) return message;
+      if (message.type === 'error') throw new Error(JSON.stringify(message));
+    }
+  };
+  await new Promise((resolve, reject) => { ws.onopen = resolve; ws.onerror = reject; });
+  ws.send(JSON.stringify({ type: 'start' }));
+  const ready = await next('ready');
+  let tickId = 0;
+  for (; tickId < chunksBefore; tickId++) {
+    ws.send(JSON.stringify({ type: 'tick', tick_id: tickId }));
+    await next('chunk');
+  }
+
+  const pc = new RTCPeerConnection();
+  pc.addTransceiver('video', { direction: 'recvonly' });
+  const video = document.createElement('video');
+  video.muted = true;
+  video.playsInline = true;
+  document.body.appendChild(video);
+  pc.ontrack = (event) => { video.srcObject = new MediaStream([event.track]); video.play(); };
+  await pc.setLocalDescription(await pc.createOffer());
+  if (pc.iceGatheringState !== 'complete') {
+    await new Promise((resolve) => pc.addEventListener('icegatheringstatechange',
+      () => { if (pc.iceGatheringState === 'complete') resolve(); }));
+  }
+  ws.send(JSON.stringify({ type: 'webrtc_offer', sdp: pc.localDescription.sdp }));
+  const answer = await next('webrtc_answer');
+  await pc.setRemoteDescription({ type: 'answer', sdp: answer.sdp });
+  const state = await next('webrtc_state');
+
+  const shown = [];
+  const onFrame = (now, metadata) => {
+    shown.push({ rtp: metadata.rtpTimestamp });
+    video.requestVideoFrameCallback(onFrame);
+  };
+  video.requestVideoFrameCallback(onFrame);
+
+  const chunkMessages = [];
+  for (let i = 0; i < chunks; i++, tickId++) {
+    ws.send(JSON.stringify({ type: 'tick', tick_id: tickId }));
+    chunkMessages.push(await next('chunk'));
+    // at about the model's pace, so the page shows frames as a player would see them
+    await new Promise((resolve) => setTimeout(resolve, 1000 * ready.model.frames_per_chunk / ready.model.fps));
+  }
+  const total = chunkMessages.reduce((sum, chunk) => sum + chunk.frames, 0);
+  const decoded = async () => {
+    const stats = await pc.getStats();
+    for (const report of stats.values()) {
+      if (report.type === 'inbound-rtp' && report.kind === 'video') return report.framesDecoded;
+    }
+    return 0;
+  };
+  while ((await decoded()) < total) await new Promise((resolve) => setTimeout(resolve, 50));
+  const framesDecoded = await decoded();
+  let codec = null;
+  for (const report of (await pc.getStats()).values()) if (report.type === 'codec') codec = report.mimeType;
+  ws.send(JSON.stringify({ type: 'close' }));
+  await next('closed');
+  pc.close();
+  return { answerCodec: answer.codec, codec, state: state.state, chunks: chunkMessages, framesDecoded, total,
+           shown, step: Math.round(90000 / ready.model.fps) };
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(), FakeKVPipeline(width=64, height=64)) as live:
+        yield live
+
+
+def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser: Any, server: LiveServer) -> None:
+    with page_at(browser, server.base_url + "/") as page:
+        result = page.evaluate(
+            SESSION_SCRIPT, {"wsUrl": server.ws_url, "chunksBefore": CHUNKS_BEFORE, "chunks": CHUNKS}
+        )
+    assert result["state"] == "connected"
+    assert result["answerCodec"] == "H264" and result["codec"] == "video/H264"  # Chromium offers H.264
+    chunks = result["chunks"]
+    assert all(c["delivery"] == "webrtc" for c in chunks)
+    assert [c["track_frame"] for c in chunks] == [2 * i for i in range(CHUNKS)]
+    # every frame put on the track was decoded, none twice
+    assert result["framesDecoded"] == result["total"] == 2 * CHUNKS
+    # each frame shown maps, by its RTP timestamp and the chunk messages' rtp_timestamp, to a frame put on the
+    # track (a wrong origin leaves a remainder modulo the step), in the order they were made
+    assert all("rtp_timestamp" in c for c in chunks)
+    first = chunks[0]
+    numbers = []
+    for frame in result["shown"]:
+        offset = (frame["rtp"] - first["rtp_timestamp"]) % 2**32
+        assert offset % result["step"] == 0, frame
+        numbers.append(first["track_frame"] + offset // result["step"])
+    assert len(numbers) > CHUNKS, "too few frames were shown to check the mapping"
+    assert numbers == sorted(set(numbers)) and 0 <= numbers[0] and numbers[-1] < result["total"]
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
