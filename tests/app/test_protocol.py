@@ -136,6 +136,7 @@ def test_error_codes_fatality_and_close_codes_match_the_protocol_table() -> None
         "unknown_viewer": None,
         "rewind_unavailable": None,
         "control_refused": None,
+        "webrtc_failed": None,
     }
     assert error_message(ErrorCode.IDLE_TIMEOUT, "m")["fatal"] is True
     assert error_message(ErrorCode.STALE_TICK, "m", tick_id=3) == {
