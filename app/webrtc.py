@@ -75,7 +75,7 @@ def frame_step(fps: float) -> int:
     return max(1, round(VIDEO_CLOCK_HZ / max(fps, 1e-3)))
 
 
-class ChunkTrack(MediaStreamTrack):  # type: ignore[misc]
+class ChunkTrack(MediaStreamTrack):
     """A video track fed with a session's frames as its chunks are made; numbered from 0."""
 
     kind = "video"
@@ -188,7 +188,7 @@ class WebRTCDelivery:
         self._pc = pc
         _open_peers.add(pc)
 
-        @pc.on("connectionstatechange")  # type: ignore[untyped-decorator]
+        @pc.on("connectionstatechange")
         def changed() -> None:
             self._state(pc.connectionState)
 

@@ -59,7 +59,12 @@ async def connect_video(client: ProbeClient) -> tuple[Any, asyncio.Future[Any], 
     """Offer, apply the answer, wait until the server says the peer connection is up."""
     pc = aiortc.RTCPeerConnection()
     track: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    pc.on("track", lambda t: track.done() or track.set_result(t))
+
+    def on_track(received: Any) -> None:
+        if not track.done():
+            track.set_result(received)
+
+    pc.on("track", on_track)
     await client.send(type="webrtc_offer", sdp=await offer_sdp(pc))
     answer = await next_of(client, "webrtc_answer")
     await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=answer["sdp"], type="answer"))
@@ -133,7 +138,7 @@ def test_a_dropped_connection_closes_its_peer_connection_and_returns_its_kv(serv
 
 
 def test_a_bad_offer_is_refused_and_the_session_goes_on_over_the_websocket(server: LiveServer) -> None:
-    async def scenario() -> tuple[dict[str, Any], dict[str, Any], list[bytes]]:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
         async with session_client(server.ws_url, start={}) as client:
             await client.send(type="webrtc_offer", sdp="v=0\r\nthis is not SDP\r\n")
             refused = await next_of(client, "error")
