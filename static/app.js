@@ -23,6 +23,7 @@ import { SHARE_TEXT } from './messages.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
 import { playTime, rewindTarget, shareLinks, shareMode, shareParams, timeBack, timelineRange } from './share.js';
+import { webrtcSupported } from './webrtc.js';
 
 const TOKEN_KEY = 'arstream-token';
 const STATS_POLL_MS = 1000;
@@ -84,6 +85,8 @@ const debug = {
   promptChunks: [],     // {prompt, chunk}: the chunk that applied each prompt sent from the prompt box
   restarts: [],         // {chunk, why} for every chunk with `restarted`
   skippedChunks: 0,     // chunks a viewer's slow connection skipped (chunk.skipped_before)
+  delivery: 'websocket',  // where the frames come now: 'websocket' or 'webrtc' (a connected track)
+  trackFramesShown: 0,  // frames the WebRTC track showed (counted in framesDrawn too)
 };
 window.arstreamDebug = debug;
 // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
@@ -316,17 +319,22 @@ $('image-file').addEventListener('change', async () => {
 // ---- the player -----------------------------------------------------------------------
 
 const hud = new Hud($);
+/** A frame reached the screen: drawn on the canvas by the player, or shown by the WebRTC track's video. */
+function frameShown(entry, now) {
+  debug.framesDrawn += 1;
+  hud.drawn(now);
+  const session = connection.session;
+  if (session) {
+    session.noteDrawn(entry, now);
+    if (session.pacer) session.pacer.noteDrawn();
+  }
+  if (recorder) recorder.frame();
+  if (softOverlay && connection.state === 'streaming') showOverlay({});
+}
+
 const player = new Player($('screen'), {
   onDraw(entry, now) {
-    debug.framesDrawn += 1;
-    hud.drawn(now);
-    const session = connection.session;
-    if (session) {
-      session.noteDrawn(entry, now);
-      if (session.pacer) session.pacer.noteDrawn();
-    }
-    if (recorder) recorder.frame();
-    if (softOverlay && connection.state === 'streaming') showOverlay({});
+    frameShown(entry, now);
   },
   onStall() {
     const session = connection.session;
@@ -336,6 +344,22 @@ const player = new Player($('screen'), {
     explainStall();
   },
 });
+
+/** Where the frames come from, in the HUD: `state` is the WebRTC track's ('offered', 'connected', 'failed'), or
+ * null for a session that just started (on the WebSocket until its track connects). */
+function showDelivery(state) {
+  const session = connection.session;
+  debug.delivery = state === 'connected' ? 'webrtc' : 'websocket';
+  const codec = session && session.track && session.track.codec ? ` (${session.track.codec})` : '';
+  const text = {
+    offered: 'WebSocket (WebRTC offered)',
+    connected: `WebRTC${codec}`,
+    failed: 'WebSocket (WebRTC could not connect)',
+    closed: 'WebSocket',
+  }[state] ?? 'WebSocket';
+  $('hud-delivery').textContent = text;
+  if (state === 'failed') log('WebRTC could not connect: the frames come on the WebSocket', 'error');
+}
 
 const STALL_NOTICE_EVERY_MS = 20000;  // a stalling stream says why at most this often
 let stallSaidAt = -Infinity;
@@ -420,6 +444,17 @@ const connection = new Connection({
   token,
   fixedChunks,
   mode: mode.kind === 'bad' ? { kind: 'play' } : mode,
+  // WebRTC delivery, where the menu asks for it and this browser can play a track (webrtc.js)
+  webrtc: () => ($('delivery').value === 'webrtc' && webrtcSupported()
+    ? {
+      video: $('screen-video'),
+      onShown: (_session, entry, now) => {
+        debug.trackFramesShown += 1;
+        frameShown(entry, now);
+      },
+      onState: (_session, state) => showDelivery(state),
+    }
+    : null),
   startFields: () => {
     const fields = { codec: $('codec').value || undefined, seed: debug.seed };
     const prompt = $('prompt').value.trim();
@@ -430,6 +465,7 @@ const connection = new Connection({
   hooks: {
     onState,
     onReady(_session, ready) {
+      showDelivery(null);
       if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
       // The same world picked up again (a move to another server, a reconnect): its first chunk says whether its
       // rewind points came with it.
@@ -665,6 +701,8 @@ for (const button of document.querySelectorAll('.controls button, #overlay-actio
   button.addEventListener('click', (event) => { if (event.detail > 0) button.blur(); });
 }
 $('codec').addEventListener('change', () => $('codec').blur());
+$('delivery').addEventListener('change', () => $('delivery').blur());
+if (params.get('delivery') === 'webrtc') $('delivery').value = 'webrtc';  // a link (or a test) may ask for it
 
 let gamepads = 0;
 window.addEventListener('gamepadconnected', () => { gamepads += 1; });

@@ -33,8 +33,13 @@ export class Connection {
    *                                {kind: 'watch', token} or {kind: 'branch', token, chunk}
    * @param {object} options.debug  window.arstreamDebug
    * @param {import('./look.js').MouseLook} [options.look]  the camera, for a model whose controls have one
+   * @param {() => object | null} [options.webrtc]  for each session: {video, onShown, onState} to play its frames
+   *                                on a WebRTC track (session.js), or null for the WebSocket
    */
-  constructor({ player, token, startFields, fixedChunks, hooks, debug, look = null, mode = { kind: 'play' } }) {
+  constructor({
+    player, token, startFields, fixedChunks, hooks, debug, look = null, mode = { kind: 'play' }, webrtc = () => null,
+  }) {
+    this.webrtc = webrtc;
     this.player = player;
     this.look = look;
     this.camera = null;                // the camera field the last tick sent ({camera: {...}}), or null
@@ -224,6 +229,7 @@ export class Connection {
       player: this.player,
       debug: this.debug,
       tickControls: (frames) => this.tickControls(frames),
+      webrtc: this.webrtc(),
       hooks: {
         onReady: (s, ready) => this.onReady(s, ready),
         onChunk: (_s, message) => this.hooks.onChunk(message),

@@ -26,6 +26,7 @@ export const ERROR_TEXT = {
   not_controller: 'You are watching: only the player steers this world.',
   unknown_viewer: 'That viewer has left, so the controls stay with you.',
   control_refused: 'That viewer already holds as many sessions as the server allows, so the controls stay with you.',
+  webrtc_failed: 'The server could not send the video by WebRTC, so it comes over the WebSocket as before.',
   share_failed: 'This share link no longer works: the world it points to has ended, or its server cannot share it.',
 };
 

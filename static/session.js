@@ -7,6 +7,7 @@ import { createDecoder } from './decode.js';
 import { takesKeys } from './input.js';
 import { raiseIdsPast } from './share.js';
 import { FrameError, parseFrame } from './wire.js';
+import { TrackLink } from './webrtc.js';
 
 // One tick computing and one queued, so the server never waits for the network. The queued
 // tick adds no input latency: an input is applied when a chunk starts, not when its tick was sent.
@@ -29,8 +30,9 @@ export class Session {
    * @param {object} options.hooks      onReady, onChunk, onError, onClose, onRole, onViewers, onSample, log
    * @param {object} options.debug      window.arstreamDebug
    * @param {Function} [options.tickControls]  controls for every tick (a camera's movement), or null
+   * @param {object} [options.webrtc]  {video, onShown, onState}: play the frames on a WebRTC track, or null
    */
-  constructor({ url, start, ids, player, hooks, debug, tickControls = () => null }) {
+  constructor({ url, start, ids, player, hooks, debug, tickControls = () => null, webrtc = null }) {
     this.start = start;
     this.tickControls = tickControls;  // (frames) -> the controls each tick carries, or null for none
     this.ids = ids;
@@ -57,6 +59,8 @@ export class Session {
     this.receiving = null;          // {expected, got, applied, tickId} while a chunk's frames arrive
     this.decoder = null;
     this.decoderCodec = -1;
+    this.webrtc = webrtc;
+    this.track = null;              // the WebRTC track's link, once offered (webrtc.js)
 
     this.ws = new WebSocket(url);
     this.ws.binaryType = 'arraybuffer';
@@ -156,6 +160,12 @@ export class Session {
         this.closedReason = message.reason;
         this.hooks.log(`session closed by the server (reason: ${message.reason})`);
         return undefined;
+      case 'webrtc_answer':
+        if (this.track) this.track.answer(message).catch((error) => this.hooks.log(`WebRTC: ${error}`, 'error'));
+        return undefined;
+      case 'webrtc_state':
+        if (this.track) this.track.state(message);
+        return undefined;
       case 'ack':
       case 'pong':
         return undefined;
@@ -169,7 +179,24 @@ export class Session {
     this.ready = message;
     this.role = message.role || 'controller';  // a server without viewers sends no role: the controller
     this.hooks.onReady(this, message);
+    if (this.webrtc && this.controller) this.offerTrack();
     this.pump(performance.now());
+  }
+
+  /** Offer the WebRTC track; the frames come on the WebSocket until the server says it is connected. */
+  offerTrack() {
+    const { video, onShown, onState } = this.webrtc;
+    this.track = new TrackLink({
+      video,
+      fps: this.ready.model.fps,
+      send: (message) => this.send(message),
+      onShown: (entry, now) => onShown(this, entry, now),
+      onState: (state) => onState(this, state),
+    });
+    this.track.offer().catch((error) => {
+      this.hooks.log(`WebRTC: ${error}`, 'error');
+      onState(this, 'failed');
+    });
   }
 
   /** Control passed: to us (we tick from now on) or away from us (we watch). */
@@ -203,6 +230,14 @@ export class Session {
     this.lastTickId = message.tick_id;
     this.receiving = { expected: message.frames, got: 0, applied, tickId: message.tick_id, sentAt };
     this.hooks.onChunk(this, message);
+    if (message.delivery === 'webrtc' && this.track) {
+      // Its frames are on the track, not on this socket: the chunk is here.
+      if (sentAt !== undefined && this.pacer) this.pacer.noteLatency(now - sentAt);
+      this.track.noteChunk(message, now);
+      this.debug.framesReceived += message.frames;
+      this.chunkDone(now);
+      return;
+    }
     if (message.frames === 0) this.chunkDone(now);
   }
 
@@ -218,6 +253,10 @@ export class Session {
     // A refused tick never runs: free its credit.
     if (message.tick_id !== undefined && message.tick_id !== null) this.ticksInFlight.delete(message.tick_id);
     if (message.fatal) this.fatal = message;
+    if (message.code === 'webrtc_failed' && this.track) {
+      this.track.close();  // the frames stay on the WebSocket
+      this.webrtc.onState(this, 'failed');
+    }
     if (message.code === 'session_failed' && message.tick_id < this.lastResetTickId) {
       // A tick queued before our reset was skipped; the reset tick is already on its way.
     } else if (message.code === 'session_failed') {
@@ -254,6 +293,7 @@ export class Session {
   onClose(event) {
     this.ended = true;
     if (this.decoder) this.decoder.close();
+    if (this.track) this.track.close();
     this.hooks.onClose(this, event);
   }
 
@@ -271,7 +311,9 @@ export class Session {
       const arriving = this.receiving ? this.receiving.expected - this.receiving.got : 0;
       const queuedTicks = this.ticksInFlight.size - (this.receiving ? 1 : 0);
       const pending = arriving + queuedTicks * framesPerChunk;
-      if (this.ticksInFlight.size >= limit || this.player.leadMs(now, pending) > this.pacer.targetLeadMs()) break;
+      // Frames on a connected track play in the video element: its lead paces the ticks instead of the canvas's.
+      const lead = this.track && this.track.connected ? this.track.leadMs(now, pending) : this.player.leadMs(now, pending);
+      if (this.ticksInFlight.size >= limit || lead > this.pacer.targetLeadMs()) break;
       const tick = { type: 'tick', tick_id: this.ids.tick++ };
       const controls = this.tickControls(framesPerChunk);
       if (controls) tick.controls = controls;

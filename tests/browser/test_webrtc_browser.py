@@ -17,7 +17,7 @@ import pytest
 
 from arstream.app import webrtc
 from arstream.models.fake import FakeKVPipeline
-from browser_helpers import browser_marks, page_at
+from browser_helpers import browser_marks, debug, page_at, wait
 from servers import LiveServer, fake_settings, running_server, wait_until
 
 pytest.importorskip("aiortc")
@@ -137,3 +137,34 @@ def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser
     assert numbers == sorted(set(numbers)) and 0 <= numbers[0] and numbers[-1] < result["total"]
     wait_until(lambda: webrtc.open_peer_connections() == 0)
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
+
+
+def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(server: LiveServer, page: Any) -> None:
+    page.goto(server.base_url + "/?delivery=webrtc")
+    wait(page, "window.arstreamDebug.delivery === 'webrtc'")
+    assert page.text_content("#hud-delivery") == "WebRTC (H264)"
+    assert page.is_visible("#screen-video")
+    wait(page, "window.arstreamDebug.trackFramesShown > 8")
+    page.keyboard.down("d")
+    wait(page, "window.arstreamDebug.sentEventIds.length === 1")
+    press = debug(page)["sentEventIds"][0]
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+    # key -> frame is measured when a frame of the applying chunk is shown by the track
+    wait(page, "window.arstreamDebug.samples.action.length >= 1")
+    page.keyboard.up("d")
+    state = debug(page)
+    assert state["errors"] == [] and state["delivery"] == "webrtc"
+    assert state["trackFramesShown"] <= state["framesDrawn"]
+    assert webrtc.open_peer_connections() == 1
+    page.click("#play")  # Stop
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
+
+
+def test_the_page_stays_on_the_websocket_by_default(server: LiveServer, page: Any) -> None:
+    page.goto(server.base_url + "/")
+    wait(page, "window.arstreamDebug.framesDrawn > 4")
+    state = debug(page)
+    assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
+    assert page.text_content("#hud-delivery") == "WebSocket"
+    assert webrtc.open_peer_connections() == 0
