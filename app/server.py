@@ -50,6 +50,7 @@ from .memory import keep_freed_memory
 from .metrics import ReplicaCollector
 from .migration import Migration, add_cluster_routes
 from .peers import own_urls
+from .protocol_schema import SCHEMA_PATH, protocol_schema
 from .live_session import LiveSession
 from .realtime_video import PATH as REALTIME_VIDEO_PATH
 from .settings import Settings, add_serve_arguments, settings_from_args
@@ -76,6 +77,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     """An app serving ``pipeline`` (or the one ``settings.model`` names, loaded at startup)."""
     hub = SessionHub(settings, pipeline)
     started_at = int(time.time())
+    schema = protocol_schema()
     balancers = BalancerLedger()
 
     @asynccontextmanager
@@ -139,6 +141,11 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         if not hub.model_card:
             return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
         return JSONResponse(openai_model_list(hub.model_card, started_at))
+
+    @app.get(SCHEMA_PATH)
+    async def protocol_schema_document() -> JSONResponse:
+        # Protocol 1's JSON messages as JSON Schema, from the same models the server parses and builds with.
+        return JSONResponse(schema)
 
     @app.get("/v1/codecs")
     async def codecs() -> JSONResponse:
