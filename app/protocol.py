@@ -205,6 +205,8 @@ class StartMessage(_ClientMessage):
     # PROTOCOL.md, "Rewind, branch and watch": watch a session (a share token), or branch from one.
     watch: ShareToken | None = None
     branch: BranchSpec | None = None
+    # PROTOCOL.md, "Recording": record what this session's player sees (on a server with --record-dir).
+    record: bool | None = None
 
     @model_validator(mode="after")
     def _one_way_in(self) -> StartMessage:
@@ -549,7 +551,7 @@ def chunk_message(
         fields = {"rewind_points": [rewind_points[0], rewind_points[-1]], "rewind_held": list(rewind_points)}
     return ChunkMessage(
         type="chunk", tick_id=tick_id, chunk_index=chunk_index, frames=frames, applied_event_ids=applied_event_ids,
-        restarted=restarted, timings=timings, **fields,  # type: ignore[arg-type]
+        restarted=restarted, timings=timings, **fields,
     ).wire()
 
 

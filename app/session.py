@@ -151,6 +151,8 @@ class Session:
         # Chosen at start, on every tick the session sends to the model, kept across resets and resumes.
         self.start_image = start_image
         self.max_pending_ticks = max_pending_ticks
+        # The share token whose recordings folder this session's chunks go to (app/recorder.py); None: not recorded.
+        self.record_to: str | None = None
         self.state = SessionState.AWAITING_START
         self.last_tick_id: int | None = None
         self._last_reset_tick_id: int | None = None

@@ -303,6 +303,29 @@ class AccessSettings(SettingGroup):
         return ",".join(entries)
 
 
+class RecordingSettings(SettingGroup):
+    """Recordings of what players saw, as fragmented MP4 on this replica's disk (off without --record-dir)."""
+
+    group_title = "recording"
+
+    record_dir: str | None = Field(
+        None,
+        description="directory for recordings (fragmented MP4, H.264; needs PyAV): a session that asks "
+        "(start.record) is recorded, every session with --record-all; swept of earlier recordings at start",
+    )
+    record_all: bool = Field(False, description="record every session (needs --record-dir)")
+    record_session_bytes: int = Field(
+        256 * 2**20, ge=1, description="bytes one session's recordings may take; its later chunks are dropped"
+    )
+    record_total_bytes: int = Field(
+        4 * 2**30, ge=1, description="bytes all recordings on this replica may take; chunks past it are dropped"
+    )
+    record_retention_s: float = Field(
+        24 * 3600.0, ge=0, description="finished recordings older than this are deleted"
+    )
+    record_quality: int = Field(80, ge=1, le=100, description="the recordings' H.264 quality (as start.quality)")
+
+
 class SessionSettings(SettingGroup):
     """How many sessions and viewers are served, and how long a session may wait."""
 
@@ -509,6 +532,7 @@ class Settings(
     CodecSettings,
     AccessSettings,
     SessionSettings,
+    RecordingSettings,
     MessageSettings,
     StartImageSettings,
     ConnectionSettings,

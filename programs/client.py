@@ -53,6 +53,7 @@ from .client_lib import (
     SessionClosed,
     SessionMoved,
     connect,
+    http_base_url,
     session_url,
     start_image_field,
 )
@@ -221,6 +222,7 @@ async def run_script(
     prompt: str | None = None,
     token: str | None = None,
     resume_on_drop: bool = False,
+    record: bool = False,
     image: dict[str, str] | None = None,
     rewind: Rewind | None = None,
     branch: tuple[str, int | None] | None = None,
@@ -252,7 +254,7 @@ async def run_script(
         for attempt in range(FRESH_START_ATTEMPTS):
             client = Session(await connect(first_url))
             try:
-                await client.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
+                await client.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch, record=record)
                 return client
             except ServerError as exc:
                 await client.ws.close()
@@ -513,6 +515,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "if its server is gone, ended it at shutdown (server_shutdown) or is draining and refuses it, start a "
         "new session with the same seed, start image and keys (and say so)",
     )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="ask the server to record the session (start.record; a server with --record-dir): the recording's "
+        "list is printed, GET /v1/recordings?share=TOKEN",
+    )
     share = parser.add_argument_group("rewind, branch and watch (a session prints its share token when it starts)")
     share.add_argument(
         "--rewind-to",
@@ -597,6 +605,7 @@ def run(args: argparse.Namespace) -> int:
                     prompt=args.prompt,
                     token=args.token,
                     resume_on_drop=args.resume_on_drop,
+                    record=args.record,
                     image=image,
                     rewind=rewind,
                     branch=branch,
@@ -624,6 +633,9 @@ def run(args: argparse.Namespace) -> int:
         print("no video written: install PyAV (pip install 'arstream[video]') for an MP4")
     print(report(result))
     print(share_report(result))
+    share = result.ready.get("share")
+    if args.record and isinstance(share, dict):
+        print(f"recordings: {http_base_url(args.url)}/v1/recordings?share={share['token']}")
     print(f"session closed: {result.closed_reason}")
     return 0
 

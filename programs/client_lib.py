@@ -82,12 +82,14 @@ def start_message(
     image: dict[str, str] | None = None,
     watch: str | None = None,
     branch: tuple[str, int | None] | None = None,
+    record: bool = False,
 ) -> str:
     """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one.
 
     ``image`` is ``start.image`` (:func:`start_image_field`). ``watch`` (a share token) starts a viewer of
     that session; ``branch`` (share token, chunk boundary) a new session from that boundary of the shared one
-    (boundary None: its latest, where it is when the branch is made).
+    (boundary None: its latest, where it is when the branch is made). ``record`` asks the server to record
+    what the player sees (``GET /v1/recordings?share=TOKEN`` lists the files).
     """
     return _checked(
         StartMessage,
@@ -95,6 +97,7 @@ def start_message(
             "type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume,
             "image": image, "watch": watch,
             "branch": _present({"share": branch[0], "chunk": branch[1]}) if branch is not None else None,
+            "record": True if record else None,
         },
     )
 
@@ -354,6 +357,7 @@ class Session:
         image: dict[str, str] | None = None,
         watch: str | None = None,
         branch: tuple[str, int | None] | None = None,
+        record: bool = False,
     ) -> ReadyMessage:
         """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
 
@@ -363,7 +367,7 @@ class Session:
         await self._send(
             start_message(
                 codec=codec, seed=seed, prompt=prompt, quality=quality, resume=resume, image=image, watch=watch,
-                branch=branch,
+                branch=branch, record=record,
             )
         )
         message = await self._next_control_message()

@@ -258,6 +258,6 @@ def test_a_refusal_that_closes_before_start_is_reported_with_its_code() -> None:
             await client_lib.Session(ws).start()
 
     with server_process(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
-        with pytest.raises(client.ServerError) as refused:
+        with pytest.raises(client_lib.ServerError) as refused:
             asyncio.run(start_after_refusal(secured.base_url))
     assert refused.value.code == "unauthorized"

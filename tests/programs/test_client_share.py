@@ -384,7 +384,7 @@ async def watch_then_take_control(url: str, out: Path) -> tuple[int, list[int]]:
         while not watching.done():  # now a viewer itself: it gets the chunks the new controller asks for
             try:
                 seen.append(int((await player.receive_chunk()).message["chunk_index"]))
-            except client.SessionClosed:
+            except client_lib.SessionClosed:
                 break
         return await watching, seen
     finally:
