@@ -546,6 +546,12 @@ class Settings(
     _deprecation_notes: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
+    def _recording_needs_a_directory(self) -> Self:
+        if self.record_all and self.record_dir is None:
+            raise ValueError("--record-all records into --record-dir: give one")
+        return self
+
+    @model_validator(mode="after")
     def _deprecated_rewind_points(self) -> Self:
         if self.rewind_points is None:
             return self

@@ -198,3 +198,8 @@ def test_arstream_client_record_asks_for_a_recording(server: LiveServer) -> None
     token = result.ready["share"]["token"]
     files = server.get("/v1/recordings", params={"share": token}).json()["recordings"]
     assert [f["name"] for f in files] == ["part-0000.mp4"] and files[0]["bytes"] > 0
+
+
+def test_record_all_without_a_directory_is_refused() -> None:
+    with pytest.raises(ValueError, match="--record-dir"):
+        fake_settings(record_all=True)
