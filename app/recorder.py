@@ -137,7 +137,8 @@ class Recordings:
             current = None
         if current is None:
             folder.mkdir(parents=True, exist_ok=True)
-            number = sum(1 for path in folder.iterdir() if FILE_PATTERN.match(path.name))
+            # One past the highest part there: earlier parts may have expired, and a name is never reused.
+            number = max((int(path.name[5:9]) + 1 for path in folder.iterdir() if FILE_PATTERN.match(path.name)), default=0)
             _, height, width, _ = frames.shape
             stream = FragmentedMP4Stream(width, height, quality=self.quality, fps=Fraction(fps).limit_denominator(1001))
             current = _Open(folder / f"part-{number:04d}.mp4", stream, chunk_index)

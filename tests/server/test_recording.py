@@ -203,3 +203,14 @@ def test_arstream_client_record_asks_for_a_recording(server: LiveServer) -> None
 def test_record_all_without_a_directory_is_refused() -> None:
     with pytest.raises(ValueError, match="--record-dir"):
         fake_settings(record_all=True)
+
+
+def test_a_part_that_expired_during_its_session_never_has_its_name_reused(tmp_path: Path) -> None:
+    recordings = recorder(tmp_path, retention_s=0.0)
+    for index, restarted in ((0, None), (1, None), (0, "rewind")):
+        recordings.write("s", "r0.a", chunk_frames(index), chunk_index=index, restarted=restarted, fps=16)
+    assert [f.name for f in recordings.files("r0.a")] == ["part-0001.mp4"]  # part-0000 was finished: expired
+    recordings.write("s", "r0.a", chunk_frames(9), chunk_index=0, restarted="reset", fps=16)
+    files = recordings.files("r0.a")
+    assert [f.name for f in files] == ["part-0002.mp4"]  # part-0001 finished at the reset and expired in turn
+    assert len(decoded((tmp_path / folder_name("r0.a") / "part-0002.mp4").read_bytes())) == 2
