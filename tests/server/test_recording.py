@@ -122,7 +122,7 @@ def test_what_an_earlier_process_left_is_swept_at_start(server: LiveServer, reco
 
 def metric(server: LiveServer, name: str) -> float:
     text = server.get("/metrics").text
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert found is not None, name
     return float(found.group(1))
 
@@ -214,3 +214,12 @@ def test_a_part_that_expired_during_its_session_never_has_its_name_reused(tmp_pa
     files = recordings.files("r0.a")
     assert [f.name for f in files] == ["part-0002.mp4"]  # part-0001 finished at the reset and expired in turn
     assert len(decoded((tmp_path / folder_name("r0.a") / "part-0002.mp4").read_bytes())) == 2
+
+
+def test_record_all_records_a_session_that_did_not_ask(tmp_path: Path) -> None:
+    settings = fake_settings(record_dir=str(tmp_path), record_all=True)
+    with running_server(settings) as live:
+        token, received = asyncio.run(play(live.ws_url, record=False))
+        files = live.get("/v1/recordings", params={"share": token}).json()["recordings"]
+        assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
+        assert metric(live, 'arstream_recording_drops_total{reason="session_bytes"}') == 0
