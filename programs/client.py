@@ -56,6 +56,7 @@ from .client_lib import (
     http_base_url,
     session_url,
     start_image_field,
+    takes_keys,
 )
 from ..cli import main_for
 from ..measure import percentile
@@ -148,6 +149,19 @@ def rewind_plan(to: int | None, after: int | None, ticks: int) -> Rewind | None:
     if to > after:
         raise ValueError(f"--rewind-to {to} is a chunk the session has not reached after {after} ticks")
     return Rewind(to=to, after=after)
+
+
+# ---- a model that takes no keys ---------------------------------------------------
+
+
+class NoKeysModel(ValueError):
+    """The key script holds keys, and the server's model takes none (it is steered by its prompt)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"{model} takes no keys (its controls name none): it is steered by its prompt. "
+            'Leave out --keys (or hold none, e.g. "-*20") and send prompts with --prompt and --prompt-at TICK TEXT'
+        )
 
 
 # ---- latency figures --------------------------------------------------------------
@@ -274,6 +288,11 @@ async def run_script(
         return fresh
 
     session = await fresh_session()
+    if any(plan) and not takes_keys(session.model):
+        # Every input with keys would be refused: say what this model takes instead, before any tick.
+        await session.close()
+        await session.ws.close()
+        raise NoKeysModel(str(session.model.get("name")))
     chunk_indexes: list[int] = []
     restarts: list[tuple[int, str]] = []
     try:
@@ -612,6 +631,9 @@ def run(args: argparse.Namespace) -> int:
                     prompts_at=prompts_at,
                 )
             )
+    except NoKeysModel as exc:
+        print(f"arstream client: {exc}", file=sys.stderr)
+        return 2
     except ServerError as exc:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""
         print(f"arstream client: {exc}{hint}", file=sys.stderr)

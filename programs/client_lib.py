@@ -170,6 +170,17 @@ def session_url(url: str, *, token: str | None = None, resume: str | None = None
     return urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
 
 
+def takes_keys(card: dict[str, Any]) -> bool:
+    """Whether a model card's controls take held keys: its schema names ``keys`` or leaves room for unnamed fields.
+
+    A model steered by its prompt alone (LongLive) refuses every ``input`` that carries keys.
+    """
+    schema = card.get("controls")
+    if not isinstance(schema, dict):
+        return True  # no schema: nothing says keys are refused
+    return "keys" in (schema.get("properties") or {}) or schema.get("additionalProperties") is not False
+
+
 def http_base_url(url: str) -> str:
     """``http(s)://host:port`` of the server behind a session URL (for /v1/stats and friends)."""
     parts = urlsplit(session_url(url))

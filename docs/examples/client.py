@@ -2,6 +2,7 @@
 
     python client.py URL KEY CHUNKS OUT_DIR
     python client.py ws://127.0.0.1:8000/v1/sessions d 40 saved/   # hold d for 40 chunks (not frames)
+    python client.py http://127.0.0.1:8000/ d 40 saved/             # the address serve prints works too
 
 Each chunk brings the model card's frames_per_chunk frames; all are saved in OUT_DIR as JPEG files.
 The library (arstream.programs.client_lib) imports no torch: numpy, pydantic, websockets and simplejpeg.
@@ -36,6 +37,8 @@ async def play(url: str, key: str, chunks: int, out: pathlib.Path) -> None:
 
 if len(sys.argv) != 5:
     sys.exit(__doc__)  # the usage above
+if not sys.argv[1].startswith(("ws://", "wss://", "http://", "https://")):  # the page's address names the server too
+    sys.exit(f"URL must start with ws://, wss://, http:// or https://, got {sys.argv[1]!r}")
 out_dir = pathlib.Path(sys.argv[4])
 out_dir.mkdir(parents=True, exist_ok=True)
 asyncio.run(play(sys.argv[1], sys.argv[2], int(sys.argv[3]), out_dir))
