@@ -38,6 +38,7 @@ from .dit import LongLiveDiT, stack_prompt_kv
 from .kv import PagedContext
 from .prompts import PromptEntry, Prompts
 from .text import TextEncoder, clean_prompt
+from ..wan.compile import compile_blocks
 from ..wan.sampler import sample_chunk
 from ..wan.vae import (
     FeatureCache,
@@ -124,6 +125,10 @@ class LongLivePipeline(SessionStateBinding):
         with torch.inference_mode():
             # the encoder may run elsewhere (text_encoder_device): its outputs come to the model's device
             return self.model.cross_kv(self.model.text_context(tokens.to(self.device, self.dtype)))
+
+    def compile_forward(self) -> None:
+        """``--compile``: the DiT's blocks compiled on their first forward of each shape (the warm-up's)."""
+        compile_blocks(self.model, self.device)
 
     # ---- contract ------------------------------------------------------------------------
 

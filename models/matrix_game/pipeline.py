@@ -55,6 +55,7 @@ from .kv import ActionHistory, PagedChunkContext, action_history_bytes
 from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
 from ..wan.quantize import check_weights_option, quantize_blocks
+from ..wan.compile import compile_blocks
 from ..wan.sampler import sample_chunk
 from ..wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
 from ...runner.binding import SessionStateBinding
@@ -171,6 +172,10 @@ class MatrixGamePipeline(SessionStateBinding):
         _, caches = self.decoder.decode_rows(zeros, [None])
         _, caches = self.decoder.decode_rows(zeros, caches)  # type: ignore[arg-type]
         return cache_bytes(caches[0])
+
+    def compile_forward(self) -> None:
+        """``--compile``: the DiT's blocks compiled on their first forward of each shape (the warm-up's)."""
+        compile_blocks(self.model, self.device)
 
     # ---- contract ------------------------------------------------------------------------
 
