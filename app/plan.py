@@ -98,6 +98,7 @@ class FitPlan:
     per_session_bytes: int = 0  # KV, model-owned state, rewind points
     model_owned_per_session: int = 0
     fixed_bytes: int = 0  # in-flight chunks, staging, model-owned fixed: paid once
+    pool_bytes: int = 0  # the KV pool's blocks and staging rows, as the runner allocates them
     rewind: str = "off"
     park_sessions: int = 0
     refusal: str | None = None
@@ -209,6 +210,7 @@ def _read_runner(plan: FitPlan, runner: ARRunner) -> None:
     plan.session_capacity = pool.session_capacity
     plan.per_session_bytes = pool.per_session_bytes
     plan.fixed_bytes = pool.fixed_bytes
+    plan.pool_bytes = pool.pool_bytes
     plan.rewind = runner.rewind.describe(runner.spec) if runner.rewind is not None else (runner.rewind_refusal or "off")
     plan.park_sessions = runner.park_capacity
 
@@ -291,6 +293,7 @@ def plan_document(plan: FitPlan) -> dict[str, Any]:
         "kv_budget_bytes": plan.kv_budget_bytes,
         "per_session_bytes": plan.per_session_bytes,
         "fixed_bytes": plan.fixed_bytes,
+        "pool_bytes": plan.pool_bytes,
         "session_capacity": plan.session_capacity,
         "sessions": plan.sessions,
         "park_sessions": plan.park_sessions,

@@ -85,6 +85,9 @@ def load_longlive(
     else:
         model = model.to_empty(device="cpu")
         encoder = encoder.to_empty(device="cpu")
+        # to_empty gives each module its own copy of a shared parameter: umT5's token embedding (2.1 GB at XXL in
+        # bf16) would be held twice, as shared.weight and encoder.embed_tokens.weight; tie it back to one
+        encoder.tie_weights()
         vae = build_vae(cfg)
     if checkpoint is not None and not planning:
         directory = Path(checkpoint)

@@ -44,25 +44,34 @@ def compile_blocks(model: nn.Module, device: torch.device) -> None:
 
 
 class _CompileProgress:
-    """Logs the first forward of each input shape: the one that compiles."""
+    """Logs each DiT forward that compiled: the first of each latent shape, and any that took past ``NOTE_S``.
+
+    torch.compile also rebuilds a graph when a history length first changes
+    (then it marks that size dynamic), so a slow forward of a known shape is a
+    compile too.
+    """
+
+    NOTE_S = 2.0
 
     def __init__(self, blocks: int) -> None:
         self.blocks = blocks
         self.seen: set[tuple[int, ...]] = set()
-        self.started: dict[tuple[int, ...], float] = {}
+        self.started = 0.0
+        self.forwards = 0
 
     @staticmethod
-    def _shape(args: tuple[Any, ...]) -> tuple[int, ...]:
-        return tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else ()
+    def _shape(args: tuple[Any, ...]) -> list[int]:
+        return list(args[0].shape) if args and isinstance(args[0], torch.Tensor) else []
 
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        shape = self._shape(args)
+        shape = tuple(self._shape(args))
         if shape not in self.seen:
             self.seen.add(shape)
-            self.started[shape] = time.perf_counter()
             log.info("compiling: DiT forward for latents %s (shape %d)", list(shape), len(self.seen))
+        self.started = time.perf_counter()
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        started = self.started.pop(self._shape(args), None)
-        if started is not None:
-            log.info("compiling: latents %s done in %.1f s", list(self._shape(args)), time.perf_counter() - started)
+        self.forwards += 1
+        took = time.perf_counter() - self.started
+        if took > self.NOTE_S:
+            log.info("compiling: forward %d (latents %s) took %.1f s", self.forwards, self._shape(args), took)
