@@ -28,6 +28,8 @@ pytestmark = [
         os.environ.get("ARSTREAM_COMPILE_LANE") != "1", reason="runs inductor (minutes): scripts/test-compile.sh"
     ),
     pytest.mark.usefixtures("one_thread"),
+    # torch's inductor imports its own deprecated torch.jit.script_method helpers (torch/utils/mkldnn.py)
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 OPTIONS = {"config": "tiny", "random_init": True}
 CHUNKS = 4  # the first (no history), the second (a history: torch recompiles with its length dynamic), two more
