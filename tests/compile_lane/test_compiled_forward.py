@@ -20,6 +20,7 @@ import torch
 from servers import fake_settings, running_server
 
 from arstream.models.registry import load_pipeline
+from arstream.programs import gpu_check
 from arstream.runner.runner import runner_for_sessions
 from arstream.runner.types import TickRequest
 
@@ -79,4 +80,11 @@ def test_a_compiling_server_is_unready_says_compiling_and_then_serves(caplog: py
         assert dit["device"] == "cpu" and dit["bytes"] > 0
     said = [r.getMessage() for r in caplog.records if r.name == "arstream.compile"]
     assert said and all(line.startswith("compiling") for line in said), said
-    assert any("took" in line for line in said), said  # the warm-up's forwards that compiled, with their times
+    assert any("DiT forward for latents" in line for line in said), said  # the warm-up's first shape
+
+
+def test_the_gpu_checks_compiled_variant_runs_on_the_cpu() -> None:
+    profile = gpu_check.profile_for("cpu")
+    figures = gpu_check.fit_variant_figures(profile, "cpu", "matrix-game-2", "int8", True)
+    assert figures["options"]["weights"] == "int8" and figures["fps"] > 0 and figures["warmup_to_ready_s"] > 0
+    assert figures["plan_weights_bytes"] > 0 and figures["card_weights_bytes_on_device"] > 0
