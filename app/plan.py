@@ -150,8 +150,12 @@ def planned_device(device: Any, text_device: str) -> str:
     return GPU if str(device) == "meta" else text_device
 
 
-def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1) -> FitPlan:
-    """The plan for ``settings.model`` with ``settings.model_options`` on ``devices`` GPUs of ``gpu_memory_bytes``."""
+def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pipeline: Any = None) -> FitPlan:
+    """The plan for ``settings.model`` with ``settings.model_options`` on ``devices`` GPUs of ``gpu_memory_bytes``.
+
+    ``pipeline``: the model already built on the meta device with those options (a table of several sizes
+    builds it once).
+    """
     from .settings import default_max_batch_sessions
     from ..models.registry import PLANNED_MODELS, load_pipeline
     from ..runner.parking import ParkingPolicy
@@ -166,7 +170,8 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1) -> 
         )
     if devices < 1:
         raise PlanError(f"--devices must be >= 1, got {devices}")
-    pipeline: Any = load_pipeline(settings.model, "meta", **settings.model_options)
+    if pipeline is None:
+        pipeline = load_pipeline(settings.model, "meta", **settings.model_options)
     card = pipeline.model_card()
     components = [
         Component(c["name"], planned_device(c["device"], c["device"]), c["weights"], int(c["bytes"]))

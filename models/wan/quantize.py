@@ -35,7 +35,7 @@ def check_weights_option(weights: str | None, device: torch.device) -> None:
         raise ValueError(f"weights must be one of {list(WEIGHTS)} (or left out for the model's dtype), got {weights!r}")
     if importlib.util.find_spec("torchao") is None:
         raise QuantizationUnavailable(
-            f"weights {weights!r} needs torchao: pip install 'arstream[quant]' (README, Extras)"
+            f"weights {weights!r} needs torchao: pip install 'arstream[quant]' (README.md names the extras)"
         )
     if weights == "fp8" and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
