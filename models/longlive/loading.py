@@ -75,6 +75,7 @@ def load_longlive(
         raise ValueError(f"text_encoder_device: {exc}") from None
     encoder: Any  # transformers' and diffusers' modules are untyped here
     vae: Any
+    tokens: Any
     with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
         model = LongLiveDiT(cfg)
         encoder = UMT5EncoderModel(umt5_config(cfg.text))
@@ -108,7 +109,8 @@ def load_longlive(
         torch.manual_seed(seed)
         vae = build_vae(cfg)  # diffusers' own random init, seeded
         tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
-    model = quantize_blocks(model.to(device=device, dtype=weights_dtype), weights)
+    model = model.to(device=device, dtype=weights_dtype)
+    quantize_blocks(model, weights)
     encoder = encoder.to(device=device if planning else text_device, dtype=weights_dtype)
     vae = vae.to(device=device)
     if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype

@@ -590,7 +590,8 @@ def load_matrix_game(
             )
     elif encoder is None:
         log.warning("no CLIP file and no clip_features: the image context is zeros")
-    model = quantize_blocks(model.to(device=device, dtype=weights_dtype), weights)
+    model = model.to(device=device, dtype=weights_dtype)
+    quantize_blocks(model, weights)
     # Matrix-Game encodes the start image in bf16 and decodes in fp16 (inference.py): one module, two dtypes.
     vae_module = vae_module.to(device=device)
     for part, part_dtype in (("encoder", weights_dtype), ("quant_conv", weights_dtype), ("post_quant_conv", decode_dtype),

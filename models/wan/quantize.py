@@ -51,12 +51,11 @@ def _is_block_linear(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and fqn.startswith("blocks.")
 
 
-def quantize_blocks(model: nn.Module, weights: str | None) -> nn.Module:
-    """``model`` with its blocks' linear weights in ``weights`` (in place; None leaves it as it is)."""
+def quantize_blocks(model: nn.Module, weights: str | None) -> None:
+    """Quantize ``model``'s blocks' linear weights to ``weights``, in place (None leaves them as they are)."""
     if weights is None:
-        return model
+        return
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     config: Any = Int8WeightOnlyConfig() if weights == "int8" else Float8WeightOnlyConfig()
     quantize_(model, config, filter_fn=_is_block_linear)
-    return model

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -41,7 +42,7 @@ def test_inductor_has_a_cpp_compiler() -> None:
 
 
 def frames_and_latents(compiled: bool) -> list[tuple[np.ndarray, torch.Tensor]]:
-    pipeline = load_pipeline("matrix-game-2", "cpu", **OPTIONS)
+    pipeline: Any = load_pipeline("matrix-game-2", "cpu", **OPTIONS)
     if compiled:
         pipeline.compile_forward()
     runner = runner_for_sessions(pipeline, 1)
@@ -61,7 +62,7 @@ def test_compiled_frames_equal_eager_frames() -> None:
         pixel_gap = int(np.abs(frames_e.astype(int) - frames_c.astype(int)).max())
         assert latent_gap < 1e-4 and pixel_gap <= 1, (chunk, latent_gap, pixel_gap)
     # the control: another seed's frames are far beyond that
-    other = load_pipeline("matrix-game-2", "cpu", **OPTIONS)
+    other: Any = load_pipeline("matrix-game-2", "cpu", **OPTIONS)
     result = runner_for_sessions(other, 1).execute_tick(TickRequest(session_id="s", request_id=0, controls={}, seed=6))
     assert int(np.abs(result.frames.astype(int) - eager[0][0].astype(int)).max()) > 1
 

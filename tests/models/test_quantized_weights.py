@@ -94,7 +94,7 @@ def test_int8_weights_stay_within_the_tolerance_of_full_precision(
     references: tuple[str, str, Rollout, Rollout],
 ) -> None:
     model, config, full, bf16 = references
-    pipeline = load_pipeline(model, "cpu", config=config, random_init=True, weights="int8")
+    pipeline: Any = load_pipeline(model, "cpu", config=config, random_init=True, weights="int8")
     dit = next(c for c in pipeline.model_card()["components"] if c["name"] == "dit")
     assert dit["weights"] == "int8 (float32 compute)"
     int8 = rollout(pipeline, model)
@@ -117,7 +117,7 @@ def test_the_control_a_too_coarse_quantization_fails_the_same_comparison(
     references: tuple[str, str, Rollout, Rollout],
 ) -> None:
     model, config, full, bf16 = references
-    pipeline = load_pipeline(model, "cpu", config=config, random_init=True)
+    pipeline: Any = load_pipeline(model, "cpu", config=config, random_init=True)
     round_to_3_bits(pipeline.model)
     ok, said = within_tolerance(rollout(pipeline, model), bf16, full)
     print(f"{model} {config}: 3-bit control {said}")
