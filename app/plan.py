@@ -240,14 +240,15 @@ class PlanDoesNotFit(ValueError):
 def check_plan_fits(settings: Settings) -> FitPlan | None:
     """On a CUDA device, log the plan for the memory free there and refuse one that holds no session.
 
-    None where nothing is planned: another device, or a model the plan does not cover.
+    None where nothing is planned: another device, a model the plan does not cover, or another runtime than
+    ARStream's (whose pool arithmetic the plan is).
     """
     import torch
 
     from ..models.registry import PLANNED_MODELS
 
     device = torch.device(settings.device)
-    if device.type != "cuda" or settings.model not in PLANNED_MODELS:
+    if device.type != "cuda" or settings.model not in PLANNED_MODELS or settings.runtime != "arstream":
         return None
     free, _total = torch.cuda.mem_get_info(device)
     plan = fit_plan(settings, gpu_memory_bytes=free + CUDA_CONTEXT_BYTES)  # the context is already taken from free
