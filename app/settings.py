@@ -99,6 +99,11 @@ class ModelSettings(SettingGroup):
     memory_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool"
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model's DiT blocks at load, for the shapes the warm-up runs, before /readyz "
+        "says ready (the log says 'compiling' until done; matrix-game-2, longlive; on the CPU it needs g++)",
+    )
 
     @field_validator("model")
     @classmethod
