@@ -137,6 +137,8 @@ def test_decodes_that_cannot_start_or_finish_in_time_are_refused() -> None:
     with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
         blocks_free = live.stats()["kv"]["blocks_free"]
         bomb = jpeg_scan_bomb(2048, 2048, 2500)
+        assert live.server is not None
+        wait_until(lambda: live.server.hub.start_images.workers.idle_ready() == 2)  # both decode workers started
 
         async def scenario() -> list[tuple[int | None, dict[str, Any]]]:
             bombs = [asyncio.create_task(upload(live, bomb)) for _ in range(2)]
