@@ -182,6 +182,9 @@ class Protocol1(Dialect):
     def _as_controller(self, live: LiveSession, parsed: ClientMessage) -> None:
         session = live.session
         assert session is not None
+        if isinstance(parsed, (TickMessage, InputMessage)) and parsed.prompt is not None:
+            # Prepared for the model here, once (bounded at parse time); the session holds what the model reads.
+            parsed = parsed.model_copy(update={"prompt": live.gate.prompts.prepare(parsed.prompt)})
         if isinstance(parsed, TickMessage):
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
             job = session.accept_tick(parsed)

@@ -271,7 +271,7 @@ class RealtimeVideo(Dialect):
             codec=fmp4_codec(request.fps),
             quality=live.settings.default_jpeg_quality(card),
             seed=request.seed,
-            prompt=request.start.prompt,
+            prompt=gate.prompts.prepare(request.start.prompt),
             max_pending_ticks=live.settings.max_pending_ticks,
             start_image=start_image,
         )
@@ -506,8 +506,12 @@ class RealtimeVideo(Dialect):
             raise RealtimeVideoError(problem, "interaction_failed", event_id=name)
         event_id = (session.event_floor or 0) + 1
         try:
+            # The prompt was bounded when the interaction was parsed; what the model makes of it may be longer.
+            prepared = live.gate.prompts.prepare(interaction.prompt)
             session.accept_event(
-                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt),
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls).model_copy(
+                    update={"prompt": prepared}
+                ),
                 hold_chunks=interaction.hold_chunks,
                 release=interaction.release,
                 prompt_transition_chunks=interaction.prompt_transition_chunks,
