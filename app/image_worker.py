@@ -127,7 +127,8 @@ class DecodeWorkers:
     seldom waits for a worker's imports; a decode that finds no worker ready by its deadline never started.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size  # one per decode thread
         self._lock = threading.Lock()
         self._idle: list[DecodeWorker] = []
         self._busy: set[DecodeWorker] = set()
@@ -137,8 +138,13 @@ class DecodeWorkers:
         """Run one decode on a decode thread: an idle worker, or one started for it. Raises
         :class:`StartImageRefused` (the worker's reason) or :class:`DecodeDeadline`."""
         worker = self._take(job)
-        if worker is None or not worker.wait_ready(deadline):
-            self._discard(worker)
+        if worker is None:
+            raise DecodeDeadline(started=False)
+        if not worker.wait_ready(deadline):
+            if job.aborted:  # stopped while it started
+                self._discard(worker)
+            else:  # still loading: the next decode finds it ready
+                self._give_back(worker)
             raise DecodeDeadline(started=False)
         pixels = None
         try:
@@ -149,7 +155,10 @@ class DecodeWorkers:
             else:
                 self._give_back(worker)
         if pixels is None:
-            raise DecodeDeadline(started=True)
+            if job.aborted or time.monotonic() >= deadline:
+                raise DecodeDeadline(started=True)
+            # It died on its own (a decoder crash): the file is what it could not decode.
+            raise StartImageRefused("start.image.data is not a file that decodes: the decoder stopped on it")
         return pixels
 
     def _take(self, job: DecodeJob) -> DecodeWorker | None:
@@ -185,7 +194,7 @@ class DecodeWorkers:
     def start_spare(self) -> None:
         """Start a worker for the calling decode thread to find idle (its imports load while the thread goes on)."""
         with self._lock:
-            if self._closed:
+            if self._closed or len(self._idle) + len(self._busy) >= self.size:
                 return
         spare = DecodeWorker()
         with self._lock:

@@ -119,7 +119,7 @@ class StartImageResolver:
         self._executor = ThreadPoolExecutor(
             DECODE_CONCURRENCY, thread_name_prefix="arstream-image", initializer=partial(lower_thread_priority, nice)
         )
-        self.workers = DecodeWorkers()
+        self.workers = DecodeWorkers(DECODE_CONCURRENCY)
         self._lock = threading.Lock()
         self._decoding = 0  # submitted and not finished (waiting for a thread, or running), cancelled ones aside
 
