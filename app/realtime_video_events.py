@@ -404,7 +404,7 @@ def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> In
         raise RealtimeVideoError(
             "session.interaction event.prompt must be a non-empty string when provided", ErrorCode.INVALID_MESSAGE
         )
-    problem = prompt_problem(prompt) if has_prompt else None
+    problem = prompt_problem(prompt) if isinstance(prompt, str) and has_prompt else None
     if problem is not None:
         raise RealtimeVideoError(f"session.interaction event.prompt: {problem}", ErrorCode.INVALID_MESSAGE)
     if mm is not None and not has_mm:

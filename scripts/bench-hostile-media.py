@@ -160,7 +160,8 @@ def beside(url: str, ws: ClientConnection, target: Callable[..., None], seconds:
            upload: bool) -> tuple[float, dict[str, Any]]:  # fmt: skip
     """The honest session's median round trip beside two ``target`` processes, and what they did."""
     # Attackers in processes of their own: the honest client's round trips never wait for their GIL.
-    stop, figures = multiprocessing.Event(), multiprocessing.Queue()
+    stop = multiprocessing.Event()
+    figures: multiprocessing.Queue[list[float]] = multiprocessing.Queue()
     attackers = [multiprocessing.Process(target=target, args=(url, stop, i, figures)) for i in range(2)]
     cpu_before = cpu_seconds(pid)
     for process in attackers:

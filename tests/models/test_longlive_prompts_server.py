@@ -65,6 +65,7 @@ def test_protocol_1_prompts_are_cleaned_once_as_they_arrive(
                 await client.send(type="tick", tick_id=tick_id, controls={}, prompt=MESSY if tick_id % 2 else None)
                 await client.recv_chunk()
                 cleaned_after.append(len(cleans.texts))
+            assert client.ready is not None
             session_id = client.ready["session_id"]
             used = pipeline.session_prompt(session_id)
             await client.send(type="input", event_id=1, prompt=OTHER)
