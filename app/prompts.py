@@ -17,16 +17,52 @@ longer; a character bound cannot cut where the tokenizer would (whitespace runs
 collapse and tokens vary in length), so a longer prompt is refused, with its
 size in the message, rather than cut. The line bound is the cleaning's: each
 line costs ftfy a pass of its own.
+
+A session's new prompts (not remembered ones) are bounded in rate too:
+:data:`PROMPT_CHANGES_PER_S` a second, :data:`PROMPT_CHANGE_BURST` at once,
+far above what a model applies (the latest prompt before each chunk; a chunk is
+several frames). Past it a prompt is refused (``too_many_ticks`` in protocol 1,
+``interaction_failed`` in the realtime dialect) before it is cleaned: a client
+that sends a new costly prompt in every message cannot keep the event loop
+cleaning at the message rate.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 MAX_PROMPT_CHARS = 2000
 MAX_PROMPT_LINES = 64
 PREPARED_MEMO = 256  # prompts remembered with their prepared text (at most 256 x 2,000 characters)
+PROMPT_CHANGES_PER_S = 4.0
+PROMPT_CHANGE_BURST = 8
+
+
+class PromptRateExceeded(Exception):
+    """A session sent new prompts faster than :class:`PromptAllowance` lets it; the text says the bound."""
+
+
+class PromptAllowance:
+    """One session's new prompts: a token bucket of :data:`PROMPT_CHANGE_BURST`, refilled at
+    :data:`PROMPT_CHANGES_PER_S` (event loop only)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tokens = float(PROMPT_CHANGE_BURST)
+        self._at = clock()
+
+    def take(self) -> None:
+        now = self._clock()
+        self._tokens = min(float(PROMPT_CHANGE_BURST), self._tokens + (now - self._at) * PROMPT_CHANGES_PER_S)
+        self._at = now
+        if self._tokens < 1.0:
+            raise PromptRateExceeded(
+                f"new prompts come at most {PROMPT_CHANGE_BURST} at once and {PROMPT_CHANGES_PER_S:g} a second "
+                "(a model applies the latest one at each chunk); this one was not taken"
+            )
+        self._tokens -= 1.0
 
 
 def prompt_problem(text: str) -> str | None:
@@ -56,11 +92,15 @@ class PromptPreparer:
         self._prepare = prepare
         self._memo.clear()
 
-    def prepare(self, text: str | None) -> str | None:
+    def prepare(self, text: str | None, allowance: PromptAllowance | None = None) -> str | None:
+        """``text`` as the model reads it; a new one (not remembered) takes one of ``allowance``'s tokens first
+        (raises :class:`PromptRateExceeded` when there is none)."""
         if text is None:
             return None
         prepared = self._memo.get(text)
         if prepared is None:
+            if allowance is not None:
+                allowance.take()
             prepared = self._prepare(text)
             self.prepared += 1
             self._memo[text] = prepared

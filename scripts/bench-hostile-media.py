@@ -9,6 +9,9 @@
   tick and read their chunks, started with a prompt of 32,000 newlines; where that is refused, with the
   costliest prompt allowed (2,000 non-ASCII characters on 64 lines), a new one on every tick. Its effect: the
   attacker's own round trip (what its prompts cost the model thread).
+- ``prompt-flood`` (a residual, measured): LongLive and two sessions that send ``input`` messages, each with
+  a new costliest allowed prompt, as fast as the server reads them; each is cleaned as it arrives, on the
+  event loop. Its effect: the prompts the server took.
 
 For each: ``--rounds`` rounds (3), each the honest session alone for ``--seconds``, then (long-prompts) beside
 a control of two sessions under an ordinary prompt (on a CPU three sessions share the model's cores, prompts or
@@ -127,6 +130,21 @@ def costly_prompt(n: int) -> str:
     return "\n".join(["é" * 29 + str(n % 10)] * 64)[:2000]
 
 
+def prompt_flood(url: str, stop: Any, offset: int, figures: Any) -> None:
+    """A session that sends ``input`` messages, each with a new costliest prompt, as fast as the server reads them
+    (the message rate bounds it): each prompt is cleaned as it arrives, on the event loop."""
+    ws, first = session(url, {"prompt": "a quiet meadow"}, host=f"127.0.4.{offset + 1}")
+    assert first["type"] == "ready", first
+    sent = 0
+    with ws:
+        while not stop.is_set():
+            ws.send(json.dumps({"type": "input", "event_id": sent + 1, "prompt": costly_prompt(sent) + f" {sent}"}))
+            sent += 1
+            while json.loads(ws.recv())["type"] != "ack":
+                pass
+    figures.put([float(sent)])
+
+
 def ordinary_sessions(url: str, stop: Any, offset: int, figures: Any) -> None:
     long_prompt_sessions(url, stop, offset, figures, hostile=False)
 
@@ -172,7 +190,9 @@ def beside(url: str, ws: ClientConnection, target: Callable[..., None], seconds:
     times += tick_round_trips(ws, seconds / 2)
     effect: dict[str, Any] = {"server_cpu_s": round(cpu_seconds(pid) - cpu_before, 2)}
     stop.set()
-    if target is not hidden_scan_bombs:
+    if target is prompt_flood:
+        effect["prompts_sent"] = int(sum(t for _ in attackers for t in figures.get(timeout=120)))
+    elif target is not hidden_scan_bombs:
         theirs = [t for _ in attackers for t in figures.get(timeout=120)]
         effect["their_round_trip_median_ms"] = round(statistics.median(theirs), 1)
     for process in attackers:
@@ -200,11 +220,11 @@ def measure(tree: str, attack: str, rounds: int, seconds: float) -> dict[str, An
             if attack == "hidden-scans":
                 code, took = honest_upload(url)
                 effects["alone"].append({"honest_upload": [code, round(took * 1e3, 1)]})
-            else:
+            elif attack == "long-prompts":
                 median, effect = beside(url, ws, ordinary_sessions, seconds, pid, upload=False)
                 windows["control"].append(median)
                 effects["control"].append(effect)
-            target = hidden_scan_bombs if attack == "hidden-scans" else long_prompt_sessions
+            target = {"hidden-scans": hidden_scan_bombs, "long-prompts": long_prompt_sessions}.get(attack, prompt_flood)
             median, effect = beside(url, ws, target, seconds, pid, upload=attack == "hidden-scans")
             windows["attack"].append(median)
             effects["attack"].append(effect)
