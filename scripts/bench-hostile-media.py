@@ -135,14 +135,15 @@ def prompt_flood(url: str, stop: Any, offset: int, figures: Any) -> None:
     (the message rate bounds it): each prompt is cleaned as it arrives, on the event loop."""
     ws, first = session(url, {"prompt": "a quiet meadow"}, host=f"127.0.4.{offset + 1}")
     assert first["type"] == "ready", first
-    sent = 0
+    sent = taken = 0
     with ws:
         while not stop.is_set():
             ws.send(json.dumps({"type": "input", "event_id": sent + 1, "prompt": costly_prompt(sent) + f" {sent}"}))
             sent += 1
-            while json.loads(ws.recv())["type"] != "ack":
-                pass
-    figures.put([float(sent)])
+            while (reply := json.loads(ws.recv()))["type"] not in ("ack", "error"):
+                pass  # a chunk's news, not the answer
+            taken += reply["type"] == "ack"
+    figures.put([float(sent), float(taken)])
 
 
 def ordinary_sessions(url: str, stop: Any, offset: int, figures: Any) -> None:
@@ -191,7 +192,8 @@ def beside(url: str, ws: ClientConnection, target: Callable[..., None], seconds:
     effect: dict[str, Any] = {"server_cpu_s": round(cpu_seconds(pid) - cpu_before, 2)}
     stop.set()
     if target is prompt_flood:
-        effect["prompts_sent"] = int(sum(t for _ in attackers for t in figures.get(timeout=120)))
+        counts = [figures.get(timeout=120) for _ in attackers]
+        effect["prompts_sent"], effect["prompts_taken"] = (int(sum(c[i] for c in counts)) for i in (0, 1))
     elif target is not hidden_scan_bombs:
         theirs = [t for _ in attackers for t in figures.get(timeout=120)]
         effect["their_round_trip_median_ms"] = round(statistics.median(theirs), 1)
