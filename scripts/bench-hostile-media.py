@@ -16,8 +16,8 @@
 For each: ``--rounds`` rounds (3), each the honest session alone for ``--seconds``, then (long-prompts) beside
 a control of two sessions under an ordinary prompt (on a CPU three sessions share the model's cores, prompts or
 not), then beside the attack, interleaved; the figure is the median over rounds of each window's median
-tick-to-chunk round trip, and the ratios attack / alone and attack / control. ``--before-tree DIR`` runs the same against another checkout's code (PYTHONPATH), in the
-same run. The last line is JSON.
+tick-to-chunk round trip, and the ratios attack / alone and attack / control. ``--before-tree DIR`` runs the
+same against another checkout's code (PYTHONPATH), in the same run. The last line is JSON.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench-hostile-media.py --before-tree /tmp/before
 """
@@ -226,7 +226,10 @@ def measure(tree: str, attack: str, rounds: int, seconds: float) -> dict[str, An
                 median, effect = beside(url, ws, ordinary_sessions, seconds, pid, upload=False)
                 windows["control"].append(median)
                 effects["control"].append(effect)
-            target = {"hidden-scans": hidden_scan_bombs, "long-prompts": long_prompt_sessions}.get(attack, prompt_flood)
+            attacks: dict[str, Callable[..., None]] = {
+                "hidden-scans": hidden_scan_bombs, "long-prompts": long_prompt_sessions, "prompt-flood": prompt_flood
+            }
+            target = attacks[attack]
             median, effect = beside(url, ws, target, seconds, pid, upload=attack == "hidden-scans")
             windows["attack"].append(median)
             effects["attack"].append(effect)
