@@ -175,8 +175,8 @@ class RewindSettings(SettingGroup):
         ge=0,
         le=3600,
         description="how far back a session may rewind or be branched from, in seconds of play: every chunk "
-        "boundary of the last 2 s, sparser further back, within --rewind-budget-mib; 0 turns rewind off "
-        "(docs/rewind.md)",
+        "boundary of the last moments (up to 2 s), sparser further back, a point near this far back and none older "
+        "than 1.2 times it, within --rewind-budget-mib; 0 turns rewind off (docs/rewind.md)",
     )
     rewind_budget_mib: float = Field(
         24.0,

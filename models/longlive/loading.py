@@ -85,7 +85,7 @@ def load_longlive(
     vae = vae.to(device=device)
     if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
         vae = vae.to(dtype=weights_dtype)
-    return LongLivePipeline(
+    pipeline = LongLivePipeline(
         model,
         StreamingVAE(vae),
         TextEncoder(encoder, tokens, cfg.text_len),
@@ -94,3 +94,5 @@ def load_longlive(
         prompt_cache=prompt_cache,
         default_prompt=default_prompt,
     )
+    pipeline.random_weights = checkpoint is None
+    return pipeline
