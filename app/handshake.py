@@ -99,7 +99,7 @@ class Handshake:
             codec=codec,
             quality=quality,
             seed=start.seed,
-            prompt=start.prompt,
+            prompt=self.gate.prompts.prepare(start.prompt),
             max_pending_ticks=self.settings.max_pending_ticks,
             start_image=start_image,
         )
@@ -178,7 +178,7 @@ class Handshake:
             codec=codec,
             quality=quality,
             seed=source.seed,
-            prompt=start.prompt if start.prompt is not None else source.prompt,
+            prompt=self.gate.prompts.prepare(start.prompt) if start.prompt is not None else source.prompt,
             max_pending_ticks=self.settings.max_pending_ticks,
             start_image=source.start_image,
         )

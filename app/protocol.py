@@ -8,7 +8,7 @@ Errors a client can cause, as raised here and answered by the server::
 
 Parsing is strict: only JSON objects, no NaN/Infinity or numbers that
 overflow a float, nesting at most 32 levels, ids are integers (never bools)
-in ``0 <= id < 2**32``, ``prompt`` is a string or null. Unknown fields are
+in ``0 <= id < 2**32``, ``prompt`` is a string or null (bounded: app/prompts.py). Unknown fields are
 ignored so clients may send additive extensions.
 """
 
@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .codecs import CODECS, CodecName
+from .prompts import prompt_problem
 from .wire import ID_LIMIT, PROTOCOL_VERSION
 # Strict parsing is shared with the snapshot header; both names are part of this module's interface too.
 from ..strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
@@ -161,6 +162,17 @@ def dumps(message: dict[str, Any]) -> str:
 WireId = Annotated[int, Field(ge=0, lt=ID_LIMIT)]
 
 
+def _bounded_prompt(text: str) -> str:
+    problem = prompt_problem(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+# A prompt's size is bounded when its message is parsed (app/prompts.py: MAX_PROMPT_CHARS, MAX_PROMPT_LINES).
+Prompt = Annotated[str, AfterValidator(_bounded_prompt)]
+
+
 class _ClientMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
@@ -194,7 +206,7 @@ class BranchSpec(_ClientMessage):
 
 class StartMessage(_ClientMessage):
     type: Literal["start"]
-    prompt: str | None = None
+    prompt: Prompt | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     codec: CodecName | None = None
     quality: Annotated[int, Field(ge=1, le=100)] | None = None
@@ -230,7 +242,7 @@ class TickMessage(_ClientMessage):
     type: Literal["tick"]
     tick_id: WireId
     controls: dict[str, Any] | None = None
-    prompt: str | None = None
+    prompt: Prompt | None = None
     reset: bool = False
     close: bool = False
     rewind_to: WireId | None = None  # go back to this chunk boundary first (PROTOCOL.md, "Rewind ...")
@@ -240,7 +252,7 @@ class InputMessage(_ClientMessage):
     type: Literal["input"]
     event_id: WireId
     controls: dict[str, Any] | None = None
-    prompt: str | None = None
+    prompt: Prompt | None = None
 
 
 class CloseMessage(_ClientMessage):

@@ -24,6 +24,7 @@ from enum import Enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .prompts import PromptAllowance
 from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 from ..runner.types import StartImage
 
@@ -173,6 +174,7 @@ class Session:
         self._controls: dict[str, Any] = {}
         self._controls_seq = -1
         self._prompt = prompt
+        self.prompt_allowance = PromptAllowance()  # its new prompts per second (event loop only)
         self._prompt_seq = -1
         self._prompt_transition_chunks = 0
         # Chunks the current controls still hold for, and what replaces them then (a camera target's release).

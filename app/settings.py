@@ -99,6 +99,11 @@ class ModelSettings(SettingGroup):
     memory_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool"
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model's DiT blocks at load, for the shapes the warm-up runs, before /readyz "
+        "says ready (the log says 'compiling' until done; matrix-game-2, longlive; on the CPU it needs g++)",
+    )
 
     @field_validator("model")
     @classmethod
@@ -156,7 +161,8 @@ class SchedulingSettings(SettingGroup):
         10,
         ge=0,
         le=19,
-        description="steps of CPU niceness the encoder and start-image decode threads run below the model worker, "
+        description="steps of CPU niceness the encoder threads and start-image decode workers run below the model "
+        "worker, "
         "so the worker gets a core first when cores are short",
     )
     keep_freed_memory: bool = Field(
@@ -412,14 +418,15 @@ class StartImageSettings(SettingGroup):
     max_start_image_jpeg_scans: int = Field(
         64,
         ge=1,
-        description="most scans of a client's JPEG start image, counted before decoding (libjpeg makes a pass over "
-        "the whole picture per scan; a progressive JPEG has about 10)",
+        description="most scans of a client's JPEG start image, counted before decoding by walking its markers as "
+        "libjpeg reads them (libjpeg makes a pass over the whole picture per scan; a progressive JPEG has about 10)",
     )
     start_image_timeout_s: float = Field(
         5.0,
         gt=0,
-        description="time a client's start image may take to decode, waiting for one of the 2 decode threads "
-        "included; past it: over_capacity if its decode never started, else invalid_image",
+        description="time a client's start image may take to decode, waiting for one of the 2 decode workers "
+        "included; past it the decode's worker process is killed: over_capacity if its decode never started, else "
+        "invalid_image",
     )
 
 
