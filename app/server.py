@@ -399,6 +399,9 @@ async def serve(server: ARStreamServer) -> int:
     if loaded.done() and server.hub.load_error is None:
         # Everything made so far (imports, the model, its warm-up) lives as long as the server: moving it out
         # of the collector's reach takes a full collection from ~100 ms to ~3 ms, a pause every session felt.
+        # The optional pages' check (an import of PyAV, cached) runs first: once the address is out, clients measure
+        # this process, and what it loaded then would look like their cost.
+        FMP4.unavailable_reason()
         gc.freeze()
         url = f"http://{display_host(server.config.host)}:{server.bound_port}"
         agent = server.config.app.state.agent if isinstance(server.config.app, FastAPI) else None
