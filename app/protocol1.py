@@ -262,6 +262,8 @@ class Protocol1(Dialect):
                 ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
             )
         self._offer_held(live)  # chunks before the pass go to the viewers as they were
+        if self._video is not None:
+            self._video.stop_sending()  # the session's own codec again: this socket watches in it from now on
         # Its queued ticks were this client's: they do not run for the next one (their controls are kept);
         # a running tick's chunk goes to the new controller, with its credit.
         live.drop_queued_ticks()

@@ -286,17 +286,29 @@ class SessionVideo:
         if state == "connected" and self._own_format is None:
             self._own_format = (session.codec, session.quality)
             session.codec = "raw"  # pixels for the track; nothing of it crosses the WebSocket
-        elif state != "connected" and self._own_format is not None:
-            session.codec, session.quality = self._own_format
-            self._own_format = None
+        elif state != "connected":
+            self._restore_format()
         log.info("session=%s webrtc %s", live.session_id, state)
         live.notify({"type": "webrtc_state", "state": state})
+
+    def _restore_format(self) -> None:
+        """The session makes frames in its own codec again (for the WebSocket)."""
+        session = self._live.session
+        if self._own_format is not None and session is not None:
+            session.codec, session.quality = self._own_format
+        self._own_format = None
+
+    def stop_sending(self) -> None:
+        """From now on the session's frames go on the WebSocket, in its own codec (control passes to a viewer,
+        whose frames come on its own socket); the peer connection is closed with the socket."""
+        self._closing = True
+        self._restore_format()
 
     async def send_chunk(self, outcome: TickOutcome, header: dict[str, Any]) -> bool:
         """Send a chunk by the track (its `chunk` message on the WebSocket says which track frames hold it);
         False when the chunk goes on the WebSocket as binary frames instead."""
         delivery = self._delivery
-        if delivery is None or not delivery.connected:
+        if delivery is None or not delivery.connected or self._closing:
             return False
         first = delivery.push_chunk(outcome.frame_messages)
         if first is None:
@@ -314,7 +326,7 @@ class SessionVideo:
 
     async def close(self) -> None:
         """Close the peer connection: on every end of the session."""
-        self._closing = True
+        self.stop_sending()
         if self._answering is not None and not self._answering.done():
             self._answering.cancel()
             await asyncio.wait({self._answering})

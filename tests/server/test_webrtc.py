@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from arstream.app import webrtc
+from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
 from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
 
@@ -179,3 +180,42 @@ def test_an_offer_before_start_is_start_required(server: LiveServer) -> None:
     code, messages = asyncio.run(scenario())
     assert code == 1008 and messages[0]["code"] == "start_required"
     assert webrtc.open_peer_connections() == 0
+
+
+def test_a_controller_on_webrtc_that_passes_control_watches_in_its_own_codec(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], list[Any], dict[str, Any], list[Any]]:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as player:
+            token = player.ready["share"]["token"]  # type: ignore[index]
+            async with session_client(f"{server.ws_url}?share={token}", start={"watch": token}) as viewer:
+                pc, _, _ = await connect_video(player)
+                try:
+                    await player.send(type="tick", tick_id=0)
+                    assert (await next_of(player, "chunk"))["delivery"] == "webrtc"
+                    await player.send(type="pass_control", to=viewer.ready["viewer_id"])  # type: ignore[index]
+                    assert (await next_of(viewer, "role"))["role"] == "controller"
+                    assert (await next_of(player, "role"))["role"] == "viewer"
+                    await viewer.send(type="tick", tick_id=1)
+                    own, own_frames = await chunk_after(viewer, 1)
+                    watched, watched_frames = await chunk_after(player, 1)
+                finally:
+                    await pc.close()
+            return own, own_frames, watched, watched_frames
+
+    async def chunk_after(client: ProbeClient, tick_id: int) -> tuple[dict[str, Any], list[Any]]:
+        """The chunk of ``tick_id`` and its frames' headers (earlier chunks and other messages passed over)."""
+        while True:
+            chunk = await next_of(client, "chunk")
+            if chunk["tick_id"] != tick_id:
+                continue
+            headers = []
+            for _ in range(chunk["frames"]):
+                message = await client.recv()
+                assert isinstance(message, bytes), message
+                headers.append(parse_frame(message)[0])
+            return chunk, headers
+
+    own, own_frames, watched, watched_frames = asyncio.run(scenario())
+    # the new controller's chunk and the old one's copy are JPEG on the WebSocket, not raw pixels
+    assert "delivery" not in own and "delivery" not in watched
+    assert {header.codec.name for header in own_frames + watched_frames} == {"JPEG"}
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
