@@ -10,6 +10,7 @@ converts the track's YUV with another colour matrix than aiortc's encoder, so it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 
 from arstream.app import webrtc
 from arstream.models.fake import FakeKVPipeline
-from browser_helpers import browser_marks, debug, page_at, wait
+from browser_helpers import PageErrors, browser_marks, debug, new_page, page_at, wait
 from servers import LiveServer, fake_settings, running_server, wait_until
 
 pytest.importorskip("aiortc")
@@ -139,26 +140,42 @@ def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
 
 
-def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(server: LiveServer, page: Any) -> None:
-    page.goto(server.base_url + "/?delivery=webrtc")
-    wait(page, "window.arstreamDebug.delivery === 'webrtc'")
-    assert page.text_content("#hud-delivery") == "WebRTC (H264)"
-    assert page.is_visible("#screen-video")
-    wait(page, "window.arstreamDebug.trackFramesShown > 8")
-    page.keyboard.down("d")
-    wait(page, "window.arstreamDebug.sentEventIds.length === 1")
-    press = debug(page)["sentEventIds"][0]
-    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
-    # key -> frame is measured when a frame of the applying chunk is shown by the track
-    wait(page, "window.arstreamDebug.samples.action.length >= 1")
-    page.keyboard.up("d")
-    state = debug(page)
-    assert state["errors"] == [] and state["delivery"] == "webrtc"
-    assert state["trackFramesShown"] <= state["framesDrawn"]
-    assert webrtc.open_peer_connections() == 1
-    page.click("#play")  # Stop
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
-    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
+def until(page: Any, expression: str) -> None:
+    """Poll an expression with ``evaluate`` (the page's CSP forbids the ``eval`` that ``wait_for_function`` uses)."""
+    while not page.evaluate(expression):
+        time.sleep(0.05)
+
+
+def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
+    server: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    context = browser.new_context()  # no CSP bypass: WebRTC must work under the server's real policy
+    try:
+        page = new_page(context, errors)
+        violations: list[str] = []
+        page.on("console", lambda message: violations.append(message.text))
+        page.goto(server.base_url + "/?delivery=webrtc")
+        until(page, "window.arstreamDebug.delivery === 'webrtc'")
+        assert page.text_content("#hud-delivery") == "WebRTC (H264)"
+        assert page.is_visible("#screen-video")
+        until(page, "window.arstreamDebug.trackFramesShown > 8")
+        page.keyboard.down("d")
+        until(page, "window.arstreamDebug.sentEventIds.length === 1")
+        press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
+        until(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+        # key -> frame is measured when a frame of the applying chunk is shown by the track
+        until(page, "window.arstreamDebug.samples.action.length >= 1")
+        page.keyboard.up("d")
+        state = page.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
+        assert state["errors"] == [] and state["delivery"] == "webrtc"
+        assert state["trackFramesShown"] <= state["framesDrawn"]
+        assert webrtc.open_peer_connections() == 1
+        page.click("#play")  # Stop
+        wait_until(lambda: webrtc.open_peer_connections() == 0)
+        wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
+        assert [text for text in violations if "Content Security Policy" in text] == []
+    finally:
+        context.close()
 
 
 def test_the_page_stays_on_the_websocket_by_default(server: LiveServer, page: Any) -> None:
