@@ -271,8 +271,11 @@ class SessionVideo:
         live = self._live
         try:
             answer = await delivery.answer(sdp)
-        except WebRTCError as exc:
-            live.reply(error_message(ErrorCode.WEBRTC_FAILED, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - any failure to answer leaves the session on the WebSocket
+            if not isinstance(exc, WebRTCError):
+                log.exception("session=%s webrtc answer failed", live.session_id)
+            detail = str(exc) if isinstance(exc, WebRTCError) else "the server could not answer this offer"
+            live.reply(error_message(ErrorCode.WEBRTC_FAILED, detail))
             self._delivery = None  # the client may offer again
             await delivery.close()
             return
