@@ -219,3 +219,21 @@ def test_a_controller_on_webrtc_that_passes_control_watches_in_its_own_codec(ser
     assert "delivery" not in own and "delivery" not in watched
     assert {header.codec.name for header in own_frames + watched_frames} == {"JPEG"}
     wait_until(lambda: webrtc.open_peer_connections() == 0)
+
+
+def test_a_peer_that_goes_away_sends_the_session_back_to_the_websocket(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as client:
+            pc, _, _ = await connect_video(client)
+            await client.send(type="tick", tick_id=0)
+            assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
+            await pc.close()  # the client's side ends (DTLS close): the server's connection ends too
+            state = await next_of(client, "webrtc_state")
+            await client.send(type="tick", tick_id=1)
+            chunk, frames = await client.recv_chunk()
+            return state, chunk, [header.codec.name for header, _ in frames]
+
+    state, chunk, codecs = asyncio.run(scenario())
+    assert state["state"] in ("closed", "failed"), state
+    assert "delivery" not in chunk and codecs == ["JPEG"] * chunk["frames"]
+    wait_until(lambda: webrtc.open_peer_connections() == 0)
