@@ -488,5 +488,8 @@ class SessionHub:
             # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
             "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
             # WebRTC video (app/webrtc.py): the peer connections held open, whether the server offers the path
-            "webrtc": {"available": webrtc.AVAILABLE, "peer_connections": webrtc.open_peer_connections()},
+            "webrtc": {
+                "available": webrtc.AVAILABLE and self.settings.webrtc,
+                "peer_connections": webrtc.open_peer_connections(),
+            },
         }

@@ -240,6 +240,11 @@ class CodecSettings(SettingGroup):
         description="JPEG quality when `start` names none and the model's frames are at most 128x128 px "
         "(flat colours at that size show JPEG's noise; a 64x64 frame: 2.4 KB at 80, 4.5 KB at 95)",
     )
+    webrtc: bool = Field(
+        False,
+        description="answer `webrtc_offer`: a session's frames on a WebRTC video track (needs the webrtc extra, "
+        "aiortc); off, an offer is refused with webrtc_failed. Its peer reaches UDP ports on this host's addresses",
+    )
 
     @field_validator("codec")
     @classmethod

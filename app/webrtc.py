@@ -260,6 +260,8 @@ class SessionVideo:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this session already has a peer connection")
         session = self._live.session
         assert session is not None
+        if not self._live.settings.webrtc:
+            raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this server does not offer WebRTC (--webrtc is off)")
         fps = float(self._live.gate.model_card.get("fps") or 30)
         try:
             self._delivery = WebRTCDelivery(fps, self._state_changed)

@@ -109,7 +109,7 @@ async ({ wsUrl, chunksBefore, chunks }) => {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with running_server(fake_settings(), FakeKVPipeline(width=64, height=64)) as live:
+    with running_server(fake_settings(webrtc=True), FakeKVPipeline(width=64, height=64)) as live:
         yield live
 
 

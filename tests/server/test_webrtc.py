@@ -33,7 +33,7 @@ CHUNKS_BEFORE = 20
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with running_server(fake_settings(), FakeKVPipeline(width=64, height=64)) as live:
+    with running_server(fake_settings(webrtc=True), FakeKVPipeline(width=64, height=64)) as live:
         yield live
 
 
@@ -237,3 +237,19 @@ def test_a_peer_that_goes_away_sends_the_session_back_to_the_websocket(server: L
     assert state["state"] in ("closed", "failed"), state
     assert "delivery" not in chunk and codecs == ["JPEG"] * chunk["frames"]
     wait_until(lambda: webrtc.open_peer_connections() == 0)
+
+
+def test_a_server_without_webrtc_refuses_the_offer_and_plays_on() -> None:
+    async def scenario(server: LiveServer) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with session_client(server.ws_url, start={}) as client:
+            await client.send(type="webrtc_offer", sdp="v=0\r\n")
+            refused = await next_of(client, "error")
+            await client.send(type="tick", tick_id=0)
+            chunk, _ = await client.recv_chunk()
+            return refused, chunk
+
+    with running_server(fake_settings()) as off:
+        refused, chunk = asyncio.run(scenario(off))
+        assert off.stats()["webrtc"] == {"available": False, "peer_connections": 0}
+    assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "--webrtc" in refused["message"]
+    assert "delivery" not in chunk
