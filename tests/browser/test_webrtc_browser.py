@@ -185,3 +185,15 @@ def test_the_page_stays_on_the_websocket_by_default(server: LiveServer, page: An
     assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
     assert page.text_content("#hud-delivery") == "WebSocket"
     assert webrtc.open_peer_connections() == 0
+
+
+def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(page: Any) -> None:
+    with running_server(fake_settings(), FakeKVPipeline(width=64, height=64)) as off:  # no --webrtc
+        page.goto(off.base_url + "/?delivery=webrtc")
+        wait(page, "window.arstreamDebug.errors.some((e) => e.code === 'webrtc_failed')")
+        drawn = debug(page)["framesDrawn"]
+        wait(page, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
+        state = debug(page)
+        assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
+        assert page.text_content("#hud-delivery") == "WebSocket (WebRTC could not connect)"
+        assert not page.is_visible("#screen-video")
