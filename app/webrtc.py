@@ -291,6 +291,7 @@ class SessionVideo:
         if state == "connected" and self._own_format is None:
             self._own_format = (session.codec, session.quality)
             session.codec = "raw"  # pixels for the track; nothing of it crosses the WebSocket
+            self._replan_viewers()
         elif state != "connected":
             self._restore_format()
         log.info("session=%s webrtc %s", live.session_id, state)
@@ -301,7 +302,14 @@ class SessionVideo:
         session = self._live.session
         if self._own_format is not None and session is not None:
             session.codec, session.quality = self._own_format
+            self._replan_viewers()
         self._own_format = None
+
+    def _replan_viewers(self) -> None:
+        """The session's own frames changed format: its viewers' formats are now encoded apart (or shared)."""
+        session = self._live.session
+        if session is not None:
+            session.viewer_formats = self._live.gate.shares.formats_needed(session.id, (session.codec, session.quality))
 
     def stop_sending(self) -> None:
         """From now on the session's frames go on the WebSocket, in its own codec (control passes to a viewer,

@@ -253,3 +253,27 @@ def test_a_server_without_webrtc_refuses_the_offer_and_plays_on() -> None:
         assert off.stats()["webrtc"] == {"available": False, "peer_connections": 0}
     assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "--webrtc" in refused["message"]
     assert "delivery" not in chunk
+
+
+def test_a_viewer_of_a_controller_on_webrtc_gets_every_chunk_on_its_websocket(server: LiveServer) -> None:
+    async def scenario() -> list[tuple[dict[str, Any], list[Any]]]:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as player:
+            token = player.ready["share"]["token"]  # type: ignore[index]
+            async with session_client(f"{server.ws_url}?share={token}", start={"watch": token}) as viewer:
+                pc, _, _ = await connect_video(player)
+                seen = []
+                try:
+                    for tick_id in range(3):
+                        await player.send(type="tick", tick_id=tick_id)
+                        assert (await next_of(player, "chunk"))["delivery"] == "webrtc"
+                        chunk = await next_of(viewer, "chunk")
+                        headers = [parse_frame(await viewer.recv())[0] for _ in range(chunk["frames"])]  # type: ignore[arg-type]
+                        seen.append((chunk, headers))
+                finally:
+                    await pc.close()
+            return seen
+
+    seen = asyncio.run(scenario())
+    assert [chunk["tick_id"] for chunk, _ in seen] == [0, 1, 2]
+    assert all("delivery" not in chunk for chunk, _ in seen)
+    assert {header.codec.name for _, headers in seen for header in headers} == {"JPEG"}
