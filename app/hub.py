@@ -27,10 +27,11 @@ from .start_image import StartImageResolver, offered_start_images
 from .session import Session
 from .unstarted import UnstartedConnections
 from .viewers import ShareRegistry
+from .transfers import park_idle
 from .worker import ModelWorker
 from ..models.registry import load_pipeline
 from ..runner.contract import ARPipeline
-from ..runner.parking import ParkingPolicy
+from ..runner.types import ParkingPolicy
 from ..runner.vllm_omni.native import NativePipeline
 from ..runner.runtimes import Runtime, build_runtime
 
@@ -206,7 +207,7 @@ class SessionHub:
         """The worker parks idle sessions after each job; this asks it to on a quiet server too (no ticks at all)."""
         while self.worker is not None:
             await asyncio.sleep(max(0.25, after_s / 4))
-            self.worker.park_idle()
+            park_idle(self.worker)
 
     async def wait_loaded(self) -> None:
         """Until the model is ready or failed to load (check ``load_error``)."""
@@ -424,7 +425,7 @@ class SessionHub:
         runner_stats = worker.runner_stats if worker else None
         if worker is None or runner_stats is None:
             return None
-        p50, p99 = worker.compute_ms_percentiles()
+        p50, p99 = worker.times.compute_ms_percentiles()
         capacity = self.realtime_capacity()
         sessions = [c.session for c in self.connections.values() if c.session is not None]
         return {
@@ -465,5 +466,5 @@ class SessionHub:
                 "round_sessions_total": worker.round_times.round_sessions_total,
             },
             # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
-            "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
+            "phases": {"decode_overlap": worker.decode_overlap, **worker.times.phases_summary()},
         }

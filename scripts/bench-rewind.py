@@ -78,7 +78,7 @@ def measure(name: str, pipeline: ARPipeline, seconds: float, budget_mib: float, 
         peak_kv = max(peak_kv, kept.pool.num_used * block)
         peak_model = max(peak_model, _model_state_bytes(kept, "kept"))
     held = kept.rewind_held("kept") or (0,)
-    live_kv = len(kept.kv_state("kept").held_blocks()) * block  # type: ignore[union-attr]
+    live_kv = len(kept.sessions.kv_state("kept").held_blocks()) * block  # type: ignore[union-attr]
     chunk_ms_kept = statistics.median(times["kept"][2:timed]) * 1000
     chunk_ms_plain = statistics.median(times["plain"][2:]) * 1000
     return {
