@@ -28,7 +28,7 @@ from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 from ..runner.types import StartImage, TickRequest
 
 if TYPE_CHECKING:
-    from .worker import TickOutcome
+    from .delivery import TickOutcome
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256

@@ -236,16 +236,8 @@ class ARRunner:
         self.sessions.release(session_id, reset_model=False, reason="close")
 
     def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
-        """Make ``new_session_id`` a resident session that continues from ``source_id``'s boundary ``boundary``.
-
-        ``boundary`` None is the latest: where the source is now. Returns the
-        boundary; the new session's next chunk has that ``chunk_index``; it shares the
-        boundary's blocks with the source (copy-on-write: neither ever writes
-        a committed block) and gets a copy of the model-owned state there.
-        Room is made like for any new session (LRU eviction; the source counts
-        as just used). :class:`RewindUnavailable` if the boundary is not held,
-        before anything changes.
-        """
+        """Make ``new_session_id`` a resident session continuing from ``source_id``'s boundary ``boundary``
+        (None: where the source is now); returns the boundary (:meth:`SessionTable.branch`)."""
         return self.sessions.branch(source_id, boundary, new_session_id)
 
     def park_session(self, session_id: str) -> bool:
@@ -465,13 +457,8 @@ class ARRunner:
     # ---- split decode (runner/split_decode.py) ------------------------------------------
 
     def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
-        """Decode one round's pending chunks (distinct sessions); a chunk without ``pending`` passes as it is.
-
-        Safe on another thread while :meth:`execute` runs: it touches no
-        session. Only a session whose own decode fails gets a
-        :class:`TickFailure`: the caller then releases it with
-        :meth:`fail_session` on the runner's thread.
-        """
+        """Decode one round's pending chunks, safe beside :meth:`execute` (runner/split_decode.py); a session
+        whose own decode fails gets a :class:`TickFailure`, and the caller then calls :meth:`fail_session`."""
         return list(results) if self._decoder is None else self._decoder.decode(results)
 
     def fail_session(self, session_id: str, reason: str = "decode_failed") -> None:

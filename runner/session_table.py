@@ -255,8 +255,16 @@ class SessionTable:
             raise
 
     def branch(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
-        """Make ``new_session_id`` a resident session continuing from ``source_id``'s boundary (None: where the
-        source is now); returns the boundary. See :meth:`ARRunner.branch_session`."""
+        """Make ``new_session_id`` a resident session that continues from ``source_id``'s boundary ``boundary``.
+
+        ``boundary`` None is the latest: where the source is now. Returns the
+        boundary; the new session's next chunk has that ``chunk_index``; it shares the
+        boundary's blocks with the source (copy-on-write: neither ever writes
+        a committed block) and gets a copy of the model-owned state there.
+        Room is made like for any new session (LRU eviction; the source counts
+        as just used). :class:`RewindUnavailable` if the boundary is not held,
+        before anything changes.
+        """
         if self.rewinds.refusal:
             raise RewindUnavailable(self.rewinds.refusal)
         if self.holds(new_session_id):
