@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .wire import PROTOCOL_VERSION
-from .worker import ModelWorker, OnWorkerThread
+from .worker import OnWorkerThread
 from ..runner.capabilities import SupportsExport
 from ..runner.runtimes import park_idle as park_idle_now
 from ..runner.runtimes import park_session as park_session_now
@@ -28,6 +28,12 @@ from ..runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_expor
 _T = TypeVar("_T")
 
 
+class RunsCalls(Protocol):
+    """A model worker, as these functions use it: :meth:`ModelWorker.call` and nothing else."""
+
+    def call(self, function: Callable[[OnWorkerThread], _T], *, lane: str | None = None) -> asyncio.Future[_T]: ...
+
+
 @dataclass(frozen=True)
 class Receiving:
     """What this replica checks an incoming snapshot against, taken on the worker's thread."""
@@ -36,7 +42,7 @@ class Receiving:
     session_bytes: int  # a resident session's bytes at most (the pool's plan)
 
 
-def receiving(worker: ModelWorker) -> asyncio.Future[Receiving]:
+def receiving(worker: RunsCalls) -> asyncio.Future[Receiving]:
     """This replica's identity and a session's size, for an incoming move: :class:`SnapshotRefused` when the
     runtime cannot take sessions. Hashing the weights (the first time) runs on the worker's thread, never on
     the event loop."""
@@ -48,7 +54,7 @@ def receiving(worker: ModelWorker) -> asyncio.Future[Receiving]:
     return worker.call(take)
 
 
-def export_plan(worker: ModelWorker, session_id: str) -> asyncio.Future[SnapshotPlan]:
+def export_plan(worker: RunsCalls, session_id: str) -> asyncio.Future[SnapshotPlan]:
     """Resolves with the session's snapshot as a plan to read in pieces (runner/snapshot_stream.py), taken
     at its next chunk boundary; nothing is copied yet. The session must run no tick until its parts are
     read (:func:`read_parts`).
@@ -70,13 +76,13 @@ def export_plan(worker: ModelWorker, session_id: str) -> asyncio.Future[Snapshot
     return worker.call(plan, lane=session_id)
 
 
-def read_parts(worker: ModelWorker, parts: Sequence[Part]) -> asyncio.Future[bytes]:
+def read_parts(worker: RunsCalls, parts: Sequence[Part]) -> asyncio.Future[bytes]:
     """A piece of a plan's bytes (``parts`` in order), read on the worker between forwards: it owns the
     device and the pool."""
     return worker.call(lambda _on: b"".join(piece_bytes(part()) for part in parts))
 
 
-def import_session(worker: ModelWorker, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
+def import_session(worker: RunsCalls, session_id: str, snapshot: SessionSnapshot) -> asyncio.Future[None]:
     """Resolves once ``snapshot`` is resident as ``session_id``; :class:`SnapshotRefused` when it does not fit."""
 
     def adopt(on: OnWorkerThread) -> None:
@@ -89,7 +95,7 @@ def import_session(worker: ModelWorker, session_id: str, snapshot: SessionSnapsh
 
 
 def import_step(
-    worker: ModelWorker, job: SessionImport, step: Callable[[SupportsExport], _T]
+    worker: RunsCalls, job: SessionImport, step: Callable[[SupportsExport], _T]
 ) -> asyncio.Future[_T]:
     """One step of a streamed import (``job.begin``, ``write``, ``finish``, ``abort``: runner/snapshot_import.py)
     on the worker. While the import holds the session resident, its chunks count as produced elsewhere, as
@@ -108,7 +114,7 @@ def import_step(
     return worker.call(run)
 
 
-def branch_session(worker: ModelWorker, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
+def branch_session(worker: RunsCalls, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
     """Resolves to the boundary once ``new_session_id`` is resident, continuing from ``source_id``'s chunk
     boundary ``boundary`` (None: where the source is now); :class:`RewindUnavailable` when the boundary is
     not held, the runtime's capacity error when there is no room."""
@@ -122,13 +128,13 @@ def branch_session(worker: ModelWorker, source_id: str, boundary: int | None, ne
     return worker.call(branch)
 
 
-def park_session(worker: ModelWorker, session_id: str) -> None:
+def park_session(worker: RunsCalls, session_id: str) -> None:
     """Park the session's device state in host memory at the next chunk boundary (it detached), where the
     runtime parks (runner/session_parking.py). Nobody waits for it."""
     _unawaited(worker.call(lambda on: park_session_now(on.runtime, session_id)))
 
 
-def park_idle(worker: ModelWorker) -> None:
+def park_idle(worker: RunsCalls) -> None:
     """Park the sessions idle past ``--park-after-s`` at the next chunk boundary, whether or not a tick comes."""
     _unawaited(worker.call(lambda on: park_idle_now(on.runtime)))
 

@@ -395,7 +395,8 @@ class ARRunner:
             aborted = _abort_batch(self.sessions, ticks, states, exc)
             if not isinstance(exc, Exception):
                 raise
-            return [aborted.get(t.session_id) or self._attempt(t, self._forward_alone) for t in ticks]
+            return [aborted[t.session_id] if t.session_id in aborted else self._attempt(t, self._forward_alone)
+                    for t in ticks]
         for state in states:
             state.accept_chunk()
         compute_s = time.perf_counter() - started

@@ -113,7 +113,8 @@ class RuntimeClass(Protocol):
     """A runtime's class, as the table names it: it builds itself over a pipeline, refusing what it cannot run."""
 
     @classmethod
-    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> InspectableRuntime: ...
+    def for_pipeline(cls, pipeline: Any, options: RuntimeOptions) -> InspectableRuntime:
+        """An ARPipeline, or a NativePipeline for a runtime that serves those (``RuntimeEntry.serves_native``)."""
 
 
 @dataclass(frozen=True)
