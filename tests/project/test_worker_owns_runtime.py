@@ -8,7 +8,6 @@ Everything that needs the runtime (exports, imports, branches, parking) hands a 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
