@@ -142,21 +142,21 @@ class ARRunner:
         self.blocks_free_at_start = self.pool.num_free
         self._sync = sync
         self.counters = RuntimeCounters()
+        policy = parking or ParkingPolicy()
         self.rewinds = SessionRewinds(pipeline, self.pool, self.rewind, self.rewind_refusal, split_decode=self.split_decode)
         self.sessions = SessionTable(
             pipeline,
             self.pool,
             self.plan.session_capacity,
             rewinds=self.rewinds,
-            lot=ParkingLot.for_policy(parking or ParkingPolicy()),
+            lot=ParkingLot.for_policy(policy),
             counters=self.counters,
             clock=clock,
         )
         self.parking = SessionParking(
-            self.sessions, parking or ParkingPolicy(), self.plan, counters=self.counters,
-            split_decode=self.split_decode, clock=clock,
+            self.sessions, policy, self.plan, counters=self.counters, split_decode=self.split_decode, clock=clock
         )
-        self._decoder = None
+        self._decoder: SplitDecoder | None = None
         if self.split_decode:
             assert isinstance(pipeline, SupportsSplitDecode)
             self._decoder = SplitDecoder(
