@@ -23,7 +23,7 @@ import torch
 from .contract import ARPipeline, SupportsSessionTransfer, SupportsSplitDecode
 from .kv_state import SessionKVState
 from .parking import ParkedSession, ParkingLot, RestoreFailed, park_payload, restore_payload
-from .pool import PoolPlan
+from .pool import PoolExhausted, PoolPlan
 from .rewind import RewindPoints
 from .rewinds import SessionRewinds
 from .session_table import SessionTable
@@ -55,10 +55,13 @@ class SessionParking:
         self.counters = counters
         self.split_decode = split_decode
         self._clock = clock
-        # Most sessions parked at once: the park budgets over a session's worst-case bytes.
-        room = self.lot.budget_bytes + self.lot.spill_budget_bytes
+        # Most sessions parked at once: each park budget over a session's worst-case bytes. Apiece, since a
+        # parked session is kept whole in host memory or in a file: so whenever fewer are parked, one more
+        # fits somewhere, and a restore's swap never finds the lot too small.
+        per_session = max(plan.per_session_bytes, 1)
         transferable = self.lot.enabled and isinstance(self.pipeline, SupportsSessionTransfer)
-        self.capacity = room // max(plan.per_session_bytes, 1) if transferable else 0
+        room = self.lot.budget_bytes // per_session + self.lot.spill_budget_bytes // per_session
+        self.capacity = room if transferable else 0
         # the device <-> host copies run here, beside the forward (CUDA only)
         self._copy_stream: Any = None
         if self.pool.device.type == "cuda" and self.lot.enabled:
@@ -158,12 +161,21 @@ class SessionParking:
         return True
 
     def restore(self, session_id: str) -> SessionKVState:
-        """Bring a parked session back into the pool (a slot is free); a failure ends it and raises RestoreFailed."""
+        """Bring a parked session back into the pool, parking another to make room; a failure ends it and raises
+        RestoreFailed.
+
+        It leaves the lot before room is made: with every slot and park place held the lot is full, and the
+        least recently used resident session takes its place there (a swap). Made the other way round, no
+        session could be parked and making room would end one that a connection holds.
+        """
         pipeline = self.pipeline
         assert isinstance(pipeline, SupportsSessionTransfer)
+        if self.table.full_of_exports():
+            raise PoolExhausted(f"all {self.table.capacity} session slots hold sessions being exported")
         started = time.perf_counter()
         try:
             parked, tensors = self.lot.take(session_id)
+            self.table.make_room()
             restored = restore_payload(self.pool, session_id, parked.layout, tensors)
             try:
                 pipeline.import_session_state(session_id, restored.live_model)

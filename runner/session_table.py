@@ -96,6 +96,10 @@ class SessionTable:
         """The KV state of a session in the pool (a parked one's is not restored: None)."""
         return self._states.get(session_id)
 
+    def full_of_exports(self) -> bool:
+        """Whether every pool slot holds a session being exported (none can make room)."""
+        return len(self._states) >= self.capacity and self._pinned.issuperset(self._states)
+
     def last_used(self, session_id: str) -> float:
         return self._last_used.get(session_id, self._clock())
 
@@ -138,8 +142,7 @@ class SessionTable:
         state = self._states.get(session_id)
         if state is None and session_id in self.lot:
             assert self.parking is not None  # only a runner that parks fills the lot
-            self.make_room()
-            state = self.parking.restore(session_id)
+            state = self.parking.restore(session_id)  # it makes room itself (a swap)
         return state
 
     def kv_state(self, session_id: str) -> SessionKVState | None:

@@ -55,7 +55,8 @@ class SnapshotRefused(SnapshotError):
 
 @dataclass
 class SessionSnapshot:
-    """One session's portable state; :meth:`to_bytes` / :meth:`from_bytes` are the wire format."""
+    """One session's portable state; runner/snapshot_stream.py's :func:`snapshot_bytes` and
+    :func:`parse_snapshot` are the wire format."""
 
     header: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)

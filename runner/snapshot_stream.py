@@ -1,8 +1,7 @@
 """A session snapshot in pieces: exported, sent and read without ever holding the whole file.
 
-The bytes are the same safetensors file :meth:`SessionSnapshot.to_bytes`
-writes (:func:`SessionSnapshot.from_bytes` reads either), but neither side
-builds it whole:
+The bytes are the same safetensors file :func:`snapshot_bytes` writes whole
+(:func:`parse_snapshot` reads either), but neither side builds it whole:
 
 - :func:`plan_export` runs on the worker thread at the session's chunk
   boundary and returns a :class:`SnapshotPlan`: the header (its tensor table
@@ -138,7 +137,7 @@ class SnapshotPlan:
 
     def chunks(self) -> Iterator[bytes]:
         """The file's bytes in order, each piece read here (the caller owns the tensors: a test, a tool, or
-        :meth:`SessionSnapshot.to_bytes`), then the digest; a server's sender reads its pieces on the worker."""
+        :func:`snapshot_bytes`), then the digest; a server's sender reads its pieces on the worker."""
         seal = Seal()
         head = self.head()
         seal.add(head)
