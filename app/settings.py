@@ -99,6 +99,11 @@ class ModelSettings(SettingGroup):
     memory_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool"
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model's DiT blocks at load, for the shapes the warm-up runs, before /readyz "
+        "says ready (the log says 'compiling' until done; matrix-game-2, longlive; on the CPU it needs g++)",
+    )
 
     @field_validator("model")
     @classmethod
@@ -174,8 +179,8 @@ class RewindSettings(SettingGroup):
         ge=0,
         le=3600,
         description="how far back a session may rewind or be branched from, in seconds of play: every chunk "
-        "boundary of the last 2 s, sparser further back, within --rewind-budget-mib; 0 turns rewind off "
-        "(docs/rewind.md)",
+        "boundary of the last moments (up to 2 s), sparser further back, a point near this far back and none older "
+        "than 1.2 times it, within --rewind-budget-mib; 0 turns rewind off (docs/rewind.md)",
     )
     rewind_budget_mib: float = Field(
         24.0,

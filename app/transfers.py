@@ -121,7 +121,10 @@ def branch_session(worker: RunsCalls, source_id: str, boundary: int | None, new_
 
     def branch(on: OnWorkerThread) -> int:
         index = on.runtime.branch_session(source_id, boundary, new_session_id)
-        on.produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
+        # From a later boundary it has a history: an eviction before its next chunk says so. From boundary 0 it
+        # has none to lose: its first chunk goes on with the source's rollout from its start, no restart.
+        if index > 0:
+            on.produced.add(new_session_id)
         on.restart_stream(new_session_id)
         return index
 

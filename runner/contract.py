@@ -89,6 +89,14 @@ class SupportsWarmup(Protocol):
 
 
 @runtime_checkable
+class SupportsCompile(Protocol):
+    """Optional: compiled forwards (``--compile``), built on the first call of each shape (the warm-up's)."""
+
+    def compile_forward(self) -> None:
+        """Wrap the forward for compilation; the warm-up that follows compiles it."""
+
+
+@runtime_checkable
 class SupportsBatchedChunks(Protocol):
     """Optional: one forward that produces a chunk for each of several sessions.
 
