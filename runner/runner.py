@@ -92,8 +92,10 @@ class ARRunner:
     """Model-neutral AR runtime: one pipeline, one pool, many sessions."""
 
     @classmethod
-    def for_pipeline(cls, pipeline: ARPipeline, options: RuntimeOptions) -> ARRunner:
+    def for_pipeline(cls, pipeline: object, options: RuntimeOptions) -> ARRunner:
         """``--runtime arstream``: the settings' pool, rewind horizon and decode split over ``pipeline``."""
+        if not isinstance(pipeline, ARPipeline):  # one registered in vLLM-Omni goes to its runtime (runtimes.py)
+            raise _not_a_pipeline(pipeline)
         rewind = rewind_for(pipeline, seconds=options.rewind_seconds, budget_bytes=options.rewind_budget_bytes)
         return cls(
             pipeline, rewind=rewind, split_decode=options.split_decode, parking=options.parking, **options.pool()
@@ -114,11 +116,7 @@ class ARRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
-            raise UnsupportedConfiguration(
-                f"{type(pipeline).__name__} does not implement the ARPipeline contract: "
-                "kv_cache_spec(), model_card(), bind_session_state(), generate_chunk(), "
-                "reset_session() and close_session()"
-            )
+            raise _not_a_pipeline(pipeline)
         spec = pipeline.kv_cache_spec()
         if not isinstance(spec, KVCacheSpec):
             raise UnsupportedConfiguration(f"kv_cache_spec() must return KVCacheSpec, got {type(spec).__name__}")
@@ -535,6 +533,14 @@ class ARRunner:
 
     def model_card(self) -> dict[str, Any]:
         return {**self.pipeline.model_card(), "runtime": RUNTIME}
+
+
+def _not_a_pipeline(pipeline: object) -> UnsupportedConfiguration:
+    return UnsupportedConfiguration(
+        f"{type(pipeline).__name__} does not implement the ARPipeline contract: "
+        "kv_cache_spec(), model_card(), bind_session_state(), generate_chunk(), "
+        "reset_session() and close_session()"
+    )
 
 
 def _fail_batch(sessions: SessionTable, ticks: Sequence[TickRequest], error: BaseException) -> None:
