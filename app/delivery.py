@@ -21,6 +21,7 @@ from enum import Enum
 import numpy as np
 
 from .encoding import EncoderPool
+from .recorder import Recordings
 from .session import ChunkInputs, PendingEvent, TickJob
 from ..runner.types import ChunkResult
 
@@ -122,10 +123,30 @@ class Delivery:
         self.deliver = deliver
         self.encoders = EncoderPool(encode_threads, nice=encoder_nice)
         self.handoff = Handoff(loop)
+        self.recorder: Recordings | None = None  # set by the server when it records (--record-dir)
+        self.fps = 16.0  # the model card's, once the model is loaded (a recording's frame rate)
 
     def send(self, outcome: TickOutcome) -> None:
         """Deliver on the event loop, after the session's earlier outcomes."""
         self.encoders.submit(outcome.job.session.id, lambda: self.handoff.call(lambda: self.deliver(outcome)))
+
+    def recording_ends(self, session_id: str) -> None:
+        """The session was released: its recording, if any, is finished after its last chunk (on its lane)."""
+        recorder = self.recorder
+        if recorder is not None:
+            self.encoders.submit(session_id, lambda: recorder.finish(session_id))
+
+    def _record(self, session_id: str, share_token: str, result: ChunkResult, restarted: str | None) -> None:
+        """Append the chunk to the session's recording (on its encoder lane, in order); a failure costs the
+        recording, never the session."""
+        assert self.recorder is not None
+        try:
+            self.recorder.write(
+                session_id, share_token, result.frames, chunk_index=result.chunk_index, restarted=restarted, fps=self.fps
+            )
+        except Exception:  # noqa: BLE001 - a disk or encoder fault: the chunk is not recorded, play goes on
+            log.exception("session=%s chunk %d not recorded", session_id, result.chunk_index)
+            self.recorder.metrics.dropped("error")
 
     def after_lane(self, lane: str | None, function: Callable[[], None]) -> None:
         """Run ``function`` on the event loop: after the outcomes queued on ``lane`` (a session), or at once (None)."""
@@ -203,6 +224,8 @@ class Delivery:
             failed = TickOutcome(job, OutcomeKind.INTERNAL, queue_s=queue_s, error=f"frame encoding failed: {exc}")
             self.handoff.call(lambda: self.deliver(failed))
             return
+        if self.recorder is not None and session.record_to is not None:
+            self._record(session.id, session.record_to, result, restarted)
         chunk = TickOutcome(
             job,
             OutcomeKind.CHUNK,

@@ -24,6 +24,7 @@ from .metrics import ServerMetrics
 from .resume import DetachedSession, ResumeRegistry
 from .plan import check_plan_fits
 from .settings import Settings
+from .prompts import PromptPreparer
 from .start_image import StartImageResolver, offered_start_images
 from .session import Session
 from .unstarted import UnstartedConnections
@@ -114,6 +115,7 @@ class SessionHub:
             timeout_s=settings.start_image_timeout_s,
             nice=settings.encoder_nice,
         )
+        self.prompts = PromptPreparer()  # the model's prepare_prompt, run as each prompt arrives
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
@@ -202,6 +204,8 @@ class SessionHub:
                 if self.start_image_names:
                     self.start_images.set_frame(int(card["width"]), int(card["height"]))
                 self.model_card = card
+                assert self.worker.prepare_prompt is not None
+                self.prompts.use(self.worker.prepare_prompt)
                 self.ready = True
                 self.not_ready_reason = ""
             except jsonschema.SchemaError as exc:

@@ -189,7 +189,7 @@ class Migration:
 
     def _not_taking(self) -> ImportRefused | None:
         hub = self.hub
-        if hub.draining or hub.shutting_down or not hub.ready or hub.worker is None or not hub.worker.loaded:
+        if hub.draining or hub.shutting_down or not hub.ready or hub.worker is None or hub.worker.model_card is None:
             return ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
         return None
 

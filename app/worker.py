@@ -101,6 +101,7 @@ class ModelWorker:
         self.runtime: Runtime | None = None
         self.runner_stats: RunnerStats | None = None
         self.model_card: dict[str, Any] | None = None
+        self.prepare_prompt: Callable[[str], str] | None = None  # the model's, published once it is loaded
         # Worker-thread bookkeeping per session id: its last forward failed (only a reset runs next) / its chunks
         # were produced, here or elsewhere (an import, a branch: its KV gone without a release was evicted).
         self._failed: set[str] = set()
@@ -108,18 +109,13 @@ class ModelWorker:
         self.times = WorkerTimes(COMPUTE_TIMES_KEPT)
         self.round_times = RoundTimes()
         self._decode_stage: DecodeStage[Decoding] | None = None
-        self._delivery = Delivery(loop, deliver, encode_threads=encode_threads, encoder_nice=encoder_nice)
+        self.delivery = Delivery(loop, deliver, encode_threads=encode_threads, encoder_nice=encoder_nice)
         self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
 
     # ---- event-loop side ------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
-
-    @property
-    def loaded(self) -> bool:
-        """Whether the runtime is built (its model loaded and warmed up)."""
-        return self.runtime is not None
 
     @property
     def queue_depth(self) -> int:
@@ -193,7 +189,7 @@ class ModelWorker:
             result: _T | None = None
             error: Exception | None = None
             try:
-                result = function(OnWorkerThread(self.runtime, self._produced, self._delivery.encoders.restart_stream))
+                result = function(OnWorkerThread(self.runtime, self._produced, self.delivery.encoders.restart_stream))
             except Exception as exc:  # noqa: BLE001 - handed to the waiter
                 error = exc
 
@@ -205,7 +201,7 @@ class ModelWorker:
                 else:
                     future.set_result(result)  # type: ignore[arg-type]
 
-            self._delivery.after_lane(lane, settle)
+            self.delivery.after_lane(lane, settle)
 
         with self._cond:
             if self._stopping or self.runtime is None:
@@ -226,7 +222,7 @@ class ModelWorker:
         deliver: Callable[[dict[tuple[str, int], tuple[bytes, ...]]], None],
     ) -> None:
         """Encode a chunk once in each of ``formats`` for the session's viewers (app/delivery.py)."""
-        self._delivery.encode_for_viewers(
+        self.delivery.encode_for_viewers(
             session_id, frames, formats, chunk_index=chunk_index, tick_id=tick_id, deliver=deliver
         )
 
@@ -248,7 +244,7 @@ class ModelWorker:
         if self._decode_stage is not None and not self._thread.is_alive():
             self._decode_stage.shutdown()
         # Sessions are closed by now: what the encoders still hold would be dropped on delivery.
-        self._delivery.encoders.shutdown(wait=not self._thread.is_alive())
+        self.delivery.encoders.shutdown(wait=not self._thread.is_alive())
 
     # ---- worker thread ------------------------------------------------------------
 
@@ -259,6 +255,8 @@ class ModelWorker:
                 "session=%s evicted from the KV pool (least recently used, no connection holds it)", session_id
             )
             self.model_card = self.runtime.model_card()
+            self.delivery.fps = float(self.model_card.get("fps") or 16)
+            self.prepare_prompt = self.runtime.prepare_prompt  # thread-safe: the hub runs it as prompts arrive
             if isinstance(self.runtime, SplitDecodeRuntime) and self.runtime.split_decode:
                 self._decode_stage = DecodeStage(self.runtime, self.runtime.device, on_done=self._wake)
             # Warm-up's round time per batch size: realtime admission's first figures.
@@ -335,7 +333,8 @@ class ModelWorker:
         if self.runtime.is_resident(session_id):
             self.runtime.close_session(session_id)
             log.info("session=%s released its KV", session_id)
-        self._delivery.encoders.restart_stream(session_id)
+        self.delivery.encoders.restart_stream(session_id)
+        self.delivery.recording_ends(session_id)
 
     def _run_jobs(self, jobs: list[TickJob]) -> None:
         """Run one round's ticks (distinct sessions) through the runner together; one outcome per tick."""
@@ -348,7 +347,7 @@ class ModelWorker:
                 session.absorb_update(job)
                 queue_s = started - job.accepted_at
                 skipped = TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed")
-                self._delivery.send(skipped)
+                self.delivery.send(skipped)
                 continue
             inputs: ChunkInputs = session.take_chunk_inputs(job)
             tick = tick_request(job, inputs)
@@ -363,7 +362,7 @@ class ModelWorker:
             self._join_decode()
             for job, _, _ in runnable:
                 error = f"runner failed: {type(exc).__name__}: {exc}"
-                self._delivery.send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
+                self.delivery.send(TickOutcome(job, OutcomeKind.INTERNAL, queue_s=started - job.accepted_at, error=error))
             return
         forward_s = time.perf_counter() - started
         # The previous round's decode ran beside this forward: its outcomes go first (each session's in order).
@@ -380,13 +379,13 @@ class ModelWorker:
             queue_s = started - job.accepted_at
             if isinstance(result, ChunkResult) and result.pending is not None and job.session.id in self._failed:
                 # Its previous chunk's decode failed while this forward ran: the session is gone, this chunk too.
-                self._delivery.send(TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed"))
+                self.delivery.send(TickOutcome(job, OutcomeKind.SKIPPED_FAILED, queue_s=queue_s, error="the session had failed"))
                 continue
             if isinstance(result, TickFailure) and isinstance(result.error, RewindUnavailable):
                 # Nothing ran and the session is as it was: only this tick is refused.
                 job.session.restore_events(inputs.events)
                 refused = TickOutcome(job, OutcomeKind.REWIND_UNAVAILABLE, queue_s=queue_s, error=str(result.error))
-                self._delivery.send(refused)
+                self.delivery.send(refused)
                 continue
             if isinstance(result, TickFailure):
                 self._model_failed(job, inputs, result, queue_s)
@@ -403,7 +402,7 @@ class ModelWorker:
                 decoding.append((Decoding(job, inputs, restarted, queue_s, forward_s), result))
                 continue
             self.times.chunk(result.compute_s)
-            self._delivery.encode_and_send(job, inputs, result, restarted, queue_s)
+            self.delivery.encode_and_send(job, inputs, result, restarted, queue_s)
         if decoding and self._decode_stage is not None:
             self._decode_stage.submit([item for item, _ in decoding], [result for _, result in decoding])
         else:
@@ -432,7 +431,7 @@ class ModelWorker:
                 self._model_failed(item.job, item.inputs, result, item.queue_s)
                 continue
             self.times.chunk(result.compute_s)
-            self._delivery.encode_and_send(item.job, item.inputs, result, item.restarted, item.queue_s)
+            self.delivery.encode_and_send(item.job, item.inputs, result, item.restarted, item.queue_s)
         # Rewind points taken while that decode ran get its decoder state, before the next decode changes it.
         self.runtime.complete_boundaries()
         self._publish_stats()
@@ -445,4 +444,4 @@ class ModelWorker:
         error = failure.error
         log.warning("session=%s tick=%d model failed: %s", session.id, job.tick_id, error)
         message = f"{type(error).__name__}: {error}"
-        self._delivery.send(TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=message))
+        self.delivery.send(TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=message))

@@ -52,7 +52,7 @@ from .chunks import (
     one_pending,
     video_frames_of,
 )
-from .contract import ARPipeline, SupportsBatchedChunks, SupportsSplitDecode, SupportsWarmup
+from .contract import ARPipeline, SupportsBatchedChunks, SupportsSplitDecode, SupportsWarmup, prepare_prompt
 from .kv_state import SessionKVState
 from .parking import ParkingLot
 from .pool import PagedKVPool, budget_for_sessions, plan_pool, resolve_budget_bytes
@@ -533,6 +533,10 @@ class ARRunner:
 
     def model_card(self) -> dict[str, Any]:
         return {**self.pipeline.model_card(), "runtime": RUNTIME}
+
+    def prepare_prompt(self, prompt: str) -> str:
+        """A client's prompt as the model reads it (the server calls it as the prompt arrives, on its own thread)."""
+        return prepare_prompt(self.pipeline, prompt)
 
 
 def _not_a_pipeline(pipeline: object) -> UnsupportedConfiguration:

@@ -120,6 +120,11 @@ class LongLivePipeline(SessionStateBinding):
         self.prompt_bytes = _prompt_bytes(cfg, self.dtype, default)
         self.latent_bytes = 4 * cfg.out_dim * cfg.local_attn_size * cfg.latent_height * cfg.latent_width
 
+    def prepare_prompt(self, prompt: str) -> str:
+        """Wan's cleaning of a client's prompt (the server runs it once, as the prompt arrives: a chunk's prompt is
+        looked up as it comes, never cleaned on the model thread)."""
+        return clean_prompt(prompt)
+
     def _encode(self, prompt: str) -> torch.Tensor:
         return self.text.encode(prompt)
 
