@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import jsonschema
 import torch
 
-from . import webrtc
+from . import webrtc_track
 from .admission import RealtimeCapacity, admission_policy, chunk_period_s, realtime_capacity
 from .guard import FloodBans, RefusalLog, TrustedProxies
 from .metrics import ServerMetrics
@@ -487,9 +487,9 @@ class SessionHub:
             },
             # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
             "phases": {"decode_overlap": worker.decode_overlap, **worker.times.phases_summary()},
-            # WebRTC video (app/webrtc.py): the peer connections held open, whether the server offers the path
+            # WebRTC video (app/webrtc_track.py): the peer connections held open, whether the server offers the path
             "webrtc": {
-                "available": webrtc.AVAILABLE and self.settings.webrtc,
-                "peer_connections": webrtc.open_peer_connections(),
+                "available": webrtc_track.AVAILABLE and self.settings.webrtc,
+                "peer_connections": webrtc_track.open_peer_connections(),
             },
         }

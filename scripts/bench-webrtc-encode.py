@@ -28,7 +28,7 @@ from aiortc.codecs import get_encoder
 from aiortc.rtcrtpparameters import RTCRtpCodecParameters
 
 from arstream.app.codecs import new_encoder
-from arstream.app.webrtc import VIDEO_CLOCK_HZ, frame_step
+from arstream.app.webrtc_track import VIDEO_CLOCK_HZ, frame_step
 from arstream.measure import print_summary
 
 _codecs_bench = importlib.util.spec_from_file_location(

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from arstream.app import webrtc
+from arstream.app import webrtc_track
 from arstream.models.fake import FakeKVPipeline
 from browser_helpers import PageErrors, browser_marks, debug, new_page, page_at, wait
 from servers import LiveServer, fake_settings, running_server, wait_until
@@ -136,7 +136,7 @@ def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser
         numbers.append(first["track_frame"] + offset // result["step"])
     assert len(numbers) > CHUNKS, "too few frames were shown to check the mapping"
     assert numbers == sorted(set(numbers)) and 0 <= numbers[0] and numbers[-1] < result["total"]
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
 
 
@@ -169,9 +169,9 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         state = page.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
         assert state["errors"] == [] and state["delivery"] == "webrtc"
         assert state["trackFramesShown"] <= state["framesDrawn"]
-        assert webrtc.open_peer_connections() == 1
+        assert webrtc_track.open_peer_connections() == 1
         page.click("#play")  # Stop
-        wait_until(lambda: webrtc.open_peer_connections() == 0)
+        wait_until(lambda: webrtc_track.open_peer_connections() == 0)
         wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
         assert [text for text in violations if "Content Security Policy" in text] == []
     finally:
@@ -184,7 +184,7 @@ def test_the_page_stays_on_the_websocket_by_default(server: LiveServer, page: An
     state = debug(page)
     assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
     assert page.text_content("#hud-delivery") == "WebSocket"
-    assert webrtc.open_peer_connections() == 0
+    assert webrtc_track.open_peer_connections() == 0
 
 
 def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(page: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from arstream.app import webrtc
+from arstream.app import webrtc_track
 from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
 from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
@@ -24,7 +24,7 @@ aiortc = pytest.importorskip("aiortc")
 
 GUARD_S = 30.0  # hang guard only
 FPS = 16  # fake-kv's model card
-STEP = webrtc.frame_step(FPS)
+STEP = webrtc_track.frame_step(FPS)
 CHUNKS = 6
 # Chunks played on the WebSocket before the offer: the video path starts mid-session, and fake-kv's green
 # has grown past the near-black values that YUV's limited range clips.
@@ -116,7 +116,7 @@ def test_a_session_plays_on_the_track_and_each_frame_maps_to_its_chunk(server: L
     by_number = {c["track_frame"] + i: c["chunk_index"] * 2 + i for c in chunks for i in range(c["frames"])}
     for number, green in decoded:
         assert abs(green - by_number[number] % 256) <= 3, (number, green)
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
     wait_until(lambda: server.stats()["kv"]["sessions_resident"] == 0)
 
 
@@ -126,13 +126,13 @@ def test_a_dropped_connection_closes_its_peer_connection_and_returns_its_kv(serv
             pc, _, _ = await connect_video(client)
             await client.send(type="tick", tick_id=0)
             assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
-            held = webrtc.open_peer_connections()
+            held = webrtc_track.open_peer_connections()
             client.abort()
         await pc.close()
         return held
 
     assert asyncio.run(scenario()) == 1
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
     stats = server.stats()
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
     assert stats["webrtc"]["available"] is True
@@ -150,7 +150,7 @@ def test_a_bad_offer_is_refused_and_the_session_goes_on_over_the_websocket(serve
     refused, chunk, codecs = asyncio.run(scenario())
     assert refused["code"] == "webrtc_failed" and refused["fatal"] is False
     assert "delivery" not in chunk and len(codecs) == chunk["frames"]
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
 
 
 def test_a_second_offer_is_refused(server: LiveServer) -> None:
@@ -167,7 +167,7 @@ def test_a_second_offer_is_refused(server: LiveServer) -> None:
 
     refused = asyncio.run(scenario())
     assert refused["code"] == "webrtc_failed" and "already" in refused["message"]
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
 
 
 def test_an_offer_before_start_is_start_required(server: LiveServer) -> None:
@@ -179,7 +179,7 @@ def test_an_offer_before_start_is_start_required(server: LiveServer) -> None:
 
     code, messages = asyncio.run(scenario())
     assert code == 1008 and messages[0]["code"] == "start_required"
-    assert webrtc.open_peer_connections() == 0
+    assert webrtc_track.open_peer_connections() == 0
 
 
 def test_a_controller_on_webrtc_that_passes_control_watches_in_its_own_codec(server: LiveServer) -> None:
@@ -218,7 +218,7 @@ def test_a_controller_on_webrtc_that_passes_control_watches_in_its_own_codec(ser
     # the new controller's chunk and the old one's copy are JPEG on the WebSocket, not raw pixels
     assert "delivery" not in own and "delivery" not in watched
     assert {header.codec.name for header in own_frames + watched_frames} == {"JPEG"}
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
 
 
 def test_a_peer_that_goes_away_sends_the_session_back_to_the_websocket(server: LiveServer) -> None:
@@ -236,7 +236,7 @@ def test_a_peer_that_goes_away_sends_the_session_back_to_the_websocket(server: L
     state, chunk, codecs = asyncio.run(scenario())
     assert state["state"] in ("closed", "failed"), state
     assert "delivery" not in chunk and codecs == ["JPEG"] * chunk["frames"]
-    wait_until(lambda: webrtc.open_peer_connections() == 0)
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
 
 
 def test_a_server_without_webrtc_refuses_the_offer_and_plays_on() -> None:
