@@ -80,6 +80,18 @@ def _longlive(device: torch.device, **options: Any) -> ARPipeline:
     return load_longlive(device=device, **options)
 
 
+def _causal_forcing(device: torch.device, **options: Any) -> ARPipeline:
+    """Causal Forcing on LongLive's pipeline (the Self-Forcing path): its configs only, so the card names it."""
+    from .longlive.config import CONFIGS
+    from .longlive.loading import load_longlive
+
+    config = options.pop("config", "causal-forcing-1.3b")
+    allowed = sorted(name for name, cfg in CONFIGS.items() if cfg.model == "causal-forcing")
+    if config not in allowed:
+        raise ValueError(f"causal-forcing config {config!r} is not one of {allowed}")
+    return load_longlive(device=device, config=config, **options)
+
+
 # The project's own models; each factory takes (device, **options), as a plugin's does.
 BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,
@@ -87,6 +99,7 @@ BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "toy-attention": _toy_attention,
     "matrix-game-2": _matrix_game,
     "longlive": _longlive,
+    "causal-forcing": _causal_forcing,
 }
 
 
