@@ -169,8 +169,8 @@ class PublishedCausalForcing:
                 following = self.steps[index + 1]
                 noise = torch.randn((cfg.out_dim, frames, cfg.latent_height, cfg.latent_width),
                                     generator=self.generator).permute(1, 0, 2, 3)  # fmt: skip
-                noisy = self.scheduler.add_noise(denoised.flatten(0, 1), noise,
-                                                 following * torch.ones(frames, dtype=torch.long)).unflatten(0, (1, frames))  # fmt: skip
+                at = following * torch.ones(frames, dtype=torch.long)
+                noisy = self.scheduler.add_noise(denoised.flatten(0, 1), noise, at).unflatten(0, (1, frames))
         assert denoised.shape[1:] == shape
         if self.commit:
             self._generator(denoised, torch.zeros((1, frames), dtype=torch.int64))

@@ -120,7 +120,8 @@ def test_frame_wise_batched_sessions_equal_their_alone_runs() -> None:
     alone = {}
     for session, seed in seeds.items():
         runner = runner_for_sessions(model, 1)
-        alone[session] = [runner.execute_tick(tick(session, i, seed)).frames for i in range(5)]  # type: ignore[union-attr]
+        results = [runner.execute_tick(tick(session, i, seed)) for i in range(5)]
+        alone[session] = [r.frames for r in results if isinstance(r, ChunkResult)]
         runner.close_session(session)
     runner = runner_for_sessions(model, 2, max_batch_sessions=2)
     batched: dict[str, list[np.ndarray]] = {"x": [], "y": []}
