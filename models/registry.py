@@ -92,6 +92,12 @@ def _causal_forcing(device: torch.device, **options: Any) -> ARPipeline:
     return load_longlive(device=device, config=config, **options)
 
 
+def _krea_realtime(device: torch.device, **options: Any) -> ARPipeline:
+    from .krea.loading import load_krea
+
+    return load_krea(device=device, **options)
+
+
 # The project's own models; each factory takes (device, **options), as a plugin's does.
 BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,
@@ -100,6 +106,7 @@ BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "matrix-game-2": _matrix_game,
     "longlive": _longlive,
     "causal-forcing": _causal_forcing,
+    "krea-realtime": _krea_realtime,
 }
 
 

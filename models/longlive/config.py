@@ -84,7 +84,7 @@ class LongLiveConfig(WanGeometry):
         return self.local_attn_size - self.sink_size
 
 
-_TINY: dict[str, Any] = dict(
+TINY_FIELDS: dict[str, Any] = dict(
     dim=32,
     ffn_dim=64,
     num_heads=2,
@@ -114,14 +114,14 @@ CONFIGS: dict[str, LongLiveConfig] = {
     "1.3b": LongLiveConfig(name="1.3b"),
     "self-forcing-1.3b": LongLiveConfig(name="self-forcing-1.3b", **_SELF_FORCING),
     "causvid-1.3b": LongLiveConfig(name="causvid-1.3b", **_CAUSVID),
-    "tiny": LongLiveConfig(name="tiny", **_TINY),
-    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", **_SELF_FORCING, **_TINY),
-    "tiny-causvid": LongLiveConfig(name="tiny-causvid", **_CAUSVID, **_TINY),
+    "tiny": LongLiveConfig(name="tiny", **TINY_FIELDS),
+    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", **_SELF_FORCING, **TINY_FIELDS),
+    "tiny-causvid": LongLiveConfig(name="tiny-causvid", **_CAUSVID, **TINY_FIELDS),
     "causal-forcing-1.3b": LongLiveConfig(name="causal-forcing-1.3b", **_CAUSAL_FORCING),
     "causal-forcing-framewise-1.3b": LongLiveConfig(name="causal-forcing-framewise-1.3b", **_CAUSAL_FORCING_FRAMEWISE),
-    "tiny-causal-forcing": LongLiveConfig(name="tiny-causal-forcing", **_CAUSAL_FORCING, **_TINY),
+    "tiny-causal-forcing": LongLiveConfig(name="tiny-causal-forcing", **_CAUSAL_FORCING, **TINY_FIELDS),
     "tiny-causal-forcing-framewise": LongLiveConfig(name="tiny-causal-forcing-framewise", **_CAUSAL_FORCING_FRAMEWISE,
-                                                    **_TINY),  # fmt: skip
+                                                    **TINY_FIELDS),  # fmt: skip
 }
 
 

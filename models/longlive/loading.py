@@ -1,7 +1,12 @@
-"""``load_longlive``: the LongLive pipeline from a checkpoint directory, or with seeded random weights."""
+"""``load_longlive``: the LongLive pipeline from a checkpoint directory, or with seeded random weights.
+
+:func:`load_parts` (the DiT, umT5, the VAE) is shared with the other text-to-video Wans (Krea Realtime).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +19,79 @@ check_longlive_extra()  # before transformers is imported (here and by the modul
 from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
 
 from . import checkpoint as ckpt  # noqa: E402
-from .config import get_config
+from .config import LongLiveConfig, get_config
 from .dit import LongLiveDiT
 from .pipeline import LongLivePipeline
 from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
 from ..wan.checkpoint import find_file, load_vae
 from ..wan.loading import check_weights_source, torch_dtype
 from ..wan.vae import StreamingVAE, build_vae
+
+
+DitLoader = Callable[[LongLiveDiT, Path], LongLiveDiT]
+
+
+@dataclass
+class WanT2VParts:
+    """A text-to-video Wan's modules, loaded and on their device: the DiT, its streaming VAE and its text encoder."""
+
+    model: LongLiveDiT
+    vae: StreamingVAE
+    text: TextEncoder
+
+
+def load_parts(
+    cfg: LongLiveConfig,
+    device: torch.device,
+    *,
+    family: str,
+    load_dit: DitLoader,
+    checkpoint: str | None,
+    random_init: bool,
+    seed: int,
+    dtype: str | None,
+    t5_file: str | None = None,
+    vae_file: str | None = None,
+    tokenizer: str | None = None,
+) -> WanT2VParts:
+    """The DiT (read by ``load_dit`` from the checkpoint directory), umT5 and the Wan VAE, or seeded random weights.
+
+    bf16 on CUDA, fp32 on the CPU (``dtype`` overrides); the text encoder runs
+    in the same dtype on the same device. With ``random_init`` and no
+    ``tokenizer`` directory the prompts go through a byte-level tokenizer.
+    Nothing is downloaded.
+    """
+    check_weights_source(family, checkpoint, random_init)
+    weights_dtype = torch_dtype(dtype, "bfloat16" if device.type == "cuda" else "float32", "dtype")
+    encoder: Any  # transformers' and diffusers' modules are untyped here
+    vae: Any
+    with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
+        model = LongLiveDiT(cfg)
+        encoder = UMT5EncoderModel(umt5_config(cfg.text))
+    model = model.to_empty(device="cpu")
+    encoder = encoder.to_empty(device="cpu")
+    vae = build_vae(cfg)
+    if checkpoint is not None:
+        directory = Path(checkpoint)
+        model = load_dit(model, directory)
+        ckpt.load_text_encoder(encoder, find_file(directory, t5_file, (ckpt.T5_FILE,), "umT5 encoder"))
+        load_vae(vae, find_file(directory, vae_file, (ckpt.VAE_FILE,), "VAE"))
+        tokens = load_tokenizer(Path(tokenizer) if tokenizer else directory / TOKENIZER_DIR)
+    else:
+        model.init_random(seed)
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for param in encoder.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        torch.manual_seed(seed)
+        vae = build_vae(cfg)  # diffusers' own random init, seeded
+        tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
+    model = model.to(device=device, dtype=weights_dtype)
+    encoder = encoder.to(device=device, dtype=weights_dtype)
+    vae = vae.to(device=device)
+    if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
+        vae = vae.to(dtype=weights_dtype)
+    return WanT2VParts(model, StreamingVAE(vae), TextEncoder(encoder, tokens, cfg.text_len))
 
 
 def load_longlive(
@@ -42,53 +113,25 @@ def load_longlive(
     prompt_cache: int = 4,
     session_capacity: int = 8,
 ) -> LongLivePipeline:
-    """Build LongLive from a directory in the published layout (:mod:`.checkpoint`), or ``random_init``.
-
-    bf16 on CUDA, fp32 on the CPU (``dtype`` overrides); the text encoder runs
-    in the same dtype on the same device. With ``random_init`` and no
-    ``tokenizer`` directory the prompts go through a byte-level tokenizer.
-    Nothing is downloaded.
-    """
-    device = torch.device(device)
+    """Build LongLive from a directory in the published layout (:mod:`.checkpoint`), or ``random_init``
+    (:func:`load_parts`)."""
     cfg = get_config(config)
-    check_weights_source("longlive", checkpoint, random_init)
-    weights_dtype = torch_dtype(dtype, "bfloat16" if device.type == "cuda" else "float32", "dtype")
-    encoder: Any  # transformers' and diffusers' modules are untyped here
-    vae: Any
-    with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
-        model = LongLiveDiT(cfg)
-        encoder = UMT5EncoderModel(umt5_config(cfg.text))
-    model = model.to_empty(device="cpu")
-    encoder = encoder.to_empty(device="cpu")
-    vae = build_vae(cfg)
-    if checkpoint is not None:
-        directory = Path(checkpoint)
+
+    def dit(model: LongLiveDiT, directory: Path) -> LongLiveDiT:
         ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"), dit_entry or cfg.dit_entry)
         lora = lora_file or cfg.lora_file
         if lora is not None and not no_lora:
             path = find_file(directory, lora, (lora,), "LoRA")
             model = ckpt.merge_lora(model, ckpt.read_lora(path), path, cfg)
-        ckpt.load_text_encoder(encoder, find_file(directory, t5_file, (ckpt.T5_FILE,), "umT5 encoder"))
-        load_vae(vae, find_file(directory, vae_file, (ckpt.VAE_FILE,), "VAE"))
-        tokens = load_tokenizer(Path(tokenizer) if tokenizer else directory / TOKENIZER_DIR)
-    else:
-        model.init_random(seed)
-        generator = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for param in encoder.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-        torch.manual_seed(seed)
-        vae = build_vae(cfg)  # diffusers' own random init, seeded
-        tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
-    model = model.to(device=device, dtype=weights_dtype)
-    encoder = encoder.to(device=device, dtype=weights_dtype)
-    vae = vae.to(device=device)
-    if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
-        vae = vae.to(dtype=weights_dtype)
+        return model
+
+    device = torch.device(device)
+    parts = load_parts(cfg, device, family="longlive", load_dit=dit, checkpoint=checkpoint, random_init=random_init,
+                       seed=seed, dtype=dtype, t5_file=t5_file, vae_file=vae_file, tokenizer=tokenizer)  # fmt: skip
     return LongLivePipeline(
-        model,
-        StreamingVAE(vae),
-        TextEncoder(encoder, tokens, cfg.text_len),
+        parts.model,
+        parts.vae,
+        parts.text,
         device=device,
         session_capacity=session_capacity,
         prompt_cache=prompt_cache,
