@@ -152,7 +152,7 @@ class PublishedCausalForcing:
                            self.local_attn_size, rolling=True)  # fmt: skip
         flow = self.model(x.permute(0, 2, 1, 3, 4), timestep, self.prompt_kv, ctx).permute(0, 2, 1, 3, 4)
         x0 = self.scheduler.flow_to_x0(flow.flatten(0, 1), x.flatten(0, 1), timestep.flatten(0, 1))
-        return flow, x0.unflatten(0, flow.shape[:2])
+        return flow, x0.reshape(flow.shape)
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
@@ -170,7 +170,7 @@ class PublishedCausalForcing:
                 noise = torch.randn((cfg.out_dim, frames, cfg.latent_height, cfg.latent_width),
                                     generator=self.generator).permute(1, 0, 2, 3)  # fmt: skip
                 at = following * torch.ones(frames, dtype=torch.long)
-                noisy = self.scheduler.add_noise(denoised.flatten(0, 1), noise, at).unflatten(0, (1, frames))
+                noisy = self.scheduler.add_noise(denoised.flatten(0, 1), noise, at)[None]
         assert denoised.shape[1:] == shape
         if self.commit:
             self._generator(denoised, torch.zeros((1, frames), dtype=torch.int64))

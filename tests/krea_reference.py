@@ -48,6 +48,7 @@ from collections import deque
 import torch
 
 from arstream.models.krea.pipeline import KreaPipeline
+from arstream.models.wan.vae import FeatureCache
 from causal_forcing_reference import FlowMatchScheduler
 
 
@@ -98,7 +99,8 @@ class _Pass:
             kept = new[:0] if old is None else old[:local_start]
             return torch.cat([kept, new])
 
-        buffer.k, buffer.v, buffer.frames = placed(buffer.k, k[0]), placed(buffer.v, v[0]), placed(buffer.frames, frames)
+        buffer.k, buffer.v = placed(buffer.k, k[0]), placed(buffer.v, v[0])
+        buffer.frames = placed(buffer.frames, frames)
         buffer.global_end, buffer.local_end = self.end, local_end
         return buffer.k[None], buffer.v[None]
 
@@ -119,7 +121,7 @@ class PublishedKrea:
         self.generator = torch.Generator().manual_seed(seed)
         self.all_latents: list[torch.Tensor] = []  # [16, h, w] per latent frame
         self.frame_context_cache: deque[torch.Tensor] = deque(maxlen=1 + (cfg.context_frames - 1) * 4)
-        self.decode_cache: list[object] | None = None
+        self.decode_cache: FeatureCache | None = None
         self.buffers = [Buffer() for _ in range(cfg.num_layers)]
         self.block_idx = 0
         self.current_start_frame = 0
@@ -208,8 +210,8 @@ class PublishedKrea:
                 renoised = self.scheduler.add_noise(denoised[0].transpose(0, 1), noise.transpose(0, 1), following)
                 noisy = renoised.transpose(0, 1)[None]
         self.all_latents.extend(denoised[0].unbind(1))
-        video, self.decode_cache = self.pipeline.vae.decode(denoised, self.decode_cache)  # type: ignore[arg-type]
-        self.frame_context_cache.extend(video.split(1, dim=2))
+        video, self.decode_cache = self.pipeline.vae.decode(denoised, self.decode_cache)
+        self.frame_context_cache.extend(video[:, :, i : i + 1] for i in range(video.shape[2]))
         self.current_start_frame += fpc
         self.block_idx += 1
         return denoised[0], video

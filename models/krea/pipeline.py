@@ -325,7 +325,7 @@ class KreaPipeline(SessionStateBinding):
                 entries.append(self.prompts.acquire(t.prompt if t.prompt is not None else s.prompt))
             started = time.perf_counter()
             with torch.inference_mode():
-                for state, session, entry in zip(states, before, entries):
+                for state, session in zip(states, before):
                     if session.latents is not None:  # the context under what the last chunk ran under
                         previous = self.prompts.get(session.prompt)
                         self._recompute(state, session, self._cross_kv(session, previous))

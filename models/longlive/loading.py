@@ -118,7 +118,8 @@ def load_longlive(
     cfg = get_config(config)
 
     def dit(model: LongLiveDiT, directory: Path) -> LongLiveDiT:
-        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"), dit_entry or cfg.dit_entry)
+        path = find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT")
+        ckpt.load_dit(model, path, dit_entry or cfg.dit_entry)
         lora = lora_file or cfg.lora_file
         if lora is not None and not no_lora:
             path = find_file(directory, lora, (lora,), "LoRA")

@@ -126,8 +126,8 @@ def test_frame_wise_batched_sessions_equal_their_alone_runs() -> None:
     runner = runner_for_sessions(model, 2, max_batch_sessions=2)
     batched: dict[str, list[np.ndarray]] = {"x": [], "y": []}
     for i in range(5):
-        results = runner.execute([tick(s, i, seed) for s, seed in seeds.items()])
-        for s, result in zip(seeds, results):
+        round_results = runner.execute([tick(s, i, seed) for s, seed in seeds.items()])
+        for s, result in zip(seeds, round_results):
             assert isinstance(result, ChunkResult)
             batched[s].append(result.frames)
     assert runner.counters.batched_forwards_total == 5
@@ -142,12 +142,13 @@ def test_an_exported_session_continues_bit_identically_on_another_pipeline(confi
     for i in range(4):
         here.execute_tick(tick("s", i))
     snapshot = SessionSnapshot.from_bytes(export_session(here, "s").to_bytes())
-    expected = [here.execute_tick(tick("s", i)).frames for i in range(4, 8)]  # type: ignore[union-attr]
+    expected = [here.execute_tick(tick("s", i)).frames for i in range(4, 8)]
     here.close_session("s")
     fresh = load_pipeline("causal-forcing", "cpu", config=config, random_init=True)
-    there = runner_for_sessions(fresh, 1)  # type: ignore[arg-type]
+    assert isinstance(fresh, LongLivePipeline)
+    there = runner_for_sessions(fresh, 1)
     import_session(there, "s", snapshot)
-    got = [there.execute_tick(tick("s", i)).frames for i in range(4, 8)]  # type: ignore[union-attr]
+    got = [there.execute_tick(tick("s", i)).frames for i in range(4, 8)]
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
     there.close_session("s")
     assert there.pool.num_free == there.blocks_free_at_start

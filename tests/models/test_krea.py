@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -28,9 +28,16 @@ from arstream.models.krea.loading import load_krea
 from arstream.models.krea.pipeline import KreaPipeline
 from arstream.models.longlive.checkpoint import T5_FILE, VAE_FILE
 from arstream.models.longlive.dit import LongLiveDiT
-from arstream.models.longlive.text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, transformers_to_wan_t5, umt5_config
+from arstream.models.longlive.text import (
+    TOKENIZER_DIR,
+    TextEncoder,
+    byte_tokenizer,
+    transformers_to_wan_t5,
+    umt5_config,
+)
 from arstream.models.registry import load_pipeline
 from arstream.models.wan.checkpoint import CheckpointError
+from arstream.models.wan.layers import WanAttentionBlock
 from arstream.models.wan.vae import StreamingVAE, build_vae, to_uint8
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
@@ -125,8 +132,8 @@ def test_batched_sessions_equal_their_alone_runs_through_a_blend() -> None:
     runner = runner_for_sessions(pipeline(), 2, max_batch_sessions=2)
     batched: dict[str, list[np.ndarray]] = {"x": [], "y": []}
     for i in range(6):
-        results = runner.execute([tick(s, i, schedules[s][i]) for s in "xy"])
-        for s, result in zip("xy", results):
+        round_results = runner.execute([tick(s, i, schedules[s][i]) for s in "xy"])
+        for s, result in zip("xy", round_results):
             assert isinstance(result, ChunkResult)
             batched[s].append(result.frames)
     assert runner.counters.batched_forwards_total == 6
@@ -142,11 +149,11 @@ def test_a_session_exported_mid_blend_continues_bit_identically_on_another_pipel
     for i, prompt in enumerate(SCHEDULE[:5]):  # the blend started at chunk 3
         here.execute_tick(tick("s", i, prompt))
     snapshot = SessionSnapshot.from_bytes(export_session(here, "s").to_bytes())
-    expected = [here.execute_tick(tick("s", i, SCHEDULE[i])).frames for i in range(5, 8)]  # type: ignore[union-attr]
+    expected = [here.execute_tick(tick("s", i, SCHEDULE[i])).frames for i in range(5, 8)]
     here.close_session("s")
     there = runner_for_sessions(load_krea(config="tiny", random_init=True), 1)
     import_session(there, "s", snapshot)
-    got = [there.execute_tick(tick("s", i, SCHEDULE[i])).frames for i in range(5, 8)]  # type: ignore[union-attr]
+    got = [there.execute_tick(tick("s", i, SCHEDULE[i])).frames for i in range(5, 8)]
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
     there.close_session("s")
     assert there.pool.num_free == there.blocks_free_at_start
@@ -164,10 +171,10 @@ def test_the_published_layout_loads_fused_and_a_bad_file_is_refused(tmp_path: Pa
     torch.save(vae.state_dict(), tmp_path / VAE_FILE)
     byte_tokenizer().save_pretrained(str(tmp_path / TOKENIZER_DIR))
     loaded = load_krea(config="tiny", checkpoint=str(tmp_path))
-    block = loaded.model.blocks[0].self_attn  # type: ignore[union-attr]
+    block = cast(WanAttentionBlock, loaded.model.blocks[0]).self_attn
     assert block.qkv is not None and not hasattr(block, "q")  # fused at load
-    reference_block = dit.blocks[0].self_attn  # type: ignore[union-attr]
-    fused = torch.cat([reference_block.q.weight, reference_block.k.weight, reference_block.v.weight])
+    published = cast(WanAttentionBlock, dit.blocks[0]).self_attn
+    fused = torch.cat([published.q.weight, published.k.weight, published.v.weight])
     assert torch.equal(block.qkv.weight, fused)
     state = {f"model.{k}": v.contiguous() for k, v in dit.state_dict().items()}
     del state["model.blocks.1.self_attn.v.weight"]
