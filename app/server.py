@@ -355,8 +355,13 @@ async def serve(server: ARStreamServer) -> int:
             print(f"{AGENT_MARKER} {display_host(server.config.host)}:{agent_port}", flush=True)
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
-        for line in network_lines(server.config.host, server.bound_port):
+        token_required = server.hub.settings.auth_token is not None
+        for line in network_lines(server.config.host, server.bound_port, token_required=token_required):
             print(line, flush=True)
+        capacity = capacity_line(server.hub.stats(), server.hub.rewind_seconds)
+        if capacity:
+            print(capacity, flush=True)
+        note_optional_pages()  # after the address: a plain start opens with where to go, not with what is missing
         running_line.release()
     elif loaded.done():  # the hub has logged why, in one line
         server.should_exit = True
@@ -367,6 +372,25 @@ async def serve(server: ARStreamServer) -> int:
 
 
 add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch
+
+
+def capacity_line(stats: dict[str, Any] | None, rewind_seconds: float) -> str | None:
+    """How many sessions this server holds, in plain words, from its /v1/stats document (None before it has one).
+
+    With parking on, the sessions held are the KV pool's slots plus the parked ones in host memory: both are said,
+    so the figure matches ``/v1/stats`` ``kv.session_capacity``.
+    """
+    if stats is None:
+        return None
+    kv, parking = stats["kv"], stats.get("parking") or {}
+    held, parked = int(kv["session_capacity"]), int(parking.get("park_capacity", 0))
+    each = f", each able to rewind {rewind_seconds:g} s" if rewind_seconds else ""
+    if not parked:
+        return f"Sessions: room for {held} at once{each}."
+    return (
+        f"Sessions: room for {held} at once{each}: {held - parked} playing in the model's memory and "
+        f"{parked} more parked in host memory while idle (parking; restored on their next chunk)."
+    )
 
 
 def note_optional_pages() -> None:
@@ -393,7 +417,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    note_optional_pages()
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)

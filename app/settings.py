@@ -174,8 +174,8 @@ class RewindSettings(SettingGroup):
         ge=0,
         le=3600,
         description="how far back a session may rewind or be branched from, in seconds of play: every chunk "
-        "boundary of the last 2 s, sparser further back, within --rewind-budget-mib; 0 turns rewind off "
-        "(docs/rewind.md)",
+        "boundary of the last moments (up to 2 s), sparser further back, a point near this far back and none older "
+        "than 1.2 times it, within --rewind-budget-mib; 0 turns rewind off (docs/rewind.md)",
     )
     rewind_budget_mib: float = Field(
         24.0,
@@ -474,6 +474,16 @@ class ClusterSettings(SettingGroup):
     drain_timeout_s: float = Field(
         30.0, gt=0, description="how long a drain may take (SIGTERM or arstream drain); sessions not moved by "
         "then end as on shutdown"
+    )
+    max_parallel_imports: int = Field(
+        2, ge=1, description="moved sessions this replica takes in at once (their snapshots streaming, their pool "
+        "room held); one more gets 503 with Retry-After before a byte is read, and a draining replica tries again "
+        "until its drain_timeout_s"
+    )
+    import_piece_timeout_s: float = Field(
+        10.0, gt=0, description="each 4 MiB piece of a moved session's snapshot must all arrive within this many "
+        "seconds of the piece before (a slow sender does not hold pool room); past it the import ends (408) and "
+        "what it held goes back"
     )
     agent_port: int | None = Field(
         None, ge=0, le=65535, description="TCP port of the HAProxy agent check (readiness and free session slots, "

@@ -362,7 +362,10 @@ class ModelWorker:
 
         def branch(runner: Runtime) -> int:
             index = runner.branch_session(source_id, boundary, new_session_id)
-            self._produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
+            # From a later boundary it has a history: an eviction before its next chunk says so. From boundary 0 it
+            # has none to lose: its first chunk goes on with the source's rollout from its start, no restart.
+            if index > 0:
+                self._produced.add(new_session_id)
             self._encoders.restart_stream(new_session_id)
             return index
 

@@ -165,6 +165,16 @@ class ServerError(RuntimeError):
         super().__init__(f"server {kind} {self.code}{about}: {self.detail}")
 
 
+class NoKeysModel(ValueError):
+    """The key script holds keys, and the server's model takes none (it is steered by its prompt)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"{model} takes no keys (its controls name none): it is steered by its prompt. "
+            'Leave out --keys (or hold none, e.g. "-*20") and send prompts with --prompt and --prompt-at TICK TEXT'
+        )
+
+
 class SessionClosed(RuntimeError):
     """The session ended (``closed`` message or the WebSocket closed) while we expected more."""
 
@@ -615,6 +625,11 @@ async def run_script(
         return fresh
 
     session = await fresh_session()
+    if any(plan) and not messages.takes_keys(session.model):
+        # Every input with keys would be refused: say what this model takes instead, before any tick.
+        await session.close()
+        await session.ws.close()
+        raise NoKeysModel(str(session.model.get("name")))
     chunk_indexes: list[int] = []
     restarts: list[tuple[int, str]] = []
     try:
@@ -946,6 +961,9 @@ def run(args: argparse.Namespace) -> int:
                     prompts_at=prompts_at,
                 )
             )
+    except NoKeysModel as exc:
+        print(f"arstream client: {exc}", file=sys.stderr)
+        return 2
     except ServerError as exc:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""
         print(f"arstream client: {exc}{hint}", file=sys.stderr)

@@ -25,6 +25,17 @@ def _message(fields: dict[str, Any]) -> str:
     return json.dumps(_present(fields), allow_nan=False)
 
 
+def takes_keys(card: dict[str, Any]) -> bool:
+    """Whether a model card's controls take held keys: its schema names ``keys`` or leaves room for unnamed fields.
+
+    A model steered by its prompt alone (LongLive) refuses every ``input`` that carries keys.
+    """
+    schema = card.get("controls")
+    if not isinstance(schema, dict):
+        return True  # no schema: nothing says keys are refused
+    return "keys" in (schema.get("properties") or {}) or schema.get("additionalProperties") is not False
+
+
 def _check_id(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < ID_LIMIT:
         raise ValueError(f"{name} must be an integer in [0, 2^32), got {value!r}")

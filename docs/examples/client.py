@@ -3,6 +3,7 @@
     pip install websockets
     python client.py URL KEY CHUNKS OUT_DIR
     python client.py ws://127.0.0.1:8000/v1/sessions d 40 saved/   # hold d for 40 chunks (not frames)
+    python client.py http://127.0.0.1:8000/ d 40 saved/             # the address serve prints works too
 
 Each chunk brings the model card's frames_per_chunk frames; all are saved in OUT_DIR as JPEG files.
 """
@@ -17,6 +18,13 @@ from websockets.sync.client import connect
 if len(sys.argv) != 5:
     sys.exit(__doc__)  # the usage above
 url, key, chunks, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), pathlib.Path(sys.argv[4])
+# The page's address (what `arstream serve` prints) names the same server: its sessions are at /v1/sessions.
+if url.startswith(("http://", "https://")):
+    url = "ws" + url[len("http"):]
+    if url.count("/") < 3 or url.split("/", 3)[3] == "":
+        url = url.rstrip("/") + "/v1/sessions"
+if not url.startswith(("ws://", "wss://")):
+    sys.exit(f"URL must start with ws://, wss://, http:// or https://, got {url!r}")
 out.mkdir(parents=True, exist_ok=True)
 
 with connect(url, max_size=None) as ws:

@@ -73,5 +73,7 @@ def load_krea(
                        tokenizer=tokenizer)  # fmt: skip
     if checkpoint is None:
         fuse_self_attention(parts.model)
-    return KreaPipeline(parts.model, parts.vae, parts.text, device=device, session_capacity=session_capacity,
-                        prompt_cache=prompt_cache, default_prompt=default_prompt)  # fmt: skip
+    pipeline = KreaPipeline(parts.model, parts.vae, parts.text, device=device, session_capacity=session_capacity,
+                            prompt_cache=prompt_cache, default_prompt=default_prompt)  # fmt: skip
+    pipeline.random_weights = checkpoint is None
+    return pipeline

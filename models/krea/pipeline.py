@@ -107,6 +107,8 @@ class WindowContext:
 class KreaPipeline(SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
+    random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
+
     def __init__(
         self,
         model: LongLiveDiT,
@@ -189,6 +191,8 @@ class KreaPipeline(SessionStateBinding):
                 "additionalProperties": False,
             },
             "config": cfg.name,
+            # seeded random weights (a test set-up): the picture is noise, and the page says why
+            **({"weights": "random"} if self.random_weights else {}),
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:

@@ -129,7 +129,7 @@ def load_longlive(
     device = torch.device(device)
     parts = load_parts(cfg, device, family="longlive", load_dit=dit, checkpoint=checkpoint, random_init=random_init,
                        seed=seed, dtype=dtype, t5_file=t5_file, vae_file=vae_file, tokenizer=tokenizer)  # fmt: skip
-    return LongLivePipeline(
+    pipeline = LongLivePipeline(
         parts.model,
         parts.vae,
         parts.text,
@@ -138,3 +138,5 @@ def load_longlive(
         prompt_cache=prompt_cache,
         default_prompt=default_prompt,
     )
+    pipeline.random_weights = checkpoint is None
+    return pipeline

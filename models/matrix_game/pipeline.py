@@ -90,6 +90,8 @@ class ChunkTimings:
 class MatrixGamePipeline(SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsSplitDecode`` and ``SupportsWarmup``."""
 
+    random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
+
     def __init__(
         self,
         model: CausalWanDiT,
@@ -195,6 +197,8 @@ class MatrixGamePipeline(SessionStateBinding):
             "controls": controls_schema(cfg),
             "mouse": "camera" if cfg.action.enable_mouse else None,
             "config": cfg.name,
+            # seeded random weights (a test set-up): the picture is noise, and the page says why
+            **({"weights": "random"} if self.random_weights else {}),
             # offered by name (the first is the default); a model that lists any also takes a client's own pixels
             "start_images": self.images.names,
         }
@@ -574,7 +578,7 @@ def load_matrix_game(
         checkpoint=None if checkpoint is None else Path(checkpoint), decoder_file=decoder_file, seed=seed,
         decode_device=decode_device,
     )
-    return MatrixGamePipeline(
+    pipeline = MatrixGamePipeline(
         model,
         streaming_vae,
         decoder=None if chosen is streaming_vae else chosen,
@@ -586,3 +590,5 @@ def load_matrix_game(
         condition_frames=condition_frames,
         session_capacity=session_capacity,
     )
+    pipeline.random_weights = checkpoint is None
+    return pipeline

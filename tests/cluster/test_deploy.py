@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import re
 import shutil
 import signal
@@ -124,8 +125,19 @@ def test_secrets_come_from_the_environment_and_prometheus_keeps_its_data() -> No
     assert "prometheus-data:/prometheus" in services["prometheus"]["volumes"]
     # Private ports only on loopback: HAProxy's statistics and per-replica routes, Prometheus, Grafana.
     private = [port for name in ("prometheus", "grafana") for port in services[name]["ports"]]
-    private += [port for port in services["haproxy"]["ports"] if port.endswith(":8404")]
-    assert private and all(port.startswith("127.0.0.1:") for port in private)
+    private += [port for port in services["haproxy"]["ports"] if port.endswith((":8404", ":8405"))]
+    assert len(private) == 4 and all(port.startswith("127.0.0.1:") for port in private), private
+    # The admin page's password comes from the environment, with no default (unset: the page refuses all).
+    assert services["haproxy"]["environment"]["ARSTREAM_LB_ADMIN_PASSWORD"] == "${ARSTREAM_LB_ADMIN_PASSWORD:-}"
+
+
+def test_replicas_and_the_balancer_run_on_a_read_only_root_filesystem() -> None:
+    """What a replica writes (temporary files, compile caches under its home folder) goes to a tmpfs."""
+    services = compose()["services"]
+    assert services["haproxy"]["read_only"] is True
+    for name, service in replica_services().items():
+        assert service["read_only"] is True, name
+        assert set(service["tmpfs"]) == {"/tmp", "/home/arstream"}, name
 
 
 def compose_default(value: str) -> str:
@@ -475,3 +487,22 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard_folder() ->
     grafana = compose()["services"]["grafana"]
     mounted = {volume.split(":")[1] for volume in grafana["volumes"]}
     assert provider["options"]["path"] in mounted
+
+
+def test_the_local_cluster_example_can_be_drained_and_the_script_warns_without_a_secret(tmp_path: Path) -> None:
+    # The documented local cluster exports the secret before it starts, so `arstream drain` works on it.
+    doc = (REPO_ROOT / "docs/deployment.md").read_text()
+    block = doc[doc.index("```\nexport ARSTREAM_CLUSTER_SECRET") :]
+    block = block[: block.index("```", 4)]
+    assert block.index("export ARSTREAM_CLUSTER_SECRET") < block.index("scripts/local-cluster.sh"), block
+    # Started without one, the script says at once that its replicas cannot drain (here before it looks for
+    # HAProxy, which is made missing so that nothing starts).
+    env = {k: v for k, v in os.environ.items() if k != "ARSTREAM_CLUSTER_SECRET"}
+    env |= {"HAPROXY": str(tmp_path / "no-haproxy"), "ARSTREAM_CLUSTER_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts/local-cluster.sh"), "1"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "haproxy not found" in done.stderr
+    assert "ARSTREAM_CLUSTER_SECRET is not set: these replicas cannot drain" in done.stderr, done.stderr
+    env["ARSTREAM_CLUSTER_SECRET"] = "a-secret-of-enough-length"
+    assert "not set" not in subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts/local-cluster.sh"), "1"], env=env, capture_output=True, text=True
+    ).stderr

@@ -261,3 +261,23 @@ def test_a_refusal_that_closes_before_start_is_reported_with_its_code() -> None:
         with pytest.raises(client.ServerError) as refused:
             asyncio.run(start_after_refusal(secured.base_url))
     assert refused.value.code == "unauthorized"
+
+
+def test_keys_for_a_model_that_takes_none_are_refused_in_words_before_any_tick(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # LongLive (tiny, random weights) is steered by its prompt: its controls take no keys.
+    options = json.dumps({"config": "tiny", "random_init": True})
+    with server_process(["--model", "longlive", "--model-options", options, "--torch-threads", "1"]) as live:
+        code = client.main([live.base_url, "--keys", "d*3", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "longlive takes no keys" in err and "--prompt-at" in err and "invalid_controls" not in err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_takes_keys_reads_the_model_cards_controls() -> None:
+    assert messages.takes_keys({"controls": {"properties": {"keys": {}}, "additionalProperties": False}})
+    assert not messages.takes_keys({"controls": {"properties": {}, "additionalProperties": False}})
+    assert messages.takes_keys({"controls": {"type": "object"}})  # room for fields it does not name
+    assert messages.takes_keys({})
