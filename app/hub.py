@@ -22,17 +22,20 @@ from .admission import RealtimeCapacity, admission_policy, chunk_period_s, realt
 from .guard import FloodBans, RefusalLog, TrustedProxies
 from .metrics import ServerMetrics
 from .resume import DetachedSession, ResumeRegistry
+from .plan import check_plan_fits
 from .settings import Settings
+from .prompts import PromptPreparer
 from .start_image import StartImageResolver, offered_start_images
 from .session import Session
 from .unstarted import UnstartedConnections
 from .viewers import ShareRegistry
 from .worker import ModelWorker
 from ..models.registry import load_pipeline
-from ..runner.contract import ARPipeline
+from ..runner.contract import ARPipeline, SupportsCompile
 from ..runner.parking import ParkingPolicy
 from ..runner.vllm_omni.native import NativePipeline
 from ..runner.runtimes import Runtime, build_runtime
+from ..runner.types import UnsupportedConfiguration
 
 if TYPE_CHECKING:
     from .live_session import LiveSession
@@ -70,6 +73,14 @@ def same_client(detached: DetachedSession, connection: LiveSession) -> bool:
     return connection.token_key is not None and detached.token_key == connection.token_key
 
 
+def compile_forward(pipeline: ARPipeline | NativePipeline) -> None:
+    """``--compile``: the pipeline's forward wrapped for compilation, or a refusal naming the models that have one."""
+    if not isinstance(pipeline, SupportsCompile):
+        name = pipeline.model_card().get("name") if isinstance(pipeline, ARPipeline) else pipeline.name
+        raise UnsupportedConfiguration(f"--compile: model {name!r} has no compiled forward (matrix-game-2, longlive do)")
+    pipeline.compile_forward()
+
+
 class SessionHub:
     """State shared by every connection of one app."""
 
@@ -104,6 +115,7 @@ class SessionHub:
             timeout_s=settings.start_image_timeout_s,
             nice=settings.encoder_nice,
         )
+        self.prompts = PromptPreparer()  # the model's prepare_prompt, run as each prompt arrives
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
@@ -151,6 +163,7 @@ class SessionHub:
         if self._pipeline is not None:
             pipeline = self._pipeline
         else:
+            check_plan_fits(settings)
             pipeline = load_pipeline(settings.model, settings.device, **settings.model_options)
         runtime = build_runtime(
             settings.runtime,
@@ -166,6 +179,9 @@ class SessionHub:
                 settings.park_budget_bytes, settings.park_after_s, settings.park_spill_dir, settings.park_spill_budget_bytes
             ),
         )
+        if settings.compile:
+            compile_forward(pipeline)
+            self.not_ready_reason = "compiling the model's forward (--compile); the log says how far"
         warmed = runtime.warmup()
         log.info("model %s warmed up with %d chunk(s)", runtime.model_card().get("name"), warmed)
         return runtime
@@ -188,6 +204,8 @@ class SessionHub:
                 if self.start_image_names:
                     self.start_images.set_frame(int(card["width"]), int(card["height"]))
                 self.model_card = card
+                assert self.worker.runner is not None
+                self.prompts.use(self.worker.runner.prepare_prompt)
                 self.ready = True
                 self.not_ready_reason = ""
             except jsonschema.SchemaError as exc:
@@ -455,6 +473,8 @@ class SessionHub:
                 "replies_queued": sum(c.outbox.replies_queued for c in self.connections.values()),
             },
             "parking": runner_stats.parking(),  # runner/parking.py
+            # where each of the model's components lives and its bytes (the model card's, as loaded)
+            "components": self.model_card.get("components", []),
             "queue": {"depth": worker.queue_depth},
             "chunks": {
                 "total": runner_stats.chunks_total,

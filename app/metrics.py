@@ -127,6 +127,17 @@ class ServerMetrics:
         )
         for outcome in ("resumed", "refused", "moved"):
             self.resumes.labels(outcome=outcome)  # both series exist from the start, so rates are never empty
+        self.recorded_bytes = Counter(
+            "arstream_recorded_bytes", "Bytes of fragmented MP4 written to recordings (--record-dir)", registry=registry
+        )
+        self.recording_drops = Counter(
+            "arstream_recording_drops",
+            "Chunks not recorded, by reason (session_bytes, total_bytes: a budget reached; error: a write failed)",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("session_bytes", "total_bytes", "error"):
+            self.recording_drops.labels(reason=reason)
         self.drains = Counter(
             "arstream_drains",
             "Drains begun on this replica (SIGTERM, POST /v1/cluster/drain, arstream drain)",

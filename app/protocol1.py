@@ -24,6 +24,7 @@ from .dialect import Dialect, Started
 from .handshake import Handshake, Watching
 from .live_session import LiveSession, Watch, too_large
 from .outbox import QueuedChunk, QueuedText
+from .prompts import PromptRateExceeded
 from .protocol import (
     CLOSE_NORMAL,
     ClientMessage,
@@ -182,6 +183,14 @@ class Protocol1(Dialect):
     def _as_controller(self, live: LiveSession, parsed: ClientMessage) -> None:
         session = live.session
         assert session is not None
+        if isinstance(parsed, (TickMessage, InputMessage)) and parsed.prompt is not None:
+            # Prepared for the model here, once (bounded at parse time); the session holds what the model reads.
+            try:
+                prepared = live.gate.prompts.prepare(parsed.prompt, session.prompt_allowance)
+            except PromptRateExceeded as exc:
+                tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
+                raise ProtocolError(ErrorCode.TOO_MANY_TICKS, str(exc), tick_id=tick_id) from None
+            parsed = parsed.model_copy(update={"prompt": prepared})
         if isinstance(parsed, TickMessage):
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
             job = session.accept_tick(parsed)

@@ -46,6 +46,7 @@ from .fmp4 import fmp4_codec
 from .handshake import Handshake
 from .live_session import LiveSession, too_large
 from .outbox import QueuedChunk
+from .prompts import PromptRateExceeded
 from .protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
 from .protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, dumps, loads_strict
 from .realtime_video_events import (
@@ -271,7 +272,7 @@ class RealtimeVideo(Dialect):
             codec=fmp4_codec(request.fps),
             quality=live.settings.default_jpeg_quality(card),
             seed=request.seed,
-            prompt=request.start.prompt,
+            prompt=gate.prompts.prepare(request.start.prompt),
             max_pending_ticks=live.settings.max_pending_ticks,
             start_image=start_image,
         )
@@ -506,14 +507,18 @@ class RealtimeVideo(Dialect):
             raise RealtimeVideoError(problem, "interaction_failed", event_id=name)
         event_id = (session.event_floor or 0) + 1
         try:
+            # The prompt was bounded when the interaction was parsed; what the model makes of it may be longer.
+            prepared = live.gate.prompts.prepare(interaction.prompt, session.prompt_allowance)
             session.accept_event(
-                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt),
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls).model_copy(
+                    update={"prompt": prepared}
+                ),
                 hold_chunks=interaction.hold_chunks,
                 release=interaction.release,
                 prompt_transition_chunks=interaction.prompt_transition_chunks,
             )
-        except ProtocolError as exc:
-            raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
+        except (ProtocolError, PromptRateExceeded) as exc:
+            raise RealtimeVideoError(str(exc), "interaction_failed", event_id=name) from None
         state.names_seen.add(name)
         state.event_names[event_id] = name
         fields = ("controls",) * (interaction.controls is not None) + ("prompt",) * (interaction.prompt is not None)

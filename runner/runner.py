@@ -57,6 +57,7 @@ from .contract import (
     SupportsSessionTransfer,
     SupportsSplitDecode,
     SupportsWarmup,
+    prepare_prompt,
 )
 from .kv_state import SessionKVState
 from .parking import ParkedSession, ParkingPolicy, RestoreFailed, park_payload, restore_payload
@@ -1050,6 +1051,10 @@ class ARRunner:
 
     def model_card(self) -> dict[str, Any]:
         return {**self.pipeline.model_card(), "runtime": RUNTIME}
+
+    def prepare_prompt(self, prompt: str) -> str:
+        """A client's prompt as the model reads it (the server calls it as the prompt arrives, on its own thread)."""
+        return prepare_prompt(self.pipeline, prompt)
 
 
 def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:

@@ -74,6 +74,7 @@ def load_krea(
     if checkpoint is None:
         fuse_self_attention(parts.model)
     pipeline = KreaPipeline(parts.model, parts.vae, parts.text, device=device, session_capacity=session_capacity,
-                            prompt_cache=prompt_cache, default_prompt=default_prompt)  # fmt: skip
+                            prompt_cache=prompt_cache, default_prompt=default_prompt,
+                            components=parts.components)  # fmt: skip
     pipeline.random_weights = checkpoint is None
     return pipeline

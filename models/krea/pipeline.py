@@ -119,8 +119,10 @@ class KreaPipeline(SessionStateBinding):
         session_capacity: int = 8,
         prompt_cache: int = 4,
         default_prompt: str | None = None,
+        components: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
+        self.components = components or []  # where each module lives and what it holds (the card's ``components``)
         self.model = model.eval()
         self.cfg: KreaConfig = model.cfg  # type: ignore[assignment]
         if self.cfg.context_frames != self.cfg.frames_per_chunk:
@@ -191,6 +193,7 @@ class KreaPipeline(SessionStateBinding):
                 "additionalProperties": False,
             },
             "config": cfg.name,
+            "components": self.components,
             # seeded random weights (a test set-up): the picture is noise, and the page says why
             **({"weights": "random"} if self.random_weights else {}),
         }
