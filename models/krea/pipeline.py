@@ -148,9 +148,13 @@ class KreaPipeline(SessionStateBinding):
         # the last chunk, the re-encoded frame, and a blend's two umT5 outputs
         self.owned_bytes = (cfg.frames_per_chunk + 1) * latent_frame + 2 * cfg.text_len * cfg.text.dim * elem
 
+    def prepare_prompt(self, prompt: str) -> str:
+        """Wan's cleaning of a client's prompt (the server runs it once, as the prompt arrives)."""
+        return clean_prompt(prompt)
+
     def _project(self, tokens: torch.Tensor) -> PromptKV:
         with torch.inference_mode():
-            return self.model.cross_kv(self.model.text_context(tokens))
+            return self.model.cross_kv(self.model.text_context(tokens.to(self.device, self.dtype)))
 
     # ---- contract ------------------------------------------------------------------------
 

@@ -118,7 +118,7 @@ def test_each_negative_control_differs(control: str, knobs: dict[str, bool], fir
     diffs = differences(latents, want_latents)
     assert max(diffs[:first_changed]) <= 1e-5, control
     assert max(diffs[first_changed:last_changed]) >= 5e-2, (control, diffs)
-    assert max(gap(a, b) for a, b in zip(frames, want_frames, strict=True)) >= 8, control
+    assert max(gap(a, b) for a, b in zip(frames, want_frames, strict=True)) >= 4, control  # 4x the equality bound
 
 
 def test_batched_sessions_equal_their_alone_runs_through_a_blend() -> None:
