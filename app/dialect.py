@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import asyncio
@@ -37,7 +37,10 @@ if TYPE_CHECKING:
     from .viewers import ShareRegistry
     from .protocol import CloseReason
     from .session import TickJob
-    from .worker import TickOutcome
+    from .worker import OnWorkerThread, TickOutcome
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,8 @@ class SessionWorker(Protocol):
     def drop_ticks(self, session_id: str) -> tuple[TickJob, ...]:
         """Take the session's queued ticks back (they will not run); the session stays."""
 
-    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
-        """Make a new session from another's chunk boundary (a call on the worker thread)."""
+    def call(self, function: Callable[[OnWorkerThread], _T], *, lane: str | None = None) -> asyncio.Future[_T]:
+        """Run ``function`` on the worker's thread (a branch: app/transfers.py); its result resolves the future."""
 
     def encode_for_viewers(
         self,

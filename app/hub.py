@@ -29,13 +29,13 @@ from .start_image import StartImageResolver, offered_start_images
 from .session import Session
 from .unstarted import UnstartedConnections
 from .viewers import ShareRegistry
+from .transfers import park_idle
 from .worker import ModelWorker
 from ..models.registry import load_pipeline
 from ..runner.contract import ARPipeline, SupportsCompile
-from ..runner.parking import ParkingPolicy
 from ..runner.vllm_omni.native import NativePipeline
 from ..runner.runtimes import Runtime, build_runtime
-from ..runner.types import UnsupportedConfiguration
+from ..runner.types import ParkingPolicy, UnsupportedConfiguration
 
 if TYPE_CHECKING:
     from .live_session import LiveSession
@@ -204,8 +204,8 @@ class SessionHub:
                 if self.start_image_names:
                     self.start_images.set_frame(int(card["width"]), int(card["height"]))
                 self.model_card = card
-                assert self.worker.runner is not None
-                self.prompts.use(self.worker.runner.prepare_prompt)
+                assert self.worker.prepare_prompt is not None
+                self.prompts.use(self.worker.prepare_prompt)
                 self.ready = True
                 self.not_ready_reason = ""
             except jsonschema.SchemaError as exc:
@@ -224,7 +224,7 @@ class SessionHub:
         """The worker parks idle sessions after each job; this asks it to on a quiet server too (no ticks at all)."""
         while self.worker is not None:
             await asyncio.sleep(max(0.25, after_s / 4))
-            self.worker.park_idle()
+            park_idle(self.worker)
 
     async def wait_loaded(self) -> None:
         """Until the model is ready or failed to load (check ``load_error``)."""
@@ -442,7 +442,7 @@ class SessionHub:
         runner_stats = worker.runner_stats if worker else None
         if worker is None or runner_stats is None:
             return None
-        p50, p99 = worker.compute_ms_percentiles()
+        p50, p99 = worker.times.compute_ms_percentiles()
         capacity = self.realtime_capacity()
         sessions = [c.session for c in self.connections.values() if c.session is not None]
         return {
@@ -485,5 +485,5 @@ class SessionHub:
                 "round_sessions_total": worker.round_times.round_sessions_total,
             },
             # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
-            "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
+            "phases": {"decode_overlap": worker.decode_overlap, **worker.times.phases_summary()},
         }

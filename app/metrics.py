@@ -188,7 +188,7 @@ class ReplicaCollector(Collector):
         if worker is None or worker.runner_stats is None or not hub.model_card:
             return
         yield _gauge("arstream_queue_depth", "Ticks waiting for the model worker", worker.queue_depth)
-        rounds, dit_s, decode_s, overlap = worker.phase_seconds()
+        rounds, dit_s, decode_s, overlap = worker.times.phase_seconds()
         for name, help_text, value in (
             ("arstream_rounds", "Worker rounds whose phases are counted below", rounds),
             ("arstream_round_dit_seconds", "Time in DiT forwards, summed over rounds", dit_s),
