@@ -23,7 +23,9 @@ from arstream.models.longlive.pipeline import LongLivePipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.wan.vae import to_uint8
 from arstream.runner.runner import runner_for_sessions
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+from arstream.runner.snapshot import export_session
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from arstream.runner.types import ChunkResult, TickRequest
 
 PROMPT = "a red fox running through deep snow"
@@ -141,7 +143,7 @@ def test_an_exported_session_continues_bit_identically_on_another_pipeline(confi
     here = runner_for_sessions(pipeline(config), 1)
     for i in range(4):
         here.execute_tick(tick("s", i))
-    snapshot = SessionSnapshot.from_bytes(export_session(here, "s").to_bytes())
+    snapshot = parse_snapshot(snapshot_bytes(export_session(here, "s")))
     expected = [here.execute_tick(tick("s", i)).frames for i in range(4, 8)]
     here.close_session("s")
     fresh = load_pipeline("causal-forcing", "cpu", config=config, random_init=True)

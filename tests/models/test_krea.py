@@ -40,7 +40,9 @@ from arstream.models.wan.checkpoint import CheckpointError
 from arstream.models.wan.layers import WanAttentionBlock
 from arstream.models.wan.vae import StreamingVAE, build_vae, to_uint8
 from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+from arstream.runner.snapshot import export_session
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from arstream.runner.types import ChunkResult, TickRequest
 
 A, B = "a red fox in the snow", "a city street at night, rain"
@@ -148,7 +150,7 @@ def test_a_session_exported_mid_blend_continues_bit_identically_on_another_pipel
     here = runner_for_sessions(pipeline(), 1)
     for i, prompt in enumerate(SCHEDULE[:5]):  # the blend started at chunk 3
         here.execute_tick(tick("s", i, prompt))
-    snapshot = SessionSnapshot.from_bytes(export_session(here, "s").to_bytes())
+    snapshot = parse_snapshot(snapshot_bytes(export_session(here, "s")))
     expected = [here.execute_tick(tick("s", i, SCHEDULE[i])).frames for i in range(5, 8)]
     here.close_session("s")
     there = runner_for_sessions(load_krea(config="tiny", random_init=True), 1)
