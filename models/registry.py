@@ -80,6 +80,24 @@ def _longlive(device: torch.device, **options: Any) -> ARPipeline:
     return load_longlive(device=device, **options)
 
 
+def _causal_forcing(device: torch.device, **options: Any) -> ARPipeline:
+    """Causal Forcing on LongLive's pipeline (the Self-Forcing path): its configs only, so the card names it."""
+    from .longlive.config import CONFIGS
+    from .longlive.loading import load_longlive
+
+    config = options.pop("config", "causal-forcing-1.3b")
+    allowed = sorted(name for name, cfg in CONFIGS.items() if cfg.model == "causal-forcing")
+    if config not in allowed:
+        raise ValueError(f"causal-forcing config {config!r} is not one of {allowed}")
+    return load_longlive(device=device, config=config, **options)
+
+
+def _krea_realtime(device: torch.device, **options: Any) -> ARPipeline:
+    from .krea.loading import load_krea
+
+    return load_krea(device=device, **options)
+
+
 # Models whose loaders build on the meta device (shapes and bytes, no file read): what ``arstream plan`` covers.
 PLANNED_MODELS = ("matrix-game-2", "longlive")
 
@@ -90,6 +108,8 @@ BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "toy-attention": _toy_attention,
     "matrix-game-2": _matrix_game,
     "longlive": _longlive,
+    "causal-forcing": _causal_forcing,
+    "krea-realtime": _krea_realtime,
 }
 
 

@@ -18,8 +18,16 @@ the same 21-frame attention, three steps (1000, 757, 522) *not* warped
 (the DiT sees them as they are), shift 8. Beyond 21 latent frames CausVid's
 code does not roll: it starts a new rollout from re-encoded frames, which a
 stream cannot do (docs/models.md, "CausVid"); here the window rolls.
+``causal-forcing-1.3b`` and ``causal-forcing-framewise-1.3b`` are Causal
+Forcing's published weights (thu-ml/Causal-Forcing: a drop-in for
+Self-Forcing's, run by the same inference pipeline): Self-Forcing's attention
+and steps, 3 latent frames a chunk (``chunkwise/causal_forcing.pt``, read from
+``generator`` as its README runs it) or one (``framewise/causal_forcing.pt``,
+its EMA weights: ``generator_ema``, as its README runs that one); their card
+names the model ``causal-forcing``.
 ``tiny`` keeps every structural feature at toy size for tests on a CPU;
-``tiny-self-forcing`` and ``tiny-causvid`` are the other layouts at that size.
+``tiny-self-forcing``, ``tiny-causvid``, ``tiny-causal-forcing`` and
+``tiny-causal-forcing-framewise`` are the other layouts at that size.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class LongLiveConfig(WanGeometry):
     """The backbone's fields are :class:`WanGeometry`'s (their defaults are LongLive's 1.3B)."""
 
     name: str
+    model: str = "longlive"  # the name the model card gives (what ``GET /v1/models`` lists)
     text_len: int = 512  # umT5 tokens the DiT's cross-attention reads (real ones, then zeros)
     sink_size: int = 3
     local_attn_size: int = 12  # LongLive's count: the sink plus the window, the current chunk included
@@ -75,7 +84,7 @@ class LongLiveConfig(WanGeometry):
         return self.local_attn_size - self.sink_size
 
 
-_TINY: dict[str, Any] = dict(
+TINY_FIELDS: dict[str, Any] = dict(
     dim=32,
     ffn_dim=64,
     num_heads=2,
@@ -96,13 +105,23 @@ _SELF_FORCING: dict[str, Any] = dict(sink_size=0, local_attn_size=21, lora_file=
 _CAUSVID: dict[str, Any] = dict(sink_size=0, local_attn_size=21, lora_file=None, dit_file="model.pt",
                                 denoise_timesteps=(1000, 757, 522), warp_timesteps=False, timestep_shift=8.0)  # fmt: skip
 
+# Causal Forcing: Self-Forcing's layout and steps with its own weights; frame-wise is one latent frame a chunk
+_CAUSAL_FORCING: dict[str, Any] = dict(_SELF_FORCING, model="causal-forcing", dit_file="causal_forcing.pt",
+                                       dit_entry="generator")  # fmt: skip
+_CAUSAL_FORCING_FRAMEWISE: dict[str, Any] = dict(_CAUSAL_FORCING, frames_per_chunk=1, dit_entry="generator_ema")
+
 CONFIGS: dict[str, LongLiveConfig] = {
     "1.3b": LongLiveConfig(name="1.3b"),
     "self-forcing-1.3b": LongLiveConfig(name="self-forcing-1.3b", **_SELF_FORCING),
     "causvid-1.3b": LongLiveConfig(name="causvid-1.3b", **_CAUSVID),
-    "tiny": LongLiveConfig(name="tiny", **_TINY),
-    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", **_SELF_FORCING, **_TINY),
-    "tiny-causvid": LongLiveConfig(name="tiny-causvid", **_CAUSVID, **_TINY),
+    "tiny": LongLiveConfig(name="tiny", **TINY_FIELDS),
+    "tiny-self-forcing": LongLiveConfig(name="tiny-self-forcing", **_SELF_FORCING, **TINY_FIELDS),
+    "tiny-causvid": LongLiveConfig(name="tiny-causvid", **_CAUSVID, **TINY_FIELDS),
+    "causal-forcing-1.3b": LongLiveConfig(name="causal-forcing-1.3b", **_CAUSAL_FORCING),
+    "causal-forcing-framewise-1.3b": LongLiveConfig(name="causal-forcing-framewise-1.3b", **_CAUSAL_FORCING_FRAMEWISE),
+    "tiny-causal-forcing": LongLiveConfig(name="tiny-causal-forcing", **_CAUSAL_FORCING, **TINY_FIELDS),
+    "tiny-causal-forcing-framewise": LongLiveConfig(name="tiny-causal-forcing-framewise", **_CAUSAL_FORCING_FRAMEWISE,
+                                                    **TINY_FIELDS),  # fmt: skip
 }
 
 

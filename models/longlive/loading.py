@@ -1,7 +1,12 @@
-"""``load_longlive``: the LongLive pipeline from a checkpoint directory, or with seeded random weights."""
+"""``load_longlive``: the LongLive pipeline from a checkpoint directory, or with seeded random weights.
+
+:func:`load_parts` (the DiT, umT5, the VAE) is shared with the other text-to-video Wans (Krea Realtime).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,7 @@ check_longlive_extra()  # before transformers is imported (here and by the modul
 from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
 
 from . import checkpoint as ckpt  # noqa: E402
-from .config import get_config
+from .config import LongLiveConfig, get_config
 from .dit import LongLiveDiT
 from .pipeline import LongLivePipeline
 from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
@@ -25,29 +30,38 @@ from ..wan.quantize import check_weights_option, quantize_blocks
 from ..wan.vae import StreamingVAE, build_vae
 
 
-def load_longlive(
-    device: torch.device | str = "cpu",
+DitLoader = Callable[[LongLiveDiT, Path], LongLiveDiT]
+
+
+@dataclass
+class WanT2VParts:
+    """A text-to-video Wan's modules, loaded and on their devices, and what the pipeline declares about them."""
+
+    model: LongLiveDiT
+    vae: StreamingVAE
+    text: TextEncoder
+    components: list[Any]
+    kv_dtype: torch.dtype | None
+
+
+def load_parts(
+    cfg: LongLiveConfig,
+    device: torch.device,
     *,
-    config: str = "1.3b",
-    checkpoint: str | None = None,
-    random_init: bool = False,
+    family: str,
+    load_dit: DitLoader,
+    checkpoint: str | None,
+    random_init: bool,
     seed: int = 0,
     dtype: str | None = None,
-    dit_file: str | None = None,
-    dit_entry: str | None = None,
-    lora_file: str | None = None,
-    no_lora: bool = False,
     t5_file: str | None = None,
     vae_file: str | None = None,
     tokenizer: str | None = None,
-    default_prompt: str | None = None,
-    prompt_cache: int = 4,
-    session_capacity: int = 8,
     weights: str | None = None,
     kv_dtype: str | None = None,
     text_encoder_device: str | None = None,
-) -> LongLivePipeline:
-    """Build LongLive from a directory in the published layout (:mod:`.checkpoint`), or ``random_init``.
+) -> WanT2VParts:
+    """The DiT (read by ``load_dit`` from the checkpoint directory), umT5 and the Wan VAE, or seeded random weights.
 
     bf16 on CUDA, fp32 on the CPU (``dtype`` overrides); the text encoder runs
     in the same dtype, on the model's device or on ``text_encoder_device``
@@ -61,11 +75,9 @@ def load_longlive(
     (default: ``dtype``). On the meta device nothing is read or initialised:
     the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
     """
-    device = torch.device(device)
-    cfg = get_config(config)
     planning = device.type == "meta"
     if not planning:
-        check_weights_source("longlive", checkpoint, random_init)
+        check_weights_source(family, checkpoint, random_init)
     check_weights_option(weights, device)
     weights_dtype = torch_dtype(dtype, "bfloat16" if device.type in ("cuda", "meta") else "float32", "dtype")
     cache_dtype = None if kv_dtype is None else torch_dtype(kv_dtype, "", "kv_dtype")
@@ -92,11 +104,7 @@ def load_longlive(
         vae = build_vae(cfg)
     if checkpoint is not None and not planning:
         directory = Path(checkpoint)
-        ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"), dit_entry or cfg.dit_entry)
-        lora = lora_file or cfg.lora_file
-        if lora is not None and not no_lora:
-            path = find_file(directory, lora, (lora,), "LoRA")
-            model = ckpt.merge_lora(model, ckpt.read_lora(path), path, cfg)
+        model = load_dit(model, directory)
         ckpt.load_text_encoder(encoder, find_file(directory, t5_file, (ckpt.T5_FILE,), "umT5 encoder"))
         load_vae(vae, find_file(directory, vae_file, (ckpt.VAE_FILE,), "VAE"))
         tokens = load_tokenizer(Path(tokenizer) if tokenizer else directory / TOKENIZER_DIR)
@@ -121,16 +129,58 @@ def load_longlive(
         component("text_encoder", encoder, text_device, plain),
         component("vae", vae, device, plain),
     ]
+    return WanT2VParts(model, StreamingVAE(vae), TextEncoder(encoder, tokens, cfg.text_len), components, cache_dtype)
+
+
+def load_longlive(
+    device: torch.device | str = "cpu",
+    *,
+    config: str = "1.3b",
+    checkpoint: str | None = None,
+    random_init: bool = False,
+    seed: int = 0,
+    dtype: str | None = None,
+    dit_file: str | None = None,
+    dit_entry: str | None = None,
+    lora_file: str | None = None,
+    no_lora: bool = False,
+    t5_file: str | None = None,
+    vae_file: str | None = None,
+    tokenizer: str | None = None,
+    default_prompt: str | None = None,
+    prompt_cache: int = 4,
+    session_capacity: int = 8,
+    weights: str | None = None,
+    kv_dtype: str | None = None,
+    text_encoder_device: str | None = None,
+) -> LongLivePipeline:
+    """Build LongLive from a directory in the published layout (:mod:`.checkpoint`), or ``random_init``
+    (:func:`load_parts`: dtypes, quantized weights, the text encoder's device, planning on the meta device)."""
+    cfg = get_config(config)
+
+    def dit(model: LongLiveDiT, directory: Path) -> LongLiveDiT:
+        path = find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT")
+        ckpt.load_dit(model, path, dit_entry or cfg.dit_entry)
+        lora = lora_file or cfg.lora_file
+        if lora is not None and not no_lora:
+            path = find_file(directory, lora, (lora,), "LoRA")
+            model = ckpt.merge_lora(model, ckpt.read_lora(path), path, cfg)
+        return model
+
+    device = torch.device(device)
+    parts = load_parts(cfg, device, family="longlive", load_dit=dit, checkpoint=checkpoint, random_init=random_init,
+                       seed=seed, dtype=dtype, t5_file=t5_file, vae_file=vae_file, tokenizer=tokenizer,
+                       weights=weights, kv_dtype=kv_dtype, text_encoder_device=text_encoder_device)  # fmt: skip
     pipeline = LongLivePipeline(
-        model,
-        StreamingVAE(vae),
-        TextEncoder(encoder, tokens, cfg.text_len),
+        parts.model,
+        parts.vae,
+        parts.text,
         device=device,
         session_capacity=session_capacity,
         prompt_cache=prompt_cache,
         default_prompt=default_prompt,
-        kv_dtype=cache_dtype,
-        components=components,
+        kv_dtype=parts.kv_dtype,
+        components=parts.components,
     )
     pipeline.random_weights = checkpoint is None
     return pipeline

@@ -164,7 +164,7 @@ class LongLivePipeline(SessionStateBinding):
     def model_card(self) -> dict[str, Any]:
         cfg = self.cfg
         return {
-            "name": "longlive",
+            "name": cfg.model,
             "width": cfg.width,
             "height": cfg.height,
             "fps": cfg.fps,

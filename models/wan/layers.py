@@ -152,14 +152,40 @@ class WanAttention(nn.Module):
 
 
 class WanSelfAttention(WanAttention):
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__(dim, num_heads, eps)
+        self.qkv: nn.Linear | None = None  # q, k and v fused (:meth:`fuse_projections`)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """q, k and v as one projection ``qkv`` (one matmul a pass instead of three), from the loaded weights.
+
+        Checkpoints keep the three (the published names); a model fuses them
+        once loaded. The fused layer computes the same rows, so only the
+        matmul's summation order can differ.
+        """
+        if self.qkv is not None:
+            return
+        parts = (self.q, self.k, self.v)
+        fused = nn.Linear(self.q.in_features, 3 * self.q.out_features, device=self.q.weight.device,
+                          dtype=self.q.weight.dtype)  # fmt: skip
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        del self.q, self.k, self.v
+        self.qkv = fused
+
     def forward(
         self, x: torch.Tensor, layer: int, ctx: SelfAttentionContext, q_rot: Rotation, k_rot: Rotation
     ) -> torch.Tensor:
         b, length, _ = x.shape
         shape = (b, length, self.num_heads, self.head_dim)
-        q = self.norm_q(self.q(x)).view(shape)
-        k = self.norm_k(self.k(x)).view(shape)
-        v = self.v(x).view(shape)
+        if self.qkv is not None:
+            q_raw, k_raw, v_raw = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q_raw, k_raw, v_raw = self.q(x), self.k(x), self.v(x)
+        q = self.norm_q(q_raw).view(shape)
+        k = self.norm_k(k_raw).view(shape)
+        v = v_raw.view(shape)
         k_all, v_all = ctx.self_kv(layer, k, v)
         if k_all.dtype != q.dtype:  # a KV pool in another dtype (the kv_dtype option): attention runs in the model's
             k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,43 @@ def test_self_forcings_and_causvids_published_checkpoints_load(
     assert all(torch.equal(a, b) for a, b in zip(causvid.model.state_dict().values(), base.state_dict().values()))
     with pytest.raises(CheckpointError, match=r"model\.pt has no 'generator_ema' entry \(its entries: generator\)"):
         load_longlive(config="tiny-self-forcing", checkpoint=str(directory), dit_file="model.pt")
+
+
+def test_causal_forcings_published_checkpoints_load_and_a_mismatched_one_is_refused(
+    published: tuple[Path, LongLiveDiT, peft.PeftModel], tmp_path: Path
+) -> None:
+    """Synthesised in the published layout (thu-ml/Causal-Forcing's README and ``inference.py``; the real files
+    were not available here): ``chunkwise/causal_forcing.pt`` and ``framewise/causal_forcing.pt``, each holding
+    ``generator`` and ``generator_ema`` with ``model.`` keys, the EMA copy's names under FSDP's
+    ``model._fsdp_wrapped_module.`` (the prefix its loader rewrites). The README runs chunk-wise without
+    ``--use_ema`` (``generator``) and frame-wise with it (``generator_ema``). No LoRA."""
+    directory, base, _ = published
+    ema = LongLiveDiT(CFG)
+    ema.init_random(13)
+    plain = {f"model.{k}": v for k, v in base.state_dict().items()}
+    wrapped = {f"model._fsdp_wrapped_module.{k}": v for k, v in ema.state_dict().items()}
+    for mode in ("chunkwise", "framewise"):
+        (tmp_path / mode).mkdir()
+        torch.save({"generator": plain, "generator_ema": wrapped}, tmp_path / mode / "causal_forcing.pt")
+        for name in (T5_FILE, VAE_FILE, TOKENIZER_DIR.split("/")[0]):
+            (tmp_path / mode / name).symlink_to(directory / name)
+    chunkwise = load_longlive(config="tiny-causal-forcing", checkpoint=str(tmp_path / "chunkwise"))
+    assert all(torch.equal(a, b) for a, b in zip(chunkwise.model.state_dict().values(), base.state_dict().values()))
+    framewise = load_longlive(config="tiny-causal-forcing-framewise", checkpoint=str(tmp_path / "framewise"))
+    assert all(torch.equal(a, b) for a, b in zip(framewise.model.state_dict().values(), ema.state_dict().values()))
+    # a bad file is refused, naming it and the keys (the published loader's strict=False fallback would
+    # have served it with the missing weights left at their initial values)
+    broken = dict(wrapped)
+    del broken["model._fsdp_wrapped_module.blocks.1.ffn.2.weight"]
+    broken["model._fsdp_wrapped_module.head.head.weight"] = torch.zeros(2, 2)
+    torch.save({"generator_ema": broken}, tmp_path / "framewise" / "bad.pt")
+    refused = r"bad\.pt does not fit the model: missing keys: blocks\.1\.ffn\.2\.weight; wrong shapes: head\.head\.weight"
+    with pytest.raises(CheckpointError, match=refused):
+        load_longlive(config="tiny-causal-forcing-framewise", checkpoint=str(tmp_path / "framewise"), dit_file="bad.pt")
+    # a checkpoint of another geometry (as a 14B file read into a 1.3B config): every shape named that differs
+    other = LongLiveDiT(dataclasses.replace(CFG, dim=48))
+    torch.save({"generator_ema": {f"model.{k}": v for k, v in other.state_dict().items()}}, tmp_path / "wide.pt")
+    with pytest.raises(CheckpointError, match=r"wide\.pt does not fit the model: wrong shapes: patch_embedding\.weight "
+                                              r"\(48, 16, 1, 2, 2\) \(model \(32, 16, 1, 2, 2\)\)"):  # fmt: skip
+        load_longlive(config="tiny-causal-forcing-framewise", checkpoint=str(tmp_path / "framewise"),
+                      dit_file=str(tmp_path / "wide.pt"))  # fmt: skip

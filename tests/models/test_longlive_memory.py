@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from transformers import UMT5EncoderModel
@@ -25,8 +26,8 @@ MIB, GIB = 2**20, 2**30
 META = torch.device("meta")
 
 
-def meta_pipeline() -> LongLivePipeline:
-    cfg = get_config("1.3b")
+def meta_pipeline(config: str = "1.3b") -> LongLivePipeline:
+    cfg = get_config(config)
     encoder: Any
     vae: Any
     with META:
@@ -60,3 +61,16 @@ def test_the_1_3b_figures_and_the_pool_plan_agree() -> None:
     assert runner.plan.per_session_bytes == per_session
     assert stats.session_capacity == min(8, (budget - fixed) // per_session)
     assert round(per_session / GIB, 2) == 4.27
+
+
+@pytest.mark.parametrize(("config", "resident", "kv_gib", "session_gib"),
+                         [("causal-forcing-1.3b", 18, 4.82, 6.68), ("causal-forcing-framewise-1.3b", 20, 5.36, 7.21)])
+def test_causal_forcings_figures(config: str, resident: int, kv_gib: float, session_gib: float) -> None:
+    """Self-Forcing's 21-frame window: 18 resident blocks chunk-wise, 20 frame-wise (the window counts the chunk)."""
+    pipeline = meta_pipeline(config)
+    spec = pipeline.kv_cache_spec()
+    assert (spec.sink_frames, spec.window_frames, spec.resident_frames) == (0, 21, resident)
+    assert round(spec.resident_frames * spec.block_bytes / GIB, 2) == kv_gib
+    runner = ARRunner(pipeline, device=META, kv_budget_bytes=100 * GIB)
+    assert runner.plan.per_session_bytes == spec.resident_frames * spec.block_bytes + spec.model_owned_bytes_per_session
+    assert round(runner.plan.per_session_bytes / GIB, 2) == session_gib

@@ -7,7 +7,8 @@
   failed one afresh.
 - A session that switched prompts and is then drained to a peer (the
   migration route: export on one server, import into a second) continues
-  there bit-identically: every chunk equals an uninterrupted session's.
+  there bit-identically: every chunk equals an uninterrupted session's
+  (LongLive, and Causal Forcing frame-wise on the same path).
 
 Both servers run in this process, so frames are compared byte for byte.
 """
@@ -33,6 +34,7 @@ from servers import LiveServer, ProbeClient, fake_settings, running_server, sess
 A, B = "a red fox in the snow", "a city street at night, rain"
 FAULT = "a prompt whose re-cache the fake fault breaks"
 TINY = {"config": "tiny", "random_init": True}
+CAUSAL_FORCING_FRAMEWISE = {"config": "tiny-causal-forcing-framewise", "random_init": True}
 SECRET = "a-cluster-secret-for-the-longlive-move"
 SEED = 3
 
@@ -126,15 +128,16 @@ def test_a_failed_recache_over_the_websocket_frees_every_block_and_the_other_ses
         server.settled(baseline)
 
 
-def cluster_settings(replica: str) -> Any:
-    return fake_settings(replica_id=replica, resume_grace_s=30.0, cluster_secret=SECRET, model="longlive",
-                         model_options=TINY, max_batch_sessions=1)  # fmt: skip
+def cluster_settings(replica: str, model: str, options: dict[str, Any]) -> Any:
+    return fake_settings(replica_id=replica, resume_grace_s=30.0, cluster_secret=SECRET, model=model,
+                         model_options=options, max_batch_sessions=1)  # fmt: skip
 
 
 @contextmanager
-def two_replicas() -> Iterator[tuple[LiveServer, LiveServer]]:
+def two_replicas(model: str = "longlive", options: dict[str, Any] = TINY) -> Iterator[tuple[LiveServer, LiveServer]]:
     with ExitStack() as stack:
-        yield tuple(stack.enter_context(running_server(cluster_settings(r))) for r in ("r0", "r1"))  # type: ignore[misc]
+        yield tuple(stack.enter_context(running_server(cluster_settings(r, model, options)))  # type: ignore[misc]
+                    for r in ("r0", "r1"))  # fmt: skip
 
 
 def drain(server: LiveServer, peer: LiveServer) -> httpx.Response:
@@ -142,11 +145,18 @@ def drain(server: LiveServer, peer: LiveServer) -> httpx.Response:
                       headers={"authorization": f"Bearer {SECRET}"}, timeout=60.0)  # fmt: skip
 
 
-@pytest.mark.parametrize("move_at", [5, 3], ids=["after-the-switch-chunk", "with-the-switch-staged"])
-def test_a_session_moved_after_a_prompt_switch_continues_bit_identically_on_the_peer(move_at: int) -> None:
+@pytest.mark.parametrize(
+    ("model", "options", "move_at"),
+    [("longlive", TINY, 5), ("longlive", TINY, 3), ("causal-forcing", CAUSAL_FORCING_FRAMEWISE, 5)],
+    ids=["after-the-switch-chunk", "with-the-switch-staged", "causal-forcing-framewise"],
+)
+def test_a_session_moved_after_a_prompt_switch_continues_bit_identically_on_the_peer(
+    model: str, options: dict[str, Any], move_at: int
+) -> None:
     """Chunks 0-2 under A, B sent before chunk 3; moved before chunk ``move_at``: with B already re-cached into
-    its history (5), or with B staged and the switch chunk not yet run (3: the peer runs the re-cache)."""
-    with two_replicas() as (r0, r1):
+    its history (5), or with B staged and the switch chunk not yet run (3: the peer runs the re-cache). Causal
+    Forcing frame-wise: one latent frame a chunk (its drain moves a history of single-frame chunks)."""
+    with two_replicas(model, options) as (r0, r1):
 
         async def scenario() -> None:
             start = {"seed": SEED, "codec": "raw", "prompt": A}

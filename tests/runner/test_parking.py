@@ -49,6 +49,10 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # KV, action caches, VAE feature cache, control history, noise, and a start image
     "matrix-game-2": lambda: _loaded("matrix-game-2", config="tiny", random_init=True),
+    # one latent frame a chunk: the runner's smallest chunks; noise, prompt, latents and the VAE cache
+    "causal-forcing": lambda: _loaded("causal-forcing", config="tiny-causal-forcing-framewise", random_init=True),
+    # a history rewritten every chunk, the re-encoded context frame, the prompt and the decoder cache
+    "krea-realtime": lambda: _loaded("krea-realtime", config="tiny", random_init=True),
 }
 
 
