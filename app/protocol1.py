@@ -20,9 +20,9 @@ import secrets
 import time
 from typing import Any
 
-from .dialect import Dialect, Started
+from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started, controls_problem
 from .handshake import Handshake, Watching
-from .live_session import LiveSession, Watch, too_large
+from .opening import too_large
 from .outbox import QueuedChunk, QueuedText
 from .protocol import (
     CLOSE_NORMAL,
@@ -40,14 +40,13 @@ from .protocol import (
     closed_message,
     dumps,
     error_message,
-    excerpt,
     moved_message,
     parse_client_message,
     pong_message,
     ready_message,
     role_message,
 )
-from .session import Session, SessionState
+from .session import Session
 from .viewers import AudienceFull, Format, shares_frames
 from .worker import OutcomeKind, TickOutcome
 
@@ -92,34 +91,32 @@ class Protocol1(Dialect):
 
     # ---- start and ready -----------------------------------------------------------------------
 
-    async def start(self, live: LiveSession) -> Started | None:
-        opened = await Handshake(live).open()
+    async def start(self, opening: OpeningPort) -> Started | None:
+        opened = await Handshake(opening, self).open()
         if isinstance(opened, Watching):
-            return await self._join(live, opened)
+            return await self._join(opening, opened)
         return opened
 
-    async def _join(self, live: LiveSession, watching: Watching) -> Started | None:
+    async def _join(self, opening: OpeningPort, watching: Watching) -> Started | None:
         """Become a viewer of another socket's session (PROTOCOL.md, "Rewind, branch and watch")."""
-        gate = live.gate
+        gate = opening.gate
         controller = gate.controller(watching.session_id)
         session = controller.session if controller is not None else None
         if session is None or not session.live:
-            await live.refuse(
+            await opening.refuse(
                 ErrorCode.SHARE_FAILED, "the shared session is not live (ended, or its player is reconnecting)"
             )
             return None
         try:
             served = gate.shares.served_format(session.id, watching.format, (session.codec, session.quality))
-            live.watch = Watch("", served)  # a viewer from now on (the registry counts it as one)
-            live.watch.viewer_id = gate.shares.join(session.id, live)
+            gate.shares.check_room(session.id)
         except AudienceFull as exc:
-            live.watch = None
-            await live.refuse(ErrorCode.OVER_CAPACITY, str(exc))
+            await opening.refuse(ErrorCode.OVER_CAPACITY, str(exc))
             return None
-        return Started(session)
+        return Started(session, watch_format=served)  # the live session joins the audience as it starts
 
-    def ready(self, live: LiveSession, started: Started) -> None:
-        gate, settings, session = live.gate, live.settings, started.session
+    def ready(self, live: SessionPort, started: Started) -> None:
+        gate, settings, session = live.gate, live.gate.settings, started.session
         if live.watch is not None:
             message = ready_message(
                 session_id=session.id,
@@ -134,7 +131,7 @@ class Protocol1(Dialect):
             )
             live.outbox.push(QueuedText(dumps(message), is_reply=True))
             log.info("session=%s viewer %s joined codec=%s", session.id, live.watch.viewer_id, live.watch.format[0])
-            live.audience_changed(session)
+            gate.shares.audience_changed(session, gate.controller(session.id))
             return
         message = ready_message(
             session_id=session.id,
@@ -143,7 +140,7 @@ class Protocol1(Dialect):
             max_pending_ticks=settings.max_pending_ticks,
             max_message_bytes=settings.max_message_bytes,
             idle_timeout_s=settings.idle_timeout_s,
-            resume=gate.resume.ticket(live, started.next_chunk_index),
+            resume=started.ticket,
             resumed=started.resumed,
             max_start_image_bytes=settings.max_start_image_bytes if gate.start_image_names else None,
             share=gate.shares.token(session.id),
@@ -156,13 +153,13 @@ class Protocol1(Dialect):
 
     # ---- messages in ------------------------------------------------------------------------------
 
-    def text_in(self, live: LiveSession, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> None:
         if text is None:
             binary = "binary messages from the client are not part of protocol 1"
             error = ProtocolError(ErrorCode.INVALID_MESSAGE, binary)
             self._reply_error(live, error)
             return
-        limit = live.settings.max_message_bytes
+        limit = live.gate.settings.max_message_bytes
         if too_large(text, limit):
             live.fatal(ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {limit} bytes")
             return
@@ -175,11 +172,17 @@ class Protocol1(Dialect):
         except ProtocolError as exc:
             self._reply_error(live, exc)
 
-    def _reply_error(self, live: LiveSession, error: ProtocolError) -> None:
-        live.metrics.errors.labels(code=str(error.code)).inc()
-        live.reply(error_message(error.code, error.message, tick_id=error.tick_id))
+    def _reply_error(self, live: SessionPort, error: ProtocolError) -> None:
+        live.gate.metrics.errors.labels(code=str(error.code)).inc()
+        self._reply(live, error_message(error.code, error.message, tick_id=error.tick_id))
 
-    def _as_controller(self, live: LiveSession, parsed: ClientMessage) -> None:
+    @staticmethod
+    def _reply(live: SessionPort, payload: dict[str, Any]) -> None:
+        """Queue an immediate reply (ack, pong, error)."""
+        live.outbox.push_reply(dumps(payload))
+        live.check_send_backlog()
+
+    def _as_controller(self, live: SessionPort, parsed: ClientMessage) -> None:
         session = live.session
         assert session is not None
         if isinstance(parsed, TickMessage):
@@ -190,28 +193,29 @@ class Protocol1(Dialect):
                 session.release_credit()
                 return
             live.submit(job)
-            self._offer_held(live)  # the forward runs now: the viewers' writes go beside it
+            self._offer_held(live.gate)  # the forward runs now: the viewers' writes go beside it
         elif isinstance(parsed, InputMessage):
             self._check_controls(live, parsed.controls, tick_id=None)
             duplicate = session.accept_event(parsed)
             live.touch()
-            live.reply(ack_message(parsed.event_id, duplicate=duplicate))
+            self._reply(live, ack_message(parsed.event_id, duplicate=duplicate))
         elif isinstance(parsed, PingMessage):
-            live.reply(pong_message(parsed.t))
+            self._reply(live, pong_message(parsed.t))
         elif isinstance(parsed, CloseMessage):
-            log.info("session=%s closed by the client", live.session_id)
+            log.info("session=%s closed by the client", session.id)
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, PassControlMessage):
             self._pass_control(live, session, parsed.to)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
 
-    def _as_viewer(self, live: LiveSession, parsed: ClientMessage) -> None:
+    def _as_viewer(self, live: SessionPort, parsed: ClientMessage) -> None:
         """A viewer may ping and close; what only the controller may send gets not_controller."""
         if isinstance(parsed, PingMessage):
-            live.reply(pong_message(parsed.t))
+            self._reply(live, pong_message(parsed.t))
         elif isinstance(parsed, CloseMessage):
-            log.info("session=%s viewer %s closed by the client", live.session_id, live.viewer_id)
+            viewer_id = live.watch.viewer_id if live.watch is not None else None
+            log.info("session=%s viewer %s closed by the client", self.session_id, viewer_id)
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
@@ -224,63 +228,35 @@ class Protocol1(Dialect):
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
 
     @staticmethod
-    def _check_controls(live: LiveSession, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
-        problem = None if controls is None else live.controls_problem(controls)
+    def _check_controls(live: SessionPort, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
+        problem = None if controls is None else controls_problem(live.gate, controls)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_CONTROLS, problem, tick_id=tick_id)
 
-    def _pass_control(self, live: LiveSession, session: Session, viewer_id: str) -> None:
-        """Hand control to one of the session's viewers: the two live sessions swap roles (PROTOCOL.md)."""
+    def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
+        """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
+        self._offer_held(live.gate)  # chunks before the pass go to the viewers as they were
+        passed = live.pass_control(viewer_id)
         gate = live.gate
-        target = gate.shares.viewers(session.id).get(viewer_id)
-        if target is None or target.watch is None or target.watch.ended:
-            raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
-        if live.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
-            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
-        # The session counts against the new controller's address and token from now on: their caps hold.
-        refusal = gate.transfer_refusal(target, session.id)
-        if refusal is not None:
-            raise ProtocolError(
-                ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
-            )
-        self._offer_held(live)  # chunks before the pass go to the viewers as they were
-        # Its queued ticks were this client's: they do not run for the next one (their controls are kept);
-        # a running tick's chunk goes to the new controller, with its credit.
-        live.drop_queued_ticks()
-        gate.shares.leave(session.id, viewer_id)
-        target_format, target.watch = target.watch.format, None
-        live.watch = Watch("", (session.codec, session.quality), last_seq=session.chunks_out)
-        session.codec, session.quality = target_format
-        target.touch()
-        session.deliver = target.on_outcome
-        gate.register(target)
-        gate.resume.forget(live)
-        live.watch.viewer_id = gate.shares.join(session.id, live, cap=False)
-        ticket = gate.resume.ticket(target, session.next_chunk_index)
         # how far back it can rewind and branch from, as `ready` says it: the new controller's page shows the same timeline
-        target.notify(
-            role_message(
-                ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=ticket, rewind_seconds=gate.rewind_seconds
-            )
+        controller = role_message(
+            ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=passed.resume, rewind_seconds=gate.rewind_seconds
         )
-        live.notify(role_message(ROLE_VIEWER, viewer_id=live.watch.viewer_id))
-        log.info(
-            "session=%s control passed to %s; the controller became viewer %s",
-            session.id, viewer_id, live.watch.viewer_id,
-        )
-        live.audience_changed(session)
+        passed.to.outbox.push(QueuedText(dumps(controller)))
+        live.outbox.push(QueuedText(dumps(role_message(ROLE_VIEWER, viewer_id=passed.viewer_id))))
+        gate.shares.audience_changed(session, gate.controller(session.id))
 
     # ---- outcomes -----------------------------------------------------------------------------------
 
-    def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
+    def outcome(self, live: SessionPort, outcome: TickOutcome) -> None:
         session, job = live.session, outcome.job
         assert session is not None
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
             live.check_send_backlog()
-            self._hold_for_viewers(live, session, outcome)
+            self._hold_for_viewers(live.gate, session, outcome)
         elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
-            live.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
+            live.gate.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
             detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
             message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
             live.outbox.push(QueuedText(dumps(message), returns_credit=True))
@@ -288,7 +264,7 @@ class Protocol1(Dialect):
                 session.keep_open()  # nothing ran, so no close either: a close comes after the tick's chunk
             return
         elif outcome.kind is OutcomeKind.INTERNAL:
-            log.error("session=%s tick=%d %s", live.session_id, job.tick_id, outcome.error)
+            log.error("session=%s tick=%d %s", session.id, job.tick_id, outcome.error)
             live.fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
             return
         else:
@@ -297,16 +273,16 @@ class Protocol1(Dialect):
                 detail = f"the model failed on tick {job.tick_id} ({outcome.error}); its KV was released"
             else:
                 detail = f"tick {job.tick_id} was not run: the session failed before it"
-            live.metrics.errors.labels(code=str(ErrorCode.SESSION_FAILED)).inc()
+            live.gate.metrics.errors.labels(code=str(ErrorCode.SESSION_FAILED)).inc()
             message = error_message(
                 ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", tick_id=job.tick_id
             )
             live.outbox.push(QueuedText(dumps(message), returns_credit=True))
         if job.close:
-            log.info("session=%s closing after tick %d (close: true)", live.session_id, job.tick_id)
+            log.info("session=%s closing after tick %d (close: true)", session.id, job.tick_id)
             live.close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
 
-    async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
         ws = live.ws
         await ws.send_text(dumps(chunk_header(outcome)))
         for index, frame in enumerate(outcome.frame_messages):
@@ -314,38 +290,38 @@ class Protocol1(Dialect):
             if index == 0 and outcome.events:
                 sent_at = time.perf_counter()
                 for event in outcome.events:
-                    live.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
-            live.count_sent(1, len(frame))
+                    live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+        return len(outcome.frame_messages)  # one frame a message
 
     # ---- the viewers' chunks ----------------------------------------------------------------------
 
-    def _hold_for_viewers(self, live: LiveSession, session: Session, outcome: TickOutcome) -> None:
+    def _hold_for_viewers(self, gate: Gate, session: Session, outcome: TickOutcome) -> None:
         """Offer the chunk to the viewers once the controller has sent its next tick (or VIEWER_HOLD_S later).
 
         Writing a chunk to dozens of viewers takes the event loop a while; done right after the controller's
         own chunk, it would hold up the controller's next tick, which arrives a round trip later. Done when that
         tick is on its way to the worker, it runs beside the forward instead.
         """
-        if not live.gate.shares.viewers(session.id):
+        if not gate.shares.viewers(session.id):
             return
         self._held_for_viewers.append((session, outcome))
         if self._viewer_timer is None:
-            self._viewer_timer = asyncio.get_running_loop().call_later(VIEWER_HOLD_S, self._offer_held, live)
+            self._viewer_timer = asyncio.get_running_loop().call_later(VIEWER_HOLD_S, self._offer_held, gate)
 
-    def _offer_held(self, live: LiveSession) -> None:
+    def _offer_held(self, gate: Gate) -> None:
         """Offer the chunks held for the viewers now."""
         if self._viewer_timer is not None:
             self._viewer_timer.cancel()
             self._viewer_timer = None
         held, self._held_for_viewers = self._held_for_viewers, []
         for session, outcome in held:
-            self._fan_out(live, session, outcome)
+            self._fan_out(gate, session, outcome)
 
-    def _fan_out(self, live: LiveSession, session: Session, outcome: TickOutcome) -> None:
+    def _fan_out(self, gate: Gate, session: Session, outcome: TickOutcome) -> None:
         """Offer a chunk to the session's viewers: the controller's own frames where they can share them,
         one encode per other format in use (on the encoder threads; while two are still being encoded, the
         viewers of those formats skip the chunk, so a slow encode never piles up)."""
-        shares = live.gate.shares
+        shares = gate.shares
         if not shares.viewers(session.id):
             return
         session.chunks_out += 1
@@ -356,7 +332,7 @@ class Protocol1(Dialect):
         formats = shares.formats_needed(session.id, own)
         if not formats:
             return
-        worker = live.gate.worker
+        worker = gate.worker
         if outcome.frames is None or self._viewer_encodes >= VIEWER_ENCODES_IN_FLIGHT or worker is None:
             shares.skip(session.id, formats)
             return
@@ -377,9 +353,8 @@ class Protocol1(Dialect):
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_message(ErrorCode(code), message, tick_id=tick_id)
 
-    def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
-        if live.watch is None:
-            self._offer_held(live)  # the viewers get the chunks the controller got, then their close
+    def closed(self, gate: Gate, reason: CloseReason) -> str | None:
+        self._offer_held(gate)  # the viewers get the chunks the controller got, then their close (a viewer holds none)
         return dumps(closed_message(reason))
 
     def moved(self, resume: str, next_chunk_index: int) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from gate_fakes import FakeGate, chunk_outcome, fake_socket, live_session, until
 
-from arstream.app.dialect import Dialect, Started
+from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from arstream.app.live_session import LiveSession
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
@@ -29,7 +29,7 @@ class FakeDialect(Dialect):
         self.ticks = 0
         self.texts: list[str | None] = []
 
-    async def start(self, live: LiveSession) -> Started | None:
+    async def start(self, live: OpeningPort) -> Started | None:
         if not await live.accept():
             return None
         first = await live.ws.receive()
@@ -44,10 +44,10 @@ class FakeDialect(Dialect):
         session.transition(SessionState.ACTIVE)
         return Started(session)
 
-    def ready(self, live: LiveSession, started: Started) -> None:
+    def ready(self, live: SessionPort, started: Started) -> None:
         live.outbox.push_reply("ready")
 
-    def text_in(self, live: LiveSession, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> None:
         self.texts.append(text)
         assert live.session is not None
         if text == "tick":
@@ -58,21 +58,22 @@ class FakeDialect(Dialect):
         elif text == "boom":
             raise RuntimeError("a bug in the dialect")
 
-    def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
+    def outcome(self, live: SessionPort, outcome: TickOutcome) -> None:
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
         else:
             live.fatal(ErrorCode.INTERNAL, "failed", close_code=1011)
 
-    async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
         await live.ws.send_text(f"chunk {outcome.job.tick_id}")
         for frame in outcome.frame_messages:
             await live.ws.send_bytes(frame)
+        return len(outcome.frame_messages)
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return {"type": "error", "code": code, "message": message}
 
-    def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
+    def closed(self, gate: Gate, reason: CloseReason) -> str | None:
         return dumps({"type": "closed", "reason": str(reason)})
 
 
