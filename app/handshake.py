@@ -15,8 +15,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from ..runner.pool import PoolExhausted
+from ..runner.types import RewindUnavailable, StartImage
 from .dialect import Dialect, OpeningPort, Started
-from .opening import too_large
 from .protocol import (
     CLOSE_GOING_AWAY,
     CloseReason,
@@ -26,12 +27,11 @@ from .protocol import (
     dumps,
     error_message,
     parse_client_message,
+    too_large,
 )
 from .resume import Forward, Resumed, ResumeRefused, token_hint
 from .session import Session, SessionState
 from .viewers import ShareRefused
-from ..runner.pool import PoolExhausted
-from ..runner.types import RewindUnavailable, StartImage
 
 log = logging.getLogger("arstream.session")
 

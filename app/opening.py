@@ -26,12 +26,6 @@ from ..runner.types import StartImage
 log = logging.getLogger("arstream.session")
 
 
-def too_large(text: str, limit: int) -> bool:
-    """Whether a text message is over ``limit`` UTF-8 bytes."""
-    # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
-    return len(text) > limit or len(text.encode()) > limit
-
-
 class Opening:
     """One socket from its upgrade to its session's start (or its refusal)."""
 

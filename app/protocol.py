@@ -427,3 +427,9 @@ def moved_message(*, resume: str, next_chunk_index: int) -> dict[str, Any]:
 
 def closed_message(reason: CloseReason) -> dict[str, Any]:
     return {"type": "closed", "reason": str(reason)}
+
+
+def too_large(text: str, limit: int) -> bool:
+    """Whether a text message is over ``limit`` UTF-8 bytes."""
+    # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
+    return len(text) > limit or len(text.encode()) > limit

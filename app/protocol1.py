@@ -22,7 +22,6 @@ from typing import Any
 
 from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started, controls_problem
 from .handshake import Handshake, Watching
-from .opening import too_large
 from .outbox import QueuedChunk, QueuedText
 from .protocol import (
     CLOSE_NORMAL,
@@ -45,6 +44,7 @@ from .protocol import (
     pong_message,
     ready_message,
     role_message,
+    too_large,
 )
 from .session import Session
 from .viewers import AudienceFull, Format, shares_frames

@@ -44,10 +44,21 @@ from .codecs import FMP4
 from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started, controls_problem
 from .fmp4 import fmp4_codec
 from .handshake import Handshake
-from .opening import too_large
 from .outbox import QueuedChunk
-from .protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
-from .protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, dumps, loads_strict
+from .protocol import (
+    CLOSE_NORMAL,
+    ERROR_CLOSE_CODES,
+    MAX_RESUME_TOKEN_CHARS,
+    CloseReason,
+    ErrorCode,
+    InputMessage,
+    ProtocolError,
+    StartMessage,
+    TickMessage,
+    dumps,
+    loads_strict,
+    too_large,
+)
 from .realtime_video_events import (
     MAX_CONTROL_MESSAGE_BYTES,
     MAX_EVENT_ID_BYTES,

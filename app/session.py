@@ -22,13 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 from ..runner.types import StartImage
-
-if TYPE_CHECKING:
-    from .worker import TickOutcome
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256
@@ -187,7 +184,8 @@ class Session:
         self.chunks_out = 0
         # Whoever serves the session's outcomes now (its live session; passing control moves it): the worker
         # hands each tick's outcome here, on the event loop (app/worker.py, deliver_to_session).
-        self.deliver: Callable[[TickOutcome], None] | None = None
+        # It takes app/worker.py's TickOutcome; named Any here, as the worker's module is above this one.
+        self.deliver: Callable[[Any], None] | None = None
 
     # ---- state machine -----------------------------------------------------------
 
