@@ -9,7 +9,7 @@ which never counts against itself. Detached sessions hold KV and count too, but 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .guard import TrustedProxies

@@ -13,7 +13,6 @@ from typing import Any
 from gate_fakes import FakeGate, chunk_outcome, fake_socket, live_session, until
 
 from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
-from arstream.app.live_session import LiveSession
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
 from arstream.app.session import Session, SessionState
