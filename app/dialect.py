@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .limits import count_exceeds
 from .viewers import Notified
 
 if TYPE_CHECKING:
@@ -242,20 +241,6 @@ class SessionPort(Protocol):
         """Swap roles with viewer ``viewer_id``; raises ProtocolError when control stays."""
 
 
-def controls_problem(gate: Gate, controls: dict[str, Any]) -> str | None:
-    """What is wrong with ``controls`` (too many values, or not the model's schema), or None."""
-    limit = gate.settings.max_control_items
-    if count_exceeds(controls, limit):
-        # Refused before the schema walks it: a schema check costs time per item, on the event loop.
-        return f"controls hold more than {limit} JSON values (max_control_items)"
-    validator = gate.controls_validator
-    error = None if validator is None else next(iter(validator.iter_errors(controls)), None)
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path) or "controls"
-    return f"{where}: {error.message}"
-
-
 class Dialect:
     """One socket's wire dialect; subclass it and override what your wire says (see the module docstring).
 
@@ -286,8 +271,9 @@ class Dialect:
         """The session is registered and its writer runs: queue what tells the client it started."""
         raise NotImplementedError
 
-    def text_in(self, port: SessionPort, text: str | None) -> None:
-        """A message from the client, read while the session is live (``None``: a binary message)."""
+    def text_in(self, port: SessionPort, text: str | None) -> TickJob | None:
+        """A message from the client, read while the session is live (``None``: a binary message); returns the
+        tick it asks for (the live session runs it), or None once it is answered."""
         raise NotImplementedError
 
     def outcome(self, port: SessionPort, outcome: TickOutcome) -> None:

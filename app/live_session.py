@@ -179,10 +179,9 @@ class LiveSession:
 
     @property
     def serving(self) -> bool:
-        """Whether this socket still serves: its session is live (controlling), or it still watches."""
-        if self.watch is not None:
-            return not self.watch.ended
-        return self.session is not None and self.session.live
+        """Whether this socket still serves: it controls its live session, or it still watches (only
+        :meth:`close` ends either, and it moves the phase on)."""
+        return self.phase is Phase.CONTROLLING or self.phase is Phase.WATCHING
 
     def touch(self) -> None:
         """The session made progress (what counts is the dialect's): its idle clock starts again."""
@@ -207,7 +206,17 @@ class LiveSession:
                 return
             text = message.get("text")
             if self.serving and (text is not None or message.get("bytes") is not None):
-                self.dialect.text_in(self, text)
+                job = self.dialect.text_in(self, text)
+                if job is not None:
+                    self._run(job)
+
+    def _run(self, job: TickJob) -> None:
+        """Run a tick the client asked for; while the session moves to a peer, keep its controls and run nothing."""
+        if self.moving:
+            job.session.absorb_update(job)
+            job.session.release_credit()
+        else:
+            self.submit(job)
 
     async def _next_message(self) -> Message | None:
         """The next message, or None once the session is idle: no progress while no tick the client waits on

@@ -6,10 +6,8 @@ pong, error) while accepted ticks go to the worker. A tick's credit comes
 back only when its last frame (or its error) has been written. A controller
 can pass control to one of its viewers: the two live sessions swap roles.
 
-Viewers get every chunk the controller gets (app/viewers.py): held until the
-controller's next tick is on its way (so writing to many viewers runs beside
-the forward, not before it), then offered in the controller's own frames
-where they can share them and encoded once per other format in use.
+Viewers get every chunk the controller gets (app/viewer_feed.py, to the
+audience of app/viewers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import secrets
 import time
 from typing import Any
 
-from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started, controls_problem
+from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from .handshake import Handshake, Watching
 from .outbox import QueuedChunk, QueuedText
 from .protocol import (
@@ -44,10 +42,12 @@ from .protocol import (
     pong_message,
     ready_message,
     role_message,
+    controls_problem,
     too_large,
 )
-from .session import Session
-from .viewers import AudienceFull, Format, shares_frames
+from .session import Session, TickJob
+from .viewer_feed import ViewerFeed
+from .viewers import AudienceFull
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
@@ -55,10 +55,6 @@ log = logging.getLogger("arstream.session")
 PATH = "/v1/sessions"
 ROLE_CONTROLLER = "controller"
 ROLE_VIEWER = "viewer"
-# A controller's chunks being encoded in its viewers' other formats at once; past it, those viewers skip one.
-VIEWER_ENCODES_IN_FLIGHT = 2
-# How long a chunk waits for the controller's next tick before it goes to the viewers anyway (_hold_for_viewers).
-VIEWER_HOLD_S = 0.02
 
 
 def chunk_header(outcome: TickOutcome) -> dict[str, Any]:
@@ -84,10 +80,7 @@ class Protocol1(Dialect):
     def __init__(self) -> None:
         super().__init__()
         self.session_id = "s-" + secrets.token_hex(8)
-        self._viewer_encodes = 0  # a controller's chunks being encoded for its viewers' formats
-        # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
-        self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
-        self._viewer_timer: asyncio.TimerHandle | None = None
+        self._viewers = ViewerFeed(chunk_header)  # a controller's chunks for its viewers
 
     # ---- start and ready -----------------------------------------------------------------------
 
@@ -153,24 +146,25 @@ class Protocol1(Dialect):
 
     # ---- messages in ------------------------------------------------------------------------------
 
-    def text_in(self, live: SessionPort, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> TickJob | None:
         if text is None:
             binary = "binary messages from the client are not part of protocol 1"
             error = ProtocolError(ErrorCode.INVALID_MESSAGE, binary)
             self._reply_error(live, error)
-            return
+            return None
         limit = live.gate.settings.max_message_bytes
         if too_large(text, limit):
             live.fatal(ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {limit} bytes")
-            return
+            return None
         try:
             parsed = parse_client_message(text)
             if live.watch is not None:
                 self._as_viewer(live, parsed)
-            else:
-                self._as_controller(live, parsed)
+                return None
+            return self._as_controller(live, parsed)
         except ProtocolError as exc:
             self._reply_error(live, exc)
+            return None
 
     def _reply_error(self, live: SessionPort, error: ProtocolError) -> None:
         live.gate.metrics.errors.labels(code=str(error.code)).inc()
@@ -182,19 +176,16 @@ class Protocol1(Dialect):
         live.outbox.push_reply(dumps(payload))
         live.check_send_backlog()
 
-    def _as_controller(self, live: SessionPort, parsed: ClientMessage) -> None:
+    def _as_controller(self, live: SessionPort, parsed: ClientMessage) -> TickJob | None:
+        """What the controller asked: a tick is returned for the live session to run; the rest is answered."""
         session = live.session
         assert session is not None
         if isinstance(parsed, TickMessage):
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
-            job = session.accept_tick(parsed)
-            if live.moving:  # its state is on its way to a peer: keep the tick's controls, run nothing here
-                session.absorb_update(job)
-                session.release_credit()
-                return
-            live.submit(job)
-            self._offer_held(live.gate)  # the forward runs now: the viewers' writes go beside it
-        elif isinstance(parsed, InputMessage):
+            if self._viewers.held:  # offered once the tick is on its way: the viewers' writes go beside it
+                asyncio.get_running_loop().call_soon(self._viewers.offer_held, live.gate)
+            return session.accept_tick(parsed)
+        if isinstance(parsed, InputMessage):
             self._check_controls(live, parsed.controls, tick_id=None)
             duplicate = session.accept_event(parsed)
             live.touch()
@@ -208,6 +199,7 @@ class Protocol1(Dialect):
             self._pass_control(live, session, parsed.to)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
+        return None
 
     def _as_viewer(self, live: SessionPort, parsed: ClientMessage) -> None:
         """A viewer may ping and close; what only the controller may send gets not_controller."""
@@ -229,13 +221,15 @@ class Protocol1(Dialect):
 
     @staticmethod
     def _check_controls(live: SessionPort, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
-        problem = None if controls is None else controls_problem(live.gate, controls)
+        gate = live.gate
+        max_items = gate.settings.max_control_items
+        problem = None if controls is None else controls_problem(controls, max_items, gate.controls_validator)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_CONTROLS, problem, tick_id=tick_id)
 
     def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
         """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
-        self._offer_held(live.gate)  # chunks before the pass go to the viewers as they were
+        self._viewers.offer_held(live.gate)  # chunks before the pass go to the viewers as they were
         passed = live.pass_control(viewer_id)
         gate = live.gate
         # how far back it can rewind and branch from, as `ready` says it: the new controller's page shows the same timeline
@@ -254,7 +248,8 @@ class Protocol1(Dialect):
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
             live.check_send_backlog()
-            self._hold_for_viewers(live.gate, session, outcome)
+            if session.viewer_count:
+                self._viewers.hold(live.gate, session, outcome)
         elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
             live.gate.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
             detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
@@ -293,68 +288,13 @@ class Protocol1(Dialect):
                     live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
         return len(outcome.frame_messages)  # one frame a message
 
-    # ---- the viewers' chunks ----------------------------------------------------------------------
-
-    def _hold_for_viewers(self, gate: Gate, session: Session, outcome: TickOutcome) -> None:
-        """Offer the chunk to the viewers once the controller has sent its next tick (or VIEWER_HOLD_S later).
-
-        Writing a chunk to dozens of viewers takes the event loop a while; done right after the controller's
-        own chunk, it would hold up the controller's next tick, which arrives a round trip later. Done when that
-        tick is on its way to the worker, it runs beside the forward instead.
-        """
-        if not gate.shares.viewers(session.id):
-            return
-        self._held_for_viewers.append((session, outcome))
-        if self._viewer_timer is None:
-            self._viewer_timer = asyncio.get_running_loop().call_later(VIEWER_HOLD_S, self._offer_held, gate)
-
-    def _offer_held(self, gate: Gate) -> None:
-        """Offer the chunks held for the viewers now."""
-        if self._viewer_timer is not None:
-            self._viewer_timer.cancel()
-            self._viewer_timer = None
-        held, self._held_for_viewers = self._held_for_viewers, []
-        for session, outcome in held:
-            self._fan_out(gate, session, outcome)
-
-    def _fan_out(self, gate: Gate, session: Session, outcome: TickOutcome) -> None:
-        """Offer a chunk to the session's viewers: the controller's own frames where they can share them,
-        one encode per other format in use (on the encoder threads; while two are still being encoded, the
-        viewers of those formats skip the chunk, so a slow encode never piles up)."""
-        shares = gate.shares
-        if not shares.viewers(session.id):
-            return
-        session.chunks_out += 1
-        header = chunk_header(outcome)
-        own = (outcome.codec, outcome.quality)
-        if shares_frames(own, own):
-            shares.offer(session.id, header, session.chunks_out, {own: outcome.frame_messages})
-        formats = shares.formats_needed(session.id, own)
-        if not formats:
-            return
-        worker = gate.worker
-        if outcome.frames is None or self._viewer_encodes >= VIEWER_ENCODES_IN_FLIGHT or worker is None:
-            shares.skip(session.id, formats)
-            return
-        self._viewer_encodes += 1
-        seq = session.chunks_out
-
-        def deliver(encoded: dict[Format, tuple[bytes, ...]]) -> None:
-            self._viewer_encodes -= 1
-            shares.offer(session.id, header, seq, encoded)
-
-        worker.encode_for_viewers(
-            session.id, outcome.frames, formats, chunk_index=outcome.chunk_index, tick_id=outcome.job.tick_id,
-            deliver=deliver,
-        )
-
     # ---- errors and the last words ----------------------------------------------------------------
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_message(ErrorCode(code), message, tick_id=tick_id)
 
     def closed(self, gate: Gate, reason: CloseReason) -> str | None:
-        self._offer_held(gate)  # the viewers get the chunks the controller got, then their close (a viewer holds none)
+        self._viewers.offer_held(gate)  # the viewers get the chunks the controller got, then their close
         return dumps(closed_message(reason))
 
     def moved(self, resume: str, next_chunk_index: int) -> str:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import FMP4
-from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started, controls_problem
+from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from .fmp4 import fmp4_codec
 from .handshake import Handshake
 from .outbox import QueuedChunk
@@ -57,6 +57,7 @@ from .protocol import (
     TickMessage,
     dumps,
     loads_strict,
+    controls_problem,
     too_large,
 )
 from .realtime_video_events import (
@@ -209,6 +210,10 @@ def asks_resumable(message: dict[str, Any]) -> bool:
     return resumable
 
 
+def _controls_problem(gate: Gate, controls: dict[str, Any]) -> str | None:
+    return controls_problem(controls, gate.settings.max_control_items, gate.controls_validator)
+
+
 # ---- the dialect -------------------------------------------------------------------------------
 
 
@@ -347,7 +352,7 @@ class RealtimeVideo(Dialect):
         try:
             request = parse_start(parsed, gate.model_card)
             self._resumable = asks_resumable(parsed)
-            problem = None if request.controls is None else controls_problem(gate, request.controls)
+            problem = None if request.controls is None else _controls_problem(gate, request.controls)
             if problem is not None:
                 raise RealtimeVideoError(problem, ErrorCode.INVALID_CONTROLS)
         except RealtimeVideoError as exc:
@@ -512,7 +517,7 @@ class RealtimeVideo(Dialect):
                 "interaction_failed",
                 event_id=name,
             )
-        problem = None if interaction.controls is None else controls_problem(live.gate, interaction.controls)
+        problem = None if interaction.controls is None else _controls_problem(live.gate, interaction.controls)
         if problem is not None:
             raise RealtimeVideoError(problem, "interaction_failed", event_id=name)
         event_id = (session.event_floor or 0) + 1

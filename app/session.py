@@ -179,6 +179,7 @@ class Session:
         # Formats (codec, quality) its viewers need encoded apart from its own frames (app/viewers.py): set on
         # the event loop, replaced whole, read by the worker when a chunk is done.
         self.viewer_formats: frozenset[tuple[str, int]] = frozenset()
+        self.viewer_count = 0  # its viewers now (app/viewers.py, event loop only): a chunk is held for none
         # Event loop only: the index of the next chunk to reach the client, and chunks offered to viewers so far.
         self.next_chunk_index = 0
         self.chunks_out = 0
@@ -402,6 +403,7 @@ class Session:
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
         resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
+        resumed.viewer_count = 0
         resumed.deliver = None  # the resuming live session takes its outcomes once it is registered
         resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
         return resumed

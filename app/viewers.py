@@ -330,6 +330,7 @@ class ShareRegistry(Generic[V]):
         """Viewers came or went, or control passed: say so to everyone, and re-plan the viewers' formats."""
         self.announce(session.id, controller)
         session.viewer_formats = self.formats_needed(session.id, (session.codec, session.quality))
+        session.viewer_count = len(self.viewers(session.id))
 
     def announce(self, session_id: str, controller: Notified | None) -> None:
         """Tell everyone how many viewers there are; the controller also gets their ids (to pass control)."""
