@@ -93,7 +93,7 @@ def test_a_protocol1_tick_enters_few_files_and_never_goes_back_before_it_deliver
     assert len(to_worker) == len(set(to_worker)), to_worker
     assert to_worker[0] == "live_session.py", to_worker
     # Back from the worker, the chunk is delivered to the live session that serves the session.
-    assert steps[steps.index("worker.py") + 1] == "live_session.py", steps
+    assert "live_session.py" in steps[len(to_worker) :], steps
     assert len(set(steps)) <= MOST_FILES, (sorted(set(steps)), steps)
 
 
