@@ -4,7 +4,7 @@ The upgrade checks (:meth:`Opening.accept`), the ``start`` message (within
 ``start_timeout_s``), admission, the start image, resuming a session
 (``start.resume`` or ``?resume=``), branching one and watching one. What it
 hands the dialect (:mod:`arstream.app.protocol1`) is a
-:class:`~arstream.app.dialect.Started` or a :class:`Watching`; every refusal
+:class:`~arstream.app.dialect.Started` (a viewer's with the format it is served); every refusal
 is an `error` then a close, bounded by ``close_timeout_s``
 (:meth:`Opening.refuse`).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 from ..runner.pool import PoolExhausted
 from ..runner.types import RewindUnavailable, StartImage
@@ -31,17 +30,9 @@ from .protocol import (
 )
 from .resume import Forward, Resumed, ResumeRefused, token_hint
 from .session import Session, SessionState
-from .viewers import ShareRefused
+from .viewers import AudienceFull, ShareRefused
 
 log = logging.getLogger("arstream.session")
-
-
-@dataclass(frozen=True)
-class Watching:
-    """A viewer's start: the session its share token names, and the format (codec, quality) it asked for."""
-
-    session_id: str
-    format: tuple[str, int]
 
 
 class Handshake:
@@ -55,7 +46,7 @@ class Handshake:
         self.settings = opening.gate.settings
         self.metrics = opening.gate.metrics
 
-    async def open(self) -> Started | Watching | None:
+    async def open(self) -> Started | None:
         """Accept the WebSocket and open the session its `start` asks for; None after a refusal or disconnect."""
         if not await self.opening.accept():
             return None
@@ -67,7 +58,7 @@ class Handshake:
             self.opening.limit_messages(self.settings.max_message_bytes)  # only `start` may carry an image
         return opened
 
-    async def _open_session(self, start: StartMessage) -> Started | Watching | None:
+    async def _open_session(self, start: StartMessage) -> Started | None:
         """The session `start` asks for (new, resumed, branched, or one to watch); None after refusing.
 
         The `start` message, which may hold megabytes of image data, lives only as long as this call.
@@ -124,13 +115,31 @@ class Handshake:
             await self.opening.refuse(ErrorCode.SHARE_FAILED, str(exc))
             return None
 
-    async def _watch(self, start: StartMessage) -> Watching | None:
+    async def _watch(self, start: StartMessage) -> Started | None:
+        """Watch another socket's session (PROTOCOL.md, "Rewind, branch and watch"): the live session joins its
+        audience as it starts, served the format this returns."""
         assert start.watch is not None
         if self.settings.max_viewers_per_session == 0:
             await self.opening.refuse(ErrorCode.SHARE_FAILED, "watching is off on this server (max_viewers_per_session 0)")
             return None
         session_id = await self._shared_session(start.watch)
-        return None if session_id is None else Watching(session_id, self._default_format(start))
+        if session_id is None:
+            return None
+        controller = self.gate.controller(session_id)
+        session = controller.session if controller is not None else None
+        if session is None or not session.live:
+            await self.opening.refuse(
+                ErrorCode.SHARE_FAILED, "the shared session is not live (ended, or its player is reconnecting)"
+            )
+            return None
+        shares = self.gate.shares
+        try:
+            served = shares.served_format(session.id, self._default_format(start), (session.codec, session.quality))
+            shares.check_room(session.id)
+        except AudienceFull as exc:
+            await self.opening.refuse(ErrorCode.OVER_CAPACITY, str(exc))
+            return None
+        return Started(session, watch_format=served)
 
     async def _branch(self, start: StartMessage) -> Started | None:
         """A new session from another's chunk boundary (PROTOCOL.md, "Rewind, branch and watch")."""

@@ -44,11 +44,12 @@ from starlette.websockets import WebSocket
 from .dialect import Dialect, Gate, Passed, SessionWorker
 from .limits import TokenBucket
 from .opening import Opening
-from .outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
+from .outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedClose, QueuedText
 from .protocol import CLOSE_GOING_AWAY, ERROR_CLOSE_CODES, CloseReason, ErrorCode, ProtocolError, dumps, excerpt
 from .resume import Holder
 from .session import Session, SessionState, TickJob
 from .viewers import CLOSE_POLICY_VIOLATION, ViewerRole
+from .writer import write_outbox
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
@@ -167,7 +168,7 @@ class LiveSession:
             self.watch = self._viewer_role(session, started.watch_format)
             self.watch.viewer_id = self.gate.shares.join(session.id, self.watch)
         name = self.session_id if self.watch is None else self.watch.viewer_id
-        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{name}")
+        self._writer = asyncio.create_task(write_outbox(self, session), name=f"writer-{name}")
         self.dialect.ready(self, started)
         await self._receive_loop()
 
@@ -476,52 +477,3 @@ class LiveSession:
         if self.watch is None and session.state is not SessionState.CLOSED:
             session.transition(SessionState.CLOSED)
         self._enter(Phase.CLOSED)
-
-    # ---- the writer ---------------------------------------------------------------------------
-
-    async def _write_loop(self) -> None:
-        session = self.session
-        assert session is not None
-        role: ViewerRole | None = None
-        try:
-            while True:
-                item = await self.outbox.get()
-                role = self.watch  # a viewer's writer is on one item viewer_stall_timeout_s at most
-                if role is not None:
-                    role.arm_stall()
-                if isinstance(item, QueuedText):
-                    await self.ws.send_text(item.text)
-                    if item.returns_credit:
-                        session.release_credit()
-                elif isinstance(item, QueuedChunk):
-                    frames = await self.dialect.send_chunk(self, item.outcome)
-                    self._count_sent(frames, sum(len(message) for message in item.outcome.frame_messages))
-                    self.metrics.chunks.inc()
-                    session.release_credit()
-                    self.dialect.chunk_sent(self)
-                elif isinstance(item, ViewerChunk):
-                    await self._send_viewer_chunk(item)
-                else:
-                    if item.text is not None:
-                        await self.ws.send_text(item.text)
-                    await self.ws.close(item.code, item.reason)
-                    return
-                if role is not None:
-                    role.disarm_stall()
-        except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
-            log.debug("session=%s writer stopped: %s", self.session_id, exc)
-        finally:
-            if role is not None:
-                role.disarm_stall()
-            self.outbox.close()
-
-    async def _send_viewer_chunk(self, chunk: ViewerChunk) -> None:
-        skipped, self.outbox.chunks_skipped = self.outbox.chunks_skipped, 0
-        await self.ws.send_text(dumps({**chunk.header, "skipped_before": skipped}) if skipped else chunk.text)
-        for frame in chunk.frames:
-            await self.ws.send_bytes(frame)
-            self._count_sent(1, len(frame))
-
-    def _count_sent(self, frames: int, nbytes: int) -> None:
-        self.metrics.frames_sent.inc(frames)
-        self.metrics.bytes_sent.inc(nbytes)

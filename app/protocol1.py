@@ -19,35 +19,14 @@ import time
 from typing import Any
 
 from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
-from .handshake import Handshake, Watching
+from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
-from .protocol import (
-    CLOSE_NORMAL,
-    ClientMessage,
-    CloseMessage,
-    CloseReason,
-    ErrorCode,
-    InputMessage,
-    PassControlMessage,
-    PingMessage,
-    ProtocolError,
-    TickMessage,
-    ack_message,
-    chunk_message,
-    closed_message,
-    dumps,
-    error_message,
-    moved_message,
-    parse_client_message,
-    pong_message,
-    ready_message,
-    role_message,
-    controls_problem,
-    too_large,
-)
+from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
+from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, ack_message, chunk_message
+from .protocol import closed_message, controls_problem, dumps, error_message, moved_message, parse_client_message
+from .protocol import pong_message, ready_message, role_message, too_large
 from .session import Session, TickJob
 from .viewer_feed import ViewerFeed
-from .viewers import AudienceFull
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
@@ -55,6 +34,7 @@ log = logging.getLogger("arstream.session")
 PATH = "/v1/sessions"
 ROLE_CONTROLLER = "controller"
 ROLE_VIEWER = "viewer"
+BINARY_REFUSED = "binary messages from the client are not part of protocol 1"
 
 
 def chunk_header(outcome: TickOutcome) -> dict[str, Any]:
@@ -85,54 +65,30 @@ class Protocol1(Dialect):
     # ---- start and ready -----------------------------------------------------------------------
 
     async def start(self, opening: OpeningPort) -> Started | None:
-        opened = await Handshake(opening, self).open()
-        if isinstance(opened, Watching):
-            return await self._join(opening, opened)
-        return opened
-
-    async def _join(self, opening: OpeningPort, watching: Watching) -> Started | None:
-        """Become a viewer of another socket's session (PROTOCOL.md, "Rewind, branch and watch")."""
-        gate = opening.gate
-        controller = gate.controller(watching.session_id)
-        session = controller.session if controller is not None else None
-        if session is None or not session.live:
-            await opening.refuse(
-                ErrorCode.SHARE_FAILED, "the shared session is not live (ended, or its player is reconnecting)"
-            )
-            return None
-        try:
-            served = gate.shares.served_format(session.id, watching.format, (session.codec, session.quality))
-            gate.shares.check_room(session.id)
-        except AudienceFull as exc:
-            await opening.refuse(ErrorCode.OVER_CAPACITY, str(exc))
-            return None
-        return Started(session, watch_format=served)  # the live session joins the audience as it starts
+        return await Handshake(opening, self).open()
 
     def ready(self, live: SessionPort, started: Started) -> None:
-        gate, settings, session = live.gate, live.gate.settings, started.session
-        if live.watch is not None:
+        gate, settings, session, watch = live.gate, live.gate.settings, started.session, live.watch
+        limits = dict(
+            max_pending_ticks=settings.max_pending_ticks,
+            max_message_bytes=settings.max_message_bytes,
+            idle_timeout_s=settings.idle_timeout_s,
+        )
+        if watch is not None:
+            (codec, quality), card = watch.format, gate.model_card
             message = ready_message(
-                session_id=session.id,
-                model_card=gate.model_card,
-                codec=live.watch.format[0],
-                max_pending_ticks=settings.max_pending_ticks,
-                max_message_bytes=settings.max_message_bytes,
-                idle_timeout_s=settings.idle_timeout_s,
-                role=ROLE_VIEWER,
-                viewer_id=live.watch.viewer_id,
-                quality=live.watch.format[1],
+                session_id=session.id, model_card=card, codec=codec, role=ROLE_VIEWER, viewer_id=watch.viewer_id,
+                quality=quality, **limits,
             )
             live.outbox.push(QueuedText(dumps(message), is_reply=True))
-            log.info("session=%s viewer %s joined codec=%s", session.id, live.watch.viewer_id, live.watch.format[0])
+            log.info("session=%s viewer %s joined codec=%s", session.id, watch.viewer_id, codec)
             gate.shares.audience_changed(session, gate.controller(session.id))
             return
         message = ready_message(
             session_id=session.id,
             model_card=gate.model_card,
             codec=session.codec,
-            max_pending_ticks=settings.max_pending_ticks,
-            max_message_bytes=settings.max_message_bytes,
-            idle_timeout_s=settings.idle_timeout_s,
+            **limits,
             resume=started.ticket,
             resumed=started.resumed,
             max_start_image_bytes=settings.max_start_image_bytes if gate.start_image_names else None,
@@ -148,9 +104,7 @@ class Protocol1(Dialect):
 
     def text_in(self, live: SessionPort, text: str | None) -> TickJob | None:
         if text is None:
-            binary = "binary messages from the client are not part of protocol 1"
-            error = ProtocolError(ErrorCode.INVALID_MESSAGE, binary)
-            self._reply_error(live, error)
+            self._reply_error(live, ProtocolError(ErrorCode.INVALID_MESSAGE, BINARY_REFUSED))
             return None
         limit = live.gate.settings.max_message_bytes
         if too_large(text, limit):
@@ -210,28 +164,23 @@ class Protocol1(Dialect):
             log.info("session=%s viewer %s closed by the client", self.session_id, viewer_id)
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
+            detail = f"a viewer may not send {parsed.type}; the controller can pass control"
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
-            raise ProtocolError(
-                ErrorCode.NOT_CONTROLLER,
-                f"a viewer may not send {parsed.type}; the controller can pass control",
-                tick_id=tick_id,
-            )
+            raise ProtocolError(ErrorCode.NOT_CONTROLLER, detail, tick_id=tick_id)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
 
     @staticmethod
     def _check_controls(live: SessionPort, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
-        gate = live.gate
-        max_items = gate.settings.max_control_items
-        problem = None if controls is None else controls_problem(controls, max_items, gate.controls_validator)
+        limit, validator = live.gate.settings.max_control_items, live.gate.controls_validator
+        problem = None if controls is None else controls_problem(controls, limit, validator)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_CONTROLS, problem, tick_id=tick_id)
 
     def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
         """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
         self._viewers.offer_held(live.gate)  # chunks before the pass go to the viewers as they were
-        passed = live.pass_control(viewer_id)
-        gate = live.gate
+        passed, gate = live.pass_control(viewer_id), live.gate
         # how far back it can rewind and branch from, as `ready` says it: the new controller's page shows the same timeline
         controller = role_message(
             ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=passed.resume, rewind_seconds=gate.rewind_seconds
@@ -251,10 +200,8 @@ class Protocol1(Dialect):
             if session.viewer_count:
                 self._viewers.hold(live.gate, session, outcome)
         elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
-            live.gate.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
             detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
-            message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
-            live.outbox.push(QueuedText(dumps(message), returns_credit=True))
+            self._tick_error(live, ErrorCode.REWIND_UNAVAILABLE, detail, job.tick_id)
             if job.close:
                 session.keep_open()  # nothing ran, so no close either: a close comes after the tick's chunk
             return
@@ -268,14 +215,16 @@ class Protocol1(Dialect):
                 detail = f"the model failed on tick {job.tick_id} ({outcome.error}); its KV was released"
             else:
                 detail = f"tick {job.tick_id} was not run: the session failed before it"
-            live.gate.metrics.errors.labels(code=str(ErrorCode.SESSION_FAILED)).inc()
-            message = error_message(
-                ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", tick_id=job.tick_id
-            )
-            live.outbox.push(QueuedText(dumps(message), returns_credit=True))
+            self._tick_error(live, ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", job.tick_id)
         if job.close:
             log.info("session=%s closing after tick %d (close: true)", session.id, job.tick_id)
             live.close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
+
+    @staticmethod
+    def _tick_error(live: SessionPort, code: ErrorCode, detail: str, tick_id: int) -> None:
+        """A tick's error: it comes after the chunks before it, and gives the tick's credit back."""
+        live.gate.metrics.errors.labels(code=str(code)).inc()
+        live.outbox.push(QueuedText(dumps(error_message(code, detail, tick_id=tick_id)), returns_credit=True))
 
     async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
         ws = live.ws
