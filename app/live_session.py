@@ -49,7 +49,7 @@ from .protocol import CLOSE_GOING_AWAY, ERROR_CLOSE_CODES, CloseReason, ErrorCod
 from .resume import Holder
 from .session import Session, SessionState, TickJob
 from .viewers import CLOSE_POLICY_VIOLATION, ViewerRole
-from .writer import write_outbox
+from .writer import Writer
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
@@ -111,7 +111,7 @@ class LiveSession:
         self.watch: ViewerRole | None = None  # set while this socket watches a session instead of controlling it
         # Being moved to a peer (app/migration.py): the dialect absorbs ticks instead of running them.
         self.moving = False
-        self._writer: asyncio.Task[None] | None = None
+        self._writer = Writer()
         self._released = False
         # Ticks handed to the worker whose outcome the client waits on: while any is out, the session is not idle.
         self._in_worker: set[int] = set()
@@ -168,7 +168,7 @@ class LiveSession:
             self.watch = self._viewer_role(session, started.watch_format)
             self.watch.viewer_id = self.gate.shares.join(session.id, self.watch)
         name = self.session_id if self.watch is None else self.watch.viewer_id
-        self._writer = asyncio.create_task(write_outbox(self, session), name=f"writer-{name}")
+        self._writer.start(self, session, name)
         self.dialect.ready(self, started)
         await self._receive_loop()
 
@@ -424,19 +424,8 @@ class LiveSession:
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the writer to send everything queued, then stop it."""
-        writer = self._writer
-        if writer is None or writer.done():
-            return
-        done, _ = await asyncio.wait({writer}, timeout=timeout_s)
-        if not done:
+        if not await self._writer.wait_sent(timeout_s):
             log.warning("session=%s client did not take its last messages within %.1f s", self.session_id, timeout_s)
-            await self._stop_writer()
-
-    async def _stop_writer(self) -> None:
-        writer = self._writer
-        if writer is not None and not writer.done():
-            writer.cancel()
-            await asyncio.wait({writer})
 
     def _release(self) -> None:
         """The one release of a session's KV here: its ticket, its queued ticks, its share token."""
@@ -472,7 +461,7 @@ class LiveSession:
             self._release()
             gate.unregister(self)
         if self.opening.disconnected:
-            await self._stop_writer()
+            await self._writer.stop()
         await self.wait_sent(self.settings.shutdown_grace_s)
         if self.watch is None and session.state is not SessionState.CLOSED:
             session.transition(SessionState.CLOSED)

@@ -8,6 +8,7 @@ many chunks it skipped before it; the close frame ends the writer. A viewer's wr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -73,6 +74,32 @@ async def write_outbox(live: Written, session: Session) -> None:
         if role is not None:
             role.disarm_stall()
         outbox.close()
+
+
+class Writer:
+    """The writer task of one socket: started once its session starts, waited on (bounded) as it ends."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, live: Written, session: Session, name: str) -> None:
+        self._task = asyncio.create_task(write_outbox(live, session), name=f"writer-{name}")
+
+    async def wait_sent(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for everything queued to be sent, then stop; False if it was cut short."""
+        task = self._task
+        if task is None or task.done():
+            return True
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            await self.stop()
+        return bool(done)
+
+    async def stop(self) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
 
 def count_sent(metrics: ServerMetrics, frames: int, nbytes: int) -> None:
