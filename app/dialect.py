@@ -152,8 +152,6 @@ class Gate(Protocol):
     def controller(self, session_id: str) -> Controller | None:
         """The socket that controls ``session_id`` here, or None."""
 
-    def live_or_detached_session(self, session_id: str) -> Session | None: ...
-
 
 class OpeningPort(Protocol):
     """What a dialect's start may do with the socket before its session starts (:class:`arstream.app.opening.Opening`).

@@ -148,7 +148,8 @@ class Handshake:
         source_id = await self._shared_session(start.branch.share)
         if source_id is None:
             return None
-        source = self.gate.live_or_detached_session(source_id)
+        holder = self.gate.controller(source_id)  # connected, or else detached (or gone)
+        source = holder.session if holder is not None else self.gate.resume.detached_session(source_id)
         if source is None:
             await self.opening.refuse(ErrorCode.SHARE_FAILED, "the shared session has ended")
             return None

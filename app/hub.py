@@ -1,11 +1,10 @@
 """The app-wide session hub: it assembles one app's parts and holds the sessions served.
 
-One hub per app. It starts the :class:`~arstream.app.worker.ModelWorker` (which loads and warms the model on
-its own thread, app/model_loading.py), admits live sessions up to the runtime's session capacity (the
-per-client caps and the room an admitted session makes are app/client_caps.py), and closes every session with
-``server_shutdown`` when the server stops. It is the :class:`~arstream.app.dialect.Gate` of every live session;
-the worker hands outcomes to the sessions themselves; metrics and ``/v1/stats`` read it through a small view
-(app/metrics.py), as does the balancer's agent check (app/balancer.py).
+One hub per app. It starts the :class:`~arstream.app.worker.ModelWorker` (which loads and warms the model on its
+thread, app/model_loading.py), admits sessions up to the runtime's capacity (the per-client caps and make-room:
+app/client_caps.py), and closes every session with ``server_shutdown`` when the server stops. It is the
+:class:`~arstream.app.dialect.Gate` of every live session; metrics, ``/v1/stats`` (app/metrics.py) and the
+balancer's agent check (app/balancer.py) read it through small views.
 """
 
 from __future__ import annotations
@@ -21,10 +20,9 @@ from .client_caps import SessionCaps
 from .guard import FloodBans, RefusalLog, TrustedProxies
 from .metrics import ServerMetrics, stats_document
 from .resume import Holder, ResumeRegistry
-from .model_loading import CardRefused, load_failure, load_runtime, read_card
+from .model_loading import CardRefused, load_failure, load_runtime, park_idle_sessions, read_card
 from .settings import Settings
 from .start_image import StartImageResolver
-from .session import Session
 from .unstarted import UnstartedConnections
 from .viewers import ShareRegistry, ViewerRole
 from .worker import ModelWorker
@@ -92,8 +90,6 @@ class SessionHub:
         self._loaded: asyncio.Event | None = None
         self._park_clock: asyncio.Task[None] | None = None  # --park-after-s on a server with no ticks
 
-    # ---- lifecycle -------------------------------------------------------------------
-
     async def start(self) -> None:
         """Start the worker; the model loads in the background while /readyz says 503."""
         self._loaded = asyncio.Event()
@@ -124,14 +120,8 @@ class SessionHub:
             self.controls_validator, self.start_image_names = offer.controls_validator, offer.start_image_names
             self.model_card, self.ready, self.not_ready_reason = offer.card, True, ""
             if self.settings.park_after_s is not None and self.settings.park_budget_bytes > 0:
-                self._park_clock = asyncio.get_running_loop().create_task(self._park_idle_sessions(self.settings.park_after_s))
+                self._park_clock = asyncio.create_task(park_idle_sessions(self.worker, self.settings.park_after_s))
         self._loaded.set()
-
-    async def _park_idle_sessions(self, after_s: float) -> None:
-        """The worker parks idle sessions after each job; this asks it to on a quiet server too (no ticks at all)."""
-        while self.worker is not None:
-            await asyncio.sleep(max(0.25, after_s / 4))
-            self.worker.park_idle()
 
     async def wait_loaded(self) -> None:
         """Until the model is ready or failed to load (check ``load_error``)."""
@@ -159,29 +149,19 @@ class SessionHub:
         if self.worker is not None:
             await asyncio.to_thread(self.worker.stop, WORKER_STOP_TIMEOUT_S)
 
-    # ---- sessions --------------------------------------------------------------------
-
     @property
     def _runner_stats(self) -> RunnerStats | None:
         return self.worker.runner_stats if self.worker else None  # None before the model is loaded
 
     @property
     def rewind_points(self) -> int:
-        """Most chunk boundaries a session keeps (``ready.rewind_points``): 0 before loading, or when the runtime
-        keeps none (vllm-omni, a model without rewind)."""
+        """Most chunk boundaries a session keeps (``ready.rewind_points``): 0 before loading, or if the runtime has none."""
         return self._runner_stats.rewind_points if self._runner_stats is not None else 0
 
     @property
     def rewind_seconds(self) -> float:
         """How far back those boundaries reach, in seconds of play (``ready.rewind_seconds``)."""
         return self._runner_stats.rewind_seconds if self._runner_stats is not None else 0.0
-
-    def live_or_detached_session(self, session_id: str) -> Session | None:
-        """The protocol state of a session this replica holds (connected or detached), or None."""
-        connection = self.connections.get(session_id)
-        if connection is not None:
-            return connection.session
-        return self.resume.detached_session(session_id)
 
     @property
     def start_message_bytes(self) -> int:
@@ -191,10 +171,9 @@ class SessionHub:
     @property
     def session_capacity(self) -> int:
         """Sessions served at once: the runtime's KV capacity, capped by ``--max-sessions``."""
-        stats = self._runner_stats
+        stats, cap = self._runner_stats, self.settings.max_sessions
         if stats is None:
             return 0
-        cap = self.settings.max_sessions
         return stats.session_capacity if cap is None else min(cap, stats.session_capacity)
 
     def admission_refusal(self, resuming: str | None = None) -> str | None:
@@ -213,12 +192,9 @@ class SessionHub:
         worker, stats = self.worker, self._runner_stats
         if worker is None or stats is None or not self.model_card:
             return None
-        return realtime_capacity(
-            worker.round_times.estimates(),
-            chunk_period_s=chunk_period_s(self.model_card),
-            batch_limit=stats.batch_limit,
-            kv_capacity=self.session_capacity,
-        )
+        period, batch_limit, capacity = chunk_period_s(self.model_card), stats.batch_limit, self.session_capacity
+        estimates = worker.round_times.estimates()
+        return realtime_capacity(estimates, chunk_period_s=period, batch_limit=batch_limit, kv_capacity=capacity)
 
     def client_cap_refusal(self, connection: Holder, resuming: str | None = None) -> str | None:
         """Why ``connection``'s client address or token may not hold one more live session, or None."""

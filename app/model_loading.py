@@ -7,10 +7,11 @@ offers (the controls schema, the start images) or why it cannot serve.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import torch
@@ -22,6 +23,9 @@ from ..runner.contract import ARPipeline
 from ..runner.parking import ParkingPolicy
 from ..runner.runtimes import Runtime, build_runtime
 from ..runner.vllm_omni.native import NativePipeline
+
+if TYPE_CHECKING:
+    from .worker import ModelWorker
 
 log = logging.getLogger("arstream.hub")
 
@@ -64,6 +68,13 @@ def load_runtime(settings: Settings, pipeline: ARPipeline | None) -> Runtime:
     warmed = runtime.warmup()
     log.info("model %s warmed up with %d chunk(s)", runtime.model_card().get("name"), warmed)
     return runtime
+
+
+async def park_idle_sessions(worker: ModelWorker, after_s: float) -> None:
+    """The worker parks idle sessions after each job; this asks it to on a quiet server too (no ticks at all)."""
+    while True:
+        await asyncio.sleep(max(0.25, after_s / 4))
+        worker.park_idle()
 
 
 def load_failure(settings: Settings, error: BaseException) -> str:
