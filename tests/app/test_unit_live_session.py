@@ -10,9 +10,12 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from gate_fakes import FakeGate, chunk_outcome, fake_socket, live_session, until
 
 from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from arstream.app.live_session import PHASES, Phase
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
 from arstream.app.session import Session, SessionState
@@ -195,5 +198,24 @@ def test_a_binary_message_reaches_the_dialect_as_none() -> None:
         socket.say("stop")
         await live.run()
         assert dialect.texts == [None, "stop"]
+
+    asyncio.run(scenario())
+
+
+def test_a_live_session_goes_through_its_phases_and_refuses_a_move_the_table_does_not_allow() -> None:
+    async def scenario() -> None:
+        gate = FakeGate()
+        live = live_session(gate, FakeDialect())
+        assert live.phase is Phase.OPENING
+        running = asyncio.create_task(live.run())
+        fake_socket(live).say("go")
+        await until(lambda: live.phase is Phase.CONTROLLING)
+        fake_socket(live).say("stop")
+        await until(lambda: live.phase is not Phase.CONTROLLING)
+        assert live.phase in (Phase.CLOSING, Phase.CLOSED)
+        await running
+        assert live.phase is Phase.CLOSED and PHASES[Phase.CLOSED] == frozenset()
+        with pytest.raises(RuntimeError, match="cannot go from"):
+            live._enter(Phase.CONTROLLING)
 
     asyncio.run(scenario())
