@@ -163,9 +163,9 @@ class LiveSession:
                 started = replace(started, ticket=self.gate.resume.ticket(self, started.next_chunk_index))
         else:
             # A viewer from now on (the registry counts it as one); the dialect's start checked there is room.
+            self.watch = self._viewer_role(session, started.watch_format)
             self._enter(Phase.WATCHING)
             self.gate.unstarted.discard(self.opening)
-            self.watch = self._viewer_role(session, started.watch_format)
             self.watch.viewer_id = self.gate.shares.join(session.id, self.watch)
         name = self.session_id if self.watch is None else self.watch.viewer_id
         self._writer.start(self, session, name)
