@@ -109,7 +109,7 @@ class LiveSession:
             self.opening.client_host, self.opening.token_key, self.opening.transport,
         )
         self.watch: ViewerRole | None = None  # set while this socket watches a session instead of controlling it
-        # Being moved to a peer (app/migration.py): the dialect absorbs ticks instead of running them.
+        # Being moved to a peer (app/migration.py): a tick keeps its controls and runs nothing here.
         self.moving = False
         self._writer = Writer()
         self._released = False
