@@ -73,6 +73,9 @@ PARSE_SLICE_BYTES = 1024
 # sent `start` before reading the refusal is not reset (which could lose the refusal) for that.
 REFUSED_DISCARD_BYTES = 65536
 TRANSPORT_EXTENSION = "arstream.transport"
+# Scope extension: the address of the socket's own peer, which uvicorn's proxy headers leave as it is (the
+# scope's "client" is the forwarded address when the peer is a trusted proxy).
+SOCKET_PEER_EXTENSION = "arstream.socket_peer"
 # Banned addresses (and connection rate budgets) kept before expired ones are swept (a few hundred bytes each).
 BAN_TABLE_PRUNE_AT = 4096
 
@@ -315,6 +318,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 return
         super().data_received(data)
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {SOCKET_PEER_EXTENSION: self.client}  # type: ignore[dict-item]
+
     def on_headers_complete(self) -> None:
         self._head_done = True
         self._cancel_head_timer()
@@ -533,6 +540,13 @@ def transport_control(scope: Any) -> GuardedWebSocketProtocol | None:
     """The guarded protocol serving a WebSocket scope (None when the server runs without the guard)."""
     control = scope.get("extensions", {}).get(TRANSPORT_EXTENSION)
     return control if isinstance(control, GuardedWebSocketProtocol) else None
+
+
+def socket_peer_host(scope: Any) -> str:
+    """The host of the socket's own peer: a proxy's own address, never one it forwarded (the scope's
+    ``client`` when the server runs without the guard)."""
+    peer = scope.get("extensions", {}).get(SOCKET_PEER_EXTENSION) or scope.get("client")
+    return str(peer[0]) if peer else ""
 
 
 def protocol_classes(

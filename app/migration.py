@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from .live_session import LiveSession
-from .guard import BAN_TABLE_PRUNE_AT
+from .guard import BAN_TABLE_PRUNE_AT, socket_peer_host
 from .limits import TokenBucket
 from .peers import configured_peers
 from .portable_session import PortableSessionError, validated_session
@@ -117,16 +117,19 @@ class DrainReport:
 
 
 class SecretGate:
-    """The cluster secret's check, with a price on guessing: each client address has
+    """The cluster secret's check, with a price on guessing: each socket peer address has
     ``CLUSTER_AUTH_BURST`` wrong tries, then one per ``1 / CLUSTER_AUTH_RATE_PER_S`` seconds; meanwhile every
-    request from it gets 429 and the secret is not even compared. The right secret costs nothing."""
+    wrong secret from it gets 429. Keyed on the socket's own peer, not the forwarded client address: behind
+    a trusted proxy that is whatever the sender claims, so a fresh claim per try would escape the count and a
+    claim of a replica's address would spend that replica's tries. The right secret is compared first and
+    costs nothing, so no flood of wrong ones from an address can keep a peer (or a drain) out."""
 
     def __init__(self, secret: str | None) -> None:
         self.secret = secret
-        self._tries: dict[str, TokenBucket] = {}  # client address -> its budget of wrong secrets
+        self._tries: dict[str, TokenBucket] = {}  # socket peer address -> its budget of wrong secrets
 
     def refusal(self, request: Request) -> JSONResponse | None:
-        """404 when cluster routes are off, 429 past the address's tries, 401 for a wrong secret, else None.
+        """404 when cluster routes are off, None for the right secret, else 429 past the address's tries or 401.
         Each says what is missing (issue 36: an operator reads them through `arstream drain`)."""
         if self.secret is None:
             off = (
@@ -135,24 +138,23 @@ class SecretGate:
                 "and restart it)"
             )
             return JSONResponse({"detail": off}, status_code=404)
-        host = request.client.host if request.client is not None else ""
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), self.secret.encode()):
+            return None
+        host = socket_peer_host(request.scope)
         now = time.monotonic()
         budget = self._tries.get(host)
-        if budget is not None and not budget.has_token(now):
+        if budget is None:
+            if len(self._tries) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
+                self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
+            budget = self._tries[host] = TokenBucket(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
+        if not budget.try_spend(now):
             wait_s = 1.0 / CLUSTER_AUTH_RATE_PER_S
             return JSONResponse(
                 {"detail": f"too many wrong cluster secrets from this address; one try per {wait_s:g} s"},
                 status_code=429,
                 headers={"retry-after": f"{wait_s:.0f}"},
             )
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), self.secret.encode()):
-            return None
-        if budget is None:
-            if len(self._tries) >= BAN_TABLE_PRUNE_AT:  # forget addresses whose budget has refilled
-                self._tries = {h: b for h, b in self._tries.items() if not b.full(now)}
-            budget = self._tries[host] = TokenBucket(CLUSTER_AUTH_RATE_PER_S, CLUSTER_AUTH_BURST, now)
-        budget.try_spend(now)
         what = "a different cluster secret" if scheme.lower() == "bearer" else "no cluster secret"
         return JSONResponse(
             {"detail": f"this replica's cluster secret was not given: the request carried {what} "

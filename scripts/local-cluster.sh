@@ -10,6 +10,8 @@
 #   ARSTREAM_REPLICA rN http://127.0.0.1:PORT PID      one per replica, once it is ready (again after a restart)
 #   ARSTREAM_LB_STATS http://127.0.0.1:PORT/stats     HAProxy's statistics (/metrics: its exporter; private)
 #   ARSTREAM_LB_PRIVATE http://127.0.0.1:PORT         the private port: /replicas/rN/PATH, /metrics, /stats
+#   ARSTREAM_LB_ADMIN http://127.0.0.1:PORT/stats     /stats with its admin actions (DRAIN, MAINT): user operator,
+#                                                     password ARSTREAM_LB_ADMIN_PASSWORD (unset: refused)
 #   ARSTREAM_LB http://127.0.0.1:PORT                 once every replica is ready through the balancer
 # and runs until SIGTERM or Ctrl-C, then stops everything it started. A replica that exits is started
 # again on the same ports (ARSTREAM_RESTART=0: left dead). Logs: $ARSTREAM_CLUSTER_DIR
@@ -46,17 +48,17 @@ stop_all() {
 trap 'stop_all; exit 0' TERM INT
 trap 'stop_all' EXIT
 
-# HAProxy's two ports are chosen before the replicas start (their allowed origins name the balancer's), and
+# HAProxy's three ports are chosen before the replicas start (their allowed origins name the balancer's), and
 # held until HAProxy listens: a port chosen, released and bound again later can be taken in between by any
 # process's bind or outgoing connection (about 1 start in 13 on a busy host). The holder binds them with
 # SO_REUSEPORT, as HAProxy binds its listeners on Linux, so HAProxy can bind them while they are held; no
-# other socket can. It prints "LB_PORT STATS_PORT" and holds them until it is stopped.
+# other socket can. It prints "LB_PORT STATS_PORT ADMIN_PORT" and holds them until it is stopped.
 hold_ports() {  # WANTED_LB_PORT (0: any)
     # exec: the holder is this (background) process itself, so $! is its pid and TERM reaches it.
     exec "$python" - "$1" <<'PY'
 import signal, socket, sys
 held = []
-for wanted in (int(sys.argv[1]), 0):
+for wanted in (int(sys.argv[1]), 0, 0):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -85,7 +87,7 @@ until [ -s "$dir/ports" ]; do
     kill -0 "$holder_pid" 2>/dev/null || { wait "$holder_pid" || true; exit 1; }
     sleep 0.05
 done
-read -r lb_port stats_port <"$dir/ports"
+read -r lb_port stats_port admin_port <"$dir/ports"
 lb="http://127.0.0.1:$lb_port"
 # The demo page is served through the balancer: its origin must be allowed. Options given later win.
 origins="$lb,http://localhost:$lb_port"
@@ -134,7 +136,7 @@ for ((i = 0; i < replicas; i++)); do
     render_args+=(--replica "r$i=${urls[$i]#http://}/$capacity@${agents[$i]}")
 done
 "$python" "$root/deploy/haproxy/render.py" "${render_args[@]}" --bind "127.0.0.1:$lb_port" \
-    --stats-bind "127.0.0.1:$stats_port" --check-interval 500ms --out "$dir/haproxy.cfg"
+    --stats-bind "127.0.0.1:$stats_port" --admin-bind "127.0.0.1:$admin_port" --check-interval 500ms --out "$dir/haproxy.cfg"
 "$haproxy_bin" -c -q -f "$dir/haproxy.cfg"
 "$haproxy_bin" -db -f "$dir/haproxy.cfg" >"$dir/haproxy.log" 2>&1 &
 pids+=($!)
@@ -145,6 +147,7 @@ for ((i = 0; i < replicas; i++)); do
 done
 echo "ARSTREAM_LB_STATS http://127.0.0.1:$stats_port/stats"
 echo "ARSTREAM_LB_PRIVATE http://127.0.0.1:$stats_port"
+echo "ARSTREAM_LB_ADMIN http://127.0.0.1:$admin_port/stats"
 
 # Ready through the balancer: each replica's /readyz answers 200 by way of HAProxy.
 for ((i = 0; i < replicas; i++)); do

@@ -8,9 +8,10 @@ balancer beside HAProxy (deploy/haproxy/), for clusters whose gateway is Envoy (
 
 Routing, as HAProxy's (docs/deployment.md, "How HAProxy routes"):
 
-- ``/v1/sessions?resume=NAME.…`` and ``?share=NAME.…``: replica NAME's own cluster, whatever its health
+- ``/v1/sessions?resume=NAME.…`` and ``?share=NAME.…``, ``/v1/realtime/video?resume=NAME.…`` (the vLLM-Omni
+  dialect's resumes, a drain's ``session.moved`` among them): replica NAME's own cluster, whatever its health
   (no health check there): only the replica that holds a session can resume it or show it.
-- ``/v1/sessions``: cluster ``sessions``, every replica, least requests, health-checked on ``/readyz`` (loaded,
+- ``/v1/sessions`` and ``/v1/realtime/video``: cluster ``sessions``, every replica, least requests, health-checked on ``/readyz`` (loaded,
   not draining, room for a session). Envoy has no agent check to learn each replica's free slots, so a full
   replica is taken out of this cluster by its health check; a draining one too. ``healthy_panic_threshold``
   0: with every replica unhealthy Envoy answers 503 rather than spread sessions over replicas that refuse
@@ -18,6 +19,10 @@ Routing, as HAProxy's (docs/deployment.md, "How HAProxy routes"):
   default, and a replica that has just started draining must stop getting sessions within seconds.
 - everything else (the demo page, ``/v1/model``): cluster ``pages``, health-checked on ``/servingz``.
 - ``/v1/cluster/`` (replica to replica): 403; ``/metrics``, ``/v1/stats``, ``/replicas/``: 404 (private).
+
+Every route matches the path as the replica routes it: the replica decodes percent escapes (``/%6detrics`` is
+its /metrics), so Envoy normalises the path first (RFC 3986: escaped unreserved characters decoded, dot
+segments resolved), merges repeated slashes, and decodes ``%2F`` to ``/``, and forwards that path.
 
 Replicas: ``--replica NAME=HOST:PORT`` (fixed addresses), or ``--statefulset NAME=COUNT`` for COUNT pods of a
 Kubernetes StatefulSet, found by DNS: each pod by its stable name NAME-i.SERVICE (its own cluster), all of
@@ -38,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # deploy/: the 
 from render_cli import REPLICA_NAME, add_out_option, add_statefulset_options, slot_count, write_rendered  # noqa: E402
 # A token is the replica's id, a dot, then the rest (app/resume.py); these query parameters carry one.
 TOKEN_PARAMETERS = ("resume", "share")
+SESSIONS_PATH = "/v1/sessions"
+REALTIME_PATH = "/v1/realtime/video"  # the vLLM-Omni dialect: resumes only (it has no watch links)
 HEALTH_INTERVAL = "1s"
 # Timeouts as HAProxy's: connect 3 s; a WebSocket session may sit still for an hour.
 CONNECT_TIMEOUT = "3s"
@@ -136,14 +143,13 @@ def render(
     routes: list[dict[str, Any]] = [_denied({"prefix": "/v1/cluster/"}, 403)]
     routes += [_denied({"path": path}, 404) for path in PRIVATE_PATHS]
     routes += [_denied({"prefix": prefix}, 404) for prefix in PRIVATE_PREFIXES]
+    owned = [(SESSIONS_PATH, parameter) for parameter in TOKEN_PARAMETERS] + [(REALTIME_PATH, "resume")]
     for name in owners:
-        for parameter in TOKEN_PARAMETERS:
-            match = {
-                "path": "/v1/sessions",
-                "query_parameters": [{"name": parameter, "string_match": {"prefix": f"{name}."}}],
-            }
+        for path, parameter in owned:
+            match = {"path": path, "query_parameters": [{"name": parameter, "string_match": {"prefix": f"{name}."}}]}
             routes.append({"match": match, "route": _route(name)})
-    routes.append({"match": {"path": "/v1/sessions"}, "route": {**_route("sessions"), **_retry_elsewhere()}})
+    for path in (SESSIONS_PATH, REALTIME_PATH):
+        routes.append({"match": {"path": path}, "route": {**_route("sessions"), **_retry_elsewhere()}})
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": "pages"}})
     manager = {
         "@type": TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -151,6 +157,10 @@ def render(
         "upgrade_configs": [{"upgrade_type": "websocket"}],
         # X-Forwarded-For: the client's address, so per-client caps count browsers (--forwarded-allow-ips).
         "use_remote_address": True,
+        # The path as the replica reads it, before any route is matched (see the module's docstring).
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "stream_idle_timeout": SESSION_IDLE_TIMEOUT,
         "route_config": {
             "name": "arstream",

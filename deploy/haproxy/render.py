@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Render deploy/haproxy/haproxy.cfg.template for a set of ARStream replicas (standard library only).
 
-    python3 deploy/haproxy/render.py --bind :8080 --stats-bind :8404 \\
+    python3 deploy/haproxy/render.py --bind :8080 --stats-bind :8404 --admin-bind :8405 \\
         --replica r0=replica-0:8000 --replica r1=replica-1:8000 --maxconn 6 > haproxy.cfg
 
 Each ``--replica NAME=HOST:PORT[/MAXCONN][@AGENT_PORT]`` is one ``arstream serve`` (NAME is its
@@ -97,6 +97,7 @@ def render(
     *,
     bind: str,
     stats_bind: str,
+    admin_bind: str = ":8405",
     check_interval: str = "2s",
     queue_timeout: str = "10s",
     per_source_connections: int = 16,
@@ -111,6 +112,7 @@ def render(
     values = {
         "bind": bind,
         "stats_bind": stats_bind,
+        "admin_bind": admin_bind,
         "check_interval": check_interval,
         "queue_timeout": queue_timeout,
         "per_source_connections": per_source_connections,
@@ -140,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-port", type=int, default=8001, help="replicas' --agent-port (default 8001)")
     parser.add_argument("--bind", default=":8080", help="where clients connect (default :8080)")
     parser.add_argument("--stats-bind", default=":8404", help="HAProxy /stats and /metrics (default :8404)")
+    parser.add_argument(
+        "--admin-bind", default=":8405", help="the operators' /stats with admin actions, behind a password (default :8405)"
+    )
     parser.add_argument("--check-interval", default="2s", help="health and agent check interval (default 2s)")
     parser.add_argument(
         "--per-source-connections", type=int, default=16, help="connections one client address may hold (default 16)"
@@ -164,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             replicas,
             bind=args.bind,
             stats_bind=args.stats_bind,
+            admin_bind=args.admin_bind,
             check_interval=args.check_interval,
             queue_timeout=args.queue_timeout,
             per_source_connections=args.per_source_connections,

@@ -83,6 +83,7 @@ class Balancer:
     config: Path
     port: int
     stats_port: int
+    admin_port: int
     process: subprocess.Popen[bytes] | None = None
     log: Path | None = None  # where HAProxy's log lines (its standard output) go, for a test that reads them
 
@@ -138,13 +139,14 @@ class Balancer:
 def balancer(
     tmp_path: Path, replicas: dict[str, LiveServer], *args: str, log: Path | None = None
 ) -> Iterator[Balancer]:
-    port, stats_port = free_port(), free_port()
+    port, stats_port, admin_port = free_port(), free_port(), free_port()
     specs = [f"{name}=127.0.0.1:{s.port}/{CAPACITY}@{s.agent_port()}" for name, s in replicas.items()]
     command = [sys.executable, str(RENDER), *(a for spec in specs for a in ("--replica", spec))]
-    command += ["--bind", f"127.0.0.1:{port}", "--stats-bind", f"127.0.0.1:{stats_port}", *args]
+    command += ["--bind", f"127.0.0.1:{port}", "--stats-bind", f"127.0.0.1:{stats_port}"]
+    command += ["--admin-bind", f"127.0.0.1:{admin_port}", *args]
     config = tmp_path / "haproxy.cfg"
     config.write_text(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    lb = Balancer(config, port, stats_port, log=log)
+    lb = Balancer(config, port, stats_port, admin_port, log=log)
     lb.start()
     try:
         yield lb

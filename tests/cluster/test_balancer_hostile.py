@@ -5,7 +5,8 @@ Each test is an attack that worked through the configuration before it: a
 percent-encoded private path (the replica decodes it, HAProxy matched the raw
 one), the cluster routes through the private port, a forged X-Forwarded-For
 that HAProxy appended to, a forged balancer-identity header on a watch
-connection, and the realtime dialect round-robined past the agent's slots.
+connection, the realtime dialect round-robined past the agent's slots, and the
+stats page's admin actions (cut sessions, MAINT) open to anyone on the private port.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from arstream.app.realtime_video import PATH as REALTIME_PATH
 from servers import RECEIVE_GUARD_S, LiveServer, ProbeClient, server_process, session_client, wait_until
@@ -197,3 +199,82 @@ def test_an_old_share_link_puts_its_token_in_no_log_line(tmp_path: Path) -> None
         logs = "".join(r0.output) + haproxy_log.read_text()
         assert "WATCHSECRET" not in logs and "BRANCHSECRET" not in logs
         assert "/?watch=<redacted>" in logs and "chunk=3" in logs  # redacted, not left out
+
+
+ADMIN_PASSWORD = "an-operators-password-for-tests"
+STATS_ACTIONS = ("shutdown", "maint")  # cut the server's sessions; put it in maintenance
+
+
+def stats_post(url: str, action: str, servers: list[str], auth: tuple[str, str] | None = None) -> int:
+    """One admin action of HAProxy's stats page, as its form sends it, on the `sessions` backend's servers."""
+    form = [("s", name) for name in servers] + [("action", action), ("b", "sessions")]
+    body = "&".join(f"{key}={value}" for key, value in form)
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    return httpx.post(url, content=body, headers=headers, auth=auth, timeout=10.0).status_code
+
+
+def test_the_stats_page_acts_only_for_an_operator_with_the_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Old config: the private port's /stats had admin rights and no password: one unauthenticated POST cut 4
+    of 4 live sessions, another put both replicas in maintenance. Now that page is read-only; the admin
+    page (its own port) acts only with the operator's password, which the runbook's drain still uses."""
+    monkeypatch.setenv("ARSTREAM_LB_ADMIN_PASSWORD", ADMIN_PASSWORD)
+    with ExitStack() as stack:
+        replicas = {name: stack.enter_context(replica(name)) for name in ("r0", "r1")}
+        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
+        admin_url = f"http://127.0.0.1:{lb.admin_port}/stats"
+        names = list(replicas)
+
+        async def scenario() -> tuple[int, list[str], list[int]]:
+            sessions = Sessions()
+            try:
+                clients = [await sessions.open(lb.ws_url) for _ in range(2 * CAPACITY)]
+                # Every unauthenticated way in: the private port, the admin port bare, a wrong password.
+                attempts = [(lb.stats_url, None), (admin_url, None), (admin_url, ("operator", "wrong-password-x"))]
+                answers = [
+                    await asyncio.to_thread(stats_post, url, action, names, auth)
+                    for url, auth in attempts
+                    for action in STATS_ACTIONS
+                ]
+                alive = 0
+                for client in clients:
+                    try:
+                        await client.send(type="tick", tick_id=0)
+                        await client.recv_chunk()
+                        alive += 1
+                    except ConnectionClosed:
+                        pass
+                states = [lb.row("sessions", name)["status"] for name in names]
+                return alive, states, answers
+            finally:
+                await sessions.close_all()
+
+        alive, states, answers = asyncio.run(scenario())
+        assert alive == 2 * CAPACITY, answers
+        assert all(status.startswith("UP") for status in states), (states, answers)
+        assert answers[2:] == [401] * 4  # the admin port, without the right password: asked for it
+        # The operator's action goes through: the runbook's drain, then back to ready.
+        assert stats_post(admin_url, "drain", ["r0"], ("operator", ADMIN_PASSWORD)) in (200, 303)
+        assert lb.row("sessions", "r0")["status"].startswith("DRAIN")
+        assert stats_post(admin_url, "ready", ["r0"], ("operator", ADMIN_PASSWORD)) in (200, 303)
+        assert lb.row("sessions", "r0")["status"].startswith("UP")
+
+
+@pytest.mark.parametrize("password", [None, "", "short-password"])
+def test_without_a_long_enough_password_the_admin_page_refuses_everyone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, password: str | None
+) -> None:
+    """An unset password would otherwise be an empty one: `operator` with no password would be admitted."""
+    if password is None:
+        monkeypatch.delenv("ARSTREAM_LB_ADMIN_PASSWORD", raising=False)
+    else:
+        monkeypatch.setenv("ARSTREAM_LB_ADMIN_PASSWORD", password)
+    with ExitStack() as stack:
+        replicas = {"r0": stack.enter_context(replica("r0"))}
+        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
+        admin_url = f"http://127.0.0.1:{lb.admin_port}/stats"
+        answers = [stats_post(admin_url, "maint", ["r0"], ("operator", password or "")) for _ in range(2)]
+        answers.append(stats_post(admin_url, "maint", ["r0"]))
+        assert answers == [403] * 3
+        assert lb.row("sessions", "r0")["status"].startswith("UP")

@@ -124,8 +124,19 @@ def test_secrets_come_from_the_environment_and_prometheus_keeps_its_data() -> No
     assert "prometheus-data:/prometheus" in services["prometheus"]["volumes"]
     # Private ports only on loopback: HAProxy's statistics and per-replica routes, Prometheus, Grafana.
     private = [port for name in ("prometheus", "grafana") for port in services[name]["ports"]]
-    private += [port for port in services["haproxy"]["ports"] if port.endswith(":8404")]
-    assert private and all(port.startswith("127.0.0.1:") for port in private)
+    private += [port for port in services["haproxy"]["ports"] if port.endswith((":8404", ":8405"))]
+    assert len(private) == 4 and all(port.startswith("127.0.0.1:") for port in private), private
+    # The admin page's password comes from the environment, with no default (unset: the page refuses all).
+    assert services["haproxy"]["environment"]["ARSTREAM_LB_ADMIN_PASSWORD"] == "${ARSTREAM_LB_ADMIN_PASSWORD:-}"
+
+
+def test_replicas_and_the_balancer_run_on_a_read_only_root_filesystem() -> None:
+    """What a replica writes (temporary files, compile caches under its home folder) goes to a tmpfs."""
+    services = compose()["services"]
+    assert services["haproxy"]["read_only"] is True
+    for name, service in replica_services().items():
+        assert service["read_only"] is True, name
+        assert set(service["tmpfs"]) == {"/tmp", "/home/arstream"}, name
 
 
 def compose_default(value: str) -> str:

@@ -48,7 +48,7 @@ HAPROXY_RENDER = REPO_ROOT / "deploy" / "haproxy" / "render.py"
 ENVOY_RENDER = REPO_ROOT / "deploy" / "envoy" / "render.py"
 # The manifests' own render commands (deploy/kubernetes/haproxy/kustomization.yaml, .../envoy/kustomization.yaml),
 # less the parts the StatefulSet and the ScaledObject decide (names, ports, slot count).
-HAPROXY_OPTIONS = ("--maxconn", "4", "--bind", ":8080", "--stats-bind", ":8404")
+HAPROXY_OPTIONS = ("--maxconn", "4", "--bind", ":8080", "--stats-bind", ":8404", "--admin-bind", "127.0.0.1:8405")
 ENVOY_OPTIONS = ("--bind", "0.0.0.0:8080", "--admin", "127.0.0.1:9901")
 SECRET = "kubernetes-test-cluster-secret"
 
@@ -70,7 +70,8 @@ def test_every_object_of_every_overlay_passes_the_strict_schema_check(overlay: s
     for scaled in (o for o in objects if o["kind"] == "ScaledObject"):
         assert scaledobject_errors(scaled) == []
     kinds = sorted({o["kind"] for o in objects})
-    expected = ["ConfigMap", "Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "StatefulSet"]
+    expected = ["ConfigMap", "Deployment", "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "Service"]
+    expected.append("StatefulSet")
     assert kinds == sorted(expected + (["ScaledObject"] if overlay != "cpu" else []))
 
 
@@ -386,3 +387,118 @@ def test_servingz_is_ready_when_full_and_not_while_loading_or_draining() -> None
         answer = server.get("/servingz")
         assert answer.status_code == 503 and "draining" in answer.json()["reason"], answer.text
         assert server.get("/healthz").status_code == 200
+
+
+# ---- who may reach whom, and what a pod may write ------------------------------------------------------------
+
+
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}  # kube-prometheus-stack's and the operator's pod label
+
+
+def pod_labels(objects: list[Manifest], kind: str) -> dict[str, str]:
+    labels: dict[str, str] = one(objects, kind)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def admitted(policy: Manifest, port: str) -> list[dict[str, str] | None]:
+    """Whom ``policy`` admits on the named ``port``: each source's pod labels (None: anyone at all)."""
+    sources: list[dict[str, str] | None] = []
+    for rule in policy["spec"].get("ingress", []):
+        if "ports" in rule and not any(p.get("port") == port for p in rule["ports"]):
+            continue
+        for peer in rule.get("from", [{}]):  # a rule without "from" admits everyone
+            labels = peer.get("podSelector", {}).get("matchLabels")
+            sources.append(labels or None)  # an ipBlock, or an empty selector: anyone
+    return sources
+
+
+def selects(selector: dict[str, str] | None, labels: dict[str, str] | None) -> bool:
+    """Whether pods matching ``selector`` (None: anyone) include those labelled ``labels`` (None: anyone)."""
+    if selector is None:
+        return True
+    return labels is not None and selector.items() <= labels.items()
+
+
+def network_problems(objects: list[Manifest], overlay: str) -> list[str]:
+    """What is wrong with the NetworkPolicies: a port open to pods other than those that need it (the replicas'
+    to the balancer, the peers and Prometheus), a port shut to one that needs it, a pod with no policy."""
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    replicas, balancer = pod_labels(objects, "StatefulSet"), pod_labels(objects, "Deployment")
+    needed: dict[str, tuple[dict[str, str], dict[str, list[dict[str, str] | None]]]] = {
+        "replicas": (replicas, {"http": [balancer, replicas, PROMETHEUS], "agent": [balancer]}),
+        "balancer": (balancer, {"public": [None], **({"private": [PROMETHEUS]} if overlay != "gpu-envoy" else {})}),
+    }
+    problems = []
+    for name, (pods, ports) in needed.items():
+        selecting = [p for p in policies if selects(p["spec"]["podSelector"].get("matchLabels"), pods)]
+        if len(selecting) != 1 or "Ingress" not in selecting[0]["spec"].get("policyTypes", []):
+            problems.append(f"the {name} need exactly one ingress NetworkPolicy, found {len(selecting)}")
+            continue
+        for port, sources in ports.items():
+            let_in = admitted(selecting[0], port)
+            problems += [
+                f"{name} port {port}: {source or 'anyone'} is not admitted"
+                for source in sources
+                if not any(selects(selector, source) for selector in let_in)
+            ]
+            problems += [
+                f"{name} port {port}: admits {selector or 'anyone'}, beyond {sources}"
+                for selector in let_in
+                if not any(selector == source for source in sources)
+            ]
+    return problems
+
+
+def test_network_policies_admit_only_the_balancer_the_peers_and_prometheus(overlay: str) -> None:
+    """Old manifests: no NetworkPolicy, and replicas trusting X-Forwarded-For from every private range, so any pod
+    could claim any client address (10 sessions under a per-client cap of 4) and guess the cluster secret."""
+    objects = rendered(overlay)
+    assert network_problems(objects, overlay) == []
+    trusted = replica_environment(objects)["ARSTREAM_FORWARDED_ALLOW_IPS"].split(",")
+    assert trusted == ["10.244.0.0/16"], trusted  # the pod network (kubeadm, kind, minikube), never every range
+    # The replicas' policy selects the StatefulSet's pods and the balancer's selects the Deployment's.
+    policies = {p["metadata"]["name"]: p for p in objects if p["kind"] == "NetworkPolicy"}
+    assert policies["arstream-replicas"]["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(
+        objects, "StatefulSet"
+    ).items()
+    assert policies["arstream-balancer"]["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(
+        objects, "Deployment"
+    ).items()
+
+
+@pytest.mark.parametrize("case", ["open to every pod", "no agent rule", "prometheus shut out", "no policy"])
+def test_the_network_check_fails_an_open_or_missing_policy(case: str) -> None:
+    """Negative control: each mistake the network check exists for."""
+    objects = rendered("gpu")
+    replicas_policy = one(objects, "NetworkPolicy", "arstream-replicas")
+    rules = replicas_policy["spec"]["ingress"]
+    if case == "open to every pod":
+        rules.append({"ports": [{"port": "http"}]})
+    elif case == "no agent rule":
+        rules[0]["ports"] = [{"port": "http"}]
+    elif case == "prometheus shut out":
+        del rules[2]
+    else:
+        objects.remove(replicas_policy)
+    assert network_problems(objects, "gpu")
+
+
+def test_pods_carry_no_api_token_and_write_only_to_their_named_volumes(overlay: str) -> None:
+    """Every pod: no service account token mounted, a read-only root filesystem, and what it writes on emptyDir
+    volumes it names (the replicas': temporary files, compile caches under the home folder, spill files)."""
+    objects = rendered(overlay)
+    for kind in ("StatefulSet", "Deployment"):
+        pod = one(objects, kind)["spec"]["template"]["spec"]
+        assert pod.get("automountServiceAccountToken") is False, kind
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["containers"]:
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, (kind, container["name"])
+            writable = {
+                m["mountPath"]: m["name"] for m in container.get("volumeMounts", []) if not m.get("readOnly", False)
+            }
+            assert all("emptyDir" in volumes[name] for name in writable.values()), (kind, writable)
+            assert "/tmp" in writable, (kind, writable)
+    replica_writes = {m["mountPath"] for m in replica_container(objects)["volumeMounts"] if not m.get("readOnly")}
+    assert replica_writes == {"/tmp", "/home/arstream", "/var/spool/arstream"}, replica_writes
+    spill = "# ARSTREAM_PARK_SPILL_DIR: /var/spool/arstream"
+    assert spill in (KUBERNETES / "base" / "settings.yaml").read_text()  # where parking's spill files would go

@@ -272,6 +272,8 @@ def haproxy(cluster: Cluster, slots: int) -> Iterator[Balancer]:
         f"{cluster.dns}:{port}",
         "--stats-bind",
         f"{cluster.dns}:{stats_port}",
+        "--admin-bind",
+        f"{cluster.dns}:{free_port()}",
         "--check-interval",
         "200ms",
     ]

@@ -9,6 +9,7 @@ lines; the secret could be guessed at any rate.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import struct
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from arstream.app import migration
 from arstream.app.migration import CLUSTER_AUTH_BURST, IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner import snapshot
@@ -29,8 +31,8 @@ from arstream.runner.snapshot_header import (
     SnapshotHeaderError,
     parse_header,
 )
-from servers import LiveServer, running_server
-from test_migration import SECRET, _post_import, _snapshot_bytes, cluster_settings
+from servers import LiveServer, running_server, session_client
+from test_migration import SECRET, _post_import, _snapshot_bytes, cluster_settings, drain, two_replicas
 
 
 def raw_snapshot(header_text: str) -> bytes:
@@ -134,19 +136,71 @@ def test_a_session_section_a_replica_would_not_make_is_refused_naming_the_field(
         assert _post_import(r1, with_session()).status_code == 200
 
 
-def post_with_secret(server: LiveServer, secret: str, source: str = "127.0.0.1") -> int:
+FORGED_TRIES = 60
+NO_REFILL_PER_S = 1e-6  # the tries' refill rate in these tests: none within a run, however slow
+
+
+def post_with_secret(
+    server: LiveServer, secret: str, source: str = "127.0.0.1", forwarded_for: str | None = None
+) -> int:
     transport = httpx.HTTPTransport(local_address=source)
     with httpx.Client(transport=transport, timeout=10.0) as client:
         headers = {"authorization": f"Bearer {secret}"}
+        if forwarded_for is not None:
+            headers["x-forwarded-for"] = forwarded_for
         return client.post(server.base_url + IMPORT_PATH, content=b"x" * 64, headers=headers).status_code
 
 
-def test_guessing_the_cluster_secret_is_throttled_per_address() -> None:
+def test_guessing_the_cluster_secret_is_throttled_per_address(monkeypatch: pytest.MonkeyPatch) -> None:
     """Old code: every wrong guess got its 401 at once, at any rate."""
+    monkeypatch.setattr(migration, "CLUSTER_AUTH_RATE_PER_S", NO_REFILL_PER_S)
     with running_server(cluster_settings("r1")) as r1:
         assert [post_with_secret(r1, f"guess-{i}") for i in range(CLUSTER_AUTH_BURST)] == [401] * CLUSTER_AUTH_BURST
         assert post_with_secret(r1, "guess-next") == 429
-        # While throttled even the right secret is not compared (a 400 here would confirm a guess).
-        assert post_with_secret(r1, SECRET) == 429
-        # Another address is not held back: the right secret is checked and the body refused as malformed.
-        assert post_with_secret(r1, SECRET, source="127.0.0.2") == 400
+        # The right secret is compared before the throttle: a peer sharing the guesser's address (every replica
+        # of scripts/local-cluster.sh is 127.0.0.1) still hands sessions over; the body is refused as malformed.
+        assert post_with_secret(r1, SECRET) == 400
+        assert post_with_secret(r1, "guess-after") == 429
+        # Another address is not held back either.
+        assert post_with_secret(r1, "guess-elsewhere", source="127.0.0.2") == 401
+
+
+def test_wrong_secrets_from_a_trusted_proxy_are_throttled_whatever_address_each_claims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Old code: the throttle counted the forwarded address, which a trusted proxy (in Kubernetes, any pod of
+    the private ranges the manifests trusted) sets as it likes: 60 of 60 wrong secrets, each claiming a fresh
+    address, got 401 and none 429."""
+    monkeypatch.setattr(migration, "CLUSTER_AUTH_RATE_PER_S", NO_REFILL_PER_S)  # a slow run refills no try
+    with running_server(cluster_settings("r1", forwarded_allow_ips="127.0.0.0/8")) as r1:
+        statuses = [
+            post_with_secret(r1, f"guess-{i}", source="127.0.0.2", forwarded_for=f"198.51.100.{i}")
+            for i in range(FORGED_TRIES)
+        ]
+        counts = {status: statuses.count(status) for status in set(statuses)}
+        assert counts == {401: CLUSTER_AUTH_BURST, 429: FORGED_TRIES - CLUSTER_AUTH_BURST}, counts
+
+
+def test_wrong_secrets_claiming_a_peers_address_do_not_keep_that_peer_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old code: 6 wrong secrets from another socket claiming the draining replica's address (127.0.0.1, from
+    which r0 calls r1) spent that address's tries: r0's drain got 429 and ended its session instead of moving it."""
+    monkeypatch.setattr(migration, "CLUSTER_AUTH_RATE_PER_S", NO_REFILL_PER_S)
+    with two_replicas(forwarded_allow_ips="127.0.0.0/8") as (r0, r1):
+        forged = [
+            post_with_secret(r1, f"guess-{i}", source="127.0.0.2", forwarded_for="127.0.0.1")
+            for i in range(CLUSTER_AUTH_BURST + 1)
+        ]
+        assert forged[-1] == 429  # the forger itself is throttled
+
+        async def scenario() -> dict[str, Any]:
+            async with session_client(r0.ws_url, start={"codec": "raw"}) as client:
+                await client.send(type="tick", tick_id=0)
+                await client.recv_chunk()
+                report: dict[str, Any] = (await asyncio.to_thread(drain, r0, [r1.base_url])).json()
+                closed = await client.closed_by_server()
+                report["last"] = closed.messages[-1]
+                return report
+
+        report = asyncio.run(scenario())
+        assert (report["moved"], report["ended"]) == (1, 0), report
+        assert report["last"] == {"type": "closed", "reason": "moved"}
