@@ -69,16 +69,12 @@ class Protocol1(Dialect):
 
     def ready(self, live: SessionPort, started: Started) -> None:
         gate, settings, session, watch = live.gate, live.gate.settings, started.session, live.watch
-        limits = dict(
-            max_pending_ticks=settings.max_pending_ticks,
-            max_message_bytes=settings.max_message_bytes,
-            idle_timeout_s=settings.idle_timeout_s,
-        )
         if watch is not None:
             (codec, quality), card = watch.format, gate.model_card
             message = ready_message(
                 session_id=session.id, model_card=card, codec=codec, role=ROLE_VIEWER, viewer_id=watch.viewer_id,
-                quality=quality, **limits,
+                quality=quality, max_pending_ticks=settings.max_pending_ticks,
+                max_message_bytes=settings.max_message_bytes, idle_timeout_s=settings.idle_timeout_s,
             )
             live.outbox.push(QueuedText(dumps(message), is_reply=True))
             log.info("session=%s viewer %s joined codec=%s", session.id, watch.viewer_id, codec)
@@ -88,7 +84,9 @@ class Protocol1(Dialect):
             session_id=session.id,
             model_card=gate.model_card,
             codec=session.codec,
-            **limits,
+            max_pending_ticks=settings.max_pending_ticks,
+            max_message_bytes=settings.max_message_bytes,
+            idle_timeout_s=settings.idle_timeout_s,
             resume=started.ticket,
             resumed=started.resumed,
             max_start_image_bytes=settings.max_start_image_bytes if gate.start_image_names else None,
