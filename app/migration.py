@@ -12,13 +12,15 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
   A refusal (401 secret, 429 after too many wrong secrets from one address,
   409 model/config/room, 400 malformed: past the header's bounds or a
-  `session` section a replica would not make, 413 too large, 503 not ready)
+  `session` section a replica would not make, 413 too large, 503 not ready,
+  503 with ``Retry-After`` while ``--max-parallel-imports`` stream already)
   leaves its pool as it was. The snapshot is read as it arrives
   (runner/snapshot_stream.py): its header is checked before any tensor is
   allocated, then each piece is written straight into the session's pool
   blocks (runner/snapshot_import.py). An upload that ends early (the sender
-  gone or silent for ``PIECE_TIMEOUT_S``: 408, a corrupt piece, a header that
-  lies: 400) releases every block it took; nothing is held for resume.
+  gone, or a piece not all there within ``--import-piece-timeout-s``: 408,
+  app/import_limits.py; a corrupt piece, a header that lies: 400) releases
+  every block it took; nothing is held for resume.
 - ``POST /v1/cluster/drain`` (operator side, ``arstream drain URL --to PEER``; SIGTERM runs the same drain,
   app/server.py): the replica stops admitting (``SessionHub.draining``), then moves every session it holds:
   live ones at a chunk boundary (the connection stops running ticks, their controls are kept, the worker
@@ -54,6 +56,7 @@ from starlette.requests import ClientDisconnect
 
 from .live_session import LiveSession
 from .guard import BAN_TABLE_PRUNE_AT, socket_peer_host
+from .import_limits import IMPORT_RETRY_AFTER_S, ImportSlots, paced_pieces
 from .limits import TokenBucket
 from .peers import configured_peers
 from .portable_session import PortableSessionError, validated_session
@@ -77,8 +80,6 @@ IMPORT_PATH = "/v1/cluster/import"
 # A snapshot's bytes beyond the session's own resident bytes (headers, JSON state, model tensors the spec does not count).
 SNAPSHOT_SLACK_BYTES = 64 * 1024 * 1024
 PEER_TIMEOUT_S = 60.0
-# A sender silent this long mid-snapshot has gone: the import ends and its blocks go back.
-PIECE_TIMEOUT_S = 30.0
 # Wrong cluster secrets one address may send at once, then how many per second (SecretGate).
 CLUSTER_AUTH_BURST = 5
 CLUSTER_AUTH_RATE_PER_S = 0.1
@@ -87,9 +88,10 @@ CLUSTER_AUTH_RATE_PER_S = 0.1
 class ImportRefused(Exception):
     """A session this replica will not take; ``status`` is the HTTP status the peer gets."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s  # a refusal of the moment: the sender may try again then
 
 
 @dataclass
@@ -175,6 +177,7 @@ class Migration:
         self._deadline = 0.0  # loop time the current drain ends by
         self.report: DrainReport | None = None  # the last drain's
         self.importing: set[str] = set()  # ids of the sessions being taken now (their bytes arriving)
+        self.import_slots = ImportSlots(self.settings.max_parallel_imports)  # app/import_limits.py
         self.moves: dict[str, asyncio.Task[MoveReport]] = {}  # the current (or last) drain's, by session id
         # This replica's own base URLs (set by the server once bound): never a peer of its own drain.
         self.own_urls: set[str] = set()
@@ -203,10 +206,18 @@ class Migration:
         refusal = self._not_taking()
         if refusal is not None:
             raise refusal  # before a byte is read: the sender learns at once
+        with self.import_slots.claim() as claimed:
+            if not claimed:
+                raise ImportRefused(503, self.import_slots.refusal(), retry_after_s=IMPORT_RETRY_AFTER_S)
+            return await self._take(body)
+
+    async def _take(self, body: AsyncIterator[bytes]) -> dict[str, Any]:
+        """:meth:`take` within one of the import slots."""
         worker = self.hub.worker
         assert worker is not None
         reader = SnapshotReader(self._max_snapshot_bytes(), check=self._check_header, hold=False)
-        pieces = _gathered(body, gather=lambda: reader.header is not None)
+        piece_timeout_s = self.settings.import_piece_timeout_s
+        pieces = paced_pieces(body, lambda: reader.header is not None, piece_timeout_s)
         incoming: Incoming | None = None
         try:
             try:
@@ -236,7 +247,9 @@ class Migration:
         except SnapshotError as exc:
             raise ImportRefused(400, str(exc)) from None
         except TimeoutError:
-            raise ImportRefused(408, f"the sender sent nothing for {PIECE_TIMEOUT_S:g} s") from None
+            raise ImportRefused(
+                408, f"a {PIECE_BYTES}-byte piece did not all come within {piece_timeout_s:g} s (import_piece_timeout_s)"
+            ) from None
         except ClientDisconnect:
             raise ImportRefused(400, f"the sender went away after {reader.received} bytes") from None
         finally:
@@ -505,26 +518,34 @@ class Migration:
         carry_start_image(plan, session.start_image)
         size = plan.nbytes
         export_ms = (time.perf_counter() - started) * 1e3
-        refusals: list[str] = []
-        for peer in peers:
-            try:
-                response = await client.post(
-                    peer.rstrip("/") + IMPORT_PATH,
-                    content=_pieces(worker, plan),  # streamed: the file is never whole on this side
-                    headers={
-                        "authorization": f"Bearer {self.settings.cluster_secret}",
-                        "content-type": "application/octet-stream",
-                        "content-length": str(size),
-                    },
-                )
-            except httpx.HTTPError as exc:
-                refusals.append(f"{peer}: {type(exc).__name__}: {exc}")
-                continue
-            if response.status_code != 200:
-                refusals.append(f"{peer}: {response.status_code} {_detail(response)}")
-                continue
-            log.info("session=%s moved to %s (%d bytes)", session.id, peer, size)
-            return Shipped(response.json(), "", peer, size, export_ms)
+        loop = asyncio.get_running_loop()
+        while True:
+            refusals: list[str] = []
+            later: list[float] = []  # when peers busy with other imports said to try again
+            for peer in peers:
+                try:
+                    response = await client.post(
+                        peer.rstrip("/") + IMPORT_PATH,
+                        content=_pieces(worker, plan),  # streamed: the file is never whole on this side
+                        headers={
+                            "authorization": f"Bearer {self.settings.cluster_secret}",
+                            "content-type": "application/octet-stream",
+                            "content-length": str(size),
+                        },
+                    )
+                except httpx.HTTPError as exc:
+                    refusals.append(f"{peer}: {type(exc).__name__}: {exc}")
+                    continue
+                if response.status_code != 200:
+                    refusals.append(f"{peer}: {response.status_code} {_detail(response)}")
+                    later += _busy_retry_after(response)
+                    continue
+                log.info("session=%s moved to %s (%d bytes)", session.id, peer, size)
+                return Shipped(response.json(), "", peer, size, export_ms)
+            # A peer at its --max-parallel-imports takes it once another import has landed: again, within the drain.
+            if not later or loop.time() + min(later) >= self._deadline:
+                break
+            await asyncio.sleep(min(later))
         reason = "no peer took it: " + ("; ".join(refusals) or "no peer given")
         return Shipped(None, reason, None, size, export_ms)
 
@@ -545,25 +566,6 @@ async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[byte
         await asyncio.to_thread(seal.add, piece)
         yield piece
     yield seal.digest()
-
-
-async def _gathered(body: AsyncIterator[bytes], gather: Callable[[], bool]) -> AsyncIterator[bytearray]:
-    """A POST's body in pieces of about PIECE_BYTES once ``gather()`` (it arrives in reads of a few KiB: one
-    worker step a piece, not a read), each read as it comes before (the header is checked as soon as it is
-    here); TimeoutError when the sender sends nothing for PIECE_TIMEOUT_S."""
-    piece = bytearray()
-    reads = aiter(body)
-    while True:
-        try:
-            data = await asyncio.wait_for(anext(reads), PIECE_TIMEOUT_S)
-        except StopAsyncIteration:
-            break
-        piece += data
-        if len(piece) >= PIECE_BYTES or not gather():
-            yield piece
-            piece = bytearray()
-    if piece:
-        yield piece
 
 
 async def _drop_rest(pieces: AsyncIterator[bytearray], limit: int) -> None:
@@ -685,6 +687,14 @@ def carried_start_image(
     return StartImage(digest=meta["digest"], name=meta.get("name"), pixels=None if pixels is None else pixels.numpy())
 
 
+def _busy_retry_after(response: httpx.Response) -> list[float]:
+    """``[seconds]`` for a peer's refusal of the moment (503 with Retry-After: its import slots are taken)."""
+    value = response.headers.get("retry-after", "")
+    if response.status_code != 503 or not value.isdigit():
+        return []
+    return [float(value)]
+
+
 def _detail(response: httpx.Response) -> str:
     try:
         return str(response.json().get("detail", ""))
@@ -709,7 +719,8 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
             # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
             detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)
             log.info("refused a moved session: %s", detail)
-            return JSONResponse({"detail": detail}, status_code=exc.status)
+            headers = {} if exc.retry_after_s is None else {"retry-after": str(exc.retry_after_s)}
+            return JSONResponse({"detail": detail}, status_code=exc.status, headers=headers)
         return JSONResponse(ticket)
 
     @app.post(DRAIN_PATH)

@@ -475,6 +475,16 @@ class ClusterSettings(SettingGroup):
         30.0, gt=0, description="how long a drain may take (SIGTERM or arstream drain); sessions not moved by "
         "then end as on shutdown"
     )
+    max_parallel_imports: int = Field(
+        2, ge=1, description="moved sessions this replica takes in at once (their snapshots streaming, their pool "
+        "room held); one more gets 503 with Retry-After before a byte is read, and a draining replica tries again "
+        "until its drain_timeout_s"
+    )
+    import_piece_timeout_s: float = Field(
+        10.0, gt=0, description="each 4 MiB piece of a moved session's snapshot must all arrive within this many "
+        "seconds of the piece before (a slow sender does not hold pool room); past it the import ends (408) and "
+        "what it held goes back"
+    )
     agent_port: int | None = Field(
         None, ge=0, le=65535, description="TCP port of the HAProxy agent check (readiness and free session slots, "
         "docs/deployment.md); 0 picks a free one; default: none"

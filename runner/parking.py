@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import tempfile
 from collections import Counter, OrderedDict
@@ -41,7 +42,12 @@ from .kv_state import HistoryTables, SessionKVState
 from .pool import PagedKVPool
 from .rewind import Boundary
 
+log = logging.getLogger("arstream.runner")
+
 SPILL_METADATA_KEY = "arstream_parked"
+# A spill file's name: this naming is the lot's own, and a lot sweeps files of it at start (a killed process's).
+SPILL_PREFIX = "parked-"
+SPILL_SUFFIX = ".safetensors"
 
 
 class RestoreFailed(RuntimeError):
@@ -260,6 +266,11 @@ class ParkingLot:
     ``spill_budget_bytes``. :meth:`room_for` says whether a payload of a size
     fits either; :meth:`put` stores it; :meth:`take` hands it back (reading a
     spilled one) and forgets it.
+
+    The spill directory is one server's own. A process that is killed leaves
+    its files there, which nothing counts any more, so a new lot removes every
+    file of its naming (``parked-*.safetensors``) it finds before it spills
+    (:meth:`_sweep_spill_dir`); other files are left alone.
     """
 
     def __init__(self, budget_bytes: int = 0, *, spill_dir: str | Path | None = None, spill_budget_bytes: int = 0) -> None:
@@ -269,6 +280,22 @@ class ParkingLot:
         self.spill_dir = None if spill_dir is None else Path(spill_dir)
         self.spill_budget_bytes = spill_budget_bytes if self.spill_dir is not None else 0
         self._parked: OrderedDict[str, ParkedSession] = OrderedDict()
+        self.swept_files, self.swept_bytes = self._sweep_spill_dir()
+
+    def _sweep_spill_dir(self) -> tuple[int, int]:
+        """Remove the spill files a process before this one left (a new lot has none of its own); ``(files, bytes)``."""
+        if self.spill_dir is None or not self.spill_dir.is_dir():
+            return 0, 0
+        files = bytes_ = 0
+        for path in self.spill_dir.glob(f"{SPILL_PREFIX}*{SPILL_SUFFIX}"):
+            if path.is_symlink() or not path.is_file():
+                continue
+            size = path.stat().st_size
+            path.unlink(missing_ok=True)
+            files, bytes_ = files + 1, bytes_ + size
+        if files:
+            log.warning("removed %d spill files (%d bytes) a previous process left in %s", files, bytes_, self.spill_dir)
+        return files, bytes_
 
     @property
     def enabled(self) -> bool:
@@ -311,7 +338,7 @@ class ParkingLot:
         assert self.spill_dir is not None and parked.tensors is not None
         parked.wait_ready()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(prefix="parked-", suffix=".safetensors", dir=self.spill_dir)
+        handle, name = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=SPILL_SUFFIX, dir=self.spill_dir)
         os.close(handle)
         path = Path(name)
         try:

@@ -266,7 +266,6 @@ class ARRunner:
         """The session's KV state, restored first when it is parked; None when the runner does not hold it."""
         state = self._sessions.get(session_id)
         if state is None and session_id in self.parking:
-            self._make_room()
             state = self._restore(session_id)
         return state
 
@@ -325,11 +324,15 @@ class ARRunner:
 
     @property
     def park_capacity(self) -> int:
-        """Most sessions parked at once: the park budgets over a session's worst-case bytes."""
+        """Most sessions parked at once: each park budget over a session's worst-case bytes.
+
+        Apiece, since a parked session is kept whole in host memory or in a file: so whenever fewer are
+        parked, one more fits somewhere, and a restore's swap never finds the lot too small.
+        """
         if not self.parking.enabled or not isinstance(self.pipeline, SupportsSessionTransfer):
             return 0
-        room = self.parking.budget_bytes + self.parking.spill_budget_bytes
-        return room // max(self.plan.per_session_bytes, 1)
+        per_session = max(self.plan.per_session_bytes, 1)
+        return self.parking.budget_bytes // per_session + self.parking.spill_budget_bytes // per_session
 
     def _parkable(self, session_id: str) -> bool:
         """Whether the session can be parked now: at its chunk boundary, no decode of it in flight, not exported."""
@@ -420,12 +423,21 @@ class ARRunner:
         return True
 
     def _restore(self, session_id: str) -> SessionKVState:
-        """Bring a parked session back into the pool (a slot is free); a failure ends it and raises RestoreFailed."""
+        """Bring a parked session back into the pool, parking another to make room; a failure ends it and raises
+        RestoreFailed.
+
+        It leaves the lot before room is made: with every slot and park place held the lot is full, and the
+        least recently used resident session takes its place there (a swap). Made the other way round, no
+        session could be parked and making room would end one that a connection holds.
+        """
         pipeline = self.pipeline
         assert isinstance(pipeline, SupportsSessionTransfer)
+        if len(self._sessions) >= self.session_capacity and self._pinned.issuperset(self._sessions):
+            raise PoolExhausted(f"all {self.session_capacity} session slots hold sessions being exported")
         started = time.perf_counter()
         try:
             parked, tensors = self.parking.take(session_id)
+            self._make_room()
             restored = restore_payload(self.pool, session_id, parked.layout, tensors)
             try:
                 pipeline.import_session_state(session_id, restored.live_model)

@@ -133,8 +133,9 @@ def test_the_sender_killed_mid_stream_leaves_nothing(
 def test_a_sender_that_stalls_mid_stream_is_let_go(
     peer: LiveServer, snapshot_bytes: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Alive but silent (a hung sender): after PIECE_TIMEOUT_S the peer answers 408 and returns the blocks."""
-    monkeypatch.setattr(migration, "PIECE_TIMEOUT_S", 1.0)
+    """Alive but silent (a hung sender): past import_piece_timeout_s the peer answers 408 and returns the blocks."""
+    assert peer.server is not None
+    monkeypatch.setattr(peer.server.hub.settings, "import_piece_timeout_s", 1.0)
     free = free_blocks(peer)
     with socket.create_connection(("127.0.0.1", peer.port)) as sender:
         sender.sendall(upload_head(snapshot_bytes) + snapshot_bytes[: len(snapshot_bytes) // 2])

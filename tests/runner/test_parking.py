@@ -279,3 +279,24 @@ def test_a_spill_budget_without_a_directory_is_refused() -> None:
         ParkingPolicy(spill_budget_bytes=1)
     with pytest.raises(ValueError, match=">= 0"):
         ParkingPolicy(after_s=-1.0)
+
+
+@pytest.mark.parametrize("where", ["host", "spill", "both"])
+def test_with_every_slot_and_park_place_held_a_restore_swaps_and_none_ends(where: str, tmp_path: Path) -> None:
+    """One slot, a lot with room for exactly two: three sessions take turns. Each restore parks the resident
+    session in the place it leaves (before, the lot still counted it, so making room evicted the resident one).
+    ``both``: a session and a half of host memory and of disk hold two, not three (a session is kept whole)."""
+    pipeline = FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2)
+    per_session = runner_for_sessions(pipeline, 1, rewind=RewindSchedule.last(K)).plan.per_session_bytes
+    host, disk = {"host": (2 * per_session, 0), "spill": (0, 2 * per_session)}.get(where, (per_session * 3 // 2,) * 2)
+    policy = ParkingPolicy(host, spill_dir=str(tmp_path) if disk else None, spill_budget_bytes=disk)
+    runner = runner_for_sessions(pipeline, 1, rewind=RewindSchedule.last(K), parking=policy)
+    assert runner.park_capacity == 2
+    expected = _play(runner_for_sessions(pipeline, 1, rewind=RewindSchedule.last(K)), _fake_ticks("r", 6))
+    sessions = ["a", "b", "c"]
+    played: dict[str, list[np.ndarray]] = {s: [] for s in sessions}
+    for tick_index in range(6):
+        for session in sessions:
+            played[session].append(runner.execute_tick(_fake_ticks(session, 6)[tick_index]).frames)
+    assert runner.stats().evictions_total == 0 and len(runner.parked_sessions()) == 2
+    assert all(_same(played[s], expected) for s in sessions)
