@@ -87,15 +87,26 @@ def lan_addresses() -> list[str]:
     return [a for i, a in enumerate(found) if not a.startswith("127.") and a != "0.0.0.0" and a not in found[:i]]
 
 
-def network_lines(host: str, port: int) -> list[str]:
-    """What to print when the server listens beyond this machine: the LAN URL(s), and that it is reachable."""
+def network_lines(host: str, port: int, *, token_required: bool = False) -> list[str]:
+    """What to print when the server listens beyond this machine: the LAN URL(s), that it is reachable, and whether
+    strangers on that network need a token."""
     if host not in ALL_INTERFACES:
         return []
+    guard = (
+        "Players need the access token (--auth-token): the page asks for it."
+        if token_required
+        else "Anyone who can reach this address can play: add --auth-token TOKEN to ask for one "
+        "(docs/public.md for a server strangers reach)."
+    )
     addresses = lan_addresses()
     if not addresses:
-        return [f"ARStream listens on every interface, port {port}: open http://THIS-MACHINE'S-ADDRESS:{port}/ on another device"]
+        return [
+            f"ARStream listens on every interface, port {port}: open http://THIS-MACHINE'S-ADDRESS:{port}/ on another device",
+            guard,
+        ]
     urls = ", ".join(f"http://{address}:{port}/" for address in addresses)
     return [
         f"ARStream is reachable from the network: open {urls} on a phone or another computer on the same network "
-        "(docs/demo.md, \"Play from a phone\")"
+        "(docs/demo.md, \"Play from a phone\")",
+        guard,
     ]

@@ -9,7 +9,7 @@ which never counts against itself. Detached sessions hold KV and count too, but 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .guard import TrustedProxies
@@ -48,18 +48,21 @@ class SessionCaps:
         settings: Settings,
         trusted_proxies: TrustedProxies,
         resume: ResumeRegistry,
-        held: Callable[[], list[tuple[str, Holder]]],
+        holders: tuple[Mapping[str, Holder], ...],
         capacity: Callable[[], int],
     ) -> None:
         self.settings = settings
         self.trusted_proxies = trusted_proxies
         self.resume = resume
-        self._held = held  # (session id, holder) of every connection, resume and claim that holds a session
+        # Who holds a live session besides those being resumed, by session id: the connections served and the
+        # claims of branches being made (the hub's registries).
+        self.holders = holders
         self._capacity = capacity
 
     def live_holders(self, resuming: str | None = None) -> list[Holder]:
-        """Connections holding a live session or resuming one, except those of session ``resuming``."""
-        return [holder for session_id, holder in self._held() if session_id != resuming]
+        """Connections holding a live session or resuming one, or claiming one, except those of ``resuming``."""
+        held = [*self.resume.resuming.items(), *(item for holders in self.holders for item in holders.items())]
+        return [holder for session_id, holder in held if session_id != resuming]
 
     def caps_of(self, connection: Holder) -> list[ClientCap]:
         """The session caps ``connection``'s client is under: its address's and its token's, where set.

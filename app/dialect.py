@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .resume import Holder, ResumeRegistry
     from .session import Session, TickJob
     from .settings import Settings
+    from .prompts import PromptPreparer
     from .start_image import StartImageResolver
     from .unstarted import UnstartedConnections
     from .viewers import ShareRegistry, ViewerRole
@@ -118,6 +119,7 @@ class Gate(Protocol):
     controls_validator: jsonschema.protocols.Validator | None
     start_image_names: tuple[str, ...]
     start_images: StartImageResolver
+    prompts: PromptPreparer  # a prompt as the model reads it, prepared once as it arrives
     # the registries: who waits to start, tickets and detached sessions, share tokens and viewers
     unstarted: UnstartedConnections
     resume: ResumeRegistry

@@ -91,12 +91,18 @@ class Handshake:
             codec=codec,
             quality=quality,
             seed=start.seed,
-            prompt=start.prompt,
+            prompt=self.gate.prompts.prepare(start.prompt),
             max_pending_ticks=self.settings.max_pending_ticks,
             start_image=start_image,
         )
+        self._record(session, start)
         session.transition(SessionState.ACTIVE)
         return Started(session)
+
+    def _record(self, session: Session, start: StartMessage) -> None:
+        """Whether the session is recorded: the operator records all, or its start asks (and recording is on)."""
+        if self.settings.record_dir is not None and (self.settings.record_all or start.record):
+            session.record_to = self.gate.shares.token(session.id)
 
     def _default_format(self, start: StartMessage) -> tuple[str, int]:
         quality = start.quality or self.settings.default_jpeg_quality(self.gate.model_card)
@@ -183,10 +189,11 @@ class Handshake:
             codec=codec,
             quality=quality,
             seed=source.seed,
-            prompt=start.prompt if start.prompt is not None else source.prompt,
+            prompt=self.gate.prompts.prepare(start.prompt) if start.prompt is not None else source.prompt,
             max_pending_ticks=self.settings.max_pending_ticks,
             start_image=source.start_image,
         )
+        self._record(session, start)
         session.transition(SessionState.ACTIVE)
         log.info("session=%s branched from %s at chunk %d", new_id, source_id, boundary)
         return Started(session, boundary, branched_from=boundary)

@@ -21,6 +21,7 @@ from .guard import FloodBans, RefusalLog, TrustedProxies
 from .metrics import ServerMetrics, stats_document
 from .resume import Holder, ResumeRegistry
 from .model_loading import CardRefused, load_failure, load_runtime, park_idle_sessions, read_card
+from .prompts import PromptPreparer
 from .settings import Settings
 from .start_image import StartImageResolver
 from .unstarted import UnstartedConnections
@@ -47,8 +48,7 @@ class SessionHub:
         self.admission = admission_policy(settings.admission)
         # The live sessions served here that control their session, by session id.
         self.connections: dict[str, LiveSession] = {}
-        # Live sessions that have ended (closed, taken over, timed out) while their last bytes go out,
-        # and viewers whose watch has ended, while theirs do.
+        # Live sessions that have ended (closed, taken over, timed out; viewers too) while their last bytes go out.
         self.closing: set[LiveSession] = set()
         # Sessions admitted and still being made (a branch, which waits on the worker), by id: they hold a slot
         # from admission on, so that a burst of branches cannot each make room in the runner (LRU eviction).
@@ -58,8 +58,7 @@ class SessionHub:
         self.not_ready_reason = "the model is loading and warming up"
         self.load_error: BaseException | None = None
         self.shutting_down = False
-        # Moving its sessions to peers (app/migration.py, a drain or SIGTERM): admits nothing new. Readiness
-        # (/readyz, the agent check) reads it: a draining replica is loaded but not ready.
+        # Moving its sessions to peers (app/migration.py): admits nothing new, loaded but not ready (/readyz).
         self.draining = False
         self.model_card: dict[str, Any] = {}
         self.controls_validator: jsonschema.protocols.Validator | None = None
@@ -70,6 +69,7 @@ class SessionHub:
             max_jpeg_scans=settings.max_start_image_jpeg_scans, timeout_s=settings.start_image_timeout_s,
             nice=settings.encoder_nice,
         )
+        self.prompts = PromptPreparer()  # the model's prepare_prompt, run as each prompt arrives
         self.trusted_proxies = TrustedProxies(settings.forwarded_allow_ips)
         self.refusals = RefusalLog()  # transport refusals, logged once per kind and interval (shared with the guard)
         self.flood_bans = FloodBans(settings.frame_flood_ban_s, self.trusted_proxies)  # shared with the guard
@@ -82,7 +82,8 @@ class SessionHub:
             replica_id=settings.replica_id, grace_s=settings.resume_grace_s, worker=lambda: self.worker,
             on_release=self.shares.forget,
         )
-        self.caps = SessionCaps(settings, self.trusted_proxies, self.resume, self._holders, lambda: self.session_capacity)
+        held = (self.connections, self.claims)
+        self.caps = SessionCaps(settings, self.trusted_proxies, self.resume, held, lambda: self.session_capacity)
         self.metrics = ServerMetrics(
             stats=lambda: self._runner_stats, connected=lambda: len(self.connections),
             detached=lambda: self.resume.detached_count,
@@ -93,16 +94,17 @@ class SessionHub:
     async def start(self) -> None:
         """Start the worker; the model loads in the background while /readyz says 503."""
         self._loaded = asyncio.Event()
+        settings = self.settings
         self.worker = ModelWorker(
-            lambda: load_runtime(self.settings, self._pipeline),
-            loop=asyncio.get_running_loop(),
-            on_ready=self._on_model_ready,
-            max_pending_ticks=self.settings.max_pending_ticks,
-            encode_threads=self.settings.encode_threads,
-            encoder_nice=self.settings.encoder_nice,
-            batch_wait_fraction=self.settings.batch_wait_fraction,
+            lambda: load_runtime(settings, self._pipeline, self._compiling), loop=asyncio.get_running_loop(),
+            on_ready=self._on_model_ready, max_pending_ticks=settings.max_pending_ticks,
+            encode_threads=settings.encode_threads, encoder_nice=settings.encoder_nice,
+            batch_wait_fraction=settings.batch_wait_fraction,
         )
         self.worker.start()
+
+    def _compiling(self) -> None:
+        self.not_ready_reason = "compiling the model's forward (--compile); the log says how far"
 
     def _on_model_ready(self, error: BaseException | None) -> None:
         assert self._loaded is not None and self.worker is not None
@@ -118,6 +120,8 @@ class SessionHub:
             if offer.start_image_names:
                 self.start_images.set_frame(int(offer.card["width"]), int(offer.card["height"]))
             self.controls_validator, self.start_image_names = offer.controls_validator, offer.start_image_names
+            assert self.worker.runner is not None
+            self.prompts.use(self.worker.runner.prepare_prompt)
             self.model_card, self.ready, self.not_ready_reason = offer.card, True, ""
             if self.settings.park_after_s is not None and self.settings.park_budget_bytes > 0:
                 self._park_clock = asyncio.create_task(park_idle_sessions(self.worker, self.settings.park_after_s))
@@ -199,10 +203,6 @@ class SessionHub:
     def client_cap_refusal(self, connection: Holder, resuming: str | None = None) -> str | None:
         """Why ``connection``'s client address or token may not hold one more live session, or None."""
         return self.caps.refusal(connection, resuming)
-
-    def _holders(self) -> list[tuple[str, Holder]]:
-        """Every holder of a live session: connected, being resumed, or claimed by a branch being made."""
-        return [*self.connections.items(), *self.resume.resuming.items(), *self.claims.items()]
 
     def admit(self, connection: Holder, resuming: str | None = None) -> str | None:
         """Admit ``connection``'s new session, or its resume of session ``resuming``: None, or why not.

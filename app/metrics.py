@@ -7,7 +7,7 @@ scrape time by :class:`RunnerCollector`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,13 +18,9 @@ from .admission import RealtimeCapacity, chunk_period_s
 from ..runner.stats import RunnerStats
 
 if TYPE_CHECKING:
-    from .outbox import Outbox
-    from .resume import ResumeRegistry
+    from .admission import RoundTimes
     from .session import Session
     from .settings import Settings
-    from .start_image import StartImageResolver
-    from .viewers import ShareRegistry
-    from .worker import ModelWorker
 
 # Chunk latencies of interest run from a millisecond (tiny models) to seconds (big ones).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -132,6 +128,17 @@ class ServerMetrics:
         )
         for outcome in ("resumed", "refused", "moved"):
             self.resumes.labels(outcome=outcome)  # both series exist from the start, so rates are never empty
+        self.recorded_bytes = Counter(
+            "arstream_recorded_bytes", "Bytes of fragmented MP4 written to recordings (--record-dir)", registry=registry
+        )
+        self.recording_drops = Counter(
+            "arstream_recording_drops",
+            "Chunks not recorded, by reason (session_bytes, total_bytes: a budget reached; error: a write failed)",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("session_bytes", "total_bytes", "error"):
+            self.recording_drops.labels(reason=reason)
         self.drains = Counter(
             "arstream_drains",
             "Drains begun on this replica (SIGTERM, POST /v1/cluster/drain, arstream drain)",
@@ -154,6 +161,15 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# The small views below are what metrics and /v1/stats read of the replica's parts (the worker, the registries),
+# named here so that this module imports none of them.
+
+
+class Queued(Protocol):
+    @property
+    def replies_queued(self) -> int: ...
+
+
 class Served(Protocol):
     """A connection that controls a session, as the stats count it."""
 
@@ -161,7 +177,54 @@ class Served(Protocol):
     def session(self) -> Session | None: ...
 
     @property
-    def outbox(self) -> Outbox: ...
+    def outbox(self) -> Queued: ...
+
+
+class WorkerFigures(Protocol):
+    """The model worker's figures (:class:`arstream.app.worker.ModelWorker`)."""
+
+    round_times: RoundTimes
+
+    @property
+    def runner_stats(self) -> RunnerStats | None: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def decode_overlap(self) -> bool: ...
+
+    def phases_summary(self) -> dict[str, float | int]: ...
+
+    def phase_seconds(self) -> tuple[int, float, float, float]: ...
+
+    def compute_ms_percentiles(self) -> tuple[float | None, float | None]: ...
+
+
+class DetachedEntry(Protocol):
+    @property
+    def session_id(self) -> str: ...
+
+
+class Detached(Protocol):
+    """The resume registry's detached sessions (:class:`arstream.app.resume.ResumeRegistry`)."""
+
+    @property
+    def detached_count(self) -> int: ...
+
+    def detached(self) -> Sequence[DetachedEntry]: ...
+
+    def detached_session(self, session_id: str) -> Session | None: ...
+
+
+class Counted(Protocol):
+    @property
+    def viewer_count(self) -> int: ...
+
+
+class Decoding(Protocol):
+    @property
+    def decoding(self) -> int: ...
 
 
 class ReplicaView(Protocol):
@@ -170,13 +233,19 @@ class ReplicaView(Protocol):
 
     settings: Settings
     model_card: dict[str, Any]
-    start_images: StartImageResolver
-    resume: ResumeRegistry
-    shares: ShareRegistry[Any]
     closing: set[Any]
 
     @property
-    def worker(self) -> ModelWorker | None: ...
+    def start_images(self) -> Decoding: ...
+
+    @property
+    def resume(self) -> Detached: ...
+
+    @property
+    def shares(self) -> Counted: ...
+
+    @property
+    def worker(self) -> WorkerFigures | None: ...
 
     @property
     def connections(self) -> Mapping[str, Served]: ...
@@ -300,6 +369,8 @@ def stats_document(replica: ReplicaView) -> dict[str, Any] | None:
             "replies_queued": sum(c.outbox.replies_queued for c in connections),
         },
         "parking": runner_stats.parking(),  # runner/parking.py
+        # where each of the model's components lives and its bytes (the model card's, as loaded)
+        "components": replica.model_card.get("components", []),
         "queue": {"depth": worker.queue_depth},
         "chunks": {
             "total": runner_stats.chunks_total,

@@ -10,18 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import torch
 
+from .plan import check_plan_fits
 from .settings import Settings
 from .start_image import offered_start_images
 from ..models.registry import load_pipeline
-from ..runner.contract import ARPipeline
+from ..runner.contract import ARPipeline, SupportsCompile
 from ..runner.parking import ParkingPolicy
 from ..runner.runtimes import Runtime, build_runtime
+from ..runner.types import UnsupportedConfiguration
 from ..runner.vllm_omni.native import NativePipeline
 
 if TYPE_CHECKING:
@@ -43,13 +46,23 @@ class CardOffer:
     start_image_names: tuple[str, ...]
 
 
-def load_runtime(settings: Settings, pipeline: ARPipeline | None) -> Runtime:
-    """On the worker thread: load the pipeline (unless given), build the runtime and its pool, warm up."""
+def compile_forward(pipeline: ARPipeline | NativePipeline) -> None:
+    """``--compile``: the pipeline's forward wrapped for compilation, or a refusal naming the models that have one."""
+    if not isinstance(pipeline, SupportsCompile):
+        name = pipeline.model_card().get("name") if isinstance(pipeline, ARPipeline) else pipeline.name
+        raise UnsupportedConfiguration(f"--compile: model {name!r} has no compiled forward (matrix-game-2, longlive do)")
+    pipeline.compile_forward()
+
+
+def load_runtime(settings: Settings, pipeline: ARPipeline | None, compiling: Callable[[], None]) -> Runtime:
+    """On the worker thread: load the pipeline (unless given), build the runtime and its pool, warm up
+    (``compiling`` is told when ``--compile`` makes the warm-up a compile)."""
     torch.set_num_threads(settings.resolved_torch_threads())
     loaded: ARPipeline | NativePipeline
     if pipeline is not None:
         loaded = pipeline
     else:
+        check_plan_fits(settings)
         loaded = load_pipeline(settings.model, settings.device, **settings.model_options)
     runtime = build_runtime(
         settings.runtime,
@@ -65,6 +78,9 @@ def load_runtime(settings: Settings, pipeline: ARPipeline | None) -> Runtime:
             settings.park_budget_bytes, settings.park_after_s, settings.park_spill_dir, settings.park_spill_budget_bytes
         ),
     )
+    if settings.compile:
+        compile_forward(loaded)
+        compiling()
     warmed = runtime.warmup()
     log.info("model %s warmed up with %d chunk(s)", runtime.model_card().get("name"), warmed)
     return runtime

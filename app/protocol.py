@@ -8,7 +8,7 @@ Errors a client can cause, as raised here and answered by the server::
 
 Parsing is strict: only JSON objects, no NaN/Infinity or numbers that
 overflow a float, nesting at most 32 levels, ids are integers (never bools)
-in ``0 <= id < 2**32``, ``prompt`` is a string or null. Unknown fields are
+in ``0 <= id < 2**32``, ``prompt`` is a string or null (bounded: app/prompts.py). Unknown fields are
 ignored so clients may send additive extensions.
 """
 
@@ -19,12 +19,13 @@ import re
 import time
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .codecs import CODECS, CodecName
 from .limits import count_exceeds
+from .prompts import PromptAllowance, PromptPreparer, PromptRateExceeded, prompt_problem
 from .wire import ID_LIMIT, PROTOCOL_VERSION
 # Strict parsing is shared with the snapshot header; both names are part of this module's interface too.
 from ..strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
@@ -165,6 +166,17 @@ def dumps(message: dict[str, Any]) -> str:
 WireId = Annotated[int, Field(ge=0, lt=ID_LIMIT)]
 
 
+def _bounded_prompt(text: str) -> str:
+    problem = prompt_problem(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+# A prompt's size is bounded when its message is parsed (app/prompts.py: MAX_PROMPT_CHARS, MAX_PROMPT_LINES).
+Prompt = Annotated[str, AfterValidator(_bounded_prompt)]
+
+
 class _ClientMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
@@ -198,7 +210,7 @@ class BranchSpec(_ClientMessage):
 
 class StartMessage(_ClientMessage):
     type: Literal["start"]
-    prompt: str | None = None
+    prompt: Prompt | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     codec: CodecName | None = None
     quality: Annotated[int, Field(ge=1, le=100)] | None = None
@@ -209,6 +221,8 @@ class StartMessage(_ClientMessage):
     # PROTOCOL.md, "Rewind, branch and watch": watch a session (a share token), or branch from one.
     watch: ShareToken | None = None
     branch: BranchSpec | None = None
+    # PROTOCOL.md, "Recording": record what this session's player sees (on a server with --record-dir).
+    record: bool | None = None
 
     @model_validator(mode="after")
     def _one_way_in(self) -> StartMessage:
@@ -232,7 +246,7 @@ class TickMessage(_ClientMessage):
     type: Literal["tick"]
     tick_id: WireId
     controls: dict[str, Any] | None = None
-    prompt: str | None = None
+    prompt: Prompt | None = None
     reset: bool = False
     close: bool = False
     rewind_to: WireId | None = None  # go back to this chunk boundary first (PROTOCOL.md, "Rewind ...")
@@ -242,7 +256,7 @@ class InputMessage(_ClientMessage):
     type: Literal["input"]
     event_id: WireId
     controls: dict[str, Any] | None = None
-    prompt: str | None = None
+    prompt: Prompt | None = None
 
 
 class CloseMessage(_ClientMessage):
@@ -323,6 +337,176 @@ def parse_client_message(text: str) -> ClientMessage:
 
 
 # ---- server messages -------------------------------------------------------------------
+#
+# One model per message the server sends; the builders below fill them in, clients parse with
+# :func:`parse_server_message`, and the JSON Schema (app/protocol_schema.py) is generated from them.
+# Servers may add fields (extra="allow"): a client keeps what it does not know instead of refusing it.
+
+
+class _ServerMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    def wire(self) -> dict[str, Any]:
+        """The message as sent: the fields given when it was built (a null one given is sent as null)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class ModelCard(_ServerMessage):
+    """``ready.model`` and ``GET /v1/model``: the model's size, pace and controls (more fields may come)."""
+
+    name: str
+    width: int
+    height: int
+    fps: int | float
+    frames_per_chunk: int
+    controls: dict[str, Any] = Field(default_factory=dict)  # a JSON Schema of `tick.controls`
+    first_chunk_frames: int | None = None
+    reads_prompt: bool | None = None
+    description: str | None = None
+    start_images: list[str] | None = None
+    runtime: str | None = None
+    default_prompt: str | None = None
+    prompt_switch: str | None = None
+    default_num_frames: int | None = None
+
+
+class Limits(_ServerMessage):
+    max_pending_ticks: int
+    max_message_bytes: int
+    idle_timeout_s: int | float
+    max_start_image_bytes: int | None = None
+
+
+class ResumeTicket(_ServerMessage):
+    """A session's resume ticket: reconnect within ``grace_s`` with ``start.resume = token``."""
+
+    token: str
+    grace_s: int | float | None = None
+    next_chunk_index: int
+
+
+class ShareInfo(_ServerMessage):
+    token: str
+
+
+class BranchedFrom(_ServerMessage):
+    chunk: int
+
+
+class ReadyMessage(_ServerMessage):
+    type: Literal["ready"] = "ready"
+    protocol: int
+    session_id: str
+    model: ModelCard
+    codec: CodecName
+    limits: Limits
+    resume: ResumeTicket | None = None
+    resumed: bool | None = None
+    role: Literal["controller", "viewer"] = "controller"
+    viewer_id: str | None = None
+    quality: int | None = None
+    share: ShareInfo | None = None
+    rewind_points: int | None = None
+    rewind_seconds: int | float | None = None
+    branched_from: BranchedFrom | None = None
+
+
+class ChunkTimings(_ServerMessage):
+    queue_ms: float
+    compute_ms: float
+    encode_ms: float
+
+
+class ChunkMessage(_ServerMessage):
+    """A chunk's header: exactly ``frames`` binary frame messages follow it."""
+
+    type: Literal["chunk"] = "chunk"
+    tick_id: int
+    chunk_index: int
+    frames: int
+    applied_event_ids: list[int]
+    restarted: Literal["reset", "evicted", "rewind"] | None
+    timings: ChunkTimings
+    rewind_points: list[int] | None = None  # [oldest, newest] boundary a rewind_to may name
+    rewind_held: list[int] | None = None
+    skipped_before: int | None = None  # to a viewer: chunks it missed since the last one it got
+
+
+class AckMessage(_ServerMessage):
+    type: Literal["ack"] = "ack"
+    event_id: int
+    status: Literal["accepted", "duplicate"]
+
+
+class PongMessage(_ServerMessage):
+    type: Literal["pong"] = "pong"
+    t: int | float | None
+    server_time: float
+
+
+class ErrorMessage(_ServerMessage):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    tick_id: int | None
+    fatal: bool
+
+
+class MovedMessage(_ServerMessage):
+    type: Literal["moved"] = "moved"
+    resume: str
+    next_chunk_index: int
+
+
+class ClosedMessage(_ServerMessage):
+    type: Literal["closed"] = "closed"
+    reason: CloseReason
+
+
+class RoleMessage(_ServerMessage):
+    """After ``pass_control``: ``controller`` (with the tick-id floor and a resume ticket) or ``viewer``."""
+
+    type: Literal["role"] = "role"
+    role: Literal["controller", "viewer"]
+    viewer_id: str | None = None
+    last_tick_id: int | None = None
+    resume: ResumeTicket | None = None
+    rewind_seconds: int | float | None = None
+
+
+class ViewersMessage(_ServerMessage):
+    """How many viewers a session has; the controller's copy lists their ids (to pass control)."""
+
+    type: Literal["viewers"] = "viewers"
+    count: int
+    ids: list[str] | None = None
+
+
+ServerMessage = (
+    ReadyMessage | ChunkMessage | AckMessage | PongMessage | ErrorMessage | MovedMessage | ClosedMessage
+    | RoleMessage | ViewersMessage
+)
+
+SERVER_MESSAGE_TYPES: dict[str, type[_ServerMessage]] = {
+    "ready": ReadyMessage,
+    "chunk": ChunkMessage,
+    "ack": AckMessage,
+    "pong": PongMessage,
+    "error": ErrorMessage,
+    "moved": MovedMessage,
+    "closed": ClosedMessage,
+    "role": RoleMessage,
+    "viewers": ViewersMessage,
+}
+
+
+def parse_server_message(obj: dict[str, Any]) -> ServerMessage | None:
+    """A decoded server message as its model; None for a type this side does not know (a later addition).
+
+    Raises :class:`pydantic.ValidationError` when a known message does not match its model.
+    """
+    model = SERVER_MESSAGE_TYPES.get(obj.get("type"))  # type: ignore[arg-type]
+    return None if model is None else model.model_validate(obj)  # type: ignore[return-value]
 
 
 def ready_message(
@@ -338,37 +522,34 @@ def ready_message(
     token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
     "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served.
     """
-    message: dict[str, Any] = {
-        "type": "ready",
-        "protocol": PROTOCOL_VERSION,
-        "session_id": session_id,
-        "model": model_card,
-        "codec": codec,
-        "limits": {
-            "max_pending_ticks": max_pending_ticks,
-            "max_message_bytes": max_message_bytes,
-            "idle_timeout_s": int(idle_timeout_s) if float(idle_timeout_s).is_integer() else idle_timeout_s,
-        },
+    limits: dict[str, Any] = {
+        "max_pending_ticks": max_pending_ticks,
+        "max_message_bytes": max_message_bytes,
+        "idle_timeout_s": int(idle_timeout_s) if float(idle_timeout_s).is_integer() else idle_timeout_s,
     }
     if max_start_image_bytes is not None:
-        message["limits"]["max_start_image_bytes"] = max_start_image_bytes
+        limits["max_start_image_bytes"] = max_start_image_bytes
+    fields: dict[str, Any] = {
+        "type": "ready", "protocol": PROTOCOL_VERSION, "session_id": session_id, "model": model_card, "codec": codec,
+        "limits": limits,
+    }
     if resume is not None:
-        message["resume"] = resume
+        fields["resume"] = resume
     if resumed:
-        message["resumed"] = True
-    message["role"] = role
+        fields["resumed"] = True
+    fields["role"] = role
     if viewer_id is not None:
-        message["viewer_id"] = viewer_id
+        fields["viewer_id"] = viewer_id
     if quality is not None:
-        message["quality"] = quality
+        fields["quality"] = quality
     if share is not None:
-        message["share"] = {"token": share}
+        fields["share"] = {"token": share}
     if rewind_points:
-        message["rewind_points"] = rewind_points
-        message["rewind_seconds"] = round(rewind_seconds, 3)
+        fields["rewind_points"] = rewind_points
+        fields["rewind_seconds"] = round(rewind_seconds, 3)
     if branched_from is not None:
-        message["branched_from"] = {"chunk": branched_from}
-    return message
+        fields["branched_from"] = {"chunk": branched_from}
+    return ReadyMessage.model_validate(fields).wire()
 
 
 def chunk_message(
@@ -380,57 +561,52 @@ def chunk_message(
     On the wire it is ``rewind_points: [oldest, newest]`` (as protocol 1 had it) and ``rewind_held``, the
     whole list (older boundaries are thinned out, so not every index between the two is held).
     """
-    message: dict[str, Any] = {
-        "type": "chunk",
-        "tick_id": tick_id,
-        "chunk_index": chunk_index,
-        "frames": frames,
-        "applied_event_ids": applied_event_ids,
-        "restarted": restarted,
-        "timings": {"queue_ms": round(queue_ms, 3), "compute_ms": round(compute_ms, 3), "encode_ms": round(encode_ms, 3)},
-    }
+    timings = ChunkTimings(queue_ms=round(queue_ms, 3), compute_ms=round(compute_ms, 3), encode_ms=round(encode_ms, 3))
+    fields: dict[str, Any] = {}
     if rewind_points:
-        message["rewind_points"] = [rewind_points[0], rewind_points[-1]]
-        message["rewind_held"] = list(rewind_points)
-    return message
+        fields = {"rewind_points": [rewind_points[0], rewind_points[-1]], "rewind_held": list(rewind_points)}
+    return ChunkMessage(
+        type="chunk", tick_id=tick_id, chunk_index=chunk_index, frames=frames, applied_event_ids=applied_event_ids,
+        restarted=restarted, timings=timings, **fields,
+    ).wire()
 
 
 def role_message(role: str, *, viewer_id: str | None = None, **fields: Any) -> dict[str, Any]:
     """The `role` message after ``pass_control``: ``controller`` (with the tick-id floor and a resume ticket)
     or ``viewer`` (with its viewer id)."""
-    message: dict[str, Any] = {"type": "role", "role": role}
+    given = {name: value for name, value in fields.items() if value is not None}
     if viewer_id is not None:
-        message["viewer_id"] = viewer_id
-    message.update({name: value for name, value in fields.items() if value is not None})
-    return message
+        given["viewer_id"] = viewer_id
+    return RoleMessage.model_validate({"type": "role", "role": role, **given}).wire()
+
+
+def viewers_message(count: int, ids: list[str] | None = None) -> dict[str, Any]:
+    """How many viewers a session has (``ids``: the controller's copy)."""
+    return ViewersMessage(type="viewers", count=count, **({"ids": ids} if ids is not None else {})).wire()
 
 
 def ack_message(event_id: int, *, duplicate: bool) -> dict[str, Any]:
-    return {"type": "ack", "event_id": event_id, "status": "duplicate" if duplicate else "accepted"}
+    return AckMessage(type="ack", event_id=event_id, status="duplicate" if duplicate else "accepted").wire()
 
 
 def pong_message(t: int | float | None) -> dict[str, Any]:
-    return {"type": "pong", "t": t, "server_time": time.time()}
+    return PongMessage(type="pong", t=t, server_time=time.time()).wire()
 
 
 def error_message(code: ErrorCode, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
     """The `error` message; its text is bounded (MAX_ERROR_MESSAGE_CHARS), whatever part of the input it quotes."""
-    return {
-        "type": "error",
-        "code": str(code),
-        "message": _bounded(message),
-        "tick_id": tick_id,
-        "fatal": code in ERROR_CLOSE_CODES,
-    }
+    return ErrorMessage(
+        type="error", code=code, message=_bounded(message), tick_id=tick_id, fatal=code in ERROR_CLOSE_CODES
+    ).wire()
 
 
 def moved_message(*, resume: str, next_chunk_index: int) -> dict[str, Any]:
     """The session moved to another replica: reconnect with ``resume`` (PROTOCOL.md, "Moved to another replica")."""
-    return {"type": "moved", "resume": resume, "next_chunk_index": next_chunk_index}
+    return MovedMessage(type="moved", resume=resume, next_chunk_index=next_chunk_index).wire()
 
 
 def closed_message(reason: CloseReason) -> dict[str, Any]:
-    return {"type": "closed", "reason": str(reason)}
+    return ClosedMessage(type="closed", reason=reason).wire()
 
 
 def too_large(text: str, limit: int) -> bool:
@@ -449,3 +625,19 @@ def controls_problem(controls: dict[str, Any], max_items: int, validator: Valida
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "controls"
     return f"{where}: {error.message}"
+
+
+PromptCarrier = TypeVar("PromptCarrier", TickMessage, InputMessage)
+
+
+def with_prepared_prompt(message: PromptCarrier, prompts: PromptPreparer, allowance: PromptAllowance) -> PromptCarrier:
+    """``message`` with its prompt as the model reads it, prepared here once (bounded at parse time; the session
+    holds what the model reads); raises ProtocolError (too_many_ticks) past the session's new-prompt allowance."""
+    if message.prompt is None:
+        return message
+    try:
+        prepared = prompts.prepare(message.prompt, allowance)
+    except PromptRateExceeded as exc:
+        tick_id = message.tick_id if isinstance(message, TickMessage) else None
+        raise ProtocolError(ErrorCode.TOO_MANY_TICKS, str(exc), tick_id=tick_id) from None
+    return message.model_copy(update={"prompt": prepared})

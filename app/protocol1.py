@@ -24,7 +24,7 @@ from .outbox import QueuedChunk, QueuedText
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
 from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, ack_message, chunk_message
 from .protocol import closed_message, controls_problem, dumps, error_message, moved_message, parse_client_message
-from .protocol import pong_message, ready_message, role_message, too_large
+from .protocol import pong_message, ready_message, role_message, too_large, with_prepared_prompt
 from .session import Session, TickJob
 from .viewer_feed import ViewerFeed
 from .worker import OutcomeKind, TickOutcome
@@ -132,6 +132,8 @@ class Protocol1(Dialect):
         """What the controller asked: a tick is returned for the live session to run; the rest is answered."""
         session = live.session
         assert session is not None
+        if isinstance(parsed, (TickMessage, InputMessage)):
+            parsed = with_prepared_prompt(parsed, live.gate.prompts, session.prompt_allowance)
         if isinstance(parsed, TickMessage):
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
             if self._viewers.held:  # offered once the tick is on its way: the viewers' writes go beside it

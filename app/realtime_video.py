@@ -45,21 +45,10 @@ from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from .fmp4 import fmp4_codec
 from .handshake import Handshake
 from .outbox import QueuedChunk
-from .protocol import (
-    CLOSE_NORMAL,
-    ERROR_CLOSE_CODES,
-    MAX_RESUME_TOKEN_CHARS,
-    CloseReason,
-    ErrorCode,
-    InputMessage,
-    ProtocolError,
-    StartMessage,
-    TickMessage,
-    dumps,
-    loads_strict,
-    controls_problem,
-    too_large,
-)
+from .prompts import PromptRateExceeded
+from .protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
+from .protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, controls_problem, dumps, loads_strict
+from .protocol import too_large
 from .realtime_video_events import (
     MAX_CONTROL_MESSAGE_BYTES,
     MAX_EVENT_ID_BYTES,
@@ -287,7 +276,7 @@ class RealtimeVideo(Dialect):
             codec=fmp4_codec(request.fps),
             quality=gate.settings.default_jpeg_quality(card),
             seed=request.seed,
-            prompt=request.start.prompt,
+            prompt=gate.prompts.prepare(request.start.prompt),
             max_pending_ticks=gate.settings.max_pending_ticks,
             start_image=start_image,
         )
@@ -522,14 +511,18 @@ class RealtimeVideo(Dialect):
             raise RealtimeVideoError(problem, "interaction_failed", event_id=name)
         event_id = (session.event_floor or 0) + 1
         try:
+            # The prompt was bounded when the interaction was parsed; what the model makes of it may be longer.
+            prepared = live.gate.prompts.prepare(interaction.prompt, session.prompt_allowance)
             session.accept_event(
-                InputMessage(type="input", event_id=event_id, controls=interaction.controls, prompt=interaction.prompt),
+                InputMessage(type="input", event_id=event_id, controls=interaction.controls).model_copy(
+                    update={"prompt": prepared}
+                ),
                 hold_chunks=interaction.hold_chunks,
                 release=interaction.release,
                 prompt_transition_chunks=interaction.prompt_transition_chunks,
             )
-        except ProtocolError as exc:
-            raise RealtimeVideoError(exc.message, "interaction_failed", event_id=name) from None
+        except (ProtocolError, PromptRateExceeded) as exc:
+            raise RealtimeVideoError(str(exc), "interaction_failed", event_id=name) from None
         state.names_seen.add(name)
         state.event_names[event_id] = name
         fields = ("controls",) * (interaction.controls is not None) + ("prompt",) * (interaction.prompt is not None)

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import ErrorCode
+from .prompts import prompt_problem
+from .protocol import ErrorCode, Prompt
 from ..runner.contract import DEFAULT_PROMPT_TRANSITION_CHUNKS, default_num_frames, prompt_switch
 
 OUTPUT_FORMAT = "m4s"
@@ -93,7 +94,7 @@ class SessionStart(BaseModel):
 
     type: Literal["session.start"]
     model: str | None = None
-    prompt: str
+    prompt: Prompt  # bounded as protocol 1's (app/prompts.py)
     # Digits bounded: a 400-digit ``seconds`` overflows a float and a 5000-digit ``size`` is past Python's
     # int parsing limit; no model makes a frame wider than 99999 px or a session longer than 10^9 s.
     seconds: str | None = Field(None, pattern=r"^[1-9]\d{0,8}$")
@@ -403,6 +404,9 @@ def parse_interaction(message: dict[str, Any], model_card: dict[str, Any]) -> In
         raise RealtimeVideoError(
             "session.interaction event.prompt must be a non-empty string when provided", ErrorCode.INVALID_MESSAGE
         )
+    problem = prompt_problem(prompt) if isinstance(prompt, str) and has_prompt else None
+    if problem is not None:
+        raise RealtimeVideoError(f"session.interaction event.prompt: {problem}", ErrorCode.INVALID_MESSAGE)
     if mm is not None and not has_mm:
         raise RealtimeVideoError(
             "session.interaction event.multi_modal_data must be a non-empty object when provided",

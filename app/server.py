@@ -33,7 +33,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -50,6 +50,8 @@ from .memory import keep_freed_memory
 from .metrics import ReplicaCollector
 from .migration import Migration, add_cluster_routes
 from .peers import own_urls
+from .protocol_schema import SCHEMA_PATH, protocol_schema
+from .recorder import Recordings
 from .live_session import LiveSession
 from .realtime_video import PATH as REALTIME_VIDEO_PATH
 from .settings import Settings, add_serve_arguments, settings_from_args
@@ -72,15 +74,37 @@ def openai_model_list(card: dict[str, Any], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [entry]}
 
 
+RECORDINGS_PATH = "/v1/recordings"
+
+
+def open_recordings(settings: Settings, hub: SessionHub) -> Recordings | None:
+    """The recording directory (swept of what an earlier process left), or None when recording is off."""
+    if settings.record_dir is None:
+        return None
+    recordings = Recordings(
+        Path(settings.record_dir), session_bytes=settings.record_session_bytes,
+        total_bytes=settings.record_total_bytes, retention_s=settings.record_retention_s,
+        quality=settings.record_quality, metrics=hub.metrics,
+    )
+    if recordings.swept:
+        log.info("recordings: swept %d session folder(s) an earlier process left in %s", recordings.swept,
+                 settings.record_dir)
+    return recordings
+
+
 def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAPI:
     """An app serving ``pipeline`` (or the one ``settings.model`` names, loaded at startup)."""
     hub = SessionHub(settings, pipeline)
     started_at = int(time.time())
+    schema = protocol_schema()
+    recordings = open_recordings(settings, hub)
     balancers = BalancerLedger()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await hub.start()
+        if hub.worker is not None:
+            hub.worker.recorder = recordings
         # Listening while the model loads, so that HAProxy hears "down" rather than nothing.
         agent = None
         if settings.agent_port is not None:
@@ -139,6 +163,34 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
         if not hub.model_card:
             return JSONResponse({"ready": False, "reason": hub.not_ready_reason}, status_code=503)
         return JSONResponse(openai_model_list(hub.model_card, started_at))
+
+    @app.get(SCHEMA_PATH)
+    async def protocol_schema_document() -> JSONResponse:
+        # Protocol 1's JSON messages as JSON Schema, from the same models the server parses and builds with.
+        return JSONResponse(schema)
+
+    @app.get(RECORDINGS_PATH)
+    async def recording_list(share: str | None = None) -> JSONResponse:
+        # A session's recordings, for the holder of its share token (PROTOCOL.md, "Recording").
+        if recordings is None:
+            return JSONResponse({"error": "recording is off on this server (no --record-dir)"}, status_code=404)
+        if not share:
+            return JSONResponse({"error": "give the session's share token as ?share="}, status_code=401)
+        files = await asyncio.to_thread(recordings.files, share)
+        return JSONResponse(
+            {"recordings": [{"name": f.name, "bytes": f.bytes, "complete": f.complete} for f in files]}
+        )
+
+    @app.get(RECORDINGS_PATH + "/{name}")
+    async def recording_file(name: str, share: str | None = None) -> Response:
+        if recordings is None:
+            return JSONResponse({"error": "recording is off on this server (no --record-dir)"}, status_code=404)
+        if not share:
+            return JSONResponse({"error": "give the session's share token as ?share="}, status_code=401)
+        path = recordings.file(share, name)
+        if path is None:
+            return JSONResponse({"error": "no such recording for this token"}, status_code=404)
+        return FileResponse(path, media_type="video/mp4", filename=name)
 
     @app.get("/v1/codecs")
     async def codecs() -> JSONResponse:
@@ -347,6 +399,9 @@ async def serve(server: ARStreamServer) -> int:
     if loaded.done() and server.hub.load_error is None:
         # Everything made so far (imports, the model, its warm-up) lives as long as the server: moving it out
         # of the collector's reach takes a full collection from ~100 ms to ~3 ms, a pause every session felt.
+        # The optional pages' check (an import of PyAV, cached) runs first: once the address is out, clients measure
+        # this process, and what it loaded then would look like their cost.
+        FMP4.unavailable_reason()
         gc.freeze()
         url = f"http://{display_host(server.config.host)}:{server.bound_port}"
         agent = server.config.app.state.agent if isinstance(server.config.app, FastAPI) else None
@@ -355,8 +410,13 @@ async def serve(server: ARStreamServer) -> int:
             print(f"{AGENT_MARKER} {display_host(server.config.host)}:{agent_port}", flush=True)
         print(f"{LISTENING_MARKER} {url}", flush=True)
         print(f"ARStream demo: open {url}/ in a browser", flush=True)
-        for line in network_lines(server.config.host, server.bound_port):
+        token_required = server.hub.settings.auth_token is not None
+        for line in network_lines(server.config.host, server.bound_port, token_required=token_required):
             print(line, flush=True)
+        capacity = capacity_line(server.hub.stats(), server.hub.rewind_seconds)
+        if capacity:
+            print(capacity, flush=True)
+        note_optional_pages()  # after the address: a plain start opens with where to go, not with what is missing
         running_line.release()
     elif loaded.done():  # the hub has logged why, in one line
         server.should_exit = True
@@ -367,6 +427,25 @@ async def serve(server: ARStreamServer) -> int:
 
 
 add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch
+
+
+def capacity_line(stats: dict[str, Any] | None, rewind_seconds: float) -> str | None:
+    """How many sessions this server holds, in plain words, from its /v1/stats document (None before it has one).
+
+    With parking on, the sessions held are the KV pool's slots plus the parked ones in host memory: both are said,
+    so the figure matches ``/v1/stats`` ``kv.session_capacity``.
+    """
+    if stats is None:
+        return None
+    kv, parking = stats["kv"], stats.get("parking") or {}
+    held, parked = int(kv["session_capacity"]), int(parking.get("park_capacity", 0))
+    each = f", each able to rewind {rewind_seconds:g} s" if rewind_seconds else ""
+    if not parked:
+        return f"Sessions: room for {held} at once{each}."
+    return (
+        f"Sessions: room for {held} at once{each}: {held - parked} playing in the model's memory and "
+        f"{parked} more parked in host memory while idle (parking; restored on their next chunk)."
+    )
 
 
 def note_optional_pages() -> None:
@@ -393,7 +472,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    note_optional_pages()
     if settings.keep_freed_memory:
         keep_freed_memory()
     server = build_server(settings)

@@ -24,6 +24,7 @@ from enum import Enum
 from collections.abc import Callable
 from typing import Any
 
+from .prompts import PromptAllowance
 from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 from ..runner.types import StartImage
 
@@ -148,6 +149,8 @@ class Session:
         # Chosen at start, on every tick the session sends to the model, kept across resets and resumes.
         self.start_image = start_image
         self.max_pending_ticks = max_pending_ticks
+        # The share token whose recordings folder this session's chunks go to (app/recorder.py); None: not recorded.
+        self.record_to: str | None = None
         self.state = SessionState.AWAITING_START
         self.last_tick_id: int | None = None
         self._last_reset_tick_id: int | None = None
@@ -168,6 +171,7 @@ class Session:
         self._controls: dict[str, Any] = {}
         self._controls_seq = -1
         self._prompt = prompt
+        self.prompt_allowance = PromptAllowance()  # its new prompts per second (event loop only)
         self._prompt_seq = -1
         self._prompt_transition_chunks = 0
         # Chunks the current controls still hold for, and what replaces them then (a camera target's release).

@@ -99,6 +99,11 @@ class ModelSettings(SettingGroup):
     memory_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="fraction of free CUDA memory for the KV pool"
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model's DiT blocks at load, for the shapes the warm-up runs, before /readyz "
+        "says ready (the log says 'compiling' until done; matrix-game-2, longlive; on the CPU it needs g++)",
+    )
 
     @field_validator("model")
     @classmethod
@@ -156,7 +161,8 @@ class SchedulingSettings(SettingGroup):
         10,
         ge=0,
         le=19,
-        description="steps of CPU niceness the encoder and start-image decode threads run below the model worker, "
+        description="steps of CPU niceness the encoder threads and start-image decode workers run below the model "
+        "worker, "
         "so the worker gets a core first when cores are short",
     )
     keep_freed_memory: bool = Field(
@@ -174,8 +180,8 @@ class RewindSettings(SettingGroup):
         ge=0,
         le=3600,
         description="how far back a session may rewind or be branched from, in seconds of play: every chunk "
-        "boundary of the last 2 s, sparser further back, within --rewind-budget-mib; 0 turns rewind off "
-        "(docs/rewind.md)",
+        "boundary of the last moments (up to 2 s), sparser further back, a point near this far back and none older "
+        "than 1.2 times it, within --rewind-budget-mib; 0 turns rewind off (docs/rewind.md)",
     )
     rewind_budget_mib: float = Field(
         24.0,
@@ -303,6 +309,29 @@ class AccessSettings(SettingGroup):
         return ",".join(entries)
 
 
+class RecordingSettings(SettingGroup):
+    """Recordings of what players saw, as fragmented MP4 on this replica's disk (off without --record-dir)."""
+
+    group_title = "recording"
+
+    record_dir: str | None = Field(
+        None,
+        description="directory for recordings (fragmented MP4, H.264; needs PyAV): a session that asks "
+        "(start.record) is recorded, every session with --record-all; swept of earlier recordings at start",
+    )
+    record_all: bool = Field(False, description="record every session (needs --record-dir)")
+    record_session_bytes: int = Field(
+        256 * 2**20, ge=1, description="bytes one session's recordings may take; its later chunks are dropped"
+    )
+    record_total_bytes: int = Field(
+        4 * 2**30, ge=1, description="bytes all recordings on this replica may take; chunks past it are dropped"
+    )
+    record_retention_s: float = Field(
+        24 * 3600.0, ge=0, description="finished recordings older than this are deleted"
+    )
+    record_quality: int = Field(80, ge=1, le=100, description="the recordings' H.264 quality (as start.quality)")
+
+
 class SessionSettings(SettingGroup):
     """How many sessions and viewers are served, and how long a session may wait."""
 
@@ -389,14 +418,15 @@ class StartImageSettings(SettingGroup):
     max_start_image_jpeg_scans: int = Field(
         64,
         ge=1,
-        description="most scans of a client's JPEG start image, counted before decoding (libjpeg makes a pass over "
-        "the whole picture per scan; a progressive JPEG has about 10)",
+        description="most scans of a client's JPEG start image, counted before decoding by walking its markers as "
+        "libjpeg reads them (libjpeg makes a pass over the whole picture per scan; a progressive JPEG has about 10)",
     )
     start_image_timeout_s: float = Field(
         5.0,
         gt=0,
-        description="time a client's start image may take to decode, waiting for one of the 2 decode threads "
-        "included; past it: over_capacity if its decode never started, else invalid_image",
+        description="time a client's start image may take to decode, waiting for one of the 2 decode workers "
+        "included; past it the decode's worker process is killed: over_capacity if its decode never started, else "
+        "invalid_image",
     )
 
 
@@ -509,6 +539,7 @@ class Settings(
     CodecSettings,
     AccessSettings,
     SessionSettings,
+    RecordingSettings,
     MessageSettings,
     StartImageSettings,
     ConnectionSettings,
@@ -520,6 +551,12 @@ class Settings(
     model_config = SettingsConfigDict(env_prefix="ARSTREAM_", extra="forbid")
 
     _deprecation_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _recording_needs_a_directory(self) -> Self:
+        if self.record_all and self.record_dir is None:
+            raise ValueError("--record-all records into --record-dir: give one")
+        return self
 
     @model_validator(mode="after")
     def _deprecated_rewind_points(self) -> Self:

@@ -42,7 +42,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from . import wire
 from .outbox import Outbox, ViewerChunk
-from .protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, CloseReason, dumps, excerpt
+from .protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, CloseReason, dumps, excerpt, viewers_message
 from .resume import TOKEN_RANDOM_BYTES, token_hint
 from .session import Session
 
@@ -335,11 +335,11 @@ class ShareRegistry(Generic[V]):
     def announce(self, session_id: str, controller: Notified | None) -> None:
         """Tell everyone how many viewers there are; the controller also gets their ids (to pass control)."""
         viewers = self.viewers(session_id)
-        message: dict[str, Any] = {"type": "viewers", "count": len(viewers)}
+        message = viewers_message(len(viewers))
         for viewer in viewers.values():
             viewer.notify(message, latest_of="viewers")
         if controller is not None:
-            controller.notify({**message, "ids": list(viewers)}, latest_of="viewers")
+            controller.notify(viewers_message(len(viewers), list(viewers)), latest_of="viewers")
 
 
 class AudienceFull(ShareRefused):

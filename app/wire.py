@@ -8,8 +8,8 @@ state from frame to frame: :mod:`arstream.app.video` encodes and decodes them. T
 and tests parse with :func:`parse_frame` / :func:`decode_frame`.
 
 Also here: what both sides of the wire share (the protocol version, the HTTP paths, the id bound). The JSON
-messages a client sends are built by :mod:`arstream.programs.messages`; validating what clients send is
-:mod:`arstream.app.protocol`'s job.
+messages of both directions are :mod:`arstream.app.protocol`'s models (clients use them through
+:mod:`arstream.programs.client_lib`).
 """
 
 from __future__ import annotations

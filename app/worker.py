@@ -52,6 +52,7 @@ import numpy as np
 from .admission import RoundTimes
 from .decode_stage import DecodedRound, DecodeStage, RoundPhases, overlap_s
 from .encoding import EncoderPool
+from .recorder import Recordings
 from .scheduler import RoundScheduler, Run, TickLanes
 from .session import ChunkInputs, PendingEvent, TickJob, restart_reason
 from .wire import PROTOCOL_VERSION
@@ -211,6 +212,7 @@ class ModelWorker:
         self.phases = RoundPhases()
         self._decode_stage: DecodeStage[_Decoding] | None = None
         self._encoders = EncoderPool(encode_threads, nice=encoder_nice)
+        self.recorder: Recordings | None = None  # set by the server when it records (--record-dir)
         self._handoff = _Handoff(loop)
         self._thread = threading.Thread(target=self._main, name="arstream-model-worker", daemon=True)
 
@@ -362,7 +364,10 @@ class ModelWorker:
 
         def branch(runner: Runtime) -> int:
             index = runner.branch_session(source_id, boundary, new_session_id)
-            self._produced.add(new_session_id)  # it has a history: an eviction before its next chunk says so
+            # From a later boundary it has a history: an eviction before its next chunk says so. From boundary 0 it
+            # has none to lose: its first chunk goes on with the source's rollout from its start, no restart.
+            if index > 0:
+                self._produced.add(new_session_id)
             self._encoders.restart_stream(new_session_id)
             return index
 
@@ -554,6 +559,9 @@ class ModelWorker:
             self.runner.close_session(session_id)
             log.info("session=%s released its KV", session_id)
         self._encoders.restart_stream(session_id)
+        if self.recorder is not None:
+            recorder = self.recorder
+            self._encoders.submit(session_id, lambda: recorder.finish(session_id))
 
     def _send(self, outcome: TickOutcome) -> None:
         """Deliver on the event loop, after the session's earlier outcomes."""
@@ -675,6 +683,19 @@ class ModelWorker:
         self.runner.complete_boundaries()
         self._publish_stats()
 
+    def _record(self, session_id: str, share_token: str, result: ChunkResult, restarted: str | None) -> None:
+        """Append the chunk to the session's recording (on its encoder lane, in order); a failure costs the
+        recording, never the session."""
+        assert self.recorder is not None
+        fps = float((self.model_card or {}).get("fps") or 16)
+        try:
+            self.recorder.write(
+                session_id, share_token, result.frames, chunk_index=result.chunk_index, restarted=restarted, fps=fps
+            )
+        except Exception:  # noqa: BLE001 - a disk or encoder fault: the chunk is not recorded, play goes on
+            log.exception("session=%s chunk %d not recorded", session_id, result.chunk_index)
+            self.recorder.metrics.dropped("error")
+
     def _model_failed(self, job: TickJob, inputs: ChunkInputs, failure: TickFailure, queue_s: float) -> None:
         """The runner failed closed for this tick's session; the client hears session_failed."""
         session = job.session
@@ -726,6 +747,8 @@ class ModelWorker:
             failed = TickOutcome(job, OutcomeKind.INTERNAL, queue_s=queue_s, error=f"frame encoding failed: {exc}")
             self._handoff.call(lambda: self._deliver(failed))
             return
+        if self.recorder is not None and session.record_to is not None:
+            self._record(session.id, session.record_to, result, restarted)
         chunk = TickOutcome(
             job,
             OutcomeKind.CHUNK,

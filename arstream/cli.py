@@ -38,6 +38,7 @@ COMMANDS: tuple[Command, ...] = (
         arguments="arstream.app.settings:add_serve_arguments",
         precheck="arstream.app.address:refusal_before_loading",
     ),
+    Command(("plan",), "arstream.app.plan", "what a model takes on a GPU, and how many sessions fit"),
     Command(("drain",), "arstream.programs.drain", "move a replica's live sessions to peers, then let it exit"),
     Command(("client",), "arstream.programs.client", "run one scripted session against a server and save its frames"),
     Command(("bench", "runner"), "arstream.programs.bench_runner", "the runner's bookkeeping cost against a direct loop"),

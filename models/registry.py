@@ -80,6 +80,9 @@ def _longlive(device: torch.device, **options: Any) -> ARPipeline:
     return load_longlive(device=device, **options)
 
 
+# Models whose loaders build on the meta device (shapes and bytes, no file read): what ``arstream plan`` covers.
+PLANNED_MODELS = ("matrix-game-2", "longlive")
+
 # The project's own models; each factory takes (device, **options), as a plugin's does.
 BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "tiny-world": _tiny_world,

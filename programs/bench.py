@@ -65,8 +65,8 @@ from ..cli import main_for
 from ..measure import compare, percentile, print_summary
 from .bench_model import control_keys, forward_split_s
 from ..app.settings import Settings, default_max_batch_sessions
-from . import messages
-from .client import MAX_MESSAGE_BYTES, SessionClient
+from . import client_lib
+from .client_lib import MAX_MESSAGE_BYTES, Session
 from ..runner.threads import default_torch_threads
 
 LISTENING_MARKER = "ARSTREAM_LISTENING "
@@ -135,7 +135,7 @@ class ServerProcess:
 
     @property
     def sessions_url(self) -> str:
-        return messages.session_url(self.base_url)
+        return client_lib.session_url(self.base_url)
 
     def get_json(self, path: str) -> Any:
         with urllib.request.urlopen(self.base_url + path, timeout=30) as response:
@@ -195,7 +195,7 @@ async def paced_session(
     """
     connect_started = time.perf_counter()
     async with websockets.connect(url, max_size=MAX_MESSAGE_BYTES) as ws:
-        session = SessionClient(ws, decode=False)
+        session = Session(ws, decode=False)
         await session.start(codec=codec)
         keys = control_keys(session.model)
         started_after = time.perf_counter() - connect_started
@@ -298,7 +298,7 @@ async def server_phase(
     """``sessions`` paced sessions that connect and start, then tick together (like the bare runner's rounds)."""
     all_started = asyncio.Barrier(sessions)
     if dialect == "realtime-video":
-        with urllib.request.urlopen(messages.http_base_url(url) + "/v1/model", timeout=30) as response:
+        with urllib.request.urlopen(client_lib.http_base_url(url) + "/v1/model", timeout=30) as response:
             card = json.load(response)
         url = url.replace("/v1/sessions", REALTIME_VIDEO_PATH)
         phase = (

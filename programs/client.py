@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -45,16 +44,26 @@ import numpy as np
 import websockets
 
 from ..app import wire
-from ..app.codecs import CODEC_NAMES, FrameDecoder
-from . import messages
+from ..app.codecs import CODEC_NAMES
+from .client_lib import (
+    ConnectionDropped,
+    ControlPassed,
+    ServerError,
+    Session,
+    SessionClosed,
+    SessionMoved,
+    connect,
+    http_base_url,
+    session_url,
+    start_image_field,
+    takes_keys,
+)
 from ..cli import main_for
 from ..measure import percentile
 
 NO_KEYS = ("-", "none")
 WATCH_CHUNKS = 10  # chunks a viewer saves when --chunks is left out
 VIDEO_NAME = "video.mp4"
-MAX_MESSAGE_BYTES = 16 * 2**20
-MAX_MOVE_HOPS = 4  # a resume told `moved` follows at most this many replicas in a row
 # A new session refused by a draining replica tries again: the balancer stops routing there at its next check.
 FRESH_START_ATTEMPTS = 20
 FRESH_START_RETRY_S = 0.5
@@ -142,357 +151,24 @@ def rewind_plan(to: int | None, after: int | None, ticks: int) -> Rewind | None:
     return Rewind(to=to, after=after)
 
 
+# ---- a model that takes no keys ---------------------------------------------------
+
+
+class NoKeysModel(ValueError):
+    """The key script holds keys, and the server's model takes none (it is steered by its prompt)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"{model} takes no keys (its controls name none): it is steered by its prompt. "
+            'Leave out --keys (or hold none, e.g. "-*20") and send prompts with --prompt and --prompt-at TICK TEXT'
+        )
+
+
 # ---- latency figures --------------------------------------------------------------
 
 
 def format_ms(seconds: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.1f} ms"
-
-
-# ---- one session ------------------------------------------------------------------
-
-
-class ServerError(RuntimeError):
-    """The server sent an ``error`` message."""
-
-    def __init__(self, message: dict[str, Any]) -> None:
-        self.code = str(message.get("code"))
-        self.fatal = bool(message.get("fatal"))
-        self.tick_id = message.get("tick_id")
-        self.detail = str(message.get("message", ""))
-        about = f" (tick {self.tick_id})" if self.tick_id is not None else ""
-        kind = "fatal error" if self.fatal else "error"
-        super().__init__(f"server {kind} {self.code}{about}: {self.detail}")
-
-
-class SessionClosed(RuntimeError):
-    """The session ended (``closed`` message or the WebSocket closed) while we expected more."""
-
-    def __init__(self, message: str, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason  # the `closed` message's reason, when one came
-
-
-class ConnectionDropped(SessionClosed):
-    """The connection went away without a close frame (a network drop): the session may be resumable."""
-
-
-class SessionMoved(SessionClosed):
-    """The server moved the session to another replica (``moved``): reconnect with ``resume_token``."""
-
-    def __init__(self, message: dict[str, Any]) -> None:
-        self.resume_token = str(message["resume"])
-        self.next_chunk_index = int(message["next_chunk_index"])
-        super().__init__(f"the session moved to replica {self.resume_token.partition('.')[0]!r}")
-
-
-class ControlPassed(RuntimeError):
-    """A viewer was handed the controls (``role``): from now on its chunks come only for ticks it sends."""
-
-
-@dataclass(frozen=True)
-class ResumeGap:
-    """What a drop and resume cost: time without a connection, and chunks that ran but never arrived."""
-
-    session_id: str
-    seconds: float
-    last_chunk_index: int | None  # the last chunk received before the drop
-    next_chunk_index: int  # the resumed ticket's
-
-    @property
-    def chunks_lost(self) -> int:
-        return max(0, self.next_chunk_index - (-1 if self.last_chunk_index is None else self.last_chunk_index) - 1)
-
-    def describe(self) -> str:
-        after = "before any chunk" if self.last_chunk_index is None else f"after chunk {self.last_chunk_index}"
-        return (
-            f"connection dropped {after}; resumed session {self.session_id} in {self.seconds * 1000:.0f} ms at "
-            f"chunk {self.next_chunk_index} ({self.chunks_lost} chunk(s) generated but never received)"
-        )
-
-
-@dataclass
-class Chunk:
-    """One chunk as received: the ``chunk`` message, its frames and when things happened.
-
-    Times are ``time.perf_counter()`` seconds. ``frames`` holds decoded
-    ``[H, W, 3]`` arrays, or the raw payload bytes when decoding is off.
-    """
-
-    message: dict[str, Any]
-    tick_sent_at: float
-    message_at: float
-    first_frame_at: float = math.nan
-    last_frame_at: float = math.nan
-    frames: list[Any] = field(default_factory=list)
-
-    @property
-    def tick_id(self) -> int:
-        return int(self.message["tick_id"])
-
-    @property
-    def applied_event_ids(self) -> list[int]:
-        return list(self.message.get("applied_event_ids") or [])
-
-    @property
-    def latency_s(self) -> float:
-        """Tick sent -> chunk message received."""
-        return self.message_at - self.tick_sent_at
-
-
-class SessionClient:
-    """Protocol bookkeeping for one session over an open WebSocket.
-
-    It numbers ticks and events, remembers when each was sent, and turns the
-    server's messages back into :class:`Chunk` objects and latency figures.
-    Any ``error`` message is raised as :class:`ServerError`.
-    """
-
-    def __init__(self, websocket: Any, *, decode: bool = True) -> None:
-        self.ws = websocket
-        self.decode = decode
-        self._decoder = FrameDecoder()  # h264 frames decode in order, from the stream's keyframe
-        self.ready: dict[str, Any] = {}
-        self.next_tick_id = 0
-        self.next_event_id = 0
-        self.tick_sent_at: dict[int, float] = {}  # ticks sent and not yet answered by a chunk
-        self.event_sent_at: dict[int, float] = {}  # events not yet seen in applied_event_ids
-        self.chunk_latencies_s: list[float] = []
-        self.action_to_frame_s: list[float] = []
-        # per applied event: its chunk's index less the last chunk index seen when it was sent (-1: none yet)
-        self.action_to_frame_chunks: list[int] = []
-        self._event_sent_after: dict[int, int] = {}
-        self.first_frame_at = math.nan
-        self.frames_received = 0
-        self.last_chunk_index: int | None = None
-        self.role = "controller"  # ready.role, then `role` messages: a viewer sends no ticks
-        self.viewers: dict[str, Any] = {"count": 0}  # the last `viewers` message
-        self.skipped_chunks = 0  # chunks the server skipped for this viewer (chunk.skipped_before)
-        self.inherited_ticks_up_to = -1  # given control: chunks of ticks up to this id were the last controller's
-
-    @property
-    def model(self) -> dict[str, Any]:
-        return self.ready["model"]
-
-    @property
-    def max_pending_ticks(self) -> int:
-        return int(self.ready["limits"]["max_pending_ticks"])
-
-    @property
-    def ticks_in_flight(self) -> int:
-        return len(self.tick_sent_at)
-
-    async def start(
-        self,
-        *,
-        codec: str = "jpeg",
-        seed: int | None = None,
-        prompt: str | None = None,
-        resume: str | None = None,
-        image: dict[str, str] | None = None,
-        watch: str | None = None,
-        branch: tuple[str, int | None] | None = None,
-    ) -> dict[str, Any]:
-        """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
-
-        ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
-        session from that boundary of the shared one. Connect with ``messages.session_url(..., share=TOKEN)`` for both.
-        """
-        await self._send(
-            messages.start_message(
-                codec=codec, seed=seed, prompt=prompt, resume=resume, image=image, watch=watch, branch=branch
-            )
-        )
-        message = await self._next_control_message()
-        if message["type"] != "ready":
-            raise wire.WireError(f"expected 'ready' after 'start', got {message['type']!r}")
-        if message.get("protocol") != wire.PROTOCOL_VERSION:
-            raise wire.WireError(f"server speaks protocol {message.get('protocol')}, this client {wire.PROTOCOL_VERSION}")
-        self.ready = message
-        self.role = str(message.get("role", "controller"))
-        return message
-
-    @property
-    def share_token(self) -> str | None:
-        """``ready.share.token``: watch or branch this session with it (None from a server without sharing)."""
-        share = self.ready.get("share")
-        return str(share["token"]) if isinstance(share, dict) and share.get("token") else None
-
-    async def resume(self, url: str, *, token: str | None = None, resume_token: str | None = None) -> ResumeGap:
-        """After a :class:`ConnectionDropped` (or :class:`SessionMoved`, with its ``resume_token``): resume.
-
-        Reconnects through ``url`` with the session's ticket (a moved session's
-        token names its new replica, which the balancer routes to). Ticks in
-        flight at the drop are gone (their chunks never come); tick and event
-        ids keep counting past them. A ticket the server cannot honour raises
-        :class:`ServerError` (``resume_failed``).
-        """
-        if resume_token is None:
-            ticket = self.ready.get("resume")
-            if not ticket:
-                raise SessionClosed("the connection dropped and the server offered no resume ticket")
-            resume_token = str(ticket["token"])
-        dropped_at = time.perf_counter()
-        for _hop in range(MAX_MOVE_HOPS):
-            await self.ws.close()
-            self.ws = await connect(messages.session_url(url, token=token, resume=resume_token))
-            self.tick_sent_at.clear()
-            try:
-                ready = await self.start(codec=self.ready["codec"], resume=resume_token)
-                break
-            except SessionMoved as moved:  # its replica was drained meanwhile: follow it to the peer
-                resume_token = moved.resume_token
-        else:
-            raise SessionClosed(f"the session kept moving: {MAX_MOVE_HOPS} replicas in a row sent it on")
-        return ResumeGap(
-            session_id=ready["session_id"],
-            seconds=time.perf_counter() - dropped_at,
-            last_chunk_index=self.last_chunk_index,
-            next_chunk_index=int(ready["resume"]["next_chunk_index"]),
-        )
-
-    async def send_tick(self, *, rewind_to: int | None = None, **fields: Any) -> int:
-        """Ask for one chunk (``tick_message`` fields: controls, prompt, reset, close; ``rewind_to``: first go
-        back to that chunk boundary); return its id."""
-        tick_id = self.next_tick_id
-        self.next_tick_id += 1
-        self.tick_sent_at[tick_id] = time.perf_counter()
-        await self._send(messages.tick_message(tick_id, rewind_to=rewind_to, **fields))
-        return tick_id
-
-    async def pass_control(self, viewer_id: str) -> None:
-        """Hand the controls to a viewer (an id from the controller's ``viewers`` message)."""
-        await self._send(messages.pass_control_message(viewer_id))
-
-    async def send_input(self, *, controls: dict[str, Any] | None = None, prompt: str | None = None) -> int:
-        """Send an ``input`` event; return its id."""
-        event_id = self.next_event_id
-        self.next_event_id += 1
-        self.event_sent_at[event_id] = time.perf_counter()
-        self._event_sent_after[event_id] = -1 if self.last_chunk_index is None else self.last_chunk_index
-        await self._send(messages.input_message(event_id, controls=controls, prompt=prompt))
-        return event_id
-
-    async def receive_chunk(self) -> Chunk:
-        """Read the next ``chunk`` message and all of its frames."""
-        message = await self._next_control_message()
-        if message["type"] != "chunk":
-            raise wire.WireError(f"expected 'chunk', got {message['type']!r}")
-        tick_id = int(message["tick_id"])
-        if self.role == "viewer" or tick_id <= self.inherited_ticks_up_to:
-            # The controller's tick: a viewer sent none, so it has no latency to measure.
-            sent_at = self.tick_sent_at.pop(tick_id, math.nan)
-            self.skipped_chunks += int(message.get("skipped_before") or 0)
-        elif tick_id in self.tick_sent_at:
-            sent_at = self.tick_sent_at.pop(tick_id)
-        else:
-            raise wire.WireError(f"chunk for tick {tick_id}, which is not in flight")
-        chunk = Chunk(message=message, tick_sent_at=sent_at, message_at=time.perf_counter())
-        for index in range(int(message["frames"])):
-            data = await self._recv()
-            if not isinstance(data, bytes):
-                raise wire.WireError(f"expected binary frame {index} of tick {tick_id}, got text: {data[:200]}")
-            header, payload = wire.parse_frame(data)
-            if (header.tick_id, header.frame_index) != (tick_id, index):
-                raise wire.WireError(
-                    f"frame header says tick {header.tick_id} frame {header.frame_index}, expected {tick_id} {index}"
-                )
-            chunk.frames.append(self._decoder.decode(header, payload) if self.decode else bytes(payload))
-            chunk.last_frame_at = time.perf_counter()
-            if index == 0:
-                chunk.first_frame_at = chunk.last_frame_at
-        self._record(chunk)
-        return chunk
-
-    async def close(self) -> str:
-        """Send ``close``; skip what is still in flight; return the ``closed`` reason."""
-        try:
-            await self.ws.send(messages.close_message())
-        except websockets.ConnectionClosed:
-            pass  # already closed by the server: read what it said before closing
-        while True:
-            try:
-                data = await self._recv()
-            except SessionClosed:
-                return "connection closed without a 'closed' message"
-            if isinstance(data, str):
-                message = json.loads(data)
-                if message.get("type") == "closed":
-                    return str(message.get("reason"))
-
-    def _record(self, chunk: Chunk) -> None:
-        if not math.isnan(chunk.latency_s):
-            self.chunk_latencies_s.append(chunk.latency_s)
-        self.frames_received += len(chunk.frames)
-        self.last_chunk_index = int(chunk.message["chunk_index"])
-        if chunk.frames and math.isnan(self.first_frame_at):
-            self.first_frame_at = chunk.first_frame_at
-        for event_id in chunk.applied_event_ids:
-            sent_at = self.event_sent_at.pop(event_id, None)
-            if sent_at is not None:
-                self.action_to_frame_s.append(chunk.first_frame_at - sent_at)
-                self.action_to_frame_chunks.append(self.last_chunk_index - self._event_sent_after.pop(event_id))
-
-    def _take_role(self, message: dict[str, Any]) -> None:
-        """``role``: control passed to us (our tick ids start past the session's ``last_tick_id``) or away."""
-        self.role = str(message["role"])
-        floor = message.get("last_tick_id")
-        if self.role == "controller" and isinstance(floor, int):
-            self.next_tick_id = max(self.next_tick_id, floor + 1)
-            self.inherited_ticks_up_to = floor
-
-    async def _send(self, text: str) -> None:
-        try:
-            await self.ws.send(text)
-        except websockets.ConnectionClosed:
-            # The server may have refused the session (an ``error``, then the close) before this
-            # message went out; that reason is still queued for reading, so report it instead.
-            while True:
-                data = await self._recv()  # raises SessionClosed once nothing is left to read
-                if isinstance(data, str):
-                    message = json.loads(data)
-                    if message.get("type") == "error":
-                        raise ServerError(message) from None
-                    if message.get("type") == "moved":
-                        raise SessionMoved(message) from None
-                    if message.get("type") == "closed":
-                        reason = message.get("reason")
-                        raise SessionClosed(f"server closed the session (reason {reason!r})", reason) from None
-
-    async def _recv(self) -> str | bytes:
-        try:
-            return await self.ws.recv()
-        except websockets.ConnectionClosed as exc:
-            if exc.rcvd is None:
-                raise ConnectionDropped(f"connection dropped without a close frame ({exc})") from None
-            raise SessionClosed(f"connection closed (code {exc.code}, reason {exc.reason!r})") from None
-
-    async def _next_control_message(self) -> dict[str, Any]:
-        """The next JSON message that is not an ``ack``/``pong``; ``error`` and ``closed`` raise."""
-        while True:
-            data = await self._recv()
-            if isinstance(data, bytes):
-                raise wire.WireError(f"unexpected binary message of {len(data)} bytes between chunks")
-            message = json.loads(data)
-            kind = message.get("type")
-            if kind in ("ack", "pong"):
-                continue
-            if kind == "viewers":
-                self.viewers = message
-                continue
-            if kind == "role":
-                self._take_role(message)
-                if self.role == "controller":
-                    raise ControlPassed("the player passed control to this client")
-                continue
-            if kind == "error":
-                raise ServerError(message)
-            if kind == "moved":
-                raise SessionMoved(message)
-            if kind == "closed":
-                reason = message.get("reason")
-                raise SessionClosed(f"server closed the session (reason {reason!r})", reason)
-            return message
 
 
 # ---- the scripted run ---------------------------------------------------------------
@@ -511,10 +187,6 @@ def afresh_reason(error: SessionClosed | ServerError) -> str | None:
         return "the server is restarting (draining) and refused the session"
     return None
 
-
-async def connect(url: str) -> Any:
-    """Open a session WebSocket (frames may be large: a raw chunk is several MB)."""
-    return await websockets.connect(url, max_size=MAX_MESSAGE_BYTES)
 
 
 @dataclass
@@ -535,7 +207,7 @@ class RunResult:
     viewers: int = 0  # viewers of the session at the end (the last `viewers` message)
 
 
-def say_ready(session: SessionClient) -> None:
+def say_ready(session: Session) -> None:
     """One line on the session just started: its id, how it began, and its share token (watch/branch it)."""
     ready = session.ready
     if session.role == "viewer":
@@ -564,6 +236,7 @@ async def run_script(
     prompt: str | None = None,
     token: str | None = None,
     resume_on_drop: bool = False,
+    record: bool = False,
     image: dict[str, str] | None = None,
     rewind: Rewind | None = None,
     branch: tuple[str, int | None] | None = None,
@@ -588,14 +261,14 @@ async def run_script(
     says so.
     """
     connect_started = time.perf_counter()
-    first_url = messages.session_url(url, token=token, share=branch[0] if branch else None)
+    first_url = session_url(url, token=token, share=branch[0] if branch else None)
 
-    async def fresh_session() -> SessionClient:
+    async def fresh_session() -> Session:
         """A new session through ``url``; with ``resume_on_drop``, one a draining replica refused tries again."""
         for attempt in range(FRESH_START_ATTEMPTS):
-            client = SessionClient(await connect(first_url))
+            client = Session(await connect(first_url))
             try:
-                await client.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch)
+                await client.start(codec=codec, seed=seed, prompt=prompt, image=image, branch=branch, record=record)
                 return client
             except ServerError as exc:
                 await client.ws.close()
@@ -604,7 +277,7 @@ async def run_script(
             await asyncio.sleep(FRESH_START_RETRY_S)
         raise AssertionError("unreachable")
 
-    async def start_over(why: str) -> SessionClient:
+    async def start_over(why: str) -> Session:
         await session.ws.close()
         fresh = await fresh_session()
         print(
@@ -615,6 +288,11 @@ async def run_script(
         return fresh
 
     session = await fresh_session()
+    if any(plan) and not takes_keys(session.model):
+        # Every input with keys would be refused: say what this model takes instead, before any tick.
+        await session.close()
+        await session.ws.close()
+        raise NoKeysModel(str(session.model.get("name")))
     chunk_indexes: list[int] = []
     restarts: list[tuple[int, str]] = []
     try:
@@ -666,15 +344,15 @@ async def run_script(
                 continue
             chunks_received += 1
             frames.extend(chunk.frames)
-            chunk_indexes.append(int(chunk.message["chunk_index"]))
-            for event_id in chunk.message.get("applied_event_ids") or ():
+            chunk_indexes.append(chunk.chunk_index)
+            for event_id in chunk.applied_event_ids:
                 if event_id in prompt_events:
                     print(f"prompt {prompt_events.pop(event_id)!r} applied at chunk {chunk_indexes[-1]}", flush=True)
-            if chunk.message.get("restarted"):
-                restarts.append((chunk_indexes[-1], str(chunk.message["restarted"])))
-            if chunk.message.get("restarted") == "rewind":
+            if chunk.restarted:
+                restarts.append((chunk_indexes[-1], chunk.restarted))
+            if chunk.restarted == "rewind":
                 print(f"tick {chunk.tick_id} went back: chunk {chunk_indexes[-1]} again", flush=True)
-            if chunk.message.get("restarted") == "evicted":
+            if chunk.restarted == "evicted":
                 # The server reclaimed this session's KV (it was idle and the pool was full): a new rollout began.
                 print(f"note: tick {chunk.tick_id} started a new rollout after the session was evicted", file=sys.stderr)
         streaming_s = time.perf_counter() - ticking_started
@@ -706,7 +384,7 @@ async def run_watch(
     controls (``role``), it asks for the rest of its chunks itself, holding no keys.
     """
     connect_started = time.perf_counter()
-    session = SessionClient(await connect(messages.session_url(url, token=token, share=share)))
+    session = Session(await connect(session_url(url, token=token, share=share)))
     frames: list[np.ndarray] = []
     chunk_indexes: list[int] = []
     try:
@@ -727,7 +405,7 @@ async def run_watch(
                 closed_reason = str(ended)
                 break
             frames.extend(chunk.frames)
-            chunk_indexes.append(int(chunk.message["chunk_index"]))
+            chunk_indexes.append(chunk.chunk_index)
         watching_s = time.perf_counter() - watching_started
         if not closed_reason:
             closed_reason = await session.close()
@@ -752,8 +430,8 @@ def start_image_choice(value: str) -> dict[str, str]:
     """``--image``: a file that exists is sent as data (PNG, JPEG or WebP); anything else is an offered name."""
     path = Path(value)
     if path.is_file():
-        return messages.start_image_field(data=path.read_bytes())
-    return messages.start_image_field(name=value)
+        return start_image_field(data=path.read_bytes())
+    return start_image_field(name=value)
 
 
 def save_pngs(frames: Sequence[np.ndarray], out_dir: Path) -> list[Path]:
@@ -856,6 +534,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "if its server is gone, ended it at shutdown (server_shutdown) or is draining and refuses it, start a "
         "new session with the same seed, start image and keys (and say so)",
     )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="ask the server to record the session (start.record; a server with --record-dir): the recording's "
+        "list is printed, GET /v1/recordings?share=TOKEN",
+    )
     share = parser.add_argument_group("rewind, branch and watch (a session prints its share token when it starts)")
     share.add_argument(
         "--rewind-to",
@@ -919,7 +603,7 @@ def prompt_switches(entries: Sequence[Sequence[str]], ticks: int) -> list[tuple[
 def run(args: argparse.Namespace) -> int:
     try:
         plan = keys_per_tick(parse_key_script(args.keys))
-        messages.session_url(args.url)  # reject a malformed URL before connecting
+        session_url(args.url)  # reject a malformed URL before connecting
         rewind, branch = share_choice(args, len(plan))
         image = start_image_choice(args.image) if args.image is not None else None
         prompts_at = prompt_switches(args.prompt_at, len(plan))
@@ -940,12 +624,16 @@ def run(args: argparse.Namespace) -> int:
                     prompt=args.prompt,
                     token=args.token,
                     resume_on_drop=args.resume_on_drop,
+                    record=args.record,
                     image=image,
                     rewind=rewind,
                     branch=branch,
                     prompts_at=prompts_at,
                 )
             )
+    except NoKeysModel as exc:
+        print(f"arstream client: {exc}", file=sys.stderr)
+        return 2
     except ServerError as exc:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""
         print(f"arstream client: {exc}{hint}", file=sys.stderr)
@@ -967,6 +655,9 @@ def run(args: argparse.Namespace) -> int:
         print("no video written: install PyAV (pip install 'arstream[video]') for an MP4")
     print(report(result))
     print(share_report(result))
+    share = result.ready.get("share")
+    if args.record and isinstance(share, dict):
+        print(f"recordings: {http_base_url(args.url)}/v1/recordings?share={share['token']}")
     print(f"session closed: {result.closed_reason}")
     return 0
 

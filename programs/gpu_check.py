@@ -22,6 +22,17 @@ ends (so a run cut short by a timeout still returns what it measured):
    overlap, and fps per session at 1, 2 and 4 sessions (1 and 2 on a CPU).
    A variant that would start past the deadline is skipped (and says so).
 
+5. ``longlive``: one LongLive session, normal chunks and prompt switches.
+6. ``fit``: matrix-game-2 and LongLive (1.3b on a GPU, tiny on a CPU) with
+   weights bf16 / int8 / fp8, eager and ``--compile``d: load and warm-up time
+   (compilation included: the time to ready), video fps of one session, and
+   memory: the plan's weights (``arstream plan``, the meta device) against the
+   allocator's figure after loading (on a CPU the tensors' storage), and the
+   peak over the chunks. Variants run in :data:`FIT_VARIANTS`' order until
+   ``--fit-deadline-s`` would pass (the rest skipped, and named); on a CPU the
+   compiled ones are left to the compile lane (scripts/test-compile.sh, which
+   runs this phase's compiled variant) and skipped here.
+
 The last line printed is one JSON object: these phases, ``aims`` (the GPU
 targets, checked), ``errors`` (a phase that failed, with its message; the
 others still run) and where the ``arstream`` package was imported from.
@@ -63,7 +74,7 @@ IMAGE_DISTRIBUTIONS = frozenset({"torch", "triton", "numpy", "pillow", "safetens
 NOT_CARRIED = frozenset({"hf-xet", "watchfiles"})
 # PyAV for h264, diffusers for the Wan VAE. Not (yet) the longlive extra: transformers and tokenizers would
 # push the carry past its 64 MiB (54 MiB without them), so on a GPU the longlive phase reports its ImportError.
-CARRIED_EXTRAS = ("video", "wan")
+CARRIED_EXTRAS = ("video", "wan", "quant")
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,10 @@ class Profile:
     decode_sessions: tuple[int, ...]
     decode_chunks: int
     deadline_s: float
+    fit_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model, beside "weights"
+    fit_chunks: int = 2
+    fit_deadline_s: float = math.inf
+    fit_compiles: bool = True
     threads: int = field(default_factory=default_torch_threads)
 
     def matrix_game_chunks(self, sessions: int) -> int:
@@ -114,6 +129,12 @@ def profile_for(device: str) -> Profile:
             decode_sessions=(1, 2, 4),
             decode_chunks=8,
             deadline_s=400.0,
+            fit_options={
+                "matrix-game-2": {"config": "1.3b", "random_init": True, "dtype": "bfloat16"},
+                "longlive": {"config": "1.3b", "random_init": True, "dtype": "bfloat16"},
+            },
+            fit_chunks=8,
+            fit_deadline_s=300.0,
         )
     return Profile(
         matrix_game_options={"config": "tiny", "random_init": True, "dtype": "float32"},
@@ -132,6 +153,12 @@ def profile_for(device: str) -> Profile:
         decode_chunks=2,
         deadline_s=math.inf,  # CI must see every phase
         threads=1,
+        fit_options={
+            "matrix-game-2": {"config": "tiny", "random_init": True, "dtype": "float32"},
+            "longlive": {"config": "tiny", "random_init": True, "dtype": "float32"},
+        },
+        fit_chunks=2,
+        fit_compiles=False,  # inductor on the CPU takes minutes: the compile lane runs the compiled variant
     )
 
 
@@ -370,6 +397,105 @@ def longlive_figures(profile: Profile, device: str) -> dict[str, Any]:
     }
 
 
+# ---- phase 6: what fits, and what quantized weights and compiled forwards give --------------------------
+
+# In the order they run until the phase's deadline: each model eager in each precision first, then compiled.
+FIT_VARIANTS: tuple[tuple[str, str | None, bool], ...] = tuple(
+    (model, weights, compiled)
+    for compiled in (False, True)
+    for model in ("matrix-game-2", "longlive")
+    for weights in (None, "int8", "fp8")
+)
+
+
+def fit_variant_name(profile: Profile, model: str, weights: str | None, compiled: bool) -> str:
+    """``matrix-game-2/int8/eager``; unquantized variants are named by their dtype (bfloat16 on a GPU)."""
+    return f"{model}/{weights or profile.fit_options[model]['dtype']}/{'compiled' if compiled else 'eager'}"
+
+
+def _allocated_bytes(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def fit_variant_figures(profile: Profile, device: str, model: str, weights: str | None, compiled: bool) -> dict[str, Any]:
+    """One variant: the plan's weights, the allocator's after loading, time to ready, fps and peak of one session."""
+    from ..app.plan import fit_plan
+    from ..app.settings import Settings
+    from ..models.registry import load_pipeline
+    from ..runner.runner import runner_for_sessions
+    from ..runner.types import TickRequest
+
+    where = torch.device(device)
+    options = {**profile.fit_options[model], **({"weights": weights} if weights else {})}
+    # the plan is for a GPU, where the dtype is the one asked for; on the CPU its figure is checked against float32
+    plan = fit_plan(Settings(model=model, model_options=options), gpu_memory_bytes=80 * 10**9)
+    before = _allocated_bytes(where)
+    started = time.perf_counter()
+    pipeline: Any = load_pipeline(model, device, **options)
+    loaded_s = time.perf_counter() - started
+    card = pipeline.model_card()
+    on_device = sum(c["bytes"] for c in card["components"] if c["device"] == str(where))
+    after = _allocated_bytes(where)
+    if compiled:
+        pipeline.compile_forward()
+    runner = runner_for_sessions(pipeline, 1, device=device)
+    if where.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(where)
+    started = time.perf_counter()
+    runner.warmup()
+    ready_s = time.perf_counter() - started
+    compute: list[float] = []
+    frames = 0
+    for chunk in range(profile.fit_chunks):
+        controls = {"keys": ["w"]} if model == "matrix-game-2" else {}
+        result = runner.execute_tick(TickRequest(session_id="fit", request_id=chunk, controls=controls, seed=1))
+        compute.append(result.compute_s)
+        frames += result.frames.shape[0]
+    runner.close_session("fit")
+    return {
+        "options": options,
+        "load_s": round(loaded_s, 2),
+        "warmup_to_ready_s": round(ready_s, 2),  # compilation included when compiled
+        "fps": round(frames / sum(compute), 3),
+        "chunk_ms_p50": round(1000 * percentile(compute, 50), 2),
+        "plan_weights_bytes": plan.gpu_weights_bytes,
+        "card_weights_bytes_on_device": on_device,
+        # what the allocator says the load took (CUDA), against the plan's figure
+        "allocated_by_load_bytes": None if after is None or before is None else after - before,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(where) if where.type == "cuda" else None,
+        "plan_sessions_on_80_gb": plan.session_capacity,
+    }
+
+
+def fit_sweep(
+    profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float], save: Callable[[], None]
+) -> None:
+    """Every variant of :data:`FIT_VARIANTS` that fits the time left, into ``report`` (``variants``, ``skipped``)."""
+    report.update(variants={}, skipped={}, errors={})
+    pace_s: float | None = None
+    for model, weights, compiled in FIT_VARIANTS:
+        name = fit_variant_name(profile, model, weights, compiled)
+        left = time_left_s()
+        if compiled and not profile.fit_compiles:
+            report["skipped"][name] = "inductor on the CPU takes minutes: scripts/test-compile.sh runs it"
+        elif left <= 0 or (pace_s is not None and pace_s * (3 if compiled else 1) > left):
+            report["skipped"][name] = f"{max(left, 0):.0f} s left of --fit-deadline-s"
+        else:
+            print(f"== fit: {name}", flush=True)
+            started = time.perf_counter()
+            try:
+                report["variants"][name] = fit_variant_figures(profile, device, model, weights, compiled)
+            except Exception as error:  # noqa: BLE001 - a variant that fails (fp8 on an older GPU) says why
+                report["errors"][name] = f"{type(error).__name__}: {error}"[-1000:]
+            pace_s = time.perf_counter() - started
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        save()
+    if report["errors"]:
+        raise RuntimeError(f"{len(report['errors'])} fit variant(s) failed: {sorted(report['errors'])}")
+
+
 # ---- the targets ---------------------------------------------------------------------------------
 
 
@@ -444,6 +570,8 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_for(args.device)
     if args.deadline_s is not None:
         profile = replace(profile, deadline_s=args.deadline_s)
+    if args.fit_deadline_s is not None:
+        profile = replace(profile, fit_deadline_s=args.fit_deadline_s)
     torch.set_num_threads(profile.threads)
     out_file = Path(args.out) / "gpu-check.json" if args.out else None
     result: dict[str, Any] = {
@@ -455,6 +583,7 @@ def run(args: argparse.Namespace) -> int:
         "tiny_world": None,
         "matrix_game": None,
         "decode_path": None,
+        "fit": None,
         "aims": None,
         "errors": {},
         "arstream_modules_elsewhere": [],
@@ -512,6 +641,18 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     phase("longlive", lambda: longlive_figures(profile, args.device))
+    result["fit"] = {}
+    fit_started = time.perf_counter()
+    phase(
+        "fit",
+        lambda: fit_sweep(
+            profile,
+            args.device,
+            result["fit"],
+            time_left_s=lambda: profile.fit_deadline_s - (time.perf_counter() - fit_started),
+            save=save,
+        ),
+    )
     result["complete"] = not result["errors"]
     save()
     print_summary(result)
@@ -573,6 +714,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline-s",
         type=float,
         help="skip matrix-game session counts projected to end after this many seconds (default: 400 on cuda)",
+    )
+    parser.add_argument(
+        "--fit-deadline-s",
+        type=float,
+        help="seconds the fit phase may take; variants that would pass it are skipped (default: 300 on cuda)",
     )
     parser.add_argument(
         "--carried-requirements",

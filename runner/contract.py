@@ -89,6 +89,32 @@ class SupportsWarmup(Protocol):
 
 
 @runtime_checkable
+class SupportsCompile(Protocol):
+    """Optional: compiled forwards (``--compile``), built on the first call of each shape (the warm-up's)."""
+
+    def compile_forward(self) -> None:
+        """Wrap the forward for compilation; the warm-up that follows compiles it."""
+
+
+@runtime_checkable
+class SupportsPromptPreparation(Protocol):
+    """Optional: the model's own normalisation of a prompt (LongLive cleans it as Wan does).
+
+    The server runs it once per prompt as the prompt arrives, off the model
+    thread: every ``TickRequest.prompt``, and a session's prompt in a snapshot,
+    is its result, so the model never prepares a prompt for a chunk. Pure and
+    thread-safe; a prepared prompt is not prepared again.
+    """
+
+    def prepare_prompt(self, prompt: str) -> str: ...
+
+
+def prepare_prompt(pipeline: object, prompt: str) -> str:
+    """``prompt`` as ``pipeline`` reads it: its :meth:`SupportsPromptPreparation.prepare_prompt`, or unchanged."""
+    return pipeline.prepare_prompt(prompt) if isinstance(pipeline, SupportsPromptPreparation) else prompt
+
+
+@runtime_checkable
 class SupportsBatchedChunks(Protocol):
     """Optional: one forward that produces a chunk for each of several sessions.
 

@@ -23,6 +23,11 @@ from .rewind_schedule import RewindSchedule
 from .spec import KVCacheSpec
 
 
+# The share of free device memory the KV pool takes when no budget is given; the rest is the forward's working
+# memory (activations, the decode), which nothing counts in advance.
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
 class PoolBudgetError(ValueError):
     """The memory budget cannot hold even one session."""
 
@@ -54,6 +59,8 @@ class PoolPlan:
     budget_bytes: int
     staging_rows: int = 1
     rewind: RewindSchedule | None = None
+    # what the budget pays once, however many sessions: in-flight chunks, staging rows, the model's fixed state
+    fixed_bytes: int = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -156,6 +163,7 @@ def plan_pool(
         budget_bytes=budget_bytes,
         staging_rows=max_batch_sessions,
         rewind=rewind,
+        fixed_bytes=fixed_bytes,
     )
 
 
@@ -168,7 +176,7 @@ def resolve_budget_bytes(
             raise PoolBudgetError(f"KV budget must be a positive byte count, got {budget_bytes}")
         return budget_bytes
     if device.type == "cuda":
-        fraction = 0.9 if memory_fraction is None else memory_fraction
+        fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
         if not 0.0 < fraction <= 1.0:
             raise PoolBudgetError(f"memory fraction must be in (0, 1], got {fraction}")
         free, _total = torch.cuda.mem_get_info(device)

@@ -9,9 +9,12 @@ each divides the next), so thinning as the session plays is a filter over what
 it holds (:meth:`RewindSchedule.keeps`).
 
 :func:`plan_rewind` turns a horizon in seconds and a per-session byte budget
-into a schedule: the densest recent tier (up to :data:`DENSE_SECONDS` of
-every-chunk points) whose worst case fits the budget, and the horizon shortened
-only when even one point per tier does not fit. :meth:`RewindSchedule.peak`
+into a schedule that honours it: points reach back about that far (a point
+near every time back, the horizon included) and none is older than
+:data:`HORIZON_SLACK` times it. It takes the densest recent tier (up to
+:data:`DENSE_SECONDS` of every-chunk points, at least :data:`PRECISE_DENSE`
+where the budget allows) whose worst case fits the budget, and shortens the
+horizon only when even two dense points do not fit. :meth:`RewindSchedule.peak`
 is that worst case, exact: the pool plan (runner/pool.py) counts it for every
 session, so capacity includes rewind.
 """
@@ -25,6 +28,10 @@ from dataclasses import dataclass
 from .spec import KVCacheSpec
 
 DENSE_SECONDS = 2.0  # every chunk boundary of the last this many seconds is kept (when the budget allows)
+# With this many every-chunk points each tier's stride is at most a third of its age, so some point lies within
+# 20 % of any time back; fewer (a tight budget) keep that only near some ages.
+PRECISE_DENSE = 6
+HORIZON_SLACK = 1.2  # the oldest point kept is at most this many times the horizon back
 
 
 class RewindPlanError(ValueError):
@@ -57,10 +64,13 @@ class RewindSchedule:
     dense: int
     horizon: int
     chunks_per_second: float = 0.0
+    span: int = -1  # chunks back the schedule was planned to reach (its points lie around it); -1: ``horizon``
 
     def __post_init__(self) -> None:
         if self.dense < 1 or self.horizon < self.dense - 1:
             raise RewindPlanError(f"a schedule needs dense >= 1 and horizon >= dense - 1, got {self}")
+        if self.span < 0:
+            object.__setattr__(self, "span", self.horizon)
 
     @classmethod
     def last(cls, points: int, chunks_per_second: float = 0.0) -> RewindSchedule:
@@ -78,15 +88,23 @@ class RewindSchedule:
 
     @property
     def seconds(self) -> float:
-        """:attr:`reach` in seconds of play (0 when the play rate is unknown)."""
-        return self.reach / self.chunks_per_second if self.chunks_per_second > 0 else 0.0
+        """The horizon it honours, :attr:`span`, in seconds of play (0 when the play rate is unknown)."""
+        return self.span / self.chunks_per_second if self.chunks_per_second > 0 else 0.0
 
     def describe(self, spec: KVCacheSpec) -> str:
-        """The schedule in words, for logs and refusals."""
-        seconds = f"{self.seconds:g} s = " if self.seconds else ""
+        """The schedule in words, for logs and refusals: in seconds of play when the play rate is known."""
+        copies = self.peak(spec).copies
+        if self.chunks_per_second <= 0:
+            return f"up to {copies} points over the last {self.horizon} chunks, every one of the last {self.dense}"
+
+        def secs(chunks: int) -> str:
+            return f"{chunks / self.chunks_per_second:.3g} s"
+
+        if self.dense > self.horizon:
+            return f"every chunk of the last {secs(self.horizon)} ({copies} points)"
         return (
-            f"up to {self.peak(spec).copies} boundaries over the last {seconds}{self.horizon} chunks, "
-            f"every one of the last {self.dense}"
+            f"{copies} points: every chunk of the last {secs(self.dense)}, then sparser back to "
+            f"{secs(self.span)} (none older than {secs(self.horizon)})"
         )
 
     def stride(self, age: int) -> int:
@@ -139,12 +157,13 @@ def plan_rewind(
 ) -> RewindSchedule | None:
     """The schedule for a horizon of ``seconds`` of play within ``budget_bytes`` per session; None: rewind off.
 
-    Tries every-chunk points for the last :data:`DENSE_SECONDS` first and
-    shortens the dense tier (so every tier behind it) a chunk at a time until
-    the worst case fits; when not even one dense point fits, the horizon
-    halves. The horizon is long enough that the oldest point is always at
-    least ``seconds`` back (:attr:`RewindSchedule.reach`). None when
-    ``seconds`` is 0 or no horizon of one chunk fits.
+    The horizon is honoured: boundaries are kept back to :data:`HORIZON_SLACK`
+    times ``seconds`` and no further, so a point always lies around
+    ``seconds`` back (not a tier's stride beyond it). Tries every-chunk points
+    for the last :data:`DENSE_SECONDS` (at least :data:`PRECISE_DENSE`) first
+    and shortens the dense tier (so every tier behind it) a chunk at a time
+    until the worst case fits; when not even two dense points fit, the
+    horizon halves. None when ``seconds`` is 0 or no horizon of one chunk fits.
     """
     if not (math.isfinite(seconds) and seconds >= 0) or not (math.isfinite(chunks_per_second) and chunks_per_second > 0):
         raise RewindPlanError(
@@ -152,23 +171,16 @@ def plan_rewind(
         )
     if budget_bytes < 0:
         raise RewindPlanError(f"the rewind budget must be >= 0 bytes per session, got {budget_bytes}")
-    need = math.ceil(seconds * chunks_per_second - 1e-9)  # chunks back the oldest point must always be
-    while need >= 1:
+    span = math.ceil(seconds * chunks_per_second - 1e-9)  # chunks back the points must reach
+    while span >= 1:
+        horizon = max(span, math.floor(span * HORIZON_SLACK + 1e-9))
         # a horizon of h chunks spans h + 1 boundaries (ages 0..h): all of them when it is short
         # at least 2: with one dense point the tiers behind it hold half a point each, and may hold none
-        dense = min(need + 1, max(2, math.ceil(DENSE_SECONDS * chunks_per_second)))
+        dense = min(horizon + 1, max(PRECISE_DENSE, math.ceil(DENSE_SECONDS * chunks_per_second)))
         while dense >= 2:
-            schedule = _reaching(dense, need, chunks_per_second)
+            schedule = RewindSchedule(dense, horizon, chunks_per_second, span=span)
             if schedule.peak(spec).extra_bytes(spec) <= budget_bytes:
                 return schedule
             dense -= 1
-        need //= 2
+        span //= 2
     return None
-
-
-def _reaching(dense: int, need: int, chunks_per_second: float) -> RewindSchedule:
-    """The shortest horizon whose :attr:`~RewindSchedule.reach` is at least ``need`` chunks."""
-    horizon = max(need, dense - 1)
-    while RewindSchedule(dense, horizon).reach < need:
-        horizon += 1
-    return RewindSchedule(dense, horizon, chunks_per_second)

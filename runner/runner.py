@@ -57,6 +57,7 @@ from .contract import (
     SupportsSessionTransfer,
     SupportsSplitDecode,
     SupportsWarmup,
+    prepare_prompt,
 )
 from .kv_state import SessionKVState
 from .parking import ParkedSession, ParkingPolicy, RestoreFailed, park_payload, restore_payload
@@ -178,18 +179,19 @@ class ARRunner:
         # Rewind points cost capacity (a lot where the model's own state is large): say how much.
         without = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity
         log.info(
-            "KV pool: %d blocks of %d bytes (+%d scratch), capacity %d sessions, sink %d, window %d, "
-            "rewind %s%s, up to %d session(s) per forward%s",
+            "model memory (KV pool): %.0f MiB, room for %d sessions%s; each remembers its first %d and last %d "
+            "frames; rewind: %s; up to %d session(s) per forward%s [%d blocks of %d bytes, +%d scratch]",
+            self.plan.num_blocks * self.plan.block_bytes / 2**20,
+            self.plan.session_capacity,
+            f" ({without} without rewind)" if without != self.plan.session_capacity else "",
+            spec.sink_frames,
+            spec.history_window_frames,
+            (self.rewind.describe(spec) if self.rewind else 'off'),
+            self.batch_limit,
+            "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
             self.plan.num_blocks,
             self.plan.block_bytes,
             self.plan.scratch_blocks,
-            self.plan.session_capacity,
-            spec.sink_frames,
-            spec.window_frames,
-            (self.rewind.describe(spec) if self.rewind else 'off'),
-            f" ({without} sessions without rewind)" if without != self.plan.session_capacity else "",
-            self.batch_limit,
-            "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",
         )
 
     # ---- sessions -----------------------------------------------------------------
@@ -1049,6 +1051,10 @@ class ARRunner:
 
     def model_card(self) -> dict[str, Any]:
         return {**self.pipeline.model_card(), "runtime": RUNTIME}
+
+    def prepare_prompt(self, prompt: str) -> str:
+        """A client's prompt as the model reads it (the server calls it as the prompt arrives, on its own thread)."""
+        return prepare_prompt(self.pipeline, prompt)
 
 
 def _video_frames(card: dict[str, Any], spec: KVCacheSpec) -> tuple[int, int]:

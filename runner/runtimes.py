@@ -31,7 +31,7 @@ from .vllm_omni.native import NativePipeline, vllm_omni_available
 class Runtime(Protocol):
     """What the server calls on a runtime: the worker's rounds and control jobs, the hub's load, a drain's check.
 
-    Eleven members, each with a caller in ``app/``. The concrete runtimes have more (``execute_tick``,
+    Twelve members, each with a caller in ``app/``. The concrete runtimes have more (``execute_tick``,
     ``reset_session``, ``rewind_points``, ``resident_sessions``, the pool's ``spec`` and ``counters``) for
     tests, benches and snapshots, which hold the concrete class; a member joins this interface only when the
     server needs it from every runtime.
@@ -48,6 +48,9 @@ class Runtime(Protocol):
         """Run the pipeline's warm-up requests through the real path; leaves the pool as it was. Chunks run."""
 
     def model_card(self) -> dict[str, Any]: ...
+
+    def prepare_prompt(self, prompt: str) -> str:
+        """A client's prompt as the model reads it (contract.SupportsPromptPreparation); thread-safe."""
 
     def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
         """One round: a result for each tick, in order; a failed session fails alone."""

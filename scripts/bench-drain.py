@@ -7,7 +7,7 @@ Each round starts two replicas (``arstream serve``, real processes on loopback, 
 cluster secret), streams SESSIONS sessions on r0 (one tick at a time, each waiting for its
 chunk, at most one chunk per chunk period of the model's fps, as a player's page asks), then drains r0 to r1: ``POST /v1/cluster/drain``,
 or with ``--trigger sigterm`` a SIGTERM to r0 alone (r0 started with ``--cluster-peers`` r1). Every client follows its ``moved``
-message straight to r1 (``arstream client``'s own code: SessionClient.resume with the token),
+message straight to r1 (``arstream client``'s own code: Session.resume with the token),
 sends its next tick and takes the chunk. Reported per model, over all sessions of all rounds:
 
 - drain start -> first frame on r1 (p50, p99): what a player sees, including waiting for
@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
-from arstream.programs import messages
-from arstream.programs.client import SessionClient, SessionMoved, connect
+from arstream.programs import client_lib
+from arstream.programs.client_lib import Session, SessionMoved, connect
 from arstream.measure import percentile
 
 SECRET = "bench-drain-cluster-secret"
@@ -74,7 +74,7 @@ def sigterm_report(process: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 async def one_session(r0: str, r1: str, streaming: asyncio.Event, drain_started: list[float]) -> dict[str, float]:
-    session = SessionClient(await connect(messages.session_url(r0)), decode=False)
+    session = Session(await connect(client_lib.session_url(r0)), decode=False)
     await session.start(codec="jpeg", seed=1)
     # Paced like a player's page: a chunk per chunk period at most (the model's fps), not as fast as it goes.
     period_s = session.model["frames_per_chunk"] / session.model["fps"]

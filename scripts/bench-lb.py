@@ -17,12 +17,12 @@ import asyncio
 import statistics
 import time
 
-from arstream.programs import messages
-from arstream.programs.client import SessionClient, connect
+from arstream.programs import client_lib
+from arstream.programs.client_lib import Session, connect
 
 
 async def chunk_latencies(url: str, chunks: int) -> list[float]:
-    session = SessionClient(await connect(messages.session_url(url)), decode=False)
+    session = Session(await connect(client_lib.session_url(url)), decode=False)
     try:
         await session.start(codec="jpeg")
         times = []
@@ -38,7 +38,7 @@ async def chunk_latencies(url: str, chunks: int) -> list[float]:
 
 
 async def resume_time(lb: str) -> float:
-    session = SessionClient(await connect(messages.session_url(lb)), decode=False)
+    session = Session(await connect(client_lib.session_url(lb)), decode=False)
     try:
         await session.start(codec="jpeg")
         await session.send_tick()

@@ -61,7 +61,7 @@ cd "$SCRATCH"
 # none of them imports torch); if one is missing, every carried wheel is installed. After that the server's
 # own must import (nothing runs without them); diffusers (matrix-game-2) and av (h264) fail only their phases.
 SERVER_IMPORTS="fastapi, starlette, uvicorn, uvloop, websockets, httptools, pydantic_settings, simplejpeg, jsonschema"
-PHASE_IMPORTS="diffusers, av"
+PHASE_IMPORTS="diffusers, av, torchao"
 
 # The carried wheels in $1 (a folder), or a message saying how to bring them.
 wheels_in() {

@@ -30,6 +30,12 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${ARSTREAM_PYTHON:-}" ]; then python=$ARSTREAM_PYTHON
 elif [ -x "$root/.venv/bin/python" ]; then python=$root/.venv/bin/python
 else python=python3; fi
+if [ -z "${ARSTREAM_CLUSTER_SECRET:-}" ]; then
+    # Without a shared secret the cluster routes are off: say so now, not when a drain is refused.
+    echo "$0: ARSTREAM_CLUSTER_SECRET is not set: these replicas cannot drain (SIGTERM ends their sessions and" \
+         "arstream drain is refused). To drain, export the same secret (16+ characters) here and where you run" \
+         "arstream drain, e.g. export ARSTREAM_CLUSTER_SECRET=\$(openssl rand -hex 16)" >&2
+fi
 haproxy_bin=${HAPROXY:-haproxy}
 command -v "$haproxy_bin" >/dev/null || { echo "$0: haproxy not found (apt-get install haproxy)" >&2; exit 1; }
 dir=${ARSTREAM_CLUSTER_DIR:-$(mktemp -d -t arstream-cluster.XXXXXX)}

@@ -19,14 +19,14 @@
 
 import { Connection } from './connection.js';
 import { menuCodecs } from './decode.js';
-import { Controls, isTyping } from './input.js';
-import { Hud } from './hud.js';
+import { Controls, isTyping, takesKeys } from './input.js';
+import { Hud, median } from './hud.js';
 import { MouseLook } from './look.js';
 import { Player } from './player.js';
 import { SHARE_TEXT } from './messages.js';
 import { ClipRecorder, recordingSupported } from './recorder.js';
 import { pushBounded } from './session.js';
-import { rewindTarget, shareLinks, shareMode, shareParams, timeBack, timelineRange } from './share.js';
+import { playTime, rewindTarget, shareLinks, shareMode, shareParams, timeBack, timelineRange } from './share.js';
 
 const TOKEN_KEY = 'arstream-token';
 const STATS_POLL_MS = 1000;
@@ -69,10 +69,12 @@ const debug = {
   connects: 0,
   resumed: 0,
   stalls: 0,
+  stallReasons: [],     // what the page said about each stall it explained
   heldKeys: [],
   startImage: null, // what the next fresh session starts from: {name} or {upload: file name}; null: the default
   looking: false,   // the model has a camera: mouse movement over the player turns it
-  samples: { action: [], chunk: [] },
+  samples: { action: [], prompt: [], chunk: [] },
+  steering: null,       // 'keys' or 'prompt': what the model card's controls take
   pacer: null,
   mode: null,           // what this page load is: play, watch or branch (from ?watch= / ?branch=&chunk=)
   role: null,           // 'controller' or 'viewer', from ready.role and `role` messages
@@ -142,7 +144,17 @@ const ACTIONS = {
   'play-now': ['Reconnect now', () => connection.play()],
   reset: ['Restart world', () => connection.reset()],
   'own-world': ['Start a world of your own', () => { location.assign(location.pathname); }],
+  'branch-now': ['Branch from now', () => branchFromNow()],
 };
+
+/** The link's chunk leaves the address too, so a reload branches from now rather than asking for it again. */
+function branchFromNow() {
+  const fragment = new URLSearchParams(location.hash.replace(/^#/, ''));
+  fragment.delete('chunk');
+  history.replaceState(null, '', `${location.pathname}${location.search}#${fragment}`);
+  connection.branchFromNow();
+  debug.mode = connection.mode;
+}
 
 let softOverlay = false;  // shown until the first frame is drawn
 
@@ -190,9 +202,22 @@ function onState(state, view) {
 function showModel(card) {
   model = card;
   const what = card.description ? `: ${card.description}` : '';
-  const doing = debug.role === 'viewer' ? 'watching someone steer' : 'steering';
+  // A model whose controls take no keys is steered by its prompt: no pad or key hints, the prompt box first.
+  const keyed = takesKeys(card) || !card.reads_prompt;
+  document.body.dataset.steer = keyed ? 'keys' : 'prompt';
+  hud.steerBy(keyed ? 'key' : 'prompt');
+  debug.steering = keyed ? 'keys' : 'prompt';
+  $('player').setAttribute('aria-label', keyed ? 'World view: use W A S D or the arrow keys to move'
+    : `World view: type a prompt to change what ${card.name} draws`);
+  const doing = debug.role === 'viewer'
+    ? `watching someone ${keyed ? 'steer' : 'prompt'}` : keyed ? 'steering' : 'prompting';
+  // Random weights (a test set-up) draw noise: say so, or the page looks broken.
+  const random = card.weights === 'random'
+    ? ' It runs with random weights (a test set-up, no trained model loaded), so the picture is noise; '
+      + 'that is expected.'
+    : '';
   $('explain').textContent = `You are ${doing} ${card.name}${what}. The model draws every frame as it is played; `
-    + 'nothing is pre-recorded.';
+    + `nothing is pre-recorded.${random}`;
   $('screen').setAttribute('aria-label', `Live video from ${card.name}${what}`);
   $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
   $('prompt-form').hidden = !card.reads_prompt;
@@ -312,8 +337,28 @@ const player = new Player($('screen'), {
     if (connection.state !== 'streaming' || !session || !session.pacer) return;
     debug.stalls += 1;
     session.pacer.noteStall();
+    explainStall();
   },
 });
+
+const STALL_NOTICE_EVERY_MS = 20000;  // a stalling stream says why at most this often
+let stallSaidAt = -Infinity;
+
+/** The picture ran out of frames: say why, in plain words, from the server's compute time per chunk. */
+function explainStall() {
+  const now = performance.now();
+  // (a notice already on the world says something else that matters now: it is not replaced)
+  if (now - stallSaidAt < STALL_NOTICE_EVERY_MS || !model || debug.framesDrawn === 0 || !$('notice').hidden) return;
+  stallSaidAt = now;
+  const playMs = (1000 * model.frames_per_chunk) / model.fps;  // how long a chunk's frames play
+  const computeMs = median(hud.samples.compute);
+  const why = Number.isFinite(computeMs) && computeMs > playMs
+    ? `the server draws a chunk in ${Math.round(computeMs)} ms, and it plays for ${Math.round(playMs)} ms: `
+      + 'this machine draws the world slower than it plays (busy, or too small for this model)'
+    : 'they are slow to arrive (the network, or a server busy with other sessions)';
+  notice(`Waiting for frames: ${why}.`);
+  debug.stallReasons.push(why);
+}
 
 /** Below this width the fps badge and the role badge do not fit side by side on the picture. */
 const BADGES_ROW_PX = 340;
@@ -389,6 +434,10 @@ const connection = new Connection({
   hooks: {
     onState,
     onReady(_session, ready) {
+      if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
+      // The same world picked up again (a move to another server, a reconnect): its first chunk says whether its
+      // rewind points came with it.
+      checkHistory = ready.resumed && timeline !== null && timeline.held.length > 2;
       uploadLimit = ready.limits.max_start_image_bytes ?? null;
       debug.rewindSeconds = ready.rewind_seconds ?? 0;
       debug.sessionId = ready.session_id;
@@ -410,6 +459,12 @@ const connection = new Connection({
         pushBounded(debug.promptChunks, { prompt, chunk: message.chunk_index });
         log(`prompt applied at chunk ${message.chunk_index}: ${prompt}`);
       }
+      if (message.restarted === 'rewind' && lastChunkIndex !== null) {
+        // How far back the world went: from the live end it was at to the boundary it goes on from.
+        notice(`Rewound ${playTime(lastChunkIndex + 1 - message.chunk_index, chunksPerSecond())}: `
+          + 'the world goes on from there.');
+      }
+      lastChunkIndex = message.chunk_index;
       if (message.restarted) {
         pushBounded(debug.restarts, { chunk: message.chunk_index, why: message.restarted });
         log(`chunk ${message.chunk_index}: ${message.restarted === 'rewind' ? 'rewound' : 'new rollout'} (${message.restarted})`);
@@ -417,6 +472,10 @@ const connection = new Connection({
       if (message.skipped_before) {
         debug.skippedChunks += message.skipped_before;
         log(`${message.skipped_before} chunk(s) skipped: this connection fell behind the world`);
+      }
+      if (checkHistory) {
+        checkHistory = false;
+        if ((message.rewind_held || []).length <= 2) historyStartsAgain();
       }
       showTimeline(message.rewind_points ?? null, message.rewind_held ?? null);
     },
@@ -461,6 +520,20 @@ const connection = new Connection({
 // ---- sharing: the timeline, viewers, links -----------------------------------------------
 
 let timeline = null;     // {min, max, held} from the last chunk's rewind_points and rewind_held, or null
+let lastChunkIndex = null;  // the last chunk's chunk_index (a rewind says how far back it went from there)
+let checkHistory = false;   // the next chunk is the first of a resumed world that had rewind points
+
+/** A resumed world's rewind points stayed behind (a move to another server does not carry them yet): say so. */
+function historyStartsAgain() {
+  const text = 'Its rewind history starts again here: the earlier moments stayed with the old server.';
+  const box = $('notice');
+  if (box.hidden) {
+    notice(text);
+  } else {
+    box.textContent = `${box.textContent} ${text}`;  // after "Moved to another server: ..."
+    log(text);
+  }
+}
 let scrubbing = false;   // a finger or the mouse is on the timeline: chunks must not move it
 
 /** Chunks of play per second (the model card's fps over its frames per chunk), 0 when unknown. */
@@ -496,9 +569,14 @@ $('rewind').addEventListener('input', () => {
   scrubbing = true;
   const target = rewindTarget(timeline, Number($('rewind').value));
   $('rewind-label').textContent = target === null ? 'live' : timeBack(timeline, target, chunksPerSecond());
+  // Where letting go lands, on the world itself (the label beside the slider is out of sight on a phone).
+  $('notice').textContent = target === null ? 'Let go here to stay live' : `Let go to rewind ${$('rewind-label').textContent}`;
+  $('notice').hidden = false;
+  clearTimeout(noticeTimer);
 });
 $('rewind').addEventListener('change', () => {
   scrubbing = false;
+  $('notice').hidden = true;
   const target = rewindTarget(timeline, Number($('rewind').value));
   $('rewind').blur();  // back to steering
   if (target !== null) connection.rewind(target);

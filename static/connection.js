@@ -6,6 +6,7 @@
 import { MOVE_TEXT, SHARE_TEXT, closeText, errorText, notReadyText } from './messages.js';
 import { Pacer } from './player.js';
 import { Session } from './session.js';
+import { playTime } from './share.js';
 
 const BACKOFF_FIRST_MS = 500;
 const BACKOFF_MAX_MS = 8000;
@@ -55,6 +56,7 @@ export class Connection {
     this.afterMove = false;            // the next `ready` follows a move to another replica
     this.mode = mode;                  // play, watch or branch: what a fresh session starts as
     this.shareToken = null;            // ready.share.token of the session this page plays or watches
+    this.branchedNotice = null;        // what the page says once a branch is made
   }
 
   setState(state, view = {}) {
@@ -106,6 +108,13 @@ export class Connection {
     this.play();
   }
 
+  /** A branch link's moment is no longer held: branch from where its world is now instead. */
+  branchFromNow() {
+    if (this.mode.kind !== 'branch') return;
+    this.mode = { kind: 'branch', token: this.mode.token, chunk: null };
+    this.play();
+  }
+
   /** Restart the rollout; the reset tick carries the keys held now. */
   reset() {
     if (!this.session || !this.session.live) return;
@@ -118,7 +127,12 @@ export class Connection {
   /** The held keys changed. */
   input(keys) {
     this.keys = keys;
-    if (this.session && this.session.live) this.session.sendInput({ controls: this.controls() });
+    if (this.session && this.session.live) this.sendControls(this.session);
+  }
+
+  /** Tell the server what is held now; a model that takes no keys (steered by prompts) is sent none. */
+  sendControls(session) {
+    if (session.takesKeys) session.sendInput({ controls: this.controls() });
   }
 
   /**
@@ -234,8 +248,14 @@ export class Connection {
     this.shareToken = ready.share && ready.share.token ? ready.share.token : watched;
     if (this.mode.kind === 'branch') {
       // The branch exists now: a drop resumes it by its ticket, and a fresh start is a world of its own.
-      this.hooks.log(`branched from chunk ${ready.branched_from ? ready.branched_from.chunk : this.mode.chunk ?? 'now'}`);
+      const chunk = ready.branched_from ? ready.branched_from.chunk : this.mode.chunk;
+      this.hooks.log(`branched from chunk ${chunk ?? 'now'}`);
       this.mode = { kind: 'play' };
+      const rate = ready.model.fps / ready.model.frames_per_chunk;
+      this.branchedNotice = Number.isInteger(chunk)
+        ? `You branched this world from ${chunk ? `${playTime(chunk, rate)} into its play` : 'its first frame'}: `
+          + 'it is yours to steer, and the original goes on without you.'
+        : null;
     }
     this.debug.sessionId = ready.session_id;
     this.debug.resumed += ready.resumed ? 1 : 0;
@@ -254,6 +274,9 @@ export class Connection {
       this.hooks.notice(ready.resumed ? MOVE_TEXT.moved : MOVE_TEXT.moveLost);
       this.afterMove = false;
       this.afterDrop = false;
+    } else if (this.branchedNotice) {
+      this.hooks.notice(this.branchedNotice);
+      this.branchedNotice = null;
     } else if (this.afterDrop) {
       this.hooks.notice(ready.resumed
         ? 'Reconnected: your world carried on where it was.'
@@ -264,7 +287,7 @@ export class Connection {
     this.hooks.onReady(session, ready);
     this.hooks.onRole(session.role);
     // The server starts with the controls of the session it resumed, or none: tell it what is held now.
-    if (ready.resumed || this.keys.length) session.sendInput({ controls: this.controls() });
+    if (ready.resumed || this.keys.length) this.sendControls(session);
     const waitText = session.controller ? 'Generating the first frames…' : 'Waiting for the next frames of this world…';
     this.setState('streaming', ready.resumed ? {} : { text: waitText, soft: true });
   }
@@ -278,7 +301,7 @@ export class Connection {
       this.mode = { kind: 'play' };
       this.hooks.notice(SHARE_TEXT.gotControl);
       // Tell the server what is held now: the world goes on with this page's keys.
-      session.sendInput({ controls: this.controls() });
+      this.sendControls(session);
     } else {
       // Watching now: a drop comes back as a viewer, through the share token (our resume ticket would take over).
       this.ticket = null;
@@ -343,6 +366,10 @@ export class Connection {
       this.hooks.notice(MOVE_TEXT.ended);
       this.setState('reconnecting', { text: `${MOVE_TEXT.ended} Reconnecting…`, tone: 'warn', action: 'play-now' });
       this.probeThenConnect(MOVE_TEXT.ended);
+    } else if (fatal === 'share_failed' && this.mode.kind === 'branch' && this.mode.chunk !== null
+      && /not held/i.test(session.fatal.message || '')) {
+      // The link's moment was thinned out or passed the horizon; the world it names may well be live.
+      this.setState('ended', { text: SHARE_TEXT.notHeld, action: 'branch-now' });
     } else if (fatal === 'share_failed' || code === 4005) {
       const why = session.fatal ? ` (${session.fatal.message})` : '';
       this.setState('ended', { text: `${errorText('share_failed')}${why}`, tone: 'warn', action: 'own-world' });

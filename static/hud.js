@@ -14,12 +14,24 @@ function ms(value) {
   return Number.isFinite(value) ? `${value.toFixed(0)} ms` : '–';
 }
 
+/** "1 tick", "2 ticks". */
+function counted(n, word) {
+  return `${n} ${word}${n === 1 ? '' : 's'}`;
+}
+
 export class Hud {
   /** @param {(id: string) => HTMLElement} $ */
   constructor($) {
     this.$ = $;
-    this.samples = { chunk: [], action: [], compute: [] };
+    this.samples = { chunk: [], action: [], prompt: [], compute: [] };
     this.drawnAt = [];
+    this.steering = 'key';  // what the steering figure measures: 'key' to frame, or 'prompt' to frame
+  }
+
+  /** A model steered by keys shows key to frame; one that takes only prompts shows prompt to frame. */
+  steerBy(what) {
+    this.steering = what;
+    this.set('hud-action-label', `${what} → frame`);
   }
 
   /** Forget the samples of one kind (key-to-frame after control passed: they were another steering's). */
@@ -52,16 +64,19 @@ export class Hud {
     const withMedian = (values) => (values.length ? `${ms(last(values))} (median ${ms(median(values))})` : '–');
     this.set('hud-fps', live ? `${fps} of ${session.ready.model.fps}` : '–');
     this.set('hud-chunk', withMedian(this.samples.chunk));
-    this.set('hud-action', withMedian(this.samples.action));
+    const steering = this.steering === 'prompt' ? this.samples.prompt : this.samples.action;
+    this.set('hud-action', withMedian(steering));
     this.set('hud-compute', this.samples.compute.length ? `${ms(median(this.samples.compute))} per chunk` : '–');
     if (session && pacer) {
       const queued = session.player.queue.length;
-      this.set('hud-flight', `${session.ticksInFlight.size} ticks / ${queued} frames, target ${ms(pacer.targetLeadMs())}`);
+      const ticks = session.ticksInFlight.size;
+      this.set('hud-flight', `${counted(ticks, 'tick')} / ${counted(queued, 'frame')}`);
+      this.set('hud-target', ms(pacer.targetLeadMs()));
     }
-    const keyToFrame = median(this.samples.action);
+    const toFrame = median(steering);
     const badge = live ? [`${fps} fps`] : [];
     // Key to frame is a steering figure: a viewer's keys move nothing.
-    if (live && session.controller && Number.isFinite(keyToFrame)) badge.push(`key→frame ${ms(keyToFrame)}`);
+    if (live && session.controller && Number.isFinite(toFrame)) badge.push(`${this.steering}→frame ${ms(toFrame)}`);
     this.set('badge', badge.join(' · '));
     this.$('badge').hidden = !live;
   }

@@ -12,6 +12,17 @@ const DRAG_DEAD_ZONE_PX = 12;   // a drag shorter than this is a tap, not a stee
 const STICK_DEAD_ZONE = 0.5;
 const PAD_BUTTONS = { 12: 'w', 13: 's', 14: 'a', 15: 'd' };  // standard gamepad d-pad
 
+/**
+ * Whether a model card's controls take held keys: its schema names `keys`, or leaves room for fields it does not
+ * name. A model that takes none (LongLive: steered by prompts alone) refuses every `input` that carries keys.
+ */
+export function takesKeys(card) {
+  const schema = card && card.controls;
+  if (!schema || typeof schema !== 'object') return true;  // no schema: nothing says keys are refused
+  const properties = schema.properties || {};
+  return 'keys' in properties || schema.additionalProperties !== false;
+}
+
 /** True when a key press belongs to a text field (the prompt, the token): steering must not take it. */
 export function isTyping(target) {
   if (!target || !target.tagName) return false;

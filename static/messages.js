@@ -52,6 +52,8 @@ export const SHARE_TEXT = {
   gotControl: 'You have the controls now: steer the world.',
   passedControl: 'You passed the controls on: you are watching now.',
   badLink: 'This share link cannot be used',
+  notHeld: 'That moment of the world is no longer held (the server keeps its recent past, sparser further back), '
+    + 'so the branch cannot start there. The world is still live: branch from where it is now.',
 };
 
 /** What happened to the world when its server went away (a drain moves it; a crash cannot). */

@@ -4,6 +4,7 @@
 // What happens after the socket closes is connection.js's business.
 
 import { createDecoder } from './decode.js';
+import { takesKeys } from './input.js';
 import { raiseIdsPast } from './share.js';
 import { FrameError, parseFrame } from './wire.js';
 
@@ -52,7 +53,7 @@ export class Session {
     this.role = 'controller';       // 'viewer' while watching: no ticks, no input (ready.role, then `role`)
     this.lastTickId = -1;           // the last chunk's tick_id (a viewer that becomes the controller goes past it)
     this.ticksInFlight = new Map(); // tick_id -> performance.now() when sent
-    this.eventsSentAt = new Map();  // event_id -> when sent, until a drawn frame shows it
+    this.eventsSentAt = new Map();  // event_id -> {at, kind}: when sent, until a drawn frame shows it
     this.receiving = null;          // {expected, got, applied, tickId} while a chunk's frames arrive
     this.decoder = null;
     this.decoderCodec = -1;
@@ -101,11 +102,18 @@ export class Session {
     return this.role === 'controller';
   }
 
+  /** Whether the model takes held keys (its card's controls name them); a prompt-only model refuses them. */
+  get takesKeys() {
+    return this.ready !== null && takesKeys(this.ready.model);
+  }
+
   /** Send an `input` event; returns its id (undefined when this page does not control a live session). */
   sendInput(fields) {
     if (!this.live || !this.controller) return undefined;
     const message = { type: 'input', event_id: this.ids.event++, ...fields };
-    this.eventsSentAt.set(message.event_id, performance.now());
+    // A prompt's figure is prompt to frame; keys and the camera's are key to frame.
+    const kind = typeof fields.prompt === 'string' && !fields.controls ? 'prompt' : 'action';
+    this.eventsSentAt.set(message.event_id, { at: performance.now(), kind });
     pushBounded(this.debug.sentEventIds, message.event_id);
     this.send(message);
     return message.event_id;
@@ -269,13 +277,15 @@ export class Session {
       if (controls) tick.controls = controls;
       if (this.resetKeys) {
         tick.reset = true;
-        tick.controls = { ...controls, keys: this.resetKeys };  // replaces whatever controls the failed rollout had
+        // replaces whatever controls the failed rollout had (a model that takes no keys gets none)
+        if (this.takesKeys) tick.controls = { ...controls, keys: this.resetKeys };
         this.lastResetTickId = tick.tick_id;
         this.resetKeys = null;
         this.failed = false;
       } else if (this.rewind) {
         tick.rewind_to = this.rewind.to;
-        tick.controls = { ...controls, keys: this.rewind.keys };  // the world goes on from there with what is held now
+        // the world goes on from there with what is held now
+        if (this.takesKeys) tick.controls = { ...controls, keys: this.rewind.keys };
         this.rewind = null;
       }
       this.ticksInFlight.set(tick.tick_id, now);
@@ -285,13 +295,13 @@ export class Session {
     }
   }
 
-  /** Key-to-frame: a drawn frame shows the events its chunk applied. */
+  /** Key-to-frame (and prompt-to-frame): a drawn frame shows the events its chunk applied. */
   noteDrawn(entry, now) {
     for (const id of entry.applied) {
-      const sentAt = this.eventsSentAt.get(id);
-      if (sentAt === undefined) continue;
+      const sent = this.eventsSentAt.get(id);
+      if (sent === undefined) continue;
       this.eventsSentAt.delete(id);
-      this.hooks.onSample('action', now - sentAt);
+      this.hooks.onSample(sent.kind, now - sent.at);
     }
   }
 }

@@ -81,18 +81,21 @@ export function timelineRange(points, held) {
 }
 
 /**
- * The boundary a scrub asks for: the held point at or before the chosen one
- * (the slider moves over chunks, the points are sparser further back), or null
+ * The boundary a scrub asks for: the held point nearest the chosen one (the
+ * slider moves over chunks, the points are sparser further back; halfway
+ * between two, the older), so aiming at 30 s back lands near 30 s back; or null
  * when that is the live end or outside the range (nothing to send).
  * @param {{min: number, max: number, held?: number[]} | null} range
  * @param {number} chosen
  */
 export function rewindTarget(range, chosen) {
   if (!range || !Number.isInteger(chosen) || chosen < range.min || chosen >= range.max) return null;
-  const held = range.held ?? [chosen];
+  const held = (range.held ?? [chosen]).filter((point) => point < range.max);
   let target = null;
-  for (const point of held) if (point <= chosen) target = point;
-  return target !== null && target < range.max ? target : null;
+  for (const point of held) {
+    if (target === null || Math.abs(point - chosen) < Math.abs(target - chosen)) target = point;
+  }
+  return target;
 }
 
 /**
@@ -100,10 +103,14 @@ export function rewindTarget(range, chosen) {
  * seconds of play. `chunksPerSecond` 0 (unknown): chunks.
  */
 export function timeBack(range, boundary, chunksPerSecond) {
-  const chunks = range.max - boundary;
-  if (!(chunksPerSecond > 0)) return `${chunks} chunks back`;
+  return `${playTime(range.max - boundary, chunksPerSecond)} back`;
+}
+
+/** `chunks` of play in words: "1.5 s", "12 s", or "5 chunks" when the play rate is unknown. */
+export function playTime(chunks, chunksPerSecond) {
+  if (!(chunksPerSecond > 0)) return `${chunks} chunks`;
   const seconds = chunks / chunksPerSecond;
-  return `${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s back`;
+  return `${seconds < 10 ? seconds.toFixed(1) : Math.round(seconds)} s`;
 }
 
 /**

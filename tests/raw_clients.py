@@ -31,6 +31,21 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS line for process {pid}")
 
 
+def child_processes(parent: int, command_part: str) -> dict[int, str]:
+    """The processes whose parent is ``parent`` and whose command line holds ``command_part``: pid -> state
+    (/proc/PID/stat: R running, S sleeping, Z exited and not reaped, ...)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone while listed
+        if int(fields[1]) == parent and command_part in command:
+            found[int(stat.parent.name)] = fields[0]
+    return found
+
+
 def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -198,10 +213,14 @@ class RawWebSocket:
         self.sock.close()
 
 
-def jpeg_scan_bomb(width: int, height: int, extra_scans: int, *, multi_picture: bool = False) -> bytes:
+def jpeg_scan_bomb(
+    width: int, height: int, extra_scans: int, *, multi_picture: bool = False, junk_after_frame: bytes = b""
+) -> bytes:
     """A progressive JPEG of a flat ``width`` x ``height`` picture with ``extra_scans`` more copies of its
     smallest scan (about 30 bytes each): libjpeg decodes each one with a pass over the whole picture.
-    ``multi_picture``: an MPO (a second, small picture after it), which Pillow opens as "MPO", not "JPEG"."""
+    ``multi_picture``: an MPO (a second, small picture after it), which Pillow opens as "MPO", not "JPEG".
+    ``junk_after_frame``: bytes that are no marker put after the frame header (libjpeg skips them, warns, and
+    decodes on)."""
     buffer = io.BytesIO()
     picture = Image.new("RGB", (width, height), (90, 120, 200))
     if multi_picture:
@@ -214,4 +233,7 @@ def jpeg_scan_bomb(width: int, height: int, extra_scans: int, *, multi_picture: 
     starts = [m.start() for m in re.finditer(rb"\xff\xda", data[:end])]
     scans = [data[a:b] for a, b in zip(starts, [*starts[1:], end])]
     smallest = min(scans[1:], key=len)  # a refinement scan: an end-of-band run over every block
-    return data[:end] + smallest * extra_scans + data[end:]
+    data = data[:end] + smallest * extra_scans + data[end:]
+    frame = data.index(b"\xff\xc2")  # the progressive frame header
+    after = frame + 2 + int.from_bytes(data[frame + 2 : frame + 4], "big")
+    return data[:after] + junk_after_frame + data[after:]

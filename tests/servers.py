@@ -29,7 +29,8 @@ from fastapi import FastAPI
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from arstream.app.wire import FrameHeader, decode_frame
+from arstream.app.protocol import parse_server_message
+from arstream.app.wire import SESSIONS_PATH, FrameHeader, decode_frame
 from arstream.app.server import LISTENING_MARKER, ARStreamServer, build_server
 from arstream.app.session import Session, SessionState
 from arstream.app.settings import Settings
@@ -327,6 +328,8 @@ class ProbeClient:
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
         self.ready: dict[str, Any] | None = None
+        # Protocol 1's socket: every text message the server sends must be its model's (the schema's) message.
+        self.checks_messages = ws.request is not None and ws.request.path.startswith(SESSIONS_PATH)
 
     async def send(self, **message: Any) -> None:
         await self.ws.send(json.dumps(message))
@@ -335,7 +338,10 @@ class ProbeClient:
         await self.ws.send(text)
 
     async def recv(self) -> str | bytes:
-        return await asyncio.wait_for(self.ws.recv(), RECEIVE_GUARD_S)
+        message = await asyncio.wait_for(self.ws.recv(), RECEIVE_GUARD_S)
+        if isinstance(message, str) and self.checks_messages:
+            parse_server_message(json.loads(message))  # raises (pydantic's ValidationError) on a message off its model
+        return message
 
     async def recv_json(self) -> dict[str, Any]:
         message = await self.recv()

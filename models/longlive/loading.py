@@ -19,7 +19,9 @@ from .dit import LongLiveDiT
 from .pipeline import LongLivePipeline
 from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, umt5_config
 from ..wan.checkpoint import find_file, load_vae
+from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
+from ..wan.quantize import check_weights_option, quantize_blocks
 from ..wan.vae import StreamingVAE, build_vae
 
 
@@ -41,27 +43,54 @@ def load_longlive(
     default_prompt: str | None = None,
     prompt_cache: int = 4,
     session_capacity: int = 8,
+    weights: str | None = None,
+    kv_dtype: str | None = None,
+    text_encoder_device: str | None = None,
 ) -> LongLivePipeline:
     """Build LongLive from a directory in the published layout (:mod:`.checkpoint`), or ``random_init``.
 
     bf16 on CUDA, fp32 on the CPU (``dtype`` overrides); the text encoder runs
-    in the same dtype on the same device. With ``random_init`` and no
+    in the same dtype, on the model's device or on ``text_encoder_device``
+    (the CPU, another GPU: it runs only when a prompt is first seen, and its
+    outputs come to the model's device). With ``random_init`` and no
     ``tokenizer`` directory the prompts go through a byte-level tokenizer.
     Nothing is downloaded.
+
+    ``weights`` ``int8`` or ``fp8`` quantizes the DiT's block weights after
+    loading (:mod:`arstream.models.wan.quantize`); the KV pool holds ``kv_dtype``
+    (default: ``dtype``). On the meta device nothing is read or initialised:
+    the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
     """
     device = torch.device(device)
     cfg = get_config(config)
-    check_weights_source("longlive", checkpoint, random_init)
-    weights_dtype = torch_dtype(dtype, "bfloat16" if device.type == "cuda" else "float32", "dtype")
+    planning = device.type == "meta"
+    if not planning:
+        check_weights_source("longlive", checkpoint, random_init)
+    check_weights_option(weights, device)
+    weights_dtype = torch_dtype(dtype, "bfloat16" if device.type in ("cuda", "meta") else "float32", "dtype")
+    cache_dtype = None if kv_dtype is None else torch_dtype(kv_dtype, "", "kv_dtype")
+    try:
+        text_device = device if text_encoder_device is None else torch.device(text_encoder_device)
+    except RuntimeError as exc:
+        raise ValueError(f"text_encoder_device: {exc}") from None
     encoder: Any  # transformers' and diffusers' modules are untyped here
     vae: Any
+    tokens: Any
     with torch.device("meta"):  # built without memory, then filled: never default-initialised nor held twice
         model = LongLiveDiT(cfg)
         encoder = UMT5EncoderModel(umt5_config(cfg.text))
-    model = model.to_empty(device="cpu")
-    encoder = encoder.to_empty(device="cpu")
-    vae = build_vae(cfg)
-    if checkpoint is not None:
+    if planning:  # shapes and bytes only: nothing read, nothing initialised
+        with torch.device("meta"):
+            vae = build_vae(cfg)
+        tokens = byte_tokenizer()
+    else:
+        model = model.to_empty(device="cpu")
+        encoder = encoder.to_empty(device="cpu")
+        # to_empty gives each module its own copy of a shared parameter: umT5's token embedding (2.1 GB at XXL in
+        # bf16) would be held twice, as shared.weight and encoder.embed_tokens.weight; tie it back to one
+        encoder.tie_weights()
+        vae = build_vae(cfg)
+    if checkpoint is not None and not planning:
         directory = Path(checkpoint)
         ckpt.load_dit(model, find_file(directory, dit_file, (cfg.dit_file,), "LongLive DiT"), dit_entry or cfg.dit_entry)
         lora = lora_file or cfg.lora_file
@@ -71,7 +100,7 @@ def load_longlive(
         ckpt.load_text_encoder(encoder, find_file(directory, t5_file, (ckpt.T5_FILE,), "umT5 encoder"))
         load_vae(vae, find_file(directory, vae_file, (ckpt.VAE_FILE,), "VAE"))
         tokens = load_tokenizer(Path(tokenizer) if tokenizer else directory / TOKENIZER_DIR)
-    else:
+    elif not planning:
         model.init_random(seed)
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -81,11 +110,18 @@ def load_longlive(
         vae = build_vae(cfg)  # diffusers' own random init, seeded
         tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
     model = model.to(device=device, dtype=weights_dtype)
-    encoder = encoder.to(device=device, dtype=weights_dtype)
+    quantize_blocks(model, weights)
+    encoder = encoder.to(device=device if planning else text_device, dtype=weights_dtype)
     vae = vae.to(device=device)
     if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
         vae = vae.to(dtype=weights_dtype)
-    return LongLivePipeline(
+    plain = held_as(weights_dtype)
+    components = [
+        component("dit", model, device, held_as(weights_dtype, weights)),
+        component("text_encoder", encoder, text_device, plain),
+        component("vae", vae, device, plain),
+    ]
+    pipeline = LongLivePipeline(
         model,
         StreamingVAE(vae),
         TextEncoder(encoder, tokens, cfg.text_len),
@@ -93,4 +129,8 @@ def load_longlive(
         session_capacity=session_capacity,
         prompt_cache=prompt_cache,
         default_prompt=default_prompt,
+        kv_dtype=cache_dtype,
+        components=components,
     )
+    pipeline.random_weights = checkpoint is None
+    return pipeline

@@ -38,6 +38,7 @@ from .dit import LongLiveDiT, stack_prompt_kv
 from .kv import PagedContext
 from .prompts import PromptEntry, Prompts
 from .text import TextEncoder, clean_prompt
+from ..wan.compile import compile_blocks
 from ..wan.sampler import sample_chunk
 from ..wan.vae import (
     FeatureCache,
@@ -81,6 +82,8 @@ class PipelineCounters:
 class LongLivePipeline(SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
+    random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
+
     def __init__(
         self,
         model: LongLiveDiT,
@@ -91,6 +94,8 @@ class LongLivePipeline(SessionStateBinding):
         session_capacity: int = 8,
         prompt_cache: int = 4,
         default_prompt: str | None = None,
+        kv_dtype: torch.dtype | None = None,
+        components: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.model = model.eval()
@@ -99,6 +104,9 @@ class LongLivePipeline(SessionStateBinding):
         self.text = text
         self.device = device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
+        # where each module lives and what it holds (the model card's ``components``; the loader measures them)
+        self.components = components or []
         self.session_capacity = session_capacity
         self.default_prompt = clean_prompt(default_prompt if default_prompt is not None else self.cfg.default_prompt)
         self.prompts = Prompts(self._encode, self._project, spare=prompt_cache)
@@ -112,12 +120,22 @@ class LongLivePipeline(SessionStateBinding):
         self.prompt_bytes = _prompt_bytes(cfg, self.dtype, default)
         self.latent_bytes = 4 * cfg.out_dim * cfg.local_attn_size * cfg.latent_height * cfg.latent_width
 
+    def prepare_prompt(self, prompt: str) -> str:
+        """Wan's cleaning of a client's prompt (the server runs it once, as the prompt arrives: a chunk's prompt is
+        looked up as it comes, never cleaned on the model thread)."""
+        return clean_prompt(prompt)
+
     def _encode(self, prompt: str) -> torch.Tensor:
         return self.text.encode(prompt)
 
     def _project(self, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with torch.inference_mode():
-            return self.model.cross_kv(self.model.text_context(tokens))
+            # the encoder may run elsewhere (text_encoder_device): its outputs come to the model's device
+            return self.model.cross_kv(self.model.text_context(tokens.to(self.device, self.dtype)))
+
+    def compile_forward(self) -> None:
+        """``--compile``: the DiT's blocks compiled on their first forward of each shape (the warm-up's)."""
+        compile_blocks(self.model, self.device)
 
     # ---- contract ------------------------------------------------------------------------
 
@@ -138,7 +156,7 @@ class LongLivePipeline(SessionStateBinding):
             # switching row moves to while its old one is still held
             model_owned_bytes_fixed=self.prompts.spare * self.prompt_bytes,
             model_owned_bytes_per_forward_row=self.prompt_bytes,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             max_position_frames=cfg.rope_frames,
             history_rewrites=True,
         )
@@ -162,6 +180,10 @@ class LongLivePipeline(SessionStateBinding):
                 "additionalProperties": False,
             },
             "config": cfg.name,
+            # seeded random weights (a test set-up): the picture is noise, and the page says why
+            **({"weights": "random"} if self.random_weights else {}),
+            "components": self.components,
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:

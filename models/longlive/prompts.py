@@ -1,6 +1,8 @@
 """Prompts shared across sessions: umT5 outputs per cleaned prompt (a bounded LRU) and cross-attention K/V.
 
-The text encoder runs once per cleaned prompt while its output stays in the
+Prompts come cleaned (the pipeline's ``prepare_prompt``, which the server runs
+once as a prompt arrives, off the model thread): a chunk looks its prompt up
+as it is, and never cleans it. The text encoder runs once per cleaned prompt while its output stays in the
 LRU (``encodes`` counts the runs); the DiT's cross-attention K/V of a prompt
 (every layer, 90 MiB at 1.3B in bf16) are computed once and shared by every
 session whose chunks run under it: reference counted (:meth:`Prompts.acquire`,
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from .dit import PromptKV
-from .text import clean_prompt
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Prompts:
         self.projections = 0  # cross-attention K/V computed
 
     def get(self, prompt: str) -> PromptEntry:
-        """The entry of ``prompt`` (cleaned first), encoding it if none is cached; takes no reference.
+        """The entry of ``prompt`` (a cleaned one), encoding it if none is cached; takes no reference.
 
         With no reference the entry stays cached only while the LRU has room
         for it (``spare`` unreferenced entries; with 0, not at all).
@@ -77,8 +78,7 @@ class Prompts:
             entry.references -= 1
         self._trim()
 
-    def _lookup(self, prompt: str) -> PromptEntry:
-        text = clean_prompt(prompt)
+    def _lookup(self, text: str) -> PromptEntry:
         entry = self._entries.get(text)
         if entry is None:
             tokens = self._encode(text)

@@ -147,9 +147,9 @@ class TextEncoder:
         self.text_len = text_len
 
     def token_ids(self, prompt: str) -> list[int]:
-        """The prompt's tokens as Wan takes them: cleaned, EOS appended, at most ``text_len``."""
-        encoded: Any = self.tokenizer(clean_prompt(prompt), truncation=True, max_length=self.text_len,
-                                      add_special_tokens=True)  # fmt: skip
+        """A cleaned prompt's tokens as Wan takes them: EOS appended, at most ``text_len``. The prompt was cleaned
+        once, as it arrived (:func:`clean_prompt`, the pipeline's ``prepare_prompt``), as Wan cleans it once."""
+        encoded: Any = self.tokenizer(prompt, truncation=True, max_length=self.text_len, add_special_tokens=True)
         return list(encoded["input_ids"])
 
     @torch.inference_mode()

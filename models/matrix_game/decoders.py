@@ -87,6 +87,10 @@ def build_decoder(
         if decode_device is not None:
             raise ValueError("decode_device needs decoder 'taehv' (the Wan VAE decodes where it encodes)")
         return vae
+    if device.type == "meta":  # a plan (arstream plan): shapes and bytes, no file read
+        with torch.device("meta"):
+            module = TAEHVDecoder(TAEHVShape(widths=TINY_WIDTHS) if cfg.name.startswith("tiny") else TAEHVShape())
+        return StreamingTAEHV(module.to(dtype=dtype))
     if decode_device is not None:
         try:
             device = torch.device(decode_device)

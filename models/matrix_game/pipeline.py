@@ -37,7 +37,7 @@ import torch
 from . import checkpoint as ckpt
 from .clip import ClipImageEncoder
 from .config import CONFIGS, MatrixGameConfig, get_config
-from .decoders import LatentDecoder, build_decoder, decoder_device, decoder_digest
+from .decoders import LatentDecoder, StreamingTAEHV, build_decoder, decoder_device, decoder_digest
 from .controls import ControlHistory, controls_schema, extend, trimmed, windows
 from .dit import CausalWanDiT
 from .images import (
@@ -52,7 +52,10 @@ from .images import (
     stack_conditions,
 )
 from .kv import ActionHistory, PagedChunkContext, action_history_bytes
+from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
+from ..wan.quantize import check_weights_option, quantize_blocks
+from ..wan.compile import compile_blocks
 from ..wan.sampler import sample_chunk
 from ..wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
 from ...runner.binding import SessionStateBinding
@@ -90,6 +93,8 @@ class ChunkTimings:
 class MatrixGamePipeline(SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsSplitDecode`` and ``SupportsWarmup``."""
 
+    random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
+
     def __init__(
         self,
         model: CausalWanDiT,
@@ -103,6 +108,8 @@ class MatrixGamePipeline(SessionStateBinding):
         condition_frames: int = MAX_CONDITION_FRAMES,
         session_capacity: int = 8,
         decoder: LatentDecoder | None = None,
+        kv_dtype: torch.dtype | None = None,
+        components: list[dict[str, Any]] | None = None,
     ) -> None:
         """``images``: the offered start images by name, ``[3, H, W]`` in [-1, 1], the default first.
 
@@ -118,6 +125,9 @@ class MatrixGamePipeline(SessionStateBinding):
         self.decoder: LatentDecoder = vae if decoder is None else decoder
         self.device = device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
+        # where each module lives and what it holds (the model card's ``components``; the loader measures them)
+        self.components = components or []
         self.session_capacity = session_capacity
         self.condition_frames = condition_frames
         self._clip = clip
@@ -165,6 +175,10 @@ class MatrixGamePipeline(SessionStateBinding):
         _, caches = self.decoder.decode_rows(zeros, caches)  # type: ignore[arg-type]
         return cache_bytes(caches[0])
 
+    def compile_forward(self) -> None:
+        """``--compile``: the DiT's blocks compiled on their first forward of each shape (the warm-up's)."""
+        compile_blocks(self.model, self.device)
+
     # ---- contract ------------------------------------------------------------------------
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -179,7 +193,7 @@ class MatrixGamePipeline(SessionStateBinding):
             window_frames=cfg.local_attn_size,
             session_capacity=self.session_capacity,
             model_owned_bytes_per_session=self.vae_cache_bytes + self.action_bytes,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             max_position_frames=cfg.rope_frames,
         )
 
@@ -195,8 +209,12 @@ class MatrixGamePipeline(SessionStateBinding):
             "controls": controls_schema(cfg),
             "mouse": "camera" if cfg.action.enable_mouse else None,
             "config": cfg.name,
+            # seeded random weights (a test set-up): the picture is noise, and the page says why
+            **({"weights": "random"} if self.random_weights else {}),
             # offered by name (the first is the default); a model that lists any also takes a client's own pixels
             "start_images": self.images.names,
+            "components": self.components,
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
@@ -498,6 +516,8 @@ def load_matrix_game(
     decoder: str = "wan-vae",
     decoder_file: str | None = None,
     decode_device: str | None = None,
+    weights: str | None = None,
+    kv_dtype: str | None = None,
 ) -> MatrixGamePipeline:
     """Build the model from a checkpoint directory, or with seeded random weights (``random_init``).
 
@@ -515,20 +535,33 @@ def load_matrix_game(
     checkpoint directory, default ``taew2_1.pth``; seeded random with
     ``random_init``) in ``vae_dtype`` instead of the Wan VAE's decoder, on
     ``decode_device`` if given (another GPU: the latents go there, frames come back).
+
+    ``weights`` ``int8`` or ``fp8`` quantizes the DiT's block weights after
+    loading (:mod:`arstream.models.wan.quantize`); the KV pool holds ``kv_dtype``
+    (default: ``dtype``). On the meta device nothing is read or initialised:
+    the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
     """
     device = torch.device(device)
     cfg = get_config(config)
-    check_weights_source("matrix-game-2", checkpoint, random_init)
-    on_cuda = device.type == "cuda"
-    weights_dtype = torch_dtype(dtype, "bfloat16" if on_cuda else "float32", "dtype")
-    decode_dtype = torch_dtype(vae_dtype, "float16" if on_cuda else "float32", "vae_dtype")
+    planning = device.type == "meta"
+    if not planning:
+        check_weights_source("matrix-game-2", checkpoint, random_init)
+    check_weights_option(weights, device)
+    on_gpu = device.type in ("cuda", "meta")
+    weights_dtype = torch_dtype(dtype, "bfloat16" if on_gpu else "float32", "dtype")
+    decode_dtype = torch_dtype(vae_dtype, "float16" if on_gpu else "float32", "vae_dtype")
+    cache_dtype = None if kv_dtype is None else torch_dtype(kv_dtype, "", "kv_dtype")
     offered = _offered_images(image, images, cfg)
     encoder: ClipImageEncoder | None = None
     # Built without memory, then filled: a 1.3B model is neither default-initialised nor held twice.
     with torch.device("meta"):
         model = CausalWanDiT(cfg)
-    model = model.to_empty(device="cpu")
-    if checkpoint is not None:
+    if planning:  # what a served one holds with a checkpoint: the VAE and, without clip_features, CLIP's tower
+        with torch.device("meta"):
+            vae_module = build_vae(cfg)
+            encoder = None if clip_features is not None else ClipImageEncoder(cfg.clip)
+    elif checkpoint is not None:
+        model = model.to_empty(device="cpu")
         directory = Path(checkpoint)
         dit_path = ckpt.find_file(directory, dit_file, ckpt.dit_files(cfg.dit_file), "DiT")
         vae_path = ckpt.find_file(directory, vae_file, ckpt.VAE_FILES, "VAE")
@@ -542,13 +575,16 @@ def load_matrix_game(
             encoder = encoder.to_empty(device="cpu")
             ckpt.load_clip_visual(encoder, clip_path)
     else:
+        model = model.to_empty(device="cpu")
         model.init_random(seed)
         torch.manual_seed(seed)
         vae_module = build_vae(cfg)  # diffusers' own random init, seeded
         torch.manual_seed(seed + 1)
         encoder = ClipImageEncoder(cfg.clip)
     features: torch.Tensor | None = None
-    if clip_features is not None:
+    if clip_features is not None and planning:
+        features = torch.zeros(cfg.clip_tokens, cfg.clip_dim, device=device)
+    elif clip_features is not None:
         encoder = None
         loaded = ckpt.read_state_dict(Path(clip_features))
         features = loaded.get("clip_features", torch.empty(0))
@@ -559,6 +595,7 @@ def load_matrix_game(
     elif encoder is None:
         log.warning("no CLIP file and no clip_features: the image context is zeros")
     model = model.to(device=device, dtype=weights_dtype)
+    quantize_blocks(model, weights)
     # Matrix-Game encodes the start image in bf16 and decodes in fp16 (inference.py): one module, two dtypes.
     vae_module = vae_module.to(device=device)
     for part, part_dtype in (("encoder", weights_dtype), ("quant_conv", weights_dtype), ("post_quant_conv", decode_dtype),
@@ -574,7 +611,16 @@ def load_matrix_game(
         checkpoint=None if checkpoint is None else Path(checkpoint), decoder_file=decoder_file, seed=seed,
         decode_device=decode_device,
     )
-    return MatrixGamePipeline(
+    components = [
+        component("dit", model, device, held_as(weights_dtype, weights)),
+        component("vae", vae_module, device, held_as(weights_dtype) + f" encoder, {held_as(decode_dtype)} decoder"),
+    ]
+    if encoder is not None:
+        components.append(component("clip", encoder, device, held_as(weights_dtype)))
+    if chosen is not streaming_vae:
+        assert isinstance(chosen, StreamingTAEHV)
+        components.append(component("decoder", chosen.module, decode_device or device, held_as(decode_dtype)))
+    pipeline = MatrixGamePipeline(
         model,
         streaming_vae,
         decoder=None if chosen is streaming_vae else chosen,
@@ -585,4 +631,8 @@ def load_matrix_game(
         image_cache=image_cache,
         condition_frames=condition_frames,
         session_capacity=session_capacity,
+        kv_dtype=cache_dtype,
+        components=components,
     )
+    pipeline.random_weights = checkpoint is None
+    return pipeline

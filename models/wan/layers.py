@@ -161,6 +161,8 @@ class WanSelfAttention(WanAttention):
         k = self.norm_k(self.k(x)).view(shape)
         v = self.v(x).view(shape)
         k_all, v_all = ctx.self_kv(layer, k, v)
+        if k_all.dtype != q.dtype:  # a KV pool in another dtype (the kv_dtype option): attention runs in the model's
+            k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         out = attend(rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot), v_all, ctx.self_mask)
         return self.o(out.flatten(2))
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..contract import ARPipeline, SupportsWarmup
+from ..contract import ARPipeline, SupportsWarmup, prepare_prompt
 from ..runner import WARMUP_SESSION_ID
 from ..spec import KVCacheSpec
 from ..stats import RunnerStats, RuntimeCounters
@@ -327,3 +327,7 @@ class VllmOmniRunner:
         """The pipeline's card without ``start_images``: a start image cannot travel in vLLM-Omni's tick."""
         card = {key: value for key, value in self.pipeline.model_card().items() if key != "start_images"}
         return {**card, "runtime": RUNTIME}
+
+    def prepare_prompt(self, prompt: str) -> str:
+        """A client's prompt as the model reads it (the server calls it as the prompt arrives, on its own thread)."""
+        return prepare_prompt(self.pipeline, prompt)

@@ -22,6 +22,7 @@ from arstream.app.metrics import ServerMetrics
 from arstream.app.resume import Holder, ResumeRegistry
 from arstream.app.session import TickJob
 from arstream.app.settings import Settings
+from arstream.app.prompts import PromptPreparer
 from arstream.app.start_image import StartImageResolver
 from arstream.app.unstarted import UnstartedConnections
 from arstream.app.viewers import ShareRegistry, ViewerRole
@@ -149,6 +150,7 @@ class FakeGate:
         self.controls_validator = jsonschema.Draft202012Validator(FAKE_CARD["controls"])
         self.start_image_names: tuple[str, ...] = ()
         self.start_images = StartImageResolver(max_bytes=1, max_pixels=1, max_jpeg_scans=1, timeout_s=1.0, nice=0)
+        self.prompts = PromptPreparer()
         refusals = RefusalLog()
         self.unstarted = UnstartedConnections(self.settings, FloodBans(0.0, TrustedProxies("")), refusals)
         self.closing: set[LiveSession] = set()

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from arstream.app.prompts import MAX_PROMPT_CHARS, MAX_PROMPT_LINES
 from arstream.app.wire import HEADER_BYTES, Codec, FrameHeader, WireError, decode_frame, encode_chunk
 from arstream.app.protocol import (
     ERROR_CLOSE_CODES,
@@ -97,6 +98,19 @@ def test_hostile_unterminated_strings_are_refused() -> None:
 )
 def test_prompt_must_be_string_or_null(text: str) -> None:
     assert refused(text).code is ErrorCode.INVALID_MESSAGE
+
+
+@pytest.mark.parametrize("message_type", ["start", "tick", "input"])
+def test_a_prompt_is_bounded_in_characters_and_lines(message_type: str) -> None:
+    """Before, a prompt was bounded only by the message size (32,000 newlines cost LongLive 0.5 s a chunk)."""
+    ids = {"tick": {"tick_id": 4}, "input": {"event_id": 4}}.get(message_type, {})
+    longest = "x" * (MAX_PROMPT_CHARS - MAX_PROMPT_LINES) + "\n" * (MAX_PROMPT_LINES - 1)
+    assert parse({"type": message_type, "prompt": longest, **ids}).prompt == longest  # type: ignore[attr-defined]
+    too_long = refused(json.dumps({"type": message_type, "prompt": "x" * (MAX_PROMPT_CHARS + 1), **ids}))
+    assert too_long.code is ErrorCode.INVALID_MESSAGE and "at most 2000 characters, got 2001" in too_long.message
+    assert too_long.tick_id == (4 if message_type == "tick" else None)
+    many_lines = refused(json.dumps({"type": message_type, "prompt": "a\n" * MAX_PROMPT_LINES, **ids}))
+    assert many_lines.code is ErrorCode.INVALID_MESSAGE and "at most 64 lines, got 65" in many_lines.message
 
 
 @pytest.mark.parametrize(

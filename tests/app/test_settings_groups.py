@@ -42,6 +42,7 @@ ONE_OF_EACH_GROUP = {
     "max_start_image_pixels": ("1000", 1000),
     "max_header_bytes": ("2048", 2048),
     "drain_timeout_s": ("5", 5.0),
+    "record_retention_s": ("60", 60.0),
 }
 
 

@@ -76,6 +76,8 @@ def test_the_page_keeps_streaming_across_a_drain(cluster: Cluster, context: Any,
     log = page.text_content("#log") or ""
     assert f"session moved to replica {peer}" in log
     assert "your world carried on" in log
+    # Its rewind points stayed on the drained replica: the page says the timeline starts again there.
+    assert "Its rewind history starts again here" in log, log
     assert cluster.replica_stats(peer)["sessions"]["connected"] == 1
     errors.check()
 

@@ -197,3 +197,50 @@ def test_after_passing_control_the_badges_show_the_new_roles_figures(
         options = viewer.evaluate("[...document.getElementById('pass-to').options].map((o) => o.value)")
         assert options == viewer.evaluate("window.arstreamDebug.viewerIds")
         assert viewer.is_visible("#pass-box")
+
+
+# Long figures of the kind a loaded machine shows, put in the Details rows, then every row checked to be drawn on
+# one line inside the panel: a label may wrap, a figure never.
+WORDS_BROKEN = """() => {
+    const figures = {'hud-chunk': '1234 ms (median 1187 ms)', 'hud-action': '1234 ms (median 1187 ms)',
+                     'hud-flight': '2 ticks / 12 frames', 'hud-target': '1250 ms', 'hud-kv': '1234 / 25000 (5%)',
+                     'hud-model': 'matrix-game-2 640×352 @ 12 fps', 'hud-chunk-index': '12345 (tick 12345)',
+                     'hud-sessions': '12 connected, capacity 24', 'hud-compute': '1187 ms per chunk'};
+    for (const [id, text] of Object.entries(figures)) document.getElementById(id).textContent = text;
+    const broken = [];
+    const panel = document.getElementById('details').getBoundingClientRect();
+    for (const dd of document.querySelectorAll('.hud dd')) {
+        const text = dd.firstChild;
+        if (!text || text.nodeType !== Node.TEXT_NODE) continue;
+        const range = document.createRange();
+        range.selectNodeContents(dd);
+        const rects = [...range.getClientRects()];
+        const lines = new Set(rects.map((r) => Math.round(r.top)));
+        const right = Math.max(...rects.map((r) => r.right));
+        if (lines.size > 1 || right > panel.right + 0.5) broken.push(`${dd.id}: "${text.textContent}"`);
+    }
+    return broken;
+}"""
+# The Details row for what is in flight, rendered for one tick and one frame.
+ONE_TICK = """() => import('/hud.js').then(({ Hud }) => {
+    const hud = new Hud((id) => document.getElementById(id));
+    const session = { live: true, controller: true, ready: { model: { fps: 16 } }, ticksInFlight: new Map([[7, 0]]),
+                      player: { queue: [{}] } };
+    hud.render(session, { targetLeadMs: () => 250 });
+    return document.getElementById('hud-flight').textContent;
+})"""
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_the_details_figures_stay_on_one_line_and_count_in_words(
+    server: LiveServer, browser: Any, errors: PageErrors, size: str
+) -> None:
+    context = _context(browser, size)
+    try:
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/?autoconnect=0")
+        page.click("#details summary")
+        assert page.evaluate(WORDS_BROKEN) == []
+        assert page.evaluate(ONE_TICK) == "1 tick / 1 frame"
+    finally:
+        context.close()

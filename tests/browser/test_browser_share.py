@@ -8,7 +8,9 @@ plain functions are tested by importing the module in the page.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from urllib.parse import urlencode
 from typing import Any
 
 import pytest
@@ -96,7 +98,9 @@ def test_share_links_and_timeline_range(server: LiveServer, page: Any) -> None:
     assert targets == [None, 2, 9, None, None, None], "held points only, and the live end is no rewind"
     thinned = "{min: 2, max: 10, held: [2, 6, 8, 9, 10]}"
     snapped = share_module(page, f"[2, 3, 5, 6, 7, 9, 10].map(b => m.rewindTarget({thinned}, b))")
-    assert snapped == [2, 2, 2, 6, 6, 9, None], "a scrub between thinned points goes to the held one before it"
+    # a scrub between thinned points goes to the nearest held one (halfway: the older), never the live end
+    assert snapped == [2, 2, 6, 6, 6, 9, None], snapped
+    assert share_module(page, "m.rewindTarget({min: 0, max: 10, held: [0, 4, 10]}, 9)") == 4
     assert share_module(page, f"m.timeBack({thinned}, 2, 8)") == "1.0 s back"
     assert share_module(page, f"m.timeBack({thinned}, 6, 0)") == "4 chunks back"
     ids = share_module(page, "m.raiseIdsPast({tick: 3, event: 9}, 41, [2, 12, 5])")
@@ -321,3 +325,73 @@ def test_phone_width_player_and_viewer_fit_the_screen(sharing: LiveServer, brows
                 box = page.locator(selector).bounding_box()
                 assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], selector
         assert viewer.is_visible("#role-badge")
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    "desktop": {"viewport": {"width": 1280, "height": 800}},
+    "portrait": {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True},
+    "landscape": {"viewport": {"width": 844, "height": 390}, "is_mobile": True, "has_touch": True},
+}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_branch_link_to_a_moment_no_longer_held_offers_a_branch_from_now(
+    sharing: LiveServer, browser: Any, errors: PageErrors, size: str
+) -> None:
+    context = open_context(browser, **SIZES[size])
+    try:
+        player = new_page(context, errors)
+        player.goto(sharing.base_url + "/")
+        # Every chunk of the last 2 s is held, every other one behind: odd boundary 1 is thinned out by chunk 18.
+        wait(player, "window.arstreamDebug.shareToken && Math.max(...window.arstreamDebug.chunkIndexes) > 20")
+        token = debug(player)["shareToken"]
+        brancher = new_page(context, errors)
+        brancher.goto(f"{sharing.base_url}/#{urlencode({'branch': token, 'chunk': 1})}")
+        wait_state(brancher, "ended")
+        text = overlay_text(brancher)
+        assert "no longer held" in text and "branch from where it is now" in text, text
+        assert "ended" not in text and "not held:" not in text, "no raw reason, no world ended: it is live"
+        assert brancher.get_attribute("#overlay", "data-tone") == "info"
+        assert brancher.inner_text("#overlay-action") == "Branch from now"
+        brancher.click("#overlay-action")
+        wait_frames_drawn(brancher, 2)
+        chunk = debug(brancher)["chunkIndexes"][0]
+        assert chunk > 20 and f"branched from chunk {chunk}" in (brancher.text_content("#log") or "")
+        assert "chunk=" not in brancher.evaluate("location.hash"), "a reload branches from now too"
+        assert debug(brancher)["state"] == "streaming" and debug(brancher)["restarts"] == []
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_rewind_and_a_branch_say_so_on_the_world(
+    sharing: LiveServer, browser: Any, errors: PageErrors, size: str
+) -> None:
+    context = open_context(browser, **SIZES[size])
+    try:
+        player = new_page(context, errors)
+        player.goto(sharing.base_url + "/")
+        wait_rewind_span(player, 12)
+        newest = int(player.get_attribute("#rewind", "max") or 0)
+        target = newest - 10
+        # While the slider is held, the world says where letting go lands.
+        player.evaluate(f"(s => {{ s.value = '{target}'; s.dispatchEvent(new Event('input')); }})"
+                        "(document.getElementById('rewind'))")
+        assert player.evaluate("document.getElementById('notice').hidden") is False
+        assert (player.text_content("#notice") or "").startswith("Let go to rewind 1.")  # 10 chunks: 1.2 s or so
+        player.evaluate("document.getElementById('rewind').dispatchEvent(new Event('change'))")
+        wait(player, "window.arstreamDebug.restarts.some(r => r.why === 'rewind')")
+        wait(player, "document.getElementById('notice').textContent.startsWith('Rewound ')")
+        said = player.text_content("#notice") or ""
+        assert re.fullmatch(r"Rewound \d\.\d s: the world goes on from there\.", said), said
+
+        token = debug(player)["shareToken"]
+        chunk = max(debug(player)["rewindHeld"]) - 2  # still held when the branch is made
+        brancher = new_page(context, errors)
+        brancher.goto(f"{sharing.base_url}/#{urlencode({'branch': token, 'chunk': chunk})}")
+        wait_frames_drawn(brancher, 2)
+        said = brancher.text_content("#notice") or ""
+        assert re.fullmatch(r"You branched this world from \d+(\.\d)? s into its play: it is yours to steer, "
+                            r"and the original goes on without you\.", said), said
+    finally:
+        context.close()

@@ -19,6 +19,7 @@ from browser_helpers import (
     browser_marks,
     new_page,
     open_context,
+    wait,
     wait_frames_drawn,
 )
 from servers import fake_settings, running_server
@@ -67,3 +68,34 @@ def test_the_servers_own_page_is_admitted_whatever_allowed_origins_lists(lan_bro
                 page.close()
         finally:
             context.close()
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    "desktop": {"viewport": {"width": 1280, "height": 800}},
+    "portrait": {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True},
+    "landscape": {"viewport": {"width": 844, "height": 390}, "is_mobile": True, "has_touch": True},
+}
+
+
+@pytest.fixture(scope="module")
+def slow_server() -> Iterator[Any]:
+    # fake-kv plays a chunk of 2 frames in 125 ms at 16 fps; drawing it takes 400 ms: the picture must wait.
+    with running_server(fake_settings(model_options={"compute_delay_s": 0.4})) as server:
+        yield server
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_stalling_stream_says_why_on_the_world(
+    slow_server: Any, lan_browser: Any, errors: PageErrors, size: str
+) -> None:
+    # (this module's Chromium: one Playwright per module)
+    context = open_context(lan_browser, **SIZES[size])
+    try:
+        page = new_page(context, errors)
+        page.goto(slow_server.base_url + "/")
+        wait(page, "window.arstreamDebug.stallReasons.length > 0")
+        said = page.text_content("#notice") or ""
+        assert said.startswith("Waiting for frames: the server draws a chunk in "), said
+        assert "ms, and it plays for 125 ms: this machine draws the world slower than it plays" in said, said
+    finally:
+        context.close()

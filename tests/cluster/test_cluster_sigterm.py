@@ -266,13 +266,19 @@ def test_arstream_client_starts_afresh_after_server_shutdown(capsys: pytest.Capt
 
 def test_a_draining_refusal_is_one_the_client_starts_afresh_after() -> None:
     """The words the client looks for are the ones a draining replica says (app/hub.py's refusal)."""
-    from arstream.programs.client import ServerError, afresh_reason, draining_refusal
+    from arstream.programs.client import afresh_reason, draining_refusal
+    from arstream.programs.client_lib import ServerError
     from arstream.app.hub import SessionHub
+    from arstream.app.protocol import ErrorCode, ErrorMessage
     from servers import fake_settings
 
     hub = SessionHub(fake_settings())
     hub.draining = True
-    refusal = ServerError({"type": "error", "code": "over_capacity", "message": hub.admission_refusal(), "fatal": True})
+    refusal = ServerError(
+        ErrorMessage(code=ErrorCode.OVER_CAPACITY, message=hub.admission_refusal(), tick_id=None, fatal=True)
+    )
     assert draining_refusal(refusal) and afresh_reason(refusal) is not None
-    full = ServerError({"type": "error", "code": "over_capacity", "message": "all 4 session slots are in use"})
+    full = ServerError(
+        ErrorMessage(code=ErrorCode.OVER_CAPACITY, message="all 4 session slots are in use", tick_id=None, fatal=True)
+    )
     assert not draining_refusal(full) and afresh_reason(full) is None  # a full server: wait, not start afresh

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import re
 import shutil
 import signal
@@ -486,3 +487,22 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard_folder() ->
     grafana = compose()["services"]["grafana"]
     mounted = {volume.split(":")[1] for volume in grafana["volumes"]}
     assert provider["options"]["path"] in mounted
+
+
+def test_the_local_cluster_example_can_be_drained_and_the_script_warns_without_a_secret(tmp_path: Path) -> None:
+    # The documented local cluster exports the secret before it starts, so `arstream drain` works on it.
+    doc = (REPO_ROOT / "docs/deployment.md").read_text()
+    block = doc[doc.index("```\nexport ARSTREAM_CLUSTER_SECRET") :]
+    block = block[: block.index("```", 4)]
+    assert block.index("export ARSTREAM_CLUSTER_SECRET") < block.index("scripts/local-cluster.sh"), block
+    # Started without one, the script says at once that its replicas cannot drain (here before it looks for
+    # HAProxy, which is made missing so that nothing starts).
+    env = {k: v for k, v in os.environ.items() if k != "ARSTREAM_CLUSTER_SECRET"}
+    env |= {"HAPROXY": str(tmp_path / "no-haproxy"), "ARSTREAM_CLUSTER_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts/local-cluster.sh"), "1"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "haproxy not found" in done.stderr
+    assert "ARSTREAM_CLUSTER_SECRET is not set: these replicas cannot drain" in done.stderr, done.stderr
+    env["ARSTREAM_CLUSTER_SECRET"] = "a-secret-of-enough-length"
+    assert "not set" not in subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts/local-cluster.sh"), "1"], env=env, capture_output=True, text=True
+    ).stderr

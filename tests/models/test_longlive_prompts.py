@@ -1,4 +1,4 @@
-"""The per-prompt cache: on its own (fake encoder and projection) cleaned keys, counted encodes, referenced entries
+"""The per-prompt cache: on its own (fake encoder and projection) cleaned keys as they come, counted encodes, referenced entries
 kept, unreferenced ones bounded by ``spare`` in LRU order; in the real tiny pipeline, that bound counted in capacity."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def fake_prompts(spare: int) -> tuple[Prompts, list[str]]:
 
 def test_one_encode_per_cleaned_prompt_and_unused_entries_bounded_in_lru_order() -> None:
     prompts, encoded = fake_prompts(spare=1)
-    first = prompts.get("  a  fox ")
+    first = prompts.get("a fox")  # prompts come cleaned (the pipeline's prepare_prompt, as they arrive)
     assert prompts.get("a fox") is first and encoded == ["a fox"] and prompts.encodes == 1
     assert prompts.acquire("a fox") is first  # a session's history is under it: kept whatever the LRU does
     prompts.get("b")

@@ -21,7 +21,7 @@ import websockets
 from PIL import Image
 
 from arstream.app import wire
-from arstream.programs import bench, client, messages
+from arstream.programs import bench, client, client_lib
 from arstream.models.fake import KEYS
 from servers import LiveServer, server_process
 
@@ -87,12 +87,12 @@ def test_keys_per_tick_expands_counts_in_order() -> None:
     ],
 )
 def test_session_url(typed: str, token: str | None, expected: str) -> None:
-    assert messages.session_url(typed, token=token) == expected
+    assert client_lib.session_url(typed, token=token) == expected
 
 
 def test_session_url_rejects_other_schemes() -> None:
     with pytest.raises(ValueError, match="scheme"):
-        messages.session_url("ftp://127.0.0.1:8000")
+        client_lib.session_url("ftp://127.0.0.1:8000")
 
 
 def _frame_message(codec: int, payload: bytes, *, width: int = 2, height: int = 1, magic: bytes = b"ARF1") -> bytes:
@@ -124,16 +124,16 @@ def test_parse_frame_rejects(message: bytes, complaint: str) -> None:
 
 
 def test_messages_are_strict_json() -> None:
-    assert json.loads(messages.tick_message(3, reset=True)) == {"type": "tick", "tick_id": 3, "reset": True}
-    assert json.loads(messages.input_message(5, controls={"keys": ["w"]})) == {
+    assert json.loads(client_lib.tick_message(3, reset=True)) == {"type": "tick", "tick_id": 3, "reset": True}
+    assert json.loads(client_lib.input_message(5, controls={"keys": ["w"]})) == {
         "type": "input",
         "event_id": 5,
         "controls": {"keys": ["w"]},
     }
     with pytest.raises(ValueError, match="tick_id"):
-        messages.tick_message(2**32)
+        client_lib.tick_message(2**32)
     with pytest.raises(ValueError, match="event_id"):
-        messages.input_message(-1)
+        client_lib.input_message(-1)
 
 
 # ---- the client against a real server -----------------------------------------------
@@ -253,11 +253,31 @@ def test_a_refusal_that_closes_before_start_is_reported_with_its_code() -> None:
     """
 
     async def start_after_refusal(url: str) -> None:
-        async with websockets.connect(messages.session_url(url)) as ws:
+        async with websockets.connect(client_lib.session_url(url)) as ws:
             await ws.wait_closed()
-            await client.SessionClient(ws).start()
+            await client_lib.Session(ws).start()
 
     with server_process(["--model", "fake-kv", "--auth-token", "t0ken"]) as secured:
-        with pytest.raises(client.ServerError) as refused:
+        with pytest.raises(client_lib.ServerError) as refused:
             asyncio.run(start_after_refusal(secured.base_url))
     assert refused.value.code == "unauthorized"
+
+
+def test_keys_for_a_model_that_takes_none_are_refused_in_words_before_any_tick(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # LongLive (tiny, random weights) is steered by its prompt: its controls take no keys.
+    options = json.dumps({"config": "tiny", "random_init": True})
+    with server_process(["--model", "longlive", "--model-options", options, "--torch-threads", "1"]) as live:
+        code = client.main([live.base_url, "--keys", "d*3", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "longlive takes no keys" in err and "--prompt-at" in err and "invalid_controls" not in err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_takes_keys_reads_the_model_cards_controls() -> None:
+    assert client_lib.takes_keys({"controls": {"properties": {"keys": {}}, "additionalProperties": False}})
+    assert not client_lib.takes_keys({"controls": {"properties": {}, "additionalProperties": False}})
+    assert client_lib.takes_keys({"controls": {"type": "object"}})  # room for fields it does not name
+    assert client_lib.takes_keys({})

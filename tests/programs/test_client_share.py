@@ -24,11 +24,11 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 from arstream.app import wire
-from arstream.programs import client, messages
+from arstream.programs import client, client_lib
 from servers import LiveServer, fake_settings, running_server
 
 MODEL: dict[str, Any] = {"name": "fake-share", "width": 4, "height": 2, "fps": 16, "frames_per_chunk": 2}
-LIMITS = {"max_pending_ticks": 3}
+LIMITS = {"max_pending_ticks": 3, "max_message_bytes": 65536, "idle_timeout_s": 60}
 
 
 def frames_for(chunk_index: int) -> np.ndarray:
@@ -91,10 +91,9 @@ class FakeShareServer:
         frames = frames_for(chunk_index)
         message: dict[str, Any] = {
             "type": "chunk", "tick_id": tick_id, "chunk_index": chunk_index, "frames": len(frames),
-            "applied_event_ids": [], "rewind_points": [max(0, chunk_index - 7), chunk_index + 1],
+            "applied_event_ids": [], "restarted": restarted, "rewind_points": [max(0, chunk_index - 7), chunk_index + 1],
+            "timings": {"queue_ms": 0.0, "compute_ms": 0.0, "encode_ms": 0.0},
         }
-        if restarted:
-            message["restarted"] = restarted
         if skipped:
             message["skipped_before"] = skipped
         await ws.send(json.dumps(message))
@@ -164,9 +163,9 @@ def test_share_options_are_checked_before_connecting(
 
 
 def test_share_session_url_adds_the_share_token_beside_the_access_token() -> None:
-    url = messages.session_url("http://h:1", token="t0ken", share="r0.abc")
+    url = client_lib.session_url("http://h:1", token="t0ken", share="r0.abc")
     assert parse_qs(urlsplit(url).query) == {"token": ["t0ken"], "share": ["r0.abc"]}
-    assert messages.session_url("http://h:1") == "ws://h:1/v1/sessions"
+    assert client_lib.session_url("http://h:1") == "ws://h:1/v1/sessions"
 
 
 def test_compact_ranges_shows_a_jump_back() -> None:
@@ -277,16 +276,16 @@ def test_a_rewind_past_the_held_points_is_refused_clearly(
     assert "rewind_unavailable" in capsys.readouterr().err
 
 
-async def watch_and_branch(url: str, tmp_path: Path) -> tuple[list[client.Chunk], int, int, int]:
+async def watch_and_branch(url: str, tmp_path: Path) -> tuple[list[client_lib.Chunk], int, int, int]:
     """A player holding d; while it plays, a viewer (``--watch``); then a branch (``--branch``) from two chunks
     back (a boundary the server still holds). Returns the player's chunks, both exit codes and the branch point."""
-    player = client.SessionClient(await client.connect(messages.session_url(url)))
+    player = client_lib.Session(await client_lib.connect(client_lib.session_url(url)))
     try:
         await player.start(codec="raw", seed=11)
         token = player.share_token
         assert token, "the server offers a share token"
         await player.send_input(controls={"keys": ["d"]})
-        played: list[client.Chunk] = []
+        played: list[client_lib.Chunk] = []
         watch_argv = [url, "--watch", token, "--chunks", "3", "--codec", "raw", "--out", str(tmp_path / "watched")]
         watching = asyncio.create_task(asyncio.to_thread(client.main, watch_argv))
         while not watching.done():  # the player plays on while the viewer watches
@@ -334,7 +333,7 @@ def test_watch_and_branch_a_live_session(
 
 async def branch_from_now(url: str, tmp_path: Path) -> int:
     """A player plays three chunks, then ``--branch TOKEN`` with no ``--chunk``; returns its exit code."""
-    player = client.SessionClient(await client.connect(messages.session_url(url)))
+    player = client_lib.Session(await client_lib.connect(client_lib.session_url(url)))
     try:
         await player.start(codec="raw", seed=5)
         assert player.share_token
@@ -370,7 +369,7 @@ def test_a_share_token_the_server_cannot_honour(
 
 async def watch_then_take_control(url: str, out: Path) -> tuple[int, list[int]]:
     """A player; a ``--watch`` client; once it watches, the player passes it the controls and watches."""
-    player = client.SessionClient(await client.connect(messages.session_url(url)))
+    player = client_lib.Session(await client_lib.connect(client_lib.session_url(url)))
     try:
         await player.start(codec="raw")
         token = player.share_token
@@ -385,7 +384,7 @@ async def watch_then_take_control(url: str, out: Path) -> tuple[int, list[int]]:
         while not watching.done():  # now a viewer itself: it gets the chunks the new controller asks for
             try:
                 seen.append(int((await player.receive_chunk()).message["chunk_index"]))
-            except client.SessionClosed:
+            except client_lib.SessionClosed:
                 break
         return await watching, seen
     finally:

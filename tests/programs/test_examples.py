@@ -39,6 +39,35 @@ def test_the_python_example_saves_every_frame(tmp_path: Path) -> None:
         server.settled(server.stats()["kv"]["blocks_total"])  # the session ended and gave back its KV
 
 
+def test_the_python_example_takes_the_address_serve_prints_and_refuses_another_scheme_in_words(
+    tmp_path: Path,
+) -> None:
+    with running_server(fake_settings()) as server:
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLES / "client.py"), server.base_url + "/", "d", "2", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=EXIT_GUARD_S,
+        )
+        assert result.returncode == 0, result.stderr
+        assert len(list(tmp_path.glob("*.jpg"))) > 0
+    refused = subprocess.run(
+        [sys.executable, str(EXAMPLES / "client.py"), "ftp://127.0.0.1:9/", "d", "2", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_GUARD_S,
+    )
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "URL must start with ws://, wss://, http:// or https://" in refused.stderr
+
+
+def test_every_page_the_server_serves_names_its_icon() -> None:
+    # Without one a desktop browser asks for /favicon.ico, which 404s into the console of a copied example too.
+    pages = sorted((REPO_ROOT / "static").rglob("*.html"))
+    assert len(pages) >= 4
+    assert [page.name for page in pages if '<link rel="icon"' not in page.read_text()] == []
+
+
 @pytest.fixture
 def example_site() -> Iterator[str]:
     """docs/examples/ on its own port: another origin than the ARStream server, as a user's site is."""
@@ -64,6 +93,7 @@ def _streams_and_steers(browser: Any, url: str) -> None:
     page = browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("response", lambda response: errors.append(response.url) if response.status == 404 else None)
     try:
         page.goto(url)
         expect(page.locator("#status")).to_have_text(re.compile(r"frames: [2-9][0-9]"), timeout=30_000)

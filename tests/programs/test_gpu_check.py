@@ -88,6 +88,20 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
     assert set(result["aims"]) >= {"one_session_fps_at_least_25", "server_vs_runner_at_least_0_95_everywhere"}
     assert result["aims"]["aggregate_fps_vs_one_session"].keys() == {"2"}
 
+    fit = result["fit"]
+    eager = {f"{m}/{w}/eager" for m in ("matrix-game-2", "longlive") for w in ("float32", "int8", "fp8")}
+    assert set(fit["variants"]) == eager and fit["errors"] == {}, fit
+    assert {name.replace("compiled", "eager") for name in fit["skipped"]} == eager  # compiled: the compile lane's
+    for name, figures in fit["variants"].items():
+        assert_positive(figures, ("load_s", "warmup_to_ready_s", "fps", "plan_weights_bytes"), name)
+        assert figures["allocated_by_load_bytes"] is None  # the allocator's figure is CUDA's
+    # the plan (meta device) and the loaded model agree where the dtypes are the same (longlive: one dtype)
+    for weights in ("float32", "int8", "fp8"):
+        figures = fit["variants"][f"longlive/{weights}/eager"]
+        assert figures["plan_weights_bytes"] == figures["card_weights_bytes_on_device"], figures
+    quantized = fit["variants"]["longlive/int8/eager"]["plan_weights_bytes"]
+    assert quantized < fit["variants"]["longlive/float32/eager"]["plan_weights_bytes"]
+
 
 def test_the_carried_wheels_are_what_the_gpu_image_lacks() -> None:
     names = {line.split("==")[0].split(">")[0].split("<")[0] for line in carried_requirements()}

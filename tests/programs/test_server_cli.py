@@ -360,6 +360,9 @@ def test_listening_on_every_interface_announces_the_lan_urls() -> None:
     assert expected[0] in printed, printed
     for address in lan_addresses():
         assert f"http://{address}:{port}/" in expected[0] and not address.startswith("127.")
+    # Without a token anyone on that network can play: the banner says how to ask for one.
+    assert "Anyone who can reach this address can play: add --auth-token TOKEN" in printed, printed
+    assert "Players need the access token (--auth-token)" in network_lines("0.0.0.0", 8000, token_required=True)[-1]
 
 
 @pytest.mark.parametrize("has_pyav", [False, True])
@@ -380,3 +383,31 @@ def test_without_pyav_the_start_says_what_to_install_as_info_not_a_warning(
     note = record.getMessage()
     assert "/realtime-video.html" in note and "pip install 'arstream[video]'" in note, note
     assert "missing" not in note and "is off" not in note, note
+
+
+def test_a_plain_start_opens_with_the_address_and_says_its_capacity_parked_sessions_included(tmp_path: Path) -> None:
+    # An install without PyAV (a stand-in `av` that cannot be imported): its optional-page note comes after the
+    # address, and with parking on the capacity line says the parked sessions too, as /v1/stats counts them.
+    (tmp_path / "av").mkdir()
+    (tmp_path / "av" / "__init__.py").write_text("raise ImportError('no PyAV in this install')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    args = ["--model", "fake-kv", "--park-budget-bytes", str(64 << 20)]
+    with server_process(args, env) as server:
+        stats = server.stats()
+        deadline = 600  # polls of 0.05 s: a hang guard, not a speed check
+        while not any("optional:" in line for line in server.output) and deadline:
+            deadline -= 1
+            time.sleep(0.05)
+        printed = list(server.output)
+    ours = [line for line in printed if "uvicorn" not in line.lower() and not line.startswith("INFO:")]
+    first = next(i for i, line in enumerate(ours) if "open http" in line or "optional:" in line)
+    assert "open http" in ours[first], ours
+    held, parked = stats["kv"]["session_capacity"], stats["parking"]["park_capacity"]
+    assert parked > 0
+    line = next(line for line in printed if line.startswith("Sessions: "))
+    assert f"room for {held} at once" in line and f"{parked} more parked in host memory" in line, line
+    # the pool's own line leads with what it means (memory, sessions, what each remembers, rewind in seconds)
+    pool = next(line for line in printed if "model memory (KV pool): " in line)
+    resident = stats["parking"]["resident_capacity"]
+    assert re.search(rf"\d+ MiB, room for {resident} sessions", pool), pool
+    assert "each remembers its first" in pool and "back to 30 s (none older than 36 s)" in pool, pool

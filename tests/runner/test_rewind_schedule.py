@@ -3,6 +3,9 @@ budget picks the schedule, and a real runner holding exactly what the schedule s
 
 from __future__ import annotations
 
+import functools
+import math
+
 import pytest
 import torch
 
@@ -12,7 +15,14 @@ from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline
 from arstream.runner.pool import plan_pool
-from arstream.runner.rewind_schedule import RewindPeak, RewindPlanError, RewindSchedule, boundary_frames, plan_rewind
+from arstream.runner.rewind_schedule import (
+    HORIZON_SLACK,
+    RewindPeak,
+    RewindPlanError,
+    RewindSchedule,
+    boundary_frames,
+    plan_rewind,
+)
 from arstream.runner.runner import ARRunner, rewind_for, runner_for_sessions
 from runner_fakes import tick, tiny_spec
 
@@ -35,16 +45,28 @@ def test_thinning_only_drops_a_boundary_never_wants_one_back() -> None:
         assert later - {newest + 1} <= set(schedule.kept(newest)), newest
 
 
-def test_the_oldest_point_is_always_at_least_the_reach_back() -> None:
-    for need in (240, 40, 7, 1):
+def _worst_miss(schedule: RewindSchedule, back: float) -> float:
+    """The furthest, as a share of ``back`` chunks, that the nearest held point ever is from ``back`` chunks back
+    (over every newest boundary once a session has played past the horizon's slack)."""
+    first = math.ceil(back * HORIZON_SLACK)
+    ages = _held_ages(schedule)[first:]
+    return max(min(abs(age - back) for age in held) for held in ages) / back
+
+
+@functools.cache
+def _held_ages(schedule: RewindSchedule) -> list[list[int]]:
+    """The ages held while each boundary is the newest, for a session that runs a few periods past the horizon."""
+    return [[n - b for b in schedule.kept(n)] for n in range(schedule.horizon + 4 * schedule.stride(schedule.horizon))]
+
+
+def test_a_point_lies_within_a_fifth_of_any_time_back_and_none_past_the_horizons_slack() -> None:
+    for need in (240, 40, 7):
         schedule = plan_rewind(tiny_spec(), chunks_per_second=8, seconds=need / 8, budget_bytes=1 << 40)
-        assert schedule is not None and schedule.reach >= need
-        for newest in range(need, need + 4 * schedule.stride(schedule.horizon)):
-            assert newest - schedule.kept(newest)[0] >= need, (need, newest)
-    for dense, need in ((16, 240), (8, 240), (3, 40), (2, 7)):  # the budget's fallbacks reach as far
-        reached = RewindSchedule(dense, need)
-        assert plan_rewind(tiny_spec(), chunks_per_second=8, seconds=need / 8,
-                           budget_bytes=reached.peak(tiny_spec()).extra_bytes(tiny_spec())) is not None
+        assert schedule is not None and schedule.span == need and schedule.seconds == need / 8
+        assert schedule.horizon == int(need * HORIZON_SLACK)
+        for back in range(schedule.dense, need + 1):
+            assert _worst_miss(schedule, back) <= 0.2, (need, back)
+        assert max(n - schedule.kept(n)[0] for n in range(3 * schedule.horizon)) == schedule.horizon
 
 
 def test_boundary_frames_are_the_sink_and_the_window_as_they_were() -> None:
@@ -88,15 +110,15 @@ def test_the_plan_counts_the_schedules_peak_in_every_session() -> None:
 def test_a_budget_buys_the_densest_schedule_that_fits_and_a_shorter_horizon_last() -> None:
     spec = tiny_spec()  # 16-byte blocks
     wide = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=1 << 30)
-    # every chunk of the last 2 s; the horizon runs past 240 chunks so the oldest point is always 30 s back
-    assert wide == RewindSchedule(dense=16, horizon=255, chunks_per_second=8)
-    assert (wide.reach, wide.seconds, wide.kept(1000)[0]) == (240, 30, 752)
-    budget = RewindSchedule(dense=5, horizon=303).peak(spec).extra_bytes(spec)
+    # every chunk of the last 2 s; points back to 30 s and none past 36 s (not a whole tier's stride beyond)
+    assert wide == RewindSchedule(dense=16, horizon=288, chunks_per_second=8, span=240)
+    assert (wide.seconds, 1000 - wide.kept(1000)[0]) == (30, 264)
+    budget = RewindSchedule(dense=5, horizon=288).peak(spec).extra_bytes(spec)
     chosen = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=budget)
-    assert chosen is not None and chosen.dense == 5 and chosen.reach >= 240
-    two = RewindSchedule(dense=2, horizon=495).peak(spec).extra_bytes(spec)
+    assert chosen is not None and (chosen.dense, chosen.horizon, chosen.seconds) == (5, 288, 30)
+    two = RewindSchedule(dense=2, horizon=288).peak(spec).extra_bytes(spec)
     shorter = plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=two - 1)
-    assert shorter is not None and shorter.reach < 240 and shorter.dense == 2
+    assert shorter is not None and shorter.seconds == 15 and shorter.horizon == 144
     assert plan_rewind(spec, chunks_per_second=8, seconds=30, budget_bytes=0) is None
     assert plan_rewind(spec, chunks_per_second=8, seconds=0, budget_bytes=1 << 30) is None
     with pytest.raises(RewindPlanError, match="horizon >= 0 s"):
@@ -109,16 +131,19 @@ def _models() -> dict[str, ARPipeline]:
     return {"tiny-world": load_tiny_world(torch.device("cpu")), "matrix-game-2": matrix}
 
 
-def test_the_servers_defaults_give_tiny_world_thirty_seconds_and_matrix_game_fewer_sparser_points() -> None:
+def test_the_servers_defaults_hold_a_point_near_5_10_20_and_30_s_back_and_none_past_36_s() -> None:
     settings = Settings()
-    schedules = {
-        name: rewind_for(pipeline, seconds=settings.rewind_seconds, budget_bytes=settings.rewind_budget_bytes())
-        for name, pipeline in _models().items()
-    }
-    tiny, matrix = schedules["tiny-world"], schedules["matrix-game-2"]
-    assert tiny is not None and tiny.seconds >= 30
-    assert matrix is not None and matrix.seconds >= 30
-    assert matrix.dense < tiny.dense and len(matrix.kept(10_000)) < len(tiny.kept(10_000))
+    for name, pipeline in _models().items():
+        spec = pipeline.kv_cache_spec()
+        schedule = rewind_for(pipeline, seconds=settings.rewind_seconds, budget_bytes=settings.rewind_budget_bytes())
+        assert schedule is not None and schedule.seconds == 30, name
+        rate = schedule.chunks_per_second
+        for seconds in (5, 10, 20, 30):
+            assert _worst_miss(schedule, seconds * rate) <= 0.2, (name, seconds, schedule)
+        assert max(n - schedule.kept(n)[0] for n in range(2000)) / rate <= 36, name
+        # the start-up line says it in seconds of play
+        words = schedule.describe(spec)
+        assert "then sparser back to 30 s (none older than 36 s)" in words and "chunks" not in words, words
 
 
 def test_a_branch_without_a_chunk_starts_where_the_source_is() -> None:

@@ -68,6 +68,7 @@ def members(interface: type) -> set[str]:
 SERVER_INTERFACE = {
     "on_evict", "warmup_round_s", "batch_limit", "warmup", "model_card", "execute", "is_resident",
     "next_chunk_index", "branch_session", "close_session", "stats",
+    "prepare_prompt",  # the transport prepares each prompt as it arrives, off the model thread
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from arstream.app.prompts import MAX_PROMPT_CHARS
 from arstream.app.protocol import InputMessage, ProtocolError
 from arstream.app.session import MAX_PENDING_EVENTS, Session, SessionState
 from raw_clients import RawWebSocket, rss_bytes
@@ -34,10 +35,13 @@ NO_RATE_LIMIT = {"max_messages_per_s": 1e6, "message_burst": 1_000_000}
 
 
 async def send_large_inputs(url: str, count: int, first_id: int) -> dict[str, Any]:
-    """``count`` input events with 60 KB prompts, each ack read, then one tick; returns its chunk."""
+    """``count`` input events with the largest prompt allowed, each ack read, then one tick; returns its chunk.
+
+    The prompt is the same each time: new prompts are bounded in rate (app/prompts.py), and 60 KB ones, which
+    this test sent before prompts were bounded, are refused when parsed. Each message's copy of it is its own."""
     async with session_client(url, start={}) as client:
         for event_id in range(first_id, first_id + count):
-            await client.send(type="input", event_id=event_id, prompt=f"{event_id:08d}" + "p" * 60_000)
+            await client.send(type="input", event_id=event_id, prompt="p" * MAX_PROMPT_CHARS)
             ack = await client.recv_json()
             assert ack == {"type": "ack", "event_id": event_id, "status": "accepted"}
         await client.send(type="tick", tick_id=0)

@@ -1,12 +1,13 @@
-"""Hostile start images against real servers (issue 31): scan bombs, busy decode threads, clients that leave,
-and what a session holds of its picture.
+"""Hostile start images against real servers: scan bombs (and scans hidden behind bytes libjpeg skips), busy
+decode workers, decodes stopped at their deadline, clients that leave, and what a session holds of its picture.
 
 A progressive JPEG of thousands of tiny scans costs libjpeg a pass over the
 whole picture per scan: refused by its scan count before a pixel is decoded.
 A decode waits for one of the 2 decode threads and runs within
 ``start_image_timeout_s`` in all (``over_capacity`` if it never started,
-``invalid_image`` if it ran past); a client that leaves stops counting as
-waiting to start at once. A session keeps only the part of its picture the
+``invalid_image`` if it ran past), in a worker process that is killed at the
+deadline or when its client leaves (counted in /proc); a client that leaves
+stops counting as waiting to start at once. A session keeps only the part of its picture the
 model uses, at most one frame, and ``/v1/stats`` counts what is held.
 """
 
@@ -16,6 +17,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ from arstream.app.start_image import ImageLimits, StartImageRefused, decode_pixe
 from arstream.models.matrix_game.config import get_config
 from arstream.models.matrix_game.images import prepare_image
 from arstream.models.fake import FakeKVPipeline
-from raw_clients import jpeg_scan_bomb, rss_bytes
+from raw_clients import child_processes, jpeg_scan_bomb, rss_bytes
 from servers import LiveServer, fake_settings, running_server, server_process, session_client, wait_until
 
 MB = 2**20
@@ -69,6 +71,20 @@ def test_a_scan_bomb_is_refused_before_decoding_and_an_ordinary_progressive_jpeg
     with pytest.raises(StartImageRefused, match="more than 64 scans"):
         decode_pixels(jpeg_scan_bomb(1024, 1024, 500, multi_picture=True), limits)
     assert decode_pixels(jpeg_scan_bomb(64, 48, 0, multi_picture=True), limits).shape == (48, 64, 3)
+
+
+def test_bytes_libjpeg_skips_hide_no_scan() -> None:
+    """libjpeg skips bytes that are no marker between segments (a warning) and decodes on; before the fix the
+    count stopped at the first such byte: one 0x00 after the frame header hid every scan (0 counted)."""
+    normal = jpeg_scans(jpeg_scan_bomb(64, 48, 0), 64)
+    for junk in (b"\x00", b"\x00\x12\xff\x00", b"\xff\xff\x00"):
+        assert jpeg_scans(jpeg_scan_bomb(64, 48, 30, junk_after_frame=junk), 64) == normal + 30
+        assert jpeg_scans(jpeg_scan_bomb(64, 48, 5000, junk_after_frame=junk), 64) == 65
+    # What libjpeg makes of the file: it decodes (the skipped bytes cost nothing), and is refused by its scans.
+    limits = ImageLimits(max_bytes=4 * MB, max_pixels=4096 * 4096, max_jpeg_scans=64)
+    assert decode_pixels(jpeg_scan_bomb(64, 48, 3, junk_after_frame=b"\x00"), limits).shape == (48, 64, 3)
+    with pytest.raises(StartImageRefused, match="more than 64 scans"):
+        decode_pixels(jpeg_scan_bomb(1024, 1024, 6000, junk_after_frame=b"\x00"), limits)
 
 
 @given(st.binary(max_size=512))
@@ -130,6 +146,80 @@ def test_a_scan_bomb_is_invalid_image_and_an_honest_upload_beside_it_starts() ->
         live.settled(blocks_free)
 
 
+def decode_workers() -> dict[int, str]:
+    """This process's decode worker processes (the servers here run in it), from /proc: pid -> state."""
+    return child_processes(os.getpid(), "arstream.app.image_worker")
+
+
+def test_hidden_scan_bombs_from_clients_that_left_leave_an_honest_upload_its_decode() -> None:
+    """Before the fix a 0x00 after the frame header hid a bomb's 6,000 scans: two such uploads, their clients
+    gone at once, held both decode threads (about 10 s each here) and the honest upload was over_capacity."""
+    settings = fake_settings(start_image_timeout_s=5.0)
+    with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
+        assert live.server is not None
+        wait_until(lambda: live.server.hub.start_images.workers.idle_ready() == 2)
+        blocks_free = live.stats()["kv"]["blocks_free"]
+        bomb = jpeg_scan_bomb(1024, 1024, 6000, junk_after_frame=b"\x00")
+
+        async def leave_with(data: bytes) -> None:
+            async with session_client(live.ws_url) as client:
+                await client.send(type="start", image={"data": b64(data)})
+                client.abort()
+
+        async def scenario() -> tuple[int | None, dict[str, Any], dict[str, Any]]:
+            await asyncio.gather(leave_with(bomb), leave_with(bomb))
+            honest_code, honest = await upload(live, png(np.full((64, 64, 3), 90, np.uint8)))
+            _, refused = await upload(live, bomb)
+            return honest_code, honest, refused
+
+        honest_code, honest, refused = asyncio.run(scenario())
+        assert honest["type"] == "ready" and honest_code == 1000
+        assert refused["code"] == "invalid_image" and "max_start_image_jpeg_scans" in refused["message"]
+        live.settled(blocks_free)
+
+
+def test_a_decode_past_its_deadline_is_killed_and_its_worker_replaced() -> None:
+    """Scans allowed here, so the bomb decodes (seconds) until start_image_timeout_s: then its worker process is
+    killed and reaped, and a new one takes its place. Before the fix the decode ran on in its thread, counted as
+    decoding in /v1/stats, for seconds after the client had its answer."""
+    settings = fake_settings(max_start_image_jpeg_scans=100_000, start_image_timeout_s=0.5)
+    with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
+        assert live.server is not None
+        wait_until(lambda: live.server.hub.start_images.workers.idle_ready() == 2)
+        before = decode_workers()
+        assert list(before.values()) == ["S", "S"]  # two idle workers, waiting for a file
+        code, refused = asyncio.run(upload(live, jpeg_scan_bomb(1024, 1024, 6000)))
+        assert code == 4004 and "did not decode within 0.5 s (start_image_timeout_s)" in refused["message"]
+        assert live.stats()["start_images"]["decoding"] == 0
+        after = decode_workers()
+        assert len(set(before) - set(after)) == 1  # the bomb's worker: killed and reaped (no zombie left)
+        assert len(after) == 2 and "Z" not in after.values()  # its replacement beside the other
+        wait_until(lambda: live.server.hub.start_images.workers.idle_ready() == 2)
+        assert asyncio.run(upload(live, png(np.full((64, 64, 3), 90, np.uint8))))[1]["type"] == "ready"
+
+
+def test_a_decode_whose_client_leaves_is_killed_at_once() -> None:
+    """A long timeout: the bomb would decode for seconds, but its client leaves; its worker is killed as the
+    connection stops waiting. Before the fix the decode ran to its end on its thread."""
+    settings = fake_settings(max_start_image_jpeg_scans=100_000, start_image_timeout_s=60.0)
+    with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
+        assert live.server is not None
+        hub = live.server.hub
+        wait_until(lambda: hub.start_images.workers.idle_ready() == 2)
+        before = set(decode_workers())
+
+        async def scenario() -> None:
+            async with session_client(live.ws_url, source_host="127.0.0.5") as leaver:
+                await leaver.send(type="start", image={"data": b64(jpeg_scan_bomb(1024, 1024, 6000))})
+                await asyncio.to_thread(wait_until, lambda: hub.unstarted.waiting_from("127.0.0.5") == 1)
+                leaver.abort()
+            await asyncio.to_thread(wait_until, lambda: hub.unstarted.waiting_from("127.0.0.5") == 0)
+
+        asyncio.run(scenario())
+        assert live.stats()["start_images"]["decoding"] == 0
+        assert len(before - set(decode_workers())) == 1
+
+
 def test_decodes_that_cannot_start_or_finish_in_time_are_refused() -> None:
     """Scans allowed here, so two bombs hold both decode threads: past start_image_timeout_s they are
     invalid_image, and an upload that never got a thread is over_capacity (before the fix it waited for them)."""
@@ -137,6 +227,8 @@ def test_decodes_that_cannot_start_or_finish_in_time_are_refused() -> None:
     with running_server(settings, FakeKVPipeline(start_images=OFFERED)) as live:
         blocks_free = live.stats()["kv"]["blocks_free"]
         bomb = jpeg_scan_bomb(2048, 2048, 2500)
+        assert live.server is not None
+        wait_until(lambda: live.server.hub.start_images.workers.idle_ready() == 2)  # both decode workers started
 
         async def scenario() -> list[tuple[int | None, dict[str, Any]]]:
             bombs = [asyncio.create_task(upload(live, bomb)) for _ in range(2)]

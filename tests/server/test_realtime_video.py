@@ -29,6 +29,7 @@ import pytest
 import torch
 from PIL import Image
 
+from arstream.app.prompts import MAX_PROMPT_CHARS, MAX_PROMPT_LINES
 from arstream.app.realtime_video import PATH
 from arstream.app.realtime_video_events import (
     MAX_CONTROL_MESSAGE_BYTES,
@@ -359,6 +360,9 @@ BAD_EVENTS: list[tuple[str, str | dict[str, Any], str]] = [
     ("short translation", interaction({"multi_modal_data": {"camera": camera([0, 1])}}, "s"), "3 finite numbers"),
     ("unknown modality", interaction({"multi_modal_data": {"image": {"url": "x"}}}, "i"), "only camera"),
     ("controls off schema", interaction({"controls": {"keys": ["q"]}}, "c"), "keys/0"),
+    # Bounded as protocol 1's prompts (docs/public.md): before, any length the message size allowed.
+    ("long prompt", interaction({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "p"), "at most 2000 characters, got 2001"),
+    ("many lines", interaction({"prompt": "x\n" * MAX_PROMPT_LINES}, "l"), "at most 64 lines, got 65"),
 ]
 
 
@@ -411,6 +415,7 @@ BAD_STARTS: list[tuple[str, dict[str, Any] | str, str]] = [
     ("image list", start_message(image_reference=[{"file_id": "a"}]), "a single image reference"),
     ("seconds", start_message(seconds="0"), "Invalid session.start"),
     ("controls", start_message(extra_params={"controls": {"keys": ["q"]}}), "keys/0"),
+    ("long prompt", start_message(prompt="x" * (MAX_PROMPT_CHARS + 1)), "at most 2000 characters, got 2001"),
 ]
 
 

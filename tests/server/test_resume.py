@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from arstream.programs.client import ConnectionDropped, RunResult, run_script
+from arstream.programs.client import RunResult, run_script
+from arstream.programs.client_lib import ConnectionDropped
 from arstream.models.fake import FakeKVPipeline, controls_code
 from arstream.runner.runner import WARMUP_SESSION_ID
 from arstream.runner.types import TickRequest

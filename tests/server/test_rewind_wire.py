@@ -155,6 +155,32 @@ def test_a_branch_continues_from_the_boundary_and_the_source_goes_on_unaffected(
     run(scenario())
 
 
+def test_a_branch_from_chunk_0_continues_the_rollout_and_is_no_restart(server: LiveServer) -> None:
+    # `restarted` "evicted" means KV lost without being asked: a branch from the first boundary lost nothing.
+    async def scenario() -> None:
+        baseline = server.stats()["kv"]["blocks_free"]
+        expected = await reference(server, 3)
+        async with session_client(server.ws_url, start={"seed": SEED, "codec": "raw"}) as source:
+            assert source.ready is not None
+            token = source.ready["share"]["token"]
+            for index in range(2):  # boundaries 0, 1 and 2 held
+                await chunk(source, index, KEYS[index])
+            url = f"{server.ws_url}?share={token}"
+            async with session_client(url, start={"branch": {"share": token, "chunk": 0}, "codec": "raw"}) as branch:
+                assert branch.ready is not None and branch.ready["branched_from"] == {"chunk": 0}
+                for index in range(3):
+                    header, frames = await chunk(branch, index, KEYS[index])
+                    assert (header["chunk_index"], header["restarted"]) == (index, None)
+                    assert same(frames, expected[index])
+                await branch.send(type="close")
+                await branch.closed_by_server()
+            await source.send(type="close")
+            await source.closed_by_server()
+        await asyncio.to_thread(server.settled, baseline)
+
+    run(scenario())
+
+
 def test_a_branch_that_does_not_fit_is_over_capacity_and_holds_nothing() -> None:
     settings = fake_settings(model_options=MODELS["fake-kv"], replica_id="r0", rewind_seconds=SECONDS, max_sessions=1)
     with running_server(settings) as live:

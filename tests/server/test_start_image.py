@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 from websockets.exceptions import ConnectionClosed
 
-from arstream.programs import client, messages
+from arstream.programs import client, client_lib
 from arstream.app.protocol import ErrorCode, ProtocolError, StartMessage, parse_client_message
 from arstream.app.settings import WS_FRAME_SLACK_BYTES
 from arstream.app.start_image import (
@@ -288,7 +288,7 @@ def test_a_resumed_session_keeps_its_image() -> None:
                 assert first.ready is not None
                 token, session_id = first.ready["resume"]["token"], first.ready["session_id"]
                 first.abort()
-            url = messages.session_url(live.ws_url, resume=token)
+            url = client_lib.session_url(live.ws_url, resume=token)
             # An image in a resume's start is ignored, as its prompt and seed are.
             async with session_client(url, start={"resume": token, "image": {"name": "canyon"}}) as resumed:
                 assert resumed.ready is not None and resumed.ready["resumed"] is True

@@ -1,0 +1,155 @@
+"""``arstream plan``: its figures (built on the meta device) against what a loaded, served model allocates.
+
+The plan sums the meta tensors' shapes; here the loaded model's bytes are its
+tensors' storage on the CPU (each storage once, a quantized weight through its
+data and scales), and the runner's pool is the tensors it allocated: not the
+plan's arithmetic again. Then the CLI on the published 1.3B geometries: a
+refusal that names what to change, and the same model fitting once changed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from servers import fake_settings, running_server
+
+from arstream.app.plan import PlanDoesNotFit, check_plan_fits, fit_plan
+from arstream.app.settings import Settings
+from arstream.cli import main
+from arstream.models.registry import load_pipeline
+from arstream.runner.runner import ARRunner
+from arstream.runner.parking import ParkingPolicy
+from arstream.runner.types import RuntimeOptions
+
+pytest.importorskip("torchao", reason="the quant extra (pip install 'arstream[quant]')")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GIB = 2**30
+TINY = {
+    "matrix-game-2": {"config": "tiny", "random_init": True, "weights": "int8"},
+    "longlive": {"config": "tiny", "random_init": True, "weights": "int8", "text_encoder_device": "cpu"},
+}
+
+
+def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [s for name in names for s in storages(getattr(tensor, name))]
+    return [tensor.untyped_storage()]
+
+
+def allocated(*modules: nn.Module | torch.Tensor) -> int:
+    """Bytes of the distinct storages behind ``modules``' parameters and buffers (or the tensors given)."""
+    seen: dict[int, int] = {}
+    for item in modules:
+        tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
+        for tensor in tensors:
+            for storage in storages(tensor):
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def loaded_modules(pipeline: Any) -> dict[str, nn.Module]:
+    modules = {"dit": pipeline.model}
+    if hasattr(pipeline, "text"):
+        modules |= {"text_encoder": pipeline.text.model, "vae": pipeline.vae.vae}
+    else:
+        modules |= {"vae": pipeline.vae.vae, "clip": pipeline._clip}
+    return modules
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+def test_the_plans_weights_and_pool_are_what_a_loaded_model_allocates(model: str) -> None:
+    settings = Settings(model=model, model_options=TINY[model], max_batch_sessions=2)
+    plan = fit_plan(settings, gpu_memory_bytes=2 * GIB)
+    assert plan.refusal is None and plan.session_capacity >= 1
+
+    # on the CPU in the dtypes a GPU gets by default, as the plan assumes
+    gpu_dtypes = {"dtype": "bfloat16", **({"vae_dtype": "float16"} if model == "matrix-game-2" else {})}
+    pipeline = load_pipeline(model, "cpu", **TINY[model], **gpu_dtypes)
+    modules = loaded_modules(pipeline)
+    assert {c.name: c.bytes for c in plan.components} == {name: allocated(m) for name, m in modules.items()}
+    dit = next(c for c in plan.components if c.name == "dit")
+    assert dit.weights == "int8 (bfloat16 compute)"  # the plan is for a GPU: bf16 there by default
+    # the pool: a runner on the CPU with the plan's budget allocates the bytes the plan counts
+    runner = ARRunner.for_pipeline(
+        pipeline,
+        RuntimeOptions(
+            device="cpu", kv_budget_bytes=plan.kv_budget_bytes, max_batch_sessions=2,
+            rewind_seconds=settings.rewind_seconds, rewind_budget_bytes=settings.rewind_budget_bytes(),
+            parking=ParkingPolicy(),
+        ),
+    )  # fmt: skip
+    pool = runner.pool
+    assert allocated(pool.kv, *pool.staging.values()) == plan.pool_bytes
+    assert runner.session_capacity == plan.session_capacity
+
+
+def test_the_text_encoder_off_the_gpu_is_not_counted_on_it() -> None:
+    options = {"config": "tiny", "random_init": True}
+    on_gpu = fit_plan(Settings(model="longlive", model_options=options), gpu_memory_bytes=2 * GIB)
+    off = fit_plan(
+        Settings(model="longlive", model_options={**options, "text_encoder_device": "cpu"}), gpu_memory_bytes=2 * GIB
+    )
+    encoder = next(c for c in off.components if c.name == "text_encoder")
+    assert encoder.device == "cpu" and not encoder.on_gpu
+    assert on_gpu.gpu_weights_bytes - off.gpu_weights_bytes == encoder.bytes > 0
+
+
+def test_a_served_models_stats_name_each_components_device_and_the_plans_bytes() -> None:
+    model, options = "longlive", TINY["longlive"]
+    plan = fit_plan(Settings(model=model, model_options=options), gpu_memory_bytes=2 * GIB)
+    with running_server(fake_settings(model=model, model_options={**options, "dtype": "bfloat16"})) as server:
+        stats = httpx.get(server.base_url + "/v1/stats", timeout=30).json()
+        card = httpx.get(server.base_url + "/v1/model", timeout=30).json()
+    served = {c["name"]: (c["device"], c["bytes"]) for c in stats["components"]}
+    assert served == {c.name: ("cpu", c.bytes) for c in plan.components}
+    assert card["components"] == stats["components"] and card["kv_dtype"] == "bfloat16"
+
+
+def plan_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, dict[str, Any]]:
+    code = main(["plan", *args, "--json"])
+    out = capsys.readouterr().out
+    return code, out, json.loads(out.strip().splitlines()[-1])
+
+
+def test_longlive_on_24_gb_is_refused_naming_what_to_change_and_fits_once_changed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, document = plan_cli(capsys, "--model", "longlive", "--model-options", '{"config": "1.3b"}',
+                                   "--gpu-memory", "24GB")  # fmt: skip
+    assert code == 1 and document["sessions"] == 0, out
+    assert "does not fit" in out and 'weights "int8"' in out and 'text_encoder_device "cpu"' in out, out
+    encoder = next(c for c in document["components"] if c["name"] == "text_encoder")
+    assert encoder["device"] == "gpu" and 11 * 10**9 < encoder["bytes"] < 12 * 10**9  # umT5-XXL in bf16
+
+    changed = '{"config": "1.3b", "weights": "int8", "text_encoder_device": "cpu"}'
+    code, out, document = plan_cli(capsys, "--model", "longlive", "--model-options", changed, "--gpu-memory", "24GB",
+                                   "--max-batch-sessions", "1", "--devices", "2")  # fmt: skip
+    assert code == 0 and document["refusal"] is None, out
+    assert document["session_capacity"] >= 1 and document["sessions"] == 2 * document["session_capacity"]
+    dit = next(c for c in document["components"] if c["name"] == "dit")
+    assert dit["weights"] == "int8 (bfloat16 compute)" and dit["bytes"] < 0.55 * 2.84e9  # about half of bf16's
+
+
+def test_serve_on_a_gpu_that_cannot_hold_a_session_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a fake of the CUDA free-memory query only (this machine has no GPU): 20 GB free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 10**9, 24 * 10**9))
+    settings = Settings(model="longlive", model_options={"config": "1.3b", "checkpoint": "/none"}, device="cuda")
+    with pytest.raises(PlanDoesNotFit, match='does not fit the .* free on cuda.*try: weights "int8"'):
+        check_plan_fits(settings)
+    assert check_plan_fits(Settings(model="tiny-world")) is None  # CPU: nothing planned
+
+
+def test_an_unplanned_model_and_a_bad_size_are_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "tiny-world", "--gpu-memory", "24GB"]) == 2
+    assert "is not built on the meta device" in capsys.readouterr().err
+    assert main(["plan", "--model", "longlive", "--gpu-memory", "lots"]) == 2
+    assert "expected a size such as 24GiB" in capsys.readouterr().err

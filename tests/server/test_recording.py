@@ -1,0 +1,225 @@
+"""Server-side recordings (PROTOCOL.md, "Recording"): fragmented MP4 of what the player saw, cut at a rewind.
+
+End to end against a real server (uvicorn, fake-kv): a session that asks records, its files decode with PyAV to
+the frames the client received, only its share token lists or downloads them, /metrics counts the bytes, and a
+folder an earlier process left is swept at start. The byte budgets and the retention time are unit tests of
+:class:`arstream.app.recorder.Recordings` on real files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arstream.app.recorder import Recordings, folder_name
+from arstream.programs.client_lib import Chunk, Session
+from servers import RECEIVE_GUARD_S, LiveServer, fake_settings, running_server
+
+av = pytest.importorskip("av")
+
+STALE = "0" * 32  # a recording folder an earlier process left
+# H.264 at quality 80 on the fake model's flat colours: a pixel may move by a few levels, never more.
+CODEC_TOLERANCE = 6
+
+
+@pytest.fixture(scope="module")
+def record_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("recordings")
+    (directory / STALE).mkdir()
+    (directory / STALE / "part-0000.mp4").write_bytes(b"left by a killed process")
+    (directory / "notes.txt").write_text("not a recording: left alone")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(record_dir: Path) -> Iterator[LiveServer]:
+    settings = fake_settings(model_options={"compute_delay_s": 0.002}, record_dir=str(record_dir))
+    with running_server(settings) as live:
+        yield live
+
+
+def decoded(data: bytes) -> list[np.ndarray]:
+    with av.open(io.BytesIO(data)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+async def play(url: str, *, record: bool) -> tuple[str, list[Chunk]]:
+    """Four chunks, a rewind to boundary 1, two more; the session's share token and every chunk received."""
+    async with await Session.connect(url) as session:
+        ready = await session.start(codec="raw", seed=7, record=record)
+        assert ready.share is not None
+        received = []
+        for keys in (["d"], ["w"], ["a"], ["s"]):
+            await session.tick(keys=keys)
+        received += [chunk async for chunk in session.chunks()]
+        await session.rewind(1, keys=["w", "d"])
+        await session.tick(keys=["d"])
+        received += [chunk async for chunk in session.chunks()]
+        assert await session.close() == "client"
+        return ready.share.token, received
+
+
+def test_a_recording_decodes_to_what_the_player_saw_cut_at_the_rewind(server: LiveServer, record_dir: Path) -> None:
+    token, received = asyncio.run(play(server.ws_url, record=True))
+    assert [(chunk.chunk_index, chunk.restarted) for chunk in received][3:] == [(3, None), (1, "rewind"), (2, None)]
+    listed = server.get("/v1/recordings", params={"share": token})
+    assert listed.status_code == 200
+    files = listed.json()["recordings"]
+    assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
+    server.settled(server.stats()["kv"]["blocks_total"])
+    # The session ended: its last file is complete once its encoder lane has run the finish after its chunks.
+    deadline = time.monotonic() + RECEIVE_GUARD_S
+    while not all(f["complete"] for f in files) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        files = server.get("/v1/recordings", params={"share": token}).json()["recordings"]
+    assert [f["complete"] for f in files] == [True, True]
+    videos = []
+    for f in files:
+        response = server.get(f"/v1/recordings/{f['name']}", params={"share": token})
+        assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+        assert len(response.content) == f["bytes"]
+        videos.append(decoded(response.content))
+    before_cut = [frame for chunk in received[:4] for frame in chunk.frames]
+    after_cut = [frame for chunk in received[4:] for frame in chunk.frames]
+    assert [len(v) for v in videos] == [len(before_cut), len(after_cut)]
+    for video, frames in zip(videos, (before_cut, after_cut), strict=True):
+        height, width = frames[0].shape[:2]
+        worst = max(int(np.abs(a[:height, :width].astype(int) - b.astype(int)).max()) for a, b in zip(video, frames))
+        assert worst <= CODEC_TOLERANCE
+    recorded = sum(f["bytes"] for f in files)
+    assert metric(server, "arstream_recorded_bytes_total") >= recorded
+    assert (record_dir / folder_name(token) / "part-0000.mp4").stat().st_size == files[0]["bytes"]
+
+
+def test_a_recording_is_never_readable_without_its_token(server: LiveServer) -> None:
+    token, _ = asyncio.run(play(server.ws_url, record=True))
+    assert server.get("/v1/recordings").status_code == 401
+    assert server.get("/v1/recordings/part-0000.mp4").status_code == 401
+    other = token.partition(".")[0] + ".not-the-token"
+    assert server.get("/v1/recordings", params={"share": other}).json() == {"recordings": []}
+    assert server.get("/v1/recordings/part-0000.mp4", params={"share": other}).status_code == 404
+    for name in ("..%2Fnotes.txt", "part-0000.mp4%00", "notes.txt"):
+        assert server.get(f"/v1/recordings/{name}", params={"share": token}).status_code == 404
+
+
+def test_a_session_that_does_not_ask_is_not_recorded(server: LiveServer) -> None:
+    token, received = asyncio.run(play(server.ws_url, record=False))
+    assert received
+    assert server.get("/v1/recordings", params={"share": token}).json() == {"recordings": []}
+
+
+def test_what_an_earlier_process_left_is_swept_at_start(server: LiveServer, record_dir: Path) -> None:
+    assert not (record_dir / STALE).exists()
+    assert (record_dir / "notes.txt").read_text() == "not a recording: left alone"
+
+
+def metric(server: LiveServer, name: str) -> float:
+    text = server.get("/metrics").text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert found is not None, name
+    return float(found.group(1))
+
+
+# ---- the bounds, on the recorder itself ----------------------------------------------------
+
+
+def chunk_frames(value: int) -> np.ndarray:
+    return np.full((2, 16, 16, 3), value, np.uint8)
+
+
+def recorder(directory: Path, **bounds: float) -> Recordings:
+    values = {"session_bytes": 10**9, "total_bytes": 10**9, "retention_s": 3600.0, **bounds}
+    return Recordings(
+        directory, session_bytes=int(values["session_bytes"]), total_bytes=int(values["total_bytes"]),
+        retention_s=values["retention_s"], quality=80,
+    )
+
+
+def write_chunks(recordings: Recordings, session_id: str, token: str, count: int) -> None:
+    for index in range(count):
+        recordings.write(session_id, token, chunk_frames(10 * index), chunk_index=index, restarted=None, fps=16)
+
+
+def test_a_session_past_its_byte_budget_records_nothing_more(tmp_path: Path) -> None:
+    probe = recorder(tmp_path / "probe")
+    write_chunks(probe, "s", "r0.a", 1)
+    first_chunk = probe.files("r0.a")[0].bytes  # the init segment and one fragment
+    recordings = recorder(tmp_path / "bounded", session_bytes=first_chunk + 1)
+    write_chunks(recordings, "s", "r0.a", 5)
+    [kept] = recordings.files("r0.a")
+    assert kept.bytes == first_chunk  # the file ends at its last whole chunk
+    assert len(decoded((tmp_path / "bounded" / folder_name("r0.a") / kept.name).read_bytes())) == 2
+
+
+def test_all_recordings_past_the_total_budget_record_nothing_more(tmp_path: Path) -> None:
+    probe = recorder(tmp_path / "probe")
+    write_chunks(probe, "s", "r0.a", 2)
+    two_chunks = probe.files("r0.a")[0].bytes
+    recordings = recorder(tmp_path / "bounded", total_bytes=two_chunks + 10)
+    write_chunks(recordings, "s1", "r0.a", 2)
+    write_chunks(recordings, "s2", "r0.b", 2)
+    assert [f.bytes for f in recordings.files("r0.a")] == [two_chunks]
+    assert recordings.files("r0.b") == []  # its first chunk is already past what is left
+    on_disk = sum(path.stat().st_size for path in (tmp_path / "bounded").rglob("*.mp4"))
+    assert on_disk == two_chunks
+
+
+def test_finished_recordings_past_their_retention_are_deleted(tmp_path: Path) -> None:
+    recordings = recorder(tmp_path, retention_s=0.0)
+    write_chunks(recordings, "s1", "r0.a", 2)
+    assert [f.complete for f in recordings.files("r0.a")] == [False]  # being written: never expired
+    recordings.finish("s1")
+    write_chunks(recordings, "s2", "r0.b", 1)  # a recording begins: expired ones go first
+    assert recordings.files("r0.a") == []
+    assert not (tmp_path / folder_name("r0.a")).exists()
+
+
+def test_a_rewind_reset_or_gap_cuts_the_recording(tmp_path: Path) -> None:
+    recordings = recorder(tmp_path)
+    for index, restarted in ((0, None), (1, None), (1, "rewind"), (0, "reset"), (5, None)):
+        recordings.write("s", "r0.a", chunk_frames(index), chunk_index=index, restarted=restarted, fps=16)
+    files = recordings.files("r0.a")
+    assert [f.name for f in files] == [f"part-{n:04d}.mp4" for n in range(4)]
+    lengths = [len(decoded((tmp_path / folder_name("r0.a") / f.name).read_bytes())) for f in files]
+    assert lengths == [4, 2, 2, 2]
+
+
+def test_arstream_client_record_asks_for_a_recording(server: LiveServer) -> None:
+    from arstream.programs import client
+
+    result = asyncio.run(client.run_script(server.ws_url, [("d",), ("w",)], codec="jpeg", record=True))
+    token = result.ready["share"]["token"]
+    files = server.get("/v1/recordings", params={"share": token}).json()["recordings"]
+    assert [f["name"] for f in files] == ["part-0000.mp4"] and files[0]["bytes"] > 0
+
+
+def test_record_all_without_a_directory_is_refused() -> None:
+    with pytest.raises(ValueError, match="--record-dir"):
+        fake_settings(record_all=True)
+
+
+def test_a_part_that_expired_during_its_session_never_has_its_name_reused(tmp_path: Path) -> None:
+    recordings = recorder(tmp_path, retention_s=0.0)
+    for index, restarted in ((0, None), (1, None), (0, "rewind")):
+        recordings.write("s", "r0.a", chunk_frames(index), chunk_index=index, restarted=restarted, fps=16)
+    assert [f.name for f in recordings.files("r0.a")] == ["part-0001.mp4"]  # part-0000 was finished: expired
+    recordings.write("s", "r0.a", chunk_frames(9), chunk_index=0, restarted="reset", fps=16)
+    files = recordings.files("r0.a")
+    assert [f.name for f in files] == ["part-0002.mp4"]  # part-0001 finished at the reset and expired in turn
+    assert len(decoded((tmp_path / folder_name("r0.a") / "part-0002.mp4").read_bytes())) == 2
+
+
+def test_record_all_records_a_session_that_did_not_ask(tmp_path: Path) -> None:
+    settings = fake_settings(record_dir=str(tmp_path), record_all=True)
+    with running_server(settings) as live:
+        token, received = asyncio.run(play(live.ws_url, record=False))
+        files = live.get("/v1/recordings", params={"share": token}).json()["recordings"]
+        assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
+        assert metric(live, 'arstream_recording_drops_total{reason="session_bytes"}') == 0
