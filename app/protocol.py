@@ -627,7 +627,7 @@ def controls_problem(controls: dict[str, Any], max_items: int, validator: Valida
     return f"{where}: {error.message}"
 
 
-PromptCarrier = TypeVar("PromptCarrier", TickMessage, InputMessage)
+PromptCarrier = TypeVar("PromptCarrier", bound="TickMessage | InputMessage")
 
 
 def with_prepared_prompt(message: PromptCarrier, prompts: PromptPreparer, allowance: PromptAllowance) -> PromptCarrier:
