@@ -17,7 +17,9 @@ sessions (``fail_session``) before the next round.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -26,6 +28,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .session import ChunkInputs, TickJob
+from ..measure import percentile
 from ..runner.runtimes import SplitDecodeRuntime
 from ..runner.types import ChunkResult, TickResult
 
@@ -125,6 +129,52 @@ class RoundPhases:
             "decode_ms_last": round(self.last_decode_s * 1e3, 3),
             "overlap_ms_last": round(self.last_overlap_s * 1e3, 3),
         }
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A chunk the worker handed to the decode stage, with what its outcome needs."""
+
+    job: TickJob
+    inputs: ChunkInputs
+    restarted: str | None
+    queue_s: float
+    forward_s: float
+
+
+class WorkerTimes:
+    """The worker's timings, written on its thread and read on the event loop: each chunk's compute time (its
+    percentiles for /v1/stats) and the rounds' phases (:class:`RoundPhases`)."""
+
+    def __init__(self, kept: int) -> None:
+        self._lock = threading.Lock()
+        self._compute: deque[float] = deque(maxlen=kept)
+        self.phases = RoundPhases()
+
+    def chunk(self, compute_s: float) -> None:
+        with self._lock:
+            self._compute.append(compute_s)
+
+    def round(self, dit_s: float, decode_s: float, overlap_s: float) -> None:
+        with self._lock:
+            self.phases.record(dit_s, decode_s, overlap_s)
+
+    def phases_summary(self) -> dict[str, float | int]:
+        with self._lock:
+            return self.phases.summary()
+
+    def phase_seconds(self) -> tuple[int, float, float, float]:
+        """(rounds, DiT s, decode s, overlap s) since start-up, for /metrics."""
+        with self._lock:
+            p = self.phases
+            return p.rounds_total, p.dit_seconds_total, p.decode_seconds_total, p.overlap_seconds_total
+
+    def compute_ms_percentiles(self) -> tuple[float | None, float | None]:
+        with self._lock:
+            times = list(self._compute)
+        if not times:
+            return None, None
+        return percentile(times, 50) * 1e3, percentile(times, 99) * 1e3
 
 
 def overlap_s(a: tuple[float, float], b: tuple[float, float]) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .viewers import Notified
 
@@ -43,8 +43,11 @@ if TYPE_CHECKING:
     from .start_image import StartImageResolver
     from .unstarted import UnstartedConnections
     from .viewers import ShareRegistry, ViewerRole
-    from .worker import TickOutcome
+    from .worker import OnWorkerThread, TickOutcome
     from ..runner.types import StartImage
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,8 @@ class SessionWorker(Protocol):
     def drop_ticks(self, session_id: str) -> tuple[TickJob, ...]:
         """Take the session's queued ticks back (they will not run); the session stays."""
 
-    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
-        """Make a new session from another's chunk boundary (a call on the worker thread)."""
+    def call(self, function: Callable[[OnWorkerThread], _T], *, lane: str | None = None) -> asyncio.Future[_T]:
+        """Run ``function`` on the worker's thread (a branch: app/transfers.py); its result resolves the future."""
 
     def encode_for_viewers(
         self,

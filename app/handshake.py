@@ -30,6 +30,7 @@ from .protocol import (
 )
 from .resume import Forward, Resumed, ResumeRefused, token_hint
 from .session import Session, SessionState
+from .transfers import branch_session
 from .viewers import AudienceFull, ShareRefused
 
 log = logging.getLogger("arstream.session")
@@ -169,7 +170,7 @@ class Handshake:
         new_id = self.opening.session_id
         where = "its latest chunk" if asked is None else f"chunk {asked}"
         try:
-            boundary = await worker.branch_session(source_id, asked, new_id)
+            boundary = await branch_session(worker, source_id, asked, new_id)
         except (RewindUnavailable, PoolExhausted) as exc:
             self.gate.drop_claim(self.opening)
             if isinstance(exc, PoolExhausted):

@@ -120,8 +120,8 @@ class SessionHub:
             if offer.start_image_names:
                 self.start_images.set_frame(int(offer.card["width"]), int(offer.card["height"]))
             self.controls_validator, self.start_image_names = offer.controls_validator, offer.start_image_names
-            assert self.worker.runner is not None
-            self.prompts.use(self.worker.runner.prepare_prompt)
+            assert self.worker.prepare_prompt is not None
+            self.prompts.use(self.worker.prepare_prompt)
             self.model_card, self.ready, self.not_ready_reason = offer.card, True, ""
             if self.settings.park_after_s is not None and self.settings.park_budget_bytes > 0:
                 self._park_clock = asyncio.create_task(park_idle_sessions(self.worker, self.settings.park_after_s))

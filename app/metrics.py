@@ -180,10 +180,21 @@ class Served(Protocol):
     def outbox(self) -> Queued: ...
 
 
+class Times(Protocol):
+    """The worker's chunk and round times (:class:`arstream.app.decode_stage.WorkerTimes`)."""
+
+    def phases_summary(self) -> dict[str, float | int]: ...
+
+    def phase_seconds(self) -> tuple[int, float, float, float]: ...
+
+    def compute_ms_percentiles(self) -> tuple[float | None, float | None]: ...
+
+
 class WorkerFigures(Protocol):
     """The model worker's figures (:class:`arstream.app.worker.ModelWorker`)."""
 
     round_times: RoundTimes
+    times: Times
 
     @property
     def runner_stats(self) -> RunnerStats | None: ...
@@ -193,12 +204,6 @@ class WorkerFigures(Protocol):
 
     @property
     def decode_overlap(self) -> bool: ...
-
-    def phases_summary(self) -> dict[str, float | int]: ...
-
-    def phase_seconds(self) -> tuple[int, float, float, float]: ...
-
-    def compute_ms_percentiles(self) -> tuple[float | None, float | None]: ...
 
 
 class DetachedEntry(Protocol):
@@ -288,7 +293,7 @@ class ReplicaCollector(Collector):
         if worker is None or worker.runner_stats is None or not hub.model_card:
             return
         yield _gauge("arstream_queue_depth", "Ticks waiting for the model worker", worker.queue_depth)
-        rounds, dit_s, decode_s, overlap = worker.phase_seconds()
+        rounds, dit_s, decode_s, overlap = worker.times.phase_seconds()
         for name, help_text, value in (
             ("arstream_rounds", "Worker rounds whose phases are counted below", rounds),
             ("arstream_round_dit_seconds", "Time in DiT forwards, summed over rounds", dit_s),
@@ -337,7 +342,7 @@ def stats_document(replica: ReplicaView) -> dict[str, Any] | None:
     runner_stats = worker.runner_stats if worker else None
     if worker is None or runner_stats is None:
         return None
-    p50, p99 = worker.compute_ms_percentiles()
+    p50, p99 = worker.times.compute_ms_percentiles()
     capacity = replica.realtime_capacity()
     connections = list(replica.connections.values())
     sessions = [c.session for c in connections if c.session is not None]
@@ -381,5 +386,5 @@ def stats_document(replica: ReplicaView) -> dict[str, Any] | None:
             "round_sessions_total": worker.round_times.round_sessions_total,
         },
         # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
-        "phases": {"decode_overlap": worker.decode_overlap, **worker.phases_summary()},
+        "phases": {"decode_overlap": worker.decode_overlap, **worker.times.phases_summary()},
     }

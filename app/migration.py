@@ -63,8 +63,9 @@ from .portable_session import PortableSessionError, validated_session
 from .protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
 from .resume import ResumeRefused
 from .session import Session, SessionState
+from .transfers import Receiving, export_plan, import_step, read_parts, receiving
 from .wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
-from ..runner.snapshot import SnapshotError, SnapshotRefused, check_compatible
+from ..runner.snapshot import SnapshotError, SnapshotRefused, check_identity
 from ..runner.snapshot_import import SessionImport, TensorEntry
 from ..runner.snapshot_stream import PIECE_BYTES, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, Write
 from ..runner.types import StartImage
@@ -72,7 +73,7 @@ from ..runner.types import StartImage
 if TYPE_CHECKING:
     from .hub import SessionHub
     from .worker import ModelWorker
-    from ..runner.runner import ARRunner
+    from ..runner.capabilities import SupportsExport
 
 log = logging.getLogger("arstream.migration")
 
@@ -186,15 +187,9 @@ class Migration:
 
     # ---- peer side: taking a session -----------------------------------------------------------
 
-    def _max_snapshot_bytes(self) -> int:
-        worker = self.hub.worker
-        plan = getattr(worker.runner, "plan", None) if worker is not None else None
-        per_session = plan.per_session_bytes if plan is not None else 0
-        return per_session + SNAPSHOT_SLACK_BYTES
-
     def _not_taking(self) -> ImportRefused | None:
         hub = self.hub
-        if hub.draining or hub.shutting_down or not hub.ready or hub.worker is None or hub.worker.runner is None:
+        if hub.draining or hub.shutting_down or not hub.ready or hub.worker is None or hub.worker.model_card is None:
             return ImportRefused(503, hub.admission_refusal() or "this replica is not ready")
         return None
 
@@ -215,7 +210,14 @@ class Migration:
         """:meth:`take` within one of the import slots."""
         worker = self.hub.worker
         assert worker is not None
-        reader = SnapshotReader(self._max_snapshot_bytes(), check=self._check_header, hold=False)
+        try:  # on the worker's thread: the first move hashes the model's weights
+            mine = await receiving(worker)
+        except SnapshotRefused as exc:
+            raise ImportRefused(409, str(exc)) from None
+        except RuntimeError:  # the worker stopped meanwhile
+            raise ImportRefused(503, self.hub.admission_refusal() or "this replica is not ready") from None
+        max_bytes = mine.session_bytes + SNAPSHOT_SLACK_BYTES
+        reader = SnapshotReader(max_bytes, check=partial(self._check_header, mine), hold=False)
         piece_timeout_s = self.settings.import_piece_timeout_s
         pieces = paced_pieces(body, lambda: reader.header is not None, piece_timeout_s)
         incoming: Incoming | None = None
@@ -225,20 +227,20 @@ class Migration:
                     # Off the event loop: the header's parse (up to 1 MiB of JSON) and the digest of each piece.
                     writes = await asyncio.to_thread(reader.feed, piece)
                     if incoming is None and reader.header is not None:
-                        incoming = self._incoming(reader)
+                        incoming = self._incoming(mine, reader)
                         self.importing.add(incoming.session_id)
-                        await worker.import_step(incoming.job, incoming.job.begin)
+                        await import_step(worker, incoming.job, incoming.job.begin)
                     if writes:
                         assert incoming is not None  # bytes to write come only after the header
-                        await worker.import_step(incoming.job, partial(_write_all, incoming.job, writes))
+                        await import_step(worker, incoming.job, partial(_write_all, incoming.job, writes))
                 reader.finish()
                 if incoming is None:
                     raise SnapshotError("the session snapshot ended early, before its header")
-                extras = await worker.import_step(incoming.job, incoming.job.finish)
+                extras = await import_step(worker, incoming.job, incoming.job.finish)
             except (ImportRefused, SnapshotError):
                 # The rest is read and dropped (within the size bound), so the sender gets this answer rather
                 # than a connection cut in the middle of its upload.
-                await _drop_rest(pieces, self._max_snapshot_bytes())
+                await _drop_rest(pieces, max_bytes)
                 raise
         except SnapshotTooLarge as exc:
             raise ImportRefused(413, str(exc)) from None
@@ -257,7 +259,7 @@ class Migration:
                 self.importing.discard(incoming.session_id)
                 if not incoming.job.finished:
                     # After every step already queued (the worker runs them in order), even when this was cancelled.
-                    _quietly(worker.import_step(incoming.job, incoming.job.abort))
+                    _quietly(import_step(worker, incoming.job, incoming.job.abort))
         try:
             session = incoming.session
             session.start_image = carried_start_image(reader.header or {}, extras, self.settings.max_start_image_pixels)
@@ -269,13 +271,11 @@ class Migration:
             raise ImportRefused(409 if isinstance(exc, ResumeRefused) else 400, str(exc)) from None
         return {"resume": token, "next_chunk_index": incoming.next_chunk_index, "session_id": incoming.session_id}
 
-    def _incoming(self, reader: SnapshotReader) -> Incoming:
+    def _incoming(self, mine: Receiving, reader: SnapshotReader) -> Incoming:
         """What a session's header and table say it is, checked before anything is allocated for it."""
         header = reader.header
         assert header is not None
-        portable = self._check_header(header)
-        worker = self.hub.worker
-        assert worker is not None and worker.runner is not None
+        portable = self._check_header(mine, header)
         try:
             session_id = str(portable["id"])
             if session_id in self.importing or session_id in self.hub.connections:
@@ -292,7 +292,7 @@ class Migration:
         job = SessionImport(session_id, header, reader.tensors, protocol_version=PROTOCOL_VERSION, extras=extras)
         return Incoming(job, session, portable, next_chunk)
 
-    def _check_header(self, header: dict[str, Any]) -> dict[str, Any]:
+    def _check_header(self, mine: Receiving, header: dict[str, Any]) -> dict[str, Any]:
         """The session section of a snapshot this replica takes now (model, config, room, a `session` it would
         make); ImportRefused if not. Asked as soon as the header has come (before the tensors arrive) and again
         before the import."""
@@ -300,10 +300,8 @@ class Migration:
         refusal = self._not_taking()
         if refusal is not None:
             raise refusal
-        worker = hub.worker
-        assert worker is not None and worker.runner is not None
         try:
-            check_compatible(worker.runner, header, PROTOCOL_VERSION)  # type: ignore[arg-type]
+            check_identity(mine.identity, header)
             portable = validated_session(header.get("session"))
         except SnapshotRefused as exc:
             raise ImportRefused(409, str(exc)) from None
@@ -508,7 +506,7 @@ class Migration:
         assert worker is not None
         started = time.perf_counter()
         try:
-            plan = await worker.export_plan(session.id)
+            plan = await export_plan(worker, session.id)
         except SnapshotError as exc:
             return Shipped(None, f"export failed: {exc}")
         # After the export resolved, every earlier chunk has reached the client: the protocol state is final.
@@ -558,11 +556,11 @@ async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[byte
     seal.add(head)
     yield head
     pieces = plan.pieces()
-    ahead: asyncio.Future[bytes] | None = worker.read_parts(pieces[0]) if pieces else None
+    ahead: asyncio.Future[bytes] | None = read_parts(worker, pieces[0]) if pieces else None
     for index in range(len(pieces)):
         assert ahead is not None
         piece = await ahead
-        ahead = worker.read_parts(pieces[index + 1]) if index + 1 < len(pieces) else None
+        ahead = read_parts(worker, pieces[index + 1]) if index + 1 < len(pieces) else None
         await asyncio.to_thread(seal.add, piece)
         yield piece
     yield seal.digest()
@@ -580,7 +578,7 @@ async def _drop_rest(pieces: AsyncIterator[bytearray], limit: int) -> None:
         return
 
 
-def _write_all(job: SessionImport, writes: list[Write], runner: ARRunner) -> None:
+def _write_all(job: SessionImport, writes: list[Write], runner: SupportsExport) -> None:
     for write in writes:
         job.write(runner, write.index, write.offset, write.as_tensor())
 

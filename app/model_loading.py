@@ -20,11 +20,11 @@ import torch
 from .plan import check_plan_fits
 from .settings import Settings
 from .start_image import offered_start_images
+from .transfers import park_idle
 from ..models.registry import load_pipeline
 from ..runner.contract import ARPipeline, SupportsCompile
-from ..runner.parking import ParkingPolicy
 from ..runner.runtimes import Runtime, build_runtime
-from ..runner.types import UnsupportedConfiguration
+from ..runner.types import ParkingPolicy, UnsupportedConfiguration
 from ..runner.vllm_omni.native import NativePipeline
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ async def park_idle_sessions(worker: ModelWorker, after_s: float) -> None:
     """The worker parks idle sessions after each job; this asks it to on a quiet server too (no ticks at all)."""
     while True:
         await asyncio.sleep(max(0.25, after_s / 4))
-        worker.park_idle()
+        park_idle(worker)
 
 
 def load_failure(settings: Settings, error: BaseException) -> str:

@@ -158,10 +158,9 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
     """
     from .settings import default_max_batch_sessions
     from ..models.registry import PLANNED_MODELS, load_pipeline
-    from ..runner.parking import ParkingPolicy
     from ..runner.pool import DEFAULT_MEMORY_FRACTION, PoolBudgetError
     from ..runner.runner import ARRunner
-    from ..runner.types import RuntimeOptions
+    from ..runner.types import ParkingPolicy, RuntimeOptions
 
     if settings.model not in PLANNED_MODELS:
         raise PlanError(
@@ -217,7 +216,7 @@ def _read_runner(plan: FitPlan, runner: ARRunner) -> None:
     plan.fixed_bytes = pool.fixed_bytes
     plan.pool_bytes = pool.pool_bytes
     plan.rewind = runner.rewind.describe(runner.spec) if runner.rewind is not None else (runner.rewind_refusal or "off")
-    plan.park_sessions = runner.park_capacity
+    plan.park_sessions = runner.parking.capacity
 
 
 def _with_remedies(plan: FitPlan) -> FitPlan:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .protocol import excerpt
 from .session import Session, SessionState
+from .transfers import park_session
 
 if TYPE_CHECKING:
     from .worker import ModelWorker
@@ -329,7 +330,7 @@ class ResumeRegistry:
         # The dropped ticks never run, but their controls and prompt were accepted: keep them.
         for job in worker.drop_ticks(session.id):
             session.absorb_update(job)
-        worker.park_session(session.id)  # in host memory until it resumes, where there is park room (runner/parking.py)
+        park_session(worker, session.id)  # in host memory until it resumes, where there is park room
         loop = asyncio.get_running_loop()
         entry.connection = None
         entry.session = session

@@ -104,7 +104,7 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await hub.start()
         if hub.worker is not None:
-            hub.worker.recorder = recordings
+            hub.worker.delivery.recorder = recordings
         # Listening while the model loads, so that HAProxy hears "down" rather than nothing.
         agent = None
         if settings.agent_port is not None:

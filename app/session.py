@@ -26,7 +26,7 @@ from typing import Any
 
 from .prompts import PromptAllowance
 from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
-from ..runner.types import StartImage
+from ..runner.types import StartImage, TickRequest
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256
@@ -477,6 +477,25 @@ class Session:
         session.dialect_state = state.get("dialect_state")
         session.state = SessionState.ACTIVE
         return session
+
+
+def tick_request(job: TickJob, inputs: ChunkInputs) -> TickRequest:
+    """The runner's request for a tick's chunk: what the tick asks (reset, close, rewind) with the inputs its chunk
+    took (:meth:`Session.take_chunk_inputs`)."""
+    session = job.session
+    return TickRequest(
+        session_id=session.id,
+        request_id=job.tick_id,
+        controls=inputs.controls,
+        prompt=inputs.prompt,
+        prompt_transition_chunks=inputs.prompt_transition_chunks,
+        seed=session.seed,
+        reset=job.reset,
+        close=job.close,
+        applied_event_ids=inputs.applied_event_ids,
+        start_image=session.start_image,
+        rewind_to=job.rewind_to,
+    )
 
 
 def restart_reason(*, reset: bool, new_rollout: bool, produced_before: bool, rewound: bool = False) -> str | None:

@@ -41,6 +41,7 @@ from .contract import ModelState
 from .kv_state import HistoryTables, SessionKVState
 from .pool import PagedKVPool
 from .rewind import Boundary
+from .types import ParkingPolicy
 
 log = logging.getLogger("arstream.runner")
 
@@ -297,6 +298,10 @@ class ParkingLot:
             log.warning("removed %d spill files (%d bytes) a previous process left in %s", files, bytes_, self.spill_dir)
         return files, bytes_
 
+    @classmethod
+    def for_policy(cls, policy: ParkingPolicy) -> ParkingLot:
+        return cls(policy.budget_bytes, spill_dir=policy.spill_dir, spill_budget_bytes=policy.spill_budget_bytes)
+
     @property
     def enabled(self) -> bool:
         return self.budget_bytes + self.spill_budget_bytes > 0
@@ -379,31 +384,3 @@ class ParkingLot:
         if parked.spill_path is not None:
             parked.spill_path.unlink(missing_ok=True)
         return True
-
-
-@dataclass(frozen=True)
-class ParkingPolicy:
-    """When a runner parks sessions, and where (``arstream serve --park-*``; docs/deployment.md, "Parking").
-
-    ``budget_bytes`` of host memory hold parked sessions (0: parking is off);
-    ``after_s`` is how long a session may stay idle before it is parked (None:
-    only when its slot is needed, or when the server says so, e.g. it detached);
-    ``spill_dir`` and ``spill_budget_bytes``: where and how much past the host
-    budget goes to disk.
-    """
-
-    budget_bytes: int = 0
-    after_s: float | None = None
-    spill_dir: str | None = None
-    spill_budget_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.budget_bytes < 0 or self.spill_budget_bytes < 0:
-            raise ValueError("park budgets must be byte counts >= 0")
-        if self.after_s is not None and self.after_s < 0:
-            raise ValueError(f"park_after_s must be >= 0 seconds, got {self.after_s}")
-        if self.spill_budget_bytes and self.spill_dir is None:
-            raise ValueError("a spill budget needs a spill directory (park_spill_dir)")
-
-    def lot(self) -> ParkingLot:
-        return ParkingLot(self.budget_bytes, spill_dir=self.spill_dir, spill_budget_bytes=self.spill_budget_bytes)

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .capabilities import SupportsParking
 from .contract import ARPipeline
 from .spec import KVCacheSpec
 from .stats import RunnerStats, RuntimeCounters
@@ -115,7 +116,8 @@ class RuntimeClass(Protocol):
     """A runtime's class, as the table names it: it builds itself over a pipeline, refusing what it cannot run."""
 
     @classmethod
-    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> InspectableRuntime: ...
+    def for_pipeline(cls, pipeline: Any, options: RuntimeOptions) -> InspectableRuntime:
+        """An ARPipeline, or a NativePipeline for a runtime that serves those (``RuntimeEntry.serves_native``)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class RuntimeEntry:
 
     path: str  # "module:Class"
     unavailable: Callable[[], str | None] = lambda: None
+    # whether it serves pipelines registered in vLLM-Omni itself (NativePipeline, ``vllm-omni:<name>``)
+    serves_native: bool = False
 
     def load(self) -> RuntimeClass:
         module, _, name = self.path.partition(":")
@@ -144,7 +148,9 @@ def _vllm_omni_missing() -> str | None:
 # ``--runtime NAME`` -> its class, as uvicorn finds its protocols (a name, then "module:Class").
 RUNTIMES_BY_NAME: dict[str, RuntimeEntry] = {
     "arstream": RuntimeEntry("arstream.runner.runner:ARRunner"),
-    "vllm-omni": RuntimeEntry("arstream.runner.vllm_omni.runtime:VllmOmniRunner", unavailable=_vllm_omni_missing),
+    "vllm-omni": RuntimeEntry(
+        "arstream.runner.vllm_omni.entry:VllmOmniRuntime", unavailable=_vllm_omni_missing, serves_native=True
+    ),
 }
 
 
@@ -160,20 +166,20 @@ def build_runtime(name: str, pipeline: ARPipeline | NativePipeline, **options: A
         raise UnsupportedConfiguration(f"unknown runtime {name!r}; expected one of {list(RUNTIMES)}")
     if (reason := entry.unavailable()) is not None:
         raise UnsupportedConfiguration(reason)
+    if isinstance(pipeline, NativePipeline) and not entry.serves_native:
+        raise UnsupportedConfiguration(
+            f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
+        )
     return entry.load().for_pipeline(pipeline, RuntimeOptions(**options))
 
 
 def park_session(runtime: Runtime | None, session_id: str) -> None:
-    """Park one session in host memory now, where it can be (ARStream's runner only: other runtimes do not park)."""
-    from .runner import ARRunner  # the table imports runtimes lazily; so does this
-
-    if isinstance(runtime, ARRunner):
+    """Park one session in host memory now, where the runtime parks (:class:`SupportsParking`)."""
+    if isinstance(runtime, SupportsParking):
         runtime.park_session(session_id)
 
 
 def park_idle(runtime: Runtime | None) -> None:
-    """Park the sessions idle past the runtime's ``park_after_s`` (ARStream's runner only)."""
-    from .runner import ARRunner
-
-    if isinstance(runtime, ARRunner):
+    """Park the sessions idle past the runtime's ``park_after_s``, where the runtime parks."""
+    if isinstance(runtime, SupportsParking):
         runtime.park_idle()

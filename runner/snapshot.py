@@ -33,16 +33,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .capabilities import SupportsExport
 from .contract import ModelState, SupportsSessionTransfer
 from .snapshot_header import SnapshotHeaderError, parse_header
-
-if TYPE_CHECKING:
-    from .runner import ARRunner
-    from .runtimes import Runtime
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
@@ -58,7 +55,8 @@ class SnapshotRefused(SnapshotError):
 
 @dataclass
 class SessionSnapshot:
-    """One session's portable state; :meth:`to_bytes` / :meth:`from_bytes` are the wire format."""
+    """One session's portable state; runner/snapshot_stream.py's :func:`snapshot_bytes` and
+    :func:`parse_snapshot` are the wire format."""
 
     header: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -80,23 +78,6 @@ class SessionSnapshot:
     def session(self) -> dict[str, Any]:
         """The server's section (protocol state); empty when only the runner state was taken."""
         return self.header.setdefault("session", {})
-
-    def to_bytes(self) -> bytes:
-        """The wire format whole: what runner/snapshot_stream.py streams, its digest included."""
-        from .snapshot_stream import plan_of  # here: that module builds on this one
-
-        return b"".join(plan_of(self).chunks())
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> SessionSnapshot:
-        """Parse the header first (cheap, bounded), then the tensors; :class:`SnapshotError` if malformed (or its
-        digest does not match)."""
-        from .snapshot_stream import SnapshotReader
-
-        read_header(data)  # its own errors for bytes too short for a header, or a header past its bounds
-        reader = SnapshotReader(max_bytes=len(data))
-        reader.feed(data)
-        return reader.snapshot()
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +101,10 @@ def read_header(data: bytes) -> dict[str, Any]:
 # ---- identity -----------------------------------------------------------------------------------
 
 
-def config_hash(runner: ARRunner) -> str:
+def config_hash(runner: SupportsExport) -> str:
     """What must match for a session to continue bit-identically: KV spec, model card, model config and weights."""
-    spec = runner.spec
-    pipeline = runner.pipeline
+    spec = runner.sessions.spec
+    pipeline = runner.sessions.pipeline
     document = {
         "spec": {f.name: repr(getattr(spec, f.name)) for f in fields(spec) if f.name != "session_capacity"},
         "card": runner.model_card(),
@@ -148,7 +129,9 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _identity(runner: ARRunner, protocol_version: int | None) -> dict[str, Any]:
+def identity(runner: SupportsExport, protocol_version: int | None) -> dict[str, Any]:
+    """What a snapshot must match to be taken here (:func:`check_identity`). Its config hash reads the model's
+    weights the first time (the pipeline's fingerprint): ask it on the thread that owns the runtime."""
     return {
         "format_version": FORMAT_VERSION,
         "model": runner.model_card().get("name"),
@@ -158,9 +141,15 @@ def _identity(runner: ARRunner, protocol_version: int | None) -> dict[str, Any]:
     }
 
 
-def check_compatible(runner: ARRunner, header: dict[str, Any], protocol_version: int | None = None) -> None:
+def check_compatible(runner: SupportsExport, header: dict[str, Any], protocol_version: int | None = None) -> None:
     """Raise :class:`SnapshotRefused` naming the first difference between the snapshot and this runner."""
-    mine = _identity(runner, protocol_version)
+    check_identity(identity(runner, protocol_version), header)
+
+
+def check_identity(mine: dict[str, Any], header: dict[str, Any]) -> None:
+    """Raise :class:`SnapshotRefused` naming the first difference between a snapshot's header and ``mine``
+    (:func:`identity`; its protocol version None: any)."""
+    protocol_version = mine["protocol_version"]
     for key, what in (
         ("format_version", "format version"),
         ("runtime", "runtime"),
@@ -181,15 +170,15 @@ def check_compatible(runner: ARRunner, header: dict[str, Any], protocol_version:
 
 
 def export_header(
-    runner: ARRunner, session_id: str, *, protocol_version: int | None = None
+    runner: SupportsExport, session_id: str, *, protocol_version: int | None = None
 ) -> tuple[dict[str, Any], ModelState]:
     """What a snapshot of the session says (its header) and the model-owned state it carries; the KV blocks
     are the session's own (sink, then window, per branch). At its chunk boundary only."""
-    pipeline = runner.pipeline
+    pipeline = runner.sessions.pipeline
     if not isinstance(pipeline, SupportsSessionTransfer):
         name = runner.model_card().get("name")
         raise SnapshotError(f"model {name!r} cannot export its sessions (no export_session_state hook)")
-    state = runner.kv_state(session_id)
+    state = runner.sessions.kv_state(session_id)
     if state is None:
         raise SnapshotError(f"session {session_id!r} is not resident; nothing to export")
     if state.in_pass or state.chunk_held or any(state.pending.values()):
@@ -199,46 +188,46 @@ def export_header(
         "frames_committed": state.frames_committed,
         "chunks_committed": state.chunks_committed,
         "sink_start": state.sink_start,
-        "sink_frames": {branch: len(state.sink[branch]) for branch in runner.spec.branch_names},
+        "sink_frames": {branch: len(state.sink[branch]) for branch in runner.sessions.spec.branch_names},
         "cross_written": sorted(state.cross_written),
     }
     return _header(runner, protocol_version, kv, model.json), model
 
 
-def _header(runner: ARRunner, protocol_version: int | None, kv: dict[str, Any], model_json: Any) -> dict[str, Any]:
-    header = _identity(runner, protocol_version)
+def _header(runner: SupportsExport, protocol_version: int | None, kv: dict[str, Any], model_json: Any) -> dict[str, Any]:
+    header = identity(runner, protocol_version)
     header["kv"] = kv
     header["model_state"] = model_json
     header["session"] = {}
     return header
 
 
-def export_session(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
+def export_session(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
     """The session's state at its chunk boundary; the session stays resident (the caller releases it)."""
-    if session_id in runner.parking:
+    if session_id in runner.sessions.lot:
         return export_parked(runner, session_id, protocol_version=protocol_version)
     header, model = export_header(runner, session_id, protocol_version=protocol_version)
-    state = runner.kv_state(session_id)
+    state = runner.sessions.kv_state(session_id)
     assert state is not None
     tensors: dict[str, torch.Tensor] = {}
-    for branch in runner.spec.branch_names:
+    for branch in runner.sessions.spec.branch_names:
         blocks = state.sink[branch] + state.window[branch]
         if blocks:
-            index = torch.tensor(blocks, dtype=torch.long, device=runner.pool.device)
-            tensors[f"kv/{branch}"] = runner.pool.kv.index_select(2, index)
+            index = torch.tensor(blocks, dtype=torch.long, device=runner.sessions.pool.device)
+            tensors[f"kv/{branch}"] = runner.sessions.pool.kv.index_select(2, index)
     if state.cross_slot is not None:
-        for name in runner.pool.cross_k:
-            tensors[f"cross_k/{name}"] = runner.pool.cross_k[name][state.cross_slot]
-            tensors[f"cross_v/{name}"] = runner.pool.cross_v[name][state.cross_slot]
+        for name in runner.sessions.pool.cross_k:
+            tensors[f"cross_k/{name}"] = runner.sessions.pool.cross_k[name][state.cross_slot]
+            tensors[f"cross_v/{name}"] = runner.sessions.pool.cross_v[name][state.cross_slot]
     for name, tensor in model.tensors.items():
         tensors[f"model/{name}"] = tensor
     return SessionSnapshot(header, tensors)
 
 
-def export_parked(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
+def export_parked(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
     """The snapshot of a parked session (runner/parking.py), taken from its host copy: nothing is restored,
     and it stays parked (the caller releases it). The same snapshot :func:`export_session` takes of it resident."""
-    held = runner.parking.peek(session_id)
+    held = runner.sessions.lot.peek(session_id)
     if held is None:
         raise SnapshotError(f"session {session_id!r} is not parked; nothing to export")
     layout, parked = held
@@ -247,11 +236,11 @@ def export_parked(runner: ARRunner, session_id: str, *, protocol_version: int | 
         "frames_committed": live["frames_committed"],
         "chunks_committed": live["chunks_committed"],
         "sink_start": live["sink_start"],
-        "sink_frames": {branch: len(live["sink"][branch]) for branch in runner.spec.branch_names},
+        "sink_frames": {branch: len(live["sink"][branch]) for branch in runner.sessions.spec.branch_names},
         "cross_written": layout["cross_written"],
     }
     tensors: dict[str, torch.Tensor] = {}
-    for branch in runner.spec.branch_names:
+    for branch in runner.sessions.spec.branch_names:
         numbers = live["sink"][branch] + live["window"][branch]
         if numbers:
             tensors[f"kv/{branch}"] = parked["blocks"].index_select(2, torch.tensor(numbers, dtype=torch.long))
@@ -261,10 +250,10 @@ def export_parked(runner: ARRunner, session_id: str, *, protocol_version: int | 
     return SessionSnapshot(_header(runner, protocol_version, kv, model["json"]), tensors)
 
 
-def unstarted_snapshot(runner: ARRunner, *, protocol_version: int | None = None) -> SessionSnapshot:
+def unstarted_snapshot(runner: SupportsExport, *, protocol_version: int | None = None) -> SessionSnapshot:
     """A session that has not run its first chunk (``ready``, no tick yet): nothing is resident, so only its
     identity travels; the peer starts its rollout at chunk 0 from what the server's section carries."""
-    header = _identity(runner, protocol_version)
+    header = identity(runner, protocol_version)
     header["resident"] = False
     header["kv"] = {"frames_committed": 0, "chunks_committed": 0, "sink_start": 0, "sink_frames": {}, "cross_written": []}
     header["model_state"] = {}
@@ -272,42 +261,9 @@ def unstarted_snapshot(runner: ARRunner, *, protocol_version: int | None = None)
     return SessionSnapshot(header, {})
 
 
-def transferable(runtime: Runtime) -> ARRunner:
-    """``runtime`` as ARStream's runner, the one whose sessions can be exported and imported; else SnapshotRefused."""
-    from .runner import ARRunner  # here: runner.py imports this module's neighbours at load
-
-    if not isinstance(runtime, ARRunner):
-        raise SnapshotRefused(f"the {type(runtime).__name__} runtime cannot move sessions (only ARStream's runner can)")
+def transferable(runtime: object) -> SupportsExport:
+    """``runtime`` as one whose sessions can be exported and imported (:class:`SupportsExport`); else
+    :class:`SnapshotRefused` (a drain on a runtime that cannot move its sessions says so)."""
+    if not isinstance(runtime, SupportsExport):
+        raise SnapshotRefused(f"the {type(runtime).__name__} runtime cannot move sessions (it cannot export them)")
     return runtime
-
-
-# ---- import -------------------------------------------------------------------------------------
-
-
-def import_session(
-    runner: ARRunner, session_id: str, snapshot: SessionSnapshot, *, protocol_version: int | None = None
-) -> None:
-    """Make ``snapshot`` the resident session ``session_id``; refuse, leaving the pool as it was, if it does not fit.
-
-    Never evicts another session: a replica with no free slot (and no park room) refuses. The same import as a streamed one
-    (runner/snapshot_import.py), with every tensor's bytes at hand; tensors that are not the runner's (a start
-    image the server carried) are left to the caller.
-    """
-    from .snapshot_import import MODEL_PREFIX, SessionImport, TensorEntry, flat_bytes
-
-    ours = {
-        name: tensor.detach().contiguous()
-        for name, tensor in snapshot.tensors.items()
-        if name.partition("/")[0] in ("kv", "cross_k", "cross_v") or name.startswith(MODEL_PREFIX)
-    }
-    entries = [TensorEntry.of(name, tensor) for name, tensor in ours.items()]
-    job = SessionImport(session_id, snapshot.header, entries, protocol_version=protocol_version)
-    job.begin(runner)
-    try:
-        for index, tensor in enumerate(ours.values()):
-            if tensor.numel():
-                job.write(runner, index, 0, flat_bytes(tensor))
-    except BaseException:
-        job.abort(runner)
-        raise
-    job.finish(runner)

@@ -1,7 +1,7 @@
 """A snapshot written straight into this runner: its KV into the session's own pool blocks, piece by piece.
 
 :class:`SessionImport` is the one import path, whole or streamed
-(:func:`arstream.runner.snapshot.import_session` runs it over a snapshot in
+(:func:`import_session` runs it over a snapshot in
 memory; app/migration.py over a POST's pieces as they arrive):
 
 1. :meth:`SessionImport.begin`, once the header and tensor table are known:
@@ -33,17 +33,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .contract import ModelState, SupportsSessionTransfer
 from .kv_state import SessionKVState
 from .pool import PoolExhausted
-from .snapshot import SnapshotError, SnapshotRefused, check_compatible
-
-if TYPE_CHECKING:
-    from .runner import ARRunner
+from .capabilities import SupportsExport
+from .snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
 
 MODEL_PREFIX = "model/"
 
@@ -129,7 +127,7 @@ class SessionImport:
 
     # ---- the steps ----------------------------------------------------------------
 
-    def begin(self, runner: ARRunner) -> None:
+    def begin(self, runner: SupportsExport) -> None:
         """Check the header and table, then make room (see the module docstring); refuse leaving nothing behind."""
         check_compatible(runner, self.header, self.protocol_version)
         try:
@@ -138,9 +136,9 @@ class SessionImport:
             self.abort(runner)
             raise _as_snapshot_error(exc) from None
 
-    def write(self, runner: ARRunner, index: int, offset: int, data: torch.Tensor) -> None:
+    def write(self, runner: SupportsExport, index: int, offset: int, data: torch.Tensor) -> None:
         """Bytes of tensor ``index`` of the table (flat uint8) at byte ``offset`` of it."""
-        if self._state is not None and (self._state.released or runner.kv_state(self.session_id) is not self._state):
+        if self._state is not None and (self._state.released or runner.sessions.kv_state(self.session_id) is not self._state):
             self.abort(runner)
             raise SnapshotRefused(
                 f"session {self.session_id!r} was evicted from this replica's pool while it was being imported "
@@ -151,13 +149,13 @@ class SessionImport:
             raise SnapshotError(f"bytes past the end of tensor {entry.name!r}")
         self._regions[index].write(offset, data)
 
-    def finish(self, runner: ARRunner) -> dict[str, torch.Tensor]:
+    def finish(self, runner: SupportsExport) -> dict[str, torch.Tensor]:
         """Hand the model-owned state to the pipeline; returns the extras (by name). Aborts on any failure."""
         try:
-            if self._state is not None and runner.kv_state(self.session_id) is not self._state:
+            if self._state is not None and runner.sessions.kv_state(self.session_id) is not self._state:
                 raise SnapshotRefused(f"session {self.session_id!r} was evicted while it was being imported")
             if self.resident:
-                pipeline = runner.pipeline
+                pipeline = runner.sessions.pipeline
                 assert isinstance(pipeline, SupportsSessionTransfer)  # _plan checked
                 state = ModelState(self.header.get("model_state", {}), dict(self._model))
                 pipeline.import_session_state(self.session_id, state)
@@ -168,21 +166,21 @@ class SessionImport:
         extras, self._extra, self._model = self._extra, {}, {}
         return extras
 
-    def abort(self, runner: ARRunner) -> None:
+    def abort(self, runner: SupportsExport) -> None:
         """Release what :meth:`begin` made (idempotent; nothing once :meth:`finish` has handed it on)."""
         self._regions, self._model, self._extra = [], {}, {}
         state, self._state = self._state, None
         if state is None or self._finished:
             return
-        if runner.kv_state(self.session_id) is state:
-            runner.close_session(self.session_id)  # the one release path: blocks, slot, the pipeline's state
+        if runner.sessions.kv_state(self.session_id) is state:
+            runner.sessions.release(self.session_id, reset_model=False, reason="close")  # the one release path: blocks, slot, the pipeline's state
         elif not state.released:
             state.release()
 
     # ---- begin's checks and allocations -------------------------------------------
 
-    def _plan(self, runner: ARRunner) -> None:
-        spec = runner.spec
+    def _plan(self, runner: SupportsExport) -> None:
+        spec = runner.sessions.spec
         by_name: dict[str, int] = {}
         for index, entry in enumerate(self.tensors):
             if entry.name in by_name:
@@ -201,20 +199,21 @@ class SessionImport:
             if runner_names:
                 raise SnapshotError("a snapshot of a session with nothing resident carries tensors")
             return  # its first chunk runs here as a new rollout
-        pipeline = runner.pipeline
+        pipeline = runner.sessions.pipeline
         assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
-        if runner.is_resident(self.session_id):
+        if runner.sessions.holds(self.session_id):
             raise SnapshotRefused(f"session {self.session_id!r} is already resident here")
         # a full pool parks its least recently used session when there is park room (runner/parking.py)
-        if len(runner.resident_sessions()) >= runner.session_capacity and not runner.make_room():
+        table = runner.sessions
+        if len(table.resident()) >= table.capacity and not table.make_room(evict=False):
             raise SnapshotRefused(
-                f"no room: all {runner.session_capacity} session slots of this replica's pool are in use"
+                f"no room: all {table.capacity} session slots of this replica's pool are in use"
             )
         kv = self.header.get("kv")
         if not isinstance(kv, dict):
             raise SnapshotError("the snapshot has no KV section")
         counters = {key: _count(kv, key) for key in ("frames_committed", "chunks_committed", "sink_start")}
-        pool = runner.pool
+        pool = runner.sessions.pool
         branches = set(spec.branch_names)
         for name in runner_names:
             kind, _, rest = name.partition("/")
@@ -273,9 +272,9 @@ class SessionImport:
         state.frames_committed = counters["frames_committed"]
         state.chunks_committed = counters["chunks_committed"]
         state.sink_start = counters["sink_start"]
-        runner.adopt_kv_state(state)
+        runner.sessions.adopt(state)
         self.held = True
-        runner.kv_state(self.session_id)  # asked for, as an export does: a runtime that parks keeps it in the pool
+        runner.sessions.kv_state(self.session_id)  # asked for, as an export does: a runtime that parks keeps it in the pool
 
 
 def _count(section: Mapping[str, Any], key: str) -> int:
@@ -293,3 +292,30 @@ def _as_snapshot_error(exc: BaseException) -> BaseException:
     if isinstance(exc, (KeyError, TypeError, ValueError)) and not isinstance(exc, SnapshotError):
         return SnapshotError(f"the snapshot does not fit this replica: {type(exc).__name__}: {exc}")
     return exc
+
+
+def import_session(
+    runner: SupportsExport, session_id: str, snapshot: SessionSnapshot, *, protocol_version: int | None = None
+) -> None:
+    """Make ``snapshot`` the resident session ``session_id``; refuse, leaving the pool as it was, if it does not fit.
+
+    Never evicts another session: a replica with no free slot (and no park room) refuses. The same import as a
+    streamed one, with every tensor's bytes at hand; tensors that are not the runner's (a start image the
+    server carried) are left to the caller.
+    """
+    ours = {
+        name: tensor.detach().contiguous()
+        for name, tensor in snapshot.tensors.items()
+        if name.partition("/")[0] in ("kv", "cross_k", "cross_v") or name.startswith(MODEL_PREFIX)
+    }
+    entries = [TensorEntry.of(name, tensor) for name, tensor in ours.items()]
+    job = SessionImport(session_id, snapshot.header, entries, protocol_version=protocol_version)
+    job.begin(runner)
+    try:
+        for index, tensor in enumerate(ours.values()):
+            if tensor.numel():
+                job.write(runner, index, 0, flat_bytes(tensor))
+    except BaseException:
+        job.abort(runner)
+        raise
+    job.finish(runner)

@@ -1,8 +1,7 @@
 """A session snapshot in pieces: exported, sent and read without ever holding the whole file.
 
-The bytes are the same safetensors file :meth:`SessionSnapshot.to_bytes`
-writes (:func:`SessionSnapshot.from_bytes` reads either), but neither side
-builds it whole:
+The bytes are the same safetensors file :func:`snapshot_bytes` writes whole
+(:func:`parse_snapshot` reads either), but neither side builds it whole:
 
 - :func:`plan_export` runs on the worker thread at the session's chunk
   boundary and returns a :class:`SnapshotPlan`: the header (its tensor table
@@ -36,17 +35,15 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from .capabilities import SupportsExport
 from .snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
 from .snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 from .snapshot_import import SessionImport, TensorEntry
-
-if TYPE_CHECKING:
-    from .runner import ARRunner
 
 PIECE_BYTES = 4 * 2**20
 
@@ -140,7 +137,7 @@ class SnapshotPlan:
 
     def chunks(self) -> Iterator[bytes]:
         """The file's bytes in order, each piece read here (the caller owns the tensors: a test, a tool, or
-        :meth:`SessionSnapshot.to_bytes`), then the digest; a server's sender reads its pieces on the worker."""
+        :func:`snapshot_bytes`), then the digest; a server's sender reads its pieces on the worker."""
         seal = Seal()
         head = self.head()
         seal.add(head)
@@ -167,16 +164,16 @@ class SnapshotPlan:
         return pieces
 
 
-def plan_export(runner: ARRunner, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
+def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
     """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched."""
-    if session_id in runner.parking:  # already a host copy (runner/parking.py): planned from it, not restored
+    if session_id in runner.sessions.lot:  # already a host copy (runner/parking.py): planned from it, not restored
         return plan_of(export_parked(runner, session_id, protocol_version=protocol_version))
     header, model = export_header(runner, session_id, protocol_version=protocol_version)
-    state = runner.kv_state(session_id)
+    state = runner.sessions.kv_state(session_id)
     assert state is not None
     plan = SnapshotPlan(header, [])
-    pool = runner.pool
-    for branch in runner.spec.branch_names:
+    pool = runner.sessions.pool
+    for branch in runner.sessions.spec.branch_names:
         blocks = state.sink[branch] + state.window[branch]
         if not blocks:
             continue
@@ -195,6 +192,20 @@ def plan_export(runner: ARRunner, session_id: str, *, protocol_version: int | No
     for name, tensor in model.tensors.items():
         plan.add_tensor(f"model/{name}", tensor)
     return plan
+
+
+def snapshot_bytes(snapshot: SessionSnapshot) -> bytes:
+    """The wire format whole: what :func:`plan_of` streams, its digest included."""
+    return b"".join(plan_of(snapshot).chunks())
+
+
+def parse_snapshot(data: bytes) -> SessionSnapshot:
+    """Parse a snapshot's bytes whole: the header first (cheap, bounded), then the tensors; :class:`SnapshotError`
+    if malformed (or its digest does not match)."""
+    read_header(data)  # its own errors for bytes too short for a header, or a header past its bounds
+    reader = SnapshotReader(max_bytes=len(data))
+    reader.feed(data)
+    return reader.snapshot()
 
 
 def plan_of(snapshot: SessionSnapshot) -> SnapshotPlan:
@@ -369,7 +380,7 @@ class SnapshotReader:
 
 
 def import_pieces(
-    runner: ARRunner,
+    runner: SupportsExport,
     session_id: str,
     pieces: Iterable[bytes | bytearray],
     *,

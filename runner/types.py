@@ -10,11 +10,35 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from .parking import ParkingPolicy
-
 # The runtimes `arstream serve --runtime` offers (their classes: arstream.runner.runtimes.RUNTIMES_BY_NAME).
 RuntimeName = Literal["arstream", "vllm-omni"]
 RUNTIMES: tuple[RuntimeName, ...] = ("arstream", "vllm-omni")
+
+
+@dataclass(frozen=True)
+class ParkingPolicy:
+    """When a runner parks sessions, and where (``arstream serve --park-*``; docs/deployment.md, "Parking";
+    runner/session_parking.py).
+
+    ``budget_bytes`` of host memory hold parked sessions (0: parking is off);
+    ``after_s`` is how long a session may stay idle before it is parked (None:
+    only when its slot is needed, or when the server says so, e.g. it detached);
+    ``spill_dir`` and ``spill_budget_bytes``: where and how much past the host
+    budget goes to disk.
+    """
+
+    budget_bytes: int = 0
+    after_s: float | None = None
+    spill_dir: str | None = None
+    spill_budget_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 0 or self.spill_budget_bytes < 0:
+            raise ValueError("park budgets must be byte counts >= 0")
+        if self.after_s is not None and self.after_s < 0:
+            raise ValueError(f"park_after_s must be >= 0 seconds, got {self.after_s}")
+        if self.spill_budget_bytes and self.spill_dir is None:
+            raise ValueError("a spill budget needs a spill directory (park_spill_dir)")
 
 
 @dataclass(frozen=True)

@@ -124,14 +124,14 @@ def park_full(url: str, stop: threading.Event, counts: dict[str, int], index: in
 
 
 def slow_import(port: int, stop: threading.Event, counts: dict[str, int], index: int) -> None:
-    from arstream.runner.snapshot import SessionSnapshot
+    from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 
     for attempt in itertools.count():
         if stop.is_set():
             return
-        snapshot = SessionSnapshot.from_bytes(_snapshot_bytes(FakeKVPipeline(**MODEL_OPTIONS)))
+        snapshot = parse_snapshot(_snapshot_bytes(FakeKVPipeline(**MODEL_OPTIONS)))
         snapshot.header["session"]["id"] = f"s-{index:08x}{attempt:08x}"
-        data = snapshot.to_bytes()
+        data = snapshot_bytes(snapshot)
         head = (
             f"POST /v1/cluster/import HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {SECRET}\r\n"
             f"content-length: {len(data)}\r\n\r\n"

@@ -39,7 +39,7 @@ from arstream.app.settings import Settings
 from arstream.measure import percentile
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
-from arstream.runner.parking import ParkingPolicy
+from arstream.runner.types import ParkingPolicy
 from arstream.runner.pool import plan_pool
 from arstream.runner.runner import rewind_for, runner_for_sessions
 from arstream.runner.types import TickRequest
@@ -86,7 +86,7 @@ def measure(name: str, pipeline: ARPipeline, device: torch.device, args: argpars
     parks, restores = [], []
     for _ in range(args.reps):
         parks.append(_timed(device, lambda: runner.park_session("s")))
-        restores.append(_timed(device, lambda: runner.restore_session("s")))
+        restores.append(_timed(device, lambda: runner.parking.restore_session("s")))
     runner.park_session("s")
     parked_bytes = runner.stats().parked_bytes
     runner.close_session("s")

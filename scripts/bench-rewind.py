@@ -54,7 +54,7 @@ def _tick(session: str, index: int) -> TickRequest:
 
 def _model_state_bytes(runner: ARRunner, session: str) -> int:
     """Bytes the session's kept boundaries hold in model-owned tensors (a shared tensor counted once)."""
-    boundaries = runner._rewind[session]._boundaries
+    boundaries = runner.rewinds.boundaries(session)
     distinct = {id(t): t for b in boundaries for t in b.model.tensors.values()}
     return sum(t.numel() * t.element_size() for t in distinct.values())
 
@@ -77,8 +77,8 @@ def measure(name: str, pipeline: ARPipeline, seconds: float, budget_mib: float, 
             times[label].append(time.perf_counter() - started)
         peak_kv = max(peak_kv, kept.pool.num_used * block)
         peak_model = max(peak_model, _model_state_bytes(kept, "kept"))
-    held = kept.rewind_held("kept") or (0,)
-    live_kv = len(kept.kv_state("kept").held_blocks()) * block  # type: ignore[union-attr]
+    held = kept.sessions.rewind_held("kept") or (0,)
+    live_kv = len(kept.sessions.kv_state("kept").held_blocks()) * block  # type: ignore[union-attr]
     chunk_ms_kept = statistics.median(times["kept"][2:timed]) * 1000
     chunk_ms_plain = statistics.median(times["plain"][2:]) * 1000
     return {

@@ -8,7 +8,7 @@ BLOCK_MIB per layer's K or V) is moved
 from one runner to another in this process, twice, each step measured as the
 peak resident set above the level before it (Linux: VmHWM, reset through
 /proc/self/clear_refs), once the way a drain did before streaming (the whole
-file: export copied to the CPU, ``to_bytes``; on the peer the request body,
+file: export copied to the CPU, ``snapshot_bytes``; on the peer the request body,
 ``from_bytes`` and ``import_session``) and once streamed as a server does now
 (the sender's plan read piece by piece and sealed with its digest; on the peer
 the reader and :class:`SessionImport` writing each 4 MiB piece straight into
@@ -31,8 +31,9 @@ from pathlib import Path
 
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
-from arstream.runner.snapshot_stream import PIECE_BYTES, import_pieces, plan_export
+from arstream.runner.snapshot import export_session
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import PIECE_BYTES, import_pieces, parse_snapshot, plan_export, snapshot_bytes
 from arstream.runner.types import TickRequest
 
 SESSION = "s-0000000000000big"
@@ -76,7 +77,7 @@ def main() -> int:
     def whole_source() -> bytes:
         snapshot = export_session(runner, SESSION, protocol_version=1)
         snapshot.tensors = {name: t.to("cpu", copy=True) for name, t in snapshot.tensors.items()}  # as the worker did
-        return snapshot.to_bytes()
+        return snapshot_bytes(snapshot)
 
     def streamed_source() -> int:
         plan = plan_export(runner, SESSION, protocol_version=1)
@@ -101,7 +102,7 @@ def main() -> int:
         body = bytearray()
         for read in reads:
             body += read
-        import_session(peer, SESSION, SessionSnapshot.from_bytes(bytes(body)), protocol_version=1)
+        import_session(peer, SESSION, parse_snapshot(bytes(body)), protocol_version=1)
 
     def streamed_peer(peer: ARRunner) -> None:
         def pieces() -> Iterator[bytearray]:  # the reads gathered into pieces, as the server does

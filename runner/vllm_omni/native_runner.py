@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..runner import WARMUP_SESSION_ID
+from ..chunks import WARMUP_SESSION_ID
 from ..types import TickRequest, UnsupportedConfiguration
 from .deprecations import ignoring_their_deprecations, importing_vllm
 from .native import NativePipeline, load_class

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..contract import ARPipeline, SupportsWarmup
-from ..runner import _check_frames, _video_frames
+from ..chunks import check_frames, video_frames_of
 from ..types import TickRequest
 from .deprecations import importing_vllm
 from .spec import to_omni_spec
@@ -104,7 +104,7 @@ class OmniPipelineAdapter(torch.nn.Module):
         self.spec = pipeline.kv_cache_spec()
         self._omni_spec = to_omni_spec(self.spec)
         # Video frames a chunk must return (the model card's count; the first chunk's may differ), as ARRunner checks.
-        self._video_frames, self._first_chunk_frames = _video_frames(pipeline.model_card(), self.spec)
+        self._video_frames, self._first_chunk_frames = video_frames_of(pipeline.model_card(), self.spec)
         self._bound: dict[str, OmniSessionKVState] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -151,7 +151,7 @@ class OmniPipelineAdapter(torch.nn.Module):
         first = self._bound[tick.session_id].chunk_index == 0
         frames = self.arstream_pipeline.generate_chunk(tick)
         # Inside the bound forward, so a bad chunk fails closed like any model error.
-        _check_frames(frames, self._first_chunk_frames if first else self._video_frames)
+        check_frames(frames, self._first_chunk_frames if first else self._video_frames)
         return DiffusionOutput(output=torch.from_numpy(frames))
 
 

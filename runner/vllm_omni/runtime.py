@@ -33,12 +33,11 @@ import numpy as np
 import torch
 
 from ..contract import ARPipeline, SupportsWarmup, prepare_prompt
-from ..runner import WARMUP_SESSION_ID
+from ..chunks import WARMUP_SESSION_ID
 from ..spec import KVCacheSpec
 from ..stats import RunnerStats, RuntimeCounters
 from ..types import UnsupportedConfiguration
-from ..types import ChunkResult, RewindUnavailable, RuntimeOptions, TickFailure, TickRequest, TickResult
-from .native import NativePipeline
+from ..types import ChunkResult, RewindUnavailable, TickFailure, TickRequest, TickResult
 from .deprecations import ignoring_their_deprecations, importing_vllm
 
 with importing_vllm():  # about 10 s and 0.9 GB
@@ -108,18 +107,6 @@ class VllmOmniRunner:
 
     batches = False
     batch_limit = 1
-
-    @classmethod
-    def for_pipeline(cls, pipeline: ARPipeline | NativePipeline, options: RuntimeOptions) -> VllmOmniRunner:
-        """``--runtime vllm-omni``: an ARStream pipeline through the adapter, or one registered in vLLM-Omni.
-
-        Rewind and the decode split are ARRunner's: this runtime refuses rewinds when asked (RewindUnavailable).
-        """
-        if isinstance(pipeline, NativePipeline):
-            from .native_runner import NativeOmniRunner
-
-            return NativeOmniRunner(pipeline, **options.pool())
-        return cls(pipeline, **options.pool())
 
     def __init__(
         self,

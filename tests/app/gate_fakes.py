@@ -26,7 +26,7 @@ from arstream.app.prompts import PromptPreparer
 from arstream.app.start_image import StartImageResolver
 from arstream.app.unstarted import UnstartedConnections
 from arstream.app.viewers import ShareRegistry, ViewerRole
-from arstream.app.worker import OutcomeKind, TickOutcome
+from arstream.app.worker import OnWorkerThread, OutcomeKind, TickOutcome
 
 FAKE_CARD: dict[str, Any] = {
     "name": "fake-card",
@@ -114,8 +114,8 @@ class FakeWorker:
         assert deliver is not None, "nobody serves the session's outcomes"
         deliver(outcome)
 
-    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> asyncio.Future[int]:
-        raise AssertionError("no branch in these tests")
+    def call(self, function: Callable[[OnWorkerThread], Any], *, lane: str | None = None) -> asyncio.Future[Any]:
+        raise AssertionError("no call on the worker thread (a branch) in these tests")
 
     def encode_for_viewers(
         self,

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from arstream.app import migration as migration_module
 from servers import RECEIVE_GUARD_S, LiveServer, ProbeClient, running_server, session_client
 from test_cluster import wait_until
 from test_migration import KEYS, MOVE_AT, SECRET, SEED, cluster_settings, drain, frames_of, reference, two_replicas
@@ -140,15 +141,17 @@ def test_live_ready_and_detached_sessions_all_move_and_each_is_reported_once() -
 
 @contextmanager
 def gated(server: LiveServer, method: str) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """Hold the results of ``server``'s worker ``method`` (session_position, export_plan) until the test
-    opens the gate: ``entered`` is set when it is called, ``gate`` releases it."""
+    """Hold the results of ``server``'s worker ``method`` (session_position), or of the drain's export
+    (export_plan: app/transfers.py, which the drain calls with the worker), until the test opens the gate:
+    ``entered`` is set when it is called, ``gate`` releases it."""
     assert server.server is not None and server.server.hub.worker is not None
     worker = server.server.hub.worker
-    original: Callable[[str], asyncio.Future[Any]] = getattr(worker, method)
+    owner: Any = worker if hasattr(worker, method) else migration_module
+    original: Callable[..., asyncio.Future[Any]] = getattr(owner, method)
     entered, gate = threading.Event(), threading.Event()
 
-    def held(session_id: str) -> asyncio.Future[Any]:
-        inner = original(session_id)
+    def held(*args: Any) -> asyncio.Future[Any]:
+        inner = original(*args)
 
         async def after() -> Any:
             result = await inner
@@ -158,12 +161,15 @@ def gated(server: LiveServer, method: str) -> Iterator[tuple[threading.Event, th
 
         return asyncio.ensure_future(after())
 
-    setattr(worker, method, held)
+    setattr(owner, method, held)
     try:
         yield entered, gate
     finally:
         gate.set()
-        delattr(worker, method)  # the class's own method again
+        if owner is worker:
+            delattr(worker, method)  # the class's own method again
+        else:
+            setattr(owner, method, original)
 
 
 def migration_of(server: LiveServer) -> Any:

@@ -11,6 +11,7 @@ tests/cluster/test_cluster.py's; here the client reconnects to r1 directly.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, ExitStack, contextmanager
 from typing import Any
@@ -24,6 +25,7 @@ from arstream.app.migration import IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import runner_for_sessions
 from arstream.runner.snapshot import export_session
+from arstream.runner.snapshot_stream import snapshot_bytes
 from arstream.runner.types import TickRequest
 from servers import LiveServer, fake_settings, running_server, session_client
 
@@ -217,13 +219,36 @@ def _snapshot_bytes(pipeline: FakeKVPipeline) -> bytes:
         "staged_controls": None, "staged_prompt": None, "pending_event_ids": [], "last_tick_id": 2,
         "last_reset_tick_id": None, "event_floor": None, "recent_event_ids": [],
     }
-    return snapshot.to_bytes()
+    return snapshot_bytes(snapshot)
 
 
 def _post_import(server: LiveServer, data: bytes) -> httpx.Response:
     return httpx.post(
         server.base_url + IMPORT_PATH, content=data, headers={"authorization": f"Bearer {SECRET}"}, timeout=10.0
     )
+
+
+class WhereFingerprinted(FakeKVPipeline):
+    """fake-kv noting the thread that takes its transfer fingerprint (a real model's hashes every weight)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.threads: list[str] = []
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        self.threads.append(threading.current_thread().name)
+        return super().transfer_fingerprint()
+
+
+def test_the_first_incoming_move_hashes_the_weights_on_the_worker_thread() -> None:
+    """A replica that has exported nothing yet hashes its weights for the first move it takes: on the model
+    worker's thread (which owns the runtime), never on the event loop or its thread pool."""
+    pipeline = WhereFingerprinted(window_frames=6)
+    with running_server(cluster_settings("r1"), pipeline) as r1:
+        assert pipeline.threads == []  # nothing moved yet: never hashed
+        taken = _post_import(r1, _snapshot_bytes(FakeKVPipeline(window_frames=6)))
+        assert taken.status_code == 200, taken.text
+    assert pipeline.threads and set(pipeline.threads) == {"arstream-model-worker"}, pipeline.threads
 
 
 def test_a_snapshot_of_another_config_is_refused_and_the_pool_stays_at_baseline() -> None:

@@ -29,7 +29,8 @@ import torch
 from arstream.app import migration
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.snapshot import SessionSnapshot
-from arstream.runner.snapshot_stream import DIGEST_BYTES, PIECE_BYTES
+from arstream.runner.snapshot_stream import DIGEST_BYTES, PIECE_BYTES, parse_snapshot
+from arstream.runner.snapshot_stream import snapshot_bytes as wire_bytes
 from servers import LiveServer, running_server
 from test_migration import SECRET, _post_import, _snapshot_bytes, cluster_settings
 
@@ -169,9 +170,9 @@ def test_a_body_shorter_than_its_table_is_a_400_and_leaves_nothing(peer: LiveSer
 
 def resealed(data: bytes, change: Any) -> bytes:
     """The snapshot with ``change`` applied and its digest made again: a sender that has the secret and lies."""
-    snapshot = SessionSnapshot.from_bytes(data)
+    snapshot = parse_snapshot(data)
     change(snapshot)
-    return snapshot.to_bytes()
+    return wire_bytes(snapshot)
 
 
 def more_frames(snapshot: SessionSnapshot) -> None:

@@ -23,7 +23,7 @@ from arstream.app import migration
 from arstream.app.migration import CLUSTER_AUTH_BURST, IMPORT_PATH
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner import snapshot
-from arstream.runner.snapshot import SessionSnapshot
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from arstream.runner.snapshot_header import (
     MAX_HEADER_BYTES,
     MAX_HEADER_DEPTH,
@@ -43,9 +43,9 @@ def raw_snapshot(header_text: str) -> bytes:
 
 def with_session(**changes: Any) -> bytes:
     """A snapshot this replica would take, with its `session` section changed."""
-    moved = SessionSnapshot.from_bytes(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
+    moved = parse_snapshot(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
     moved.header["session"] = {**moved.header["session"], **changes}
-    return moved.to_bytes()
+    return snapshot_bytes(moved)
 
 
 def at_baseline(server: LiveServer, free: int) -> bool:

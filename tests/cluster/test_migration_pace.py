@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from arstream.models.fake import FakeKVPipeline
-from arstream.runner.snapshot import SessionSnapshot
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from servers import LiveServer, running_server, session_client
 from test_migration import SEED, _post_import, _snapshot_bytes, cluster_settings, drain
 from test_migration_cut_short import at_baseline, blocks_taken_mid_stream, free_blocks, upload_head
@@ -43,9 +43,9 @@ def peer() -> Iterator[LiveServer]:
 
 def snapshot_of(session_id: str) -> bytes:
     """A fake-kv session's snapshot (the peer's config) under ``session_id``."""
-    snapshot = SessionSnapshot.from_bytes(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
+    snapshot = parse_snapshot(_snapshot_bytes(FakeKVPipeline(window_frames=6)))
     snapshot.header["session"]["id"] = session_id
-    return snapshot.to_bytes()
+    return snapshot_bytes(snapshot)
 
 
 # Bytes a held upload keeps back: its digest and a little KV (the header and most of the KV are sent).

@@ -22,7 +22,9 @@ from arstream.runner.kv_state import PassStateError, SessionKVState
 from arstream.runner.pool import PagedKVPool, plan_pool
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.snapshot import export_session, import_session, SessionSnapshot
+from arstream.runner.snapshot import export_session
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from arstream.runner.spec import KVCacheSpec
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest
 
@@ -165,7 +167,7 @@ def test_a_rewind_to_before_a_switch_reproduces_the_old_continuation(pipeline: L
 def test_an_export_after_a_switch_continues_bit_identically_elsewhere(pipeline: LongLivePipeline) -> None:
     here = runner_for_sessions(pipeline, 1)
     run(here, "s", [A] * 4 + [B])
-    snapshot = SessionSnapshot.from_bytes(export_session(here, "s").to_bytes())
+    snapshot = parse_snapshot(snapshot_bytes(export_session(here, "s")))
     expected = run(here, "s", [B, C, C], start=5)
     here.close_session("s")
     there = runner_for_sessions(load_longlive(config="tiny", random_init=True), 1)

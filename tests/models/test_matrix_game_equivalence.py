@@ -90,7 +90,7 @@ def assert_session_a_matches_the_reference(pipeline: MatrixGamePipeline) -> ARRu
 def test_a_window_with_less_history_than_a_chunk_equals_the_reference() -> None:
     """The GTA variant's window: 4 frames including the 3-frame chunk, so one frame of history."""
     runner = assert_session_a_matches_the_reference(build(get_config("tiny", local_attn_size=4)))
-    assert runner.history_frames("a") == 1
+    assert runner.sessions.history_frames("a") == 1
 
 
 def test_the_temple_run_variant_equals_the_reference() -> None:

@@ -25,7 +25,7 @@ from arstream.app.settings import Settings
 from arstream.cli import main
 from arstream.models.registry import load_pipeline
 from arstream.runner.runner import ARRunner
-from arstream.runner.parking import ParkingPolicy
+from arstream.runner.types import ParkingPolicy
 from arstream.runner.types import RuntimeOptions
 
 pytest.importorskip("torchao", reason="the quant extra (pip install 'arstream[quant]')")

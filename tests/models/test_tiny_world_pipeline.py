@@ -167,7 +167,8 @@ def test_batched_chunks_match_each_session_alone(pipeline: TinyWorldPipeline) ->
     batched = runner_for_sessions(pipeline, 6, max_batch_sessions=3)
     solo = runner_for_sessions(pipeline, 6)
     batched_ids, solo_ids = staggered_sessions(batched, "batched-"), staggered_sessions(solo, "solo-")
-    assert len({batched._sessions[s].frame_start for s in batched_ids}) == 3
+    states = [batched.sessions.state(s) for s in batched_ids]
+    assert len({s.frame_start for s in states if s is not None}) == 3 and None not in states
     for round_, keys in enumerate(ROUND_KEYS):
         request = 10 + round_
         results = batched.execute([TickRequest(s, request, controls={"keys": k}) for s, k in zip(batched_ids, keys)])

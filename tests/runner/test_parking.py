@@ -22,7 +22,8 @@ from arstream.models.fake import FakeKVPipeline
 from arstream.models.registry import load_pipeline
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline
-from arstream.runner.parking import ParkingPolicy, RestoreFailed
+from arstream.runner.parking import RestoreFailed
+from arstream.runner.types import ParkingPolicy
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.types import ChunkResult, StartImage, TickFailure, TickRequest
@@ -104,10 +105,10 @@ def test_a_session_parked_after_every_chunk_continues_bit_identically(model: str
     parked_at: list[tuple[int, tuple[int, ...] | None]] = []
 
     def park() -> None:
-        held = runner.rewind_held("s")
-        assert runner.park_session("s") and runner.parked_sessions() == ["s"] and not runner.in_pool("s")
+        held = runner.sessions.rewind_held("s")
+        assert runner.park_session("s") and runner.parking.sessions() == ["s"] and not runner.sessions.in_pool("s")
         assert runner.pool.num_free == baseline  # every block went back, the boundaries' too
-        assert runner.rewind_held("s") == held  # answered from the parked copy, without a restore
+        assert runner.sessions.rewind_held("s") == held  # answered from the parked copy, without a restore
         parked_at.append((runner.next_chunk_index("s"), held))
         if spill:
             assert runner.stats().sessions_spilled == 1 and list(tmp_path.iterdir())
@@ -118,7 +119,7 @@ def test_a_session_parked_after_every_chunk_continues_bit_identically(model: str
     stats = runner.stats()
     assert (stats.parks_total, stats.restores_total, stats.restore_failures_total) == (len(KEYS), len(KEYS) - 1, 0)
     runner.close_session("s")
-    assert runner.pool.num_free == baseline and not runner.parked_sessions() and not list(tmp_path.iterdir())
+    assert runner.pool.num_free == baseline and not runner.parking.sessions() and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("model", ["fake-kv", "tiny-world"])
@@ -133,7 +134,7 @@ def test_a_branch_from_a_parked_session_restores_it_and_both_continue(model: str
     runner = _runner(model, 2, parking=ParkingPolicy(PLENTY))
     _play(runner, ticks)
     assert runner.park_session("s")
-    assert runner.branch_session("s", 2, "b") == 2 and runner.in_pool("s")
+    assert runner.branch_session("s", 2, "b") == 2 and runner.sessions.in_pool("s")
     assert _same(_play(runner, [TickRequest(session_id="b", request_id=9, controls={"keys": ["a"]}, seed=SEED)]), expected)
 
 
@@ -210,7 +211,7 @@ def test_past_the_park_budget_the_lru_session_ends_as_before() -> None:
     runner.on_evict = evicted.append
     for session in ("a", "b", "c"):
         _play(runner, _fake_ticks(session, 3))
-    assert runner.parked_sessions() == ["a"] and evicted == ["b"] and runner.resident_sessions() == ["c"]
+    assert runner.parking.sessions() == ["a"] and evicted == ["b"] and runner.resident_sessions() == ["c"]
 
 
 def test_idle_sessions_are_parked_after_park_after_s() -> None:
@@ -222,29 +223,31 @@ def test_idle_sessions_are_parked_after_park_after_s() -> None:
     now[0] = 5.0
     _play(runner, _fake_ticks("busy", 2))
     now[0] = 12.0
-    assert runner.park_idle() == 1 and runner.parked_sessions() == ["idle"] and runner.in_pool("busy")
+    assert runner.park_idle() == 1 and runner.parking.sessions() == ["idle"] and runner.sessions.in_pool("busy")
     stats = runner.stats()
     assert (stats.sessions_resident, stats.sessions_parked, stats.resident_capacity) == (1, 1, 3)
     assert stats.session_capacity == 3 + stats.park_capacity and stats.parked_bytes > 0
 
 
 def test_an_import_parks_the_lru_session_to_make_room() -> None:
-    from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+    from arstream.runner.snapshot import export_session
+    from arstream.runner.snapshot_import import import_session
+    from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 
     source = runner_for_sessions(FakeKVPipeline(), 1)
     _play(source, _fake_ticks("moved", 3))
-    snapshot = SessionSnapshot.from_bytes(export_session(source, "moved").to_bytes())
+    snapshot = parse_snapshot(snapshot_bytes(export_session(source, "moved")))
     target = runner_for_sessions(FakeKVPipeline(), 1, parking=ParkingPolicy(PLENTY))
     _play(target, _fake_ticks("here", 3))
     import_session(target, "moved", snapshot)
-    assert target.resident_sessions() == ["moved"] and target.parked_sessions() == ["here"]
+    assert target.resident_sessions() == ["moved"] and target.parking.sessions() == ["here"]
 
 
 def test_an_exported_session_is_never_parked_until_its_next_chunk() -> None:
     runner = runner_for_sessions(FakeKVPipeline(), 1, parking=ParkingPolicy(PLENTY))
     _play(runner, _fake_ticks("a", 2))
     assert runner.park_session("a")
-    assert runner.kv_state("a") is not None and runner.in_pool("a")  # a drain's export restores it
+    assert runner.sessions.kv_state("a") is not None and runner.sessions.in_pool("a")  # a drain's export restores it
     assert not runner.park_session("a")
     runner.execute_tick(_fake_ticks("a", 3)[2])
     assert runner.park_session("a")
@@ -253,7 +256,7 @@ def test_an_exported_session_is_never_parked_until_its_next_chunk() -> None:
 @pytest.mark.parametrize("model", ["fake-kv", "tiny-world"])
 def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str, tmp_path: Path) -> None:
     from arstream.runner.snapshot import SessionSnapshot, export_session
-    from arstream.runner.snapshot_stream import plan_export
+    from arstream.runner.snapshot_stream import parse_snapshot, plan_export, snapshot_bytes
 
     def same_snapshot(a: SessionSnapshot, b: SessionSnapshot) -> bool:
         return a.header == b.header and a.tensors.keys() == b.tensors.keys() and all(
@@ -262,16 +265,16 @@ def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str
 
     played_alike = _runner(model, 1)
     _play(played_alike, _script(_pipeline(model), "s")[:5])
-    resident = SessionSnapshot.from_bytes(export_session(played_alike, "s").to_bytes())
+    resident = parse_snapshot(snapshot_bytes(export_session(played_alike, "s")))
     runner = _runner(model, 1, parking=ParkingPolicy(spill_dir=str(tmp_path), spill_budget_bytes=PLENTY))
     _play(runner, _script(_pipeline(model), "s")[:5])
     runner.execute_tick(_script(_pipeline(model), "t")[0])  # "s" is parked to make room (and spilled)
-    assert runner.parked_sessions() == ["s"] and runner.stats().sessions_spilled == 1
-    assert same_snapshot(SessionSnapshot.from_bytes(export_session(runner, "s").to_bytes()), resident)
+    assert runner.parking.sessions() == ["s"] and runner.stats().sessions_spilled == 1
+    assert same_snapshot(parse_snapshot(snapshot_bytes(export_session(runner, "s"))), resident)
     plan = plan_export(runner, "s")
     streamed = b"".join(plan.chunks())  # the sealed stream a drain sends
-    assert same_snapshot(SessionSnapshot.from_bytes(streamed), resident)
-    assert runner.parked_sessions() == ["s"] and runner.stats().restores_total == 0
+    assert same_snapshot(parse_snapshot(streamed), resident)
+    assert runner.parking.sessions() == ["s"] and runner.stats().restores_total == 0
 
 
 def test_a_spill_budget_without_a_directory_is_refused() -> None:
@@ -291,12 +294,12 @@ def test_with_every_slot_and_park_place_held_a_restore_swaps_and_none_ends(where
     host, disk = {"host": (2 * per_session, 0), "spill": (0, 2 * per_session)}.get(where, (per_session * 3 // 2,) * 2)
     policy = ParkingPolicy(host, spill_dir=str(tmp_path) if disk else None, spill_budget_bytes=disk)
     runner = runner_for_sessions(pipeline, 1, rewind=RewindSchedule.last(K), parking=policy)
-    assert runner.park_capacity == 2
+    assert runner.parking.capacity == 2
     expected = _play(runner_for_sessions(pipeline, 1, rewind=RewindSchedule.last(K)), _fake_ticks("r", 6))
     sessions = ["a", "b", "c"]
     played: dict[str, list[np.ndarray]] = {s: [] for s in sessions}
     for tick_index in range(6):
         for session in sessions:
             played[session].append(runner.execute_tick(_fake_ticks(session, 6)[tick_index]).frames)
-    assert runner.stats().evictions_total == 0 and len(runner.parked_sessions()) == 2
+    assert runner.stats().evictions_total == 0 and len(runner.parking.sessions()) == 2
     assert all(_same(played[s], expected) for s in sessions)

@@ -28,7 +28,9 @@ from arstream.runner.pool import PagedKVPool, plan_pool, session_frames
 from arstream.runner.rewind import Boundary, RewindPoints, copy_model_state
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner, runner_for_sessions
-from arstream.runner.snapshot import SessionSnapshot, export_session, import_session
+from arstream.runner.snapshot import export_session
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from arstream.runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
 from runner_fakes import FAKE_KV_BUDGET_BYTES, BatchRecordingFakePipeline, FailingImportFakePipeline, tick
 
@@ -85,10 +87,11 @@ def _reference(model: str) -> tuple[np.ndarray, ...]:
 def _references(runner: ARRunner) -> Counter[int]:
     """Every block reference the runner's sessions hold: live histories and kept boundaries."""
     held: Counter[int] = Counter()
-    for session_id, state in runner._sessions.items():
+    for session_id in runner.resident_sessions():
+        state = runner.sessions.state(session_id)
+        assert state is not None
         held.update(state.held_blocks())
-        if session_id in runner._rewind:
-            held.update(runner._rewind[session_id].blocks())
+        held.update(runner.rewinds.blocks(session_id))
     return held
 
 
@@ -161,8 +164,9 @@ def test_boundaries_share_blocks_with_the_live_window_and_stay_within_the_plan()
     # sink + window + K chunks, not (K + 1) copies of sink + window
     assert peak == session_frames(spec, RewindSchedule.last(K)) == spec.resident_frames + K * spec.frames_per_chunk
     assert peak < (K + 1) * spec.resident_frames
-    state = runner._sessions["s"]
-    boundary_blocks = set(runner._rewind["s"].blocks())
+    state = runner.sessions.state("s")
+    assert state is not None
+    boundary_blocks = set(runner.rewinds.blocks("s"))
     assert set(state.sink["main"]) <= boundary_blocks  # the sink is one set of blocks for all of them
     assert set(state.window["main"]) & boundary_blocks  # the live window shares its older blocks
     # every resident session at its peak at once fits the pool: nothing is exhausted
@@ -282,7 +286,7 @@ def test_a_moved_session_arrives_without_boundaries_and_keeps_new_ones_there() -
     source = _runner("fake-kv")
     _run(source, "s", range(4))
     target = runner_for_sessions(FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2), 2, rewind=RewindSchedule.last(K))
-    import_session(target, "s", SessionSnapshot.from_bytes(export_session(source, "s").to_bytes()))
+    import_session(target, "s", parse_snapshot(snapshot_bytes(export_session(source, "s"))))
     source.close_session("s")
     _assert_at_baseline(source)
     assert target.rewind_points("s") == (4, 4)  # the boundaries stayed behind with the source's blocks

@@ -9,7 +9,8 @@ import torch
 
 from arstream.models.fake import FakeForwardError, FakeKVPipeline, expected_frame_value, frame_code
 from arstream.runner.pool import PoolBudgetError
-from arstream.runner.runner import ARRunner, ChunkShapeError
+from arstream.runner.chunks import ChunkShapeError
+from arstream.runner.runner import ARRunner
 from arstream.runner.types import UnsupportedConfiguration
 from arstream.runner.types import TickRequest
 from runner_fakes import FAKE_KV_BUDGET_BYTES, fake_runner, tick

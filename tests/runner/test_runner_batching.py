@@ -10,7 +10,8 @@ import torch
 
 from arstream.models.fake import FakeForwardError, FakeKVPipeline
 from arstream.models.toy_attention import ToyAttentionPipeline
-from arstream.runner.runner import ARRunner, ChunkShapeError
+from arstream.runner.chunks import ChunkShapeError
+from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, TickFailure, TickRequest, TickResult
 from runner_fakes import (
     FAKE_KV_BUDGET_BYTES,
@@ -101,7 +102,9 @@ def test_a_failing_session_fails_alone_and_the_rest_of_its_batch_gets_chunks() -
     for r in (runner, alone):
         for session in "abc":
             advance(r, session, 3)
-    held_by_b = len(runner._sessions["b"].held_blocks())
+    state_b = runner.sessions.state("b")
+    assert state_b is not None
+    held_by_b = len(state_b.held_blocks())
     used_before = runner.pool.num_used
     pipeline.forwards.clear()
     ticks = [tick("a", 9, controls={"keys": ["w"]}), tick("b", 9, controls={"fail": True}), tick("c", 9)]

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from arstream.models.fake import FakeForwardError
-from arstream.runner.parking import ParkingPolicy, RestoreFailed
+from arstream.runner.parking import RestoreFailed
+from arstream.runner.types import ParkingPolicy
 from arstream.runner.pool import session_frames
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner
@@ -106,7 +107,7 @@ class RunnerMachine(RuleBasedStateMachine):
     @rule(session=SESSIONS, back=BACK, fail=st.booleans())
     def rewind(self, session: str, back: int, fail: bool) -> None:
         now = self.runner.next_chunk_index(session)
-        held = self.runner.rewind_held(session) or ()
+        held = self.runner.sessions.rewind_held(session) or ()
         target = now - back
         before = (self.runner.pool.ref_counts(), now, self.runner.is_resident(session))
         controls = {"fail": True} if fail else {}
@@ -144,12 +145,12 @@ class RunnerMachine(RuleBasedStateMachine):
 
     @rule(session=SESSIONS)
     def park(self, session: str) -> None:
-        before = (self.runner.next_chunk_index(session), self.runner.rewind_held(session))
+        before = (self.runner.next_chunk_index(session), self.runner.sessions.rewind_held(session))
         was_held = self.runner.is_resident(session)
         parked = self.runner.park_session(session)
         assert self.runner.is_resident(session) == was_held
-        assert parked == (session in self.runner.parked_sessions() and not self.runner.in_pool(session)) or not parked
-        assert (self.runner.next_chunk_index(session), self.runner.rewind_held(session)) == before
+        assert parked == (session in self.runner.parking.sessions() and not self.runner.sessions.in_pool(session)) or not parked
+        assert (self.runner.next_chunk_index(session), self.runner.sessions.rewind_held(session)) == before
 
     @rule(seconds=st.sampled_from([1.0, 6.0]))
     def idle(self, seconds: float) -> None:
@@ -158,7 +159,7 @@ class RunnerMachine(RuleBasedStateMachine):
 
     @rule(session=SESSIONS)
     def restore_fails(self, session: str) -> None:
-        parked = session in self.runner.parked_sessions()
+        parked = session in self.runner.parking.sessions()
         self.pipeline.fail_import = True
         try:
             self.request_id += 1
@@ -180,10 +181,12 @@ class RunnerMachine(RuleBasedStateMachine):
         pool = self.runner.pool
         held: Counter[int] = Counter()
         for sid in self.runner.resident_sessions():
-            live = self.runner._sessions[sid].held_blocks()
+            state = self.runner.sessions.state(sid)
+            assert state is not None
+            live = state.held_blocks()
             assert len(live) == len(set(live))  # a session's live history lists a block once
             held.update(live)
-            held.update(self.runner._rewind[sid].blocks())
+            held.update(self.runner.rewinds.blocks(sid))
         assert dict(held) == pool.ref_counts()
         assert pool.num_free + len(held) == pool.num_blocks
         assert len(set(pool._free)) == pool.num_free
@@ -197,8 +200,9 @@ class RunnerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_forward_is_left_open_between_calls(self) -> None:
-        for state in self.runner._sessions.values():
-            assert not state.in_pass and not state.chunk_held
+        for sid in self.runner.resident_sessions():
+            state = self.runner.sessions.state(sid)
+            assert state is not None and not state.in_pass and not state.chunk_held
             assert all(not state.pending[b] for b in state.spec.branch_names)
 
     @invariant()
@@ -213,12 +217,12 @@ class RunnerMachine(RuleBasedStateMachine):
     @invariant()
     def parked_sessions_hold_no_blocks_and_their_bytes_are_counted(self) -> None:
         runner = self.runner
-        parked = runner.parked_sessions()
+        parked = runner.parking.sessions()
         assert not set(parked) & set(runner.resident_sessions())
-        lot = [runner.parking.get(s) for s in parked]
+        lot = [runner.sessions.lot.get(s) for s in parked]
         stats = runner.stats()
-        assert stats.parked_bytes == sum(p.nbytes for p in lot if p is not None) <= runner.parking.budget_bytes
-        assert stats.sessions_parked == len(parked) <= runner.park_capacity
+        assert stats.parked_bytes == sum(p.nbytes for p in lot if p is not None) <= runner.sessions.lot.budget_bytes
+        assert stats.sessions_parked == len(parked) <= runner.parking.capacity
         assert (stats.blocks_used, stats.blocks_free) == (runner.pool.num_used, runner.pool.num_free)
 
 

@@ -28,9 +28,10 @@ from arstream.runner.snapshot import (
     SnapshotError,
     SnapshotRefused,
     export_session,
-    import_session,
     transferable,
 )
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import parse_snapshot, snapshot_bytes
 from arstream.runner.types import TickRequest
 
 KEYS = [["d"], ["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"], ["s"], ["s"], ["a"], ["w"], []]
@@ -66,7 +67,7 @@ def _moved_run(model: str, move_at: int) -> tuple[list[np.ndarray], ARRunner, AR
     source_pipeline, target_pipeline = _two_pipelines(model)
     source = runner_for_sessions(source_pipeline, 2)
     before = _run(source, "s", range(move_at))
-    snapshot = SessionSnapshot.from_bytes(export_session(source, "s").to_bytes())
+    snapshot = parse_snapshot(snapshot_bytes(export_session(source, "s")))
     target = runner_for_sessions(target_pipeline, 2)
     import_session(target, "s", snapshot)
     after = _run(target, "s", range(move_at, len(KEYS)))
@@ -116,7 +117,7 @@ def test_tiny_world_model_state_travels() -> None:
 def test_snapshot_header_names_model_config_and_versions() -> None:
     source = runner_for_sessions(PIPELINES["fake-kv"](), 2)
     _run(source, "s", range(3))
-    snapshot = SessionSnapshot.from_bytes(export_session(source, "s", protocol_version=1).to_bytes())
+    snapshot = parse_snapshot(snapshot_bytes(export_session(source, "s", protocol_version=1)))
     header = snapshot.header
     assert header["format_version"] == FORMAT_VERSION
     assert header["model"] == "fake-kv"
@@ -139,7 +140,7 @@ def _refused(target: ARRunner, snapshot: SessionSnapshot, error: type[Exception]
 def _fake_snapshot(**options: int) -> SessionSnapshot:
     source = runner_for_sessions(FakeKVPipeline(**options), 2)
     _run(source, "s", range(4))
-    return SessionSnapshot.from_bytes(export_session(source, "s").to_bytes())
+    return parse_snapshot(snapshot_bytes(export_session(source, "s")))
 
 
 def test_another_model_is_refused_and_the_pool_stays_at_baseline() -> None:
@@ -180,14 +181,14 @@ def test_a_snapshot_that_does_not_fit_the_spec_is_refused_without_leaking() -> N
 )
 def test_bytes_that_are_not_a_snapshot_are_refused(data: bytes, match: str) -> None:
     with pytest.raises(SnapshotError, match=match):
-        SessionSnapshot.from_bytes(data)
+        parse_snapshot(data)
 
 
 def test_another_format_version_is_refused() -> None:
     snapshot = _fake_snapshot()
     snapshot.header["format_version"] = FORMAT_VERSION + 1
     with pytest.raises(SnapshotRefused, match="format version"):
-        SessionSnapshot.from_bytes(snapshot.to_bytes())
+        parse_snapshot(snapshot_bytes(snapshot))
 
 
 def test_only_resident_sessions_export() -> None:

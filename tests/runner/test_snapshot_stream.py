@@ -1,6 +1,6 @@
 """A snapshot in pieces (runner/snapshot_stream.py, runner/snapshot_import.py): never whole, read back exactly.
 
-The planned export's bytes, read part by part, equal :meth:`SessionSnapshot.to_bytes`
+The planned export's bytes, read part by part, equal :func:`snapshot_bytes`
 of the whole export byte for byte, and are a safetensors file the library
 itself reads; the reader rebuilds the same tensors from pieces cut at any
 boundary, and refuses a stream that is too large, cut short, padded or
@@ -20,7 +20,7 @@ from safetensors.torch import load as safetensors_load
 
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.runner import runner_for_sessions
-from arstream.runner.snapshot import SessionSnapshot, SnapshotError, export_session, tensors_digest
+from arstream.runner.snapshot import SnapshotError, export_session, tensors_digest
 from arstream.runner.snapshot_import import SessionImport
 from arstream.runner.snapshot_stream import (
     DIGEST_BYTES,
@@ -29,7 +29,9 @@ from arstream.runner.snapshot_stream import (
     SnapshotReader,
     SnapshotTooLarge,
     import_pieces,
+    parse_snapshot,
     plan_export,
+    snapshot_bytes,
 )
 from arstream.runner.types import TickRequest
 
@@ -54,8 +56,8 @@ def test_the_streamed_file_is_the_whole_file_byte_for_byte(head_size: int) -> No
     runner = runner_with_history(head_size, chunks=3 if head_size > 4 else 5)
     whole = export_session(runner, SESSION, protocol_version=1)  # type: ignore[arg-type]
     data = streamed(runner)
-    assert data == whole.to_bytes()
-    assert SessionSnapshot.from_bytes(data).header == whole.header
+    assert data == snapshot_bytes(whole)
+    assert parse_snapshot(data).header == whole.header
     # Still a safetensors file: the library reads it, the digest as its last tensor.
     tensors = safetensors_load(data)
     assert set(tensors) == {*whole.tensors, DIGEST_TENSOR}
@@ -66,7 +68,7 @@ def test_the_streamed_file_is_the_whole_file_byte_for_byte(head_size: int) -> No
 def test_the_reader_rebuilds_the_tensors_from_pieces_cut_anywhere(cut: int) -> None:
     runner = runner_with_history()
     whole = export_session(runner, SESSION, protocol_version=1)  # type: ignore[arg-type]
-    data = whole.to_bytes()
+    data = snapshot_bytes(whole)
     reader = SnapshotReader(max_bytes=len(data))
     for start in range(0, len(data), cut):
         reader.feed(data[start : start + cut])
@@ -77,7 +79,7 @@ def test_the_reader_rebuilds_the_tensors_from_pieces_cut_anywhere(cut: int) -> N
 
 
 def test_the_reader_refuses_what_is_not_one_whole_snapshot() -> None:
-    data = export_session(runner_with_history(), SESSION, protocol_version=1).to_bytes()  # type: ignore[arg-type]
+    data = snapshot_bytes(export_session(runner_with_history(), SESSION, protocol_version=1))  # type: ignore[arg-type]
     with pytest.raises(SnapshotTooLarge, match=f"at most {len(data) - 1} bytes"):
         SnapshotReader(max_bytes=len(data) - 1).feed(data)
     short = SnapshotReader(max_bytes=len(data))
@@ -102,7 +104,7 @@ def test_small_blocks_travel_together_in_pieces_of_bounded_size() -> None:
 
 
 def test_a_header_the_receiver_refuses_stops_the_read_before_any_tensor_is_allocated() -> None:
-    data = export_session(runner_with_history(), SESSION, protocol_version=1).to_bytes()  # type: ignore[arg-type]
+    data = snapshot_bytes(export_session(runner_with_history(), SESSION, protocol_version=1))  # type: ignore[arg-type]
     seen: list[dict[str, object]] = []
 
     def refuse(header: dict[str, object]) -> None:
@@ -117,11 +119,11 @@ def test_a_header_the_receiver_refuses_stops_the_read_before_any_tensor_is_alloc
 
 
 def test_a_corrupt_piece_is_refused_by_the_digest() -> None:
-    data = bytearray(export_session(runner_with_history(), SESSION, protocol_version=1).to_bytes())  # type: ignore[arg-type]
-    SessionSnapshot.from_bytes(bytes(data))  # negative control: the bytes as sent are taken
+    data = bytearray(snapshot_bytes(export_session(runner_with_history(), SESSION, protocol_version=1)))  # type: ignore[arg-type]
+    parse_snapshot(bytes(data))  # negative control: the bytes as sent are taken
     data[-DIGEST_BYTES - 5] ^= 0x01  # one bit of the KV (the last tensor before the digest) flipped on the way
     with pytest.raises(SnapshotError, match="corrupt"):
-        SessionSnapshot.from_bytes(bytes(data))
+        parse_snapshot(bytes(data))
 
 
 def peer(head_size: int = 4) -> Any:
@@ -143,12 +145,12 @@ def stream_into(runner: Any, data: bytes, *, cut: int = 64, stop_after: int | No
 def test_streamed_pieces_land_in_the_pool_blocks_as_they_arrive_and_continue_bit_identically() -> None:
     source: Any = runner_with_history(head_size=4096)  # KV of 1.3 MB: half the file is past its head
     whole = export_session(source, SESSION, protocol_version=1)
-    data = whole.to_bytes()
+    data = snapshot_bytes(whole)
     target = peer(head_size=4096)
     job = stream_into(target, data, cut=65536, stop_after=len(data) // 2)
     # Half the bytes in: the session's first block already holds its bytes, in the pool itself (no copy of the
     # file is kept: the reader holds nothing).
-    state = target.kv_state(SESSION)
+    state = target.sessions.kv_state(SESSION)
     first = state.sink["main"][0]
     assert torch.equal(target.pool.kv[0, 0, first], whole.tensors["kv/main"][0, 0, 0])
     job.abort(target)
@@ -162,7 +164,7 @@ def test_streamed_pieces_land_in_the_pool_blocks_as_they_arrive_and_continue_bit
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 0.9, 0.999])
 def test_an_import_cut_short_anywhere_leaves_the_pool_as_it_was(fraction: float) -> None:
-    data = export_session(runner_with_history(), SESSION, protocol_version=1).to_bytes()  # type: ignore[arg-type]
+    data = snapshot_bytes(export_session(runner_with_history(), SESSION, protocol_version=1))  # type: ignore[arg-type]
     target = peer()
     free = free_blocks(target)
     stop = max(1, int(len(data) * fraction))
@@ -183,7 +185,7 @@ def test_an_import_cut_short_anywhere_leaves_the_pool_as_it_was(fraction: float)
 
 
 def lying(header_change: Any = None, table_change: Any = None) -> tuple[dict[str, Any], list[Any]]:
-    data = export_session(runner_with_history(), SESSION, protocol_version=1).to_bytes()  # type: ignore[arg-type]
+    data = snapshot_bytes(export_session(runner_with_history(), SESSION, protocol_version=1))  # type: ignore[arg-type]
     reader = SnapshotReader(max_bytes=len(data), hold=False)
     reader.feed(data)
     assert reader.header is not None

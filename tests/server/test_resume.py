@@ -456,7 +456,7 @@ def test_shutdown_releases_detached_sessions() -> None:
         assert worker is not None
     # The server has stopped: the worker ran the release before it ended.
     assert hub.resume.detached_count == 0
-    assert worker.runner is not None and worker.runner.stats().blocks_free == start_free
+    assert worker.runtime is not None and worker.runtime.stats().blocks_free == start_free
 
 
 def test_tokens_are_never_logged_whole(server: LiveServer, baseline: int, caplog: pytest.LogCaptureFixture) -> None:

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed; scripts/test-vllm-omni.sh runs these tests")
 
 from arstream.models.fake import FakeKVPipeline  # noqa: E402
-from arstream.runner.runner import ChunkShapeError  # noqa: E402
+from arstream.runner.chunks import ChunkShapeError  # noqa: E402
 from arstream.runner.types import UnsupportedConfiguration  # noqa: E402
 from arstream.runner.runtimes import build_runtime  # noqa: E402
 from arstream.runner.spec import KVBranch, KVCacheSpec  # noqa: E402
