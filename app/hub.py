@@ -159,7 +159,7 @@ class SessionHub:
 
     @property
     def rewind_points(self) -> int:
-        """Most chunk boundaries a session keeps (``ready.rewind_points``): 0 before loading, or if the runtime has none."""
+        """Most chunk boundaries a session keeps (``ready.rewind_points``): 0 before loading, or with no rewind."""
         return self._runner_stats.rewind_points if self._runner_stats is not None else 0
 
     @property

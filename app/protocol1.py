@@ -160,8 +160,7 @@ class Protocol1(Dialect):
         if isinstance(parsed, PingMessage):
             self._reply(live, pong_message(parsed.t))
         elif isinstance(parsed, CloseMessage):
-            viewer_id = live.watch.viewer_id if live.watch is not None else None
-            log.info("session=%s viewer %s closed by the client", self.session_id, viewer_id)
+            log.info("session=%s viewer %s closed by the client", self.session_id, getattr(live.watch, "viewer_id", ""))
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
             detail = f"a viewer may not send {parsed.type}; the controller can pass control"
@@ -181,7 +180,7 @@ class Protocol1(Dialect):
         """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
         self._viewers.offer_held(live.gate)  # chunks before the pass go to the viewers as they were
         passed, gate = live.pass_control(viewer_id), live.gate
-        # how far back it can rewind and branch from, as `ready` says it: the new controller's page shows the same timeline
+        # how far back it can rewind and branch from, as `ready` says: the new controller's page shows that timeline
         controller = role_message(
             ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=passed.resume, rewind_seconds=gate.rewind_seconds
         )
@@ -227,17 +226,17 @@ class Protocol1(Dialect):
         live.outbox.push(QueuedText(dumps(error_message(code, detail, tick_id=tick_id)), returns_credit=True))
 
     async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
-        ws = live.ws
-        await ws.send_text(dumps(chunk_header(outcome)))
+        await live.ws.send_text(dumps(chunk_header(outcome)))
         for index, frame in enumerate(outcome.frame_messages):
-            await ws.send_bytes(frame)
+            await live.ws.send_bytes(frame)
             if index == 0 and outcome.events:
                 sent_at = time.perf_counter()
                 for event in outcome.events:
                     live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
         return len(outcome.frame_messages)  # one frame a message
 
-    # ---- errors and the last words ----------------------------------------------------------------
+    def chunk_sent(self, live: SessionPort) -> None:
+        """Nothing follows a chunk here (the client ticks again); said here, a tick's walk skips dialect.py."""
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_message(ErrorCode(code), message, tick_id=tick_id)
