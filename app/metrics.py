@@ -193,8 +193,11 @@ class Times(Protocol):
 class WorkerFigures(Protocol):
     """The model worker's figures (:class:`arstream.app.worker.ModelWorker`)."""
 
-    round_times: RoundTimes
-    times: Times
+    @property
+    def round_times(self) -> RoundTimes: ...
+
+    @property
+    def times(self) -> Times: ...
 
     @property
     def runner_stats(self) -> RunnerStats | None: ...
