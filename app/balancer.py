@@ -32,10 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .hub import SessionHub
+from typing import Protocol
 
 log = logging.getLogger("arstream.balancer")
 
@@ -102,31 +99,36 @@ class BalancerLedger:
         return self._open.get(balancer, 0) if balancer is not None else 0
 
 
-def free_slots(hub: SessionHub) -> int:
-    """Sessions the replica would admit now: its KV slots (or realtime capacity) less those held or resuming."""
-    slots = hub.admission.slots(hub.session_capacity, hub.realtime_capacity)
-    return max(0, slots - len(hub.connections) - len(hub.resume.resuming))
+class AgentView(Protocol):
+    """What the agent check reads of the replica (the hub is one)."""
+
+    ready: bool
+    shutting_down: bool
+    not_ready_reason: str
+
+    def free_slots(self) -> int:
+        """Sessions the replica would admit now: its KV slots (or realtime capacity) less those held or resuming."""
 
 
-def agent_reply(hub: SessionHub, ledger: BalancerLedger, address: str) -> str:
+def agent_reply(replica: AgentView, ledger: BalancerLedger, address: str) -> str:
     """The agent check's line for the balancer at ``address`` (module docstring)."""
-    if hub.shutting_down or not hub.ready:
-        reason = REASON_CHARS.sub("?", hub.not_ready_reason or "not ready")[:120]
+    if replica.shutting_down or not replica.ready:
+        reason = REASON_CHARS.sub("?", replica.not_ready_reason or "not ready")[:120]
         return f"down #{reason}\n"
-    maxconn = free_slots(hub) + ledger.held_by_newest_at(address)
+    maxconn = replica.free_slots() + ledger.held_by_newest_at(address)
     if maxconn == 0:
         return "up 0%\n"
     return f"up 100% maxconn:{maxconn}\n"
 
 
-async def start_agent(hub: SessionHub, ledger: BalancerLedger, host: str, port: int) -> asyncio.Server:
+async def start_agent(replica: AgentView, ledger: BalancerLedger, host: str, port: int) -> asyncio.Server:
     """Listen for HAProxy's agent checks: each connection gets one line, then is closed (nothing is read)."""
 
     async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         address = str(peer[0]) if peer else ""
         try:
-            writer.write(agent_reply(hub, ledger, address).encode("ascii"))
+            writer.write(agent_reply(replica, ledger, address).encode("ascii"))
             await writer.drain()
         except ConnectionError:
             pass

@@ -3,17 +3,21 @@
 A :class:`LiveSession` serves one WebSocket from its upgrade to its close.
 Its :class:`~arstream.app.dialect.Dialect` says what the wire looks like
 (protocol 1, vLLM-Omni's realtime video, ...); everything else is here, once:
-the upgrade checks and refusals, the receive loop with its message budget
-and idle clock, the :class:`~arstream.app.outbox.Outbox` and the one writer
-task that keeps frames whole, the ticks in the worker, credits, release and
-finish. The hub, the resume registry and the share registry hold live
-sessions, and the worker delivers each tick's outcome straight to the live
-session that serves the tick's :class:`~arstream.app.session.Session` now
-(``Session.deliver``).
+the receive loop with its message budget and idle clock, the
+:class:`~arstream.app.outbox.Outbox` and the one writer task that keeps frames
+whole, the ticks in the worker, credits, release and finish. Before its session
+starts, the socket is an :class:`~arstream.app.opening.Opening` (the upgrade
+checks and refusals). The dialect's hooks see a small port of it
+(:class:`~arstream.app.dialect.SessionPort`), never the whole. The hub, the
+resume registry and the share registry hold live sessions, and the worker
+delivers each tick's outcome straight to the live session that serves the
+tick's :class:`~arstream.app.session.Session` now (``Session.deliver``).
 
 Roles (PROTOCOL.md, "Rewind, branch and watch"): a live session controls its
-session, or watches one (:attr:`LiveSession.watch` is set). Passing control
-swaps the two roles between two live sessions.
+session, or watches one (its :attr:`LiveSession.watch` is a
+:class:`~arstream.app.viewers.ViewerRole`). :class:`Phase` and its transition
+table say where it is; passing control (:meth:`LiveSession.pass_control`)
+swaps the two roles between two live sessions, here and nowhere else.
 
 Bounds on the way out (docs/public.md): what is queued for the client and
 not yet taken by it, in bytes, stays under ``max_send_buffer_bytes`` or the
@@ -30,81 +34,99 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import replace
+from enum import Enum
+from typing import Any, Protocol
 
-from starlette.responses import JSONResponse
 from starlette.types import Message
 from starlette.websockets import WebSocket
 
-from . import auth
-from .dialect import Dialect, Gate, SessionWorker
-from .guard import limit_messages, transport_control
-from .limits import TokenBucket, count_exceeds
-from .outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedChunk, QueuedClose, QueuedText, ViewerChunk
-from .protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, dumps
-from .session import Session, SessionState
-from .start_image import ClientGone, StartImageBusy, StartImageRefused
-from .session import TickJob
+from .dialect import Dialect, Gate, Passed, SessionWorker
+from .limits import TokenBucket
+from .opening import Opening
+from .outbox import REPLY_BACKLOG_LIMIT, Outbox, QueuedClose, QueuedText
+from .protocol import CLOSE_GOING_AWAY, ERROR_CLOSE_CODES, CloseReason, ErrorCode, ProtocolError, dumps, excerpt
+from .resume import Holder
+from .session import Session, SessionState, TickJob
+from .viewers import CLOSE_POLICY_VIOLATION, ViewerRole
+from .writer import Writer
 from .worker import OutcomeKind, TickOutcome
-from ..runner.types import StartImage
 
 log = logging.getLogger("arstream.session")
 
-CLOSE_POLICY_VIOLATION = 1008
-Format = tuple[str, int]  # (codec, quality)
+
+class Phase(Enum):
+    """Where a live session is in its life."""
+
+    OPENING = "opening"  # from the upgrade to its session's start (or its refusal)
+    CONTROLLING = "controlling"  # it controls its session: ticks, inputs, outcomes
+    WATCHING = "watching"  # it watches a session another socket controls
+    CLOSING = "closing"  # its last messages and close frame go out
+    CLOSED = "closed"
 
 
-def too_large(text: str, limit: int) -> bool:
-    """Whether a text message is over ``limit`` UTF-8 bytes."""
-    # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
-    return len(text) > limit or len(text.encode()) > limit
+# Legal moves; anything else is a bug. CONTROLLING <-> WATCHING: control passed.
+PHASES: dict[Phase, frozenset[Phase]] = {
+    Phase.OPENING: frozenset({Phase.CONTROLLING, Phase.WATCHING, Phase.CLOSED}),
+    Phase.CONTROLLING: frozenset({Phase.WATCHING, Phase.CLOSING, Phase.CLOSED}),
+    Phase.WATCHING: frozenset({Phase.CONTROLLING, Phase.CLOSING, Phase.CLOSED}),
+    Phase.CLOSING: frozenset({Phase.CLOSED}),
+    Phase.CLOSED: frozenset(),
+}
 
 
-@dataclass
-class Watch:
-    """The viewer role: which viewer this is, the format it is served, and how far its watch went."""
+class Hall(Gate, Protocol):
+    """The gate as a live session sees it: a dialect's gate, and the registry of the sessions served."""
 
-    viewer_id: str
-    format: Format
-    ended: bool = False  # its session ended (or it closed): its close is queued
-    last_seq: int = -1  # its last chunk offered (Session.chunks_out): never an older one after it
+    closing: set[LiveSession]  # ended sockets whose last bytes go out
+
+    def controller(self, session_id: str) -> LiveSession | None: ...
+
+    def register(self, live: LiveSession) -> None: ...
+
+    def unregister(self, live: LiveSession) -> None: ...
+
+    def transfer_refusal(self, holder: Holder, session_id: str) -> str | None: ...
 
 
 class LiveSession:
     """Serves one WebSocket for its whole life in one dialect; :meth:`run` returns when it is closed."""
 
-    def __init__(self, websocket: WebSocket, gate: Gate, dialect: Dialect) -> None:
+    def __init__(self, websocket: WebSocket, gate: Hall, dialect: Dialect) -> None:
         self.ws = websocket
         self.gate = gate
         self.dialect = dialect
         self.settings = gate.settings
         self.metrics = gate.metrics
+        self.phase = Phase.OPENING
         self.session: Session | None = None
         self.session_id = dialect.session_id
         self.outbox = Outbox(REPLY_BACKLOG_LIMIT)
-        self.client_host = websocket.client.host if websocket.client else ""
-        self.token_key = auth.token_key(auth.offered_token(websocket.headers, websocket.query_params))
-        self.transport = transport_control(websocket.scope)
-        self.budget = TokenBucket(
-            self.settings.max_messages_per_s, self.settings.message_burst, asyncio.get_running_loop().time()
+        loop_time = asyncio.get_running_loop().time()
+        self.budget = TokenBucket(self.settings.max_messages_per_s, self.settings.message_burst, loop_time)
+        self.opening = Opening(websocket, gate, dialect, self.budget)
+        self.client_host, self.token_key, self.transport = (
+            self.opening.client_host, self.opening.token_key, self.opening.transport,
         )
-        self.watch: Watch | None = None  # set while this socket watches a session instead of controlling it
-        self.disconnected = False  # the client went away (before or after its session started)
-        # Being moved to a peer (app/migration.py): the dialect absorbs ticks instead of running them.
+        self.watch: ViewerRole | None = None  # set while this socket watches a session instead of controlling it
+        # Being moved to a peer (app/migration.py): a tick keeps its controls and runs nothing here.
         self.moving = False
-        self._writer: asyncio.Task[None] | None = None
+        self._writer = Writer()
         self._released = False
         # Ticks handed to the worker whose outcome the client waits on: while any is out, the session is not idle.
         self._in_worker: set[int] = set()
         self._idle_since = 0.0  # loop time of the last progress (touch), or of the last awaited outcome back
-        self._stall_timer: asyncio.TimerHandle | None = None  # a viewer's writer is on one item this long at most
 
     @property
     def worker(self) -> SessionWorker:
         worker = self.gate.worker
         assert worker is not None, "a session is served only once the worker runs"
         return worker
+
+    def _enter(self, phase: Phase) -> None:
+        if phase not in PHASES[self.phase]:
+            raise RuntimeError(f"session={self.session_id}: a live session cannot go from {self.phase} to {phase}")
+        self.phase = phase
 
     # ---- entry point -----------------------------------------------------------------
 
@@ -116,7 +138,7 @@ class LiveSession:
         except Exception:  # noqa: BLE001 - a server fault: tell the client, then close 1011
             log.exception("session=%s server fault", self.session_id)
             if self.session is None:
-                await self.refuse(ErrorCode.INTERNAL, "internal server error")
+                await self.opening.refuse(ErrorCode.INTERNAL, "internal server error")
             else:
                 self.fatal(ErrorCode.INTERNAL, "internal server error")
         finally:
@@ -126,127 +148,42 @@ class LiveSession:
             self.metrics.websocket_open.dec()
 
     async def _serve(self) -> None:
-        started = await self.dialect.start(self)
+        started = await self.dialect.start(self.opening)
         if started is None:
             return
         session = started.session
         self.session, self.session_id = session, session.id
-        if self.watch is None:
+        if started.watch_format is None:
+            self._enter(Phase.CONTROLLING)
             session.deliver = self.on_outcome
             # Where the server ticks for the client, it runs only this far ahead of the socket (Dialect.chunks_ahead).
             session.chunks_ahead_limit = self.dialect.chunks_ahead
             session.next_chunk_index = started.next_chunk_index
             self.gate.register(self)
+            if started.resumable:
+                started = replace(started, ticket=self.gate.resume.ticket(self, started.next_chunk_index))
         else:
-            self.gate.unstarted.discard(self)
+            # A viewer from now on (the registry counts it as one); the dialect's start checked there is room.
+            self.watch = self._viewer_role(session, started.watch_format)
+            self._enter(Phase.WATCHING)
+            self.gate.unstarted.discard(self.opening)
+            self.watch.viewer_id = self.gate.shares.join(session.id, self.watch)
         name = self.session_id if self.watch is None else self.watch.viewer_id
-        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{name}")
+        self._writer.start(self, session, name)
         self.dialect.ready(self, started)
         await self._receive_loop()
 
-    # ---- before the session starts ----------------------------------------------------------
-
-    async def accept(self) -> bool:
-        """Run the upgrade checks (auth, origin, the cap on sockets waiting to start) and accept the socket;
-        False after refusing. An accepted socket counts as waiting to start until its session is registered."""
-        refusal, missing_token = auth.upgrade_refusal(self.ws, self.settings)
-        if refusal is not None and self.settings.refuse_before_upgrade:
-            headers = {"WWW-Authenticate": "Bearer"} if missing_token else None
-            status = 401 if missing_token else 403
-            await self.deny_upgrade(ErrorCode.UNAUTHORIZED, refusal, status=status, headers=headers)
-            return False
-        if refusal is None:
-            # Waiting to start is capped (app/unstarted.py); past the cap, a 503 that closes the connection at once.
-            busy = self.gate.unstarted.refusal(self.client_host)
-            if busy is not None:
-                await self.deny_upgrade(ErrorCode.OVER_CAPACITY, busy, status=503, headers={"Retry-After": "1"})
-                return False
-            self.gate.unstarted.add(self, self.client_host)
-        await self.ws.accept()
-        if refusal is not None:
-            log.info("session=%s refused: %s", self.session_id, refusal)
-            await self.refuse(ErrorCode.UNAUTHORIZED, refusal)
-            return False
-        # Only the start message may carry a picture.
-        self.limit_messages(self.gate.start_message_bytes)
-        return True
-
-    def limit_messages(self, max_bytes: int) -> None:
-        """The largest message the transport reads from now on."""
-        limit_messages(self.ws, self.settings.ws_message_limit(max_bytes))
-
-    async def deny_upgrade(
-        self, code: ErrorCode, refusal: str, *, status: int, headers: dict[str, str] | None = None
-    ) -> None:
-        """Refuse with HTTP ``status`` before the upgrade; the body is the dialect's error object."""
-        log.info("session=%s refused before the upgrade: %s", self.session_id, refusal)
-        self.metrics.errors.labels(code=str(code)).inc()
-        body = self.dialect.error(code, refusal)
-        await self.ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
-
-    async def refuse(self, code: ErrorCode, message: str) -> None:
-        """Error then close, for a socket whose session never started (bounded by ``close_timeout_s``)."""
-        self.metrics.errors.labels(code=str(code)).inc()
-        await self.send_then_close([dumps(self.dialect.error(code, message))], ERROR_CLOSE_CODES.get(code, 1008))
-
-    async def send_then_close(self, texts: list[str], close_code: int) -> None:
-        """Send ``texts`` then the close frame, bounded by ``close_timeout_s``; nothing it sends later is read.
-
-        A peer that does not read its refusal is left to the transport, which drops it (app/guard.py)."""
-
-        async def send_refusal() -> None:
-            for text in texts:
-                await self.ws.send_text(text)
-            await self.ws.close(close_code)
-
-        try:
-            await asyncio.wait_for(send_refusal(), self.settings.close_timeout_s)
-            if self.transport is not None:
-                self.transport.stop_reading()  # refused: nothing it sends now is parsed
-        except TimeoutError:
-            log.debug("session=%s did not take its refusal within %s s", self.session_id, self.settings.close_timeout_s)
-        except Exception:  # noqa: BLE001 - the client may already be gone
-            log.debug("session=%s gone before its refusal was sent", self.session_id)
-
-    async def start_image(self, name: str | None, data: str | None) -> StartImage | None:
-        """The start image a start asks for (decoded off the loop), or None after refusing (or if the client left)."""
-        try:
-            return await self.gate.start_images.resolve(
-                name=name,
-                data=data,
-                offered=self.gate.start_image_names,
-                gone=None if self.transport is None else self.transport.lost,
-            )
-        except ClientGone:
-            self.disconnected = True  # no longer waiting to start: _finish stops counting it
-        except StartImageBusy as exc:
-            await self.refuse(ErrorCode.OVER_CAPACITY, str(exc))
-        except StartImageRefused as exc:
-            log.info("session=%s start image refused: %s", self.session_id, exc)
-            await self.refuse(ErrorCode.INVALID_IMAGE, str(exc))
-        return None
-
-    def controls_problem(self, controls: dict[str, Any]) -> str | None:
-        """What is wrong with ``controls`` (too many values, or not the model's schema), or None."""
-        limit = self.settings.max_control_items
-        if count_exceeds(controls, limit):
-            # Refused before the schema walks it: a schema check costs time per item, on the event loop.
-            return f"controls hold more than {limit} JSON values (max_control_items)"
-        validator = self.gate.controls_validator
-        error = None if validator is None else next(iter(validator.iter_errors(controls)), None)
-        if error is None:
-            return None
-        where = "/".join(str(p) for p in error.absolute_path) or "controls"
-        return f"{where}: {error.message}"
+    def _viewer_role(self, session: Session, served: tuple[str, int], last_seq: int = -1) -> ViewerRole:
+        timeout = self.settings.viewer_stall_timeout_s
+        return ViewerRole(self, session.id, served, stall_timeout_s=timeout, last_seq=last_seq)
 
     # ---- the receive loop ---------------------------------------------------------------------
 
     @property
     def serving(self) -> bool:
-        """Whether this socket still serves: its session is live (controlling), or it still watches."""
-        if self.watch is not None:
-            return not self.watch.ended
-        return self.session is not None and self.session.live
+        """Whether this socket still serves: it controls its live session, or it still watches (only
+        :meth:`close` ends either, and it moves the phase on)."""
+        return self.phase is Phase.CONTROLLING or self.phase is Phase.WATCHING
 
     def touch(self) -> None:
         """The session made progress (what counts is the dialect's): its idle clock starts again."""
@@ -267,23 +204,25 @@ class LiveSession:
                     )
                 return
             if message["type"] == "websocket.disconnect":
-                self.disconnected = True
+                self.opening.disconnected = True
                 return
             text = message.get("text")
             if self.serving and (text is not None or message.get("bytes") is not None):
-                self.dialect.text_in(self, text)
+                job = self.dialect.text_in(self, text)
+                if job is not None:
+                    self._run(job)
 
-    def _idle_left(self, now: float) -> float:
-        """Seconds until the session is idle: no progress while no tick the client waits on is out.
-
-        Pings do not count in protocol 1: they keep the connection, not the session's slot (a client that asks
-        for nothing, or a non-reader whose pings are still being read, gives the slot back)."""
-        if self._in_worker or self.watch is not None:
-            return self.settings.idle_timeout_s  # the client is waiting on the server, or watching
-        return self._idle_since + self.settings.idle_timeout_s - now
+    def _run(self, job: TickJob) -> None:
+        """Run a tick the client asked for; while the session moves to a peer, keep its controls and run nothing."""
+        if self.moving:
+            job.session.absorb_update(job)
+            job.session.release_credit()
+        else:
+            self.submit(job)
 
     async def _next_message(self) -> Message | None:
-        """The next message, or None once the session is idle.
+        """The next message, or None once the session is idle: no progress while no tick the client waits on
+        is out (pings do not count in protocol 1: they keep the connection, not the session's slot).
 
         Every wait here is bounded by the idle deadline: the message rate budget (a client past it is read more
         slowly), room for replies (a client that does not read them is not read either, so it goes idle and is
@@ -294,7 +233,10 @@ class LiveSession:
         if delay > 0:
             await asyncio.sleep(delay)
         while True:
-            left = self._idle_left(loop.time())
+            if self._in_worker or self.watch is not None:
+                left = self.settings.idle_timeout_s  # the client is waiting on the server, or watching
+            else:
+                left = self._idle_since + self.settings.idle_timeout_s - loop.time()
             if left <= 0:
                 return None
             try:
@@ -305,11 +247,6 @@ class LiveSession:
                 return message
             except TimeoutError:
                 continue
-
-    def reply(self, payload: dict[str, Any]) -> None:
-        """Queue an immediate reply (ack, pong, error)."""
-        self.outbox.push_reply(dumps(payload))
-        self.check_send_backlog()
 
     def notify(self, message: dict[str, Any], *, latest_of: str | None = None) -> None:
         """Queue a message that is not a reply; with ``latest_of``, it replaces a queued one of that kind."""
@@ -324,7 +261,7 @@ class LiveSession:
             return
         detail = f"a client left {backlog} bytes untaken (max_send_buffer_bytes {limit})"
         if self.watch is not None:
-            self._drop_viewer(detail)
+            self.watch.drop(detail)
             return
         log.warning("session=%s dropped: not reading, %s", self.session_id, detail)
         self.outbox.drop_pending()
@@ -340,16 +277,6 @@ class LiveSession:
         if client_waits:
             self._in_worker.add(job.tick_id)
             self.touch()
-
-    def drop_queued_ticks(self) -> None:
-        """Its queued ticks do not run (their controls are kept, their credits come back); a running tick's
-        outcome still comes, to whoever serves the session then."""
-        session = self.session
-        assert session is not None
-        for job in self.worker.drop_ticks(session.id):
-            session.absorb_update(job)
-            session.release_credit()
-        self._in_worker.clear()
 
     def on_outcome(self, outcome: TickOutcome) -> None:
         """A tick of the session is done (delivered by the worker on the event loop, in order per session)."""
@@ -368,56 +295,54 @@ class LiveSession:
             session.next_chunk_index = outcome.chunk_index + 1
         self.dialect.outcome(self, outcome)
 
-    def count_sent(self, frames: int, nbytes: int) -> None:
-        self.metrics.frames_sent.inc(frames)
-        self.metrics.bytes_sent.inc(nbytes)
+    # ---- passing control -----------------------------------------------------------------------
 
-    # ---- watching (the share registry's side of a viewer, app/viewers.py) --------------------------
+    def pass_control(self, viewer_id: str) -> Passed:
+        """Hand control to one of the session's viewers: the two live sessions swap roles (PROTOCOL.md).
 
-    @property
-    def viewer_id(self) -> str | None:
-        return self.watch.viewer_id if self.watch is not None else None
-
-    @property
-    def watch_format(self) -> Format:
-        assert self.watch is not None
-        return self.watch.format
-
-    def offer_chunk(self, chunk: ViewerChunk) -> None:
-        watch = self.watch
-        if watch is None or watch.ended or chunk.seq <= watch.last_seq:
-            return
-        watch.last_seq = chunk.seq
-        self.outbox.push(chunk)
-        self.check_send_backlog()
-
-    def skip_chunk(self) -> None:
-        self.outbox.chunks_skipped += 1
-
-    def end_watching(self, reason: CloseReason) -> None:
-        if self.watch is not None:
-            self.close(CLOSE_GOING_AWAY if reason is CloseReason.SERVER_SHUTDOWN else CLOSE_NORMAL, reason)
-
-    def audience_changed(self, session: Session) -> None:
-        """Viewers came or went, or control passed: say so to everyone, and re-plan the viewers' formats."""
-        shares = self.gate.shares
-        shares.announce(session.id, self.gate.controller(session.id))
-        session.viewer_formats = shares.formats_needed(session.id, (session.codec, session.quality))
+        Raises ProtocolError (control stays) for an unknown viewer, a session closing or moving, or a viewer
+        whose client is at its session caps. The dialect says so on the wire, then tells the audience."""
+        gate, session = self.gate, self.session
+        assert session is not None and self.watch is None
+        role = gate.shares.viewers(session.id).get(viewer_id)
+        target = role.socket if role is not None and not role.ended else None
+        if role is None or not isinstance(target, LiveSession):
+            raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
+        if self.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
+        # The session counts against the new controller's address and token from now on: their caps hold.
+        refusal = gate.transfer_refusal(target, session.id)
+        if refusal is not None:
+            raise ProtocolError(
+                ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
+            )
+        # Its queued ticks were this client's: they do not run for the next one (their controls are kept);
+        # a running tick's chunk goes to the new controller, with its credit.
+        for job in self.worker.drop_ticks(session.id):
+            session.absorb_update(job)
+            session.release_credit()
+        self._in_worker.clear()
+        gate.shares.leave(session.id, viewer_id)
+        role.give_up()
+        target.watch = None
+        target._enter(Phase.CONTROLLING)
+        self.watch = self._viewer_role(session, (session.codec, session.quality), last_seq=session.chunks_out)
+        self._enter(Phase.WATCHING)
+        session.codec, session.quality = role.format
+        target.touch()
+        session.deliver = target.on_outcome
+        gate.register(target)
+        gate.resume.forget(self)
+        self.watch.viewer_id = gate.shares.join(session.id, self.watch, cap=False)
+        log.info("session=%s control passed to %s; the controller became viewer %s", session.id, viewer_id,
+                 self.watch.viewer_id)
+        return Passed(target, gate.resume.ticket(target, session.next_chunk_index), self.watch.viewer_id)
 
     def _leave_audience(self) -> None:
         session, watch = self.session, self.watch
         if session is not None and watch is not None and self.gate.shares.leave(session.id, watch.viewer_id):
             log.info("session=%s viewer %s left", session.id, watch.viewer_id)
-            self.audience_changed(session)
-
-    def _drop_viewer(self, detail: str) -> None:
-        """A viewer that does not read: what it had queued goes, `closed` (not_reading) and close 1008 go next,
-        and its connection is dropped ``close_timeout_s`` later unless it takes them (docs/public.md)."""
-        if self.watch is None or self.watch.ended:
-            return
-        log.warning("session=%s viewer %s dropped: not reading, %s", self.session_id, self.watch.viewer_id, detail)
-        self.outbox.drop_pending()
-        self.close(CLOSE_POLICY_VIOLATION, CloseReason.NOT_READING)
+            self.gate.shares.audience_changed(session, self.gate.controller(session.id))
 
     # ---- closing --------------------------------------------------------------------------
 
@@ -430,6 +355,7 @@ class LiveSession:
         if watch is not None:
             if not watch.ended:
                 watch.ended = True
+                self._enter(Phase.CLOSING)
                 self.outbox.push(self._close_item(code, reason))
                 self._leave_audience()
                 # Its last messages go out while it is counted (sessions.closing); a peer that does not take
@@ -443,6 +369,7 @@ class LiveSession:
             return
         item = self._close_item(code, reason)  # the dialect's last words (it may still hand chunks to viewers)
         session.transition(SessionState.CLOSING)
+        self._enter(Phase.CLOSING)
         self.gate.closing.add(self)
         self.outbox.push(item)
         shutdown = reason is CloseReason.SERVER_SHUTDOWN
@@ -451,7 +378,7 @@ class LiveSession:
 
     def _close_item(self, code: int, reason: CloseReason) -> QueuedClose:
         frame_reason = str(reason) if self.dialect.reason_in_close_frame else ""
-        return QueuedClose(code, self.dialect.closed(self, reason), frame_reason)
+        return QueuedClose(code, self.dialect.closed(self.gate, reason), frame_reason)
 
     def fatal(
         self,
@@ -498,19 +425,8 @@ class LiveSession:
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the writer to send everything queued, then stop it."""
-        writer = self._writer
-        if writer is None or writer.done():
-            return
-        done, _ = await asyncio.wait({writer}, timeout=timeout_s)
-        if not done:
+        if not await self._writer.wait_sent(timeout_s):
             log.warning("session=%s client did not take its last messages within %.1f s", self.session_id, timeout_s)
-            await self._stop_writer()
-
-    async def _stop_writer(self) -> None:
-        writer = self._writer
-        if writer is not None and not writer.done():
-            writer.cancel()
-            await asyncio.wait({writer})
 
     def _release(self) -> None:
         """The one release of a session's KV here: its ticket, its queued ticks, its share token."""
@@ -524,16 +440,17 @@ class LiveSession:
 
     async def _finish(self) -> None:
         gate = self.gate
-        gate.unstarted.discard(self)  # refused, or gone before its session started
-        gate.drop_claim(self)  # gone between a branch's admission and its registration
+        gate.unstarted.discard(self.opening)  # refused, or gone before its session started
+        gate.drop_claim(self.opening)  # gone between a branch's admission and its registration
         session = self.session
         if session is None:
+            self._enter(Phase.CLOSED)
             return
         if self.watch is not None:
             self.watch.ended = True
             self._leave_audience()
         else:
-            if self.disconnected:
+            if self.opening.disconnected:
                 log.info("session=%s disconnected", self.session_id)
             if not self._released and gate.resume.detach(self):
                 self._released = True  # detached: kept with its KV for a resume, released by the registry
@@ -544,60 +461,9 @@ class LiveSession:
                 session.transition(SessionState.CLOSING)
             self._release()
             gate.unregister(self)
-        if self.disconnected:
-            await self._stop_writer()
+        if self.opening.disconnected:
+            await self._writer.stop()
         await self.wait_sent(self.settings.shutdown_grace_s)
         if self.watch is None and session.state is not SessionState.CLOSED:
             session.transition(SessionState.CLOSED)
-
-    # ---- the writer ---------------------------------------------------------------------------
-
-    async def _write_loop(self) -> None:
-        session = self.session
-        assert session is not None
-        try:
-            while True:
-                item = await self.outbox.get()
-                self._arm_stall()
-                if isinstance(item, QueuedText):
-                    await self.ws.send_text(item.text)
-                    if item.returns_credit:
-                        session.release_credit()
-                elif isinstance(item, QueuedChunk):
-                    await self.dialect.send_chunk(self, item.outcome)
-                    self.metrics.chunks.inc()
-                    session.release_credit()
-                    self.dialect.chunk_sent(self)
-                elif isinstance(item, ViewerChunk):
-                    await self._send_viewer_chunk(item)
-                else:
-                    if item.text is not None:
-                        await self.ws.send_text(item.text)
-                    await self.ws.close(item.code, item.reason)
-                    return
-                self._disarm_stall()
-        except Exception as exc:  # noqa: BLE001 - a vanished client ends the writer quietly
-            log.debug("session=%s writer stopped: %s", self.session_id, exc)
-        finally:
-            self._disarm_stall()
-            self.outbox.close()
-
-    async def _send_viewer_chunk(self, chunk: ViewerChunk) -> None:
-        skipped, self.outbox.chunks_skipped = self.outbox.chunks_skipped, 0
-        await self.ws.send_text(dumps({**chunk.header, "skipped_before": skipped}) if skipped else chunk.text)
-        for frame in chunk.frames:
-            await self.ws.send_bytes(frame)
-            self.count_sent(1, len(frame))
-
-    def _arm_stall(self) -> None:
-        """Arm the stall bound for the item a viewer's writer is about to send (disarmed once it is sent)."""
-        if self.watch is not None and not self.watch.ended:
-            timeout = self.settings.viewer_stall_timeout_s
-            self._stall_timer = asyncio.get_running_loop().call_later(
-                timeout, self._drop_viewer, f"it took nothing for {timeout:g} s (viewer_stall_timeout_s)"
-            )
-
-    def _disarm_stall(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self._enter(Phase.CLOSED)

@@ -7,19 +7,21 @@ scrape time by :class:`RunnerCollector`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .admission import chunk_period_s
-from .balancer import free_slots
+from . import webrtc_track
+from .admission import RealtimeCapacity, chunk_period_s
 from ..runner.stats import RunnerStats
 
 if TYPE_CHECKING:
-    from .hub import SessionHub
+    from .admission import RoundTimes
+    from .session import Session
+    from .settings import Settings
 
 # Chunk latencies of interest run from a millisecond (tiny models) to seconds (big ones).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -160,16 +162,123 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# The small views below are what metrics and /v1/stats read of the replica's parts (the worker, the registries),
+# named here so that this module imports none of them.
+
+
+class Queued(Protocol):
+    @property
+    def replies_queued(self) -> int: ...
+
+
+class Served(Protocol):
+    """A connection that controls a session, as the stats count it."""
+
+    @property
+    def session(self) -> Session | None: ...
+
+    @property
+    def outbox(self) -> Queued: ...
+
+
+class Times(Protocol):
+    """The worker's chunk and round times (:class:`arstream.app.decode_stage.WorkerTimes`)."""
+
+    def phases_summary(self) -> dict[str, float | int]: ...
+
+    def phase_seconds(self) -> tuple[int, float, float, float]: ...
+
+    def compute_ms_percentiles(self) -> tuple[float | None, float | None]: ...
+
+
+class WorkerFigures(Protocol):
+    """The model worker's figures (:class:`arstream.app.worker.ModelWorker`)."""
+
+    @property
+    def round_times(self) -> RoundTimes: ...
+
+    @property
+    def times(self) -> Times: ...
+
+    @property
+    def runner_stats(self) -> RunnerStats | None: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def decode_overlap(self) -> bool: ...
+
+
+class DetachedEntry(Protocol):
+    @property
+    def session_id(self) -> str: ...
+
+
+class Detached(Protocol):
+    """The resume registry's detached sessions (:class:`arstream.app.resume.ResumeRegistry`)."""
+
+    @property
+    def detached_count(self) -> int: ...
+
+    def detached(self) -> Sequence[DetachedEntry]: ...
+
+    def detached_session(self, session_id: str) -> Session | None: ...
+
+
+class Counted(Protocol):
+    @property
+    def viewer_count(self) -> int: ...
+
+
+class Decoding(Protocol):
+    @property
+    def decoding(self) -> int: ...
+
+
+class ReplicaView(Protocol):
+    """What the replica's metrics and ``/v1/stats`` read (the hub is one): the model, the worker, admission and
+    the registries of sessions served, detached and shared."""
+
+    settings: Settings
+    model_card: dict[str, Any]
+    closing: set[Any]
+
+    @property
+    def start_images(self) -> Decoding: ...
+
+    @property
+    def resume(self) -> Detached: ...
+
+    @property
+    def shares(self) -> Counted: ...
+
+    @property
+    def worker(self) -> WorkerFigures | None: ...
+
+    @property
+    def connections(self) -> Mapping[str, Served]: ...
+
+    @property
+    def session_capacity(self) -> int: ...
+
+    def admission_refusal(self) -> str | None: ...
+
+    def realtime_capacity(self) -> RealtimeCapacity | None: ...
+
+    def free_slots(self) -> int: ...
+
+
 class ReplicaCollector(Collector):
     """What an operator needs to see overload and readiness: the model's pace against what is delivered.
 
-    Read from the hub at scrape time: the model card's fps and chunk period, the realtime capacity
+    Read from the replica (the hub) at scrape time: the model card's fps and chunk period, the realtime capacity
     (app/admission.py), the free slots the HAProxy agent check reports (app/balancer.py), the worker's
     queue depth, sessions with ticks pending, and readiness.
     """
 
-    def __init__(self, hub: SessionHub) -> None:
-        self._hub = hub
+    def __init__(self, replica: ReplicaView) -> None:
+        self._hub = replica
 
     def collect(self) -> Iterable[Metric]:
         hub = self._hub
@@ -198,7 +307,7 @@ class ReplicaCollector(Collector):
             counter = CounterMetricFamily(name, help_text)
             counter.add_metric([], value)
             yield counter
-        yield _gauge("arstream_free_session_slots", "New sessions the replica would admit now", free_slots(hub))
+        yield _gauge("arstream_free_session_slots", "New sessions the replica would admit now", hub.free_slots())
         fps = hub.model_card.get("fps")
         if isinstance(fps, (int, float)) and fps > 0:
             yield _gauge("arstream_model_fps", "Frames per second of video the model card promises", fps)
@@ -216,3 +325,75 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     metric = GaugeMetricFamily(name, help_text)
     metric.add_metric([], value)
     return metric
+
+
+def start_images_held(replica: ReplicaView, live: list[Session]) -> dict[str, int]:
+    """Uploaded start images the live and detached sessions hold: how many pictures, and their bytes
+    (a branch shares its source's picture: counted once); and uploads waiting for or in their decode."""
+    resume = replica.resume
+    detached = (resume.detached_session(d.session_id) for d in resume.detached())
+    held = {
+        id(session.start_image.pixels): session.start_image.pixels.nbytes
+        for session in (*live, *detached)
+        if session is not None and session.start_image is not None and session.start_image.pixels is not None
+    }
+    return {"held": len(held), "bytes": sum(held.values()), "decoding": replica.start_images.decoding}
+
+
+def stats_document(replica: ReplicaView) -> dict[str, Any] | None:
+    """The /v1/stats document (PROTOCOL.md), or None before the model is loaded."""
+    worker = replica.worker
+    runner_stats = worker.runner_stats if worker else None
+    if worker is None or runner_stats is None:
+        return None
+    p50, p99 = worker.times.compute_ms_percentiles()
+    capacity = replica.realtime_capacity()
+    connections = list(replica.connections.values())
+    sessions = [c.session for c in connections if c.session is not None]
+    return {
+        "start_images": start_images_held(replica, sessions),
+        "kv": {
+            "blocks_total": runner_stats.blocks_total,
+            "blocks_free": runner_stats.blocks_free,
+            "blocks_used": runner_stats.blocks_used,
+            "block_bytes": runner_stats.block_bytes,
+            "pool_bytes": runner_stats.pool_bytes,
+            "session_capacity": replica.session_capacity,
+            "sessions_resident": runner_stats.sessions_resident,
+            "sink_frames": runner_stats.sink_frames,
+            "window_frames": runner_stats.window_frames,
+            "frames_per_chunk": runner_stats.frames_per_chunk,
+            "scratch_blocks": runner_stats.scratch_blocks,
+        },
+        "sessions": {
+            "connected": len(sessions),
+            "viewers": replica.shares.viewer_count,
+            "detached": replica.resume.detached_count,
+            "closing": len(replica.closing),
+            "realtime_capacity": None if capacity is None else capacity.sessions,
+            "active": sum(1 for s in sessions if s.pending_ticks > 0),
+            "evictions_total": runner_stats.evictions_total,
+            "failures_total": runner_stats.failures_total,
+            "pending_ticks": sum(s.pending_ticks for s in sessions),
+            "replies_queued": sum(c.outbox.replies_queued for c in connections),
+        },
+        "parking": runner_stats.parking(),  # runner/parking.py
+        # where each of the model's components lives and its bytes (the model card's, as loaded)
+        "components": replica.model_card.get("components", []),
+        "queue": {"depth": worker.queue_depth},
+        "chunks": {
+            "total": runner_stats.chunks_total,
+            "compute_ms_p50": None if p50 is None else round(p50, 3),
+            "compute_ms_p99": None if p99 is None else round(p99, 3),
+            # worker rounds (runner calls) since start-up, warm-up included, and the sessions they served
+            "rounds_total": worker.round_times.rounds_total,
+            "round_sessions_total": worker.round_times.round_sessions_total,
+        },
+        # per round: the DiT forward, the decode (apart from it with --decode-overlap) and the time both ran
+        "phases": {"decode_overlap": worker.decode_overlap, **worker.times.phases_summary()},
+        # WebRTC video (app/webrtc_track.py): the peer connections held open, whether the server offers the path
+        "webrtc": {
+            "available": webrtc_track.AVAILABLE and replica.settings.webrtc,
+            "peer_connections": webrtc_track.open_peer_connections(),
+        },
+    }

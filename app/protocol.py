@@ -19,16 +19,20 @@ import re
 import time
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .codecs import CODECS, CodecName
-from .prompts import prompt_problem
+from .limits import count_exceeds
+from .prompts import PromptAllowance, PromptPreparer, PromptRateExceeded, prompt_problem
 from .wire import ID_LIMIT, PROTOCOL_VERSION
 # Strict parsing is shared with the snapshot header; both names are part of this module's interface too.
 from ..strict_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH
 from ..strict_json import loads_strict as loads_strict
+
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
 
 # An error's message never grows with what the client sent: at most this many bytes as sent (docs/public.md).
 MAX_ERROR_MESSAGE_CHARS = 480
@@ -614,3 +618,36 @@ def moved_message(*, resume: str, next_chunk_index: int) -> dict[str, Any]:
 
 def closed_message(reason: CloseReason) -> dict[str, Any]:
     return ClosedMessage(type="closed", reason=reason).wire()
+
+
+def too_large(text: str, limit: int) -> bool:
+    """Whether a text message is over ``limit`` UTF-8 bytes."""
+    # Characters first: the UTF-8 byte count is taken only of a text that could still be too large.
+    return len(text) > limit or len(text.encode()) > limit
+
+
+def controls_problem(controls: dict[str, Any], max_items: int, validator: Validator | None) -> str | None:
+    """What is wrong with ``controls`` (more than ``max_items`` JSON values, or not the model's schema), or None."""
+    if count_exceeds(controls, max_items):
+        # Refused before the schema walks it: a schema check costs time per item, on the event loop.
+        return f"controls hold more than {max_items} JSON values (max_control_items)"
+    error = None if validator is None else next(iter(validator.iter_errors(controls)), None)
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "controls"
+    return f"{where}: {error.message}"
+
+
+def with_prepared_prompt(
+    message: TickMessage | InputMessage, prompts: PromptPreparer, allowance: PromptAllowance
+) -> TickMessage | InputMessage:
+    """``message`` with its prompt as the model reads it, prepared here once (bounded at parse time; the session
+    holds what the model reads); raises ProtocolError (too_many_ticks) past the session's new-prompt allowance."""
+    if message.prompt is None:
+        return message
+    try:
+        prepared = prompts.prepare(message.prompt, allowance)
+    except PromptRateExceeded as exc:
+        tick_id = message.tick_id if isinstance(message, TickMessage) else None
+        raise ProtocolError(ErrorCode.TOO_MANY_TICKS, str(exc), tick_id=tick_id) from None
+    return message.model_copy(update={"prompt": prepared})

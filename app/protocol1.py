@@ -6,10 +6,8 @@ pong, error) while accepted ticks go to the worker. A tick's credit comes
 back only when its last frame (or its error) has been written. A controller
 can pass control to one of its viewers: the two live sessions swap roles.
 
-Viewers get every chunk the controller gets (app/viewers.py): held until the
-controller's next tick is on its way (so writing to many viewers runs beside
-the forward, not before it), then offered in the controller's own frames
-where they can share them and encoded once per other format in use.
+Viewers get every chunk the controller gets (app/viewer_feed.py, to the
+audience of app/viewers.py).
 """
 
 from __future__ import annotations
@@ -20,37 +18,16 @@ import secrets
 import time
 from typing import Any
 
-from .dialect import Dialect, Started
-from .handshake import Handshake, Watching
-from .live_session import LiveSession, Watch, too_large
+from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
-from .prompts import PromptRateExceeded
-from .protocol import (
-    CLOSE_NORMAL,
-    ClientMessage,
-    CloseMessage,
-    CloseReason,
-    ErrorCode,
-    InputMessage,
-    PassControlMessage,
-    PingMessage,
-    ProtocolError,
-    TickMessage,
-    WebRTCOfferMessage,
-    ack_message,
-    chunk_message,
-    closed_message,
-    dumps,
-    error_message,
-    excerpt,
-    moved_message,
-    parse_client_message,
-    pong_message,
-    ready_message,
-    role_message,
-)
-from .session import Session, SessionState
-from .viewers import AudienceFull, Format, shares_frames
+from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
+from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, WebRTCOfferMessage, ack_message
+from .protocol import chunk_message
+from .protocol import closed_message, controls_problem, dumps, error_message, moved_message, parse_client_message
+from .protocol import pong_message, ready_message, role_message, too_large, with_prepared_prompt
+from .session import Session, TickJob
+from .viewer_feed import ViewerFeed
 from .webrtc import SessionVideo
 from .worker import OutcomeKind, TickOutcome
 
@@ -59,10 +36,7 @@ log = logging.getLogger("arstream.session")
 PATH = "/v1/sessions"
 ROLE_CONTROLLER = "controller"
 ROLE_VIEWER = "viewer"
-# A controller's chunks being encoded in its viewers' other formats at once; past it, those viewers skip one.
-VIEWER_ENCODES_IN_FLIGHT = 2
-# How long a chunk waits for the controller's next tick before it goes to the viewers anyway (_hold_for_viewers).
-VIEWER_HOLD_S = 0.02
+BINARY_REFUSED = "binary messages from the client are not part of protocol 1"
 
 
 def chunk_header(outcome: TickOutcome) -> dict[str, Any]:
@@ -88,57 +62,26 @@ class Protocol1(Dialect):
     def __init__(self) -> None:
         super().__init__()
         self.session_id = "s-" + secrets.token_hex(8)
-        self._viewer_encodes = 0  # a controller's chunks being encoded for its viewers' formats
-        # A controller's chunks not yet offered to its viewers (_hold_for_viewers), and the timer that will.
-        self._held_for_viewers: list[tuple[Session, TickOutcome]] = []
-        self._viewer_timer: asyncio.TimerHandle | None = None
+        self._viewers = ViewerFeed(chunk_header)  # a controller's chunks for its viewers
         self._video: SessionVideo | None = None  # a controller's WebRTC path, from its webrtc_offer
 
     # ---- start and ready -----------------------------------------------------------------------
 
-    async def start(self, live: LiveSession) -> Started | None:
-        opened = await Handshake(live).open()
-        if isinstance(opened, Watching):
-            return await self._join(live, opened)
-        return opened
+    async def start(self, opening: OpeningPort) -> Started | None:
+        return await Handshake(opening, self).open()
 
-    async def _join(self, live: LiveSession, watching: Watching) -> Started | None:
-        """Become a viewer of another socket's session (PROTOCOL.md, "Rewind, branch and watch")."""
-        gate = live.gate
-        controller = gate.controller(watching.session_id)
-        session = controller.session if controller is not None else None
-        if session is None or not session.live:
-            await live.refuse(
-                ErrorCode.SHARE_FAILED, "the shared session is not live (ended, or its player is reconnecting)"
-            )
-            return None
-        try:
-            served = gate.shares.served_format(session.id, watching.format, (session.codec, session.quality))
-            live.watch = Watch("", served)  # a viewer from now on (the registry counts it as one)
-            live.watch.viewer_id = gate.shares.join(session.id, live)
-        except AudienceFull as exc:
-            live.watch = None
-            await live.refuse(ErrorCode.OVER_CAPACITY, str(exc))
-            return None
-        return Started(session)
-
-    def ready(self, live: LiveSession, started: Started) -> None:
-        gate, settings, session = live.gate, live.settings, started.session
-        if live.watch is not None:
+    def ready(self, live: SessionPort, started: Started) -> None:
+        gate, settings, session, watch = live.gate, live.gate.settings, started.session, live.watch
+        if watch is not None:
+            (codec, quality), card = watch.format, gate.model_card
             message = ready_message(
-                session_id=session.id,
-                model_card=gate.model_card,
-                codec=live.watch.format[0],
-                max_pending_ticks=settings.max_pending_ticks,
-                max_message_bytes=settings.max_message_bytes,
-                idle_timeout_s=settings.idle_timeout_s,
-                role=ROLE_VIEWER,
-                viewer_id=live.watch.viewer_id,
-                quality=live.watch.format[1],
+                session_id=session.id, model_card=card, codec=codec, role=ROLE_VIEWER, viewer_id=watch.viewer_id,
+                quality=quality, max_pending_ticks=settings.max_pending_ticks,
+                max_message_bytes=settings.max_message_bytes, idle_timeout_s=settings.idle_timeout_s,
             )
             live.outbox.push(QueuedText(dumps(message), is_reply=True))
-            log.info("session=%s viewer %s joined codec=%s", session.id, live.watch.viewer_id, live.watch.format[0])
-            live.audience_changed(session)
+            log.info("session=%s viewer %s joined codec=%s", session.id, watch.viewer_id, codec)
+            gate.shares.audience_changed(session, gate.controller(session.id))
             return
         message = ready_message(
             session_id=session.id,
@@ -147,7 +90,7 @@ class Protocol1(Dialect):
             max_pending_ticks=settings.max_pending_ticks,
             max_message_bytes=settings.max_message_bytes,
             idle_timeout_s=settings.idle_timeout_s,
-            resume=gate.resume.ticket(live, started.next_chunk_index),
+            resume=started.ticket,
             resumed=started.resumed,
             max_start_image_bytes=settings.max_start_image_bytes if gate.start_image_names else None,
             share=gate.shares.token(session.id),
@@ -160,58 +103,54 @@ class Protocol1(Dialect):
 
     # ---- messages in ------------------------------------------------------------------------------
 
-    def text_in(self, live: LiveSession, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> TickJob | None:
         if text is None:
-            binary = "binary messages from the client are not part of protocol 1"
-            error = ProtocolError(ErrorCode.INVALID_MESSAGE, binary)
-            self._reply_error(live, error)
-            return
-        limit = live.settings.max_message_bytes
+            self._reply_error(live, ProtocolError(ErrorCode.INVALID_MESSAGE, BINARY_REFUSED))
+            return None
+        limit = live.gate.settings.max_message_bytes
         if too_large(text, limit):
             live.fatal(ErrorCode.MESSAGE_TOO_LARGE, f"text messages are limited to {limit} bytes")
-            return
+            return None
         try:
             parsed = parse_client_message(text)
             if live.watch is not None:
                 self._as_viewer(live, parsed)
-            else:
-                self._as_controller(live, parsed)
+                return None
+            return self._as_controller(live, parsed)
         except ProtocolError as exc:
             self._reply_error(live, exc)
+            return None
 
-    def _reply_error(self, live: LiveSession, error: ProtocolError) -> None:
-        live.metrics.errors.labels(code=str(error.code)).inc()
-        live.reply(error_message(error.code, error.message, tick_id=error.tick_id))
+    def _reply_error(self, live: SessionPort, error: ProtocolError) -> None:
+        live.gate.metrics.errors.labels(code=str(error.code)).inc()
+        self._reply(live, error_message(error.code, error.message, tick_id=error.tick_id))
 
-    def _as_controller(self, live: LiveSession, parsed: ClientMessage) -> None:
+    @staticmethod
+    def _reply(live: SessionPort, payload: dict[str, Any]) -> None:
+        """Queue an immediate reply (ack, pong, error)."""
+        live.outbox.push_reply(dumps(payload))
+        live.check_send_backlog()
+
+    def _as_controller(self, live: SessionPort, parsed: ClientMessage) -> TickJob | None:
+        """What the controller asked: a tick is returned for the live session to run; the rest is answered."""
         session = live.session
         assert session is not None
-        if isinstance(parsed, (TickMessage, InputMessage)) and parsed.prompt is not None:
-            # Prepared for the model here, once (bounded at parse time); the session holds what the model reads.
-            try:
-                prepared = live.gate.prompts.prepare(parsed.prompt, session.prompt_allowance)
-            except PromptRateExceeded as exc:
-                tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
-                raise ProtocolError(ErrorCode.TOO_MANY_TICKS, str(exc), tick_id=tick_id) from None
-            parsed = parsed.model_copy(update={"prompt": prepared})
+        if isinstance(parsed, (TickMessage, InputMessage)):
+            parsed = with_prepared_prompt(parsed, live.gate.prompts, session.prompt_allowance)
         if isinstance(parsed, TickMessage):
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
-            job = session.accept_tick(parsed)
-            if live.moving:  # its state is on its way to a peer: keep the tick's controls, run nothing here
-                session.absorb_update(job)
-                session.release_credit()
-                return
-            live.submit(job)
-            self._offer_held(live)  # the forward runs now: the viewers' writes go beside it
-        elif isinstance(parsed, InputMessage):
+            if self._viewers.held:  # offered once the tick is on its way: the viewers' writes go beside it
+                asyncio.get_running_loop().call_soon(self._viewers.offer_held, live.gate)
+            return session.accept_tick(parsed)
+        if isinstance(parsed, InputMessage):
             self._check_controls(live, parsed.controls, tick_id=None)
             duplicate = session.accept_event(parsed)
             live.touch()
-            live.reply(ack_message(parsed.event_id, duplicate=duplicate))
+            self._reply(live, ack_message(parsed.event_id, duplicate=duplicate))
         elif isinstance(parsed, PingMessage):
-            live.reply(pong_message(parsed.t))
+            self._reply(live, pong_message(parsed.t))
         elif isinstance(parsed, CloseMessage):
-            log.info("session=%s closed by the client", live.session_id)
+            log.info("session=%s closed by the client", session.id)
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, PassControlMessage):
             self._pass_control(live, session, parsed.to)
@@ -221,94 +160,68 @@ class Protocol1(Dialect):
             self._video.offer(parsed.sdp)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
+        return None
 
-    def _as_viewer(self, live: LiveSession, parsed: ClientMessage) -> None:
+    def _as_viewer(self, live: SessionPort, parsed: ClientMessage) -> None:
         """A viewer may ping and close; what only the controller may send gets not_controller."""
         if isinstance(parsed, PingMessage):
-            live.reply(pong_message(parsed.t))
+            self._reply(live, pong_message(parsed.t))
         elif isinstance(parsed, CloseMessage):
-            log.info("session=%s viewer %s closed by the client", live.session_id, live.viewer_id)
+            log.info("session=%s viewer %s closed by the client", self.session_id, getattr(live.watch, "viewer_id", ""))
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, WebRTCOfferMessage):
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "a viewer gets its frames on the WebSocket")
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
+            detail = f"a viewer may not send {parsed.type}; the controller can pass control"
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
-            raise ProtocolError(
-                ErrorCode.NOT_CONTROLLER,
-                f"a viewer may not send {parsed.type}; the controller can pass control",
-                tick_id=tick_id,
-            )
+            raise ProtocolError(ErrorCode.NOT_CONTROLLER, detail, tick_id=tick_id)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
 
     @staticmethod
-    def _check_controls(live: LiveSession, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
-        problem = None if controls is None else live.controls_problem(controls)
+    def _check_controls(live: SessionPort, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
+        limit, validator = live.gate.settings.max_control_items, live.gate.controls_validator
+        problem = None if controls is None else controls_problem(controls, limit, validator)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_CONTROLS, problem, tick_id=tick_id)
 
-    def _pass_control(self, live: LiveSession, session: Session, viewer_id: str) -> None:
-        """Hand control to one of the session's viewers: the two live sessions swap roles (PROTOCOL.md)."""
-        gate = live.gate
-        target = gate.shares.viewers(session.id).get(viewer_id)
-        if target is None or target.watch is None or target.watch.ended:
-            raise ProtocolError(ErrorCode.UNKNOWN_VIEWER, f"no viewer {excerpt(viewer_id)} watches this session")
-        if live.moving or session.state is not SessionState.ACTIVE and session.state is not SessionState.FAILED:
-            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session is closing or moving; control stays")
-        # The session counts against the new controller's address and token from now on: their caps hold.
-        refusal = gate.transfer_refusal(target, session.id)
-        if refusal is not None:
-            raise ProtocolError(
-                ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
-            )
-        self._offer_held(live)  # chunks before the pass go to the viewers as they were
+    def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
+        """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
+        self._viewers.offer_held(live.gate)  # chunks before the pass go to the viewers as they were
         if self._video is not None:
             self._video.stop_sending()  # the session's own codec again: this socket watches in it from now on
-        # Its queued ticks were this client's: they do not run for the next one (their controls are kept);
-        # a running tick's chunk goes to the new controller, with its credit.
-        live.drop_queued_ticks()
-        gate.shares.leave(session.id, viewer_id)
-        target_format, target.watch = target.watch.format, None
-        live.watch = Watch("", (session.codec, session.quality), last_seq=session.chunks_out)
-        session.codec, session.quality = target_format
-        target.touch()
-        session.deliver = target.on_outcome
-        gate.register(target)
-        gate.resume.forget(live)
-        live.watch.viewer_id = gate.shares.join(session.id, live, cap=False)
-        ticket = gate.resume.ticket(target, session.next_chunk_index)
-        # how far back it can rewind and branch from, as `ready` says it: the new controller's page shows the same timeline
-        target.notify(
-            role_message(
-                ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=ticket, rewind_seconds=gate.rewind_seconds
-            )
+        try:
+            passed, gate = live.pass_control(viewer_id), live.gate
+        except ProtocolError:
+            if self._video is not None:
+                self._video.resume_sending()  # control stays here, and so does the track
+            raise
+        # how far back it can rewind and branch from, as `ready` says: the new controller's page shows that timeline
+        controller = role_message(
+            ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=passed.resume, rewind_seconds=gate.rewind_seconds
         )
-        live.notify(role_message(ROLE_VIEWER, viewer_id=live.watch.viewer_id))
-        log.info(
-            "session=%s control passed to %s; the controller became viewer %s",
-            session.id, viewer_id, live.watch.viewer_id,
-        )
-        live.audience_changed(session)
+        passed.to.outbox.push(QueuedText(dumps(controller)))
+        live.outbox.push(QueuedText(dumps(role_message(ROLE_VIEWER, viewer_id=passed.viewer_id))))
+        gate.shares.audience_changed(session, gate.controller(session.id))
 
     # ---- outcomes -----------------------------------------------------------------------------------
 
-    def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
+    def outcome(self, live: SessionPort, outcome: TickOutcome) -> None:
         session, job = live.session, outcome.job
         assert session is not None
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
             live.check_send_backlog()
-            self._hold_for_viewers(live, session, outcome)
+            if session.viewer_count:
+                self._viewers.hold(live.gate, session, outcome)
         elif outcome.kind is OutcomeKind.REWIND_UNAVAILABLE:
-            live.metrics.errors.labels(code=str(ErrorCode.REWIND_UNAVAILABLE)).inc()
             detail = f"tick {job.tick_id} was not run: {outcome.error}; the session is unchanged"
-            message = error_message(ErrorCode.REWIND_UNAVAILABLE, detail, tick_id=job.tick_id)
-            live.outbox.push(QueuedText(dumps(message), returns_credit=True))
+            self._tick_error(live, ErrorCode.REWIND_UNAVAILABLE, detail, job.tick_id)
             if job.close:
                 session.keep_open()  # nothing ran, so no close either: a close comes after the tick's chunk
             return
         elif outcome.kind is OutcomeKind.INTERNAL:
-            log.error("session=%s tick=%d %s", live.session_id, job.tick_id, outcome.error)
+            log.error("session=%s tick=%d %s", session.id, job.tick_id, outcome.error)
             live.fatal(ErrorCode.INTERNAL, "internal server error", tick_id=job.tick_id, returns_credit=True)
             return
         else:
@@ -317,101 +230,47 @@ class Protocol1(Dialect):
                 detail = f"the model failed on tick {job.tick_id} ({outcome.error}); its KV was released"
             else:
                 detail = f"tick {job.tick_id} was not run: the session failed before it"
-            live.metrics.errors.labels(code=str(ErrorCode.SESSION_FAILED)).inc()
-            message = error_message(
-                ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", tick_id=job.tick_id
-            )
-            live.outbox.push(QueuedText(dumps(message), returns_credit=True))
+            self._tick_error(live, ErrorCode.SESSION_FAILED, detail + "; send a tick with reset: true", job.tick_id)
         if job.close:
-            log.info("session=%s closing after tick %d (close: true)", live.session_id, job.tick_id)
+            log.info("session=%s closing after tick %d (close: true)", session.id, job.tick_id)
             live.close(CLOSE_NORMAL, CloseReason.TICK_CLOSE)
 
-    async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
-        ws, header = live.ws, chunk_header(outcome)
+    @staticmethod
+    def _tick_error(live: SessionPort, code: ErrorCode, detail: str, tick_id: int) -> None:
+        """A tick's error: it comes after the chunks before it, and gives the tick's credit back."""
+        live.gate.metrics.errors.labels(code=str(code)).inc()
+        live.outbox.push(QueuedText(dumps(error_message(code, detail, tick_id=tick_id)), returns_credit=True))
+
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
+        header = chunk_header(outcome)
         if self._video is not None and await self._video.send_chunk(outcome, header):
-            self._observe_action_to_frame(live, outcome)
-            live.count_sent(len(outcome.frame_messages), 0)  # on the track: no WebSocket bytes
-            return
-        await ws.send_text(dumps(header))
+            self._observe_action_to_frame(live, outcome)  # its frames are on the track
+            return len(outcome.frame_messages)
+        await live.ws.send_text(dumps(header))
         for index, frame in enumerate(outcome.frame_messages):
-            await ws.send_bytes(frame)
+            await live.ws.send_bytes(frame)
             if index == 0:
                 self._observe_action_to_frame(live, outcome)
-            live.count_sent(1, len(frame))
+        return len(outcome.frame_messages)  # one frame a message
 
     @staticmethod
-    def _observe_action_to_frame(live: LiveSession, outcome: TickOutcome) -> None:
+    def _observe_action_to_frame(live: SessionPort, outcome: TickOutcome) -> None:
         sent_at = time.perf_counter()
         for event in outcome.events:
-            live.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+            live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
 
-    async def finished(self, live: LiveSession) -> None:
+    async def finished(self, live: SessionPort) -> None:
         if self._video is not None:
             await self._video.close()
 
-    # ---- the viewers' chunks ----------------------------------------------------------------------
-
-    def _hold_for_viewers(self, live: LiveSession, session: Session, outcome: TickOutcome) -> None:
-        """Offer the chunk to the viewers once the controller has sent its next tick (or VIEWER_HOLD_S later).
-
-        Writing a chunk to dozens of viewers takes the event loop a while; done right after the controller's
-        own chunk, it would hold up the controller's next tick, which arrives a round trip later. Done when that
-        tick is on its way to the worker, it runs beside the forward instead.
-        """
-        if not live.gate.shares.viewers(session.id):
-            return
-        self._held_for_viewers.append((session, outcome))
-        if self._viewer_timer is None:
-            self._viewer_timer = asyncio.get_running_loop().call_later(VIEWER_HOLD_S, self._offer_held, live)
-
-    def _offer_held(self, live: LiveSession) -> None:
-        """Offer the chunks held for the viewers now."""
-        if self._viewer_timer is not None:
-            self._viewer_timer.cancel()
-            self._viewer_timer = None
-        held, self._held_for_viewers = self._held_for_viewers, []
-        for session, outcome in held:
-            self._fan_out(live, session, outcome)
-
-    def _fan_out(self, live: LiveSession, session: Session, outcome: TickOutcome) -> None:
-        """Offer a chunk to the session's viewers: the controller's own frames where they can share them,
-        one encode per other format in use (on the encoder threads; while two are still being encoded, the
-        viewers of those formats skip the chunk, so a slow encode never piles up)."""
-        shares = live.gate.shares
-        if not shares.viewers(session.id):
-            return
-        session.chunks_out += 1
-        header = chunk_header(outcome)
-        own = (outcome.codec, outcome.quality)
-        if shares_frames(own, own):
-            shares.offer(session.id, header, session.chunks_out, {own: outcome.frame_messages})
-        formats = shares.formats_needed(session.id, own)
-        if not formats:
-            return
-        worker = live.gate.worker
-        if outcome.frames is None or self._viewer_encodes >= VIEWER_ENCODES_IN_FLIGHT or worker is None:
-            shares.skip(session.id, formats)
-            return
-        self._viewer_encodes += 1
-        seq = session.chunks_out
-
-        def deliver(encoded: dict[Format, tuple[bytes, ...]]) -> None:
-            self._viewer_encodes -= 1
-            shares.offer(session.id, header, seq, encoded)
-
-        worker.encode_for_viewers(
-            session.id, outcome.frames, formats, chunk_index=outcome.chunk_index, tick_id=outcome.job.tick_id,
-            deliver=deliver,
-        )
-
-    # ---- errors and the last words ----------------------------------------------------------------
+    def chunk_sent(self, live: SessionPort) -> None:
+        """Nothing follows a chunk here (the client ticks again); said here, a tick's walk skips dialect.py."""
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_message(ErrorCode(code), message, tick_id=tick_id)
 
-    def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
-        if live.watch is None:
-            self._offer_held(live)  # the viewers get the chunks the controller got, then their close
+    def closed(self, gate: Gate, reason: CloseReason) -> str | None:
+        self._viewers.offer_held(gate)  # the viewers get the chunks the controller got, then their close
         return dumps(closed_message(reason))
 
     def moved(self, resume: str, next_chunk_index: int) -> str:

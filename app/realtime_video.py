@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import FMP4
-from .dialect import Dialect, Started
+from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from .fmp4 import fmp4_codec
 from .handshake import Handshake
-from .live_session import LiveSession, too_large
 from .outbox import QueuedChunk
 from .prompts import PromptRateExceeded
 from .protocol import CLOSE_NORMAL, ERROR_CLOSE_CODES, CloseReason, ErrorCode, InputMessage, ProtocolError
-from .protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, dumps, loads_strict
+from .protocol import MAX_RESUME_TOKEN_CHARS, StartMessage, TickMessage, controls_problem, dumps, loads_strict
+from .protocol import too_large
 from .realtime_video_events import (
     MAX_CONTROL_MESSAGE_BYTES,
     MAX_EVENT_ID_BYTES,
@@ -168,14 +168,14 @@ class VideoStreamState:
         return state
 
 
-def limit_control_messages(live: LiveSession) -> None:
+def limit_control_messages(live: OpeningPort) -> None:
     """The transport's message limit once a session started (or resumed) here.
 
     vLLM-Omni reads a control message of any size its transport takes (uvicorn's 16 MiB) and answers one over
     its 128 KiB with an error, the session going on; here the transport keeps what every connection opens with
     (room for the largest start), so only a message past that is closed 1009 by the transport.
     """
-    live.limit_messages(max(MAX_CONTROL_MESSAGE_BYTES, live.settings.max_start_message_bytes))
+    live.limit_messages(max(MAX_CONTROL_MESSAGE_BYTES, live.gate.settings.max_start_message_bytes))
 
 
 def resume_token_of(message: Any) -> str | None:
@@ -197,6 +197,10 @@ def asks_resumable(message: dict[str, Any]) -> bool:
     if not isinstance(resumable, bool):
         raise RealtimeVideoError("session.start resumable must be true or false", ErrorCode.INVALID_MESSAGE)
     return resumable
+
+
+def _controls_problem(gate: Gate, controls: dict[str, Any]) -> str | None:
+    return controls_problem(controls, gate.settings.max_control_items, gate.controls_validator)
 
 
 # ---- the dialect -------------------------------------------------------------------------------
@@ -238,7 +242,7 @@ class RealtimeVideo(Dialect):
 
     # ---- start ----------------------------------------------------------------------------------
 
-    async def start(self, live: LiveSession) -> Started | None:
+    async def start(self, live: OpeningPort) -> Started | None:
         if not await live.accept():
             return None
         request = await self._await_start(live)
@@ -270,10 +274,10 @@ class RealtimeVideo(Dialect):
         session = Session(
             self.session_id,
             codec=fmp4_codec(request.fps),
-            quality=live.settings.default_jpeg_quality(card),
+            quality=gate.settings.default_jpeg_quality(card),
             seed=request.seed,
             prompt=gate.prompts.prepare(request.start.prompt),
-            max_pending_ticks=live.settings.max_pending_ticks,
+            max_pending_ticks=gate.settings.max_pending_ticks,
             start_image=start_image,
         )
         session.transition(SessionState.ACTIVE)
@@ -281,12 +285,12 @@ class RealtimeVideo(Dialect):
         self._state = VideoStreamState(self.request_id, request.config(), target, self._resumable)
         session.dialect_state = self._state
         self._first_controls = request.controls
-        return Started(session)
+        return Started(session, resumable=self._state.resumable)
 
-    async def _resume(self, live: LiveSession, token: str) -> Started | None:
+    async def _resume(self, live: OpeningPort, token: str) -> Started | None:
         """Adopt the detached (or still attached) session ``token`` names, as protocol 1's resume does."""
         limit_control_messages(live)
-        resumed = await Handshake(live).adopt(token, StartMessage(type="start", resume=token))
+        resumed = await Handshake(live, self).adopt(token, StartMessage(type="start", resume=token))
         if resumed is None:
             return None
         state = resumed.session.dialect_state
@@ -298,14 +302,14 @@ class RealtimeVideo(Dialect):
         state.event_names = {i: name for i, name in state.event_names.items() if i in waiting}
         self._state, self.request_id, self.session_id = state, state.request_id, resumed.session.id
         self._chunks_planned = resumed.next_chunk_index  # the dropped ticks never ran; the rest made chunks
-        return Started(resumed.session, resumed.next_chunk_index, resumed=True)
+        return Started(resumed.session, resumed.next_chunk_index, resumed=True, resumable=state.resumable)
 
-    async def _await_start(self, live: LiveSession) -> StartRequest | Started | None:
+    async def _await_start(self, live: OpeningPort) -> StartRequest | Started | None:
         """The accepted ``session.start`` (or, for a resume, the session it resumed), or None after refusing
         (vLLM-Omni ends the connection on a bad one)."""
         gate = live.gate
         try:
-            message = await asyncio.wait_for(live.ws.receive(), live.settings.start_timeout_s)
+            message = await asyncio.wait_for(live.ws.receive(), gate.settings.start_timeout_s)
         except TimeoutError:
             await live.refuse(ErrorCode.START_REQUIRED, "Timeout waiting for session.start")
             return None
@@ -337,7 +341,7 @@ class RealtimeVideo(Dialect):
         try:
             request = parse_start(parsed, gate.model_card)
             self._resumable = asks_resumable(parsed)
-            problem = None if request.controls is None else live.controls_problem(request.controls)
+            problem = None if request.controls is None else _controls_problem(gate, request.controls)
             if problem is not None:
                 raise RealtimeVideoError(problem, ErrorCode.INVALID_CONTROLS)
         except RealtimeVideoError as exc:
@@ -345,7 +349,7 @@ class RealtimeVideo(Dialect):
             return None
         return request
 
-    def ready(self, live: LiveSession, started: Started) -> None:
+    def ready(self, live: SessionPort, started: Started) -> None:
         self._started = True
         state, card = self.state, live.gate.model_card
         start_event: dict[str, Any] = {"type": "video.start", "request_id": self.request_id, "format": OUTPUT_FORMAT}
@@ -355,7 +359,7 @@ class RealtimeVideo(Dialect):
             config=state.config, session_id=self.session_id, frames_per_chunk=int(card["frames_per_chunk"])
         )
         if state.resumable:
-            start_event["resume"] = live.gate.resume.ticket(live, started.next_chunk_index)
+            start_event["resume"] = started.ticket
         if started.resumed:
             start_event["resumed"] = True
         live.outbox.push_reply(dumps(start_event))
@@ -365,7 +369,7 @@ class RealtimeVideo(Dialect):
 
     # ---- generation: the server ticks on the client's behalf ------------------------------------
 
-    def _submit_ticks(self, live: LiveSession, session: Session) -> None:
+    def _submit_ticks(self, live: SessionPort, session: Session) -> None:
         """Keep the session's credits in flight until the frame budget is covered."""
         target = self.state.chunks_target
         while (
@@ -382,7 +386,7 @@ class RealtimeVideo(Dialect):
             live.submit(session.accept_tick(tick), client_waits=False)
             self._chunks_planned += 1
 
-    def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
+    def outcome(self, live: SessionPort, outcome: TickOutcome) -> None:
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
             return
@@ -395,19 +399,19 @@ class RealtimeVideo(Dialect):
             message = f"generation failed: {outcome.error}"
             live.fatal(ErrorCode.SESSION_FAILED, message, close_code=CLOSE_INTERNAL)
 
-    async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
         (payload,) = outcome.frame_messages  # the fMP4 encoder makes one message per chunk
-        await live.ws.send_text(dumps(self._chunk_metadata(live, outcome, payload)))
+        await live.ws.send_text(dumps(self._chunk_metadata(live.gate, outcome, payload)))
         await live.ws.send_bytes(payload)
         sent_at = time.perf_counter()
         for event in outcome.events:
-            live.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
-        live.count_sent(self._frames_in(live, outcome), len(payload))
+            live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
         self._chunks_sent += 1
         self._last_sent_index = outcome.chunk_index
         live.touch()
+        return self._frames_in(live.gate, outcome)
 
-    def chunk_sent(self, live: LiveSession) -> None:
+    def chunk_sent(self, live: SessionPort) -> None:
         session = live.session
         if session is None or not session.live:
             return
@@ -419,7 +423,7 @@ class RealtimeVideo(Dialect):
             return
         self._submit_ticks(live, session)
 
-    def _chunk_metadata(self, live: LiveSession, outcome: TickOutcome, payload: bytes) -> dict[str, Any]:
+    def _chunk_metadata(self, gate: Gate, outcome: TickOutcome, payload: bytes) -> dict[str, Any]:
         """``video.chunk_metadata``, with the interactions this chunk started, holds and ended."""
         state = self.state
         started = [state.event_names.pop(i) for i in outcome.applied_event_ids if i in state.event_names]
@@ -434,7 +438,7 @@ class RealtimeVideo(Dialect):
             "type": "video.chunk_metadata",
             "request_id": self.request_id,
             "kind": "media",
-            "num_frames": self._frames_in(live, outcome),
+            "num_frames": self._frames_in(gate, outcome),
             "byte_length": len(payload),
             "generation_chunk_index": outcome.chunk_index,
             "started_event_ids": started,
@@ -450,15 +454,15 @@ class RealtimeVideo(Dialect):
         }
 
     @staticmethod
-    def _frames_in(live: LiveSession, outcome: TickOutcome) -> int:
-        card = live.gate.model_card
+    def _frames_in(gate: Gate, outcome: TickOutcome) -> int:
+        card = gate.model_card
         if outcome.chunk_index == 0 and "first_chunk_frames" in card:
             return int(card["first_chunk_frames"])
         return int(card["frames_per_chunk"])
 
     # ---- messages in ----------------------------------------------------------------------------
 
-    def text_in(self, live: LiveSession, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> None:
         session = live.session
         assert session is not None
         try:
@@ -486,11 +490,11 @@ class RealtimeVideo(Dialect):
             else:
                 raise RealtimeVideoError(f"Unknown message type: {kind}", ErrorCode.INVALID_MESSAGE)
         except RealtimeVideoError as exc:
-            live.metrics.errors.labels(code=str(exc.code)).inc()
+            live.gate.metrics.errors.labels(code=str(exc.code)).inc()
             event = error_event(exc.message, exc.code, request_id=self.request_id, event_id=exc.event_id)
             live.outbox.push_reply(dumps(event))
 
-    def _interact(self, live: LiveSession, session: Session, message: dict[str, Any]) -> None:
+    def _interact(self, live: SessionPort, session: Session, message: dict[str, Any]) -> None:
         interaction = parse_interaction(message, live.gate.model_card)
         name, state = interaction.event_id, self.state
         if name in state.names_seen:
@@ -502,7 +506,7 @@ class RealtimeVideo(Dialect):
                 "interaction_failed",
                 event_id=name,
             )
-        problem = None if interaction.controls is None else live.controls_problem(interaction.controls)
+        problem = None if interaction.controls is None else _controls_problem(live.gate, interaction.controls)
         if problem is not None:
             raise RealtimeVideoError(problem, "interaction_failed", event_id=name)
         event_id = (session.event_floor or 0) + 1
@@ -541,7 +545,7 @@ class RealtimeVideo(Dialect):
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return error_event(message, code, request_id=self.request_id if self._started else None)
 
-    def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
+    def closed(self, gate: Gate, reason: CloseReason) -> str | None:
         if reason in (CloseReason.CLIENT, CloseReason.TICK_CLOSE, CloseReason.IDLE_TIMEOUT):
             # A stall ends as vLLM-Omni's does: its error is queued already, session.done (stopped) follows.
             done = {
@@ -552,6 +556,6 @@ class RealtimeVideo(Dialect):
             }
             return dumps(done)
         if reason is CloseReason.SERVER_SHUTDOWN:
-            live.metrics.errors.labels(code=SERVER_SHUTDOWN).inc()
+            gate.metrics.errors.labels(code=SERVER_SHUTDOWN).inc()
             return dumps(error_event("the server is shutting down", SERVER_SHUTDOWN, request_id=self.request_id))
         return None  # its error is queued already

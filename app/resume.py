@@ -41,19 +41,41 @@ import secrets
 from collections.abc import Callable, Mapping
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .protocol import excerpt
 from .session import Session, SessionState
 from .transfers import park_session
 
 if TYPE_CHECKING:
-    from .live_session import LiveSession
     from .worker import ModelWorker
 
 log = logging.getLogger("arstream.resume")
 
 TOKEN_RANDOM_BYTES = 32
+
+
+class Holder(Protocol):
+    """Whoever holds (or is about to hold) a session, as admission and the session caps count it."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def client_host(self) -> str: ...
+
+    @property
+    def token_key(self) -> str | None: ...
+
+
+class Connection(Holder, Protocol):
+    """A started socket that holds a resumable session (:class:`arstream.app.live_session.LiveSession`)."""
+
+    @property
+    def session(self) -> Session | None: ...
+
+    def take_over(self) -> None:
+        """Another socket resumed the session: end this one (taken_over); the session's KV stays."""
 
 
 class ResumeRefused(Exception):
@@ -74,7 +96,7 @@ class _Entry:
 
     digest: bytes
     owner: str | None  # the auth token that started the session (its key): a resume must present the same
-    connection: LiveSession | None = None
+    connection: Connection | None = None
     session: Session | None = None  # the detached session's protocol state
     timer: asyncio.TimerHandle | None = None
     # whose caps the detached session counts against: its last connection's address and token
@@ -140,7 +162,7 @@ class ResumeRegistry:
         self._by_digest: dict[bytes, str] = {}  # current token digest -> session id
         self._detached: dict[str, None] = {}  # detached session ids, longest-detached first
         # claimed, not yet attached to the new connection: session id -> the resuming connection
-        self._resuming: dict[str, LiveSession] = {}
+        self._resuming: dict[str, Holder] = {}
         self._closed = False  # shutting down: nothing is detached any more
         self._forwards: dict[bytes, Forward] = {}  # old token digest -> where its session moved
         self._unclaimed: set[bytes] = set()  # forwards no client has come back for yet
@@ -157,7 +179,7 @@ class ResumeRegistry:
         return len(self._detached)
 
     @property
-    def resuming(self) -> Mapping[str, LiveSession]:
+    def resuming(self) -> Mapping[str, Holder]:
         """Sessions being resumed (claimed, not yet attached), by id, with the connection resuming each."""
         return self._resuming
 
@@ -173,7 +195,7 @@ class ResumeRegistry:
 
     # ---- tickets ------------------------------------------------------------------------
 
-    def ticket(self, connection: LiveSession, next_chunk_index: int) -> dict[str, Any] | None:
+    def ticket(self, connection: Connection, next_chunk_index: int) -> dict[str, Any] | None:
         """A fresh ticket for the connection's session (for its `ready`); None when resume is off."""
         if not self.enabled:
             return None
@@ -186,7 +208,7 @@ class ResumeRegistry:
         grace = int(self.grace_s) if float(self.grace_s).is_integer() else self.grace_s
         return {"token": token, "grace_s": grace, "next_chunk_index": next_chunk_index}
 
-    def forget(self, connection: LiveSession) -> None:
+    def forget(self, connection: Connection) -> None:
         """The session ended through ``connection`` (closed, failed, shut down): its ticket is void."""
         entry = self._entries.get(connection.session_id)
         if entry is not None and entry.connection is connection:
@@ -290,7 +312,7 @@ class ResumeRegistry:
 
     # ---- detaching and releasing ------------------------------------------------------------
 
-    def detach(self, connection: LiveSession) -> bool:
+    def detach(self, connection: Connection) -> bool:
         """The connection dropped with its session live: keep the session for the grace period.
 
         Returns False (the caller releases the session) when it is not to be
@@ -367,7 +389,7 @@ class ResumeRegistry:
     # ---- resuming ---------------------------------------------------------------------------
 
     async def resume(
-        self, token: str, connection: LiveSession, *, codec: str | None, quality: int | None
+        self, token: str, connection: Holder, *, codec: str | None, quality: int | None
     ) -> Resumed:
         """Adopt the session that ``token`` names for ``connection``; raises :class:`ResumeRefused`.
 

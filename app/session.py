@@ -22,14 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .prompts import PromptAllowance
 from .protocol import ErrorCode, InputMessage, ProtocolError, TickMessage
 from ..runner.types import StartImage, TickRequest
-
-if TYPE_CHECKING:
-    from .delivery import TickOutcome
 
 # Event ids remembered for `duplicate` acks; older repeats are `stale_event`.
 RECENT_EVENT_IDS = 256
@@ -186,12 +183,14 @@ class Session:
         # Formats (codec, quality) its viewers need encoded apart from its own frames (app/viewers.py): set on
         # the event loop, replaced whole, read by the worker when a chunk is done.
         self.viewer_formats: frozenset[tuple[str, int]] = frozenset()
+        self.viewer_count = 0  # its viewers now (app/viewers.py, event loop only): a chunk is held for none
         # Event loop only: the index of the next chunk to reach the client, and chunks offered to viewers so far.
         self.next_chunk_index = 0
         self.chunks_out = 0
         # Whoever serves the session's outcomes now (its live session; passing control moves it): the worker
         # hands each tick's outcome here, on the event loop (app/worker.py, deliver_to_session).
-        self.deliver: Callable[[TickOutcome], None] | None = None
+        # It takes app/worker.py's TickOutcome; named Any here, as the worker's module is above this one.
+        self.deliver: Callable[[Any], None] | None = None
 
     # ---- state machine -----------------------------------------------------------
 
@@ -408,6 +407,7 @@ class Session:
         resumed.codec, resumed.quality = codec, quality
         resumed.pending_ticks = 0
         resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
+        resumed.viewer_count = 0
         resumed.deliver = None  # the resuming live session takes its outcomes once it is registered
         resumed.state = SessionState.FAILED if failed else SessionState.ACTIVE
         return resumed

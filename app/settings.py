@@ -190,7 +190,7 @@ class RewindSettings(SettingGroup):
         "copies of the model's per-session state), counted in capacity; a model whose points cost more gets "
         "fewer, sparser ones, or a shorter horizon (docs/rewind.md)",
     )
-    # Deprecated since the horizon is in seconds (issue 36): the count of chunk boundaries kept. Still a field, so
+    # Deprecated since the horizon is in seconds: the count of chunk boundaries kept. Still a field, so
     # it is parsed, bounded and reported like any other; Settings reads it as what it maps to.
     rewind_points: int | None = Field(
         None,

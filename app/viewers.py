@@ -23,7 +23,7 @@ Each format encoded costs CPU time on every chunk, whether or not its viewers
 read, so a session has at most ``max_viewer_encodings`` of them; a viewer that
 asks for another is served the nearest one there is (:meth:`ShareRegistry.served_format`).
 A viewer that takes nothing for ``viewer_stall_timeout_s`` is closed
-``not_reading`` (:mod:`arstream.app.live_session`).
+``not_reading`` (:class:`ViewerRole`, the viewer role of a live session).
 
 Viewers count in the transport's connection caps (``max_connections``,
 ``max_connections_per_client``) and in ``max_viewers_per_session``; they hold
@@ -32,6 +32,7 @@ no KV, so the session caps and admission do not count them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
@@ -40,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from . import wire
-from .outbox import ViewerChunk
-from .protocol import CloseReason, dumps, excerpt, viewers_message
+from .outbox import Outbox, ViewerChunk
+from .protocol import CLOSE_GOING_AWAY, CLOSE_NORMAL, CloseReason, dumps, excerpt, viewers_message
 from .resume import TOKEN_RANDOM_BYTES, token_hint
+from .session import Session
 
 log = logging.getLogger("arstream.viewers")
 
@@ -54,7 +56,7 @@ class ShareRefused(Exception):
 
 
 class Viewer(Protocol):
-    """What the registry needs of a watching socket (:class:`arstream.app.live_session.LiveSession` in its viewer role)."""
+    """What the registry needs of a viewer (:class:`ViewerRole` in the server, fakes in unit tests)."""
 
     @property
     def viewer_id(self) -> str | None:
@@ -75,6 +77,97 @@ class Viewer(Protocol):
 
     def end_watching(self, reason: CloseReason) -> None:
         """The watched session ended: send `closed` with ``reason`` and close."""
+
+
+class Notified(Protocol):
+    """Whoever is told how many watch (a session's controller)."""
+
+    def notify(self, message: dict[str, Any], *, latest_of: str | None = None) -> None: ...
+
+
+class WatchingSocket(Notified, Protocol):
+    """What the viewer role needs of the socket it is (:class:`arstream.app.live_session.LiveSession`)."""
+
+    @property
+    def outbox(self) -> Outbox: ...
+
+    def check_send_backlog(self) -> None:
+        """Drop the socket if it has left more than ``max_send_buffer_bytes`` untaken."""
+
+    def close(self, code: int, reason: CloseReason) -> None:
+        """Queue the last message and the close frame."""
+
+
+CLOSE_POLICY_VIOLATION = 1008
+
+
+class ViewerRole:
+    """A live session's viewer role: which viewer it is, the format it is served, how far its watch went, and
+    what only a viewer does (take the chunks offered, skip some, be closed when it stalls or stops reading).
+
+    A role ends once: its session ended or it closed (:attr:`ended`, its close is queued), or its socket took
+    control (the role is given up, and nothing it was armed with acts any more).
+    """
+
+    def __init__(
+        self, socket: WatchingSocket, session_id: str, served: Format, *, stall_timeout_s: float, last_seq: int = -1
+    ) -> None:
+        self.socket = socket
+        self.session_id = session_id
+        self.format = served
+        self.viewer_id = ""  # set when it joins the audience
+        self.ended = False
+        self.last_seq = last_seq  # its last chunk offered (Session.chunks_out): never an older one after it
+        self.stall_timeout_s = stall_timeout_s
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def watch_format(self) -> Format:
+        return self.format
+
+    def offer_chunk(self, chunk: ViewerChunk) -> None:
+        if self.ended or chunk.seq <= self.last_seq:
+            return
+        self.last_seq = chunk.seq
+        self.socket.outbox.push(chunk)
+        self.socket.check_send_backlog()
+
+    def skip_chunk(self) -> None:
+        self.socket.outbox.chunks_skipped += 1
+
+    def notify(self, message: dict[str, Any], *, latest_of: str | None = None) -> None:
+        self.socket.notify(message, latest_of=latest_of)
+
+    def end_watching(self, reason: CloseReason) -> None:
+        if not self.ended:
+            self.socket.close(CLOSE_GOING_AWAY if reason is CloseReason.SERVER_SHUTDOWN else CLOSE_NORMAL, reason)
+
+    def give_up(self) -> None:
+        """Its socket takes control: nothing of the role acts any more."""
+        self.ended = True
+        self.disarm_stall()
+
+    def drop(self, detail: str) -> None:
+        """A viewer that does not read: what it had queued goes, `closed` (not_reading) and close 1008 go next,
+        and its connection is dropped ``close_timeout_s`` later unless it takes them (docs/public.md)."""
+        if self.ended:
+            return
+        log.warning("session=%s viewer %s dropped: not reading, %s", self.session_id, self.viewer_id, detail)
+        self.socket.outbox.drop_pending()
+        self.socket.close(CLOSE_POLICY_VIOLATION, CloseReason.NOT_READING)
+
+    def arm_stall(self) -> None:
+        """Arm the stall bound for the item its writer is about to send (disarmed once it is sent)."""
+        if not self.ended:
+            timeout = self.stall_timeout_s
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                timeout, self.drop, f"it took nothing for {timeout:g} s (viewer_stall_timeout_s)"
+            )
+
+    def disarm_stall(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
 
 
 V = TypeVar("V", bound=Viewer)  # what the registry holds: live sessions in the server, fakes in unit tests
@@ -164,11 +257,8 @@ class ShareRegistry(Generic[V]):
         audience = self._audiences.get(session_id)
         if audience is None:
             raise ShareRefused("the session has ended")
-        if cap and len(audience.viewers) >= self.max_viewers_per_session:
-            raise AudienceFull(
-                f"the session already has {len(audience.viewers)} viewers "
-                f"(max_viewers_per_session {self.max_viewers_per_session})"
-            )
+        if cap:
+            self.check_room(session_id)
         viewer_id = "v" + secrets.token_hex(6)
         audience.viewers[viewer_id] = viewer
         return viewer_id
@@ -227,7 +317,22 @@ class ShareRegistry(Generic[V]):
             if viewer.watch_format in formats:
                 viewer.skip_chunk()
 
-    def announce(self, session_id: str, controller: V | None) -> None:
+    def check_room(self, session_id: str) -> None:
+        """Raises :class:`AudienceFull` when the session has ``max_viewers_per_session`` viewers already."""
+        audience = self._audiences.get(session_id)
+        if audience is not None and len(audience.viewers) >= self.max_viewers_per_session:
+            raise AudienceFull(
+                f"the session already has {len(audience.viewers)} viewers "
+                f"(max_viewers_per_session {self.max_viewers_per_session})"
+            )
+
+    def audience_changed(self, session: Session, controller: Notified | None) -> None:
+        """Viewers came or went, or control passed: say so to everyone, and re-plan the viewers' formats."""
+        self.announce(session.id, controller)
+        session.viewer_formats = self.formats_needed(session.id, (session.codec, session.quality))
+        session.viewer_count = len(self.viewers(session.id))
+
+    def announce(self, session_id: str, controller: Notified | None) -> None:
         """Tell everyone how many viewers there are; the controller also gets their ids (to pass control)."""
         viewers = self.viewers(session_id)
         message = viewers_message(len(viewers))

@@ -23,11 +23,12 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from .outbox import QueuedText
 from .protocol import ErrorCode, ProtocolError, dumps, error_message
 from .webrtc_track import WebRTCDelivery, WebRTCError
 
 if TYPE_CHECKING:
-    from .live_session import LiveSession
+    from .dialect import SessionPort
     from .worker import TickOutcome
 
 log = logging.getLogger("arstream.webrtc")
@@ -42,7 +43,7 @@ class SessionVideo:
     connected, and the codec switch that comes with it (the session makes raw pixels for the track
     while connected, and goes back to its own codec, on the WebSocket, if the connection fails)."""
 
-    def __init__(self, live: LiveSession) -> None:
+    def __init__(self, live: SessionPort) -> None:
         self._live = live
         self._delivery: WebRTCDelivery | None = None
         self._answering: asyncio.Task[None] | None = None
@@ -55,7 +56,7 @@ class SessionVideo:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this session already has a peer connection")
         session = self._live.session
         assert session is not None
-        if not self._live.settings.webrtc:
+        if not self._live.gate.settings.webrtc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this server does not offer WebRTC (--webrtc is off)")
         fps = float(self._live.gate.model_card.get("fps") or 30)
         try:
@@ -64,23 +65,31 @@ class SessionVideo:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None
         self._answering = asyncio.create_task(self._answer(self._delivery, sdp), name=f"webrtc-{session.id}")
 
+    def _session_id(self) -> str:
+        session = self._live.session
+        return "" if session is None else session.id
+
+    def _reply(self, payload: dict[str, Any]) -> None:
+        """An answer to the offer (or its refusal), queued as a reply."""
+        self._live.outbox.push_reply(dumps(payload))
+        self._live.check_send_backlog()
+
     async def _answer(self, delivery: WebRTCDelivery, sdp: str) -> None:
-        live = self._live
         try:
             answer = await delivery.answer(sdp)
         except Exception as exc:  # noqa: BLE001 - any failure to answer leaves the session on the WebSocket
             if not isinstance(exc, WebRTCError):
-                log.exception("session=%s webrtc answer failed", live.session_id)
+                log.exception("session=%s webrtc answer failed", self._session_id())
             detail = str(exc) if isinstance(exc, WebRTCError) else "the server could not answer this offer"
-            live.reply(error_message(ErrorCode.WEBRTC_FAILED, detail))
+            self._reply(error_message(ErrorCode.WEBRTC_FAILED, detail))
             self._delivery = None  # the client may offer again
             await delivery.close()
             return
-        live.reply({"type": "webrtc_answer", "sdp": answer, "codec": delivery.codec})
-        log.info("session=%s webrtc answered codec=%s", live.session_id, delivery.codec)
+        self._reply({"type": "webrtc_answer", "sdp": answer, "codec": delivery.codec})
+        log.info("session=%s webrtc answered codec=%s", self._session_id(), delivery.codec)
 
     def _state_changed(self, state: str) -> None:
-        live, session = self._live, self._live.session
+        session = self._live.session
         if session is None or self._closing:
             return
         if state == "connected" and self._own_format is None:
@@ -89,8 +98,8 @@ class SessionVideo:
             self._replan_viewers()
         elif state != "connected":
             self._restore_format()
-        log.info("session=%s webrtc %s", live.session_id, state)
-        live.notify({"type": "webrtc_state", "state": state})
+        log.info("session=%s webrtc %s", session.id, state)
+        self._live.outbox.push(QueuedText(dumps({"type": "webrtc_state", "state": state})))
 
     def _restore_format(self) -> None:
         """The session makes frames in its own codec again (for the WebSocket)."""
@@ -111,6 +120,15 @@ class SessionVideo:
         whose frames come on its own socket); the peer connection is closed with the socket."""
         self._closing = True
         self._restore_format()
+
+    def resume_sending(self) -> None:
+        """Control stayed after all (a refused pass): the frames go on the track again while it is connected."""
+        self._closing = False
+        session = self._live.session
+        if session is not None and self._delivery is not None and self._delivery.connected:
+            self._own_format = (session.codec, session.quality)
+            session.codec = "raw"
+            self._replan_viewers()
 
     async def send_chunk(self, outcome: TickOutcome, header: dict[str, Any]) -> bool:
         """Send a chunk by the track (its `chunk` message on the WebSocket says which track frames hold it);

@@ -41,17 +41,17 @@ COMMANDS: tuple[Command, ...] = (
     Command(("plan",), "arstream.app.plan", "what a model takes on a GPU, and how many sessions fit"),
     Command(("drain",), "arstream.programs.drain", "move a replica's live sessions to peers, then let it exit"),
     Command(("client",), "arstream.programs.client", "run one scripted session against a server and save its frames"),
-    Command(("bench", "runner"), "arstream.models.bench_runner", "the runner's bookkeeping cost against a direct loop"),
-    Command(("bench", "model"), "arstream.models.bench_model", "frames per second of a model through the runner"),
+    Command(("bench", "runner"), "arstream.programs.bench_runner", "the runner's bookkeeping cost against a direct loop"),
+    Command(("bench", "model"), "arstream.programs.bench_model", "frames per second of a model through the runner"),
     Command(("bench", "serve"), "arstream.programs.bench", "end-to-end load test of the server against the bare runner"),
     Command(("bench", "gpu-check"), "arstream.programs.gpu_check", "the GPU check: h264, tiny-world, matrix-game-2 served"),
-    Command(("train", "tiny-world"), "arstream.models.tiny_world.train", "train tiny-world (the shipped recipe)"),
+    Command(("train", "tiny-world"), "arstream.programs.tiny_world.train", "train tiny-world (the shipped recipe)"),
     Command(
         ("train", "tiny-world-decoder"),
-        "arstream.models.tiny_world.train_decoder",
+        "arstream.programs.tiny_world.train_decoder",
         "train tiny-world's frame decoder on a frozen transformer",
     ),
-    Command(("eval", "tiny-world"), "arstream.models.tiny_world.evaluate", "responsiveness and drift of tiny-world"),
+    Command(("eval", "tiny-world"), "arstream.programs.tiny_world.evaluate", "responsiveness and drift of tiny-world"),
 )
 
 # Intermediate words: their summary line (a group has no module of its own).

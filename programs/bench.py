@@ -63,7 +63,7 @@ from ..app.memory import keep_freed_memory
 from ..app.realtime_video import PATH as REALTIME_VIDEO_PATH
 from ..cli import main_for
 from ..measure import compare, percentile, print_summary
-from ..models.bench_model import control_keys, forward_split_s
+from .bench_model import control_keys, forward_split_s
 from ..app.settings import Settings, default_max_batch_sessions
 from . import client_lib
 from .client_lib import MAX_MESSAGE_BYTES, Session

@@ -119,7 +119,7 @@ def keys_per_tick(segments: Sequence[KeySegment]) -> list[tuple[str, ...]]:
     return [segment.keys for segment in segments for _ in range(segment.ticks)]
 
 
-# ---- sharing: the issue-27 message fields ---------------------------------------------
+# ---- sharing: the watch and pass-control message fields ---------------------------------------------
 
 
 @dataclass(frozen=True)

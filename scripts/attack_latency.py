@@ -14,7 +14,7 @@ attackers use raw sockets and reconnect whenever the server drops them:
 - ``branch-burst``, ``viewer-zombies``, ``pass-control``, ``viewer-encodings``: attacks on branch, watch and
   pass_control (scripts/share_attacks.py), each with what it got (``effect``) beside the latency;
 - ``scan-bombs``: `start` with a progressive JPEG of 4300 tiny scans (a 235 KiB 16 MP file; the red team's
-  were 145 KiB), then hang up at once, from 16 addresses in turn (issue 31, finding 1). Its effect: an honest upload's
+  were 145 KiB), then hang up at once, from 16 addresses in turn (the first hostile-client finding). Its effect: an honest upload's
   time to `ready` (a 64x64 PNG on a new connection, halfway through) and the server's CPU time;
 - ``huge-pixels``: 12 sessions (3 addresses x 4) each started with a flat 16 MP PNG (56 KiB), held (finding 8);
 - ``huge-event-ids``: a ``/v1/realtime/video`` session sending interactions with 60 KB event_ids and

@@ -1,4 +1,4 @@
-"""An honest player's tick-to-chunk latency alone and beside N viewers of its session, side by side (issue 27).
+"""An honest player's tick-to-chunk latency alone and beside N viewers of its session, side by side.
 
 The player ticks, waits for its chunk's last frame, and ticks again, for
 ``--seconds``: alone, and while ``--viewers`` connections watch its

@@ -1,4 +1,4 @@
-"""The attacks on branch, watch and pass_control that ``attack_latency.py`` runs (issue 31, findings 2, 4, 6, 7).
+"""The attacks on branch, watch and pass_control that ``attack_latency.py`` runs (the hostile-client findings on sharing).
 
 Each runs in the attacker's own process until ``stop`` is set, from loopback addresses other than the honest
 client's, and reports what it got in ``effect`` (what the attack is after, so the table can say it before and

@@ -1,17 +1,21 @@
-// ARStream demo page: wires the modules to the page. One session at a time
-// over WebSocket (docs/PROTOCOL.md); docs/demo.md describes the page.
+// ARStream demo page: wires the modules to the page. One WebSocket at a time
+// (docs/PROTOCOL.md): the player's own session, or a session it watches through
+// a share link, and the two roles swap when control passes; docs/demo.md
+// describes the page. The realtime video dialect has a page of its own
+// (realtime-video-page.js, realtime-video.js).
 //
-//   wire.js        ARF1 frame header parser
-//   decode.js      frame decoders by codec (JPEG, raw; a video codec slots in here)
-//   player.js      jitter buffer, playback at the model's fps, fit to screen, pacing
-//   session.js     one WebSocket session: start/ready, ticks, input, chunks and frames
-//   connection.js  reconnect with backoff, resume, waiting for a slot, hidden tabs
-//   input.js       keyboard, on-screen pad, drag steering, gamepad
-//   look.js        mouse look: the camera, for a model whose controls have one
-//   hud.js         badge and details numbers
-//   recorder.js    clip recording (MediaRecorder)
-//   messages.js    plain-language words for error and close codes
-//   share.js       share links (watch, branch), the timeline's rewind points
+//   wire.js           ARF1 frame header parser
+//   decode.js         frame decoders by codec (JPEG, raw, H.264)
+//   video-decoder.js  H.264 with WebCodecs, for decode.js
+//   player.js         jitter buffer, playback at the model's fps, fit to screen, pacing
+//   session.js        one WebSocket session: start/ready, ticks, input, chunks and frames, roles
+//   connection.js     reconnect with backoff, resume, waiting for a slot, hidden tabs
+//   input.js          keyboard, on-screen pad, drag steering, gamepad
+//   look.js           mouse look: the camera, for a model whose controls have one
+//   hud.js            badge and details numbers
+//   recorder.js       clip recording (MediaRecorder)
+//   messages.js       plain-language words for error and close codes
+//   share.js          share links (watch, branch), the timeline's rewind points
 
 import { Connection } from './connection.js';
 import { menuCodecs } from './decode.js';

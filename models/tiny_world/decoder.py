@@ -162,7 +162,7 @@ def decode_chunk(
     is that much surer of another class (the world is static).
     ``class_bias`` (one value per class, or empty) is added to the logits
     where it does not: the class prior of what the viewer has not seen yet,
-    fitted by :func:`arstream.models.tiny_world.train_decoder.calibrate`.
+    fitted by :func:`arstream.programs.tiny_world.train_decoder.calibrate`.
     ``unseen_window`` (odd, or 0 for none): where the previous frame does not
     reach, each pixel takes the most likely class of the probabilities averaged
     over that window around it (seen neighbours included), a spatial prior

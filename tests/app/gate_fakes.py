@@ -19,13 +19,13 @@ from arstream.app.dialect import Dialect
 from arstream.app.guard import FloodBans, RefusalLog, TrustedProxies
 from arstream.app.live_session import LiveSession
 from arstream.app.metrics import ServerMetrics
-from arstream.app.resume import ResumeRegistry
+from arstream.app.resume import Holder, ResumeRegistry
 from arstream.app.session import TickJob
 from arstream.app.settings import Settings
 from arstream.app.prompts import PromptPreparer
 from arstream.app.start_image import StartImageResolver
 from arstream.app.unstarted import UnstartedConnections
-from arstream.app.viewers import ShareRegistry
+from arstream.app.viewers import ShareRegistry, ViewerRole
 from arstream.app.worker import OnWorkerThread, OutcomeKind, TickOutcome
 
 FAKE_CARD: dict[str, Any] = {
@@ -155,7 +155,7 @@ class FakeGate:
         self.unstarted = UnstartedConnections(self.settings, FloodBans(0.0, TrustedProxies("")), refusals)
         self.closing: set[LiveSession] = set()
         self.resume = ResumeRegistry(replica_id="r0", grace_s=0.0, worker=lambda: None)
-        self.shares: ShareRegistry[LiveSession] = ShareRegistry(
+        self.shares: ShareRegistry[ViewerRole] = ShareRegistry(
             replica_id="r0", max_viewers_per_session=4, max_viewer_encodings=1
         )
         self.live: dict[str, LiveSession] = {}
@@ -175,26 +175,26 @@ class FakeGate:
         held = len([sid for sid in self.live if sid != resuming])
         return f"all {self.capacity} slots are held" if held >= self.capacity else None
 
-    def client_cap_refusal(self, holder: LiveSession, resuming: str | None = None) -> str | None:
+    def client_cap_refusal(self, holder: Holder, resuming: str | None = None) -> str | None:
         return None
 
-    def admit(self, holder: LiveSession, resuming: str | None = None) -> str | None:
+    def admit(self, holder: Holder, resuming: str | None = None) -> str | None:
         refusal = self.admission_refusal(resuming)
         if refusal is None:
             self.admitted.append(holder.session_id)
         return refusal
 
-    def claim(self, holder: LiveSession) -> str | None:
+    def claim(self, holder: Holder) -> str | None:
         return self.admit(holder)
 
-    def drop_claim(self, holder: LiveSession) -> None:
+    def drop_claim(self, holder: Holder) -> None:
         pass
 
-    def transfer_refusal(self, holder: LiveSession, session_id: str) -> str | None:
+    def transfer_refusal(self, holder: Holder, session_id: str) -> str | None:
         return None
 
     def register(self, live: LiveSession) -> None:
-        self.unstarted.discard(live)
+        self.unstarted.discard(live.opening)
         self.live[live.session_id] = live
 
     def unregister(self, live: LiveSession) -> None:

@@ -10,10 +10,12 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from gate_fakes import FakeGate, chunk_outcome, fake_socket, live_session, until
 
-from arstream.app.dialect import Dialect, Started
-from arstream.app.live_session import LiveSession
+from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from arstream.app.live_session import PHASES, Phase
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
 from arstream.app.session import Session, SessionState
@@ -29,7 +31,7 @@ class FakeDialect(Dialect):
         self.ticks = 0
         self.texts: list[str | None] = []
 
-    async def start(self, live: LiveSession) -> Started | None:
+    async def start(self, live: OpeningPort) -> Started | None:
         if not await live.accept():
             return None
         first = await live.ws.receive()
@@ -44,10 +46,10 @@ class FakeDialect(Dialect):
         session.transition(SessionState.ACTIVE)
         return Started(session)
 
-    def ready(self, live: LiveSession, started: Started) -> None:
+    def ready(self, live: SessionPort, started: Started) -> None:
         live.outbox.push_reply("ready")
 
-    def text_in(self, live: LiveSession, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> None:
         self.texts.append(text)
         assert live.session is not None
         if text == "tick":
@@ -58,21 +60,22 @@ class FakeDialect(Dialect):
         elif text == "boom":
             raise RuntimeError("a bug in the dialect")
 
-    def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
+    def outcome(self, live: SessionPort, outcome: TickOutcome) -> None:
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
         else:
             live.fatal(ErrorCode.INTERNAL, "failed", close_code=1011)
 
-    async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
         await live.ws.send_text(f"chunk {outcome.job.tick_id}")
         for frame in outcome.frame_messages:
             await live.ws.send_bytes(frame)
+        return len(outcome.frame_messages)
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return {"type": "error", "code": code, "message": message}
 
-    def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
+    def closed(self, gate: Gate, reason: CloseReason) -> str | None:
         return dumps({"type": "closed", "reason": str(reason)})
 
 
@@ -195,5 +198,24 @@ def test_a_binary_message_reaches_the_dialect_as_none() -> None:
         socket.say("stop")
         await live.run()
         assert dialect.texts == [None, "stop"]
+
+    asyncio.run(scenario())
+
+
+def test_a_live_session_goes_through_its_phases_and_refuses_a_move_the_table_does_not_allow() -> None:
+    async def scenario() -> None:
+        gate = FakeGate()
+        live = live_session(gate, FakeDialect())
+        assert live.phase is Phase.OPENING
+        running = asyncio.create_task(live.run())
+        fake_socket(live).say("go")
+        await until(lambda: live.phase is Phase.CONTROLLING)
+        fake_socket(live).say("stop")
+        await until(lambda: live.phase is not Phase.CONTROLLING)
+        assert live.phase in (Phase.CLOSING, Phase.CLOSED)
+        await running
+        assert live.phase is Phase.CLOSED and PHASES[Phase.CLOSED] == frozenset()
+        with pytest.raises(RuntimeError, match="cannot go from"):
+            live._enter(Phase.CONTROLLING)
 
     asyncio.run(scenario())

@@ -8,7 +8,7 @@ from typing import Any
 
 from gate_fakes import FakeGate, chunk_outcome, fake_socket, live_session, until
 
-from arstream.app.live_session import LiveSession
+from arstream.app.live_session import LiveSession, Phase
 from arstream.app.protocol1 import Protocol1
 from arstream.app.session import SessionState
 
@@ -107,6 +107,7 @@ def test_passing_control_swaps_the_roles_and_the_outcomes_follow_the_new_control
         fake_socket(player).say(message("pass_control", to=viewer_id))
         await until(lambda: gate.controller(player.session_id) is viewer)
         assert viewer.watch is None and player.watch is not None  # the roles swapped
+        assert viewer.phase is Phase.CONTROLLING and player.phase is Phase.WATCHING
         session = viewer.session
         assert session is not None and session is player.session and session.deliver == viewer.on_outcome
         await until(lambda: any(m["type"] == "role" for m in received(viewer)))

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from arstream.models.tiny_world import train_decoder
-from arstream.models.tiny_world.evaluate import make_runner
+from arstream.programs.tiny_world import train_decoder
+from arstream.programs.tiny_world.evaluate import make_runner
 from arstream.models.tiny_world.decoder import (
     NUM_CLASSES,
     align_previous,

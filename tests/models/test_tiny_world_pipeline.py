@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from arstream.models.tiny_world import sampling
-from arstream.models.tiny_world.evaluate import make_runner, rollout
+from arstream.programs.tiny_world.evaluate import make_runner, rollout
 from arstream.models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
 from arstream.models.tiny_world.sampling import DenseChunkKV, canvas_origin, crop_view, sample_chunk, to_uint8
 from arstream.models.tiny_world.world import direction_index, velocity

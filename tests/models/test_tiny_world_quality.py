@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arstream.models.tiny_world.evaluate import (
+from arstream.programs.tiny_world.evaluate import (
     MAX_TV,
     RESPONSIVE_SHARE,
     drift_checks,
@@ -19,7 +19,7 @@ from arstream.models.tiny_world.evaluate import (
     rollout,
     square_walk,
 )
-from arstream.models.tiny_world.metrics import MIN_SHIFT_PX, drift_report, idle_change, picture_quality, responsiveness
+from arstream.programs.tiny_world.metrics import MIN_SHIFT_PX, drift_report, idle_change, picture_quality, responsiveness
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.runner import ARRunner
 

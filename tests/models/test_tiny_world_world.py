@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arstream.models.tiny_world.metrics import (
+from arstream.programs.tiny_world.metrics import (
     color_histogram,
     drift_report,
     frame_stats,

@@ -2,8 +2,9 @@
 the models (``models/``) never import the transport, and the server (``app/``) never imports the programs
 that run beside it (``programs/``: client, bench serve, gpu-check, drain).
 
-Tools that drive a model (``bench runner``, ``bench model``, ``train``, ``eval``) live in ``models/``; the
-``arstream`` command tree that names them all is ``arstream/cli.py``, outside every layer.
+Tools that drive a model (``bench runner``, ``bench model``, ``train``, ``eval``) live in ``programs/``, beside
+the models they drive and never inside them: ``models/`` holds what a server loads and nothing that trains, evaluates
+or measures. The ``arstream`` command tree that names them all is ``arstream/cli.py``, outside every layer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ RULES = {
 
 
 def module_name(path: Path, folder: Path, package: str) -> str:
-    """``models/tiny_world/train.py`` under ``arstream.models`` is ``arstream.models.tiny_world.train``."""
+    """``models/tiny_world/model.py`` under ``arstream.models`` is ``arstream.models.tiny_world.model``."""
     parts = path.relative_to(folder).with_suffix("").parts
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -65,6 +66,27 @@ def test_a_layer_never_imports_what_sits_above_it(folder: str) -> None:
         f"{path.relative_to(ROOT)}: {imported}"
         for path in files
         for imported in forbidden(imported_modules(path, module_name(path, ROOT / folder, package)), packages)
+    ]
+    assert offenders == []
+
+
+# What only a tool imports: an optimizer (training), the command tree (a program's entry) and the side-by-side
+# measurement helpers (benches).
+TOOL_IMPORTS = ("torch.optim", "arstream.cli", "arstream.measure")
+TRAINING_CALLS = ("torch.optim.", ".backward(")  # an optimizer reached through ``import torch``, a gradient step
+
+
+def test_models_hold_no_training_evaluation_or_bench_code() -> None:
+    folder = ROOT / "models"
+    offenders = [
+        f"{path.relative_to(ROOT)}: {imported}"
+        for path in sorted(folder.rglob("*.py"))
+        for imported in forbidden(imported_modules(path, module_name(path, folder, "arstream.models")), TOOL_IMPORTS)
+    ]
+    offenders += [
+        str(path.relative_to(ROOT))
+        for path in sorted(folder.rglob("*.py"))
+        if path.stem.startswith(("train", "bench", "eval")) or any(s in path.read_text() for s in TRAINING_CALLS)
     ]
     assert offenders == []
 

@@ -1,7 +1,7 @@
 """A third wire dialect, written here in one class and added to the table by path, served by a real server.
 
-It shows what a new dialect costs: this one module (a ``Dialect`` subclass, reading app/dialect.py and
-app/live_session.py) and one line in app/dialects.py (here: ``add_dialect``, as a test must not edit the
+It shows what a new dialect costs: this one module (a ``Dialect`` subclass, reading app/dialect.py: its start
+talks to an ``OpeningPort``, its other hooks to a ``SessionPort``) and one line in app/dialects.py (here: ``add_dialect``, as a test must not edit the
 table for everyone). Everything else, admission, the worker, credits, the writer, release, is the live session's.
 """
 
@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 
-from arstream.app.dialect import Dialect, Started
+from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from arstream.app.dialects import DIALECTS, add_dialect, remove_dialect
-from arstream.app.live_session import LiveSession
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
 from arstream.app.session import Session, SessionState
@@ -35,7 +34,7 @@ class EchoDialect(Dialect):
         self.session_id = f"e-{id(self):x}"
         self.ticks = 0
 
-    async def start(self, live: LiveSession) -> Started | None:
+    async def start(self, live: OpeningPort) -> Started | None:
         if not await live.accept():
             return None
         message = await live.ws.receive()
@@ -50,10 +49,10 @@ class EchoDialect(Dialect):
         session.transition(SessionState.ACTIVE)
         return Started(session)
 
-    def ready(self, live: LiveSession, started: Started) -> None:
+    def ready(self, live: SessionPort, started: Started) -> None:
         live.outbox.push_reply(dumps({"type": "hello", "session_id": started.session.id}))
 
-    def text_in(self, live: LiveSession, text: str | None) -> None:
+    def text_in(self, live: SessionPort, text: str | None) -> None:
         assert live.session is not None
         if text == "tick":
             live.submit(live.session.accept_tick(TickMessage(type="tick", tick_id=self.ticks)))
@@ -61,23 +60,24 @@ class EchoDialect(Dialect):
         elif text == "bye":
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         else:
-            live.reply(self.error(ErrorCode.INVALID_MESSAGE, f"unknown: {text!r}"))
+            live.outbox.push_reply(dumps(self.error(ErrorCode.INVALID_MESSAGE, f"unknown: {text!r}")))
 
-    def outcome(self, live: LiveSession, outcome: TickOutcome) -> None:
+    def outcome(self, live: SessionPort, outcome: TickOutcome) -> None:
         if outcome.kind is OutcomeKind.CHUNK:
             live.outbox.push(QueuedChunk(outcome))
         else:
             live.fatal(ErrorCode.INTERNAL, "the model failed", close_code=1011)
 
-    async def send_chunk(self, live: LiveSession, outcome: TickOutcome) -> None:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
         await live.ws.send_text(dumps({"type": "frames", "count": len(outcome.frame_messages)}))
         for frame in outcome.frame_messages:
             await live.ws.send_bytes(frame)
+        return len(outcome.frame_messages)
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return {"type": "oops", "code": code, "message": message}
 
-    def closed(self, live: LiveSession, reason: CloseReason) -> str | None:
+    def closed(self, gate: Gate, reason: CloseReason) -> str | None:
         return dumps({"type": "bye", "reason": str(reason)})
 
 

@@ -227,8 +227,9 @@ def test_a_viewer_that_never_reads_skips_whole_chunks_and_never_holds_the_player
                     await viewer.start(watch=token, codec="raw")
                     hub = live.server.hub  # type: ignore[union-attr]
                     session_id = player.ready["session_id"]  # type: ignore[index]
-                    (watcher,) = hub.shares.viewers(session_id).values()
-                    assert isinstance(watcher, LiveSession) and watcher.watch is not None
+                    (role,) = hub.shares.viewers(session_id).values()
+                    watcher = role.socket
+                    assert isinstance(watcher, LiveSession) and watcher.watch is role
                     most_queued = 0
                     for tick_id in range(1, chunks + 1):
                         header, _ = await tick(player, tick_id)

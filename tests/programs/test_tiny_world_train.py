@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from arstream.models.tiny_world import train
+from arstream.programs.tiny_world import train
 from arstream.models.tiny_world.model import TinyWorldConfig, TinyWorldDiT
 from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.models.tiny_world.sampling import DenseChunkKV, from_uint8

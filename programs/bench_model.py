@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..measure import compare, percentile, print_summary
-from .registry import DEFAULT_MODEL, load_pipeline
+from ..models.registry import DEFAULT_MODEL, load_pipeline
 from ..runner.contract import ARPipeline
 from ..runner.runner import ARRunner, runner_for_sessions
 from ..runner.threads import default_torch_threads

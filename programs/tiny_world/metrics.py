@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .world import CLASS_SHARES, PALETTE, velocity
+from ...models.tiny_world.world import CLASS_SHARES, PALETTE, velocity
 
 MIN_SHIFT_PX = 0.5
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from arstream.models.tiny_world.evaluate import contact_sheet, idle_walk, truth_rollout, write_contact_sheets
-from arstream.models.tiny_world.metrics import (
+from arstream.programs.tiny_world.evaluate import contact_sheet, idle_walk, truth_rollout, write_contact_sheets
+from arstream.programs.tiny_world.metrics import (
     class_shares,
     class_tv,
     coherence,

@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from ...cli import main_for
-from .model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
-from .sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
-from .weights import load_model, save_weights
-from .world import PALETTE, ProceduralWorld, keys_for_direction
+from ...models.tiny_world.model import NUM_DIRECTIONS, TinyWorldConfig, TinyWorldDiT
+from ...models.tiny_world.sampling import DenseChunkKV, commit_chunk, from_uint8, sample_chunk
+from ...models.tiny_world.weights import load_model, save_weights
+from ...models.tiny_world.world import PALETTE, ProceduralWorld, keys_for_direction
 
 STILL = 4
 # palette colours are >= 0.39 apart in squared [-1, 1] units (rock-grass): at 0.1 a pixel on its colour costs < 0.02

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from ..measure import compare, print_summary
-from .toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
+from ..models.toy_attention import DenseKVCache, ToyAttentionPipeline, chunk_noise, run_chunk
 from ..runner.runner import ARRunner
 from ..runner.runtimes import InspectableRuntime, build_runtime
 from ..runner.types import RUNTIMES, UnsupportedConfiguration

@@ -45,8 +45,8 @@ from .metrics import (
     responsiveness,
     total_variation,
 )
-from .pipeline import TinyWorldPipeline, load_tiny_world
-from .world import CLASS_NAMES, CLASS_SHARES, ProceduralWorld
+from ...models.tiny_world.pipeline import TinyWorldPipeline, load_tiny_world
+from ...models.tiny_world.world import CLASS_NAMES, CLASS_SHARES, ProceduralWorld
 from ...runner.runner import ARRunner, runner_for_sessions
 from ...runner.threads import default_torch_threads
 from ...runner.types import TickRequest

@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from ...cli import main_for
-from .decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
+from ...models.tiny_world.decoder import NUM_CLASSES, align_previous, nearest_class, palette_canvas
 from .metrics import total_variation
-from .model import TinyWorldDiT
-from .sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
+from ...models.tiny_world.model import TinyWorldDiT
+from ...models.tiny_world.sampling import DenseChunkKV, commit_chunk, estimate_chunk, sample_chunk
 from .train import (
     StopOnSignal,
     TrajectorySampler,
@@ -50,8 +50,8 @@ from .train import (
     save_checkpoint,
     training_worlds,
 )
-from .weights import DEFAULT_WEIGHTS, load_model, save_weights
-from .world import CLASS_SHARES
+from ...models.tiny_world.weights import DEFAULT_WEIGHTS, load_model, save_weights
+from ...models.tiny_world.world import CLASS_SHARES
 
 
 def make_pairs(
