@@ -100,12 +100,15 @@ def test_a_prompt_switch_over_the_websocket_equals_the_reference(pipeline: LongL
     assert [c["applied_event_ids"] for c, _ in switched][3] == [1]
     assert switched[5][0]["restarted"] == "rewind"
     expected = reference_frames(pipeline, 1, [A, A, A, B, B])
-    unswitched = reference_frames(pipeline, 1, [A, A, A, A])
+    unswitched = reference_frames(pipeline, 1, [A, A, A, A, A])
     for (_, got), want in zip(switched[:5], expected):
         assert gap(got, want) <= TOLERANCE
     for (_, got), want in zip(switched[:3], unswitched):  # the chunks before the switch are unchanged
         assert gap(got, want) <= TOLERANCE
-    assert gap(switched[3][1], unswitched[3]) > 8 * TOLERANCE  # negative control: the switch shows
+    # negative control: the switch shows at its first chunk, and plainly at the next (how much at the first depends
+    # on the random weights: 10 grey levels on today's draw, 33 at the second)
+    assert gap(switched[3][1], unswitched[3]) > TOLERANCE
+    assert gap(switched[4][1], unswitched[4]) > 8 * TOLERANCE
     assert gap(switched[5][1], unswitched[3]) <= TOLERANCE  # the rewind reproduces the old continuation
     for (_, got), want in zip(alone, reference_frames(pipeline, 2, [C] * 5)):
         assert gap(got, want) <= TOLERANCE
