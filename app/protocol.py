@@ -441,6 +441,11 @@ class ChunkMessage(_ServerMessage):
     rewind_points: list[int] | None = None  # [oldest, newest] boundary a rewind_to may name
     rewind_held: list[int] | None = None
     skipped_before: int | None = None  # to a viewer: chunks it missed since the last one it got
+    # on the WebRTC track instead of binary messages (PROTOCOL.md, "WebRTC video"): the track frame that holds the
+    # chunk's first frame, and that frame's RTP timestamp when it is known
+    delivery: Literal["webrtc"] | None = None
+    track_frame: int | None = None
+    rtp_timestamp: int | None = None
 
 
 class AckMessage(_ServerMessage):
@@ -493,9 +498,24 @@ class ViewersMessage(_ServerMessage):
     ids: list[str] | None = None
 
 
+class WebRTCAnswerMessage(_ServerMessage):
+    """The answer to ``webrtc_offer``: a complete SDP (the server's candidates inside) and the codec chosen."""
+
+    type: Literal["webrtc_answer"] = "webrtc_answer"
+    sdp: str
+    codec: str
+
+
+class WebRTCStateMessage(_ServerMessage):
+    """The peer connection's state: chunks go on the track while ``connected``, on the WebSocket otherwise."""
+
+    type: Literal["webrtc_state"] = "webrtc_state"
+    state: str
+
+
 ServerMessage = (
     ReadyMessage | ChunkMessage | AckMessage | PongMessage | ErrorMessage | MovedMessage | ClosedMessage
-    | RoleMessage | ViewersMessage
+    | RoleMessage | ViewersMessage | WebRTCAnswerMessage | WebRTCStateMessage
 )
 
 SERVER_MESSAGE_TYPES: dict[str, type[_ServerMessage]] = {
@@ -508,6 +528,8 @@ SERVER_MESSAGE_TYPES: dict[str, type[_ServerMessage]] = {
     "closed": ClosedMessage,
     "role": RoleMessage,
     "viewers": ViewersMessage,
+    "webrtc_answer": WebRTCAnswerMessage,
+    "webrtc_state": WebRTCStateMessage,
 }
 
 

@@ -24,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .outbox import QueuedText
-from .protocol import ErrorCode, ProtocolError, dumps, error_message
+from .protocol import ErrorCode, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage, dumps, error_message
 from .webrtc_track import WebRTCDelivery, WebRTCError
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class SessionVideo:
             self._delivery = None  # the client may offer again
             await delivery.close()
             return
-        self._reply({"type": "webrtc_answer", "sdp": answer, "codec": delivery.codec})
+        self._reply(WebRTCAnswerMessage(type="webrtc_answer", sdp=answer, codec=delivery.codec).wire())
         log.info("session=%s webrtc answered codec=%s", self._session_id(), delivery.codec)
 
     def _state_changed(self, state: str) -> None:
@@ -99,7 +99,7 @@ class SessionVideo:
         elif state != "connected":
             self._restore_format()
         log.info("session=%s webrtc %s", session.id, state)
-        self._live.outbox.push(QueuedText(dumps({"type": "webrtc_state", "state": state})))
+        self._live.outbox.push(QueuedText(dumps(WebRTCStateMessage(type="webrtc_state", state=state).wire())))
 
     def _restore_format(self) -> None:
         """The session makes frames in its own codec again (for the WebSocket)."""
