@@ -533,6 +533,10 @@ class Migration:
                     )
                 except httpx.HTTPError as exc:
                     refusals.append(f"{peer}: {type(exc).__name__}: {exc}")
+                    if isinstance(exc, CUT_OFF):
+                        # Reached, then cut off mid-upload: how a refusal before the body reads from this side
+                        # (the peer answers and closes without reading the rest), so again, like a busy peer.
+                        later.append(IMPORT_RETRY_AFTER_S)
                     continue
                 if response.status_code != 200:
                     refusals.append(f"{peer}: {response.status_code} {_detail(response)}")
@@ -546,6 +550,10 @@ class Migration:
             await asyncio.sleep(min(later))
         reason = "no peer took it: " + ("; ".join(refusals) or "no peer given")
         return Shipped(None, reason, None, size, export_ms)
+
+
+# Errors of a peer that took the connection and then cut the upload short (not one that could not be reached).
+CUT_OFF = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 async def _pieces(worker: ModelWorker, plan: SnapshotPlan) -> AsyncIterator[bytes]:
@@ -717,7 +725,11 @@ def add_cluster_routes(app: FastAPI, hub: SessionHub) -> Migration:
             # The reason may quote what the sender wrote: escaped and bounded, in the log and the answer alike.
             detail = excerpt(str(exc), MAX_ERROR_MESSAGE_CHARS)
             log.info("refused a moved session: %s", detail)
-            headers = {} if exc.retry_after_s is None else {"retry-after": str(exc.retry_after_s)}
+            # A refusal may come before the body is read: the connection closes with it, or the body's unread
+            # bytes would be read as the sender's next request on the same connection.
+            headers = {"connection": "close"}
+            if exc.retry_after_s is not None:
+                headers["retry-after"] = str(exc.retry_after_s)
             return JSONResponse({"detail": detail}, status_code=exc.status, headers=headers)
         return JSONResponse(ticket)
 

@@ -161,7 +161,7 @@ class SchedulingSettings(SettingGroup):
         10,
         ge=0,
         le=19,
-        description="steps of CPU niceness the encoder threads and start-image decode workers run below the model "
+        description="steps of CPU niceness the encoder threads and the start image decode workers run below the model "
         "worker, "
         "so the worker gets a core first when cores are short",
     )
