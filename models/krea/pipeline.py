@@ -44,6 +44,7 @@ from ..longlive.dit import LongLiveDiT, PromptKV, stack_prompt_kv
 from ..longlive.kv import BoundRowsContext
 from ..longlive.prompts import PromptEntry
 from ..longlive.text import TextEncoder
+from ..wan.geometry import backbone_kv_spec
 from ..wan.sampler import scheduler_sigma
 from ..wan.vae import FeatureCache, StreamingVAE, export_feature_cache, import_feature_cache, to_uint8
 from ...runner.kv_state import SessionKVState
@@ -120,12 +121,8 @@ class KreaPipeline(PromptedPipeline[_KreaSession]):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.cfg
-        return KVCacheSpec(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_heads,
-            head_size=cfg.head_dim,
-            tokens_per_frame=cfg.tokens_per_frame,
-            frames_per_chunk=cfg.frames_per_chunk,
+        return backbone_kv_spec(
+            cfg,
             sink_frames=0,
             window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,

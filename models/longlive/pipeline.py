@@ -39,6 +39,7 @@ from .kv import PagedContext
 from .prompts import PromptEntry
 from .text import TextEncoder
 from ..wan.compile import compile_blocks
+from ..wan.geometry import backbone_kv_spec
 from ..wan.sampler import sample_chunk
 from ..wan.vae import (
     FeatureCache,
@@ -94,12 +95,8 @@ class LongLivePipeline(PromptedPipeline[_LongLiveSession]):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.cfg
-        return KVCacheSpec(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_heads,
-            head_size=cfg.head_dim,
-            tokens_per_frame=cfg.tokens_per_frame,
-            frames_per_chunk=cfg.frames_per_chunk,
+        return backbone_kv_spec(
+            cfg,
             sink_frames=cfg.sink_size,
             window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,
