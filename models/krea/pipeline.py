@@ -135,25 +135,10 @@ class KreaPipeline(PromptedPipeline[_KreaSession]):
         )
 
     def model_card(self) -> dict[str, Any]:
-        cfg = self.cfg
         return {
-            "name": cfg.model,
+            "name": self.cfg.model,
             "description": "Krea Realtime: Wan2.1-T2V distilled with Self-Forcing; prompt changes blend over chunks",
-            "width": cfg.width,
-            "height": cfg.height,
-            "fps": cfg.fps,
-            "frames_per_chunk": cfg.video_frames_per_chunk,
-            "first_chunk_frames": cfg.first_chunk_frames,
-            "reads_prompt": True,
-            "prompt_switch": "blend",
-            "default_prompt": self.default_prompt,
-            "controls": {
-                "$schema": "https://json-schema.org/draft/2020-12/schema",
-                "type": "object",
-                "properties": {},
-                "additionalProperties": False,
-            },
-            "config": cfg.name,
+            **self._prompted_card(prompt_switch="blend"),
             "components": self.components,
             # seeded random weights (a test set-up): the picture is noise, and the page says why
             **({"weights": "random"} if self.random_weights else {}),

@@ -126,6 +126,27 @@ class PromptedPipeline(SessionStateBinding, Generic[S]):
 
     # ---- contract ------------------------------------------------------------------------
 
+    def _prompted_card(self, *, prompt_switch: str) -> dict[str, Any]:
+        """The model card's video, prompt and controls fields (a text-to-video model: no controls)."""
+        cfg = self.cfg
+        return {
+            "width": cfg.width,
+            "height": cfg.height,
+            "fps": cfg.fps,
+            "frames_per_chunk": cfg.video_frames_per_chunk,
+            "first_chunk_frames": cfg.first_chunk_frames,
+            "reads_prompt": True,
+            "prompt_switch": prompt_switch,
+            "default_prompt": self.default_prompt,
+            "controls": {
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+                "type": "object",
+                "properties": {},
+                "additionalProperties": False,
+            },
+            "config": cfg.name,
+        }
+
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
         return self._generate([tick])[0]
 

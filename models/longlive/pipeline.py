@@ -112,24 +112,10 @@ class LongLivePipeline(PromptedPipeline[_LongLiveSession]):
         )
 
     def model_card(self) -> dict[str, Any]:
-        cfg = self.cfg
         return {
-            "name": cfg.model,
-            "width": cfg.width,
-            "height": cfg.height,
-            "fps": cfg.fps,
-            "frames_per_chunk": cfg.video_frames_per_chunk,
-            "first_chunk_frames": cfg.first_chunk_frames,
-            "reads_prompt": True,
-            "prompt_switch": "recache",  # LongLive's own switch: the history re-cached under the new prompt
-            "default_prompt": self.default_prompt,
-            "controls": {
-                "$schema": "https://json-schema.org/draft/2020-12/schema",
-                "type": "object",
-                "properties": {},
-                "additionalProperties": False,
-            },
-            "config": cfg.name,
+            "name": self.cfg.model,
+            # LongLive's own switch: the history re-cached under the new prompt
+            **self._prompted_card(prompt_switch="recache"),
             # seeded random weights (a test set-up): the picture is noise, and the page says why
             **({"weights": "random"} if self.random_weights else {}),
             "components": self.components,
