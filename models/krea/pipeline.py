@@ -39,20 +39,18 @@ import numpy as np
 import torch
 
 from .config import KreaConfig
+from ..longlive.base import PromptedPipeline
 from ..longlive.dit import LongLiveDiT, PromptKV, stack_prompt_kv
-from ..longlive.pipeline import PipelineCounters
-from ..longlive.prompts import PromptEntry, Prompts
-from ..longlive.text import TextEncoder, clean_prompt
+from ..longlive.kv import BoundRowsContext
+from ..longlive.prompts import PromptEntry
+from ..longlive.text import TextEncoder
+from ..wan.geometry import backbone_kv_spec
 from ..wan.sampler import scheduler_sigma
 from ..wan.vae import FeatureCache, StreamingVAE, export_feature_cache, import_feature_cache, to_uint8
-from ...runner.binding import SessionStateBinding
-from ...runner.contract import ModelState
-from ...runner.kv_state import SessionKVState, write_and_gather_rows
-from ...runner.snapshot import weights_digest
+from ...runner.kv_state import SessionKVState
 from ...runner.spec import KVCacheSpec
 from ...runner.types import TickRequest
 
-DEFAULT_SEED = 0
 # decoded video frames Krea keeps to re-encode the context's first frame from (``1 + (3 - 1) * 4``): the oldest
 REENCODED_FRAME_FROM_END = 9
 
@@ -81,10 +79,8 @@ class _KreaSession:
     vae_cache: FeatureCache | None = None
 
 
-class WindowContext:
+class WindowContext(BoundRowsContext):
     """Self-attention over one forward's bound sessions at the window's own positions (context 0..C-1, then chunk)."""
-
-    self_mask = None
 
     def __init__(self, states: Sequence[SessionKVState], keys: int, queries: int) -> None:
         self.states = list(states)
@@ -92,22 +88,11 @@ class WindowContext:
         self.key_positions = torch.arange(keys, device=device)[None].expand(len(states), keys)
         self.query_positions = self.key_positions[:, keys - queries :]
 
-    def begin_pass(self, *, commit: bool) -> None:
-        for state in self.states:
-            state.begin_pass(commit=commit)
 
-    def end_pass(self) -> None:
-        for state in self.states:
-            state.end_pass()
-
-    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return write_and_gather_rows(self.states, layer, k, v)
-
-
-class KreaPipeline(SessionStateBinding):
+class KreaPipeline(PromptedPipeline[_KreaSession]):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
-    random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
+    cfg: KreaConfig
 
     def __init__(
         self,
@@ -121,51 +106,23 @@ class KreaPipeline(SessionStateBinding):
         default_prompt: str | None = None,
         components: list[dict[str, Any]] | None = None,
     ) -> None:
-        super().__init__()
-        self.components = components or []  # where each module lives and what it holds (the card's ``components``)
-        self.model = model.eval()
-        self.cfg: KreaConfig = model.cfg  # type: ignore[assignment]
-        if self.cfg.context_frames != self.cfg.frames_per_chunk:
+        cfg: KreaConfig = model.cfg  # type: ignore[assignment]
+        if cfg.context_frames != cfg.frames_per_chunk:
             raise ValueError("Krea's recomputed context is one chunk long here (its masks assume so)")
-        self.vae, self.text, self.device = vae, text, device
-        self.dtype = next(model.parameters()).dtype
-        self.session_capacity = session_capacity
-        self.default_prompt = clean_prompt(default_prompt if default_prompt is not None else self.cfg.default_prompt)
-        self.prompts = Prompts(self.text.encode, self._project, spare=prompt_cache)
-        self.timesteps, self.sigmas = denoising_schedule(self.cfg.denoising_steps, self.cfg.timestep_shift)
-        self._sessions: dict[str, _KreaSession] = {}
-        self.last_latents: dict[str, torch.Tensor] = {}
-        self.counters = PipelineCounters()
-        cfg = self.cfg
-        self.vae_cache_bytes = vae.steady_cache_bytes((cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height,
-                                                       cfg.latent_width))  # fmt: skip
-        default = self.prompts.get(self.default_prompt)
+        super().__init__(model, vae, text, device=device, session_capacity=session_capacity, prompt_cache=prompt_cache,
+                         default_prompt=default_prompt, components=components)  # fmt: skip
+        self.timesteps, self.sigmas = denoising_schedule(cfg.denoising_steps, cfg.timestep_shift)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.prompt_bytes = 2 * cfg.num_layers * cfg.text_len * cfg.dim * elem + default.tokens.element_size() * (
-            cfg.text_len * cfg.text.dim
-        )
         latent_frame = 4 * cfg.out_dim * cfg.latent_height * cfg.latent_width
         # the last chunk, the re-encoded frame, and a blend's two umT5 outputs
         self.owned_bytes = (cfg.frames_per_chunk + 1) * latent_frame + 2 * cfg.text_len * cfg.text.dim * elem
-
-    def prepare_prompt(self, prompt: str) -> str:
-        """Wan's cleaning of a client's prompt (the server runs it once, as the prompt arrives)."""
-        return clean_prompt(prompt)
-
-    def _project(self, tokens: torch.Tensor) -> PromptKV:
-        with torch.inference_mode():
-            return self.model.cross_kv(self.model.text_context(tokens.to(self.device, self.dtype)))
 
     # ---- contract ------------------------------------------------------------------------
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.cfg
-        return KVCacheSpec(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_heads,
-            head_size=cfg.head_dim,
-            tokens_per_frame=cfg.tokens_per_frame,
-            frames_per_chunk=cfg.frames_per_chunk,
+        return backbone_kv_spec(
+            cfg,
             sink_frames=0,
             window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,
@@ -178,106 +135,40 @@ class KreaPipeline(SessionStateBinding):
         )
 
     def model_card(self) -> dict[str, Any]:
-        cfg = self.cfg
         return {
-            "name": cfg.model,
+            "name": self.cfg.model,
             "description": "Krea Realtime: Wan2.1-T2V distilled with Self-Forcing; prompt changes blend over chunks",
-            "width": cfg.width,
-            "height": cfg.height,
-            "fps": cfg.fps,
-            "frames_per_chunk": cfg.video_frames_per_chunk,
-            "first_chunk_frames": cfg.first_chunk_frames,
-            "reads_prompt": True,
-            "prompt_switch": "blend",
-            "default_prompt": self.default_prompt,
-            "controls": {
-                "$schema": "https://json-schema.org/draft/2020-12/schema",
-                "type": "object",
-                "properties": {},
-                "additionalProperties": False,
-            },
-            "config": cfg.name,
+            **self._prompted_card(prompt_switch="blend"),
             "components": self.components,
             # seeded random weights (a test set-up): the picture is noise, and the page says why
             **({"weights": "random"} if self.random_weights else {}),
         }
 
-    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        return self._generate([tick])[0]
-
-    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
-        return self._generate(ticks)
-
-    def reset_session(self, session_id: str) -> None:
-        self._drop(session_id)
-
-    def close_session(self, session_id: str) -> None:
-        self._drop(session_id)
-
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
         return [TickRequest(session_id=session_id, request_id=i, controls={}) for i in range(3)]
 
-    def session_ids(self) -> list[str]:
-        return list(self._sessions)
-
-    def _drop(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self.prompts.drop(session.prompt)
-        self.last_latents.pop(session_id, None)
-
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
 
-    def transfer_fingerprint(self) -> dict[str, Any]:
-        if getattr(self, "_fingerprint", None) is None:
-            self._fingerprint = {
-                "config": self.cfg.name,
-                "dit": weights_digest(self.model),
-                "vae": weights_digest(self.vae.vae),
-                "text": weights_digest(self.text.model),
-            }
-        return self._fingerprint
-
-    def export_session_state(self, session_id: str) -> ModelState:
-        session = self._sessions.get(session_id)
-        if session is None:
-            return ModelState({"session": None})
-        tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
+    def _export_session(self, session: _KreaSession, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         for name in ("blended", "blend_from", "latents", "first_context"):
             value = getattr(session, name)
             if value is not None:
                 tensors[name] = value
-        values = {"prompt": session.prompt, "blend_step": session.blend_step,
-                  "vae": export_feature_cache(session.vae_cache, tensors)}  # fmt: skip
-        latest = self.last_latents.get(session_id)
-        if latest is not None:
-            tensors["last_latents"] = latest
-        return ModelState({"session": values}, tensors)
+        return {"prompt": session.prompt, "blend_step": session.blend_step,
+                "vae": export_feature_cache(session.vae_cache, tensors)}  # fmt: skip
 
-    def import_session_state(self, session_id: str, state: ModelState) -> None:
-        values = state.json.get("session")
-        if values is None:
-            return
-        t = {n: v.cpu() if n == "generator" else v.to(self.device) for n, v in state.tensors.items()}
-        generator = torch.Generator()
-        generator.set_state(t["generator"])
-        entry = self.prompts.acquire(str(values["prompt"]))  # referenced first: the drop below cannot evict it
-        self._drop(session_id)
-        self._sessions[session_id] = _KreaSession(
-            generator, entry.text, t.get("blended"), t.get("blend_from"), int(values["blend_step"]),
+    def _import_session(self, generator: torch.Generator, prompt: str, values: dict[str, Any],
+                        tensors: dict[str, torch.Tensor]) -> _KreaSession:  # fmt: skip
+        t = tensors
+        return _KreaSession(
+            generator, prompt, t.get("blended"), t.get("blend_from"), int(values["blend_step"]),
             t.get("latents"), t.get("first_context"), import_feature_cache(values["vae"], t),
         )  # fmt: skip
-        if "last_latents" in t:
-            self.last_latents[session_id] = t["last_latents"]
 
     # ---- one chunk for a batch of sessions ----------------------------------------------------
 
-    def _session(self, tick: TickRequest, chunk_index: int) -> _KreaSession:
-        session = self._sessions.get(tick.session_id)
-        if session is None or chunk_index == 0:
-            seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
-            return _KreaSession(generator=torch.Generator().manual_seed(seed), prompt=self.default_prompt)
-        return session
+    def _new_session(self, generator: torch.Generator, prompt: str) -> _KreaSession:
+        return _KreaSession(generator=generator, prompt=prompt)
 
     def _padded(self, entry: PromptEntry) -> torch.Tensor:
         """A prompt's umT5 outputs padded with zeros to ``text_len`` (what Krea blends)."""
@@ -374,10 +265,7 @@ class KreaPipeline(SessionStateBinding):
             self.counters.dit_s = decoded - recomputed
             self.counters.vae_s = time.perf_counter() - decoded
         except BaseException:
-            for generator, saved in zip(generators, rewind):
-                generator.set_state(saved)
-            for entry in entries:
-                self.prompts.drop(entry.text)
+            self._undo(generators, rewind, entries)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions)):
             self._drop(tick.session_id)  # the old prompt's reference; the forward's becomes the session's

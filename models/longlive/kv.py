@@ -18,10 +18,27 @@ import torch
 from ...runner.kv_state import SessionKVState, write_and_gather_rows
 
 
-class PagedContext:
-    """:class:`~arstream.models.wan.layers.SelfAttentionContext` over bound sessions, row ``i`` = ``states[i]``."""
+class BoundRowsContext:
+    """A :class:`~arstream.models.wan.layers.SelfAttentionContext`'s passes over bound sessions, row ``i`` =
+    ``states[i]``, every query seeing every key; a subclass sets ``states`` and the positions."""
 
     self_mask = None
+    states: list[SessionKVState]
+
+    def begin_pass(self, *, commit: bool) -> None:
+        for state in self.states:
+            state.begin_pass(commit=commit)
+
+    def end_pass(self) -> None:
+        for state in self.states:
+            state.end_pass()
+
+    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return write_and_gather_rows(self.states, layer, k, v)
+
+
+class PagedContext(BoundRowsContext):
+    """The runner's paged KV at the sessions' own frame positions (a chunk's, or a re-cache's)."""
 
     def __init__(self, states: Sequence[SessionKVState], positions: Sequence[list[int]], query_frames: int,
                  rope_frames: int) -> None:  # fmt: skip
@@ -39,14 +56,3 @@ class PagedContext:
     @classmethod
     def recache(cls, state: SessionKVState, frames: int, keep_sink: bool, rope_frames: int) -> PagedContext:
         return cls([state], [state.rewrite_positions(frames, keep_sink=keep_sink)], frames, rope_frames)
-
-    def begin_pass(self, *, commit: bool) -> None:
-        for state in self.states:
-            state.begin_pass(commit=commit)
-
-    def end_pass(self) -> None:
-        for state in self.states:
-            state.end_pass()
-
-    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return write_and_gather_rows(self.states, layer, k, v)

@@ -33,12 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import LongLiveConfig
+from .base import PromptedPipeline
 from .dit import LongLiveDiT, stack_prompt_kv
 from .kv import PagedContext
-from .prompts import PromptEntry, Prompts
-from .text import TextEncoder, clean_prompt
+from .prompts import PromptEntry
+from .text import TextEncoder
 from ..wan.compile import compile_blocks
+from ..wan.geometry import backbone_kv_spec
 from ..wan.sampler import sample_chunk
 from ..wan.vae import (
     FeatureCache,
@@ -47,16 +48,11 @@ from ..wan.vae import (
     import_feature_cache,
     to_uint8,
 )
-from ...runner.binding import SessionStateBinding
-from ...runner.contract import ModelState
 from ...runner.kv_state import SessionKVState
-from ...runner.snapshot import weights_digest
 from ...runner.spec import KVCacheSpec
 from ...runner.types import TickRequest
 
 log = logging.getLogger("arstream.models.longlive")
-
-DEFAULT_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -69,20 +65,8 @@ class _LongLiveSession:
     vae_cache: FeatureCache | None = None
 
 
-@dataclass
-class PipelineCounters:
-    """What the tests and the GPU check read: re-caches run, and the time of the last forward's parts."""
-
-    recaches: int = 0
-    recache_s: float = 0.0
-    dit_s: float = 0.0
-    vae_s: float = 0.0
-
-
-class LongLivePipeline(SessionStateBinding):
+class LongLivePipeline(PromptedPipeline[_LongLiveSession]):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
-
-    random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
 
     def __init__(
         self,
@@ -97,41 +81,11 @@ class LongLivePipeline(SessionStateBinding):
         kv_dtype: torch.dtype | None = None,
         components: list[dict[str, Any]] | None = None,
     ) -> None:
-        super().__init__()
-        self.model = model.eval()
-        self.cfg: LongLiveConfig = model.cfg
-        self.vae = vae
-        self.text = text
-        self.device = device
-        self.dtype = next(model.parameters()).dtype
+        super().__init__(model, vae, text, device=device, session_capacity=session_capacity, prompt_cache=prompt_cache,
+                         default_prompt=default_prompt, components=components)  # fmt: skip
         self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
-        # where each module lives and what it holds (the model card's ``components``; the loader measures them)
-        self.components = components or []
-        self.session_capacity = session_capacity
-        self.default_prompt = clean_prompt(default_prompt if default_prompt is not None else self.cfg.default_prompt)
-        self.prompts = Prompts(self._encode, self._project, spare=prompt_cache)
-        self._sessions: dict[str, _LongLiveSession] = {}
-        self.last_latents: dict[str, torch.Tensor] = {}
-        self.counters = PipelineCounters()
         cfg = self.cfg
-        self.vae_cache_bytes = vae.steady_cache_bytes((cfg.out_dim, cfg.frames_per_chunk, cfg.latent_height,
-                                                       cfg.latent_width))  # fmt: skip
-        default = self.prompts.get(self.default_prompt)  # warmed at load: the first chunk encodes nothing
-        self.prompt_bytes = _prompt_bytes(cfg, self.dtype, default)
         self.latent_bytes = 4 * cfg.out_dim * cfg.local_attn_size * cfg.latent_height * cfg.latent_width
-
-    def prepare_prompt(self, prompt: str) -> str:
-        """Wan's cleaning of a client's prompt (the server runs it once, as the prompt arrives: a chunk's prompt is
-        looked up as it comes, never cleaned on the model thread)."""
-        return clean_prompt(prompt)
-
-    def _encode(self, prompt: str) -> torch.Tensor:
-        return self.text.encode(prompt)
-
-    def _project(self, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        with torch.inference_mode():
-            # the encoder may run elsewhere (text_encoder_device): its outputs come to the model's device
-            return self.model.cross_kv(self.model.text_context(tokens.to(self.device, self.dtype)))
 
     def compile_forward(self) -> None:
         """``--compile``: the DiT's blocks compiled on their first forward of each shape (the warm-up's)."""
@@ -141,12 +95,8 @@ class LongLivePipeline(SessionStateBinding):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.cfg
-        return KVCacheSpec(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_heads,
-            head_size=cfg.head_dim,
-            tokens_per_frame=cfg.tokens_per_frame,
-            frames_per_chunk=cfg.frames_per_chunk,
+        return backbone_kv_spec(
+            cfg,
             sink_frames=cfg.sink_size,
             window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,
@@ -162,108 +112,39 @@ class LongLivePipeline(SessionStateBinding):
         )
 
     def model_card(self) -> dict[str, Any]:
-        cfg = self.cfg
         return {
-            "name": cfg.model,
-            "width": cfg.width,
-            "height": cfg.height,
-            "fps": cfg.fps,
-            "frames_per_chunk": cfg.video_frames_per_chunk,
-            "first_chunk_frames": cfg.first_chunk_frames,
-            "reads_prompt": True,
-            "prompt_switch": "recache",  # LongLive's own switch: the history re-cached under the new prompt
-            "default_prompt": self.default_prompt,
-            "controls": {
-                "$schema": "https://json-schema.org/draft/2020-12/schema",
-                "type": "object",
-                "properties": {},
-                "additionalProperties": False,
-            },
-            "config": cfg.name,
+            "name": self.cfg.model,
+            # LongLive's own switch: the history re-cached under the new prompt
+            **self._prompted_card(prompt_switch="recache"),
             # seeded random weights (a test set-up): the picture is noise, and the page says why
             **({"weights": "random"} if self.random_weights else {}),
             "components": self.components,
             "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
 
-    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
-        return self._generate([tick])[0]
-
-    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
-        return self._generate(ticks)
-
-    def reset_session(self, session_id: str) -> None:
-        self._drop(session_id)
-
-    def close_session(self, session_id: str) -> None:
-        self._drop(session_id)
-
     def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
         return [TickRequest(session_id=session_id, request_id=i, controls={}) for i in range(2)]
-
-    def session_ids(self) -> list[str]:
-        return list(self._sessions)
 
     def session_prompt(self, session_id: str) -> str | None:
         """The cleaned prompt the session's history is under (None: no chunk yet)."""
         session = self._sessions.get(session_id)
         return None if session is None else session.prompt
 
-    def _drop(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self.prompts.drop(session.prompt)
-        self.last_latents.pop(session_id, None)
-
     # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
 
-    def transfer_fingerprint(self) -> dict[str, Any]:
-        if getattr(self, "_fingerprint", None) is None:
-            self._fingerprint = {
-                "config": self.cfg.name,
-                "dit": weights_digest(self.model),
-                "vae": weights_digest(self.vae.vae),
-                "text": weights_digest(self.text.model),
-            }
-        return self._fingerprint
-
-    def export_session_state(self, session_id: str) -> ModelState:
-        """Noise generator, the prompt (its text: the peer encodes it), latents and the decoder cache."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            return ModelState({"session": None})
-        tensors: dict[str, torch.Tensor] = {"generator": session.generator.get_state()}
+    def _export_session(self, session: _LongLiveSession, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         if session.latents is not None:
             tensors["latents"] = session.latents
-        values = {"prompt": session.prompt, "vae": export_feature_cache(session.vae_cache, tensors)}
-        latest = self.last_latents.get(session_id)
-        if latest is not None:
-            tensors["last_latents"] = latest
-        return ModelState({"session": values}, tensors)
+        return {"prompt": session.prompt, "vae": export_feature_cache(session.vae_cache, tensors)}
 
-    def import_session_state(self, session_id: str, state: ModelState) -> None:
-        values = state.json.get("session")
-        if values is None:
-            return
-        t = {n: v.cpu() if n == "generator" else v.to(self.device) for n, v in state.tensors.items()}
-        generator = torch.Generator()
-        generator.set_state(t["generator"])
-        entry = self.prompts.acquire(str(values["prompt"]))  # referenced first: the drop below cannot evict it
-        self._drop(session_id)
-        self._sessions[session_id] = _LongLiveSession(
-            generator, entry.text, t.get("latents"), import_feature_cache(values["vae"], t)
-        )
-        if "last_latents" in t:
-            self.last_latents[session_id] = t["last_latents"]
+    def _import_session(self, generator: torch.Generator, prompt: str, values: dict[str, Any],
+                        tensors: dict[str, torch.Tensor]) -> _LongLiveSession:  # fmt: skip
+        return _LongLiveSession(generator, prompt, tensors.get("latents"), import_feature_cache(values["vae"], tensors))
 
     # ---- one chunk for a batch of sessions ----------------------------------------------------
 
-    def _session(self, tick: TickRequest, chunk_index: int) -> _LongLiveSession:
-        session = self._sessions.get(tick.session_id)
-        if session is None or chunk_index == 0:
-            seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
-            return _LongLiveSession(generator=torch.Generator().manual_seed(seed), prompt=self.default_prompt)
-        return session
+    def _new_session(self, generator: torch.Generator, prompt: str) -> _LongLiveSession:
+        return _LongLiveSession(generator=generator, prompt=prompt)
 
     def _recache(self, state: SessionKVState, latents: torch.Tensor, entry: PromptEntry) -> None:
         """LongLive's re-cache of one session's history under ``entry``'s prompt (a rewrite of its committed KV)."""
@@ -316,10 +197,7 @@ class LongLivePipeline(SessionStateBinding):
             self.counters.dit_s = decoded - recached
             self.counters.vae_s = time.perf_counter() - decoded
         except BaseException:
-            for generator, saved in zip(generators, rewind):
-                generator.set_state(saved)
-            for entry in entries:
-                self.prompts.drop(entry.text)
+            self._undo(generators, rewind, entries)
             raise
         for row, (tick, session, entry) in enumerate(zip(ticks, sessions, entries)):
             history = latents[row] if session.latents is None else torch.cat([session.latents, latents[row]], dim=1)
@@ -329,11 +207,3 @@ class LongLivePipeline(SessionStateBinding):
             )
             self.last_latents[tick.session_id] = latents[row]
         return frames_out
-
-
-def _prompt_bytes(cfg: LongLiveConfig, dtype: torch.dtype, entry: PromptEntry) -> int:
-    """One prompt's cross-attention K/V (every layer, ``text_len`` tokens) plus its umT5 outputs (up to ``text_len``)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * cfg.num_layers * cfg.text_len * cfg.dim * elem
-    tokens = cfg.text_len * cfg.text.dim * entry.tokens.element_size()
-    return kv + tokens

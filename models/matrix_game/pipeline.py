@@ -56,6 +56,7 @@ from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
 from ..wan.quantize import check_weights_option, quantize_blocks
 from ..wan.compile import compile_blocks
+from ..wan.geometry import backbone_kv_spec
 from ..wan.sampler import sample_chunk
 from ..wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
 from ...runner.binding import SessionStateBinding
@@ -183,12 +184,8 @@ class MatrixGamePipeline(SessionStateBinding):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.cfg
-        return KVCacheSpec(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_heads,
-            head_size=cfg.head_dim,
-            tokens_per_frame=cfg.tokens_per_frame,
-            frames_per_chunk=cfg.frames_per_chunk,
+        return backbone_kv_spec(
+            cfg,
             sink_frames=cfg.sink_size,
             window_frames=cfg.local_attn_size,
             session_capacity=self.session_capacity,

@@ -12,8 +12,10 @@ declares a shared one again only where its published default differs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .vae import VAEConfig
+from ...runner.spec import KVCacheSpec
 
 # The Wan VAE's spatial compression: one latent pixel is 8x8 video pixels.
 VAE_SPATIAL_COMPRESSION = 8
@@ -75,3 +77,16 @@ class WanGeometry:
     def first_chunk_frames(self) -> int:
         """The causal VAE turns the first latent frame into one video frame, each later one into four."""
         return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
+
+
+def backbone_kv_spec(geometry: WanGeometry, **family: Any) -> KVCacheSpec:
+    """The runner's KV for the backbone's self-attention (every layer, one block per latent frame); the family adds
+    its sink, window, capacity and what else it keeps (``family``: the other :class:`KVCacheSpec` fields)."""
+    return KVCacheSpec(
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_heads,
+        head_size=geometry.head_dim,
+        tokens_per_frame=geometry.tokens_per_frame,
+        frames_per_chunk=geometry.frames_per_chunk,
+        **family,
+    )

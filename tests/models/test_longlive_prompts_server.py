@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import arstream.models.longlive.pipeline as pipeline_module
+import arstream.models.longlive.base as base_module
 import arstream.models.longlive.prompts as prompts_module
 import arstream.models.longlive.text as text_module
 from arstream.app.realtime_video import PATH
@@ -44,7 +44,7 @@ class CountedCleans:
 def served() -> Iterator[tuple[LiveServer, LongLivePipeline, CountedCleans]]:
     cleans = CountedCleans()
     with pytest.MonkeyPatch.context() as patch:
-        for module in (text_module, prompts_module, pipeline_module):
+        for module in (text_module, prompts_module, base_module):
             patch.setattr(module, "clean_prompt", cleans, raising=False)
         pipeline = load_longlive(config="tiny", random_init=True)
         settings = fake_settings(model="longlive", model_options=TINY, max_batch_sessions=1)
