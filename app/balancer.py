@@ -8,9 +8,11 @@ read one line), what it may send:
 
 * ``down #reason`` while the replica cannot start sessions at all (loading, a
   failed model, shutting down), ``up`` otherwise;
-* ``maxconn:N``, with N = the slots free for new sessions plus the session
-  connections the asking balancer already holds here (HAProxy compares N with
-  its own count of connections to the server, so N - held is what it may add);
+* ``maxconn:N``, with N = the slots free for new sessions plus the sessions
+  the asking balancer already holds here (HAProxy compares N with its own count
+  of connections to the server, so N - held is what it may add). A connection
+  counts as held once its session is admitted: before that it is about to take
+  one of the free slots, and counting it in both would offer a slot twice;
 * weight ``0%`` when N is 0 (HAProxy's maxconn 0 would mean "no limit"; its
   statistics show weight 0), ``100%`` otherwise. A server at weight 0
   still takes resumes (they are persistent). Weights, not the ``drain`` and
@@ -29,7 +31,6 @@ import asyncio
 import logging
 import re
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -57,7 +58,8 @@ class BalancerLedger:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._open: Counter[str] = Counter()
+        # balancer id -> one "is its session admitted yet" check per open session connection
+        self._open: dict[str, list[Callable[[], bool]]] = {}
         # address -> {balancer id: when first heard}; insertion order is first-heard order
         self._heard: dict[str, dict[str, float]] = {}
 
@@ -79,24 +81,26 @@ class BalancerLedger:
         return max(ids, key=ids.__getitem__)
 
     @contextmanager
-    def connection(self, header: str | None) -> Iterator[None]:
-        """Count one open session connection for the balancer process that forwarded it (if any)."""
+    def connection(self, header: str | None, admitted: Callable[[], bool]) -> Iterator[None]:
+        """Count one open session connection for the balancer process that forwarded it (if any); it is held
+        while ``admitted()`` says its session is live here."""
         balancer = balancer_id(header)
         if balancer is None:
             yield
             return
-        self._open[balancer] += 1
+        open_here = self._open.setdefault(balancer, [])
+        open_here.append(admitted)
         try:
             yield
         finally:
-            self._open[balancer] -= 1
-            if self._open[balancer] <= 0:
+            open_here.remove(admitted)
+            if not open_here:
                 del self._open[balancer]
 
     def held_by_newest_at(self, address: str) -> int:
-        """Session connections open through the newest balancer process heard from ``address``."""
+        """Admitted sessions whose connections came through the newest balancer process heard from ``address``."""
         balancer = self.newest_at(address)
-        return self._open.get(balancer, 0) if balancer is not None else 0
+        return sum(admitted() for admitted in self._open.get(balancer, ())) if balancer is not None else 0
 
 
 class AgentView(Protocol):

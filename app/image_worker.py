@@ -209,6 +209,11 @@ class DecodeWorkers:
         with self._lock:
             return sum(worker.wait_ready(now) for worker in self._idle)
 
+    def busy(self) -> int:
+        """Workers given a decode now (tests wait for one before its client leaves)."""
+        with self._lock:
+            return len(self._busy)
+
     def pids(self) -> list[int]:
         """The worker processes alive now, idle or decoding (tests read them in /proc)."""
         with self._lock:

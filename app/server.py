@@ -132,8 +132,10 @@ def create_app(settings: Settings, pipeline: ARPipeline | None = None) -> FastAP
     def serve_in(dialect: DialectFactory) -> Callable[[WebSocket], Awaitable[None]]:
         async def serve_socket(websocket: WebSocket) -> None:
             # HAProxy sends every dialect through its sessions backend, so each counts against its slots here.
-            with balancers.connection(websocket.headers.get(BALANCER_HEADER)):
-                await LiveSession(websocket, hub, dialect()).run()
+            live = LiveSession(websocket, hub, dialect())
+            admitted = lambda: hub.controller(live.session_id) is live  # noqa: E731
+            with balancers.connection(websocket.headers.get(BALANCER_HEADER), admitted):
+                await live.run()
 
         return serve_socket
 

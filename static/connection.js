@@ -460,18 +460,23 @@ export class Connection {
     this.retry(closeText(1006));
   }
 
-  /** Try again after a bounded, jittered backoff; /readyz says when the server is back. */
-  retry(why) {
+  /**
+   * Try again after a bounded, jittered backoff; /readyz says when the server is back. WHY (what happened to
+   * the world) stays on every attempt; NOW says why this attempt could not join (a server still shutting down).
+   */
+  retry(why, now = '') {
     this.clearTimer();
     this.attempts += 1;
     if (this.attempts > BACKOFF_ATTEMPTS) {
-      this.setState('ended', { text: `${why} The server has not come back; try again later.`, tone: 'warn', action: 'play' });
+      this.setState('ended', {
+        text: `${why}${now ? ` ${now}` : ''} The server has not come back; try again later.`, tone: 'warn', action: 'play',
+      });
       return;
     }
     const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** (this.attempts - 1)) * (0.8 + 0.4 * Math.random());
     const seconds = Math.max(1, Math.round(delay / 1000));
     this.setState('reconnecting', {
-      text: `${why} Reconnecting in ${seconds} s${this.ticket ? ' to pick your world up again' : ''}… `
+      text: `${why}${now ? ` ${now}` : ''} Reconnecting in ${seconds} s${this.ticket ? ' to pick your world up again' : ''}… `
         + `(attempt ${this.attempts})`,
       tone: 'warn',
       action: 'play-now',
@@ -487,7 +492,7 @@ export class Connection {
     } else if (ready.status === 503 && /slot|capacity|full|admission/i.test(ready.reason || '')) {
       this.waitForSlot();
     } else {
-      this.retry(ready.status ? notReadyText(ready.reason) : why);
+      this.retry(why, ready.status ? notReadyText(ready.reason) : '');
     }
   }
 

@@ -165,7 +165,10 @@ def test_the_realtime_dialect_gets_the_agents_slots_and_the_queue(tmp_path: Path
                     await sessions.open(replicas["r0"].ws_url)
                 await asyncio.to_thread(wait_heard, lb, {"r0": "NO ROOM", "r1": "UP"})
                 outcomes = [await realtime_start(lb.ws_url, sessions) for _ in range(CAPACITY)]
-                # Both on r1, counted there as this HAProxy's own: it may keep them and add none.
+                # Both on r1, counted there as this HAProxy's own (once r1 has heard a health check name it, which
+                # may come after the sessions): it may keep them and add none.
+                own = f"up 100% maxconn:{CAPACITY}\n"
+                await asyncio.to_thread(wait_until, lambda: agent_line(replicas["r1"]) == own)
                 return outcomes, await asyncio.to_thread(agent_line, replicas["r1"])
             finally:
                 await sessions.close_all()

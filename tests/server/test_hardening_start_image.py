@@ -212,6 +212,8 @@ def test_a_decode_whose_client_leaves_is_killed_at_once() -> None:
             async with session_client(live.ws_url, source_host="127.0.0.5") as leaver:
                 await leaver.send(type="start", image={"data": b64(jpeg_scan_bomb(1024, 1024, 6000))})
                 await asyncio.to_thread(wait_until, lambda: hub.unstarted.waiting_from("127.0.0.5") == 1)
+                # Leaves once a worker has the file: leaving earlier stops the decode before it takes one.
+                await asyncio.to_thread(wait_until, lambda: hub.start_images.workers.busy() == 1)
                 leaver.abort()
             await asyncio.to_thread(wait_until, lambda: hub.unstarted.waiting_from("127.0.0.5") == 0)
 
