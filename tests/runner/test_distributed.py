@@ -127,7 +127,9 @@ def test_two_ranks_equal_one_through_a_rewind_and_a_park(two_ranks: DistributedR
     assert two_ranks.park_session("r") and one_rank.park_session("r")
     assert "r" in two_ranks.local.parking.sessions()
     for index in range(5, 11):
-        rewind = {"rewind_to": points[0]} if index == 7 else {}
+        held = two_ranks.rewind_points("r")
+        assert held is not None and held == one_rank.rewind_points("r")
+        rewind = {"rewind_to": held[0]} if index == 7 else {}
         _assert_equal(two_ranks, one_rank, [_tick("r", index, **rewind)])
     two_ranks.close_session("r")
     one_rank.close_session("r")
