@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -57,10 +58,9 @@ class RuntimeOptions:
     # move idle, detached and least recently used sessions to host memory (ARRunner; runner/parking.py)
     parking: ParkingPolicy | None = None
     # a replica over several devices (``--devices``; runner/distributed/): one device per rank, rank 0 first, and
-    # the model every other rank loads for itself (its registry name and loader options)
+    # how every other rank loads the model for itself (called with its device; picklable: it crosses processes)
     devices: tuple[str, ...] = ()
-    model: str | None = None
-    model_options: dict[str, Any] = field(default_factory=dict)
+    load_pipeline: Callable[[str], Any] | None = None
     # how long any rank may take for a collective or a reply before the replica is lost
     collective_timeout_s: float = 60.0
 

@@ -87,15 +87,14 @@ def digest(result: Any) -> Any:
 
 def rank_main(plan: RankPlan, conn: Connection) -> None:
     """A spawned rank's whole life: join, load, shard, build the runner, then serve rank 0's calls."""
-    from ...models.registry import load_pipeline
     from ..runner import ARRunner
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{plan.rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(plan.torch_threads)
     join_group(plan)
     try:
-        assert plan.options.model is not None
-        pipeline = load_pipeline(plan.options.model, plan.device, **plan.options.model_options)
+        assert plan.options.load_pipeline is not None
+        pipeline = plan.options.load_pipeline(str(plan.device))
         assert isinstance(pipeline, ARPipeline)
         shard_pipeline(pipeline, plan)
         options = rank_options(plan)

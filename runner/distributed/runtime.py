@@ -54,8 +54,8 @@ class DistributedRuntime:
         world = len(options.devices)
         if world < 2:
             raise UnsupportedConfiguration(f"a replica over several devices needs two or more, got {options.devices}")
-        if options.model is None:
-            raise UnsupportedConfiguration("a replica over several devices needs the model's name for its other ranks")
+        if options.load_pipeline is None:
+            raise UnsupportedConfiguration("a replica over several devices needs a way for its other ranks to load the model")
         if not callable(getattr(pipeline, "shard_heads", None)):
             name = pipeline.model_card().get("name")
             raise UnsupportedConfiguration(

@@ -8,6 +8,7 @@ and a killed rank ends every session with its reason and frees the pool (last: i
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Iterator
@@ -33,8 +34,7 @@ OPTIONS = RuntimeOptions(
     rewind_seconds=2.0,
     rewind_budget_bytes=8 * 2**20,
     parking=ParkingPolicy(budget_bytes=8 * 2**20),
-    model=MODEL,
-    model_options=MODEL_OPTIONS,
+    load_pipeline=functools.partial(load_pipeline, MODEL, **MODEL_OPTIONS),
 )
 
 
