@@ -275,7 +275,7 @@ class DistributedRuntime:
         raise ReplicaLost(self.lost)
 
     def _stop_ranks(self) -> None:
-        for process, conn in self._ranks:
+        for _, conn in self._ranks:
             try:
                 conn.send(("stop", ()))
             except OSError:
