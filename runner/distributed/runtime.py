@@ -93,6 +93,11 @@ class DistributedRuntime:
         except BaseException:
             self._stop_ranks()
             raise
+        # rank 0's, the same objects (the warm-up fills its round times in place)
+        self.spec: KVCacheSpec = self.local.spec
+        self.counters: RuntimeCounters = self.local.counters
+        self.blocks_free_at_start: int = self.local.blocks_free_at_start
+        self.warmup_round_s: dict[int, float] = self.local.warmup_round_s
         log.info("replica over %d devices (%s): each holds %d of the %d attention heads of every KV block",
                  world, ",".join(options.devices), self.local.spec.num_kv_heads, spec.num_kv_heads)
 
@@ -107,24 +112,8 @@ class DistributedRuntime:
         self.local.on_evict = callback
 
     @property
-    def warmup_round_s(self) -> dict[int, float]:
-        return self.local.warmup_round_s
-
-    @property
     def batch_limit(self) -> int:
         return self.local.batch_limit
-
-    @property
-    def spec(self) -> KVCacheSpec:
-        return self.local.spec
-
-    @property
-    def counters(self) -> RuntimeCounters:
-        return self.local.counters
-
-    @property
-    def blocks_free_at_start(self) -> int:
-        return self.local.blocks_free_at_start
 
     @property
     def session_capacity(self) -> int:
