@@ -277,3 +277,27 @@ def test_a_viewer_of_a_controller_on_webrtc_gets_every_chunk_on_its_websocket(se
     assert [chunk["tick_id"] for chunk, _ in seen] == [0, 1, 2]
     assert all("delivery" not in chunk for chunk, _ in seen)
     assert {header.codec.name for _, headers in seen for header in headers} == {"JPEG"}
+
+
+def test_a_refused_pass_leaves_the_controller_on_the_track(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as client:
+            pc, _, _ = await connect_video(client)
+            try:
+                await client.send(type="tick", tick_id=0)
+                assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
+                await client.send(type="pass_control", to="v-nobody")
+                refused = await next_of(client, "error")
+                chunks = []
+                for tick_id in (1, 2):
+                    await client.send(type="tick", tick_id=tick_id)
+                    chunks.append(await next_of(client, "chunk"))
+            finally:
+                await pc.close()
+            return refused, chunks
+
+    refused, chunks = asyncio.run(scenario())
+    assert refused["code"] == "unknown_viewer" and refused["fatal"] is False
+    # control stayed, and so did the track: the next chunks are on it, not JPEG on the WebSocket
+    assert [(c["tick_id"], c["delivery"]) for c in chunks] == [(1, "webrtc"), (2, "webrtc")]
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
