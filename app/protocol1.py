@@ -22,8 +22,8 @@ from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
 from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, WebRTCOfferMessage, ack_message
-from .protocol import chunk_header, closed_message, controls_problem, dumps, error_message, moved_message, parse_client_message
-from .protocol import pong_message, ready_message, role_message, too_large, with_prepared_prompt
+from .protocol import chunk_header, closed_message, controls_problem, dumps, error_message, moved_message
+from .protocol import parse_client_message, pong_message, ready_message, role_message, too_large, with_prepared_prompt
 from .session import Session, TickJob
 from .viewer_feed import ViewerFeed
 from .webrtc import SessionVideo
@@ -46,7 +46,7 @@ class Protocol1(Dialect):
         super().__init__()
         self.session_id = "s-" + secrets.token_hex(8)
         self._viewers = ViewerFeed(chunk_header)  # a controller's chunks for its viewers
-        self._video = SessionVideo()  # a controller's WebRTC path, once it offers
+        self._video = SessionVideo(self._accept_input, self._reply_error)  # a controller's WebRTC path, once offered
 
     # ---- start and ready -----------------------------------------------------------------------
 
@@ -118,17 +118,14 @@ class Protocol1(Dialect):
         """What the controller asked: a tick is returned for the live session to run; the rest is answered."""
         session = live.session
         assert session is not None
-        if isinstance(parsed, (TickMessage, InputMessage)):
-            parsed = with_prepared_prompt(parsed, live.gate.prompts, session.prompt_allowance)
         if isinstance(parsed, TickMessage):
+            parsed = with_prepared_prompt(parsed, live.gate.prompts, session.prompt_allowance)
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
             if self._viewers.held:  # offered once the tick is on its way: the viewers' writes go beside it
                 asyncio.get_running_loop().call_soon(self._viewers.offer_held, live.gate)
             return session.accept_tick(parsed)
         if isinstance(parsed, InputMessage):
-            self._check_controls(live, parsed.controls, tick_id=None)
-            duplicate = session.accept_event(parsed)
-            live.touch()
+            duplicate = self._accept_input(live, parsed, latest_wins=False)
             self._reply(live, ack_message(parsed.event_id, duplicate=duplicate))
         elif isinstance(parsed, PingMessage):
             self._reply(live, pong_message(parsed.t))
@@ -158,6 +155,16 @@ class Protocol1(Dialect):
             raise ProtocolError(ErrorCode.NOT_CONTROLLER, detail, tick_id=tick_id)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
+
+    def _accept_input(self, live: SessionPort, message: InputMessage, *, latest_wins: bool) -> bool:
+        """Stage an `input` (from the WebSocket, or latest-wins from a data channel); True: a recent duplicate."""
+        session = live.session
+        assert session is not None
+        message = with_prepared_prompt(message, live.gate.prompts, session.prompt_allowance)
+        self._check_controls(live, message.controls, tick_id=None)
+        duplicate = session.accept_event(message, latest_wins=latest_wins)
+        live.touch()
+        return duplicate
 
     @staticmethod
     def _check_controls(live: SessionPort, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:

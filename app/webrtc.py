@@ -22,11 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .dialect import ChunkSent
 from .outbox import QueuedText
-from .protocol import ErrorCode, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage, dumps, error_message
+from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
+from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
 from .webrtc_track import WebRTCDelivery, WebRTCError
 
 if TYPE_CHECKING:
@@ -47,12 +49,25 @@ def observe_action_to_frame(live: SessionPort, outcome: TickOutcome) -> None:
         live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
 
 
+# The label of the data channel a client sends its inputs on (latest wins); another label's channel is closed.
+INPUT_CHANNEL = "inputs"
+
+
+class InputTaker(Protocol):
+    """The dialect's staging of an `input` (its checks raise ProtocolError); True: a recent duplicate."""
+
+    def __call__(self, live: SessionPort, message: InputMessage, *, latest_wins: bool) -> bool: ...
+
+
 class SessionVideo:
     """A protocol-1 controller's delivery: the offer it answers, the track its chunks go on once connected (the
     WebSocket otherwise), and the codec switch that comes with it (the session makes raw pixels for the track
     while connected, and goes back to its own codec, on the WebSocket, if the connection fails)."""
 
-    def __init__(self) -> None:
+    def __init__(self, take_input: InputTaker, refuse: Callable[[SessionPort, ProtocolError], None]) -> None:
+        self._take_input = take_input  # an input from the data channel, staged as the WebSocket's are
+        self._refuse = refuse  # a refused channel message: its error goes on the WebSocket
+        self.inputs_overtaken = 0  # channel inputs dropped because a newer one was already taken
         self._live: SessionPort | None = None  # the controller's live session, from its first offer
         self._delivery: WebRTCDelivery | None = None
         self._answering: asyncio.Task[None] | None = None
@@ -72,7 +87,7 @@ class SessionVideo:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this server does not offer WebRTC (--webrtc is off)")
         fps = float(live.gate.model_card.get("fps") or 30)
         try:
-            self._delivery = WebRTCDelivery(fps, self._state_changed)
+            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened)
         except WebRTCError as exc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None
         self._answering = asyncio.create_task(self._answer(self._delivery, sdp), name=f"webrtc-{session.id}")
@@ -100,6 +115,37 @@ class SessionVideo:
             return
         self._reply(WebRTCAnswerMessage(type="webrtc_answer", sdp=answer, codec=delivery.codec).wire())
         log.info("session=%s webrtc answered codec=%s", self._session_id(), delivery.codec)
+
+    def _channel_opened(self, channel: Any) -> None:
+        if channel.label != INPUT_CHANNEL:
+            channel.close()
+            return
+        channel.on("message", lambda data: self._channel_message(channel, data))
+
+    def _channel_message(self, channel: Any, data: str | bytes) -> None:
+        """An `input` (latest wins) or a `ping` on the inputs channel; refusals go on the WebSocket, non-fatal."""
+        live = self._live
+        session = None if live is None else live.session
+        if live is None or session is None or self._closing:
+            return  # control passed, or the session ended: the channel's inputs are no longer the session's
+        try:
+            limit = live.gate.settings.max_message_bytes
+            if not isinstance(data, str):
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the inputs channel carries text messages")
+            if too_large(data, limit):
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"channel messages are limited to {limit} bytes")
+            parsed = parse_client_message(data)
+            if isinstance(parsed, PingMessage):
+                channel.send(dumps(pong_message(parsed.t)))
+            elif not isinstance(parsed, InputMessage):
+                detail = f"the inputs channel carries input and ping, not {parsed.type}"
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, detail)
+            elif session.event_floor is not None and parsed.event_id <= session.event_floor:
+                self.inputs_overtaken += 1  # a newer input already holds
+            else:
+                self._take_input(live, parsed, latest_wins=True)
+        except ProtocolError as exc:
+            self._refuse(live, exc)
 
     def _state_changed(self, state: str) -> None:
         session = None if self._live is None else self._live.session

@@ -158,11 +158,12 @@ def negotiated_codec(sdp: str) -> str | None:
 class WebRTCDelivery:
     """One protocol-1 session's peer connection and its video track."""
 
-    def __init__(self, fps: float, on_state: Callable[[str], None]) -> None:
+    def __init__(self, fps: float, on_state: Callable[[str], None], on_channel: Callable[[Any], None]) -> None:
         if not AVAILABLE:
             raise WebRTCError("this server has no WebRTC (install the webrtc extra)")
         self.track = ChunkTrack(fps)
         self._on_state = on_state
+        self._on_channel = on_channel  # a data channel the client opened (RTCDataChannel)
         self._pc: Any = None
         self.codec: str | None = None
         self.state = "new"
@@ -180,6 +181,8 @@ class WebRTCDelivery:
         @pc.on("connectionstatechange")
         def changed() -> None:
             self._state(pc.connectionState)
+
+        pc.on("datachannel", self._on_channel)
 
         # The track's transceiver comes first, so that the offer's video section takes it and the codec
         # preference applies when the offer is read (aiortc picks the codecs there).

@@ -56,9 +56,9 @@ async def offer_sdp(pc: Any) -> str:
     return str(pc.localDescription.sdp)
 
 
-async def connect_video(client: ProbeClient) -> tuple[Any, asyncio.Future[Any], dict[str, Any]]:
+async def connect_video(client: ProbeClient, pc: Any = None) -> tuple[Any, asyncio.Future[Any], dict[str, Any]]:
     """Offer, apply the answer, wait until the server says the peer connection is up."""
-    pc = aiortc.RTCPeerConnection()
+    pc = pc or aiortc.RTCPeerConnection()
     track: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     def on_track(received: Any) -> None:
@@ -300,4 +300,65 @@ def test_a_refused_pass_leaves_the_controller_on_the_track(server: LiveServer) -
     assert refused["code"] == "unknown_viewer" and refused["fatal"] is False
     # control stayed, and so did the track: the next chunks are on it, not JPEG on the WebSocket
     assert [(c["tick_id"], c["delivery"]) for c in chunks] == [(1, "webrtc"), (2, "webrtc")]
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+
+
+class InputChannel:
+    """The client's `inputs` data channel, ordered and reliable here: a pong then says every input sent before
+    its ping was taken (the protocol lets a client choose; a browser would send unordered, unreliable)."""
+
+    def __init__(self, pc: Any) -> None:
+        self.channel = pc.createDataChannel("inputs")
+        self.opened = asyncio.Event()
+        self.received: asyncio.Queue[Any] = asyncio.Queue()
+        self.channel.on("open", self.opened.set)
+        self.channel.on("message", self.received.put_nowait)
+
+    def input(self, event_id: int, keys: list[str]) -> None:
+        self.channel.send(json.dumps({"type": "input", "event_id": event_id, "controls": {"keys": keys}}))
+
+    async def taken(self, t: int) -> None:
+        """Ping, and wait for its pong: the server has taken everything sent before."""
+        self.channel.send(json.dumps({"type": "ping", "t": t}))
+        pong = json.loads(await asyncio.wait_for(self.received.get(), GUARD_S))
+        assert (pong["type"], pong["t"]) == ("pong", t), pong
+
+
+def test_inputs_on_the_data_channel_latest_wins(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with session_client(server.ws_url, start={}) as client:
+            pc = aiortc.RTCPeerConnection()
+            inputs = InputChannel(pc)
+            await connect_video(client, pc)
+            try:
+                await asyncio.wait_for(inputs.opened.wait(), GUARD_S)
+                await client.send(type="input", event_id=1, controls={"keys": ["a"]})  # the WebSocket's: kept
+                ack = await next_of(client, "ack")
+                for event_id, keys in ((2, ["w"]), (3, ["w", "a"]), (4, ["w", "d"])):
+                    inputs.input(event_id, keys)
+                await inputs.taken(1)
+                await client.send(type="tick", tick_id=0)
+                early: list[dict[str, Any]] = []
+                first = await next_of(client, "chunk", early)
+                assert early == []
+                inputs.input(3, ["s"])  # overtaken: dropped without a word
+                inputs.channel.send("not json")
+                inputs.channel.send(json.dumps({"type": "tick", "tick_id": 9}))
+                inputs.input(5, ["d"])
+                await inputs.taken(2)
+                await client.send(type="tick", tick_id=1)
+                refusals: list[dict[str, Any]] = []
+                second = await next_of(client, "chunk", refusals)
+            finally:
+                await pc.close()
+            return ack, first, second, refusals[0], refusals[1]
+
+    ack, first, second, not_json, not_input = asyncio.run(scenario())
+    assert ack["event_id"] == 1
+    # the newest channel input replaced the two pending before it; the WebSocket's input is never replaced
+    assert first["applied_event_ids"] == [1, 4]
+    assert second["applied_event_ids"] == [5]
+    for refusal in (not_json, not_input):
+        assert (refusal["type"], refusal["code"], refusal["fatal"]) == ("error", "invalid_message", False), refusal
+    assert "input and ping" in not_input["message"]
     wait_until(lambda: webrtc_track.open_peer_connections() == 0)
