@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from arstream.app import webrtc_track
 from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
+from arstream.programs import client
 from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
 
 aiortc = pytest.importorskip("aiortc")
@@ -361,4 +363,18 @@ def test_inputs_on_the_data_channel_latest_wins(server: LiveServer) -> None:
     for refusal in (not_json, not_input):
         assert (refusal["type"], refusal["code"], refusal["fatal"]) == ("error", "invalid_message", False), refusal
     assert "input and ping" in not_input["message"]
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+
+
+def test_the_client_program_receives_on_the_track(
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = client.main([server.base_url, "--webrtc", "--keys", "d*3,w*3", "--out", str(tmp_path / "out")])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert "frames by WebRTC (H264)" in output
+    # every chunk after the track connected came on it; a receiver holds back the last frame sent
+    assert "delivery: WebRTC (H264), 11 frames on the track" in output, output
+    assert len(list((tmp_path / "out").glob("frame_*.png"))) == 11
+    assert "action-to-frame" in output and "n=2" in output
     wait_until(lambda: webrtc_track.open_peer_connections() == 0)
