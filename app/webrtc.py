@@ -29,7 +29,7 @@ from .dialect import ChunkSent
 from .outbox import QueuedText
 from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
 from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
-from .webrtc_track import WebRTCDelivery, WebRTCError
+from .webrtc_track import WebRTCDelivery, WebRTCError, open_peer_connections
 
 if TYPE_CHECKING:
     from .dialect import SessionPort
@@ -83,8 +83,12 @@ class SessionVideo:
         self._live = live
         session = live.session
         assert session is not None
-        if not live.gate.settings.webrtc:
+        settings = live.gate.settings
+        if not settings.webrtc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this server does not offer WebRTC (--webrtc is off)")
+        if open_peer_connections() >= settings.webrtc_max_peers:
+            detail = f"this server holds its {settings.webrtc_max_peers} WebRTC peer connections; try again later"
+            raise ProtocolError(ErrorCode.WEBRTC_FAILED, detail)
         fps = float(live.gate.model_card.get("fps") or 30)
         try:
             self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened)
@@ -115,6 +119,21 @@ class SessionVideo:
             return
         self._reply(WebRTCAnswerMessage(type="webrtc_answer", sdp=answer, codec=delivery.codec).wire())
         log.info("session=%s webrtc answered codec=%s", self._session_id(), delivery.codec)
+        assert self._live is not None
+        deadline_s = self._live.gate.settings.webrtc_connect_timeout_s
+        try:
+            await asyncio.wait_for(delivery.settled.wait(), deadline_s)
+        except TimeoutError:  # its ICE or DTLS never completed
+            log.info("session=%s webrtc not connected within %g s: closed", self._session_id(), deadline_s)
+            if not self._closing:
+                failed = WebRTCStateMessage(type="webrtc_state", state="failed").wire()
+                self._live.outbox.push(QueuedText(dumps(failed)))
+        else:
+            await delivery.ended.wait()  # it failed or closed, here or after it connected (said by _state_changed)
+        # Its slot comes back, and the client may offer again.
+        if self._delivery is delivery:
+            self._delivery = None
+        await delivery.close()
 
     def _channel_opened(self, channel: Any) -> None:
         if channel.label != INPUT_CHANNEL:

@@ -381,6 +381,8 @@ async def run_script(
             if chunk.restarted == "evicted":
                 # The server reclaimed this session's KV (it was idle and the pool was full): a new rollout began.
                 print(f"note: tick {chunk.tick_id} started a new rollout after the session was evicted", file=sys.stderr)
+        if receivers:
+            await receivers[-1].wait_shown()  # frames still on the track when the session closes are not sent
         streaming_s = time.perf_counter() - ticking_started
         closed_reason = await session.close()
     finally:

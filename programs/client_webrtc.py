@@ -5,6 +5,7 @@
     receiver = TrackReceiver(fps=session.model["fps"])
     await session.offer_webrtc(receiver)  # its answer and state are read with the session's next messages
     ...  # tick as usual: a chunk whose `delivery` is "webrtc" has no binary frames, they come on the track
+    await receiver.wait_shown()  # before the session's close: frames still on the track then are not sent
     frames = await receiver.close()  # every frame the track showed, in track order
 
 The offer goes on the session's WebSocket with its ICE candidates inside (aiortc gathers them all before its
@@ -91,18 +92,25 @@ class TrackReceiver:
             self.action_to_frame_s += [shown_at - sent for sent in self._inputs_at.pop(number, [])]
             self._shown.set()
 
-    async def _frames_in(self) -> None:
-        """Until every announced frame but the last is shown (the last waits for a next one that never comes)."""
-        while not all(number in self.frames for number in range(self.frames_sent - 1)):
-            self._shown.clear()
-            await self._shown.wait()
+    async def wait_shown(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every frame announced so far but the last is shown (a receiver lets a frame out once the next
+        one begins), at most ``timeout_s`` (a lost frame never comes); False if some are missing. Call it before
+        the session's ``close``: frames still on the server's track when the session ends are never sent."""
 
-    async def close(self, wait_s: float = 5.0) -> list[np.ndarray]:
-        """Close the peer connection; every frame the track showed, in track order. (A receiver lets a frame out
-        once the next one begins, so the last frame sent is not among them.) Frames still on their way are
-        waited for, at most ``wait_s`` (a lost one never comes)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._frames_in(), wait_s)
+        async def all_in() -> None:
+            while not all(number in self.frames for number in range(self.frames_sent - 1)):
+                self._shown.clear()
+                await self._shown.wait()
+
+        try:
+            await asyncio.wait_for(all_in(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> list[np.ndarray]:
+        """Close the peer connection; every frame the track showed, in track order (the last frame sent is not
+        among them: :meth:`wait_shown`)."""
         await self.pc.close()
         for task in list(self._tasks):
             task.cancel()

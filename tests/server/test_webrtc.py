@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from arstream.app import webrtc_track
 from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
 from arstream.programs import client
-from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
+from servers import REPO_ROOT, LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
 
 aiortc = pytest.importorskip("aiortc")
 
@@ -378,3 +380,55 @@ def test_the_client_program_receives_on_the_track(
     assert len(list((tmp_path / "out").glob("frame_*.png"))) == 11
     assert "action-to-frame" in output and "n=2" in output
     wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+
+
+def test_the_copyable_example_saves_the_frames_the_track_showed(server: LiveServer, tmp_path: Path) -> None:
+    example = REPO_ROOT / "docs" / "examples" / "client_webrtc.py"
+    result = subprocess.run(
+        [sys.executable, str(example), server.ws_url, "d", "5", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,  # hang guard only
+    )
+    assert result.returncode == 0, result.stderr
+    assert "delivery: connected H264" in result.stdout
+    # five chunks of two frames on the track; the receiver holds back the last one
+    assert "9 frames saved" in result.stdout and "(9 from the track)" in result.stdout, result.stdout
+    assert len(list(tmp_path.glob("*.png"))) == 9
+    wait_until(lambda: server.stats()["kv"]["sessions_resident"] == 0)
+
+
+def without_candidates(sdp: str) -> str:
+    """An offer whose ICE can never complete: no candidates, and more promised (no end-of-candidates)."""
+    kept = [line for line in sdp.split("\r\n") if not line.startswith(("a=candidate", "a=end-of-candidates"))]
+    return "\r\n".join(kept)
+
+
+def test_a_peer_that_never_connects_is_dropped_at_the_deadline_and_its_slot_returned() -> None:
+    async def scenario(server: LiveServer) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any]]:
+        async with session_client(server.ws_url, start={}) as stuck, session_client(server.ws_url, start={}) as other:
+            silent, pc = aiortc.RTCPeerConnection(), aiortc.RTCPeerConnection()
+            try:
+                await stuck.send(type="webrtc_offer", sdp=without_candidates(await offer_sdp(silent)))
+                await next_of(stuck, "webrtc_answer")  # never applied: this client sends no ICE check
+                await other.send(type="webrtc_offer", sdp=await offer_sdp(pc))
+                refused = await next_of(other, "error")  # the one slot is held
+                state = await next_of(stuck, "webrtc_state")  # the deadline
+                wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+                await stuck.send(type="tick", tick_id=0)
+                chunk, _ = await stuck.recv_chunk()  # the session plays on, over the WebSocket
+                await pc.close()
+                pc = aiortc.RTCPeerConnection()
+                await connect_video(other, pc)  # the slot came back: the other session's offer is answered
+                await other.send(type="tick", tick_id=0)
+                on_track = await next_of(other, "chunk")
+                return refused, state, chunk["frames"], on_track
+            finally:
+                await silent.close()
+                await pc.close()
+
+    settings = fake_settings(webrtc=True, webrtc_max_peers=1, webrtc_connect_timeout_s=1.0)
+    with running_server(settings, FakeKVPipeline(width=64, height=64)) as bounded:
+        refused, state, frames, on_track = asyncio.run(scenario(bounded))
+        wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+    assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "1 WebRTC peer" in refused["message"]
+    assert state == {"type": "webrtc_state", "state": "failed"}
+    assert frames == 2 and on_track["delivery"] == "webrtc"
