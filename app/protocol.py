@@ -34,8 +34,6 @@ from ..strict_json import loads_strict as loads_strict
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
 
-    from .worker import TickOutcome
-
 # An error's message never grows with what the client sent: at most this many bytes as sent (docs/public.md).
 MAX_ERROR_MESSAGE_CHARS = 480
 EXCERPT_CHARS = 64
@@ -604,21 +602,6 @@ def chunk_message(
         type="chunk", tick_id=tick_id, chunk_index=chunk_index, frames=frames, applied_event_ids=applied_event_ids,
         restarted=restarted, timings=timings, **fields,
     ).wire()
-
-
-def chunk_header(outcome: TickOutcome) -> dict[str, Any]:
-    """A chunk outcome's `chunk` message."""
-    return chunk_message(
-        tick_id=outcome.job.tick_id,
-        chunk_index=outcome.chunk_index,
-        frames=len(outcome.frame_messages),
-        applied_event_ids=outcome.applied_event_ids,
-        restarted=outcome.restarted,
-        queue_ms=outcome.queue_s * 1e3,
-        compute_ms=outcome.compute_s * 1e3,
-        encode_ms=outcome.encode_s * 1e3,
-        rewind_points=outcome.rewind_points,
-    )
 
 
 def role_message(role: str, *, viewer_id: str | None = None, **fields: Any) -> dict[str, Any]:

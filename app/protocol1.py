@@ -22,10 +22,10 @@ from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
 from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, WebRTCOfferMessage, ack_message
-from .protocol import chunk_header, closed_message, controls_problem, dumps, error_message, moved_message
+from .protocol import closed_message, controls_problem, dumps, error_message, moved_message
 from .protocol import parse_client_message, pong_message, ready_message, role_message, too_large, with_prepared_prompt
 from .session import Session, TickJob
-from .viewer_feed import ViewerFeed
+from .viewer_feed import ViewerFeed, chunk_header
 from .webrtc import SessionVideo
 from .worker import OutcomeKind, TickOutcome
 
