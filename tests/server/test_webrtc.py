@@ -432,3 +432,41 @@ def test_a_peer_that_never_connects_is_dropped_at_the_deadline_and_its_slot_retu
     assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "1 WebRTC peer" in refused["message"]
     assert state == {"type": "webrtc_state", "state": "failed"}
     assert frames == 2 and on_track["delivery"] == "webrtc"
+
+
+def test_a_resumed_session_offers_again_and_plays_on_a_new_track() -> None:
+    async def scenario(server: LiveServer) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], list[int]]:
+        async with session_client(server.ws_url, start={}) as first:
+            token = first.ready["resume"]["token"]  # type: ignore[index]
+            pc, _, _ = await connect_video(first)
+            await first.send(type="tick", tick_id=0)
+            before = await next_of(first, "chunk")
+            first.abort()  # the connection drops: the server closes its peer connection, the session waits
+        await pc.close()
+        await asyncio.to_thread(
+            server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1 and s["webrtc"]["peer_connections"] == 0
+        )
+        async with session_client(f"{server.ws_url}?resume={token}", start={"resume": token}) as second:
+            pc, track_future, _ = await connect_video(second)  # the client renegotiates on the new socket
+            try:
+                chunks = []
+                for tick_id in (1, 2):
+                    await second.send(type="tick", tick_id=tick_id)
+                    chunks.append(await next_of(second, "chunk"))
+                track = await asyncio.wait_for(track_future, GUARD_S)
+                greens = []
+                for _ in range(chunks[0]["frames"]):  # the first chunk's frames (the last chunk's last is held)
+                    frame = await asyncio.wait_for(track.recv(), GUARD_S)
+                    greens.append(int(frame.to_ndarray(format="rgb24")[..., 1].mean().round()))
+            finally:
+                await pc.close()
+            return second.ready, before, chunks, greens  # type: ignore[return-value]
+
+    settings = fake_settings(webrtc=True, replica_id="r0", resume_grace_s=30.0)
+    with running_server(settings, FakeKVPipeline(width=64, height=64)) as server:
+        ready, before, chunks, greens = asyncio.run(scenario(server))
+        wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+    assert before["delivery"] == "webrtc" and ready["resumed"]
+    # the world goes on where it was (chunk 1, 2), on a new track numbered from 0
+    assert [(c["chunk_index"], c["delivery"], c["track_frame"]) for c in chunks] == [(1, "webrtc", 0), (2, "webrtc", 2)]
+    assert all(abs(green - (2 + i)) <= 3 for i, green in enumerate(greens)), greens  # frames 2 and 3 of the rollout
