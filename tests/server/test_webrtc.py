@@ -470,3 +470,42 @@ def test_a_resumed_session_offers_again_and_plays_on_a_new_track() -> None:
     # the world goes on where it was (chunk 1, 2), on a new track numbered from 0
     assert [(c["chunk_index"], c["delivery"], c["track_frame"]) for c in chunks] == [(1, "webrtc", 0), (2, "webrtc", 2)]
     assert all(abs(green - (2 + i)) <= 3 for i, green in enumerate(greens)), greens  # frames 2 and 3 of the rollout
+
+
+def sent_counters(server: LiveServer) -> dict[str, float]:
+    """The server's sent-frame counters from /metrics."""
+    names = ("arstream_frames_sent_total", "arstream_bytes_sent_total", "arstream_webrtc_frames_sent_total")
+    found = {}
+    for line in server.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            found[name] = float(value)
+    return found
+
+
+def test_track_frames_are_counted_apart_from_websocket_bytes(server: LiveServer) -> None:
+    async def scenario() -> int:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as client:
+            await client.send(type="tick", tick_id=0)
+            chunk = await next_of(client, "chunk")  # on the WebSocket: JPEG frames as binary messages
+            messages = [await client.recv() for _ in range(chunk["frames"])]
+            websocket_bytes = sum(len(message) for message in messages)
+            pc, _, _ = await connect_video(client)
+            try:
+                for tick_id in (1, 2, 3):
+                    await client.send(type="tick", tick_id=tick_id)
+                    assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
+            finally:
+                await pc.close()
+            return websocket_bytes
+
+    before = sent_counters(server)
+    websocket_bytes = asyncio.run(scenario())
+    after = sent_counters(server)
+    change = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert change == {
+        "arstream_frames_sent_total": 2,  # binary frame messages: the first chunk's
+        "arstream_bytes_sent_total": websocket_bytes,  # their bytes only, not the track's raw pixels
+        "arstream_webrtc_frames_sent_total": 6,
+    }
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
