@@ -115,8 +115,8 @@ def main() -> None:
         shift = repetition % len(CODECS)
         order = CODECS[shift:] + CODECS[:shift]
         this = {codec: measure(codec, chunks, args.quality, args.fps) for codec in order}
-        for codec, values in this.items():
-            for unit, value in zip(units, values):
+        for codec, measured in this.items():
+            for unit, value in zip(units, measured):
                 figures[codec][unit].append(value)
         for a, b in pairs:
             for position, unit in enumerate(units):
