@@ -223,3 +223,38 @@ def test_record_all_records_a_session_that_did_not_ask(tmp_path: Path) -> None:
         files = live.get("/v1/recordings", params={"share": token}).json()["recordings"]
         assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
         assert metric(live, 'arstream_recording_drops_total{reason="session_bytes"}') == 0
+
+
+def test_a_branch_records_its_own_files_from_its_boundary(server: LiveServer) -> None:
+    async def scenario() -> tuple[str, str, list[Chunk]]:
+        async with await Session.connect(server.ws_url) as source:
+            ready = await source.start(codec="raw", seed=7, record=True)
+            assert ready.share is not None
+            for keys in (["d"], ["w"], ["a"]):
+                await source.tick(keys=keys)
+            _ = [chunk async for chunk in source.chunks()]
+            async with await Session.connect(server.ws_url, share=ready.share.token) as branch:
+                branched = await branch.start(codec="raw", branch=(ready.share.token, 1), record=True)
+                assert branched.share is not None and branched.share.token != ready.share.token
+                for keys in (["s"], ["s"]):
+                    await branch.tick(keys=keys)
+                received = [chunk async for chunk in branch.chunks()]
+                assert await branch.close() == "client"
+            assert await source.close() == "client"
+            return ready.share.token, branched.share.token, received
+
+    source_token, branch_token, received = asyncio.run(scenario())
+    assert [chunk.chunk_index for chunk in received] == [1, 2]
+    source_files = server.get("/v1/recordings", params={"share": source_token}).json()["recordings"]
+    branch_files = server.get("/v1/recordings", params={"share": branch_token}).json()["recordings"]
+    assert [f["name"] for f in source_files] == ["part-0000.mp4"]  # the source's recording is untouched
+    assert [f["name"] for f in branch_files] == ["part-0000.mp4"]  # the branch's own, from its boundary on
+    data = server.get("/v1/recordings/part-0000.mp4", params={"share": branch_token}).content
+    video = decoded(data)
+    frames = [frame for chunk in received for frame in chunk.frames]
+    assert len(video) == len(frames)
+    height, width = frames[0].shape[:2]
+    worst = max(int(np.abs(a[:height, :width].astype(int) - b.astype(int)).max()) for a, b in zip(video, frames))
+    assert worst <= CODEC_TOLERANCE
+    source_video = decoded(server.get("/v1/recordings/part-0000.mp4", params={"share": source_token}).content)
+    assert len(source_video) == 3 * len(received[0].frames)  # its three chunks, nothing of the branch's
