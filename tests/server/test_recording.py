@@ -258,3 +258,38 @@ def test_a_branch_records_its_own_files_from_its_boundary(server: LiveServer) ->
     assert worst <= CODEC_TOLERANCE
     source_video = decoded(server.get("/v1/recordings/part-0000.mp4", params={"share": source_token}).content)
     assert len(source_video) == 3 * len(received[0].frames)  # its three chunks, nothing of the branch's
+
+
+def test_a_moved_recording_lands_within_the_peers_budgets(tmp_path: Path) -> None:
+    from arstream.app.metrics import ServerMetrics
+
+    sender = recorder(tmp_path / "r0")
+    write_chunks(sender, "s", "r0.a", 2)
+    [path] = sender.hand_over("s", "r0.a")  # the move is a cut: the file ends here
+    size = path.stat().st_size
+    metrics = ServerMetrics(lambda: None, lambda: 0, lambda: 0)
+    peer = Recordings(tmp_path / "r1", session_bytes=10**9, total_bytes=3 * size, retention_s=3600.0,
+                      quality=80, metrics=metrics)
+    incoming = peer.receive({path.name: size})
+    assert incoming is not None
+    # Reserved while they arrive: a second move past what is left of the total comes without its files.
+    assert peer.receive({path.name: 2 * size + 1}) is None
+    assert metrics.recording_drops.labels(reason="total_bytes")._value.get() == 1
+    incoming.write(path.name, 0, memoryview(path.read_bytes()))
+    incoming.keep("s", "r1.b")
+    sender.moved_away("s", "r0.a")
+    assert sender.files("r0.a") == [] and list((tmp_path / "r0").iterdir()) == []
+    assert [(f.name, f.bytes) for f in peer.files("r1.b")] == [(path.name, size)]
+    # It goes on recording there in the next file, and counts against the session's budget as if written there.
+    peer.write("s", "r1.b", chunk_frames(90), chunk_index=2, restarted=None, fps=16)
+    assert [f.name for f in peer.files("r1.b")] == ["part-0000.mp4", "part-0001.mp4"]
+    refused = Recordings(tmp_path / "r2", session_bytes=size - 1, total_bytes=10**9, retention_s=3600.0, quality=80)
+    assert refused.receive({path.name: size}) is None
+    # An import that ends early leaves nothing behind and gives its reserved bytes back.
+    spare = recorder(tmp_path / "r3", total_bytes=size)
+    cut_short = spare.receive({path.name: size})
+    assert cut_short is not None
+    cut_short.write(path.name, 0, memoryview(b"half a file"))
+    cut_short.discard()
+    assert list((tmp_path / "r3").iterdir()) == []
+    assert spare.receive({path.name: size}) is not None
