@@ -319,7 +319,7 @@ class Migration:
             image = next((t for t in reader.tensors if t.name == START_IMAGE_TENSOR), None)
             check_start_image(header, image, self.settings.max_start_image_pixels)
             next_chunk = int(header["kv"]["chunks_committed"])
-            files = carried_recording(reader.tensors, self.settings.record_session_bytes)
+            files = carried_recording(reader.tensors)
         except (KeyError, TypeError, ValueError) as exc:
             raise ImportRefused(400, f"malformed session snapshot: {type(exc).__name__}: {exc}") from None
         extras = {START_IMAGE_TENSOR: image.nbytes} if image is not None else {}
@@ -775,9 +775,10 @@ def _file_span(path: Path, offset: int, length: int) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def carried_recording(tensors: list[TensorEntry], max_bytes: int) -> dict[int, str]:
+def carried_recording(tensors: list[TensorEntry]) -> dict[int, str]:
     """The recording files a snapshot carries (:func:`carry_recording`), by table index, checked from its table
-    alone: a file's name, a flat uint8 tensor, all of them within ``max_bytes``; ValueError if bad."""
+    alone: a file's name, a flat uint8 tensor; ValueError if not. (Their bytes count against the snapshot's size
+    bound; whether this replica keeps them is its recording budgets' call, :meth:`Recordings.receive`.)"""
     files: dict[int, str] = {}
     for index, entry in enumerate(tensors):
         if not entry.name.startswith(RECORDING_PREFIX):
@@ -786,9 +787,6 @@ def carried_recording(tensors: list[TensorEntry], max_bytes: int) -> dict[int, s
         if not FILE_PATTERN.match(name) or entry.dtype != torch.uint8 or len(entry.shape) != 1:
             raise ValueError(f"{entry.name[:80]!r} is not a recording file (recording/part-NNNN.mp4, flat uint8)")
         files[index] = name
-    size = sum(tensors[index].nbytes for index in files)
-    if size > max_bytes:
-        raise ValueError(f"its recording has {size} bytes, over this replica's record_session_bytes {max_bytes}")
     return files
 
 
