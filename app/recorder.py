@@ -180,6 +180,10 @@ class Recordings:
             self._session_used.pop(session_id, None)
             self._full.discard(session_id)
 
+    def pause(self, session_id: str) -> None:
+        """The session stopped recording: the file being written ends (recording again begins the next one)."""
+        self._close(session_id)
+
     def _close(self, session_id: str) -> None:
         with self._lock:
             current = self._open.pop(session_id, None)

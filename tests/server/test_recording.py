@@ -293,3 +293,47 @@ def test_a_moved_recording_lands_within_the_peers_budgets(tmp_path: Path) -> Non
     cut_short.discard()
     assert list((tmp_path / "r3").iterdir()) == []
     assert spare.receive({path.name: size}) is not None
+
+
+def test_a_running_session_starts_and_stops_its_recording(server: LiveServer) -> None:
+    async def scenario() -> tuple[str, list[list[Chunk]]]:
+        async with await Session.connect(server.ws_url) as session:
+            ready = await session.start(codec="raw", seed=7)
+            assert ready.record is False and ready.share is not None
+            spans: list[list[Chunk]] = []
+            for action, ticks in ((None, 1), (True, 2), (False, 1), (True, 1)):
+                if action is not None:
+                    await session.record(on=action)
+                for _ in range(ticks):
+                    await session.tick(keys=["d"])
+                spans.append([chunk async for chunk in session.chunks()])
+                assert session.recording is (action is True)  # the answer came before the chunks after it
+            assert await session.close() == "client"
+            return ready.share.token, spans
+
+    token, spans = asyncio.run(scenario())
+    files = server.get("/v1/recordings", params={"share": token}).json()["recordings"]
+    # Not recorded before `record`; stopping ends the file, and recording again begins the next one.
+    assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
+    for f, span in zip(files, (spans[1], spans[3]), strict=True):
+        video = decoded(server.get(f"/v1/recordings/{f['name']}", params={"share": token}).content)
+        assert len(video) == sum(len(chunk.frames) for chunk in span)
+
+
+def test_record_on_a_server_that_does_not_record_is_refused_and_play_goes_on() -> None:
+    from arstream.programs.client_lib import ServerError
+
+    async def scenario(url: str) -> None:
+        async with await Session.connect(url) as session:
+            ready = await session.start(codec="raw")
+            assert ready.record is None  # this server records nothing: ready does not say
+            await session.record()
+            with pytest.raises(ServerError, match="recording is off") as refused:
+                await session.receive_chunk()
+            assert refused.value.code == "invalid_message"
+            await session.tick(keys=["d"])
+            assert len([chunk async for chunk in session.chunks()]) == 1
+            assert await session.close() == "client"
+
+    with running_server(fake_settings()) as live:
+        asyncio.run(scenario(live.ws_url))
