@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from arstream.app.metrics import ServerMetrics
 from arstream.app.recorder import Recordings, folder_name
 from arstream.programs.client_lib import Chunk, Session
 from servers import RECEIVE_GUARD_S, LiveServer, fake_settings, running_server
@@ -134,12 +135,20 @@ def chunk_frames(value: int) -> np.ndarray:
     return np.full((2, 16, 16, 3), value, np.uint8)
 
 
-def recorder(directory: Path, **bounds: float) -> Recordings:
+def recorder(directory: Path, metrics: ServerMetrics | None = None, **bounds: float) -> Recordings:
     values = {"session_bytes": 10**9, "total_bytes": 10**9, "retention_s": 3600.0, **bounds}
     return Recordings(
         directory, session_bytes=int(values["session_bytes"]), total_bytes=int(values["total_bytes"]),
-        retention_s=values["retention_s"], quality=80,
+        retention_s=values["retention_s"], quality=80, metrics=metrics,
     )
+
+
+def drops(metrics: ServerMetrics, reason: str) -> float:
+    return float(metrics.recording_drops.labels(reason=reason)._value.get())
+
+
+def own_metrics() -> ServerMetrics:
+    return ServerMetrics(lambda: None, lambda: 0, lambda: 0)
 
 
 def write_chunks(recordings: Recordings, session_id: str, token: str, count: int) -> None:
@@ -151,8 +160,10 @@ def test_a_session_past_its_byte_budget_records_nothing_more(tmp_path: Path) -> 
     probe = recorder(tmp_path / "probe")
     write_chunks(probe, "s", "r0.a", 1)
     first_chunk = probe.files("r0.a")[0].bytes  # the init segment and one fragment
-    recordings = recorder(tmp_path / "bounded", session_bytes=first_chunk + 1)
+    metrics = own_metrics()
+    recordings = recorder(tmp_path / "bounded", metrics, session_bytes=first_chunk + 1)
     write_chunks(recordings, "s", "r0.a", 5)
+    assert drops(metrics, "session_bytes") == 1  # the chunk that passed it; nothing is written after
     [kept] = recordings.files("r0.a")
     assert kept.bytes == first_chunk  # the file ends at its last whole chunk
     assert len(decoded((tmp_path / "bounded" / folder_name("r0.a") / kept.name).read_bytes())) == 2
@@ -162,9 +173,11 @@ def test_all_recordings_past_the_total_budget_record_nothing_more(tmp_path: Path
     probe = recorder(tmp_path / "probe")
     write_chunks(probe, "s", "r0.a", 2)
     two_chunks = probe.files("r0.a")[0].bytes
-    recordings = recorder(tmp_path / "bounded", total_bytes=two_chunks + 10)
+    metrics = own_metrics()
+    recordings = recorder(tmp_path / "bounded", metrics, total_bytes=two_chunks + 10)
     write_chunks(recordings, "s1", "r0.a", 2)
     write_chunks(recordings, "s2", "r0.b", 2)
+    assert drops(metrics, "total_bytes") == 1
     assert [f.bytes for f in recordings.files("r0.a")] == [two_chunks]
     assert recordings.files("r0.b") == []  # its first chunk is already past what is left
     on_disk = sum(path.stat().st_size for path in (tmp_path / "bounded").rglob("*.mp4"))
@@ -261,20 +274,18 @@ def test_a_branch_records_its_own_files_from_its_boundary(server: LiveServer) ->
 
 
 def test_a_moved_recording_lands_within_the_peers_budgets(tmp_path: Path) -> None:
-    from arstream.app.metrics import ServerMetrics
-
     sender = recorder(tmp_path / "r0")
     write_chunks(sender, "s", "r0.a", 2)
     [path] = sender.hand_over("s", "r0.a")  # the move is a cut: the file ends here
     size = path.stat().st_size
-    metrics = ServerMetrics(lambda: None, lambda: 0, lambda: 0)
+    metrics = own_metrics()
     peer = Recordings(tmp_path / "r1", session_bytes=10**9, total_bytes=3 * size, retention_s=3600.0,
                       quality=80, metrics=metrics)
     incoming = peer.receive({path.name: size})
     assert incoming is not None
     # Reserved while they arrive: a second move past what is left of the total comes without its files.
     assert peer.receive({path.name: 2 * size + 1}) is None
-    assert metrics.recording_drops.labels(reason="total_bytes")._value.get() == 1
+    assert drops(metrics, "total_bytes") == 1
     incoming.write(path.name, 0, memoryview(path.read_bytes()))
     incoming.keep("s", "r1.b")
     sender.moved_away("s", "r0.a")
