@@ -104,3 +104,60 @@ def test_a_recording_moves_with_its_session(replicas: tuple[LiveServer, LiveServ
     assert not list(r1_dir.glob("incoming-*"))  # the files' folder while they arrived is the session's now
     r0.settled(r0.stats()["kv"]["blocks_total"])
     r1.settled(r1.stats()["kv"]["blocks_total"])
+
+
+def recorded_snapshot(session_id: str, files: dict[str, bytes]) -> bytes:
+    """A fake-kv session's snapshot, recorded, carrying ``files`` as its recording (as a draining replica ships it)."""
+    import torch
+
+    from arstream.models.fake import FakeKVPipeline
+    from arstream.runner.runner import runner_for_sessions
+    from arstream.runner.snapshot import export_session
+    from arstream.runner.snapshot_stream import snapshot_bytes
+    from arstream.runner.types import TickRequest
+
+    runner = runner_for_sessions(FakeKVPipeline(window_frames=6), 1)
+    runner.execute_tick(TickRequest(session_id=session_id, request_id=0))
+    snapshot = export_session(runner, session_id, protocol_version=1)
+    snapshot.header["session"] = {
+        "id": session_id, "codec": "raw", "quality": 80, "seed": None, "controls": {}, "prompt": None,
+        "staged_controls": None, "staged_prompt": None, "pending_event_ids": [], "last_tick_id": 0,
+        "last_reset_tick_id": None, "event_floor": None, "recent_event_ids": [], "record": True,
+    }
+    for name, data in files.items():
+        snapshot.tensors[f"recording/{name}"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return snapshot_bytes(snapshot)
+
+
+def test_a_moved_recording_that_is_not_one_or_is_cut_short_leaves_nothing(
+    replicas: tuple[LiveServer, LiveServer, Path, Path]
+) -> None:
+    from test_migration import _post_import
+
+    _r0, r1, _r0_dir, r1_dir = replicas
+    free = r1.stats()["kv"]["blocks_free"]
+    before = sorted(path.name for path in r1_dir.iterdir())
+    named_badly = recorded_snapshot("s-00000000000000a1", {"../escape.mp4": b"x" * 64})
+    refused = _post_import(r1, named_badly)
+    assert refused.status_code == 400 and "not a recording file" in refused.json()["detail"], refused.text
+    whole = recorded_snapshot("s-00000000000000a2", {"part-0000.mp4": bytes(range(256)) * 64})
+    cut = _post_import(r1, whole[: len(whole) - 4096])  # its recording's last bytes never come
+    assert cut.status_code == 400 and "ended early" in cut.json()["detail"], cut.text
+    # Neither left a file, a folder (incoming-* included) or a block behind.
+    assert sorted(path.name for path in r1_dir.iterdir()) == before
+    assert r1.stats()["kv"]["blocks_free"] == free and r1.stats()["sessions"]["detached"] == 0
+    taken = _post_import(r1, whole)
+    assert taken.status_code == 200 and taken.json()["recording_kept"] is True, taken.text
+    [folder] = [path for path in r1_dir.iterdir() if path.name not in before]
+    assert (folder / "part-0000.mp4").read_bytes() == bytes(range(256)) * 64
+
+    async def resume_and_close(token: str) -> bool | None:
+        async with session_client(f"{r1.ws_url}?resume={token}", start={"resume": token, "codec": "raw"}) as client:
+            assert client.ready is not None
+            await client.send(type="close")
+            await client.closed_by_server()
+            return client.ready.get("record")
+
+    # It goes on recording there (ready says so), and nothing of it is held once it ends.
+    assert asyncio.run(resume_and_close(taken.json()["resume"])) is True
+    r1.settled(r1.stats()["kv"]["blocks_total"])
