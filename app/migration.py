@@ -69,7 +69,9 @@ from .transfers import Receiving, export_plan, import_step, read_parts, receivin
 from .wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
 from ..runner.snapshot import SnapshotError, SnapshotRefused, check_identity
 from ..runner.snapshot_import import SessionImport, TensorEntry
-from ..runner.snapshot_stream import PIECE_BYTES, Part, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, TensorPlan, Write
+from ..runner.snapshot_stream import (
+    PIECE_BYTES, Part, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, TensorPlan, Write,
+)
 from ..runner.types import StartImage
 
 if TYPE_CHECKING:

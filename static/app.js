@@ -820,7 +820,8 @@ async function showRecordings() {
     const link = document.createElement('a');
     link.href = `/v1/recordings/${encodeURIComponent(file.name)}?${query}`;
     link.download = file.name;
-    link.textContent = `${file.name} (${Math.max(1, Math.round(file.bytes / 1024))} KiB${file.complete ? '' : ', still recording'})`;
+    const kib = Math.max(1, Math.round(file.bytes / 1024));
+    link.textContent = `${file.name} (${kib} KiB${file.complete ? '' : ', still recording'})`;
     const item = document.createElement('li');
     item.append(link);
     return item;
