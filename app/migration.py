@@ -9,7 +9,9 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   section). The replica checks model and config, that it has room and is not
   draining itself, makes the session resident on its worker and holds it
   detached (:meth:`ResumeRegistry.hold_moved`) under a fresh resume token with
-  its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
+  its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K, "recording_kept": bool}``
+  (a recorded session's files come as ``recording/part-NNNN.mp4`` tensors, written to this replica's
+  recording directory as they arrive: app/recorder.py; ``recording_kept`` tells the sender it may delete its copy).
   A refusal (401 secret, 429 after too many wrong secrets from one address,
   409 model/config/room, 400 malformed: past the header's bounds or a
   `session` section a replica would not make, 413 too large, 503 not ready,
