@@ -21,9 +21,10 @@ from .dialect import ChunkSent, Dialect, Gate, OpeningPort, SessionPort, Started
 from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
-from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, WebRTCOfferMessage, ack_message
-from .protocol import closed_message, controls_problem, dumps, error_message, moved_message
-from .protocol import parse_client_message, pong_message, ready_message, role_message, too_large, with_prepared_prompt
+from .protocol import PassControlMessage, PingMessage, ProtocolError, RecordMessage, TickMessage, WebRTCOfferMessage
+from .protocol import ack_message, closed_message, controls_problem, dumps, error_message, moved_message
+from .protocol import parse_client_message, pong_message, ready_message, recording_message, role_message, too_large
+from .protocol import with_prepared_prompt
 from .session import Session, TickJob
 from .viewer_feed import ViewerFeed, chunk_header
 from .webrtc import SessionVideo
@@ -80,6 +81,7 @@ class Protocol1(Dialect):
             rewind_points=gate.rewind_points,
             rewind_seconds=gate.rewind_seconds,
             branched_from=started.branched_from,
+            record=None if settings.record_dir is None else session.record_to is not None,
         )
         live.outbox.push(QueuedText(dumps(message), is_reply=True))
         log.info("session=%s started codec=%s", session.id, session.codec)
@@ -134,6 +136,8 @@ class Protocol1(Dialect):
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, PassControlMessage):
             self._pass_control(live, session, parsed.to)
+        elif isinstance(parsed, RecordMessage):
+            self._record(live, session, parsed.on)
         elif isinstance(parsed, WebRTCOfferMessage):
             self._video.offer(live, parsed.sdp)
         else:
@@ -149,7 +153,7 @@ class Protocol1(Dialect):
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, WebRTCOfferMessage):
             self._video.offer(live, parsed.sdp)  # refused: a viewer's frames come on its WebSocket
-        elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
+        elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage, RecordMessage)):
             detail = f"a viewer may not send {parsed.type}; the controller can pass control"
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
             raise ProtocolError(ErrorCode.NOT_CONTROLLER, detail, tick_id=tick_id)
@@ -172,6 +176,20 @@ class Protocol1(Dialect):
         problem = None if controls is None else controls_problem(controls, limit, validator)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_CONTROLS, problem, tick_id=tick_id)
+
+    def _record(self, live: SessionPort, session: Session, on: bool) -> None:
+        """Record the session from its next chunk on, or stop (PROTOCOL.md, "Recording"), then say which."""
+        gate = live.gate
+        worker = gate.worker
+        if gate.settings.record_dir is None or worker is None:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "recording is off on this server (no --record-dir)")
+        if on:
+            session.record_to = gate.shares.token(session.id)
+        elif session.record_to is not None:
+            session.record_to = None
+            worker.recording_pauses(session.id)  # after its chunks already on their way: the file ends there
+        log.info("session=%s recording %s", session.id, "on" if on else "off")
+        self._reply(live, recording_message(on))
 
     def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
         """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
