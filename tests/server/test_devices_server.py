@@ -17,15 +17,18 @@ from servers import server_process, session_client, wait_until
 MODEL = ["--model", "matrix-game-2", "--model-options", json.dumps({"config": "tiny", "random_init": True})]
 
 
-def _children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+def _ranks(pid: int) -> list[int]:
+    """The server's spawned rank processes (multiprocessing's resource tracker is a child too)."""
+    # every thread's: the model worker's thread starts them
+    children = [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def test_a_replica_over_two_devices_serves_and_exits_1_when_a_rank_dies() -> None:
     with server_process([*MODEL, "--devices", "cpu,cpu"]) as server:
         assert server.stats()["kv"]["session_capacity"] >= 1
         assert server.process is not None
-        (rank1,) = _children(server.process.pid)
+        (rank1,) = _ranks(server.process.pid)
 
         async def scenario() -> None:
             async with session_client(server.ws_url, start={}) as client:
