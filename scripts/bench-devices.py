@@ -16,6 +16,7 @@ import functools
 import json
 import statistics
 import time
+from typing import Any
 
 from arstream.models.registry import load_pipeline
 from arstream.runner.distributed.runtime import DistributedRuntime
@@ -32,18 +33,20 @@ def main() -> None:
     parser.add_argument("--kv-budget-mib", type=int, default=256)
     args = parser.parse_args()
     devices = tuple(args.devices.split(","))
-    loader = functools.partial(load_pipeline, args.model, **args.model_options)
+    model_options: dict[str, Any] = args.model_options
+    loader = functools.partial(load_pipeline, args.model, **model_options)
     options = RuntimeOptions(device=devices[0], kv_budget_bytes=args.kv_budget_mib * 2**20)
-    one = ARRunner.for_pipeline(loader(devices[0]), options)
+    one = ARRunner.for_pipeline(load_pipeline(args.model, devices[0], **model_options), options)
     two = DistributedRuntime.for_pipeline(
-        loader(devices[0]), RuntimeOptions(**{**options.__dict__, "devices": devices, "load_pipeline": loader})
+        load_pipeline(args.model, devices[0], **model_options), RuntimeOptions(**{**options.__dict__, "devices": devices, "load_pipeline": loader})
     )
     times: dict[str, list[float]] = {"P=1": [], f"P={len(devices)}": []}
     sent: list[int] = []
     try:
         for index in range(args.chunks):
             tick = TickRequest(session_id="s", request_id=index, controls={"keys": ["d"]}, seed=1)
-            for name, runtime in zip(times, (one, two)):
+            runtimes: tuple[ARRunner | DistributedRuntime, ...] = (one, two)
+            for name, runtime in zip(times, runtimes):
                 before = two.parallel.bytes_sent
                 started = time.perf_counter()
                 (result,) = runtime.execute([tick])

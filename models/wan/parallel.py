@@ -21,12 +21,12 @@ if TYPE_CHECKING:
 class HeadParallel:
     """``shard_heads`` for a pipeline whose DiT is ``self.model``; ``kv_heads`` for its ``kv_cache_spec``."""
 
-    model: nn.Module
     head_parallel: SequenceParallel | None = None
 
     def shard_heads(self, parallel: SequenceParallel) -> None:
         """Split every self-attention layer's heads over ``parallel``'s ranks (refused unless P divides them)."""
-        layers = [m for m in self.model.modules() if isinstance(m, WanSelfAttention)]
+        model: nn.Module = getattr(self, "model")  # noqa: B009 - each pipeline types its own DiT
+        layers = [m for m in model.modules() if isinstance(m, WanSelfAttention)]
         for layer in layers:
             parallel.local_heads(layer.num_heads)  # raises, naming the counts, before anything changes
         for layer in layers:

@@ -86,8 +86,8 @@ class DistributedRuntime:
             join_group(plans[0])
             self.parallel: SequenceParallel = shard_pipeline(pipeline, plans[0])
             self.local = ARRunner.for_pipeline(pipeline, rank_options(plans[0]))
-            for rank, (process, conn) in enumerate(self._ranks, start=1):
-                kind, value = self._reply(rank, process, conn, START_TIMEOUT_S)
+            for rank, (started, conn) in enumerate(self._ranks, start=1):
+                kind, value = self._reply(rank, started, conn, START_TIMEOUT_S)
                 if kind != "ready":
                     raise UnsupportedConfiguration(f"rank {rank} ({options.devices[rank]}) did not start: {value}")
         except BaseException:

@@ -26,7 +26,7 @@ from arstream.runner.runner import ARRunner
 from arstream.runner.types import ParkingPolicy, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, UnsupportedConfiguration
 
 MODEL = "matrix-game-2"
-MODEL_OPTIONS = {"config": "tiny", "random_init": True}
+MODEL_OPTIONS: dict[str, Any] = {"config": "tiny", "random_init": True}
 KEYS = [["d"], ["w"], [], ["a", "s"], ["d"], ["w", "d"], ["s"], ["a"], ["w"], [], ["d"], ["s"]]
 OPTIONS = RuntimeOptions(
     kv_budget_bytes=32 * 2**20,
