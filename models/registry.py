@@ -92,6 +92,12 @@ def _causal_forcing(device: torch.device, **options: Any) -> ARPipeline:
     return load_longlive(device=device, config=config, **options)
 
 
+def _waypoint(device: torch.device, **options: Any) -> ARPipeline:
+    from .waypoint.loading import load_waypoint
+
+    return load_waypoint(device=device, **options)
+
+
 def _krea_realtime(device: torch.device, **options: Any) -> ARPipeline:
     from .krea.loading import load_krea
 
@@ -110,6 +116,7 @@ BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "longlive": _longlive,
     "causal-forcing": _causal_forcing,
     "krea-realtime": _krea_realtime,
+    "waypoint-1.5": _waypoint,
 }
 
 
