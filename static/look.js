@@ -4,7 +4,10 @@
 // (Esc releases it); a drag on the world (mouse or finger) looks around too,
 // since the pad and the keys already move. The movement is summed between
 // ticks and each tick carries it spread over its chunk's frames, clamped to
-// the schema's bounds. A model without a camera gets none of this.
+// the schema's bounds. A model without a camera gets none of this. A card may
+// instead name a field of kind `pointer_delta` in its `inputs` (waypoint-1.5's
+// `mouse`: the pointer's velocity as [dx, dy]): the same movement is sent there,
+// as screen axes (x right, y down) in the same units.
 
 // Matrix-Game's units are rotation per video frame; its own key-driven camera
 // uses 0.1 a frame. 100 px of movement over one chunk sums to 1 unit.
@@ -20,6 +23,8 @@ const VERTICAL = { pitch: -1, y: 1 };
 export function cameraControl(card) {
   const properties = card && card.controls && card.controls.properties;
   if (!properties) return null;
+  const delta = pointerDelta(card, properties);
+  if (delta) return delta;
   const field = typeof card.mouse === 'string' ? card.mouse : 'camera';
   const camera = properties[field];
   if (!camera || camera.type !== 'object' || !camera.properties) return null;
@@ -35,9 +40,23 @@ export function cameraControl(card) {
   return axes.length ? { field, axes } : null;
 }
 
+/** A field the card's `inputs` marks `pointer_delta`, an array of two numbers: the movement as [dx, dy]. */
+function pointerDelta(card, properties) {
+  for (const [field, input] of Object.entries(card.inputs || {})) {
+    const spec = properties[field];
+    if (!input || input.kind !== 'pointer_delta' || !spec || spec.type !== 'array') continue;
+    const items = spec.items || {};
+    const min = Number.isFinite(items.minimum) ? items.minimum : -Infinity;
+    const max = Number.isFinite(items.maximum) ? items.maximum : Infinity;
+    const axes = [{ name: 0, screen: 'x', sign: 1, min, max }, { name: 1, screen: 'y', sign: 1, min, max }];
+    return { field, array: true, axes };
+  }
+  return null;
+}
+
 /** The camera values for `dx, dy` pixels of movement spread over `frames` frames, within the bounds. */
 export function cameraValues(control, dx, dy, frames) {
-  const values = {};
+  const values = control.array ? [] : {};
   for (const axis of control.axes) {
     const px = axis.screen === 'x' ? dx : dy;
     const value = (axis.sign * px * UNITS_PER_PX) / Math.max(1, frames);
