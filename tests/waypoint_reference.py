@@ -120,7 +120,9 @@ class ReferenceWaypoint:
         self.caches = [LayerKVCache(cfg.n_kv_heads, window * self.tpf, self.dh, self.tpf) for _ in range(cfg.n_layers)]
         self.frame_ts = 0
 
-    def attn(self, i: int, x: torch.Tensor, t: int, v1: torch.Tensor | None, frozen: bool):
+    def attn(
+        self, i: int, x: torch.Tensor, t: int, v1: torch.Tensor | None, frozen: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg, w, p = self.cfg, self.w, f"transformer.blocks.{i}.attn"
         b, T, _ = x.shape
         q = F.linear(x, w[f"{p}.q_proj.weight"]).view(b, T, cfg.n_heads, self.dh).transpose(1, 2)

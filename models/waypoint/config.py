@@ -34,7 +34,7 @@ class WaypointConfig:
     d_model: int = 2048
     n_heads: int = 16
     n_kv_heads: int = 16
-    n_layers: int = 24
+    n_layers: int = 18
     mlp_ratio: int = 4
     channels: int = 16
     height: int = 16  # token rows per frame (latent rows / patch rows)

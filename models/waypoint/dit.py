@@ -46,6 +46,8 @@ class MLP(nn.Module):
 class NoiseConditioner(nn.Module):
     """A noise level -> Fourier features (fp32) -> an MLP to ``d_model``."""
 
+    freq: torch.Tensor
+
     def __init__(self, dim: int, fourier_dim: int = 512, base: float = 10_000.0) -> None:
         super().__init__()
         self.register_buffer(

@@ -236,8 +236,8 @@ class WaypointPipeline(SessionStateBinding):
                 )
                 frames = to_uint8(self.decoder(latents.to(next(self.decoder.parameters()).dtype))).cpu().numpy()
         except BaseException:
-            for session, state in zip(sessions, rewind, strict=True):
-                session.generator.set_state(state)
+            for session, saved in zip(sessions, rewind, strict=True):
+                session.generator.set_state(saved)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions, strict=True)):
             session.controls = dict(tick.controls)

@@ -4,6 +4,7 @@ published layout and refuses a file that does not fit; batching and parking chan
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ BUDGET = 16 << 20
 CHUNKS = 12  # the 4-frame window slides eight times; positions stay inside the 24-frame rotary table
 SEEDS = {"a": 1, "b": 2}
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
+Files = dict[str, dict[str, torch.Tensor]]  # what write_published wrote: "model" and "decoder" tensors
+Published = tuple[Path, Files]
 
 
 def weight_normed(decoder: Decoder) -> dict[str, torch.Tensor]:
@@ -44,7 +47,7 @@ def weight_normed(decoder: Decoder) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     """Random weights in the published layout: config.yaml + model.safetensors, ae/decoder_conf.yml +
     ae/decoder.safetensors. Returns what was written (the reference reads it)."""
     model, decoder = random_weights(cfg, seed)
@@ -59,12 +62,12 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> dict[str,
     return {"model": weights, "decoder": decoder_file}
 
 
-def controls_for(session: str, chunk: int) -> dict:
+def controls_for(session: str, chunk: int) -> dict[str, Any]:
     keys = [[87], [65, 87], [], [68], [83, 32], [1]][(chunk + (session == "b")) % 6]
     return {"buttons": keys, "mouse": [0.4 * ((chunk % 3) - 1), 0.2 * (session == "a")], "scroll": chunk % 3 - 1}
 
 
-def tick(session: str, chunk: int, controls: dict | None = None) -> TickRequest:
+def tick(session: str, chunk: int, controls: dict[str, Any] | None = None) -> TickRequest:
     return TickRequest(
         session_id=session, request_id=chunk, controls=controls_for(session, chunk) if controls is None else controls,
         seed=SEEDS[session],
@@ -72,18 +75,18 @@ def tick(session: str, chunk: int, controls: dict | None = None) -> TickRequest:
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
     root = tmp_path_factory.mktemp("waypoint")
     return root, write_published(root, get_config("tiny"))
 
 
 @pytest.fixture(scope="module")
-def pipeline(published: tuple[Path, dict]) -> WaypointPipeline:
+def pipeline(published: Published) -> WaypointPipeline:
     return load_waypoint(weights_path=published[0])
 
 
 def reference_rollout(
-    pipeline: WaypointPipeline, files: dict, controls: list[dict], seed: int, window: int | None = None
+    pipeline: WaypointPipeline, files: Files, controls: list[dict[str, Any]], seed: int, window: int | None = None
 ) -> tuple[list[torch.Tensor], list[np.ndarray]]:
     cfg = pipeline.cfg
     ref = ReferenceWaypoint(cfg, files["model"], files["decoder"], window=window)
@@ -97,7 +100,7 @@ def reference_rollout(
     return latents, frames
 
 
-def test_served_latents_and_frames_equal_the_dense_reference(pipeline: WaypointPipeline, published: tuple) -> None:
+def test_served_latents_and_frames_equal_the_dense_reference(pipeline: WaypointPipeline, published: Published) -> None:
     runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
     latents: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     frames: dict[str, list[np.ndarray]] = {"a": [], "b": []}
