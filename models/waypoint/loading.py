@@ -137,19 +137,24 @@ def load_waypoint(
     seed: int = 0,
     session_capacity: int = 64,
     dtype: str = "float32",
+    random_init: bool = False,
     **options: Any,
 ) -> WaypointPipeline:
-    """``--model waypoint-1.5``: the published files at ``weights_path``, or random weights of ``config``.
+    """``--model waypoint-1.5``: the published files at ``weights_path``, or seeded random weights of ``config``.
 
-    Without ``weights_path`` only the ``tiny`` config loads (random weights at
-    the published scale are no use to anyone and take gigabytes).
+    Without ``weights_path`` the weights are random (``random_init`` may say so,
+    as other models' options do; the card says ``weights: random`` either way),
+    and only the ``tiny`` config loads: random weights at the published scale
+    are no use to anyone and take gigabytes.
     """
     if options:
         raise TypeError(
             f"load_waypoint got unknown options {sorted(options)}; expected config, weights_path, ae_path, seed, "
-            "session_capacity, dtype"
+            "session_capacity, dtype, random_init"
         )
     base = get_config(config)
+    if weights_path is not None and random_init:
+        raise ValueError("waypoint takes weights_path or random_init, not both")
     if weights_path is not None:
         model, decoder = load_weights(Path(weights_path), None if ae_path is None else Path(ae_path), base)
     elif config == "tiny":
@@ -161,4 +166,6 @@ def load_waypoint(
     if torch_dtype is None:
         raise ValueError(f"waypoint dtype {dtype!r} is not one of float32, bfloat16")
     model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
-    return WaypointPipeline(model, decoder, torch.device(device), session_capacity=session_capacity)
+    return WaypointPipeline(
+        model, decoder, torch.device(device), session_capacity=session_capacity, random_weights=weights_path is None
+    )

@@ -159,10 +159,11 @@ class WaypointPipeline(SessionStateBinding):
 
     def __init__(
         self, model: WaypointDiT, decoder: Decoder, device: torch.device, *, name: str = "waypoint-1.5",
-        session_capacity: int = 64,
+        session_capacity: int = 64, random_weights: bool = False,
     ) -> None:
         super().__init__()
         self.cfg: WaypointConfig = model.cfg
+        self.random_weights = random_weights
         self.model = model.to(device).eval()
         self.decoder = decoder.to(device).eval()
         self.device = device
@@ -209,6 +210,7 @@ class WaypointPipeline(SessionStateBinding):
                 "mouse": {"kind": "pointer_delta"},
                 "scroll": {"kind": "wheel_sign"},
             },
+            **({"weights": "random"} if self.random_weights else {}),
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
