@@ -27,7 +27,7 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     wait_frames_drawn(page, 2)
     assert debug(page)["looking"] is True
     ticks = [m for m in sent if m["type"] == "tick"]
-    assert ticks and all(t["controls"] == {"mouse": [0, 0], "buttons": []} for t in ticks)
+    assert ticks and all(t["controls"] == {"mouse": [0, 0], "scroll": 0, "buttons": []} for t in ticks)
 
     page.keyboard.down("q")  # not a W A S D key: the card maps KeyQ to Owl-Control's 81
     wait(page, "window.arstreamDebug.sentEventIds.length >= 1")
@@ -50,5 +50,12 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     assert sum(m[0] for m in moved) == pytest.approx(40 * 0.01) and sum(m[1] for m in moved) == pytest.approx(20 * 0.01)
     held = [t["controls"]["buttons"] for t in sent if t["type"] == "tick"][-1]
     assert held == [81]  # the held key goes with every tick beside the mouse
+
+    page.mouse.move(x, y)
+    page.mouse.wheel(0, -120)  # rolled away from the user: the published engine's "forward", 1
+    before = len(debug(page)["sentTickIds"])
+    wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
+    scrolls = [t["controls"]["scroll"] for t in sent if t["type"] == "tick"]
+    assert 1 in scrolls and scrolls[-1] == 0 and -1 not in scrolls
     page.keyboard.up("q")
     assert debug(page)["errors"] == []
