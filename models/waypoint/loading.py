@@ -136,7 +136,7 @@ def load_waypoint(
     ae_path: str | Path | None = None,
     seed: int = 0,
     session_capacity: int = 64,
-    dtype: str = "float32",
+    dtype: str | None = None,
     random_init: bool = False,
     **options: Any,
 ) -> WaypointPipeline:
@@ -153,19 +153,25 @@ def load_waypoint(
             "session_capacity, dtype, random_init"
         )
     base = get_config(config)
+    target = torch.device(device)
+    # bf16 on a GPU (and on the meta device that stands in for one in ``arstream plan``), fp32 on the CPU
+    dtype = dtype or ("float32" if target.type == "cpu" else "bfloat16")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"waypoint dtype {dtype!r} is not one of float32, bfloat16")
     if weights_path is not None and random_init:
         raise ValueError("waypoint takes weights_path or random_init, not both")
-    if weights_path is not None:
+    if target.type == "meta":  # shapes and bytes only: nothing read, nothing filled
+        with torch.device("meta"):
+            model, decoder = WaypointDiT(base), Decoder(base.ae, (base.image_height, base.image_width))
+    elif weights_path is not None:
         model, decoder = load_weights(Path(weights_path), None if ae_path is None else Path(ae_path), base)
     elif config == "tiny":
         model, decoder = random_weights(base, seed)
     else:
         raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only 'tiny' runs "
                          "on random weights")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"waypoint dtype {dtype!r} is not one of float32, bfloat16")
     model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
     return WaypointPipeline(
-        model, decoder, torch.device(device), session_capacity=session_capacity, random_weights=weights_path is None
+        model, decoder, target, session_capacity=session_capacity, random_weights=weights_path is None
     )

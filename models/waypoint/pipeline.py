@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .config import WaypointConfig
 from .decoder import Decoder, to_uint8
 from .dit import WaypointDiT, rope_tables, rotate
+from ..wan.components import component, held_as
 from ...runner.binding import SessionStateBinding
 from ...runner.contract import ModelState
 from ...runner.kv_state import SessionKVState, write_and_gather_rows
@@ -211,6 +212,10 @@ class WaypointPipeline(SessionStateBinding):
                 "scroll": {"kind": "wheel_sign"},
             },
             **({"weights": "random"} if self.random_weights else {}),
+            "components": [
+                component("dit", self.model, self.device, held_as(self.dtype)),
+                component("decoder", self.decoder, self.device, held_as(self.dtype)),
+            ],
         }
 
     def generate_chunk(self, tick: TickRequest) -> np.ndarray:
