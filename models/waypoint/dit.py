@@ -230,6 +230,12 @@ class WaypointDiT(nn.Module):
         self.ctrl_emb = ControllerEmbedding(cfg)
         self.ctrl_cfg = NullEmbedding(cfg.d_model)
         self.transformer = Transformer(cfg)
+        if cfg.noise_conditioning in ("dit_air", "wan"):
+            # one set of noise projections for every layer, as published (the file names each layer's copy)
+            shared = self.transformer.blocks[0].cond_head.cond_proj
+            for block in self.transformer.blocks[1:]:
+                for mine, first in zip(block.cond_head.cond_proj, shared, strict=True):
+                    mine.weight = first.weight
         self.patchify = nn.Conv2d(cfg.channels, cfg.d_model, kernel_size=cfg.patch, stride=cfg.patch, bias=False)
         self.unpatchify = nn.Linear(cfg.d_model, cfg.channels * math.prod(cfg.patch), bias=True)
         self.out_norm = AdaNorm(cfg.d_model)

@@ -111,6 +111,18 @@ def load_weights(weights_path: Path, ae_path: Path | None, base: WaypointConfig)
     model = WaypointDiT(cfg)
     state = _read(weights_path / "model.safetensors")
     check_tensors(weights_path / "model.safetensors", state, {k: v.shape for k, v in model.state_dict().items()})
+    if cfg.noise_conditioning in ("dit_air", "wan"):  # shared by every layer: each layer's copy must agree
+        differ = {
+            f"transformer.blocks.{layer}.cond_head.cond_proj.{j}.weight"
+            for layer in range(1, cfg.n_layers)
+            for j in range(6)
+            if not torch.equal(state[f"transformer.blocks.{layer}.cond_head.cond_proj.{j}.weight"],
+                               state[f"transformer.blocks.0.cond_head.cond_proj.{j}.weight"])
+        }  # fmt: skip
+        if differ:
+            raise WaypointWeightsError(
+                f"{weights_path / 'model.safetensors'}: keys {_names(differ)} differ from layer 0's, which they share"
+            )
     model.load_state_dict(state)
     decoder = Decoder(conf, (cfg.image_height, cfg.image_width))
     decoder_file = ae_dir / "decoder.safetensors"

@@ -53,7 +53,9 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     model, decoder = random_weights(cfg, seed)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(config_to_yaml(cfg))
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # every layer's copy of the shared noise projections, as the published file names them (cloned: safetensors
+    # stores no shared tensors)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     save_file(weights, str(root / "model.safetensors"))
     (root / "ae").mkdir(exist_ok=True)
     (root / "ae" / "decoder_conf.yml").write_text(yaml.safe_dump({"model": dict(cfg.ae)}))
@@ -206,6 +208,13 @@ def test_a_file_that_does_not_fit_is_refused_naming_it_and_its_keys(tmp_path: Pa
     message = str(refused.value)
     for named in ("model.safetensors", "ctrl_emb.mlp.fc1.weight", "extra.weight", "patchify.weight"):
         assert named in message
+
+    weights = dict(files["model"])
+    shared = "transformer.blocks.2.cond_head.cond_proj.4.weight"  # a layer's copy of the shared noise projection
+    weights[shared] = weights[shared] + 1
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WaypointWeightsError, match=r"model\.safetensors.*blocks\.2\.cond_head\.cond_proj\.4.*share"):
+        load_waypoint(weights_path=tmp_path)
 
     write_published(tmp_path, cfg)
     decoder = dict(files["decoder"])
