@@ -12,6 +12,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from arstream.app.plan import fit_plan
+from arstream.app.settings import Settings
+from arstream.models.wan.components import module_bytes
 from arstream.models.waypoint.config import WaypointConfig, config_to_yaml, get_config
 from arstream.models.waypoint.decoder import Decoder
 from arstream.models.waypoint.loading import WaypointWeightsError, load_waypoint, random_weights
@@ -250,3 +253,17 @@ def test_the_published_decoder_file_decodes_as_the_reference() -> None:
         got = to_uint8(served(z))
         want = reference_decode(stored, cfg.ae, z, (cfg.image_height, cfg.image_width))
     assert np.abs(got.numpy().astype(int) - want.numpy().astype(int)).max() <= 1
+
+
+def test_the_plan_counts_what_a_loaded_model_holds() -> None:
+    """`arstream plan` builds waypoint on the meta device: its weights' bytes are a loaded model's (bf16, as on a GPU),
+    the noise projections shared by every layer counted once."""
+    plan = fit_plan(Settings(model="waypoint-1.5", model_options={"random_init": True}, max_batch_sessions=2),
+                    gpu_memory_bytes=2 << 30)  # fmt: skip
+    assert plan.refusal is None and plan.session_capacity >= 1
+    loaded = load_waypoint(dtype="bfloat16", random_init=True)
+    assert {c.name: c.bytes for c in plan.components} == {
+        "dit": module_bytes(loaded.model), "decoder": module_bytes(loaded.decoder)
+    }
+    untied = sum(p.numel() * p.element_size() for _, p in loaded.model.named_parameters(remove_duplicate=False))
+    assert module_bytes(loaded.model) < untied
