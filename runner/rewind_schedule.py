@@ -195,17 +195,17 @@ def plan_rewind(
         # at least 2: with one dense point the tiers behind it hold half a point each, and may hold none
         dense = min(horizon + 1, max(PRECISE_DENSE, math.ceil(DENSE_SECONDS * chunks_per_second)))
 
-        def fits(points: int) -> bool:
-            schedule = RewindSchedule(points, horizon, chunks_per_second, span=span)
-            return schedule.peak(spec).extra_bytes(spec) <= budget_bytes
-
         # The longest dense tier that fits: a longer one keeps every boundary a shorter one keeps (each age's
         # stride is no larger), so what fits is a prefix of 2 .. dense and a bisection finds its end.
-        if dense >= 2 and fits(2):
-            low, high = 2, dense
+        schedules = [RewindSchedule(points, horizon, chunks_per_second, span=span) for points in range(2, dense + 1)]
+        if schedules and schedules[0].peak(spec).extra_bytes(spec) <= budget_bytes:
+            low, high = 0, len(schedules) - 1  # schedules[low] fits; the longest that fits is in low .. high
             while low < high:
                 middle = (low + high + 1) // 2
-                low, high = (middle, high) if fits(middle) else (low, middle - 1)
-            return RewindSchedule(low, horizon, chunks_per_second, span=span)
+                if schedules[middle].peak(spec).extra_bytes(spec) <= budget_bytes:
+                    low = middle
+                else:
+                    high = middle - 1
+            return schedules[low]
         span //= 2
     return None

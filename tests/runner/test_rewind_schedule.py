@@ -16,7 +16,9 @@ from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline
 from arstream.runner.pool import plan_pool
 from arstream.runner.rewind_schedule import (
+    DENSE_SECONDS,
     HORIZON_SLACK,
+    PRECISE_DENSE,
     RewindPeak,
     RewindPlanError,
     RewindSchedule,
@@ -179,3 +181,26 @@ def test_the_kept_boundaries_are_those_keeps_names() -> None:
         for newest in range(150):
             lo = max(0, newest - horizon)
             assert schedule.kept(newest) == [b for b in range(lo, newest + 1) if schedule.keeps(b, newest)]
+
+
+
+def test_the_plan_picks_the_longest_dense_tier_that_fits() -> None:
+    """The bisection over the dense tier: the schedule chosen fits, and one dense point more would not (or the
+    tier is at its cap)."""
+    checked = 0
+    for fpc, window, owned, budget in ((1, 16, 0, 400), (2, 8, 3, 600), (3, 9, 50, 4000), (1, 4, 0, 90)):
+        spec = KVCacheSpec(
+            num_layers=1, num_kv_heads=1, head_size=1, tokens_per_frame=1, frames_per_chunk=fpc, sink_frames=0,
+            window_frames=window, model_owned_bytes_per_session=owned,
+        )  # fmt: skip
+        for rate, seconds in ((4.0, 3.0), (16.0, 1.0), (60.0, 2.0)):
+            chosen = plan_rewind(spec, chunks_per_second=rate, seconds=seconds, budget_bytes=budget)
+            if chosen is None:  # not even two points fit this budget
+                continue
+            checked += 1
+            assert chosen.peak(spec).extra_bytes(spec) <= budget
+            cap = min(chosen.horizon + 1, max(PRECISE_DENSE, math.ceil(DENSE_SECONDS * rate)))
+            if chosen.dense < cap:
+                longer = RewindSchedule(chosen.dense + 1, chosen.horizon)
+                assert longer.peak(spec).extra_bytes(spec) > budget, (fpc, window, rate, chosen)
+    assert checked >= 8
