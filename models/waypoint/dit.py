@@ -232,9 +232,9 @@ class WaypointDiT(nn.Module):
         self.transformer = Transformer(cfg)
         if cfg.noise_conditioning in ("dit_air", "wan"):
             # one set of noise projections for every layer, as published (the file names each layer's copy)
-            shared = self.transformer.blocks[0].cond_head.cond_proj
-            for block in self.transformer.blocks[1:]:
-                for mine, first in zip(block.cond_head.cond_proj, shared, strict=True):
+            heads = [block.cond_head for block in self.transformer.blocks if isinstance(block, Block)]
+            for head in heads[1:]:
+                for mine, first in zip(head.cond_proj, heads[0].cond_proj, strict=True):
                     mine.weight = first.weight
         self.patchify = nn.Conv2d(cfg.channels, cfg.d_model, kernel_size=cfg.patch, stride=cfg.patch, bias=False)
         self.unpatchify = nn.Linear(cfg.d_model, cfg.channels * math.prod(cfg.patch), bias=True)
