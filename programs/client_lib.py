@@ -19,14 +19,16 @@ with ``decode=False``. It needs no torch: numpy, pydantic, websockets, simplejpe
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import websockets
@@ -44,13 +46,21 @@ from ..app.protocol import (
     MovedMessage,
     PassControlMessage,
     ReadyMessage,
+    RecordingMessage,
+    RecordMessage,
     RoleMessage,
     ServerMessage,
     StartMessage,
     TickMessage,
     ViewersMessage,
+    WebRTCAnswerMessage,
+    WebRTCOfferMessage,
+    WebRTCStateMessage,
     parse_server_message,
 )
+
+if TYPE_CHECKING:
+    from .client_webrtc import TrackReceiver
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_MOVE_HOPS = 4  # a resume told `moved` follows at most this many replicas in a row
@@ -72,34 +82,45 @@ def _checked(model: type[BaseModel], fields: dict[str, Any]) -> str:
     return json.dumps(present, allow_nan=False)
 
 
-def start_message(
-    *,
-    codec: str = "jpeg",
-    seed: int | None = None,
-    prompt: str | None = None,
-    quality: int | None = None,
-    resume: str | None = None,
-    image: dict[str, str] | None = None,
-    watch: str | None = None,
-    branch: tuple[str, int | None] | None = None,
-    record: bool = False,
-) -> str:
-    """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one.
+class StartFields(TypedDict, total=False):
+    """What a ``start`` may say (:func:`start_message`, :meth:`Session.start`); each field is optional.
 
-    ``image`` is ``start.image`` (:func:`start_image_field`). ``watch`` (a share token) starts a viewer of
-    that session; ``branch`` (share token, chunk boundary) a new session from that boundary of the shared one
-    (boundary None: its latest, where it is when the branch is made). ``record`` asks the server to record
-    what the player sees (``GET /v1/recordings?share=TOKEN`` lists the files).
+    ``codec`` (default ``jpeg``), ``seed``, ``prompt``, ``quality``; ``resume``, a ticket's token, resumes that
+    session instead of starting one; ``image`` is ``start.image`` (:func:`start_image_field`); ``watch`` (a share
+    token) starts a viewer of that session; ``branch`` (share token, chunk boundary) a new session from that
+    boundary of the shared one (boundary None: its latest, where it is when the branch is made); ``record`` asks
+    the server to record what the player sees (``GET /v1/recordings?share=TOKEN`` lists the files).
     """
+
+    codec: str
+    seed: int | None
+    prompt: str | None
+    quality: int | None
+    resume: str | None
+    image: dict[str, str] | None
+    watch: str | None
+    branch: tuple[str, int | None] | None
+    record: bool
+
+
+def start_message(**fields: Unpack[StartFields]) -> str:
+    """``start`` with ``fields`` (:class:`StartFields`)."""
+    branch = fields.get("branch")
     return _checked(
         StartMessage,
         {
-            "type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume,
-            "image": image, "watch": watch,
+            "type": "start", "codec": fields.get("codec", "jpeg"), "seed": fields.get("seed"),
+            "prompt": fields.get("prompt"), "quality": fields.get("quality"), "resume": fields.get("resume"),
+            "image": fields.get("image"), "watch": fields.get("watch"),
             "branch": _present({"share": branch[0], "chunk": branch[1]}) if branch is not None else None,
-            "record": True if record else None,
+            "record": True if fields.get("record") else None,
         },
     )
+
+
+def record_message(on: bool = True) -> str:
+    """Record the session from its next chunk on (``on`` false: stop); answered by ``recording``."""
+    return _checked(RecordMessage, {"type": "record", "on": on})
 
 
 def start_image_field(*, name: str | None = None, data: bytes | None = None) -> dict[str, str]:
@@ -327,8 +348,10 @@ class Session:
         self.last_chunk_index: int | None = None
         self.role = "controller"  # ready.role, then `role` messages: a viewer sends no ticks
         self.viewers: dict[str, Any] = {"count": 0}  # the last `viewers` message
+        self.recording: bool | None = None  # ready.record, then `recording` answers (None: the server records none)
         self.skipped_chunks = 0  # chunks the server skipped for this viewer (chunk.skipped_before)
         self.inherited_ticks_up_to = -1  # given control: chunks of ticks up to this id were the last controller's
+        self.track: TrackReceiver | None = None  # frames on a WebRTC track, once offered (client_webrtc.py)
 
     @classmethod
     async def connect(
@@ -357,36 +380,17 @@ class Session:
     def ticks_in_flight(self) -> int:
         return len(self.tick_sent_at)
 
-    async def start(
-        self,
-        *,
-        codec: str = "jpeg",
-        seed: int | None = None,
-        prompt: str | None = None,
-        quality: int | None = None,
-        resume: str | None = None,
-        image: dict[str, str] | None = None,
-        watch: str | None = None,
-        branch: tuple[str, int | None] | None = None,
-        record: bool = False,
-    ) -> ReadyMessage:
-        """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
-
-        ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
-        session from that boundary of the shared one. Connect with ``share=TOKEN`` for both.
-        """
-        await self._send(
-            start_message(
-                codec=codec, seed=seed, prompt=prompt, quality=quality, resume=resume, image=image, watch=watch,
-                branch=branch, record=record,
-            )
-        )
+    async def start(self, **fields: Unpack[StartFields]) -> ReadyMessage:
+        """Send ``start`` (:class:`StartFields`: ``resume``, a ticket's token; ``image``, ``start.image``; ...);
+        return the ``ready`` message. Connect with ``share=TOKEN`` to ``watch`` or ``branch``."""
+        await self._send(start_message(**fields))
         message = await self._next_control_message()
         if not isinstance(message, ReadyMessage):
             raise wire.WireError(f"expected 'ready' after 'start', got {message.type!r}")
         if message.protocol != wire.PROTOCOL_VERSION:
             raise wire.WireError(f"server speaks protocol {message.protocol}, this client {wire.PROTOCOL_VERSION}")
         self.info = message
+        self.recording = message.record
         self.ready = message.wire()
         self.role = message.role
         return message
@@ -460,6 +464,33 @@ class Session:
         await self._send(text)
         return tick_id
 
+    async def offer_webrtc(self, receiver: TrackReceiver) -> None:
+        """Offer ``receiver``'s track (PROTOCOL.md, "WebRTC video"): chunks come on it once the server says
+        ``connected``; a refusal (``webrtc_failed``) is kept in ``receiver.refused`` and the frames stay here."""
+        self.track = receiver
+        await self._send(_checked(WebRTCOfferMessage, {"type": "webrtc_offer", "sdp": await receiver.offer_sdp()}))
+
+    async def wait_for_track(self, timeout_s: float) -> str:
+        """Before the first tick: read until the server says how the offered track went (``connected``, another
+        state, or refused); at most ``timeout_s`` (then the frames come on the WebSocket until it connects)."""
+        track = self.track
+        assert track is not None, "offer_webrtc first"
+
+        async def settled() -> None:
+            while track.state == "new" and track.refused is None:
+                data = await self._recv()
+                if isinstance(data, bytes):
+                    raise wire.WireError(f"unexpected binary message of {len(data)} bytes before any tick")
+                self._note(json.loads(data))
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(settled(), timeout_s)
+        return "refused" if track.refused is not None else track.state
+
+    async def record(self, on: bool = True) -> None:
+        """Record the session from its next chunk on (``on`` false: stop); :attr:`recording` follows the answer."""
+        await self._send(record_message(on))
+
     async def pass_control(self, viewer_id: str) -> None:
         """Hand the controls to a viewer (an id from the controller's ``viewers`` message)."""
         await self._send(pass_control_message(viewer_id))
@@ -499,7 +530,8 @@ class Session:
         else:
             raise wire.WireError(f"chunk for tick {tick_id}, which is not in flight")
         chunk = Chunk(header=message, tick_sent_at=sent_at, message_at=time.perf_counter())
-        for index in range(message.frames):
+        on_track = message.delivery == "webrtc"  # its frames come on the track, not as binary messages here
+        for index in range(0 if on_track else message.frames):
             data = await self._recv()
             if not isinstance(data, bytes):
                 raise wire.WireError(f"expected binary frame {index} of tick {tick_id}, got text: {data[:200]}")
@@ -538,6 +570,14 @@ class Session:
         self.last_chunk_index = chunk.chunk_index
         if chunk.frames and math.isnan(self.first_frame_at):
             self.first_frame_at = chunk.first_frame_at
+        if chunk.header.delivery == "webrtc" and self.track is not None and chunk.header.track_frame is not None:
+            for event_id in chunk.applied_event_ids:
+                self._event_sent_after.pop(event_id, None)
+            sent = [self.event_sent_at.pop(event_id, math.nan) for event_id in chunk.applied_event_ids]
+            self.track.chunk_on_track(
+                chunk.header.track_frame, chunk.header.frames, [at for at in sent if not math.isnan(at)]
+            )
+            return  # the receiver times them when it shows the chunk's first frame
         for event_id in chunk.applied_event_ids:
             sent_at = self.event_sent_at.pop(event_id, None)
             if sent_at is not None:
@@ -593,10 +633,18 @@ class Session:
             raise wire.WireError(f"a server message that is not a JSON object: {type(obj).__name__}")
         if isinstance(message, ViewersMessage):
             self.viewers = message.wire()
+        elif isinstance(message, RecordingMessage):
+            self.recording = message.on
         elif isinstance(message, RoleMessage):
             self._take_role(message)
             if self.role == "controller":
                 raise ControlPassed("the player passed control to this client")
+        elif isinstance(message, WebRTCAnswerMessage) and self.track is not None:
+            self.track.answered(message)
+        elif isinstance(message, WebRTCStateMessage) and self.track is not None:
+            self.track.state = message.state
+        elif isinstance(message, ErrorMessage) and message.code == ErrorCode.WEBRTC_FAILED and self.track is not None:
+            self.track.refused = message.message  # the session goes on, its frames on the WebSocket
         elif isinstance(message, ErrorMessage):
             raise ServerError(message)
         elif isinstance(message, MovedMessage):
@@ -608,6 +656,6 @@ class Session:
 
 
 __all__ = [
-    "Chunk", "ConnectionDropped", "ControlPassed", "ErrorCode", "ResumeGap", "ServerError", "Session",
+    "Chunk", "ConnectionDropped", "ControlPassed", "ErrorCode", "ResumeGap", "ServerError", "Session", "StartFields",
     "SessionClosed", "SessionMoved", "connect", "http_base_url", "session_url",
 ]
