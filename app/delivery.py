@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from .encoding import EncoderPool
+from .protocol import chunk_message
 from .recorder import Recordings
 from .session import ChunkInputs, PendingEvent, TickJob
 from ..runner.types import ChunkResult
@@ -62,6 +64,20 @@ class TickOutcome:
     @property
     def applied_event_ids(self) -> list[int]:
         return [e.event_id for e in self.events]
+
+    def chunk_header(self) -> dict[str, Any]:
+        """This chunk's protocol-1 `chunk` message (for its controller and its viewers)."""
+        return chunk_message(
+            tick_id=self.job.tick_id,
+            chunk_index=self.chunk_index,
+            frames=len(self.frame_messages),
+            applied_event_ids=self.applied_event_ids,
+            restarted=self.restarted,
+            queue_ms=self.queue_s * 1e3,
+            compute_ms=self.compute_s * 1e3,
+            encode_ms=self.encode_s * 1e3,
+            rewind_points=self.rewind_points,
+        )
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from .protocol import ack_message, closed_message, controls_problem, dumps, erro
 from .protocol import parse_client_message, pong_message, ready_message, recording_message, role_message, too_large
 from .protocol import with_prepared_prompt
 from .session import Session, TickJob
-from .viewer_feed import ViewerFeed, chunk_header
+from .viewer_feed import ViewerFeed
 from .webrtc import SessionVideo
+from .writer import send_chunk_on_websocket
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
@@ -46,7 +47,7 @@ class Protocol1(Dialect):
     def __init__(self) -> None:
         super().__init__()
         self.session_id = "s-" + secrets.token_hex(8)
-        self._viewers = ViewerFeed(chunk_header)  # a controller's chunks for its viewers
+        self._viewers = ViewerFeed(TickOutcome.chunk_header)  # a controller's chunks for its viewers
         self._video = SessionVideo(self._accept_input, self._reply_error)  # a controller's WebRTC path, once offered
 
     # ---- start and ready -----------------------------------------------------------------------
@@ -243,7 +244,9 @@ class Protocol1(Dialect):
         live.outbox.push(QueuedText(dumps(error_message(code, detail, tick_id=tick_id)), returns_credit=True))
 
     async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> ChunkSent:
-        return await self._video.send_chunk(live, outcome, chunk_header(outcome))  # on the track or the WebSocket
+        header = outcome.chunk_header()
+        on_track = await self._video.send_on_track(live, outcome, header) if self._video.offered else None
+        return on_track if on_track is not None else await send_chunk_on_websocket(live, outcome, header)
 
     async def finished(self, live: SessionPort) -> None:
         await self._video.close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,6 +29,7 @@ from .outbox import QueuedText
 from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
 from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
 from .webrtc_track import WebRTCDelivery, WebRTCError, open_peer_connections
+from .writer import observe_action_to_frame
 
 if TYPE_CHECKING:
     from .dialect import SessionPort
@@ -40,13 +40,6 @@ log = logging.getLogger("arstream.webrtc")
 # How long the first chunk on the track waits for its first frame to leave, so that its `chunk` message can
 # carry the RTP timestamp (the encoder takes milliseconds; a stuck one must not hold the session's writer).
 FIRST_FRAME_WAIT_S = 2.0
-
-
-def observe_action_to_frame(live: SessionPort, outcome: TickOutcome) -> None:
-    """Each input the chunk applied, from its arrival to the chunk's first frame leaving."""
-    sent_at = time.perf_counter()
-    for event in outcome.events:
-        live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
 
 
 # The label of the data channel a client sends its inputs on (latest wins); another label's channel is closed.
@@ -73,6 +66,8 @@ class SessionVideo:
         self._answering: asyncio.Task[None] | None = None
         self._own_format: tuple[str, int] | None = None  # the session's codec and quality before the switch
         self._closing = False
+        # A plain attribute, read on every chunk: a session that never offered does not call into this module.
+        self.offered = False
 
     def offer(self, live: SessionPort, sdp: str) -> None:
         """Answer ``webrtc_offer`` (once per session); refusals are ``webrtc_failed``, the session goes on."""
@@ -92,6 +87,7 @@ class SessionVideo:
         fps = float(live.gate.model_card.get("fps") or 30)
         try:
             self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened)
+            self.offered = True
         except WebRTCError as exc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None
         self._answering = asyncio.create_task(self._answer(self._delivery, sdp), name=f"webrtc-{session.id}")
@@ -200,22 +196,10 @@ class SessionVideo:
         self._closing = True
         self._restore_format()
 
-    async def send_chunk(self, live: SessionPort, outcome: TickOutcome, header: dict[str, Any]) -> ChunkSent:
-        """Send a controller's chunk: on the track while it is connected (its `chunk` message on the WebSocket
-        says which track frames hold it), else its `chunk` message and its frames as binary WebSocket messages."""
-        on_track = await self._on_track(live, outcome, header)
-        if on_track is not None:
-            observe_action_to_frame(live, outcome)
-            return on_track
-        await live.ws.send_text(dumps(header))
-        for index, frame in enumerate(outcome.frame_messages):
-            await live.ws.send_bytes(frame)
-            if index == 0:
-                observe_action_to_frame(live, outcome)
-        return ChunkSent(len(outcome.frame_messages), sum(len(frame) for frame in outcome.frame_messages))
-
-    async def _on_track(self, live: SessionPort, outcome: TickOutcome, header: dict[str, Any]) -> ChunkSent | None:
-        """The chunk by the track, or None when the track does not take it (not connected, or not raw pixels)."""
+    async def send_on_track(self, live: SessionPort, outcome: TickOutcome, header: dict[str, Any]) -> ChunkSent | None:
+        """A controller's chunk on the track while it is connected (its `chunk` message on the WebSocket says which
+        track frames hold it), or None when the track does not take it (not connected, or not raw pixels): the
+        dialect then sends it on the WebSocket."""
         delivery = self._delivery
         if delivery is None or not delivery.connected or self._closing:
             return None
@@ -231,6 +215,7 @@ class SessionVideo:
         if rtp_timestamp is not None:
             message["rtp_timestamp"] = rtp_timestamp
         await live.ws.send_text(dumps(message))
+        observe_action_to_frame(live, outcome)
         return ChunkSent(len(outcome.frame_messages), 0, on_track=True)
 
     async def close(self) -> None:

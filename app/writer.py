@@ -10,16 +10,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+import time
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .dialect import Dialect, SessionPort
+from .dialect import ChunkSent, Dialect, SessionPort
 from .metrics import ServerMetrics
 from .outbox import QueuedChunk, QueuedText, ViewerChunk
 from .protocol import dumps
 from .session import Session
 from .viewers import ViewerRole
 
+if TYPE_CHECKING:
+    from .delivery import TickOutcome
+
 log = logging.getLogger("arstream.session")
+
+
+def observe_action_to_frame(live: SessionPort, outcome: TickOutcome) -> None:
+    """Each input the chunk applied, from its arrival to the chunk's first frame leaving."""
+    sent_at = time.perf_counter()
+    for event in outcome.events:
+        live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+
+
+async def send_chunk_on_websocket(live: SessionPort, outcome: TickOutcome, header: dict[str, Any]) -> ChunkSent:
+    """A chunk's `chunk` message, then its frames as binary messages (one frame each)."""
+    await live.ws.send_text(dumps(header))
+    for index, frame in enumerate(outcome.frame_messages):
+        await live.ws.send_bytes(frame)
+        if index == 0:
+            observe_action_to_frame(live, outcome)
+    return ChunkSent(len(outcome.frame_messages), sum(len(frame) for frame in outcome.frame_messages))
 
 
 class Written(SessionPort, Protocol):
