@@ -28,7 +28,7 @@ from .dialect import ChunkSent
 from .outbox import QueuedText
 from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
 from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
-from .webrtc_track import WebRTCDelivery, WebRTCError, open_peer_connections
+from .webrtc_track import WebRTCDelivery, WebRTCError, channel_inputs, open_peer_connections
 from .writer import observe_action_to_frame
 
 if TYPE_CHECKING:
@@ -157,8 +157,10 @@ class SessionVideo:
                 raise ProtocolError(ErrorCode.INVALID_MESSAGE, detail)
             elif session.event_floor is not None and parsed.event_id <= session.event_floor:
                 self.inputs_overtaken += 1  # a newer input already holds
+                channel_inputs.overtaken += 1
             else:
                 self._take_input(live, parsed, latest_wins=True)
+                channel_inputs.taken += 1
         except ProtocolError as exc:
             self._refuse(live, exc)
 

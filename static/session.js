@@ -120,7 +120,9 @@ export class Session {
     const kind = typeof fields.prompt === 'string' && !fields.controls ? 'prompt' : 'action';
     this.eventsSentAt.set(message.event_id, { at: performance.now(), kind });
     pushBounded(this.debug.sentEventIds, message.event_id);
-    this.send(message);
+    // On the WebRTC data channel while it is open (latest wins), else on the WebSocket.
+    if (this.track && this.track.sendInput(message)) this.debug.channelInputs += 1;
+    else this.send(message);
     return message.event_id;
   }
 

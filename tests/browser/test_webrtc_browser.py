@@ -159,6 +159,8 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         assert page.text_content("#hud-delivery") == "WebRTC (H264)"
         assert page.is_visible("#screen-video")
         until(page, "window.arstreamDebug.trackFramesShown > 8")
+        until(page, "window.arstreamDebug.inputChannelOpen()")
+        taken = server.stats()["webrtc"]["channel_inputs"]
         page.keyboard.down("d")
         until(page, "window.arstreamDebug.sentEventIds.length === 1")
         press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
@@ -166,7 +168,13 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         # key -> frame is measured when a frame of the applying chunk is shown by the track
         until(page, "window.arstreamDebug.samples.action.length >= 1")
         page.keyboard.up("d")
+        until(page, "window.arstreamDebug.sentEventIds.length === 2")
+        release = page.evaluate("window.arstreamDebug.sentEventIds[1]")
+        until(page, f"window.arstreamDebug.appliedEventIds.includes({release})")
         state = page.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
+        # both inputs went on the data channel, and the server took them there
+        assert state["channelInputs"] == 2
+        assert server.stats()["webrtc"]["channel_inputs"] == taken + 2
         assert state["errors"] == [] and state["delivery"] == "webrtc"
         assert state["trackFramesShown"] <= state["framesDrawn"]
         assert webrtc_track.open_peer_connections() == 1
@@ -193,7 +201,13 @@ def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(
         wait(page, "window.arstreamDebug.errors.some((e) => e.code === 'webrtc_failed')")
         drawn = debug(page)["framesDrawn"]
         wait(page, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
+        page.keyboard.down("d")  # no data channel: the key goes on the WebSocket, and steers
+        wait(page, "window.arstreamDebug.sentEventIds.length === 1")
+        press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
+        wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+        page.keyboard.up("d")
         state = debug(page)
+        assert state["channelInputs"] == 0
         assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
         assert page.text_content("#hud-delivery") == "WebSocket (WebRTC could not connect)"
         assert not page.is_visible("#screen-video")
