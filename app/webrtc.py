@@ -183,7 +183,7 @@ class SessionVideo:
                 self._own_format = role.format
                 role.format = ("raw", session.quality)  # the controller's own pixels when it is on a track too
             else:
-                self._own_format = (session.codec, session.quality)
+                self._own_format = session.chosen_format = (session.codec, session.quality)
                 session.codec = "raw"  # pixels for the track; nothing of it crosses the WebSocket
             self._replan_viewers()
         elif state != "connected":
@@ -199,6 +199,7 @@ class SessionVideo:
             role = self._live.watch if self._live is not None else None
             if not self._watching:
                 session.codec, session.quality = self._own_format
+                session.chosen_format = None
             elif role is not None:
                 role.format = self._own_format
             self._replan_viewers()
