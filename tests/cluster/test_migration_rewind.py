@@ -29,7 +29,8 @@ PARKING = {"park_budget_bytes": 64 * 2**20, "park_after_s": 0.2}
 
 
 async def play(client: ProbeClient, ticks: range) -> tuple[list[np.ndarray], dict[str, Any]]:
-    frames, chunk = [], {}
+    frames: list[np.ndarray] = []
+    chunk: dict[str, Any] = {}
     for tick_id in ticks:
         await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
         chunk, got = await frames_of(client)
