@@ -10,6 +10,9 @@ flight) and holds
 - the model-owned state (noise generator, camera, decoder canvas, action or
   VAE caches...), through the pipeline's optional
   :class:`~arstream.runner.contract.SupportsSessionTransfer` hook;
+- its rewind points: the blocks they hold beyond the live history, their
+  tables and model states (runner/snapshot_rewind.py), which a receiving
+  runner keeps as far as its own schedule and free blocks allow;
 - an opaque ``session`` section for the layer above (the server puts the
   protocol state there: controls, prompt, seed, pending events, id floors).
 

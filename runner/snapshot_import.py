@@ -8,13 +8,15 @@ memory; app/migration.py over a POST's pieces as they arrive):
    checks them against this runner (identity, room, every tensor's name,
    dtype and shape against the spec), allocates the session's blocks (and
    cross-attention slot), makes it resident with the header's counters, and
-   allocates the model-owned tensors on the pool's device. Nothing is copied
-   yet, so a refusal here costs nothing.
+   allocates the model-owned tensors on the pool's device, and the blocks and
+   model tensors of the rewind points it keeps (runner/snapshot_rewind.py;
+   the bytes of those it drops go nowhere). Nothing is copied yet, so a
+   refusal here costs nothing.
 2. :meth:`SessionImport.write`, per piece: the bytes go into the blocks (or
    model-state tensors) they belong to, so the receiving side holds a piece,
    never the snapshot.
-3. :meth:`SessionImport.finish`: the model-owned state goes to the pipeline;
-   the session continues from here.
+3. :meth:`SessionImport.finish`: the model-owned state goes to the pipeline
+   and the kept rewind points to the session; it continues from here.
 
 Anything that ends an import early (a refused header, a stream cut short, a
 corrupt piece) calls :meth:`SessionImport.abort`, which releases what
