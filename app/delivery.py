@@ -136,6 +136,12 @@ class Delivery:
         if recorder is not None:
             self.encoders.submit(session_id, lambda: recorder.finish(session_id))
 
+    def recording_pauses(self, session_id: str) -> None:
+        """The session stopped recording: its file ends after the chunks already on its lane."""
+        recorder = self.recorder
+        if recorder is not None:
+            self.encoders.submit(session_id, lambda: recorder.pause(session_id))
+
     def _record(self, session_id: str, share_token: str, result: ChunkResult, restarted: str | None) -> None:
         """Append the chunk to the session's recording (on its encoder lane, in order); a failure costs the
         recording, never the session."""

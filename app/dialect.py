@@ -102,6 +102,9 @@ class SessionWorker(Protocol):
     ) -> None:
         """Encode a chunk once per format for the session's viewers, off the loop."""
 
+    def recording_pauses(self, session_id: str) -> None:
+        """The session stopped recording: its file ends after the chunks already on their way."""
+
 
 class Controller(Notified, Protocol):
     """The socket that controls a session here, as a dialect sees it."""

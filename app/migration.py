@@ -9,7 +9,9 @@ state from anyone else; HAProxy does not route ``/v1/cluster/`` from outside):
   section). The replica checks model and config, that it has room and is not
   draining itself, makes the session resident on its worker and holds it
   detached (:meth:`ResumeRegistry.hold_moved`) under a fresh resume token with
-  its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K}``.
+  its own replica prefix, and answers ``{"resume": TOKEN, "next_chunk_index": K, "recording_kept": bool}``
+  (a recorded session's files come as ``recording/part-NNNN.mp4`` tensors, written to this replica's
+  recording directory as they arrive: app/recorder.py; ``recording_kept`` tells the sender it may delete its copy).
   A refusal (401 secret, 429 after too many wrong secrets from one address,
   409 model/config/room, 400 malformed: past the header's bounds or a
   `session` section a replica would not make, 413 too large, 503 not ready,
@@ -45,6 +47,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -61,13 +64,16 @@ from .limits import TokenBucket
 from .peers import configured_peers
 from .portable_session import PortableSessionError, validated_session
 from .protocol import MAX_ERROR_MESSAGE_CHARS, excerpt
+from .recorder import FILE_PATTERN, IncomingRecording, Recordings
 from .resume import ResumeRefused
 from .session import Session, SessionState
 from .transfers import Receiving, export_plan, import_step, read_parts, receiving
 from .wire import DRAIN_PATH, HOLDER_PATH, PROTOCOL_VERSION
 from ..runner.snapshot import SnapshotError, SnapshotRefused, check_identity
 from ..runner.snapshot_import import SessionImport, TensorEntry
-from ..runner.snapshot_stream import PIECE_BYTES, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, Write
+from ..runner.snapshot_stream import (
+    PIECE_BYTES, Part, Seal, SnapshotPlan, SnapshotReader, SnapshotTooLarge, TensorPlan, Write,
+)
 from ..runner.types import StartImage
 
 if TYPE_CHECKING:
@@ -216,7 +222,8 @@ class Migration:
             raise ImportRefused(409, str(exc)) from None
         except RuntimeError:  # the worker stopped meanwhile
             raise ImportRefused(503, self.hub.admission_refusal() or "this replica is not ready") from None
-        max_bytes = mine.session_bytes + SNAPSHOT_SLACK_BYTES
+        # A recorded session's files travel in its snapshot too, up to this replica's per-session recording budget.
+        max_bytes = mine.session_bytes + SNAPSHOT_SLACK_BYTES + self.settings.record_session_bytes
         reader = SnapshotReader(max_bytes, check=partial(self._check_header, mine), hold=False)
         piece_timeout_s = self.settings.import_piece_timeout_s
         pieces = paced_pieces(body, lambda: reader.header is not None, piece_timeout_s)
@@ -232,6 +239,9 @@ class Migration:
                         await import_step(worker, incoming.job, incoming.job.begin)
                     if writes:
                         assert incoming is not None  # bytes to write come only after the header
+                        writes = await incoming.write_recording(writes)
+                    if writes:
+                        assert incoming is not None
                         await import_step(worker, incoming.job, partial(_write_all, incoming.job, writes))
                 reader.finish()
                 if incoming is None:
@@ -257,6 +267,8 @@ class Migration:
         finally:
             if incoming is not None:
                 self.importing.discard(incoming.session_id)
+                if not incoming.job.finished and incoming.recording is not None:
+                    incoming.recording.discard()
                 if not incoming.job.finished:
                     # After every step already queued (the worker runs them in order), even when this was cancelled.
                     _quietly(import_step(worker, incoming.job, incoming.job.abort))
@@ -268,8 +280,33 @@ class Migration:
             )
         except (ResumeRefused, ValueError) as exc:
             worker.drop_session(incoming.session_id)
+            if incoming.recording is not None:
+                incoming.recording.discard()
             raise ImportRefused(409 if isinstance(exc, ResumeRefused) else 400, str(exc)) from None
-        return {"resume": token, "next_chunk_index": incoming.next_chunk_index, "session_id": incoming.session_id}
+        kept = self._go_on_recording(session, incoming)
+        return {
+            "resume": token, "next_chunk_index": incoming.next_chunk_index, "session_id": incoming.session_id,
+            "recording_kept": kept,
+        }
+
+    def _go_on_recording(self, session: Session, incoming: Incoming) -> bool:
+        """A moved session that was recorded goes on recording here (where this replica records), in its files
+        that came with it, under the share token it has here; whether those files were kept."""
+        recorder = self.recorder
+        if not incoming.portable.get("record") or recorder is None:
+            if incoming.recording_names:
+                log.info("session=%s: its recording did not move (recording is off here)", session.id)
+            return False
+        session.record_to = self.hub.shares.token(session.id)
+        if incoming.recording is None:
+            return not incoming.recording_names
+        incoming.recording.keep(session.id, session.record_to)
+        return True
+
+    @property
+    def recorder(self) -> Recordings | None:
+        worker = self.hub.worker
+        return None if worker is None else worker.delivery.recorder
 
     def _incoming(self, mine: Receiving, reader: SnapshotReader) -> Incoming:
         """What a session's header and table say it is, checked before anything is allocated for it."""
@@ -286,11 +323,20 @@ class Migration:
             image = next((t for t in reader.tensors if t.name == START_IMAGE_TENSOR), None)
             check_start_image(header, image, self.settings.max_start_image_pixels)
             next_chunk = int(header["kv"]["chunks_committed"])
+            files = carried_recording(reader.tensors)
         except (KeyError, TypeError, ValueError) as exc:
             raise ImportRefused(400, f"malformed session snapshot: {type(exc).__name__}: {exc}") from None
         extras = {START_IMAGE_TENSOR: image.nbytes} if image is not None else {}
-        job = SessionImport(session_id, header, reader.tensors, protocol_version=PROTOCOL_VERSION, extras=extras)
-        return Incoming(job, session, portable, next_chunk)
+        names = {index: RECORDING_PREFIX + name for index, name in files.items()}
+        job = SessionImport(
+            session_id, header, reader.tensors, protocol_version=PROTOCOL_VERSION, extras=extras,
+            elsewhere=names.values(),
+        )
+        recorder = self.recorder
+        recording = None
+        if files and portable.get("record") and recorder is not None:
+            recording = recorder.receive({name: reader.tensors[index].nbytes for index, name in files.items()})
+        return Incoming(job, session, portable, next_chunk, files, recording)
 
     def _check_header(self, mine: Receiving, header: dict[str, Any]) -> dict[str, Any]:
         """The session section of a snapshot this replica takes now (model, config, room, a `session` it would
@@ -514,6 +560,9 @@ class Migration:
         # session counts against the same client's caps on the peer.
         plan.header["session"] = {**session.portable_state(), "owner": owner, "client_host": client_host}
         carry_start_image(plan, session.start_image)
+        recorder = self.recorder
+        if recorder is not None and session.record_to is not None:
+            carry_recording(plan, recorder.hand_over(session.id, session.record_to))
         size = plan.nbytes
         export_ms = (time.perf_counter() - started) * 1e3
         loop = asyncio.get_running_loop()
@@ -543,7 +592,10 @@ class Migration:
                     later += _busy_retry_after(response)
                     continue
                 log.info("session=%s moved to %s (%d bytes)", session.id, peer, size)
-                return Shipped(response.json(), "", peer, size, export_ms)
+                ticket = response.json()
+                if recorder is not None and session.record_to is not None and ticket.get("recording_kept"):
+                    recorder.moved_away(session.id, session.record_to)  # the recording lives on with its session
+                return Shipped(ticket, "", peer, size, export_ms)
             # A peer at its --max-parallel-imports takes it once another import has landed: again, within the drain.
             if not later or loop.time() + min(later) >= self._deadline:
                 break
@@ -609,10 +661,25 @@ class Incoming:
     session: Session
     portable: dict[str, Any]
     next_chunk_index: int
+    recording_names: dict[int, str] = field(default_factory=dict)  # table index -> file name, of its recording
+    recording: IncomingRecording | None = None  # where those files go here; None: dropped (no room, not recording)
 
     @property
     def session_id(self) -> str:
         return self.job.session_id
+
+    async def write_recording(self, writes: list[Write]) -> list[Write]:
+        """Write the recording's bytes among ``writes`` to disk (off the event loop); returns the others."""
+        if not self.recording_names:
+            return writes
+        mine = [write for write in writes if write.index in self.recording_names]
+        if mine and self.recording is not None:
+            await asyncio.to_thread(self._write_files, self.recording, mine)
+        return [write for write in writes if write.index not in self.recording_names]
+
+    def _write_files(self, recording: IncomingRecording, writes: list[Write]) -> None:
+        for write in writes:
+            recording.write(self.recording_names[write.index], write.offset, write.data)
 
 
 @dataclass(frozen=True)
@@ -691,6 +758,40 @@ def carried_start_image(
     if meta is None:
         return None
     return StartImage(digest=meta["digest"], name=meta.get("name"), pixels=None if pixels is None else pixels.numpy())
+
+
+RECORDING_PREFIX = "recording/"
+
+
+def carry_recording(plan: SnapshotPlan, files: list[Path]) -> None:
+    """Put a recorded session's files in its snapshot, one uint8 tensor each (``recording/part-0000.mp4``), read
+    from disk a piece at a time as the snapshot is sent."""
+    for path in files:
+        size = path.stat().st_size
+        parts: list[Part] = [partial(_file_span, path, offset, PIECE_BYTES) for offset in range(0, size, PIECE_BYTES)]
+        plan.tensors.append(TensorPlan(RECORDING_PREFIX + path.name, torch.uint8, (size,), parts))
+
+
+def _file_span(path: Path, offset: int, length: int) -> torch.Tensor:
+    with path.open("rb") as file:
+        file.seek(offset)
+        data = bytearray(file.read(length))
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def carried_recording(tensors: list[TensorEntry]) -> dict[int, str]:
+    """The recording files a snapshot carries (:func:`carry_recording`), by table index, checked from its table
+    alone: a file's name, a flat uint8 tensor; ValueError if not. (Their bytes count against the snapshot's size
+    bound; whether this replica keeps them is its recording budgets' call, :meth:`Recordings.receive`.)"""
+    files: dict[int, str] = {}
+    for index, entry in enumerate(tensors):
+        if not entry.name.startswith(RECORDING_PREFIX):
+            continue
+        name = entry.name[len(RECORDING_PREFIX):]
+        if not FILE_PATTERN.match(name) or entry.dtype != torch.uint8 or len(entry.shape) != 1:
+            raise ValueError(f"{entry.name[:80]!r} is not a recording file (recording/part-NNNN.mp4, flat uint8)")
+        files[index] = name
+    return files
 
 
 def _busy_retry_after(response: httpx.Response) -> list[float]:

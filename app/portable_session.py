@@ -53,6 +53,7 @@ class PortableSession(BaseModel):
     # A realtime video session's own state (realtime_video.VideoStreamState.portable); None for protocol 1.
     dialect_state: dict[str, Any] | None = None
     client_host: str = ""
+    record: bool = False  # recorded where it was: it goes on recording where recording is on (app/recorder.py)
 
     @field_validator("dialect_state")
     @classmethod

@@ -281,8 +281,17 @@ class WebRTCOfferMessage(_ClientMessage):
     sdp: Annotated[str, Field(min_length=1)]
 
 
+class RecordMessage(_ClientMessage):
+    """``record``: record this session from its next chunk on (PROTOCOL.md, "Recording"); ``on`` false stops (the
+    file being written ends). Answered by ``recording``."""
+
+    type: Literal["record"]
+    on: bool = True
+
+
 ClientMessage = (
     StartMessage | TickMessage | InputMessage | CloseMessage | PingMessage | PassControlMessage | WebRTCOfferMessage
+    | RecordMessage
 )
 
 MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
@@ -293,6 +302,7 @@ MESSAGE_TYPES: dict[str, type[_ClientMessage]] = {
     "ping": PingMessage,
     "pass_control": PassControlMessage,
     "webrtc_offer": WebRTCOfferMessage,
+    "record": RecordMessage,
 }
 
 
@@ -420,6 +430,7 @@ class ReadyMessage(_ServerMessage):
     rewind_points: int | None = None
     rewind_seconds: int | float | None = None
     branched_from: BranchedFrom | None = None
+    record: bool | None = None  # on a server that records: whether this session is recorded (PROTOCOL.md, "Recording")
 
 
 class ChunkTimings(_ServerMessage):
@@ -513,9 +524,16 @@ class WebRTCStateMessage(_ServerMessage):
     state: str
 
 
+class RecordingMessage(_ServerMessage):
+    """The answer to ``record``: whether the session is recorded from now on."""
+
+    type: Literal["recording"] = "recording"
+    on: bool
+
+
 ServerMessage = (
     ReadyMessage | ChunkMessage | AckMessage | PongMessage | ErrorMessage | MovedMessage | ClosedMessage
-    | RoleMessage | ViewersMessage | WebRTCAnswerMessage | WebRTCStateMessage
+    | RoleMessage | ViewersMessage | WebRTCAnswerMessage | WebRTCStateMessage | RecordingMessage
 )
 
 SERVER_MESSAGE_TYPES: dict[str, type[_ServerMessage]] = {
@@ -530,6 +548,7 @@ SERVER_MESSAGE_TYPES: dict[str, type[_ServerMessage]] = {
     "viewers": ViewersMessage,
     "webrtc_answer": WebRTCAnswerMessage,
     "webrtc_state": WebRTCStateMessage,
+    "recording": RecordingMessage,
 }
 
 
@@ -547,13 +566,14 @@ def ready_message(
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
     max_start_image_bytes: int | None = None, share: str | None = None, rewind_points: int = 0,
     rewind_seconds: float = 0.0, role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
-    quality: int | None = None,
+    quality: int | None = None, record: bool | None = None,
 ) -> dict[str, Any]:
     """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
 
     ``max_start_image_bytes`` goes in ``limits`` when the model offers start images. ``share`` (the share
     token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
-    "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served.
+    "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served; ``record`` (None: the
+    server does not record) whether the session is recorded.
     """
     limits: dict[str, Any] = {
         "max_pending_ticks": max_pending_ticks,
@@ -582,6 +602,8 @@ def ready_message(
         fields["rewind_seconds"] = round(rewind_seconds, 3)
     if branched_from is not None:
         fields["branched_from"] = {"chunk": branched_from}
+    if record is not None:
+        fields["record"] = record
     return ReadyMessage.model_validate(fields).wire()
 
 
@@ -620,6 +642,11 @@ def viewers_message(count: int, ids: list[str] | None = None) -> dict[str, Any]:
 
 def ack_message(event_id: int, *, duplicate: bool) -> dict[str, Any]:
     return AckMessage(type="ack", event_id=event_id, status="duplicate" if duplicate else "accepted").wire()
+
+
+def recording_message(on: bool) -> dict[str, Any]:
+    """The answer to ``record``: whether the session is recorded from now on."""
+    return RecordingMessage(type="recording", on=on).wire()
 
 
 def pong_message(t: int | float | None) -> dict[str, Any]:

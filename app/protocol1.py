@@ -22,7 +22,10 @@ from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
 from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
-from .protocol import PassControlMessage, PingMessage, ProtocolError, TickMessage, WebRTCOfferMessage, ack_message
+from .protocol import (
+    PassControlMessage, PingMessage, ProtocolError, RecordMessage, TickMessage, WebRTCOfferMessage, ack_message,
+    recording_message,
+)
 from .protocol import chunk_message
 from .protocol import closed_message, controls_problem, dumps, error_message, moved_message, parse_client_message
 from .protocol import pong_message, ready_message, role_message, too_large, with_prepared_prompt
@@ -97,6 +100,7 @@ class Protocol1(Dialect):
             rewind_points=gate.rewind_points,
             rewind_seconds=gate.rewind_seconds,
             branched_from=started.branched_from,
+            record=None if settings.record_dir is None else session.record_to is not None,
         )
         live.outbox.push(QueuedText(dumps(message), is_reply=True))
         log.info("session=%s started codec=%s", session.id, session.codec)
@@ -154,6 +158,8 @@ class Protocol1(Dialect):
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, PassControlMessage):
             self._pass_control(live, session, parsed.to)
+        elif isinstance(parsed, RecordMessage):
+            self._record(live, session, parsed.on)
         elif isinstance(parsed, WebRTCOfferMessage):
             if self._video is None:
                 self._video = SessionVideo(live)
@@ -171,7 +177,7 @@ class Protocol1(Dialect):
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, WebRTCOfferMessage):
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "a viewer gets its frames on the WebSocket")
-        elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage)):
+        elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage, RecordMessage)):
             detail = f"a viewer may not send {parsed.type}; the controller can pass control"
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
             raise ProtocolError(ErrorCode.NOT_CONTROLLER, detail, tick_id=tick_id)
@@ -184,6 +190,20 @@ class Protocol1(Dialect):
         problem = None if controls is None else controls_problem(controls, limit, validator)
         if problem is not None:
             raise ProtocolError(ErrorCode.INVALID_CONTROLS, problem, tick_id=tick_id)
+
+    def _record(self, live: SessionPort, session: Session, on: bool) -> None:
+        """Record the session from its next chunk on, or stop (PROTOCOL.md, "Recording"), then say which."""
+        gate = live.gate
+        worker = gate.worker
+        if gate.settings.record_dir is None or worker is None:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "recording is off on this server (no --record-dir)")
+        if on:
+            session.record_to = gate.shares.token(session.id)
+        elif session.record_to is not None:
+            session.record_to = None
+            worker.recording_pauses(session.id)  # after its chunks already on their way: the file ends there
+        log.info("session=%s recording %s", session.id, "on" if on else "off")
+        self._reply(live, recording_message(on))
 
     def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
         """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""

@@ -8,7 +8,10 @@ in memory. A rewind, reset or restart after eviction is a cut: the file ends the
 the session's next file (its own init segment); a branch is a new session with files of its own.
 
 Files live in one folder per session, named by a digest of the session's share token, so listing and
-downloading need that token (``GET /v1/recordings?share=TOKEN``) and the disk never holds a token. Bounds:
+downloading need that token (``GET /v1/recordings?share=TOKEN``) and the disk never holds a token. A session
+moved to another replica (app/migration.py) takes its files along in its snapshot (:meth:`Recordings.hand_over`
+here, :meth:`Recordings.receive` there): they land in its folder on the peer, under the share token it has there,
+the move is a cut (the peer's first chunk begins the next file), and this replica deletes its copy. Bounds:
 bytes per session and bytes on the whole directory (a chunk past either is dropped and counted), a retention
 time (finished files older than it are deleted whenever a recording begins or is listed), and a sweep at start
 (a restarted server holds no session a token could name, so what a previous process wrote goes).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -42,6 +46,8 @@ log = logging.getLogger("arstream.recorder")
 # A session folder's name (a token digest) and a recording file's name: the sweep removes only these.
 FOLDER_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 FILE_PATTERN = re.compile(r"^part-\d{4}\.mp4$")
+# A moved session's files while they arrive, before its import has finished: swept at start too.
+INCOMING_PATTERN = re.compile(r"^incoming-[0-9a-f]{32}$")
 # What begins a new rollout or goes back in it: the recording is cut there (PROTOCOL.md, "Recording").
 CUTS = ("reset", "evicted", "rewind")
 
@@ -100,6 +106,7 @@ class Recordings:
         self._folders: dict[str, Path] = {}  # session id -> its folder (while the session lives)
         self._session_used: dict[str, int] = {}
         self._full: set[str] = set()  # sessions past their byte budget: nothing more is written for them
+        self._shipping: dict[str, list[Path]] = {}  # session id -> its files a move is sending: never expired
         directory.mkdir(parents=True, exist_ok=True)
         self.swept = self._sweep()
         self._used = 0
@@ -108,7 +115,7 @@ class Recordings:
         """Remove every recording a previous process left (folders of this naming only); how many folders."""
         swept = 0
         for folder in self.directory.iterdir():
-            if folder.is_dir() and FOLDER_PATTERN.match(folder.name):
+            if folder.is_dir() and (FOLDER_PATTERN.match(folder.name) or INCOMING_PATTERN.match(folder.name)):
                 shutil.rmtree(folder, ignore_errors=True)
                 swept += 1
         return swept
@@ -168,15 +175,72 @@ class Recordings:
         """The session ended: its last file is complete and nothing more is written for it."""
         self._close(session_id)
         with self._lock:
+            self._shipping.pop(session_id, None)
             self._folders.pop(session_id, None)
             self._session_used.pop(session_id, None)
             self._full.discard(session_id)
+
+    def pause(self, session_id: str) -> None:
+        """The session stopped recording: the file being written ends (recording again begins the next one)."""
+        self._close(session_id)
 
     def _close(self, session_id: str) -> None:
         with self._lock:
             current = self._open.pop(session_id, None)
         if current is not None:
             current.stream.close()
+
+    # ---- a move: the files go with the session (app/migration.py) --------------------------
+
+    def hand_over(self, session_id: str, share_token: str) -> list[Path]:
+        """The session is being moved: its file being written ends here (the move is a cut) and its files, oldest
+        first, are what its snapshot carries. Called once its last chunk before the move has been written."""
+        self._close(session_id)
+        folder = self.directory / folder_name(share_token)
+        files = sorted(path for path in folder.iterdir() if FILE_PATTERN.match(path.name)) if folder.is_dir() else []
+        with self._lock:
+            self._shipping[session_id] = files
+        return files
+
+    def moved_away(self, session_id: str, share_token: str) -> None:
+        """The session's files have landed on its new replica: the copy here goes (and its bytes from the count)."""
+        self.finish(session_id)
+        folder = self.directory / folder_name(share_token)
+        if not folder.is_dir():
+            return
+        freed = sum(path.stat().st_size for path in folder.iterdir() if FILE_PATTERN.match(path.name))
+        shutil.rmtree(folder, ignore_errors=True)
+        with self._lock:
+            self._used = max(0, self._used - freed)
+
+    def receive(self, files: dict[str, int]) -> IncomingRecording | None:
+        """Room for a moved session's files (name -> bytes), within both budgets, reserved until the import ends
+        (:meth:`IncomingRecording.keep` or :meth:`IncomingRecording.discard`); None, counted as a drop, when
+        they do not fit: the session moves without them."""
+        size = sum(files.values())
+        with self._lock:
+            over_session = size > self.session_bytes
+            over_total = self._used + size > self.total_bytes
+            if not (over_session or over_total):
+                self._used += size
+        if over_session or over_total:
+            self.metrics.dropped("session_bytes" if over_session else "total_bytes")
+            return None
+        folder = self.directory / f"incoming-{secrets.token_hex(16)}"
+        folder.mkdir()
+        return IncomingRecording(self, folder, dict(files))
+
+    def _adopt(self, session_id: str, share_token: str, incoming: IncomingRecording) -> None:
+        folder = self.directory / folder_name(share_token)
+        incoming.folder.rename(folder)  # a fresh share token: no folder of that name exists
+        with self._lock:
+            self._folders[session_id] = folder
+            self._session_used[session_id] = incoming.size
+        self.metrics.recorded(incoming.size)
+
+    def _unreserve(self, size: int) -> None:
+        with self._lock:
+            self._used = max(0, self._used - size)
 
     # ---- the HTTP side ---------------------------------------------------------------------
 
@@ -206,6 +270,7 @@ class Recordings:
         deadline = time.time() - self.retention_s
         with self._lock:
             writing = {current.path for current in self._open.values()}
+            writing.update(path for files in self._shipping.values() for path in files)
             live_folders = set(self._folders.values())
         for folder in self.directory.iterdir():
             if not (folder.is_dir() and FOLDER_PATTERN.match(folder.name)):
@@ -218,3 +283,35 @@ class Recordings:
                         self._used = max(0, self._used - size)
             if folder not in live_folders and not any(folder.iterdir()):
                 folder.rmdir()
+
+
+class IncomingRecording:
+    """A moved session's recording files arriving in its snapshot, written to a folder of their own as the bytes
+    come (never held in memory); the session's folder once its import has finished."""
+
+    def __init__(self, recordings: Recordings, folder: Path, files: dict[str, int]) -> None:
+        self.recordings = recordings
+        self.folder = folder
+        self.files = files
+        self.size = sum(files.values())
+        self._done = False
+
+    def write(self, name: str, offset: int, data: memoryview) -> None:
+        """Bytes of file ``name`` at ``offset`` (a snapshot's bytes come in order: each file is appended to)."""
+        path = self.folder / name
+        with path.open("r+b" if offset else "wb") as file:
+            file.seek(offset)
+            file.write(data)
+
+    def keep(self, session_id: str, share_token: str) -> None:
+        """The import finished: the files are the session's (listed under ``share_token``), its budget counts them."""
+        if not self._done:
+            self._done = True
+            self.recordings._adopt(session_id, share_token, self)
+
+    def discard(self) -> None:
+        """The import ended early: nothing of the files stays, and their reserved bytes are free again."""
+        if not self._done:
+            self._done = True
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.recordings._unreserve(self.size)

@@ -445,6 +445,8 @@ class Session:
                 "recent_event_ids": list(self._recent_events),
                 # its dialect's own (a realtime video session's VideoStreamState), as JSON; None for protocol 1
                 "dialect_state": None if self.dialect_state is None else self.dialect_state.portable(),
+                # whether it is recorded: its files travel beside this section, and the peer goes on recording
+                "record": self.record_to is not None,
             }
 
     @classmethod

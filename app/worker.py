@@ -226,6 +226,10 @@ class ModelWorker:
             session_id, frames, formats, chunk_index=chunk_index, tick_id=tick_id, deliver=deliver
         )
 
+    def recording_pauses(self, session_id: str) -> None:
+        """The session stopped recording: its file ends after its chunks already on their lane (app/delivery.py)."""
+        self.delivery.recording_pauses(session_id)
+
     @property
     def decode_overlap(self) -> bool:
         """Whether decodes run on the decode stage, beside the next forward."""

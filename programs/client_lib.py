@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict, Unpack
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import websockets
@@ -44,6 +44,8 @@ from ..app.protocol import (
     MovedMessage,
     PassControlMessage,
     ReadyMessage,
+    RecordingMessage,
+    RecordMessage,
     RoleMessage,
     ServerMessage,
     StartMessage,
@@ -72,34 +74,45 @@ def _checked(model: type[BaseModel], fields: dict[str, Any]) -> str:
     return json.dumps(present, allow_nan=False)
 
 
-def start_message(
-    *,
-    codec: str = "jpeg",
-    seed: int | None = None,
-    prompt: str | None = None,
-    quality: int | None = None,
-    resume: str | None = None,
-    image: dict[str, str] | None = None,
-    watch: str | None = None,
-    branch: tuple[str, int | None] | None = None,
-    record: bool = False,
-) -> str:
-    """``start``; with ``resume`` (a ticket's token) it resumes that session instead of starting one.
+class StartFields(TypedDict, total=False):
+    """What a ``start`` may say (:func:`start_message`, :meth:`Session.start`); each field is optional.
 
-    ``image`` is ``start.image`` (:func:`start_image_field`). ``watch`` (a share token) starts a viewer of
-    that session; ``branch`` (share token, chunk boundary) a new session from that boundary of the shared one
-    (boundary None: its latest, where it is when the branch is made). ``record`` asks the server to record
-    what the player sees (``GET /v1/recordings?share=TOKEN`` lists the files).
+    ``codec`` (default ``jpeg``), ``seed``, ``prompt``, ``quality``; ``resume``, a ticket's token, resumes that
+    session instead of starting one; ``image`` is ``start.image`` (:func:`start_image_field`); ``watch`` (a share
+    token) starts a viewer of that session; ``branch`` (share token, chunk boundary) a new session from that
+    boundary of the shared one (boundary None: its latest, where it is when the branch is made); ``record`` asks
+    the server to record what the player sees (``GET /v1/recordings?share=TOKEN`` lists the files).
     """
+
+    codec: str
+    seed: int | None
+    prompt: str | None
+    quality: int | None
+    resume: str | None
+    image: dict[str, str] | None
+    watch: str | None
+    branch: tuple[str, int | None] | None
+    record: bool
+
+
+def start_message(**fields: Unpack[StartFields]) -> str:
+    """``start`` with ``fields`` (:class:`StartFields`)."""
+    branch = fields.get("branch")
     return _checked(
         StartMessage,
         {
-            "type": "start", "codec": codec, "seed": seed, "prompt": prompt, "quality": quality, "resume": resume,
-            "image": image, "watch": watch,
+            "type": "start", "codec": fields.get("codec", "jpeg"), "seed": fields.get("seed"),
+            "prompt": fields.get("prompt"), "quality": fields.get("quality"), "resume": fields.get("resume"),
+            "image": fields.get("image"), "watch": fields.get("watch"),
             "branch": _present({"share": branch[0], "chunk": branch[1]}) if branch is not None else None,
-            "record": True if record else None,
+            "record": True if fields.get("record") else None,
         },
     )
+
+
+def record_message(on: bool = True) -> str:
+    """Record the session from its next chunk on (``on`` false: stop); answered by ``recording``."""
+    return _checked(RecordMessage, {"type": "record", "on": on})
 
 
 def start_image_field(*, name: str | None = None, data: bytes | None = None) -> dict[str, str]:
@@ -327,6 +340,7 @@ class Session:
         self.last_chunk_index: int | None = None
         self.role = "controller"  # ready.role, then `role` messages: a viewer sends no ticks
         self.viewers: dict[str, Any] = {"count": 0}  # the last `viewers` message
+        self.recording: bool | None = None  # ready.record, then `recording` answers (None: the server records none)
         self.skipped_chunks = 0  # chunks the server skipped for this viewer (chunk.skipped_before)
         self.inherited_ticks_up_to = -1  # given control: chunks of ticks up to this id were the last controller's
 
@@ -357,36 +371,17 @@ class Session:
     def ticks_in_flight(self) -> int:
         return len(self.tick_sent_at)
 
-    async def start(
-        self,
-        *,
-        codec: str = "jpeg",
-        seed: int | None = None,
-        prompt: str | None = None,
-        quality: int | None = None,
-        resume: str | None = None,
-        image: dict[str, str] | None = None,
-        watch: str | None = None,
-        branch: tuple[str, int | None] | None = None,
-        record: bool = False,
-    ) -> ReadyMessage:
-        """Send ``start`` (``resume``: a ticket's token; ``image``: ``start.image``); return the ``ready`` message.
-
-        ``watch`` (a share token) starts a viewer of that session; ``branch`` (share token, boundary) a new
-        session from that boundary of the shared one. Connect with ``share=TOKEN`` for both.
-        """
-        await self._send(
-            start_message(
-                codec=codec, seed=seed, prompt=prompt, quality=quality, resume=resume, image=image, watch=watch,
-                branch=branch, record=record,
-            )
-        )
+    async def start(self, **fields: Unpack[StartFields]) -> ReadyMessage:
+        """Send ``start`` (:class:`StartFields`: ``resume``, a ticket's token; ``image``, ``start.image``; ...);
+        return the ``ready`` message. Connect with ``share=TOKEN`` to ``watch`` or ``branch``."""
+        await self._send(start_message(**fields))
         message = await self._next_control_message()
         if not isinstance(message, ReadyMessage):
             raise wire.WireError(f"expected 'ready' after 'start', got {message.type!r}")
         if message.protocol != wire.PROTOCOL_VERSION:
             raise wire.WireError(f"server speaks protocol {message.protocol}, this client {wire.PROTOCOL_VERSION}")
         self.info = message
+        self.recording = message.record
         self.ready = message.wire()
         self.role = message.role
         return message
@@ -459,6 +454,10 @@ class Session:
         self.tick_sent_at[tick_id] = time.perf_counter()
         await self._send(text)
         return tick_id
+
+    async def record(self, on: bool = True) -> None:
+        """Record the session from its next chunk on (``on`` false: stop); :attr:`recording` follows the answer."""
+        await self._send(record_message(on))
 
     async def pass_control(self, viewer_id: str) -> None:
         """Hand the controls to a viewer (an id from the controller's ``viewers`` message)."""
@@ -593,6 +592,8 @@ class Session:
             raise wire.WireError(f"a server message that is not a JSON object: {type(obj).__name__}")
         if isinstance(message, ViewersMessage):
             self.viewers = message.wire()
+        elif isinstance(message, RecordingMessage):
+            self.recording = message.on
         elif isinstance(message, RoleMessage):
             self._take_role(message)
             if self.role == "controller":
@@ -608,6 +609,6 @@ class Session:
 
 
 __all__ = [
-    "Chunk", "ConnectionDropped", "ControlPassed", "ErrorCode", "ResumeGap", "ServerError", "Session",
+    "Chunk", "ConnectionDropped", "ControlPassed", "ErrorCode", "ResumeGap", "ServerError", "Session", "StartFields",
     "SessionClosed", "SessionMoved", "connect", "http_base_url", "session_url",
 ]

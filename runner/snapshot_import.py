@@ -33,7 +33,7 @@ it: the next :meth:`write` then refuses, and nothing of it is left.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,7 @@ class SessionImport:
         *,
         protocol_version: int | None = None,
         extras: Mapping[str, int] | None = None,
+        elsewhere: Collection[str] = (),
     ) -> None:
         self.session_id = session_id
         self.header = header
@@ -118,6 +119,9 @@ class SessionImport:
         # Tensors for the layer above (a start image), by name, with the most bytes each may have: held on the
         # CPU and handed back by finish(). Any other name that is not the runner's is refused.
         self.extras = dict(extras or {})
+        # Tensors whose bytes the layer above writes itself (a moved session's recording, to disk): never written
+        # here, so never held here.
+        self.elsewhere = frozenset(elsewhere)
         self._regions: list[_Regions] = []
         self._model: dict[str, torch.Tensor] = {}  # model-owned tensors, on the pool's device, by name
         self._extra: dict[str, torch.Tensor] = {}
@@ -281,7 +285,7 @@ class SessionImport:
                 raise SnapshotError(f"the snapshot names tensor {entry.name!r} twice")
             by_name[entry.name] = index
         self._regions = [_Regions([]) for _ in self.tensors]
-        runner_names = [e.name for e in self.tensors if e.name not in self.extras]
+        runner_names = [e.name for e in self.tensors if e.name not in self.extras and e.name not in self.elsewhere]
         for name, index in by_name.items():
             if name in self.extras:
                 entry = self.tensors[index]

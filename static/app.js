@@ -119,6 +119,8 @@ if (mode.kind === 'watch') document.body.dataset.role = 'viewer';  // no steerin
 
 let model = null;  // the model card, from /v1/model or `ready`
 let recorder = null;
+let serverRecording = null;  // ready.record, then `recording`: null where the server records nothing
+let recordedToken = null;    // the share token this world's recordings are listed under, once it was recorded
 let noticeTimer = null;
 
 // ---- page text ----------------------------------------------------------------------
@@ -193,6 +195,8 @@ function onState(state, view) {
   $('rewind').disabled = state !== 'streaming';
   $('record').disabled = !recorder && state !== 'streaming';
   if (!['streaming', 'failed'].includes(state) && recorder) recorder.stop();
+  // The world has ended (or was stopped): what the server recorded of it is offered for download.
+  if (['ended', 'stopped'].includes(state) && recordedToken) showRecordings();
   if (state === 'streaming' && !view.text && debug.framesDrawn > 0) {
     showOverlay({});
   } else {
@@ -484,6 +488,11 @@ const connection = new Connection({
       showTimeline(null, null);
       showModel(ready.model);
       showShareLinks();
+      // A resumed session (a reconnect, a move) keeps its recording: under the share token it has now.
+      serverRecording = ready.record ?? null;
+      if (ready.record) recordedToken = connection.shareToken;
+      else if (!ready.resumed) recordedToken = null;
+      showServerRecord();
     },
     onChunk(message) {
       $('hud-chunk-index').textContent = `${message.chunk_index} (tick ${message.tick_id})`;
@@ -529,6 +538,12 @@ const connection = new Connection({
       if (role === 'viewer') debug.viewerIds = [];
       showViewers();
       if (model) showModel(model);
+    },
+    onRecording(message) {
+      serverRecording = message.on;
+      if (message.on) recordedToken = connection.shareToken;
+      log(message.on ? 'the server records this world from its next chunk' : 'server recording stopped');
+      showServerRecord();
     },
     onViewers(message) {
       debug.viewers = message.count;
@@ -786,6 +801,50 @@ $('record').addEventListener('click', () => {
   $('record').setAttribute('aria-pressed', 'true');
   $('rec-dot').hidden = false;
 });
+
+// ---- recording on the server (PROTOCOL.md, "Recording") ------------------------------------
+
+
+function showServerRecord() {
+  const button = $('server-record');
+  button.hidden = serverRecording === null;
+  button.textContent = serverRecording ? 'Stop server recording' : 'Record on server';
+  button.setAttribute('aria-pressed', String(Boolean(serverRecording)));
+  $('recordings').hidden = recordedToken === null;
+}
+
+/** List this world's recordings as download links (the share token is what the server asks for them). */
+async function showRecordings() {
+  const share = recordedToken;
+  if (!share) return;
+  const query = `share=${encodeURIComponent(share)}`;
+  let files = [];
+  try {
+    const response = await fetch(`/v1/recordings?${query}`, { cache: 'no-store' });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    files = (await response.json()).recordings;
+  } catch (error) {
+    log(`listing the recordings failed: ${error.message}`, 'error');
+    return;
+  }
+  const items = files.map((file) => {
+    const link = document.createElement('a');
+    link.href = `/v1/recordings/${encodeURIComponent(file.name)}?${query}`;
+    link.download = file.name;
+    const kib = Math.max(1, Math.round(file.bytes / 1024));
+    link.textContent = `${file.name} (${kib} KiB${file.complete ? '' : ', still recording'})`;
+    const item = document.createElement('li');
+    item.append(link);
+    return item;
+  });
+  $('recordings-list').replaceChildren(...items);
+  $('recordings-note').textContent = files.length ? 'Recorded on the server:' : 'Nothing recorded on the server yet.';
+  $('recordings-box').hidden = false;
+  debug.recordings = files.map((file) => file.name);
+}
+
+$('server-record').addEventListener('click', () => connection.record(!serverRecording));
+$('recordings').addEventListener('click', () => showRecordings());
 
 if (!document.fullscreenEnabled) $('fullscreen').hidden = true;
 $('fullscreen').addEventListener('click', () => {

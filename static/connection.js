@@ -28,7 +28,8 @@ export class Connection {
    * @param {number} options.fixedChunks            0: adaptive buffer; N: keep N chunks ahead
    * @param {object} options.hooks  onState(state, view), onReady(session, ready), onChunk(message),
    *                                onSample(kind, ms), log(text, kind), notice(text), onCodecRefused(codec),
-   *                                onImageRefused(), onRole(role, message), onViewers(message)
+   *                                onImageRefused(), onRole(role, message), onViewers(message),
+   *                                onRecording(message)
    * @param {object} [options.mode] what the next fresh session is (share.js shareMode): {kind: 'play'},
    *                                {kind: 'watch', token} or {kind: 'branch', token, chunk}
    * @param {object} options.debug  window.arstreamDebug
@@ -118,6 +119,11 @@ export class Connection {
     if (this.mode.kind !== 'branch') return;
     this.mode = { kind: 'branch', token: this.mode.token, chunk: null };
     this.play();
+  }
+
+  /** Record the session on the server from now on, or stop (answered through hooks.onRecording). */
+  record(on) {
+    if (this.session) this.session.record(on);
   }
 
   /** Restart the rollout; the reset tick carries the keys held now. */
@@ -237,6 +243,7 @@ export class Connection {
         onClose: (s, event) => this.onClose(s, event),
         onRole: (s, message) => this.onRole(s, message),
         onViewers: (s, message) => { if (s === this.session) this.hooks.onViewers(message); },
+        onRecording: (s, message) => { if (s === this.session) this.hooks.onRecording(message); },
         onSample: this.hooks.onSample,
         log: this.hooks.log,
       },

@@ -27,7 +27,8 @@ export class Session {
    * @param {object} options.start      the `start` message
    * @param {object} options.ids        {tick, event}: the next ids, shared across resumed sessions
    * @param {import('./player.js').Player} options.player
-   * @param {object} options.hooks      onReady, onChunk, onError, onClose, onRole, onViewers, onSample, log
+   * @param {object} options.hooks      onReady, onChunk, onError, onClose, onRole, onViewers, onRecording,
+   *                                       onSample, log
    * @param {object} options.debug      window.arstreamDebug
    * @param {Function} [options.tickControls]  controls for every tick (a camera's movement), or null
    * @param {object} [options.webrtc]  {video, onShown, onState}: play the frames on a WebRTC track, or null
@@ -140,6 +141,11 @@ export class Session {
     if (this.live && this.controller) this.send({ type: 'pass_control', to: viewerId });
   }
 
+  /** Record this session on the server from its next chunk on, or stop (PROTOCOL.md, "Recording"). */
+  record(on) {
+    if (this.live && this.controller) this.send({ type: 'record', on });
+  }
+
   // ---- from the server ---------------------------------------------------------------
 
   onText(message) {
@@ -150,6 +156,9 @@ export class Session {
       case 'role': return this.onRole(message);
       case 'viewers':
         this.hooks.onViewers(this, message);
+        return undefined;
+      case 'recording':
+        this.hooks.onRecording(this, message);
         return undefined;
       case 'moved':
         this.moved = message;

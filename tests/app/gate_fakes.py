@@ -129,6 +129,9 @@ class FakeWorker:
     ) -> None:
         raise AssertionError("no viewer encodes in these tests")
 
+    def recording_pauses(self, session_id: str) -> None:
+        raise AssertionError("no recordings in these tests")
+
 
 def chunk_outcome(job: TickJob, *, frames: tuple[bytes, ...] = (b"f0", b"f1"), chunk_index: int = 0) -> TickOutcome:
     return TickOutcome(job, OutcomeKind.CHUNK, chunk_index=chunk_index, frame_messages=frames, codec="raw", quality=80)

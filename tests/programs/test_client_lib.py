@@ -32,6 +32,7 @@ from arstream.app.protocol import (
     moved_message,
     pong_message,
     ready_message,
+    recording_message,
     role_message,
     viewers_message,
 )
@@ -66,8 +67,9 @@ class TrafficLog:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    settings = fake_settings(model_options={"compute_delay_s": 0.002})
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    recordings = tmp_path_factory.mktemp("recordings")
+    settings = fake_settings(model_options={"compute_delay_s": 0.002}, record_dir=str(recordings))
     with running_server(settings) as live:
         yield live
 
@@ -101,10 +103,11 @@ def test_the_schema_names_every_message_both_ways() -> None:
     client = definitions["ClientMessage"]["discriminator"]["mapping"]
     server = definitions["ServerMessage"]["discriminator"]["mapping"]
     assert set(client) == set(MESSAGE_TYPES)
-    assert set(client) == {"start", "tick", "input", "close", "ping", "pass_control", "webrtc_offer"}
+    assert set(client) == {"start", "tick", "input", "close", "ping", "pass_control", "webrtc_offer", "record"}
     assert set(server) == set(SERVER_MESSAGE_TYPES)
     assert set(server) == {
-        "ready", "chunk", "ack", "pong", "error", "moved", "closed", "role", "viewers", "webrtc_answer", "webrtc_state"
+        "ready", "chunk", "ack", "pong", "error", "moved", "closed", "role", "viewers", "webrtc_answer", "webrtc_state",
+        "recording",
     }
 
 
@@ -115,7 +118,7 @@ def test_every_server_builder_makes_a_message_the_schema_accepts() -> None:
         ready_message(
             session_id="s", model_card=card, codec="jpeg", max_pending_ticks=3, max_message_bytes=100,
             idle_timeout_s=2.5, resume={"token": "r0.t", "grace_s": 5, "next_chunk_index": 0}, share="r0.s",
-            rewind_points=4, rewind_seconds=1.5, branched_from=2,
+            rewind_points=4, rewind_seconds=1.5, branched_from=2, record=True,
         ),
         chunk_message(
             tick_id=1, chunk_index=2, frames=2, applied_event_ids=[0], restarted=None, queue_ms=1, compute_ms=2,
@@ -129,6 +132,7 @@ def test_every_server_builder_makes_a_message_the_schema_accepts() -> None:
         error_message(ErrorCode.TAKEN_OVER, "x" * 2000, tick_id=None),
         moved_message(resume="r1.t", next_chunk_index=3),
         closed_message(CloseReason.MOVED),
+        recording_message(True),
     ]
     for message in built:
         assert list(validator.iter_errors(message)) == [], message
@@ -183,6 +187,8 @@ def test_messages_out_are_checked_by_the_servers_models() -> None:
         client_lib.start_message(watch="r0.a", branch=("r0.a", None))
     with pytest.raises(ValueError, match="to"):
         client_lib.pass_control_message("")
+    with pytest.raises(ValueError, match="on"):
+        client_lib.record_message("yes")  # type: ignore[arg-type]
 
 
 async def play(url: str, log: list[dict[str, Any]]) -> None:
@@ -197,11 +203,14 @@ async def play(url: str, log: list[dict[str, Any]]) -> None:
         played = [chunk async for chunk in player.chunks()]
         assert [chunk.chunk_index for chunk in played] == [0, 1, 2, 3]
         assert [chunk.tick_id for chunk in played] == [0, 1, 2, 3]
+        assert player.recording is False
+        await player.record()
         size = (ready.model.height, ready.model.width, 3)
         assert [[frame.shape for frame in chunk.frames] for chunk in played] == [[size, size]] * 4
         await player.rewind(1, keys=["w", "d"])
         [again] = [chunk async for chunk in player.chunks()]
         assert (again.chunk_index, again.restarted) == (1, "rewind")
+        assert player.recording is True  # answered by `recording` before the chunk after it
         assert [np.array_equal(a, b) for a, b in zip(again.frames, played[1].frames, strict=True)] == [True, True]
 
         with pytest.raises(ServerError) as refused:
@@ -242,6 +251,7 @@ def test_the_library_drives_a_real_server_and_all_its_traffic_validates(
     asyncio.run(play(server.ws_url, traffic))
     kinds = {message["type"] for message in traffic}
     assert {"start", "tick", "input", "close", "ready", "chunk", "ack", "error", "closed", "viewers"} <= kinds, kinds
+    assert {"record", "recording"} <= kinds, kinds
     served = server.get(SCHEMA_PATH).json()
     validator = jsonschema.Draft202012Validator(served)
     for message in traffic:

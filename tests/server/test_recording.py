@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from arstream.app.metrics import ServerMetrics
 from arstream.app.recorder import Recordings, folder_name
 from arstream.programs.client_lib import Chunk, Session
 from servers import RECEIVE_GUARD_S, LiveServer, fake_settings, running_server
@@ -134,12 +135,20 @@ def chunk_frames(value: int) -> np.ndarray:
     return np.full((2, 16, 16, 3), value, np.uint8)
 
 
-def recorder(directory: Path, **bounds: float) -> Recordings:
+def recorder(directory: Path, metrics: ServerMetrics | None = None, **bounds: float) -> Recordings:
     values = {"session_bytes": 10**9, "total_bytes": 10**9, "retention_s": 3600.0, **bounds}
     return Recordings(
         directory, session_bytes=int(values["session_bytes"]), total_bytes=int(values["total_bytes"]),
-        retention_s=values["retention_s"], quality=80,
+        retention_s=values["retention_s"], quality=80, metrics=metrics,
     )
+
+
+def drops(metrics: ServerMetrics, reason: str) -> float:
+    return float(metrics.recording_drops.labels(reason=reason)._value.get())
+
+
+def own_metrics() -> ServerMetrics:
+    return ServerMetrics(lambda: None, lambda: 0, lambda: 0)
 
 
 def write_chunks(recordings: Recordings, session_id: str, token: str, count: int) -> None:
@@ -151,8 +160,10 @@ def test_a_session_past_its_byte_budget_records_nothing_more(tmp_path: Path) -> 
     probe = recorder(tmp_path / "probe")
     write_chunks(probe, "s", "r0.a", 1)
     first_chunk = probe.files("r0.a")[0].bytes  # the init segment and one fragment
-    recordings = recorder(tmp_path / "bounded", session_bytes=first_chunk + 1)
+    metrics = own_metrics()
+    recordings = recorder(tmp_path / "bounded", metrics, session_bytes=first_chunk + 1)
     write_chunks(recordings, "s", "r0.a", 5)
+    assert drops(metrics, "session_bytes") == 1  # the chunk that passed it; nothing is written after
     [kept] = recordings.files("r0.a")
     assert kept.bytes == first_chunk  # the file ends at its last whole chunk
     assert len(decoded((tmp_path / "bounded" / folder_name("r0.a") / kept.name).read_bytes())) == 2
@@ -162,9 +173,11 @@ def test_all_recordings_past_the_total_budget_record_nothing_more(tmp_path: Path
     probe = recorder(tmp_path / "probe")
     write_chunks(probe, "s", "r0.a", 2)
     two_chunks = probe.files("r0.a")[0].bytes
-    recordings = recorder(tmp_path / "bounded", total_bytes=two_chunks + 10)
+    metrics = own_metrics()
+    recordings = recorder(tmp_path / "bounded", metrics, total_bytes=two_chunks + 10)
     write_chunks(recordings, "s1", "r0.a", 2)
     write_chunks(recordings, "s2", "r0.b", 2)
+    assert drops(metrics, "total_bytes") == 1
     assert [f.bytes for f in recordings.files("r0.a")] == [two_chunks]
     assert recordings.files("r0.b") == []  # its first chunk is already past what is left
     on_disk = sum(path.stat().st_size for path in (tmp_path / "bounded").rglob("*.mp4"))
@@ -223,3 +236,115 @@ def test_record_all_records_a_session_that_did_not_ask(tmp_path: Path) -> None:
         files = live.get("/v1/recordings", params={"share": token}).json()["recordings"]
         assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
         assert metric(live, 'arstream_recording_drops_total{reason="session_bytes"}') == 0
+
+
+def test_a_branch_records_its_own_files_from_its_boundary(server: LiveServer) -> None:
+    async def scenario() -> tuple[str, str, list[Chunk]]:
+        async with await Session.connect(server.ws_url) as source:
+            ready = await source.start(codec="raw", seed=7, record=True)
+            assert ready.share is not None
+            for keys in (["d"], ["w"], ["a"]):
+                await source.tick(keys=keys)
+            _ = [chunk async for chunk in source.chunks()]
+            async with await Session.connect(server.ws_url, share=ready.share.token) as branch:
+                branched = await branch.start(codec="raw", branch=(ready.share.token, 1), record=True)
+                assert branched.share is not None and branched.share.token != ready.share.token
+                for keys in (["s"], ["s"]):
+                    await branch.tick(keys=keys)
+                received = [chunk async for chunk in branch.chunks()]
+                assert await branch.close() == "client"
+            assert await source.close() == "client"
+            return ready.share.token, branched.share.token, received
+
+    source_token, branch_token, received = asyncio.run(scenario())
+    assert [chunk.chunk_index for chunk in received] == [1, 2]
+    source_files = server.get("/v1/recordings", params={"share": source_token}).json()["recordings"]
+    branch_files = server.get("/v1/recordings", params={"share": branch_token}).json()["recordings"]
+    assert [f["name"] for f in source_files] == ["part-0000.mp4"]  # the source's recording is untouched
+    assert [f["name"] for f in branch_files] == ["part-0000.mp4"]  # the branch's own, from its boundary on
+    data = server.get("/v1/recordings/part-0000.mp4", params={"share": branch_token}).content
+    video = decoded(data)
+    frames = [frame for chunk in received for frame in chunk.frames]
+    assert len(video) == len(frames)
+    height, width = frames[0].shape[:2]
+    worst = max(int(np.abs(a[:height, :width].astype(int) - b.astype(int)).max()) for a, b in zip(video, frames))
+    assert worst <= CODEC_TOLERANCE
+    source_video = decoded(server.get("/v1/recordings/part-0000.mp4", params={"share": source_token}).content)
+    assert len(source_video) == 3 * len(received[0].frames)  # its three chunks, nothing of the branch's
+
+
+def test_a_moved_recording_lands_within_the_peers_budgets(tmp_path: Path) -> None:
+    sender = recorder(tmp_path / "r0")
+    write_chunks(sender, "s", "r0.a", 2)
+    [path] = sender.hand_over("s", "r0.a")  # the move is a cut: the file ends here
+    size = path.stat().st_size
+    metrics = own_metrics()
+    peer = Recordings(tmp_path / "r1", session_bytes=10**9, total_bytes=3 * size, retention_s=3600.0,
+                      quality=80, metrics=metrics)
+    incoming = peer.receive({path.name: size})
+    assert incoming is not None
+    # Reserved while they arrive: a second move past what is left of the total comes without its files.
+    assert peer.receive({path.name: 2 * size + 1}) is None
+    assert drops(metrics, "total_bytes") == 1
+    incoming.write(path.name, 0, memoryview(path.read_bytes()))
+    incoming.keep("s", "r1.b")
+    sender.moved_away("s", "r0.a")
+    assert sender.files("r0.a") == [] and list((tmp_path / "r0").iterdir()) == []
+    assert [(f.name, f.bytes) for f in peer.files("r1.b")] == [(path.name, size)]
+    # It goes on recording there in the next file, and counts against the session's budget as if written there.
+    peer.write("s", "r1.b", chunk_frames(90), chunk_index=2, restarted=None, fps=16)
+    assert [f.name for f in peer.files("r1.b")] == ["part-0000.mp4", "part-0001.mp4"]
+    refused = Recordings(tmp_path / "r2", session_bytes=size - 1, total_bytes=10**9, retention_s=3600.0, quality=80)
+    assert refused.receive({path.name: size}) is None
+    # An import that ends early leaves nothing behind and gives its reserved bytes back.
+    spare = recorder(tmp_path / "r3", total_bytes=size)
+    cut_short = spare.receive({path.name: size})
+    assert cut_short is not None
+    cut_short.write(path.name, 0, memoryview(b"half a file"))
+    cut_short.discard()
+    assert list((tmp_path / "r3").iterdir()) == []
+    assert spare.receive({path.name: size}) is not None
+
+
+def test_a_running_session_starts_and_stops_its_recording(server: LiveServer) -> None:
+    async def scenario() -> tuple[str, list[list[Chunk]]]:
+        async with await Session.connect(server.ws_url) as session:
+            ready = await session.start(codec="raw", seed=7)
+            assert ready.record is False and ready.share is not None
+            spans: list[list[Chunk]] = []
+            for action, ticks in ((None, 1), (True, 2), (False, 1), (True, 1)):
+                if action is not None:
+                    await session.record(on=action)
+                for _ in range(ticks):
+                    await session.tick(keys=["d"])
+                spans.append([chunk async for chunk in session.chunks()])
+                assert session.recording is (action is True)  # the answer came before the chunks after it
+            assert await session.close() == "client"
+            return ready.share.token, spans
+
+    token, spans = asyncio.run(scenario())
+    files = server.get("/v1/recordings", params={"share": token}).json()["recordings"]
+    # Not recorded before `record`; stopping ends the file, and recording again begins the next one.
+    assert [f["name"] for f in files] == ["part-0000.mp4", "part-0001.mp4"]
+    for f, span in zip(files, (spans[1], spans[3]), strict=True):
+        video = decoded(server.get(f"/v1/recordings/{f['name']}", params={"share": token}).content)
+        assert len(video) == sum(len(chunk.frames) for chunk in span)
+
+
+def test_record_on_a_server_that_does_not_record_is_refused_and_play_goes_on() -> None:
+    from arstream.programs.client_lib import ServerError
+
+    async def scenario(url: str) -> None:
+        async with await Session.connect(url) as session:
+            ready = await session.start(codec="raw")
+            assert ready.record is None  # this server records nothing: ready does not say
+            await session.record()
+            with pytest.raises(ServerError, match="recording is off") as refused:
+                await session.receive_chunk()
+            assert refused.value.code == "invalid_message"
+            await session.tick(keys=["d"])
+            assert len([chunk async for chunk in session.chunks()]) == 1
+            assert await session.close() == "client"
+
+    with running_server(fake_settings()) as live:
+        asyncio.run(scenario(live.ws_url))
