@@ -286,6 +286,7 @@ def test_a_moved_session_arrives_with_its_boundaries_and_keeps_new_ones_there() 
     source = _runner("fake-kv")
     _run(source, "s", range(4))
     held = source.rewind_points("s")
+    assert held is not None
     target = runner_for_sessions(FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2), 2, rewind=RewindSchedule.last(K))
     snapshot = snapshot_bytes(export_session(source, "s"))
     import_session(target, "s", parse_snapshot(snapshot))
