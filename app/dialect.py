@@ -75,6 +75,16 @@ class Passed:
     viewer_id: str
 
 
+@dataclass(frozen=True)
+class ChunkSent:
+    """What :meth:`Dialect.send_chunk` sent of one chunk, by path: its video frames and the bytes of its binary
+    WebSocket messages (``on_track``: the frames went on a WebRTC track, and no binary message carried them)."""
+
+    frames: int
+    websocket_bytes: int
+    on_track: bool = False
+
+
 class SessionWorker(Protocol):
     """The worker's verbs a live session uses (:class:`arstream.app.worker.ModelWorker`)."""
 
@@ -243,6 +253,9 @@ class SessionPort(Protocol):
     def close(self, code: int, reason: CloseReason) -> None:
         """Queue the dialect's last message and the close frame; end the session (or the watch)."""
 
+    def check_pass_control(self, viewer_id: str) -> object:
+        """Raises ProtocolError when control would stay (nothing changes either way)."""
+
     def pass_control(self, viewer_id: str) -> Passed:
         """Swap roles with viewer ``viewer_id``; raises ProtocolError when control stays."""
 
@@ -286,9 +299,9 @@ class Dialect:
         """A tick of the session is done (its bookkeeping is done): queue its chunk, or say what failed."""
         raise NotImplementedError
 
-    async def send_chunk(self, port: SessionPort, outcome: TickOutcome) -> int:
-        """On the writer: send one chunk; returns the video frames it held (the live session counts them and
-        the bytes). Its credit comes back after, then :meth:`chunk_sent`."""
+    async def send_chunk(self, port: SessionPort, outcome: TickOutcome) -> ChunkSent:
+        """On the writer: send one chunk; returns what it sent, by path (the writer counts the frames and the
+        bytes). Its credit comes back after, then :meth:`chunk_sent`."""
         raise NotImplementedError
 
     def chunk_sent(self, port: SessionPort) -> None:

@@ -297,11 +297,9 @@ class LiveSession:
 
     # ---- passing control -----------------------------------------------------------------------
 
-    def pass_control(self, viewer_id: str) -> Passed:
-        """Hand control to one of the session's viewers: the two live sessions swap roles (PROTOCOL.md).
-
-        Raises ProtocolError (control stays) for an unknown viewer, a session closing or moving, or a viewer
-        whose client is at its session caps. The dialect says so on the wire, then tells the audience."""
+    def check_pass_control(self, viewer_id: str) -> tuple[ViewerRole, LiveSession]:
+        """The viewer that control would pass to, and its live session; raises ProtocolError (control stays)
+        for an unknown viewer, a session closing or moving, or a viewer whose client is at its session caps."""
         gate, session = self.gate, self.session
         assert session is not None and self.watch is None
         role = gate.shares.viewers(session.id).get(viewer_id)
@@ -316,6 +314,16 @@ class LiveSession:
             raise ProtocolError(
                 ErrorCode.CONTROL_REFUSED, f"control stays: viewer {viewer_id}'s {refusal.removeprefix('this ')}"
             )
+        return role, target
+
+    def pass_control(self, viewer_id: str) -> Passed:
+        """Hand control to one of the session's viewers: the two live sessions swap roles (PROTOCOL.md).
+
+        Raises ProtocolError (control stays) as :meth:`check_pass_control` says. The dialect says so on the wire,
+        then tells the audience."""
+        role, target = self.check_pass_control(viewer_id)
+        gate, session = self.gate, self.session
+        assert session is not None
         # Its queued ticks were this client's: they do not run for the next one (their controls are kept);
         # a running tick's chunk goes to the new controller, with its credit.
         for job in self.worker.drop_ticks(session.id):

@@ -115,6 +115,9 @@ class ServerMetrics:
         )
         self.frames_sent = Counter("arstream_frames_sent", "Binary frame messages sent", registry=registry)
         self.bytes_sent = Counter("arstream_bytes_sent", "Bytes of binary frame messages sent", registry=registry)
+        self.track_frames_sent = Counter(
+            "arstream_webrtc_frames_sent", "Video frames handed to WebRTC tracks (no binary message)", registry=registry
+        )
         self.errors = Counter("arstream_errors", "Error messages sent, by code", ["code"], registry=registry)
         self.websocket_connections = Counter(
             "arstream_websocket_connections", "WebSocket connections opened", registry=registry

@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -687,9 +687,10 @@ def controls_problem(controls: dict[str, Any], max_items: int, validator: Valida
     return f"{where}: {error.message}"
 
 
-def with_prepared_prompt(
-    message: TickMessage | InputMessage, prompts: PromptPreparer, allowance: PromptAllowance
-) -> TickMessage | InputMessage:
+_Prompted = TypeVar("_Prompted", TickMessage, InputMessage)
+
+
+def with_prepared_prompt(message: _Prompted, prompts: PromptPreparer, allowance: PromptAllowance) -> _Prompted:
     """``message`` with its prompt as the model reads it, prepared here once (bounded at parse time; the session
     holds what the model reads); raises ProtocolError (too_many_ticks) past the session's new-prompt allowance."""
     if message.prompt is None:

@@ -15,22 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from typing import Any
 
-from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from .dialect import ChunkSent, Dialect, Gate, OpeningPort, SessionPort, Started
 from .handshake import Handshake
 from .outbox import QueuedChunk, QueuedText
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
-from .protocol import (
-    PassControlMessage, PingMessage, ProtocolError, RecordMessage, TickMessage, WebRTCOfferMessage, ack_message,
-    recording_message,
-)
-from .protocol import chunk_message
-from .protocol import closed_message, controls_problem, dumps, error_message, moved_message, parse_client_message
-from .protocol import pong_message, ready_message, role_message, too_large, with_prepared_prompt
+from .protocol import PassControlMessage, PingMessage, ProtocolError, RecordMessage, TickMessage, WebRTCOfferMessage
+from .protocol import ack_message, closed_message, controls_problem, dumps, error_message, moved_message
+from .protocol import parse_client_message, pong_message, ready_message, recording_message, role_message, too_large
+from .protocol import with_prepared_prompt
 from .session import Session, TickJob
-from .viewer_feed import ViewerFeed
+from .viewer_feed import ViewerFeed, chunk_header
 from .webrtc import SessionVideo
 from .worker import OutcomeKind, TickOutcome
 
@@ -42,21 +38,6 @@ ROLE_VIEWER = "viewer"
 BINARY_REFUSED = "binary messages from the client are not part of protocol 1"
 
 
-def chunk_header(outcome: TickOutcome) -> dict[str, Any]:
-    """A chunk outcome's `chunk` message."""
-    return chunk_message(
-        tick_id=outcome.job.tick_id,
-        chunk_index=outcome.chunk_index,
-        frames=len(outcome.frame_messages),
-        applied_event_ids=outcome.applied_event_ids,
-        restarted=outcome.restarted,
-        queue_ms=outcome.queue_s * 1e3,
-        compute_ms=outcome.compute_s * 1e3,
-        encode_ms=outcome.encode_s * 1e3,
-        rewind_points=outcome.rewind_points,
-    )
-
-
 class Protocol1(Dialect):
     """Protocol 1 on one socket; controller or viewer as its live session's role says."""
 
@@ -66,7 +47,7 @@ class Protocol1(Dialect):
         super().__init__()
         self.session_id = "s-" + secrets.token_hex(8)
         self._viewers = ViewerFeed(chunk_header)  # a controller's chunks for its viewers
-        self._video: SessionVideo | None = None  # a controller's WebRTC path, from its webrtc_offer
+        self._video = SessionVideo(self._accept_input, self._reply_error)  # a controller's WebRTC path, once offered
 
     # ---- start and ready -----------------------------------------------------------------------
 
@@ -139,17 +120,14 @@ class Protocol1(Dialect):
         """What the controller asked: a tick is returned for the live session to run; the rest is answered."""
         session = live.session
         assert session is not None
-        if isinstance(parsed, (TickMessage, InputMessage)):
-            parsed = with_prepared_prompt(parsed, live.gate.prompts, session.prompt_allowance)
         if isinstance(parsed, TickMessage):
+            parsed = with_prepared_prompt(parsed, live.gate.prompts, session.prompt_allowance)
             self._check_controls(live, parsed.controls, tick_id=parsed.tick_id)
             if self._viewers.held:  # offered once the tick is on its way: the viewers' writes go beside it
                 asyncio.get_running_loop().call_soon(self._viewers.offer_held, live.gate)
             return session.accept_tick(parsed)
         if isinstance(parsed, InputMessage):
-            self._check_controls(live, parsed.controls, tick_id=None)
-            duplicate = session.accept_event(parsed)
-            live.touch()
+            duplicate = self._accept_input(live, parsed, latest_wins=False)
             self._reply(live, ack_message(parsed.event_id, duplicate=duplicate))
         elif isinstance(parsed, PingMessage):
             self._reply(live, pong_message(parsed.t))
@@ -161,9 +139,7 @@ class Protocol1(Dialect):
         elif isinstance(parsed, RecordMessage):
             self._record(live, session, parsed.on)
         elif isinstance(parsed, WebRTCOfferMessage):
-            if self._video is None:
-                self._video = SessionVideo(live)
-            self._video.offer(parsed.sdp)
+            self._video.offer(live, parsed.sdp)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
         return None
@@ -176,13 +152,23 @@ class Protocol1(Dialect):
             log.info("session=%s viewer %s closed by the client", self.session_id, getattr(live.watch, "viewer_id", ""))
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, WebRTCOfferMessage):
-            raise ProtocolError(ErrorCode.WEBRTC_FAILED, "a viewer gets its frames on the WebSocket")
+            self._video.offer(live, parsed.sdp)  # refused: a viewer's frames come on its WebSocket
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage, RecordMessage)):
             detail = f"a viewer may not send {parsed.type}; the controller can pass control"
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
             raise ProtocolError(ErrorCode.NOT_CONTROLLER, detail, tick_id=tick_id)
         else:
             raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the session has already started; start is sent once")
+
+    def _accept_input(self, live: SessionPort, message: InputMessage, *, latest_wins: bool) -> bool:
+        """Stage an `input` (from the WebSocket, or latest-wins from a data channel); True: a recent duplicate."""
+        session = live.session
+        assert session is not None
+        message = with_prepared_prompt(message, live.gate.prompts, session.prompt_allowance)
+        self._check_controls(live, message.controls, tick_id=None)
+        duplicate = session.accept_event(message, latest_wins=latest_wins)
+        live.touch()
+        return duplicate
 
     @staticmethod
     def _check_controls(live: SessionPort, controls: dict[str, Any] | None, *, tick_id: int | None) -> None:
@@ -208,14 +194,9 @@ class Protocol1(Dialect):
     def _pass_control(self, live: SessionPort, session: Session, viewer_id: str) -> None:
         """Hand control to one of the session's viewers (the live session swaps the roles), then say so."""
         self._viewers.offer_held(live.gate)  # chunks before the pass go to the viewers as they were
-        if self._video is not None:
-            self._video.stop_sending()  # the session's own codec again: this socket watches in it from now on
-        try:
-            passed, gate = live.pass_control(viewer_id), live.gate
-        except ProtocolError:
-            if self._video is not None:
-                self._video.resume_sending()  # control stays here, and so does the track
-            raise
+        live.check_pass_control(viewer_id)  # control stays on a refusal, and so does the track
+        self._video.stop_sending()  # the session's own codec again: this socket watches in it from now on
+        passed, gate = live.pass_control(viewer_id), live.gate
         # how far back it can rewind and branch from, as `ready` says: the new controller's page shows that timeline
         controller = role_message(
             ROLE_CONTROLLER, last_tick_id=session.last_tick_id, resume=passed.resume, rewind_seconds=gate.rewind_seconds
@@ -261,27 +242,11 @@ class Protocol1(Dialect):
         live.gate.metrics.errors.labels(code=str(code)).inc()
         live.outbox.push(QueuedText(dumps(error_message(code, detail, tick_id=tick_id)), returns_credit=True))
 
-    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
-        header = chunk_header(outcome)
-        if self._video is not None and await self._video.send_chunk(outcome, header):
-            self._observe_action_to_frame(live, outcome)  # its frames are on the track
-            return len(outcome.frame_messages)
-        await live.ws.send_text(dumps(header))
-        for index, frame in enumerate(outcome.frame_messages):
-            await live.ws.send_bytes(frame)
-            if index == 0:
-                self._observe_action_to_frame(live, outcome)
-        return len(outcome.frame_messages)  # one frame a message
-
-    @staticmethod
-    def _observe_action_to_frame(live: SessionPort, outcome: TickOutcome) -> None:
-        sent_at = time.perf_counter()
-        for event in outcome.events:
-            live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> ChunkSent:
+        return await self._video.send_chunk(live, outcome, chunk_header(outcome))  # on the track or the WebSocket
 
     async def finished(self, live: SessionPort) -> None:
-        if self._video is not None:
-            await self._video.close()
+        await self._video.close()
 
     def chunk_sent(self, live: SessionPort) -> None:
         """Nothing follows a chunk here (the client ticks again); said here, a tick's walk skips dialect.py."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import FMP4
-from .dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from .dialect import ChunkSent, Dialect, Gate, OpeningPort, SessionPort, Started
 from .fmp4 import fmp4_codec
 from .handshake import Handshake
 from .outbox import QueuedChunk
@@ -399,7 +399,7 @@ class RealtimeVideo(Dialect):
             message = f"generation failed: {outcome.error}"
             live.fatal(ErrorCode.SESSION_FAILED, message, close_code=CLOSE_INTERNAL)
 
-    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> ChunkSent:
         (payload,) = outcome.frame_messages  # the fMP4 encoder makes one message per chunk
         await live.ws.send_text(dumps(self._chunk_metadata(live.gate, outcome, payload)))
         await live.ws.send_bytes(payload)
@@ -409,7 +409,7 @@ class RealtimeVideo(Dialect):
         self._chunks_sent += 1
         self._last_sent_index = outcome.chunk_index
         live.touch()
-        return self._frames_in(live.gate, outcome)
+        return ChunkSent(self._frames_in(live.gate, outcome), len(payload))
 
     def chunk_sent(self, live: SessionPort) -> None:
         session = live.session

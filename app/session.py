@@ -99,6 +99,7 @@ class PendingEvent:
 
     event_id: int
     arrived_at: float  # time.perf_counter() on arrival, for the action-to-frame histogram
+    replaceable: bool = False  # a newer latest-wins input replaces it while it waits (a WebRTC data channel's)
 
 
 @dataclass(frozen=True)
@@ -274,12 +275,14 @@ class Session:
         hold_chunks: int | None = None,
         release: dict[str, Any] | None = None,
         prompt_transition_chunks: int = 0,
+        latest_wins: bool = False,
     ) -> bool:
         """Stage an input event; returns True when it is a recent duplicate (acknowledged, not applied again).
 
         With ``hold_chunks``, the event's controls hold for that many chunks and
         then ``release`` applies (at the chunk boundary, whatever is queued);
-        ``prompt_transition_chunks`` goes to the model with the prompt.
+        ``prompt_transition_chunks`` goes to the model with the prompt. A ``latest_wins`` event replaces the
+        latest-wins events still waiting (their ids are never applied; its values replace theirs when staged).
         """
         event_id = message.event_id
         if self.event_floor is not None and event_id <= self.event_floor:
@@ -309,7 +312,9 @@ class Session:
             prompt_transition_chunks=prompt_transition_chunks,
         )
         with self._lock:
-            self._pending_events.append(PendingEvent(event_id, time.perf_counter()))
+            if latest_wins:
+                self._pending_events = [e for e in self._pending_events if not e.replaceable]
+            self._pending_events.append(PendingEvent(event_id, time.perf_counter(), replaceable=latest_wins))
             if update.controls is not None:
                 self._staged_controls = update
             if update.prompt is not None:

@@ -245,6 +245,18 @@ class CodecSettings(SettingGroup):
         description="answer `webrtc_offer`: a session's frames on a WebRTC video track (needs the webrtc extra, "
         "aiortc); off, an offer is refused with webrtc_failed. Its peer reaches UDP ports on this host's addresses",
     )
+    webrtc_max_peers: int = Field(
+        16,
+        ge=1,
+        description="WebRTC peer connections this server holds at once (answering or connected); an offer past "
+        "them gets webrtc_failed and its session plays on over the WebSocket",
+    )
+    webrtc_connect_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="an answered peer connection that has not connected within this many seconds (its ICE or DTLS "
+        "never completed) is closed, its slot returned, and the session told `webrtc_state` `failed`",
+    )
 
     @field_validator("codec")
     @classmethod

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .protocol import chunk_message
 from .viewers import Format, shares_frames
 
 if TYPE_CHECKING:
@@ -23,6 +24,21 @@ if TYPE_CHECKING:
 VIEWER_ENCODES_IN_FLIGHT = 2
 # How long a chunk waits for the controller's next tick before it goes to the viewers anyway (ViewerFeed.hold).
 VIEWER_HOLD_S = 0.02
+
+
+def chunk_header(outcome: TickOutcome) -> dict[str, Any]:
+    """A chunk outcome's `chunk` message (protocol 1's, for its controller and, through this feed, its viewers)."""
+    return chunk_message(
+        tick_id=outcome.job.tick_id,
+        chunk_index=outcome.chunk_index,
+        frames=len(outcome.frame_messages),
+        applied_event_ids=outcome.applied_event_ids,
+        restarted=outcome.restarted,
+        queue_ms=outcome.queue_s * 1e3,
+        compute_ms=outcome.compute_s * 1e3,
+        encode_ms=outcome.encode_s * 1e3,
+        rewind_points=outcome.rewind_points,
+    )
 
 
 class ViewerFeed:

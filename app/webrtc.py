@@ -21,11 +21,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
+from .dialect import ChunkSent
 from .outbox import QueuedText
-from .protocol import ErrorCode, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage, dumps, error_message
-from .webrtc_track import WebRTCDelivery, WebRTCError
+from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
+from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
+from .webrtc_track import WebRTCDelivery, WebRTCError, open_peer_connections
 
 if TYPE_CHECKING:
     from .dialect import SessionPort
@@ -38,39 +42,67 @@ log = logging.getLogger("arstream.webrtc")
 FIRST_FRAME_WAIT_S = 2.0
 
 
+def observe_action_to_frame(live: SessionPort, outcome: TickOutcome) -> None:
+    """Each input the chunk applied, from its arrival to the chunk's first frame leaving."""
+    sent_at = time.perf_counter()
+    for event in outcome.events:
+        live.gate.metrics.action_to_frame_seconds.observe(sent_at - event.arrived_at)
+
+
+# The label of the data channel a client sends its inputs on (latest wins); another label's channel is closed.
+INPUT_CHANNEL = "inputs"
+
+
+class InputTaker(Protocol):
+    """The dialect's staging of an `input` (its checks raise ProtocolError); True: a recent duplicate."""
+
+    def __call__(self, live: SessionPort, message: InputMessage, *, latest_wins: bool) -> bool: ...
+
+
 class SessionVideo:
-    """A protocol-1 controller's WebRTC path: the offer it answers, the track its chunks go on once
-    connected, and the codec switch that comes with it (the session makes raw pixels for the track
+    """A protocol-1 controller's delivery: the offer it answers, the track its chunks go on once connected (the
+    WebSocket otherwise), and the codec switch that comes with it (the session makes raw pixels for the track
     while connected, and goes back to its own codec, on the WebSocket, if the connection fails)."""
 
-    def __init__(self, live: SessionPort) -> None:
-        self._live = live
+    def __init__(self, take_input: InputTaker, refuse: Callable[[SessionPort, ProtocolError], None]) -> None:
+        self._take_input = take_input  # an input from the data channel, staged as the WebSocket's are
+        self._refuse = refuse  # a refused channel message: its error goes on the WebSocket
+        self.inputs_overtaken = 0  # channel inputs dropped because a newer one was already taken
+        self._live: SessionPort | None = None  # the controller's live session, from its first offer
         self._delivery: WebRTCDelivery | None = None
         self._answering: asyncio.Task[None] | None = None
         self._own_format: tuple[str, int] | None = None  # the session's codec and quality before the switch
         self._closing = False
 
-    def offer(self, sdp: str) -> None:
+    def offer(self, live: SessionPort, sdp: str) -> None:
         """Answer ``webrtc_offer`` (once per session); refusals are ``webrtc_failed``, the session goes on."""
+        if live.watch is not None:
+            raise ProtocolError(ErrorCode.WEBRTC_FAILED, "a viewer gets its frames on the WebSocket")
         if self._delivery is not None:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this session already has a peer connection")
-        session = self._live.session
+        self._live = live
+        session = live.session
         assert session is not None
-        if not self._live.gate.settings.webrtc:
+        settings = live.gate.settings
+        if not settings.webrtc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this server does not offer WebRTC (--webrtc is off)")
-        fps = float(self._live.gate.model_card.get("fps") or 30)
+        if open_peer_connections() >= settings.webrtc_max_peers:
+            detail = f"this server holds its {settings.webrtc_max_peers} WebRTC peer connections; try again later"
+            raise ProtocolError(ErrorCode.WEBRTC_FAILED, detail)
+        fps = float(live.gate.model_card.get("fps") or 30)
         try:
-            self._delivery = WebRTCDelivery(fps, self._state_changed)
+            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened)
         except WebRTCError as exc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None
         self._answering = asyncio.create_task(self._answer(self._delivery, sdp), name=f"webrtc-{session.id}")
 
     def _session_id(self) -> str:
-        session = self._live.session
+        session = None if self._live is None else self._live.session
         return "" if session is None else session.id
 
     def _reply(self, payload: dict[str, Any]) -> None:
         """An answer to the offer (or its refusal), queued as a reply."""
+        assert self._live is not None
         self._live.outbox.push_reply(dumps(payload))
         self._live.check_send_backlog()
 
@@ -87,10 +119,56 @@ class SessionVideo:
             return
         self._reply(WebRTCAnswerMessage(type="webrtc_answer", sdp=answer, codec=delivery.codec).wire())
         log.info("session=%s webrtc answered codec=%s", self._session_id(), delivery.codec)
+        assert self._live is not None
+        deadline_s = self._live.gate.settings.webrtc_connect_timeout_s
+        try:
+            await asyncio.wait_for(delivery.settled.wait(), deadline_s)
+        except TimeoutError:  # its ICE or DTLS never completed
+            log.info("session=%s webrtc not connected within %g s: closed", self._session_id(), deadline_s)
+            if not self._closing:
+                failed = WebRTCStateMessage(type="webrtc_state", state="failed").wire()
+                self._live.outbox.push(QueuedText(dumps(failed)))
+        else:
+            await delivery.ended.wait()  # it failed or closed, here or after it connected (said by _state_changed)
+        # Its slot comes back, and the client may offer again.
+        if self._delivery is delivery:
+            self._delivery = None
+        await delivery.close()
+
+    def _channel_opened(self, channel: Any) -> None:
+        if channel.label != INPUT_CHANNEL:
+            channel.close()
+            return
+        channel.on("message", lambda data: self._channel_message(channel, data))
+
+    def _channel_message(self, channel: Any, data: str | bytes) -> None:
+        """An `input` (latest wins) or a `ping` on the inputs channel; refusals go on the WebSocket, non-fatal."""
+        live = self._live
+        session = None if live is None else live.session
+        if live is None or session is None or self._closing:
+            return  # control passed, or the session ended: the channel's inputs are no longer the session's
+        try:
+            limit = live.gate.settings.max_message_bytes
+            if not isinstance(data, str):
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, "the inputs channel carries text messages")
+            if too_large(data, limit):
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"channel messages are limited to {limit} bytes")
+            parsed = parse_client_message(data)
+            if isinstance(parsed, PingMessage):
+                channel.send(dumps(pong_message(parsed.t)))
+            elif not isinstance(parsed, InputMessage):
+                detail = f"the inputs channel carries input and ping, not {parsed.type}"
+                raise ProtocolError(ErrorCode.INVALID_MESSAGE, detail)
+            elif session.event_floor is not None and parsed.event_id <= session.event_floor:
+                self.inputs_overtaken += 1  # a newer input already holds
+            else:
+                self._take_input(live, parsed, latest_wins=True)
+        except ProtocolError as exc:
+            self._refuse(live, exc)
 
     def _state_changed(self, state: str) -> None:
-        session = self._live.session
-        if session is None or self._closing:
+        session = None if self._live is None else self._live.session
+        if self._live is None or session is None or self._closing:
             return
         if state == "connected" and self._own_format is None:
             self._own_format = (session.codec, session.quality)
@@ -103,7 +181,7 @@ class SessionVideo:
 
     def _restore_format(self) -> None:
         """The session makes frames in its own codec again (for the WebSocket)."""
-        session = self._live.session
+        session = None if self._live is None else self._live.session
         if self._own_format is not None and session is not None:
             session.codec, session.quality = self._own_format
             self._replan_viewers()
@@ -111,34 +189,39 @@ class SessionVideo:
 
     def _replan_viewers(self) -> None:
         """The session's own frames changed format: its viewers' formats are now encoded apart (or shared)."""
-        session = self._live.session
-        if session is not None:
+        session = None if self._live is None else self._live.session
+        if self._live is not None and session is not None:
             session.viewer_formats = self._live.gate.shares.formats_needed(session.id, (session.codec, session.quality))
 
     def stop_sending(self) -> None:
         """From now on the session's frames go on the WebSocket, in its own codec (control passes to a viewer,
-        whose frames come on its own socket); the peer connection is closed with the socket."""
+        whose frames come on its own socket); the peer connection is closed with the socket. Called once the
+        pass is sure to happen: nothing undoes it."""
         self._closing = True
         self._restore_format()
 
-    def resume_sending(self) -> None:
-        """Control stayed after all (a refused pass): the frames go on the track again while it is connected."""
-        self._closing = False
-        session = self._live.session
-        if session is not None and self._delivery is not None and self._delivery.connected:
-            self._own_format = (session.codec, session.quality)
-            session.codec = "raw"
-            self._replan_viewers()
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome, header: dict[str, Any]) -> ChunkSent:
+        """Send a controller's chunk: on the track while it is connected (its `chunk` message on the WebSocket
+        says which track frames hold it), else its `chunk` message and its frames as binary WebSocket messages."""
+        on_track = await self._on_track(live, outcome, header)
+        if on_track is not None:
+            observe_action_to_frame(live, outcome)
+            return on_track
+        await live.ws.send_text(dumps(header))
+        for index, frame in enumerate(outcome.frame_messages):
+            await live.ws.send_bytes(frame)
+            if index == 0:
+                observe_action_to_frame(live, outcome)
+        return ChunkSent(len(outcome.frame_messages), sum(len(frame) for frame in outcome.frame_messages))
 
-    async def send_chunk(self, outcome: TickOutcome, header: dict[str, Any]) -> bool:
-        """Send a chunk by the track (its `chunk` message on the WebSocket says which track frames hold it);
-        False when the chunk goes on the WebSocket as binary frames instead."""
+    async def _on_track(self, live: SessionPort, outcome: TickOutcome, header: dict[str, Any]) -> ChunkSent | None:
+        """The chunk by the track, or None when the track does not take it (not connected, or not raw pixels)."""
         delivery = self._delivery
         if delivery is None or not delivery.connected or self._closing:
-            return False
+            return None
         first = delivery.push_chunk(outcome.frame_messages)
         if first is None:
-            return False
+            return None
         track = delivery.track
         if not track.origin_known.is_set():
             with contextlib.suppress(TimeoutError):
@@ -147,8 +230,8 @@ class SessionVideo:
         rtp_timestamp = track.rtp_timestamp(first)
         if rtp_timestamp is not None:
             message["rtp_timestamp"] = rtp_timestamp
-        await self._live.ws.send_text(dumps(message))
-        return True
+        await live.ws.send_text(dumps(message))
+        return ChunkSent(len(outcome.frame_messages), 0, on_track=True)
 
     async def close(self) -> None:
         """Close the peer connection: on every end of the session."""

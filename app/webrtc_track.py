@@ -46,8 +46,9 @@ MAX_QUEUED_FRAMES = 64
 # The codecs the answer prefers, in order, among those the offer lists.
 PREFERRED_CODECS = ("video/H264", "video/VP8")
 
-# Every peer connection this process holds open (counted in /v1/stats and by the tests).
-_open_peers: set[Any] = set()
+# Every peer connection this process holds, from the offer taken to its close (counted in /v1/stats, capped by
+# `webrtc_max_peers`, and by the tests).
+_open_peers: set[WebRTCDelivery] = set()
 
 
 class WebRTCError(Exception):
@@ -158,14 +159,18 @@ def negotiated_codec(sdp: str) -> str | None:
 class WebRTCDelivery:
     """One protocol-1 session's peer connection and its video track."""
 
-    def __init__(self, fps: float, on_state: Callable[[str], None]) -> None:
+    def __init__(self, fps: float, on_state: Callable[[str], None], on_channel: Callable[[Any], None]) -> None:
         if not AVAILABLE:
             raise WebRTCError("this server has no WebRTC (install the webrtc extra)")
         self.track = ChunkTrack(fps)
+        _open_peers.add(self)  # its slot, held until close()
         self._on_state = on_state
+        self._on_channel = on_channel  # a data channel the client opened (RTCDataChannel)
         self._pc: Any = None
         self.codec: str | None = None
         self.state = "new"
+        self.settled = asyncio.Event()  # connected, failed or closed: what the connect deadline waits for
+        self.ended = asyncio.Event()  # failed or closed
 
     @property
     def connected(self) -> bool:
@@ -175,11 +180,12 @@ class WebRTCDelivery:
         """Answer a complete (non-trickle) offer; returns the answer's SDP, with the server's candidates."""
         pc = RTCPeerConnection()
         self._pc = pc
-        _open_peers.add(pc)
 
         @pc.on("connectionstatechange")
         def changed() -> None:
             self._state(pc.connectionState)
+
+        pc.on("datachannel", self._on_channel)
 
         # The track's transceiver comes first, so that the offer's video section takes it and the codec
         # preference applies when the offer is read (aiortc picks the codecs there).
@@ -217,15 +223,26 @@ class WebRTCDelivery:
             return
         self.state = state
         if state in ("connected", "failed", "closed"):
+            self.settled.set()
+            if state != "connected":
+                self.ended.set()
             self._on_state(state)
 
     async def close(self) -> None:
         """Close the peer connection (every session end comes here)."""
         self.track.stop()
         pc, self._pc = self._pc, None
-        if pc is None:
-            return
         try:
-            await pc.close()
+            if pc is not None:
+                # Shielded: a close cancelled half-way would cancel the future aiortc's own close (begun when the
+                # peer's DTLS closed) completes, and that close would fail.
+                closing = asyncio.ensure_future(pc.close())
+                closing.add_done_callback(_log_close_failure)
+                await asyncio.shield(closing)
         finally:
-            _open_peers.discard(pc)
+            _open_peers.discard(self)
+
+
+def _log_close_failure(closing: asyncio.Future[None]) -> None:
+    if not closing.cancelled() and closing.exception() is not None:
+        log.warning("a peer connection did not close cleanly: %r", closing.exception())

@@ -50,8 +50,11 @@ async def write_outbox(live: Written, session: Session) -> None:
                 if item.returns_credit:
                     session.release_credit()
             elif isinstance(item, QueuedChunk):
-                frames = await live.dialect.send_chunk(live, item.outcome)
-                count_sent(metrics, frames, sum(len(message) for message in item.outcome.frame_messages))
+                sent = await live.dialect.send_chunk(live, item.outcome)
+                if sent.on_track:
+                    metrics.track_frames_sent.inc(sent.frames)
+                else:
+                    count_sent(metrics, sent.frames, sent.websocket_bytes)
                 metrics.chunks.inc()
                 session.release_credit()
                 live.dialect.chunk_sent(live)

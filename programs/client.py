@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import math
 import sys
 import time
@@ -58,6 +59,7 @@ from .client_lib import (
     start_image_field,
     takes_keys,
 )
+from .client_webrtc import TrackReceiver
 from ..cli import main_for
 from ..measure import percentile
 
@@ -67,6 +69,8 @@ VIDEO_NAME = "video.mp4"
 # A new session refused by a draining replica tries again: the balancer stops routing there at its next check.
 FRESH_START_ATTEMPTS = 20
 FRESH_START_RETRY_S = 0.5
+# --webrtc: how long a connection waits for its offered track before ticking (then the WebSocket carries the frames)
+TRACK_WAIT_S = 10.0
 
 
 # ---- the key script -----------------------------------------------------------------
@@ -205,6 +209,8 @@ class RunResult:
     restarts: list[tuple[int, str]] = field(default_factory=list)  # (chunk_index, restarted) of new rollouts
     skipped_chunks: int = 0  # a viewer's chunks the server skipped because it fell behind
     viewers: int = 0  # viewers of the session at the end (the last `viewers` message)
+    delivery: str = "WebSocket"  # where the frames came: the WebSocket, or the WebRTC track (and its codec)
+    track_frames: int = 0  # frames that came on the WebRTC track (saved after the WebSocket's)
 
 
 def say_ready(session: Session) -> None:
@@ -241,6 +247,7 @@ async def run_script(
     rewind: Rewind | None = None,
     branch: tuple[str, int | None] | None = None,
     prompts_at: Sequence[tuple[int, str]] = (),
+    webrtc: bool = False,
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
 
@@ -250,6 +257,8 @@ async def run_script(
     ``image`` is the session's ``start.image`` (:func:`start_image_choice`); a resume keeps it.
     ``rewind``: tick ``rewind.after`` carries ``rewind_to`` (its chunk is ``rewind.to`` again).
     ``branch`` (share token, boundary): the session starts from that boundary of the shared session.
+    ``webrtc``: each connection offers a WebRTC track (client_webrtc.py) and waits for it before ticking; the
+    frames that came on a track follow the WebSocket's in the result.
 
     A session the server moves to another replica (``moved``) is followed: the
     client resumes it there and sends again the ticks whose chunks did not come.
@@ -287,6 +296,19 @@ async def run_script(
         )
         return fresh
 
+    receivers: list[TrackReceiver] = []
+
+    async def offer_track(client: Session) -> None:
+        """With ``webrtc``: offer a track on this connection (a resumed one offers again) and wait for it."""
+        if not webrtc:
+            return
+        receiver = TrackReceiver(float(client.model.get("fps") or 30))
+        receivers.append(receiver)
+        await client.offer_webrtc(receiver)
+        state = await client.wait_for_track(TRACK_WAIT_S)
+        detail = f"WebRTC ({receiver.codec})" if state == "connected" else f"WebSocket (WebRTC {state})"
+        print(f"frames by {detail}" + (f": {receiver.refused}" if receiver.refused else ""), flush=True)
+
     session = await fresh_session()
     if any(plan) and not takes_keys(session.model):
         # Every input with keys would be refused: say what this model takes instead, before any tick.
@@ -297,6 +319,7 @@ async def run_script(
     restarts: list[tuple[int, str]] = []
     try:
         say_ready(session)
+        await offer_track(session)
         # Enough ticks queued to keep the model busy, with one credit spare for a reset or close tick
         # that an interactive client may need to send at any moment.
         in_flight_limit = max(1, session.max_pending_ticks - 1)
@@ -321,6 +344,7 @@ async def run_script(
             except SessionMoved as moved:
                 gap = await session.resume(url, token=token, resume_token=moved.resume_token)
                 print(f"{moved}; followed it: {gap.describe().replace('connection dropped', 'moved')}", flush=True)
+                await offer_track(session)
                 next_tick, held = chunks_received, None
                 continue
             except ConnectionDropped:
@@ -332,6 +356,7 @@ async def run_script(
                 except (ServerError, SessionClosed, websockets.InvalidHandshake, OSError) as exc:
                     # Its replica is gone (killed, host lost): the world cannot come back, so begin it again.
                     session = await start_over(f"the server holding the session is gone ({type(exc).__name__})")
+                await offer_track(session)
                 # Ask again for the chunks that were lost; resend the keys (an input may have been lost too).
                 next_tick, held = chunks_received, None
                 continue
@@ -340,6 +365,7 @@ async def run_script(
                 if not resume_on_drop or why is None:
                     raise
                 session = await start_over(why)
+                await offer_track(session)
                 next_tick, held = chunks_received, None
                 continue
             chunks_received += 1
@@ -355,16 +381,22 @@ async def run_script(
             if chunk.restarted == "evicted":
                 # The server reclaimed this session's KV (it was idle and the pool was full): a new rollout began.
                 print(f"note: tick {chunk.tick_id} started a new rollout after the session was evicted", file=sys.stderr)
+        if receivers:
+            await receivers[-1].wait_shown()  # frames still on the track when the session closes are not sent
         streaming_s = time.perf_counter() - ticking_started
         closed_reason = await session.close()
     finally:
         await session.ws.close()
+        track_frames = [frame for receiver in receivers for frame in await receiver.close()]
+    codecs = sorted({str(receiver.codec) for receiver in receivers if receiver.frames})
     return RunResult(
-        frames=frames,
+        frames=frames + track_frames,
+        delivery=f"WebRTC ({', '.join(codecs)})" if codecs else "WebSocket",
+        track_frames=len(track_frames),
         model=session.model,
         time_to_first_frame_s=session.first_frame_at - connect_started,
         chunk_latencies_s=session.chunk_latencies_s,
-        action_to_frame_s=session.action_to_frame_s,
+        action_to_frame_s=[*session.action_to_frame_s, *(t for r in receivers for t in r.action_to_frame_s)],
         streaming_s=streaming_s,
         closed_reason=closed_reason,
         ready=session.ready,
@@ -489,6 +521,8 @@ def report(result: RunResult) -> str:
             f"action-to-frame (input sent -> first frame of the chunk that applied it, n={len(action)}): "
             f"p50 {format_ms(percentile(action, 50))}, p99 {format_ms(percentile(action, 99))}",
         ]
+    if result.track_frames:
+        lines.append(f"delivery: {result.delivery}, {result.track_frames} frames on the track")
     lines.append(
         f"frames/s: {fps:.1f} ({len(result.frames)} frames in {result.streaming_s:.2f} s; "
         f"model plays at {result.model['fps']} fps)"
@@ -521,6 +555,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "starts: N or a queued earlier one; repeatable); prints the chunk that applied it",
     )
     parser.add_argument("--token", help="auth token, sent as ?token=")
+    parser.add_argument(
+        "--webrtc",
+        action="store_true",
+        help="receive the frames on a WebRTC video track (a server with --webrtc; needs the webrtc extra, aiortc): "
+        "the client offers after ready and waits for the track; refused or unconnected, they come on the WebSocket",
+    )
     parser.add_argument(
         "--image",
         metavar="NAME|PATH",
@@ -607,6 +647,8 @@ def run(args: argparse.Namespace) -> int:
         rewind, branch = share_choice(args, len(plan))
         image = start_image_choice(args.image) if args.image is not None else None
         prompts_at = prompt_switches(args.prompt_at, len(plan))
+        if args.webrtc and (args.watch is not None or importlib.util.find_spec("aiortc") is None):
+            raise ValueError("--webrtc is for a player, and needs aiortc (pip install 'arstream[webrtc]')")
     except (ValueError, OSError) as exc:
         print(f"arstream client: {exc}", file=sys.stderr)
         return 2
@@ -629,6 +671,7 @@ def run(args: argparse.Namespace) -> int:
                     rewind=rewind,
                     branch=branch,
                     prompts_at=prompts_at,
+                    webrtc=args.webrtc,
                 )
             )
     except NoKeysModel as exc:

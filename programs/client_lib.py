@@ -19,14 +19,16 @@ with ``decode=False``. It needs no torch: numpy, pydantic, websockets, simplejpe
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import websockets
@@ -51,8 +53,14 @@ from ..app.protocol import (
     StartMessage,
     TickMessage,
     ViewersMessage,
+    WebRTCAnswerMessage,
+    WebRTCOfferMessage,
+    WebRTCStateMessage,
     parse_server_message,
 )
+
+if TYPE_CHECKING:
+    from .client_webrtc import TrackReceiver
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_MOVE_HOPS = 4  # a resume told `moved` follows at most this many replicas in a row
@@ -343,6 +351,7 @@ class Session:
         self.recording: bool | None = None  # ready.record, then `recording` answers (None: the server records none)
         self.skipped_chunks = 0  # chunks the server skipped for this viewer (chunk.skipped_before)
         self.inherited_ticks_up_to = -1  # given control: chunks of ticks up to this id were the last controller's
+        self.track: TrackReceiver | None = None  # frames on a WebRTC track, once offered (client_webrtc.py)
 
     @classmethod
     async def connect(
@@ -455,6 +464,29 @@ class Session:
         await self._send(text)
         return tick_id
 
+    async def offer_webrtc(self, receiver: TrackReceiver) -> None:
+        """Offer ``receiver``'s track (PROTOCOL.md, "WebRTC video"): chunks come on it once the server says
+        ``connected``; a refusal (``webrtc_failed``) is kept in ``receiver.refused`` and the frames stay here."""
+        self.track = receiver
+        await self._send(_checked(WebRTCOfferMessage, {"type": "webrtc_offer", "sdp": await receiver.offer_sdp()}))
+
+    async def wait_for_track(self, timeout_s: float) -> str:
+        """Before the first tick: read until the server says how the offered track went (``connected``, another
+        state, or refused); at most ``timeout_s`` (then the frames come on the WebSocket until it connects)."""
+        track = self.track
+        assert track is not None, "offer_webrtc first"
+
+        async def settled() -> None:
+            while track.state == "new" and track.refused is None:
+                data = await self._recv()
+                if isinstance(data, bytes):
+                    raise wire.WireError(f"unexpected binary message of {len(data)} bytes before any tick")
+                self._note(json.loads(data))
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(settled(), timeout_s)
+        return "refused" if track.refused is not None else track.state
+
     async def record(self, on: bool = True) -> None:
         """Record the session from its next chunk on (``on`` false: stop); :attr:`recording` follows the answer."""
         await self._send(record_message(on))
@@ -498,7 +530,8 @@ class Session:
         else:
             raise wire.WireError(f"chunk for tick {tick_id}, which is not in flight")
         chunk = Chunk(header=message, tick_sent_at=sent_at, message_at=time.perf_counter())
-        for index in range(message.frames):
+        on_track = message.delivery == "webrtc"  # its frames come on the track, not as binary messages here
+        for index in range(0 if on_track else message.frames):
             data = await self._recv()
             if not isinstance(data, bytes):
                 raise wire.WireError(f"expected binary frame {index} of tick {tick_id}, got text: {data[:200]}")
@@ -537,6 +570,14 @@ class Session:
         self.last_chunk_index = chunk.chunk_index
         if chunk.frames and math.isnan(self.first_frame_at):
             self.first_frame_at = chunk.first_frame_at
+        if chunk.header.delivery == "webrtc" and self.track is not None and chunk.header.track_frame is not None:
+            for event_id in chunk.applied_event_ids:
+                self._event_sent_after.pop(event_id, None)
+            sent = [self.event_sent_at.pop(event_id, math.nan) for event_id in chunk.applied_event_ids]
+            self.track.chunk_on_track(
+                chunk.header.track_frame, chunk.header.frames, [at for at in sent if not math.isnan(at)]
+            )
+            return  # the receiver times them when it shows the chunk's first frame
         for event_id in chunk.applied_event_ids:
             sent_at = self.event_sent_at.pop(event_id, None)
             if sent_at is not None:
@@ -598,6 +639,12 @@ class Session:
             self._take_role(message)
             if self.role == "controller":
                 raise ControlPassed("the player passed control to this client")
+        elif isinstance(message, WebRTCAnswerMessage) and self.track is not None:
+            self.track.answered(message)
+        elif isinstance(message, WebRTCStateMessage) and self.track is not None:
+            self.track.state = message.state
+        elif isinstance(message, ErrorMessage) and message.code == ErrorCode.WEBRTC_FAILED and self.track is not None:
+            self.track.refused = message.message  # the session goes on, its frames on the WebSocket
         elif isinstance(message, ErrorMessage):
             raise ServerError(message)
         elif isinstance(message, MovedMessage):

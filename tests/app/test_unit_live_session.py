@@ -14,7 +14,7 @@ import pytest
 
 from gate_fakes import FakeGate, chunk_outcome, fake_socket, live_session, until
 
-from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from arstream.app.dialect import ChunkSent, Dialect, Gate, OpeningPort, SessionPort, Started
 from arstream.app.live_session import PHASES, Phase
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
@@ -66,11 +66,11 @@ class FakeDialect(Dialect):
         else:
             live.fatal(ErrorCode.INTERNAL, "failed", close_code=1011)
 
-    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> ChunkSent:
         await live.ws.send_text(f"chunk {outcome.job.tick_id}")
         for frame in outcome.frame_messages:
             await live.ws.send_bytes(frame)
-        return len(outcome.frame_messages)
+        return ChunkSent(len(outcome.frame_messages), sum(len(frame) for frame in outcome.frame_messages))
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return {"type": "error", "code": code, "message": message}

@@ -197,3 +197,34 @@ def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(
         assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
         assert page.text_content("#hud-delivery") == "WebSocket (WebRTC could not connect)"
         assert not page.is_visible("#screen-video")
+
+
+# Makes this page's WebRTC unable to connect: its offer goes without ICE candidates (and promises more), and it
+# never applies the server's answer, so neither side ever sends an ICE check.
+NO_ICE_SCRIPT = r"""
+const send = WebSocket.prototype.send;
+WebSocket.prototype.send = function (data) {
+  if (typeof data === 'string' && data.includes('"webrtc_offer"')) {
+    const offer = JSON.parse(data);
+    offer.sdp = offer.sdp.split('\r\n').filter((line) => !/^a=(candidate|end-of-candidates)/.test(line)).join('\r\n');
+    data = JSON.stringify(offer);
+  }
+  return send.call(this, data);
+};
+RTCPeerConnection.prototype.setRemoteDescription = function () { return Promise.resolve(); };
+"""
+
+
+def test_the_page_falls_back_to_the_websocket_when_webrtc_cannot_connect(page: Any) -> None:
+    settings = fake_settings(webrtc=True, webrtc_connect_timeout_s=1.0)
+    with running_server(settings, FakeKVPipeline(width=64, height=64)) as stuck:
+        page.add_init_script(NO_ICE_SCRIPT)
+        page.goto(stuck.base_url + "/?delivery=webrtc")
+        # the server gives the peer up at its connect deadline and says so; the page shows where frames come from
+        wait(page, "document.getElementById('hud-delivery').textContent === 'WebSocket (WebRTC could not connect)'")
+        drawn = debug(page)["framesDrawn"]
+        wait(page, f"window.arstreamDebug.framesDrawn > {drawn + 4}")  # and plays on, over the WebSocket
+        state = debug(page)
+        assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
+        assert not page.is_visible("#screen-video")
+        assert stuck.stats()["webrtc"]["peer_connections"] == 0  # its slot came back

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 
-from arstream.app.dialect import Dialect, Gate, OpeningPort, SessionPort, Started
+from arstream.app.dialect import ChunkSent, Dialect, Gate, OpeningPort, SessionPort, Started
 from arstream.app.dialects import DIALECTS, add_dialect, remove_dialect
 from arstream.app.outbox import QueuedChunk
 from arstream.app.protocol import CLOSE_NORMAL, CloseReason, ErrorCode, TickMessage, dumps
@@ -68,11 +68,11 @@ class EchoDialect(Dialect):
         else:
             live.fatal(ErrorCode.INTERNAL, "the model failed", close_code=1011)
 
-    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> int:
+    async def send_chunk(self, live: SessionPort, outcome: TickOutcome) -> ChunkSent:
         await live.ws.send_text(dumps({"type": "frames", "count": len(outcome.frame_messages)}))
         for frame in outcome.frame_messages:
             await live.ws.send_bytes(frame)
-        return len(outcome.frame_messages)
+        return ChunkSent(len(outcome.frame_messages), sum(len(frame) for frame in outcome.frame_messages))
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         return {"type": "oops", "code": code, "message": message}

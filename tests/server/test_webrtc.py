@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +21,8 @@ import pytest
 from arstream.app import webrtc_track
 from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
-from servers import LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
+from arstream.programs import client
+from servers import REPO_ROOT, LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
 
 aiortc = pytest.importorskip("aiortc")
 
@@ -56,9 +60,9 @@ async def offer_sdp(pc: Any) -> str:
     return str(pc.localDescription.sdp)
 
 
-async def connect_video(client: ProbeClient) -> tuple[Any, asyncio.Future[Any], dict[str, Any]]:
+async def connect_video(client: ProbeClient, pc: Any = None) -> tuple[Any, asyncio.Future[Any], dict[str, Any]]:
     """Offer, apply the answer, wait until the server says the peer connection is up."""
-    pc = aiortc.RTCPeerConnection()
+    pc = pc or aiortc.RTCPeerConnection()
     track: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     def on_track(received: Any) -> None:
@@ -277,3 +281,231 @@ def test_a_viewer_of_a_controller_on_webrtc_gets_every_chunk_on_its_websocket(se
     assert [chunk["tick_id"] for chunk, _ in seen] == [0, 1, 2]
     assert all("delivery" not in chunk for chunk, _ in seen)
     assert {header.codec.name for _, headers in seen for header in headers} == {"JPEG"}
+
+
+def test_a_refused_pass_leaves_the_controller_on_the_track(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as client:
+            pc, _, _ = await connect_video(client)
+            try:
+                await client.send(type="tick", tick_id=0)
+                assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
+                await client.send(type="pass_control", to="v-nobody")
+                refused = await next_of(client, "error")
+                chunks = []
+                for tick_id in (1, 2):
+                    await client.send(type="tick", tick_id=tick_id)
+                    chunks.append(await next_of(client, "chunk"))
+            finally:
+                await pc.close()
+            return refused, chunks
+
+    refused, chunks = asyncio.run(scenario())
+    assert refused["code"] == "unknown_viewer" and refused["fatal"] is False
+    # control stayed, and so did the track: the next chunks are on it, not JPEG on the WebSocket
+    assert [(c["tick_id"], c["delivery"]) for c in chunks] == [(1, "webrtc"), (2, "webrtc")]
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+
+
+class InputChannel:
+    """The client's `inputs` data channel, ordered and reliable here: a pong then says every input sent before
+    its ping was taken (the protocol lets a client choose; a browser would send unordered, unreliable)."""
+
+    def __init__(self, pc: Any) -> None:
+        self.channel = pc.createDataChannel("inputs")
+        self.opened = asyncio.Event()
+        self.received: asyncio.Queue[Any] = asyncio.Queue()
+        self.channel.on("open", self.opened.set)
+        self.channel.on("message", self.received.put_nowait)
+
+    def input(self, event_id: int, keys: list[str]) -> None:
+        self.channel.send(json.dumps({"type": "input", "event_id": event_id, "controls": {"keys": keys}}))
+
+    async def taken(self, t: int) -> None:
+        """Ping, and wait for its pong: the server has taken everything sent before."""
+        self.channel.send(json.dumps({"type": "ping", "t": t}))
+        pong = json.loads(await asyncio.wait_for(self.received.get(), GUARD_S))
+        assert (pong["type"], pong["t"]) == ("pong", t), pong
+
+
+def test_inputs_on_the_data_channel_latest_wins(server: LiveServer) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with session_client(server.ws_url, start={}) as client:
+            pc = aiortc.RTCPeerConnection()
+            inputs = InputChannel(pc)
+            await connect_video(client, pc)
+            try:
+                await asyncio.wait_for(inputs.opened.wait(), GUARD_S)
+                await client.send(type="input", event_id=1, controls={"keys": ["a"]})  # the WebSocket's: kept
+                ack = await next_of(client, "ack")
+                for event_id, keys in ((2, ["w"]), (3, ["w", "a"]), (4, ["w", "d"])):
+                    inputs.input(event_id, keys)
+                await inputs.taken(1)
+                await client.send(type="tick", tick_id=0)
+                early: list[dict[str, Any]] = []
+                first = await next_of(client, "chunk", early)
+                assert early == []
+                inputs.input(3, ["s"])  # overtaken: dropped without a word
+                inputs.channel.send("not json")
+                inputs.channel.send(json.dumps({"type": "tick", "tick_id": 9}))
+                inputs.input(5, ["d"])
+                await inputs.taken(2)
+                await client.send(type="tick", tick_id=1)
+                refusals: list[dict[str, Any]] = []
+                second = await next_of(client, "chunk", refusals)
+            finally:
+                await pc.close()
+            return ack, first, second, refusals[0], refusals[1]
+
+    ack, first, second, not_json, not_input = asyncio.run(scenario())
+    assert ack["event_id"] == 1
+    # the newest channel input replaced the two pending before it; the WebSocket's input is never replaced
+    assert first["applied_event_ids"] == [1, 4]
+    assert second["applied_event_ids"] == [5]
+    for refusal in (not_json, not_input):
+        assert (refusal["type"], refusal["code"], refusal["fatal"]) == ("error", "invalid_message", False), refusal
+    assert "input and ping" in not_input["message"]
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+
+
+def test_the_client_program_receives_on_the_track(
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = client.main([server.base_url, "--webrtc", "--keys", "d*3,w*3", "--out", str(tmp_path / "out")])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert "frames by WebRTC (H264)" in output
+    # every chunk after the track connected came on it; a receiver holds back the last frame sent
+    assert "delivery: WebRTC (H264), 11 frames on the track" in output, output
+    assert len(list((tmp_path / "out").glob("frame_*.png"))) == 11
+    assert "action-to-frame" in output and "n=2" in output
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+
+
+def test_the_copyable_example_saves_the_frames_the_track_showed(server: LiveServer, tmp_path: Path) -> None:
+    example = REPO_ROOT / "docs" / "examples" / "client_webrtc.py"
+    result = subprocess.run(
+        [sys.executable, str(example), server.ws_url, "d", "5", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,  # hang guard only
+    )
+    assert result.returncode == 0, result.stderr
+    assert "delivery: connected H264" in result.stdout
+    # five chunks of two frames on the track; the receiver holds back the last one
+    assert "9 frames saved" in result.stdout and "(9 from the track)" in result.stdout, result.stdout
+    assert len(list(tmp_path.glob("*.png"))) == 9
+    wait_until(lambda: server.stats()["kv"]["sessions_resident"] == 0)
+
+
+def without_candidates(sdp: str) -> str:
+    """An offer whose ICE can never complete: no candidates, and more promised (no end-of-candidates)."""
+    kept = [line for line in sdp.split("\r\n") if not line.startswith(("a=candidate", "a=end-of-candidates"))]
+    return "\r\n".join(kept)
+
+
+def test_a_peer_that_never_connects_is_dropped_at_the_deadline_and_its_slot_returned() -> None:
+    async def scenario(server: LiveServer) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any]]:
+        async with session_client(server.ws_url, start={}) as stuck, session_client(server.ws_url, start={}) as other:
+            silent, pc = aiortc.RTCPeerConnection(), aiortc.RTCPeerConnection()
+            try:
+                await stuck.send(type="webrtc_offer", sdp=without_candidates(await offer_sdp(silent)))
+                await next_of(stuck, "webrtc_answer")  # never applied: this client sends no ICE check
+                await other.send(type="webrtc_offer", sdp=await offer_sdp(pc))
+                refused = await next_of(other, "error")  # the one slot is held
+                state = await next_of(stuck, "webrtc_state")  # the deadline
+                wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+                await stuck.send(type="tick", tick_id=0)
+                chunk, _ = await stuck.recv_chunk()  # the session plays on, over the WebSocket
+                await pc.close()
+                pc = aiortc.RTCPeerConnection()
+                await connect_video(other, pc)  # the slot came back: the other session's offer is answered
+                await other.send(type="tick", tick_id=0)
+                on_track = await next_of(other, "chunk")
+                return refused, state, chunk["frames"], on_track
+            finally:
+                await silent.close()
+                await pc.close()
+
+    settings = fake_settings(webrtc=True, webrtc_max_peers=1, webrtc_connect_timeout_s=1.0)
+    with running_server(settings, FakeKVPipeline(width=64, height=64)) as bounded:
+        refused, state, frames, on_track = asyncio.run(scenario(bounded))
+        wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+    assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "1 WebRTC peer" in refused["message"]
+    assert state == {"type": "webrtc_state", "state": "failed"}
+    assert frames == 2 and on_track["delivery"] == "webrtc"
+
+
+def test_a_resumed_session_offers_again_and_plays_on_a_new_track() -> None:
+    async def scenario(server: LiveServer) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], list[int]]:
+        async with session_client(server.ws_url, start={}) as first:
+            token = first.ready["resume"]["token"]  # type: ignore[index]
+            pc, _, _ = await connect_video(first)
+            await first.send(type="tick", tick_id=0)
+            before = await next_of(first, "chunk")
+            first.abort()  # the connection drops: the server closes its peer connection, the session waits
+        await pc.close()
+        await asyncio.to_thread(
+            server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1 and s["webrtc"]["peer_connections"] == 0
+        )
+        async with session_client(f"{server.ws_url}?resume={token}", start={"resume": token}) as second:
+            pc, track_future, _ = await connect_video(second)  # the client renegotiates on the new socket
+            try:
+                chunks = []
+                for tick_id in (1, 2):
+                    await second.send(type="tick", tick_id=tick_id)
+                    chunks.append(await next_of(second, "chunk"))
+                track = await asyncio.wait_for(track_future, GUARD_S)
+                greens = []
+                for _ in range(chunks[0]["frames"]):  # the first chunk's frames (the last chunk's last is held)
+                    frame = await asyncio.wait_for(track.recv(), GUARD_S)
+                    greens.append(int(frame.to_ndarray(format="rgb24")[..., 1].mean().round()))
+            finally:
+                await pc.close()
+            return second.ready, before, chunks, greens  # type: ignore[return-value]
+
+    settings = fake_settings(webrtc=True, replica_id="r0", resume_grace_s=30.0)
+    with running_server(settings, FakeKVPipeline(width=64, height=64)) as server:
+        ready, before, chunks, greens = asyncio.run(scenario(server))
+        wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+    assert before["delivery"] == "webrtc" and ready["resumed"]
+    # the world goes on where it was (chunk 1, 2), on a new track numbered from 0
+    assert [(c["chunk_index"], c["delivery"], c["track_frame"]) for c in chunks] == [(1, "webrtc", 0), (2, "webrtc", 2)]
+    assert all(abs(green - (2 + i)) <= 3 for i, green in enumerate(greens)), greens  # frames 2 and 3 of the rollout
+
+
+def sent_counters(server: LiveServer) -> dict[str, float]:
+    """The server's sent-frame counters from /metrics."""
+    names = ("arstream_frames_sent_total", "arstream_bytes_sent_total", "arstream_webrtc_frames_sent_total")
+    found = {}
+    for line in server.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            found[name] = float(value)
+    return found
+
+
+def test_track_frames_are_counted_apart_from_websocket_bytes(server: LiveServer) -> None:
+    async def scenario() -> int:
+        async with session_client(server.ws_url, start={"codec": "jpeg"}) as client:
+            await client.send(type="tick", tick_id=0)
+            chunk = await next_of(client, "chunk")  # on the WebSocket: JPEG frames as binary messages
+            messages = [await client.recv() for _ in range(chunk["frames"])]
+            websocket_bytes = sum(len(message) for message in messages)
+            pc, _, _ = await connect_video(client)
+            try:
+                for tick_id in (1, 2, 3):
+                    await client.send(type="tick", tick_id=tick_id)
+                    assert (await next_of(client, "chunk"))["delivery"] == "webrtc"
+            finally:
+                await pc.close()
+            return websocket_bytes
+
+    before = sent_counters(server)
+    websocket_bytes = asyncio.run(scenario())
+    after = sent_counters(server)
+    change = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert change == {
+        "arstream_frames_sent_total": 2,  # binary frame messages: the first chunk's
+        "arstream_bytes_sent_total": websocket_bytes,  # their bytes only, not the track's raw pixels
+        "arstream_webrtc_frames_sent_total": 6,
+    }
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
