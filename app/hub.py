@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -57,6 +58,9 @@ class SessionHub:
         self.ready = False
         self.not_ready_reason = "the model is loading and warming up"
         self.load_error: BaseException | None = None
+        # why the replica over several devices stopped serving (a rank lost; runner/distributed/), if it did
+        self.replica_lost: str | None = None
+        self.request_exit: Callable[[], None] | None = None
         self.shutting_down = False
         # Moving its sessions to peers (app/migration.py): admits nothing new, loaded but not ready (/readyz).
         self.draining = False
@@ -101,7 +105,18 @@ class SessionHub:
             encode_threads=settings.encode_threads, encoder_nice=settings.encoder_nice,
             batch_wait_fraction=settings.batch_wait_fraction,
         )
+        self.worker.on_replica_lost = self._on_replica_lost
         self.worker.start()
+
+    def _on_replica_lost(self, reason: str) -> None:
+        """A device of this replica is gone: not ready from now on, and the server exits non-zero."""
+        if self.replica_lost is not None:
+            return
+        self.replica_lost = reason
+        self.ready, self.not_ready_reason = False, reason
+        log.error("%s: the server stops (exit code 1) for its supervisor to start it again", reason)
+        if self.request_exit is not None:
+            self.request_exit()
 
     def _compiling(self) -> None:
         self.not_ready_reason = "compiling the model's forward (--compile); the log says how far"

@@ -8,6 +8,7 @@ offers (the controls schema, the start images) or why it cannot serve.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -63,11 +64,15 @@ def load_runtime(settings: Settings, pipeline: ARPipeline | None, compiling: Cal
         loaded = pipeline
     else:
         check_plan_fits(settings)
-        loaded = load_pipeline(settings.model, settings.device, **settings.model_options)
+        loaded = load_pipeline(settings.model, settings.replica_devices()[0], **settings.model_options)
+    devices = settings.replica_devices()
     runtime = build_runtime(
         settings.runtime,
         loaded,
-        device=settings.device,
+        device=devices[0],
+        # several devices: the other ranks load the same model themselves (runner/distributed/)
+        devices=devices if len(devices) > 1 else (),
+        load_pipeline=functools.partial(load_pipeline, settings.model, **settings.model_options),
         kv_budget_bytes=settings.resolved_kv_budget_bytes(),
         memory_fraction=settings.memory_fraction,
         max_batch_sessions=settings.resolved_max_batch_sessions(),

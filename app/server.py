@@ -257,6 +257,7 @@ class ARStreamServer(uvicorn.Server):
         self.migration: Migration | None = migration
         if migration is not None:
             migration.request_exit = lambda: setattr(self, "should_exit", True)
+        hub.request_exit = lambda: setattr(self, "should_exit", True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sigterm_drain: asyncio.Future[None] | None = None
 
@@ -425,7 +426,7 @@ async def serve(server: ARStreamServer) -> int:
     else:
         loaded.cancel()
     await serving
-    return 1 if server.hub.load_error is not None else 0
+    return 1 if server.hub.load_error is not None or server.hub.replica_lost is not None else 0
 
 
 add_arguments = add_serve_arguments  # the options live with the settings, so `serve --help` needs no torch

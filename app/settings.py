@@ -90,6 +90,12 @@ class ModelSettings(SettingGroup):
         "needs the vllm-omni extra; docs/vllm-omni.md)",
     )
     device: str = Field("cpu", description="torch device")
+    devices: str | None = Field(
+        None,
+        description="one replica over several devices, comma-separated (cpu,cpu or cuda:0,cuda:1): rank 0 is this "
+        "process on the first, each other device gets a process it starts; the model's attention heads and its KV "
+        "are split between them (docs/deployment.md, 'A replica over several devices'); default: --device alone",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; default: one core fewer than the machine has (at least 1)"
     )
@@ -104,6 +110,23 @@ class ModelSettings(SettingGroup):
         description="torch.compile the model's DiT blocks at load, for the shapes the warm-up runs, before /readyz "
         "says ready (the log says 'compiling' until done; matrix-game-2, longlive; on the CPU it needs g++)",
     )
+
+    @field_validator("devices")
+    @classmethod
+    def _several_devices(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        devices = [d.strip() for d in value.split(",")]
+        if len(devices) < 2 or any(not d for d in devices):
+            raise ValueError(f"--devices names two or more devices, comma-separated (cpu,cpu; cuda:0,cuda:1), got {value!r}")
+        kinds = {d.split(":")[0] for d in devices}
+        if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+            raise ValueError(f"--devices must all be cpu or all cuda:N, got {value!r}")
+        return ",".join(devices)
+
+    def replica_devices(self) -> tuple[str, ...]:
+        """The devices one replica spans (``--devices``), rank 0 first; ``(device,)`` without it."""
+        return (self.device,) if self.devices is None else tuple(self.devices.split(","))
 
     @field_validator("model")
     @classmethod
@@ -598,7 +621,7 @@ class Settings(
         """The runner's byte budget: explicit, else 256 MiB on CPU, else None (memory fraction)."""
         if self.kv_budget_bytes is not None:
             return self.kv_budget_bytes
-        if self.device.startswith("cuda"):
+        if self.replica_devices()[0].startswith("cuda"):
             return None
         return CPU_KV_BUDGET_BYTES
 
@@ -609,13 +632,13 @@ class Settings(
         """Explicit, else :func:`default_max_batch_sessions` for the device."""
         if self.max_batch_sessions is not None:
             return self.max_batch_sessions
-        return default_max_batch_sessions(self.device)
+        return default_max_batch_sessions(self.replica_devices()[0])
 
     def resolved_decode_overlap(self) -> bool:
         """Explicit, else on for accelerators: on a CPU the forward and the decode share the same cores."""
         if self.decode_overlap is not None:
             return self.decode_overlap
-        return self.device.split(":")[0] != "cpu"
+        return self.replica_devices()[0].split(":")[0] != "cpu"
 
     def resolved_torch_threads(self) -> int:
         """Explicit, else leave a core to the event loop and frame encoding."""

@@ -46,7 +46,7 @@ from .scheduler import RoundScheduler, Run, TickLanes
 from .session import ChunkInputs, PendingEvent, TickJob, restart_reason, tick_request
 from ..runner.runtimes import Runtime, SplitDecodeRuntime, park_idle
 from ..runner.stats import RunnerStats
-from ..runner.types import ChunkResult, RewindUnavailable, TickFailure, TickRequest
+from ..runner.types import ChunkResult, ReplicaLost, RewindUnavailable, TickFailure, TickRequest
 
 # The outcome types are app/delivery.py's; the worker's callers have always found them here.
 __all__ = [
@@ -91,6 +91,8 @@ class ModelWorker:
         self._build_runner = build_runner
         self._loop = loop
         self._on_ready = on_ready
+        # told (on the event loop) when the runtime lost a device of its replica: the server then stops
+        self.on_replica_lost: Callable[[str], None] | None = None
         self._max_pending_ticks = max_pending_ticks
         self._cond = threading.Condition()
         # Each session's queued ticks and the round-robin line (guarded by _cond).
@@ -447,5 +449,7 @@ class ModelWorker:
         session.restore_events(inputs.events)
         error = failure.error
         log.warning("session=%s tick=%d model failed: %s", session.id, job.tick_id, error)
+        if isinstance(error, ReplicaLost) and self.on_replica_lost is not None:
+            self._loop.call_soon_threadsafe(self.on_replica_lost, str(error))
         message = f"{type(error).__name__}: {error}"
         self.delivery.send(TickOutcome(job, OutcomeKind.MODEL_FAILED, queue_s=queue_s, error=message))

@@ -92,6 +92,12 @@ def _causal_forcing(device: torch.device, **options: Any) -> ARPipeline:
     return load_longlive(device=device, config=config, **options)
 
 
+def _waypoint(device: torch.device, **options: Any) -> ARPipeline:
+    from .waypoint.loading import load_waypoint
+
+    return load_waypoint(device=device, **options)
+
+
 def _krea_realtime(device: torch.device, **options: Any) -> ARPipeline:
     from .krea.loading import load_krea
 
@@ -99,7 +105,7 @@ def _krea_realtime(device: torch.device, **options: Any) -> ARPipeline:
 
 
 # Models whose loaders build on the meta device (shapes and bytes, no file read): what ``arstream plan`` covers.
-PLANNED_MODELS = ("matrix-game-2", "longlive")
+PLANNED_MODELS = ("matrix-game-2", "longlive", "waypoint-1.5")
 
 # The project's own models; each factory takes (device, **options), as a plugin's does.
 BUILTIN: dict[str, Callable[..., ARPipeline]] = {
@@ -110,6 +116,7 @@ BUILTIN: dict[str, Callable[..., ARPipeline]] = {
     "longlive": _longlive,
     "causal-forcing": _causal_forcing,
     "krea-realtime": _krea_realtime,
+    "waypoint-1.5": _waypoint,
 }
 
 

@@ -117,8 +117,23 @@ class RewindSchedule:
         return 0 <= age <= self.horizon and index % self.stride(age) == 0
 
     def kept(self, newest: int) -> list[int]:
-        """Every boundary kept while ``newest`` is the newest, oldest first (for a session that ran from 0)."""
-        return [b for b in range(max(0, newest - self.horizon), newest + 1) if self.keeps(b, newest)]
+        """Every boundary kept while ``newest`` is the newest, oldest first (for a session that ran from 0).
+
+        Built tier by tier (each tier's multiples of its stride) rather than by
+        asking :meth:`keeps` of every boundary in the horizon: a model with
+        one-frame chunks at 60 fps has horizons of thousands of chunks, and the
+        plan evaluates this for every newest boundary of several schedules.
+        """
+        kept: list[int] = []
+        low_age, stride = 0, 1
+        while low_age <= self.horizon:
+            # ages [low_age, high_age] share one stride: [0, dense) stride 1, then [dense * 2^k, dense * 2^(k+1))
+            high_age = min(self.horizon, (self.dense if low_age == 0 else 2 * low_age) - 1)
+            first, last = max(0, newest - high_age), newest - low_age
+            if last >= first:
+                kept.extend(range(first + (-first) % stride, last + 1, stride))
+            low_age, stride = high_age + 1, stride * 2
+        return sorted(kept)
 
     def peak(self, spec: KVCacheSpec) -> RewindPeak:
         """The most blocks (per branch) and model-state copies a session holds between chunks."""
@@ -134,10 +149,12 @@ def boundary_frames(index: int, chunk: int, sink: int, history: int) -> tuple[tu
 @functools.cache
 def _peak(dense: int, horizon: int, chunk: int, sink: int, history: int) -> RewindPeak:
     schedule = RewindSchedule(dense, horizon)
-    # Past the horizon the kept set repeats with the largest stride's period; a few periods cover every shape.
+    # Past the horizon the kept set repeats with the largest stride's period; a few periods cover every shape,
+    # once the oldest kept boundary's history is whole (a window longer than the horizon keeps growing until
+    # then: one-frame chunks with a 16-frame window and a short horizon).
     period = schedule.stride(horizon)
     most_frames = most_copies = 0
-    for newest in range(horizon + 2 * period + math.ceil(sink / chunk) + 1):
+    for newest in range(horizon + 2 * period + math.ceil((sink + history) / chunk) + 1):
         kept = schedule.kept(newest)
         # Between chunks the live history is at newest + 1: the chunk from the newest boundary was committed.
         ranges = sorted(r for b in [*kept, newest + 1] for r in boundary_frames(b, chunk, sink, history))
@@ -177,10 +194,18 @@ def plan_rewind(
         # a horizon of h chunks spans h + 1 boundaries (ages 0..h): all of them when it is short
         # at least 2: with one dense point the tiers behind it hold half a point each, and may hold none
         dense = min(horizon + 1, max(PRECISE_DENSE, math.ceil(DENSE_SECONDS * chunks_per_second)))
-        while dense >= 2:
-            schedule = RewindSchedule(dense, horizon, chunks_per_second, span=span)
-            if schedule.peak(spec).extra_bytes(spec) <= budget_bytes:
-                return schedule
-            dense -= 1
+
+        # The longest dense tier that fits: a longer one keeps every boundary a shorter one keeps (each age's
+        # stride is no larger), so what fits is a prefix of 2 .. dense and a bisection finds its end.
+        schedules = [RewindSchedule(points, horizon, chunks_per_second, span=span) for points in range(2, dense + 1)]
+        if schedules and schedules[0].peak(spec).extra_bytes(spec) <= budget_bytes:
+            low, high = 0, len(schedules) - 1  # schedules[low] fits; the longest that fits is in low .. high
+            while low < high:
+                middle = (low + high + 1) // 2
+                if schedules[middle].peak(spec).extra_bytes(spec) <= budget_bytes:
+                    low = middle
+                else:
+                    high = middle - 1
+            return schedules[low]
         span //= 2
     return None

@@ -170,7 +170,14 @@ def build_runtime(name: str, pipeline: ARPipeline | NativePipeline, **options: A
         raise UnsupportedConfiguration(
             f"model {pipeline.name!r} is a pipeline registered in vLLM-Omni: serve it with --runtime vllm-omni"
         )
-    return entry.load().for_pipeline(pipeline, RuntimeOptions(**options))
+    chosen = RuntimeOptions(**options)
+    if len(chosen.devices) > 1:  # a replica over several devices (runner/distributed/)
+        if name != "arstream":
+            raise UnsupportedConfiguration(f"--devices: only the arstream runtime spans devices, not {name!r}")
+        from .distributed.runtime import DistributedRuntime
+
+        return DistributedRuntime.for_pipeline(pipeline, chosen)
+    return entry.load().for_pipeline(pipeline, chosen)
 
 
 def park_session(runtime: Runtime | None, session_id: str) -> None:

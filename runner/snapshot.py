@@ -131,7 +131,8 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     for name, tensor in sorted(tensors.items()):
         digest.update(name.encode())
         digest.update(str(tensor.dtype).encode())
-        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        # flattened first: a 0-dim tensor (a scalar parameter) has no byte view of its own
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

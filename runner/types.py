@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -56,6 +57,12 @@ class RuntimeOptions:
     split_decode: bool = False
     # move idle, detached and least recently used sessions to host memory (ARRunner; runner/parking.py)
     parking: ParkingPolicy | None = None
+    # a replica over several devices (``--devices``; runner/distributed/): one device per rank, rank 0 first, and
+    # how every other rank loads the model for itself (called with its device; picklable: it crosses processes)
+    devices: tuple[str, ...] = ()
+    load_pipeline: Callable[[str], Any] | None = None
+    # how long any rank may take for a collective or a reply before the replica is lost
+    collective_timeout_s: float = 60.0
 
     def pool(self) -> dict[str, Any]:
         """The pool's sizing, as every runtime's constructor takes it."""
@@ -69,6 +76,14 @@ class RuntimeOptions:
 
 class UnsupportedConfiguration(ValueError):
     """The pipeline or settings ask for something this runner does not do."""
+
+
+class ReplicaLost(RuntimeError):
+    """A replica over several devices lost a rank (it died, hung past the deadline or went its own way).
+
+    The replica fails closed: every session on it ends with this as its reason, its KV pool is released, its
+    process group is torn down, and the server stops being ready and exits non-zero for its supervisor.
+    """
 
 
 class RewindUnavailable(ValueError):

@@ -1,4 +1,5 @@
-"""The table in docs/models.md ("Will it fit"): `arstream plan`'s figures for each Wan model at 24, 48, 80 and 141 GB.
+"""The table in docs/models.md ("Will it fit"): `arstream plan`'s figures for each planned model at 24, 48, 80 and
+141 GB.
 
     python scripts/plan-table.py > table.md
 
@@ -17,21 +18,24 @@ from arstream.app.settings import Settings
 from arstream.models.registry import load_pipeline
 
 SIZES_GB = (24, 48, 80, 141)
-MODELS = (
-    ("matrix-game-2", {"config": "1.3b"}, "matrix-game-2 1.3b"),
-    ("longlive", {"config": "1.3b"}, "longlive 1.3b"),
-    ("longlive", {"config": "1.3b", "text_encoder_device": "cpu"}, "longlive 1.3b, umT5 on the CPU"),
-    ("longlive", {"config": "self-forcing-1.3b", "text_encoder_device": "cpu"}, "self-forcing 1.3b, umT5 on the CPU"),
-)
 WEIGHTS = (None, "int8", "fp8")
+MODELS = (
+    ("matrix-game-2", {"config": "1.3b"}, "matrix-game-2 1.3b", WEIGHTS),
+    ("longlive", {"config": "1.3b"}, "longlive 1.3b", WEIGHTS),
+    ("longlive", {"config": "1.3b", "text_encoder_device": "cpu"}, "longlive 1.3b, umT5 on the CPU", WEIGHTS),
+    ("longlive", {"config": "self-forcing-1.3b", "text_encoder_device": "cpu"}, "self-forcing 1.3b, umT5 on the CPU",
+     WEIGHTS),
+    # no quantized weights offered (the `weights` option is the Wan models')
+    ("waypoint-1.5", {"config": "1.5"}, "waypoint-1.5 (stand-in shape)", (None,)),
+)
 
 
 def main() -> None:
     logging.disable(logging.WARNING)  # the runner's notes on rewind, once per plan
     print("| model | weights | on the GPU | per session | " + " | ".join(f"{gb} GB" for gb in SIZES_GB) + " |")
     print("|---|---|---|---|" + "---|" * len(SIZES_GB))
-    for model, options, label in MODELS:
-        for weights in WEIGHTS:
+    for model, options, label, offered in MODELS:
+        for weights in offered:
             chosen = {**options, "session_capacity": 256, **({"weights": weights} if weights else {})}
             pipeline = load_pipeline(model, "meta", **chosen)
             cells = []

@@ -19,7 +19,7 @@
 
 import { Connection } from './connection.js';
 import { menuCodecs } from './decode.js';
-import { Controls, isTyping, takesKeys } from './input.js';
+import { Controls, isTyping, keyInput, takesKeys } from './input.js';
 import { Hud, median } from './hud.js';
 import { MouseLook } from './look.js';
 import { Player } from './player.js';
@@ -229,6 +229,8 @@ function showModel(card) {
   $('hud-model').textContent = `${card.name} ${card.width}×${card.height} @ ${card.fps} fps`;
   $('prompt-form').hidden = !card.reads_prompt;
   showStartImages(card);
+  controls.configure(card);
+  connection.keyField = keyInput(card).field;
   const looked = look.active;
   look.configure(card);
   debug.looking = look.active;

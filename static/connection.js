@@ -58,6 +58,7 @@ export class Connection {
     this.timer = null;
     this.waitingSince = 0;
     this.keys = [];
+    this.keyField = 'keys';            // the controls field held keys go to (the card's keyInput)
     this.afterDrop = false;            // the next `ready` follows a drop: say what happened
     this.afterMove = false;            // the next `ready` follows a move to another replica
     this.mode = mode;                  // play, watch or branch: what a fresh session starts as
@@ -151,14 +152,15 @@ export class Connection {
    * the server replaces the whole controls object and a key press must not stop the look.
    */
   controls() {
-    return this.look && this.look.active ? { ...this.camera, keys: this.keys } : { keys: this.keys };
+    const held = { [this.keyField]: this.keys };
+    return this.look && this.look.active ? { ...this.camera, ...held } : held;
   }
 
   /** Every tick of a model with a camera carries the keys and the movement since the last tick. */
   tickControls(frames) {
     if (!this.look || !this.look.active) return null;
     this.camera = this.look.take(frames);
-    return { ...this.camera, keys: this.keys };
+    return { ...this.camera, [this.keyField]: this.keys };
   }
 
   /** Go back to chunk boundary `boundary` (the timeline); the rewind tick carries the keys held now. */

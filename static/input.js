@@ -1,26 +1,45 @@
 // Steering input: the keyboard, the on-screen pad (pointer events: hold to move,
 // several fingers at once), dragging on the player like a joystick, and a
 // gamepad. Every source adds to one set of held keys; `onChange` hears the
-// sorted list whenever it changes.
+// sorted list whenever it changes. Which keys count, and what each is sent as,
+// comes from the model card (`keyInput`): W A S D by default, or any key a card's
+// `inputs` maps (by KeyboardEvent.code) to the values its controls take.
 
 export const KEYS = ['w', 'a', 's', 'd'];
 const KEY_FOR_CODE = {
   KeyW: 'w', KeyA: 'a', KeyS: 's', KeyD: 'd',
   ArrowUp: 'w', ArrowLeft: 'a', ArrowDown: 's', ArrowRight: 'd',
 };
+// The pad's, a drag's and the gamepad's directions, as the key codes a card maps.
+const LETTER_CODES = { w: 'KeyW', a: 'KeyA', s: 'KeyS', d: 'KeyD' };
 const DRAG_DEAD_ZONE_PX = 12;   // a drag shorter than this is a tap, not a steer
 const STICK_DEAD_ZONE = 0.5;
 const PAD_BUTTONS = { 12: 'w', 13: 's', 14: 'a', 15: 'd' };  // standard gamepad d-pad
 
 /**
- * Whether a model card's controls take held keys: its schema names `keys`, or leaves room for fields it does not
- * name. A model that takes none (LongLive: steered by prompts alone) refuses every `input` that carries keys.
+ * The controls field held keys go to, and what each key code is sent as: a card's `inputs` entry of kind
+ * `keys` (`{"kind": "keys", "codes": {"KeyW": 87, ...}}`, e.g. waypoint-1.5's button ids), else `keys` with
+ * W A S D and the arrows as 'w' 'a' 's' 'd'.
+ */
+export function keyInput(card) {
+  const inputs = (card && card.inputs) || {};
+  for (const [field, input] of Object.entries(inputs)) {
+    if (input && input.kind === 'keys' && input.codes && typeof input.codes === 'object') {
+      return { field, codes: input.codes };
+    }
+  }
+  return { field: 'keys', codes: KEY_FOR_CODE };
+}
+
+/**
+ * Whether a model card's controls take held keys: its schema names the keys' field, or leaves room for fields it
+ * does not name. A model that takes none (LongLive: steered by prompts alone) refuses every `input` with keys.
  */
 export function takesKeys(card) {
   const schema = card && card.controls;
   if (!schema || typeof schema !== 'object') return true;  // no schema: nothing says keys are refused
   const properties = schema.properties || {};
-  return 'keys' in properties || schema.additionalProperties !== false;
+  return keyInput(card).field in properties || schema.additionalProperties !== false;
 }
 
 /** True when a key press belongs to a text field (the prompt, the token): steering must not take it. */
@@ -49,13 +68,26 @@ export class Controls {
     this.pointers = new Map();   // pointerId -> keys held by that pointer (pad or drag)
     this.gamepad = [];
     this.last = '';
+    this.codes = KEY_FOR_CODE;   // key code -> what the model takes (the card's keyInput)
   }
 
-  /** The held keys, sorted, without repeats. */
+  /** Read the model card: which keys count and what each is sent as. */
+  configure(card) {
+    const codes = keyInput(card).codes;
+    if (JSON.stringify(codes) === JSON.stringify(this.codes)) return;  // the same model again: keep what is held
+    this.codes = codes;
+    this.keyboard.clear();
+    this.changed();
+  }
+
+  /** The held keys, as the model takes them, sorted, without repeats. The pad, drags and the gamepad hold
+   *  'w' 'a' 's' 'd': sent as the model's values for those keys. */
   keys() {
-    const keys = new Set([...this.keyboard].map((code) => KEY_FOR_CODE[code]));
-    for (const held of this.pointers.values()) for (const key of held) keys.add(key);
-    for (const key of this.gamepad) keys.add(key);
+    const keys = new Set([...this.keyboard].map((code) => this.codes[code]));
+    const letter = (key) => this.codes[LETTER_CODES[key]];
+    for (const held of this.pointers.values()) for (const key of held) keys.add(letter(key));
+    for (const key of this.gamepad) keys.add(letter(key));
+    keys.delete(undefined);
     return [...keys].sort();
   }
 
@@ -77,7 +109,7 @@ export class Controls {
 
   attachKeyboard(target = document) {
     target.addEventListener('keydown', (event) => {
-      if (!(event.code in KEY_FOR_CODE) || event.ctrlKey || event.metaKey || event.altKey) return;
+      if (!(event.code in this.codes) || event.ctrlKey || event.metaKey || event.altKey) return;
       if (isTyping(event.target)) {
         this.onTypingKey(event.target);
         return;

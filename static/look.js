@@ -4,7 +4,12 @@
 // (Esc releases it); a drag on the world (mouse or finger) looks around too,
 // since the pad and the keys already move. The movement is summed between
 // ticks and each tick carries it spread over its chunk's frames, clamped to
-// the schema's bounds. A model without a camera gets none of this.
+// the schema's bounds. A model without a camera gets none of this. A card may
+// instead name a field of kind `pointer_delta` in its `inputs` (waypoint-1.5's
+// `mouse`: the pointer's velocity as [dx, dy]): the same movement is sent there,
+// as screen axes (x right, y down) in the same units; and a field of kind
+// `wheel_sign` gets the wheel's direction over the player since the last tick
+// (1 rolled away, -1 towards, 0 still).
 
 // Matrix-Game's units are rotation per video frame; its own key-driven camera
 // uses 0.1 a frame. 100 px of movement over one chunk sums to 1 unit.
@@ -20,6 +25,8 @@ const VERTICAL = { pitch: -1, y: 1 };
 export function cameraControl(card) {
   const properties = card && card.controls && card.controls.properties;
   if (!properties) return null;
+  const delta = pointerDelta(card, properties);
+  if (delta) return delta;
   const field = typeof card.mouse === 'string' ? card.mouse : 'camera';
   const camera = properties[field];
   if (!camera || camera.type !== 'object' || !camera.properties) return null;
@@ -35,9 +42,32 @@ export function cameraControl(card) {
   return axes.length ? { field, axes } : null;
 }
 
+/** A field the card's `inputs` marks `pointer_delta`, an array of two numbers: the movement as [dx, dy]. */
+function pointerDelta(card, properties) {
+  for (const [field, input] of Object.entries(card.inputs || {})) {
+    const spec = properties[field];
+    if (!input || input.kind !== 'pointer_delta' || !spec || spec.type !== 'array') continue;
+    const items = spec.items || {};
+    const min = Number.isFinite(items.minimum) ? items.minimum : -Infinity;
+    const max = Number.isFinite(items.maximum) ? items.maximum : Infinity;
+    const axes = [{ name: 0, screen: 'x', sign: 1, min, max }, { name: 1, screen: 'y', sign: 1, min, max }];
+    return { field, array: true, axes };
+  }
+  return null;
+}
+
+/** The controls field a card's `inputs` marks `wheel_sign`, or null. */
+export function wheelField(card) {
+  const properties = (card && card.controls && card.controls.properties) || {};
+  for (const [field, input] of Object.entries((card && card.inputs) || {})) {
+    if (input && input.kind === 'wheel_sign' && field in properties) return field;
+  }
+  return null;
+}
+
 /** The camera values for `dx, dy` pixels of movement spread over `frames` frames, within the bounds. */
 export function cameraValues(control, dx, dy, frames) {
-  const values = {};
+  const values = control.array ? [] : {};
   for (const axis of control.axes) {
     const px = axis.screen === 'x' ? dx : dy;
     const value = (axis.sign * px * UNITS_PER_PX) / Math.max(1, frames);
@@ -59,6 +89,8 @@ export class MouseLook {
     this.dx = 0;           // movement since the last tick, in CSS pixels
     this.dy = 0;
     this.drags = new Map();  // pointerId -> last [x, y]
+    this.wheel = null;     // the card's wheel_sign field, or null
+    this.rolled = 0;       // the wheel's direction since the last tick
     this.attach();
   }
 
@@ -73,8 +105,10 @@ export class MouseLook {
   /** Read the model card: look around only when its schema has a camera. */
   configure(card) {
     this.control = cameraControl(card);
+    this.wheel = this.control ? wheelField(card) : null;
     this.dx = 0;
     this.dy = 0;
+    this.rolled = 0;
     if (!this.control && this.locked) document.exitPointerLock();
   }
 
@@ -91,12 +125,18 @@ export class MouseLook {
     const values = cameraValues(this.control, this.dx, this.dy, frames);
     this.dx = 0;
     this.dy = 0;
-    return { [this.control.field]: values };
+    const taken = { [this.control.field]: values };
+    if (this.wheel) taken[this.wheel] = this.rolled;
+    this.rolled = 0;
+    return taken;
   }
 
   /** The camera at rest (no movement), e.g. for a reset tick. */
   still() {
-    return this.active ? { [this.control.field]: cameraValues(this.control, 0, 0, 1) } : null;
+    if (!this.active) return null;
+    const still = { [this.control.field]: cameraValues(this.control, 0, 0, 1) };
+    if (this.wheel) still[this.wheel] = 0;
+    return still;
   }
 
   attach() {
@@ -126,6 +166,12 @@ export class MouseLook {
     });
     const end = (event) => this.drags.delete(event.pointerId);
     for (const type of ['pointerup', 'pointercancel', 'lostpointercapture']) surface.addEventListener(type, end);
+    surface.addEventListener('wheel', (event) => {
+      if (!this.wheel || !event.deltaY || !onWorld(event)) return;
+      event.preventDefault();  // the wheel over the world is the model's, not the page's scroll
+      this.rolled = event.deltaY < 0 ? 1 : -1;
+      this.onMove();
+    }, { passive: false });
     document.addEventListener('mousemove', (event) => {
       if (this.locked) this.add(event.movementX, event.movementY);
     });

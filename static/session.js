@@ -4,7 +4,7 @@
 // What happens after the socket closes is connection.js's business.
 
 import { createDecoder } from './decode.js';
-import { takesKeys } from './input.js';
+import { keyInput, takesKeys } from './input.js';
 import { raiseIdsPast } from './share.js';
 import { FrameError, parseFrame } from './wire.js';
 import { TrackLink } from './webrtc.js';
@@ -329,14 +329,14 @@ export class Session {
       if (this.resetKeys) {
         tick.reset = true;
         // replaces whatever controls the failed rollout had (a model that takes no keys gets none)
-        if (this.takesKeys) tick.controls = { ...controls, keys: this.resetKeys };
+        if (this.takesKeys) tick.controls = { ...controls, [keyInput(this.ready.model).field]: this.resetKeys };
         this.lastResetTickId = tick.tick_id;
         this.resetKeys = null;
         this.failed = false;
       } else if (this.rewind) {
         tick.rewind_to = this.rewind.to;
         // the world goes on from there with what is held now
-        if (this.takesKeys) tick.controls = { ...controls, keys: this.rewind.keys };
+        if (this.takesKeys) tick.controls = { ...controls, [keyInput(this.ready.model).field]: this.rewind.keys };
         this.rewind = null;
       }
       this.ticksInFlight.set(tick.tick_id, now);

@@ -45,6 +45,7 @@ from ..longlive.kv import BoundRowsContext
 from ..longlive.prompts import PromptEntry
 from ..longlive.text import TextEncoder
 from ..wan.geometry import backbone_kv_spec
+from ..wan.parallel import HeadParallel
 from ..wan.sampler import scheduler_sigma
 from ..wan.vae import FeatureCache, StreamingVAE, export_feature_cache, import_feature_cache, to_uint8
 from ...runner.kv_state import SessionKVState
@@ -89,7 +90,7 @@ class WindowContext(BoundRowsContext):
         self.query_positions = self.key_positions[:, keys - queries :]
 
 
-class KreaPipeline(PromptedPipeline[_KreaSession]):
+class KreaPipeline(HeadParallel, PromptedPipeline[_KreaSession]):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
     cfg: KreaConfig
@@ -123,6 +124,7 @@ class KreaPipeline(PromptedPipeline[_KreaSession]):
         cfg = self.cfg
         return backbone_kv_spec(
             cfg,
+            self.kv_heads(cfg.num_heads),
             sink_frames=0,
             window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,

@@ -40,6 +40,7 @@ from .prompts import PromptEntry
 from .text import TextEncoder
 from ..wan.compile import compile_blocks
 from ..wan.geometry import backbone_kv_spec
+from ..wan.parallel import HeadParallel
 from ..wan.sampler import sample_chunk
 from ..wan.vae import (
     FeatureCache,
@@ -65,7 +66,7 @@ class _LongLiveSession:
     vae_cache: FeatureCache | None = None
 
 
-class LongLivePipeline(PromptedPipeline[_LongLiveSession]):
+class LongLivePipeline(HeadParallel, PromptedPipeline[_LongLiveSession]):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
     def __init__(
@@ -97,6 +98,7 @@ class LongLivePipeline(PromptedPipeline[_LongLiveSession]):
         cfg = self.cfg
         return backbone_kv_spec(
             cfg,
+            self.kv_heads(cfg.num_heads),
             sink_frames=cfg.sink_size,
             window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,

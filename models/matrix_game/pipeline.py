@@ -57,6 +57,7 @@ from ..wan.loading import check_weights_source, torch_dtype
 from ..wan.quantize import check_weights_option, quantize_blocks
 from ..wan.compile import compile_blocks
 from ..wan.geometry import backbone_kv_spec
+from ..wan.parallel import HeadParallel
 from ..wan.sampler import sample_chunk
 from ..wan.vae import FeatureCache, StreamingVAE, build_vae, cache_bytes, to_uint8
 from ...runner.binding import SessionStateBinding
@@ -91,7 +92,7 @@ class ChunkTimings:
     vae_s: float = 0.0
 
 
-class MatrixGamePipeline(SessionStateBinding):
+class MatrixGamePipeline(HeadParallel, SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsSplitDecode`` and ``SupportsWarmup``."""
 
     random_weights = False  # built with ``random_init`` (the model card says so: its pictures mean nothing)
@@ -186,6 +187,7 @@ class MatrixGamePipeline(SessionStateBinding):
         cfg = self.cfg
         return backbone_kv_spec(
             cfg,
+            self.kv_heads(cfg.num_heads),
             sink_frames=cfg.sink_size,
             window_frames=cfg.local_attn_size,
             session_capacity=self.session_capacity,

@@ -79,12 +79,13 @@ class WanGeometry:
         return 1 + (self.frames_per_chunk - 1) * self.video_frames_per_latent
 
 
-def backbone_kv_spec(geometry: WanGeometry, **family: Any) -> KVCacheSpec:
+def backbone_kv_spec(geometry: WanGeometry, kv_heads: int | None = None, **family: Any) -> KVCacheSpec:
     """The runner's KV for the backbone's self-attention (every layer, one block per latent frame); the family adds
-    its sink, window, capacity and what else it keeps (``family``: the other :class:`KVCacheSpec` fields)."""
+    its sink, window, capacity and what else it keeps (``family``: the other :class:`KVCacheSpec` fields).
+    ``kv_heads``: the heads this device holds, over several devices (models/wan/parallel.py); default all."""
     return KVCacheSpec(
         num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_heads,
+        num_kv_heads=geometry.num_heads if kv_heads is None else kv_heads,
         head_size=geometry.head_dim,
         tokens_per_frame=geometry.tokens_per_frame,
         frames_per_chunk=geometry.frames_per_chunk,

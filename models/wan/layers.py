@@ -17,11 +17,14 @@ session shorter than the rotary table this is exactly the published scheme
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ...runner.distributed.sequence_parallel import SequenceParallel
 
 CrossKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -155,6 +158,8 @@ class WanSelfAttention(WanAttention):
     def __init__(self, dim: int, num_heads: int, eps: float) -> None:
         super().__init__(dim, num_heads, eps)
         self.qkv: nn.Linear | None = None  # q, k and v fused (:meth:`fuse_projections`)
+        # a replica over several devices: this rank's share of the heads (runner/distributed/sequence_parallel.py)
+        self.parallel: SequenceParallel | None = None
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -177,20 +182,29 @@ class WanSelfAttention(WanAttention):
     def forward(
         self, x: torch.Tensor, layer: int, ctx: SelfAttentionContext, q_rot: Rotation, k_rot: Rotation
     ) -> torch.Tensor:
+        sp = self.parallel
+        length = x.shape[1]
+        # Over several devices this rank projects its slice of the tokens, then holds every token of its heads.
+        q, k, v = self._project(x if sp is None else sp.my_tokens(x))
+        if sp is not None:
+            q, k, v = sp.to_heads(torch.stack([q, k, v]), length).unbind(0)
+        k_all, v_all = ctx.self_kv(layer, k, v)
+        if k_all.dtype != q.dtype:  # a KV pool in another dtype (the kv_dtype option): attention runs in the model's
+            k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+        out = attend(rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot), v_all, ctx.self_mask)
+        if sp is None:
+            return self.o(out.flatten(2))
+        return sp.gather_tokens(self.o(sp.to_tokens(out).flatten(2)), length)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed q, k and raw v of ``x`` ``[B, L, C]``, each ``[B, L, heads, head_dim]``."""
         b, length, _ = x.shape
         shape = (b, length, self.num_heads, self.head_dim)
         if self.qkv is not None:
             q_raw, k_raw, v_raw = self.qkv(x).chunk(3, dim=-1)
         else:
             q_raw, k_raw, v_raw = self.q(x), self.k(x), self.v(x)
-        q = self.norm_q(q_raw).view(shape)
-        k = self.norm_k(k_raw).view(shape)
-        v = v_raw.view(shape)
-        k_all, v_all = ctx.self_kv(layer, k, v)
-        if k_all.dtype != q.dtype:  # a KV pool in another dtype (the kv_dtype option): attention runs in the model's
-            k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
-        out = attend(rotate_pairs(q, q_rot), rotate_pairs(k_all, k_rot), v_all, ctx.self_mask)
-        return self.o(out.flatten(2))
+        return self.norm_q(q_raw).view(shape), self.norm_k(k_raw).view(shape), v_raw.view(shape)
 
 
 class WanCrossAttention(WanAttention):

@@ -1,6 +1,7 @@
 """The import arrows the architecture forbids: the runtime (``runner/``) never imports a model or the transport,
 the models (``models/``) never import the transport, and the server (``app/``) never imports the programs
-that run beside it (``programs/``: client, bench serve, gpu-check, drain).
+that run beside it (``programs/``: client, bench serve, gpu-check, drain) nor the distributed code of a replica
+over several devices (``runner/distributed/``, ``torch.distributed``).
 
 Tools that drive a model (``bench runner``, ``bench model``, ``train``, ``eval``) live in ``programs/``, beside
 the models they drive and never inside them: ``models/`` holds what a server loads and nothing that trains, evaluates
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = {
     "runner": ("arstream.runner", ("arstream.models", "arstream.app", "arstream.programs")),
     "models": ("arstream.models", ("arstream.app", "arstream.programs")),
-    "app": ("arstream.app", ("arstream.programs",)),
+    # a replica over several devices is the runtime's business: the server never sees a process group
+    "app": ("arstream.app", ("arstream.programs", "arstream.runner.distributed", "torch.distributed")),
 }
 
 

@@ -23,9 +23,9 @@ LINES = re.findall(r"^\| `arstream serve([^`]*)` \|", SECTION, re.M)
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
-def test_the_section_gives_the_default_longlive_matrix_game_and_the_fake() -> None:
+def test_the_section_gives_the_default_longlive_matrix_game_waypoint_and_the_fake() -> None:
     models = [settings_from_argv(shlex.split(line)).model for line in LINES]
-    assert models == ["tiny-world", "longlive", "matrix-game-2", "fake-kv"], LINES
+    assert models == ["tiny-world", "longlive", "matrix-game-2", "waypoint-1.5", "fake-kv"], LINES
 
 
 @pytest.mark.parametrize("line", LINES)

@@ -53,6 +53,9 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "causal-forcing": lambda: _loaded("causal-forcing", config="tiny-causal-forcing-framewise", random_init=True),
     # a history rewritten every chunk, the re-encoded context frame, the prompt and the decoder cache
     "krea-realtime": lambda: _loaded("krea-realtime", config="tiny", random_init=True),
+    # not Wan: one latent frame a chunk, no sink, K unrotated, a stateless decoder; its KV and noise carry the
+    # continuation (it reads buttons and mouse, not these keys: tests/models/test_waypoint.py steers it)
+    "waypoint-1.5": lambda: _loaded("waypoint-1.5", random_init=True),
 }
 
 

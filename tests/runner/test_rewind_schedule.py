@@ -16,7 +16,9 @@ from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline
 from arstream.runner.pool import plan_pool
 from arstream.runner.rewind_schedule import (
+    DENSE_SECONDS,
     HORIZON_SLACK,
+    PRECISE_DENSE,
     RewindPeak,
     RewindPlanError,
     RewindSchedule,
@@ -24,6 +26,7 @@ from arstream.runner.rewind_schedule import (
     plan_rewind,
 )
 from arstream.runner.runner import ARRunner, rewind_for, runner_for_sessions
+from arstream.runner.spec import KVCacheSpec
 from runner_fakes import tick, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
@@ -155,3 +158,49 @@ def test_a_branch_without_a_chunk_starts_where_the_source_is() -> None:
     runner.close_session("branch")
     runner.close_session("source")
     assert runner.pool.num_free == runner.blocks_free_at_start
+
+
+def test_the_peak_counts_a_window_longer_than_the_horizon_until_it_is_whole() -> None:
+    """One-frame chunks, a 15-frame history and a 9-chunk horizon (waypoint's shape at a short horizon): the kept
+    windows keep spreading until newest is past horizon + history; the peak is the whole run's, counted there."""
+    schedule = RewindSchedule(dense=9, horizon=9)
+    spec = KVCacheSpec(
+        num_layers=1, num_kv_heads=1, head_size=1, tokens_per_frame=1, frames_per_chunk=1, sink_frames=0,
+        window_frames=16,
+    )  # fmt: skip
+    seen = 0
+    for newest in range(200):  # the frames a session holds between chunks, newest by newest
+        held = {f for b in [*schedule.kept(newest), newest + 1] for f in range(max(0, b - 15), b)}
+        seen = max(seen, len(held))
+    assert schedule.peak(spec).frames == seen == 25
+
+
+def test_the_kept_boundaries_are_those_keeps_names() -> None:
+    for dense, horizon in ((1, 0), (2, 9), (9, 9), (4, 40), (5, 33)):
+        schedule = RewindSchedule(dense, horizon)
+        for newest in range(150):
+            lo = max(0, newest - horizon)
+            assert schedule.kept(newest) == [b for b in range(lo, newest + 1) if schedule.keeps(b, newest)]
+
+
+
+def test_the_plan_picks_the_longest_dense_tier_that_fits() -> None:
+    """The bisection over the dense tier: the schedule chosen fits, and one dense point more would not (or the
+    tier is at its cap)."""
+    checked = 0
+    for fpc, window, owned, budget in ((1, 16, 0, 400), (2, 8, 3, 600), (3, 9, 50, 4000), (1, 4, 0, 90)):
+        spec = KVCacheSpec(
+            num_layers=1, num_kv_heads=1, head_size=1, tokens_per_frame=1, frames_per_chunk=fpc, sink_frames=0,
+            window_frames=window, model_owned_bytes_per_session=owned,
+        )  # fmt: skip
+        for rate, seconds in ((4.0, 3.0), (16.0, 1.0), (60.0, 2.0)):
+            chosen = plan_rewind(spec, chunks_per_second=rate, seconds=seconds, budget_bytes=budget)
+            if chosen is None:  # not even two points fit this budget
+                continue
+            checked += 1
+            assert chosen.peak(spec).extra_bytes(spec) <= budget
+            cap = min(chosen.horizon + 1, max(PRECISE_DENSE, math.ceil(DENSE_SECONDS * rate)))
+            if chosen.dense < cap:
+                longer = RewindSchedule(chosen.dense + 1, chosen.horizon)
+                assert longer.peak(spec).extra_bytes(spec) > budget, (fpc, window, rate, chosen)
+    assert checked >= 8

@@ -23,6 +23,7 @@ from arstream.models.tiny_world.pipeline import load_tiny_world
 from arstream.runner.contract import ARPipeline
 from arstream.runner.runner import ARRunner, runner_for_sessions
 from arstream.runner.snapshot import (
+    tensors_digest,
     FORMAT_VERSION,
     SessionSnapshot,
     SnapshotError,
@@ -45,6 +46,9 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "matrix-game-2": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True),
     # the same with the TAEHV decoder: its per-memory-block state instead of the VAE cache
     "matrix-game-2-taehv": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True, decoder="taehv"),
+    # not Wan: one latent frame a chunk, no sink, K unrotated, a stateless decoder; its KV and noise carry the
+    # continuation (it reads buttons and mouse, not these keys: tests/models/test_waypoint.py steers it)
+    "waypoint-1.5": lambda: load_pipeline("waypoint-1.5", "cpu", random_init=True),
 }
 
 
@@ -205,3 +209,9 @@ def test_a_runtime_other_than_arstreams_runner_cannot_move_sessions() -> None:
 
     with pytest.raises(SnapshotRefused, match="OtherRuntime runtime cannot move sessions"):
         transferable(OtherRuntime())
+
+
+def test_a_weights_digest_reads_scalar_parameters() -> None:
+    """A 0-dim tensor (waypoint's value-residual weight) is hashed by its bytes like any other."""
+    half, other = tensors_digest({"v_lamb": torch.tensor(0.5)}), tensors_digest({"v_lamb": torch.tensor(0.25)})
+    assert half != other and half == tensors_digest({"v_lamb": torch.tensor([0.5]).reshape(())})

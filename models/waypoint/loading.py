@@ -1,0 +1,189 @@
+"""Loading Waypoint from its published file layout, or random weights for the tiny config.
+
+The published layout (``world_engine``'s ``WorldModel.from_pretrained`` and
+``InferenceAE.from_pretrained``, commit 208c909824d906bf441122b7c40b9b4e1050d7c3):
+
+- the world model's folder: ``config.yaml`` (OmegaConf) and ``model.safetensors``;
+- the autoencoder's folder (``ae_path``; by default ``ae/`` inside the model's):
+  ``decoder_conf.yml`` (its ``model`` mapping) and ``decoder.safetensors``
+  with weight-normed convolutions. The encoder's files sit beside them; this
+  server does not read them (a session starts from noise, not an image).
+
+A file whose tensors do not match the config (missing, unexpected or of
+another shape) is refused with :class:`WaypointWeightsError`, naming the file
+and the keys, before anything is served.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from .config import WaypointConfig, WaypointConfigError, config_from_yaml, get_config
+from .decoder import Decoder, bake_weight_norm
+from .dit import WaypointDiT
+from .pipeline import WaypointPipeline
+
+# weight-normed convolutions in the published decoder: each ``X.weight`` is stored as these two
+WEIGHT_NORM = (".parametrizations.weight.original0", ".parametrizations.weight.original1")
+_SHOWN = 8  # keys named in an error, at most
+
+
+class WaypointWeightsError(ValueError):
+    """A weights or config file that does not fit; the message names the file and the keys."""
+
+
+def _names(keys: set[str]) -> str:
+    shown = sorted(keys)[:_SHOWN]
+    more = len(keys) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
+def check_tensors(path: Path, found: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
+    """Refuse ``found`` (read from ``path``) unless it holds exactly ``expected``'s keys and shapes."""
+    missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
+    problems = []
+    if missing:
+        problems.append(f"missing keys {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys {_names(unexpected)}")
+    wrong = {k for k in expected.keys() & found.keys() if tuple(found[k].shape) != tuple(expected[k])}
+    if wrong:
+        shapes = "; ".join(f"{k}: {tuple(found[k].shape)} != {tuple(expected[k])}" for k in sorted(wrong)[:_SHOWN])
+        problems.append(f"keys of another shape ({shapes})")
+    if problems:
+        raise WaypointWeightsError(f"{path}: {', '.join(problems)}")
+
+
+def published_decoder_shapes(decoder: Decoder) -> dict[str, torch.Size]:
+    """The decoder's tensors as the published file names them (convolution weights weight-normed)."""
+    shapes: dict[str, torch.Size] = {}
+    convs = {name for name, module in decoder.named_modules() if isinstance(module, torch.nn.Conv2d)}
+    for key, value in decoder.state_dict().items():
+        stem = key.removesuffix(".weight")
+        if key.endswith(".weight") and stem in convs:
+            shapes[stem + WEIGHT_NORM[0]] = torch.Size([value.shape[0]] + [1] * (value.dim() - 1))
+            shapes[stem + WEIGHT_NORM[1]] = value.shape
+        else:
+            shapes[key] = value.shape
+    return shapes
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise WaypointWeightsError(f"{path}: no such file")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise WaypointWeightsError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def load_decoder_conf(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise WaypointWeightsError(f"{path}: not a readable YAML config ({exc})") from None
+    conf = raw.get("model") if isinstance(raw, dict) else None
+    needed = ("channels", "latent_channels", "ch_0", "ch_max", "decoder_blocks_per_stage")
+    if not isinstance(conf, dict) or any(key not in conf for key in needed):
+        raise WaypointWeightsError(f"{path}: expected a 'model' mapping with keys {list(needed)}")
+    return conf
+
+
+def load_weights(weights_path: Path, ae_path: Path | None, base: WaypointConfig) -> tuple[WaypointDiT, Decoder]:
+    """The world model and the decoder from their published folders."""
+    try:
+        cfg = config_from_yaml(weights_path / "config.yaml", base)
+    except WaypointConfigError as exc:
+        raise WaypointWeightsError(str(exc)) from None
+    ae_dir = ae_path if ae_path is not None else weights_path / "ae"
+    conf = load_decoder_conf(ae_dir / "decoder_conf.yml")
+    if int(conf["latent_channels"]) != cfg.channels:
+        raise WaypointWeightsError(
+            f"{ae_dir / 'decoder_conf.yml'}: latent_channels {conf['latent_channels']} != the world model's "
+            f"channels {cfg.channels} ({weights_path / 'config.yaml'})"
+        )
+    cfg = WaypointConfig(**{**cfg.to_dict(), "ae": dict(conf)})
+    model = WaypointDiT(cfg)
+    state = _read(weights_path / "model.safetensors")
+    check_tensors(weights_path / "model.safetensors", state, {k: v.shape for k, v in model.state_dict().items()})
+    if cfg.noise_conditioning in ("dit_air", "wan"):  # shared by every layer: each layer's copy must agree
+        differ = {
+            f"transformer.blocks.{layer}.cond_head.cond_proj.{j}.weight"
+            for layer in range(1, cfg.n_layers)
+            for j in range(6)
+            if not torch.equal(state[f"transformer.blocks.{layer}.cond_head.cond_proj.{j}.weight"],
+                               state[f"transformer.blocks.0.cond_head.cond_proj.{j}.weight"])
+        }  # fmt: skip
+        if differ:
+            raise WaypointWeightsError(
+                f"{weights_path / 'model.safetensors'}: keys {_names(differ)} differ from layer 0's, which they share"
+            )
+    model.load_state_dict(state)
+    decoder = Decoder(conf, (cfg.image_height, cfg.image_width))
+    decoder_file = ae_dir / "decoder.safetensors"
+    raw = _read(decoder_file)
+    check_tensors(decoder_file, raw, published_decoder_shapes(decoder))
+    decoder.load_state_dict(bake_weight_norm(raw))
+    return model, decoder
+
+
+def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Decoder]:
+    model = WaypointDiT(cfg)
+    model.init_random(seed)
+    decoder = Decoder(cfg.ae, (cfg.image_height, cfg.image_width))
+    decoder.init_random(seed + 1)
+    return model, decoder
+
+
+def load_waypoint(
+    device: torch.device | str = "cpu",
+    *,
+    config: str = "tiny",
+    weights_path: str | Path | None = None,
+    ae_path: str | Path | None = None,
+    seed: int = 0,
+    session_capacity: int = 64,
+    dtype: str | None = None,
+    random_init: bool = False,
+    **options: Any,
+) -> WaypointPipeline:
+    """``--model waypoint-1.5``: the published files at ``weights_path``, or seeded random weights of ``config``.
+
+    Without ``weights_path`` the weights are random (``random_init`` may say so,
+    as other models' options do; the card says ``weights: random`` either way),
+    and only the ``tiny`` config loads: random weights at the published scale
+    are no use to anyone and take gigabytes.
+    """
+    if options:
+        raise TypeError(
+            f"load_waypoint got unknown options {sorted(options)}; expected config, weights_path, ae_path, seed, "
+            "session_capacity, dtype, random_init"
+        )
+    base = get_config(config)
+    target = torch.device(device)
+    # bf16 on a GPU (and on the meta device that stands in for one in ``arstream plan``), fp32 on the CPU
+    dtype = dtype or ("float32" if target.type == "cpu" else "bfloat16")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"waypoint dtype {dtype!r} is not one of float32, bfloat16")
+    if weights_path is not None and random_init:
+        raise ValueError("waypoint takes weights_path or random_init, not both")
+    if target.type == "meta":  # shapes and bytes only: nothing read, nothing filled
+        with torch.device("meta"):
+            model, decoder = WaypointDiT(base), Decoder(base.ae, (base.image_height, base.image_width))
+    elif weights_path is not None:
+        model, decoder = load_weights(Path(weights_path), None if ae_path is None else Path(ae_path), base)
+    elif config == "tiny":
+        model, decoder = random_weights(base, seed)
+    else:
+        raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only 'tiny' runs "
+                         "on random weights")
+    model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
+    return WaypointPipeline(
+        model, decoder, target, session_capacity=session_capacity, random_weights=weights_path is None
+    )

@@ -1,0 +1,292 @@
+"""WaypointPipeline: Waypoint on the runner's contract (one latent frame per chunk, one control per frame).
+
+A chunk is the published engine's ``gen_frame`` (``world_engine`` commit
+208c909824d906bf441122b7c40b9b4e1050d7c3): noise drawn for one latent frame,
+the scheduler's sigmas walked with one non-committing pass each (Euler steps of
+the predicted velocity), then one committing pass of the clean frame at sigma 0
+that writes its K/V into the session's history, then the decode. The runner's
+window is the published ``local_window`` (the current frame and the frames
+before it); no sink.
+
+Per session the pipeline keeps the noise generator (seeded from the session's
+seed on its first chunk) and the last controls; both are exported with a
+snapshot, a rewind point or a parked session. The decoder is stateless.
+
+Controls (the card's JSON Schema): ``buttons``, the ids of the buttons held
+(any of the model's ``n_buttons``: keys and mouse buttons), ``mouse``, the
+pointer's velocity ``[dx, dy]``, and ``scroll``, the wheel's sign. The card's
+``inputs`` says which browser input drives each (keys by ``KeyboardEvent.code``,
+pointer deltas, the wheel), so a client maps inputs from the card alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import WaypointConfig
+from .decoder import Decoder, to_uint8
+from .dit import WaypointDiT, rope_tables, rotate
+from ..wan.components import component, held_as
+from ...runner.binding import SessionStateBinding
+from ...runner.contract import ModelState
+from ...runner.kv_state import SessionKVState, write_and_gather_rows
+from ...runner.snapshot import tensors_digest
+from ...runner.spec import KVCacheSpec
+from ...runner.types import TickRequest
+
+DEFAULT_SEED = 0
+# The largest mouse velocity a control may carry (the published engine takes any float; a bound keeps
+# a malformed client from feeding the embedding values it never saw).
+MOUSE_LIMIT = 1000.0
+
+# Browser keys (KeyboardEvent.code) and mouse buttons -> the model's button ids. The published engine names
+# Owl-Control's keycodes, which we read as Windows virtual-key codes (letters and digits their ASCII capitals,
+# mouse buttons 1, 2 and 4); the table was not checked against Owl-Control's own source here.
+_NAMED_KEYS = {
+    "Space": 32, "Enter": 13, "Escape": 27, "Tab": 9, "Backspace": 8,
+    "ShiftLeft": 160, "ShiftRight": 161, "ControlLeft": 162, "ControlRight": 163, "AltLeft": 164, "AltRight": 165,
+    "ArrowLeft": 37, "ArrowUp": 38, "ArrowRight": 39, "ArrowDown": 40,
+}
+
+
+def key_codes(n_buttons: int) -> dict[str, int]:
+    """The browser keys a model with ``n_buttons`` buttons reads, by ``KeyboardEvent.code``."""
+    codes = dict(_NAMED_KEYS)
+    codes.update({f"Key{chr(c)}": c for c in range(ord("A"), ord("Z") + 1)})
+    codes.update({f"Digit{d}": ord(str(d)) for d in range(10)})
+    return {name: code for name, code in codes.items() if code < n_buttons}
+
+
+def mouse_buttons(n_buttons: int) -> dict[str, int]:
+    """Mouse buttons (``MouseEvent.button``: 0 left, 1 middle, 2 right) -> button ids."""
+    return {str(b): code for b, code in ((0, 1), (1, 4), (2, 2)) if code < n_buttons}
+
+
+def controls_schema(cfg: WaypointConfig) -> dict[str, Any]:
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {
+            "buttons": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": cfg.n_buttons - 1},
+                "uniqueItems": True,
+                "maxItems": 16,
+            },
+            "mouse": {
+                "type": "array",
+                "items": {"type": "number", "minimum": -MOUSE_LIMIT, "maximum": MOUSE_LIMIT},
+                "minItems": 2,
+                "maxItems": 2,
+            },
+            "scroll": {"enum": [-1, 0, 1]},
+        },
+        "additionalProperties": False,
+    }
+
+
+def control_vector(controls: dict[str, Any], cfg: WaypointConfig) -> torch.Tensor:
+    """``[mouse x, mouse y, buttons one-hot..., scroll sign]``: the published embedding's input order."""
+    vector = torch.zeros(cfg.n_buttons + 3)
+    mouse = controls.get("mouse", (0.0, 0.0))
+    vector[0], vector[1] = float(mouse[0]), float(mouse[1])
+    for button in controls.get("buttons", ()):
+        vector[2 + int(button)] = 1.0
+    vector[-1] = float(np.sign(controls.get("scroll", 0)))
+    return vector
+
+
+class PagedAttention:
+    """:class:`~arstream.models.waypoint.dit.AttentionContext` over the runner's bound sessions (row ``i``)."""
+
+    def __init__(self, states: Sequence[SessionKVState], cos: torch.Tensor, sin: torch.Tensor, cfg: WaypointConfig):
+        self.states = list(states)
+        tokens = cfg.tokens_per_frame
+        positions = torch.tensor([s.frame_positions() for s in self.states], device=cos.device)  # [B, frames]
+        index = (positions[:, :, None] * tokens + torch.arange(tokens, device=cos.device)).flatten(1)
+        self.key_cos, self.key_sin = cos[index][:, None], sin[index][:, None]  # [B, 1, visible tokens, D/2]
+        self.query_cos, self.query_sin = self.key_cos[:, :, -tokens:], self.key_sin[:, :, -tokens:]
+        self.groups = cfg.n_heads // cfg.n_kv_heads
+
+    def begin_pass(self, *, commit: bool) -> None:
+        for state in self.states:
+            state.begin_pass(commit=commit)
+
+    def end_pass(self) -> None:
+        for state in self.states:
+            state.end_pass()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # K is stored unrotated: the gathered history is rotated with this chunk's positions
+        k_all, v_all = write_and_gather_rows(self.states, layer, k.transpose(1, 2), v.transpose(1, 2))
+        keys = rotate(k_all.transpose(1, 2), self.key_cos, self.key_sin)
+        values = v_all.transpose(1, 2)
+        if self.groups > 1:
+            keys, values = keys.repeat_interleave(self.groups, 1), values.repeat_interleave(self.groups, 1)
+        return F.scaled_dot_product_attention(rotate(q, self.query_cos, self.query_sin), keys, values)
+
+
+def denoise_frame(
+    model: WaypointDiT, ctx: Any, noise: torch.Tensor, controls: torch.Tensor, sigmas: Sequence[float]
+) -> torch.Tensor:
+    """The published ``gen_frame`` less the decode: Euler steps over ``sigmas``, then the committing pass."""
+    x = noise
+    batch = x.shape[0]
+    for sigma, next_sigma in zip(sigmas[:-1], sigmas[1:]):
+        ctx.begin_pass(commit=False)
+        velocity = model(x, x.new_full((batch,), sigma), controls, ctx)
+        ctx.end_pass()
+        x = x + (next_sigma - sigma) * velocity
+    ctx.begin_pass(commit=True)
+    model(x, x.new_zeros(batch), controls, ctx)
+    ctx.end_pass()
+    return x
+
+
+@dataclass
+class _Session:
+    generator: torch.Generator
+    controls: dict[str, Any]
+
+
+class WaypointPipeline(SessionStateBinding):
+    """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
+
+    def __init__(
+        self, model: WaypointDiT, decoder: Decoder, device: torch.device, *, name: str = "waypoint-1.5",
+        session_capacity: int = 64, random_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.cfg: WaypointConfig = model.cfg
+        self.random_weights = random_weights
+        self.model = model.to(device).eval()
+        self.decoder = decoder.to(device).eval()
+        self.device = device
+        self.name = name
+        self.session_capacity = session_capacity
+        self.dtype = next(model.parameters()).dtype
+        cos, sin = rope_tables(self.cfg)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+        self._sessions: dict[str, _Session] = {}
+        self._digest: str | None = None
+        self.last_latents: dict[str, torch.Tensor] = {}  # each session's last clean latent (tests compare them)
+
+    # ---- contract -------------------------------------------------------------------
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        cfg = self.cfg
+        return KVCacheSpec(
+            num_layers=cfg.n_layers,
+            num_kv_heads=cfg.n_kv_heads,
+            head_size=cfg.head_size,
+            tokens_per_frame=cfg.tokens_per_frame,
+            frames_per_chunk=1,
+            sink_frames=0,
+            window_frames=cfg.local_window,
+            session_capacity=self.session_capacity,
+            dtype=self.dtype,
+            max_position_frames=cfg.n_frames,
+        )
+
+    def model_card(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "name": self.name,
+            "width": cfg.image_width,
+            "height": cfg.image_height,
+            "fps": cfg.fps,
+            "frames_per_chunk": 1,
+            "reads_prompt": False,
+            "description": "Overworld's Waypoint: a world you walk with any key and look around with the mouse",
+            "controls": controls_schema(cfg),
+            "inputs": {
+                "buttons": {"kind": "keys", "codes": key_codes(cfg.n_buttons),
+                            "mouse_buttons": mouse_buttons(cfg.n_buttons)},
+                "mouse": {"kind": "pointer_delta"},
+                "scroll": {"kind": "wheel_sign"},
+            },
+            **({"weights": "random"} if self.random_weights else {}),
+            "components": [
+                component("dit", self.model, self.device, held_as(self.dtype)),
+                component("decoder", self.decoder, self.device, held_as(self.dtype)),
+            ],
+        }
+
+    def generate_chunk(self, tick: TickRequest) -> np.ndarray:
+        return self.generate_chunks([tick])[0]
+
+    def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
+        states = [self.bound_state(t.session_id) for t in ticks]
+        sessions = []
+        for tick, state in zip(ticks, states, strict=True):
+            session = self._sessions.get(tick.session_id)
+            if session is None or state.chunk_index == 0:
+                seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
+                session = _Session(torch.Generator().manual_seed(seed), {})
+            sessions.append(session)
+        rewind = [s.generator.get_state() for s in sessions]
+        try:
+            # drawn on the CPU, one generator per session: the same noise on any device and in any batch
+            noise = torch.stack([torch.randn(self.cfg.latent_shape, generator=s.generator) for s in sessions])
+            controls = torch.stack([control_vector(t.controls, self.cfg) for t in ticks])
+            with torch.inference_mode():
+                ctx = PagedAttention(states, self.cos, self.sin, self.cfg)
+                latents = denoise_frame(
+                    self.model, ctx, noise.to(self.device, self.dtype), controls.to(self.device, self.dtype),
+                    self.cfg.scheduler_sigmas,
+                )
+                frames = to_uint8(self.decoder(latents.to(next(self.decoder.parameters()).dtype))).cpu().numpy()
+        except BaseException:
+            for session, saved in zip(sessions, rewind, strict=True):
+                session.generator.set_state(saved)
+            raise
+        for row, (tick, session) in enumerate(zip(ticks, sessions, strict=True)):
+            session.controls = dict(tick.controls)
+            self._sessions[tick.session_id] = session
+            self.last_latents[tick.session_id] = latents[row].clone()
+        return [np.ascontiguousarray(frames[row : row + 1]) for row in range(len(ticks))]
+
+    def reset_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self.last_latents.pop(session_id, None)
+
+    def close_session(self, session_id: str) -> None:
+        self.reset_session(session_id)
+
+    def warmup_requests(self, session_id: str) -> Iterable[TickRequest]:
+        moves: tuple[dict[str, Any], ...] = ({}, {"buttons": [min(87, self.cfg.n_buttons - 1)], "mouse": [0.5, 0.0]})
+        return [TickRequest(session_id=session_id, request_id=i, controls=c) for i, c in enumerate(moves)]
+
+    # ---- moving a session (SupportsSessionTransfer) -----------------------------------------
+
+    def transfer_fingerprint(self) -> dict[str, Any]:
+        if self._digest is None:  # once: the weights never change while serving
+            named = {f"dit.{k}": v for k, v in self.model.state_dict().items()}
+            named.update({f"decoder.{k}": v for k, v in self.decoder.state_dict().items()})
+            self._digest = tensors_digest(named)
+        return {"config": self.cfg.to_dict(), "weights_sha256": self._digest}
+
+    def export_session_state(self, session_id: str) -> ModelState:
+        """The noise generator and the last controls (the decoder keeps nothing between frames)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return ModelState({"session": None})
+        return ModelState({"session": {"controls": session.controls}}, {"generator": session.generator.get_state()})
+
+    def import_session_state(self, session_id: str, state: ModelState) -> None:
+        values = state.json.get("session")
+        if values is None:
+            self._sessions.pop(session_id, None)
+            return
+        generator = torch.Generator()
+        generator.set_state(state.tensors["generator"])
+        self._sessions[session_id] = _Session(generator, dict(values["controls"]))
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)

@@ -1,0 +1,122 @@
+"""What a rank other than 0 runs: the same pipeline and runner over its share of the heads, driven by rank 0.
+
+Rank 0 sends each call it makes on its own runner (a round's ticks, a close, a park, the warm-up) down a pipe
+before making it; this rank makes the same call on its runner, so both allocate the same block ids, draw the
+same seeded noise and meet in the same collectives, and answers with a digest of what came out (each tick's
+outcome, the pool's free blocks) that rank 0 checks against its own. The pipe closing (rank 0 is gone) ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..contract import ARPipeline
+from ..types import RuntimeOptions, TickFailure
+from .sequence_parallel import SequenceParallel
+
+log = logging.getLogger("arstream.runner.distributed")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything a rank needs to join the replica (picklable: it crosses into a spawned process)."""
+
+    rank: int
+    world: int
+    init_method: str  # tcp://host:port of rank 0's rendezvous
+    options: RuntimeOptions
+    torch_threads: int
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.options.devices[self.rank])
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def join_group(plan: RankPlan) -> None:
+    """Join the replica's process group; every collective after this fails past ``collective_timeout_s``."""
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    dist.init_process_group(
+        plan.backend,
+        init_method=plan.init_method,
+        rank=plan.rank,
+        world_size=plan.world,
+        timeout=timedelta(seconds=plan.options.collective_timeout_s),
+    )
+
+
+def rank_options(plan: RankPlan) -> RuntimeOptions:
+    """The runner options of one rank: its own device, and its own spill folder (the ranks' shards differ)."""
+    parking = plan.options.parking
+    if parking is not None and parking.spill_dir is not None:
+        parking = replace(parking, spill_dir=os.path.join(parking.spill_dir, f"rank{plan.rank}"))
+    # the decode runs in line: a rank's runner is a deterministic function of the calls it is given
+    return replace(plan.options, device=plan.device, parking=parking, split_decode=False)
+
+
+def shard_pipeline(pipeline: ARPipeline, plan: RankPlan) -> SequenceParallel:
+    """Give the pipeline this rank's share of the heads (the caller checked that it can be sharded)."""
+    parallel = SequenceParallel(plan.rank, plan.world)
+    pipeline.shard_heads(parallel)  # type: ignore[attr-defined]
+    return parallel
+
+
+def digest(result: Any) -> Any:
+    """What rank 0 compares between ranks: each tick's outcome, or a plain return value."""
+    if isinstance(result, list):
+        return [
+            ("failed", type(r.error).__name__) if isinstance(r, TickFailure) else ("chunk", r.chunk_index)
+            for r in result
+        ]
+    if result is None or isinstance(result, (bool, int, str, tuple)):
+        return result
+    return type(result).__name__
+
+
+def rank_main(plan: RankPlan, conn: Connection) -> None:
+    """A spawned rank's whole life: join, load, shard, build the runner, then serve rank 0's calls."""
+    from ..runner import ARRunner
+
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{plan.rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(plan.torch_threads)
+    join_group(plan)
+    try:
+        assert plan.options.load_pipeline is not None
+        pipeline = plan.options.load_pipeline(str(plan.device))
+        assert isinstance(pipeline, ARPipeline)
+        shard_pipeline(pipeline, plan)
+        options = rank_options(plan)
+        runner = ARRunner.for_pipeline(pipeline, options)
+    except BaseException as exc:  # noqa: BLE001 - rank 0 says why the replica did not start
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        dist.destroy_process_group()
+        return
+    conn.send(("ready", runner.pool.num_free))
+    while True:
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone: nothing is left to serve
+            break
+        if name == "stop":
+            break
+        try:
+            if name == "pool_shape":
+                result: Any = tuple(runner.pool.kv.shape)
+            else:
+                result = getattr(runner, name)(*args)
+            conn.send(("ok", (digest(result), runner.pool.num_free)))
+        except Exception as exc:  # noqa: BLE001 - rank 0 checks that it raised the same
+            conn.send(("raised", type(exc).__name__))
+    dist.destroy_process_group()

@@ -1,0 +1,287 @@
+"""Rank 0's runtime for a replica over several devices (``arstream serve --devices cpu,cpu``, ``cuda:0,cuda:1``).
+
+Rank 0 is the server's process: it keeps the scheduler, the batching and the protocol, and holds an
+:class:`~arstream.runner.runner.ARRunner` over its share of the heads. It starts one process per other device
+(:mod:`.rank`) and supervises them. Every call that changes a runner's state (a round's ticks, a close, a
+branch, a park, the warm-up) goes to every rank first and then runs on rank 0; the ranks meet in the forward's
+collectives (:mod:`.sequence_parallel`) and each answers with a digest of its outcome, which must match rank 0's.
+
+Faults fail closed. A rank that exits, stops answering within ``collective_timeout_s`` or answers
+differently loses the replica: every session ends with :class:`~arstream.runner.types.ReplicaLost` as its
+reason, rank 0's pool is released, the other ranks are stopped and the process group is torn down; every
+later call says the same (the server then stops being ready and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..contract import ARPipeline
+from ..runner import ARRunner
+from ..spec import KVCacheSpec
+from ..stats import RunnerStats, RuntimeCounters
+from ..types import ChunkResult, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
+from .rank import RankPlan, digest, join_group, rank_main, rank_options, shard_pipeline
+from .sequence_parallel import SequenceParallel, check_heads_divide
+
+log = logging.getLogger("arstream.runner.distributed")
+
+# How long a rank may take to load its model and build its pool before the replica gives up on starting.
+START_TIMEOUT_S = 600.0
+
+
+class DistributedRuntime:
+    """A replica over ``len(options.devices)`` ranks, seen by the server as one runtime."""
+
+    split_decode = False  # the decode runs in line on every rank (one chunk's decode, in step)
+
+    @classmethod
+    def for_pipeline(cls, pipeline: object, options: RuntimeOptions) -> DistributedRuntime:
+        if not isinstance(pipeline, ARPipeline):
+            raise UnsupportedConfiguration(f"{type(pipeline).__name__} is not an ARPipeline: it cannot span devices")
+        return cls(pipeline, options)
+
+    def __init__(self, pipeline: ARPipeline, options: RuntimeOptions) -> None:
+        world = len(options.devices)
+        if world < 2:
+            raise UnsupportedConfiguration(f"a replica over several devices needs two or more, got {options.devices}")
+        if options.load_pipeline is None:
+            raise UnsupportedConfiguration("a replica over several devices needs a way for its other ranks to load the model")
+        if not callable(getattr(pipeline, "shard_heads", None)):
+            name = pipeline.model_card().get("name")
+            raise UnsupportedConfiguration(
+                f"model {name!r} cannot split its attention heads over devices (matrix-game-2, longlive and "
+                "krea-realtime can)"
+            )
+        spec = pipeline.kv_cache_spec()
+        check_heads_divide(spec.num_kv_heads, world)
+        if spec.cross_attention_lengths:
+            raise UnsupportedConfiguration("a pipeline whose pool holds cross-attention K/V cannot span devices yet")
+        kinds = {torch.device(d).type for d in options.devices}
+        if len(kinds) != 1:
+            raise UnsupportedConfiguration(f"a replica's devices must all be of one kind, got {options.devices}")
+        self.world = world
+        self.timeout_s = options.collective_timeout_s
+        self.lost: str | None = None
+        self._ranks: list[tuple[BaseProcess, Connection]] = []
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        plans = [RankPlan(r, world, init_method, options, torch.get_num_threads()) for r in range(world)]
+        context = multiprocessing.get_context("spawn")
+        for plan in plans[1:]:
+            here, there = context.Pipe()
+            process = context.Process(target=rank_main, args=(plan, there), name=f"arstream-rank{plan.rank}", daemon=True)
+            process.start()
+            there.close()
+            self._ranks.append((process, here))
+        try:
+            join_group(plans[0])
+            self.parallel: SequenceParallel = shard_pipeline(pipeline, plans[0])
+            self.local = ARRunner.for_pipeline(pipeline, rank_options(plans[0]))
+            for rank, (started, conn) in enumerate(self._ranks, start=1):
+                kind, value = self._reply(rank, started, conn, START_TIMEOUT_S)
+                if kind != "ready":
+                    raise UnsupportedConfiguration(f"rank {rank} ({options.devices[rank]}) did not start: {value}")
+        except BaseException:
+            self._stop_ranks()
+            raise
+        # rank 0's, the same objects (the warm-up fills its round times in place)
+        self.spec: KVCacheSpec = self.local.spec
+        self.counters: RuntimeCounters = self.local.counters
+        self.blocks_free_at_start: int = self.local.blocks_free_at_start
+        self.warmup_round_s: dict[int, float] = self.local.warmup_round_s
+        log.info("replica over %d devices (%s): each holds %d of the %d attention heads of every KV block",
+                 world, ",".join(options.devices), self.local.spec.num_kv_heads, spec.num_kv_heads)
+
+    # ---- the server's interface (runtimes.Runtime) ------------------------------------------
+
+    @property
+    def on_evict(self) -> Callable[[str], None] | None:
+        return self.local.on_evict
+
+    @on_evict.setter
+    def on_evict(self, callback: Callable[[str], None] | None) -> None:
+        self.local.on_evict = callback
+
+    @property
+    def batch_limit(self) -> int:
+        return self.local.batch_limit
+
+    @property
+    def session_capacity(self) -> int:
+        return self.local.session_capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def warmup(self) -> int:
+        ran: int = self._everywhere("warmup")
+        return ran
+
+    def model_card(self) -> dict[str, Any]:
+        return {**self.local.model_card(), "devices": self.world}
+
+    def prepare_prompt(self, prompt: str) -> str:
+        return self.local.prepare_prompt(prompt)
+
+    def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
+        if self.lost is not None:
+            return [TickFailure(t.session_id, t.request_id, ReplicaLost(self.lost)) for t in ticks]
+        try:
+            results: list[TickResult] = self._everywhere("execute", list(ticks))
+        except ReplicaLost as lost:
+            return [TickFailure(t.session_id, t.request_id, lost) for t in ticks]
+        return results
+
+    def execute_tick(self, tick: TickRequest) -> ChunkResult:
+        (result,) = self.execute([tick])
+        if isinstance(result, TickFailure):
+            raise result.error
+        return result
+
+    def is_resident(self, session_id: str) -> bool:
+        return self.lost is None and self.local.is_resident(session_id)
+
+    def next_chunk_index(self, session_id: str) -> int:
+        return self.local.next_chunk_index(session_id)
+
+    def branch_session(self, source_id: str, boundary: int | None, new_session_id: str) -> int:
+        branched: int = self._everywhere("branch_session", source_id, boundary, new_session_id)
+        return branched
+
+    def close_session(self, session_id: str) -> None:
+        self._everywhere("close_session", session_id)
+
+    def reset_session(self, session_id: str) -> None:
+        self._everywhere("reset_session", session_id)
+
+    def rewind_points(self, session_id: str) -> tuple[int, int] | None:
+        return self.local.rewind_points(session_id)
+
+    def resident_sessions(self) -> list[str]:
+        return self.local.resident_sessions()
+
+    def park_session(self, session_id: str) -> bool:
+        parked: bool = self._everywhere("park_session", session_id)
+        return parked
+
+    def park_idle(self) -> int:
+        """Rank 0's clock decides which sessions are idle; the other ranks park those by name."""
+        if self.lost is not None:
+            return 0
+        before = set(self.local.parking.sessions())
+        count = self.local.park_idle()
+        for session_id in [s for s in self.local.parking.sessions() if s not in before]:
+            self._send("park_session", (session_id,))
+            self._collect("park_session", None)
+        return count
+
+    def stats(self) -> RunnerStats:
+        return self.local.stats()
+
+    # ---- what tests and benches read ------------------------------------------------------------
+
+    def rank_pool_shapes(self) -> list[tuple[int, ...]]:
+        """Each rank's KV pool shape ``[layers, 2, blocks, tokens, heads, head_size]``, rank 0 first."""
+        shapes = [tuple(self.local.pool.kv.shape)]
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            conn.send(("pool_shape", ()))
+            kind, value = self._reply(rank, process, conn, self.timeout_s)
+            if kind != "ok":
+                self._lose(f"rank {rank} failed to say its pool's shape: {value}")
+            shapes.append(tuple(value[0]))
+        return shapes
+
+    def rank_processes(self) -> list[BaseProcess]:
+        return [process for process, _ in self._ranks]
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the group (the server's exit; a lost replica has done it already)."""
+        self._stop_ranks()
+
+    # ---- the ranks in step ------------------------------------------------------------------
+
+    def _everywhere(self, name: str, *args: Any) -> Any:
+        """``name(*args)`` on every rank's runner (the others first, then rank 0); rank 0's result, or what it
+        raised (a refusal raised alike on every rank, such as a rewind that is not held, is no fault)."""
+        self._send(name, args)
+        try:
+            result = getattr(self.local, name)(*args)
+        except Exception as exc:
+            self._collect(name, ("raised", type(exc).__name__))
+            raise
+        self._collect(name, ("ok", (digest(result), self.local.pool.num_free)))
+        return result
+
+    def _send(self, name: str, args: tuple[Any, ...]) -> None:
+        if self.lost is not None:
+            raise ReplicaLost(self.lost)
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            if not process.is_alive():
+                self._lose(f"rank {rank} exited with code {process.exitcode}")
+            try:
+                conn.send((name, args))
+            except OSError as exc:
+                self._lose(f"rank {rank} cannot be reached: {exc}")
+
+    def _collect(self, name: str, expected: tuple[str, Any] | None) -> None:
+        """Each other rank's answer to the call just sent; lose the replica on a rank that is gone, is late, or
+        came out other than rank 0 (``expected``; None: only that it answered)."""
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            answer = self._reply(rank, process, conn, self.timeout_s)
+            if expected is not None and answer != expected:
+                self._lose(f"rank {rank} went its own way in {name}: {answer} where rank 0 had {expected}")
+
+    def _reply(self, rank: int, process: BaseProcess, conn: Connection, timeout_s: float) -> tuple[str, Any]:
+        try:
+            if not conn.poll(timeout_s):
+                self._lose(f"rank {rank} did not answer within {timeout_s:g} s")
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            process.join(5.0)
+            self._lose(f"rank {rank} exited with code {process.exitcode}")
+        return kind, value
+
+    def _lose(self, reason: str) -> None:
+        """Fail the replica closed (see the module docstring), then raise :class:`ReplicaLost`."""
+        if self.lost is None:
+            self.lost = f"the replica lost a device: {reason}"
+            log.error("%s; every session on this replica ends and the replica stops", self.lost)
+            if hasattr(self, "local"):
+                table = self.local.sessions
+                for session_id in [*table.resident(), *self.local.parking.sessions()]:
+                    table.fail(session_id, "replica_lost")
+            self._stop_ranks()
+        raise ReplicaLost(self.lost)
+
+    def _stop_ranks(self) -> None:
+        for _, conn in self._ranks:
+            try:
+                conn.send(("stop", ()))
+            except OSError:
+                pass
+        for process, conn in self._ranks:
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+            conn.close()
+        self._ranks = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

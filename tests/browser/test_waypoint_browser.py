@@ -1,0 +1,61 @@
+"""The demo page with waypoint-1.5 (tiny, random weights) in Debian's Chromium: the card's `inputs` drive it, so
+any key is sent as the model's button id and pointer movement as its mouse velocity, with no model named in the
+page's code."""
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from browser_helpers import browser_marks, debug, wait, wait_frames_drawn
+from servers import LiveServer, fake_settings, running_server
+
+pytestmark = browser_marks
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with running_server(fake_settings(model="waypoint-1.5", torch_threads=1)) as live:
+        yield live
+
+
+def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server: LiveServer, page: Any) -> None:
+    sent: list[dict[str, Any]] = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload))))
+    page.goto(server.base_url + "/")
+    wait_frames_drawn(page, 2)
+    assert debug(page)["looking"] is True
+    ticks = [m for m in sent if m["type"] == "tick"]
+    assert ticks and all(t["controls"] == {"mouse": [0, 0], "scroll": 0, "buttons": []} for t in ticks)
+
+    page.keyboard.down("q")  # not a W A S D key: the card maps KeyQ to Owl-Control's 81
+    wait(page, "window.arstreamDebug.sentEventIds.length >= 1")
+    press = debug(page)["sentEventIds"][0]
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+    inputs = [m for m in sent if m["type"] == "input"]
+    assert inputs[0]["controls"]["buttons"] == [81], inputs
+
+    box = page.locator("#player").bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x + 40, y + 20, steps=8)
+    page.mouse.up()
+    before = len(debug(page)["sentTickIds"])
+    wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
+    moved = [t["controls"]["mouse"] for t in sent if t["type"] == "tick" and t["controls"]["mouse"] != [0, 0]]
+    assert moved, "no tick carried the movement"
+    # 0.01 unit a pixel, one frame a chunk: the ticks' sum is the whole movement, x right and y down
+    assert sum(m[0] for m in moved) == pytest.approx(40 * 0.01) and sum(m[1] for m in moved) == pytest.approx(20 * 0.01)
+    held = [t["controls"]["buttons"] for t in sent if t["type"] == "tick"][-1]
+    assert held == [81]  # the held key goes with every tick beside the mouse
+
+    page.mouse.move(x, y)
+    page.mouse.wheel(0, -120)  # rolled away from the user: the published engine's "forward", 1
+    before = len(debug(page)["sentTickIds"])
+    wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
+    scrolls = [t["controls"]["scroll"] for t in sent if t["type"] == "tick"]
+    assert 1 in scrolls and scrolls[-1] == 0 and -1 not in scrolls
+    page.keyboard.up("q")
+    assert debug(page)["errors"] == []

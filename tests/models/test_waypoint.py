@@ -1,0 +1,269 @@
+"""waypoint-1.5 on the paged runner equals a dense reference of the published engine; its loader reads the
+published layout and refuses a file that does not fit; batching and parking change nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from arstream.app.plan import fit_plan
+from arstream.app.settings import Settings
+from arstream.models.wan.components import module_bytes
+from arstream.models.waypoint.config import WaypointConfig, config_to_yaml, get_config
+from arstream.models.waypoint.decoder import Decoder
+from arstream.models.waypoint.loading import WaypointWeightsError, load_waypoint, random_weights
+from arstream.models.waypoint.pipeline import WaypointPipeline, control_vector
+from arstream.runner.rewind_schedule import RewindSchedule
+from arstream.runner.runner import ARRunner
+from arstream.runner.types import ChunkResult, ParkingPolicy, TickRequest
+from waypoint_reference import ReferenceWaypoint, reference_decode
+
+BUDGET = 16 << 20
+CHUNKS = 12  # the 4-frame window slides eight times; positions stay inside the 24-frame rotary table
+SEEDS = {"a": 1, "b": 2}
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
+Files = dict[str, dict[str, torch.Tensor]]  # what write_published wrote: "model" and "decoder" tensors
+Published = tuple[Path, Files]
+
+
+def weight_normed(decoder: Decoder) -> dict[str, torch.Tensor]:
+    """The decoder's tensors as the published file stores them: each convolution's weight as (g, v), v rescaled
+    per output channel so that only a correct weight-norm bake gives the weight back."""
+    out: dict[str, torch.Tensor] = {}
+    convs = {n for n, m in decoder.named_modules() if isinstance(m, torch.nn.Conv2d)}
+    generator = torch.Generator().manual_seed(7)
+    for key, value in decoder.state_dict().items():
+        stem = key.removesuffix(".weight")
+        if key.endswith(".weight") and stem in convs:
+            shape = [value.shape[0]] + [1] * (value.dim() - 1)
+            g = value.flatten(1).norm(dim=1).view(shape)
+            out[f"{stem}.parametrizations.weight.original0"] = g.clone()
+            out[f"{stem}.parametrizations.weight.original1"] = value * (1 + torch.rand(shape, generator=generator))
+        else:
+            out[key] = value.clone()
+    return out
+
+
+def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
+    """Random weights in the published layout: config.yaml + model.safetensors, ae/decoder_conf.yml +
+    ae/decoder.safetensors. Returns what was written (the reference reads it)."""
+    model, decoder = random_weights(cfg, seed)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(config_to_yaml(cfg))
+    # every layer's copy of the shared noise projections, as the published file names them (cloned: safetensors
+    # stores no shared tensors)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    save_file(weights, str(root / "model.safetensors"))
+    (root / "ae").mkdir(exist_ok=True)
+    (root / "ae" / "decoder_conf.yml").write_text(yaml.safe_dump({"model": dict(cfg.ae)}))
+    decoder_file = weight_normed(decoder)
+    save_file(decoder_file, str(root / "ae" / "decoder.safetensors"))
+    return {"model": weights, "decoder": decoder_file}
+
+
+def controls_for(session: str, chunk: int) -> dict[str, Any]:
+    keys = [[87], [65, 87], [], [68], [83, 32], [1]][(chunk + (session == "b")) % 6]
+    return {"buttons": keys, "mouse": [0.4 * ((chunk % 3) - 1), 0.2 * (session == "a")], "scroll": chunk % 3 - 1}
+
+
+def tick(session: str, chunk: int, controls: dict[str, Any] | None = None) -> TickRequest:
+    return TickRequest(
+        session_id=session, request_id=chunk, controls=controls_for(session, chunk) if controls is None else controls,
+        seed=SEEDS[session],
+    )
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
+    root = tmp_path_factory.mktemp("waypoint")
+    return root, write_published(root, get_config("tiny"))
+
+
+@pytest.fixture(scope="module")
+def pipeline(published: Published) -> WaypointPipeline:
+    return load_waypoint(weights_path=published[0])
+
+
+def reference_rollout(
+    pipeline: WaypointPipeline, files: Files, controls: list[dict[str, Any]], seed: int, window: int | None = None
+) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+    cfg = pipeline.cfg
+    ref = ReferenceWaypoint(cfg, files["model"], files["decoder"], window=window)
+    generator = torch.Generator().manual_seed(seed)
+    latents, frames = [], []
+    with torch.inference_mode():
+        for c in controls:
+            latent = ref.gen_frame(torch.randn(cfg.latent_shape, generator=generator), control_vector(c, cfg))
+            latents.append(latent)
+            frames.append(ref.decode(latent, (cfg.image_height, cfg.image_width)).numpy())
+    return latents, frames
+
+
+def test_served_latents_and_frames_equal_the_dense_reference(pipeline: WaypointPipeline, published: Published) -> None:
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
+    latents: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    frames: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+    for c in range(CHUNKS):
+        for session in ("a", "b"):  # interleaved: each chunk regathers its history from the pool
+            result = runner.execute_tick(tick(session, c))
+            assert isinstance(result, ChunkResult)
+            frames[session].append(result.frames[0])
+            latents[session].append(pipeline.last_latents[session].clone())
+    files = published[1]
+    for session in ("a", "b"):
+        want_latents, want_frames = reference_rollout(
+            pipeline, files, [controls_for(session, c) for c in range(CHUNKS)], SEEDS[session]
+        )
+        for c in range(CHUNKS):
+            torch.testing.assert_close(latents[session][c], want_latents[c], rtol=1e-4, atol=1e-4,
+                                       msg=f"session {session} chunk {c}")
+            # uint8 frames: rounding may move a pixel by one level
+            assert np.abs(frames[session][c].astype(int) - want_frames[c].astype(int)).max() <= 1, (session, c)
+    # negative controls: a longer window, other controls or other noise give other latents
+    controls = [controls_for("a", c) for c in range(CHUNKS)]
+    wider, _ = reference_rollout(pipeline, files, controls, SEEDS["a"], window=7)
+    torch.testing.assert_close(wider[2], latents["a"][2], rtol=1e-4, atol=1e-4)  # nothing has left the window yet
+    assert not torch.allclose(wider[-1], latents["a"][-1], atol=1e-3)
+    other, _ = reference_rollout(pipeline, files, [controls_for("b", c) for c in range(CHUNKS)], SEEDS["a"])
+    assert not torch.allclose(other[-1], latents["a"][-1], atol=1e-3)
+    still = [dict(c, mouse=[0.0, 0.0]) for c in controls]
+    unmoved, _ = reference_rollout(pipeline, files, still, SEEDS["a"])
+    assert not torch.allclose(unmoved[-1], latents["a"][-1], atol=1e-3)
+    for session in ("a", "b"):
+        runner.close_session(session)
+    assert pipeline.session_ids() == []
+
+
+def test_a_session_runs_past_the_rotary_table(pipeline: WaypointPipeline) -> None:
+    """The published cache indexes past its n_frames-frame table; served positions shift and keep going."""
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
+    for c in range(pipeline.cfg.n_frames + 3):
+        assert isinstance(runner.execute_tick(tick("a", c)), ChunkResult)
+    runner.close_session("a")
+
+
+def frames_alone(pipeline: WaypointPipeline, rounds: int) -> dict[str, list[np.ndarray]]:
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
+    out: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+    for c in range(rounds):
+        for session in ("a", "b"):
+            out[session].append(runner.execute_tick(tick(session, c)).frames)
+    for session in ("a", "b"):
+        runner.close_session(session)
+    return out
+
+
+def test_batched_sessions_get_the_frames_they_get_alone(pipeline: WaypointPipeline) -> None:
+    alone = frames_alone(pipeline, 6)
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=2)
+    for c in range(6):
+        results = runner.execute([tick("a", c), tick("b", c)])
+        for session, result in zip(("a", "b"), results):
+            assert isinstance(result, ChunkResult)
+            assert np.abs(result.frames.astype(int) - alone[session][c].astype(int)).max() <= 1
+    assert runner.stats().batched_forwards_total == 6
+
+
+def test_a_parked_or_rewound_session_continues_bit_identically(pipeline: WaypointPipeline) -> None:
+    """Parking keeps the KV and the noise generator; a rewind point holds both as they were at its boundary."""
+
+    def rollout(park_at: int | None = None, rewind_at: int | None = None) -> list[torch.Tensor]:
+        runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, rewind=RewindSchedule.last(4),
+                          parking=ParkingPolicy(64 << 20))
+        latents = []
+        for c in range(10):
+            if c == park_at:
+                assert runner.park_session("a") and not runner.sessions.in_pool("a")
+            if c == rewind_at:  # a detour of two chunks with other controls, then back to boundary c
+                for detour in range(2):
+                    runner.execute_tick(tick("a", c + detour, controls={"buttons": [70], "mouse": [3.0, 3.0]}))
+                runner.execute_tick(TickRequest(session_id="a", request_id=c, controls=controls_for("a", c),
+                                                seed=SEEDS["a"], rewind_to=c))
+            else:
+                runner.execute_tick(tick("a", c))
+            latents.append(pipeline.last_latents["a"].clone())
+        runner.close_session("a")
+        assert runner.pool.num_free == runner.pool.num_blocks  # every block came back
+        return latents
+
+    straight = rollout()
+    for variant in (rollout(park_at=5), rollout(rewind_at=6)):
+        for c, (want, got) in enumerate(zip(straight, variant, strict=True)):
+            assert torch.equal(want, got), c
+
+
+def test_a_file_that_does_not_fit_is_refused_naming_it_and_its_keys(tmp_path: Path) -> None:
+    cfg = get_config("tiny")
+    files = write_published(tmp_path, cfg)
+    weights = dict(files["model"])
+    weights.pop("ctrl_emb.mlp.fc1.weight")
+    weights["extra.weight"] = torch.zeros(1)
+    weights["patchify.weight"] = torch.zeros(3, 3)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WaypointWeightsError) as refused:
+        load_waypoint(weights_path=tmp_path)
+    message = str(refused.value)
+    for named in ("model.safetensors", "ctrl_emb.mlp.fc1.weight", "extra.weight", "patchify.weight"):
+        assert named in message
+
+    weights = dict(files["model"])
+    shared = "transformer.blocks.2.cond_head.cond_proj.4.weight"  # a layer's copy of the shared noise projection
+    weights[shared] = weights[shared] + 1
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WaypointWeightsError, match=r"model\.safetensors.*blocks\.2\.cond_head\.cond_proj\.4.*share"):
+        load_waypoint(weights_path=tmp_path)
+
+    write_published(tmp_path, cfg)
+    decoder = dict(files["decoder"])
+    decoder.pop("conv_in.proj.parametrizations.weight.original1")
+    save_file(decoder, str(tmp_path / "ae" / "decoder.safetensors"))
+    with pytest.raises(WaypointWeightsError, match=r"decoder\.safetensors.*conv_in\.proj\.parametrizations"):
+        load_waypoint(weights_path=tmp_path)
+
+    write_published(tmp_path, cfg)
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(WaypointWeightsError, match="model.safetensors"):
+        load_waypoint(weights_path=tmp_path)
+
+    write_published(tmp_path, cfg)
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    raw.update(global_window=8, prompt_conditioning="cross_attention")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(WaypointWeightsError, match=r"config\.yaml.*prompt_conditioning.*local_window"):
+        load_waypoint(weights_path=tmp_path)
+
+
+def test_the_published_decoder_file_decodes_as_the_reference() -> None:
+    """The weight-norm bake: the served decoder on baked weights equals the reference on (g, v)."""
+    cfg = get_config("tiny")
+    _, decoder = random_weights(cfg, 3)
+    stored = weight_normed(decoder)
+    from arstream.models.waypoint.decoder import bake_weight_norm, to_uint8
+
+    served = Decoder(cfg.ae, (cfg.image_height, cfg.image_width))
+    served.load_state_dict(bake_weight_norm(stored))
+    z = torch.randn(2, *cfg.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = to_uint8(served(z))
+        want = reference_decode(stored, cfg.ae, z, (cfg.image_height, cfg.image_width))
+    assert np.abs(got.numpy().astype(int) - want.numpy().astype(int)).max() <= 1
+
+
+def test_the_plan_counts_what_a_loaded_model_holds() -> None:
+    """`arstream plan` builds waypoint on the meta device: its weights' bytes are a loaded model's (bf16, as on a GPU),
+    the noise projections shared by every layer counted once."""
+    plan = fit_plan(Settings(model="waypoint-1.5", model_options={"random_init": True}, max_batch_sessions=2),
+                    gpu_memory_bytes=2 << 30)  # fmt: skip
+    assert plan.refusal is None and plan.session_capacity >= 1
+    loaded = load_waypoint(dtype="bfloat16", random_init=True)
+    assert {c.name: c.bytes for c in plan.components} == {
+        "dit": module_bytes(loaded.model), "decoder": module_bytes(loaded.decoder)
+    }
+    untied = sum(p.numel() * p.element_size() for _, p in loaded.model.named_parameters(remove_duplicate=False))
+    assert module_bytes(loaded.model) < untied

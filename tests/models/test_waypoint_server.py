@@ -1,0 +1,41 @@
+"""The whole server path with waypoint-1.5 (tiny, random weights): real CLI, uvicorn and websockets."""
+
+import asyncio
+
+from servers import server_process, session_client
+
+
+def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas() -> None:
+    args = ["--model", "waypoint-1.5", "--torch-threads", "1", "--max-batch-sessions", "2"]
+    with server_process(args) as server:
+        server.wait_ready()
+        card = server.get("/v1/model").json()
+        assert (card["name"], card["width"], card["height"], card["frames_per_chunk"]) == ("waypoint-1.5", 40, 24, 1)
+        assert set(card["controls"]["properties"]) == {"buttons", "mouse", "scroll"}
+        # the page maps inputs from the card: browser key codes and mouse buttons to button ids, pointer deltas
+        assert card["inputs"]["buttons"]["codes"]["KeyW"] == 87 and card["inputs"]["mouse"]["kind"] == "pointer_delta"
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def session(seed: int, buttons: list[int]) -> list[tuple[int, int, int]]:
+            seen = []
+            async with session_client(server.ws_url, start={"seed": seed, "codec": "raw"}) as client:
+                for tick_id in range(3):
+                    controls = {"buttons": buttons, "mouse": [0.5 * tick_id, -0.25], "scroll": 1}
+                    await client.send(type="tick", tick_id=tick_id, controls=controls)
+                for _ in range(3):
+                    chunk, frames = await client.recv_chunk()
+                    header, pixels = frames[0]
+                    assert (header.width, header.height, pixels.shape) == (40, 24, (24, 40, 3))
+                    seen.append((chunk["tick_id"], chunk["chunk_index"], chunk["frames"]))
+                for bad in ({"buttons": [256]}, {"mouse": [1.0]}, {"keys": ["w"]}):
+                    await client.send(type="tick", tick_id=3, controls=bad)
+                    refusal = await client.recv_json()
+                    assert refusal["type"] == "error" and refusal["code"] == "invalid_controls", refusal
+            return seen
+
+        async def both() -> list[list[tuple[int, int, int]]]:
+            return list(await asyncio.gather(session(1, [87]), session(2, [65, 32, 1])))
+
+        for seen in asyncio.run(both()):
+            assert seen == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]
+        server.settled(start_free)
