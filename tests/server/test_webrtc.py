@@ -252,7 +252,7 @@ def test_a_viewer_takes_webrtc_on_a_track_of_its_own() -> None:
     """A viewer's frames on its own track, its chunk messages on its WebSocket: raw pixels encoded apart while its
     controller plays JPEG, the controller's own pixels once it is on a track too; its peer counts in the cap."""
 
-    async def scenario(server: LiveServer) -> tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Any]]:
+    async def scenario(server: LiveServer) -> tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Any], Any]:
         async with session_client(server.ws_url, start={"codec": "jpeg", "seed": 3}) as player:
             for tick_id in range(CHUNKS_BEFORE):
                 await player.send(type="tick", tick_id=tick_id)
@@ -260,9 +260,15 @@ def test_a_viewer_takes_webrtc_on_a_track_of_its_own() -> None:
             token = player.ready["share"]["token"]  # type: ignore[index]
             watch_url = f"{server.ws_url}?share={token}"
             async with session_client(watch_url, start={"watch": token}) as viewer:
-                pc, track_future, _ = await connect_video(viewer)
+                pc = aiortc.RTCPeerConnection()
+                inputs = InputChannel(pc)
+                pc, track_future, _ = await connect_video(viewer, pc)
                 player_pc: Any = None
                 try:
+                    await asyncio.wait_for(inputs.opened.wait(), GUARD_S)
+                    inputs.input(1, ["w"])
+                    await inputs.taken(1)  # a viewer's channel answers pings; its inputs are not the session's
+                    not_controller = await next_of(viewer, "error")
                     chunks = []
                     for tick_id in range(CHUNKS_BEFORE, CHUNKS_BEFORE + CHUNKS):
                         if tick_id == CHUNKS_BEFORE + CHUNKS // 2:
@@ -287,11 +293,11 @@ def test_a_viewer_takes_webrtc_on_a_track_of_its_own() -> None:
             # the viewer left: its peer connection is closed, the player's holds on
             wait_until(lambda: webrtc_track.open_peer_connections() == 1)
             await player_pc.close()
-            return chunks, decoded, refused
+            return chunks, decoded, refused, not_controller
 
     settings = fake_settings(webrtc=True, webrtc_max_peers=2)
     with running_server(settings, FakeKVPipeline(width=64, height=64)) as server:
-        chunks, decoded, refused = asyncio.run(scenario(server))
+        chunks, decoded, refused, not_controller = asyncio.run(scenario(server))
         wait_until(lambda: webrtc_track.open_peer_connections() == 0)
     assert [c["tick_id"] for c in chunks] == list(range(CHUNKS_BEFORE, CHUNKS_BEFORE + CHUNKS))
     assert all(c["delivery"] == "webrtc" and c["skipped_before"] == 0 for c in chunks)
@@ -301,6 +307,8 @@ def test_a_viewer_takes_webrtc_on_a_track_of_its_own() -> None:
     for number, green in decoded:  # fake-kv's green is the frame's position in the rollout
         assert abs(green - by_number[number] % 256) <= 3, (number, green)
     assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "2 WebRTC peer" in refused["message"]
+    assert (not_controller["code"], not_controller["fatal"]) == ("not_controller", False)
+    assert all(chunk["applied_event_ids"] == [] for chunk in chunks)
 
 
 def test_a_refused_pass_leaves_the_controller_on_the_track(server: LiveServer) -> None:
