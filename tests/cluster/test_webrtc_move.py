@@ -66,10 +66,8 @@ def test_a_drained_webrtc_session_offers_again_on_the_peer_and_plays_on() -> Non
             await next_of(resumed, "closed")
             return before, [header.codec.name for header, _ in frames], chunks, greens
 
-    pipeline = FakeKVPipeline(width=64, height=64)
-    both = {"webrtc": True}
-    with running_server(cluster_settings("r0", **both), pipeline) as r0:
-        with running_server(cluster_settings("r1", **both), FakeKVPipeline(width=64, height=64)) as r1:
+    with running_server(cluster_settings("r0", webrtc=True), FakeKVPipeline(width=64, height=64)) as r0:
+        with running_server(cluster_settings("r1", webrtc=True), FakeKVPipeline(width=64, height=64)) as r1:
             before, codecs, chunks, greens = asyncio.run(scenario(r0, r1))
             wait_until(lambda: webrtc_track.open_peer_connections() == 0)
             r1.settled(r1.stats()["kv"]["blocks_total"])
