@@ -140,9 +140,14 @@ def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
 
 
+UNTIL_GUARD_S = 60.0  # hang guard only
+
+
 def until(page: Any, expression: str) -> None:
     """Poll an expression with ``evaluate`` (the page's CSP forbids the ``eval`` that ``wait_for_function`` uses)."""
+    deadline = time.monotonic() + UNTIL_GUARD_S
     while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"never true: {expression}"
         time.sleep(0.05)
 
 
@@ -242,3 +247,30 @@ def test_the_page_falls_back_to_the_websocket_when_webrtc_cannot_connect(page: A
         assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
         assert not page.is_visible("#screen-video")
         assert stuck.stats()["webrtc"]["peer_connections"] == 0  # its slot came back
+
+
+def test_a_watching_page_plays_by_webrtc_and_its_peer_closes_when_it_leaves(
+    server: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    player_context, viewer_context = browser.new_context(), browser.new_context()  # a background tab is throttled
+    try:
+        player = new_page(player_context, errors)
+        player.goto(server.base_url + "/")  # the player on the WebSocket
+        until(player, "window.arstreamDebug.framesDrawn > 3 && window.arstreamDebug.shareToken !== null")
+        token = player.evaluate("window.arstreamDebug.shareToken")
+        viewer = new_page(viewer_context, errors)
+        viewer.goto(f"{server.base_url}/?delivery=webrtc#watch={token}")
+        until(viewer, "window.arstreamDebug.delivery === 'webrtc'")
+        until(viewer, "window.arstreamDebug.trackFramesShown > 8")
+        state = viewer.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
+        assert state["role"] == "viewer" and state["errors"] == []
+        assert viewer.text_content("#hud-delivery") == "WebRTC (H264)"
+        assert debug(player)["delivery"] == "websocket"
+        assert server.stats()["webrtc"]["peer_connections"] == 1  # the viewer's own
+        viewer.close()  # the viewer leaves: its peer connection is closed with its socket
+        wait_until(lambda: server.stats()["webrtc"]["peer_connections"] == 0)
+        assert server.stats()["sessions"]["viewers"] == 0
+    finally:
+        viewer_context.close()
+        player_context.close()
+    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
