@@ -249,7 +249,7 @@ def test_the_page_falls_back_to_the_websocket_when_webrtc_cannot_connect(page: A
         assert stuck.stats()["webrtc"]["peer_connections"] == 0  # its slot came back
 
 
-def test_a_watching_page_plays_by_webrtc_and_its_peer_closes_when_it_leaves(
+def test_a_watching_page_plays_by_webrtc_and_lets_its_track_go_when_it_takes_control(
     server: LiveServer, browser: Any, errors: PageErrors
 ) -> None:
     player_context, viewer_context = browser.new_context(), browser.new_context()  # a background tab is throttled
@@ -267,9 +267,17 @@ def test_a_watching_page_plays_by_webrtc_and_its_peer_closes_when_it_leaves(
         assert viewer.text_content("#hud-delivery") == "WebRTC (H264)"
         assert debug(player)["delivery"] == "websocket"
         assert server.stats()["webrtc"]["peer_connections"] == 1  # the viewer's own
-        viewer.close()  # the viewer leaves: its peer connection is closed with its socket
+        until(player, "!document.getElementById('pass-box').hidden")
+        player.click("#pass")
+        until(viewer, "window.arstreamDebug.role === 'controller'")
+        # its frames come on the WebSocket from then on: the page lets its track go, and the server its slot
+        until(viewer, "window.arstreamDebug.delivery === 'websocket'")
         wait_until(lambda: server.stats()["webrtc"]["peer_connections"] == 0)
-        assert server.stats()["sessions"]["viewers"] == 0
+        drawn = debug(viewer)["framesDrawn"]
+        until(viewer, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
+        assert not viewer.is_visible("#screen-video") and viewer.text_content("#hud-delivery") == "WebSocket"
+        assert debug(viewer)["errors"] == []
+        viewer.close()
     finally:
         viewer_context.close()
         player_context.close()
