@@ -168,7 +168,7 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
             "(start the server and read /v1/stats for the others)"
         )
     if devices < 1:
-        raise PlanError(f"--devices must be >= 1, got {devices}")
+        raise PlanError(f"--replicas must be >= 1, got {devices}")
     if pipeline is None:
         pipeline = load_pipeline(settings.model, "meta", **settings.model_options)
     card = pipeline.model_card()
@@ -261,7 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .settings import add_settings_arguments
 
     parser.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory of one GPU: 24GiB, 80GB, 141GB")
-    parser.add_argument("--devices", type=int, default=1, metavar="N", help="GPUs, one replica each [default: 1]")
+    # Not serve's --devices (one replica over several devices): here N GPUs each serve a replica of their own.
+    parser.add_argument("--replicas", type=int, default=1, metavar="N", help="GPUs, one replica each [default: 1]")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON line after the text")
     add_settings_arguments(parser)  # serve's flags: --model, --model-options, the pool, rewind and parking
 
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_from_args(args)
-        plan = fit_plan(settings, gpu_memory_bytes=parse_size(args.gpu_memory), devices=args.devices)
+        plan = fit_plan(settings, gpu_memory_bytes=parse_size(args.gpu_memory), devices=args.replicas)
     except ValidationError as exc:
         print(f"arstream plan: {describe_settings_error(exc)}", file=sys.stderr)
         return 2
@@ -281,6 +282,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"arstream plan: {exc}", file=sys.stderr)
         return 2
     print(plan.text())
+    if settings.devices:
+        # The plan is one device's; serve's --devices splits every KV block's heads between them (weights whole).
+        shares = len(settings.devices.split(","))
+        print(f"  --devices: this plan is one device's; over {shares} each holds 1/{shares} of every KV block's heads")
     if args.json:
         print(json.dumps(plan_document(plan)))
     return 0 if plan.refusal is None else 1

@@ -132,7 +132,7 @@ def test_longlive_on_24_gb_is_refused_naming_what_to_change_and_fits_once_change
 
     changed = '{"config": "1.3b", "weights": "int8", "text_encoder_device": "cpu"}'
     code, out, document = plan_cli(capsys, "--model", "longlive", "--model-options", changed, "--gpu-memory", "24GB",
-                                   "--max-batch-sessions", "1", "--devices", "2")  # fmt: skip
+                                   "--max-batch-sessions", "1", "--replicas", "2")  # fmt: skip
     assert code == 0 and document["refusal"] is None, out
     assert document["session_capacity"] >= 1 and document["sessions"] == 2 * document["session_capacity"]
     dit = next(c for c in document["components"] if c["name"] == "dit")
