@@ -49,12 +49,14 @@ from ..app.codecs import CODEC_NAMES
 from .client_lib import (
     ConnectionDropped,
     ControlPassed,
+    KeyNotTaken,
     ServerError,
     Session,
     SessionClosed,
     SessionMoved,
     connect,
     http_base_url,
+    key_input,
     session_url,
     start_image_field,
     takes_keys,
@@ -310,11 +312,17 @@ async def run_script(
         print(f"frames by {detail}" + (f": {receiver.refused}" if receiver.refused else ""), flush=True)
 
     session = await fresh_session()
-    if any(plan) and not takes_keys(session.model):
-        # Every input with keys would be refused: say what this model takes instead, before any tick.
+    keys = key_input(session.model)  # where held keys go in this model's controls, from its card
+    try:
+        if any(plan) and not takes_keys(session.model):
+            # Every input with keys would be refused: say what this model takes instead, before any tick.
+            raise NoKeysModel(str(session.model.get("name")))
+        for held_keys in set(plan):
+            keys.controls(held_keys)  # a key the model does not take: said before any tick
+    except (NoKeysModel, KeyNotTaken):
         await session.close()
         await session.ws.close()
-        raise NoKeysModel(str(session.model.get("name")))
+        raise
     chunk_indexes: list[int] = []
     restarts: list[tuple[int, str]] = []
     try:
@@ -334,7 +342,7 @@ async def run_script(
                 while next_tick < len(plan) and session.ticks_in_flight < in_flight_limit:
                     if plan[next_tick] != held:
                         held = plan[next_tick]
-                        await session.send_input(controls={"keys": list(held)})
+                        await session.send_input(controls=keys.controls(held))
                     for _, text in (entry for entry in prompts_at if entry[0] == next_tick):
                         prompt_events[await session.send_input(prompt=text)] = text
                     rewind_to = rewind.to if rewind is not None and next_tick == rewind.after else None
@@ -675,6 +683,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
     except NoKeysModel as exc:
+        print(f"arstream client: {exc}", file=sys.stderr)
+        return 2
+    except KeyNotTaken as exc:
         print(f"arstream client: {exc}", file=sys.stderr)
         return 2
     except ServerError as exc:

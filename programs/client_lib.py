@@ -191,15 +191,64 @@ def session_url(url: str, *, token: str | None = None, resume: str | None = None
     return urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
 
 
+# Key names a key script may use beside KeyboardEvent codes ("KeyQ", "Digit1", "Space", "ArrowUp", ...).
+KEY_NAME_CODES = {
+    "space": "Space", "enter": "Enter", "esc": "Escape", "tab": "Tab", "shift": "ShiftLeft", "ctrl": "ControlLeft",
+    "alt": "AltLeft", "up": "ArrowUp", "down": "ArrowDown", "left": "ArrowLeft", "right": "ArrowRight",
+}
+
+
+def key_code(name: str) -> str:
+    """The KeyboardEvent code a key script's name stands for: ``w`` -> ``KeyW``, ``1`` -> ``Digit1``."""
+    if len(name) == 1 and name.isalpha():
+        return "Key" + name.upper()
+    if len(name) == 1 and name.isdigit():
+        return "Digit" + name
+    return KEY_NAME_CODES.get(name.lower(), name)
+
+
+class KeyNotTaken(ValueError):
+    """A key script holds a key the model's controls do not take."""
+
+
+@dataclass(frozen=True)
+class KeyInput:
+    """Where held keys go in a model's controls, read from its card as the page reads it (static/input.js).
+
+    A card's ``inputs`` entry of kind ``keys`` maps KeyboardEvent codes to the values its field takes (Waypoint's
+    button ids); without one, key names go as they are in ``keys`` (W A S D for the Wan world models)."""
+
+    control: str = "keys"
+    codes: dict[str, Any] | None = None
+
+    def controls(self, held: Sequence[str]) -> dict[str, Any]:
+        """The controls of an `input` holding ``held``; raises :class:`KeyNotTaken` naming a key the model lacks."""
+        if self.codes is None:
+            return {self.control: list(held)}
+        unknown = [name for name in held if key_code(name) not in self.codes]
+        if unknown:
+            raise KeyNotTaken(f"the model takes no key {unknown[0]!r} (it takes e.g. w, space, 1, KeyQ, ArrowUp)")
+        return {self.control: [self.codes[key_code(name)] for name in held]}
+
+
+def key_input(card: dict[str, Any]) -> KeyInput:
+    """How ``card``'s model takes held keys (:class:`KeyInput`)."""
+    for control, spec in (card.get("inputs") or {}).items():
+        if isinstance(spec, dict) and spec.get("kind") == "keys" and isinstance(spec.get("codes"), dict):
+            return KeyInput(control, spec["codes"])
+    return KeyInput()
+
+
 def takes_keys(card: dict[str, Any]) -> bool:
-    """Whether a model card's controls take held keys: its schema names ``keys`` or leaves room for unnamed fields.
+    """Whether a model card's controls take held keys: its schema names the keys' field (:func:`key_input`) or
+    leaves room for unnamed fields.
 
     A model steered by its prompt alone (LongLive) refuses every ``input`` that carries keys.
     """
     schema = card.get("controls")
     if not isinstance(schema, dict):
         return True  # no schema: nothing says keys are refused
-    return "keys" in (schema.get("properties") or {}) or schema.get("additionalProperties") is not False
+    return key_input(card).control in (schema.get("properties") or {}) or schema.get("additionalProperties") is not False
 
 
 def http_base_url(url: str) -> str:

@@ -83,7 +83,7 @@ class ParkedSession:
             self.ready = None
 
 
-def _tables_json(tables: HistoryTables, number: dict[int, int]) -> dict[str, Any]:
+def tables_json(tables: HistoryTables, number: dict[int, int]) -> dict[str, Any]:
     return {
         "sink": {b: [number[i] for i in ids] for b, ids in tables.sink.items()},
         "window": {b: [number[i] for i in ids] for b, ids in tables.window.items()},
@@ -93,7 +93,7 @@ def _tables_json(tables: HistoryTables, number: dict[int, int]) -> dict[str, Any
     }
 
 
-def _tables_from_json(doc: dict[str, Any], blocks: list[int]) -> HistoryTables:
+def tables_from_json(doc: dict[str, Any], blocks: list[int]) -> HistoryTables:
     return HistoryTables(
         sink={b: [blocks[n] for n in ids] for b, ids in doc["sink"].items()},
         window={b: [blocks[n] for n in ids] for b, ids in doc["window"].items()},
@@ -184,8 +184,8 @@ def park_payload(
             used[name] = key
         models.append({"json": copy.deepcopy(model.json), "tensors": used})
     layout = {
-        "live": _tables_json(live, number),
-        "boundaries": [_tables_json(b.tables, number) for b in boundaries],
+        "live": tables_json(live, number),
+        "boundaries": [tables_json(b.tables, number) for b in boundaries],
         "models": models,
         "devices": devices,
         "cross_written": sorted(state.cross_written),
@@ -224,8 +224,8 @@ def restore_payload(pool: PagedKVPool, session_id: str, layout: dict[str, Any], 
         if stored is not None:
             index = torch.tensor(allocated, dtype=torch.long, device=pool.device)
             pool.kv.index_copy_(2, index, stored.to(pool.device, non_blocking=True))
-        live = _tables_from_json(layout["live"], allocated)
-        boundary_tables = [_tables_from_json(doc, allocated) for doc in layout["boundaries"]]
+        live = tables_from_json(layout["live"], allocated)
+        boundary_tables = [tables_from_json(doc, allocated) for doc in layout["boundaries"]]
         # allocate() gave each block one reference; every further listing is one more (live and boundaries share)
         listed = live.blocks() + [i for t in boundary_tables for i in t.blocks()]
         extra = Counter(listed) - Counter(allocated)

@@ -70,6 +70,11 @@ class SessionRewinds:
         points = self._points.get(session_id)
         return [] if points is None else points.boundaries()
 
+    def movable(self, session_id: str) -> list[Boundary]:
+        """The kept boundaries a snapshot can carry, oldest first: those whose decoder state is complete."""
+        waiting = {id(b) for sid, b, _before in self._unfinished if sid == session_id}
+        return [b for b in self.boundaries(session_id) if id(b) not in waiting]
+
     def blocks(self, session_id: str) -> list[int]:
         """Every block reference the session's kept boundaries hold (a block two of them keep is listed twice)."""
         points = self._points.get(session_id)

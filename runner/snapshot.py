@@ -10,6 +10,9 @@ flight) and holds
 - the model-owned state (noise generator, camera, decoder canvas, action or
   VAE caches...), through the pipeline's optional
   :class:`~arstream.runner.contract.SupportsSessionTransfer` hook;
+- its rewind points: the blocks they hold beyond the live history, their
+  tables and model states (runner/snapshot_rewind.py), which a receiving
+  runner keeps as far as its own schedule and free blocks allow;
 - an opaque ``session`` section for the layer above (the server puts the
   protocol state there: controls, prompt, seed, pending events, id floors).
 
@@ -39,7 +42,10 @@ import torch
 
 from .capabilities import GathersHeads, SupportsExport
 from .contract import ModelState, SupportsSessionTransfer
+from .parking import tables_from_json
+from .rewind import Boundary
 from .snapshot_header import SnapshotHeaderError, parse_header
+from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
@@ -227,6 +233,8 @@ def export_session(runner: SupportsExport, session_id: str, *, protocol_version:
             tensors[f"cross_v/{name}"] = runner.sessions.pool.cross_v[name][state.cross_slot]
     for name, tensor in model.tensors.items():
         tensors[f"model/{name}"] = tensor
+    live = [i for b in runner.sessions.spec.branch_names for i in state.sink[b] + state.window[b]]
+    carry_rewind(header, tensors, runner.sessions.pool.kv, live, runner.sessions.rewinds.movable(session_id))
     return SessionSnapshot(header, tensors)
 
 
@@ -253,7 +261,31 @@ def export_parked(runner: SupportsExport, session_id: str, *, protocol_version: 
     tensors.update({name: t for name, t in parked.items() if name.startswith(("cross_k/", "cross_v/"))})
     for name, key in model["tensors"].items():
         tensors[f"model/{name}"] = parked[key]
-    return SessionSnapshot(_header(runner, protocol_version, kv, model["json"]), tensors)
+    header = _header(runner, protocol_version, kv, model["json"])
+    if "blocks" in parked:  # its rewind points were parked with it, numbered into the same host copy
+        numbering = list(range(parked["blocks"].shape[2]))
+        boundaries = [
+            Boundary(tables_from_json(doc, numbering), ModelState(m["json"], {n: parked[k] for n, k in m["tensors"].items()}))
+            for doc, m in zip(layout["boundaries"], layout["models"][1:])
+        ]
+        live_numbers = [i for b in runner.sessions.spec.branch_names for i in live["sink"][b] + live["window"][b]]
+        carry_rewind(header, tensors, parked["blocks"], live_numbers, boundaries)
+    return SessionSnapshot(header, tensors)
+
+
+def carry_rewind(
+    header: dict[str, Any], tensors: dict[str, torch.Tensor], kv: torch.Tensor, live: list[int], boundaries: list[Boundary]
+) -> None:
+    """Add the session's rewind points (runner/snapshot_rewind.py) to a whole snapshot: ``kv`` holds the blocks
+    (the pool's, or a parked host copy's) that ``live`` (the live history's, in ``kv/{branch}`` order) and the
+    boundaries' tables number."""
+    rewind = export_rewind(live, boundaries)
+    if rewind is None:
+        return
+    header[REWIND_SECTION] = rewind.section
+    if rewind.blocks:
+        tensors[REWIND_KV] = kv.index_select(2, torch.tensor(rewind.blocks, dtype=torch.long, device=kv.device))
+    tensors.update(rewind.tensors)
 
 
 def unstarted_snapshot(runner: SupportsExport, *, protocol_version: int | None = None) -> SessionSnapshot:

@@ -8,13 +8,15 @@ memory; app/migration.py over a POST's pieces as they arrive):
    checks them against this runner (identity, room, every tensor's name,
    dtype and shape against the spec), allocates the session's blocks (and
    cross-attention slot), makes it resident with the header's counters, and
-   allocates the model-owned tensors on the pool's device. Nothing is copied
-   yet, so a refusal here costs nothing.
+   allocates the model-owned tensors on the pool's device, and the blocks and
+   model tensors of the rewind points it keeps (runner/snapshot_rewind.py;
+   the bytes of those it drops go nowhere). Nothing is copied yet, so a
+   refusal here costs nothing.
 2. :meth:`SessionImport.write`, per piece: the bytes go into the blocks (or
    model-state tensors) they belong to, so the receiving side holds a piece,
    never the snapshot.
-3. :meth:`SessionImport.finish`: the model-owned state goes to the pipeline;
-   the session continues from here.
+3. :meth:`SessionImport.finish`: the model-owned state goes to the pipeline
+   and the kept rewind points to the session; it continues from here.
 
 Anything that ends an import early (a refused header, a stream cut short, a
 corrupt piece) calls :meth:`SessionImport.abort`, which releases what
@@ -41,7 +43,9 @@ from .contract import ModelState, SupportsSessionTransfer
 from .kv_state import SessionKVState
 from .pool import PoolExhausted
 from .capabilities import GathersHeads, SupportsExport
+from .rewind import Boundary, RewindPoints
 from .snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
+from .snapshot_rewind import REWIND_KV, REWIND_MODEL_PREFIX, CarriedPoint, beyond_live, carried_points, choose_kept
 
 MODEL_PREFIX = "model/"
 
@@ -85,6 +89,16 @@ class _Regions:
             done += take
 
 
+class _Dropped(_Regions):
+    """Where the bytes of a tensor this runner does not keep go (a rewind point it drops): nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        return
+
+
 class SessionImport:
     """One session's import into one runner (see the module docstring)."""
 
@@ -116,6 +130,14 @@ class SessionImport:
         self._state: SessionKVState | None = None  # while this import holds the session resident
         self.held = False  # whether it ever did (begin made it resident)
         self._finished = False
+        # The rewind points it carries and this runner keeps (runner/snapshot_rewind.py), their model tensors,
+        # the snapshot's block numbers -> this pool's blocks, and the blocks allocated for them alone.
+        self._points: list[CarriedPoint] = []
+        self._point_tensors: dict[str, torch.Tensor] = {}
+        self._numbering: list[int] = []
+        self._point_blocks: list[int] = []
+        self.rewind_carried = 0  # points the snapshot carries
+        self.rewind_kept = 0  # of which this runner holds (its schedule, its free blocks; the oldest go first)
 
     @property
     def finished(self) -> bool:
@@ -171,6 +193,7 @@ class SessionImport:
                 assert isinstance(pipeline, SupportsSessionTransfer)  # _plan checked
                 state = ModelState(self.header.get("model_state", {}), dict(self._model))
                 pipeline.import_session_state(self.session_id, state)
+                self._install_points(runner)
         except BaseException as exc:
             self.abort(runner)
             raise _as_snapshot_error(exc) from None
@@ -181,8 +204,14 @@ class SessionImport:
     def abort(self, runner: SupportsExport) -> None:
         """Release what :meth:`begin` made (idempotent; nothing once :meth:`finish` has handed it on)."""
         self._regions, self._model, self._extra, self._staged = [], {}, {}, None
+        self._points, self._point_tensors, self._numbering = [], {}, []
+        point_blocks, self._point_blocks = self._point_blocks, []
         state, self._state = self._state, None
-        if state is None or self._finished:
+        if self._finished:
+            return
+        if point_blocks:
+            runner.sessions.pool.free(point_blocks)
+        if state is None:
             return
         if runner.sessions.kv_state(self.session_id) is state:
             runner.sessions.release(self.session_id, reset_model=False, reason="close")  # the one release path: blocks, slot, the pipeline's state
@@ -190,6 +219,71 @@ class SessionImport:
             state.release()
 
     # ---- begin's checks and allocations -------------------------------------------
+
+    def _install_points(self, runner: SupportsExport) -> None:
+        """Hand the kept rewind points to the session (each listing of a block is one more reference)."""
+        rewinds = runner.sessions.rewinds
+        if not self._points or rewinds.schedule is None:
+            return
+        pool = runner.sessions.pool
+        boundaries = []
+        for point in self._points:
+            tables = point.tables
+            mapped = type(tables)(
+                sink={b: [self._numbering[n] for n in ids] for b, ids in tables.sink.items()},
+                window={b: [self._numbering[n] for n in ids] for b, ids in tables.window.items()},
+                frames_committed=tables.frames_committed,
+                chunks_committed=tables.chunks_committed,
+                sink_start=tables.sink_start,
+            )
+            model = ModelState(point.model_json, {n: self._point_tensors[k] for n, k in point.model_tensors.items()})
+            boundaries.append(Boundary(mapped, model))
+        pool.share(i for b in boundaries for i in b.tables.blocks())
+        pool.free(self._point_blocks)  # allocate() gave each one reference: the tables hold theirs now
+        self._point_blocks = []
+        points = RewindPoints(pool, rewinds.schedule)
+        points.restore(boundaries)
+        rewinds.install(self.session_id, points, rewound=False)
+
+    def _plan_points(self, runner: SupportsExport, by_name: dict[str, int], live: list[int]) -> None:
+        """Which of the rewind points the snapshot carries this runner keeps, and where their bytes go; the
+        bytes of those it drops are read and discarded."""
+        names = set(by_name)
+        points, frames = carried_points(
+            self.header, live_frames=len(live), branches=runner.sessions.spec.branch_names, tensor_names=names
+        )
+        pool = runner.sessions.pool
+        kept = choose_kept(points, runner.sessions.rewinds.schedule, live_frames=len(live), free_blocks=pool.num_free)
+        self.rewind_carried, self.rewind_kept = len(points), len(kept)
+        needed = beyond_live(kept, len(live))
+        self._point_blocks = pool.allocate(len(needed))
+        self._numbering = live + [-1] * frames  # a dropped point's frames are listed by no kept point
+        for number, block in zip(needed, self._point_blocks):
+            self._numbering[number] = block
+        found = by_name.get(REWIND_KV)
+        if found is not None:
+            entry, spec = self.tensors[found], runner.sessions.spec
+            expected = (spec.num_layers, 2, frames, spec.tokens_per_frame, spec.num_kv_heads, spec.head_size)
+            if entry.shape != expected or entry.dtype != spec.dtype:
+                raise SnapshotError("the snapshot's rewind KV does not fit this spec")
+            layers, kinds = pool.kv.shape[0], pool.kv.shape[1]
+            scratch = torch.empty(flat_bytes(pool.kv[0, 0, 0]).numel(), dtype=torch.uint8, device=pool.device)
+            self._regions[found] = _Regions([
+                flat_bytes(pool.kv[layer, kind, self._numbering[len(live) + frame]])
+                if self._numbering[len(live) + frame] >= 0 else scratch
+                for layer in range(layers) for kind in range(kinds) for frame in range(frames)
+            ])
+        wanted = {key for p in kept for key in p.model_tensors.values()}
+        for name, index in by_name.items():
+            if not name.startswith(REWIND_MODEL_PREFIX):
+                continue
+            if name not in wanted:
+                self._regions[index] = _Dropped()
+                continue
+            entry = self.tensors[index]
+            tensor = self._point_tensors[name] = torch.empty(entry.shape, dtype=entry.dtype, device=pool.device)
+            self._regions[index] = _Regions([flat_bytes(tensor)])
+        self._points = kept
 
     def _plan(self, runner: SupportsExport) -> None:
         spec = runner.sessions.spec
@@ -235,7 +329,8 @@ class SessionImport:
             known = (
                 (kind == "kv" and rest in branches)
                 or (kind in ("cross_k", "cross_v") and rest in pool.cross_k)
-                or name.startswith(MODEL_PREFIX)
+                or name.startswith((MODEL_PREFIX, REWIND_MODEL_PREFIX))
+                or name == REWIND_KV
             )
             if not known:
                 raise SnapshotError(f"the snapshot carries tensor {name[:80]!r}, which this replica does not know")
@@ -243,6 +338,7 @@ class SessionImport:
         if not isinstance(sink_frames, dict):
             raise SnapshotError("the snapshot's KV section has no sink_frames")
         state = self._state = SessionKVState(pool, self.session_id)  # takes the cross-attention slot, if any
+        live: list[int] = []  # the live blocks in the snapshot's order: its rewind points number them so
         for branch in spec.branch_names:
             found = by_name.get(f"kv/{branch}")
             stored = None if found is None else self.tensors[found]
@@ -257,6 +353,7 @@ class SessionImport:
                 continue
             blocks = pool.allocate(frames)
             state.sink[branch], state.window[branch] = blocks[:sinks], blocks[sinks:]
+            live += blocks
             # The tensor's bytes are the blocks' in (layer, K/V, frame) order: one region per block of a layer's K or V.
             layers, kinds = pool.kv.shape[0], pool.kv.shape[1]
             self._regions[found] = _Regions(
@@ -277,6 +374,7 @@ class SessionImport:
             state.cross_written = set(written)
         elif any(name.startswith("cross_") for name in runner_names):
             raise SnapshotError("the snapshot carries cross-attention caches; this spec has none")
+        self._plan_points(runner, {n: by_name[n] for n in runner_names}, live)
         for name in runner_names:
             if name.startswith(MODEL_PREFIX):  # where the pipeline keeps it (its own .to() is then a no-op)
                 entry = self.tensors[by_name[name]]
@@ -332,7 +430,7 @@ def import_session(
     ours = {
         name: tensor.detach().contiguous()
         for name, tensor in snapshot.tensors.items()
-        if name.partition("/")[0] in ("kv", "cross_k", "cross_v") or name.startswith(MODEL_PREFIX)
+        if name.partition("/")[0] in ("kv", "cross_k", "cross_v", "rewind") or name.startswith(MODEL_PREFIX)
     }
     entries = [TensorEntry.of(name, tensor) for name, tensor in ours.items()]
     job = SessionImport(session_id, snapshot.header, entries, protocol_version=protocol_version)

@@ -44,6 +44,7 @@ from .capabilities import GathersHeads, SupportsExport
 from .snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
 from .snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 from .snapshot_import import SessionImport, TensorEntry
+from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
 
 PIECE_BYTES = 4 * 2**20
 
@@ -196,6 +197,20 @@ def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: in
             plan.add_tensor(f"cross_v/{name}", pool.cross_v[name][state.cross_slot])
     for name, tensor in model.tensors.items():
         plan.add_tensor(f"model/{name}", tensor)
+    live = [i for b in runner.sessions.spec.branch_names for i in state.sink[b] + state.window[b]]
+    rewind = export_rewind(live, runner.sessions.rewinds.movable(session_id))
+    if rewind is not None:  # its rewind points, read from the pool like the live blocks
+        header[REWIND_SECTION] = rewind.section
+        if rewind.blocks:
+            layers, kinds = pool.kv.shape[0], pool.kv.shape[1]
+            shape = (layers, kinds, len(rewind.blocks), *pool.kv.shape[3:])
+            parts = [
+                partial(_block, pool.kv, layer, kind, block)
+                for layer in range(layers) for kind in range(kinds) for block in rewind.blocks
+            ]
+            plan.tensors.append(TensorPlan(REWIND_KV, pool.kv.dtype, shape, parts))
+        for name, tensor in rewind.tensors.items():
+            plan.add_tensor(name, tensor)
     return plan
 
 

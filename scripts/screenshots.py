@@ -7,11 +7,18 @@ Each shot opens the page in Debian's Chromium at its size (phones and tablets
 with touch), lets the world stream, steers for a moment so the picture is a
 played one, and saves a PNG. tests/browser/test_browser.py runs :func:`capture` so this
 script keeps working.
+
+The badge on the picture is what the page measured: on a busy machine it
+shows a stuttering demo. So the script prints the load average before it
+starts (take the shots when it is under ``QUIET_LOAD``; it says so when it
+is not) and, per shot, what the badge read when it was taken: say those
+conditions beside the pictures (docs/demo.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
 STEER_S = 1.5  # how long the shot steers before it is taken
+QUIET_LOAD = 1.5  # a 1-minute load average under which the badge shows the page's own pace
 
 
 class Shot(NamedTuple):
@@ -39,8 +47,8 @@ SHOTS = {
 }
 
 
-def capture(browser: Any, base_url: str, path: Path, shot: Shot, *, seed: int = 7) -> None:
-    """Open the page at ``shot``'s size, stream, steer, and save a PNG at ``path``."""
+def capture(browser: Any, base_url: str, path: Path, shot: Shot, *, seed: int = 7) -> str:
+    """Open the page at ``shot``'s size, stream, steer, and save a PNG at ``path``; what the badge read."""
     context = browser.new_context(
         viewport={"width": shot.width, "height": shot.height},
         is_mobile=shot.touch,
@@ -67,6 +75,7 @@ def capture(browser: Any, base_url: str, path: Path, shot: Shot, *, seed: int = 
             page.wait_for_function("/^\\d+ \\/ \\d+/.test(document.getElementById('hud-kv').textContent)", timeout=0)
         path.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(path))
+        return str(page.text_content("#badge") or "").strip()
     finally:
         context.close()
 
@@ -83,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     from arstream.programs.bench import ServerProcess
 
     names = args.only or list(SHOTS)
+    load = os.getloadavg()[0]
+    quiet = "quiet" if load < QUIET_LOAD else f"busy: over {QUIET_LOAD}, the badge will show it"
+    print(f"load average {load:.2f} on {os.cpu_count()} cores ({quiet})", flush=True)
     with ServerProcess(["--model", args.model, "--log-level", "warning"]) as server, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
             for name in names:
-                capture(browser, server.base_url, args.out / name, SHOTS[name])
-                print(f"wrote {args.out / name}", flush=True)
+                badge = capture(browser, server.base_url, args.out / name, SHOTS[name])
+                print(f"wrote {args.out / name} (badge: {badge}; load average {os.getloadavg()[0]:.2f})", flush=True)
         finally:
             browser.close()
     return 0

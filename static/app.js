@@ -479,7 +479,7 @@ const connection = new Connection({
       if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
       // The same world picked up again (a move to another server, a reconnect): its first chunk says whether its
       // rewind points came with it.
-      checkHistory = ready.resumed && timeline !== null && timeline.held.length > 2;
+      historyBefore = ready.resumed && timeline !== null && timeline.held.length > 2 ? timeline : null;
       uploadLimit = ready.limits.max_start_image_bytes ?? null;
       debug.rewindSeconds = ready.rewind_seconds ?? 0;
       debug.sessionId = ready.session_id;
@@ -520,11 +520,10 @@ const connection = new Connection({
         debug.skippedChunks += message.skipped_before;
         log(`${message.skipped_before} chunk(s) skipped: this connection fell behind the world`);
       }
-      if (checkHistory) {
-        checkHistory = false;
-        if ((message.rewind_held || []).length <= 2) historyStartsAgain();
-      }
+      const before = historyBefore;
+      historyBefore = null;
       showTimeline(message.rewind_points ?? null, message.rewind_held ?? null);
+      if (before !== null) checkHistory(before);
     },
     onRole(role, message) {
       debug.role = role;
@@ -574,11 +573,23 @@ const connection = new Connection({
 
 let timeline = null;     // {min, max, held} from the last chunk's rewind_points and rewind_held, or null
 let lastChunkIndex = null;  // the last chunk's chunk_index (a rewind says how far back it went from there)
-let checkHistory = false;   // the next chunk is the first of a resumed world that had rewind points
+let historyBefore = null;  // the timeline of a resumed world that had rewind points, until its next chunk
 
-/** A resumed world's rewind points stayed behind (a move to another server does not carry them yet): say so. */
-function historyStartsAgain() {
-  const text = 'Its rewind history starts again here: the earlier moments stayed with the old server.';
+/**
+ * A resumed world's rewind points move with it; say so where they did not: all of them stayed behind (the new
+ * server keeps none), or its oldest did (it had room for fewer: it keeps the newest). A chunk's own sliding
+ * horizon moves the oldest point by a stride at most, far less than the fifth of the reach checked here.
+ */
+function checkHistory(before) {
+  if (timeline === null || timeline.held.length <= 2) {
+    historyNote('Its rewind history starts again here: the earlier moments stayed with the old server.');
+  } else if (timeline.min - before.min > (before.max - before.min) / 5) {
+    const reach = playTime(timeline.max - timeline.min, chunksPerSecond());
+    historyNote(`Its oldest rewind points stayed with the old server: the timeline now reaches back ${reach}.`);
+  }
+}
+
+function historyNote(text) {
   const box = $('notice');
   if (box.hidden) {
     notice(text);

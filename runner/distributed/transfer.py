@@ -2,8 +2,8 @@
 
 Each rank's pool holds ``heads / P`` heads of every KV block, rank ``r`` the ``r``-th share (the all-to-all
 of :mod:`.sequence_parallel` hands them out in that order). A snapshot has one format whatever P: the KV
-tensors ``kv/<branch>`` of every head, ``[layers, 2, frames, tokens, heads, head_size]``, exactly as a single
-device exports them. So an export asks every rank for its share of the session's KV (taken from its pool, or
+tensors (``kv/<branch>``, and ``rewind/kv`` for the rewind points' own blocks) of every head,
+``[layers, 2, frames, tokens, heads, head_size]``, exactly as a single device exports them. So an export asks every rank for its share of the session's KV (taken from its pool, or
 from its parked copy) and concatenates them along the heads; an import slices them and each rank imports its
 own share through the one import path. Everything else in a snapshot (counters, the model-owned state, the
 server's section) is the same on every rank, since every rank runs the same calls: rank 0's travels.
@@ -18,12 +18,14 @@ import torch
 from ..capabilities import SupportsExport
 from ..snapshot import SessionSnapshot, export_session
 from ..snapshot_import import import_session
+from ..snapshot_rewind import REWIND_KV
 
 HEADS_DIM = 4  # of a KV tensor [layers, K/V, frames, tokens, heads, head_size]
 
 
 def is_kv(name: str) -> bool:
-    return name.startswith("kv/")
+    """Whether the snapshot's tensor holds KV blocks (the live history's, or its rewind points' beyond it)."""
+    return name.startswith("kv/") or name == REWIND_KV
 
 
 def kv_shard(runner: SupportsExport, session_id: str) -> dict[str, torch.Tensor]:

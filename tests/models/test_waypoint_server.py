@@ -1,11 +1,17 @@
 """The whole server path with waypoint-1.5 (tiny, random weights): real CLI, uvicorn and websockets."""
 
 import asyncio
+from pathlib import Path
 
+import pytest
+
+from arstream.programs import client
 from servers import server_process, session_client
 
 
-def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas() -> None:
+def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ["--model", "waypoint-1.5", "--torch-threads", "1", "--max-batch-sessions", "2"]
     with server_process(args) as server:
         server.wait_ready()
@@ -38,4 +44,12 @@ def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas() -> None:
 
         for seen in asyncio.run(both()):
             assert seen == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]
+        server.settled(start_free)
+
+        # arstream client maps its key names through the card as the page does: w -> KeyW -> 87, space -> 32.
+        out = tmp_path / "frames"
+        assert client.main([server.ws_url, "--keys", "w*2,space+d*2", "--out", str(out)]) == 0
+        assert len(list(out.glob("*.png"))) == 4
+        assert client.main([server.ws_url, "--keys", "F13*2", "--out", str(tmp_path / "none")]) == 2
+        assert "the model takes no key 'F13'" in capsys.readouterr().err
         server.settled(start_free)

@@ -281,3 +281,14 @@ def test_takes_keys_reads_the_model_cards_controls() -> None:
     assert not client_lib.takes_keys({"controls": {"properties": {}, "additionalProperties": False}})
     assert client_lib.takes_keys({"controls": {"type": "object"}})  # room for fields it does not name
     assert client_lib.takes_keys({})
+    # A card whose inputs map key codes to another field (Waypoint's button ids) takes keys there.
+    mapped = {
+        "controls": {"properties": {"buttons": {}}, "additionalProperties": False},
+        "inputs": {"buttons": {"kind": "keys", "codes": {"KeyW": 87, "Space": 32, "Digit1": 49, "ArrowUp": 38}}},
+    }
+    assert client_lib.takes_keys(mapped)
+    keys = client_lib.key_input(mapped)
+    assert keys.controls(["w", "space", "1", "up", "ArrowUp"]) == {"buttons": [87, 32, 49, 38, 38]}
+    with pytest.raises(client_lib.KeyNotTaken, match="'q'"):
+        keys.controls(["w", "q"])
+    assert client_lib.key_input({}).controls(["w", "d"]) == {"keys": ["w", "d"]}  # names as they are

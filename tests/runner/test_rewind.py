@@ -281,19 +281,27 @@ def test_branching_into_a_resident_session_or_from_an_absent_one_is_refused() ->
     _assert_references_match_the_pool(runner)
 
 
-def test_a_moved_session_arrives_without_boundaries_and_keeps_new_ones_there() -> None:
+def test_a_moved_session_arrives_with_its_boundaries_and_keeps_new_ones_there() -> None:
     reference = _reference("fake-kv")
     source = _runner("fake-kv")
     _run(source, "s", range(4))
+    held = source.rewind_points("s")
+    assert held is not None
     target = runner_for_sessions(FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2), 2, rewind=RewindSchedule.last(K))
-    import_session(target, "s", parse_snapshot(snapshot_bytes(export_session(source, "s"))))
+    snapshot = snapshot_bytes(export_session(source, "s"))
+    import_session(target, "s", parse_snapshot(snapshot))
+    import_session(target, "t", parse_snapshot(snapshot))  # the same move again, to go back before it
     source.close_session("s")
     _assert_at_baseline(source)
-    assert target.rewind_points("s") == (4, 4)  # the boundaries stayed behind with the source's blocks
+    assert target.rewind_points("s") == held and held[0] < 4  # the boundaries came with the session
+    _assert_references_match_the_pool(target)
     _run(target, "s", range(4, 6), OTHER)
     back = target.execute_tick(_tick("s", 4, rewind_to=4))
     assert np.array_equal(back.frames, reference[4])
+    before = target.execute_tick(_tick("t", held[0], rewind_to=held[0]))  # a boundary from before the move
+    assert np.array_equal(before.frames, reference[held[0]])
     target.close_session("s")
+    target.close_session("t")
     _assert_at_baseline(target)
 
 
