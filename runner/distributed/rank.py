@@ -120,7 +120,8 @@ def rank_main(plan: RankPlan, conn: Connection) -> None:
                 conn.send(("shard", kv_shard(runner, *args)))
                 result = None
             elif name == "import_shard":
-                result = import_shard(runner, *args)
+                import_shard(runner, *args)
+                result = None
             else:
                 result = getattr(runner, name)(*args)
             conn.send(("ok", (digest(result), runner.pool.num_free)))
