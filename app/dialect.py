@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from .limits import TokenBucket
     from .metrics import ServerMetrics
-    from .outbox import Outbox
+    from .outbox import Outbox, ViewerChunk
     from .protocol import CloseReason, ErrorCode
     from .resume import Holder, ResumeRegistry
     from .session import Session, TickJob
@@ -306,6 +306,11 @@ class Dialect:
 
     def chunk_sent(self, port: SessionPort) -> None:
         """A chunk and its credit are back (the server may tick on, or end a finite session)."""
+
+    async def send_viewer_chunk_on_track(self, port: SessionPort, chunk: ViewerChunk, skipped: int) -> ChunkSent | None:
+        """On a viewer's writer: send a watched chunk some other way than as binary frames on the WebSocket
+        (its `chunk` message still on the socket); None: the writer sends it on the WebSocket."""
+        return None
 
     def error(self, code: str, message: str, *, tick_id: int | None = None) -> dict[str, Any]:
         """The dialect's error object."""

@@ -398,5 +398,8 @@ def stats_document(replica: ReplicaView) -> dict[str, Any] | None:
         "webrtc": {
             "available": webrtc_track.AVAILABLE and replica.settings.webrtc,
             "peer_connections": webrtc_track.open_peer_connections(),
+            # inputs read on `inputs` data channels since start-up: staged for a chunk, or dropped as overtaken
+            "channel_inputs": webrtc_track.channel_inputs.taken,
+            "channel_inputs_overtaken": webrtc_track.channel_inputs.overtaken,
         },
     }

@@ -19,7 +19,7 @@ from typing import Any
 
 from .dialect import ChunkSent, Dialect, Gate, OpeningPort, SessionPort, Started
 from .handshake import Handshake
-from .outbox import QueuedChunk, QueuedText
+from .outbox import QueuedChunk, QueuedText, ViewerChunk
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
 from .protocol import PassControlMessage, PingMessage, ProtocolError, RecordMessage, TickMessage, WebRTCOfferMessage
 from .protocol import ack_message, closed_message, controls_problem, dumps, error_message, moved_message
@@ -48,7 +48,7 @@ class Protocol1(Dialect):
         super().__init__()
         self.session_id = "s-" + secrets.token_hex(8)
         self._viewers = ViewerFeed(TickOutcome.chunk_header)  # a controller's chunks for its viewers
-        self._video = SessionVideo(self._accept_input, self._reply_error)  # a controller's WebRTC path, once offered
+        self._video = SessionVideo(self._accept_input, self._reply_error)  # this socket's WebRTC path, once offered
 
     # ---- start and ready -----------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ class Protocol1(Dialect):
             log.info("session=%s viewer %s closed by the client", self.session_id, getattr(live.watch, "viewer_id", ""))
             live.close(CLOSE_NORMAL, CloseReason.CLIENT)
         elif isinstance(parsed, WebRTCOfferMessage):
-            self._video.offer(live, parsed.sdp)  # refused: a viewer's frames come on its WebSocket
+            self._video.offer(live, parsed.sdp)  # its frames on a track of its own, its chunk messages here
         elif isinstance(parsed, (TickMessage, InputMessage, PassControlMessage, RecordMessage)):
             detail = f"a viewer may not send {parsed.type}; the controller can pass control"
             tick_id = parsed.tick_id if isinstance(parsed, TickMessage) else None
@@ -250,6 +250,9 @@ class Protocol1(Dialect):
 
     async def finished(self, live: SessionPort) -> None:
         await self._video.close()
+
+    async def send_viewer_chunk_on_track(self, live: SessionPort, chunk: ViewerChunk, skipped: int) -> ChunkSent | None:
+        return await self._video.send_viewer_chunk_on_track(live, chunk, skipped) if self._video.offered else None
 
     def chunk_sent(self, live: SessionPort) -> None:
         """Nothing follows a chunk here (the client ticks again); said here, a tick's walk skips dialect.py."""

@@ -410,9 +410,8 @@ class ResumeRegistry:
             position = await worker.session_position(session_id)
             if position.evicted:
                 raise ResumeRefused("the session's KV was evicted; start a new session")
-            session = source.carry_over(
-                codec=codec or source.codec, quality=quality or source.quality, failed=position.failed
-            )
+            own_codec, own_quality = source.own_format
+            session = source.carry_over(codec=codec or own_codec, quality=quality or own_quality, failed=position.failed)
         except BaseException:
             # Nobody holds a ticket for it any more: release it rather than leak its KV.
             self._drop(session_id)

@@ -146,6 +146,9 @@ class Session:
         self.id = session_id
         self.codec = codec
         self.quality = quality
+        # The codec and quality the session chose, kept while its frames are raw pixels for a WebRTC track
+        # (app/webrtc.py); None otherwise. A resume and a move go on in it: the new socket starts on the WebSocket.
+        self.chosen_format: tuple[str, int] | None = None
         self.seed = seed
         # Chosen at start, on every tick the session sends to the model, kept across resets and resumes.
         self.start_image = start_image
@@ -393,6 +396,11 @@ class Session:
         with self._lock:
             self._pending_events[:0] = events
 
+    @property
+    def own_format(self) -> tuple[str, int]:
+        """The codec and quality the session chose (its frames' own, unless they are raw pixels for a track)."""
+        return self.chosen_format or (self.codec, self.quality)
+
     def carry_over(self, *, codec: str, quality: int, failed: bool) -> Session:
         """This session's state for the connection that resumes it (PROTOCOL.md, "Resume ...").
 
@@ -410,6 +418,7 @@ class Session:
         resumed._lock = threading.Lock()
         resumed.dialect_state = copy.deepcopy(self.dialect_state)
         resumed.codec, resumed.quality = codec, quality
+        resumed.chosen_format = None
         resumed.pending_ticks = 0
         resumed.viewer_formats = frozenset()  # viewers end with the connection they watched
         resumed.viewer_count = 0
@@ -432,8 +441,8 @@ class Session:
             staged_prompt = self._staged_prompt
             return {
                 "id": self.id,
-                "codec": self.codec,
-                "quality": self.quality,
+                "codec": self.own_format[0],
+                "quality": self.own_format[1],
                 "seed": self.seed,
                 "controls": self._controls,
                 "prompt": self._prompt,

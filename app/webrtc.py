@@ -22,13 +22,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .dialect import ChunkSent
-from .outbox import QueuedText
+from .outbox import QueuedText, ViewerChunk
 from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
 from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
-from .webrtc_track import WebRTCDelivery, WebRTCError, open_peer_connections
+from .webrtc_track import WebRTCDelivery, WebRTCError, channel_inputs, open_peer_connections
 from .writer import observe_action_to_frame
 
 if TYPE_CHECKING:
@@ -53,9 +54,13 @@ class InputTaker(Protocol):
 
 
 class SessionVideo:
-    """A protocol-1 controller's delivery: the offer it answers, the track its chunks go on once connected (the
-    WebSocket otherwise), and the codec switch that comes with it (the session makes raw pixels for the track
-    while connected, and goes back to its own codec, on the WebSocket, if the connection fails)."""
+    """A protocol-1 socket's delivery: the offer it answers, the track its chunks go on once connected (the
+    WebSocket otherwise), and the format switch that comes with it.
+
+    A controller's session makes raw pixels for the track while connected, and goes back to its own codec, on
+    the WebSocket, if the connection fails. A viewer is served raw pixels while connected (the controller's own
+    frames when it is on a track too, else encoded apart once per chunk for every such viewer), and its own
+    format again otherwise; its `chunk` messages stay on its WebSocket."""
 
     def __init__(self, take_input: InputTaker, refuse: Callable[[SessionPort, ProtocolError], None]) -> None:
         self._take_input = take_input  # an input from the data channel, staged as the WebSocket's are
@@ -66,16 +71,16 @@ class SessionVideo:
         self._answering: asyncio.Task[None] | None = None
         self._own_format: tuple[str, int] | None = None  # the session's codec and quality before the switch
         self._closing = False
+        self._watching = False  # offered by a viewer: its chunks are the audience's (send_viewer_chunk_on_track)
         # A plain attribute, read on every chunk: a session that never offered does not call into this module.
         self.offered = False
 
     def offer(self, live: SessionPort, sdp: str) -> None:
         """Answer ``webrtc_offer`` (once per session); refusals are ``webrtc_failed``, the session goes on."""
-        if live.watch is not None:
-            raise ProtocolError(ErrorCode.WEBRTC_FAILED, "a viewer gets its frames on the WebSocket")
         if self._delivery is not None:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, "this session already has a peer connection")
         self._live = live
+        self._watching = live.watch is not None
         session = live.session
         assert session is not None
         settings = live.gate.settings
@@ -155,10 +160,14 @@ class SessionVideo:
             elif not isinstance(parsed, InputMessage):
                 detail = f"the inputs channel carries input and ping, not {parsed.type}"
                 raise ProtocolError(ErrorCode.INVALID_MESSAGE, detail)
+            elif self._watching:
+                raise ProtocolError(ErrorCode.NOT_CONTROLLER, "a viewer may not send input; the controller can pass control")
             elif session.event_floor is not None and parsed.event_id <= session.event_floor:
                 self.inputs_overtaken += 1  # a newer input already holds
+                channel_inputs.overtaken += 1
             else:
                 self._take_input(live, parsed, latest_wins=True)
+                channel_inputs.taken += 1
         except ProtocolError as exc:
             self._refuse(live, exc)
 
@@ -167,8 +176,15 @@ class SessionVideo:
         if self._live is None or session is None or self._closing:
             return
         if state == "connected" and self._own_format is None:
-            self._own_format = (session.codec, session.quality)
-            session.codec = "raw"  # pixels for the track; nothing of it crosses the WebSocket
+            if self._watching:
+                role = self._live.watch
+                if role is None:  # it took control: its frames are on the WebSocket from then on
+                    return
+                self._own_format = role.format
+                role.format = ("raw", session.quality)  # the controller's own pixels when it is on a track too
+            else:
+                self._own_format = session.chosen_format = (session.codec, session.quality)
+                session.codec = "raw"  # pixels for the track; nothing of it crosses the WebSocket
             self._replan_viewers()
         elif state != "connected":
             self._restore_format()
@@ -176,10 +192,16 @@ class SessionVideo:
         self._live.outbox.push(QueuedText(dumps(WebRTCStateMessage(type="webrtc_state", state=state).wire())))
 
     def _restore_format(self) -> None:
-        """The session makes frames in its own codec again (for the WebSocket)."""
+        """The session makes frames in its own codec again, or the viewer is served its own format (for the
+        WebSocket)."""
         session = None if self._live is None else self._live.session
         if self._own_format is not None and session is not None:
-            session.codec, session.quality = self._own_format
+            role = self._live.watch if self._live is not None else None
+            if not self._watching:
+                session.codec, session.quality = self._own_format
+                session.chosen_format = None
+            elif role is not None:
+                role.format = self._own_format
             self._replan_viewers()
         self._own_format = None
 
@@ -191,8 +213,8 @@ class SessionVideo:
 
     def stop_sending(self) -> None:
         """From now on the session's frames go on the WebSocket, in its own codec (control passes to a viewer,
-        whose frames come on its own socket); the peer connection is closed with the socket. Called once the
-        pass is sure to happen: nothing undoes it."""
+        whose frames come on its own socket, or a viewer takes control); the peer connection is closed with the
+        socket. Called once the pass is sure to happen: nothing undoes it."""
         self._closing = True
         self._restore_format()
 
@@ -200,10 +222,34 @@ class SessionVideo:
         """A controller's chunk on the track while it is connected (its `chunk` message on the WebSocket says which
         track frames hold it), or None when the track does not take it (not connected, or not raw pixels): the
         dialect then sends it on the WebSocket."""
+        if self._watching:  # a viewer that took control: its peer's format was the audience's
+            self.stop_sending()
+            return None
+        message = await self._put_on_track(outcome.frame_messages, header)
+        if message is None:
+            return None
+        await live.ws.send_text(dumps(message))
+        observe_action_to_frame(live, outcome)
+        return ChunkSent(len(outcome.frame_messages), 0, on_track=True)
+
+    async def send_viewer_chunk_on_track(self, live: SessionPort, chunk: ViewerChunk, skipped: int) -> ChunkSent | None:
+        """A viewer's chunk on its track while it is connected (its `chunk` message on its WebSocket), or None
+        when the track does not take it: the writer then sends it on the WebSocket."""
+        if not self._watching or live.watch is None:
+            return None
+        message = await self._put_on_track(chunk.frames, {**chunk.header, "skipped_before": skipped})
+        if message is None:
+            return None
+        await live.ws.send_text(dumps(message))
+        return ChunkSent(len(chunk.frames), 0, on_track=True)
+
+    async def _put_on_track(self, frame_messages: Sequence[bytes], header: dict[str, Any]) -> dict[str, Any] | None:
+        """Hand a chunk's frames to the track; returns its `chunk` message (which track frames hold it), or None
+        when the track does not take it (not connected, or not raw pixels)."""
         delivery = self._delivery
         if delivery is None or not delivery.connected or self._closing:
             return None
-        first = delivery.push_chunk(outcome.frame_messages)
+        first = delivery.push_chunk(frame_messages)
         if first is None:
             return None
         track = delivery.track
@@ -214,9 +260,7 @@ class SessionVideo:
         rtp_timestamp = track.rtp_timestamp(first)
         if rtp_timestamp is not None:
             message["rtp_timestamp"] = rtp_timestamp
-        await live.ws.send_text(dumps(message))
-        observe_action_to_frame(live, outcome)
-        return ChunkSent(len(outcome.frame_messages), 0, on_track=True)
+        return message
 
     async def close(self) -> None:
         """Close the peer connection: on every end of the session."""

@@ -51,6 +51,18 @@ PREFERRED_CODECS = ("video/H264", "video/VP8")
 _open_peers: set[WebRTCDelivery] = set()
 
 
+class ChannelInputCounts:
+    """Inputs this process read on `inputs` data channels (counted in /v1/stats): taken (staged for a chunk) and
+    overtaken (dropped: a newer one already held)."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+        self.overtaken = 0
+
+
+channel_inputs = ChannelInputCounts()
+
+
 class WebRTCError(Exception):
     """An offer the server cannot answer; the message says why (sent as ``webrtc_failed``)."""
 

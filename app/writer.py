@@ -81,10 +81,14 @@ async def write_outbox(live: Written, session: Session) -> None:
                 live.dialect.chunk_sent(live)
             elif isinstance(item, ViewerChunk):
                 skipped, outbox.chunks_skipped = outbox.chunks_skipped, 0
-                await ws.send_text(dumps({**item.header, "skipped_before": skipped}) if skipped else item.text)
-                for frame in item.frames:
-                    await ws.send_bytes(frame)
-                    count_sent(metrics, 1, len(frame))
+                on_track = await live.dialect.send_viewer_chunk_on_track(live, item, skipped)
+                if on_track is not None:
+                    metrics.track_frames_sent.inc(on_track.frames)
+                else:
+                    await ws.send_text(dumps({**item.header, "skipped_before": skipped}) if skipped else item.text)
+                    for frame in item.frames:
+                        await ws.send_bytes(frame)
+                        count_sent(metrics, 1, len(frame))
             else:
                 if item.text is not None:
                     await ws.send_text(item.text)

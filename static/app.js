@@ -91,12 +91,15 @@ const debug = {
   skippedChunks: 0,     // chunks a viewer's slow connection skipped (chunk.skipped_before)
   delivery: 'websocket',  // where the frames come now: 'websocket' or 'webrtc' (a connected track)
   trackFramesShown: 0,  // frames the WebRTC track showed (counted in framesDrawn too)
+  channelInputs: 0,     // inputs sent on the WebRTC data channel (the others went on the WebSocket)
 };
 window.arstreamDebug = debug;
 // Send an `input` with any fields, e.g. arstreamDebug.sendInput({controls: {keys: ['w']}}).
 // Prompts sent from the box, by event id, until a chunk lists them in applied_event_ids.
 const promptsSent = new Map();
 debug.sendInput = (fields) => { if (connection.session) connection.session.sendInput(fields); };
+// Whether the inputs go on the WebRTC data channel now (open), rather than on the WebSocket.
+debug.inputChannelOpen = () => Boolean(connection.session?.track?.inputs?.readyState === 'open');
 // Cut the socket without a `close` message, as a network drop would (tests use it).
 debug.dropSocket = () => { if (connection.session) connection.session.ws.close(4000, 'dropped on purpose'); };
 // The resume token held now (tests resume it from elsewhere to take the session over).

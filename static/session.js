@@ -31,7 +31,8 @@ export class Session {
    *                                       onSample, log
    * @param {object} options.debug      window.arstreamDebug
    * @param {Function} [options.tickControls]  controls for every tick (a camera's movement), or null
-   * @param {object} [options.webrtc]  {video, onShown, onState}: play the frames on a WebRTC track, or null
+   * @param {object} [options.webrtc]  {video, onShown, onState}: play the frames on a WebRTC track (a controller's
+   *                                    or a viewer's, until control passes), or null
    */
   constructor({ url, start, ids, player, hooks, debug, tickControls = () => null, webrtc = null }) {
     this.start = start;
@@ -120,7 +121,9 @@ export class Session {
     const kind = typeof fields.prompt === 'string' && !fields.controls ? 'prompt' : 'action';
     this.eventsSentAt.set(message.event_id, { at: performance.now(), kind });
     pushBounded(this.debug.sentEventIds, message.event_id);
-    this.send(message);
+    // On the WebRTC data channel while it is open (latest wins), else on the WebSocket.
+    if (this.track && this.track.sendInput(message)) this.debug.channelInputs += 1;
+    else this.send(message);
     return message.event_id;
   }
 
@@ -188,7 +191,7 @@ export class Session {
     this.ready = message;
     this.role = message.role || 'controller';  // a server without viewers sends no role: the controller
     this.hooks.onReady(this, message);
-    if (this.webrtc && this.controller) this.offerTrack();
+    if (this.webrtc) this.offerTrack();  // a viewer's frames may come on a track of its own too
     this.pump(performance.now());
   }
 
@@ -211,6 +214,12 @@ export class Session {
   /** Control passed: to us (we tick from now on) or away from us (we watch). */
   onRole(message) {
     this.role = message.role;
+    if (this.track) {
+      // Once control passes, the server sends this socket's frames on the WebSocket for good: let the track go.
+      this.track.close();
+      this.track = null;
+      this.webrtc.onState(this, 'closed');
+    }
     if (this.controller) {
       // Ids keep increasing for the session whoever sends them: start past what the last controller used
       // (the server's tick-id floor, `last_tick_id`, and the event ids its chunks showed applied).

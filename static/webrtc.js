@@ -3,6 +3,11 @@
 // every `chunk` message. A frame shown maps back to its chunk by its RTP timestamp, so key-to-frame is
 // measured as on the WebSocket. When the connection fails the server sends the frames on the WebSocket
 // again and the page draws them on its canvas, as before.
+//
+// The page's inputs go on the peer connection's `inputs` data channel while it is open (latest wins: the
+// server keeps only the newest pending one), on the WebSocket otherwise. The channel is unordered, so no input
+// waits behind a lost one (the server drops one that a newer one overtook), and reliable, because the page
+// sends only when its keys change: the last change must arrive.
 
 const RTP_MODULUS = 2 ** 32;
 const RTP_CLOCK_HZ = 90000;
@@ -30,6 +35,7 @@ export class TrackLink {
     this.onShown = onShown;
     this.onState = onState;
     this.pc = null;
+    this.inputs = null;                 // the `inputs` data channel
     this.connected = false;
     this.codec = null;
     this.anchor = null;                 // {rtp, frame}: a chunk's first frame and its RTP timestamp
@@ -44,6 +50,7 @@ export class TrackLink {
     const pc = new RTCPeerConnection();
     this.pc = pc;
     pc.addTransceiver('video', { direction: 'recvonly' });
+    this.inputs = pc.createDataChannel('inputs', { ordered: false });
     pc.ontrack = (event) => {
       this.video.srcObject = new MediaStream([event.track]);
       this.video.play().catch(() => {});  // muted: autoplay is allowed
@@ -93,6 +100,13 @@ export class TrackLink {
     return Math.max(0, this.playUntil - now) + pendingFrames * 1000 / this.fps;
   }
 
+  /** Send an `input` on the data channel; false when it is not open (the caller sends it on the WebSocket). */
+  sendInput(message) {
+    if (!this.inputs || this.inputs.readyState !== 'open') return false;
+    this.inputs.send(JSON.stringify(message));
+    return true;
+  }
+
   shown(metadata) {
     this.callback = this.video.requestVideoFrameCallback((now, next) => this.shown(next));
     const frame = this.frameOf(metadata.rtpTimestamp);
@@ -116,6 +130,8 @@ export class TrackLink {
     this.callback = null;
     if (this.pc) this.pc.close();
     this.pc = null;
+    this.inputs = null;
+    this.inputs = null;                 // the `inputs` data channel
     this.connected = false;
     this.video.hidden = true;
     this.video.srcObject = null;

@@ -140,9 +140,14 @@ def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
 
 
+UNTIL_GUARD_S = 60.0  # hang guard only
+
+
 def until(page: Any, expression: str) -> None:
     """Poll an expression with ``evaluate`` (the page's CSP forbids the ``eval`` that ``wait_for_function`` uses)."""
+    deadline = time.monotonic() + UNTIL_GUARD_S
     while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"never true: {expression}"
         time.sleep(0.05)
 
 
@@ -159,6 +164,8 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         assert page.text_content("#hud-delivery") == "WebRTC (H264)"
         assert page.is_visible("#screen-video")
         until(page, "window.arstreamDebug.trackFramesShown > 8")
+        until(page, "window.arstreamDebug.inputChannelOpen()")
+        taken = server.stats()["webrtc"]["channel_inputs"]
         page.keyboard.down("d")
         until(page, "window.arstreamDebug.sentEventIds.length === 1")
         press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
@@ -166,7 +173,13 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         # key -> frame is measured when a frame of the applying chunk is shown by the track
         until(page, "window.arstreamDebug.samples.action.length >= 1")
         page.keyboard.up("d")
+        until(page, "window.arstreamDebug.sentEventIds.length === 2")
+        release = page.evaluate("window.arstreamDebug.sentEventIds[1]")
+        until(page, f"window.arstreamDebug.appliedEventIds.includes({release})")
         state = page.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
+        # both inputs went on the data channel, and the server took them there
+        assert state["channelInputs"] == 2
+        assert server.stats()["webrtc"]["channel_inputs"] == taken + 2
         assert state["errors"] == [] and state["delivery"] == "webrtc"
         assert state["trackFramesShown"] <= state["framesDrawn"]
         assert webrtc_track.open_peer_connections() == 1
@@ -193,7 +206,13 @@ def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(
         wait(page, "window.arstreamDebug.errors.some((e) => e.code === 'webrtc_failed')")
         drawn = debug(page)["framesDrawn"]
         wait(page, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
+        page.keyboard.down("d")  # no data channel: the key goes on the WebSocket, and steers
+        wait(page, "window.arstreamDebug.sentEventIds.length === 1")
+        press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
+        wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+        page.keyboard.up("d")
         state = debug(page)
+        assert state["channelInputs"] == 0
         assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
         assert page.text_content("#hud-delivery") == "WebSocket (WebRTC could not connect)"
         assert not page.is_visible("#screen-video")
@@ -228,3 +247,38 @@ def test_the_page_falls_back_to_the_websocket_when_webrtc_cannot_connect(page: A
         assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
         assert not page.is_visible("#screen-video")
         assert stuck.stats()["webrtc"]["peer_connections"] == 0  # its slot came back
+
+
+def test_a_watching_page_plays_by_webrtc_and_lets_its_track_go_when_it_takes_control(
+    server: LiveServer, browser: Any, errors: PageErrors
+) -> None:
+    player_context, viewer_context = browser.new_context(), browser.new_context()  # a background tab is throttled
+    try:
+        player = new_page(player_context, errors)
+        player.goto(server.base_url + "/")  # the player on the WebSocket
+        until(player, "window.arstreamDebug.framesDrawn > 3 && window.arstreamDebug.shareToken !== null")
+        token = player.evaluate("window.arstreamDebug.shareToken")
+        viewer = new_page(viewer_context, errors)
+        viewer.goto(f"{server.base_url}/?delivery=webrtc#watch={token}")
+        until(viewer, "window.arstreamDebug.delivery === 'webrtc'")
+        until(viewer, "window.arstreamDebug.trackFramesShown > 8")
+        state = viewer.evaluate("JSON.parse(JSON.stringify(window.arstreamDebug))")
+        assert state["role"] == "viewer" and state["errors"] == []
+        assert viewer.text_content("#hud-delivery") == "WebRTC (H264)"
+        assert debug(player)["delivery"] == "websocket"
+        assert server.stats()["webrtc"]["peer_connections"] == 1  # the viewer's own
+        until(player, "!document.getElementById('pass-box').hidden")
+        player.click("#pass")
+        until(viewer, "window.arstreamDebug.role === 'controller'")
+        # its frames come on the WebSocket from then on: the page lets its track go, and the server its slot
+        until(viewer, "window.arstreamDebug.delivery === 'websocket'")
+        wait_until(lambda: server.stats()["webrtc"]["peer_connections"] == 0)
+        drawn = debug(viewer)["framesDrawn"]
+        until(viewer, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
+        assert not viewer.is_visible("#screen-video") and viewer.text_content("#hud-delivery") == "WebSocket"
+        assert debug(viewer)["errors"] == []
+        viewer.close()
+    finally:
+        viewer_context.close()
+        player_context.close()
+    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)

@@ -23,6 +23,7 @@ from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
 from arstream.programs import client
 from servers import REPO_ROOT, LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
+from webrtc_clients import connect_video, next_of, offer_sdp
 
 aiortc = pytest.importorskip("aiortc")
 
@@ -39,43 +40,6 @@ CHUNKS_BEFORE = 20
 def server() -> Iterator[LiveServer]:
     with running_server(fake_settings(webrtc=True), FakeKVPipeline(width=64, height=64)) as live:
         yield live
-
-
-async def next_of(client: ProbeClient, kind: str, seen: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The next text message of ``kind``, skipping (and keeping in ``seen``) others; binary frames skipped."""
-    while True:
-        message = await client.recv()
-        if isinstance(message, bytes):
-            continue
-        parsed = json.loads(message)
-        if parsed["type"] == kind:
-            return parsed
-        if seen is not None:
-            seen.append(parsed)
-
-
-async def offer_sdp(pc: Any) -> str:
-    pc.addTransceiver("video", direction="recvonly")
-    await pc.setLocalDescription(await pc.createOffer())  # aiortc gathers every candidate here
-    return str(pc.localDescription.sdp)
-
-
-async def connect_video(client: ProbeClient, pc: Any = None) -> tuple[Any, asyncio.Future[Any], dict[str, Any]]:
-    """Offer, apply the answer, wait until the server says the peer connection is up."""
-    pc = pc or aiortc.RTCPeerConnection()
-    track: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    def on_track(received: Any) -> None:
-        if not track.done():
-            track.set_result(received)
-
-    pc.on("track", on_track)
-    await client.send(type="webrtc_offer", sdp=await offer_sdp(pc))
-    answer = await next_of(client, "webrtc_answer")
-    await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=answer["sdp"], type="answer"))
-    state = await next_of(client, "webrtc_state")
-    assert state["state"] == "connected", state
-    return pc, track, answer
 
 
 def test_a_session_plays_on_the_track_and_each_frame_maps_to_its_chunk(server: LiveServer) -> None:
@@ -254,7 +218,8 @@ def test_a_server_without_webrtc_refuses_the_offer_and_plays_on() -> None:
 
     with running_server(fake_settings()) as off:
         refused, chunk = asyncio.run(scenario(off))
-        assert off.stats()["webrtc"] == {"available": False, "peer_connections": 0}
+        webrtc = off.stats()["webrtc"]
+        assert (webrtc["available"], webrtc["peer_connections"]) == (False, 0)
     assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "--webrtc" in refused["message"]
     assert "delivery" not in chunk
 
@@ -281,6 +246,69 @@ def test_a_viewer_of_a_controller_on_webrtc_gets_every_chunk_on_its_websocket(se
     assert [chunk["tick_id"] for chunk, _ in seen] == [0, 1, 2]
     assert all("delivery" not in chunk for chunk, _ in seen)
     assert {header.codec.name for _, headers in seen for header in headers} == {"JPEG"}
+
+
+def test_a_viewer_takes_webrtc_on_a_track_of_its_own() -> None:
+    """A viewer's frames on its own track, its chunk messages on its WebSocket: raw pixels encoded apart while its
+    controller plays JPEG, the controller's own pixels once it is on a track too; its peer counts in the cap."""
+
+    async def scenario(server: LiveServer) -> tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Any], Any]:
+        async with session_client(server.ws_url, start={"codec": "jpeg", "seed": 3}) as player:
+            for tick_id in range(CHUNKS_BEFORE):
+                await player.send(type="tick", tick_id=tick_id)
+                await player.recv_chunk()
+            token = player.ready["share"]["token"]  # type: ignore[index]
+            watch_url = f"{server.ws_url}?share={token}"
+            async with session_client(watch_url, start={"watch": token}) as viewer:
+                pc = aiortc.RTCPeerConnection()
+                inputs = InputChannel(pc)
+                pc, track_future, _ = await connect_video(viewer, pc)
+                player_pc: Any = None
+                try:
+                    await asyncio.wait_for(inputs.opened.wait(), GUARD_S)
+                    inputs.input(1, ["w"])
+                    await inputs.taken(1)  # a viewer's channel answers pings; its inputs are not the session's
+                    not_controller = await next_of(viewer, "error")
+                    chunks = []
+                    for tick_id in range(CHUNKS_BEFORE, CHUNKS_BEFORE + CHUNKS):
+                        if tick_id == CHUNKS_BEFORE + CHUNKS // 2:
+                            player_pc, _, _ = await connect_video(player)  # from now on the viewer shares its pixels
+                        await player.send(type="tick", tick_id=tick_id)
+                        await next_of(player, "chunk")
+                        chunks.append(await next_of(viewer, "chunk"))
+                    async with session_client(watch_url, start={"watch": token}) as another:
+                        third = aiortc.RTCPeerConnection()
+                        try:
+                            await another.send(type="webrtc_offer", sdp=await offer_sdp(third))
+                            refused = await next_of(another, "error")  # the player and the viewer hold both slots
+                        finally:
+                            await third.close()
+                    track = await asyncio.wait_for(track_future, GUARD_S)
+                    decoded = []
+                    for _ in range(sum(c["frames"] for c in chunks[:-1])):  # the last chunk's last frame is held
+                        frame = await asyncio.wait_for(track.recv(), GUARD_S)
+                        decoded.append((frame.pts // STEP, int(frame.to_ndarray(format="rgb24")[..., 1].mean().round())))
+                finally:
+                    await pc.close()
+            # the viewer left: its peer connection is closed, the player's holds on
+            wait_until(lambda: webrtc_track.open_peer_connections() == 1)
+            await player_pc.close()
+            return chunks, decoded, refused, not_controller
+
+    settings = fake_settings(webrtc=True, webrtc_max_peers=2)
+    with running_server(settings, FakeKVPipeline(width=64, height=64)) as server:
+        chunks, decoded, refused, not_controller = asyncio.run(scenario(server))
+        wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+    assert [c["tick_id"] for c in chunks] == list(range(CHUNKS_BEFORE, CHUNKS_BEFORE + CHUNKS))
+    assert all(c["delivery"] == "webrtc" and c["skipped_before"] == 0 for c in chunks)
+    assert [c["track_frame"] for c in chunks] == [2 * i for i in range(CHUNKS)] and "rtp_timestamp" in chunks[-1]
+    assert [number for number, _ in decoded] == list(range(2 * (CHUNKS - 1)))
+    by_number = {c["track_frame"] + i: c["chunk_index"] * 2 + i for c in chunks for i in range(c["frames"])}
+    for number, green in decoded:  # fake-kv's green is the frame's position in the rollout
+        assert abs(green - by_number[number] % 256) <= 3, (number, green)
+    assert (refused["code"], refused["fatal"]) == ("webrtc_failed", False) and "2 WebRTC peer" in refused["message"]
+    assert (not_controller["code"], not_controller["fatal"]) == ("not_controller", False)
+    assert all(chunk["applied_event_ids"] == [] for chunk in chunks)
 
 
 def test_a_refused_pass_leaves_the_controller_on_the_track(server: LiveServer) -> None:
