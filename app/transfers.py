@@ -21,7 +21,7 @@ from .worker import OnWorkerThread
 from ..runner.capabilities import SupportsExport
 from ..runner.runtimes import park_idle as park_idle_now
 from ..runner.runtimes import park_session as park_session_now
-from ..runner.snapshot import SessionSnapshot, identity, transferable, unstarted_snapshot
+from ..runner.snapshot import SessionSnapshot, identity, session_bytes, transferable, unstarted_snapshot
 from ..runner.snapshot_import import SessionImport, import_session as import_whole
 from ..runner.snapshot_stream import Part, SnapshotPlan, piece_bytes, plan_export, plan_of
 
@@ -49,7 +49,7 @@ def receiving(worker: RunsCalls) -> asyncio.Future[Receiving]:
 
     def take(on: OnWorkerThread) -> Receiving:
         runtime = transferable(on.runtime)
-        return Receiving(identity(runtime, PROTOCOL_VERSION), runtime.sessions.pool.plan.per_session_bytes)
+        return Receiving(identity(runtime, PROTOCOL_VERSION), session_bytes(runtime))
 
     return worker.call(take)
 

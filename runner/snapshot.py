@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .capabilities import SupportsExport
+from .capabilities import GathersHeads, SupportsExport
 from .contract import ModelState, SupportsSessionTransfer
 from .parking import tables_from_json
 from .rewind import Boundary
@@ -109,11 +109,14 @@ def read_header(data: bytes) -> dict[str, Any]:
 
 def config_hash(runner: SupportsExport) -> str:
     """What must match for a session to continue bit-identically: KV spec, model card, model config and weights."""
-    spec = runner.sessions.spec
+    # A replica over several devices names the spec of every head and its card without the device count: a
+    # session moves between replicas of any count (its snapshot gathers the heads: runner/distributed/).
+    spec = runner.whole_spec if isinstance(runner, GathersHeads) else runner.sessions.spec
     pipeline = runner.sessions.pipeline
+    card = {key: value for key, value in runner.model_card().items() if key != "devices"}
     document = {
         "spec": {f.name: repr(getattr(spec, f.name)) for f in fields(spec) if f.name != "session_capacity"},
-        "card": runner.model_card(),
+        "card": card,
         "model": pipeline.transfer_fingerprint() if isinstance(pipeline, SupportsSessionTransfer) else None,
     }
     text = json.dumps(document, sort_keys=True, default=repr)
@@ -211,6 +214,8 @@ def _header(runner: SupportsExport, protocol_version: int | None, kv: dict[str, 
 
 def export_session(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
     """The session's state at its chunk boundary; the session stays resident (the caller releases it)."""
+    if isinstance(runner, GathersHeads):
+        return runner.export_snapshot(session_id, protocol_version)
     if session_id in runner.sessions.lot:
         return export_parked(runner, session_id, protocol_version=protocol_version)
     header, model = export_header(runner, session_id, protocol_version=protocol_version)
@@ -292,6 +297,13 @@ def unstarted_snapshot(runner: SupportsExport, *, protocol_version: int | None =
     header["model_state"] = {}
     header["session"] = {}
     return SessionSnapshot(header, {})
+
+
+def session_bytes(runner: SupportsExport) -> int:
+    """A resident session's bytes at most, every head (an incoming snapshot's size is bounded by it)."""
+    if isinstance(runner, GathersHeads):
+        return runner.whole_session_bytes
+    return runner.sessions.pool.plan.per_session_bytes
 
 
 def transferable(runtime: object) -> SupportsExport:

@@ -42,7 +42,7 @@ import torch
 from .contract import ModelState, SupportsSessionTransfer
 from .kv_state import SessionKVState
 from .pool import PoolExhausted
-from .capabilities import SupportsExport
+from .capabilities import GathersHeads, SupportsExport
 from .rewind import Boundary, RewindPoints
 from .snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
 from .snapshot_rewind import REWIND_KV, REWIND_MODEL_PREFIX, CarriedPoint, beyond_live, carried_points, choose_kept
@@ -125,6 +125,8 @@ class SessionImport:
         self._regions: list[_Regions] = []
         self._model: dict[str, torch.Tensor] = {}  # model-owned tensors, on the pool's device, by name
         self._extra: dict[str, torch.Tensor] = {}
+        # a runtime over several devices: the session's tensors gathered in host memory, scattered at finish()
+        self._staged: dict[str, torch.Tensor] | None = None
         self._state: SessionKVState | None = None  # while this import holds the session resident
         self.held = False  # whether it ever did (begin made it resident)
         self._finished = False
@@ -180,7 +182,13 @@ class SessionImport:
         try:
             if self._state is not None and runner.sessions.kv_state(self.session_id) is not self._state:
                 raise SnapshotRefused(f"session {self.session_id!r} was evicted while it was being imported")
-            if self.resident:
+            if self._staged is not None:
+                assert isinstance(runner, GathersHeads)
+                runner.import_snapshot(self.session_id, SessionSnapshot(self.header, self._staged), self.protocol_version)
+                self._staged = None
+                self._state = runner.sessions.state(self.session_id)
+                self.held = True
+            elif self.resident:
                 pipeline = runner.sessions.pipeline
                 assert isinstance(pipeline, SupportsSessionTransfer)  # _plan checked
                 state = ModelState(self.header.get("model_state", {}), dict(self._model))
@@ -195,7 +203,7 @@ class SessionImport:
 
     def abort(self, runner: SupportsExport) -> None:
         """Release what :meth:`begin` made (idempotent; nothing once :meth:`finish` has handed it on)."""
-        self._regions, self._model, self._extra = [], {}, {}
+        self._regions, self._model, self._extra, self._staged = [], {}, {}, None
         self._points, self._point_tensors, self._numbering = [], {}, []
         point_blocks, self._point_blocks = self._point_blocks, []
         state, self._state = self._state, None
@@ -301,6 +309,9 @@ class SessionImport:
         assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
         if runner.sessions.holds(self.session_id):
             raise SnapshotRefused(f"session {self.session_id!r} is already resident here")
+        if isinstance(runner, GathersHeads):
+            self._stage(runner_names, by_name)
+            return
         # a full pool parks its least recently used session when there is park room (runner/parking.py)
         table = runner.sessions
         if len(table.resident()) >= table.capacity and not table.make_room(evict=False):
@@ -377,6 +388,17 @@ class SessionImport:
         runner.sessions.adopt(state)
         self.held = True
         runner.sessions.kv_state(self.session_id)  # asked for, as an export does: a runtime that parks keeps it in the pool
+
+
+    def _stage(self, runner_names: list[str], by_name: Mapping[str, int]) -> None:
+        """A runtime over several devices (:class:`GathersHeads`): the session's tensors are gathered here in
+        host memory as they arrive (at most the snapshot's bytes, which the reader bounds) and scattered to the
+        devices at :meth:`finish`, where each device's import checks its share against its pool."""
+        self._staged = {}
+        for name in runner_names:
+            entry = self.tensors[by_name[name]]
+            tensor = self._staged[name] = torch.empty(entry.shape, dtype=entry.dtype)
+            self._regions[by_name[name]] = _Regions([flat_bytes(tensor)])
 
 
 def _count(section: Mapping[str, Any], key: str) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capabilities import SupportsExport
+from .capabilities import GathersHeads, SupportsExport
 from .snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
 from .snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 from .snapshot_import import SessionImport, TensorEntry
@@ -166,7 +166,12 @@ class SnapshotPlan:
 
 
 def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
-    """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched."""
+    """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched.
+
+    A runtime over several devices gathers the session's heads first: its plan reads that copy (held once, on
+    the first device's host), not the pools."""
+    if isinstance(runner, GathersHeads):
+        return plan_of(runner.export_snapshot(session_id, protocol_version))
     if session_id in runner.sessions.lot:  # already a host copy (runner/parking.py): planned from it, not restored
         return plan_of(export_parked(runner, session_id, protocol_version=protocol_version))
     header, model = export_header(runner, session_id, protocol_version=protocol_version)

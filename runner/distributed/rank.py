@@ -1,6 +1,7 @@
 """What a rank other than 0 runs: the same pipeline and runner over its share of the heads, driven by rank 0.
 
-Rank 0 sends each call it makes on its own runner (a round's ticks, a close, a park, the warm-up) down a pipe
+Rank 0 sends each call it makes on its own runner (a round's ticks, a close, a park, the warm-up, its share of a
+snapshot's export or import: :mod:`.transfer`) down a pipe
 before making it; this rank makes the same call on its runner, so both allocate the same block ids, draw the
 same seeded noise and meet in the same collectives, and answers with a digest of what came out (each tick's
 outcome, the pool's free blocks) that rank 0 checks against its own. The pipe closing (rank 0 is gone) ends it.
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from ..contract import ARPipeline
 from ..types import RuntimeOptions, TickFailure
 from .sequence_parallel import SequenceParallel
+from .transfer import import_shard, kv_shard
 
 log = logging.getLogger("arstream.runner.distributed")
 
@@ -114,6 +116,12 @@ def rank_main(plan: RankPlan, conn: Connection) -> None:
         try:
             if name == "pool_shape":
                 result: Any = tuple(runner.pool.kv.shape)
+            elif name == "export_shard":  # its share of a session's heads, then the usual answer
+                conn.send(("shard", kv_shard(runner, *args)))
+                result = None
+            elif name == "import_shard":
+                import_shard(runner, *args)
+                result = None
             else:
                 result = getattr(runner, name)(*args)
             conn.send(("ok", (digest(result), runner.pool.num_free)))

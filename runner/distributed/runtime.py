@@ -27,11 +27,14 @@ import torch.distributed as dist
 
 from ..contract import ARPipeline
 from ..runner import ARRunner
+from ..session_table import SessionTable
+from ..snapshot import SessionSnapshot, SnapshotError, check_compatible, export_session, identity
 from ..spec import KVCacheSpec
 from ..stats import RunnerStats, RuntimeCounters
 from ..types import ChunkResult, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
 from .rank import RankPlan, digest, join_group, rank_main, rank_options, shard_pipeline
 from .sequence_parallel import SequenceParallel, check_heads_divide
+from .transfer import HEADS_DIM, gathered, import_shard, is_kv, scattered
 
 log = logging.getLogger("arstream.runner.distributed")
 
@@ -70,6 +73,7 @@ class DistributedRuntime:
         if len(kinds) != 1:
             raise UnsupportedConfiguration(f"a replica's devices must all be of one kind, got {options.devices}")
         self.world = world
+        self.whole_spec: KVCacheSpec = spec  # before sharding: every head (a snapshot's identity names it)
         self.timeout_s = options.collective_timeout_s
         self.lost: str | None = None
         self._ranks: list[tuple[BaseProcess, Connection]] = []
@@ -187,6 +191,61 @@ class DistributedRuntime:
 
     def stats(self) -> RunnerStats:
         return self.local.stats()
+
+    # ---- moving sessions (capabilities.SupportsExport, GathersHeads; the format: .transfer) ------------
+
+    @property
+    def sessions(self) -> SessionTable:
+        """Rank 0's table: which sessions are held, and where (the other ranks' are the same)."""
+        return self.local.sessions
+
+    @property
+    def whole_session_bytes(self) -> int:
+        return self.local.plan.per_session_bytes * self.world
+
+    def export_snapshot(self, session_id: str, protocol_version: int | None) -> SessionSnapshot:
+        """The session's snapshot with every rank's heads gathered here, in the format a single device exports."""
+        self._send("export_shard", (session_id,))
+        try:
+            mine = export_session(self.local, session_id, protocol_version=protocol_version)
+        except Exception as exc:
+            self._collect("export_shard", ("raised", type(exc).__name__))
+            raise
+        shards: list[dict[str, torch.Tensor]] = []
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            kind, value = self._reply(rank, process, conn, self.timeout_s)
+            if kind != "shard":
+                self._lose(f"rank {rank} sent no share of session {session_id!r}'s heads: {kind} {value}")
+            shards.append(value)
+        self._collect("export_shard", ("ok", (None, self.local.pool.num_free)))
+        snapshot = gathered(mine, shards)
+        snapshot.header.update(identity(self, protocol_version))  # the identity of every head, not rank 0's share
+        return snapshot
+
+    def import_snapshot(self, session_id: str, snapshot: SessionSnapshot, protocol_version: int | None) -> None:
+        """Make a whole snapshot the held session ``session_id``: each rank imports its share of the heads."""
+        if self.lost is not None:
+            raise ReplicaLost(self.lost)
+        check_compatible(self, snapshot.header, protocol_version)
+        heads = self.whole_spec.num_kv_heads
+        for name, tensor in snapshot.tensors.items():
+            if is_kv(name) and (tensor.dim() != 6 or tensor.shape[HEADS_DIM] != heads):
+                raise SnapshotError(f"the snapshot's {name!r} does not hold the model's {heads} heads")
+        # each share names the ranks' own identity (a pool of heads / P), which each rank's import checks
+        shares = scattered(snapshot, self.world, {**snapshot.header, **identity(self.local, protocol_version)})
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            if not process.is_alive():
+                self._lose(f"rank {rank} exited with code {process.exitcode}")
+            try:
+                conn.send(("import_shard", (session_id, shares[rank], protocol_version)))
+            except OSError as exc:
+                self._lose(f"rank {rank} cannot be reached: {exc}")
+        try:
+            import_shard(self.local, session_id, shares[0], protocol_version)
+        except Exception as exc:
+            self._collect("import_shard", ("raised", type(exc).__name__))
+            raise
+        self._collect("import_shard", ("ok", (None, self.local.pool.num_free)))
 
     # ---- what tests and benches read ------------------------------------------------------------
 

@@ -11,6 +11,7 @@ tests/cluster/test_cluster.py's; here the client reconnects to r1 directly.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, ExitStack, contextmanager
@@ -27,7 +28,7 @@ from arstream.runner.runner import runner_for_sessions
 from arstream.runner.snapshot import export_session
 from arstream.runner.snapshot_stream import snapshot_bytes
 from arstream.runner.types import TickRequest
-from servers import LiveServer, fake_settings, running_server, session_client
+from servers import LiveServer, fake_settings, running_server, server_process, session_client
 
 SECRET = "a-cluster-secret-for-tests"
 SEED = 7
@@ -354,3 +355,46 @@ def test_a_rolling_restart_of_both_replicas_under_six_sessions_loses_none() -> N
         asyncio.run(scenario())
         for server in (r0, r1, routes["r0"]):
             server.settled(server.stats()["kv"]["blocks_total"])
+
+
+def test_a_session_drains_from_a_replica_over_two_devices_to_one_on_a_single_device() -> None:
+    """``--devices cpu,cpu`` (a subprocess: its ranks join a process group of their own) drains to a plain replica:
+    the snapshot gathers both ranks' heads into the one-device format, and the session continues there with the
+    chunks of an uninterrupted one-device session, within one step of uint8 rounding (sharded attention sums in
+    another order)."""
+    model = ["--model", "matrix-game-2", "--model-options", json.dumps({"config": "tiny", "random_init": True})]
+    cluster = ["--replica-id", "r0", "--cluster-secret", SECRET, "--resume-grace-s", "30", "--max-batch-sessions", "1"]
+    with server_process([*model, *cluster, "--devices", "cpu,cpu"]) as r0, running_server(
+        cluster_settings("r1", "matrix-game-2")
+    ) as r1:
+
+        async def scenario() -> None:
+            want = await reference(r1)
+            async with session_client(r0.ws_url, start={"codec": "raw", "seed": SEED}) as client:
+                for tick_id in range(MOVE_AT):
+                    await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
+                    _chunk, got = await frames_of(client)
+                    assert _near(got, want[tick_id])
+                response = await asyncio.to_thread(drain, r0, [r1.base_url])
+                assert response.status_code == 200, response.text
+                assert response.json()["moved"] == 1, response.json()
+                closed = await client.closed_by_server()
+                moved = closed.messages[-2]
+                assert moved["type"] == "moved" and moved["next_chunk_index"] == MOVE_AT, closed.messages
+            token = moved["resume"]
+            async with session_client(f"{r1.ws_url}?resume={token}", start={"resume": token, "codec": "raw"}) as client:
+                assert client.ready is not None and client.ready["resumed"] is True
+                for tick_id in range(MOVE_AT, len(KEYS)):
+                    await client.send(type="tick", tick_id=tick_id, controls={"keys": KEYS[tick_id]})
+                    chunk, got = await frames_of(client)
+                    assert chunk["chunk_index"] == tick_id and chunk["restarted"] is None, chunk
+                    assert _near(got, want[tick_id]), f"chunk {tick_id} differs after the move"
+                await client.send(type="close")
+                await client.closed_by_server()
+
+        asyncio.run(scenario())
+        r1.settled(r1.stats()["kv"]["blocks_total"])
+
+
+def _near(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.shape == want.shape and int(np.abs(got.astype(np.int16) - want.astype(np.int16)).max()) <= 1

@@ -2,8 +2,9 @@
 
 One module-scoped two-rank runtime over tiny matrix-game-2 (two heads, seeded random weights) is compared with
 a one-device runner over the same model: the ranks' pools hold one head each, the frames match the one-device
-ones within fp32 tolerance over more than ten chunks (alone, two sessions batched, through a rewind and a park),
-and a killed rank ends every session with its reason and frees the pool (last: it ends the runtime).
+ones within fp32 tolerance over more than ten chunks (alone, two sessions batched, through a rewind and a park), a
+session moves between the two (its snapshot has one format whatever the device count) and continues equal, and a
+killed rank ends every session with its reason and frees the pool (last: it ends the runtime).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from arstream.runner.contract import ARPipeline
 from arstream.runner.distributed.runtime import DistributedRuntime
 from arstream.runner.rewinds import rewind_for
 from arstream.runner.runner import ARRunner
+from arstream.runner.snapshot import SessionSnapshot
+from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_stream import parse_snapshot, plan_export
 from arstream.runner.types import ParkingPolicy, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, UnsupportedConfiguration
 
 MODEL = "matrix-game-2"
@@ -133,6 +137,45 @@ def test_two_ranks_equal_one_through_a_rewind_and_a_park(two_ranks: DistributedR
         _assert_equal(two_ranks, one_rank, [_tick("r", index, **rewind)])
     two_ranks.close_session("r")
     one_rank.close_session("r")
+
+
+def _latents(runtime: DistributedRuntime | ARRunner, session: str, indices: range) -> list[torch.Tensor]:
+    """Each chunk's latents as the session runs ``indices`` alone."""
+    pipeline = runtime.local.pipeline if isinstance(runtime, DistributedRuntime) else runtime.pipeline
+    seen = pipeline.latents_seen  # type: ignore[attr-defined]
+    del seen[:]
+    for index in indices:
+        _frames(runtime, [_tick(session, index)])
+    return list(seen)
+
+
+def _exported(runtime: DistributedRuntime | ARRunner, session: str) -> SessionSnapshot:
+    """The session's snapshot as a drain sends it: planned, streamed into bytes, parsed."""
+    return parse_snapshot(b"".join(plan_export(runtime, session, protocol_version=1).chunks()))
+
+
+def test_a_session_moves_from_two_ranks_to_one_and_back(two_ranks: DistributedRuntime, one_rank: ARRunner) -> None:
+    for runtime in (two_ranks, one_rank):
+        for index in range(3):
+            _frames(runtime, [_tick("m", index)])
+    assert two_ranks.park_session("m")  # exported from each rank's parked copy
+    sharded, whole = _exported(two_ranks, "m"), _exported(one_rank, "m")
+    for key in ("format_version", "model", "config_hash", "runtime", "protocol_version", "kv"):
+        assert sharded.header[key] == whole.header[key], key
+    assert sharded.tensors.keys() == whole.tensors.keys()
+    for name, tensor in whole.tensors.items():  # every head, in the one-device layout
+        torch.testing.assert_close(sharded.tensors[name], tensor, rtol=1e-4, atol=1e-5)
+    reference = _latents(one_rank, "m", range(3, 6))  # the session uninterrupted on one device
+    for runtime in (two_ranks, one_rank):
+        runtime.close_session("m")
+    import_session(one_rank, "m", sharded)
+    import_session(two_ranks, "m", whole)
+    assert two_ranks.next_chunk_index("m") == one_rank.next_chunk_index("m") == 3
+    torch.testing.assert_close(_latents(one_rank, "m", range(3, 6)), reference, rtol=1e-4, atol=1e-5)  # 2 -> 1
+    torch.testing.assert_close(_latents(two_ranks, "m", range(3, 6)), reference, rtol=1e-4, atol=1e-5)  # 1 -> 2
+    for runtime in (two_ranks, one_rank):
+        runtime.close_session("m")
+    assert two_ranks.local.pool.num_free == two_ranks.blocks_free_at_start  # and the other rank's, in step
 
 
 def test_a_head_count_the_devices_do_not_divide_is_refused() -> None:
