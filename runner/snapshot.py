@@ -36,19 +36,46 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .capabilities import GathersHeads, SupportsExport
+from .capabilities import SupportsExport
 from .contract import ModelState, SupportsSessionTransfer
 from .parking import tables_from_json
 from .rewind import Boundary
 from .snapshot_header import SnapshotHeaderError, parse_header
 from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
+from .spec import KVCacheSpec
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
+
+
+@runtime_checkable
+class GathersHeads(Protocol):
+    """A runtime whose sessions' KV blocks are split by heads over its devices, each holding a share.
+
+    A snapshot of one of its sessions is gathered onto the runtime's first device whole (every head, the layout
+    a single device exports) and an imported one is scattered (each device takes its heads), so a session moves
+    between replicas of any device count. Its :class:`SupportsExport` ``sessions`` is the first device's table
+    (which sessions are held and where); these say what the whole session is.
+    """
+
+    @property
+    def whole_spec(self) -> KVCacheSpec:
+        """The KV spec of every head (what a single device's pool holds, and a snapshot's identity names)."""
+
+    @property
+    def whole_session_bytes(self) -> int:
+        """A resident session's bytes at most, every head (the most an incoming snapshot of it carries)."""
+
+    def export_snapshot(self, session_id: str, protocol_version: int | None) -> SessionSnapshot:
+        """The session's snapshot at its chunk boundary, its heads gathered (it stays held)."""
+
+    def import_snapshot(self, session_id: str, snapshot: SessionSnapshot, protocol_version: int | None) -> None:
+        """Make ``snapshot`` (every head) the held session ``session_id``, its heads scattered; refuse leaving
+        every device's pool as it was."""
 
 
 class SnapshotError(ValueError):

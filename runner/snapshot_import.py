@@ -42,9 +42,9 @@ import torch
 from .contract import ModelState, SupportsSessionTransfer
 from .kv_state import SessionKVState
 from .pool import PoolExhausted
-from .capabilities import GathersHeads, SupportsExport
+from .capabilities import SupportsExport
 from .rewind import Boundary, RewindPoints
-from .snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
+from .snapshot import GathersHeads, SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
 from .snapshot_rewind import REWIND_KV, REWIND_MODEL_PREFIX, CarriedPoint, beyond_live, carried_points, choose_kept
 
 MODEL_PREFIX = "model/"

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capabilities import GathersHeads, SupportsExport
-from .snapshot import SessionSnapshot, SnapshotError, export_header, export_parked, read_header
+from .capabilities import SupportsExport
+from .snapshot import GathersHeads, SessionSnapshot, SnapshotError, export_header, export_parked, read_header
 from .snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 from .snapshot_import import SessionImport, TensorEntry
 from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind

@@ -192,7 +192,7 @@ class DistributedRuntime:
     def stats(self) -> RunnerStats:
         return self.local.stats()
 
-    # ---- moving sessions (capabilities.SupportsExport, GathersHeads; the format: .transfer) ------------
+    # ---- moving sessions (capabilities.SupportsExport, snapshot.GathersHeads; the format: .transfer) ------------
 
     @property
     def sessions(self) -> SessionTable:
