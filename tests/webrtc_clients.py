@@ -9,6 +9,8 @@ from typing import Any
 
 from servers import ProbeClient
 
+GUARD_S = 30.0  # hang guard only
+
 
 async def next_of(client: ProbeClient, kind: str, seen: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The next text message of ``kind``, skipping (and keeping in ``seen``) others; binary frames skipped."""
@@ -54,6 +56,25 @@ async def connect_video(client: ProbeClient, pc: Any = None) -> tuple[Any, async
     state = await next_of(client, "webrtc_state")
     assert state["state"] == "connected", state
     return pc, track, answer
+
+
+async def play_on_a_new_track(client: ProbeClient, tick_ids: tuple[int, int]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Offer a track on ``client`` (a resumed connection offers again), tick twice, and read the first chunk's frames
+    off the track: the two chunk messages and the first chunk's mean greens (fake-kv's picture of its index)."""
+    pc, track_future, _ = await connect_video(client)
+    try:
+        chunks = []
+        for tick_id in tick_ids:
+            await client.send(type="tick", tick_id=tick_id)
+            chunks.append(await next_of(client, "chunk"))
+        track = await asyncio.wait_for(track_future, GUARD_S)
+        greens = []
+        for _ in range(chunks[0]["frames"]):  # the first chunk's frames (the last chunk's last is held)
+            frame = await asyncio.wait_for(track.recv(), GUARD_S)
+            greens.append(int(frame.to_ndarray(format="rgb24")[..., 1].mean().round()))
+    finally:
+        await pc.close()
+    return chunks, greens
 
 
 def aiortc() -> Any:

@@ -17,11 +17,10 @@ from arstream.app import webrtc_track
 from arstream.models.fake import FakeKVPipeline
 from servers import running_server, session_client, wait_until
 from test_migration import cluster_settings, drain
-from webrtc_clients import connect_video, next_of
+from webrtc_clients import connect_video, next_of, play_on_a_new_track
 
 aiortc = pytest.importorskip("aiortc")
 
-GUARD_S = 30.0  # hang guard only
 STEP = webrtc_track.frame_step(16)  # fake-kv's frame rate
 # Chunks played before the move (on the WebSocket, then on the track): fake-kv's green has grown past the
 # near-black values that YUV's limited range clips.
@@ -49,19 +48,8 @@ def test_a_drained_webrtc_session_offers_again_on_the_peer_and_plays_on() -> Non
             # on the new socket the session starts on the WebSocket, in its own codec
             await resumed.send(type="tick", tick_id=CHUNKS_BEFORE)
             before, frames = await resumed.recv_chunk()
-            pc, track_future, _ = await connect_video(resumed)  # the client offers again, to the peer
-            try:
-                chunks = []
-                for tick_id in (CHUNKS_BEFORE + 1, CHUNKS_BEFORE + 2):
-                    await resumed.send(type="tick", tick_id=tick_id)
-                    chunks.append(await next_of(resumed, "chunk"))
-                track = await asyncio.wait_for(track_future, GUARD_S)
-                greens = []
-                for _ in range(chunks[0]["frames"]):  # the first chunk's frames (the last chunk's last is held)
-                    frame = await asyncio.wait_for(track.recv(), GUARD_S)
-                    greens.append(int(frame.to_ndarray(format="rgb24")[..., 1].mean().round()))
-            finally:
-                await pc.close()
+            # the client offers again, to the peer
+            chunks, greens = await play_on_a_new_track(resumed, (CHUNKS_BEFORE + 1, CHUNKS_BEFORE + 2))
             await resumed.send(type="close")
             await next_of(resumed, "closed")
             return before, [header.codec.name for header, _ in frames], chunks, greens

@@ -23,7 +23,7 @@ from arstream.app.wire import parse_frame
 from arstream.models.fake import FakeKVPipeline
 from arstream.programs import client
 from servers import REPO_ROOT, LiveServer, ProbeClient, fake_settings, running_server, session_client, wait_until
-from webrtc_clients import connect_video, next_of, offer_sdp
+from webrtc_clients import connect_video, next_of, offer_sdp, play_on_a_new_track
 
 aiortc = pytest.importorskip("aiortc")
 
@@ -475,19 +475,7 @@ def test_a_resumed_session_offers_again_and_plays_on_a_new_track() -> None:
             server.wait_for_stats, lambda s: s["sessions"]["detached"] == 1 and s["webrtc"]["peer_connections"] == 0
         )
         async with session_client(f"{server.ws_url}?resume={token}", start={"resume": token}) as second:
-            pc, track_future, _ = await connect_video(second)  # the client renegotiates on the new socket
-            try:
-                chunks = []
-                for tick_id in (1, 2):
-                    await second.send(type="tick", tick_id=tick_id)
-                    chunks.append(await next_of(second, "chunk"))
-                track = await asyncio.wait_for(track_future, GUARD_S)
-                greens = []
-                for _ in range(chunks[0]["frames"]):  # the first chunk's frames (the last chunk's last is held)
-                    frame = await asyncio.wait_for(track.recv(), GUARD_S)
-                    greens.append(int(frame.to_ndarray(format="rgb24")[..., 1].mean().round()))
-            finally:
-                await pc.close()
+            chunks, greens = await play_on_a_new_track(second, (1, 2))  # the client renegotiates on the new socket
             return second.ready, before, chunks, greens  # type: ignore[return-value]
 
     settings = fake_settings(webrtc=True, replica_id="r0", resume_grace_s=30.0)
