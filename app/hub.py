@@ -23,6 +23,7 @@ from .metrics import ServerMetrics, stats_document
 from .resume import Holder, ResumeRegistry
 from .model_loading import CardRefused, load_failure, load_runtime, park_idle_sessions, read_card
 from .prompts import PromptPreparer
+from .protocol import ErrorCode
 from .settings import Settings
 from .start_image import StartImageResolver
 from .unstarted import UnstartedConnections
@@ -114,6 +115,8 @@ class SessionHub:
             return
         self.replica_lost = reason
         self.ready, self.not_ready_reason = False, reason
+        for connection in list(self.connections.values()):  # idle ones too: each session ends with the reason
+            connection.fatal(ErrorCode.SESSION_FAILED, reason)
         log.error("%s: the server stops (exit code 1) for its supervisor to start it again", reason)
         if self.request_exit is not None:
             self.request_exit()

@@ -72,6 +72,7 @@ def load_runtime(settings: Settings, pipeline: ARPipeline | None, compiling: Cal
         device=devices[0],
         # several devices: the other ranks load the same model themselves (runner/distributed/)
         devices=devices if len(devices) > 1 else (),
+        collective_timeout_s=settings.collective_timeout_s,
         load_pipeline=functools.partial(load_pipeline, settings.model, **settings.model_options),
         kv_budget_bytes=settings.resolved_kv_budget_bytes(),
         memory_fraction=settings.memory_fraction,

@@ -96,6 +96,12 @@ class ModelSettings(SettingGroup):
         "process on the first, each other device gets a process it starts; the model's attention heads and its KV "
         "are split between them (docs/deployment.md, 'A replica over several devices'); default: --device alone",
     )
+    collective_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="with --devices: a rank silent for this long (no heartbeat, or a collective not done) is hung: "
+        "it is killed, every session ends with the reason and the server exits 1",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; default: one core fewer than the machine has (at least 1)"
     )

@@ -44,6 +44,7 @@ from .decode_stage import DecodedRound, Decoding, DecodeStage, WorkerTimes, over
 from .delivery import Delivery, OutcomeKind, SessionPosition, TickOutcome, deliver_to_session
 from .scheduler import RoundScheduler, Run, TickLanes
 from .session import ChunkInputs, PendingEvent, TickJob, restart_reason, tick_request
+from ..runner.capabilities import SupervisesRanks
 from ..runner.runtimes import Runtime, SplitDecodeRuntime, park_idle
 from ..runner.stats import RunnerStats
 from ..runner.types import ChunkResult, ReplicaLost, RewindUnavailable, TickFailure, TickRequest
@@ -263,6 +264,8 @@ class ModelWorker:
             self.model_card = self.runtime.model_card()
             self.delivery.fps = float(self.model_card.get("fps") or 16)
             self.prepare_prompt = self.runtime.prepare_prompt  # thread-safe: the hub runs it as prompts arrive
+            if isinstance(self.runtime, SupervisesRanks):
+                self.runtime.on_rank_lost = self._rank_lost
             if isinstance(self.runtime, SplitDecodeRuntime) and self.runtime.split_decode:
                 self._decode_stage = DecodeStage(self.runtime, self.runtime.device, on_done=self._wake)
             # Warm-up's round time per batch size: realtime admission's first figures.
@@ -293,6 +296,22 @@ class ModelWorker:
             finally:
                 park_idle(self.runtime)  # sessions idle past --park-after-s go to host memory (runner/parking.py)
                 self._publish_stats()
+
+    def _rank_lost(self, reason: str) -> None:
+        """From the runtime's watchdog: a rank of the replica exited or hung. Fail the replica on this thread at
+        the next chunk boundary (an idle one has no tick to find out with)."""
+        log.error("%s", reason)
+        with self._cond:
+            self._controls.append(self._check_ranks)
+            self._cond.notify()
+
+    def _check_ranks(self) -> None:
+        assert isinstance(self.runtime, SupervisesRanks)
+        try:
+            self.runtime.check_ranks()
+        except ReplicaLost as lost:
+            if self.on_replica_lost is not None:
+                self._loop.call_soon_threadsafe(self.on_replica_lost, str(lost))
 
     def _next_work(self) -> Callable[[], None] | list[TickJob] | None:
         """Wait for the next control job or round of ticks (call with the lock held); None when stopping."""

@@ -7,12 +7,16 @@ implement: the server asks ``isinstance(runtime, SupportsParking)``, never which
   runner/snapshot.py, runner/snapshot_stream.py, runner/snapshot_import.py), which read and write the
   session's blocks in a paged pool through its session table.
 
+- :class:`SupervisesRanks`: a replica over several devices, whose other ranks can die or hang
+  (runner/distributed/): the server hears of it at once, even while idle.
+
 An exporting runtime whose KV is split by heads over several devices is also a
 :class:`~arstream.runner.snapshot.GathersHeads` (beside the snapshot it names).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from .session_table import SessionTable
@@ -40,3 +44,13 @@ class SupportsExport(Protocol):
 
     def model_card(self) -> dict[str, Any]:
         """The card a snapshot's identity is taken from (with the runtime's name)."""
+
+
+@runtime_checkable
+class SupervisesRanks(Protocol):
+    """A runtime whose replica spans processes it supervises (``--devices``)."""
+
+    on_rank_lost: Callable[[str], None] | None  # told from another thread that a rank exited or hung
+
+    def check_ranks(self) -> None:
+        """On the runtime's thread: raise ``ReplicaLost`` (failing the replica closed) if a rank is lost."""

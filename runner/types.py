@@ -61,7 +61,7 @@ class RuntimeOptions:
     # how every other rank loads the model for itself (called with its device; picklable: it crosses processes)
     devices: tuple[str, ...] = ()
     load_pipeline: Callable[[str], Any] | None = None
-    # how long any rank may take for a collective or a reply before the replica is lost
+    # how long a rank may stay silent (no heartbeat), and a collective wait, before the replica is lost
     collective_timeout_s: float = 60.0
 
     def pool(self) -> dict[str, Any]:

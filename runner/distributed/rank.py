@@ -5,6 +5,7 @@ snapshot's export or import: :mod:`.transfer`) down a pipe
 before making it; this rank makes the same call on its runner, so both allocate the same block ids, draw the
 same seeded noise and meet in the same collectives, and answers with a digest of what came out (each tick's
 outcome, the pool's free blocks) that rank 0 checks against its own. The pipe closing (rank 0 is gone) ends it.
+It beats a heartbeat all along (:mod:`.liveness`): rank 0 kills a rank that stops.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 import torch
@@ -21,10 +23,14 @@ import torch.distributed as dist
 
 from ..contract import ARPipeline
 from ..types import RuntimeOptions, TickFailure
+from .liveness import start_heartbeat
 from .sequence_parallel import SequenceParallel
 from .transfer import import_shard, kv_shard
 
 log = logging.getLogger("arstream.runner.distributed")
+
+# How long a rank may take to load its model and build its pool before the replica gives up on starting.
+START_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,9 @@ class RankPlan:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
 
-def join_group(plan: RankPlan) -> None:
-    """Join the replica's process group; every collective after this fails past ``collective_timeout_s``."""
+def join_group(plan: RankPlan) -> dist.ProcessGroup:
+    """Join the replica's process group; the group returned is the forward's, whose collectives fail past
+    ``collective_timeout_s`` (the rendezvous itself waits up to ``START_TIMEOUT_S``: the ranks load at their pace)."""
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
     dist.init_process_group(
@@ -55,8 +62,11 @@ def join_group(plan: RankPlan) -> None:
         init_method=plan.init_method,
         rank=plan.rank,
         world_size=plan.world,
-        timeout=timedelta(seconds=plan.options.collective_timeout_s),
+        timeout=timedelta(seconds=START_TIMEOUT_S),
     )
+    group = dist.new_group(backend=plan.backend, timeout=timedelta(seconds=plan.options.collective_timeout_s))
+    assert group is not None
+    return group
 
 
 def rank_options(plan: RankPlan) -> RuntimeOptions:
@@ -68,9 +78,9 @@ def rank_options(plan: RankPlan) -> RuntimeOptions:
     return replace(plan.options, device=plan.device, parking=parking, split_decode=False)
 
 
-def shard_pipeline(pipeline: ARPipeline, plan: RankPlan) -> SequenceParallel:
+def shard_pipeline(pipeline: ARPipeline, plan: RankPlan, group: dist.ProcessGroup) -> SequenceParallel:
     """Give the pipeline this rank's share of the heads (the caller checked that it can be sharded)."""
-    parallel = SequenceParallel(plan.rank, plan.world)
+    parallel = SequenceParallel(plan.rank, plan.world, group)
     pipeline.shard_heads(parallel)  # type: ignore[attr-defined]
     return parallel
 
@@ -87,18 +97,19 @@ def digest(result: Any) -> Any:
     return type(result).__name__
 
 
-def rank_main(plan: RankPlan, conn: Connection) -> None:
-    """A spawned rank's whole life: join, load, shard, build the runner, then serve rank 0's calls."""
+def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) -> None:
+    """A spawned rank's whole life: beat, join, load, shard, build the runner, then serve rank 0's calls."""
     from ..runner import ARRunner
 
+    start_heartbeat(heartbeat, plan.options.collective_timeout_s)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{plan.rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(plan.torch_threads)
-    join_group(plan)
+    group = join_group(plan)
     try:
         assert plan.options.load_pipeline is not None
         pipeline = plan.options.load_pipeline(str(plan.device))
         assert isinstance(pipeline, ARPipeline)
-        shard_pipeline(pipeline, plan)
+        shard_pipeline(pipeline, plan, group)
         options = rank_options(plan)
         runner = ARRunner.for_pipeline(pipeline, options)
     except BaseException as exc:  # noqa: BLE001 - rank 0 says why the replica did not start

@@ -6,10 +6,12 @@ Rank 0 is the server's process: it keeps the scheduler, the batching and the pro
 branch, a park, the warm-up) goes to every rank first and then runs on rank 0; the ranks meet in the forward's
 collectives (:mod:`.sequence_parallel`) and each answers with a digest of its outcome, which must match rank 0's.
 
-Faults fail closed. A rank that exits, stops answering within ``collective_timeout_s`` or answers
-differently loses the replica: every session ends with :class:`~arstream.runner.types.ReplicaLost` as its
-reason, rank 0's pool is released, the other ranks are stopped and the process group is torn down; every
-later call says the same (the server then stops being ready and exits non-zero).
+Faults fail closed. A rank that exits, hangs (its heartbeat silent for ``collective_timeout_s``: the watchdog
+of :mod:`.liveness` kills it, which ends whatever rank 0 waited on) or answers differently loses the replica:
+every session ends with :class:`~arstream.runner.types.ReplicaLost` as its reason, rank 0's pool is released,
+the other ranks are killed and the process group is torn down; every later call says the same (the server then
+stops being ready and exits non-zero). A rank lost while the replica is idle is told to the server
+(``on_rank_lost``), which then calls :meth:`DistributedRuntime.check_ranks` on its own thread.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import logging
 import multiprocessing
 import socket
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -32,14 +33,12 @@ from ..snapshot import SessionSnapshot, SnapshotError, check_compatible, export_
 from ..spec import KVCacheSpec
 from ..stats import RunnerStats, RuntimeCounters
 from ..types import ChunkResult, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
-from .rank import RankPlan, digest, join_group, rank_main, rank_options, shard_pipeline
+from .liveness import RankProcess, Watchdog
+from .rank import START_TIMEOUT_S, RankPlan, digest, join_group, rank_main, rank_options, shard_pipeline
 from .sequence_parallel import SequenceParallel, check_heads_divide
 from .transfer import HEADS_DIM, gathered, import_shard, is_kv, scattered
 
 log = logging.getLogger("arstream.runner.distributed")
-
-# How long a rank may take to load its model and build its pool before the replica gives up on starting.
-START_TIMEOUT_S = 600.0
 
 
 class DistributedRuntime:
@@ -76,27 +75,35 @@ class DistributedRuntime:
         self.whole_spec: KVCacheSpec = spec  # before sharding: every head (a snapshot's identity names it)
         self.timeout_s = options.collective_timeout_s
         self.lost: str | None = None
-        self._ranks: list[tuple[BaseProcess, Connection]] = []
+        self._ranks: list[RankProcess] = []
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         plans = [RankPlan(r, world, init_method, options, torch.get_num_threads()) for r in range(world)]
         context = multiprocessing.get_context("spawn")
         for plan in plans[1:]:
             here, there = context.Pipe()
-            process = context.Process(target=rank_main, args=(plan, there), name=f"arstream-rank{plan.rank}", daemon=True)
+            heartbeat = context.Value("d", 0.0, lock=False)
+            process = context.Process(
+                target=rank_main, args=(plan, there, heartbeat), name=f"arstream-rank{plan.rank}", daemon=True
+            )
             process.start()
             there.close()
-            self._ranks.append((process, here))
+            self._ranks.append(RankProcess(plan.rank, process, here, heartbeat))
         try:
-            join_group(plans[0])
-            self.parallel: SequenceParallel = shard_pipeline(pipeline, plans[0])
+            group = join_group(plans[0])
+            self.parallel: SequenceParallel = shard_pipeline(pipeline, plans[0], group)
             self.local = ARRunner.for_pipeline(pipeline, rank_options(plans[0]))
-            for rank, (started, conn) in enumerate(self._ranks, start=1):
-                kind, value = self._reply(rank, started, conn, START_TIMEOUT_S)
+            for other in self._ranks:
+                kind, value = self._reply(other, START_TIMEOUT_S)
                 if kind != "ready":
-                    raise UnsupportedConfiguration(f"rank {rank} ({options.devices[rank]}) did not start: {value}")
+                    raise UnsupportedConfiguration(f"rank {other.rank} ({options.devices[other.rank]}) did not start: {value}")
         except BaseException:
             self._stop_ranks()
             raise
+        # told, from the watchdog's thread, that a rank exited or hung (killed): the server then calls
+        # check_ranks on its own thread, so the replica fails at once, busy or idle
+        self.on_rank_lost: Callable[[str], None] | None = None
+        self._watchdog = Watchdog(self._ranks, self.timeout_s, self._rank_lost)
+        self._watchdog.start()
         # rank 0's, the same objects (the warm-up fills its round times in place)
         self.spec: KVCacheSpec = self.local.spec
         self.counters: RuntimeCounters = self.local.counters
@@ -212,10 +219,10 @@ class DistributedRuntime:
             self._collect("export_shard", ("raised", type(exc).__name__))
             raise
         shards: list[dict[str, torch.Tensor]] = []
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            kind, value = self._reply(rank, process, conn, self.timeout_s)
+        for other in self._ranks:
+            kind, value = self._reply(other)
             if kind != "shard":
-                self._lose(f"rank {rank} sent no share of session {session_id!r}'s heads: {kind} {value}")
+                self._lose(f"rank {other.rank} sent no share of session {session_id!r}'s heads: {kind} {value}")
             shards.append(value)
         self._collect("export_shard", ("ok", (None, self.local.pool.num_free)))
         snapshot = gathered(mine, shards)
@@ -233,13 +240,8 @@ class DistributedRuntime:
                 raise SnapshotError(f"the snapshot's {name!r} does not hold the model's {heads} heads")
         # each share names the ranks' own identity (a pool of heads / P), which each rank's import checks
         shares = scattered(snapshot, self.world, {**snapshot.header, **identity(self.local, protocol_version)})
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            if not process.is_alive():
-                self._lose(f"rank {rank} exited with code {process.exitcode}")
-            try:
-                conn.send(("import_shard", (session_id, shares[rank], protocol_version)))
-            except OSError as exc:
-                self._lose(f"rank {rank} cannot be reached: {exc}")
+        for other in self._ranks:
+            self._send_to(other, ("import_shard", (session_id, shares[other.rank], protocol_version)))
         try:
             import_shard(self.local, session_id, shares[0], protocol_version)
         except Exception as exc:
@@ -252,16 +254,16 @@ class DistributedRuntime:
     def rank_pool_shapes(self) -> list[tuple[int, ...]]:
         """Each rank's KV pool shape ``[layers, 2, blocks, tokens, heads, head_size]``, rank 0 first."""
         shapes = [tuple(self.local.pool.kv.shape)]
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            conn.send(("pool_shape", ()))
-            kind, value = self._reply(rank, process, conn, self.timeout_s)
+        for other in self._ranks:
+            self._send_to(other, ("pool_shape", ()))
+            kind, value = self._reply(other)
             if kind != "ok":
-                self._lose(f"rank {rank} failed to say its pool's shape: {value}")
+                self._lose(f"rank {other.rank} failed to say its pool's shape: {value}")
             shapes.append(tuple(value[0]))
         return shapes
 
     def rank_processes(self) -> list[BaseProcess]:
-        return [process for process, _ in self._ranks]
+        return [other.process for other in self._ranks]
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the group (the server's exit; a lost replica has done it already)."""
@@ -284,31 +286,40 @@ class DistributedRuntime:
     def _send(self, name: str, args: tuple[Any, ...]) -> None:
         if self.lost is not None:
             raise ReplicaLost(self.lost)
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            if not process.is_alive():
-                self._lose(f"rank {rank} exited with code {process.exitcode}")
-            try:
-                conn.send((name, args))
-            except OSError as exc:
-                self._lose(f"rank {rank} cannot be reached: {exc}")
+        for other in self._ranks:
+            self._send_to(other, (name, args))
+
+    def _send_to(self, other: RankProcess, message: tuple[str, Any]) -> None:
+        """Send a call down a rank's pipe (a hung rank's full pipe blocks here until the watchdog kills it)."""
+        if not other.process.is_alive():
+            self._lose(other.exit_reason())
+        try:
+            other.conn.send(message)
+        except OSError:
+            self._lose(other.exit_reason())
 
     def _collect(self, name: str, expected: tuple[str, Any] | None) -> None:
-        """Each other rank's answer to the call just sent; lose the replica on a rank that is gone, is late, or
+        """Each other rank's answer to the call just sent; lose the replica on a rank that is gone, hung, or
         came out other than rank 0 (``expected``; None: only that it answered)."""
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            answer = self._reply(rank, process, conn, self.timeout_s)
+        for other in self._ranks:
+            answer = self._reply(other)
             if expected is not None and answer != expected:
-                self._lose(f"rank {rank} went its own way in {name}: {answer} where rank 0 had {expected}")
+                self._lose(f"rank {other.rank} went its own way in {name}: {answer} where rank 0 had {expected}")
 
-    def _reply(self, rank: int, process: BaseProcess, conn: Connection, timeout_s: float) -> tuple[str, Any]:
+    def _reply(self, other: RankProcess, timeout_s: float | None = None) -> tuple[str, Any]:
+        """The rank's next answer. A rank that beats its heartbeat is working (a long warm-up or compile too), so
+        only ``timeout_s`` bounds the wait (the start's); a hung one is killed by the watchdog, which ends it."""
         try:
-            if not conn.poll(timeout_s):
-                self._lose(f"rank {rank} did not answer within {timeout_s:g} s")
-            kind, value = conn.recv()
+            if not other.conn.poll(timeout_s):
+                self._lose(f"rank {other.rank} did not answer within {timeout_s:g} s")
+            kind, value = other.conn.recv()
         except (EOFError, OSError):
-            process.join(5.0)
-            self._lose(f"rank {rank} exited with code {process.exitcode}")
+            self._lose(other.exit_reason())
         return kind, value
+
+    def _rank_lost(self, reason: str) -> None:
+        if self.on_rank_lost is not None:
+            self.on_rank_lost(reason)
 
     def _lose(self, reason: str) -> None:
         """Fail the replica closed (see the module docstring), then raise :class:`ReplicaLost`."""
@@ -319,22 +330,32 @@ class DistributedRuntime:
                 table = self.local.sessions
                 for session_id in [*table.resident(), *self.local.parking.sessions()]:
                     table.fail(session_id, "replica_lost")
-            self._stop_ranks()
+            self._stop_ranks(kill=True)
         raise ReplicaLost(self.lost)
 
-    def _stop_ranks(self) -> None:
-        for _, conn in self._ranks:
-            try:
-                conn.send(("stop", ()))
-            except OSError:
-                pass
-        for process, conn in self._ranks:
-            process.join(5.0)
-            if process.is_alive():
-                process.kill()
-                process.join(5.0)
-            conn.close()
+    def check_ranks(self) -> None:
+        """Raise :class:`ReplicaLost` (failing the replica first) if a rank died or hung since the last call."""
+        if self.lost is not None:
+            raise ReplicaLost(self.lost)
+        for other in self._ranks:
+            if not other.process.is_alive():
+                self._lose(other.exit_reason())
+
+    def _stop_ranks(self, kill: bool = False) -> None:
+        """End the other ranks: asked to stop, or (``kill``: the replica is lost) killed at once, a stopped one
+        too. Then leave the group."""
+        for other in self._ranks:
+            if not kill:
+                try:
+                    other.conn.send(("stop", ()))
+                except OSError:
+                    pass
+                other.process.join(5.0)
+            other.kill()
+            other.conn.close()
         self._ranks = []
+        if hasattr(self, "_watchdog"):
+            self._watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
