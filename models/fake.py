@@ -265,6 +265,10 @@ class FakeKVPipeline(SessionStateBinding):
     def decode_in_flight(self, session_id: str) -> bool:
         return self.decoder_states.in_flight(session_id)
 
+    def forget_decodes(self, chunks: Sequence[PendingDecode]) -> None:
+        for chunk in chunks:
+            self.decoder_states.drop(chunk.session_id)
+
     def import_session_state(self, session_id: str, state: ModelState) -> None:
         session = state.json.get("session")
         if session is not None:

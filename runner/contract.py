@@ -164,6 +164,10 @@ class SupportsSplitDecode(Protocol):
     def decode_in_flight(self, session_id: str) -> bool:
         """A chunk of the session was forwarded and its decode has not succeeded yet."""
 
+    def forget_decodes(self, chunks: Sequence[PendingDecode]) -> None:
+        """These chunks will never be decoded (a rank other than 0 of a replica over several devices: only rank 0
+        sends frames): drop their sessions' decoder state, so that nothing waits for them."""
+
     def export_forward_state(self, session_id: str) -> ModelState:
         """``export_session_state`` less the decoder's part (never waits); top-level keys apart from the decoder's."""
 

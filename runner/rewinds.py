@@ -14,6 +14,7 @@ for a session's points when one starts, parks, comes back or ends.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from .contract import ARPipeline, ModelState, SupportsSessionTransfer, SupportsSplitDecode
 from .chunks import video_frames_of
@@ -37,7 +38,7 @@ class SessionRewinds:
         schedule: RewindSchedule | None,
         refusal: str | None,
         *,
-        split_decode: bool,
+        decoding: Callable[[str], bool],
     ) -> None:
         self.pipeline = pipeline
         self.pool = pool
@@ -45,7 +46,7 @@ class SessionRewinds:
         # Why rewind and branch are refused (None: they are offered), and which boundaries a session keeps.
         self.refusal = refusal
         self.schedule = None if refusal else schedule
-        self.split_decode = split_decode
+        self.decoding = decoding  # whether a session's decode is in flight (runner/split_decode.py)
         self._points: dict[str, RewindPoints] = {}
         # Sessions whose next chunk follows a rewind that went back (``restarted: "rewind"``); a rewind_to
         # naming where the session already is changes nothing and its chunk is a plain one.
@@ -119,7 +120,7 @@ class SessionRewinds:
             return
         previous = None if newest is None else newest.model
         pipeline = self.pipeline
-        if self.split_decode and isinstance(pipeline, SupportsSplitDecode) and pipeline.decode_in_flight(session_id):
+        if isinstance(pipeline, SupportsSplitDecode) and self.decoding(session_id):
             boundary = Boundary(state.share_tables(), copy_model_state(pipeline.export_forward_state(session_id), previous))
             self._unfinished.append((session_id, boundary, newest))
         else:

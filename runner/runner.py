@@ -20,7 +20,10 @@ runner keeps the forward path and hands each part to its owner:
   :meth:`ARRunner.decode_chunks` decodes them (on another thread, while the next
   forward runs: the worker's decode stage) and :meth:`ARRunner.fail_session`
   releases a session whose decode failed, on the runner's own thread.
-  :meth:`ARRunner.execute_tick` and warm-up still decode in line.
+  :meth:`ARRunner.execute_tick` and warm-up still decode in line. A rank of a
+  replica over several devices other than 0 never decodes (``decodes=False``:
+  :meth:`ARRunner.decode_chunks` forgets the chunks), and with ``in_step`` a
+  chunk's decode counts as in flight until :meth:`ARRunner.join_decodes`.
 
 Cross-session batching (:meth:`ARRunner.execute`): with ``max_batch_sessions``
 above 1 and a pipeline that implements :class:`SupportsBatchedChunks`, ticks of
@@ -61,7 +64,7 @@ from .rewinds import SessionRewinds, rewind_for, rewind_refusal
 from .session_parking import SessionParking
 from .session_table import SessionTable
 from .spec import KVCacheSpec
-from .split_decode import SplitDecoder
+from .split_decode import DecodesInFlight, SplitDecoder
 from .stats import RunnerStats, RuntimeCounters
 from .types import (
     NOT_DECODED,
@@ -98,7 +101,8 @@ class ARRunner:
             raise _not_a_pipeline(pipeline)
         rewind = rewind_for(pipeline, seconds=options.rewind_seconds, budget_bytes=options.rewind_budget_bytes)
         return cls(
-            pipeline, rewind=rewind, split_decode=options.split_decode, parking=options.parking, **options.pool()
+            pipeline, rewind=rewind, split_decode=options.split_decode, parking=options.parking,
+            decodes=options.decodes, in_step=options.in_step, **options.pool(),
         )
 
     def __init__(
@@ -114,6 +118,8 @@ class ARRunner:
         split_decode: bool = False,
         parking: ParkingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        decodes: bool = True,
+        in_step: bool = False,
     ) -> None:
         if not isinstance(pipeline, ARPipeline):
             raise _not_a_pipeline(pipeline)
@@ -126,8 +132,11 @@ class ARRunner:
         if not isinstance(max_batch_sessions, int) or isinstance(max_batch_sessions, bool) or max_batch_sessions < 1:
             raise UnsupportedConfiguration(f"max_batch_sessions must be an integer >= 1, got {max_batch_sessions!r}")
         self.max_batch_sessions = max_batch_sessions
-        # the forward and the decode are separate calls (pipelines without the split always decode in the forward)
-        self.split_decode = split_decode and isinstance(pipeline, SupportsSplitDecode)
+        # the forward and the decode are separate calls (pipelines without the split always decode in the forward);
+        # a runner that never decodes (``decodes`` False: a rank other than 0) forgets its chunks where it can
+        self.decodes = decodes or not isinstance(pipeline, SupportsSplitDecode)
+        self.split_decode = (split_decode or not self.decodes) and isinstance(pipeline, SupportsSplitDecode)
+        self.decoding = DecodesInFlight(pipeline, split_decode=self.split_decode, in_step=in_step)
         self.video_frames_per_chunk, self.first_chunk_frames = video_frames_of(pipeline.model_card(), spec)
         # Why rewind and branch are refused (None: they are offered), and which boundaries a session keeps.
         self.rewind_refusal = rewind_refusal(pipeline, spec, rewind)
@@ -141,7 +150,7 @@ class ARRunner:
         self._sync = sync
         self.counters = RuntimeCounters()
         policy = parking or ParkingPolicy()
-        self.rewinds = SessionRewinds(pipeline, self.pool, self.rewind, self.rewind_refusal, split_decode=self.split_decode)
+        self.rewinds = SessionRewinds(pipeline, self.pool, self.rewind, self.rewind_refusal, decoding=self.decoding)
         self.sessions = SessionTable(
             pipeline,
             self.pool,
@@ -152,7 +161,7 @@ class ARRunner:
             clock=clock,
         )
         self.parking = SessionParking(
-            self.sessions, policy, self.plan, counters=self.counters, split_decode=self.split_decode, clock=clock
+            self.sessions, policy, self.plan, counters=self.counters, decoding=self.decoding, clock=clock
         )
         self._decoder: SplitDecoder | None = None
         if self.split_decode:
@@ -251,6 +260,12 @@ class ARRunner:
         """Rewind points recorded while a decode was in flight get its decoder state (runner/rewinds.py)."""
         self.rewinds.complete()
 
+    def join_decodes(self, session_ids: Sequence[str]) -> None:
+        """The caller joined the decode of these sessions' chunks (``in_step``: they count as in flight until
+        now), then :meth:`complete_boundaries`."""
+        self.decoding.joined(session_ids)
+        self.rewinds.complete()
+
     # ---- execution ----------------------------------------------------------------
 
     def execute(self, ticks: Sequence[TickRequest]) -> list[TickResult]:
@@ -310,6 +325,7 @@ class ARRunner:
         result = self._forward_alone(tick)
         if result.pending is not None:  # decoded in line; a failed decode releases the session and raises
             (decoded,) = self.decode_chunks([result])
+            self.decoding.joined([result.session_id])
             if isinstance(decoded, TickFailure):
                 self.fail_session(result.session_id)
                 raise decoded.error
@@ -440,6 +456,8 @@ class ARRunner:
         pending: PendingDecode | None = None,
     ) -> ChunkResult:
         held = self.sessions.rewind_held(tick.session_id)
+        if pending is not None:
+            self.decoding.forwarded(tick.session_id)
         return ChunkResult(
             pending=pending,
             session_id=tick.session_id,
@@ -459,7 +477,9 @@ class ARRunner:
     def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
         """Decode one round's pending chunks, safe beside :meth:`execute` (runner/split_decode.py); a session
         whose own decode fails gets a :class:`TickFailure`, and the caller then calls :meth:`fail_session`."""
-        return list(results) if self._decoder is None else self._decoder.decode(results)
+        if self._decoder is None:
+            return list(results)
+        return self._decoder.decode(results) if self.decodes else self._decoder.forget(results)
 
     def fail_session(self, session_id: str, reason: str = "decode_failed") -> None:
         """Release a session whose chunk failed after its forward (its decode): fail closed, every block back."""
@@ -490,6 +510,7 @@ class ARRunner:
                     started = time.perf_counter()
                     executed = self.execute(ticks)
                     decoded = self.decode_chunks([r for r in executed if isinstance(r, ChunkResult)])
+                    self.decoding.joined([r.session_id for r in executed])
                     for result in [*executed, *decoded]:
                         if isinstance(result, TickFailure):
                             raise result.error

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .contract import ARPipeline, SupportsSessionTransfer, SupportsSplitDecode
+from .contract import ARPipeline, SupportsSessionTransfer
 from .kv_state import SessionKVState
 from .parking import ParkedSession, ParkingLot, RestoreFailed, park_payload, restore_payload
 from .pool import PoolExhausted, PoolPlan
@@ -43,7 +43,7 @@ class SessionParking:
         plan: PoolPlan,
         *,
         counters: RuntimeCounters,
-        split_decode: bool,
+        decoding: Callable[[str], bool],
         clock: Callable[[], float],
     ) -> None:
         self.table = table
@@ -53,7 +53,7 @@ class SessionParking:
         self.pool = table.pool
         self.rewinds: SessionRewinds = table.rewinds
         self.counters = counters
-        self.split_decode = split_decode
+        self.decoding = decoding  # whether a session's decode is in flight (runner/split_decode.py)
         self._clock = clock
         # Most sessions parked at once: each park budget over a session's worst-case bytes. Apiece, since a
         # parked session is kept whole in host memory or in a file: so whenever fewer are parked, one more
@@ -75,14 +75,13 @@ class SessionParking:
     def parkable(self, session_id: str) -> bool:
         """Whether the session can be parked now: at its chunk boundary, no decode of it in flight, not exported."""
         state = self.table.state(session_id)
-        pipeline = self.pipeline
         if state is None or self.table.pinned(session_id) or not self.capacity:
             return False
         if state.in_pass or state.chunk_held or any(state.pending.values()) or state.rewritten:
             return False
         if self.rewinds.recording(session_id):
             return False
-        return not (self.split_decode and isinstance(pipeline, SupportsSplitDecode) and pipeline.decode_in_flight(session_id))
+        return not self.decoding(session_id)
 
     def park_session(self, session_id: str) -> bool:
         """Park a session now (it detached: its next use restores it); whether it was parked."""

@@ -7,6 +7,11 @@ decode) instead of frames; :meth:`SplitDecoder.decode` decodes them, on
 another thread while the next forward runs (the worker's decode stage). It
 touches no session: a session whose own decode fails comes back as a
 :class:`TickFailure`, and the runner releases it on its own thread.
+
+:class:`DecodesInFlight` says which sessions have a decode in flight (the rewinds and the parking ask). A rank of
+a replica over several devices counts one from its forward until the caller joins it, not until it ends: rank 0
+decodes, the other ranks never do (:meth:`SplitDecoder.forget`), and every rank must choose the same session to
+park whatever the decode's timing.
 """
 
 from __future__ import annotations
@@ -90,3 +95,34 @@ class SplitDecoder:
             check_frames(chunk, self.video_frames(result.chunk_index))
         self._sync(self.device)
         return frames
+
+    def forget(self, results: Sequence[ChunkResult]) -> list[TickResult]:
+        """A runner that never decodes (a rank other than 0): its chunks' latents are dropped with the decoder's
+        state of their sessions, and they come back with neither frames nor ``pending``."""
+        chunks = [r.pending for r in results if r.pending is not None]
+        if chunks:
+            self.pipeline.forget_decodes(chunks)
+            self.counters.decodes_forgotten_total += len(chunks)
+        return [replace(r, pending=None) for r in results]
+
+
+class DecodesInFlight:
+    """Whether a session has a decode in flight: the pipeline's own answer (until the decode ends), or, for a rank
+    of a replica (``in_step``), from its forward until :meth:`joined` names it (the caller joined that decode)."""
+
+    def __init__(self, pipeline: object, *, split_decode: bool, in_step: bool) -> None:
+        self._pipeline = pipeline if split_decode and isinstance(pipeline, SupportsSplitDecode) else None
+        self.in_step = in_step and self._pipeline is not None
+        self._forwarded: set[str] = set()
+
+    def __call__(self, session_id: str) -> bool:
+        if self.in_step:
+            return session_id in self._forwarded
+        return self._pipeline is not None and self._pipeline.decode_in_flight(session_id)
+
+    def forwarded(self, session_id: str) -> None:
+        if self.in_step:
+            self._forwarded.add(session_id)
+
+    def joined(self, session_ids: Sequence[str]) -> None:
+        self._forwarded.difference_update(session_ids)

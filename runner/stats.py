@@ -47,6 +47,8 @@ class RuntimeCounters:
     # chunks decoded apart from their forward (a split decode) and the seconds those decodes took
     decodes_total: int = 0
     decode_seconds_total: float = 0.0
+    # chunks whose decode a runner that never decodes dropped (a rank other than 0 of a replica)
+    decodes_forgotten_total: int = 0
 
     def decodes(self, decode_s: float, count: int = 1) -> None:
         """``count`` chunks came out of one decode of ``decode_s`` seconds (after their forward)."""
@@ -66,6 +68,7 @@ class RuntimeCounters:
         self.batch_fallbacks_total = 0
         self.decodes_total = 0
         self.decode_seconds_total = 0.0
+        self.decodes_forgotten_total = 0
 
 
 @dataclass(frozen=True)

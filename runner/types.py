@@ -55,6 +55,11 @@ class RuntimeOptions:
     rewind_budget_bytes: int = 0
     # run a pipeline's decode apart from its forward (ARRunner; runtimes.SplitDecodeRuntime)
     split_decode: bool = False
+    # a rank of a replica over several devices (runner/distributed/): False on the ranks other than 0, which never
+    # decode (runner/split_decode.py: SplitDecoder.forget); in_step: a decode counts as in flight until the
+    # caller joins it (ARRunner.join_decodes), so that every rank parks alike whatever the decode's timing
+    decodes: bool = True
+    in_step: bool = False
     # move idle, detached and least recently used sessions to host memory (ARRunner; runner/parking.py)
     parking: ParkingPolicy | None = None
     # a replica over several devices (``--devices``; runner/distributed/): one device per rank, rank 0 first, and

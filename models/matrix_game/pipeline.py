@@ -295,6 +295,10 @@ class MatrixGamePipeline(HeadParallel, SessionStateBinding):
     def decode_in_flight(self, session_id: str) -> bool:
         return self._decoder_states.in_flight(session_id)
 
+    def forget_decodes(self, chunks: Sequence[PendingDecode]) -> None:
+        for chunk in chunks:
+            self._decoder_states.drop(chunk.session_id)
+
     def export_decoder_state(self, session_id: str, chunks: int | None = None) -> ModelState:
         """The decoder's state after the session's last chunk (a whole chunk's: waits for one in flight), or
         after its first ``chunks`` chunks (a rewind point's)."""

@@ -1,10 +1,10 @@
 """What a rank other than 0 runs: the same pipeline and runner over its share of the heads, driven by rank 0.
 
-Rank 0 sends each call it makes on its own runner (a round's ticks, a close, a park, the warm-up, its share of a
-snapshot's export or import: :mod:`.transfer`) down a pipe
+Rank 0 sends each call it makes on its own runner (a round's ticks, a close, a park, the warm-up, the join of
+a decode, its share of a snapshot's export or import: :mod:`.transfer`) down a pipe
 before making it; this rank makes the same call on its runner, so both allocate the same block ids, draw the
 same seeded noise and meet in the same collectives, and answers with a digest of what came out (each tick's
-outcome, the pool's free blocks) that rank 0 checks against its own. The pipe closing (rank 0 is gone) ends it.
+outcome, the pool's free blocks) that rank 0 checks against its own. It never decodes: only rank 0 sends frames. The pipe closing (rank 0 is gone) ends it.
 It beats a heartbeat all along (:mod:`.liveness`): rank 0 kills a rank that stops.
 """
 
@@ -74,8 +74,12 @@ def rank_options(plan: RankPlan) -> RuntimeOptions:
     parking = plan.options.parking
     if parking is not None and parking.spill_dir is not None:
         parking = replace(parking, spill_dir=os.path.join(parking.spill_dir, f"rank{plan.rank}"))
-    # the decode runs in line: a rank's runner is a deterministic function of the calls it is given
-    return replace(plan.options, device=plan.device, parking=parking, split_decode=False)
+    # Rank 0 decodes (apart from the forward with the server's --decode-overlap); the others never do. Every rank
+    # counts a decode in flight until rank 0 joins it, so that a rank's runner is a deterministic function of the
+    # calls it is given, whenever rank 0's decode ends.
+    if plan.rank == 0:
+        return replace(plan.options, device=plan.device, parking=parking, in_step=True)
+    return replace(plan.options, device=plan.device, parking=parking, decodes=False, in_step=plan.options.split_decode)
 
 
 def shard_pipeline(pipeline: ARPipeline, plan: RankPlan, group: dist.ProcessGroup) -> SequenceParallel:
@@ -133,8 +137,12 @@ def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) 
             elif name == "import_shard":
                 import_shard(runner, *args)
                 result = None
+            elif name == "decode_counts":
+                result = (runner.counters.decodes_total, runner.counters.decodes_forgotten_total)
             else:
                 result = getattr(runner, name)(*args)
+                if name == "execute":  # only rank 0's frames are sent: this rank drops its chunks' latents
+                    result = runner.decode_chunks(result)
             conn.send(("ok", (digest(result), runner.pool.num_free)))
         except Exception as exc:  # noqa: BLE001 - rank 0 checks that it raised the same
             conn.send(("raised", type(exc).__name__))

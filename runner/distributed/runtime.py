@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -43,8 +44,6 @@ log = logging.getLogger("arstream.runner.distributed")
 
 class DistributedRuntime:
     """A replica over ``len(options.devices)`` ranks, seen by the server as one runtime."""
-
-    split_decode = False  # the decode runs in line on every rank (one chunk's decode, in step)
 
     @classmethod
     def for_pipeline(cls, pipeline: object, options: RuntimeOptions) -> DistributedRuntime:
@@ -75,6 +74,9 @@ class DistributedRuntime:
         self.whole_spec: KVCacheSpec = spec  # before sharding: every head (a snapshot's identity names it)
         self.timeout_s = options.collective_timeout_s
         self.lost: str | None = None
+        # told (from the watchdog's thread too) that a rank exited or hung, or the replica was lost: the server
+        # then calls check_ranks on its own thread, so the replica fails at once, busy or idle
+        self.on_rank_lost: Callable[[str], None] | None = None
         self._ranks: list[RankProcess] = []
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         plans = [RankPlan(r, world, init_method, options, torch.get_num_threads()) for r in range(world)]
@@ -99,11 +101,13 @@ class DistributedRuntime:
         except BaseException:
             self._stop_ranks()
             raise
-        # told, from the watchdog's thread, that a rank exited or hung (killed): the server then calls
-        # check_ranks on its own thread, so the replica fails at once, busy or idle
-        self.on_rank_lost: Callable[[str], None] | None = None
         self._watchdog = Watchdog(self._ranks, self.timeout_s, self._rank_lost)
         self._watchdog.start()
+        # Only rank 0 decodes, apart from the forward where the pipeline can (runtimes.SplitDecodeRuntime): the
+        # sessions its decode stage decoded since the last join, which every rank is then told of
+        self.split_decode: bool = self.local.split_decode
+        self._decoded: list[str] = []
+        self._decoded_lock = threading.Lock()
         # rank 0's, the same objects (the warm-up fills its round times in place)
         self.spec: KVCacheSpec = self.local.spec
         self.counters: RuntimeCounters = self.local.counters
@@ -198,6 +202,45 @@ class DistributedRuntime:
 
     def stats(self) -> RunnerStats:
         return self.local.stats()
+
+    # ---- the decode, on rank 0 only (runtimes.SplitDecodeRuntime) ----------------------------------------
+
+    def decode_chunks(self, results: Sequence[ChunkResult]) -> list[TickResult]:
+        """Rank 0 decodes the round (on the worker's decode stage, beside the next forward: no collective)."""
+        with self._decoded_lock:
+            self._decoded.extend(r.session_id for r in results if r.pending is not None)
+        return self.local.decode_chunks(results)
+
+    def fail_session(self, session_id: str, reason: str = "decode_failed") -> None:
+        """A session whose decode failed on rank 0 ends on every rank."""
+        self._after_decode("fail_session", session_id, reason)
+
+    def complete_boundaries(self) -> None:
+        """The decode in flight was joined: every rank stops counting its sessions' decodes as in flight (so they
+        may park alike) and gives their rewind points the decoder's state (rank 0's; the others have none)."""
+        with self._decoded_lock:
+            joined, self._decoded = self._decoded, []
+        self._after_decode("join_decodes", joined)
+
+    def _after_decode(self, name: str, *args: Any) -> None:
+        """A call of the worker's decode join: a replica lost here is told to the server (``on_rank_lost``) rather
+        than raised, so that the outcomes of the decode just joined still go out."""
+        if self.lost is None:
+            try:
+                self._everywhere(name, *args)
+            except ReplicaLost:
+                pass
+
+    def rank_decode_counts(self) -> list[tuple[int, int]]:
+        """Each rank's chunks decoded apart from their forward and chunks forgotten undecoded, rank 0 first."""
+        counts = [(self.counters.decodes_total, self.counters.decodes_forgotten_total)]
+        for other in self._ranks:
+            self._send_to(other, ("decode_counts", ()))
+            kind, value = self._reply(other)
+            if kind != "ok":
+                self._lose(f"rank {other.rank} failed to say its decode counts: {value}")
+            counts.append(tuple(value[0]))
+        return counts
 
     # ---- moving sessions (capabilities.SupportsExport, snapshot.GathersHeads; the format: .transfer) ------------
 
@@ -331,6 +374,7 @@ class DistributedRuntime:
                 for session_id in [*table.resident(), *self.local.parking.sessions()]:
                     table.fail(session_id, "replica_lost")
             self._stop_ranks(kill=True)
+            self._rank_lost(self.lost)  # the server hears of it even if this call's own caller drops it
         raise ReplicaLost(self.lost)
 
     def check_ranks(self) -> None:

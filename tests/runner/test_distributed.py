@@ -3,8 +3,9 @@
 One module-scoped two-rank runtime over tiny matrix-game-2 (two heads, seeded random weights) is compared with
 a one-device runner over the same model: the ranks' pools hold one head each, the frames match the one-device
 ones within fp32 tolerance over more than ten chunks (alone, two sessions batched, through a rewind and a park), a
-session moves between the two (its snapshot has one format whatever the device count) and continues equal, and a
-killed rank ends every session with its reason and frees the pool (last: it ends the runtime).
+session moves between the two (its snapshot has one format whatever the device count) and continues equal, only
+rank 0 decodes (apart from the forward, as with --decode-overlap), and a killed rank ends every session with its
+reason and frees the pool (last: it ends the runtime).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from arstream.runner.runner import ARRunner
 from arstream.runner.snapshot import SessionSnapshot
 from arstream.runner.snapshot_import import import_session
 from arstream.runner.snapshot_stream import parse_snapshot, plan_export
-from arstream.runner.types import ParkingPolicy, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, UnsupportedConfiguration
+from arstream.runner.types import ChunkResult, ParkingPolicy, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, UnsupportedConfiguration
 
 MODEL = "matrix-game-2"
 MODEL_OPTIONS: dict[str, Any] = {"config": "tiny", "random_init": True}
@@ -75,7 +76,8 @@ def _assert_equal(two: DistributedRuntime, one: ARRunner, ticks: list[TickReques
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[DistributedRuntime]:
-    options = RuntimeOptions(**{**OPTIONS.__dict__, "devices": ("cpu", "cpu")})
+    # rank 0 decodes apart from the forward, as the server's --decode-overlap has it (the others never decode)
+    options = RuntimeOptions(**{**OPTIONS.__dict__, "devices": ("cpu", "cpu"), "split_decode": True})
     runtime = DistributedRuntime.for_pipeline(_recording_latents(_pipeline()), options)
     yield runtime
     runtime.shutdown()
@@ -94,6 +96,9 @@ def _tick(session: str, index: int, **extra: object) -> TickRequest:
 
 def _frames(runtime: DistributedRuntime | ARRunner, ticks: list[TickRequest]) -> list[np.ndarray]:
     results = runtime.execute(ticks)
+    if isinstance(runtime, DistributedRuntime):  # rank 0 decodes the round, then every rank hears it was joined
+        results = runtime.decode_chunks([r for r in results if isinstance(r, ChunkResult)])
+        runtime.complete_boundaries()
     for result in results:
         assert not isinstance(result, TickFailure), result.error
     return [r.frames for r in results]  # type: ignore[union-attr]
@@ -176,6 +181,23 @@ def test_a_session_moves_from_two_ranks_to_one_and_back(two_ranks: DistributedRu
     for runtime in (two_ranks, one_rank):
         runtime.close_session("m")
     assert two_ranks.local.pool.num_free == two_ranks.blocks_free_at_start  # and the other rank's, in step
+
+
+def test_only_rank_0_decodes_and_the_ranks_park_alike_until_it_joins(two_ranks: DistributedRuntime) -> None:
+    """Rank 0 decodes every chunk; rank 1 decodes none and drops as many. A session whose decode rank 0 has not
+    joined yet is parked on no rank (rank 1, which has no decode to wait for, refuses alike)."""
+    before = two_ranks.rank_decode_counts()
+    for index in range(3):
+        _frames(two_ranks, [_tick("d", index)])
+    (result,) = two_ranks.execute([_tick("d", 3)])
+    assert isinstance(result, ChunkResult) and result.pending is not None
+    assert not two_ranks.park_session("d")  # a disagreement between the ranks would lose the replica
+    two_ranks.decode_chunks([result])
+    two_ranks.complete_boundaries()
+    assert two_ranks.park_session("d") and two_ranks.lost is None
+    two_ranks.close_session("d")
+    after = two_ranks.rank_decode_counts()
+    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)] == [(4, 0), (0, 4)]
 
 
 def test_a_head_count_the_devices_do_not_divide_is_refused() -> None:

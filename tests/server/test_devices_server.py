@@ -64,5 +64,6 @@ def test_a_replica_over_two_devices_serves_and_exits_1_when_a_rank_dies() -> Non
 
 def test_a_stopped_rank_is_killed_at_the_deadline_and_the_server_exits_1() -> None:
     """A SIGSTOPped rank neither exits nor answers (the forward's collective waits on it): past the collective
-    deadline the watchdog kills it and the replica fails closed, with no hang."""
-    _serve_then_lose_rank_1(["--collective-timeout-s", "3"], signal.SIGSTOP, "rank 1 stopped answering", tick_after=True)
+    deadline the watchdog kills it and the replica fails closed, with no hang. Rank 0 decodes beside the forward
+    here (--decode-overlap), the other rank not at all."""
+    _serve_then_lose_rank_1(["--collective-timeout-s", "3", "--decode-overlap"], signal.SIGSTOP, "rank 1 stopped answering", tick_after=True)
