@@ -147,11 +147,23 @@ MIXED = replace(get_config("tiny"), local_window=2, global_window=6, global_pinn
 MIXED_CHUNKS = 14  # the global window slides eight times; positions stay inside the 24-frame rotary table
 
 
-def test_per_layer_windows_equal_the_reference_batched_out_of_phase(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def mixed_published(tmp_path_factory: pytest.TempPathFactory) -> Published:
+    root = tmp_path_factory.mktemp("waypoint-mixed")
+    return root, write_published(root, MIXED)
+
+
+@pytest.fixture(scope="module")
+def mixed_pipeline(mixed_published: Published) -> WaypointPipeline:
+    return load_waypoint(weights_path=mixed_published[0])
+
+
+def test_per_layer_windows_equal_the_reference_batched_out_of_phase(
+    mixed_pipeline: WaypointPipeline, mixed_published: Published
+) -> None:
     """Dilated global and local layers: the session keeps the widest window and each layer masks its own. Session
     a runs a frame ahead of b, so once batched the rows keep different frames of the dilated layer."""
-    files = write_published(tmp_path, MIXED)
-    pipeline = load_waypoint(weights_path=tmp_path)
+    pipeline, files = mixed_pipeline, mixed_published[1]
     assert [pipeline.cfg.layer_window(layer) for layer in range(3)] == [(2, 1), (6, 2), (2, 1)]
     assert pipeline.kv_cache_spec().window_frames == 6
     runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=2)
@@ -215,8 +227,11 @@ def test_batched_sessions_get_the_frames_they_get_alone(pipeline: WaypointPipeli
     assert runner.stats().batched_forwards_total == 6
 
 
-def test_a_parked_or_rewound_session_continues_bit_identically(pipeline: WaypointPipeline) -> None:
-    """Parking keeps the KV and the noise generator; a rewind point holds both as they were at its boundary."""
+@pytest.mark.parametrize("served", ["pipeline", "mixed_pipeline"])
+def test_a_parked_or_rewound_session_continues_bit_identically(served: str, request: pytest.FixtureRequest) -> None:
+    """Parking keeps the KV and the noise generator; a rewind point holds both as they were at its boundary (and,
+    with per-layer windows, the dilation's phase: the frame index)."""
+    pipeline: WaypointPipeline = request.getfixturevalue(served)
 
     def rollout(park_at: int | None = None, rewind_at: int | None = None) -> list[torch.Tensor]:
         runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, rewind=RewindSchedule.last(4),
