@@ -60,7 +60,10 @@ class RankProcess:
         """Why the rank stopped answering: the watchdog's reason, or how it exited."""
         if self.hung is not None:
             return self.hung
-        self.process.join(5.0)
+        for _ in range(50):  # another thread may be reaping it this moment (the watchdog, or the caller)
+            self.process.join(0.1)
+            if self.process.exitcode is not None:
+                break
         return f"rank {self.rank} exited with code {self.process.exitcode}"
 
 

@@ -66,4 +66,4 @@ def test_a_stopped_rank_is_killed_at_the_deadline_and_the_server_exits_1() -> No
     """A SIGSTOPped rank neither exits nor answers (the forward's collective waits on it): past the collective
     deadline the watchdog kills it and the replica fails closed, with no hang. Rank 0 decodes beside the forward
     here (--decode-overlap), the other rank not at all."""
-    _serve_then_lose_rank_1(["--collective-timeout-s", "3", "--decode-overlap"], signal.SIGSTOP, "rank 1 stopped answering", tick_after=True)
+    _serve_then_lose_rank_1(["--collective-timeout-s", "5", "--decode-overlap"], signal.SIGSTOP, "rank 1 stopped answering", tick_after=True)
