@@ -168,10 +168,10 @@ class SnapshotPlan:
 def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
     """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched.
 
-    A runtime over several devices gathers the session's heads first: its plan reads that copy (held once, on
-    the first device's host), not the pools."""
+    A runtime over several devices plans it itself: its parts join every device's heads of a block, asking
+    the other devices for a window of blocks at a time."""
     if isinstance(runner, GathersHeads):
-        return plan_of(runner.export_snapshot(session_id, protocol_version))
+        return runner.plan_snapshot(session_id, protocol_version)
     if session_id in runner.sessions.lot:  # already a host copy (runner/parking.py): planned from it, not restored
         return plan_of(export_parked(runner, session_id, protocol_version=protocol_version))
     header, model = export_header(runner, session_id, protocol_version=protocol_version)

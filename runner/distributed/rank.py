@@ -25,7 +25,8 @@ from ..contract import ARPipeline
 from ..types import RuntimeOptions, TickFailure
 from .liveness import start_heartbeat
 from .sequence_parallel import SequenceParallel
-from .transfer import import_shard, kv_shard
+from ..snapshot_stream import Part
+from .transfer import block_copy, import_shard, share_layout, share_plan
 
 log = logging.getLogger("arstream.runner.distributed")
 
@@ -101,6 +102,13 @@ def digest(result: Any) -> Any:
     return type(result).__name__
 
 
+def _sessions_moved_on(name: str, args: tuple[Any, ...]) -> list[str]:
+    """The sessions a call changes (a chunk, a reset, a close), whose planned export is then over."""
+    if name == "execute":
+        return [tick.session_id for tick in args[0]]
+    return [args[0]] if name in ("close_session", "reset_session") else []
+
+
 def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) -> None:
     """A spawned rank's whole life: beat, join, load, shard, build the runner, then serve rank 0's calls."""
     from ..runner import ARRunner
@@ -121,6 +129,7 @@ def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) 
         dist.destroy_process_group()
         return
     conn.send(("ready", runner.pool.num_free))
+    exports: dict[str, dict[str, list[Part]]] = {}  # each planned export's blocks, until the session's next call
     while True:
         try:
             name, args = conn.recv()
@@ -131,9 +140,14 @@ def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) 
         try:
             if name == "pool_shape":
                 result: Any = tuple(runner.pool.kv.shape)
-            elif name == "export_shard":  # its share of a session's heads, then the usual answer
-                conn.send(("shard", kv_shard(runner, *args)))
-                result = None
+            elif name == "plan_share":  # its share of a session's export, read a window of blocks at a time
+                session_id, protocol_version = args
+                _, exports[session_id] = share_plan(runner, session_id, protocol_version)
+                result = share_layout(exports[session_id])
+            elif name == "share_blocks":
+                session_id, tensor, start, count = args
+                conn.send(("blocks", [block_copy(part) for part in exports[session_id][tensor][start : start + count]]))
+                continue
             elif name == "import_shard":
                 import_shard(runner, *args)
                 result = None
@@ -143,6 +157,8 @@ def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) 
                 result = getattr(runner, name)(*args)
                 if name == "execute":  # only rank 0's frames are sent: this rank drops its chunks' latents
                     result = runner.decode_chunks(result)
+                for session_id in _sessions_moved_on(name, args):  # an export of it is over (its pin too)
+                    exports.pop(session_id, None)
             conn.send(("ok", (digest(result), runner.pool.num_free)))
         except Exception as exc:  # noqa: BLE001 - rank 0 checks that it raised the same
             conn.send(("raised", type(exc).__name__))

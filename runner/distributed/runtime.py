@@ -17,6 +17,7 @@ stops being ready and exits non-zero). A rank lost while the replica is idle is 
 from __future__ import annotations
 
 import logging
+import functools
 import multiprocessing
 import socket
 import threading
@@ -30,14 +31,15 @@ import torch.distributed as dist
 from ..contract import ARPipeline
 from ..runner import ARRunner
 from ..session_table import SessionTable
-from ..snapshot import SessionSnapshot, SnapshotError, check_compatible, export_session, identity
+from ..snapshot import SessionSnapshot, SnapshotError, check_compatible, identity
+from ..snapshot_stream import Part, SnapshotPlan, TensorPlan
 from ..spec import KVCacheSpec
 from ..stats import RunnerStats, RuntimeCounters
 from ..types import ChunkResult, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, TickResult, UnsupportedConfiguration
 from .liveness import RankProcess, Watchdog
 from .rank import START_TIMEOUT_S, RankPlan, digest, join_group, rank_main, rank_options, shard_pipeline
 from .sequence_parallel import SequenceParallel, check_heads_divide
-from .transfer import HEADS_DIM, gathered, import_shard, is_kv, scattered
+from .transfer import HEADS_DIM, GatheredBlocks, import_shard, is_kv, scattered, share_layout, share_plan, snapshot_of
 
 log = logging.getLogger("arstream.runner.distributed")
 
@@ -108,6 +110,8 @@ class DistributedRuntime:
         self.split_decode: bool = self.local.split_decode
         self._decoded: list[str] = []
         self._decoded_lock = threading.Lock()
+        # the most bytes of the ranks' shares rank 0 held at once to stream a session out (benches and tests)
+        self.export_peak_held_bytes = 0
         # rank 0's, the same objects (the warm-up fills its round times in place)
         self.spec: KVCacheSpec = self.local.spec
         self.counters: RuntimeCounters = self.local.counters
@@ -253,24 +257,48 @@ class DistributedRuntime:
     def whole_session_bytes(self) -> int:
         return self.local.plan.per_session_bytes * self.world
 
-    def export_snapshot(self, session_id: str, protocol_version: int | None) -> SessionSnapshot:
-        """The session's snapshot with every rank's heads gathered here, in the format a single device exports."""
-        self._send("export_shard", (session_id,))
+    def plan_snapshot(self, session_id: str, protocol_version: int | None) -> SnapshotPlan:
+        """The session's snapshot as a plan in the format a single device exports, its KV blocks read whole by
+        joining every rank's heads a window at a time (:mod:`.transfer`); every rank keeps the session as it is
+        until its next chunk (the plans pin it alike)."""
+        self._send("plan_share", (session_id, protocol_version))
         try:
-            mine = export_session(self.local, session_id, protocol_version=protocol_version)
+            mine, blocks = share_plan(self.local, session_id, protocol_version)
         except Exception as exc:
-            self._collect("export_shard", ("raised", type(exc).__name__))
+            self._collect("plan_share", ("raised", type(exc).__name__))
             raise
-        shards: list[dict[str, torch.Tensor]] = []
+        self._collect("plan_share", ("ok", (share_layout(blocks), self.local.pool.num_free)))
+        # the identity of every head, not rank 0's share
+        plan = SnapshotPlan({**mine.header, **identity(self, protocol_version)}, [])
+        for tensor in mine.tensors:
+            if not is_kv(tensor.name):
+                plan.tensors.append(tensor)
+                continue
+            fetch = functools.partial(self._share_blocks, session_id, tensor.name)
+            reader = GatheredBlocks(blocks[tensor.name], fetch, self._held_for_export)
+            shape = list(tensor.shape)
+            shape[HEADS_DIM] *= self.world
+            parts: list[Part] = [functools.partial(reader.block, i) for i in range(len(blocks[tensor.name]))]
+            plan.tensors.append(TensorPlan(tensor.name, tensor.dtype, tuple(shape), parts))
+        return plan
+
+    def export_snapshot(self, session_id: str, protocol_version: int | None) -> SessionSnapshot:
+        """The session's snapshot whole, read from :meth:`plan_snapshot`."""
+        return snapshot_of(self.plan_snapshot(session_id, protocol_version))
+
+    def _share_blocks(self, session_id: str, name: str, start: int, count: int) -> list[list[torch.Tensor]]:
+        """Every other rank's share of blocks ``start`` to ``start + count`` of a planned KV tensor."""
+        self._send("share_blocks", (session_id, name, start, count))
+        shares: list[list[torch.Tensor]] = []
         for other in self._ranks:
             kind, value = self._reply(other)
-            if kind != "shard":
-                self._lose(f"rank {other.rank} sent no share of session {session_id!r}'s heads: {kind} {value}")
-            shards.append(value)
-        self._collect("export_shard", ("ok", (None, self.local.pool.num_free)))
-        snapshot = gathered(mine, shards)
-        snapshot.header.update(identity(self, protocol_version))  # the identity of every head, not rank 0's share
-        return snapshot
+            if kind != "blocks" or len(value) != count:
+                self._lose(f"rank {other.rank} sent no share of session {session_id!r}'s {name}: {kind}")
+            shares.append(value)
+        return shares
+
+    def _held_for_export(self, nbytes: int) -> None:
+        self.export_peak_held_bytes = max(self.export_peak_held_bytes, nbytes)
 
     def import_snapshot(self, session_id: str, snapshot: SessionSnapshot, protocol_version: int | None) -> None:
         """Make a whole snapshot the held session ``session_id``: each rank imports its share of the heads."""

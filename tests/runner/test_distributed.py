@@ -22,7 +22,9 @@ import torch
 
 from arstream.models.registry import load_pipeline
 from arstream.runner.contract import ARPipeline
+from arstream.runner.distributed import transfer
 from arstream.runner.distributed.runtime import DistributedRuntime
+from arstream.runner.distributed.transfer import is_kv
 from arstream.runner.rewinds import rewind_for
 from arstream.runner.runner import ARRunner
 from arstream.runner.snapshot import SessionSnapshot
@@ -181,6 +183,28 @@ def test_a_session_moves_from_two_ranks_to_one_and_back(two_ranks: DistributedRu
     for runtime in (two_ranks, one_rank):
         runtime.close_session("m")
     assert two_ranks.local.pool.num_free == two_ranks.blocks_free_at_start  # and the other rank's, in step
+
+
+def test_a_streamed_export_holds_a_window_of_blocks_not_the_session(
+    two_ranks: DistributedRuntime, one_rank: ARRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 joins the other rank's heads of each block a window at a time: the most it holds of them (the
+    exporter's counter) is a few blocks, however long the session, and the bytes equal a single device's."""
+    share = two_ranks.local.pool.kv[0, 0, 0]
+    block_share_bytes = share.numel() * share.element_size()  # one block of one layer's K (or V), one rank's heads
+    monkeypatch.setattr(transfer, "GATHER_WINDOW_BYTES", 2 * block_share_bytes)
+    for runtime in (two_ranks, one_rank):
+        for index in range(4):
+            _frames(runtime, [_tick("w", index)])
+    two_ranks.export_peak_held_bytes = 0
+    sharded, whole = _exported(two_ranks, "w"), _exported(one_rank, "w")
+    for name, tensor in whole.tensors.items():
+        torch.testing.assert_close(sharded.tensors[name], tensor, rtol=1e-4, atol=1e-5)
+    other_rank_bytes = sum(t.numel() * t.element_size() for n, t in whole.tensors.items() if is_kv(n)) // 2
+    # the window, and the block being joined from it and rank 0's own share
+    assert 0 < two_ranks.export_peak_held_bytes <= 5 * block_share_bytes < other_rank_bytes // 4
+    for runtime in (two_ranks, one_rank):
+        runtime.close_session("w")
 
 
 def test_only_rank_0_decodes_and_the_ranks_park_alike_until_it_joins(two_ranks: DistributedRuntime) -> None:
