@@ -51,7 +51,7 @@ def share_plan(
     (layer, then K/V, then frame), each read when called."""
     if session_id in runner.sessions.lot:  # its host copy: planned from it, nothing restored
         snapshot = export_parked(runner, session_id, protocol_version=protocol_version)
-        blocks = {
+        blocks: dict[str, list[Part]] = {
             name: [partial(_frame, t, layer, kind, frame)
                    for layer in range(t.shape[0]) for kind in range(t.shape[1]) for frame in range(t.shape[2])]
             for name, t in snapshot.tensors.items() if is_kv(name)
