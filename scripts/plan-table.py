@@ -44,6 +44,14 @@ DEVICE_MODELS = (
 )
 
 
+GPU_HEADER = "| model | weights | on the GPU | per session | " + " | ".join(f"{gb} GB" for gb in SIZES_GB) + " |"
+DEVICE_HEADER = (
+    "| model | weights | P | weights on each device | heads on each | KV a session, each device | "
+    "a session, each device | activations a session, each device (estimate) | "
+    + " | ".join(f"{gb} GB" for gb in SIZES_GB) + " |"
+)
+
+
 def chosen_options(options: dict[str, Any], weights: str | None) -> dict[str, Any]:
     return {**options, "session_capacity": 256, **({"weights": weights} if weights else {})}
 
@@ -92,18 +100,14 @@ def device_row(model: str, options: dict[str, Any], label: str, weights: str | N
 
 
 def gpu_table() -> list[str]:
-    lines = ["| model | weights | on the GPU | per session | " + " | ".join(f"{gb} GB" for gb in SIZES_GB) + " |",
-             "|---|---|---|---|" + "---|" * len(SIZES_GB)]  # fmt: skip
+    lines = [GPU_HEADER, "|---|---|---|---|" + "---|" * len(SIZES_GB)]
     for model, options, label, offered in MODELS:
         lines += [gpu_row(model, options, label, weights) for weights in offered]
     return lines
 
 
 def device_table() -> list[str]:
-    lines = ["| model | weights | P | weights on each device | heads on each | KV a session, each device | "
-             "a session, each device | activations a session, each device (estimate) | "
-             + " | ".join(f"{gb} GB" for gb in SIZES_GB) + " |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(SIZES_GB)]  # fmt: skip
+    lines = [DEVICE_HEADER, "|---|---|---|---|---|---|---|---|" + "---|" * len(SIZES_GB)]
     for model, options, label, offered in DEVICE_MODELS:
         lines += [device_row(model, options, label, weights, world) for weights in offered for world in DEVICE_COUNTS]
     return lines
