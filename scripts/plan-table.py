@@ -77,7 +77,7 @@ def device_row(model: str, options: dict[str, Any], label: str, weights: str | N
     """One row of the per-P table: each device's figures for one replica over ``world`` devices."""
     chosen = chosen_options(options, weights)
     devices = ",".join(f"cuda:{i}" for i in range(world)) if world > 1 else None
-    pipeline = load_pipeline(model, "meta", **chosen)  # sharded in place by the plan: one per P
+    pipeline: Any = load_pipeline(model, "meta", **chosen)  # given each P's share in place by the plan
     head = f"| {label} | {weights or 'bf16'} | {world} |"
     cells, held = [], []
     for gb in SIZES_GB:

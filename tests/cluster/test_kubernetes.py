@@ -288,7 +288,8 @@ def test_a_pod_over_several_gpus_has_shared_memory_for_nccl_and_a_device_count_i
     assert shm_bytes >= 2**30 and shm_bytes < quantity(container["resources"]["limits"]["memory"])
     environment = replica_environment(objects)
     settings = Settings(model=environment["ARSTREAM_MODEL"], devices=environment["ARSTREAM_DEVICES"])
-    heads = load_pipeline(settings.model, "meta", config="14b").kv_cache_spec().num_kv_heads
+    pipeline: Any = load_pipeline(settings.model, "meta", config="14b")
+    heads = pipeline.kv_cache_spec().num_kv_heads
     assert heads % len(settings.replica_devices()) == 0 and len(settings.replica_devices()) == 2
     single = replica_container(rendered("gpu"))
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

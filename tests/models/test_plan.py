@@ -171,7 +171,7 @@ def test_over_two_devices_the_plan_is_a_ranks_pool_with_half_the_heads() -> None
     assert plan.gpu_weights_bytes == whole.gpu_weights_bytes  # the weights are whole on every device
     assert 2 * plan.block_bytes == whole.block_bytes
 
-    pipeline = load_pipeline(model, "cpu", **options, dtype="bfloat16")
+    pipeline: Any = load_pipeline(model, "cpu", **options, dtype="bfloat16")
     shard_planned_pipeline(pipeline, 2)
     runner = ARRunner.for_pipeline(
         pipeline,
