@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .admission import AdmissionName
 from .codecs import CODECS, CodecName
+from . import webrtc_ports
 from .start_image import base64_length
 from .wire import FULL_CHROMA_MAX_PIXELS
 from ..models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
@@ -280,6 +281,41 @@ class CodecSettings(SettingGroup):
         description="an answered peer connection that has not connected within this many seconds (its ICE or DTLS "
         "never completed) is closed, its slot returned, and the session told `webrtc_state` `failed`",
     )
+    webrtc_udp_ports: str | None = Field(
+        None,
+        description="LOW-HIGH (e.g. 40000-40199): the UDP ports the server's ICE host candidates bind, one port per "
+        "peer connection and address (default: any port the kernel gives); an offer when none is free gets "
+        "webrtc_failed",
+    )
+    webrtc_advertised_address: str | None = Field(
+        None,
+        description="the IP address the server's ICE candidates carry (a replica behind 1:1 NAT, a published "
+        "container port): its sockets then bind every local address of that family, one candidate each peer "
+        "(default: one candidate per address of this host)",
+    )
+
+    @field_validator("webrtc_udp_ports")
+    @classmethod
+    def _port_range(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_port_range(value)
+            _check_host_candidates_adapter()
+        return value
+
+    @field_validator("webrtc_advertised_address")
+    @classmethod
+    def _an_ip_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError("expected an IP address (IPv4 or IPv6), not a host name") from None
+            _check_host_candidates_adapter()
+        return value
+
+    def webrtc_port_range(self) -> range | None:
+        """The ports of ``--webrtc-udp-ports`` (HIGH included), or None: any port."""
+        return None if self.webrtc_udp_ports is None else parse_port_range(self.webrtc_udp_ports)
 
     @field_validator("codec")
     @classmethod
@@ -289,6 +325,24 @@ class CodecSettings(SettingGroup):
         if reason is not None:
             raise ValueError(reason)
         return value
+
+
+def _check_host_candidates_adapter() -> None:
+    # Refused at start-up, not at the first offer: an aioice whose gathering the adapter does not follow.
+    reason = webrtc_ports.unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def parse_port_range(text: str) -> range:
+    """``LOW-HIGH`` (both included, 1 to 65535) as a range; raises ValueError."""
+    match = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", text)
+    if match is None:
+        raise ValueError("expected LOW-HIGH, e.g. 40000-40199")
+    low, high = int(match[1]), int(match[2])
+    if not 1 <= low <= high <= 65535:
+        raise ValueError("expected 1 <= LOW <= HIGH <= 65535")
+    return range(low, high + 1)
 
 
 class AccessSettings(SettingGroup):

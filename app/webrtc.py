@@ -29,6 +29,7 @@ from .dialect import ChunkSent
 from .outbox import QueuedText, ViewerChunk
 from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
 from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
+from .webrtc_ports import HostCandidates
 from .webrtc_track import WebRTCDelivery, WebRTCError, channel_inputs, open_peer_connections
 from .writer import observe_action_to_frame
 
@@ -91,7 +92,8 @@ class SessionVideo:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, detail)
         fps = float(live.gate.model_card.get("fps") or 30)
         try:
-            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened)
+            where = HostCandidates(settings.webrtc_port_range(), settings.webrtc_advertised_address)
+            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened, where)
             self.offered = True
         except WebRTCError as exc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None
