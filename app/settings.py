@@ -294,6 +294,42 @@ class CodecSettings(SettingGroup):
         "(default: one candidate per address of this host)",
     )
 
+    webrtc_ice_servers: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the ICE servers (STUN, TURN) clients' peer connections use, sent in `ready.webrtc.ice_servers`: "
+        "a JSON list of RTCIceServer objects, e.g. [{\"urls\": \"turn:turn.example.net:3478?transport=udp\", "
+        "\"username\": \"u\", \"credential\": \"p\"}]; a TURN entry without username gets time-limited "
+        "credentials from --webrtc-turn-secret. The server's own candidates stay host candidates",
+    )
+    webrtc_turn_secret: str | None = Field(
+        None,
+        description="coturn's static-auth-secret (use-auth-secret): each `ready` gets TURN credentials of its own, "
+        "good for --webrtc-turn-credential-ttl-s, for the TURN entries of --webrtc-ice-servers without a username "
+        "(better given as ARSTREAM_WEBRTC_TURN_SECRET than as a flag)",
+    )
+    webrtc_turn_credential_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        description="how long the TURN credentials of a `ready` are good for (a relayed peer connection needs them "
+        "as long as it lasts: coturn checks them when the allocation is refreshed)",
+    )
+
+    @field_validator("webrtc_ice_servers")
+    @classmethod
+    def _rtc_ice_servers(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for server in value:
+            check_ice_server(server)
+        return value
+
+    @model_validator(mode="after")
+    def _turn_credentials_known(self) -> Self:
+        for server in self.webrtc_ice_servers:
+            turn = any(url.startswith(("turn:", "turns:")) for url in ice_server_urls(server))
+            if turn and "username" not in server and self.webrtc_turn_secret is None:
+                raise ValueError("a TURN server in --webrtc-ice-servers needs a username and credential, or "
+                                 "--webrtc-turn-secret to make them")
+        return self
+
     @field_validator("webrtc_udp_ports")
     @classmethod
     def _port_range(cls, value: str | None) -> str | None:
@@ -332,6 +368,35 @@ def _check_host_candidates_adapter() -> None:
     reason = webrtc_ports.unavailable_reason()
     if reason is not None:
         raise ValueError(reason)
+
+
+ICE_URL_SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
+
+
+def ice_server_urls(server: dict[str, Any]) -> list[str]:
+    """An RTCIceServer's ``urls``, one or a list, as a list."""
+    urls = server.get("urls")
+    return [urls] if isinstance(urls, str) else list(urls or [])
+
+
+def check_ice_server(server: Any) -> None:
+    """An RTCIceServer as a browser takes it: ``urls`` (STUN or TURN URLs), and ``username`` and ``credential``
+    together; raises ValueError."""
+    if not isinstance(server, dict):
+        raise ValueError("each ICE server is a JSON object")
+    unknown = set(server) - {"urls", "username", "credential"}
+    if unknown:
+        raise ValueError(f"an ICE server has urls, username and credential, not {sorted(unknown)}")
+    urls = server.get("urls")
+    if not (isinstance(urls, str) or (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls))):
+        raise ValueError("an ICE server's urls is a URL or a non-empty list of URLs")
+    for url in ice_server_urls(server):
+        if not url.startswith(ICE_URL_SCHEMES):
+            raise ValueError(f"an ICE server URL starts with stun:, stuns:, turn: or turns:, not {url!r}")
+    if ("username" in server) != ("credential" in server):
+        raise ValueError("an ICE server's username and credential come together")
+    if not all(isinstance(server.get(key, ""), str) for key in ("username", "credential")):
+        raise ValueError("an ICE server's username and credential are strings")
 
 
 def parse_port_range(text: str) -> range:

@@ -304,7 +304,7 @@ async def run_script(
         """With ``webrtc``: offer a track on this connection (a resumed one offers again) and wait for it."""
         if not webrtc:
             return
-        receiver = TrackReceiver(float(client.model.get("fps") or 30))
+        receiver = TrackReceiver(float(client.model.get("fps") or 30), ice_servers=client.ice_servers)
         receivers.append(receiver)
         await client.offer_webrtc(receiver)
         state = await client.wait_for_track(TRACK_WAIT_S)
