@@ -314,6 +314,12 @@ class CodecSettings(SettingGroup):
         "as long as it lasts: coturn checks them when the allocation is refreshed)",
     )
 
+    @field_validator("webrtc_turn_secret")
+    @classmethod
+    def _empty_secret_is_none(cls, value: str | None) -> str | None:
+        # compose passes an unset variable as "": no secret, not an empty one that anyone could sign with
+        return value or None
+
     @field_validator("webrtc_ice_servers")
     @classmethod
     def _rtc_ice_servers(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
