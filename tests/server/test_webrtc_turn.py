@@ -2,6 +2,9 @@
 server that hands out time-limited TURN credentials (`--webrtc-turn-secret`) in `ready.webrtc.ice_servers`, and an
 aiortc client with relay-only ICE (iceTransportPolicy "relay"), as a player behind a strict NAT would be.
 
+Then Debian's Chromium plays the demo page (`?delivery=webrtc`) through the same relay, its peer connection held to
+relay candidates by a test shim around RTCPeerConnection (the page itself asks for no policy).
+
 scripts/test.sh installs coturn; the module skips only on a machine without ``turnserver``.
 """
 
@@ -21,6 +24,7 @@ import pytest
 
 from arstream.app import webrtc_track
 from arstream.models.fake import FakeKVPipeline
+from browser_helpers import CHROMIUM, PageErrors, debug, new_page, until
 from servers import LiveServer, fake_settings, running_server, session_client, wait_until
 from webrtc_clients import GUARD_S, connect_video, next_of
 
@@ -204,3 +208,55 @@ def test_a_wrong_secret_gets_no_relay(relay: Relay) -> None:
 
     assert asyncio.run(relay_candidates("not-" + relay.secret)) == set()
     assert asyncio.run(relay_candidates(relay.secret)) == {"relay"}
+
+
+# Every RTCPeerConnection the page makes gathers relay candidates only, and is kept for the test to read its stats.
+RELAY_ONLY_SHIM = """
+(() => {
+  const Native = window.RTCPeerConnection;
+  window.relayOnlyPeers = [];
+  window.RTCPeerConnection = function (configuration) {
+    const pc = new Native({ ...(configuration || {}), iceTransportPolicy: 'relay' });
+    window.relayOnlyPeers.push(pc);
+    return pc;
+  };
+  window.RTCPeerConnection.prototype = Native.prototype;
+})();
+"""
+
+# The page's peer connection: the types of its offer's candidates, and the local candidate of the selected pair.
+SELECTED_PAIR = """
+async () => {
+  const pc = window.relayOnlyPeers[window.relayOnlyPeers.length - 1];
+  const stats = new Map();
+  (await pc.getStats()).forEach((entry) => stats.set(entry.id, entry));
+  const transport = [...stats.values()].find((entry) => entry.type === 'transport' && entry.selectedCandidatePairId);
+  const local = stats.get(stats.get(transport.selectedCandidatePairId).localCandidateId);
+  const offered = pc.localDescription.sdp.split('\\r\\n').filter((line) => line.startsWith('a=candidate:'));
+  return { type: local.candidateType, port: local.port, offered: offered.map((line) => line.split(' ')[7]) };
+}
+"""
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium is not installed at /usr/bin/chromium")
+def test_chromium_plays_the_page_through_the_relay_with_relay_only_ice(
+    server: LiveServer, relay: Relay, browser: Any, errors: PageErrors
+) -> None:
+    context = browser.new_context()  # under the server's real CSP
+    try:
+        context.add_init_script(RELAY_ONLY_SHIM)
+        page = new_page(context, errors)
+        page.goto(server.base_url + "/?delivery=webrtc")
+        until(page, "window.arstreamDebug.delivery === 'webrtc'")
+        until(page, "window.arstreamDebug.trackFramesShown > 8")
+        pair = page.evaluate(SELECTED_PAIR)
+        state = debug(page)
+        page.click("#play")  # Stop
+    finally:
+        context.close()
+    assert set(pair["offered"]) == {"relay"}
+    assert pair["type"] == "relay" and pair["port"] in relay.relay_ports
+    assert state["errors"] == [] and state["delivery"] == "webrtc"
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
+    wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
