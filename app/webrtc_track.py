@@ -173,14 +173,14 @@ class WebRTCDelivery:
     """One protocol-1 session's peer connection and its video track."""
 
     def __init__(self, fps: float, on_state: Callable[[str], None], on_channel: Callable[[Any], None],
-                 host_candidates: HostCandidates = HostCandidates()) -> None:
+                 host_candidates: HostCandidates | None = None) -> None:
         if not AVAILABLE:
             raise WebRTCError("this server has no WebRTC (install the webrtc extra)")
         self.track = ChunkTrack(fps)
         _open_peers.add(self)  # its slot, held until close()
         self._on_state = on_state
         self._on_channel = on_channel  # a data channel the client opened (RTCDataChannel)
-        self._host_candidates = host_candidates
+        self._host_candidates = host_candidates or HostCandidates()  # None: as aioice gathers them
         self._pc: Any = None
         self.codec: str | None = None
         self.state = "new"

@@ -10,7 +10,6 @@ converts the track's YUV with another colour matrix than aiortc's encoder, so it
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
