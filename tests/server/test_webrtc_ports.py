@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from arstream.app import webrtc_track
+from arstream.app.webrtc_ports import HostCandidates
 from arstream.models.fake import FakeKVPipeline
 from servers import LiveServer, fake_settings, running_server, session_client, wait_until
 from webrtc_clients import connect_video, next_of, offer_sdp, play_on_a_new_track
@@ -104,3 +105,27 @@ def test_candidates_take_ports_of_the_range_and_a_peer_past_it_is_refused(server
     assert [c["delivery"] for c in chunks] == ["webrtc", "webrtc"] and len(greens) == chunks[0]["frames"]
     wait_until(lambda: webrtc_track.open_peer_connections() == 0)
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
+
+
+def test_without_an_advertised_address_each_host_address_takes_a_port_of_the_range() -> None:
+    """The range alone: one host candidate per address aioice would gather on (this machine's IPv4 and global IPv6
+    addresses), each on a port of the range (a port number is taken per address, so two addresses may share one);
+    a peer connection answered in-process, no session."""
+    from aioice.ice import get_host_addresses
+
+    addresses = get_host_addresses(use_ipv4=True, use_ipv6=True)
+    ports = range(LOW, LOW + 2)  # the first test's peers are closed: the range is free again
+
+    async def answer() -> str:
+        client = aiortc.RTCPeerConnection()
+        delivery = webrtc_track.WebRTCDelivery(16.0, lambda state: None, lambda channel: None,
+                                               HostCandidates(ports=ports))
+        try:
+            return await delivery.answer(await offer_sdp(client))
+        finally:
+            await delivery.close()
+            await client.close()
+
+    found = host_candidates(asyncio.run(answer()))
+    assert sorted(host for host, _ in found) == sorted(addresses)
+    assert all(port in ports for _, port in found), found
