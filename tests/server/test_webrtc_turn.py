@@ -153,7 +153,12 @@ def test_a_session_plays_through_the_relay_with_relay_only_ice(server: LiveServe
             )
             pc = aiortc.RTCPeerConnection(configuration)
             track_future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            pc.on("track", lambda received: track_future.done() or track_future.set_result(received))
+
+            def on_track(received: Any) -> None:
+                if not track_future.done():
+                    track_future.set_result(received)
+
+            pc.on("track", on_track)
             try:
                 await connect_video(client, pc)
                 offered = candidate_types(pc.localDescription.sdp)
