@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from arstream.app import webrtc_track
 from arstream.models.fake import FakeKVPipeline
+from arstream.programs import client as client_program
 from servers import LiveServer, fake_settings, running_server, session_client, wait_until
 from turn_relay import Relay, needs_turnserver, running_relay
 from webrtc_clients import GUARD_S, connect_video, next_of
@@ -115,3 +117,16 @@ def test_a_wrong_secret_gets_no_relay(relay: Relay) -> None:
     assert asyncio.run(relay_candidates("not-" + relay.secret)) == set()
     assert asyncio.run(relay_candidates(relay.secret)) == {"relay"}
 
+
+
+def test_the_client_program_plays_through_the_relay(
+    server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`arstream client --webrtc-relay-only`: the operator's check of a relay, from where the client runs."""
+    code = client_program.main([server.base_url, "--webrtc-relay-only", "--keys", "d*3", "--out", str(tmp_path)])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert "frames by WebRTC (H264, relay only)" in output, output
+    # three chunks of two frames on the track; a receiver holds back the last frame sent
+    assert "delivery: WebRTC (H264), 5 frames on the track" in output, output
+    wait_until(lambda: webrtc_track.open_peer_connections() == 0)
