@@ -531,6 +531,12 @@ class Session:
         await self._send(text)
         return tick_id
 
+    @property
+    def ice_servers(self) -> list[dict[str, Any]] | None:
+        """``ready.webrtc.ice_servers``: the ICE servers for a peer connection (None: the server did not say)."""
+        webrtc = self.ready.get("webrtc")
+        return None if not isinstance(webrtc, dict) else list(webrtc.get("ice_servers") or [])
+
     async def offer_webrtc(self, receiver: TrackReceiver) -> None:
         """Offer ``receiver``'s track (PROTOCOL.md, "WebRTC video"): chunks come on it once the server says
         ``connected``; a refusal (``webrtc_failed``) is kept in ``receiver.refused`` and the frames stay here."""
