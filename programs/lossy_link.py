@@ -5,7 +5,7 @@
     #                         ip netns exec <client side> arstream client --url ws://10.203.0.1:PORT/...
 
 Linux's netem would do this in the kernel, but not every kernel has it; a TUN device is nearly always there.
-So the link is two namespaces, each with one TUN device as its only way out, and a relay in this process
+So the link is two namespaces, each with one TUN device as its only way out, and a relay process
 between the two devices: each IP packet read from one device is dropped at random (``loss``), or written to
 the other device after ``delay`` plus a random ``jitter``. Real kernel TCP and UDP run over it, both ways,
 each direction delayed alike (a round trip takes twice the delay). Jitter never reorders a direction's packets
@@ -22,6 +22,8 @@ import argparse
 import ctypes
 import fcntl
 import heapq
+import multiprocessing
+import multiprocessing.process
 import os
 import random
 import re
@@ -66,17 +68,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
+DIRECTIONS = ("to_client", "to_server")
+
+
 @dataclass
 class Direction:
     """One way across the link: packets read from ``source`` are written to ``target``."""
 
-    name: str
+    index: int  # in DIRECTIONS, and its passed/dropped pair in the shared counts
     source: int
     target: int
     rng: random.Random
     last_due: float = 0.0
-    passed: int = 0
-    dropped: int = 0
 
 
 @dataclass
@@ -184,18 +187,27 @@ class LossyLink:
         self.server_address = SERVER_ADDRESS
         self.client_address = CLIENT_ADDRESS
         self._fds: list[int] = []
-        self._directions: list[Direction] = []
         self._made: list[str] = []
-        self._stop = threading.Event()
-        self._relay: threading.Thread | None = None
+        # The relay is a process of its own, so that no interpreter lock in its user (a browser driver, a
+        # test's threads) holds packets past their time. Rates and counts are shared with it.
+        forked = multiprocessing.get_context("fork")
+        self._rates = forked.Array("d", [rates.delay_s, rates.jitter_s, rates.loss])
+        self._counts = forked.Array("q", [0] * 2 * len(DIRECTIONS), lock=False)  # passed, dropped per direction;
+        # the relay is their one writer
+        self._stop = forked.Event()
+        self._relay: multiprocessing.process.BaseProcess | None = None
 
     def set_rates(self, rates: LinkRates) -> None:
         """New rates for packets read from now on (those already delayed keep their times)."""
         rates.check()
         self.rates = rates
+        with self._rates.get_lock():
+            self._rates[:] = [rates.delay_s, rates.jitter_s, rates.loss]
 
     def counts(self) -> dict[str, dict[str, int]]:
-        return {d.name: {"passed": d.passed, "dropped": d.dropped} for d in self._directions}
+        """Packets passed and dropped in each direction so far."""
+        values = self._counts[:]
+        return {name: {"passed": values[2 * i], "dropped": values[2 * i + 1]} for i, name in enumerate(DIRECTIONS)}
 
     @staticmethod
     def run_in(namespace: str, command: list[str]) -> list[str]:
@@ -235,17 +247,22 @@ class LossyLink:
             _ip("link", "set", device, "mtu", str(MTU), "up", namespace=namespace)
             _ip("addr", "add", address, "peer", peer, "dev", device, namespace=namespace)
         server_fd, client_fd = self._fds
-        self._directions = [
-            Direction("to_client", server_fd, client_fd, random.Random(f"{self.seed}-to_client")),
-            Direction("to_server", client_fd, server_fd, random.Random(f"{self.seed}-to_server")),
+        directions = [
+            Direction(0, server_fd, client_fd, random.Random(f"{self.seed}-{DIRECTIONS[0]}")),
+            Direction(1, client_fd, server_fd, random.Random(f"{self.seed}-{DIRECTIONS[1]}")),
         ]
-        self._relay = threading.Thread(target=self._run_relay, name="lossy-link-relay", daemon=True)
+        self._relay = multiprocessing.get_context("fork").Process(
+            target=self._run_relay, args=(directions,), name="lossy-link-relay", daemon=True
+        )
         self._relay.start()
 
     def close(self) -> None:
         self._stop.set()
         if self._relay is not None:
             self._relay.join(timeout=5)
+            if self._relay.is_alive():
+                self._relay.kill()
+                self._relay.join()
             self._relay = None
         for fd in self._fds:
             os.close(fd)
@@ -254,10 +271,12 @@ class LossyLink:
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, check=False)
         self._made = []
 
-    def _run_relay(self) -> None:
+    def _run_relay(self, directions: list[Direction]) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the relay, then cleans up
         due: list[_Due] = []
         sequence = 0
-        by_fd = {d.source: d for d in self._directions}
+        by_fd = {d.source: d for d in directions}
+        counts = self._counts
         while not self._stop.is_set():
             now = time.monotonic()
             while due and due[0].at <= now:
@@ -269,7 +288,7 @@ class LossyLink:
             wait = IDLE_WAIT_S if not due else max(0.0, min(IDLE_WAIT_S, due[0].at - time.monotonic()))
             readable, _, _ = select.select(list(by_fd), [], [], wait)
             now = time.monotonic()
-            rates = self.rates
+            delay_s, jitter_s, loss = self._rates[:]
             for fd in readable:
                 direction = by_fd[fd]
                 while True:
@@ -277,13 +296,13 @@ class LossyLink:
                         packet = os.read(fd, READ_SIZE)
                     except (BlockingIOError, OSError):
                         break
-                    if direction.rng.random() < rates.loss:
-                        direction.dropped += 1
+                    if direction.rng.random() < loss:
+                        counts[2 * direction.index + 1] += 1
                         continue
-                    direction.passed += 1
-                    jitter = direction.rng.uniform(-rates.jitter_s, rates.jitter_s) if rates.jitter_s else 0.0
+                    counts[2 * direction.index] += 1
+                    jitter = direction.rng.uniform(-jitter_s, jitter_s) if jitter_s else 0.0
                     # Never before the packet read ahead of it: jitter without reordering.
-                    at = max(now + max(0.0, rates.delay_s + jitter), direction.last_due)
+                    at = max(now + max(0.0, delay_s + jitter), direction.last_due)
                     direction.last_due = at
                     heapq.heappush(due, _Due(at, sequence, direction.target, packet))
                     sequence += 1

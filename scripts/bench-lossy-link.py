@@ -95,7 +95,8 @@ def start_session(page: Any, url: str, path: str) -> float:
 def measure(page: Any, server_pid: int, path: str, seconds: float, presses: list[tuple[float, float]],
             frame_ms: float) -> dict[str, Any]:
     before = page.evaluate("({samples: window.arstreamDebug.samples.action.length, "
-                           "track: window.arstreamDebug.trackFramesShown, errors: window.arstreamDebug.errors.length})")
+                           "track: window.arstreamDebug.trackFramesShown, errors: window.arstreamDebug.errors.length, "
+                           "received: window.arstreamDebug.framesReceived})")
     cpu0, started = cpu_seconds(server_pid), time.monotonic()
     shown: list[float] = []
     page_started = page.evaluate("performance.now()")
@@ -122,7 +123,7 @@ def measure(page: Any, server_pid: int, path: str, seconds: float, presses: list
         page.keyboard.up("d")
     after = page.evaluate("({samples: window.arstreamDebug.samples.action, "
                           "track: window.arstreamDebug.trackFramesShown, errors: window.arstreamDebug.errors, "
-                          "delivery: window.arstreamDebug.delivery})")
+                          "delivery: window.arstreamDebug.delivery, received: window.arstreamDebug.framesReceived})")
     samples = after["samples"][before["samples"]:]
     gaps = [b - a for a, b in zip(shown, shown[1:])]
     window_s = (shown[-1] - shown[0]) / 1000 if len(shown) > 1 else elapsed
@@ -133,6 +134,9 @@ def measure(page: Any, server_pid: int, path: str, seconds: float, presses: list
         "key_to_frame_p90_ms": quantile(samples, 0.9),
         "samples": len(samples),
         "fps": (len(shown) - 1) / window_s if len(shown) > 1 else 0.0,
+        # frames arrived (WebSocket) or announced by their chunk message (WebRTC): the rate the server kept up
+        "fps_arrived": (after["received"] - before["received"]) / elapsed,
+        "load_average": os.getloadavg()[0],
         "stalls_per_min": 60 * stalls / window_s,
         "longest_gap_ms": max(gaps, default=float("nan")),
         "cpu_per_s": cpu / elapsed,
@@ -162,6 +166,7 @@ def run_path(browser: Any, url: str, server_pid: int, path: str, seconds: float,
     except (TimeoutError, PlaywrightError) as error:  # one path that never played does not end the run
         nan = float("nan")
         return {"path": path, "key_to_frame_ms": nan, "key_to_frame_p90_ms": nan, "samples": 0, "fps": 0.0,
+                "fps_arrived": 0.0, "load_average": os.getloadavg()[0],
                 "stalls_per_min": nan, "longest_gap_ms": nan, "cpu_per_s": nan, "on_track": 0,
                 "delivery": "none", "errors": [str(error).splitlines()[0]]}
     finally:
@@ -176,7 +181,8 @@ def print_row(model: str, loss: float, result: dict[str, Any], base: dict[str, A
         f"{model:<16} {100 * loss:>4.0f}% {result['path']:<8} "
         f"{result['key_to_frame_ms']:>6.0f} ({ratio('key_to_frame_ms')}) p90 {result['key_to_frame_p90_ms']:>5.0f} "
         f"| {result['fps']:>5.1f} fps ({ratio('fps')}) | {result['stalls_per_min']:>5.1f} stalls/min "
-        f"(longest gap {result['longest_gap_ms']:.0f} ms) | CPU {result['cpu_per_s']:.3f} s/s ({ratio('cpu_per_s')})"
+        f"(longest gap {result['longest_gap_ms']:.0f} ms) | CPU {result['cpu_per_s']:.3f} s/s ({ratio('cpu_per_s')}) "
+        f"| arrived {result['fps_arrived']:.1f} fps | load {result['load_average']:.1f}"
         f"{'' if result['delivery'] == ('webrtc' if result['path'] == 'webrtc' else 'websocket') else ' FELL BACK'}"
         f"{' errors ' + str(result['errors']) if result['errors'] else ''}",
         flush=True,
