@@ -17,10 +17,11 @@ COPY runner ./runner
 COPY models ./models
 COPY static ./static
 # The base image's torch satisfies the torch==2.13.0 pin, so pip keeps its CUDA build. The extras a GPU
-# replica needs: video (H.264 through PyAV) and wan (diffusers, for matrix-game-2's VAE). DL3013 (pin versions)
+# replica needs: video (H.264 through PyAV), wan (diffusers, for matrix-game-2's VAE) and webrtc (aiortc: video
+# on a WebRTC track when ARSTREAM_WEBRTC is on). DL3013 (pin versions)
 # does not apply: this installs the project itself, whose pyproject.toml bounds its dependencies.
 # hadolint ignore=DL3013
-RUN python -m pip install --no-cache-dir ".[video,wan]" \
+RUN python -m pip install --no-cache-dir ".[video,wan,webrtc]" \
     && groupadd --gid 10001 arstream \
     && useradd --create-home --uid 10001 --gid 10001 arstream \
     && mkdir -p /models /run/arstream-gpus \

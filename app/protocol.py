@@ -414,6 +414,20 @@ class BranchedFrom(_ServerMessage):
     chunk: int
 
 
+class IceServer(_ServerMessage):
+    """The WebRTC API's RTCIceServer: STUN or TURN URLs, and a TURN server's credentials."""
+
+    urls: str | list[str]
+    username: str | None = None
+    credential: str | None = None
+
+
+class ReadyWebRTC(_ServerMessage):
+    """``ready.webrtc``, from a server that answers ``webrtc_offer``: the ICE servers for the peer connection."""
+
+    ice_servers: list[IceServer]
+
+
 class ReadyMessage(_ServerMessage):
     type: Literal["ready"] = "ready"
     protocol: int
@@ -431,6 +445,7 @@ class ReadyMessage(_ServerMessage):
     rewind_seconds: int | float | None = None
     branched_from: BranchedFrom | None = None
     record: bool | None = None  # on a server that records: whether this session is recorded (PROTOCOL.md, "Recording")
+    webrtc: ReadyWebRTC | None = None  # on a server that answers webrtc_offer (PROTOCOL.md, "WebRTC video")
 
 
 class ChunkTimings(_ServerMessage):
@@ -566,14 +581,15 @@ def ready_message(
     idle_timeout_s: float, resume: dict[str, Any] | None = None, resumed: bool = False,
     max_start_image_bytes: int | None = None, share: str | None = None, rewind_points: int = 0,
     rewind_seconds: float = 0.0, role: str = "controller", viewer_id: str | None = None, branched_from: int | None = None,
-    quality: int | None = None, record: bool | None = None,
+    quality: int | None = None, record: bool | None = None, ice_servers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The `ready` message; ``resume`` is the session's resume ticket (absent when resume is off).
 
     ``max_start_image_bytes`` goes in ``limits`` when the model offers start images. ``share`` (the share
     token), ``rewind_points`` and ``rewind_seconds``, ``role``, ``viewer_id`` and ``branched_from`` are PROTOCOL.md's
     "Rewind, branch and watch" fields; ``quality``, a viewer's, is the quality it is served; ``record`` (None: the
-    server does not record) whether the session is recorded.
+    server does not record) whether the session is recorded; ``ice_servers`` (None: the server does not answer
+    ``webrtc_offer``) goes in ``webrtc``.
     """
     limits: dict[str, Any] = {
         "max_pending_ticks": max_pending_ticks,
@@ -604,6 +620,8 @@ def ready_message(
         fields["branched_from"] = {"chunk": branched_from}
     if record is not None:
         fields["record"] = record
+    if ice_servers is not None:
+        fields["webrtc"] = {"ice_servers": ice_servers}
     return ReadyMessage.model_validate(fields).wire()
 
 

@@ -27,7 +27,7 @@ from .protocol import parse_client_message, pong_message, ready_message, recordi
 from .protocol import with_prepared_prompt
 from .session import Session, TickJob
 from .viewer_feed import ViewerFeed
-from .webrtc import SessionVideo
+from .webrtc import SessionVideo, webrtc_ice_servers
 from .writer import send_chunk_on_websocket
 from .worker import OutcomeKind, TickOutcome
 
@@ -63,6 +63,7 @@ class Protocol1(Dialect):
                 session_id=session.id, model_card=card, codec=codec, role=ROLE_VIEWER, viewer_id=watch.viewer_id,
                 quality=quality, max_pending_ticks=settings.max_pending_ticks,
                 max_message_bytes=settings.max_message_bytes, idle_timeout_s=settings.idle_timeout_s,
+                ice_servers=webrtc_ice_servers(settings, session.id),
             )
             live.outbox.push(QueuedText(dumps(message), is_reply=True))
             log.info("session=%s viewer %s joined codec=%s", session.id, watch.viewer_id, codec)
@@ -83,6 +84,7 @@ class Protocol1(Dialect):
             rewind_seconds=gate.rewind_seconds,
             branched_from=started.branched_from,
             record=None if settings.record_dir is None else session.record_to is not None,
+            ice_servers=webrtc_ice_servers(settings, session.id),
         )
         live.outbox.push(QueuedText(dumps(message), is_reply=True))
         log.info("session=%s started codec=%s", session.id, session.codec)

@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .admission import AdmissionName
 from .codecs import CODECS, CodecName
+from . import webrtc_ports
 from .start_image import base64_length
 from .wire import FULL_CHROMA_MAX_PIXELS
 from ..models.registry import DEFAULT_MODEL, check_model_name, check_model_options, check_runtime
@@ -280,6 +281,83 @@ class CodecSettings(SettingGroup):
         description="an answered peer connection that has not connected within this many seconds (its ICE or DTLS "
         "never completed) is closed, its slot returned, and the session told `webrtc_state` `failed`",
     )
+    webrtc_udp_ports: str | None = Field(
+        None,
+        description="LOW-HIGH (e.g. 40000-40199): the UDP ports the server's ICE host candidates bind, one port per "
+        "peer connection and address (default: any port the kernel gives); an offer when none is free gets "
+        "webrtc_failed",
+    )
+    webrtc_advertised_address: str | None = Field(
+        None,
+        description="the IP address the server's ICE candidates carry (a replica behind 1:1 NAT, a published "
+        "container port): its sockets then bind every local address of that family, one candidate each peer "
+        "(default: one candidate per address of this host)",
+    )
+
+    webrtc_ice_servers: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the ICE servers (STUN, TURN) clients' peer connections use, sent in `ready.webrtc.ice_servers`: "
+        "a JSON list of RTCIceServer objects, e.g. [{\"urls\": \"turn:turn.example.net:3478?transport=udp\", "
+        "\"username\": \"u\", \"credential\": \"p\"}]; a TURN entry without username gets time-limited "
+        "credentials from --webrtc-turn-secret. The server's own candidates stay host candidates",
+    )
+    webrtc_turn_secret: str | None = Field(
+        None,
+        description="coturn's static-auth-secret (use-auth-secret): each `ready` gets TURN credentials of its own, "
+        "good for --webrtc-turn-credential-ttl-s, for the TURN entries of --webrtc-ice-servers without a username "
+        "(better given as ARSTREAM_WEBRTC_TURN_SECRET than as a flag)",
+    )
+    webrtc_turn_credential_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        description="how long the TURN credentials of a `ready` are good for (a relayed peer connection needs them "
+        "as long as it lasts: coturn checks them when the allocation is refreshed)",
+    )
+
+    @field_validator("webrtc_turn_secret")
+    @classmethod
+    def _empty_secret_is_none(cls, value: str | None) -> str | None:
+        # compose passes an unset variable as "": no secret, not an empty one that anyone could sign with
+        return value or None
+
+    @field_validator("webrtc_ice_servers")
+    @classmethod
+    def _rtc_ice_servers(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for server in value:
+            check_ice_server(server)
+        return value
+
+    @model_validator(mode="after")
+    def _turn_credentials_known(self) -> Self:
+        for server in self.webrtc_ice_servers:
+            turn = any(url.startswith(("turn:", "turns:")) for url in ice_server_urls(server))
+            if turn and "username" not in server and self.webrtc_turn_secret is None:
+                raise ValueError("a TURN server in --webrtc-ice-servers needs a username and credential, or "
+                                 "--webrtc-turn-secret to make them")
+        return self
+
+    @field_validator("webrtc_udp_ports")
+    @classmethod
+    def _port_range(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_port_range(value)
+            _check_host_candidates_adapter()
+        return value
+
+    @field_validator("webrtc_advertised_address")
+    @classmethod
+    def _an_ip_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError("expected an IP address (IPv4 or IPv6), not a host name") from None
+            _check_host_candidates_adapter()
+        return value
+
+    def webrtc_port_range(self) -> range | None:
+        """The ports of ``--webrtc-udp-ports`` (HIGH included), or None: any port."""
+        return None if self.webrtc_udp_ports is None else parse_port_range(self.webrtc_udp_ports)
 
     @field_validator("codec")
     @classmethod
@@ -289,6 +367,53 @@ class CodecSettings(SettingGroup):
         if reason is not None:
             raise ValueError(reason)
         return value
+
+
+def _check_host_candidates_adapter() -> None:
+    # Refused at start-up, not at the first offer: an aioice whose gathering the adapter does not follow.
+    reason = webrtc_ports.unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+
+
+ICE_URL_SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
+
+
+def ice_server_urls(server: dict[str, Any]) -> list[str]:
+    """An RTCIceServer's ``urls``, one or a list, as a list."""
+    urls = server.get("urls")
+    return [urls] if isinstance(urls, str) else list(urls or [])
+
+
+def check_ice_server(server: Any) -> None:
+    """An RTCIceServer as a browser takes it: ``urls`` (STUN or TURN URLs), and ``username`` and ``credential``
+    together; raises ValueError."""
+    if not isinstance(server, dict):
+        raise ValueError("each ICE server is a JSON object")
+    unknown = set(server) - {"urls", "username", "credential"}
+    if unknown:
+        raise ValueError(f"an ICE server has urls, username and credential, not {sorted(unknown)}")
+    urls = server.get("urls")
+    if not (isinstance(urls, str) or (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls))):
+        raise ValueError("an ICE server's urls is a URL or a non-empty list of URLs")
+    for url in ice_server_urls(server):
+        if not url.startswith(ICE_URL_SCHEMES):
+            raise ValueError(f"an ICE server URL starts with stun:, stuns:, turn: or turns:, not {url!r}")
+    if ("username" in server) != ("credential" in server):
+        raise ValueError("an ICE server's username and credential come together")
+    if not all(isinstance(server.get(key, ""), str) for key in ("username", "credential")):
+        raise ValueError("an ICE server's username and credential are strings")
+
+
+def parse_port_range(text: str) -> range:
+    """``LOW-HIGH`` (both included, 1 to 65535) as a range; raises ValueError."""
+    match = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", text)
+    if match is None:
+        raise ValueError("expected LOW-HIGH, e.g. 40000-40199")
+    low, high = int(match[1]), int(match[2])
+    if not 1 <= low <= high <= 65535:
+        raise ValueError("expected 1 <= LOW <= HIGH <= 65535")
+    return range(low, high + 1)
 
 
 class AccessSettings(SettingGroup):

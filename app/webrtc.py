@@ -29,11 +29,14 @@ from .dialect import ChunkSent
 from .outbox import QueuedText, ViewerChunk
 from .protocol import ErrorCode, InputMessage, PingMessage, ProtocolError, WebRTCAnswerMessage, WebRTCStateMessage
 from .protocol import dumps, error_message, parse_client_message, pong_message, too_large
-from .webrtc_track import WebRTCDelivery, WebRTCError, channel_inputs, open_peer_connections
+from .webrtc_ice import ice_servers_for
+from .webrtc_ports import HostCandidates
+from .webrtc_track import AVAILABLE, WebRTCDelivery, WebRTCError, channel_inputs, open_peer_connections
 from .writer import observe_action_to_frame
 
 if TYPE_CHECKING:
     from .dialect import SessionPort
+    from .settings import Settings
     from .worker import TickOutcome
 
 log = logging.getLogger("arstream.webrtc")
@@ -45,6 +48,13 @@ FIRST_FRAME_WAIT_S = 2.0
 
 # The label of the data channel a client sends its inputs on (latest wins); another label's channel is closed.
 INPUT_CHANNEL = "inputs"
+
+
+def webrtc_ice_servers(settings: Settings, session_id: str) -> list[dict[str, Any]] | None:
+    """`ready.webrtc.ice_servers` for a session, or None when this server does not answer offers."""
+    if not (settings.webrtc and AVAILABLE):
+        return None
+    return ice_servers_for(settings, session_id)
 
 
 class InputTaker(Protocol):
@@ -91,7 +101,8 @@ class SessionVideo:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, detail)
         fps = float(live.gate.model_card.get("fps") or 30)
         try:
-            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened)
+            where = HostCandidates(settings.webrtc_port_range(), settings.webrtc_advertised_address)
+            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened, where)
             self.offered = True
         except WebRTCError as exc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None

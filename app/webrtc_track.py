@@ -21,13 +21,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .webrtc_ports import HostCandidates, PortsExhausted, bound_host_candidates
 from .wire import Codec, decode_payload, parse_frame
 
 if TYPE_CHECKING:
     import av
 
 try:
-    from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
+    from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
     from aiortc.rtcrtpsender import RTCRtpSender
 
     AVAILABLE = True
@@ -171,13 +172,15 @@ def negotiated_codec(sdp: str) -> str | None:
 class WebRTCDelivery:
     """One protocol-1 session's peer connection and its video track."""
 
-    def __init__(self, fps: float, on_state: Callable[[str], None], on_channel: Callable[[Any], None]) -> None:
+    def __init__(self, fps: float, on_state: Callable[[str], None], on_channel: Callable[[Any], None],
+                 host_candidates: HostCandidates | None = None) -> None:
         if not AVAILABLE:
             raise WebRTCError("this server has no WebRTC (install the webrtc extra)")
         self.track = ChunkTrack(fps)
         _open_peers.add(self)  # its slot, held until close()
         self._on_state = on_state
         self._on_channel = on_channel  # a data channel the client opened (RTCDataChannel)
+        self._host_candidates = host_candidates or HostCandidates()  # None: as aioice gathers them
         self._pc: Any = None
         self.codec: str | None = None
         self.state = "new"
@@ -190,7 +193,10 @@ class WebRTCDelivery:
 
     async def answer(self, offer_sdp: str) -> str:
         """Answer a complete (non-trickle) offer; returns the answer's SDP, with the server's candidates."""
-        pc = RTCPeerConnection()
+        # The server's own candidates are its host addresses (or the advertised one) only: no STUN or TURN server
+        # of its own (aiortc's default would ask a public STUN server). A client behind NAT reaches them through the
+        # relay the ICE servers name (`ready.webrtc.ice_servers`).
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self._pc = pc
 
         @pc.on("connectionstatechange")
@@ -211,8 +217,12 @@ class WebRTCDelivery:
         video = [t for t in pc.getTransceivers() if t.kind == "video" and t.mid is not None]
         if len(video) != 1 or video[0] is not sending:
             raise WebRTCError(f"the offer must have exactly one video section, not {len(video)}")
+        if self._host_candidates.adapted:
+            bound_host_candidates(pc, self._host_candidates)
         try:
-            await pc.setLocalDescription(await pc.createAnswer())
+            await pc.setLocalDescription(await pc.createAnswer())  # gathers the server's candidates
+        except PortsExhausted as exc:
+            raise WebRTCError(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - no codec in common, a direction the server cannot send
             raise WebRTCError(f"no answer to this offer: {exc}") from None
         sdp: str = pc.localDescription.sdp

@@ -250,6 +250,7 @@ async def run_script(
     branch: tuple[str, int | None] | None = None,
     prompts_at: Sequence[tuple[int, str]] = (),
     webrtc: bool = False,
+    webrtc_relay_only: bool = False,
 ) -> RunResult:
     """One session that holds ``plan[i]`` keys during tick ``i``; returns every frame it got.
 
@@ -260,7 +261,8 @@ async def run_script(
     ``rewind``: tick ``rewind.after`` carries ``rewind_to`` (its chunk is ``rewind.to`` again).
     ``branch`` (share token, boundary): the session starts from that boundary of the shared session.
     ``webrtc``: each connection offers a WebRTC track (client_webrtc.py) and waits for it before ticking; the
-    frames that came on a track follow the WebSocket's in the result.
+    frames that came on a track follow the WebSocket's in the result. ``webrtc_relay_only``: its ICE offers relay
+    candidates only, through the TURN relay of ``ready.webrtc.ice_servers`` (a check of the relay from here).
 
     A session the server moves to another replica (``moved``) is followed: the
     client resumes it there and sends again the ticks whose chunks did not come.
@@ -304,11 +306,13 @@ async def run_script(
         """With ``webrtc``: offer a track on this connection (a resumed one offers again) and wait for it."""
         if not webrtc:
             return
-        receiver = TrackReceiver(float(client.model.get("fps") or 30))
+        fps = float(client.model.get("fps") or 30)
+        receiver = TrackReceiver(fps, ice_servers=client.ice_servers, relay_only=webrtc_relay_only)
         receivers.append(receiver)
         await client.offer_webrtc(receiver)
         state = await client.wait_for_track(TRACK_WAIT_S)
-        detail = f"WebRTC ({receiver.codec})" if state == "connected" else f"WebSocket (WebRTC {state})"
+        through = ", relay only" if webrtc_relay_only else ""
+        detail = f"WebRTC ({receiver.codec}{through})" if state == "connected" else f"WebSocket (WebRTC {state})"
         print(f"frames by {detail}" + (f": {receiver.refused}" if receiver.refused else ""), flush=True)
 
     session = await fresh_session()
@@ -570,6 +574,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the client offers after ready and waits for the track; refused or unconnected, they come on the WebSocket",
     )
     parser.add_argument(
+        "--webrtc-relay-only",
+        action="store_true",
+        help="--webrtc with relay candidates only: the track goes through the TURN relay the server names in "
+        "ready.webrtc.ice_servers (checks that the relay works from where the client runs)",
+    )
+    parser.add_argument(
         "--image",
         metavar="NAME|PATH",
         help="the session's start image: one the model offers (ready.model.start_images) by name, or a PNG, JPEG "
@@ -655,6 +665,7 @@ def run(args: argparse.Namespace) -> int:
         rewind, branch = share_choice(args, len(plan))
         image = start_image_choice(args.image) if args.image is not None else None
         prompts_at = prompt_switches(args.prompt_at, len(plan))
+        args.webrtc = args.webrtc or args.webrtc_relay_only
         if args.webrtc and (args.watch is not None or importlib.util.find_spec("aiortc") is None):
             raise ValueError("--webrtc is for a player, and needs aiortc (pip install 'arstream[webrtc]')")
     except (ValueError, OSError) as exc:
@@ -680,6 +691,7 @@ def run(args: argparse.Namespace) -> int:
                     branch=branch,
                     prompts_at=prompts_at,
                     webrtc=args.webrtc,
+                    webrtc_relay_only=args.webrtc_relay_only,
                 )
             )
     except NoKeysModel as exc:

@@ -211,31 +211,49 @@ class KeyNotTaken(ValueError):
     """A key script holds a key the model's controls do not take."""
 
 
+# Mouse buttons a key script may hold, as names -> ``MouseEvent.button`` (how a card's ``mouse_buttons`` keys them).
+MOUSE_BUTTON_NAMES = {"mouse_left": "0", "mouse_middle": "1", "mouse_right": "2"}
+
+
 @dataclass(frozen=True)
 class KeyInput:
     """Where held keys go in a model's controls, read from its card as the page reads it (static/input.js).
 
     A card's ``inputs`` entry of kind ``keys`` maps KeyboardEvent codes to the values its field takes (Waypoint's
-    button ids); without one, key names go as they are in ``keys`` (W A S D for the Wan world models)."""
+    button ids), and its ``mouse_buttons`` the mouse buttons (``mouse_left``, ``mouse_middle``, ``mouse_right`` in a
+    key script); without one, key names go as they are in ``keys`` (W A S D for the Wan world models)."""
 
     control: str = "keys"
     codes: dict[str, Any] | None = None
+    mouse_buttons: dict[str, Any] = field(default_factory=dict)
 
     def controls(self, held: Sequence[str]) -> dict[str, Any]:
         """The controls of an `input` holding ``held``; raises :class:`KeyNotTaken` naming a key the model lacks."""
         if self.codes is None:
             return {self.control: list(held)}
-        unknown = [name for name in held if key_code(name) not in self.codes]
+        values = [self._value(name) for name in held]
+        unknown = [name for name, value in zip(held, values, strict=True) if value is None]
         if unknown:
-            raise KeyNotTaken(f"the model takes no key {unknown[0]!r} (it takes e.g. w, space, 1, KeyQ, ArrowUp)")
-        return {self.control: [self.codes[key_code(name)] for name in held]}
+            taken = "w, space, 1, KeyQ, ArrowUp" + "".join(
+                f", {name}" for name, button in MOUSE_BUTTON_NAMES.items() if button in self.mouse_buttons
+            )
+            raise KeyNotTaken(f"the model takes no key {unknown[0]!r} (it takes e.g. {taken})")
+        return {self.control: values}
+
+    def _value(self, name: str) -> Any:
+        assert self.codes is not None
+        button = MOUSE_BUTTON_NAMES.get(name.lower())
+        if button is not None:
+            return self.mouse_buttons.get(button)
+        return self.codes.get(key_code(name))
 
 
 def key_input(card: dict[str, Any]) -> KeyInput:
-    """How ``card``'s model takes held keys (:class:`KeyInput`)."""
+    """How ``card``'s model takes held keys and mouse buttons (:class:`KeyInput`)."""
     for control, spec in (card.get("inputs") or {}).items():
         if isinstance(spec, dict) and spec.get("kind") == "keys" and isinstance(spec.get("codes"), dict):
-            return KeyInput(control, spec["codes"])
+            mouse = spec.get("mouse_buttons")
+            return KeyInput(control, spec["codes"], dict(mouse) if isinstance(mouse, dict) else {})
     return KeyInput()
 
 
@@ -512,6 +530,12 @@ class Session:
         self.tick_sent_at[tick_id] = time.perf_counter()
         await self._send(text)
         return tick_id
+
+    @property
+    def ice_servers(self) -> list[dict[str, Any]] | None:
+        """``ready.webrtc.ice_servers``: the ICE servers for a peer connection (None: the server did not say)."""
+        webrtc = self.ready.get("webrtc")
+        return None if not isinstance(webrtc, dict) else list(webrtc.get("ice_servers") or [])
 
     async def offer_webrtc(self, receiver: TrackReceiver) -> None:
         """Offer ``receiver``'s track (PROTOCOL.md, "WebRTC video"): chunks come on it once the server says

@@ -2,7 +2,7 @@
 
     session = Session(await connect(url))
     await session.start(seed=1)
-    receiver = TrackReceiver(fps=session.model["fps"])
+    receiver = TrackReceiver(fps=session.model["fps"], ice_servers=session.ice_servers)
     await session.offer_webrtc(receiver)  # its answer and state are read with the session's next messages
     ...  # tick as usual: a chunk whose `delivery` is "webrtc" has no binary frames, they come on the track
     await receiver.wait_shown()  # before the session's close: frames still on the track then are not sent
@@ -35,11 +35,16 @@ RTP_CLOCK_HZ = 90_000
 class TrackReceiver:
     """One session's peer connection from the client's side: a recvonly video track, its decoded frames."""
 
-    def __init__(self, fps: float) -> None:
-        from aiortc import RTCPeerConnection
+    def __init__(self, fps: float, ice_servers: list[dict[str, Any]] | None = None, relay_only: bool = False) -> None:
+        """``ice_servers``: the session's ``ready.webrtc.ice_servers`` (None: aiortc's default); ``relay_only``:
+        offer relay candidates only (through those servers' TURN relay), as a client behind a strict NAT would."""
+        from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection
+        from aiortc.rtcconfiguration import RTCIceTransportPolicy
 
         self.step = max(1, round(RTP_CLOCK_HZ / fps))
-        self.pc = RTCPeerConnection()
+        servers = None if ice_servers is None else [RTCIceServer(**server) for server in ice_servers]
+        policy = RTCIceTransportPolicy.RELAY if relay_only else RTCIceTransportPolicy.ALL
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=servers, iceTransportPolicy=policy))
         self.codec: str | None = None  # the server's answer says which
         self.state = "new"  # the server's last webrtc_state ('connected', 'failed', 'closed')
         self.refused: str | None = None  # the webrtc_failed message, when the server refused the offer

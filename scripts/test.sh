@@ -22,17 +22,22 @@ run() {  # COMMAND...: run it, or with --plan only show it
 
 # chromium: browser tests; haproxy: the local cluster; prometheus: promtool for the deploy/ checks;
 # dnsmasq-base: the DNS a Kubernetes pod sees, on loopback, for tests/cluster/test_kubernetes_rollout.py (the binary
-# only: Debian's dnsmasq package would also start a system-wide resolver).
+# only: Debian's dnsmasq package would also start a system-wide resolver); coturn: the TURN relay's test
+# (tests/server/test_webrtc_turn.py starts its own turnserver on loopback; the package's system service is stopped
+# and disabled where systemd runs, so that no relay listens on 3478 with Debian's default configuration).
 if [ ! -x /usr/bin/chromium ] || ! command -v haproxy >/dev/null || ! command -v promtool >/dev/null \
-    || [ ! -x /usr/sbin/dnsmasq ]; then
+    || [ ! -x /usr/sbin/dnsmasq ] || ! command -v turnserver >/dev/null; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-    step "Debian packages chromium, haproxy, prometheus, dnsmasq-base (apt-get${SUDO:+, with sudo})"
+    step "Debian packages chromium, haproxy, prometheus, dnsmasq-base, coturn (apt-get${SUDO:+, with sudo})"
     run $SUDO apt-get update -qq
     run env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
     run env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends haproxy prometheus \
-        dnsmasq-base >/dev/null
+        dnsmasq-base coturn >/dev/null
+    if [ -d /run/systemd/system ]; then
+        run $SUDO systemctl disable --now coturn >/dev/null 2>&1 || true
+    fi
 else
-    step "Debian packages: chromium, haproxy, prometheus and dnsmasq-base are already installed"
+    step "Debian packages: chromium, haproxy, prometheus, dnsmasq-base and coturn are already installed"
 fi
 
 if [ ! -x .venv/bin/python ]; then

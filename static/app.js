@@ -709,6 +709,7 @@ const controls = new Controls({
 controls.attachKeyboard();
 controls.attachPad($('pad'));
 controls.attachDrag($('player'), () => look.active);  // with a camera, a drag looks around
+controls.attachMouseButtons($('player'), () => look.locked);  // a card's mouse buttons (waypoint-1.5)
 
 function showHint(text) {
   $('hint').textContent = text;

@@ -3,7 +3,8 @@
 // gamepad. Every source adds to one set of held keys; `onChange` hears the
 // sorted list whenever it changes. Which keys count, and what each is sent as,
 // comes from the model card (`keyInput`): W A S D by default, or any key a card's
-// `inputs` maps (by KeyboardEvent.code) to the values its controls take.
+// `inputs` maps (by KeyboardEvent.code) to the values its controls take, and the
+// mouse buttons it maps (by MouseEvent.button) pressed over the world.
 
 export const KEYS = ['w', 'a', 's', 'd'];
 const KEY_FOR_CODE = {
@@ -17,18 +18,20 @@ const STICK_DEAD_ZONE = 0.5;
 const PAD_BUTTONS = { 12: 'w', 13: 's', 14: 'a', 15: 'd' };  // standard gamepad d-pad
 
 /**
- * The controls field held keys go to, and what each key code is sent as: a card's `inputs` entry of kind
- * `keys` (`{"kind": "keys", "codes": {"KeyW": 87, ...}}`, e.g. waypoint-1.5's button ids), else `keys` with
- * W A S D and the arrows as 'w' 'a' 's' 'd'.
+ * The controls field held keys go to, what each key code is sent as, and what each mouse button is sent as
+ * (by MouseEvent.button, as a string): a card's `inputs` entry of kind `keys`
+ * (`{"kind": "keys", "codes": {"KeyW": 87, ...}, "mouse_buttons": {"0": 1, ...}}`, e.g. waypoint-1.5's button
+ * ids), else `keys` with W A S D and the arrows as 'w' 'a' 's' 'd' and no mouse buttons.
  */
 export function keyInput(card) {
   const inputs = (card && card.inputs) || {};
   for (const [field, input] of Object.entries(inputs)) {
     if (input && input.kind === 'keys' && input.codes && typeof input.codes === 'object') {
-      return { field, codes: input.codes };
+      const mouse = input.mouse_buttons && typeof input.mouse_buttons === 'object' ? input.mouse_buttons : {};
+      return { field, codes: input.codes, mouseButtons: mouse };
     }
   }
-  return { field: 'keys', codes: KEY_FOR_CODE };
+  return { field: 'keys', codes: KEY_FOR_CODE, mouseButtons: {} };
 }
 
 /**
@@ -67,16 +70,21 @@ export class Controls {
     this.keyboard = new Set();   // physical key codes held
     this.pointers = new Map();   // pointerId -> keys held by that pointer (pad or drag)
     this.gamepad = [];
+    this.mouse = new Set();      // mouse buttons held over the world (MouseEvent.button)
     this.last = '';
     this.codes = KEY_FOR_CODE;   // key code -> what the model takes (the card's keyInput)
+    this.mouseButtons = {};      // MouseEvent.button -> what the model takes; empty: buttons are not sent
   }
 
-  /** Read the model card: which keys count and what each is sent as. */
+  /** Read the model card: which keys and mouse buttons count and what each is sent as. */
   configure(card) {
-    const codes = keyInput(card).codes;
-    if (JSON.stringify(codes) === JSON.stringify(this.codes)) return;  // the same model again: keep what is held
+    const { codes, mouseButtons } = keyInput(card);
+    const same = JSON.stringify([codes, mouseButtons]) === JSON.stringify([this.codes, this.mouseButtons]);
+    if (same) return;  // the same model again: keep what is held
     this.codes = codes;
+    this.mouseButtons = mouseButtons;
     this.keyboard.clear();
+    this.mouse.clear();
     this.changed();
   }
 
@@ -87,6 +95,7 @@ export class Controls {
     const letter = (key) => this.codes[LETTER_CODES[key]];
     for (const held of this.pointers.values()) for (const key of held) keys.add(letter(key));
     for (const key of this.gamepad) keys.add(letter(key));
+    for (const button of this.mouse) keys.add(this.mouseButtons[button]);
     keys.delete(undefined);
     return [...keys].sort();
   }
@@ -104,6 +113,7 @@ export class Controls {
     this.keyboard.clear();
     this.pointers.clear();
     this.gamepad = [];
+    this.mouse.clear();
     this.changed();
   }
 
@@ -173,6 +183,30 @@ export class Controls {
       if (this.pointers.delete(event.pointerId)) this.changed();
     };
     for (const type of ['pointerup', 'pointercancel', 'lostpointercapture']) surface.addEventListener(type, end);
+  }
+
+  /**
+   * Mouse buttons the card maps, pressed over the world, are held like keys. While the pointer is locked
+   * (`isLocked()`) every mapped button counts; unlocked, the left button is not a press: it asks for the lock
+   * and drags to look (look.js) or to steer (`attachDrag`), and only the other buttons count. A card without
+   * `mouse_buttons` changes nothing here: the right button keeps the browser's menu.
+   */
+  attachMouseButtons(surface, isLocked = () => false) {
+    const mapped = (event) => String(event.button) in this.mouseButtons;
+    surface.addEventListener('mousedown', (event) => {
+      if (!mapped(event) || event.target.closest('button, input, select, a, form')) return;
+      if (event.button === 0 && !isLocked()) return;
+      event.preventDefault();  // the middle button would start the browser's autoscroll
+      this.mouse.add(event.button);
+      this.changed();
+    });
+    // Released anywhere: the pointer may have left the player while the button was down.
+    document.addEventListener('mouseup', (event) => {
+      if (this.mouse.delete(event.button)) this.changed();
+    });
+    surface.addEventListener('contextmenu', (event) => {
+      if ('2' in this.mouseButtons) event.preventDefault();  // the right button is the model's
+    });
   }
 
   /** Read the first gamepad's left stick and d-pad; call once per animation frame. */

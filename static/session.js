@@ -201,6 +201,7 @@ export class Session {
     this.track = new TrackLink({
       video,
       fps: this.ready.model.fps,
+      iceServers: this.ready.webrtc ? this.ready.webrtc.ice_servers : [],
       send: (message) => this.send(message),
       onShown: (entry, now) => onShown(this, entry, now),
       onState: (state) => onState(this, state),

@@ -26,14 +26,17 @@ export class TrackLink {
    * @param {(message: object) => void} options.send      sends a message on the session's WebSocket
    * @param {(entry: {applied: number[]}, now: number) => void} options.onShown  a frame was shown
    * @param {(state: string) => void} options.onState     'offered', 'connected', 'failed'
+   * @param {object[]} [options.iceServers]  the session's `ready.webrtc.ice_servers` (a TURN relay for a page
+   *                                         behind NAT), as RTCPeerConnection takes them
    */
-  constructor({ video, fps, send, onShown, onState }) {
+  constructor({ video, fps, send, onShown, onState, iceServers = [] }) {
     this.video = video;
     this.fps = fps;
     this.step = Math.round(RTP_CLOCK_HZ / fps);
     this.send = send;
     this.onShown = onShown;
     this.onState = onState;
+    this.iceServers = iceServers;
     this.pc = null;
     this.inputs = null;                 // the `inputs` data channel
     this.connected = false;
@@ -47,7 +50,7 @@ export class TrackLink {
 
   /** Offer a recvonly video section once ICE gathering is complete. */
   async offer() {
-    const pc = new RTCPeerConnection();
+    const pc = new RTCPeerConnection({ iceServers: this.iceServers });
     this.pc = pc;
     pc.addTransceiver('video', { direction: 'recvonly' });
     this.inputs = pc.createDataChannel('inputs', { ordered: false });

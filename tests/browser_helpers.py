@@ -16,6 +16,7 @@ loads the page under the real CSP (:func:`open_context` bypasses it for the rest
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,6 +108,17 @@ def debug(page: Any) -> dict[str, Any]:
 
 def wait(page: Any, predicate: str) -> None:
     page.wait_for_function(predicate, timeout=WAIT_MS)
+
+
+UNTIL_GUARD_S = 60.0  # hang guard only
+
+
+def until(page: Any, expression: str) -> None:
+    """Poll an expression with ``evaluate`` (the page's CSP forbids the ``eval`` that ``wait_for_function`` uses)."""
+    deadline = time.monotonic() + UNTIL_GUARD_S
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"never true: {expression}"
+        time.sleep(0.05)
 
 
 def wait_frames_drawn(page: Any, more_than: int) -> None:

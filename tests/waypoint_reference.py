@@ -4,11 +4,14 @@
 
 Its own code, sharing nothing with ``arstream.models.waypoint`` but the weights
 it reads (the published key names; the decoder's weight-normed as published):
-a per-layer ring-buffer cache of ``local_window`` frames plus a tail slot for
-the current frame, a written mask, K stored rotated with absolute frame
-positions, and a frozen flag that keeps the denoising passes from writing to
-the ring, as ``LayerKVCache.upsert`` does. Attention is masked SDPA over the
-whole ring (flex attention's block mask as a dense mask).
+a per-layer ring-buffer cache plus a tail slot for the current frame, a written
+mask, K stored rotated with absolute frame positions, and a frozen flag that
+keeps the denoising passes from writing to the ring, as ``LayerKVCache.upsert``
+does. Every ``global_attn_period``-th layer from ``global_attn_offset`` gets
+``global_window`` frames of ring in buckets of ``global_pinned_dilation``
+frames, written only on frames whose index is a multiple of the dilation; the
+others ``local_window`` frames (``StaticKVCache``). Attention is masked SDPA
+over the whole ring (flex attention's block mask as a dense mask).
 """
 
 from __future__ import annotations
@@ -83,25 +86,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int, H: int, 
 
 
 class LayerKVCache:
-    """``LayerKVCache``: a ring of ``L`` tokens (``L / tpf`` frame slots) plus a tail slot for the current frame."""
+    """``LayerKVCache``: a ring of ``L`` tokens (``L / tpf / dilation`` frame slots) plus a tail slot for the
+    current frame."""
 
-    def __init__(self, heads: int, L: int, dh: int, tpf: int) -> None:
-        self.tpf, self.L = tpf, L
+    def __init__(self, heads: int, L: int, dh: int, tpf: int, dilation: int = 1) -> None:
+        assert (L // tpf) % dilation == 0 and L % tpf == 0
+        self.tpf, self.L, self.dilation = tpf, L, dilation
         self.capacity = L + tpf
-        self.num_buckets = L // tpf
+        self.num_buckets = (L // tpf) // dilation
         self.kv = torch.zeros(2, 1, heads, self.capacity, dh)
         self.written = torch.zeros(self.capacity, dtype=torch.bool)
         self.written[L:] = True
 
     def upsert(self, kv: torch.Tensor, t: int, frozen: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ring = torch.arange(self.tpf) + (t % self.num_buckets) * self.tpf
+        bucket = (t + self.dilation - 1) // self.dilation
+        ring = torch.arange(self.tpf) + (bucket % self.num_buckets) * self.tpf
         tail = torch.arange(self.tpf) + self.L
+        write_step = t % self.dilation == 0
         self.kv[:, :, :, tail] = kv
         mask = self.written.clone()
-        mask[ring] = False  # the slot this frame overwrites (the oldest frame) is not attended
+        if write_step:
+            mask[ring] = False  # the slot this frame overwrites (the oldest kept frame) is not attended
         if not frozen:
-            self.kv[:, :, :, ring] = kv
-            self.written[ring] = True
+            slots = ring if write_step else tail  # off the dilation's beat a frame is not kept
+            self.kv[:, :, :, slots] = kv
+            self.written[slots] = True
         return self.kv[0], self.kv[1], mask
 
 
@@ -111,14 +120,24 @@ class ReferenceWaypoint:
     def __init__(self, cfg: Any, weights: dict[str, torch.Tensor], decoder_file: dict[str, torch.Tensor],
                  window: int | None = None) -> None:
         self.cfg, self.w, self.dec = cfg, weights, decoder_file
-        window = cfg.local_window if window is None else window
         self.H, self.W = cfg.height, cfg.width
         self.tpf = self.H * self.W
         self.dh = cfg.d_model // cfg.n_heads
         freqs = ortho_rope_freqs(self.H, self.W, cfg.n_frames, self.dh)
         self.cos, self.sin = freqs.cos(), freqs.sin()
-        self.caches = [LayerKVCache(cfg.n_kv_heads, window * self.tpf, self.dh, self.tpf) for _ in range(cfg.n_layers)]
+        self.caches = []
+        for i in range(cfg.n_layers):  # ``window`` given: every layer that many frames, undilated
+            frames, dilation = self.layer_frames(i) if window is None else (window, 1)
+            self.caches.append(LayerKVCache(cfg.n_kv_heads, frames * self.tpf, self.dh, self.tpf, dilation))
         self.frame_ts = 0
+
+    def layer_frames(self, i: int) -> tuple[int, int]:
+        """``StaticKVCache``'s ring length (frames) and dilation for layer ``i``."""
+        cfg = self.cfg
+        period = cfg.global_attn_period
+        if (i - cfg.global_attn_offset % period) % period == 0:
+            return cfg.global_window, cfg.global_pinned_dilation
+        return cfg.local_window, 1
 
     def attn(
         self, i: int, x: torch.Tensor, t: int, v1: torch.Tensor | None, frozen: bool

@@ -22,7 +22,7 @@ from arstream.programs.client_webrtc import TrackReceiver
 async def play(url: str, key: str, chunks: int, out: pathlib.Path) -> None:
     async with await Session.connect(url) as session:
         ready = await session.start(seed=1)
-        receiver = TrackReceiver(fps=ready.model.fps)
+        receiver = TrackReceiver(fps=ready.model.fps, ice_servers=session.ice_servers)  # a TURN relay, if any
         await session.offer_webrtc(receiver)  # the offer, its ICE candidates inside
         print("delivery:", await session.wait_for_track(timeout_s=10.0), receiver.codec or receiver.refused)
         frames, sent = [], 0

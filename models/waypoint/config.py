@@ -8,10 +8,16 @@ server cannot serve exactly:
 
 - ``prompt_conditioning`` set: the text path needs a UMT5-XL encoder this
   package does not load;
-- per-layer windows that differ (``local_window`` != ``global_window``, or a
-  ``global_pinned_dilation`` above 1): the runner keeps one window per session
-  for every layer, so such a model would attend to other frames than it was
-  trained with.
+- a ``global_window`` that is not a multiple of ``global_pinned_dilation`` (the
+  published cache asserts the same).
+
+Per-layer windows: every ``global_attn_period``-th layer (from
+``global_attn_offset``) is a *global* layer that sees ``global_window`` frames,
+of which only every ``global_pinned_dilation``-th (by absolute frame index) and
+the current frame; the others are *local* layers that see the last
+``local_window`` frames. The runner keeps one window per session for every
+layer, so the pipeline declares the widest and each layer masks its own
+(:meth:`WaypointConfig.layer_window`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class WaypointConfig:
     local_window: int = 16
     global_window: int = 16
     global_pinned_dilation: int = 1
+    global_attn_period: int = 1
+    global_attn_offset: int = 0
     ctrl_conditioning_period: int = 1
     noise_conditioning: str = "wan"
     value_residual: bool = False
@@ -68,6 +76,20 @@ class WaypointConfig:
     def latent_shape(self) -> tuple[int, int, int]:
         """One latent frame: channels, rows, columns."""
         return self.channels, self.height * self.patch[0], self.width * self.patch[1]
+
+    def layer_window(self, layer: int) -> tuple[int, int]:
+        """``(frames, dilation)`` of ``layer``: a global layer sees the current frame and, of the
+        ``global_window - 1`` frames before it, those whose absolute index is a multiple of the dilation; a local
+        layer the last ``local_window`` frames, itself included (the published ``StaticKVCache``'s rule)."""
+        offset = self.global_attn_offset % self.global_attn_period
+        if (layer - offset) % self.global_attn_period == 0:
+            return self.global_window, self.global_pinned_dilation
+        return self.local_window, 1
+
+    @property
+    def window_frames(self) -> int:
+        """The widest layer's window: what a session keeps for every layer."""
+        return max(self.layer_window(layer)[0] for layer in range(self.n_layers))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +151,9 @@ def get_config(name: str) -> WaypointConfig:
 
 # config.yaml keys this server reads (besides those it refuses when set)
 _REQUIRED = ("d_model", "n_heads", "n_layers", "mlp_ratio", "channels", "height", "width", "n_buttons", "n_frames",
-             "local_window", "global_window", "ctrl_conditioning_period", "scheduler_sigmas")
+             "local_window", "global_window", "global_attn_period", "ctrl_conditioning_period", "scheduler_sigmas")
+# window keys: whole numbers of at least 1
+_WINDOW_KEYS = ("local_window", "global_window", "global_pinned_dilation", "global_attn_period")
 
 
 def config_from_yaml(path: Path, base: WaypointConfig) -> WaypointConfig:
@@ -146,10 +170,12 @@ def config_from_yaml(path: Path, base: WaypointConfig) -> WaypointConfig:
     refused = []
     if raw.get("prompt_conditioning") is not None:
         refused.append("prompt_conditioning (a text encoder this server does not load)")
-    if raw["local_window"] != raw["global_window"]:
-        refused.append("local_window != global_window (the runner keeps one window for every layer)")
-    if int(raw.get("global_pinned_dilation", 1)) != 1:
-        refused.append("global_pinned_dilation > 1 (the runner keeps one window for every layer)")
+    windows = {key: raw.get(key, 1) for key in _WINDOW_KEYS}
+    bad = [key for key, value in windows.items() if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+    if bad:
+        refused.append(f"{', '.join(bad)} (a whole number of at least 1)")
+    elif windows["global_window"] % windows["global_pinned_dilation"]:
+        refused.append("global_window not a multiple of global_pinned_dilation")
     if raw.get("tokens_per_frame", raw["height"] * raw["width"]) != raw["height"] * raw["width"]:
         refused.append("tokens_per_frame != height * width")
     if refused:
@@ -168,6 +194,7 @@ def _merged(
         patch=(int(patch[0]), int(patch[1])),
         n_kv_heads=int(raw.get("n_kv_heads", raw["n_heads"])),
         global_pinned_dilation=int(raw.get("global_pinned_dilation", 1)),
+        global_attn_offset=int(raw.get("global_attn_offset", 0)),
         noise_conditioning=str(raw.get("noise_conditioning", base.noise_conditioning)),
         value_residual=bool(raw.get("value_residual", False)),
         gated_attn=bool(raw.get("gated_attn", False)),
@@ -187,6 +214,5 @@ def config_to_yaml(cfg: WaypointConfig) -> str:
         prompt_conditioning=None,
         ctrl_conditioning="mlp_fusion",
         ctrl_cond_dropout=0.0,
-        global_attn_period=1,
     )
     return yaml.safe_dump(keys)

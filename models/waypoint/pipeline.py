@@ -5,8 +5,9 @@ A chunk is the published engine's ``gen_frame`` (``world_engine`` commit
 the scheduler's sigmas walked with one non-committing pass each (Euler steps of
 the predicted velocity), then one committing pass of the clean frame at sigma 0
 that writes its K/V into the session's history, then the decode. The runner's
-window is the published ``local_window`` (the current frame and the frames
-before it); no sink.
+window is the widest layer's (the current frame and the frames before it; no
+sink): a layer with a narrower or dilated window masks the frames it does not
+see (:meth:`~arstream.models.waypoint.config.WaypointConfig.layer_window`).
 
 Per session the pipeline keeps the noise generator (seeded from the session's
 seed on its first chunk) and the last controls; both are exported with a
@@ -102,6 +103,15 @@ def control_vector(controls: dict[str, Any], cfg: WaypointConfig) -> torch.Tenso
     return vector
 
 
+def visible_frames(frames: torch.Tensor, window: int, dilation: int) -> torch.Tensor:
+    """Which of ``frames`` (absolute indexes ``[B, F]``, the last of each row the current frame) a layer with
+    ``window`` frames and ``dilation`` attends to: the current frame, and those of the ``window - 1`` before it
+    whose index is a multiple of ``dilation`` (the published ring cache keeps only those)."""
+    current = frames[:, -1:]
+    kept = (frames > current - window) & (frames % dilation == 0)
+    return kept | (frames == current)
+
+
 class PagedAttention:
     """:class:`~arstream.models.waypoint.dit.AttentionContext` over the runner's bound sessions (row ``i``)."""
 
@@ -113,6 +123,16 @@ class PagedAttention:
         self.key_cos, self.key_sin = cos[index][:, None], sin[index][:, None]  # [B, 1, visible tokens, D/2]
         self.query_cos, self.query_sin = self.key_cos[:, :, -tokens:], self.key_sin[:, :, -tokens:]
         self.groups = cfg.n_heads // cfg.n_kv_heads
+        # Each layer's mask over the gathered frames (absolute indexes: the dilation's phase), None where a layer
+        # sees them all; [B, 1, 1, visible tokens] for SDPA.
+        # Built on the CPU (no device round trip to find a mask that hides nothing).
+        frames = torch.tensor([list(range(s.frame_start - s.history_frames(), s.frame_start + 1)) for s in self.states])
+        masks: dict[tuple[int, int], torch.Tensor | None] = {}
+        for window, dilation in {cfg.layer_window(layer) for layer in range(cfg.n_layers)}:
+            seen = visible_frames(frames, window, dilation)
+            hides = not bool(seen.all())
+            masks[window, dilation] = seen.repeat_interleave(tokens, 1)[:, None, None].to(cos.device) if hides else None
+        self.masks = [masks[cfg.layer_window(layer)] for layer in range(cfg.n_layers)]
 
     def begin_pass(self, *, commit: bool) -> None:
         for state in self.states:
@@ -129,7 +149,8 @@ class PagedAttention:
         values = v_all.transpose(1, 2)
         if self.groups > 1:
             keys, values = keys.repeat_interleave(self.groups, 1), values.repeat_interleave(self.groups, 1)
-        return F.scaled_dot_product_attention(rotate(q, self.query_cos, self.query_sin), keys, values)
+        query = rotate(q, self.query_cos, self.query_sin)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=self.masks[layer])
 
 
 def denoise_frame(
@@ -188,7 +209,7 @@ class WaypointPipeline(SessionStateBinding):
             tokens_per_frame=cfg.tokens_per_frame,
             frames_per_chunk=1,
             sink_frames=0,
-            window_frames=cfg.local_window,
+            window_frames=cfg.window_frames,
             session_capacity=self.session_capacity,
             dtype=self.dtype,
             max_position_frames=cfg.n_frames,

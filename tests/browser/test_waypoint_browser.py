@@ -59,3 +59,50 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     assert 1 in scrolls and scrolls[-1] == 0 and -1 not in scrolls
     page.keyboard.up("q")
     assert debug(page)["errors"] == []
+
+
+def test_mouse_buttons_reach_waypoint_as_its_buttons_and_a_drag_still_looks(server: LiveServer, page: Any) -> None:
+    """The card's `mouse_buttons` (MouseEvent.button -> button id): unlocked, the right button is pressed and the
+    left one is the drag that looks and asks for the lock; locked, the left button is pressed too."""
+    sent: list[dict[str, Any]] = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload))))
+    page.goto(server.base_url + "/")
+    wait_frames_drawn(page, 2)
+    card = page.evaluate("fetch('/v1/model').then((r) => r.json())")
+    mouse_ids = card["inputs"]["buttons"]["mouse_buttons"]
+    left, right = mouse_ids["0"], mouse_ids["2"]
+
+    def inputs() -> list[list[int]]:
+        return [m["controls"]["buttons"] for m in sent if m["type"] == "input"]
+
+    def applied(count: int) -> None:
+        """Wait for the page's `count`th input and for the server to apply it to a chunk."""
+        wait(page, f"window.arstreamDebug.sentEventIds.length >= {count}")
+        wait(page, f"window.arstreamDebug.appliedEventIds.includes(window.arstreamDebug.sentEventIds[{count - 1}])")
+
+    box = page.locator("#player").bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down(button="right")
+    applied(1)
+    page.mouse.up(button="right")
+    applied(2)
+    assert inputs() == [[right], []]
+
+    page.mouse.down()  # unlocked: the left button asks for the lock and looks; it is not a press
+    page.mouse.move(x + 30, y, steps=4)
+    page.mouse.up()
+    wait(page, "document.pointerLockElement && document.pointerLockElement.id === 'player'")
+    before = len(debug(page)["sentTickIds"])
+    wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
+    assert inputs() == [[right], []]
+    moved = [t["controls"]["mouse"] for t in sent if t["type"] == "tick" and t["controls"]["mouse"] != [0, 0]]
+    assert moved and sum(m[0] for m in moved) == pytest.approx(30 * 0.01)  # the drag looked, as before
+
+    page.mouse.down()  # locked: the left button is the model's
+    applied(3)
+    page.mouse.up()
+    applied(4)
+    assert inputs() == [[right], [], [left], []]
+    page.evaluate("document.exitPointerLock()")
+    assert debug(page)["errors"] == []

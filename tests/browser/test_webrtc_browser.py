@@ -10,7 +10,6 @@ converts the track's YUV with another colour matrix than aiortc's encoder, so it
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 
 from arstream.app import webrtc_track
 from arstream.models.fake import FakeKVPipeline
-from browser_helpers import PageErrors, browser_marks, debug, new_page, page_at, wait
+from browser_helpers import PageErrors, browser_marks, debug, new_page, page_at, until, wait
 from servers import LiveServer, fake_settings, running_server, wait_until
 
 pytest.importorskip("aiortc")
@@ -138,17 +137,6 @@ def test_chromium_plays_the_track_and_maps_each_shown_frame_to_its_chunk(browser
     assert numbers == sorted(set(numbers)) and 0 <= numbers[0] and numbers[-1] < result["total"]
     wait_until(lambda: webrtc_track.open_peer_connections() == 0)
     wait_until(lambda: server.stats()["kv"]["blocks_used"] == 0)
-
-
-UNTIL_GUARD_S = 60.0  # hang guard only
-
-
-def until(page: Any, expression: str) -> None:
-    """Poll an expression with ``evaluate`` (the page's CSP forbids the ``eval`` that ``wait_for_function`` uses)."""
-    deadline = time.monotonic() + UNTIL_GUARD_S
-    while not page.evaluate(expression):
-        assert time.monotonic() < deadline, f"never true: {expression}"
-        time.sleep(0.05)
 
 
 def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(

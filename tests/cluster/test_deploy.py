@@ -162,6 +162,33 @@ def test_replicas_trust_forwarded_addresses_from_the_balancer_alone() -> None:
         assert [ipaddress.ip_address(entry) for entry in trusted.split(",")] == [balancer], name
 
 
+def test_the_turn_relay_is_a_profile_of_its_own_and_relays_only_to_the_replicas() -> None:
+    """compose.yaml's coturn: off in the default profiles, its secret from the environment, its relay ports
+    published as its configuration names them, and its peers only the replicas' addresses (the network's dynamic
+    range), so it opens no way to the balancer, Prometheus or anything else."""
+    services = compose()
+    turn = services["services"]["turn"]
+    assert turn["profiles"] == ["turn"] and turn["read_only"] is True
+    assert turn["environment"]["TURN_SECRET"] == "${ARSTREAM_TURN_SECRET:-}"
+    assert "test -n \"$$TURN_SECRET\"" in turn["entrypoint"][-1]  # refused unset: no relay open to anyone
+    config = (DEPLOY / "coturn" / "turnserver.conf").read_text().splitlines()
+    settings = [line.split("=", 1) for line in config if line and not line.startswith("#")]
+    values: dict[str, list[str]] = {}
+    for key, *value in settings:
+        values.setdefault(key, []).append(value[0] if value else "")
+    low, high = values["min-port"][0], values["max-port"][0]
+    assert f"{low}-{high}:{low}-{high}/udp" in turn["ports"]
+    assert "use-auth-secret" in values and "no-tcp-relay" in values
+    assert values["denied-peer-ip"] == ["0.0.0.0-255.255.255.255", "::-ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"]
+    dynamic = ipaddress.ip_network(compose_default(services["networks"]["default"]["ipam"]["config"][0]["ip_range"]))
+    first, last = values["allowed-peer-ip"][0].split("-")
+    assert (ipaddress.ip_address(first), ipaddress.ip_address(last)) == (dynamic[0], dynamic[-1])
+    for name, service in replica_services().items():
+        environment = service["environment"]
+        assert compose_default(environment["ARSTREAM_WEBRTC"]) == "false", name  # off unless asked for
+        assert environment["ARSTREAM_WEBRTC_TURN_SECRET"] == "${ARSTREAM_TURN_SECRET:-}", name
+
+
 def test_prometheus_finds_every_replica_by_dns_and_loads_the_alert_rules() -> None:
     result = run_tool(tool("promtool"), "check", "config", "deploy/prometheus/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -308,7 +335,7 @@ def test_image_runs_as_non_root_with_a_health_check_the_extras_and_the_weights()
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", dockerfile, re.MULTILINE)
     assert "COPY deploy/replica-entrypoint.sh /usr/local/bin/arstream-replica" in dockerfile
     assert 'ENTRYPOINT ["arstream-replica"]' in dockerfile
-    assert 'pip install --no-cache-dir ".[video,wan]"' in dockerfile  # H.264 and matrix-game-2's VAE
+    assert 'pip install --no-cache-dir ".[video,wan,webrtc]"' in dockerfile  # H.264, matrix-game-2's VAE, WebRTC
     assert "exec python -m arstream serve" in (DEPLOY / "replica-entrypoint.sh").read_text()
     assert "COPY models ./models" in dockerfile  # tiny-world's weights are package data under models/
     assert list((REPO_ROOT / "models" / "tiny_world" / "weights").glob("*.safetensors"))

@@ -200,7 +200,7 @@ def test_the_grace_period_outlasts_the_drain_and_prestop_is_a_command_the_image_
     objects = rendered(overlay)
     assert drain_problems(objects) == []
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    assert 'pip install --no-cache-dir ".[video,wan]"' in dockerfile  # installs the project: its console script
+    assert 'pip install --no-cache-dir ".[video,wan,webrtc]"' in dockerfile  # installs the project: its console script
     command = replica_container(objects)["lifecycle"]["preStop"]["exec"]["command"]
     result = run_tool(str(Path(sys.executable).parent / command[0]), *command[1:2], "--help")
     assert result.returncode == 0, result.stderr  # the very script the preStop names, installed here as in the image

@@ -3,6 +3,7 @@ published layout and refuses a file that does not fit; batching and parking chan
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,62 @@ def test_served_latents_and_frames_equal_the_dense_reference(pipeline: WaypointP
     assert pipeline.session_ids() == []
 
 
+# Layer 1 is global (period 2 from offset 1): six frames, every second one kept; layers 0 and 2 see two frames.
+MIXED = replace(get_config("tiny"), local_window=2, global_window=6, global_pinned_dilation=2, global_attn_period=2,
+                global_attn_offset=1)
+MIXED_CHUNKS = 14  # the global window slides eight times; positions stay inside the 24-frame rotary table
+
+
+@pytest.fixture(scope="module")
+def mixed_published(tmp_path_factory: pytest.TempPathFactory) -> Published:
+    root = tmp_path_factory.mktemp("waypoint-mixed")
+    return root, write_published(root, MIXED)
+
+
+@pytest.fixture(scope="module")
+def mixed_pipeline(mixed_published: Published) -> WaypointPipeline:
+    return load_waypoint(weights_path=mixed_published[0])
+
+
+def test_per_layer_windows_equal_the_reference_batched_out_of_phase(
+    mixed_pipeline: WaypointPipeline, mixed_published: Published
+) -> None:
+    """Dilated global and local layers: the session keeps the widest window and each layer masks its own. Session
+    a runs a frame ahead of b, so once batched the rows keep different frames of the dilated layer."""
+    pipeline, files = mixed_pipeline, mixed_published[1]
+    assert [pipeline.cfg.layer_window(layer) for layer in range(3)] == [(2, 1), (6, 2), (2, 1)]
+    assert pipeline.kv_cache_spec().window_frames == 6
+    runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=2)
+    latents: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    runner.execute_tick(tick("a", 0))
+    latents["a"].append(pipeline.last_latents["a"].clone())
+    for c in range(MIXED_CHUNKS - 1):
+        for result in runner.execute([tick("a", c + 1), tick("b", c)]):
+            assert isinstance(result, ChunkResult)
+        for session in ("a", "b"):
+            latents[session].append(pipeline.last_latents[session].clone())
+    assert runner.stats().batched_forwards_total >= 6  # batched once both histories are the whole window
+
+    def reference(session: str, cfg: WaypointConfig, window: int | None = None) -> list[torch.Tensor]:
+        ref = ReferenceWaypoint(cfg, files["model"], files["decoder"], window=window)
+        generator = torch.Generator().manual_seed(SEEDS[session])
+        with torch.inference_mode():
+            return [ref.gen_frame(torch.randn(cfg.latent_shape, generator=generator),
+                                  control_vector(controls_for(session, c), cfg)) for c in range(len(latents[session]))]
+
+    for session in ("a", "b"):
+        want = reference(session, MIXED)
+        for c, (got, expected) in enumerate(zip(latents[session], want, strict=True)):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"session {session} chunk {c}")
+    # negative controls: the global layer undilated, every layer the widest window, or every layer the narrowest
+    for other in (reference("a", replace(MIXED, global_pinned_dilation=1)), reference("a", MIXED, window=6),
+                  reference("a", MIXED, window=2)):
+        assert not torch.allclose(other[-1], latents["a"][-1], atol=1e-3)
+    for session in ("a", "b"):
+        runner.close_session(session)
+    assert runner.pool.num_free == runner.pool.num_blocks
+
+
 def test_a_session_runs_past_the_rotary_table(pipeline: WaypointPipeline) -> None:
     """The published cache indexes past its n_frames-frame table; served positions shift and keep going."""
     runner = ARRunner(pipeline, kv_budget_bytes=BUDGET)
@@ -170,8 +227,11 @@ def test_batched_sessions_get_the_frames_they_get_alone(pipeline: WaypointPipeli
     assert runner.stats().batched_forwards_total == 6
 
 
-def test_a_parked_or_rewound_session_continues_bit_identically(pipeline: WaypointPipeline) -> None:
-    """Parking keeps the KV and the noise generator; a rewind point holds both as they were at its boundary."""
+@pytest.mark.parametrize("served", ["pipeline", "mixed_pipeline"])
+def test_a_parked_or_rewound_session_continues_bit_identically(served: str, request: pytest.FixtureRequest) -> None:
+    """Parking keeps the KV and the noise generator; a rewind point holds both as they were at its boundary (and,
+    with per-layer windows, the dilation's phase: the frame index)."""
+    pipeline: WaypointPipeline = request.getfixturevalue(served)
 
     def rollout(park_at: int | None = None, rewind_at: int | None = None) -> list[torch.Tensor]:
         runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, rewind=RewindSchedule.last(4),
@@ -233,9 +293,14 @@ def test_a_file_that_does_not_fit_is_refused_naming_it_and_its_keys(tmp_path: Pa
 
     write_published(tmp_path, cfg)
     raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    raw.update(global_window=8, prompt_conditioning="cross_attention")
+    raw.update(global_window=7, global_pinned_dilation=2, prompt_conditioning="cross_attention")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(WaypointWeightsError, match=r"config\.yaml.*prompt_conditioning.*local_window"):
+    with pytest.raises(WaypointWeightsError,
+                       match=r"config\.yaml.*prompt_conditioning.*global_window not a multiple of global_pinned"):
+        load_waypoint(weights_path=tmp_path)
+    raw.update(global_window=8, global_pinned_dilation=0, prompt_conditioning=None)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(WaypointWeightsError, match=r"config\.yaml.*global_pinned_dilation \(a whole number"):
         load_waypoint(weights_path=tmp_path)
 
 

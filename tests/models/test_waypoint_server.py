@@ -46,9 +46,10 @@ def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
             assert seen == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]
         server.settled(start_free)
 
-        # arstream client maps its key names through the card as the page does: w -> KeyW -> 87, space -> 32.
+        # arstream client maps its key names through the card as the page does: w -> KeyW -> 87, space -> 32,
+        # mouse_right -> MouseEvent.button 2 -> 2.
         out = tmp_path / "frames"
-        assert client.main([server.ws_url, "--keys", "w*2,space+d*2", "--out", str(out)]) == 0
+        assert client.main([server.ws_url, "--keys", "w*2,space+d+mouse_right*2", "--out", str(out)]) == 0
         assert len(list(out.glob("*.png"))) == 4
         assert client.main([server.ws_url, "--keys", "F13*2", "--out", str(tmp_path / "none")]) == 2
         assert "the model takes no key 'F13'" in capsys.readouterr().err

@@ -292,3 +292,19 @@ def test_takes_keys_reads_the_model_cards_controls() -> None:
     with pytest.raises(client_lib.KeyNotTaken, match="'q'"):
         keys.controls(["w", "q"])
     assert client_lib.key_input({}).controls(["w", "d"]) == {"keys": ["w", "d"]}  # names as they are
+
+
+def test_a_key_script_holds_the_mouse_buttons_a_card_maps() -> None:
+    """Mouse buttons go by the card's ``mouse_buttons`` (keyed by MouseEvent.button), as the page sends them."""
+    card = {
+        "controls": {"properties": {"buttons": {}}, "additionalProperties": False},
+        "inputs": {"buttons": {"kind": "keys", "codes": {"KeyW": 87}, "mouse_buttons": {"0": 1, "2": 2}}},
+    }
+    keys = client_lib.key_input(card)
+    assert keys.controls(["w", "mouse_left"]) == {"buttons": [87, 1]}
+    assert keys.controls(["Mouse_Right"]) == {"buttons": [2]}
+    with pytest.raises(client_lib.KeyNotTaken, match=r"'mouse_middle' \(it takes e\.g\. .*mouse_left, mouse_right\)"):
+        keys.controls(["mouse_middle"])
+    unmapped = dict(card, inputs={"buttons": {"kind": "keys", "codes": {"KeyW": 87}}})
+    with pytest.raises(client_lib.KeyNotTaken, match="'mouse_left'"):
+        client_lib.key_input(unmapped).controls(["mouse_left"])

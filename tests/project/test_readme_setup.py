@@ -26,8 +26,8 @@ def test_the_quick_start_keeps_exactly_two_set_up_commands() -> None:
 def test_the_readme_names_every_debian_package_the_test_script_installs() -> None:
     script = (REPO / "scripts/test.sh").read_text().replace("\\\n", " ")  # continued lines joined
     installs = " ".join(re.findall(r"apt-get install [^\n]*", script))
-    packages = set(re.findall(r"\b(chromium|haproxy|prometheus|dnsmasq-base)\b", installs))
-    assert packages == {"chromium", "haproxy", "prometheus", "dnsmasq-base"}, installs
+    packages = set(re.findall(r"\b(chromium|haproxy|prometheus|dnsmasq-base|coturn)\b", installs))
+    assert packages == {"chromium", "haproxy", "prometheus", "dnsmasq-base", "coturn"}, installs
     section = _quick_start()
     for package in packages:
         assert f"`{package}`" in section, package
