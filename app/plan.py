@@ -8,7 +8,14 @@ itself, an :class:`~arstream.runner.runner.ARRunner` on the meta device with
 the budget a server on that GPU would give it: ``--memory-fraction`` (0.9) of
 what the GPU has left after the weights and the CUDA context. What the
 forward's activations and the decode's working memory take is not counted
-beforehand: the rest of the GPU is left for it.
+beforehand: the rest of the GPU is left for it (the plan prints an estimate of
+the forward's share from the shapes, and a note where it looks larger).
+
+With serve's ``--devices`` (one replica over P devices) the plan is each
+device's: the model is given one rank's share of the heads as a rank is, so
+every device holds the weights whole and ``heads / P`` of every KV block, and
+its pool is sized by the runner as a rank's is. A P that does not divide the
+model's heads is refused, naming both counts.
 
 ``arstream serve`` on a CUDA device prints the same plan before it loads the
 model, and refuses one that cannot hold a session, naming what to change.
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .settings import Settings
     from ..runner.runner import ARRunner
+    from ..runner.spec import KVCacheSpec
 
 log = logging.getLogger("arstream.plan")
 
@@ -41,12 +49,14 @@ GPU = "gpu"
 # What the refusal offers, in the order it is worth trying.
 REMEDIES = (
     ('weights "int8" in --model-options', "the DiT's block weights in half the bytes"),
-    ('text_encoder_device "cpu" in --model-options', "umT5 (LongLive, Self-Forcing) off the GPU"),
+    ('text_encoder_device "cpu" in --model-options', "umT5 (LongLive, Self-Forcing, Krea) off the GPU"),
     ("--rewind-seconds 0", "no rewind points"),
     ("--max-batch-sessions 1", "one staging row and one in-flight chunk"),
     ('kv_dtype "float16" or a smaller session_capacity', ""),
     ("a GPU with more memory, or --devices", ""),
 )
+# What models with a text encoder call the option that moves it off the GPU.
+TEXT_ENCODER_MODELS = ("longlive", "krea-realtime")
 
 
 class PlanError(ValueError):
@@ -80,12 +90,16 @@ class Component:
 
 @dataclass
 class FitPlan:
-    """What one GPU of ``gpu_memory_bytes`` holds of a model served with ``settings``, times ``devices`` replicas."""
+    """What one GPU of ``gpu_memory_bytes`` holds of a model served with ``settings``, times ``devices`` replicas.
+
+    Over several devices a replica (``replica_devices`` P) the figures are each device's: the weights whole, the
+    KV (``device_kv_heads`` of ``kv_heads`` heads) and the pool a rank's, ``session_capacity`` the replica's.
+    """
 
     model: str
     options: dict[str, Any]
     gpu_memory_bytes: int
-    devices: int
+    devices: int  # replicas (--replicas), each over replica_devices GPUs
     components: list[Component]
     kv_budget_bytes: int
     memory_fraction: float
@@ -101,6 +115,11 @@ class FitPlan:
     pool_bytes: int = 0  # the KV pool's blocks and staging rows, as the runner allocates them
     rewind: str = "off"
     park_sessions: int = 0
+    replica_devices: int = 1  # P: serve's --devices
+    kv_heads: int = 0  # the model's attention heads (every KV block's, whole)
+    device_kv_heads: int = 0  # what each device of the replica holds of them
+    activation_bytes: int | None = None  # estimated, one batched session on one device (None: not a Wan DiT)
+    batch_rows: int = 0  # sessions a forward batches
     refusal: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -112,27 +131,52 @@ class FitPlan:
     def sessions(self) -> int:
         return self.session_capacity * self.devices
 
+    @property
+    def gpus(self) -> int:
+        return self.devices * self.replica_devices
+
+    @property
+    def left_bytes(self) -> int:
+        """What the GPU has after the context and the weights: the KV budget and the rest."""
+        return max(self.gpu_memory_bytes - CUDA_CONTEXT_BYTES - self.gpu_weights_bytes, 0)
+
     def text(self) -> str:
         """The plan as ``arstream plan`` and ``arstream serve`` print it."""
+        where = f"{self.devices} GPU(s)"
+        if self.replica_devices > 1:
+            where = f"{self.devices} replica(s), each over {self.replica_devices} devices"
+        device = "GPU" if self.replica_devices == 1 else "device"
         lines = [
-            f"plan: {self.model} {json.dumps(self.options)} on {self.devices} GPU(s) of {gib(self.gpu_memory_bytes)}",
+            f"plan: {self.model} {json.dumps(self.options)} on {where} of {gib(self.gpu_memory_bytes)}",
             "  component      device   weights                               bytes",
         ]
         for c in self.components:
             lines.append(f"  {c.name:<14} {c.device:<8} {c.weights:<36} {gib(c.bytes):>11}")
         lines.append(f"  weights on the GPU: {gib(self.gpu_weights_bytes)}; CUDA context {gib(CUDA_CONTEXT_BYTES)}")
+        if self.replica_devices > 1:
+            lines.append(
+                f"  over {self.replica_devices} devices (--devices): each holds the weights whole and "
+                f"{self.device_kv_heads} of the {self.kv_heads} attention heads of every KV block"
+            )
         lines.append(
             f"  KV budget: {self.memory_fraction:g} of what is left = {gib(self.kv_budget_bytes)} "
             "(the rest: activations and the decode's working memory)"
         )
-        if self.block_bytes:
+        if self.block_bytes and self.refusal is None:
             kv = self.resident_frames * self.branches * self.block_bytes
+            on_each = "" if self.replica_devices == 1 else " on each device"
             lines.append(
-                f"  per session: {gib(self.per_session_bytes)} = KV {gib(kv)} ({self.resident_frames} frames x "
+                f"  per session{on_each}: {gib(self.per_session_bytes)} = KV {gib(kv)} ({self.resident_frames} frames x "
                 f"{gib(self.block_bytes)}, {self.kv_dtype}) + model-owned {gib(self.model_owned_per_session)}"
                 f" + rewind points {gib(self.per_session_bytes - kv - self.model_owned_per_session)}"
             )
-            lines.append(f"  once per GPU: {gib(self.fixed_bytes)} (in-flight chunks, staging rows, shared state)")
+            lines.append(f"  once per {device}: {gib(self.fixed_bytes)} (in-flight chunks, staging rows, shared state)")
+        if self.activation_bytes is not None:
+            lines.append(
+                f"  activations (estimated from the shapes): {gib(self.activation_bytes)} a batched session in one "
+                f"block's forward on each {device}, {gib(self.activation_bytes * self.batch_rows)} for "
+                f"{self.batch_rows}; the KV budget leaves {gib(self.left_bytes - self.kv_budget_bytes)}"
+            )
         lines.append(f"  rewind: {self.rewind}")
         lines.append(f"  parking: {self.park_sessions} session(s) in host memory (--park-budget-bytes)")
         lines.extend(f"  note: {note}" for note in self.notes)
@@ -140,9 +184,15 @@ class FitPlan:
             lines.append(f"  does not fit: {self.refusal}")
         else:
             capped = " (the session_capacity option's cap)" if self.session_capacity == self.session_cap else ""
-            lines.append(
-                f"  sessions: {self.session_capacity} per GPU{capped}, {self.sessions} on {self.devices} GPU(s)"
-            )
+            if self.replica_devices == 1:
+                lines.append(
+                    f"  sessions: {self.session_capacity} per GPU{capped}, {self.sessions} on {self.devices} GPU(s)"
+                )
+            else:
+                lines.append(
+                    f"  sessions: {self.session_capacity} per replica{capped} (its devices hold the same blocks), "
+                    f"{self.sessions} on {self.devices} replica(s) of {self.replica_devices} devices ({self.gpus} GPUs)"
+                )
         return "\n".join(lines)
 
 
@@ -151,16 +201,18 @@ def planned_device(device: Any, text_device: str) -> str:
 
 
 def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pipeline: Any = None) -> FitPlan:
-    """The plan for ``settings.model`` with ``settings.model_options`` on ``devices`` GPUs of ``gpu_memory_bytes``.
+    """The plan for ``settings.model`` with ``settings.model_options`` on ``devices`` GPUs of ``gpu_memory_bytes``
+    (``devices`` replicas, each over ``settings.devices``' P GPUs where it names several).
 
     ``pipeline``: the model already built on the meta device with those options (a table of several sizes
-    builds it once).
+    builds it once); it is given one device's share of the heads, in place (every head at P = 1).
     """
     from .settings import default_max_batch_sessions
     from ..models.registry import PLANNED_MODELS, load_pipeline
     from ..runner.pool import DEFAULT_MEMORY_FRACTION, PoolBudgetError
     from ..runner.runner import ARRunner
-    from ..runner.types import ParkingPolicy, RuntimeOptions
+    from ..runner.runtimes import shard_planned_pipeline
+    from ..runner.types import ParkingPolicy, RuntimeOptions, UnsupportedConfiguration
 
     if settings.model not in PLANNED_MODELS:
         raise PlanError(
@@ -171,6 +223,15 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
         raise PlanError(f"--replicas must be >= 1, got {devices}")
     if pipeline is None:
         pipeline = load_pipeline(settings.model, "meta", **settings.model_options)
+    world = len(settings.replica_devices())
+    try:
+        whole = shard_planned_pipeline(pipeline, world)  # every head; the pipeline keeps one device's share
+    except UnsupportedConfiguration as exc:
+        if not callable(getattr(pipeline, "shard_heads", None)):
+            raise PlanError(str(exc)) from None
+        heads = shard_planned_pipeline(pipeline, 1).num_kv_heads
+        divisors = ", ".join(str(p) for p in range(2, heads + 1) if heads % p == 0)
+        raise PlanError(f"{exc}; {settings.model}'s {heads} heads divide over {divisors} devices") from None
     card = pipeline.model_card()
     components = [
         Component(c["name"], planned_device(c["device"], c["device"]), c["weights"], int(c["bytes"]))
@@ -185,7 +246,10 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
         devices=devices, components=components, kv_budget_bytes=budget, memory_fraction=fraction,
         session_cap=spec.session_capacity, block_bytes=spec.block_bytes, resident_frames=spec.resident_frames,
         kv_dtype=str(spec.dtype).removeprefix("torch."), branches=len(spec.kv_branches),
-        model_owned_per_session=spec.model_owned_bytes_per_session,
+        model_owned_per_session=spec.model_owned_bytes_per_session, replica_devices=world,
+        kv_heads=whole.num_kv_heads, device_kv_heads=spec.num_kv_heads,
+        activation_bytes=activation_bytes(pipeline, whole, world),
+        batch_rows=settings.max_batch_sessions or default_max_batch_sessions(GPU),
     )  # fmt: skip
     if "weights" in settings.model_options and settings.model_options["weights"] == "fp8":
         plan.notes.append("fp8 weights need a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell)")
@@ -195,7 +259,7 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
     options = RuntimeOptions(
         device="meta",
         kv_budget_bytes=max(budget, 1),
-        max_batch_sessions=settings.max_batch_sessions or default_max_batch_sessions(GPU),
+        max_batch_sessions=plan.batch_rows,
         rewind_seconds=settings.rewind_seconds,
         rewind_budget_bytes=settings.rewind_budget_bytes(),
         parking=ParkingPolicy(settings.park_budget_bytes, None, settings.park_spill_dir, settings.park_spill_budget_bytes),
@@ -206,7 +270,41 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
         plan.refusal = str(exc)
         return _with_remedies(plan)
     _read_runner(plan, runner)
+    if plan.activation_bytes is not None and plan.activation_bytes * plan.batch_rows > left - budget:
+        plan.notes.append(
+            f"the estimated activations of {plan.batch_rows} batched session(s) ({gib(plan.activation_bytes * plan.batch_rows)}) "
+            f"exceed what the KV budget leaves ({gib(left - budget)}): lower --memory-fraction or --max-batch-sessions"
+        )
     return plan
+
+
+def activation_bytes(pipeline: Any, whole: KVCacheSpec, world: int) -> int | None:
+    """An estimate, from the shapes, of one batched session's working set in one block of a forward on each of
+    ``world`` devices: the larger of the attention's and the FFN's live tensors (None where the DiT is not a Wan
+    one). Not measured: the GPU check's ``fit`` phase measures the peak.
+
+    Attention: the residual and its modulated copy (every token, whole on every device), this device's slice of
+    the tokens projected to q, k and v, the all-to-all's buffers (every token, ``heads / P``; none at P = 1), the
+    window's K and V read from the pool, q and k rotated, and the output. FFN: the residual, its input and the
+    hidden layer before and after the activation; Ulysses runs it whole on every device, so it does not shrink
+    with P.
+    """
+    import torch
+
+    cfg = getattr(getattr(pipeline, "model", None), "cfg", None)
+    dim, ffn = getattr(cfg, "dim", None), getattr(cfg, "ffn_dim", None)
+    if not isinstance(dim, int) or not isinstance(ffn, int):
+        return None
+    dtype = getattr(pipeline, "dtype", whole.dtype)
+    elem = torch.empty((), dtype=dtype if isinstance(dtype, torch.dtype) else whole.dtype).element_size()
+    queries = whole.frames_per_chunk * whole.tokens_per_frame
+    keys = (whole.sink_frames + whole.window_frames) * whole.tokens_per_frame
+    local = dim // world  # this device's heads, times the head size
+    exchanged = 0 if world == 1 else 2 * 3 * queries * local
+    attention = (2 * queries * dim + 3 * -(-queries // world) * dim + exchanged + 2 * keys * local
+                 + (queries + keys) * local + queries * local)  # fmt: skip
+    feed_forward = 2 * queries * dim + 2 * queries * ffn
+    return max(attention, feed_forward) * elem
 
 
 def _read_runner(plan: FitPlan, runner: ARRunner) -> None:
@@ -228,7 +326,8 @@ def _with_remedies(plan: FitPlan) -> FitPlan:
 def _already(plan: FitPlan, remedy: str) -> bool:
     options = plan.options
     return (remedy.startswith('weights "int8"') and options.get("weights") in ("int8", "fp8")) or (
-        remedy.startswith("text_encoder_device") and (plan.model != "longlive" or "text_encoder_device" in options)
+        remedy.startswith("text_encoder_device")
+        and (plan.model not in TEXT_ENCODER_MODELS or "text_encoder_device" in options)
     )
 
 
@@ -246,7 +345,7 @@ def check_plan_fits(settings: Settings) -> FitPlan | None:
 
     from ..models.registry import PLANNED_MODELS
 
-    device = torch.device(settings.device)
+    device = torch.device(settings.replica_devices()[0])  # rank 0's: every device of a replica holds the same
     if device.type != "cuda" or settings.model not in PLANNED_MODELS or settings.runtime != "arstream":
         return None
     free, _total = torch.cuda.mem_get_info(device)
@@ -262,7 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory of one GPU: 24GiB, 80GB, 141GB")
     # Not serve's --devices (one replica over several devices): here N GPUs each serve a replica of their own.
-    parser.add_argument("--replicas", type=int, default=1, metavar="N", help="GPUs, one replica each [default: 1]")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="replicas, each on one GPU or over serve's --devices [default: 1]")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON line after the text")
     add_settings_arguments(parser)  # serve's flags: --model, --model-options, the pool, rewind and parking
 
@@ -282,10 +382,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"arstream plan: {exc}", file=sys.stderr)
         return 2
     print(plan.text())
-    if settings.devices:
-        # The plan is one device's; serve's --devices splits every KV block's heads between them (weights whole).
-        shares = len(settings.devices.split(","))
-        print(f"  --devices: this plan is one device's; over {shares} each holds 1/{shares} of every KV block's heads")
     if args.json:
         print(json.dumps(plan_document(plan)))
     return 0 if plan.refusal is None else 1
@@ -298,6 +394,13 @@ def plan_document(plan: FitPlan) -> dict[str, Any]:
         "options": plan.options,
         "gpu_memory_bytes": plan.gpu_memory_bytes,
         "devices": plan.devices,
+        "replica_devices": plan.replica_devices,
+        "gpus": plan.gpus,
+        "kv_heads": plan.kv_heads,
+        "device_kv_heads": plan.device_kv_heads,
+        "block_bytes": plan.block_bytes,
+        "activation_bytes": plan.activation_bytes,
+        "batch_rows": plan.batch_rows,
         "components": [c.__dict__ for c in plan.components],
         "gpu_weights_bytes": plan.gpu_weights_bytes,
         "kv_budget_bytes": plan.kv_budget_bytes,

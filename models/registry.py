@@ -105,7 +105,7 @@ def _krea_realtime(device: torch.device, **options: Any) -> ARPipeline:
 
 
 # Models whose loaders build on the meta device (shapes and bytes, no file read): what ``arstream plan`` covers.
-PLANNED_MODELS = ("matrix-game-2", "longlive", "waypoint-1.5")
+PLANNED_MODELS = ("matrix-game-2", "longlive", "krea-realtime", "waypoint-1.5")
 
 # The project's own models; each factory takes (device, **options), as a plugin's does.
 BUILTIN: dict[str, Callable[..., ARPipeline]] = {

@@ -9,6 +9,15 @@ ends (so a run cut short by a timeout still returns what it measured):
 1. ``h264``: libx264 (app/video.py's encoder) on a synthetic 640x352 panning
    scene: milliseconds per frame, and what one session's stream costs per
    second of video at the model's frame rate.
+1b. ``devices``: one session of Krea Realtime 14B's shape (random weights,
+   480x832) and of matrix-game-2 1.3b through one replica over P = 1, 2 and 4
+   devices (``--devices``; runner/distributed/), as many as the machine has
+   GPUs (NCCL runs one rank a GPU; on a CPU P = 1 and 2 with gloo and the tiny
+   configs): ms per chunk, the collective's share of rank 0's chunk (the
+   profiler's NCCL kernel time, gloo's op time on a CPU) and the speedup over
+   P = 1. Never measured before, so it runs second; Krea at P = 1 first, the
+   figure sequence parallelism must divide. Variants past
+   ``--devices-deadline-s`` are skipped, and named.
 2. ``tiny_world``: ``bench serve`` at 16 batched sessions (2 on a CPU):
    server_vs_runner.
 3. ``matrix_game``: ``bench serve`` of matrix-game-2 (random weights, SDPA
@@ -101,6 +110,11 @@ class Profile:
     fit_chunks: int = 2
     fit_deadline_s: float = math.inf
     fit_compiles: bool = True
+    # the devices phase: (model, options) in the order they run, device counts, chunks timed per variant
+    devices_models: tuple[tuple[str, dict[str, Any]], ...] = ()
+    devices_counts: tuple[int, ...] = (1, 2, 4)
+    devices_chunks: int = 6
+    devices_deadline_s: float = math.inf
     threads: int = field(default_factory=default_torch_threads)
 
     def matrix_game_chunks(self, sessions: int) -> int:
@@ -135,6 +149,12 @@ def profile_for(device: str) -> Profile:
             },
             fit_chunks=8,
             fit_deadline_s=300.0,
+            devices_models=(
+                ("krea-realtime", {"config": "14b", "random_init": True, "dtype": "bfloat16"}),
+                ("matrix-game-2", {"config": "1.3b", "random_init": True, "dtype": "bfloat16"}),
+            ),
+            devices_chunks=6,
+            devices_deadline_s=240.0,
         )
     return Profile(
         matrix_game_options={"config": "tiny", "random_init": True, "dtype": "float32"},
@@ -159,6 +179,12 @@ def profile_for(device: str) -> Profile:
         },
         fit_chunks=2,
         fit_compiles=False,  # inductor on the CPU takes minutes: the compile lane runs the compiled variant
+        devices_models=(
+            ("krea-realtime", {"config": "tiny", "random_init": True, "dtype": "float32"}),
+            ("matrix-game-2", {"config": "tiny", "random_init": True, "dtype": "float32"}),
+        ),
+        devices_counts=(1, 2),  # two gloo ranks on the CPU
+        devices_chunks=2,
     )
 
 
@@ -397,6 +423,150 @@ def longlive_figures(profile: Profile, device: str) -> dict[str, Any]:
     }
 
 
+# ---- phase 1b: one replica over several devices -----------------------------------------------------------
+
+# What a collective is called in the profiler: NCCL's kernels on a GPU, c10d's and gloo's ops on a CPU.
+COLLECTIVE_EVENTS = ("nccl", "alltoall", "all_to_all", "allgather", "all_gather")
+
+
+def replica_devices(device: str, world: int) -> tuple[str, ...]:
+    """``cuda:0,...,cuda:P-1`` on a GPU machine; ``cpu`` P times on a CPU (gloo ranks)."""
+    if device.startswith("cuda"):
+        return tuple(f"cuda:{rank}" for rank in range(world))
+    return ("cpu",) * world
+
+
+def device_count(device: str) -> int:
+    """How many ranks this machine runs: its GPUs (NCCL refuses two ranks on one GPU), or any number on a CPU."""
+    return torch.cuda.device_count() if device.startswith("cuda") else 2
+
+
+def collective_share(profiler: Any, wall_s: float) -> float:
+    """The part of ``wall_s`` rank 0 spent in collectives: the union of the profiled collective events' times
+    (kernels on a GPU, ops on a CPU; nested events counted once)."""
+    spans = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in profiler.events()
+        if any(name in event.name.lower() for name in COLLECTIVE_EVENTS)
+    )
+    covered_us, reach = 0.0, -math.inf
+    for start, end in spans:
+        if end > reach:
+            covered_us += end - max(start, reach)
+            reach = end
+    return round(covered_us / 1e6 / wall_s, 4)
+
+
+def devices_variant_figures(profile: Profile, device: str, model: str, world: int) -> dict[str, Any]:
+    """One session of ``model`` on a replica over ``world`` devices: ms per chunk (the round, as the server waits
+    for it), the forward's own ms, and the collective's share of one more chunk, profiled."""
+    import functools
+
+    from torch.profiler import ProfilerActivity, profile as profiled
+
+    from ..models.registry import load_pipeline
+    from ..runner.distributed.runtime import DistributedRuntime
+    from ..runner.pool import budget_for_sessions
+    from ..runner.runner import ARRunner
+    from ..runner.types import RuntimeOptions, TickFailure, TickRequest
+
+    options = dict(next(o for m, o in profile.devices_models if m == model))
+    devices = replica_devices(device, world)
+    started = time.perf_counter()
+    pipeline: Any = load_pipeline(model, devices[0], **options)
+    # room for the one session (every head: a rank over a share of them has more than it needs)
+    budget = budget_for_sessions(pipeline.kv_cache_spec(), 1, max_batch_sessions=1)
+    runtime_options = RuntimeOptions(device=devices[0], kv_budget_bytes=budget)
+    runtime: ARRunner | DistributedRuntime
+    if world == 1:
+        runtime = ARRunner.for_pipeline(pipeline, runtime_options)
+    else:
+        loader = functools.partial(load_pipeline, model, **options)
+        runtime = DistributedRuntime.for_pipeline(
+            pipeline, replace(runtime_options, devices=devices, load_pipeline=loader)
+        )
+    try:
+        loaded_s = time.perf_counter() - started
+        runtime.warmup()
+        controls = {"keys": ["w"]} if model == "matrix-game-2" else {}
+        rounds: list[float] = []
+        compute: list[float] = []
+        frames = 0
+
+        def chunk(index: int) -> float:
+            nonlocal frames
+            tick = TickRequest(session_id="devices", request_id=index, controls=controls, seed=1)
+            began = time.perf_counter()
+            (result,) = runtime.execute([tick])
+            took = time.perf_counter() - began
+            if isinstance(result, TickFailure):
+                raise result.error
+            compute.append(result.compute_s)
+            frames += result.frames.shape[0]
+            return took
+
+        for index in range(profile.devices_chunks):
+            rounds.append(chunk(index))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        sent_before = runtime.parallel.bytes_sent if isinstance(runtime, DistributedRuntime) else 0
+        with profiled(activities=activities) as profiler:
+            profiled_s = chunk(profile.devices_chunks)
+        sent = runtime.parallel.bytes_sent - sent_before if isinstance(runtime, DistributedRuntime) else 0
+        runtime.close_session("devices")
+    finally:
+        if isinstance(runtime, DistributedRuntime):
+            runtime.shutdown()
+    timed = rounds[1:] or rounds  # the first chunk has the shortest history and the first-touch costs
+    return {
+        "model": model,
+        "options": options,
+        "devices": list(devices),
+        "load_s": round(loaded_s, 2),
+        "chunk_ms_p50": round(1000 * percentile(timed, 50), 2),
+        "chunk_ms_max": round(1000 * max(timed), 2),
+        "forward_ms_p50": round(1000 * percentile(compute[1 : len(rounds)] or compute, 50), 2),
+        "chunks": len(timed),
+        "video_fps": round(frames / (sum(rounds) + profiled_s) if rounds else 0.0, 2),
+        "collective_share": 0.0 if world == 1 else collective_share(profiler, profiled_s),
+        "collective_bytes_per_chunk": sent,  # sent by rank 0 (every rank sends as much)
+    }
+
+
+def devices_sweep(
+    profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float], save: Callable[[], None]
+) -> None:
+    """Each model over each device count the machine has, in order, until the phase's deadline (``variants``,
+    ``skipped``, ``errors``), and each model's ``speedup`` over P = 1."""
+    report.update(variants={}, skipped={}, errors={}, speedup={}, ranks_here=device_count(device))
+    pace_s: float | None = None
+    for model, _options in profile.devices_models:
+        for world in profile.devices_counts:
+            name = f"{model}/P={world}"
+            left = time_left_s()
+            if world > report["ranks_here"]:
+                report["skipped"][name] = f"{report['ranks_here']} GPU(s) here (NCCL runs one rank a GPU)"
+            elif left <= 0 or (pace_s is not None and pace_s > left):
+                report["skipped"][name] = f"{max(left, 0):.0f} s left of --devices-deadline-s"
+            else:
+                print(f"== devices: {name}", flush=True)
+                started = time.perf_counter()
+                try:
+                    report["variants"][name] = devices_variant_figures(profile, device, model, world)
+                except Exception as error:  # noqa: BLE001 - a variant that fails (memory, NCCL) says why
+                    report["errors"][name] = f"{type(error).__name__}: {error}"[-1000:]
+                pace_s = time.perf_counter() - started
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                one = report["variants"].get(f"{model}/P=1")
+                this = report["variants"].get(name)
+                if one and this and world > 1:
+                    report["speedup"][name] = round(one["chunk_ms_p50"] / this["chunk_ms_p50"], 3)
+            save()
+    if report["errors"]:
+        raise RuntimeError(f"{len(report['errors'])} devices variant(s) failed: {sorted(report['errors'])}")
+
+
 # ---- phase 6: what fits, and what quantized weights and compiled forwards give --------------------------
 
 # In the order they run until the phase's deadline: each model eager in each precision first, then compiled.
@@ -572,6 +742,8 @@ def run(args: argparse.Namespace) -> int:
         profile = replace(profile, deadline_s=args.deadline_s)
     if args.fit_deadline_s is not None:
         profile = replace(profile, fit_deadline_s=args.fit_deadline_s)
+    if args.devices_deadline_s is not None:
+        profile = replace(profile, devices_deadline_s=args.devices_deadline_s)
     torch.set_num_threads(profile.threads)
     out_file = Path(args.out) / "gpu-check.json" if args.out else None
     result: dict[str, Any] = {
@@ -580,6 +752,7 @@ def run(args: argparse.Namespace) -> int:
         "complete": False,
         "elapsed_s": 0.0,
         "h264": None,
+        "devices": None,
         "tiny_world": None,
         "matrix_game": None,
         "decode_path": None,
@@ -617,6 +790,18 @@ def run(args: argparse.Namespace) -> int:
     save()
     fps = get_config(profile.matrix_game_options["config"]).fps  # a session's stream plays at the model's rate
     phase("h264", lambda: h264_figures(frames=profile.h264_frames, fps=fps))
+    result["devices"] = {}
+    devices_started = time.perf_counter()
+    phase(
+        "devices",
+        lambda: devices_sweep(
+            profile,
+            args.device,
+            result["devices"],
+            time_left_s=lambda: profile.devices_deadline_s - (time.perf_counter() - devices_started),
+            save=save,
+        ),
+    )
     phase("tiny_world", lambda: tiny_world_figures(profile, args.device))
     result["matrix_game"] = {}
     phase(
@@ -719,6 +904,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fit-deadline-s",
         type=float,
         help="seconds the fit phase may take; variants that would pass it are skipped (default: 300 on cuda)",
+    )
+    parser.add_argument(
+        "--devices-deadline-s",
+        type=float,
+        help="seconds the devices phase may take; variants that would pass it are skipped (default: 240 on cuda)",
     )
     parser.add_argument(
         "--carried-requirements",

@@ -180,6 +180,31 @@ def build_runtime(name: str, pipeline: ARPipeline | NativePipeline, **options: A
     return entry.load().for_pipeline(pipeline, chosen)
 
 
+def shard_planned_pipeline(pipeline: ARPipeline, world: int) -> KVCacheSpec:
+    """Give a pipeline built on the meta device one rank's share of the heads of a replica over ``world`` devices,
+    as each rank's is given (every rank holds the same share), so that its ``kv_cache_spec`` is what one device's
+    pool holds; no process group is joined (a plan runs no forward). Returns the spec of every head (a share an
+    earlier plan gave it is undone first). Refused, naming the counts, where ``world`` does not divide the heads,
+    or the pipeline cannot split them."""
+    from .distributed.sequence_parallel import SequenceParallel, check_heads_divide
+
+    shard, unshard = getattr(pipeline, "shard_heads", None), getattr(pipeline, "unshard_heads", None)
+    if callable(unshard):
+        unshard()
+    whole = pipeline.kv_cache_spec()
+    if world == 1:
+        return whole
+    if not callable(shard):
+        name = pipeline.model_card().get("name")
+        raise UnsupportedConfiguration(
+            f"model {name!r} cannot split its attention heads over devices (matrix-game-2, longlive and "
+            "krea-realtime can)"
+        )
+    check_heads_divide(whole.num_kv_heads, world)
+    shard(SequenceParallel(0, world))
+    return whole
+
+
 def park_session(runtime: Runtime | None, session_id: str) -> None:
     """Park one session in host memory now, where the runtime parks (:class:`SupportsParking`)."""
     if isinstance(runtime, SupportsParking):

@@ -18,7 +18,7 @@ from servers import REPO_ROOT
 from test_deploy import run_tool, tool
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("gpu", "gpu-envoy", "cpu")
+OVERLAYS = ("gpu", "gpu-envoy", "gpu-devices", "cpu")
 SCALEDOBJECT_SCHEMA = KUBERNETES / "schemas" / "keda-scaledobject-v1alpha1.json"
 # The oldest Kubernetes these manifests are checked against (kubernetes-validate ships schemas per version).
 KUBERNETES_VERSION = "1.30.0"

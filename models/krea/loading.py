@@ -56,8 +56,12 @@ def load_krea(
     prompt_cache: int = 4,
     prompt_blend_chunks: int | None = None,
     session_capacity: int = 8,
+    weights: str | None = None,
+    text_encoder_device: str | None = None,
 ) -> KreaPipeline:
-    """Build Krea Realtime from a directory in the published layout, or ``random_init`` (fused the same way)."""
+    """Build Krea Realtime from a directory in the published layout, or ``random_init`` (fused the same way);
+    ``weights`` (int8, fp8) and ``text_encoder_device`` as LongLive's (:func:`load_parts`), and on the meta device
+    (``arstream plan``) its shapes and bytes only."""
     overrides = {} if prompt_blend_chunks is None else {"prompt_blend_chunks": int(prompt_blend_chunks)}
     cfg = get_config(config, **overrides)
     if cfg.prompt_blend_chunks < 2:
@@ -70,9 +74,8 @@ def load_krea(
     device = torch.device(device)
     parts = load_parts(cfg, device, family="krea-realtime", load_dit=dit, checkpoint=checkpoint,
                        random_init=random_init, seed=seed, dtype=dtype, t5_file=t5_file, vae_file=vae_file,
-                       tokenizer=tokenizer)  # fmt: skip
-    if checkpoint is None:
-        fuse_self_attention(parts.model)
+                       tokenizer=tokenizer, weights=weights, text_encoder_device=text_encoder_device,
+                       prepare_dit=fuse_self_attention)  # fused before any quantization: one projection to quantize
     pipeline = KreaPipeline(parts.model, parts.vae, parts.text, device=device, session_capacity=session_capacity,
                             prompt_cache=prompt_cache, default_prompt=default_prompt,
                             components=parts.components)  # fmt: skip

@@ -60,6 +60,7 @@ def load_parts(
     weights: str | None = None,
     kv_dtype: str | None = None,
     text_encoder_device: str | None = None,
+    prepare_dit: Callable[[LongLiveDiT], object] | None = None,
 ) -> WanT2VParts:
     """The DiT (read by ``load_dit`` from the checkpoint directory), umT5 and the Wan VAE, or seeded random weights.
 
@@ -74,6 +75,7 @@ def load_parts(
     loading (:mod:`arstream.models.wan.quantize`); the KV pool holds ``kv_dtype``
     (default: ``dtype``). On the meta device nothing is read or initialised:
     the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
+    ``prepare_dit``: what the family does to its DiT once it is loaded, before it is quantized (Krea fuses q/k/v).
     """
     planning = device.type == "meta"
     if not planning:
@@ -118,6 +120,8 @@ def load_parts(
         vae = build_vae(cfg)  # diffusers' own random init, seeded
         tokens = load_tokenizer(Path(tokenizer)) if tokenizer else byte_tokenizer()
     model = model.to(device=device, dtype=weights_dtype)
+    if prepare_dit is not None:
+        prepare_dit(model)
     quantize_blocks(model, weights)
     encoder = encoder.to(device=device if planning else text_device, dtype=weights_dtype)
     vae = vae.to(device=device)

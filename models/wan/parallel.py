@@ -33,6 +33,14 @@ class HeadParallel:
             layer.parallel = parallel
         self.head_parallel = parallel
 
+    def unshard_heads(self) -> None:
+        """Every head on this device again (``arstream plan`` sizes one meta-device pipeline at several P)."""
+        model: nn.Module = getattr(self, "model")  # noqa: B009
+        for layer in model.modules():
+            if isinstance(layer, WanSelfAttention):
+                layer.parallel = None
+        self.head_parallel = None
+
     def kv_heads(self, heads: int) -> int:
         """Heads of every KV block this rank holds."""
         return heads if self.head_parallel is None else self.head_parallel.local_heads(heads)

@@ -115,6 +115,9 @@ def test_replicas_scale_with_one_number_and_each_gpu_replica_locks_its_own_gpu()
     assert gpu["environment"]["ARSTREAM_DEVICE"] == "cuda" and cpu["environment"]["ARSTREAM_DEVICE"] == "cpu"
     locks = gpu["environment"]["ARSTREAM_GPU_LOCKS"]
     assert f"gpu-locks:{locks}" in gpu["volumes"] and "gpu-locks" in compose()["volumes"]
+    # GPUs a replica (the entry point spans them), and shared memory for NCCL between them
+    assert gpu["environment"]["ARSTREAM_GPUS_PER_REPLICA"] == "${ARSTREAM_GPUS_PER_REPLICA:-1}"
+    assert compose_default(gpu["shm_size"]) == "8gb"
     assert "COMPOSE_PROFILES=gpu" in (REPO_ROOT / ".env").read_text().splitlines()
 
 
@@ -222,58 +225,92 @@ def test_the_alert_unit_tests_fail_a_rule_that_never_fires(tmp_path: Path) -> No
     assert result.returncode != 0 and "ARStreamOverloaded" in result.stdout + result.stderr
 
 
-def test_replica_entrypoint_gives_each_replica_its_own_gpu_and_its_container_name(tmp_path: Path) -> None:
+class FakeReplicas:
     """deploy/replica-entrypoint.sh with a fake `python` (the GPU count, the reverse DNS name, and a server that
-    reports its GPU and id, then holds its lock until stopped)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python").write_text(
-        "#!/usr/bin/env bash\n"
-        'case "$1" in\n'
-        '  -) cat >/dev/null; echo "$FAKE_REVERSE_NAME" ;;\n'
-        '  -c) echo "$FAKE_GPUS" ;;\n'
-        '  -m) echo "serving id=$ARSTREAM_REPLICA_ID gpu=$CUDA_VISIBLE_DEVICES"; exec sleep 60 ;;\n'
-        "esac\n"
-    )
-    (fake / "python").chmod(0o755)
-    locks = tmp_path / "locks"
-    locks.mkdir()
-    env = {"PATH": f"{fake}:/usr/bin:/bin", "ARSTREAM_GPU_LOCKS": str(locks), "FAKE_GPUS": "2"}
-    started: list[subprocess.Popen[str]] = []
+    reports its id, GPUs and devices, then holds its locks until stopped)."""
 
-    def start(index: int) -> subprocess.Popen[str]:
+    def __init__(self, tmp_path: Path, gpus: int, **env: str) -> None:
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        (fake / "python").write_text(
+            "#!/usr/bin/env bash\n"
+            'case "$1" in\n'
+            '  -) cat >/dev/null; echo "$FAKE_REVERSE_NAME" ;;\n'
+            '  -c) echo "$FAKE_GPUS" ;;\n'
+            '  -m) echo "serving id=$ARSTREAM_REPLICA_ID gpu=$CUDA_VISIBLE_DEVICES devices=${ARSTREAM_DEVICES:-}";'
+            " exec sleep 60 ;;\n"
+            "esac\n"
+        )
+        (fake / "python").chmod(0o755)
+        locks = tmp_path / "locks"
+        locks.mkdir()
+        self.env = {"PATH": f"{fake}:/usr/bin:/bin", "ARSTREAM_GPU_LOCKS": str(locks), "FAKE_GPUS": str(gpus), **env}
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, index: int) -> subprocess.Popen[str]:
         process = subprocess.Popen(
             ["bash", str(DEPLOY / "replica-entrypoint.sh")],
-            env={**env, "FAKE_REVERSE_NAME": f"arstream-replica-{index}.arstream_default"},
+            env={**self.env, "FAKE_REVERSE_NAME": f"arstream-replica-{index}.arstream_default"},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        started.append(process)
+        self.started.append(process)
         return process
 
-    try:
-        first, second = start(1), start(2)
-        lines = sorted(p.stdout.readline().strip() for p in (first, second))  # type: ignore[union-attr]
-        assert lines == ["serving id=replica-1 gpu=0", "serving id=replica-2 gpu=1"] or lines == [
-            "serving id=replica-1 gpu=1",
-            "serving id=replica-2 gpu=0",
-        ], lines
-        third = start(3)
-        assert third.wait(STOP_GUARD_S) == 1
-        assert "all 2 GPU(s) are taken" in third.stderr.read()  # type: ignore[union-attr]
-        first.kill()
-        first.wait(STOP_GUARD_S)
-        freed = first_gpu = lines[0].rsplit("=", 1)[1]
-        fourth = start(4)
-        assert fourth.stdout.readline().strip() == f"serving id=replica-4 gpu={freed}", first_gpu  # type: ignore[union-attr]
-    finally:
-        for process in started:
+    def stop(self) -> None:
+        for process in self.started:
             process.kill()
             process.wait(STOP_GUARD_S)
             for stream in (process.stdout, process.stderr):
                 assert stream is not None
                 stream.close()
+
+
+def test_replica_entrypoint_gives_each_replica_its_own_gpu_and_its_container_name(tmp_path: Path) -> None:
+    replicas = FakeReplicas(tmp_path, gpus=2)
+    try:
+        first, second = replicas.start(1), replicas.start(2)
+        lines = sorted(p.stdout.readline().strip() for p in (first, second))  # type: ignore[union-attr]
+        assert lines == ["serving id=replica-1 gpu=0 devices=", "serving id=replica-2 gpu=1 devices="] or lines == [
+            "serving id=replica-1 gpu=1 devices=",
+            "serving id=replica-2 gpu=0 devices=",
+        ], lines
+        third = replicas.start(3)
+        assert third.wait(STOP_GUARD_S) == 1
+        assert "only 0 of 2 are free" in third.stderr.read()  # type: ignore[union-attr]
+        first.kill()
+        first.wait(STOP_GUARD_S)
+        freed = lines[0].split(" ")[2].removeprefix("gpu=")
+        fourth = replicas.start(4)
+        assert fourth.stdout.readline().strip() == f"serving id=replica-4 gpu={freed} devices="  # type: ignore[union-attr]
+    finally:
+        replicas.stop()
+
+
+def test_replica_entrypoint_gives_a_replica_of_two_gpus_two_free_ones_and_spans_them(tmp_path: Path) -> None:
+    """ARSTREAM_GPUS_PER_REPLICA=2 on four GPUs: two replicas hold two each and span them (--devices as the
+    process sees them); a third finds one GPU short, fails, and leaves no lock behind."""
+    replicas = FakeReplicas(tmp_path, gpus=4, ARSTREAM_GPUS_PER_REPLICA="2")
+    try:
+        first, second = replicas.start(1), replicas.start(2)
+        lines = {p.stdout.readline().strip() for p in (first, second)}  # type: ignore[union-attr]
+        held = sorted(line.split(" ")[2].removeprefix("gpu=") for line in lines)
+        assert held == ["0,1", "2,3"], lines
+        assert all(line.endswith(" devices=cuda:0,cuda:1") for line in lines), lines
+        first.kill()
+        first.wait(STOP_GUARD_S)
+        (freed,) = [line.split(" ")[2].removeprefix("gpu=") for line in lines if "replica-1 " in line]
+        # only one of the two freed GPUs would do for a replica of three: refused, its partial lock released
+        replicas.env["ARSTREAM_GPUS_PER_REPLICA"] = "3"
+        third = replicas.start(3)
+        assert third.wait(STOP_GUARD_S) == 1
+        assert "3 GPU(s) a replica, and only 2 of 4 are free" in third.stderr.read()  # type: ignore[union-attr]
+        replicas.env["ARSTREAM_GPUS_PER_REPLICA"] = "2"
+        fourth = replicas.start(4)
+        assert fourth.stdout.readline().strip() == f"serving id=replica-4 gpu={freed} devices=cuda:0,cuda:1"  # type: ignore[union-attr]
+    finally:
+        replicas.stop()
 
 
 # ---- HAProxy --------------------------------------------------------------------------------------

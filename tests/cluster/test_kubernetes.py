@@ -237,7 +237,7 @@ def test_replica_settings_are_settings_the_server_knows(overlay: str, monkeypatc
     assert settings.drain_timeout_s == float(environment["ARSTREAM_DRAIN_TIMEOUT_S"])
 
 
-def test_each_pod_is_its_own_replica_with_one_gpu_weights_from_a_volume_and_the_secret() -> None:
+def test_each_pod_is_its_own_replica_with_its_gpus_weights_from_a_volume_and_the_secret() -> None:
     for overlay in OVERLAYS:
         objects = rendered(overlay)
         replicas = one(objects, "StatefulSet")
@@ -249,13 +249,51 @@ def test_each_pod_is_its_own_replica_with_one_gpu_weights_from_a_volume_and_the_
             "key": "secret",
         }
         gpus = container["resources"]["limits"].get("nvidia.com/gpu")
-        assert gpus == (None if overlay == "cpu" else 1), overlay
+        assert gpus == {"cpu": None, "gpu-devices": 2}.get(overlay, 1), overlay
         assert replica_environment(objects)["ARSTREAM_DEVICE"] == ("cpu" if overlay == "cpu" else "cuda")
+        assert replica_environment(objects).get("ARSTREAM_DEVICES") == devices_for_gpus(objects), overlay
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in replicas["spec"]["template"]["spec"]["volumes"]}
         assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
         claim = volumes["models"]["persistentVolumeClaim"]["claimName"]
         assert one(objects, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+def devices_for_gpus(objects: list[Manifest]) -> str | None:
+    """The ARSTREAM_DEVICES a pod with its GPU limit needs: every GPU it is given, as the pod sees them (None for
+    one GPU or none)."""
+    gpus = replica_container(objects)["resources"]["limits"].get("nvidia.com/gpu") or 1
+    return ",".join(f"cuda:{i}" for i in range(gpus)) if gpus > 1 else None
+
+
+def quantity(text: str) -> int:
+    """A Kubernetes memory quantity in Mi or Gi, in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", text).groups()  # type: ignore[union-attr]
+    return int(number) * {"Mi": 2**20, "Gi": 2**30}[unit]
+
+
+def test_a_pod_over_several_gpus_has_shared_memory_for_nccl_and_a_device_count_its_model_can_split() -> None:
+    """The gpu-devices overlay: one replica over every GPU of its pod, /dev/shm a memory volume large enough for
+    NCCL (a container's own is 64 MiB), the model's heads divisible by the device count, and the base's probes."""
+    from arstream.app.settings import Settings
+    from arstream.models.registry import load_pipeline
+
+    objects = rendered("gpu-devices")
+    container = replica_container(objects)
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    shm_bytes = quantity(volumes[shm["name"]]["emptyDir"]["sizeLimit"])
+    assert shm_bytes >= 2**30 and shm_bytes < quantity(container["resources"]["limits"]["memory"])
+    environment = replica_environment(objects)
+    settings = Settings(model=environment["ARSTREAM_MODEL"], devices=environment["ARSTREAM_DEVICES"])
+    pipeline: Any = load_pipeline(settings.model, "meta", config="14b")
+    heads = pipeline.kv_cache_spec().num_kv_heads
+    assert heads % len(settings.replica_devices()) == 0 and len(settings.replica_devices()) == 2
+    single = replica_container(rendered("gpu"))
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe] == single[probe], probe
 
 
 def test_rollouts_and_disruptions_take_one_pod_at_a_time() -> None:
@@ -499,6 +537,7 @@ def test_pods_carry_no_api_token_and_write_only_to_their_named_volumes(overlay: 
             assert all("emptyDir" in volumes[name] for name in writable.values()), (kind, writable)
             assert "/tmp" in writable, (kind, writable)
     replica_writes = {m["mountPath"] for m in replica_container(objects)["volumeMounts"] if not m.get("readOnly")}
-    assert replica_writes == {"/tmp", "/home/arstream", "/var/spool/arstream"}, replica_writes
+    shared_memory = {"/dev/shm"} if overlay == "gpu-devices" else set()  # NCCL's, between a pod's ranks
+    assert replica_writes == {"/tmp", "/home/arstream", "/var/spool/arstream"} | shared_memory, replica_writes
     spill = "# ARSTREAM_PARK_SPILL_DIR: /var/spool/arstream"
     assert spill in (KUBERNETES / "base" / "settings.yaml").read_text()  # where parking's spill files would go

@@ -25,6 +25,7 @@ from arstream.app.settings import Settings
 from arstream.cli import main
 from arstream.models.registry import load_pipeline
 from arstream.runner.runner import ARRunner
+from arstream.runner.runtimes import shard_planned_pipeline
 from arstream.runner.types import ParkingPolicy
 from arstream.runner.types import RuntimeOptions
 
@@ -35,6 +36,7 @@ GIB = 2**30
 TINY = {
     "matrix-game-2": {"config": "tiny", "random_init": True, "weights": "int8"},
     "longlive": {"config": "tiny", "random_init": True, "weights": "int8", "text_encoder_device": "cpu"},
+    "krea-realtime": {"config": "tiny", "random_init": True, "weights": "int8", "text_encoder_device": "cpu"},
 }
 
 
@@ -153,3 +155,70 @@ def test_an_unplanned_model_and_a_bad_size_are_refused_in_one_line(capsys: pytes
     assert "is not built on the meta device" in capsys.readouterr().err
     assert main(["plan", "--model", "longlive", "--gpu-memory", "lots"]) == 2
     assert "expected a size such as 24GiB" in capsys.readouterr().err
+
+
+# ---- over P devices (serve's --devices): each device's figures -------------------------------------------------
+
+
+def test_over_two_devices_the_plan_is_a_ranks_pool_with_half_the_heads() -> None:
+    """The plan at P = 2 against a runner built on the CPU over a pipeline given rank 0's share of the heads, as a
+    rank is: the pool it allocates, and its heads."""
+    model, options = "krea-realtime", TINY["krea-realtime"]
+    settings = Settings(model=model, model_options=options, max_batch_sessions=2, devices="cpu,cpu")
+    plan = fit_plan(settings, gpu_memory_bytes=2 * GIB)
+    whole = fit_plan(Settings(model=model, model_options=options, max_batch_sessions=2), gpu_memory_bytes=2 * GIB)
+    assert plan.refusal is None and (plan.replica_devices, plan.kv_heads, plan.device_kv_heads) == (2, 2, 1)
+    assert plan.gpu_weights_bytes == whole.gpu_weights_bytes  # the weights are whole on every device
+    assert 2 * plan.block_bytes == whole.block_bytes
+
+    pipeline: Any = load_pipeline(model, "cpu", **options, dtype="bfloat16")
+    shard_planned_pipeline(pipeline, 2)
+    runner = ARRunner.for_pipeline(
+        pipeline,
+        RuntimeOptions(
+            device="cpu", kv_budget_bytes=plan.kv_budget_bytes, max_batch_sessions=2,
+            rewind_seconds=settings.rewind_seconds, rewind_budget_bytes=settings.rewind_budget_bytes(),
+            parking=ParkingPolicy(),
+        ),
+    )  # fmt: skip
+    assert allocated(runner.pool.kv, *runner.pool.staging.values()) == plan.pool_bytes
+    assert runner.session_capacity == plan.session_capacity
+    assert runner.spec.num_kv_heads == 1
+
+
+def test_krea_14b_over_devices_matches_a_hand_computation(capsys: pytest.CaptureFixture[str]) -> None:
+    """Krea Realtime 14B at 480x832 in bf16 (40 layers, 40 heads of 128, 5120 wide, FFN 13824; 30x52 = 1560 tokens
+    a latent frame, 3 a chunk, a 6-frame window) over 1, 2 and 4 devices of 141 GB."""
+    options = '{"config": "14b", "weights": "int8", "session_capacity": 256}'
+    documents, outs = {}, {}
+    for world in (1, 2, 4):
+        devices = [] if world == 1 else ["--devices", ",".join(f"cuda:{i}" for i in range(world))]
+        code, out, document = plan_cli(capsys, "--model", "krea-realtime", "--model-options", options,
+                                       "--gpu-memory", "141GB", "--max-batch-sessions", "1", *devices)  # fmt: skip
+        assert code == 0, out
+        documents[world], outs[world] = document, out
+    # a KV block: layers x (K, V) x tokens x heads on the device x head size x 2 bytes
+    for world, document in documents.items():
+        assert document["block_bytes"] == 40 * 2 * 1560 * (40 // world) * 128 * 2
+        assert document["device_kv_heads"] == 40 // world and document["gpus"] == world
+    assert documents[2]["block_bytes"] == 638_976_000
+    assert len({d["gpu_weights_bytes"] for d in documents.values()}) == 1  # whole on every device
+    # the KV of a session (3 frames) halves with P; the model-owned state (VAE cache, prompts) does not
+    per_session = [documents[w]["per_session_bytes"] for w in (1, 2, 4)]
+    assert per_session[0] - per_session[1] == 3 * 638_976_000 == 2 * (per_session[1] - per_session[2])
+    # activations at P = 2 (attention's, the larger): 2 T C + 3 (T/2) C + 6 T (C/2) + 2 K (C/2) + (T + K)(C/2)
+    # + T (C/2), with T = 4680 queries, K = 9360 keys, C = 5120: 251,596,800 values in 2 bytes
+    assert documents[2]["activation_bytes"] == 503_193_600
+    assert documents[1]["activation_bytes"] > documents[2]["activation_bytes"] > documents[4]["activation_bytes"]
+    assert documents[1]["session_capacity"] < documents[2]["session_capacity"] < documents[4]["session_capacity"]
+    assert "each holds the weights whole and 20 of the 40 attention heads of every KV block" in outs[2], outs[2]
+
+
+def test_a_device_count_that_does_not_divide_the_heads_is_refused_naming_both(capsys: pytest.CaptureFixture[str]) -> None:
+    for model, config, world, heads in (("krea-realtime", "14b", 3, 40), ("matrix-game-2", "1.3b", 8, 12)):
+        devices = ",".join(f"cuda:{i}" for i in range(world))
+        code = main(["plan", "--model", model, "--model-options", f'{{"config": "{config}"}}', "--gpu-memory", "80GB",
+                     "--devices", devices])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"{world} devices cannot share the model's {heads} attention heads" in err, err

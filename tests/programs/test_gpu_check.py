@@ -88,6 +88,15 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
     assert set(result["aims"]) >= {"one_session_fps_at_least_25", "server_vs_runner_at_least_0_95_everywhere"}
     assert result["aims"]["aggregate_fps_vs_one_session"].keys() == {"2"}
 
+    devices = result["devices"]  # one replica over cpu,cpu (gloo) against one device, tiny configs
+    assert devices["errors"] == {} and devices["skipped"] == {}, devices
+    assert set(devices["variants"]) == {f"{m}/P={p}" for m in ("krea-realtime", "matrix-game-2") for p in (1, 2)}
+    for name, figures in devices["variants"].items():
+        assert_positive(figures, ("chunk_ms_p50", "forward_ms_p50", "video_fps"), name)
+        two = name.endswith("P=2")
+        assert (figures["collective_share"] > 0) == two and (figures["collective_bytes_per_chunk"] > 0) == two, name
+    assert set(devices["speedup"]) == {"krea-realtime/P=2", "matrix-game-2/P=2"}
+
     fit = result["fit"]
     eager = {f"{m}/{w}/eager" for m in ("matrix-game-2", "longlive") for w in ("float32", "int8", "fp8")}
     assert set(fit["variants"]) == eager and fit["errors"] == {}, fit
@@ -159,6 +168,7 @@ def test_a_failed_phase_is_reported_and_the_others_still_run(
 
     monkeypatch.setattr(gpu_check, "h264_figures", lambda *, frames, fps: {"encode_ms_per_frame_p50": 1.0})
     monkeypatch.setattr(gpu_check, "tiny_world_figures", no_model)
+    monkeypatch.setattr(gpu_check, "devices_variant_figures", lambda *args: {"chunk_ms_p50": 1.0})
     monkeypatch.setattr(bench, "ServeBench", FakeServeBench)
     assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -179,3 +189,29 @@ def test_the_longlive_phase_measures_normal_and_switch_chunks_on_the_cpu_with_th
             "recache_ms_p50", "text_encode_ms_p50", "fps")  # fmt: skip
     assert_positive(figures, keys, "longlive")
     assert figures["plays_at_fps"] == 16
+
+
+def test_the_devices_phase_runs_krea_first_skips_what_the_machine_lacks_and_what_the_deadline_leaves_no_time_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured: list[str] = []
+
+    def fake_variant(profile: Any, device: str, model: str, world: int) -> dict[str, Any]:
+        measured.append(f"{model}/P={world}")
+        return {"chunk_ms_p50": 100.0 / world}
+
+    monkeypatch.setattr(gpu_check, "devices_variant_figures", fake_variant)
+    monkeypatch.setattr(gpu_check, "device_count", lambda device: 2)  # a fake of the CUDA GPU count: two GPUs
+    profile = gpu_check.profile_for("cuda")
+    report: dict[str, Any] = {}
+    gpu_check.devices_sweep(profile, "cuda", report, time_left_s=lambda: math.inf, save=lambda: None)
+    assert measured == ["krea-realtime/P=1", "krea-realtime/P=2", "matrix-game-2/P=1", "matrix-game-2/P=2"]
+    assert report["skipped"] == {f"{m}/P=4": "2 GPU(s) here (NCCL runs one rank a GPU)"
+                                 for m in ("krea-realtime", "matrix-game-2")}  # fmt: skip
+    assert report["speedup"] == {"krea-realtime/P=2": 2.0, "matrix-game-2/P=2": 2.0}
+    assert report["variants"]["krea-realtime/P=1"] == {"chunk_ms_p50": 100.0}
+
+    measured.clear()
+    gpu_check.devices_sweep(profile, "cuda", report := {}, time_left_s=lambda: 0.0, save=lambda: None)
+    assert measured == [] and all("left of --devices-deadline-s" in why for name, why in report["skipped"].items()
+                                  if not name.endswith("P=4"))  # fmt: skip
