@@ -91,6 +91,7 @@ const debug = {
   skippedChunks: 0,     // chunks a viewer's slow connection skipped (chunk.skipped_before)
   delivery: 'websocket',  // where the frames come now: 'websocket' or 'webrtc' (a connected track)
   trackFramesShown: 0,  // frames the WebRTC track showed (counted in framesDrawn too)
+  shownAt: [],          // performance.now() of each frame shown, on either path (gaps are stalls to a bench)
   channelInputs: 0,     // inputs sent on the WebRTC data channel (the others went on the WebSocket)
 };
 window.arstreamDebug = debug;
@@ -335,6 +336,7 @@ const hud = new Hud($);
 /** A frame reached the screen: drawn on the canvas by the player, or shown by the WebRTC track's video. */
 function frameShown(entry, now) {
   debug.framesDrawn += 1;
+  pushBounded(debug.shownAt, now);
   hud.drawn(now);
   const session = connection.session;
   if (session) {

@@ -42,7 +42,7 @@ export class TrackLink {
     this.connected = false;
     this.codec = null;
     this.anchor = null;                 // {rtp, frame}: a chunk's first frame and its RTP timestamp
-    this.applied = new Map();           // track frame -> the event ids its chunk applied (first frames only)
+    this.applied = new Map();           // a chunk's first track frame -> the event ids it applied, until shown
     this.playUntil = 0;                 // when the frames handed to the track so far will have played
     this.lastShown = -1;
     this.callback = null;
@@ -115,8 +115,14 @@ export class TrackLink {
     const frame = this.frameOf(metadata.rtpTimestamp);
     if (frame === null || frame <= this.lastShown) return;
     this.lastShown = frame;
-    const applied = this.applied.get(frame) || [];
-    this.applied.delete(frame);
+    // The chunks that start at this frame or at one the track skipped (lost, or late and dropped): their
+    // inputs show now. (The map is in chunk order, so in track frame order.)
+    const applied = [];
+    for (const [start, ids] of this.applied) {
+      if (start > frame) break;
+      applied.push(...ids);
+      this.applied.delete(start);
+    }
     this.onShown({ applied, trackFrame: frame }, performance.now());
   }
 

@@ -179,6 +179,34 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         context.close()
 
 
+SKIPPED_FIRST_FRAMES = """
+async () => {
+  const { TrackLink } = await import('/webrtc.js');
+  const shown = [];
+  // a stand-in for the <video>: shown() asks it for the next frame's callback
+  const video = { requestVideoFrameCallback: () => 1, cancelVideoFrameCallback() {}, hidden: true };
+  const link = new TrackLink({ video, fps: 16, send() {}, onShown: (entry) => shown.push(entry), onState() {} });
+  const step = 90000 / 16;
+  link.noteChunk({ rtp_timestamp: 1000, track_frame: 0, frames: 2, applied_event_ids: [7] }, 0);
+  link.noteChunk({ rtp_timestamp: 1000 + 2 * step, track_frame: 2, frames: 2, applied_event_ids: [8, 9] }, 0);
+  link.noteChunk({ rtp_timestamp: 1000 + 4 * step, track_frame: 4, frames: 2, applied_event_ids: [10] }, 0);
+  link.shown({ rtpTimestamp: 1000 + step });      // frame 1: the track dropped frame 0, chunk 0's first
+  link.shown({ rtpTimestamp: 1000 + 3 * step });  // frame 3: it dropped frame 2, chunk 1's first
+  link.shown({ rtpTimestamp: 1000 + 4 * step });  // frame 4: chunk 2's first, shown
+  return shown.map((entry) => [entry.trackFrame, entry.applied]);
+}
+"""
+
+
+def test_an_input_whose_first_frame_the_track_dropped_is_measured_at_the_next_frame_shown(
+    server: LiveServer, page: Any
+) -> None:
+    # On a lossy link the track drops frames it cannot complete; key to frame still counts the press, at the
+    # first frame shown after its chunk began (before, such a press was never measured).
+    page.goto(server.base_url + "/?autoconnect=0")
+    assert page.evaluate(SKIPPED_FIRST_FRAMES) == [[1, [7]], [3, [8, 9]], [4, [10]]]
+
+
 def test_the_page_stays_on_the_websocket_by_default(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/")
     wait(page, "window.arstreamDebug.framesDrawn > 4")
