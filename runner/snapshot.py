@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -49,6 +49,7 @@ from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
 from .spec import KVCacheSpec
 
 if TYPE_CHECKING:
+    from .snapshot_import import TensorEntry
     from .snapshot_stream import SnapshotPlan
 
 FORMAT_VERSION = 1
@@ -79,9 +80,25 @@ class GathersHeads(Protocol):
     def plan_snapshot(self, session_id: str, protocol_version: int | None) -> SnapshotPlan:
         """The same as a plan (runner/snapshot_stream.py), its heads gathered a window of blocks at a time."""
 
-    def import_snapshot(self, session_id: str, snapshot: SessionSnapshot, protocol_version: int | None) -> None:
-        """Make ``snapshot`` (every head) the held session ``session_id``, its heads scattered; refuse leaving
-        every device's pool as it was."""
+    def begin_import(
+        self, session_id: str, header: dict[str, Any], entries: Sequence[TensorEntry], protocol_version: int | None
+    ) -> ScatteredImport:
+        """Begin making a snapshot (``entries``: its runner's tensors, every head) the held session
+        ``session_id``, its heads scattered as its bytes arrive; refuse leaving every device's pool as it was."""
+
+
+class ScatteredImport(Protocol):
+    """A session's import into a :class:`GathersHeads` runtime, begun on every device: the whole snapshot's bytes
+    go in as they arrive and each device takes its heads."""
+
+    def write(self, index: int, offset: int, data: torch.Tensor) -> None:
+        """Bytes of tensor ``index`` of the entries (flat uint8) at byte ``offset`` of it, in file order."""
+
+    def finish(self) -> None:
+        """Every device hands its share to its pipeline: the session is held."""
+
+    def abort(self) -> None:
+        """Every device releases what the import holds."""
 
 
 class SnapshotError(ValueError):

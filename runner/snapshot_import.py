@@ -44,7 +44,7 @@ from .kv_state import SessionKVState
 from .pool import PoolExhausted
 from .capabilities import SupportsExport
 from .rewind import Boundary, RewindPoints
-from .snapshot import GathersHeads, SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
+from .snapshot import GathersHeads, ScatteredImport, SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
 from .snapshot_rewind import REWIND_KV, REWIND_MODEL_PREFIX, CarriedPoint, beyond_live, carried_points, choose_kept
 
 MODEL_PREFIX = "model/"
@@ -99,6 +99,18 @@ class _Dropped(_Regions):
         return
 
 
+class _Forwarded(_Regions):
+    """Where one tensor's bytes go on a runtime over several devices: on to its import (:class:`ScatteredImport`)."""
+
+    def __init__(self, scattered: ScatteredImport, index: int) -> None:
+        super().__init__([])
+        self.scattered = scattered
+        self.index = index
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        self.scattered.write(self.index, offset, data)
+
+
 class SessionImport:
     """One session's import into one runner (see the module docstring)."""
 
@@ -125,8 +137,8 @@ class SessionImport:
         self._regions: list[_Regions] = []
         self._model: dict[str, torch.Tensor] = {}  # model-owned tensors, on the pool's device, by name
         self._extra: dict[str, torch.Tensor] = {}
-        # a runtime over several devices: the session's tensors gathered in host memory, scattered at finish()
-        self._staged: dict[str, torch.Tensor] | None = None
+        # a runtime over several devices: the import of every device's share, fed as the bytes arrive
+        self._scattered: ScatteredImport | None = None
         self._state: SessionKVState | None = None  # while this import holds the session resident
         self.held = False  # whether it ever did (begin made it resident)
         self._finished = False
@@ -182,10 +194,9 @@ class SessionImport:
         try:
             if self._state is not None and runner.sessions.kv_state(self.session_id) is not self._state:
                 raise SnapshotRefused(f"session {self.session_id!r} was evicted while it was being imported")
-            if self._staged is not None:
-                assert isinstance(runner, GathersHeads)
-                runner.import_snapshot(self.session_id, SessionSnapshot(self.header, self._staged), self.protocol_version)
-                self._staged = None
+            if self._scattered is not None:
+                self._scattered.finish()
+                self._scattered = None
                 self._state = runner.sessions.state(self.session_id)
                 self.held = True
             elif self.resident:
@@ -203,12 +214,15 @@ class SessionImport:
 
     def abort(self, runner: SupportsExport) -> None:
         """Release what :meth:`begin` made (idempotent; nothing once :meth:`finish` has handed it on)."""
-        self._regions, self._model, self._extra, self._staged = [], {}, {}, None
+        self._regions, self._model, self._extra = [], {}, {}
         self._points, self._point_tensors, self._numbering = [], {}, []
         point_blocks, self._point_blocks = self._point_blocks, []
         state, self._state = self._state, None
+        scattered, self._scattered = self._scattered, None
         if self._finished:
             return
+        if scattered is not None:
+            scattered.abort()
         if point_blocks:
             runner.sessions.pool.free(point_blocks)
         if state is None:
@@ -310,7 +324,7 @@ class SessionImport:
         if runner.sessions.holds(self.session_id):
             raise SnapshotRefused(f"session {self.session_id!r} is already resident here")
         if isinstance(runner, GathersHeads):
-            self._stage(runner_names, by_name)
+            self._scatter(runner, runner_names, by_name)
             return
         # a full pool parks its least recently used session when there is park room (runner/parking.py)
         table = runner.sessions
@@ -390,15 +404,15 @@ class SessionImport:
         runner.sessions.kv_state(self.session_id)  # asked for, as an export does: a runtime that parks keeps it in the pool
 
 
-    def _stage(self, runner_names: list[str], by_name: Mapping[str, int]) -> None:
-        """A runtime over several devices (:class:`GathersHeads`): the session's tensors are gathered here in
-        host memory as they arrive (at most the snapshot's bytes, which the reader bounds) and scattered to the
-        devices at :meth:`finish`, where each device's import checks its share against its pool."""
-        self._staged = {}
-        for name in runner_names:
-            entry = self.tensors[by_name[name]]
-            tensor = self._staged[name] = torch.empty(entry.shape, dtype=entry.dtype)
-            self._regions[by_name[name]] = _Regions([flat_bytes(tensor)])
+    def _scatter(self, runner: GathersHeads, runner_names: list[str], by_name: Mapping[str, int]) -> None:
+        """A runtime over several devices (:class:`GathersHeads`): every device begins the import of its share,
+        and each piece of the runner's tensors goes on to the runtime as it arrives, split there by heads, so this
+        side never holds the session."""
+        scattered = self._scattered = runner.begin_import(
+            self.session_id, self.header, [self.tensors[by_name[n]] for n in runner_names], self.protocol_version
+        )
+        for share_index, name in enumerate(runner_names):
+            self._regions[by_name[name]] = _Forwarded(scattered, share_index)
 
 
 def _count(section: Mapping[str, Any], key: str) -> int:

@@ -26,7 +26,8 @@ from ..types import RuntimeOptions, TickFailure
 from .liveness import start_heartbeat
 from .sequence_parallel import SequenceParallel
 from ..snapshot_stream import Part
-from .transfer import block_copy, import_shard, share_layout, share_plan
+from ..snapshot_import import SessionImport
+from .transfer import block_copy, share_layout, share_plan
 
 log = logging.getLogger("arstream.runner.distributed")
 
@@ -130,6 +131,7 @@ def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) 
         return
     conn.send(("ready", runner.pool.num_free))
     exports: dict[str, dict[str, list[Part]]] = {}  # each planned export's blocks, until the session's next call
+    imports: dict[str, SessionImport] = {}  # each incoming session's import, until it finishes or aborts
     while True:
         try:
             name, args = conn.recv()
@@ -148,8 +150,23 @@ def rank_main(plan: RankPlan, conn: Connection, heartbeat: Synchronized[float]) 
                 session_id, tensor, start, count = args
                 conn.send(("blocks", [block_copy(part) for part in exports[session_id][tensor][start : start + count]]))
                 continue
-            elif name == "import_shard":
-                import_shard(runner, *args)
+            elif name == "import_begin":  # its share of an incoming session: begun, then its bytes a window at a time
+                session_id, header, entries, protocol_version = args
+                job = SessionImport(session_id, header, entries, protocol_version=protocol_version)
+                job.begin(runner)  # a refusal leaves nothing behind
+                imports[session_id] = job
+                result = None
+            elif name == "import_write":
+                session_id, index, offset, data = args
+                imports[session_id].write(runner, index, offset, data)
+                result = None
+            elif name == "import_finish":
+                imports.pop(args[0]).finish(runner)
+                result = None
+            elif name == "import_abort":
+                aborted = imports.pop(args[0], None)
+                if aborted is not None:
+                    aborted.abort(runner)
                 result = None
             elif name == "decode_counts":
                 result = (runner.counters.decodes_total, runner.counters.decodes_forgotten_total)

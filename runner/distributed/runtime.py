@@ -31,7 +31,8 @@ import torch.distributed as dist
 from ..contract import ARPipeline
 from ..runner import ARRunner
 from ..session_table import SessionTable
-from ..snapshot import SessionSnapshot, SnapshotError, check_compatible, identity
+from ..snapshot import SessionSnapshot, SnapshotError, SnapshotRefused, identity
+from ..snapshot_import import SessionImport, TensorEntry
 from ..snapshot_stream import Part, SnapshotPlan, TensorPlan
 from ..spec import KVCacheSpec
 from ..stats import RunnerStats, RuntimeCounters
@@ -39,7 +40,16 @@ from ..types import ChunkResult, ReplicaLost, RuntimeOptions, TickFailure, TickR
 from .liveness import RankProcess, Watchdog
 from .rank import START_TIMEOUT_S, RankPlan, digest, join_group, rank_main, rank_options, shard_pipeline
 from .sequence_parallel import SequenceParallel, check_heads_divide
-from .transfer import HEADS_DIM, GatheredBlocks, import_shard, is_kv, scattered, share_layout, share_plan, snapshot_of
+from .transfer import (
+    HEADS_DIM,
+    GatheredBlocks,
+    ScatteringWrites,
+    is_kv,
+    share_entries,
+    share_layout,
+    share_plan,
+    snapshot_of,
+)
 
 log = logging.getLogger("arstream.runner.distributed")
 
@@ -112,6 +122,8 @@ class DistributedRuntime:
         self._decoded_lock = threading.Lock()
         # the most bytes of the ranks' shares rank 0 held at once to stream a session out (benches and tests)
         self.export_peak_held_bytes = 0
+        # the most bytes of an incoming session rank 0 held at once to split it by heads (benches and tests)
+        self.import_peak_held_bytes = 0
         # rank 0's, the same objects (the warm-up fills its round times in place)
         self.spec: KVCacheSpec = self.local.spec
         self.counters: RuntimeCounters = self.local.counters
@@ -300,25 +312,40 @@ class DistributedRuntime:
     def _held_for_export(self, nbytes: int) -> None:
         self.export_peak_held_bytes = max(self.export_peak_held_bytes, nbytes)
 
-    def import_snapshot(self, session_id: str, snapshot: SessionSnapshot, protocol_version: int | None) -> None:
-        """Make a whole snapshot the held session ``session_id``: each rank imports its share of the heads."""
+    def begin_import(
+        self, session_id: str, header: dict[str, Any], entries: Sequence[TensorEntry], protocol_version: int | None
+    ) -> RanksImport:
+        """Every rank begins the import of its share of a whole snapshot (``entries``: its runner's tensors, every
+        head); refused alike on every rank, leaving every pool as it was. The bytes then arrive through the
+        returned import's ``write``, split by heads a window at a time (:class:`.transfer.ScatteringWrites`)."""
+        heads = self.whole_spec.num_kv_heads
+        for entry in entries:
+            if is_kv(entry.name) and (len(entry.shape) != 6 or entry.shape[HEADS_DIM] != heads):
+                raise SnapshotError(f"the snapshot's {entry.name!r} does not hold the model's {heads} heads")
+        # each share names the ranks' own identity (a pool of heads / P), which each rank's import checks
+        shares = share_entries(entries, self.world)
+        share_header = {**header, **identity(self.local, protocol_version)}
+        job = SessionImport(session_id, share_header, shares, protocol_version=protocol_version)
+        self._stepped("import_begin", (session_id, share_header, shares, protocol_version), lambda: job.begin(self.local))
+        return RanksImport(self, session_id, job, entries)
+
+    def _import_write(self, session_id: str, index: int, offset: int, shares: list[torch.Tensor]) -> None:
+        """The other ranks' shares of bytes of a tensor, each at ``offset`` of its own; a rank whose import refused
+        them (its session was evicted meanwhile) refuses the import."""
         if self.lost is not None:
             raise ReplicaLost(self.lost)
-        check_compatible(self, snapshot.header, protocol_version)
-        heads = self.whole_spec.num_kv_heads
-        for name, tensor in snapshot.tensors.items():
-            if is_kv(name) and (tensor.dim() != 6 or tensor.shape[HEADS_DIM] != heads):
-                raise SnapshotError(f"the snapshot's {name!r} does not hold the model's {heads} heads")
-        # each share names the ranks' own identity (a pool of heads / P), which each rank's import checks
-        shares = scattered(snapshot, self.world, {**snapshot.header, **identity(self.local, protocol_version)})
         for other in self._ranks:
-            self._send_to(other, ("import_shard", (session_id, shares[other.rank], protocol_version)))
-        try:
-            import_shard(self.local, session_id, shares[0], protocol_version)
-        except Exception as exc:
-            self._collect("import_shard", ("raised", type(exc).__name__))
-            raise
-        self._collect("import_shard", ("ok", (None, self.local.pool.num_free)))
+            self._send_to(other, ("import_write", (session_id, index, offset, shares[other.rank - 1])))
+        refused = None
+        for other in self._ranks:
+            kind, value = self._reply(other)
+            if kind != "ok":
+                refused = f"rank {other.rank} refused the bytes of session {session_id!r}: {value}"
+        if refused is not None:
+            raise SnapshotRefused(refused)
+
+    def _held_for_import(self, nbytes: int) -> None:
+        self.import_peak_held_bytes = max(self.import_peak_held_bytes, nbytes)
 
     # ---- what tests and benches read ------------------------------------------------------------
 
@@ -345,9 +372,13 @@ class DistributedRuntime:
     def _everywhere(self, name: str, *args: Any) -> Any:
         """``name(*args)`` on every rank's runner (the others first, then rank 0); rank 0's result, or what it
         raised (a refusal raised alike on every rank, such as a rewind that is not held, is no fault)."""
+        return self._stepped(name, args, lambda: getattr(self.local, name)(*args))
+
+    def _stepped(self, name: str, args: tuple[Any, ...], here: Callable[[], Any]) -> Any:
+        """Call ``name`` on every other rank, then ``here`` on rank 0; check that the ranks came out alike."""
         self._send(name, args)
         try:
-            result = getattr(self.local, name)(*args)
+            result = here()
         except Exception as exc:
             self._collect(name, ("raised", type(exc).__name__))
             raise
@@ -430,6 +461,43 @@ class DistributedRuntime:
             self._watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class RanksImport:
+    """One session's import over the ranks (:meth:`DistributedRuntime.begin_import`): rank 0's own import of its
+    share, fed with rank 0's heads of each block, while the other ranks' go to their imports a window at a time."""
+
+    def __init__(self, runtime: DistributedRuntime, session_id: str, job: SessionImport, entries: Sequence[TensorEntry]):
+        self._runtime = runtime
+        self._session_id = session_id
+        self._job = job
+        self._writes = ScatteringWrites(
+            entries,
+            runtime.world,
+            mine=lambda index, offset, data: job.write(runtime.local, index, offset, data),
+            others=functools.partial(runtime._import_write, session_id),
+            on_held=runtime._held_for_import,
+        )
+
+    def write(self, index: int, offset: int, data: torch.Tensor) -> None:
+        """Bytes of whole tensor ``index`` (flat uint8) at byte ``offset`` of it."""
+        self._writes.write(index, offset, data)
+
+    def finish(self) -> None:
+        """The last shares go out, then every rank hands its share of the session to its pipeline."""
+        self._writes.flush()
+        runtime = self._runtime
+
+        def finish_here() -> None:
+            self._job.finish(runtime.local)  # no extras: those stay with the whole snapshot's import
+
+        runtime._stepped("import_finish", (self._session_id,), finish_here)
+
+    def abort(self) -> None:
+        """Every rank releases what its import holds (its pool back where it was)."""
+        runtime = self._runtime
+        if runtime.lost is None:
+            runtime._stepped("import_abort", (self._session_id,), lambda: self._job.abort(runtime.local))
 
 
 def _free_port() -> int:

@@ -1,5 +1,5 @@
 """A session's snapshot over several devices: its heads gathered onto rank 0 a window of blocks at a time, and
-scattered back by heads.
+scattered back by heads a window at a time.
 
 Each rank's pool holds ``heads / P`` heads of every KV block, rank ``r`` the ``r``-th share (the all-to-all
 of :mod:`.sequence_parallel` hands them out in that order). A snapshot has one format whatever P: the KV
@@ -12,8 +12,9 @@ block whole by joining its own share of the block with the other ranks' (:class:
 for a window of blocks at a time. So rank 0 holds at most a window (``GATHER_WINDOW_BYTES`` of the others'
 shares) beyond what a single device holds, never the session. Everything else in a snapshot (counters, the
 model-owned state, the server's section) is the same on every rank, since every rank runs the same calls:
-rank 0's travels. An import slices a whole snapshot and each rank imports its own share through the one import
-path.
+rank 0's travels. An import is the one import path (runner/snapshot_import.py) on every rank, over its share:
+rank 0 splits the whole snapshot's blocks by heads as they arrive (:class:`ScatteringWrites`) and sends the
+other ranks their shares a window at a time (``SCATTER_WINDOW_BYTES``), so it never holds the session either.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import math
+
 import torch
 
 from ..capabilities import SupportsExport
-from ..snapshot import SessionSnapshot, export_parked
-from ..snapshot_import import import_session
+from ..snapshot import SessionSnapshot, SnapshotError, export_parked
+from ..snapshot_import import TensorEntry
 from ..snapshot_rewind import REWIND_KV
 from ..snapshot_stream import Part, SnapshotPlan, plan_export, plan_of
 
@@ -33,6 +36,8 @@ HEADS_DIM = 4  # of a KV tensor [layers, K/V, frames, tokens, heads, head_size]
 BLOCK_HEADS_DIM = -2  # of one block of it [tokens, heads, head_size]
 # How much of the other ranks' shares rank 0 holds at once while it streams a session out.
 GATHER_WINDOW_BYTES = 4 * 2**20
+# How much of the other ranks' shares rank 0 holds at once while a session streams in.
+SCATTER_WINDOW_BYTES = 4 * 2**20
 
 
 def is_kv(name: str) -> bool:
@@ -108,20 +113,105 @@ def snapshot_of(plan: SnapshotPlan) -> SessionSnapshot:
     return SessionSnapshot(dict(plan.header), tensors)
 
 
-def scattered(snapshot: SessionSnapshot, world: int, header: dict[str, object]) -> list[SessionSnapshot]:
-    """Each rank's share of a whole snapshot, rank 0 first, with ``header`` (its ranks' own identity)."""
-    shares: list[SessionSnapshot] = []
-    for rank in range(world):
-        tensors = {}
-        for name, tensor in snapshot.tensors.items():
-            if is_kv(name):
-                per = tensor.shape[HEADS_DIM] // world
-                tensor = tensor.narrow(HEADS_DIM, rank * per, per).contiguous()
-            tensors[name] = tensor
-        shares.append(SessionSnapshot(dict(header), tensors))
+class ScatteringWrites:
+    """Rank 0's split of an incoming whole snapshot's bytes (every head) into each rank's share, as they arrive.
+
+    The bytes of a KV tensor come in file order, one whole block ``[tokens, heads, head_size]`` after another:
+    each block is split by heads as soon as it is whole, rank 0's share written at once (``mine``: into its
+    pool) and the other ranks' queued and sent a window at a time (``others``: one flat byte run per other
+    rank, at the same byte offset of each rank's share tensor). Other tensors are the same on every rank and go
+    on as they come. So rank 0 holds at most a window of the others' shares and one partial block, whatever the
+    session's size (``on_held`` is told the bytes held after each block: the peak is measured).
+    """
+
+    def __init__(
+        self,
+        entries: Sequence[TensorEntry],
+        world: int,
+        mine: Callable[[int, int, torch.Tensor], None],
+        others: Callable[[int, int, list[torch.Tensor]], None],
+        on_held: Callable[[int], None],
+    ) -> None:
+        self._entries = list(entries)
+        self._world = world
+        self._mine = mine
+        self._others = others
+        self._on_held = on_held
+        self._next: dict[int, int] = {}  # each KV tensor's next byte expected
+        self._partial = torch.empty(0, dtype=torch.uint8)  # the start of a whole block not yet complete
+        self._tensor: int | None = None  # the KV tensor whose shares are queued
+        self._first = 0  # the first queued block's number
+        self._queued: list[list[torch.Tensor]] = [[] for _ in range(world - 1)]  # per other rank, block shares
+
+    def write(self, index: int, offset: int, data: torch.Tensor) -> None:
+        """Bytes of whole tensor ``index`` (flat uint8) at byte ``offset`` of it."""
+        entry = self._entries[index]
+        if self._tensor is not None and index != self._tensor:
+            self.flush()
+        if not is_kv(entry.name):
+            self._mine(index, offset, data)
+            self._others(index, offset, [data.to("cpu")] * (self._world - 1))
+            return
+        if offset != self._next.get(index, 0):
+            raise SnapshotError(f"the bytes of the snapshot's {entry.name!r} came out of order")
+        self._next[index] = offset + data.numel()
+        self._tensor = index
+        data = data.to("cpu")
+        block_bytes = entry.nbytes // math.prod(entry.shape[:3])
+        done = 0
+        if self._partial.numel():
+            done = min(block_bytes - self._partial.numel(), data.numel())
+            self._partial = torch.cat([self._partial, data[:done]])
+            if self._partial.numel() < block_bytes:
+                self._held()
+                return
+            self._split(index, offset - self._partial.numel() + done, self._partial)
+            self._partial = torch.empty(0, dtype=torch.uint8)
+        while data.numel() - done >= block_bytes:
+            self._split(index, offset + done, data[done : done + block_bytes])
+            done += block_bytes
+        if done < data.numel():
+            self._partial = data[done:].clone()  # a copy: the caller's piece is not kept
+            self._held()
+
+    def flush(self) -> None:
+        """Send the queued shares (a tensor's end, another tensor's bytes, the import's finish)."""
+        if self._tensor is not None and self._queued[0]:
+            share_bytes = self._queued[0][0].numel()
+            self._others(self._tensor, self._first * share_bytes, [torch.cat(q) for q in self._queued])
+        self._queued = [[] for _ in range(self._world - 1)]
+        self._tensor = None
+
+    def _split(self, index: int, offset: int, block: torch.Tensor) -> None:
+        """One whole block (flat uint8, starting at byte ``offset`` of its tensor) split by heads."""
+        entry = self._entries[index]
+        tokens, heads = entry.shape[3], entry.shape[4]
+        per = heads // self._world
+        by_head = block.view(tokens, heads, -1)
+        # each its own copy, never a view of the caller's piece
+        shares = [by_head[:, r * per : (r + 1) * per].clone(memory_format=torch.contiguous_format).view(-1)
+                  for r in range(self._world)]  # fmt: skip
+        number = offset // block.numel()
+        self._mine(index, number * shares[0].numel(), shares[0])
+        if not self._queued[0]:
+            self._first = number
+        for queue, share in zip(self._queued, shares[1:]):
+            queue.append(share)
+        self._held()
+        if sum(share.numel() for share in self._queued[0]) * (self._world - 1) >= SCATTER_WINDOW_BYTES:
+            self.flush()
+
+    def _held(self) -> None:
+        self._on_held(self._partial.numel() + sum(t.numel() for queue in self._queued for t in queue))
+
+
+def share_entries(entries: Sequence[TensorEntry], world: int) -> list[TensorEntry]:
+    """Each rank's table of a whole snapshot's tensors: its KV tensors hold ``heads / world`` heads."""
+    shares = []
+    for entry in entries:
+        if is_kv(entry.name):
+            shape = list(entry.shape)
+            shape[HEADS_DIM] //= world
+            entry = TensorEntry(entry.name, entry.dtype, tuple(shape))
+        shares.append(entry)
     return shares
-
-
-def import_shard(runner: SupportsExport, session_id: str, share: SessionSnapshot, protocol_version: int | None) -> None:
-    """A rank's import of its share (refused alike on every rank: the pools are in step)."""
-    import_session(runner, session_id, share, protocol_version=protocol_version)

@@ -28,7 +28,7 @@ from arstream.runner.distributed.transfer import is_kv
 from arstream.runner.rewinds import rewind_for
 from arstream.runner.runner import ARRunner
 from arstream.runner.snapshot import SessionSnapshot
-from arstream.runner.snapshot_import import import_session
+from arstream.runner.snapshot_import import SessionImport, TensorEntry, flat_bytes, import_session
 from arstream.runner.snapshot_stream import parse_snapshot, plan_export
 from arstream.runner.types import ChunkResult, ParkingPolicy, ReplicaLost, RuntimeOptions, TickFailure, TickRequest, UnsupportedConfiguration
 
@@ -205,6 +205,38 @@ def test_a_streamed_export_holds_a_window_of_blocks_not_the_session(
     assert 0 < two_ranks.export_peak_held_bytes <= 5 * block_share_bytes < other_rank_bytes // 4
     for runtime in (two_ranks, one_rank):
         runtime.close_session("w")
+
+
+def test_a_streamed_import_holds_a_window_of_blocks_not_the_session(
+    two_ranks: DistributedRuntime, one_rank: ARRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session moved from one device to two arrives in pieces that cut its blocks anywhere: rank 0 splits each
+    block by heads as it completes and sends the other rank its shares a window at a time, so the most it holds
+    (the importer's counter) is the window and one block, however long the session; the session continues equal."""
+    share = two_ranks.local.pool.kv[0, 0, 0]
+    block_share_bytes = share.numel() * share.element_size()  # one block of one layer's K (or V), one rank's heads
+    monkeypatch.setattr(transfer, "SCATTER_WINDOW_BYTES", 2 * block_share_bytes)
+    for index in range(4):
+        _frames(one_rank, [_tick("i", index)])
+    whole = _exported(one_rank, "i")
+    reference = _latents(one_rank, "i", range(4, 7))  # the session uninterrupted on one device
+    job = SessionImport("i", whole.header, [TensorEntry.of(n, t) for n, t in whole.tensors.items()], protocol_version=1)
+    two_ranks.import_peak_held_bytes = 0
+    job.begin(two_ranks)
+    piece = block_share_bytes * 3 // 2 + 1  # pieces that end mid-block, as a POST's do
+    for index, tensor in enumerate(whole.tensors.values()):
+        data = flat_bytes(tensor.contiguous())
+        for offset in range(0, data.numel(), piece):
+            job.write(two_ranks, index, offset, data[offset : offset + piece])
+    job.finish(two_ranks)
+    assert two_ranks.next_chunk_index("i") == 4
+    torch.testing.assert_close(_latents(two_ranks, "i", range(4, 7)), reference, rtol=1e-4, atol=1e-5)
+    kv_bytes = sum(t.numel() * t.element_size() for n, t in whole.tensors.items() if is_kv(n))
+    # the window of the other rank's shares, and one whole block (two heads) not yet complete
+    assert 0 < two_ranks.import_peak_held_bytes <= 4 * block_share_bytes < kv_bytes // 8
+    for runtime in (two_ranks, one_rank):
+        runtime.close_session("i")
+    assert two_ranks.local.pool.num_free == two_ranks.blocks_free_at_start  # and the other rank's, in step
 
 
 def test_only_rank_0_decodes_and_the_ranks_park_alike_until_it_joins(two_ranks: DistributedRuntime) -> None:
