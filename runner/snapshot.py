@@ -288,9 +288,22 @@ def export_session(runner: SupportsExport, session_id: str, *, protocol_version:
     return SessionSnapshot(header, tensors)
 
 
-def export_parked(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
-    """The snapshot of a parked session (runner/parking.py), taken from its host copy: nothing is restored,
-    and it stays parked (the caller releases it). The same snapshot :func:`export_session` takes of it resident."""
+@dataclass
+class ParkedCopy:
+    """A parked session's snapshot as its host copy holds it (runner/parking.py): nothing copied out of it yet.
+
+    ``tensors`` are the snapshot's tensors in file order: a KV tensor as the numbers of its blocks in ``blocks``
+    (the host copy of every block the session holds, ``[layers, K/V, n, tokens, heads, head_size]``), in order;
+    any other as it is held."""
+
+    header: dict[str, Any]
+    blocks: torch.Tensor | None
+    tensors: dict[str, torch.Tensor | list[int]]
+
+
+def parked_copy(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> ParkedCopy:
+    """The snapshot of a parked session, taken from its host copy (read back whole from its file when it was
+    spilled): nothing is restored, and it stays parked (the caller releases it)."""
     held = runner.sessions.lot.peek(session_id)
     if held is None:
         raise SnapshotError(f"session {session_id!r} is not parked; nothing to export")
@@ -303,11 +316,11 @@ def export_parked(runner: SupportsExport, session_id: str, *, protocol_version: 
         "sink_frames": {branch: len(live["sink"][branch]) for branch in runner.sessions.spec.branch_names},
         "cross_written": layout["cross_written"],
     }
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | list[int]] = {}
     for branch in runner.sessions.spec.branch_names:
         numbers = live["sink"][branch] + live["window"][branch]
         if numbers:
-            tensors[f"kv/{branch}"] = parked["blocks"].index_select(2, torch.tensor(numbers, dtype=torch.long))
+            tensors[f"kv/{branch}"] = list(numbers)
     tensors.update({name: t for name, t in parked.items() if name.startswith(("cross_k/", "cross_v/"))})
     for name, key in model["tensors"].items():
         tensors[f"model/{name}"] = parked[key]
@@ -319,8 +332,27 @@ def export_parked(runner: SupportsExport, session_id: str, *, protocol_version: 
             for doc, m in zip(layout["boundaries"], layout["models"][1:])
         ]
         live_numbers = [i for b in runner.sessions.spec.branch_names for i in live["sink"][b] + live["window"][b]]
-        carry_rewind(header, tensors, parked["blocks"], live_numbers, boundaries)
-    return SessionSnapshot(header, tensors)
+        rewind = export_rewind(live_numbers, boundaries)
+        if rewind is not None:
+            header[REWIND_SECTION] = rewind.section
+            if rewind.blocks:
+                tensors[REWIND_KV] = list(rewind.blocks)
+            tensors.update(rewind.tensors)
+    return ParkedCopy(header, parked.get("blocks"), tensors)
+
+
+def export_parked(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SessionSnapshot:
+    """The snapshot of a parked session whole (its blocks copied out of the host copy); the same snapshot
+    :func:`export_session` takes of it resident. A drain streams it from the host copy instead
+    (runner/snapshot_stream.py's ``plan_parked``), copying nothing whole."""
+    copy = parked_copy(runner, session_id, protocol_version=protocol_version)
+    tensors = {}
+    for name, held in copy.tensors.items():
+        if isinstance(held, list):
+            assert copy.blocks is not None
+            held = copy.blocks.index_select(2, torch.tensor(held, dtype=torch.long))
+        tensors[name] = held
+    return SessionSnapshot(copy.header, tensors)
 
 
 def carry_rewind(

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .capabilities import SupportsExport
-from .snapshot import GathersHeads, SessionSnapshot, SnapshotError, export_header, export_parked, read_header
+from .snapshot import GathersHeads, SessionSnapshot, SnapshotError, export_header, parked_copy, read_header
 from .snapshot_header import MAX_HEADER_BYTES, METADATA_KEY
 from .snapshot_import import SessionImport, TensorEntry
 from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
@@ -173,7 +173,7 @@ def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: in
     if isinstance(runner, GathersHeads):
         return runner.plan_snapshot(session_id, protocol_version)
     if session_id in runner.sessions.lot:  # already a host copy (runner/parking.py): planned from it, not restored
-        return plan_of(export_parked(runner, session_id, protocol_version=protocol_version))
+        return plan_parked(runner, session_id, protocol_version=protocol_version)
     header, model = export_header(runner, session_id, protocol_version=protocol_version)
     state = runner.sessions.kv_state(session_id)
     assert state is not None
@@ -211,6 +211,26 @@ def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: in
             plan.tensors.append(TensorPlan(REWIND_KV, pool.kv.dtype, shape, parts))
         for name, tensor in rewind.tensors.items():
             plan.add_tensor(name, tensor)
+    return plan
+
+
+def plan_parked(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
+    """A parked session's snapshot as a plan over its host copy: its KV blocks read from it one at a time, by
+    number, so the export holds no second copy of the session beside the parked one."""
+    copy = parked_copy(runner, session_id, protocol_version=protocol_version)
+    plan = SnapshotPlan(copy.header, [])
+    for name, held in copy.tensors.items():
+        if isinstance(held, torch.Tensor):
+            plan.add_tensor(name, held)
+            continue
+        blocks = copy.blocks
+        assert blocks is not None
+        layers, kinds = blocks.shape[0], blocks.shape[1]
+        parts: list[Part] = [
+            partial(_block, blocks, layer, kind, number)
+            for layer in range(layers) for kind in range(kinds) for number in held
+        ]
+        plan.tensors.append(TensorPlan(name, blocks.dtype, (layers, kinds, len(held), *blocks.shape[3:]), parts))
     return plan
 
 

@@ -20,17 +20,16 @@ other ranks their shares a window at a time (``SCATTER_WINDOW_BYTES``), so it ne
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import math
 
 import torch
 
 from ..capabilities import SupportsExport
-from ..snapshot import SessionSnapshot, SnapshotError, export_parked
+from ..snapshot import SessionSnapshot, SnapshotError
 from ..snapshot_import import TensorEntry
 from ..snapshot_rewind import REWIND_KV
-from ..snapshot_stream import Part, SnapshotPlan, plan_export, plan_of
+from ..snapshot_stream import Part, SnapshotPlan, plan_export
 
 HEADS_DIM = 4  # of a KV tensor [layers, K/V, frames, tokens, heads, head_size]
 BLOCK_HEADS_DIM = -2  # of one block of it [tokens, heads, head_size]
@@ -45,23 +44,12 @@ def is_kv(name: str) -> bool:
     return name.startswith("kv/") or name == REWIND_KV
 
 
-def _frame(tensor: torch.Tensor, layer: int, kind: int, frame: int) -> torch.Tensor:
-    return tensor[layer, kind, frame]
-
-
 def share_plan(
     runner: SupportsExport, session_id: str, protocol_version: int | None
 ) -> tuple[SnapshotPlan, dict[str, list[Part]]]:
-    """This rank's plan of the session (its share of the heads), and each KV tensor's blocks in file order
-    (layer, then K/V, then frame), each read when called."""
-    if session_id in runner.sessions.lot:  # its host copy: planned from it, nothing restored
-        snapshot = export_parked(runner, session_id, protocol_version=protocol_version)
-        blocks: dict[str, list[Part]] = {
-            name: [partial(_frame, t, layer, kind, frame)
-                   for layer in range(t.shape[0]) for kind in range(t.shape[1]) for frame in range(t.shape[2])]
-            for name, t in snapshot.tensors.items() if is_kv(name)
-        }  # fmt: skip
-        return plan_of(snapshot), blocks
+    """This rank's plan of the session (its share of the heads, read from its pool or its parked host copy a
+    block at a time), and each KV tensor's blocks in file order (layer, then K/V, then frame), each read when
+    called."""
     plan = plan_export(runner, session_id, protocol_version=protocol_version)
     return plan, {tensor.name: tensor.parts for tensor in plan.tensors if is_kv(tensor.name)}
 

@@ -284,6 +284,22 @@ def test_a_parked_session_exports_the_same_snapshot_without_a_restore(model: str
     assert runner.parking.sessions() == ["s"] and runner.stats().restores_total == 0
 
 
+def test_a_parked_session_streams_out_of_its_host_copy_holding_no_second_copy() -> None:
+    """A drain's plan of a parked session reads each KV block (the live ones and its rewind points') out of the
+    parked host copy itself: the export holds no copy of the session beside the parked one."""
+    from arstream.runner.snapshot_stream import plan_export
+
+    runner = _runner("fake-kv", 1, parking=ParkingPolicy(budget_bytes=PLENTY))
+    _play(runner, _script(_pipeline("fake-kv"), "s")[:5])
+    runner.execute_tick(_script(_pipeline("fake-kv"), "t")[0])  # "s" is parked to make room, in host memory
+    held = runner.sessions.lot.peek("s")
+    assert held is not None and runner.parking.sessions() == ["s"]
+    copy = held[1]["blocks"].untyped_storage().data_ptr()
+    kv = [t for t in plan_export(runner, "s").tensors if t.name.startswith("kv/") or t.name == "rewind/kv"]
+    assert {t.name for t in kv} == {"kv/main", "rewind/kv"}
+    assert all(part().untyped_storage().data_ptr() == copy for tensor in kv for part in tensor.parts)
+
+
 def test_a_spill_budget_without_a_directory_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a spill directory"):
         ParkingPolicy(spill_budget_bytes=1)
