@@ -98,8 +98,15 @@ def load_parts(
             vae = build_vae(cfg)
         tokens = byte_tokenizer()
     else:
-        model = model.to_empty(device="cpu")
-        encoder = encoder.to_empty(device="cpu")
+        # Random weights are materialised where they run, in their dtype, and filled a parameter at a time from
+        # the CPU's seeded draws (init_random): the host holds one parameter's draw, never the model in float32
+        # (Krea 14B's DiT and umT5 would be 80 GB of host memory per rank). A checkpoint is read on the CPU.
+        if checkpoint is None:
+            model = model.to(dtype=weights_dtype).to_empty(device=device)
+            encoder = encoder.to(dtype=weights_dtype).to_empty(device=text_device)
+        else:
+            model = model.to_empty(device="cpu")
+            encoder = encoder.to_empty(device="cpu")
         # to_empty gives each module its own copy of a shared parameter: umT5's token embedding (2.1 GB at XXL in
         # bf16) would be held twice, as shared.weight and encoder.embed_tokens.weight; tie it back to one
         encoder.tie_weights()

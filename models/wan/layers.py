@@ -320,7 +320,9 @@ class WanDiTBase(nn.Module):
 
         Unlike training's init, the output head and the action projections
         are not zeroed, so every path shows in the output (tests compare it).
-        Numbers are drawn on the CPU, so a seed means the same weights on any device.
+        Numbers are drawn on the CPU in float32, a parameter at a time, and copied into the parameter where it
+        lives, in its dtype: a seed means the same weights on any device (rounded to the dtype, as a cast of the
+        float32 weights would round them), and the host holds one parameter's draw, not the model.
         """
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

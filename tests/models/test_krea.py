@@ -190,6 +190,33 @@ def test_the_published_layout_loads_fused_and_a_bad_file_is_refused(tmp_path: Pa
         load_krea(config="tiny", checkpoint=str(tmp_path / TOKENIZER_DIR))
 
 
+def test_random_weights_are_filled_in_their_dtype_and_equal_the_float32_ones_rounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Random weights are materialised where they run, in their dtype, and filled from the CPU's seeded float32
+    draws a parameter at a time (the host never holds the model in float32: Krea 14B's would be 80 GB a rank).
+    A seed gives the same weights in any dtype up to rounding: bf16 here is the fp32 weights cast, bit for bit,
+    and the loaded bytes are what the meta device plans."""
+    filled: list[set[torch.dtype]] = []
+    init_random = LongLiveDiT.init_random
+
+    def recording(model: LongLiveDiT, seed: int) -> None:
+        filled.append({p.dtype for p in model.parameters()})
+        init_random(model, seed)
+
+    monkeypatch.setattr(LongLiveDiT, "init_random", recording)
+    half = load_krea(config="tiny", random_init=True, seed=3, dtype="bfloat16")
+    assert filled == [{torch.bfloat16}]  # filled in its dtype, not drawn into a float32 model and cast
+    whole = load_krea(config="tiny", random_init=True, seed=3, dtype="float32")
+    for halves, wholes in ((half.model.state_dict(), whole.model.state_dict()),
+                           (half.text.model.state_dict(), whole.text.model.state_dict())):  # the DiT, umT5
+        assert halves.keys() == wholes.keys() and halves
+        for name, tensor in wholes.items():
+            assert torch.equal(halves[name], tensor.to(torch.bfloat16)), name
+    planned = load_krea("meta", config="tiny", dtype="bfloat16").model_card()["components"]
+    assert [c["bytes"] for c in half.model_card()["components"]] == [c["bytes"] for c in planned]
+
+
 def test_the_14b_figures_on_the_meta_device() -> None:
     """Wan2.1-T2V-14B at 480x832, bf16: a pool block (one latent frame, 1560 tokens, 40 layers of 40 x 128) is
     1219 MiB; a session keeps 3 (the context the next chunk rewrites)."""
