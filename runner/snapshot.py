@@ -36,7 +36,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -48,8 +48,6 @@ from .snapshot_header import SnapshotHeaderError, parse_header
 from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
 from .spec import KVCacheSpec
 
-if TYPE_CHECKING:
-    from .snapshot_stream import SnapshotPlan
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
@@ -75,9 +73,6 @@ class GathersHeads(Protocol):
 
     def export_snapshot(self, session_id: str, protocol_version: int | None) -> SessionSnapshot:
         """The session's snapshot at its chunk boundary, its heads gathered (it stays held)."""
-
-    def plan_snapshot(self, session_id: str, protocol_version: int | None) -> SnapshotPlan:
-        """The same as a plan (runner/snapshot_stream.py), its heads gathered a window of blocks at a time."""
 
     def import_snapshot(self, session_id: str, snapshot: SessionSnapshot, protocol_version: int | None) -> None:
         """Make ``snapshot`` (every head) the held session ``session_id``, its heads scattered; refuse leaving
