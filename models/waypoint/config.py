@@ -178,12 +178,32 @@ def config_from_yaml(path: Path, base: WaypointConfig) -> WaypointConfig:
         refused.append("global_window not a multiple of global_pinned_dilation")
     if raw.get("tokens_per_frame", raw["height"] * raw["width"]) != raw["height"] * raw["width"]:
         refused.append("tokens_per_frame != height * width")
+    refused += _later_engine_keys(raw)
     if refused:
         raise WaypointConfigError(f"{path}: cannot serve keys {refused}")
     patch = tuple(raw.get("patch", (1, 1)))
     values = {key: raw[key] for key in _REQUIRED}
     values["scheduler_sigmas"] = tuple(float(s) for s in raw["scheduler_sigmas"])
     return _merged(base, values, raw, patch)
+
+
+def _later_engine_keys(raw: dict[str, Any]) -> list[str]:
+    """Keys of the engine's later (Waypoint-1.5) configs whose meaning this package does not build.
+
+    Served as if absent they would give wrong frames without an error: ``temporal_compression`` above 1 (or
+    ``taehv_ae``, or ``model_type: waypoint-1.5``) means four video frames per latent frame from a streaming TAEHV
+    decoder and rotary time positions in steps of the compression; an ``inference_fps`` below ``base_fps`` scales the
+    time positions the same way. Both are refused until they are built.
+    """
+    refused = []
+    compression = raw.get("temporal_compression", 1)
+    if compression != 1 or raw.get("taehv_ae", False) or raw.get("model_type", "waypoint-1") != "waypoint-1":
+        found = {key: raw[key] for key in ("model_type", "temporal_compression", "taehv_ae") if key in raw}
+        refused.append(f"{found} (Waypoint-1.5: frames per latent frame and its TAEHV decoder are not built here)")
+    fps, base_fps = raw.get("inference_fps"), raw.get("base_fps")
+    if isinstance(fps, (int, float)) and isinstance(base_fps, (int, float)) and fps != base_fps:
+        refused.append(f"inference_fps {fps} != base_fps {base_fps} (scaled time positions are not built here)")
+    return refused
 
 
 def _merged(
