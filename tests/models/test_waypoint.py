@@ -333,22 +333,3 @@ def test_the_plan_counts_what_a_loaded_model_holds() -> None:
     untied = sum(p.numel() * p.element_size() for _, p in loaded.model.named_parameters(remove_duplicate=False))
     assert module_bytes(loaded.model) < untied
 
-
-def test_a_waypoint_1_5_config_is_refused_rather_than_served_wrong(tmp_path: Path) -> None:
-    """The later engine's config keys (four frames per latent frame, a TAEHV decoder, scaled time positions) are not
-    built here: a file carrying them is refused naming them, not served as if they were absent."""
-    write_published(tmp_path, get_config("tiny"))
-    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    for extra, named in (
-        ({"model_type": "waypoint-1.5", "temporal_compression": 4, "taehv_ae": True}, r"temporal_compression.: 4"),
-        ({"taehv_ae": True}, r"taehv_ae.: True"),
-        ({"base_fps": 60, "inference_fps": 30}, r"inference_fps 30 != base_fps 60"),
-    ):
-        (tmp_path / "config.yaml").write_text(yaml.safe_dump({**written, **extra}))
-        with pytest.raises(WaypointWeightsError, match=rf"config\.yaml: cannot serve keys .*{named}"):
-            load_waypoint(weights_path=tmp_path)
-    # the engine's defaults for a Waypoint-1 file still load
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(
-        {**written, "model_type": "waypoint-1", "temporal_compression": 1, "taehv_ae": False, "base_fps": 60,
-         "inference_fps": 60}))
-    load_waypoint(weights_path=tmp_path)
