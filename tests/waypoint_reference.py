@@ -253,4 +253,4 @@ def reference_taehv_frames(holder: Any, latents: list[torch.Tensor], size: tuple
     if tuple(video.shape[-2:]) != size:
         video = F.interpolate(video, size=size, mode="bilinear", align_corners=False)
     pixels = (video.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    return list(pixels.split(4))
+    return [pixels[i : i + 4] for i in range(0, pixels.shape[0], 4)]

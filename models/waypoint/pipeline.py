@@ -275,9 +275,10 @@ class WaypointPipeline(SessionStateBinding):
                 )
                 decoder_dtype = next(self.decoder.parameters()).dtype
                 if isinstance(self.decoder, FramesDecoder):
-                    videos, decoder_states = self.decoder.decode_frames(
+                    videos, streamed = self.decoder.decode_frames(
                         latents.to(decoder_dtype), [s.decoder_state for s in sessions]
                     )
+                    decoder_states: list[list[torch.Tensor] | None] = list(streamed)
                     frames = videos.cpu().numpy()
                 else:
                     frames = to_uint8(self.decoder(latents.to(decoder_dtype))).cpu().numpy()[:, None]
