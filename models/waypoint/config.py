@@ -9,7 +9,12 @@ server cannot serve exactly:
 - ``prompt_conditioning`` set: the text path needs a UMT5-XL encoder this
   package does not load;
 - a ``global_window`` that is not a multiple of ``global_pinned_dilation`` (the
-  published cache asserts the same).
+  published cache asserts the same);
+- of the later engine's (Waypoint-1.5's) keys, what is not built here
+  (:func:`_temporal_keys`, :func:`_decoded_size`). Those that are: ``taehv_ae``
+  and ``temporal_compression`` (four frames a latent frame from TAEHV),
+  ``inference_fps`` (the frames' rate), ``auto_aspect_ratio`` (the 720p/360p
+  resize) and ``max_frames`` (read as ``n_frames`` when that is absent).
 
 Per-layer windows: every ``global_attn_period``-th layer (from
 ``global_attn_offset``) is a *global* layer that sees ``global_window`` frames,
@@ -102,7 +107,7 @@ class WaypointConfig:
 
 
 # the autoencoder's decoder shape (decoder_conf.yml's ``model`` keys)
-AE_1_5: dict[str, Any] = {
+AE_WAYPOINT_1: dict[str, Any] = {
     "channels": 3,
     "latent_channels": 16,
     "ch_0": 64,
@@ -224,7 +229,7 @@ def config_from_yaml(path: Path, base: WaypointConfig) -> WaypointConfig:
     assert not isinstance(size, str)
     values["image_height"], values["image_width"] = size
     if values["taehv_ae"] != base.taehv_ae:  # the decoder's shape is the file's to say; start from the release's
-        values["ae"] = dict(TAEHV_1_5 if values["taehv_ae"] else AE_1_5)
+        values["ae"] = dict(TAEHV_1_5 if values["taehv_ae"] else AE_WAYPOINT_1)
     return _merged(base, values, raw, patch)
 
 
@@ -261,8 +266,8 @@ def _decoded_size(raw: dict[str, Any], base: WaypointConfig) -> tuple[int, int] 
         return decoded
     if decoded in TAEHV_TIERS:
         return TAEHV_TIERS[decoded]
-    if decoded == (base.image_height, base.image_width) or base.taehv_ae:
-        return base.image_height, base.image_width  # a test config names its own size
+    if base.taehv_ae and decoded[0] == base.latent_shape[1] * 16 and decoded[1] == base.latent_shape[2] * 16:
+        return base.image_height, base.image_width  # a test config of this grid names its own size
     return f"auto_aspect_ratio for a {decoded[0]}x{decoded[1]} picture (the published sizes: {sorted(TAEHV_TIERS)})"
 
 

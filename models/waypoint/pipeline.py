@@ -1,4 +1,4 @@
-"""WaypointPipeline: Waypoint on the runner's contract (one latent frame per chunk, one control per frame).
+"""WaypointPipeline: Waypoint on the runner's contract (one latent frame and one control input per chunk).
 
 A chunk is the published engine's ``gen_frame`` (``world_engine`` commit
 208c909824d906bf441122b7c40b9b4e1050d7c3): noise drawn for one latent frame,

@@ -235,10 +235,11 @@ def test_config_yaml_keys_of_the_later_engine(tmp_path: Path) -> None:
         ({"base_fps": 60}, r"base_fps 60, inference_fps 60, temporal_compression 4"),
         ({"model_type": "waypoint-2"}, r"model_type 'waypoint-2'"),
         ({"height": 10}, r"auto_aspect_ratio for a 320x1024 picture"),
+        ({"height": 4, "width": 8}, r"auto_aspect_ratio for a 128x256 picture"),
     ):
-        path.write_text(yaml.safe_dump({**release, **extra, "tokens_per_frame": None}))
         fixed = {**release, **extra}
         fixed["tokens_per_frame"] = fixed["height"] * fixed["width"]
         path.write_text(yaml.safe_dump(fixed))
-        with pytest.raises(ValueError, match=rf"config\.yaml: cannot serve keys .*{named}"):
-            config_from_yaml(path, get_config("tiny"))
+        for base in ("tiny", "1.5", "tiny-1.5"):  # no base lends its own size to another grid
+            with pytest.raises(ValueError, match=rf"config\.yaml: cannot serve keys .*{named}"):
+                config_from_yaml(path, get_config(base))
