@@ -246,7 +246,8 @@ def test_a_model_whose_extra_is_not_installed_is_refused_in_one_line_naming_the_
 def test_a_plan_of_a_bf16_wan_model_prints_no_library_warning(capfd: pytest.CaptureFixture[str]) -> None:
     """The plan's output is the plan: diffusers warned on casting the VAE to bf16 ("modules ... that should be kept
     in float32: []"), naming none, before every LongLive or Krea plan and start."""
-    assert main(["plan", "--model", "longlive", "--model-options", '{"config": "1.3b"}', "--gpu-memory", "80GB"]) == 0
+    options = '{"config": "tiny", "dtype": "bfloat16"}'
+    assert main(["plan", "--model", "longlive", "--model-options", options, "--gpu-memory", "80GB"]) == 0
     captured = capfd.readouterr()
     assert "plan: longlive" in captured.out
     assert "float32" not in captured.err, captured.err
