@@ -381,6 +381,9 @@ def run(args: argparse.Namespace) -> int:
     except (PlanError, ValueError) as exc:
         print(f"arstream plan: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # the model's own code needs its extra (wan, longlive), even on the meta device
+        print(f"arstream plan: {settings.model} cannot be built here: {exc}", file=sys.stderr)
+        return 2
     print(plan.text())
     if args.json:
         print(json.dumps(plan_document(plan)))

@@ -51,6 +51,7 @@ from .metrics import ReplicaCollector
 from .migration import Migration, add_cluster_routes
 from .peers import own_urls
 from .protocol_schema import SCHEMA_PATH, protocol_schema
+from . import webrtc_track
 from .recorder import Recordings
 from .live_session import LiveSession
 from .realtime_video import PATH as REALTIME_VIDEO_PATH
@@ -420,6 +421,7 @@ async def serve(server: ARStreamServer) -> int:
         if capacity:
             print(capacity, flush=True)
         note_optional_pages()  # after the address: a plain start opens with where to go, not with what is missing
+        note_webrtc_unavailable(server.hub.settings)
         running_line.release()
     elif loaded.done():  # the hub has logged why, in one line
         server.should_exit = True
@@ -449,6 +451,14 @@ def capacity_line(stats: dict[str, Any] | None, rewind_seconds: float) -> str | 
         f"Sessions: room for {held} at once{each}: {held - parked} playing in the model's memory and "
         f"{parked} more parked in host memory while idle (parking; restored on their next chunk)."
     )
+
+
+def note_webrtc_unavailable(settings: Settings) -> None:
+    """``--webrtc`` asked for on an install without aiortc: said once at start, since otherwise only each offer's
+    refusal (and /v1/stats) would tell the operator why every page plays on the WebSocket."""
+    if settings.webrtc and not webrtc_track.AVAILABLE:
+        log.warning("--webrtc is on, but aiortc is not installed: every offer is refused and frames stay on the "
+                    "WebSocket; pip install 'arstream[webrtc]'")
 
 
 def note_optional_pages() -> None:

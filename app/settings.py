@@ -287,6 +287,19 @@ class CodecSettings(SettingGroup):
         description="an answered peer connection that has not connected within this many seconds (its ICE or DTLS "
         "never completed) is closed, its slot returned, and the session told `webrtc_state` `failed`",
     )
+    webrtc_min_bitrate_kbps: int | None = Field(
+        None,
+        ge=1,
+        description="the lowest bitrate each WebRTC track's encoder is let down to, whatever the browser's estimate "
+        "(default: aiortc's, 500 kbps for H.264, 250 kbps for VP8)",
+    )
+    webrtc_max_bitrate_kbps: int | None = Field(
+        None,
+        ge=1,
+        description="the highest bitrate each WebRTC track's encoder is let up to, whatever the browser's estimate "
+        "(default: aiortc's, 3000 kbps for H.264, 1500 kbps for VP8); a track starts at aiortc's starting "
+        "bitrate (1000 and 500 kbps) held within the bounds",
+    )
     webrtc_udp_ports: str | None = Field(
         None,
         description="LOW-HIGH (e.g. 40000-40199): the UDP ports the server's ICE host candidates bind, one port per "
@@ -340,6 +353,13 @@ class CodecSettings(SettingGroup):
             if turn and "username" not in server and self.webrtc_turn_secret is None:
                 raise ValueError("a TURN server in --webrtc-ice-servers needs a username and credential, or "
                                  "--webrtc-turn-secret to make them")
+        return self
+
+    @model_validator(mode="after")
+    def _bitrate_bounds_in_order(self) -> Self:
+        low, high = self.webrtc_min_bitrate_kbps, self.webrtc_max_bitrate_kbps
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"--webrtc-min-bitrate-kbps ({low}) is above --webrtc-max-bitrate-kbps ({high})")
         return self
 
     @field_validator("webrtc_udp_ports")

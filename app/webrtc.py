@@ -102,7 +102,8 @@ class SessionVideo:
         fps = float(live.gate.model_card.get("fps") or 30)
         try:
             where = HostCandidates(settings.webrtc_port_range(), settings.webrtc_advertised_address)
-            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened, where)
+            self._delivery = WebRTCDelivery(fps, self._state_changed, self._channel_opened, where,
+                                            settings.webrtc_min_bitrate_kbps, settings.webrtc_max_bitrate_kbps)
             self.offered = True
         except WebRTCError as exc:
             raise ProtocolError(ErrorCode.WEBRTC_FAILED, str(exc)) from None

@@ -6,8 +6,8 @@ origin is known. What a protocol-1 session does with it is :mod:`arstream.app.we
 
 The track's frames are the session's raw pixels: aiortc's own encoder (H.264 where the browser offers
 it, else VP8) encodes them once, answers the browser's picture-loss requests with a keyframe, and
-adapts its bitrate to the browser's REMB estimates. The server's own H.264 encoder is not used on this
-path.
+adapts its bitrate to the browser's REMB estimates, within the server's per-session bounds
+(:mod:`arstream.app.webrtc_bitrate`). The server's own H.264 encoder is not used on this path.
 
 aiortc is the ``webrtc`` extra: without it a ``webrtc_offer`` is refused with ``webrtc_failed``.
 """
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 try:
     from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
     from aiortc.rtcrtpsender import RTCRtpSender
+
+    from .webrtc_bitrate import BitrateBounds, BoundedEncoder, bounded_encoder, install_encoder
 
     AVAILABLE = True
 except ImportError:  # the webrtc extra is not installed
@@ -71,6 +73,12 @@ class WebRTCError(Exception):
 def open_peer_connections() -> int:
     """How many peer connections this process holds open."""
     return len(_open_peers)
+
+
+def open_encoders() -> list[BoundedEncoder]:
+    """The encoder of each open peer connection whose codec is known (its ``target_bitrate`` is in bits per
+    second; its ``codec`` is the libx264 or libvpx context, once a frame was encoded)."""
+    return [peer.encoder for peer in _open_peers if peer.encoder is not None]
 
 
 def frame_step(fps: float) -> int:
@@ -173,7 +181,8 @@ class WebRTCDelivery:
     """One protocol-1 session's peer connection and its video track."""
 
     def __init__(self, fps: float, on_state: Callable[[str], None], on_channel: Callable[[Any], None],
-                 host_candidates: HostCandidates | None = None) -> None:
+                 host_candidates: HostCandidates | None = None, min_bitrate_kbps: int | None = None,
+                 max_bitrate_kbps: int | None = None) -> None:
         if not AVAILABLE:
             raise WebRTCError("this server has no WebRTC (install the webrtc extra)")
         self.track = ChunkTrack(fps)
@@ -181,6 +190,8 @@ class WebRTCDelivery:
         self._on_state = on_state
         self._on_channel = on_channel  # a data channel the client opened (RTCDataChannel)
         self._host_candidates = host_candidates or HostCandidates()  # None: as aioice gathers them
+        self._bitrate = BitrateBounds.from_kbps(min_bitrate_kbps, max_bitrate_kbps)  # None: aiortc's own
+        self.encoder: BoundedEncoder | None = None  # the track's encoder, once the answer chose the codec
         self._pc: Any = None
         self.codec: str | None = None
         self.state = "new"
@@ -227,6 +238,10 @@ class WebRTCDelivery:
             raise WebRTCError(f"no answer to this offer: {exc}") from None
         sdp: str = pc.localDescription.sdp
         self.codec = negotiated_codec(sdp)
+        # The sender takes its first frame once DTLS is up, after this answer: its encoder is ours from the start.
+        self.encoder = bounded_encoder(self.codec, self._bitrate)
+        if self.encoder is not None:
+            install_encoder(sending.sender, self.encoder)
         return sdp
 
     def push_chunk(self, frame_messages: Sequence[bytes]) -> int | None:

@@ -235,6 +235,11 @@ def say_ready(session: Session) -> None:
     print(line, flush=True)
 
 
+def earliest(times: list[float]) -> float:
+    """The earliest of these times, NaN (never) left out; NaN when all are."""
+    return min((t for t in times if not math.isnan(t)), default=math.nan)
+
+
 async def run_script(
     url: str,
     plan: Sequence[tuple[str, ...]],
@@ -406,7 +411,9 @@ async def run_script(
         delivery=f"WebRTC ({', '.join(codecs)})" if codecs else "WebSocket",
         track_frames=len(track_frames),
         model=session.model,
-        time_to_first_frame_s=session.first_frame_at - connect_started,
+        # the first frame on either path: with the track connected early, the WebSocket may carry none
+        time_to_first_frame_s=earliest([session.first_frame_at, *(r.first_shown_at for r in receivers)])
+        - connect_started,
         chunk_latencies_s=session.chunk_latencies_s,
         action_to_frame_s=[*session.action_to_frame_s, *(t for r in receivers for t in r.action_to_frame_s)],
         streaming_s=streaming_s,

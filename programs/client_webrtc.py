@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -50,6 +51,7 @@ class TrackReceiver:
         self.refused: str | None = None  # the webrtc_failed message, when the server refused the offer
         self.frames: dict[int, np.ndarray] = {}  # track frame number -> RGB picture
         self.action_to_frame_s: list[float] = []  # an applied input's send -> the first frame of its chunk shown
+        self.first_shown_at = math.nan  # perf_counter when the track showed its first frame
         self._inputs_at: dict[int, list[float]] = {}  # a chunk's first track frame -> when its inputs were sent
         self.frames_sent = 0  # track frames the server's chunk messages announced so far
         self._shown = asyncio.Event()  # set at each frame shown
@@ -94,6 +96,8 @@ class TrackReceiver:
             number = int(frame.pts) // self.step  # aiortc counts pts from the first frame it received
             self.frames[number] = frame.to_ndarray(format="rgb24")
             shown_at = time.perf_counter()
+            if math.isnan(self.first_shown_at):
+                self.first_shown_at = shown_at
             self.action_to_frame_s += [shown_at - sent for sent in self._inputs_at.pop(number, [])]
             self._shown.set()
 

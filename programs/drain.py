@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -46,12 +47,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _refusal(response: httpx.Response) -> str:
-    """A replica's refusal in words: its ``detail``, not the JSON around it."""
+    """A replica's refusal in words: its ``detail``, not the JSON around it.
+
+    An answer that is not a replica's JSON (most often the balancer's 403 page: it never lets the cluster routes
+    through) is said on one line, with the URL to give instead.
+    """
     try:
         detail = response.json().get("detail")
     except (ValueError, AttributeError):
         detail = None
-    return f"{response.status_code}: {detail if isinstance(detail, str) else response.text[:500]}"
+    if isinstance(detail, str):
+        return f"{response.status_code}: {detail}"
+    text = " ".join(re.sub(r"<[^>]*>", " ", response.text).split())[:300]
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return f"{response.status_code}: {text}"
+    return (
+        f"{response.status_code}: {text} (not a replica's answer: is this the balancer? It never lets drains "
+        "through; give the replica's own URL, e.g. an ARSTREAM_REPLICA line of scripts/local-cluster.sh)"
+    )
 
 
 def which(urls: list[str], session_id: str, secret: str, timeout: float) -> int:

@@ -226,10 +226,10 @@ def rewind_for(pipeline: ARPipeline, *, seconds: float, budget_bytes: int) -> Re
     schedule = plan_rewind(spec, chunks_per_second=fps / per_chunk, seconds=seconds, budget_bytes=budget_bytes)
     if schedule is None or schedule.seconds < seconds:
         log.warning(
-            "a rewind horizon of %g s does not fit %d bytes per session; %s",
+            "a rewind horizon of %g s does not fit the rewind budget of %g MiB a session (--rewind-budget-mib); %s",
             seconds,
-            budget_bytes,
-            "rewind is off" if schedule is None else f"it reaches back {schedule.seconds:g} s (--rewind-budget-mib)",
+            round(budget_bytes / 2**20, 3),
+            "rewind is off" if schedule is None else f"it reaches back {schedule.seconds:g} s",
         )
     return schedule
 

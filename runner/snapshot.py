@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -48,9 +48,6 @@ from .snapshot_header import SnapshotHeaderError, parse_header
 from .snapshot_rewind import REWIND_KV, REWIND_SECTION, export_rewind
 from .spec import KVCacheSpec
 
-if TYPE_CHECKING:
-    from .snapshot_import import TensorEntry
-    from .snapshot_stream import SnapshotPlan
 
 FORMAT_VERSION = 1
 RUNTIME_NAME = "arstream"
@@ -76,29 +73,6 @@ class GathersHeads(Protocol):
 
     def export_snapshot(self, session_id: str, protocol_version: int | None) -> SessionSnapshot:
         """The session's snapshot at its chunk boundary, its heads gathered (it stays held)."""
-
-    def plan_snapshot(self, session_id: str, protocol_version: int | None) -> SnapshotPlan:
-        """The same as a plan (runner/snapshot_stream.py), its heads gathered a window of blocks at a time."""
-
-    def begin_import(
-        self, session_id: str, header: dict[str, Any], entries: Sequence[TensorEntry], protocol_version: int | None
-    ) -> ScatteredImport:
-        """Begin making a snapshot (``entries``: its runner's tensors, every head) the held session
-        ``session_id``, its heads scattered as its bytes arrive; refuse leaving every device's pool as it was."""
-
-
-class ScatteredImport(Protocol):
-    """A session's import into a :class:`GathersHeads` runtime, begun on every device: the whole snapshot's bytes
-    go in as they arrive and each device takes its heads."""
-
-    def write(self, index: int, offset: int, data: torch.Tensor) -> None:
-        """Bytes of tensor ``index`` of the entries (flat uint8) at byte ``offset`` of it, in file order."""
-
-    def finish(self) -> None:
-        """Every device hands its share to its pipeline: the session is held."""
-
-    def abort(self) -> None:
-        """Every device releases what the import holds."""
 
 
 class SnapshotError(ValueError):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -44,7 +44,7 @@ from .kv_state import SessionKVState
 from .pool import PoolExhausted
 from .capabilities import SupportsExport
 from .rewind import Boundary, RewindPoints
-from .snapshot import GathersHeads, ScatteredImport, SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
+from .snapshot import GathersHeads, SessionSnapshot, SnapshotError, SnapshotRefused, check_compatible
 from .snapshot_rewind import REWIND_KV, REWIND_MODEL_PREFIX, CarriedPoint, beyond_live, carried_points, choose_kept
 
 MODEL_PREFIX = "model/"
@@ -97,6 +97,32 @@ class _Dropped(_Regions):
 
     def write(self, offset: int, data: torch.Tensor) -> None:
         return
+
+
+class ScatteredImport(Protocol):
+    """A session's import into a runtime over several devices, begun on every device: the whole snapshot's bytes
+    go in as they arrive and each device takes its heads."""
+
+    def write(self, index: int, offset: int, data: torch.Tensor) -> None:
+        """Bytes of tensor ``index`` of the entries (flat uint8) at byte ``offset`` of it, in file order."""
+
+    def finish(self) -> None:
+        """Every device hands its share to its pipeline: the session is held."""
+
+    def abort(self) -> None:
+        """Every device releases what the import holds."""
+
+
+@runtime_checkable
+class ImportsScattered(GathersHeads, Protocol):
+    """A runtime over several devices imports its sessions itself (said here, beside the import: the snapshot
+    module names :class:`GathersHeads` and this module imports it)."""
+
+    def begin_import(
+        self, session_id: str, header: dict[str, Any], entries: Sequence[TensorEntry], protocol_version: int | None
+    ) -> ScatteredImport:
+        """Begin making a snapshot (``entries``: its runner's tensors, every head) the held session
+        ``session_id``, its heads scattered as its bytes arrive; refuse leaving every device's pool as it was."""
 
 
 class _Forwarded(_Regions):
@@ -323,7 +349,7 @@ class SessionImport:
         assert isinstance(pipeline, SupportsSessionTransfer)  # the config hash matched one that exports
         if runner.sessions.holds(self.session_id):
             raise SnapshotRefused(f"session {self.session_id!r} is already resident here")
-        if isinstance(runner, GathersHeads):
+        if isinstance(runner, ImportsScattered):
             self._scatter(runner, runner_names, by_name)
             return
         # a full pool parks its least recently used session when there is park room (runner/parking.py)
@@ -404,8 +430,8 @@ class SessionImport:
         runner.sessions.kv_state(self.session_id)  # asked for, as an export does: a runtime that parks keeps it in the pool
 
 
-    def _scatter(self, runner: GathersHeads, runner_names: list[str], by_name: Mapping[str, int]) -> None:
-        """A runtime over several devices (:class:`GathersHeads`): every device begins the import of its share,
+    def _scatter(self, runner: ImportsScattered, runner_names: list[str], by_name: Mapping[str, int]) -> None:
+        """A runtime over several devices (:class:`ImportsScattered`): every device begins the import of its share,
         and each piece of the runner's tensors goes on to the runtime as it arrives, split there by heads, so this
         side never holds the session."""
         scattered = self._scattered = runner.begin_import(

@@ -35,7 +35,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -165,12 +165,21 @@ class SnapshotPlan:
         return pieces
 
 
+@runtime_checkable
+class PlansGatheredSnapshots(GathersHeads, Protocol):
+    """A runtime over several devices plans its sessions' snapshots itself (said here, beside the plan: the snapshot
+    module names :class:`GathersHeads` and this module imports it)."""
+
+    def plan_snapshot(self, session_id: str, protocol_version: int | None) -> SnapshotPlan:
+        """The same as :func:`plan_export`'s plan, its heads gathered a window of blocks at a time."""
+
+
 def plan_export(runner: SupportsExport, session_id: str, *, protocol_version: int | None = None) -> SnapshotPlan:
     """The session's snapshot as a plan (see the module docstring); the session stays resident, untouched.
 
     A runtime over several devices plans it itself: its parts join every device's heads of a block, asking
     the other devices for a window of blocks at a time."""
-    if isinstance(runner, GathersHeads):
+    if isinstance(runner, PlansGatheredSnapshots):
         return runner.plan_snapshot(session_id, protocol_version)
     if session_id in runner.sessions.lot:  # already a host copy (runner/parking.py): planned from it, not restored
         return plan_parked(runner, session_id, protocol_version=protocol_version)

@@ -41,15 +41,24 @@ class RefClamp(nn.Module):
         return 3 * torch.tanh(x / 3)
 
 
-def reference_decoder(widths: tuple[int, int, int, int], latent_channels: int = 16) -> nn.Module:
+class RefHolder(nn.Module):
+    """The published TAEHV's place for ``decoder`` (its state dict's ``decoder.*`` keys), with the patch size."""
+
+    def __init__(self, patch_size: int) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+
+
+def reference_decoder(widths: tuple[int, int, int, int], latent_channels: int = 16, patch_size: int = 1) -> nn.Module:
+    """``patch_size`` 2 is ``taehv1_5``'s (and ``taew2_2``'s): the last convolution makes a 2x2 patch of pixels."""
     a, b, c, d = widths
-    holder = nn.Module()
+    holder = RefHolder(patch_size)
     holder.decoder = nn.Sequential(
         RefClamp(), _conv(latent_channels, a), nn.ReLU(),
         RefMem(a), RefMem(a), RefMem(a), nn.Upsample(scale_factor=2), RefGrow(a, 1), _conv(a, b, bias=False),
         RefMem(b), RefMem(b), RefMem(b), nn.Upsample(scale_factor=2), RefGrow(b, 2), _conv(b, c, bias=False),
         RefMem(c), RefMem(c), RefMem(c), nn.Upsample(scale_factor=2), RefGrow(c, 2), _conv(c, d, bias=False),
-        nn.ReLU(), _conv(d, 3),
+        nn.ReLU(), _conv(d, 3 * patch_size**2),
     )
     return holder
 
@@ -82,4 +91,8 @@ def decode_clip(holder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
             queue.insert(0, (block(x), i + 1))
     stride_total = 4
     video = torch.stack(out, 1).clamp(0, 1)
+    patch = int(getattr(holder, "patch_size", 1))
+    if patch > 1:  # the published decode_video: pixels out of each frame's channel patches
+        frames = F.pixel_shuffle(video.flatten(0, 1), patch)
+        video = frames.reshape(*video.shape[:2], *frames.shape[1:])
     return video[:, stride_total - 1 :]

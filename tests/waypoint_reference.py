@@ -236,3 +236,21 @@ def reference_decode(d: dict[str, torch.Tensor], conf: dict[str, Any], z: torch.
     x = F.interpolate(_conv(d, "conv_out.proj", F.silu(x)), size, mode="bicubic")
     x = ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     return x.permute(0, 2, 3, 1)[..., :3]
+
+
+def reference_taehv_frames(holder: Any, latents: list[torch.Tensor], size: tuple[int, int]) -> list[torch.Tensor]:
+    """Waypoint-1.5's ``ChunkedStreamingTAEHV.decode`` over a session's latents [C, h, w], written from the later
+    ``world_engine``'s ``src/ae.py``: the stream is primed by decoding the first latent ``frames_to_trim`` (three)
+    times and dropping what comes out; then each latent gives four frames, resized (bilinear) to ``size`` and
+    rounded to bytes. Here the whole session is one dense clip of the published TAEHV (``taehv_reference``), whose
+    own trim drops the first three frames; the primes' other frames are dropped by count."""
+    from taehv_reference import decode_clip
+
+    primes = 3
+    clip = torch.stack([latents[0]] * primes + list(latents))[None]
+    video = decode_clip(holder, clip)[0]  # [4 * (primes + n) - 3, 3, H, W]
+    video = video[4 * primes - 3 :]
+    if tuple(video.shape[-2:]) != size:
+        video = F.interpolate(video, size=size, mode="bilinear", align_corners=False)
+    pixels = (video.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    return [pixels[i : i + 4] for i in range(0, pixels.shape[0], 4)]

@@ -132,8 +132,10 @@ def load_parts(
     quantize_blocks(model, weights)
     encoder = encoder.to(device=device if planning else text_device, dtype=weights_dtype)
     vae = vae.to(device=device)
-    if weights_dtype != torch.float32:  # diffusers warns on any cast of the whole VAE, even to its own dtype
-        vae = vae.to(dtype=weights_dtype)
+    if weights_dtype != torch.float32:
+        # torch's own cast: diffusers' to() warns on every cast to a dtype that the VAE "should keep some modules in
+        # float32", naming none (it has none), on every start and plan; nothing here is quantized or offloaded
+        torch.nn.Module.to(vae, dtype=weights_dtype)  # in place
     plain = held_as(weights_dtype)
     components = [
         component("dit", model, device, held_as(weights_dtype, weights)),

@@ -20,10 +20,12 @@ once its forward succeeded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # The published decoder's widths (taew2_1.pth) and latent channels.
@@ -37,10 +39,15 @@ DecoderState = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class TAEHVShape:
-    """What a weight file's shapes fix: the four stage widths and the latent channels."""
+    """What a weight file's shapes fix: the four stage widths, the latent channels and the patch size.
+
+    ``patch_size`` above 1 (``taehv1_5``, for HunyuanVideo 1.5 latents: 2) makes the last convolution emit
+    ``3 * patch_size**2`` channels that a pixel shuffle turns into a ``patch_size`` times larger picture.
+    """
 
     widths: tuple[int, int, int, int] = PUBLISHED_WIDTHS
     latent_channels: int = WAN_LATENT_CHANNELS
+    patch_size: int = 1
 
 
 def _conv(n_in: int, n_out: int, *, bias: bool = True) -> nn.Conv2d:
@@ -95,7 +102,7 @@ class TAEHVDecoder(nn.Module):
             n_f = w[stage]
             layers += [_MemoryBlock(n_f, n_f) for _ in range(3)]
             layers += [nn.Upsample(scale_factor=2), _TimeGrow(n_f, stride), _conv(n_f, w[stage + 1], bias=False)]
-        layers += [nn.ReLU(), _conv(w[3], 3)]
+        layers += [nn.ReLU(), _conv(w[3], 3 * shape.patch_size**2)]
         self.decoder = nn.Sequential(*layers)
         self.t_upscale = 1
         for stride in TIME_STRIDES:
@@ -133,6 +140,8 @@ class TAEHVDecoder(nn.Module):
                 x = block(x)
                 if isinstance(block, _TimeGrow):
                     frames *= block.stride
+        if self.shape.patch_size > 1:
+            x = F.pixel_shuffle(x, self.shape.patch_size)
         video = x.reshape(n, frames, *x.shape[1:]).clamp(0, 1)
         if state is None:
             video = video[:, self.frames_to_trim :]
@@ -146,7 +155,10 @@ def shape_of(state: dict[str, torch.Tensor]) -> TAEHVShape:
     if first is None or any(t is None for t in stage_convs):
         raise KeyError("decoder.1.weight, decoder.8.weight, decoder.14.weight and decoder.20.weight")
     outs = [int(t.shape[0]) for t in stage_convs if t is not None]
-    return TAEHVShape(widths=(int(first.shape[0]), outs[0], outs[1], outs[2]), latent_channels=int(first.shape[1]))
+    last = state.get("decoder.22.weight")  # the picture convolution: 3 channels per pixel of a patch
+    patch_size = 1 if last is None else max(1, math.isqrt(int(last.shape[0]) // 3))
+    return TAEHVShape(widths=(int(first.shape[0]), outs[0], outs[1], outs[2]), latent_channels=int(first.shape[1]),
+                      patch_size=patch_size)
 
 
 def fit_time_grow(module: TAEHVDecoder, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,7 +9,12 @@ server cannot serve exactly:
 - ``prompt_conditioning`` set: the text path needs a UMT5-XL encoder this
   package does not load;
 - a ``global_window`` that is not a multiple of ``global_pinned_dilation`` (the
-  published cache asserts the same).
+  published cache asserts the same);
+- of the later engine's (Waypoint-1.5's) keys, what is not built here
+  (:func:`_temporal_keys`, :func:`_decoded_size`). Those that are: ``taehv_ae``
+  and ``temporal_compression`` (four frames a latent frame from TAEHV),
+  ``inference_fps`` (the frames' rate), ``auto_aspect_ratio`` (the 720p/360p
+  resize) and ``max_frames`` (read as ``n_frames`` when that is absent).
 
 Per-layer windows: every ``global_attn_period``-th layer (from
 ``global_attn_offset``) is a *global* layer that sees ``global_window`` frames,
@@ -22,7 +27,7 @@ layer, so the pipeline declares the widest and each layer masks its own
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +63,16 @@ class WaypointConfig:
     value_residual: bool = False
     gated_attn: bool = False
     scheduler_sigmas: tuple[float, ...] = (1.0, 0.8, 0.5, 0.0)
-    fps: int = 60
-    # the autoencoder's output size (the published decoder resizes to 360p)
+    fps: int = 60  # video frames a second (the published ``inference_fps``)
+    # video frames per latent frame, so per chunk and per control input (Waypoint-1.5: 4)
+    temporal_compression: int = 1
+    # the picture size frames are served at (the Waypoint-1 decoder resizes to it; Waypoint-1.5's TAEHV output is
+    # resized to it when it differs, as the published engine's ``auto_aspect_ratio`` does)
     image_height: int = 360
     image_width: int = 640
+    # decoder: the Waypoint-1 autoencoder (``decoder_conf.yml``'s keys) or, with ``taehv_ae``, TAEHV's
+    # ``widths``, ``latent_channels`` and ``patch_size``
+    taehv_ae: bool = False
     ae: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -96,13 +107,16 @@ class WaypointConfig:
 
 
 # the autoencoder's decoder shape (decoder_conf.yml's ``model`` keys)
-AE_1_5: dict[str, Any] = {
+AE_WAYPOINT_1: dict[str, Any] = {
     "channels": 3,
     "latent_channels": 16,
     "ch_0": 64,
     "ch_max": 512,
     "decoder_blocks_per_stage": [1, 1, 1, 1, 1],
 }
+# TAEHV for HunyuanVideo 1.5 latents (``taehv1_5.pth``): 32 channels, a 2x2 patch, TAEHV's default widths
+TAEHV_1_5: dict[str, Any] = {"widths": [256, 128, 64, 64], "latent_channels": 32, "patch_size": 2}
+TAEHV_TINY: dict[str, Any] = {"widths": [8, 8, 4, 4], "latent_channels": 4, "patch_size": 2}
 AE_TINY: dict[str, Any] = {
     "channels": 3,
     "latent_channels": 4,
@@ -111,10 +125,25 @@ AE_TINY: dict[str, Any] = {
     "decoder_blocks_per_stage": [1, 1],
 }
 
+# Waypoint-1.5-1B's transformer as its release is described (see docs/models.md for the sources): 24 layers of
+# 2048 wide, 32 query and 16 K/V heads; 32 latent channels in 2x2 patches; every fourth layer (offset -1) global over
+# 128 frames dilated by 8, the others local over 16; controls fused every third layer; 4 denoising steps; four
+# 60 fps frames per latent frame from TAEHV. A loaded file's config.yaml decides the shapes; these size plans.
+_RELEASE_1_5 = WaypointConfig(
+    d_model=2048, n_heads=32, n_kv_heads=16, n_layers=24, mlp_ratio=4, channels=32, height=16, width=32,
+    patch=(2, 2), n_buttons=256, n_frames=512, local_window=16, global_window=128, global_pinned_dilation=8,
+    global_attn_period=4, global_attn_offset=-1, ctrl_conditioning_period=3, noise_conditioning="wan",
+    value_residual=True, gated_attn=False, scheduler_sigmas=(1.0, 0.9, 0.75, 0.3, 0.0), fps=60,
+    temporal_compression=4, image_height=720, image_width=1280, taehv_ae=True, ae=TAEHV_1_5,
+)
+# TAEHV decodes 16 pixels a latent cell; the published engine serves 16:8 pictures resized to 16:9 (encode sizes
+# 512x1024 and 256x512 for 720p and 360p)
+TAEHV_TIERS = {(512, 1024): (720, 1280), (256, 512): (360, 640)}
+
 CONFIGS: dict[str, WaypointConfig] = {
-    # Waypoint-1.5's scale (1.2B parameters, a 512-frame context, 360p out). The real file's config.yaml
-    # decides the shapes when one is loaded; this entry sizes plans and cost figures.
-    "1.5": WaypointConfig(ae=AE_1_5),
+    # Waypoint-1.5-1B (720p) and Waypoint-1.5-1B-360P: the 360p tier halves the token grid
+    "1.5": _RELEASE_1_5,
+    "1.5-360p": replace(_RELEASE_1_5, height=8, width=16, image_height=360, image_width=640),
     # CPU tests and ``arstream serve --model waypoint-1.5 --model-option config=tiny``: random weights
     "tiny": WaypointConfig(
         d_model=32,
@@ -140,6 +169,11 @@ CONFIGS: dict[str, WaypointConfig] = {
         ae=AE_TINY,
     ),
 }
+# CPU tests of Waypoint-1.5's own parts: the tiny transformer with four frames per latent frame from a tiny TAEHV
+# (4x8 latent cells decode to 64x128, resized to 72x128 as the published 16:8 -> 16:9 resize does)
+CONFIGS["tiny-1.5"] = replace(
+    CONFIGS["tiny"], temporal_compression=4, fps=60, image_height=72, image_width=128, taehv_ae=True, ae=TAEHV_TINY
+)
 
 
 def get_config(name: str) -> WaypointConfig:
@@ -164,6 +198,8 @@ def config_from_yaml(path: Path, base: WaypointConfig) -> WaypointConfig:
         raise WaypointConfigError(f"{path}: not a readable YAML config ({exc})") from None
     if not isinstance(raw, dict):
         raise WaypointConfigError(f"{path}: expected a mapping of config keys")
+    if "n_frames" not in raw and "max_frames" in raw:  # the later engine's name for the trained context
+        raw["n_frames"] = raw["max_frames"]
     missing = [key for key in _REQUIRED if key not in raw]
     if missing:
         raise WaypointConfigError(f"{path}: missing keys {missing}")
@@ -178,12 +214,61 @@ def config_from_yaml(path: Path, base: WaypointConfig) -> WaypointConfig:
         refused.append("global_window not a multiple of global_pinned_dilation")
     if raw.get("tokens_per_frame", raw["height"] * raw["width"]) != raw["height"] * raw["width"]:
         refused.append("tokens_per_frame != height * width")
+    refused += _temporal_keys(raw)
+    size = _decoded_size(raw, base) if raw.get("taehv_ae", False) else (base.image_height, base.image_width)
+    if isinstance(size, str):
+        refused.append(size)
     if refused:
         raise WaypointConfigError(f"{path}: cannot serve keys {refused}")
     patch = tuple(raw.get("patch", (1, 1)))
     values = {key: raw[key] for key in _REQUIRED}
     values["scheduler_sigmas"] = tuple(float(s) for s in raw["scheduler_sigmas"])
+    values.update(temporal_compression=int(raw.get("temporal_compression", 1)), taehv_ae=bool(raw.get("taehv_ae", False)))
+    if isinstance(raw.get("inference_fps"), int):
+        values["fps"] = raw["inference_fps"]
+    assert not isinstance(size, str)
+    values["image_height"], values["image_width"] = size
+    if values["taehv_ae"] != base.taehv_ae:  # the decoder's shape is the file's to say; start from the release's
+        values["ae"] = dict(TAEHV_1_5 if values["taehv_ae"] else AE_WAYPOINT_1)
     return _merged(base, values, raw, patch)
+
+
+def _temporal_keys(raw: dict[str, Any]) -> list[str]:
+    """Refusals among the keys the engine's later (Waypoint-1.5) configs add.
+
+    ``temporal_compression`` above 1 needs the TAEHV decoder (``taehv_ae``), which makes that many frames of each
+    latent frame. The published engine steps the rotary time position by ``base_fps // (inference_fps //
+    temporal_compression)`` a latent frame; this package steps it by 1, so any other step is refused.
+    """
+    refused = []
+    model_type = raw.get("model_type", "waypoint-1")
+    if model_type not in ("waypoint-1", "waypoint-1.5"):
+        refused.append(f"model_type {model_type!r} (expected waypoint-1 or waypoint-1.5)")
+    compression = raw.get("temporal_compression", 1)
+    if not isinstance(compression, int) or isinstance(compression, bool) or compression < 1:
+        refused.append("temporal_compression (a whole number of at least 1)")
+        return refused
+    if compression > 1 and not raw.get("taehv_ae", False):
+        refused.append(f"temporal_compression {compression} without taehv_ae (no decoder here makes those frames)")
+    fps, base_fps = raw.get("inference_fps"), raw.get("base_fps")
+    if isinstance(fps, int) and isinstance(base_fps, int):
+        if fps % compression or base_fps // max(1, fps // compression) != 1:
+            refused.append(f"base_fps {base_fps}, inference_fps {fps}, temporal_compression {compression} (a rotary "
+                           "time step other than 1 a latent frame)")
+    return refused
+
+
+def _decoded_size(raw: dict[str, Any], base: WaypointConfig) -> tuple[int, int] | str:
+    """The picture size served for a TAEHV config: 16 pixels a latent cell, resized 16:8 -> 16:9 as published."""
+    patch = raw.get("patch", (1, 1))
+    decoded = (int(raw["height"]) * int(patch[0]) * 16, int(raw["width"]) * int(patch[1]) * 16)
+    if not raw.get("auto_aspect_ratio", True):
+        return decoded
+    if decoded in TAEHV_TIERS:
+        return TAEHV_TIERS[decoded]
+    if base.taehv_ae and decoded[0] == base.latent_shape[1] * 16 and decoded[1] == base.latent_shape[2] * 16:
+        return base.image_height, base.image_width  # a test config of this grid names its own size
+    return f"auto_aspect_ratio for a {decoded[0]}x{decoded[1]} picture (the published sizes: {sorted(TAEHV_TIERS)})"
 
 
 def _merged(
@@ -207,6 +292,11 @@ def config_to_yaml(cfg: WaypointConfig) -> str:
     keys = dict(cfg.to_dict())
     for own in ("fps", "image_height", "image_width", "ae"):
         keys.pop(own)
+    keys.update(
+        model_type="waypoint-1.5" if cfg.taehv_ae else "waypoint-1",
+        inference_fps=cfg.fps,
+        base_fps=cfg.fps // cfg.temporal_compression,
+    )
     keys.update(
         patch=list(cfg.patch),
         scheduler_sigmas=list(cfg.scheduler_sigmas),

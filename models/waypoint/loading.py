@@ -8,6 +8,10 @@ The published layout (``world_engine``'s ``WorldModel.from_pretrained`` and
   ``decoder_conf.yml`` (its ``model`` mapping) and ``decoder.safetensors``
   with weight-normed convolutions. The encoder's files sit beside them; this
   server does not read them (a session starts from noise, not an image).
+- Waypoint-1.5 (``taehv_ae: true`` in ``config.yaml``): the autoencoder is
+  TAEHV's ``taehv1_5.pth`` (the ``ae_uri`` repository's one file; a
+  ``.safetensors`` of the same keys is read too) in that same folder; its
+  ``decoder.*`` tensors are read, the encoder's left.
 
 A file whose tensors do not match the config (missing, unexpected or of
 another shape) is refused with :class:`WaypointWeightsError`, naming the file
@@ -27,6 +31,11 @@ from .config import WaypointConfig, WaypointConfigError, config_from_yaml, get_c
 from .decoder import Decoder, bake_weight_norm
 from .dit import WaypointDiT
 from .pipeline import WaypointPipeline
+from .taehv_frames import FramesDecoder, taehv_shape
+from ..wan.checkpoint import CheckpointError, read_state_dict
+from ..wan_decoders.taehv import decoder_keys, fit_time_grow, shape_of
+
+TAEHV_FILES = ("taehv1_5.pth", "taehv1_5.safetensors")
 
 # weight-normed convolutions in the published decoder: each ``X.weight`` is stored as these two
 WEIGHT_NORM = (".parametrizations.weight.original0", ".parametrizations.weight.original1")
@@ -94,13 +103,53 @@ def load_decoder_conf(path: Path) -> dict[str, Any]:
     return conf
 
 
-def load_weights(weights_path: Path, ae_path: Path | None, base: WaypointConfig) -> tuple[WaypointDiT, Decoder]:
+def make_decoder(cfg: WaypointConfig) -> Decoder | FramesDecoder:
+    """The decoder ``cfg`` names, unfilled: Waypoint-1's autoencoder or Waypoint-1.5's TAEHV."""
+    size = (cfg.image_height, cfg.image_width)
+    return FramesDecoder(taehv_shape(cfg.ae), size) if cfg.taehv_ae else Decoder(cfg.ae, size)
+
+
+def load_taehv(ae_dir: Path, cfg: WaypointConfig) -> tuple[WaypointConfig, FramesDecoder]:
+    """Waypoint-1.5's TAEHV decoder from ``ae_dir``; its widths and patch are read from the file's shapes."""
+    path = next((ae_dir / name for name in TAEHV_FILES if (ae_dir / name).is_file()), None)
+    if path is None:
+        raise WaypointWeightsError(f"{ae_dir}: no TAEHV file (looked for {', '.join(TAEHV_FILES)})")
+    try:
+        state = decoder_keys(read_state_dict(path))
+    except CheckpointError as exc:
+        raise WaypointWeightsError(str(exc)) from None
+    try:
+        shape = shape_of(state)
+    except KeyError as exc:
+        raise WaypointWeightsError(f"{path}: not a TAEHV decoder, missing keys {exc.args[0]}") from None
+    if shape.latent_channels != cfg.channels:
+        raise WaypointWeightsError(f"{path}: decodes {shape.latent_channels}-channel latents; config.yaml's channels "
+                                   f"are {cfg.channels}")
+    ae = {"widths": list(shape.widths), "latent_channels": shape.latent_channels, "patch_size": shape.patch_size}
+    cfg = WaypointConfig(**{**cfg.to_dict(), "ae": ae})
+    decoder = FramesDecoder(shape, (cfg.image_height, cfg.image_width))
+    if decoder.t_upscale != cfg.temporal_compression:
+        raise WaypointWeightsError(f"{path}: makes {decoder.t_upscale} frames a latent frame; config.yaml's "
+                                   f"temporal_compression is {cfg.temporal_compression}")
+    state = fit_time_grow(decoder, state)
+    check_tensors(path, state, {k: v.shape for k, v in decoder.state_dict().items()})
+    decoder.load_state_dict(state)
+    return cfg, decoder
+
+
+def load_weights(
+    weights_path: Path, ae_path: Path | None, base: WaypointConfig
+) -> tuple[WaypointDiT, Decoder | FramesDecoder]:
     """The world model and the decoder from their published folders."""
     try:
         cfg = config_from_yaml(weights_path / "config.yaml", base)
     except WaypointConfigError as exc:
         raise WaypointWeightsError(str(exc)) from None
     ae_dir = ae_path if ae_path is not None else weights_path / "ae"
+    decoder: Decoder | FramesDecoder
+    if cfg.taehv_ae:
+        cfg, decoder = load_taehv(ae_dir, cfg)
+        return _load_model(weights_path, cfg), decoder
     conf = load_decoder_conf(ae_dir / "decoder_conf.yml")
     if int(conf["latent_channels"]) != cfg.channels:
         raise WaypointWeightsError(
@@ -108,6 +157,16 @@ def load_weights(weights_path: Path, ae_path: Path | None, base: WaypointConfig)
             f"channels {cfg.channels} ({weights_path / 'config.yaml'})"
         )
     cfg = WaypointConfig(**{**cfg.to_dict(), "ae": dict(conf)})
+    model = _load_model(weights_path, cfg)
+    decoder = Decoder(conf, (cfg.image_height, cfg.image_width))
+    decoder_file = ae_dir / "decoder.safetensors"
+    raw = _read(decoder_file)
+    check_tensors(decoder_file, raw, published_decoder_shapes(decoder))
+    decoder.load_state_dict(bake_weight_norm(raw))
+    return model, decoder
+
+
+def _load_model(weights_path: Path, cfg: WaypointConfig) -> WaypointDiT:
     model = WaypointDiT(cfg)
     state = _read(weights_path / "model.safetensors")
     check_tensors(weights_path / "model.safetensors", state, {k: v.shape for k, v in model.state_dict().items()})
@@ -124,18 +183,13 @@ def load_weights(weights_path: Path, ae_path: Path | None, base: WaypointConfig)
                 f"{weights_path / 'model.safetensors'}: keys {_names(differ)} differ from layer 0's, which they share"
             )
     model.load_state_dict(state)
-    decoder = Decoder(conf, (cfg.image_height, cfg.image_width))
-    decoder_file = ae_dir / "decoder.safetensors"
-    raw = _read(decoder_file)
-    check_tensors(decoder_file, raw, published_decoder_shapes(decoder))
-    decoder.load_state_dict(bake_weight_norm(raw))
-    return model, decoder
+    return model
 
 
-def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Decoder]:
+def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Decoder | FramesDecoder]:
     model = WaypointDiT(cfg)
     model.init_random(seed)
-    decoder = Decoder(cfg.ae, (cfg.image_height, cfg.image_width))
+    decoder = make_decoder(cfg)
     decoder.init_random(seed + 1)
     return model, decoder
 
@@ -156,7 +210,7 @@ def load_waypoint(
 
     Without ``weights_path`` the weights are random (``random_init`` may say so,
     as other models' options do; the card says ``weights: random`` either way),
-    and only the ``tiny`` config loads: random weights at the published scale
+    and only the ``tiny`` configs load: random weights at the published scale
     are no use to anyone and take gigabytes.
     """
     if options:
@@ -175,13 +229,13 @@ def load_waypoint(
         raise ValueError("waypoint takes weights_path or random_init, not both")
     if target.type == "meta":  # shapes and bytes only: nothing read, nothing filled
         with torch.device("meta"):
-            model, decoder = WaypointDiT(base), Decoder(base.ae, (base.image_height, base.image_width))
+            model, decoder = WaypointDiT(base), make_decoder(base)
     elif weights_path is not None:
         model, decoder = load_weights(Path(weights_path), None if ae_path is None else Path(ae_path), base)
-    elif config == "tiny":
+    elif config.startswith("tiny"):
         model, decoder = random_weights(base, seed)
     else:
-        raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only 'tiny' runs "
+        raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only the tiny ones run "
                          "on random weights")
     model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
     return WaypointPipeline(

@@ -1,4 +1,4 @@
-"""WaypointPipeline: Waypoint on the runner's contract (one latent frame per chunk, one control per frame).
+"""WaypointPipeline: Waypoint on the runner's contract (one latent frame and one control input per chunk).
 
 A chunk is the published engine's ``gen_frame`` (``world_engine`` commit
 208c909824d906bf441122b7c40b9b4e1050d7c3): noise drawn for one latent frame,
@@ -11,7 +11,12 @@ see (:meth:`~arstream.models.waypoint.config.WaypointConfig.layer_window`).
 
 Per session the pipeline keeps the noise generator (seeded from the session's
 seed on its first chunk) and the last controls; both are exported with a
-snapshot, a rewind point or a parked session. The decoder is stateless.
+snapshot, a rewind point or a parked session. Waypoint-1's decoder is
+stateless: one frame a chunk. Waypoint-1.5's (``taehv_ae``) makes
+``temporal_compression`` frames of each latent frame, so a chunk carries four
+frames made under one control input, and its stream state (TAEHV's memory) is
+the session's too, exported with the rest
+(:mod:`~arstream.models.waypoint.taehv_frames`).
 
 Controls (the card's JSON Schema): ``buttons``, the ids of the buttons held
 (any of the model's ``n_buttons``: keys and mouse buttons), ``mouse``, the
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 
 from .config import WaypointConfig
 from .decoder import Decoder, to_uint8
+from .taehv_frames import FramesDecoder
 from .dit import WaypointDiT, rope_tables, rotate
 from ..wan.components import component, held_as
 from ...runner.binding import SessionStateBinding
@@ -174,13 +180,14 @@ def denoise_frame(
 class _Session:
     generator: torch.Generator
     controls: dict[str, Any]
+    decoder_state: list[torch.Tensor] | None = None  # TAEHV's stream memory (Waypoint-1.5); None before a frame
 
 
 class WaypointPipeline(SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
     def __init__(
-        self, model: WaypointDiT, decoder: Decoder, device: torch.device, *, name: str = "waypoint-1.5",
+        self, model: WaypointDiT, decoder: Decoder | FramesDecoder, device: torch.device, *, name: str = "waypoint-1.5",
         session_capacity: int = 64, random_weights: bool = False,
     ) -> None:
         super().__init__()
@@ -196,6 +203,9 @@ class WaypointPipeline(SessionStateBinding):
         self.cos, self.sin = cos.to(device), sin.to(device)
         self._sessions: dict[str, _Session] = {}
         self._digest: str | None = None
+        self.decoder_state_bytes = 0
+        if isinstance(self.decoder, FramesDecoder):
+            self.decoder_state_bytes = self.decoder.state_bytes(self.cfg.latent_shape, self.dtype)
         self.last_latents: dict[str, torch.Tensor] = {}  # each session's last clean latent (tests compare them)
 
     # ---- contract -------------------------------------------------------------------
@@ -213,6 +223,7 @@ class WaypointPipeline(SessionStateBinding):
             session_capacity=self.session_capacity,
             dtype=self.dtype,
             max_position_frames=cfg.n_frames,
+            model_owned_bytes_per_session=self.decoder_state_bytes,
         )
 
     def model_card(self) -> dict[str, Any]:
@@ -222,7 +233,7 @@ class WaypointPipeline(SessionStateBinding):
             "width": cfg.image_width,
             "height": cfg.image_height,
             "fps": cfg.fps,
-            "frames_per_chunk": 1,
+            "frames_per_chunk": cfg.temporal_compression,
             "reads_prompt": False,
             "description": "Overworld's Waypoint: a world you walk with any key and look around with the mouse",
             "controls": controls_schema(cfg),
@@ -262,16 +273,26 @@ class WaypointPipeline(SessionStateBinding):
                     self.model, ctx, noise.to(self.device, self.dtype), controls.to(self.device, self.dtype),
                     self.cfg.scheduler_sigmas,
                 )
-                frames = to_uint8(self.decoder(latents.to(next(self.decoder.parameters()).dtype))).cpu().numpy()
+                decoder_dtype = next(self.decoder.parameters()).dtype
+                if isinstance(self.decoder, FramesDecoder):
+                    videos, streamed = self.decoder.decode_frames(
+                        latents.to(decoder_dtype), [s.decoder_state for s in sessions]
+                    )
+                    decoder_states: list[list[torch.Tensor] | None] = list(streamed)
+                    frames = videos.cpu().numpy()
+                else:
+                    frames = to_uint8(self.decoder(latents.to(decoder_dtype))).cpu().numpy()[:, None]
+                    decoder_states = [None] * len(sessions)
         except BaseException:
             for session, saved in zip(sessions, rewind, strict=True):
                 session.generator.set_state(saved)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions, strict=True)):
             session.controls = dict(tick.controls)
+            session.decoder_state = decoder_states[row]
             self._sessions[tick.session_id] = session
             self.last_latents[tick.session_id] = latents[row].clone()
-        return [np.ascontiguousarray(frames[row : row + 1]) for row in range(len(ticks))]
+        return [np.ascontiguousarray(frames[row]) for row in range(len(ticks))]
 
     def reset_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -294,11 +315,16 @@ class WaypointPipeline(SessionStateBinding):
         return {"config": self.cfg.to_dict(), "weights_sha256": self._digest}
 
     def export_session_state(self, session_id: str) -> ModelState:
-        """The noise generator and the last controls (the decoder keeps nothing between frames)."""
+        """The noise generator, the last controls and the decoder's stream state (Waypoint-1.5's TAEHV)."""
         session = self._sessions.get(session_id)
         if session is None:
             return ModelState({"session": None})
-        return ModelState({"session": {"controls": session.controls}}, {"generator": session.generator.get_state()})
+        tensors = {"generator": session.generator.get_state()}
+        decoder = session.decoder_state or []
+        tensors.update({f"decoder/{i}": entry for i, entry in enumerate(decoder)})
+        return ModelState(
+            {"session": {"controls": session.controls, "decoder_entries": len(decoder)}}, tensors
+        )
 
     def import_session_state(self, session_id: str, state: ModelState) -> None:
         values = state.json.get("session")
@@ -307,7 +333,9 @@ class WaypointPipeline(SessionStateBinding):
             return
         generator = torch.Generator()
         generator.set_state(state.tensors["generator"])
-        self._sessions[session_id] = _Session(generator, dict(values["controls"]))
+        entries = int(values.get("decoder_entries", 0))
+        decoder = [state.tensors[f"decoder/{i}"].to(self.device) for i in range(entries)] or None
+        self._sessions[session_id] = _Session(generator, dict(values["controls"]), decoder)
 
     def session_ids(self) -> list[str]:
         return list(self._sessions)

@@ -258,7 +258,7 @@ class DistributedRuntime:
             counts.append(tuple(value[0]))
         return counts
 
-    # ---- moving sessions (capabilities.SupportsExport, snapshot.GathersHeads; the format: .transfer) ------------
+    # ---- moving sessions (SupportsExport; snapshot_stream.PlansGatheredSnapshots; the format: .transfer) ------------
 
     @property
     def sessions(self) -> SessionTable:

@@ -5,7 +5,8 @@ streams from one. A drain moves its session to the other: the page follows
 ``moved`` without a click, keeps the same session (and world, its rewind
 timeline included) and shows a brief notice. A SIGTERM alone does the same (the replicas know their peers). A killed
 replica cannot move anything: the page starts a new world on the survivor,
-says so in plain words, and keeps its seed.
+says so in plain words, and keeps its seed. A page that plays on a WebRTC track offers again to the replica that
+took its session, and plays on there on a new track.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ SECRET = "browser-drain-cluster-secret"
 def cluster() -> Iterator[Cluster]:
     options = ["--model", "fake-kv", "--model-options", json.dumps({"compute_delay_s": 0.02, "session_capacity": 4})]
     with launch_cluster([*options, "--resume-grace-s", "30"], {"ARSTREAM_CLUSTER_SECRET": SECRET}) as started:
+        yield started
+
+
+@pytest.fixture
+def webrtc_cluster() -> Iterator[Cluster]:
+    options = ["--model", "fake-kv", "--model-options", json.dumps({"compute_delay_s": 0.02, "session_capacity": 4})]
+    options += ["--webrtc", "--resume-grace-s", "30"]
+    with launch_cluster(options, {"ARSTREAM_CLUSTER_SECRET": SECRET}) as started:
         yield started
 
 
@@ -82,6 +91,57 @@ def test_the_page_keeps_streaming_across_a_drain(cluster: Cluster, context: Any,
     assert after["rewindHeld"][0] == 0 and set(before["rewindHeld"][-4:]) <= set(after["rewindHeld"]), after
     assert "starts again" not in log and "stayed with the old server" not in log, log
     assert cluster.replica_stats(peer)["sessions"]["connected"] == 1
+    errors.check()
+
+
+def test_a_page_on_webrtc_offers_again_to_the_replica_its_session_moved_to(
+    webrtc_cluster: Cluster, context: Any, errors: PageErrors
+) -> None:
+    cluster = webrtc_cluster
+    page = new_page(context, errors)
+    page.goto(cluster.lb + "/?seed=5&delivery=webrtc")
+    wait(page, "window.arstreamDebug.delivery === 'webrtc' && window.arstreamDebug.trackFramesShown > 8")
+    before = debug(page)
+    source = _holder(cluster)
+    peer = next(n for n in cluster.replicas if n != source)
+    assert cluster.replica_stats(source)["webrtc"]["peer_connections"] == 1
+    response = httpx.post(
+        cluster.replicas[source][0] + "/v1/cluster/drain",
+        json={"peers": [cluster.replicas[peer][0]]},
+        headers={"authorization": f"Bearer {SECRET}"},
+        timeout=60.0,
+    )
+    assert response.json()["moved"] == 1, response.text
+    wait(page, f"window.arstreamDebug.resumed > {before['resumed']}")
+    # The resumed session starts on the WebSocket (its `ready` shows the delivery as such); the page offers again
+    # and its frames come on a new track from the peer.
+    wait(page, "window.arstreamDebug.delivery === 'webrtc'")
+    shown = debug(page)["trackFramesShown"]
+    wait(page, f"window.arstreamDebug.trackFramesShown > {shown + 8}")
+    assert cluster.replica_stats(peer)["webrtc"]["peer_connections"] == 1
+    # Keys still steer, on the new track's data channel.
+    wait(page, "window.arstreamDebug.inputChannelOpen()")
+    sent, on_channel = len(debug(page)["sentEventIds"]), debug(page)["channelInputs"]
+    page.keyboard.down("d")
+    wait(page, f"window.arstreamDebug.sentEventIds.length === {sent + 1}")
+    press = page.evaluate(f"window.arstreamDebug.sentEventIds[{sent}]")
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+    page.keyboard.up("d")
+    wait(page, f"window.arstreamDebug.sentEventIds.length === {sent + 2}")
+    release = page.evaluate(f"window.arstreamDebug.sentEventIds[{sent + 1}]")
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({release})")
+    after = debug(page)
+    assert after["channelInputs"] == on_channel + 2  # both on the data channel
+    assert cluster.replica_stats(peer)["webrtc"]["channel_inputs"] == 2
+    assert after["sessionId"] == before["sessionId"] and after["lastClose"]["code"] == 1001
+    assert after["delivery"] == "webrtc" and page.text_content("#hud-delivery") == "WebRTC (H264)"
+    # The world went on: the chunk indexes received run on across the move, none again and none skipped.
+    indexes = after["chunkIndexes"]
+    assert indexes == list(range(indexes[0], indexes[0] + len(indexes))), indexes
+    assert indexes[-1] > before["chunkIndexes"][-1]
+    log = page.text_content("#log") or ""
+    assert f"session moved to replica {peer}" in log and "your world carried on" in log, log
+    assert "WebRTC could not connect" not in log, log
     errors.check()
 
 

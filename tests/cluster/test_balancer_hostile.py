@@ -281,3 +281,21 @@ def test_without_a_long_enough_password_the_admin_page_refuses_everyone(
         answers.append(stats_post(admin_url, "maint", ["r0"]))
         assert answers == [403] * 3
         assert lb.row("sessions", "r0")["status"].startswith("UP")
+
+
+def test_arstream_drain_given_the_balancers_url_says_to_give_the_replicas_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stranger's first try (the URL they play on) got HAProxy's 403 page printed as HTML; now one line that
+    names the URL to give instead."""
+    from arstream.cli import main
+
+    monkeypatch.setenv("ARSTREAM_CLUSTER_SECRET", SECRET)
+    with ExitStack() as stack:
+        replicas = {"r0": stack.enter_context(replica("r0", cluster_secret=SECRET))}
+        lb = stack.enter_context(balancer(tmp_path, replicas, "--check-interval", "200ms"))
+        assert main(["drain", lb.url, "--no-exit"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"arstream drain: {lb.url} refused: 403: 403 Forbidden Request forbidden by administrative rules." in err
+    assert "give the replica's own URL" in err

@@ -222,3 +222,32 @@ def test_a_device_count_that_does_not_divide_the_heads_is_refused_naming_both(ca
         err = capsys.readouterr().err
         assert code == 2, err
         assert f"{world} devices cannot share the model's {heads} attention heads" in err, err
+
+
+def test_a_model_whose_extra_is_not_installed_is_refused_in_one_line_naming_the_extra() -> None:
+    """A fresh install (no extras) asked for a Wan model's plan: one line naming what to install, exit 2, no
+    traceback. Run in an interpreter of its own where diffusers cannot be imported, as on such an install."""
+    import subprocess
+    import sys
+
+    no_diffusers = (
+        "import sys; sys.modules['diffusers'] = None; from arstream.cli import main; "
+        "sys.exit(main(['plan', '--model', 'matrix-game-2', '--gpu-memory', '24GB']))"
+    )
+    done = subprocess.run([sys.executable, "-c", no_diffusers], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "arstream plan: matrix-game-2 cannot be built here: the Wan models need diffusers' AutoencoderKLWan: "
+        "pip install 'arstream[wan]'"
+    ]
+
+
+def test_a_plan_of_a_bf16_wan_model_prints_no_library_warning(capfd: pytest.CaptureFixture[str]) -> None:
+    """The plan's output is the plan: diffusers warned on casting the VAE to bf16 ("modules ... that should be kept
+    in float32: []"), naming none, before every LongLive or Krea plan and start."""
+    options = '{"config": "tiny", "dtype": "bfloat16"}'
+    assert main(["plan", "--model", "longlive", "--model-options", options, "--gpu-memory", "80GB"]) == 0
+    captured = capfd.readouterr()
+    assert "plan: longlive" in captured.out
+    assert "float32" not in captured.err, captured.err

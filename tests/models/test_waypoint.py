@@ -63,6 +63,7 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     save_file(weights, str(root / "model.safetensors"))
     (root / "ae").mkdir(exist_ok=True)
     (root / "ae" / "decoder_conf.yml").write_text(yaml.safe_dump({"model": dict(cfg.ae)}))
+    assert isinstance(decoder, Decoder)
     decoder_file = weight_normed(decoder)
     save_file(decoder_file, str(root / "ae" / "decoder.safetensors"))
     return {"model": weights, "decoder": decoder_file}
@@ -308,6 +309,7 @@ def test_the_published_decoder_file_decodes_as_the_reference() -> None:
     """The weight-norm bake: the served decoder on baked weights equals the reference on (g, v)."""
     cfg = get_config("tiny")
     _, decoder = random_weights(cfg, 3)
+    assert isinstance(decoder, Decoder)
     stored = weight_normed(decoder)
     from arstream.models.waypoint.decoder import bake_weight_norm, to_uint8
 
@@ -332,3 +334,4 @@ def test_the_plan_counts_what_a_loaded_model_holds() -> None:
     }
     untied = sum(p.numel() * p.element_size() for _, p in loaded.model.named_parameters(remove_duplicate=False))
     assert module_bytes(loaded.model) < untied
+

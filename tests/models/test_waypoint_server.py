@@ -54,3 +54,28 @@ def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
         assert client.main([server.ws_url, "--keys", "F13*2", "--out", str(tmp_path / "none")]) == 2
         assert "the model takes no key 'F13'" in capsys.readouterr().err
         server.settled(start_free)
+
+
+def test_serve_streams_four_frames_a_control_with_waypoint_1_5s_decoder() -> None:
+    """tiny-1.5 through the real server: each tick's one control makes a chunk of four frames (the TAEHV stream),
+    and closing the sessions gives back every block."""
+    args = ["--model", "waypoint-1.5", "--model-options", '{"config": "tiny-1.5"}', "--torch-threads", "1"]
+    with server_process(args) as server:
+        server.wait_ready()
+        card = server.get("/v1/model").json()
+        assert (card["width"], card["height"], card["frames_per_chunk"]) == (128, 72, 4)
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def session() -> list[tuple[int, int]]:
+            seen = []
+            async with session_client(server.ws_url, start={"seed": 3, "codec": "raw"}) as client:
+                for tick_id in range(3):
+                    await client.send(type="tick", tick_id=tick_id, controls={"buttons": [87], "mouse": [0.5, 0.0]})
+                for _ in range(3):
+                    chunk, frames = await client.recv_chunk()
+                    assert [pixels.shape for _, pixels in frames] == [(72, 128, 3)] * 4
+                    seen.append((chunk["chunk_index"], chunk["frames"]))
+            return seen
+
+        assert asyncio.run(session()) == [(0, 4), (1, 4), (2, 4)]
+        server.settled(start_free)

@@ -336,3 +336,16 @@ def test_model_state_copies_keep_an_unchanged_tensor_once_and_hand_out_private_c
         points.record(Boundary(HistoryTables({"main": []}, {"main": []}, 2 * index, index, 0), model))
     taken = points.take(0)  # what a pipeline gets is its own: writing to it changes no kept boundary
     assert taken.model.tensors["image"] is not first.tensors["image"] and points.holds(0) is False
+
+
+def test_a_horizon_over_the_budget_is_logged_in_the_flags_unit(caplog: pytest.LogCaptureFixture) -> None:
+    """`arstream plan` and `serve` print this line first: the budget in MiB, as --rewind-budget-mib takes it (it
+    read "does not fit 25165824 bytes per session")."""
+    from arstream.runner.rewinds import rewind_for
+
+    with caplog.at_level("WARNING", logger="arstream.runner"):
+        assert rewind_for(FakeKVPipeline(), seconds=30, budget_bytes=0) is None
+    assert caplog.messages == [
+        "a rewind horizon of 30 s does not fit the rewind budget of 0 MiB a session (--rewind-budget-mib); "
+        "rewind is off"
+    ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -407,6 +408,8 @@ def test_the_client_program_receives_on_the_track(
     assert "delivery: WebRTC (H264), 11 frames on the track" in output, output
     assert len(list((tmp_path / "out").glob("frame_*.png"))) == 11
     assert "action-to-frame" in output and "n=2" in output
+    # the first frame counted on the track too (it printed n/a when every frame came on the track)
+    assert re.search(r"^time to first frame: [0-9.]+ ms", output, re.MULTILINE), output
     wait_until(lambda: webrtc_track.open_peer_connections() == 0)
 
 
