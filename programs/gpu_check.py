@@ -661,12 +661,13 @@ def waypoint_variant_figures(profile: Profile, device: str, config: str, dtype: 
             began = time.perf_counter()
             results = bare.runner.execute(ticks)  # frames come back decoded, on the host: the round is done
             took = time.perf_counter() - began
-            for result in results:
-                if not isinstance(result, ChunkResult):
-                    raise RuntimeError(f"waypoint {config}: a chunk failed: {result.error!r}")
+            chunks = [result for result in results if isinstance(result, ChunkResult)]
+            if len(chunks) < len(results):
+                failed = next(result for result in results if not isinstance(result, ChunkResult))
+                raise RuntimeError(f"waypoint {config}: a chunk failed: {failed.error!r}")
             if index >= profile.waypoint_fill_chunks:
                 rounds.append(took)
-                frames += sum(result.frames.shape[0] for result in results)
+                frames += sum(chunk.frames.shape[0] for chunk in chunks)
         for session_id in session_ids:
             bare.runner.close_session(session_id)
         fps_total = frames / sum(rounds)

@@ -245,7 +245,10 @@ def test_the_waypoint_phase_runs_after_devices_and_before_the_measured_phases_wi
         return fake
 
     def figures(name: str) -> Any:
-        return lambda *args, **kwargs: ran.append(name) and None
+        def fake(*args: Any, **kwargs: Any) -> None:
+            ran.append(name)
+
+        return fake
 
     # fakes of every phase's measurement: only the order and the waypoint phase's time left are checked
     monkeypatch.setattr(gpu_check, "h264_figures", figures("h264"))
