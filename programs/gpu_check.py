@@ -18,6 +18,13 @@ ends (so a run cut short by a timeout still returns what it measured):
    P = 1. Never measured before, so it runs second; Krea at P = 1 first, the
    figure sequence parallelism must divide. Variants past
    ``--devices-deadline-s`` are skipped, and named.
+1c. ``waypoint``: Waypoint-1.5 (random weights, bf16) at 720p and at 360p,
+   one session and a batch, through bench serve's bare runner: ms per chunk
+   (one latent frame, four video frames) once the local window is full,
+   frames per second against the published 56 fps (BF16, 720p, RTX 5090),
+   and the peak GPU memory against ``arstream plan``'s figure. Never measured
+   either, so it runs third, 720p first; a config past
+   ``--waypoint-deadline-s`` is skipped, and named (on a CPU: ``tiny-1.5``).
 2. ``tiny_world``: ``bench serve`` at 16 batched sessions (2 on a CPU):
    server_vs_runner.
 3. ``matrix_game``: ``bench serve`` of matrix-game-2 (random weights, SDPA
@@ -115,6 +122,12 @@ class Profile:
     devices_counts: tuple[int, ...] = (1, 2, 4)
     devices_chunks: int = 6
     devices_deadline_s: float = math.inf
+    # the waypoint phase: (config, dtype) in the order they run, session counts, untimed and timed chunks each
+    waypoint_configs: tuple[tuple[str, str], ...] = ()
+    waypoint_sessions: tuple[int, ...] = (1, 4)
+    waypoint_fill_chunks: int = 16
+    waypoint_chunks: int = 8
+    waypoint_deadline_s: float = math.inf
     threads: int = field(default_factory=default_torch_threads)
 
     def matrix_game_chunks(self, sessions: int) -> int:
@@ -155,6 +168,13 @@ def profile_for(device: str) -> Profile:
             ),
             devices_chunks=6,
             devices_deadline_s=240.0,
+            waypoint_configs=(("1.5", "bfloat16"), ("1.5-360p", "bfloat16")),
+            # 16 untimed chunks fill the local layers' window (the steady state's cost), then 8 are timed
+            waypoint_sessions=(1, 4),
+            waypoint_fill_chunks=16,
+            waypoint_chunks=8,
+            # each config: about 10 s of drawing 1.28 B random weights on the CPU, warm-up, 2 x 24 rounds
+            waypoint_deadline_s=90.0,
         )
     return Profile(
         matrix_game_options={"config": "tiny", "random_init": True, "dtype": "float32"},
@@ -185,6 +205,10 @@ def profile_for(device: str) -> Profile:
         ),
         devices_counts=(1, 2),  # two gloo ranks on the CPU
         devices_chunks=2,
+        waypoint_configs=(("tiny-1.5", "float32"),),
+        waypoint_sessions=(1, 2),
+        waypoint_fill_chunks=1,
+        waypoint_chunks=2,
     )
 
 
@@ -567,6 +591,150 @@ def devices_sweep(
         raise RuntimeError(f"{len(report['errors'])} devices variant(s) failed: {sorted(report['errors'])}")
 
 
+# ---- phase 1c: Waypoint-1.5 at 720p and 360p ----------------------------------------------------------------
+
+# Overworld's published BF16 figure, for one session at 720p on an RTX 5090 (another card than the check's)
+WAYPOINT_PUBLISHED_FPS = {"1.5": 56.0}
+WAYPOINT_PUBLISHED_ON = "RTX 5090, BF16, 720p, one session (Overworld's Waypoint-1.5 release)"
+
+
+def waypoint_pipeline(device: str, config: str, dtype: str) -> Any:
+    """Waypoint at ``config``'s shape with seeded random weights, on ``device`` in ``dtype``.
+
+    The loader draws random weights for the tiny configs only (at the published
+    scale they are no use to a user); the check wants the published shape's
+    cost, so it builds the pipeline from the loader's own parts, on a CPU and a
+    GPU alike.
+    """
+    from ..models.waypoint.config import get_config as waypoint_config
+    from ..models.waypoint.loading import random_weights
+    from ..models.waypoint.pipeline import WaypointPipeline
+
+    held = getattr(torch, dtype)
+    model, decoder = random_weights(waypoint_config(config))
+    return WaypointPipeline(model.to(held), decoder.to(held), torch.device(device), random_weights=True)
+
+
+def waypoint_variant_figures(profile: Profile, device: str, config: str, dtype: str) -> dict[str, Any]:
+    """One config through bench serve's bare runner at each of ``profile.waypoint_sessions`` (all batched in one
+    forward): ms a chunk once the window has filled, video fps, and the peak memory against the plan's."""
+    from ..app.plan import fit_plan
+    from ..app.settings import Settings
+    from ..models.waypoint.pipeline import key_codes
+    from ..runner.pool import budget_for_sessions
+    from ..runner.runner import rewind_for
+    from ..runner.types import ChunkResult, TickRequest
+
+    where = torch.device(device)
+    largest = max(profile.waypoint_sessions)
+    options = {"config": config, "dtype": dtype}
+    # what `arstream plan` says the runner below holds: the server's defaults, every session in one forward
+    plan = fit_plan(
+        Settings(model="waypoint-1.5", model_options=options, max_batch_sessions=largest), gpu_memory_bytes=80 * 10**9
+    )
+    before = _allocated_bytes(where)
+    if where.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(where)
+    started = time.perf_counter()
+    pipeline = waypoint_pipeline(device, config, dtype)
+    loaded_s = time.perf_counter() - started
+    defaults = Settings()
+    rewind = rewind_for(pipeline, seconds=defaults.rewind_seconds, budget_bytes=defaults.rewind_budget_bytes())
+    budget = budget_for_sessions(pipeline.kv_cache_spec(), largest, max_batch_sessions=largest, rewind=rewind)
+    started = time.perf_counter()
+    bare = bench.BareRunner(
+        pipeline, device=device, kv_budget_bytes=budget, max_batch_sessions=largest, settings=defaults
+    )  # warmed up at every batch size
+    warmup_s = time.perf_counter() - started
+    controls = {"buttons": [key_codes(pipeline.cfg.n_buttons)["KeyW"]], "mouse": [0.1, 0.0]}  # walking, turning
+    published = WAYPOINT_PUBLISHED_FPS.get(config)
+    counts: dict[str, Any] = {}
+    for sessions in profile.waypoint_sessions:
+        session_ids = [f"waypoint-{row}" for row in range(sessions)]
+        rounds: list[float] = []
+        frames = 0
+        for index in range(profile.waypoint_fill_chunks + profile.waypoint_chunks):
+            ticks = [
+                TickRequest(session_id=session_id, request_id=index, controls=controls, seed=row + 1)
+                for row, session_id in enumerate(session_ids)
+            ]
+            began = time.perf_counter()
+            results = bare.runner.execute(ticks)  # frames come back decoded, on the host: the round is done
+            took = time.perf_counter() - began
+            chunks = [result for result in results if isinstance(result, ChunkResult)]
+            if len(chunks) < len(results):
+                failed = next(result for result in results if not isinstance(result, ChunkResult))
+                raise RuntimeError(f"waypoint {config}: a chunk failed: {failed.error!r}")
+            if index >= profile.waypoint_fill_chunks:
+                rounds.append(took)
+                frames += sum(chunk.frames.shape[0] for chunk in chunks)
+        for session_id in session_ids:
+            bare.runner.close_session(session_id)
+        fps_total = frames / sum(rounds)
+        counts[str(sessions)] = {
+            "chunk_ms_p50": round(1000 * percentile(rounds, 50), 2),  # one round: a chunk of every session
+            "chunk_ms_max": round(1000 * max(rounds), 2),
+            "chunks": len(rounds),
+            "history_frames": profile.waypoint_fill_chunks,  # latent frames each session had before the timed chunks
+            "fps_total": round(fps_total, 2),
+            "fps_per_session": round(fps_total / sessions, 2),
+            "fps_per_session_vs_published": None if published is None else round(fps_total / sessions / published, 3),
+        }
+    cfg = pipeline.cfg
+    del bare, pipeline
+    plan_bytes = plan.gpu_weights_bytes + plan.fixed_bytes + largest * plan.per_session_bytes
+    peak = None if before is None else torch.cuda.max_memory_allocated(where) - before
+    return {
+        "options": options,
+        "weights": "random",
+        "video_frames_per_chunk": cfg.temporal_compression,  # a chunk is one latent frame
+        "tokens_per_frame": cfg.tokens_per_frame,
+        "picture": [cfg.image_height, cfg.image_width],
+        "load_s": round(loaded_s, 2),
+        "warmup_s": round(warmup_s, 2),
+        "sessions": counts,
+        "published_fps": published,
+        # what the allocator held at its peak over load, warm-up and every count, beyond what was there before
+        "peak_allocated_bytes": peak,
+        # the plan's weights, what it pays once, and its per-session bytes for the runner's sessions
+        "plan_bytes": plan_bytes,
+        "plan_weights_bytes": plan.gpu_weights_bytes,
+        "plan_per_session_bytes": plan.per_session_bytes,
+        "kv_budget_bytes": budget,  # the runner's pool: the plan's once-paid and per-session bytes for these sessions
+        "peak_over_plan": None if peak is None else round(peak / plan_bytes, 3),
+        "plan_sessions_on_80_gb": plan.session_capacity,
+    }
+
+
+def waypoint_sweep(
+    profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float], save: Callable[[], None]
+) -> None:
+    """Each config of ``profile.waypoint_configs`` in order until the phase's deadline (``variants``, ``skipped``,
+    ``errors``)."""
+    report.update(
+        sessions=list(profile.waypoint_sessions), published_on=WAYPOINT_PUBLISHED_ON, variants={}, skipped={}, errors={}
+    )
+    pace_s: float | None = None
+    for config, dtype in profile.waypoint_configs:
+        left = time_left_s()
+        if left <= 0 or (pace_s is not None and pace_s > left):
+            report["skipped"][config] = f"{max(left, 0):.0f} s left of --waypoint-deadline-s"
+        else:
+            print(f"== waypoint: {config}", flush=True)
+            started = time.perf_counter()
+            try:
+                report["variants"][config] = waypoint_variant_figures(profile, device, config, dtype)
+            except Exception as error:  # noqa: BLE001 - a config that fails (memory) says why; the next still runs
+                report["errors"][config] = f"{type(error).__name__}: {error}"[-1000:]
+            pace_s = time.perf_counter() - started
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        save()
+    if report["errors"]:
+        raise RuntimeError(f"{len(report['errors'])} waypoint config(s) failed: {sorted(report['errors'])}")
+
+
 # ---- phase 6: what fits, and what quantized weights and compiled forwards give --------------------------
 
 # In the order they run until the phase's deadline: each model eager in each precision first, then compiled.
@@ -744,6 +912,8 @@ def run(args: argparse.Namespace) -> int:
         profile = replace(profile, fit_deadline_s=args.fit_deadline_s)
     if args.devices_deadline_s is not None:
         profile = replace(profile, devices_deadline_s=args.devices_deadline_s)
+    if args.waypoint_deadline_s is not None:
+        profile = replace(profile, waypoint_deadline_s=args.waypoint_deadline_s)
     torch.set_num_threads(profile.threads)
     out_file = Path(args.out) / "gpu-check.json" if args.out else None
     result: dict[str, Any] = {
@@ -753,6 +923,7 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": 0.0,
         "h264": None,
         "devices": None,
+        "waypoint": None,
         "tiny_world": None,
         "matrix_game": None,
         "decode_path": None,
@@ -799,6 +970,18 @@ def run(args: argparse.Namespace) -> int:
             args.device,
             result["devices"],
             time_left_s=lambda: profile.devices_deadline_s - (time.perf_counter() - devices_started),
+            save=save,
+        ),
+    )
+    result["waypoint"] = {}
+    waypoint_started = time.perf_counter()
+    phase(
+        "waypoint",
+        lambda: waypoint_sweep(
+            profile,
+            args.device,
+            result["waypoint"],
+            time_left_s=lambda: profile.waypoint_deadline_s - (time.perf_counter() - waypoint_started),
             save=save,
         ),
     )
@@ -909,6 +1092,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices-deadline-s",
         type=float,
         help="seconds the devices phase may take; variants that would pass it are skipped (default: 240 on cuda)",
+    )
+    parser.add_argument(
+        "--waypoint-deadline-s",
+        type=float,
+        help="seconds the waypoint phase may take; configs that would pass it are skipped (default: 90 on cuda)",
     )
     parser.add_argument(
         "--carried-requirements",

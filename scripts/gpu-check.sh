@@ -10,7 +10,8 @@
 #   installs this checkout into a scratch folder (pip --target; never importing it from the checkout, whose
 #   `arstream/` folder would shadow the package), installs the carried wheels beside it only if the server's
 #   imports fail without them, and runs `arstream bench gpu-check`: h264 encode cost, one replica over
-#   P = 1, 2, 4 GPUs (as many as there are) for Krea 14B's shape and matrix-game-2 1.3b, tiny-world and
+#   P = 1, 2, 4 GPUs (as many as there are) for Krea 14B's shape and matrix-game-2 1.3b, Waypoint-1.5 at 720p
+#   and 360p (one session and four batched), tiny-world and
 #   matrix-game-2 1.3b (bf16, random weights) through the real server at 1, 2, 4 and 8 sessions, and more
 #   (docs/benchmarks.md, "The GPU check").
 #   Everything is tee'd to $OUT/gpu-check.txt ($OUT, else ./out) and the JSON, rewritten after every

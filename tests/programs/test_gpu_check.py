@@ -97,6 +97,18 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
         assert (figures["collective_share"] > 0) == two and (figures["collective_bytes_per_chunk"] > 0) == two, name
     assert set(devices["speedup"]) == {"krea-realtime/P=2", "matrix-game-2/P=2"}
 
+    waypoint = result["waypoint"]  # Waypoint-1.5's tiny config, one session and two batched, a few chunks each
+    assert waypoint["errors"] == {} and waypoint["skipped"] == {} and list(waypoint["variants"]) == ["tiny-1.5"]
+    figures = waypoint["variants"]["tiny-1.5"]
+    assert figures["options"] == {"config": "tiny-1.5", "dtype": "float32"} and figures["video_frames_per_chunk"] == 4
+    assert sorted(figures["sessions"]) == ["1", "2"]
+    for count, run in figures["sessions"].items():
+        assert_positive(run, ("chunk_ms_p50", "fps_total", "fps_per_session"), f"waypoint, {count} session(s)")
+        assert run["chunks"] == 2 and run["fps_per_session_vs_published"] is None  # published: 720p only
+    # the plan's figure is what the runner was sized for: its weights and the pool for these sessions
+    assert figures["plan_bytes"] == figures["plan_weights_bytes"] + figures["kv_budget_bytes"]
+    assert figures["peak_allocated_bytes"] is None  # the allocator's figure is CUDA's
+
     fit = result["fit"]
     eager = {f"{m}/{w}/eager" for m in ("matrix-game-2", "longlive") for w in ("float32", "int8", "fp8")}
     assert set(fit["variants"]) == eager and fit["errors"] == {}, fit
@@ -169,6 +181,7 @@ def test_a_failed_phase_is_reported_and_the_others_still_run(
     monkeypatch.setattr(gpu_check, "h264_figures", lambda *, frames, fps: {"encode_ms_per_frame_p50": 1.0})
     monkeypatch.setattr(gpu_check, "tiny_world_figures", no_model)
     monkeypatch.setattr(gpu_check, "devices_variant_figures", lambda *args: {"chunk_ms_p50": 1.0})
+    monkeypatch.setattr(gpu_check, "waypoint_variant_figures", lambda *args: {"sessions": {}})
     monkeypatch.setattr(bench, "ServeBench", FakeServeBench)
     assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -215,3 +228,71 @@ def test_the_devices_phase_runs_krea_first_skips_what_the_machine_lacks_and_what
     gpu_check.devices_sweep(profile, "cuda", report := {}, time_left_s=lambda: 0.0, save=lambda: None)
     assert measured == [] and all("left of --devices-deadline-s" in why for name, why in report["skipped"].items()
                                   if not name.endswith("P=4"))  # fmt: skip
+
+
+def test_the_waypoint_phase_runs_after_devices_and_before_the_measured_phases_within_its_own_cap(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ran: list[str] = []
+    waypoint_left: list[float] = []
+
+    def sweep(name: str) -> Any:
+        def fake(profile: Any, device: str, report: dict[str, Any], *, time_left_s: Any, save: Any) -> None:
+            ran.append(name)
+            if name == "waypoint":
+                waypoint_left.append(time_left_s())
+
+        return fake
+
+    def figures(name: str) -> Any:
+        def fake(*args: Any, **kwargs: Any) -> None:
+            ran.append(name)
+
+        return fake
+
+    # fakes of every phase's measurement: only the order and the waypoint phase's time left are checked
+    monkeypatch.setattr(gpu_check, "h264_figures", figures("h264"))
+    monkeypatch.setattr(gpu_check, "tiny_world_figures", figures("tiny_world"))
+    monkeypatch.setattr(gpu_check, "longlive_figures", figures("longlive"))
+    for name in ("devices", "waypoint", "matrix_game", "decode_path", "fit"):
+        monkeypatch.setattr(gpu_check, f"{name}_sweep", sweep(name))
+    assert gpu_check.main(["--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert ran == ["h264", "devices", "waypoint", "tiny_world", "matrix_game", "decode_path", "longlive", "fit"]
+    # its own cap, counted from its own start: the devices phase before it spends none of it
+    assert gpu_check.profile_for("cuda").waypoint_deadline_s == 90.0 and 0 < waypoint_left[0] <= 90.0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(result).index("waypoint") == list(result).index("devices") + 1
+
+    ran.clear()
+    assert gpu_check.main(["--device", "cuda", "--waypoint-deadline-s", "5", "--out", str(tmp_path)]) == 0
+    assert 0 < waypoint_left[1] <= 5.0
+
+
+def test_the_waypoint_phase_runs_720p_first_and_names_what_its_deadline_leaves_no_time_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured: list[str] = []
+
+    def fake_variant(profile: Any, device: str, config: str, dtype: str) -> dict[str, Any]:
+        measured.append(f"{config}/{dtype}")
+        if config == "1.5":
+            raise RuntimeError("CUDA out of memory")
+        return {"sessions": {}}
+
+    monkeypatch.setattr(gpu_check, "waypoint_variant_figures", fake_variant)
+    profile = gpu_check.profile_for("cuda")
+    assert profile.waypoint_sessions == (1, 4)
+    report: dict[str, Any] = {}
+    saves: list[int] = []
+    with pytest.raises(RuntimeError, match="1 waypoint config"):
+        gpu_check.waypoint_sweep(profile, "cuda", report, time_left_s=lambda: math.inf, save=lambda: saves.append(1))
+    # 720p first; a config that fails says why and the next still runs; the JSON is rewritten after each
+    assert measured == ["1.5/bfloat16", "1.5-360p/bfloat16"] and len(saves) == 2
+    assert report["errors"] == {"1.5": "RuntimeError: CUDA out of memory"} and report["variants"] == {
+        "1.5-360p": {"sessions": {}}
+    }
+    assert report["published_on"].startswith("RTX 5090")  # another card than the check's: the JSON says which
+
+    measured.clear()
+    gpu_check.waypoint_sweep(profile, "cuda", report := {}, time_left_s=lambda: 0.0, save=lambda: None)
+    assert measured == [] and report["skipped"] == {c: "0 s left of --waypoint-deadline-s" for c in ("1.5", "1.5-360p")}
