@@ -69,7 +69,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -556,6 +556,15 @@ def devices_variant_figures(profile: Profile, device: str, model: str, world: in
     }
 
 
+class Sweep(Protocol):
+    """A phase with a deadline of its own (devices, waypoint): variants in order while time is left."""
+
+    def __call__(
+        self, profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float],
+        save: Callable[[], None],
+    ) -> None: ...
+
+
 def devices_sweep(
     profile: Profile, device: str, report: dict[str, Any], *, time_left_s: Callable[[], float], save: Callable[[], None]
 ) -> None:
@@ -961,30 +970,18 @@ def run(args: argparse.Namespace) -> int:
     save()
     fps = get_config(profile.matrix_game_options["config"]).fps  # a session's stream plays at the model's rate
     phase("h264", lambda: h264_figures(frames=profile.h264_frames, fps=fps))
-    result["devices"] = {}
-    devices_started = time.perf_counter()
-    phase(
-        "devices",
-        lambda: devices_sweep(
-            profile,
-            args.device,
-            result["devices"],
-            time_left_s=lambda: profile.devices_deadline_s - (time.perf_counter() - devices_started),
-            save=save,
-        ),
-    )
-    result["waypoint"] = {}
-    waypoint_started = time.perf_counter()
-    phase(
-        "waypoint",
-        lambda: waypoint_sweep(
-            profile,
-            args.device,
-            result["waypoint"],
-            time_left_s=lambda: profile.waypoint_deadline_s - (time.perf_counter() - waypoint_started),
-            save=save,
-        ),
-    )
+    def capped_phase(name: str, sweep: Sweep, deadline_s: float) -> None:
+        """A phase that runs variants until its own deadline, saving after each (its figures in ``result[name]``)."""
+        result[name] = {}
+        phase_started = time.perf_counter()
+
+        def time_left_s() -> float:
+            return deadline_s - (time.perf_counter() - phase_started)
+
+        phase(name, lambda: sweep(profile, args.device, result[name], time_left_s=time_left_s, save=save))
+
+    capped_phase("devices", devices_sweep, profile.devices_deadline_s)
+    capped_phase("waypoint", waypoint_sweep, profile.waypoint_deadline_s)
     phase("tiny_world", lambda: tiny_world_figures(profile, args.device))
     result["matrix_game"] = {}
     phase(
