@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import math
@@ -484,7 +485,6 @@ def collective_share(profiler: Any, wall_s: float) -> float:
 def devices_variant_figures(profile: Profile, device: str, model: str, world: int) -> dict[str, Any]:
     """One session of ``model`` on a replica over ``world`` devices: ms per chunk (the round, as the server waits
     for it), the forward's own ms, and the collective's share of one more chunk, profiled."""
-    import functools
 
     from torch.profiler import ProfilerActivity, profile as profiled
 
@@ -556,6 +556,23 @@ def devices_variant_figures(profile: Profile, device: str, model: str, world: in
     }
 
 
+def run_variant(report: dict[str, Any], name: str, measure: Callable[[], dict[str, Any]], phase: str) -> float:
+    """One variant of a capped phase into ``report["variants"]``, or its error into ``report["errors"]`` (a variant
+    that fails, out of memory or NCCL, says why and the next still runs); then its memory freed. Its seconds: the
+    pace the phase's next variant is judged by against the time left."""
+    print(f"== {phase}: {name}", flush=True)
+    started = time.perf_counter()
+    try:
+        report["variants"][name] = measure()
+    except Exception as error:  # noqa: BLE001 - reported in the JSON beside the variants that ran
+        report["errors"][name] = f"{type(error).__name__}: {error}"[-1000:]
+    pace_s = time.perf_counter() - started
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return pace_s
+
+
 class Sweep(Protocol):
     """A phase with a deadline of its own (devices, waypoint): variants in order while time is left."""
 
@@ -581,16 +598,8 @@ def devices_sweep(
             elif left <= 0 or (pace_s is not None and pace_s > left):
                 report["skipped"][name] = f"{max(left, 0):.0f} s left of --devices-deadline-s"
             else:
-                print(f"== devices: {name}", flush=True)
-                started = time.perf_counter()
-                try:
-                    report["variants"][name] = devices_variant_figures(profile, device, model, world)
-                except Exception as error:  # noqa: BLE001 - a variant that fails (memory, NCCL) says why
-                    report["errors"][name] = f"{type(error).__name__}: {error}"[-1000:]
-                pace_s = time.perf_counter() - started
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                measure = functools.partial(devices_variant_figures, profile, device, model, world)
+                pace_s = run_variant(report, name, measure, "devices")
                 one = report["variants"].get(f"{model}/P=1")
                 this = report["variants"].get(name)
                 if one and this and world > 1:
@@ -729,16 +738,8 @@ def waypoint_sweep(
         if left <= 0 or (pace_s is not None and pace_s > left):
             report["skipped"][config] = f"{max(left, 0):.0f} s left of --waypoint-deadline-s"
         else:
-            print(f"== waypoint: {config}", flush=True)
-            started = time.perf_counter()
-            try:
-                report["variants"][config] = waypoint_variant_figures(profile, device, config, dtype)
-            except Exception as error:  # noqa: BLE001 - a config that fails (memory) says why; the next still runs
-                report["errors"][config] = f"{type(error).__name__}: {error}"[-1000:]
-            pace_s = time.perf_counter() - started
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            measure = functools.partial(waypoint_variant_figures, profile, device, config, dtype)
+            pace_s = run_variant(report, config, measure, "waypoint")
         save()
     if report["errors"]:
         raise RuntimeError(f"{len(report['errors'])} waypoint config(s) failed: {sorted(report['errors'])}")
@@ -828,16 +829,8 @@ def fit_sweep(
         elif left <= 0 or (pace_s is not None and pace_s * (3 if compiled else 1) > left):
             report["skipped"][name] = f"{max(left, 0):.0f} s left of --fit-deadline-s"
         else:
-            print(f"== fit: {name}", flush=True)
-            started = time.perf_counter()
-            try:
-                report["variants"][name] = fit_variant_figures(profile, device, model, weights, compiled)
-            except Exception as error:  # noqa: BLE001 - a variant that fails (fp8 on an older GPU) says why
-                report["errors"][name] = f"{type(error).__name__}: {error}"[-1000:]
-            pace_s = time.perf_counter() - started
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            measure = functools.partial(fit_variant_figures, profile, device, model, weights, compiled)
+            pace_s = run_variant(report, name, measure, "fit")
         save()
     if report["errors"]:
         raise RuntimeError(f"{len(report['errors'])} fit variant(s) failed: {sorted(report['errors'])}")
