@@ -43,54 +43,27 @@ class BitrateBounds:
         return lowest, max(lowest, highest)
 
 
-class BoundedH264Encoder(h264.H264Encoder):
-    """aiortc's H.264 encoder with its target bitrate held within this session's bounds."""
+class BitrateBounded:
+    """What a bounded encoder adds to aiortc's: its target bitrate clamped to the session's bounds (at the start
+    and at each REMB estimate the sender's RTCP handler sets), and its encoded bytes counted. It comes first in a
+    bounded encoder's bases, so its ``target_bitrate`` is the one aiortc's sender reads and sets."""
 
-    def __init__(self, bounds: BitrateBounds) -> None:
-        super().__init__()
-        self.lowest_bps, self.highest_bps = bounds.for_codec(h264.MIN_BITRATE, h264.MAX_BITRATE)
-        self._target_bps = self._clamp(h264.DEFAULT_BITRATE)
-        self.payload_bytes = 0  # the encoded frames' RTP payloads, counted
+    lowest_bps: int
+    highest_bps: int
+    payload_bytes: int  # the encoded frames' RTP payloads, counted
+    _target_bps: int
 
-    def _clamp(self, bitrate: int) -> int:
-        return max(self.lowest_bps, min(int(bitrate), self.highest_bps))
+    def _bound(self, bounds: BitrateBounds, codec_min_bps: int, codec_max_bps: int, codec_default_bps: int) -> None:
+        self.lowest_bps, self.highest_bps = bounds.for_codec(codec_min_bps, codec_max_bps)
+        self.payload_bytes = 0
+        self.target_bitrate = codec_default_bps
 
-    def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
-        payloads, timestamp = super().encode(frame, force_keyframe)
-        self.payload_bytes += sum(len(payload) for payload in payloads)
-        return payloads, timestamp
+    def _target_changed(self) -> None:
+        """What a codec keeps of the target beside aiortc's property (none but VP8's rate buffer)."""
 
-    @property
-    def target_bitrate(self) -> int:
-        return self._target_bps
-
-    @target_bitrate.setter
-    def target_bitrate(self, bitrate: int) -> None:  # a REMB estimate, through the sender's RTCP handler
-        self._target_bps = self._clamp(bitrate)
-
-
-class BoundedVp8Encoder(vpx.Vp8Encoder):
-    """aiortc's VP8 encoder with its target bitrate held within this session's bounds."""
-
-    def __init__(self, bounds: BitrateBounds) -> None:
-        super().__init__()
-        self.lowest_bps, self.highest_bps = bounds.for_codec(vpx.MIN_BITRATE, vpx.MAX_BITRATE)
-        self._target_bps = self._clamp(vpx.DEFAULT_BITRATE)
-        self.payload_bytes = 0  # the encoded frames' RTP payloads, counted
-        self._size_rate_buffer()
-
-    def _clamp(self, bitrate: int) -> int:
-        return max(self.lowest_bps, min(int(bitrate), self.highest_bps))
-
-    def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
-        payloads, timestamp = super().encode(frame, force_keyframe)
-        self.payload_bytes += sum(len(payload) for payload in payloads)
-        return payloads, timestamp
-
-    def _size_rate_buffer(self) -> None:
-        # aiortc sizes libvpx's rate-control buffer from its own copy of the target (one second of it): keep that
-        # copy equal to the bounded target.
-        self._Vp8Encoder__target_bitrate = self._target_bps
+    def _counted(self, encoded: tuple[list[bytes], int]) -> tuple[list[bytes], int]:
+        self.payload_bytes += sum(len(payload) for payload in encoded[0])
+        return encoded
 
     @property
     def target_bitrate(self) -> int:
@@ -98,8 +71,35 @@ class BoundedVp8Encoder(vpx.Vp8Encoder):
 
     @target_bitrate.setter
     def target_bitrate(self, bitrate: int) -> None:
-        self._target_bps = self._clamp(bitrate)
-        self._size_rate_buffer()
+        self._target_bps = max(self.lowest_bps, min(int(bitrate), self.highest_bps))
+        self._target_changed()
+
+
+class BoundedH264Encoder(BitrateBounded, h264.H264Encoder):
+    """aiortc's H.264 encoder with its target bitrate held within this session's bounds."""
+
+    def __init__(self, bounds: BitrateBounds) -> None:
+        super().__init__()
+        self._bound(bounds, h264.MIN_BITRATE, h264.MAX_BITRATE, h264.DEFAULT_BITRATE)
+
+    def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
+        return self._counted(super().encode(frame, force_keyframe))
+
+
+class BoundedVp8Encoder(BitrateBounded, vpx.Vp8Encoder):
+    """aiortc's VP8 encoder with its target bitrate held within this session's bounds."""
+
+    def __init__(self, bounds: BitrateBounds) -> None:
+        super().__init__()
+        self._bound(bounds, vpx.MIN_BITRATE, vpx.MAX_BITRATE, vpx.DEFAULT_BITRATE)
+
+    def encode(self, frame: Frame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
+        return self._counted(super().encode(frame, force_keyframe))
+
+    def _target_changed(self) -> None:
+        # aiortc sizes libvpx's rate-control buffer from its own copy of the target (one second of it): keep that
+        # copy equal to the bounded target.
+        self._Vp8Encoder__target_bitrate = self._target_bps
 
 
 BoundedEncoder = BoundedH264Encoder | BoundedVp8Encoder
