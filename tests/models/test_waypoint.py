@@ -24,10 +24,10 @@ from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, ParkingPolicy, TickRequest
 from waypoint_reference import ReferenceWaypoint, reference_decode
+from waypoint_schedule import SEEDS, controls_for, tick
 
 BUDGET = 16 << 20
 CHUNKS = 12  # the 4-frame window slides eight times; positions stay inside the 24-frame rotary table
-SEEDS = {"a": 1, "b": 2}
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 Files = dict[str, dict[str, torch.Tensor]]  # what write_published wrote: "model" and "decoder" tensors
 Published = tuple[Path, Files]
@@ -67,18 +67,6 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     decoder_file = weight_normed(decoder)
     save_file(decoder_file, str(root / "ae" / "decoder.safetensors"))
     return {"model": weights, "decoder": decoder_file}
-
-
-def controls_for(session: str, chunk: int) -> dict[str, Any]:
-    keys = [[87], [65, 87], [], [68], [83, 32], [1]][(chunk + (session == "b")) % 6]
-    return {"buttons": keys, "mouse": [0.4 * ((chunk % 3) - 1), 0.2 * (session == "a")], "scroll": chunk % 3 - 1}
-
-
-def tick(session: str, chunk: int, controls: dict[str, Any] | None = None) -> TickRequest:
-    return TickRequest(
-        session_id=session, request_id=chunk, controls=controls_for(session, chunk) if controls is None else controls,
-        seed=SEEDS[session],
-    )
 
 
 @pytest.fixture(scope="module")

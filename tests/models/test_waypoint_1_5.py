@@ -22,10 +22,10 @@ from arstream.runner.runner import ARRunner
 from arstream.runner.types import ChunkResult, ParkingPolicy, TickRequest
 from taehv_reference import reference_decoder
 from waypoint_reference import ReferenceWaypoint, reference_taehv_frames
+from waypoint_schedule import SEEDS, controls_for, tick
 
 BUDGET = 16 << 20
 CHUNKS = 12
-SEEDS = {"a": 1, "b": 2}
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 Files = dict[str, dict[str, torch.Tensor]]
 Published = tuple[Path, Files]
@@ -45,18 +45,6 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     encoder = {"encoder.0.weight": torch.randn(8, 3 * 4, 3, 3), "encoder.0.bias": torch.randn(8)}  # not read
     torch.save({**encoder, **taehv}, root / "ae" / "taehv1_5.pth")
     return {"model": weights, "decoder": taehv}
-
-
-def controls_for(session: str, chunk: int) -> dict[str, Any]:
-    keys = [[87], [65, 87], [], [68], [83, 32], [1]][(chunk + (session == "b")) % 6]
-    return {"buttons": keys, "mouse": [0.4 * ((chunk % 3) - 1), 0.2 * (session == "a")], "scroll": chunk % 3 - 1}
-
-
-def tick(session: str, chunk: int, controls: dict[str, Any] | None = None) -> TickRequest:
-    return TickRequest(
-        session_id=session, request_id=chunk, controls=controls_for(session, chunk) if controls is None else controls,
-        seed=SEEDS[session],
-    )
 
 
 @pytest.fixture(scope="module")
