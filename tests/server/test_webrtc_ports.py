@@ -9,7 +9,6 @@ gone its port serves the next offer.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,33 +18,13 @@ from arstream.app import webrtc_track
 from arstream.app.webrtc_ports import HostCandidates
 from arstream.models.fake import FakeKVPipeline
 from servers import LiveServer, fake_settings, running_server, session_client, wait_until
+from turn_relay import free_udp_ports
 from webrtc_clients import connect_video, next_of, offer_sdp, play_on_a_new_track
 
 aiortc = pytest.importorskip("aiortc")
 
 ADVERTISED = "127.0.0.1"
-
-
-def two_free_udp_ports() -> int:
-    """The lower of two neighbouring UDP ports free on every IPv4 address, below Linux's ephemeral range (where
-    other tests' port-0 sockets land)."""
-    for low in range(21000, 32000, 2):
-        held = []
-        try:
-            for port in (low, low + 1):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                held.append(sock)
-                sock.bind(("0.0.0.0", port))
-            return low
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError("no two neighbouring UDP ports are free")
-
-
-LOW = two_free_udp_ports()
+LOW = free_udp_ports(2)  # two neighbouring ports free on every IPv4 address
 
 
 @pytest.fixture(scope="module")
