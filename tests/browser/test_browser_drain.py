@@ -62,12 +62,8 @@ def _holder(cluster: Cluster) -> str:
     return next(n for n in cluster.replicas if cluster.replica_stats(n)["sessions"]["connected"] == 1)
 
 
-def test_the_page_keeps_streaming_across_a_drain(cluster: Cluster, context: Any, errors: PageErrors) -> None:
-    page = new_page(context, errors)
-    page.goto(cluster.lb + "/?seed=5")
-    wait_frames_drawn(page, 6)
-    before = debug(page)
-    source = _holder(cluster)
+def _drain(cluster: Cluster, source: str) -> str:
+    """Drain ``source`` to the other replica, its one session moved there; that replica's name."""
     peer = next(n for n in cluster.replicas if n != source)
     response = httpx.post(
         cluster.replicas[source][0] + "/v1/cluster/drain",
@@ -76,6 +72,15 @@ def test_the_page_keeps_streaming_across_a_drain(cluster: Cluster, context: Any,
         timeout=60.0,
     )
     assert response.json()["moved"] == 1, response.text
+    return peer
+
+
+def test_the_page_keeps_streaming_across_a_drain(cluster: Cluster, context: Any, errors: PageErrors) -> None:
+    page = new_page(context, errors)
+    page.goto(cluster.lb + "/?seed=5")
+    wait_frames_drawn(page, 6)
+    before = debug(page)
+    peer = _drain(cluster, _holder(cluster))
     wait(page, f"window.arstreamDebug.resumed > {before['resumed']}")
     wait_state(page, "streaming")
     wait_frames_drawn(page, debug(page)["framesDrawn"] + 6)
@@ -103,15 +108,8 @@ def test_a_page_on_webrtc_offers_again_to_the_replica_its_session_moved_to(
     wait(page, "window.arstreamDebug.delivery === 'webrtc' && window.arstreamDebug.trackFramesShown > 8")
     before = debug(page)
     source = _holder(cluster)
-    peer = next(n for n in cluster.replicas if n != source)
     assert cluster.replica_stats(source)["webrtc"]["peer_connections"] == 1
-    response = httpx.post(
-        cluster.replicas[source][0] + "/v1/cluster/drain",
-        json={"peers": [cluster.replicas[peer][0]]},
-        headers={"authorization": f"Bearer {SECRET}"},
-        timeout=60.0,
-    )
-    assert response.json()["moved"] == 1, response.text
+    peer = _drain(cluster, source)
     wait(page, f"window.arstreamDebug.resumed > {before['resumed']}")
     # The resumed session starts on the WebSocket (its `ready` shows the delivery as such); the page offers again
     # and its frames come on a new track from the peer.
