@@ -126,7 +126,7 @@ class AEEncoder(nn.Module):
     def encode(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 ``[H, W, 3]`` -> the latent frame ``[C, h, w]`` (the published ``InferenceAE.encode``)."""
         weight = self.conv_in.proj.weight
-        rgb = torch.from_numpy(np.ascontiguousarray(pixels)).to(weight.device, weight.dtype)
+        rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)  # a copy: may be read-only
         x = (rgb.permute(2, 0, 1)[None] / 255 * 2 - 1)[:, : self.in_channels]
         if x.shape[1] < self.in_channels:
             x = torch.cat([x, x.new_zeros(1, self.in_channels - x.shape[1], *x.shape[2:])], 1)
@@ -186,15 +186,20 @@ class TAEHVEncoder(nn.Module):
     def encode(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 ``[H, W, 3]`` -> the latent frame ``[C, h, w]`` of the picture held for four frames."""
         weight = self.encoder[0].weight
-        rgb = torch.from_numpy(np.ascontiguousarray(pixels)).to(weight.device, weight.dtype)
+        rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)  # a copy: may be read-only
         frame = _resize(rgb.permute(2, 0, 1)[None] / 255, self.size, "bilinear")
         return self(frame.expand(self.t_downscale, -1, -1, -1))[0]
 
     def init_random(self, seed: int) -> None:
+        """Seeded weights (tests and ``random_init``); biases zero, so that the
+        picture, not the biases, makes the latent (pictures must give visibly different seeds)."""
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for param in self.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) / max(1, param[0].numel()) ** 0.5)
+            for name, param in self.named_parameters():
+                if name.endswith("bias"):
+                    param.zero_()
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) / param[0].numel() ** 0.5)
 
 
 PictureEncoder = AEEncoder | TAEHVEncoder
