@@ -11,6 +11,8 @@ frames of the clip dropped. It decodes a whole clip in one call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,8 +90,10 @@ def encode_clip(holder: nn.Module, frames: torch.Tensor) -> torch.Tensor:
     then the published sequential walk, a pool block collecting ``stride`` frames before it runs."""
     patch = int(getattr(holder, "patch_size", 1))
     x = F.pixel_unshuffle(frames, patch) if patch > 1 else frames
-    blocks = list(holder.encoder)
-    memory: list = [None] * len(blocks)
+    encoder = holder.encoder
+    assert isinstance(encoder, nn.Sequential)
+    blocks = list(encoder)
+    memory: list[Any] = [None] * len(blocks)
     queue: list[tuple[torch.Tensor, int]] = [(x[:, t], 0) for t in range(x.shape[1])]
     out: list[torch.Tensor] = []
     while queue:

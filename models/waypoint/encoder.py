@@ -185,7 +185,9 @@ class TAEHVEncoder(nn.Module):
 
     def encode(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 ``[H, W, 3]`` -> the latent frame ``[C, h, w]`` of the picture held for four frames."""
-        weight = self.encoder[0].weight
+        first = self.encoder[0]
+        assert isinstance(first, nn.Conv2d)
+        weight = first.weight
         rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)  # a copy: may be read-only
         frame = _resize(rgb.permute(2, 0, 1)[None] / 255, self.size, "bilinear")
         return self(frame.expand(self.t_downscale, -1, -1, -1))[0]

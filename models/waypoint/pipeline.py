@@ -303,9 +303,9 @@ class WaypointPipeline(SessionStateBinding):
             session.controls = {} if seeding[row] else dict(tick.controls)
             session.decoder_state = decoder_states[row]
             self._sessions[tick.session_id] = session
-            latent = latents[row]
-            assert latent is not None
-            self.last_latents[tick.session_id] = latent.clone()
+            clean = latents[row]
+            assert clean is not None
+            self.last_latents[tick.session_id] = clean.clone()
             if self.seeds is not None and seeding[row]:
                 self._remember(tick)
         return frames

@@ -161,6 +161,7 @@ def test_a_seeded_session_parks_rewinds_resets_and_moves_bit_identically(
     moved to another pipeline it goes on, and a reset there starts from the same client picture."""
     pipeline, _ = served
     start = choices(pipeline.cfg)["b"]
+    assert start is not None
 
     def rollout(park_at: int | None = None, rewind_at: int | None = None) -> list[np.ndarray]:
         runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, rewind=RewindSchedule.last(8),
@@ -182,7 +183,7 @@ def test_a_seeded_session_parks_rewinds_resets_and_moves_bit_identically(
         return frames
 
     straight = rollout()
-    assert np.array_equal(straight[0][0], start.pixels)
+    assert start.pixels is not None and np.array_equal(straight[0][0], start.pixels)
     for variant in (rollout(park_at=3), rollout(rewind_at=1), rollout(rewind_at=5)):
         for c, (want, got) in enumerate(zip(straight, variant, strict=True)):
             assert np.array_equal(want, got), c
