@@ -220,7 +220,8 @@ class WaypointPipeline(SessionStateBinding):
         self.seeds: SeedImages | None = None
         if self.encoder is not None:
             pictures = start_images or {DEFAULT_NAME: default_pixels(self.cfg.image_height, self.cfg.image_width)}
-            self.seeds = SeedImages(pictures, self._encode_seed, self.cfg.temporal_compression, capacity=image_cache)
+            size = (self.cfg.image_height, self.cfg.image_width)
+            self.seeds = SeedImages(pictures, self._encode_seed, self.cfg.temporal_compression, size, capacity=image_cache)
         # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
         self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
 

@@ -83,14 +83,16 @@ class SeedImages:
 
     def __init__(
         self, offered: dict[str, np.ndarray], encode: Callable[[np.ndarray], torch.Tensor], frames_per_chunk: int,
-        *, capacity: int = 4,
+        size: tuple[int, int], *, capacity: int = 4,
     ) -> None:
+        """``size``: the frame's (height, width); pictures of another size (not cut by the server) are fitted."""
         if not offered:
             raise ValueError("waypoint offers at least one start image")
         if capacity < 1:
             raise ValueError(f"image_cache must be at least 1, got {capacity}")
         self._encode = encode
         self.frames_per_chunk = frames_per_chunk
+        self.size = size
         self.capacity = capacity
         self._offered = {name: self._seed(pixels) for name, pixels in offered.items()}
         self._clients: OrderedDict[str, Seed] = OrderedDict()
@@ -103,6 +105,10 @@ class SeedImages:
         return list(self._clients)
 
     def _seed(self, pixels: np.ndarray) -> Seed:
+        if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3 or min(pixels.shape[:2]) < 1:
+            raise ValueError(f"a start image must be uint8 [H, W, 3] RGB, got {pixels.dtype} {list(pixels.shape)}")
+        if pixels.shape[:2] != self.size:
+            pixels = fit_pixels(pixels, *self.size)
         with torch.inference_mode():
             latent = self._encode(pixels)
         frames = np.repeat(np.ascontiguousarray(pixels, dtype=np.uint8)[None], self.frames_per_chunk, axis=0)

@@ -243,6 +243,10 @@ def test_named_pictures_and_a_bad_name(served: tuple[WaypointPipeline, Files], t
     assert seeds is not None
     own = StartImage("sha-own", pixels=picture(cfg.image_height, cfg.image_width, 7))
     assert seeds.resolve(own) is seeds.resolve(own)  # encoded once
+    larger = seeds.resolve(StartImage("sha-larger", pixels=picture(2 * cfg.image_height, 3 * cfg.image_width, 8)))
+    assert larger.frames.shape == (cfg.temporal_compression, cfg.image_height, cfg.image_width, 3)  # fitted
+    with pytest.raises(ValueError, match=r"uint8 \[H, W, 3\]"):
+        seeds.resolve(StartImage("sha-grey", pixels=np.zeros((4, 4), np.uint8)))
     for n in range(3):  # the LRU holds image_cache=2 clients' pictures
         seeds.resolve(StartImage(f"other-{n}", pixels=picture(cfg.image_height, cfg.image_width, 10 + n)))
     assert seeds.cached_digests() == ["other-1", "other-2"]
