@@ -9,6 +9,11 @@ window is the widest layer's (the current frame and the frames before it; no
 sink): a layer with a narrower or dilated window masks the frames it does not
 see (:meth:`~arstream.models.waypoint.config.WaypointConfig.layer_window`).
 
+A rollout's first chunk (a start, a ``reset``) is instead the published
+``append_frame`` of the session's start image (:mod:`~arstream.models.waypoint.seed`):
+its clean latent committed at frame 0, the picture shown; with no encoder
+(``from_noise``) a rollout starts from noise.
+
 Per session the pipeline keeps the noise generator (seeded from the session's
 seed on its first chunk) and the last controls; both are exported with a
 snapshot, a rewind point or a parked session. Waypoint-1's decoder is
@@ -365,7 +370,7 @@ class WaypointPipeline(SessionStateBinding):
         latents = torch.stack([s.latent for s in seeds]).to(self.device, self.dtype)
         no_controls = torch.stack([control_vector({}, self.cfg) for _ in ticks]).to(self.device, self.dtype)
         append_seeds(self.model, PagedAttention(states, self.cos, self.sin, self.cfg), latents, no_controls)
-        return [(latents[row], s.frames) for row, s in enumerate(seeds)]
+        return [(latents[row], s.frames.copy()) for row, s in enumerate(seeds)]  # the cached seed stays unchanged
 
     def reset_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
