@@ -126,7 +126,8 @@ class AEEncoder(nn.Module):
     def encode(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 ``[H, W, 3]`` -> the latent frame ``[C, h, w]`` (the published ``InferenceAE.encode``)."""
         weight = self.conv_in.proj.weight
-        rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)  # a copy: may be read-only
+        # a copy: the pixels may be read-only
+        rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)
         x = (rgb.permute(2, 0, 1)[None] / 255 * 2 - 1)[:, : self.in_channels]
         if x.shape[1] < self.in_channels:
             x = torch.cat([x, x.new_zeros(1, self.in_channels - x.shape[1], *x.shape[2:])], 1)
@@ -173,7 +174,8 @@ class TAEHVEncoder(nn.Module):
         self.size = (latent_grid[0] * scale, latent_grid[1] * scale)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
-        """Frames ``[T, 3, H, W]`` in [0, 1] (T a multiple of ``t_downscale``; a fresh stream) -> ``[T / 4, C, h, w]``."""
+        """Frames ``[T, 3, H, W]`` in [0, 1] (T a multiple of ``t_downscale``; a fresh stream) -> latents
+        ``[T / 4, C, h, w]``."""
         x = F.pixel_unshuffle(frames, self.patch_size) if self.patch_size > 1 else frames
         for block in self.encoder:
             if isinstance(block, _MemoryBlock):
@@ -188,7 +190,8 @@ class TAEHVEncoder(nn.Module):
         first = self.encoder[0]
         assert isinstance(first, nn.Conv2d)
         weight = first.weight
-        rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)  # a copy: may be read-only
+        # a copy: the pixels may be read-only
+        rgb = torch.from_numpy(np.array(pixels, dtype=np.uint8)).to(weight.device, weight.dtype)
         frame = _resize(rgb.permute(2, 0, 1)[None] / 255, self.size, "bilinear")
         return self(frame.expand(self.t_downscale, -1, -1, -1))[0]
 

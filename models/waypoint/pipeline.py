@@ -226,7 +226,9 @@ class WaypointPipeline(SessionStateBinding):
         if self.encoder is not None:
             pictures = start_images or {DEFAULT_NAME: default_pixels(self.cfg.image_height, self.cfg.image_width)}
             size = (self.cfg.image_height, self.cfg.image_width)
-            self.seeds = SeedImages(pictures, self._encode_seed, self.cfg.temporal_compression, size, capacity=image_cache)
+            self.seeds = SeedImages(
+                pictures, self._encode_seed, self.cfg.temporal_compression, size, capacity=image_cache
+            )
         # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
         self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
 
@@ -337,7 +339,9 @@ class WaypointPipeline(SessionStateBinding):
         )
         decoder_dtype = next(self.decoder.parameters()).dtype
         if isinstance(self.decoder, FramesDecoder):
-            videos, streamed = self.decoder.decode_frames(latents.to(decoder_dtype), [s.decoder_state for s in sessions])
+            videos, streamed = self.decoder.decode_frames(
+                latents.to(decoder_dtype), [s.decoder_state for s in sessions]
+            )
             decoder_states: list[list[torch.Tensor] | None] = list(streamed)
             frames = videos.cpu().numpy()
         else:

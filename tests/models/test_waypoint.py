@@ -333,7 +333,8 @@ def test_the_plan_counts_what_a_loaded_model_holds() -> None:
     loaded = load_waypoint(dtype="bfloat16", random_init=True)
     assert loaded.encoder is not None  # the start images' encoder is held too
     assert {c.name: c.bytes for c in plan.components} == {
-        "dit": module_bytes(loaded.model), "decoder": module_bytes(loaded.decoder), "encoder": module_bytes(loaded.encoder)
+        "dit": module_bytes(loaded.model), "decoder": module_bytes(loaded.decoder),
+        "encoder": module_bytes(loaded.encoder),
     }
     untied = sum(p.numel() * p.element_size() for _, p in loaded.model.named_parameters(remove_duplicate=False))
     assert module_bytes(loaded.model) < untied

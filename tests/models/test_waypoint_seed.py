@@ -96,10 +96,10 @@ def reference_rollout(
             seed = reference_encode(files["encoder"], conf, pixels_t, (grid[0] * scale, grid[1] * scale))
         ref.append_frame(seed, control_vector(controls_for(session, 0), cfg) if seed_controls else None)
         generator = torch.Generator().manual_seed(SEEDS[session])
-        latents = [seed] + [
-            ref.gen_frame(torch.randn(cfg.latent_shape, generator=generator), control_vector(controls_for(session, c), cfg))
-            for c in range(1, CHUNKS)
-        ]
+        latents = [seed]
+        for c in range(1, CHUNKS):
+            noise = torch.randn(cfg.latent_shape, generator=generator)
+            latents.append(ref.gen_frame(noise, control_vector(controls_for(session, c), cfg)))
         shown = np.repeat(pixels[None], cfg.temporal_compression, axis=0)  # append_frame hands the seed back
         if cfg.taehv_ae:
             holder = reference_decoder(tuple(cfg.ae["widths"]), cfg.ae["latent_channels"], cfg.ae["patch_size"])
