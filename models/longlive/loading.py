@@ -26,7 +26,7 @@ from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, um
 from ..wan.checkpoint import find_file, load_vae
 from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
-from ..wan.quantize import check_weights_option, quantize_blocks
+from ..quantize import check_weights_option, quantize_blocks
 from ..wan.vae import StreamingVAE, build_vae
 
 
@@ -71,8 +71,8 @@ def load_parts(
     ``tokenizer`` directory the prompts go through a byte-level tokenizer.
     Nothing is downloaded.
 
-    ``weights`` ``int8`` or ``fp8`` quantizes the DiT's block weights after
-    loading (:mod:`arstream.models.wan.quantize`); the KV pool holds ``kv_dtype``
+    ``weights`` ``int8``, ``fp8`` or ``w8a8`` quantizes the DiT's block weights after
+    loading (:mod:`arstream.models.quantize`); the KV pool holds ``kv_dtype``
     (default: ``dtype``). On the meta device nothing is read or initialised:
     the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
     ``prepare_dit``: what the family does to its DiT once it is loaded, before it is quantized (Krea fuses q/k/v).

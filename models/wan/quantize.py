@@ -1,61 +1,6 @@
-"""Quantized weights for the Wan DiTs (the ``weights`` model option), through torchao.
+"""The ``weights`` model option's quantization lives in :mod:`arstream.models.quantize` (every model's, not only
+Wan's); these names stay importable from here."""
 
-``int8``: weight-only, one scale per output channel; the matmul runs in the
-model's dtype. ``fp8``: weight-only float8 (e4m3), one scale per output channel;
-on CUDA only where the GPU has float8 units (compute capability 8.9 or later:
-Ada, Hopper, Blackwell); torchao dequantizes it on the CPU, which is where the
-tests run it. Only the linear layers of the transformer blocks are quantized
-(about 99 % of a Wan DiT's bytes); the embeddings, the head, the VAE and the
-encoders stay in the dtype the model computes in. The loaders quantize after the
-published files are read, so no other checkpoint is needed; on the meta device
-(``arstream plan``) the same call gives the quantized tensors' shapes and bytes.
-"""
+from ..quantize import WEIGHTS, QuantizationUnavailable, check_weights_option, quantize_blocks
 
-from __future__ import annotations
-
-import importlib.util
-from typing import Any
-
-import torch
-from torch import nn
-
-WEIGHTS = ("int8", "fp8")
-FP8_MIN_CAPABILITY = (8, 9)
-
-
-class QuantizationUnavailable(ValueError):
-    """The ``weights`` option cannot be served here: torchao is missing, or the GPU has no float8 units."""
-
-
-def check_weights_option(weights: str | None, device: torch.device) -> None:
-    """Refuse an unknown ``weights`` name, a missing torchao, or ``fp8`` on a GPU without float8 units."""
-    if weights is None:
-        return
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {list(WEIGHTS)} (or left out for the model's dtype), got {weights!r}")
-    if importlib.util.find_spec("torchao") is None:
-        raise QuantizationUnavailable(
-            f"weights {weights!r} needs torchao: pip install 'arstream[quant]' (README.md names the extras)"
-        )
-    if weights == "fp8" and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < FP8_MIN_CAPABILITY:
-            name = torch.cuda.get_device_name(device)
-            raise QuantizationUnavailable(
-                f"weights 'fp8' needs a GPU with float8 units (compute capability 8.9 or later: Ada, Hopper, "
-                f"Blackwell); {name} is {capability[0]}.{capability[1]}: use weights 'int8'"
-            )
-
-
-def _is_block_linear(module: nn.Module, fqn: str) -> bool:
-    return isinstance(module, nn.Linear) and fqn.startswith("blocks.")
-
-
-def quantize_blocks(model: nn.Module, weights: str | None) -> None:
-    """Quantize ``model``'s blocks' linear weights to ``weights``, in place (None leaves them as they are)."""
-    if weights is None:
-        return
-    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
-
-    config: Any = Int8WeightOnlyConfig() if weights == "int8" else Float8WeightOnlyConfig()
-    quantize_(model, config, filter_fn=_is_block_linear)
+__all__ = ["WEIGHTS", "QuantizationUnavailable", "check_weights_option", "quantize_blocks"]
