@@ -232,6 +232,17 @@ def _load_model(weights_path: Path, cfg: WaypointConfig) -> WaypointDiT:
     return model
 
 
+def quantize_dit(model: WaypointDiT, weights: str | None, device: torch.device) -> WaypointDiT:
+    """The DiT with its block linears quantized to ``weights`` (the model option; None: as it is), on ``device``
+    (torchao's kernels follow the tensors' device, so it is quantized where it runs)."""
+    if weights is None:
+        return model
+    check_weights_option(weights, device)
+    model = model.to(device)
+    quantize_blocks(model, weights, blocks="transformer.blocks.", keep=CONTROL_FUSION_INPUT)
+    return model
+
+
 def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Decoder | FramesDecoder]:
     model = WaypointDiT(cfg)
     model.init_random(seed)
@@ -315,9 +326,7 @@ def load_waypoint(
         raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only the tiny ones run "
                          "on random weights")
     model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
-    if weights is not None:  # quantized where it runs (torchao's kernels are chosen by the tensors' device)
-        model = model.to(target)
-        quantize_blocks(model, weights, blocks="transformer.blocks.", keep=CONTROL_FUSION_INPUT)
+    model = quantize_dit(model, weights, target)
     cfg = model.cfg
     pictures = None
     if encoder is not None and target.type != "meta":
