@@ -33,6 +33,7 @@ import pytest
 import torch
 from torch import nn
 
+from arstream.models.quantize import QuantizationUnavailable, check_weights_option
 from arstream.models.registry import load_pipeline
 from arstream.runner.runner import runner_for_sessions
 from arstream.runner.types import TickRequest
@@ -165,3 +166,23 @@ def test_the_control_a_too_coarse_quantization_fails_the_same_comparison(
     ok, said = within_tolerance(rollout(pipeline, model), reference, full, loosest)
     print(f"{model} {config}: 3-bit control {said}")
     assert not ok, f"3-bit weights passed the loosest tolerance ({loosest}x the reference's difference): {said}"
+
+
+def test_an_unknown_weights_name_is_refused_naming_the_offered_ones() -> None:
+    for model in ("waypoint-1.5", "matrix-game-2"):
+        with pytest.raises(ValueError, match=r"weights must be one of \['int8', 'fp8', 'w8a8'\].*got 'int4'"):
+            load_pipeline(model, "cpu", config="tiny", random_init=True, weights="int4")
+
+
+def test_w8a8_is_refused_where_its_int8_matmul_does_not_run_and_fp8_on_a_gpu_without_float8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(QuantizationUnavailable, match="'w8a8' runs its int8 matmul on CUDA or the CPU only, not mps"):
+        check_weights_option("w8a8", torch.device("mps"))
+    # a fake of an Ampere card (no float8 units): fp8 is refused, w8a8 and int8 are not
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
+    with pytest.raises(QuantizationUnavailable, match="RTX 3090 is 8.6: use weights 'int8' or 'w8a8'"):
+        check_weights_option("fp8", torch.device("cuda"))
+    for weights in ("int8", "w8a8"):
+        check_weights_option(weights, torch.device("cuda"))
