@@ -780,7 +780,9 @@ def waypoint_side_by_side(profile: Profile, variants: dict[str, Any]) -> dict[st
             },
             "published_fps": published,
             "published_unquantized_fps": published_plain,
-            "published_speedup": None if None in (published, published_plain) else round(published / published_plain, 3),
+            "published_speedup": (
+                None if published is None or published_plain is None else round(published / published_plain, 3)
+            ),
         }
     return pairs
 

@@ -105,18 +105,19 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
         assert figures["options"] == {"config": "tiny-1.5", "dtype": "float32", **weights}, name
         assert figures["video_frames_per_chunk"] == 4 and sorted(figures["sessions"]) == ["1", "2"]
         for count, run in figures["sessions"].items():
-            assert_positive(run, ("chunk_ms_p50", "fps_total", "fps_per_session"), f"waypoint {name}, {count} session(s)")
+            keys = ("chunk_ms_p50", "fps_total", "fps_per_session")
+            assert_positive(run, keys, f"waypoint {name}, {count} session(s)")
             assert run["chunks"] == 2 and run["fps_per_session_vs_published"] is None  # published: 720p only
         # the plan's figure is what the runner was sized for: its weights and the pool for these sessions
         assert figures["plan_bytes"] == figures["plan_weights_bytes"] + figures["kv_budget_bytes"]
         assert figures["peak_allocated_bytes"] is None  # the allocator's figure is CUDA's
-    # the plan counts the quantized block weights: fewer bytes than float32's
-    assert waypoint["variants"]["tiny-1.5/w8a8"]["plan_weights_bytes"] < waypoint["variants"]["tiny-1.5"]["plan_weights_bytes"]
+    plain, w8a8 = waypoint["variants"]["tiny-1.5"], waypoint["variants"]["tiny-1.5/w8a8"]
+    assert w8a8["plan_weights_bytes"] < plain["plan_weights_bytes"]  # the plan counts the quantized block weights
     side = waypoint["side_by_side"]["tiny-1.5/w8a8"]  # w8a8's fps beside float32's, each session count
     assert sorted(side["sessions"]) == ["1", "2"] and side["published_fps"] is None
     for count, pair in side["sessions"].items():
-        assert pair["fps_per_session"] == waypoint["variants"]["tiny-1.5/w8a8"]["sessions"][count]["fps_per_session"]
-        assert pair["unquantized_fps_per_session"] == waypoint["variants"]["tiny-1.5"]["sessions"][count]["fps_per_session"]
+        assert pair["fps_per_session"] == w8a8["sessions"][count]["fps_per_session"]
+        assert pair["unquantized_fps_per_session"] == plain["sessions"][count]["fps_per_session"]
 
     fit = result["fit"]
     eager = {f"{m}/{w}/eager" for m in ("matrix-game-2", "longlive") for w in ("float32", "int8", "fp8")}
