@@ -100,9 +100,9 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
     waypoint = result["waypoint"]  # Waypoint-1.5's tiny config, one session and two batched, a few chunks each
     assert waypoint["errors"] == {} and waypoint["skipped"] == {}
     assert list(waypoint["variants"]) == ["tiny-1.5", "tiny-1.5/w8a8"]  # its own and int8 weights and activations
-    for name, weights in (("tiny-1.5", {}), ("tiny-1.5/w8a8", {"weights": "w8a8"})):
+    for name, quantized in (("tiny-1.5", {}), ("tiny-1.5/w8a8", {"weights": "w8a8"})):
         figures = waypoint["variants"][name]
-        assert figures["options"] == {"config": "tiny-1.5", "dtype": "float32", **weights}, name
+        assert figures["options"] == {"config": "tiny-1.5", "dtype": "float32", **quantized}, name
         assert figures["video_frames_per_chunk"] == 4 and sorted(figures["sessions"]) == ["1", "2"]
         for count, run in figures["sessions"].items():
             keys = ("chunk_ms_p50", "fps_total", "fps_per_session")
