@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from arstream.app.plan import fit_plan
 from arstream.app.settings import Settings
+from arstream.models.registry import load_pipeline
 from arstream.models.wan.components import module_bytes
 from arstream.models.waypoint.config import WaypointConfig, config_to_yaml, get_config
 from arstream.models.waypoint.decoder import Decoder
@@ -205,6 +206,14 @@ def test_a_session_keeps_the_local_window_and_the_global_windows_beat_and_nothin
         assert runner.pool.num_used == len(kept), c  # the frames off the beat went back to the pool
     runner.close_session("a")
     assert runner.pool.num_free == runner.pool.num_blocks
+
+
+def test_the_released_shape_keeps_the_local_window_and_the_global_windows_beat() -> None:
+    """Waypoint-1.5 (built on the meta device, as `arstream plan` does): of the 127 frames before the current one,
+    the 15 of the local window and the 14 further back on the dilation's beat, not all 127."""
+    spec = load_pipeline("waypoint-1.5", "meta", config="1.5").kv_cache_spec()
+    assert (spec.window_frames, spec.strided_window_frames, spec.frame_stride) == (16, 128, 8)
+    assert spec.resident_frames == 15 + 14
 
 
 def test_a_session_runs_past_the_rotary_table(pipeline: WaypointPipeline) -> None:
