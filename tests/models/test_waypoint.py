@@ -202,7 +202,8 @@ def test_a_session_keeps_the_local_window_and_the_global_windows_beat_and_nothin
         runner.execute_tick(tick("a", c))
         committed = c + 1
         kept = sorted({committed - 1} | {f for f in range(max(0, committed - 5), committed) if f % 2 == 0})
-        assert runner.sessions.kv_state("a").history_frame_indexes() == [*kept, committed], c
+        state = runner.sessions.kv_state("a")
+        assert state is not None and state.history_frame_indexes() == [*kept, committed], c
         assert runner.pool.num_used == len(kept), c  # the frames off the beat went back to the pool
     runner.close_session("a")
     assert runner.pool.num_free == runner.pool.num_blocks
@@ -211,7 +212,9 @@ def test_a_session_keeps_the_local_window_and_the_global_windows_beat_and_nothin
 def test_the_released_shape_keeps_the_local_window_and_the_global_windows_beat() -> None:
     """Waypoint-1.5 (built on the meta device, as `arstream plan` does): of the 127 frames before the current one,
     the 15 of the local window and the 14 further back on the dilation's beat, not all 127."""
-    spec = load_pipeline("waypoint-1.5", "meta", config="1.5").kv_cache_spec()
+    pipeline = load_pipeline("waypoint-1.5", "meta", config="1.5")
+    assert isinstance(pipeline, WaypointPipeline)
+    spec = pipeline.kv_cache_spec()
     assert (spec.window_frames, spec.strided_window_frames, spec.frame_stride) == (16, 128, 8)
     assert spec.resident_frames == 15 + 14
 

@@ -272,7 +272,7 @@ def test_a_strided_tail_keeps_the_dense_window_and_the_strides_multiples_and_fre
     state = SessionKVState(pool, "a")
     assert pool.spec.resident_frames == 1 + 4 + 2  # the sink, the dense window, the tail's worst phase
     held_most = 0
-    for chunk in range(12):
+    for _ in range(12):
         start, visible = state.frame_start, state.history_frame_indexes()
         seen = commit_chunk(state, [float(start), float(start + 1)])  # each frame's K is its own index
         assert seen == list(map(float, visible))  # the chunk read the frames it was told it sees, in that order
