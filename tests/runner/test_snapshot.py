@@ -163,6 +163,12 @@ def test_another_config_is_refused() -> None:
     assert target.pool.num_free == target.blocks_free_at_start
 
 
+def test_a_strided_session_is_refused_by_a_replica_whose_spec_keeps_no_strided_tail() -> None:
+    target = runner_for_sessions(FakeKVPipeline(window_frames=4), 2)
+    _refused(target, _fake_snapshot(window_frames=4, strided_window_frames=12, frame_stride=3), SnapshotRefused,
+             "another model config")  # fmt: skip
+
+
 def test_a_full_replica_refuses_and_evicts_nobody() -> None:
     target = runner_for_sessions(FakeKVPipeline(), 2)
     _run(target, "a", range(2))
