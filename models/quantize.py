@@ -6,9 +6,9 @@ on CUDA only where the GPU has float8 units (compute capability 8.9 or later:
 Ada, Hopper, Blackwell); torchao dequantizes it on the CPU, which is where the
 tests run it. ``w8a8``: int8 weights (one scale per output channel) and int8
 activations quantized on the fly (one scale per token), so the matmul itself
-runs in int8 with int32 sums (cuBLAS's int8 GEMM on CUDA, ``torch._int_mm`` on
-the CPU); the mode Overworld publishes Waypoint's speed with. It runs on CUDA
-and the CPU only.
+runs in int8 with int32 sums (``torch._int_mm``: cuBLAS's int8 GEMM on CUDA);
+the mode Overworld publishes Waypoint's speed with. It runs on CUDA and the CPU
+only.
 
 Only the linear layers of the transformer blocks are quantized (nearly all of a
 DiT's bytes); the embeddings, the head, the decoders and the encoders stay in
