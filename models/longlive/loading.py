@@ -16,7 +16,10 @@ from .extra import check_longlive_extra
 
 check_longlive_extra()  # before transformers is imported (here and by the modules below)
 
-from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
+from ..wan.quantize import quiet_torchao_import  # noqa: E402 - after the check, which names what is missing
+
+with quiet_torchao_import():  # transformers imports torchao where it is installed
+    from transformers import UMT5EncoderModel
 
 from . import checkpoint as ckpt  # noqa: E402
 from .config import LongLiveConfig, get_config

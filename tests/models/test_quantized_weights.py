@@ -122,3 +122,31 @@ def test_the_control_a_too_coarse_quantization_fails_the_same_comparison(
     ok, said = within_tolerance(rollout(pipeline, model), bf16, full)
     print(f"{model} {config}: 3-bit control {said}")
     assert not ok, f"3-bit weights passed the int8 tolerance: {said}"
+
+
+def test_building_the_wan_models_prints_none_of_torchaos_import_warnings() -> None:
+    """torchao, imported by diffusers and transformers where it is installed, logged kernel libraries it skipped,
+    enums torch calls deprecated, and a note on torchao checkpoints: noise before every plan and start. A fresh
+    interpreter, as a user's: torchao logs only on its first import."""
+    import subprocess
+    import sys
+
+    build = (
+        "from arstream.models.registry import load_pipeline; "
+        "load_pipeline('longlive', 'meta', config='tiny'); "
+        "load_pipeline('matrix-game-2', 'meta', config='tiny', weights='int8')"
+    )
+    done = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "torchao" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr
+
+
+def test_a_torchao_warning_not_known_to_be_harmless_still_shows(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from arstream.models.wan.quantize import quiet_torchao_import
+
+    with quiet_torchao_import(), caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_cutlass_90a.abi3.so: Could not load this library")
+        logging.getLogger("torchao").warning("something torchao's users should hear")
+    assert [r.getMessage() for r in caplog.records] == ["something torchao's users should hear"]
