@@ -197,7 +197,7 @@ def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Dec
 def load_waypoint(
     device: torch.device | str = "cpu",
     *,
-    config: str = "tiny",
+    config: str | None = None,
     weights_path: str | Path | None = None,
     ae_path: str | Path | None = None,
     seed: int = 0,
@@ -211,13 +211,17 @@ def load_waypoint(
     Without ``weights_path`` the weights are random (``random_init`` may say so,
     as other models' options do; the card says ``weights: random`` either way),
     and only the ``tiny`` configs load: random weights at the published scale
-    are no use to anyone and take gigabytes.
+    are no use to anyone and take gigabytes. No ``config`` is ``tiny-1.5``
+    (Waypoint-1.5's own path, the model's name) without files, and ``tiny`` as
+    the base of a published folder, whose ``config.yaml`` decides its shapes.
     """
     if options:
         raise TypeError(
             f"load_waypoint got unknown options {sorted(options)}; expected config, weights_path, ae_path, seed, "
             "session_capacity, dtype, random_init"
         )
+    if config is None:  # a bare --model waypoint-1.5 serves Waypoint-1.5's own path (TAEHV, four frames a chunk)
+        config = "tiny-1.5" if weights_path is None else "tiny"
     base = get_config(config)
     target = torch.device(device)
     # bf16 on a GPU (and on the meta device that stands in for one in ``arstream plan``), fp32 on the CPU

@@ -16,7 +16,7 @@ pytestmark = browser_marks
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with running_server(fake_settings(model="waypoint-1.5", torch_threads=1)) as live:
+    with running_server(fake_settings(model="waypoint-1.5", model_options={"config": "tiny"}, torch_threads=1)) as live:
         yield live
 
 

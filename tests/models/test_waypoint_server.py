@@ -1,4 +1,4 @@
-"""The whole server path with waypoint-1.5 (tiny, random weights): real CLI, uvicorn and websockets."""
+"""The whole server path with waypoint-1.5 (tiny and tiny-1.5, random weights): real CLI, uvicorn and websockets."""
 
 import asyncio
 from pathlib import Path
@@ -12,7 +12,8 @@ from servers import server_process, session_client
 def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--model", "waypoint-1.5", "--torch-threads", "1", "--max-batch-sessions", "2"]
+    tiny = ["--model-options", '{"config": "tiny"}']  # Waypoint-1's decoder, one frame a chunk
+    args = ["--model", "waypoint-1.5", *tiny, "--torch-threads", "1", "--max-batch-sessions", "2"]
     with server_process(args) as server:
         server.wait_ready()
         card = server.get("/v1/model").json()
