@@ -481,6 +481,8 @@ const connection = new Connection({
     onState,
     onReady(_session, ready) {
       showDelivery(null);
+      // WebRTC is a choice only where this server answers offers and this browser can play a track
+      $('delivery-row').hidden = !(ready.webrtc && webrtcSupported());
       if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
       // The same world picked up again (a move to another server, a reconnect): its first chunk says whether its
       // rewind points came with it.
