@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from arstream.programs import client
-from servers import server_process, session_client
+from servers import server_process, session_client, wait_until
 
 
 def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
@@ -18,6 +18,9 @@ def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
         server.wait_ready()
         card = server.get("/v1/model").json()
         assert (card["name"], card["width"], card["height"], card["frames_per_chunk"]) == ("waypoint-1.5", 40, 24, 1)
+        # the terminal says what the page says: random weights draw noise (the capacity line is printed after it)
+        wait_until(lambda: any(line.startswith("Sessions: ") for line in server.output), attempts=2400)
+        assert any("random weights (a test set-up), so its pictures are noise" in line for line in server.output)
         assert set(card["controls"]["properties"]) == {"buttons", "mouse", "scroll"}
         # the page maps inputs from the card: browser key codes and mouse buttons to button ids, pointer deltas
         assert card["inputs"]["buttons"]["codes"]["KeyW"] == 87 and card["inputs"]["mouse"]["kind"] == "pointer_delta"
