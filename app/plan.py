@@ -117,6 +117,7 @@ class FitPlan:
     park_sessions: int = 0
     replica_devices: int = 1  # P: serve's --devices
     device_kind: str = "GPU"  # what the plan's devices are: "CPU" where --devices names CPUs only (cpu,cpu)
+    picture: str = ""  # the card's frame size (WxH): a test config's is plain to see
     kv_heads: int = 0  # the model's attention heads (every KV block's, whole)
     device_kv_heads: int = 0  # what each device of the replica holds of them
     activation_bytes: int | None = None  # estimated, one batched session on one device (None: not a Wan DiT)
@@ -148,7 +149,8 @@ class FitPlan:
             where = f"{self.devices} replica(s), each over {self.replica_devices} devices"
         device = self.device_kind if self.replica_devices == 1 else "device"
         lines = [
-            f"plan: {self.model} {json.dumps(self.options)} on {where} of {gib(self.gpu_memory_bytes)}",
+            f"plan: {self.model} {json.dumps(self.options)} at {self.picture} "
+            f"on {where} of {gib(self.gpu_memory_bytes)}",
             "  component      device   weights                               bytes",
         ]
         for c in self.components:
@@ -252,6 +254,7 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
         model_owned_per_session=spec.model_owned_bytes_per_session, replica_devices=world,
         kv_heads=whole.num_kv_heads, device_kv_heads=spec.num_kv_heads,
         activation_bytes=activation_bytes(pipeline, whole, world),
+        picture=f"{card.get('width')}x{card.get('height')}",
         device_kind="CPU" if world > 1 and all(d.startswith("cpu") for d in settings.replica_devices()) else "GPU",
         batch_rows=settings.max_batch_sessions or default_max_batch_sessions(GPU),
     )  # fmt: skip

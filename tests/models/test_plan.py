@@ -223,6 +223,14 @@ def test_a_plan_over_cpu_devices_calls_them_cpus_not_gpus(capsys: pytest.Capture
     assert "GPU" not in out and " gpu " not in out, out
 
 
+def test_the_plan_names_the_picture_size_so_a_test_config_is_plain_to_see(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for options, picture in (("{}", "128x72"), ('{"config": "1.5"}', "1280x720")):
+        code, out, _ = plan_cli(capsys, "--model", "waypoint-1.5", "--model-options", options, "--gpu-memory", "80GB")
+        assert out.startswith(f"plan: waypoint-1.5 {options} at {picture} on 1 GPU(s)"), out
+
+
 def test_a_device_count_that_does_not_divide_the_heads_is_refused_naming_both(capsys: pytest.CaptureFixture[str]) -> None:
     for model, config, world, heads in (("krea-realtime", "14b", 3, 40), ("matrix-game-2", "1.3b", 8, 12)):
         devices = ",".join(f"cuda:{i}" for i in range(world))
