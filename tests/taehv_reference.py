@@ -11,6 +11,8 @@ frames of the clip dropped. It decodes a whole clip in one call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,13 @@ class RefGrow(nn.Module):
         super().__init__()
         self.stride = stride
         self.conv = nn.Conv2d(n, n * stride, 1, bias=False)
+
+
+class RefPool(nn.Module):
+    def __init__(self, n: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv2d(n * stride, n, 1, bias=False)
 
 
 class RefClamp(nn.Module):
@@ -61,6 +70,51 @@ def reference_decoder(widths: tuple[int, int, int, int], latent_channels: int = 
         nn.ReLU(), _conv(d, 3 * patch_size**2),
     )
     return holder
+
+
+def reference_encoder(width: int, latent_channels: int, patch_size: int) -> nn.Module:
+    """The published encoder (``encoder.*``): three stages of a time pool (2, 2, 1), a stride-2 convolution and
+    three memory blocks, between an input and a latent convolution."""
+    holder = RefHolder(patch_size)
+    layers: list[nn.Module] = [_conv(3 * patch_size**2, width), nn.ReLU()]
+    for stride in (2, 2, 1):
+        layers += [RefPool(width, stride), nn.Conv2d(width, width, 3, stride=2, padding=1, bias=False)]
+        layers += [RefMem(width), RefMem(width), RefMem(width)]
+    holder.encoder = nn.Sequential(*layers, _conv(width, latent_channels))
+    return holder
+
+
+@torch.no_grad()
+def encode_clip(holder: nn.Module, frames: torch.Tensor) -> torch.Tensor:
+    """Frames ``[1, T, 3, H, W]`` in [0, 1] -> latents ``[1, T / 4, C, h, w]``: ``encode_video``'s patch unshuffle,
+    then the published sequential walk, a pool block collecting ``stride`` frames before it runs."""
+    patch = int(getattr(holder, "patch_size", 1))
+    x = F.pixel_unshuffle(frames, patch) if patch > 1 else frames
+    encoder = holder.encoder
+    assert isinstance(encoder, nn.Sequential)
+    blocks = list(encoder)
+    memory: list[Any] = [None] * len(blocks)
+    queue: list[tuple[torch.Tensor, int]] = [(x[:, t], 0) for t in range(x.shape[1])]
+    out: list[torch.Tensor] = []
+    while queue:
+        xt, i = queue.pop(0)
+        if i == len(blocks):
+            out.append(xt)
+            continue
+        block = blocks[i]
+        if isinstance(block, RefMem):
+            past = memory[i]
+            memory[i] = xt
+            queue.insert(0, (block(xt, torch.zeros_like(xt) if past is None else past), i + 1))
+        elif isinstance(block, RefPool):
+            memory[i] = (memory[i] or []) + [xt]
+            if len(memory[i]) == block.stride:
+                pooled = block.conv(torch.cat(memory[i], 1))  # frame k's channels in group k
+                memory[i] = []
+                queue.insert(0, (pooled, i + 1))
+        else:
+            queue.insert(0, (block(xt), i + 1))
+    return torch.stack(out, 1)
 
 
 @torch.no_grad()

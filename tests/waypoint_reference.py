@@ -1,6 +1,8 @@
 """A dense reference for Waypoint, written function by function from ``world_engine`` (Overworld), commit
 208c909824d906bf441122b7c40b9b4e1050d7c3: ``src/model/world_model.py``, ``attn.py``, ``nn.py``,
-``kv_cache.py``, ``src/world_engine.py`` (``gen_frame``) and ``src/ae_nn.py`` / ``src/ae.py`` (the decoder).
+``kv_cache.py``, ``src/world_engine.py`` (``append_frame``, ``gen_frame``) and ``src/ae_nn.py`` / ``src/ae.py``
+(the decoder and the encoder); Waypoint-1.5's seed encode from the later ``src/ae.py``
+(``ChunkedStreamingTAEHV.encode``) over ``taehv_reference``'s encoder.
 
 Its own code, sharing nothing with ``arstream.models.waypoint`` but the weights
 it reads (the published key names; the decoder's weight-normed as published):
@@ -202,6 +204,14 @@ class ReferenceWaypoint:
         self.forward(x, torch.zeros(1, 1), t, c, frozen=False)
         return x[0, 0]
 
+    def append_frame(self, latent: torch.Tensor, ctrl: torch.Tensor | None = None) -> None:
+        """``WorldEngine.append_frame`` after its encode: the clean latent [C, h, w] through the cache pass at
+        sigma 0, at the next frame time, with ``ctrl`` (None, as Biome calls it: ``CtrlInput()``, all zeros)."""
+        c = torch.zeros(1, 1, self.cfg.n_buttons + 3) if ctrl is None else ctrl[None, None]
+        t = self.frame_ts
+        self.frame_ts += 1
+        self.forward(latent[None, None], torch.zeros(1, 1), t, c, frozen=False)
+
     def decode(self, latent: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """``ae_nn.Decoder`` then ``InferenceAE.decode``: latent [C, h, w] -> uint8 [H, W, 3]."""
         return reference_decode(self.dec, self.cfg.ae, latent[None], size)[0]
@@ -211,6 +221,47 @@ def _conv(d: dict[str, torch.Tensor], name: str, x: torch.Tensor, groups: int = 
     g, v = d[f"{name}.parametrizations.weight.original0"], d[f"{name}.parametrizations.weight.original1"]
     weight = torch._weight_norm(v, g, 0)
     return F.conv2d(x, weight, d.get(f"{name}.bias"), padding=weight.shape[-1] // 2, groups=groups)
+
+
+def _res_block(d: dict[str, torch.Tensor], q: str, y: torch.Tensor) -> torch.Tensor:
+    hidden = d[f"{q}.conv1.parametrizations.weight.original1"].shape[0]
+    h = F.leaky_relu(_conv(d, f"{q}.conv1", y))
+    h = F.leaky_relu(_conv(d, f"{q}.conv2", h, groups=max(1, hidden // 16)))
+    return y + _conv(d, f"{q}.conv3", h)
+
+
+def reference_encode(d: dict[str, torch.Tensor], conf: dict[str, Any], pixels: torch.Tensor,
+                     square: tuple[int, int]) -> torch.Tensor:
+    """``InferenceAE.encode`` and ``ae_nn.Encoder``: uint8 [H, W, 3] -> latent [C, h, w]. ``square`` is
+    ``LandscapeToSquare``'s size (512x512 in the published code; the tiny test file's own)."""
+    rgb = pixels[None].permute(0, 3, 1, 2).float().div(255).mul(2).sub(1)
+    in_ch = d["conv_in.proj.parametrizations.weight.original1"].shape[1]
+    if rgb.shape[1] < in_ch:
+        rgb = torch.cat([rgb, torch.zeros(1, in_ch - rgb.shape[1], *rgb.shape[2:])], dim=1)
+    x = _conv(d, "conv_in.proj", F.interpolate(rgb[:, :in_ch], square, mode="bicubic"))
+    for s, count in enumerate(conf["encoder_blocks_per_stage"]):
+        y = x
+        for r in range(count):
+            y = _res_block(d, f"blocks.{s}.blocks.{r}", y)
+        y = _conv(d, f"blocks.{s}.down.proj", F.interpolate(y, scale_factor=0.5, mode="bicubic"))
+        x = y + F.pixel_unshuffle(_conv(d, f"residuals.{s}.proj", x), 2)
+    out = _conv(d, "conv_out.proj", x)
+    b, c, h, w = x.shape
+    groups = c // out.shape[1]
+    average = x.view(b, groups, c // groups, h, w).mean(dim=1) * groups**0.5
+    return (average + out)[0]
+
+
+def reference_taehv_seed(holder: Any, pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Biome's seed for Waypoint-1.5 (the picture expanded to four frames) through ``ChunkedStreamingTAEHV.encode``
+    on a fresh stream: [0, 1], resized (bilinear) to the encode size, TAEHV's encoder -> latent [C, h, w]."""
+    from taehv_reference import encode_clip
+
+    img = pixels[None].expand(4, -1, -1, -1)
+    rgb = img[None].permute(0, 1, 4, 2, 3).float().div(255)
+    if tuple(rgb.shape[-2:]) != size:
+        rgb = F.interpolate(rgb[0], size=size, mode="bilinear", align_corners=False)[None]
+    return encode_clip(holder, rgb)[0, 0]
 
 
 def reference_decode(d: dict[str, torch.Tensor], conf: dict[str, Any], z: torch.Tensor,
@@ -227,11 +278,7 @@ def reference_decode(d: dict[str, torch.Tensor], conf: dict[str, Any], z: torch.
         y = _conv(d, f"{p}.up.proj", x) if f"{p}.up.proj.parametrizations.weight.original0" in d else x
         y = F.interpolate(y, scale_factor=2.0, mode="bicubic")
         for r in range(counts[s]):
-            q = f"{p}.blocks.{r}"
-            hidden = d[f"{q}.conv1.parametrizations.weight.original1"].shape[0]
-            h = F.leaky_relu(_conv(d, f"{q}.conv1", y))
-            h = F.leaky_relu(_conv(d, f"{q}.conv2", h, groups=max(1, hidden // 16)))
-            y = y + _conv(d, f"{q}.conv3", h)
+            y = _res_block(d, f"{p}.blocks.{r}", y)
         x = y + F.pixel_shuffle(_conv(d, f"residuals.{s}.proj", x), 2)
     x = F.interpolate(_conv(d, "conv_out.proj", F.silu(x)), size, mode="bicubic")
     x = ((x / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)

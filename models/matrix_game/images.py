@@ -47,7 +47,11 @@ MASK_CHANNELS = 4
 
 def default_image(cfg: MatrixGameConfig) -> torch.Tensor:
     """A built-in start image ``[3, H, W]`` in [-1, 1]: sky over ground with a horizon."""
-    h, w = cfg.height, cfg.width
+    return sky_and_ground(cfg.height, cfg.width)
+
+
+def sky_and_ground(h: int, w: int) -> torch.Tensor:
+    """The built-in start picture at ``h`` x ``w``, ``[3, h, w]`` in [-1, 1] (other models offer it too)."""
     y = torch.linspace(0, 1, h)[:, None].expand(h, w)
     x = torch.linspace(0, 1, w)[None, :].expand(h, w)
     sky = torch.stack([0.3 + 0.3 * y, 0.5 + 0.3 * y, 0.9 + 0 * y])

@@ -6,12 +6,13 @@ The published layout (``world_engine``'s ``WorldModel.from_pretrained`` and
 - the world model's folder: ``config.yaml`` (OmegaConf) and ``model.safetensors``;
 - the autoencoder's folder (``ae_path``; by default ``ae/`` inside the model's):
   ``decoder_conf.yml`` (its ``model`` mapping) and ``decoder.safetensors``
-  with weight-normed convolutions. The encoder's files sit beside them; this
-  server does not read them (a session starts from noise, not an image).
+  with weight-normed convolutions, and beside them the encoder's
+  ``encoder_conf.yml`` and ``encoder.safetensors`` (a session starts from a
+  picture it encodes: :mod:`.seed`; with ``from_noise`` they are not read).
 - Waypoint-1.5 (``taehv_ae: true`` in ``config.yaml``): the autoencoder is
   TAEHV's ``taehv1_5.pth`` (the ``ae_uri`` repository's one file; a
   ``.safetensors`` of the same keys is read too) in that same folder; its
-  ``decoder.*`` tensors are read, the encoder's left.
+  ``decoder.*`` and ``encoder.*`` tensors are read.
 
 A file whose tensors do not match the config (missing, unexpected or of
 another shape) is refused with :class:`WaypointWeightsError`, naming the file
@@ -30,7 +31,9 @@ from safetensors.torch import load_file
 from .config import WaypointConfig, WaypointConfigError, config_from_yaml, get_config
 from .decoder import Decoder, bake_weight_norm
 from .dit import WaypointDiT
+from .encoder import AEEncoder, PictureEncoder, TAEHVEncoder, taehv_encoder_width
 from .pipeline import WaypointPipeline
+from .seed import offered_pictures
 from .taehv_frames import FramesDecoder, taehv_shape
 from ..wan.checkpoint import CheckpointError, read_state_dict
 from ..wan_decoders.taehv import decoder_keys, fit_time_grow, shape_of
@@ -68,11 +71,11 @@ def check_tensors(path: Path, found: dict[str, torch.Tensor], expected: dict[str
         raise WaypointWeightsError(f"{path}: {', '.join(problems)}")
 
 
-def published_decoder_shapes(decoder: Decoder) -> dict[str, torch.Size]:
-    """The decoder's tensors as the published file names them (convolution weights weight-normed)."""
+def published_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
+    """The autoencoder half's tensors as the published file names them (convolution weights weight-normed)."""
     shapes: dict[str, torch.Size] = {}
-    convs = {name for name, module in decoder.named_modules() if isinstance(module, torch.nn.Conv2d)}
-    for key, value in decoder.state_dict().items():
+    convs = {name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Conv2d)}
+    for key, value in module.state_dict().items():
         stem = key.removesuffix(".weight")
         if key.endswith(".weight") and stem in convs:
             shapes[stem + WEIGHT_NORM[0]] = torch.Size([value.shape[0]] + [1] * (value.dim() - 1))
@@ -91,13 +94,13 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
         raise WaypointWeightsError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def load_decoder_conf(path: Path) -> dict[str, Any]:
+def load_ae_conf(path: Path, blocks_key: str) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise WaypointWeightsError(f"{path}: not a readable YAML config ({exc})") from None
     conf = raw.get("model") if isinstance(raw, dict) else None
-    needed = ("channels", "latent_channels", "ch_0", "ch_max", "decoder_blocks_per_stage")
+    needed = ("channels", "latent_channels", "ch_0", "ch_max", blocks_key)
     if not isinstance(conf, dict) or any(key not in conf for key in needed):
         raise WaypointWeightsError(f"{path}: expected a 'model' mapping with keys {list(needed)}")
     return conf
@@ -109,13 +112,25 @@ def make_decoder(cfg: WaypointConfig) -> Decoder | FramesDecoder:
     return FramesDecoder(taehv_shape(cfg.ae), size) if cfg.taehv_ae else Decoder(cfg.ae, size)
 
 
-def load_taehv(ae_dir: Path, cfg: WaypointConfig) -> tuple[WaypointConfig, FramesDecoder]:
-    """Waypoint-1.5's TAEHV decoder from ``ae_dir``; its widths and patch are read from the file's shapes."""
+def make_encoder(cfg: WaypointConfig) -> PictureEncoder:
+    """The encoder ``cfg`` names, unfilled (Waypoint-1's reads pictures of RGB, in as many stages as it decodes)."""
+    grid = (cfg.latent_shape[1], cfg.latent_shape[2])
+    if cfg.taehv_ae:
+        return TAEHVEncoder(cfg.channels, int(cfg.ae["patch_size"]), grid)
+    conf = {**cfg.ae, "channels": 3, "encoder_blocks_per_stage": cfg.ae["decoder_blocks_per_stage"]}
+    return AEEncoder(conf, grid)
+
+
+def load_taehv(
+    ae_dir: Path, cfg: WaypointConfig, *, with_encoder: bool = True
+) -> tuple[WaypointConfig, FramesDecoder, TAEHVEncoder | None]:
+    """Waypoint-1.5's TAEHV decoder (and encoder) from ``ae_dir``; widths and patch are read from the file's shapes."""
     path = next((ae_dir / name for name in TAEHV_FILES if (ae_dir / name).is_file()), None)
     if path is None:
         raise WaypointWeightsError(f"{ae_dir}: no TAEHV file (looked for {', '.join(TAEHV_FILES)})")
     try:
-        state = decoder_keys(read_state_dict(path))
+        raw = read_state_dict(path)
+        state = decoder_keys(raw)
     except CheckpointError as exc:
         raise WaypointWeightsError(str(exc)) from None
     try:
@@ -134,13 +149,40 @@ def load_taehv(ae_dir: Path, cfg: WaypointConfig) -> tuple[WaypointConfig, Frame
     state = fit_time_grow(decoder, state)
     check_tensors(path, state, {k: v.shape for k, v in decoder.state_dict().items()})
     decoder.load_state_dict(state)
-    return cfg, decoder
+    return cfg, decoder, _taehv_encoder(path, raw, cfg) if with_encoder else None
+
+
+def _taehv_encoder(path: Path, raw: dict[str, torch.Tensor], cfg: WaypointConfig) -> TAEHVEncoder:
+    state = {k: v for k, v in raw.items() if k.startswith("encoder.")}
+    try:
+        width = taehv_encoder_width(state)
+    except KeyError:
+        raise WaypointWeightsError(f"{path}: not a TAEHV encoder, missing keys encoder.0.weight") from None
+    grid = (cfg.latent_shape[1], cfg.latent_shape[2])
+    encoder = TAEHVEncoder(cfg.channels, int(cfg.ae["patch_size"]), grid, width)
+    check_tensors(path, state, {k: v.shape for k, v in encoder.state_dict().items()})
+    encoder.load_state_dict(state)
+    return encoder
+
+
+def load_ae_encoder(ae_dir: Path, cfg: WaypointConfig) -> AEEncoder:
+    """Waypoint-1's encoder: ``encoder_conf.yml`` and the weight-normed ``encoder.safetensors``."""
+    conf = load_ae_conf(ae_dir / "encoder_conf.yml", "encoder_blocks_per_stage")
+    if int(conf["latent_channels"]) != cfg.channels:
+        raise WaypointWeightsError(f"{ae_dir / 'encoder_conf.yml'}: latent_channels {conf['latent_channels']} != the "
+                                   f"world model's channels {cfg.channels}")
+    encoder = AEEncoder(conf, (cfg.latent_shape[1], cfg.latent_shape[2]))
+    path = ae_dir / "encoder.safetensors"
+    raw = _read(path)
+    check_tensors(path, raw, published_shapes(encoder))
+    encoder.load_state_dict(bake_weight_norm(raw))
+    return encoder
 
 
 def load_weights(
-    weights_path: Path, ae_path: Path | None, base: WaypointConfig
-) -> tuple[WaypointDiT, Decoder | FramesDecoder]:
-    """The world model and the decoder from their published folders."""
+    weights_path: Path, ae_path: Path | None, base: WaypointConfig, *, with_encoder: bool = True
+) -> tuple[WaypointDiT, Decoder | FramesDecoder, PictureEncoder | None]:
+    """The world model, the decoder and (``with_encoder``) the encoder from their published folders."""
     try:
         cfg = config_from_yaml(weights_path / "config.yaml", base)
     except WaypointConfigError as exc:
@@ -148,9 +190,9 @@ def load_weights(
     ae_dir = ae_path if ae_path is not None else weights_path / "ae"
     decoder: Decoder | FramesDecoder
     if cfg.taehv_ae:
-        cfg, decoder = load_taehv(ae_dir, cfg)
-        return _load_model(weights_path, cfg), decoder
-    conf = load_decoder_conf(ae_dir / "decoder_conf.yml")
+        cfg, decoder, taehv_encoder = load_taehv(ae_dir, cfg, with_encoder=with_encoder)
+        return _load_model(weights_path, cfg), decoder, taehv_encoder
+    conf = load_ae_conf(ae_dir / "decoder_conf.yml", "decoder_blocks_per_stage")
     if int(conf["latent_channels"]) != cfg.channels:
         raise WaypointWeightsError(
             f"{ae_dir / 'decoder_conf.yml'}: latent_channels {conf['latent_channels']} != the world model's "
@@ -161,9 +203,9 @@ def load_weights(
     decoder = Decoder(conf, (cfg.image_height, cfg.image_width))
     decoder_file = ae_dir / "decoder.safetensors"
     raw = _read(decoder_file)
-    check_tensors(decoder_file, raw, published_decoder_shapes(decoder))
+    check_tensors(decoder_file, raw, published_shapes(decoder))
     decoder.load_state_dict(bake_weight_norm(raw))
-    return model, decoder
+    return model, decoder, load_ae_encoder(ae_dir, cfg) if with_encoder else None
 
 
 def _load_model(weights_path: Path, cfg: WaypointConfig) -> WaypointDiT:
@@ -194,6 +236,12 @@ def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Dec
     return model, decoder
 
 
+def random_encoder(cfg: WaypointConfig, seed: int = 0) -> PictureEncoder:
+    encoder = make_encoder(cfg)
+    encoder.init_random(seed + 2)
+    return encoder
+
+
 def load_waypoint(
     device: torch.device | str = "cpu",
     *,
@@ -204,6 +252,10 @@ def load_waypoint(
     session_capacity: int = 64,
     dtype: str | None = None,
     random_init: bool = False,
+    image: str | None = None,
+    images: str | None = None,
+    image_cache: int = 4,
+    from_noise: bool = False,
     **options: Any,
 ) -> WaypointPipeline:
     """``--model waypoint-1.5``: the published files at ``weights_path``, or seeded random weights of ``config``.
@@ -214,14 +266,23 @@ def load_waypoint(
     are no use to anyone and take gigabytes. No ``config`` is ``tiny-1.5``
     (Waypoint-1.5's own path, the model's name) without files, and ``tiny`` as
     the base of a published folder, whose ``config.yaml`` decides its shapes.
+
+    A session starts from a start image (:mod:`.seed`): ``image`` (a file,
+    the default, named by its stem) or else the built-in picture, and the
+    pictures of an ``images`` directory, offered by name; clients' own are
+    encoded on first use and the last ``image_cache`` kept. ``from_noise``
+    starts every session from noise instead (no encoder read, no start images
+    offered: a ``start`` with an image is refused).
     """
     if options:
         raise TypeError(
             f"load_waypoint got unknown options {sorted(options)}; expected config, weights_path, ae_path, seed, "
-            "session_capacity, dtype, random_init"
+            "session_capacity, dtype, random_init, image, images, image_cache, from_noise"
         )
     if config is None:  # a bare --model waypoint-1.5 serves Waypoint-1.5's own path (TAEHV, four frames a chunk)
         config = "tiny-1.5" if weights_path is None else "tiny"
+    if from_noise and (image is not None or images is not None):
+        raise ValueError("waypoint takes from_noise or start images (image, images), not both")
     base = get_config(config)
     target = torch.device(device)
     # bf16 on a GPU (and on the meta device that stands in for one in ``arstream plan``), fp32 on the CPU
@@ -231,17 +292,27 @@ def load_waypoint(
         raise ValueError(f"waypoint dtype {dtype!r} is not one of float32, bfloat16")
     if weights_path is not None and random_init:
         raise ValueError("waypoint takes weights_path or random_init, not both")
+    encoder: PictureEncoder | None
     if target.type == "meta":  # shapes and bytes only: nothing read, nothing filled
         with torch.device("meta"):
             model, decoder = WaypointDiT(base), make_decoder(base)
+            encoder = None if from_noise else make_encoder(base)
     elif weights_path is not None:
-        model, decoder = load_weights(Path(weights_path), None if ae_path is None else Path(ae_path), base)
+        model, decoder, encoder = load_weights(
+            Path(weights_path), None if ae_path is None else Path(ae_path), base, with_encoder=not from_noise
+        )
     elif config.startswith("tiny"):
         model, decoder = random_weights(base, seed)
+        encoder = None if from_noise else random_encoder(base, seed)
     else:
         raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only the tiny ones run "
                          "on random weights")
     model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
+    cfg = model.cfg
+    pictures = None
+    if encoder is not None and target.type != "meta":
+        pictures = offered_pictures(image, images, cfg.image_height, cfg.image_width)
     return WaypointPipeline(
-        model, decoder, target, session_capacity=session_capacity, random_weights=weights_path is None
+        model, decoder, target, session_capacity=session_capacity, random_weights=weights_path is None,
+        encoder=None if encoder is None else encoder.to(torch_dtype), start_images=pictures, image_cache=image_cache,
     )

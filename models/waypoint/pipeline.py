@@ -9,6 +9,11 @@ window is the widest layer's (the current frame and the frames before it; no
 sink): a layer with a narrower or dilated window masks the frames it does not
 see (:meth:`~arstream.models.waypoint.config.WaypointConfig.layer_window`).
 
+A rollout's first chunk (a start, a ``reset``) is instead the published
+``append_frame`` of the session's start image (:mod:`~arstream.models.waypoint.seed`):
+its clean latent committed at frame 0, the picture shown; with no encoder
+(``from_noise``) a rollout starts from noise.
+
 Per session the pipeline keeps the noise generator (seeded from the session's
 seed on its first chunk) and the last controls; both are exported with a
 snapshot, a rewind point or a parked session. Waypoint-1's decoder is
@@ -27,6 +32,7 @@ pointer deltas, the wheel), so a client maps inputs from the card alone.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,17 +43,22 @@ import torch.nn.functional as F
 
 from .config import WaypointConfig
 from .decoder import Decoder, to_uint8
+from .encoder import PictureEncoder
+from .seed import SeedImages, append_seeds, choice_from, choice_json, default_pixels
 from .taehv_frames import FramesDecoder
 from .dit import WaypointDiT, rope_tables, rotate
+from ..matrix_game.images import DEFAULT_NAME
 from ..wan.components import component, held_as
 from ...runner.binding import SessionStateBinding
 from ...runner.contract import ModelState
 from ...runner.kv_state import SessionKVState, write_and_gather_rows
 from ...runner.snapshot import tensors_digest
 from ...runner.spec import KVCacheSpec
-from ...runner.types import TickRequest
+from ...runner.types import StartImage, TickRequest
 
 DEFAULT_SEED = 0
+# Sessions whose start-image choice is remembered past a reset, close or eviction (the choice, not its encoding).
+REMEMBERED_CHOICES_PER_SESSION_SLOT = 4
 # The largest mouse velocity a control may carry (the published engine takes any float; a bound keeps
 # a malformed client from feeding the embedding values it never saw).
 MOUSE_LIMIT = 1000.0
@@ -188,8 +199,11 @@ class WaypointPipeline(SessionStateBinding):
 
     def __init__(
         self, model: WaypointDiT, decoder: Decoder | FramesDecoder, device: torch.device, *, name: str = "waypoint-1.5",
-        session_capacity: int = 64, random_weights: bool = False,
+        session_capacity: int = 64, random_weights: bool = False, encoder: PictureEncoder | None = None,
+        start_images: dict[str, np.ndarray] | None = None, image_cache: int = 4,
     ) -> None:
+        """With ``encoder`` a rollout starts from a start image (:mod:`.seed`): ``start_images`` by name, uint8
+        ``[H, W, 3]`` at the frame's size, the default first (None: the built-in picture). Without, from noise."""
         super().__init__()
         self.cfg: WaypointConfig = model.cfg
         self.random_weights = random_weights
@@ -207,6 +221,16 @@ class WaypointPipeline(SessionStateBinding):
         if isinstance(self.decoder, FramesDecoder):
             self.decoder_state_bytes = self.decoder.state_bytes(self.cfg.latent_shape, self.dtype)
         self.last_latents: dict[str, torch.Tensor] = {}  # each session's last clean latent (tests compare them)
+        self.encoder = None if encoder is None else encoder.to(device).eval()
+        self.seeds: SeedImages | None = None
+        if self.encoder is not None:
+            pictures = start_images or {DEFAULT_NAME: default_pixels(self.cfg.image_height, self.cfg.image_width)}
+            size = (self.cfg.image_height, self.cfg.image_width)
+            self.seeds = SeedImages(
+                pictures, self._encode_seed, self.cfg.temporal_compression, size, capacity=image_cache
+            )
+        # each session's start-image choice, kept past reset and eviction (bounded: ids of closed sessions age out)
+        self._choices: OrderedDict[str, StartImage | None] = OrderedDict()
 
     # ---- contract -------------------------------------------------------------------
 
@@ -244,9 +268,13 @@ class WaypointPipeline(SessionStateBinding):
                 "scroll": {"kind": "wheel_sign"},
             },
             **({"weights": "random"} if self.random_weights else {}),
+            # offered by name (the first is the default); a model that lists any also takes a client's own pixels
+            **({"start_images": self.seeds.names} if self.seeds is not None else {}),
             "components": [
                 component("dit", self.model, self.device, held_as(self.dtype)),
                 component("decoder", self.decoder, self.device, held_as(self.dtype)),
+                *([component("encoder", self.encoder, self.device, held_as(self.dtype))]
+                  if self.encoder is not None else []),
             ],
         }
 
@@ -255,44 +283,98 @@ class WaypointPipeline(SessionStateBinding):
 
     def generate_chunks(self, ticks: Sequence[TickRequest]) -> list[np.ndarray]:
         states = [self.bound_state(t.session_id) for t in ticks]
-        sessions = []
-        for tick, state in zip(ticks, states, strict=True):
-            session = self._sessions.get(tick.session_id)
-            if session is None or state.chunk_index == 0:
-                seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
-                session = _Session(torch.Generator().manual_seed(seed), {})
-            sessions.append(session)
+        sessions = [self._session(tick, state) for tick, state in zip(ticks, states, strict=True)]
+        # a rollout's first chunk appends its start image (:mod:`.seed`); the others generate a frame
+        seeding = [self.seeds is not None and state.chunk_index == 0 for state in states]
         rewind = [s.generator.get_state() for s in sessions]
+        frames: list[np.ndarray] = [np.empty(0)] * len(ticks)
+        latents: list[torch.Tensor | None] = [None] * len(ticks)
+        decoder_states: list[list[torch.Tensor] | None] = [None] * len(ticks)
         try:
-            # drawn on the CPU, one generator per session: the same noise on any device and in any batch
-            noise = torch.stack([torch.randn(self.cfg.latent_shape, generator=s.generator) for s in sessions])
-            controls = torch.stack([control_vector(t.controls, self.cfg) for t in ticks])
             with torch.inference_mode():
-                ctx = PagedAttention(states, self.cos, self.sin, self.cfg)
-                latents = denoise_frame(
-                    self.model, ctx, noise.to(self.device, self.dtype), controls.to(self.device, self.dtype),
-                    self.cfg.scheduler_sigmas,
-                )
-                decoder_dtype = next(self.decoder.parameters()).dtype
-                if isinstance(self.decoder, FramesDecoder):
-                    videos, streamed = self.decoder.decode_frames(
-                        latents.to(decoder_dtype), [s.decoder_state for s in sessions]
-                    )
-                    decoder_states: list[list[torch.Tensor] | None] = list(streamed)
-                    frames = videos.cpu().numpy()
-                else:
-                    frames = to_uint8(self.decoder(latents.to(decoder_dtype))).cpu().numpy()[:, None]
-                    decoder_states = [None] * len(sessions)
+                seeded = [row for row, first in enumerate(seeding) if first]
+                if seeded:
+                    for row, (latent, shown) in zip(seeded, self._append_seeds(
+                            [ticks[r] for r in seeded], [states[r] for r in seeded]), strict=True):
+                        latents[row], frames[row] = latent, shown
+                generated = [row for row, first in enumerate(seeding) if not first]
+                if generated:
+                    made = self._generate([ticks[r] for r in generated], [states[r] for r in generated],
+                                          [sessions[r] for r in generated])
+                    for row, (latent, shown, streamed) in zip(generated, made, strict=True):
+                        latents[row], frames[row], decoder_states[row] = latent, shown, streamed
         except BaseException:
             for session, saved in zip(sessions, rewind, strict=True):
                 session.generator.set_state(saved)
             raise
         for row, (tick, session) in enumerate(zip(ticks, sessions, strict=True)):
-            session.controls = dict(tick.controls)
+            session.controls = {} if seeding[row] else dict(tick.controls)
             session.decoder_state = decoder_states[row]
             self._sessions[tick.session_id] = session
-            self.last_latents[tick.session_id] = latents[row].clone()
-        return [np.ascontiguousarray(frames[row]) for row in range(len(ticks))]
+            clean = latents[row]
+            assert clean is not None
+            self.last_latents[tick.session_id] = clean.clone()
+            if self.seeds is not None and seeding[row]:
+                self._remember(tick)
+        return frames
+
+    def _session(self, tick: TickRequest, state: SessionKVState) -> _Session:
+        session = self._sessions.get(tick.session_id)
+        if session is None or state.chunk_index == 0:
+            seed = DEFAULT_SEED if tick.seed is None else int(tick.seed)
+            session = _Session(torch.Generator().manual_seed(seed), {})
+        return session
+
+    def _generate(
+        self, ticks: Sequence[TickRequest], states: Sequence[SessionKVState], sessions: Sequence[_Session]
+    ) -> list[tuple[torch.Tensor, np.ndarray, list[torch.Tensor] | None]]:
+        """The published ``gen_frame`` for each row: its clean latent, its frames and its decoder's new state."""
+        # drawn on the CPU, one generator per session: the same noise on any device and in any batch
+        noise = torch.stack([torch.randn(self.cfg.latent_shape, generator=s.generator) for s in sessions])
+        controls = torch.stack([control_vector(t.controls, self.cfg) for t in ticks])
+        ctx = PagedAttention(states, self.cos, self.sin, self.cfg)
+        latents = denoise_frame(
+            self.model, ctx, noise.to(self.device, self.dtype), controls.to(self.device, self.dtype),
+            self.cfg.scheduler_sigmas,
+        )
+        decoder_dtype = next(self.decoder.parameters()).dtype
+        if isinstance(self.decoder, FramesDecoder):
+            videos, streamed = self.decoder.decode_frames(
+                latents.to(decoder_dtype), [s.decoder_state for s in sessions]
+            )
+            decoder_states: list[list[torch.Tensor] | None] = list(streamed)
+            frames = videos.cpu().numpy()
+        else:
+            frames = to_uint8(self.decoder(latents.to(decoder_dtype))).cpu().numpy()[:, None]
+            decoder_states = [None] * len(sessions)
+        return [(latents[row], np.ascontiguousarray(frames[row]), decoder_states[row]) for row in range(len(ticks))]
+
+    # ---- start images (:mod:`.seed`) ----------------------------------------------------
+
+    def _encode_seed(self, pixels: np.ndarray) -> torch.Tensor:
+        assert self.encoder is not None
+        return self.encoder.encode(pixels).to(self.dtype)
+
+    def _choice(self, tick: TickRequest) -> StartImage | None:
+        """The tick's start image; a tick without one keeps the session's earlier choice (None: the default)."""
+        return tick.start_image if tick.start_image is not None else self._choices.get(tick.session_id)
+
+    def _remember(self, tick: TickRequest) -> None:
+        self._choices[tick.session_id] = self._choice(tick)
+        self._choices.move_to_end(tick.session_id)
+        while len(self._choices) > REMEMBERED_CHOICES_PER_SESSION_SLOT * self.session_capacity:
+            self._choices.popitem(last=False)
+
+    def _append_seeds(
+        self, ticks: Sequence[TickRequest], states: Sequence[SessionKVState]
+    ) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The published ``append_frame`` for each row (a rollout's first chunk): its seed latent and its frames."""
+        assert self.seeds is not None
+        seeds = [self.seeds.resolve(self._choice(t)) for t in ticks]  # a bad choice fails this tick only
+        latents = torch.stack([s.latent for s in seeds]).to(self.device, self.dtype)
+        no_controls = torch.stack([control_vector({}, self.cfg) for _ in ticks]).to(self.device, self.dtype)
+        append_seeds(self.model, PagedAttention(states, self.cos, self.sin, self.cfg), latents, no_controls)
+        return [(latents[row], s.frames.copy()) for row, s in enumerate(seeds)]  # the cached seed stays unchanged
 
     def reset_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -311,20 +393,26 @@ class WaypointPipeline(SessionStateBinding):
         if self._digest is None:  # once: the weights never change while serving
             named = {f"dit.{k}": v for k, v in self.model.state_dict().items()}
             named.update({f"decoder.{k}": v for k, v in self.decoder.state_dict().items()})
+            if self.encoder is not None and self.seeds is not None:  # what a moved session's reset starts from
+                named.update({f"encoder.{k}": v for k, v in self.encoder.state_dict().items()})
+                named.update({f"start_images.{k}": v for k, v in self.seeds.offered_latents().items()})
             self._digest = tensors_digest(named)
         return {"config": self.cfg.to_dict(), "weights_sha256": self._digest}
 
     def export_session_state(self, session_id: str) -> ModelState:
-        """The noise generator, the last controls and the decoder's stream state (Waypoint-1.5's TAEHV)."""
+        """The noise generator, the last controls, the decoder's stream state (Waypoint-1.5's TAEHV) and the start
+        image (a peer encodes it again, or has it: an offered name, as it would at a reset)."""
         session = self._sessions.get(session_id)
         if session is None:
             return ModelState({"session": None})
         tensors = {"generator": session.generator.get_state()}
         decoder = session.decoder_state or []
         tensors.update({f"decoder/{i}": entry for i, entry in enumerate(decoder)})
-        return ModelState(
-            {"session": {"controls": session.controls, "decoder_entries": len(decoder)}}, tensors
-        )
+        choice = self._choices.get(session_id)
+        if choice is not None and choice.pixels is not None:
+            tensors["image/pixels"] = torch.from_numpy(np.array(choice.pixels))  # a writable copy
+        values = {"controls": session.controls, "decoder_entries": len(decoder), "image": choice_json(choice)}
+        return ModelState({"session": values}, tensors)
 
     def import_session_state(self, session_id: str, state: ModelState) -> None:
         values = state.json.get("session")
@@ -336,6 +424,10 @@ class WaypointPipeline(SessionStateBinding):
         entries = int(values.get("decoder_entries", 0))
         decoder = [state.tensors[f"decoder/{i}"].to(self.device) for i in range(entries)] or None
         self._sessions[session_id] = _Session(generator, dict(values["controls"]), decoder)
+        choice = choice_from(values.get("image"), state.tensors.get("image/pixels"))
+        if choice is not None:
+            self._choices[session_id] = choice
+            self._choices.move_to_end(session_id)
 
     def session_ids(self) -> list[str]:
         return list(self._sessions)

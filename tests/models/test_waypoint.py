@@ -18,6 +18,7 @@ from arstream.app.settings import Settings
 from arstream.models.wan.components import module_bytes
 from arstream.models.waypoint.config import WaypointConfig, config_to_yaml, get_config
 from arstream.models.waypoint.decoder import Decoder
+from arstream.models.waypoint.encoder import AEEncoder
 from arstream.models.waypoint.loading import WaypointWeightsError, load_waypoint, random_weights
 from arstream.models.waypoint.pipeline import WaypointPipeline, control_vector
 from arstream.runner.rewind_schedule import RewindSchedule
@@ -33,13 +34,13 @@ Files = dict[str, dict[str, torch.Tensor]]  # what write_published wrote: "model
 Published = tuple[Path, Files]
 
 
-def weight_normed(decoder: Decoder) -> dict[str, torch.Tensor]:
-    """The decoder's tensors as the published file stores them: each convolution's weight as (g, v), v rescaled
-    per output channel so that only a correct weight-norm bake gives the weight back."""
+def weight_normed(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An autoencoder half's tensors as the published file stores them: each convolution's weight as (g, v), v
+    rescaled per output channel so that only a correct weight-norm bake gives the weight back."""
     out: dict[str, torch.Tensor] = {}
-    convs = {n for n, m in decoder.named_modules() if isinstance(m, torch.nn.Conv2d)}
+    convs = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Conv2d)}
     generator = torch.Generator().manual_seed(7)
-    for key, value in decoder.state_dict().items():
+    for key, value in module.state_dict().items():
         stem = key.removesuffix(".weight")
         if key.endswith(".weight") and stem in convs:
             shape = [value.shape[0]] + [1] * (value.dim() - 1)
@@ -51,9 +52,15 @@ def weight_normed(decoder: Decoder) -> dict[str, torch.Tensor]:
     return out
 
 
+def encoder_conf(cfg: WaypointConfig) -> dict[str, Any]:
+    """The tiny encoder's encoder_conf.yml: RGB plus a depth channel (given as zeros), stages of its own."""
+    return {**cfg.ae, "channels": 4, "encoder_blocks_per_stage": [2, 1]}
+
+
 def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     """Random weights in the published layout: config.yaml + model.safetensors, ae/decoder_conf.yml +
-    ae/decoder.safetensors. Returns what was written (the reference reads it)."""
+    ae/decoder.safetensors, ae/encoder_conf.yml + ae/encoder.safetensors. Returns what was written (the reference
+    reads it)."""
     model, decoder = random_weights(cfg, seed)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(config_to_yaml(cfg))
@@ -66,7 +73,12 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     assert isinstance(decoder, Decoder)
     decoder_file = weight_normed(decoder)
     save_file(decoder_file, str(root / "ae" / "decoder.safetensors"))
-    return {"model": weights, "decoder": decoder_file}
+    encoder = AEEncoder(encoder_conf(cfg), cfg.latent_shape[1:])
+    encoder.init_random(seed + 5)
+    (root / "ae" / "encoder_conf.yml").write_text(yaml.safe_dump({"model": encoder_conf(cfg)}))
+    encoder_file = weight_normed(encoder)
+    save_file(encoder_file, str(root / "ae" / "encoder.safetensors"))
+    return {"model": weights, "decoder": decoder_file, "encoder": encoder_file}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +89,9 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
 
 @pytest.fixture(scope="module")
 def pipeline(published: Published) -> WaypointPipeline:
-    return load_waypoint(weights_path=published[0])
+    """Sessions that start from noise (``from_noise``): the generation path alone; start images have their own
+    tests (test_waypoint_seed.py)."""
+    return load_waypoint(weights_path=published[0], from_noise=True)
 
 
 def reference_rollout(
@@ -144,7 +158,7 @@ def mixed_published(tmp_path_factory: pytest.TempPathFactory) -> Published:
 
 @pytest.fixture(scope="module")
 def mixed_pipeline(mixed_published: Published) -> WaypointPipeline:
-    return load_waypoint(weights_path=mixed_published[0])
+    return load_waypoint(weights_path=mixed_published[0], from_noise=True)
 
 
 def test_per_layer_windows_equal_the_reference_batched_out_of_phase(
@@ -317,8 +331,10 @@ def test_the_plan_counts_what_a_loaded_model_holds() -> None:
                     gpu_memory_bytes=2 << 30)  # fmt: skip
     assert plan.refusal is None and plan.session_capacity >= 1
     loaded = load_waypoint(dtype="bfloat16", random_init=True)
+    assert loaded.encoder is not None  # the start images' encoder is held too
     assert {c.name: c.bytes for c in plan.components} == {
-        "dit": module_bytes(loaded.model), "decoder": module_bytes(loaded.decoder)
+        "dit": module_bytes(loaded.model), "decoder": module_bytes(loaded.decoder),
+        "encoder": module_bytes(loaded.encoder),
     }
     untied = sum(p.numel() * p.element_size() for _, p in loaded.model.named_parameters(remove_duplicate=False))
     assert module_bytes(loaded.model) < untied

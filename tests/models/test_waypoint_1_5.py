@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import save_file
 
 from arstream.models.waypoint.config import CONFIGS, WaypointConfig, config_from_yaml, config_to_yaml, get_config
+from arstream.models.waypoint.encoder import TAEHVEncoder
 from arstream.models.waypoint.loading import WaypointWeightsError, load_waypoint, random_weights
 from arstream.models.waypoint.pipeline import WaypointPipeline, control_vector
 from arstream.models.waypoint.taehv_frames import FramesDecoder
@@ -29,6 +30,7 @@ CHUNKS = 12
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 Files = dict[str, dict[str, torch.Tensor]]
 Published = tuple[Path, Files]
+ENCODER_WIDTH = 8  # the tiny TAEHV encoder's (the published one's is 64)
 
 
 def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
@@ -42,9 +44,11 @@ def write_published(root: Path, cfg: WaypointConfig, seed: int = 0) -> Files:
     save_file(weights, str(root / "model.safetensors"))
     (root / "ae").mkdir(exist_ok=True)
     taehv = {k: v.clone() for k, v in decoder.state_dict().items()}
-    encoder = {"encoder.0.weight": torch.randn(8, 3 * 4, 3, 3), "encoder.0.bias": torch.randn(8)}  # not read
-    torch.save({**encoder, **taehv}, root / "ae" / "taehv1_5.pth")
-    return {"model": weights, "decoder": taehv}
+    encoder = TAEHVEncoder(cfg.channels, cfg.ae["patch_size"], cfg.latent_shape[1:], width=ENCODER_WIDTH)
+    encoder.init_random(seed + 5)
+    encoder_state = {k: v.clone() for k, v in encoder.state_dict().items()}
+    torch.save({**encoder_state, **taehv}, root / "ae" / "taehv1_5.pth")
+    return {"model": weights, "decoder": taehv, "encoder": encoder_state}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,8 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
 
 @pytest.fixture(scope="module")
 def pipeline(published: Published) -> WaypointPipeline:
-    return load_waypoint(config="tiny-1.5", weights_path=published[0])
+    """Sessions that start from noise: the generation path alone (start images: test_waypoint_seed.py)."""
+    return load_waypoint(config="tiny-1.5", weights_path=published[0], from_noise=True)
 
 
 def reference_rollout(

@@ -1,12 +1,16 @@
 """The whole server path with waypoint-1.5 (tiny and tiny-1.5, random weights): real CLI, uvicorn and websockets."""
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from test_hardening_start_image import b64, png
 
 from arstream.programs import client
-from servers import server_process, session_client, wait_until
+from servers import LiveServer, server_process, session_client, wait_until
 
 
 def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
@@ -60,26 +64,76 @@ def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
         server.settled(start_free)
 
 
-def test_serve_streams_four_frames_a_control_with_waypoint_1_5s_decoder() -> None:
-    """tiny-1.5 through the real server: each tick's one control makes a chunk of four frames (the TAEHV stream),
-    and closing the sessions gives back every block."""
+@pytest.fixture(scope="module")
+def server_1_5() -> Iterator[LiveServer]:
     args = ["--model", "waypoint-1.5", "--model-options", '{"config": "tiny-1.5"}', "--torch-threads", "1"]
     with server_process(args) as server:
         server.wait_ready()
-        card = server.get("/v1/model").json()
-        assert (card["width"], card["height"], card["frames_per_chunk"]) == (128, 72, 4)
-        start_free = server.stats()["kv"]["blocks_free"]
+        yield server
 
-        async def session() -> list[tuple[int, int]]:
-            seen = []
-            async with session_client(server.ws_url, start={"seed": 3, "codec": "raw"}) as client:
-                for tick_id in range(3):
-                    await client.send(type="tick", tick_id=tick_id, controls={"buttons": [87], "mouse": [0.5, 0.0]})
-                for _ in range(3):
-                    chunk, frames = await client.recv_chunk()
-                    assert [pixels.shape for _, pixels in frames] == [(72, 128, 3)] * 4
-                    seen.append((chunk["chunk_index"], chunk["frames"]))
-            return seen
 
-        assert asyncio.run(session()) == [(0, 4), (1, 4), (2, 4)]
-        server.settled(start_free)
+def test_serve_streams_four_frames_a_control_with_waypoint_1_5s_decoder(server_1_5: LiveServer) -> None:
+    """tiny-1.5 through the real server: each tick's one control makes a chunk of four frames (the TAEHV stream),
+    and closing the sessions gives back every block."""
+    server = server_1_5
+    card = server.get("/v1/model").json()
+    assert (card["width"], card["height"], card["frames_per_chunk"]) == (128, 72, 4)
+    start_free = server.stats()["kv"]["blocks_free"]
+
+    async def session() -> list[tuple[int, int]]:
+        seen = []
+        async with session_client(server.ws_url, start={"seed": 3, "codec": "raw"}) as client:
+            for tick_id in range(3):
+                await client.send(type="tick", tick_id=tick_id, controls={"buttons": [87], "mouse": [0.5, 0.0]})
+            for _ in range(3):
+                chunk, frames = await client.recv_chunk()
+                assert [pixels.shape for _, pixels in frames] == [(72, 128, 3)] * 4
+                seen.append((chunk["chunk_index"], chunk["frames"]))
+        return seen
+
+    assert asyncio.run(session()) == [(0, 4), (1, 4), (2, 4)]
+    server.settled(start_free)
+
+
+def test_a_world_starts_from_an_uploaded_picture(server_1_5: LiveServer) -> None:
+    """`start.image` with a PNG: chunk 0 is the picture (four times: the seed the engine appends), the world moves
+    on from it. A picture of another aspect is cut to the frame's (its centred part: here all blue); one too narrow
+    for any part of it is `invalid_image`. Every block comes back."""
+    server = server_1_5
+    card = server.get("/v1/model").json()
+    assert card["start_images"] == ["default"]
+    start_free = server.stats()["kv"]["blocks_free"]
+    landscape = np.random.default_rng(4).integers(0, 256, (72, 128, 3), dtype=np.uint8)
+    square = np.zeros((100, 100, 3), np.uint8)
+    square[:, :] = (255, 0, 0)
+    square[25:75] = (0, 0, 255)  # the 16:9 band a 100-wide picture keeps is rows 22..77: blue but for its edges
+
+    async def first_chunks(start: dict[str, Any]) -> list[np.ndarray]:
+        chunks = []
+        async with session_client(server.ws_url, start={"seed": 3, "codec": "raw", **start}) as client:
+            for tick_id in range(2):
+                await client.send(type="tick", tick_id=tick_id, controls={"buttons": [87]})
+            for _ in range(2):
+                _, frames = await client.recv_chunk()
+                chunks.append(np.stack([pixels for _, pixels in frames]))
+        return chunks
+
+    async def refused(data: bytes) -> tuple[int | None, dict[str, Any]]:
+        async with session_client(server.ws_url) as client:
+            await client.send(type="start", image={"data": b64(data)})
+            first = await client.recv_json()
+            return (await client.closed_by_server()).code, first
+
+    async def scenario() -> tuple[list[np.ndarray], ...]:
+        return tuple(await asyncio.gather(
+            first_chunks({"image": {"data": b64(png(landscape))}}), first_chunks({}),
+            first_chunks({"image": {"data": b64(png(square))}}),
+        ))
+
+    uploaded, default, cut = asyncio.run(scenario())
+    assert uploaded[0].shape == (4, 72, 128, 3) and all(np.array_equal(f, landscape) for f in uploaded[0])
+    assert np.abs(uploaded[1].astype(int) - default[1].astype(int)).max() > 1  # the picture made the world
+    assert np.abs(cut[0][:, 4:-4].astype(int) - np.array([0, 0, 255])).max() <= 1  # no red row was kept
+    code, first = asyncio.run(refused(png(np.zeros((100, 1, 3), np.uint8))))
+    assert (code, first["code"]) == (4004, "invalid_image") and "too narrow" in first["message"]
+    server.settled(start_free)
