@@ -27,11 +27,16 @@ FP8_MIN_CAPABILITY = (8, 9)
 
 
 # What torchao, and diffusers (which imports it where it is installed), log once on import that is no news to a user
-# of these models: kernel libraries built for another Python or GPU that torchao goes on without, torchao's enums
+# of these models: kernel libraries built for another Python or GPU that torchao goes on without, its Triton kernels
+# missing where there is no Triton (a CPU install; weight-only int8 and fp8 do not use them), torchao's enums
 # registered in a way torch now calls deprecated, and diffusers' note on torchao-serialized checkpoints (none is
 # loaded here). Each is matched by its logger and its own words, so any other warning still shows.
 def _skipped_kernel_library(record: logging.LogRecord) -> bool:
     return str(record.msg).startswith("Failed to load ") and "Could not load this library" in str(record.msg)
+
+
+def _no_triton(record: logging.LogRecord) -> bool:
+    return str(record.msg).startswith("Warning: Detected no triton")
 
 
 def _torchao_enum_registered(record: logging.LogRecord) -> bool:
@@ -46,6 +51,7 @@ def _serialized_checkpoints_note(record: logging.LogRecord) -> bool:
 
 HARMLESS_IMPORT_LOGS: dict[str, Callable[[logging.LogRecord], bool]] = {
     "torchao": _skipped_kernel_library,
+    "torchao.kernel.intmm": _no_triton,
     "torch.utils._pytree": _torchao_enum_registered,
     "diffusers.quantizers.torchao.torchao_quantizer": _serialized_checkpoints_note,
 }

@@ -132,6 +132,7 @@ def test_building_the_wan_models_prints_none_of_torchaos_import_warnings() -> No
     import sys
 
     build = (
+        "import logging; logging.basicConfig(); "  # as serve does: a library's logger with a NullHandler shows too
         "from arstream.models.registry import load_pipeline; "
         "load_pipeline('longlive', 'meta', config='tiny'); "
         "load_pipeline('matrix-game-2', 'meta', config='tiny', weights='int8')"
