@@ -829,7 +829,10 @@ SETTING_GROUPS: tuple[type[SettingGroup], ...] = tuple(
 )
 
 # What a JSON flag's value looks like typed in a shell (single quotes keep the JSON's double quotes).
-_JSON_EXAMPLES = {dict: """'{"config": "tiny"}'""", list: """'[{"urls": ["turn:turn.example.net:3478"]}]'"""}
+_JSON_EXAMPLES: dict[type, str] = {
+    dict: """'{"config": "tiny"}'""",
+    list: """'[{"urls": ["turn:turn.example.net:3478"]}]'""",
+}
 
 
 def _json_value(kind: type) -> Callable[[str], Any]:

@@ -242,5 +242,7 @@ def test_a_bare_waypoint_1_5_serves_waypoint_1_5s_own_path() -> None:
     """``--model waypoint-1.5`` with no config: tiny-1.5 (TAEHV, four frames a chunk), not Waypoint-1's decoder."""
     from arstream.models.registry import load_pipeline
 
-    card = load_pipeline("waypoint-1.5", "cpu").model_card()
+    pipeline = load_pipeline("waypoint-1.5", "cpu")
+    assert isinstance(pipeline, WaypointPipeline)
+    card = pipeline.model_card()
     assert (card["width"], card["height"], card["frames_per_chunk"], card["fps"]) == (128, 72, 4, 60), card
