@@ -305,7 +305,7 @@ def activation_bytes(pipeline: Any, whole: KVCacheSpec, world: int) -> int | Non
     dtype = getattr(pipeline, "dtype", whole.dtype)
     elem = torch.empty((), dtype=dtype if isinstance(dtype, torch.dtype) else whole.dtype).element_size()
     queries = whole.frames_per_chunk * whole.tokens_per_frame
-    keys = (whole.sink_frames + whole.window_frames) * whole.tokens_per_frame
+    keys = (whole.resident_frames + whole.frames_per_chunk) * whole.tokens_per_frame  # what a chunk attends to
     local = dim // world  # this device's heads, times the head size
     exchanged = 0 if world == 1 else 2 * 3 * queries * local
     attention = (2 * queries * dim + 3 * -(-queries // world) * dim + exchanged + 2 * keys * local

@@ -85,9 +85,12 @@ class FakeKVPipeline(SessionStateBinding):
         reads_prompt: bool = False,
         start_images: Sequence[str] = (),
         head_size: int = 4,
+        strided_window_frames: int = 0,
+        frame_stride: int = 1,
     ) -> None:
         super().__init__()
-        # ``head_size`` makes a session's KV as large as a test or bench needs (a streamed move's memory bound).
+        # ``head_size`` makes a session's KV as large as a test or bench needs (a streamed move's memory bound);
+        # ``strided_window_frames`` and ``frame_stride`` declare a strided tail (its frames' codes add to the pixels).
         self.spec = KVCacheSpec(
             num_layers=2,
             num_kv_heads=1,
@@ -97,6 +100,8 @@ class FakeKVPipeline(SessionStateBinding):
             sink_frames=sink_frames,
             window_frames=window_frames,
             session_capacity=session_capacity,
+            strided_window_frames=strided_window_frames,
+            frame_stride=frame_stride,
         )
         self.width = width
         self.height = height

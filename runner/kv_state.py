@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .pool import PagedKVPool
+from .spec import KVCacheSpec
 
 
 class PassStateError(RuntimeError):
@@ -66,6 +67,27 @@ class HistoryTables:
 
     def blocks(self) -> list[int]:
         return [i for branch in self.sink for i in self.sink[branch] + self.window[branch]]
+
+    def check_layout(self, spec: KVCacheSpec) -> None:
+        """Raise ValueError unless every branch holds what ``spec`` keeps at this boundary: a sink no longer
+        than the spec's, and a window of exactly the frames the counter says it keeps (the dense window's, the
+        strided tail's). A snapshot's tables are checked so before they place anything."""
+        for branch in spec.branch_names:
+            sinks, window = len(self.sink[branch]), len(self.window[branch])
+            if sinks > min(self.frames_committed, spec.sink_frames):
+                raise ValueError(f"branch {branch!r} holds {sinks} sink frames, more than the spec keeps")
+            kept = window_frame_indexes(spec, sinks, self.sink_start, self.frames_committed)
+            if window != len(kept):
+                raise ValueError(
+                    f"branch {branch!r} holds {window} window frames where the spec keeps {len(kept)} "
+                    f"after {self.frames_committed} frames"
+                )
+
+
+def window_frame_indexes(spec: KVCacheSpec, sinks: int, sink_start: int, frames_committed: int) -> list[int]:
+    """Absolute indexes of a history's window blocks, in order: the frames the spec keeps after its ``sinks``
+    sink frames (which start at ``sink_start``) once ``frames_committed`` frames are."""
+    return spec.kept_history(sink_start + sinks if sinks else 0, frames_committed)
 
 
 class SessionKVState:
@@ -125,9 +147,26 @@ class SessionKVState:
         end: distances inside the window (all a window-only model sees) are
         unchanged, and the sink's distance to the window stops growing. Sink
         frames keep their positions. A model that wants this stores K without
-        rotation and rotates the gathered K with these positions.
+        rotation and rotates the gathered K with these positions. With a
+        strided tail (``spec.strided_window_frames``) the window's frames are
+        not contiguous: each keeps its own position, shifted alike.
         """
-        return self._positions(len(self.sink[branch]), self.frames_committed - len(self.window[branch]), branch)
+        return self._positions(len(self.sink[branch]), self._window_indexes(branch))
+
+    def history_frame_indexes(self, branch: str = "main") -> list[int]:
+        """Absolute indexes of the visible frames in attention order: sink, window, current chunk.
+
+        What a model that masks per layer reads (which frames of the window a
+        layer sees, a dilation's phase); unlike :meth:`frame_positions` never
+        shifted. The window's are not contiguous with a strided tail.
+        """
+        sink = [self.sink_start + i for i in range(len(self.sink[branch]))]
+        chunk = range(self.frames_committed, self.frames_committed + self.spec.frames_per_chunk)
+        return [*sink, *self._window_indexes(branch), *chunk]
+
+    def _window_indexes(self, branch: str) -> list[int]:
+        """Absolute indexes of the window's blocks: the kept frames after the sink (a function of the counter)."""
+        return window_frame_indexes(self.spec, len(self.sink[branch]), self.sink_start, self.frames_committed)
 
     def rewrite_positions(self, frames: int, *, keep_sink: bool, branch: str = "main") -> list[int]:
         """Rotary positions a rewrite pass (:meth:`begin_rewrite`) sees: the kept sink, then its ``frames``.
@@ -135,17 +174,18 @@ class SessionKVState:
         The same scheme as :meth:`frame_positions` for the chunk that follows, so
         the rewritten K (stored unrotated) reads the same distances later.
         """
-        positions = self._positions(len(self.sink[branch]) if keep_sink else 0, self.frames_committed - frames, branch)
+        sink = len(self.sink[branch]) if keep_sink else 0
+        positions = self._positions(sink, list(range(self.frames_committed - frames, self.frames_committed)))
         return positions[: len(positions) - self.spec.frames_per_chunk]
 
-    def _positions(self, sink: int, first: int, branch: str) -> list[int]:
-        """``sink`` sink frames' positions, then those of frames ``first`` .. the current chunk's last."""
+    def _positions(self, sink: int, window: list[int]) -> list[int]:
+        """``sink`` sink frames' positions, then those of the ``window`` frames (absolute) and the current chunk."""
         spec = self.spec
         end = self.frames_committed + spec.frames_per_chunk
         shift = 0 if spec.max_position_frames is None else max(0, end - spec.max_position_frames)
         sink_shift = min(shift, self.sink_start)
         sinks = [self.sink_start + i - sink_shift for i in range(sink)]
-        return sinks + [p - shift for p in range(first, end)]
+        return sinks + [p - shift for p in [*window, *range(self.frames_committed, end)]]
 
     def history_frames(self, branch: str = "main") -> int:
         """Frames of history visible to the current chunk."""
@@ -377,19 +417,22 @@ class SessionKVState:
             self.pool.free(old)
         if not self.sink[spec.branch_names[0]]:
             self.sink_start = self.frames_committed
+        committed = self.frames_committed + spec.frames_per_chunk
         for branch in spec.branch_names:
             new = self.pending[branch]
             self.pending[branch] = []
-            self.sink[branch], self.window[branch] = self._split_history(self.sink[branch] + self.window[branch] + new)
-            # reset_at_boundary keeps only the sink between chunks (vLLM-Omni's meaning; see KVCacheSpec).
-            kept = 0 if spec.reset_at_boundary else spec.history_window_frames
-            overflow = len(self.window[branch]) - kept
-            if overflow > 0:
-                evicted = self.window[branch][:overflow]
-                del self.window[branch][:overflow]
+            indexes = self.history_frame_indexes(branch)  # the sink's, the window's, then the chunk's frames
+            self.sink[branch], window = self._split_history(self.sink[branch] + self.window[branch] + new)
+            # The window keeps what the spec keeps at the new counter: the dense window's frames and the strided
+            # tail's (reset_at_boundary keeps none between chunks, vLLM-Omni's meaning; see KVCacheSpec).
+            kept = set(window_frame_indexes(spec, len(self.sink[branch]), self.sink_start, committed))
+            placed = list(zip(window, indexes[len(self.sink[branch]) :], strict=True))
+            self.window[branch] = [block for block, index in placed if index in kept]
+            evicted = [block for block, index in placed if index not in kept]
+            if evicted:
                 self.pool.free(evicted)
         self._history_version += 1
-        self.frames_committed += spec.frames_per_chunk
+        self.frames_committed = committed
         self.chunks_committed += 1
 
     def _split_history(self, blocks: list[int]) -> tuple[list[int], list[int]]:

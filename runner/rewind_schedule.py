@@ -25,7 +25,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .spec import KVCacheSpec
+from .spec import KVCacheSpec, kept_history
 
 DENSE_SECONDS = 2.0  # every chunk boundary of the last this many seconds is kept (when the budget allows)
 # With this many every-chunk points each tier's stride is at most a third of its age, so some point lies within
@@ -137,33 +137,45 @@ class RewindSchedule:
 
     def peak(self, spec: KVCacheSpec) -> RewindPeak:
         """The most blocks (per branch) and model-state copies a session holds between chunks."""
-        return _peak(self.dense, self.horizon, spec.frames_per_chunk, spec.sink_frames, spec.history_window_frames)
+        return _peak(
+            self.dense, self.horizon, spec.frames_per_chunk, spec.sink_frames, spec.history_window_frames,
+            spec.strided_history_frames, spec.frame_stride,
+        )
 
 
-def boundary_frames(index: int, chunk: int, sink: int, history: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Frame ranges ``[start, end)`` boundary ``index``'s history holds: its sink, and its window."""
+def boundary_frames(
+    index: int, chunk: int, sink: int, history: int, strided_history: int = 0, stride: int = 1
+) -> tuple[tuple[int, int], ...]:
+    """Frame ranges ``[start, end)`` boundary ``index``'s history holds: its sink, its strided tail's frames one
+    range each (none without one), and its dense window."""
     committed = index * chunk
-    return (0, min(committed, sink)), (max(sink, committed - history), committed)
+    dense = (max(sink, committed - history), committed)
+    strided = [(f, f + 1) for f in kept_history(sink, committed, history, strided_history, stride) if f < dense[0]]
+    return ((0, min(committed, sink)), *strided, dense)
 
 
 @functools.cache
-def _peak(dense: int, horizon: int, chunk: int, sink: int, history: int) -> RewindPeak:
+def _peak(dense: int, horizon: int, chunk: int, sink: int, history: int, strided_history: int, stride: int) -> RewindPeak:
     schedule = RewindSchedule(dense, horizon)
-    # Past the horizon the kept set repeats with the largest stride's period; a few periods cover every shape,
-    # once the oldest kept boundary's history is whole (a window longer than the horizon keeps growing until
-    # then: one-frame chunks with a 16-frame window and a short horizon).
-    period = schedule.stride(horizon)
+    # Past the horizon the kept set repeats with the largest stride's period (times the chunks a strided tail's
+    # phase takes to come round); a few periods cover every shape, once the oldest kept boundary's history is
+    # whole (a window longer than the horizon keeps growing until then: one-frame chunks with a 16-frame window
+    # and a short horizon).
+    period = schedule.stride(horizon) * (stride // math.gcd(stride, chunk))
+    reach = math.ceil((sink + max(history, strided_history)) / chunk)
     most_frames = most_copies = 0
-    for newest in range(horizon + 2 * period + math.ceil((sink + history) / chunk) + 1):
+    for newest in range(horizon + 2 * period + reach + 1):
         kept = schedule.kept(newest)
         # Between chunks the live history is at newest + 1: the chunk from the newest boundary was committed.
-        ranges = sorted(r for b in [*kept, newest + 1] for r in boundary_frames(b, chunk, sink, history))
-        frames, reach = 0, 0
+        ranges = sorted(
+            r for b in [*kept, newest + 1] for r in boundary_frames(b, chunk, sink, history, strided_history, stride)
+        )
+        frames, covered = 0, 0
         for start, end in ranges:
-            start = max(start, reach)
+            start = max(start, covered)
             if end > start:
                 frames += end - start
-                reach = end
+                covered = end
         most_frames = max(most_frames, frames)
         most_copies = max(most_copies, len(kept))
     return RewindPeak(frames=most_frames, copies=most_copies)

@@ -138,8 +138,11 @@ def config_hash(runner: SupportsExport) -> str:
     spec = runner.whole_spec if isinstance(runner, GathersHeads) else runner.sessions.spec
     pipeline = runner.sessions.pipeline
     card = {key: value for key, value in runner.model_card().items() if key != "devices"}
+    # a spec without a strided tail hashes as it did before the tail existed: a replica of an older release still
+    # takes its sessions (and its the newer's)
+    skipped = {"session_capacity"} | (set() if spec.strided_window_frames else {"strided_window_frames", "frame_stride"})
     document = {
-        "spec": {f.name: repr(getattr(spec, f.name)) for f in fields(spec) if f.name != "session_capacity"},
+        "spec": {f.name: repr(getattr(spec, f.name)) for f in fields(spec) if f.name not in skipped},
         "card": card,
         "model": pipeline.transfer_fingerprint() if isinstance(pipeline, SupportsSessionTransfer) else None,
     }

@@ -40,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .contract import ModelState, SupportsSessionTransfer
-from .kv_state import SessionKVState
+from .kv_state import SessionKVState, window_frame_indexes
 from .pool import PoolExhausted
 from .capabilities import SupportsExport
 from .rewind import Boundary, RewindPoints
@@ -290,7 +290,7 @@ class SessionImport:
         bytes of those it drops are read and discarded."""
         names = set(by_name)
         points, frames = carried_points(
-            self.header, live_frames=len(live), branches=runner.sessions.spec.branch_names, tensor_names=names
+            self.header, live_frames=len(live), spec=runner.sessions.spec, tensor_names=names
         )
         pool = runner.sessions.pool
         kept = choose_kept(points, runner.sessions.rewinds.schedule, live_frames=len(live), free_blocks=pool.num_free)
@@ -389,6 +389,13 @@ class SessionImport:
                 raise SnapshotError(f"the snapshot's KV for branch {branch!r} does not fit this spec")
             if frames > spec.resident_frames or sinks > min(frames, spec.sink_frames):
                 raise SnapshotError(f"the snapshot's KV for branch {branch!r} does not fit this spec")
+            # the window holds exactly the frames the spec keeps at this counter (a strided tail's too)
+            kept = window_frame_indexes(spec, sinks, counters["sink_start"], counters["frames_committed"])
+            if frames - sinks != len(kept):
+                raise SnapshotError(
+                    f"the snapshot's KV for branch {branch!r} holds {frames - sinks} window frames where this "
+                    f"spec keeps {len(kept)} after {counters['frames_committed']} frames"
+                )
             if found is None:
                 continue
             blocks = pool.allocate(frames)

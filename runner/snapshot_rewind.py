@@ -27,6 +27,7 @@ from .kv_state import HistoryTables
 from .parking import tables_json
 from .rewind import Boundary
 from .rewind_schedule import RewindSchedule
+from .spec import KVCacheSpec
 
 REWIND_SECTION = "rewind"
 REWIND_KV = "rewind/kv"
@@ -90,7 +91,7 @@ class CarriedPoint:
 
 
 def carried_points(
-    header: dict[str, Any], *, live_frames: int, branches: tuple[str, ...] | list[str], tensor_names: set[str]
+    header: dict[str, Any], *, live_frames: int, spec: KVCacheSpec, tensor_names: set[str]
 ) -> tuple[list[CarriedPoint], int]:
     """The rewind points a snapshot's header says it carries (oldest first) and how many ``rewind/kv`` frames,
     each checked against the blocks and tensors it has; :class:`RewindSectionError` if they do not fit."""
@@ -108,7 +109,7 @@ def carried_points(
         points: list[CarriedPoint] = []
         for doc in section["boundaries"]:
             tables = doc["tables"]
-            if set(tables["sink"]) != set(tables["window"]) or not set(tables["sink"]) <= set(branches):
+            if set(tables["sink"]) != set(tables["window"]) or set(tables["sink"]) != set(spec.branch_names):
                 raise ValueError("a point's tables name other branches")
             listed = [n for part in ("sink", "window") for ids in tables[part].values() for n in ids]
             if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < numbers for n in listed):
@@ -127,6 +128,7 @@ def carried_points(
                 copy.deepcopy(doc["model"]["json"]),
                 {str(name): str(key) for name, key in doc["model"]["tensors"].items()},
             )
+            point.tables.check_layout(spec)  # the frames its counter says it keeps, no other
             if point.index >= now or (points and point.index <= points[-1].index):
                 raise ValueError("the points are not in order before the session's next chunk")
             if not set(point.model_tensors.values()) <= tensor_names:

@@ -61,6 +61,18 @@ class KVCacheSpec:
     (:meth:`SessionKVState.begin_rewrite`, LongLive's re-cache): the pool then
     counts a rewrite's fresh blocks per batch row, and rewind points that may
     each hold a history of their own (see :func:`~arstream.runner.pool.session_frames`).
+
+    ``strided_window_frames`` (with ``frame_stride``) keeps a sparse tail
+    behind the dense window: of the last ``strided_window_frames`` frames
+    (counting the current chunk, as ``window_frames`` does) a session also
+    keeps those whose *absolute* index is a multiple of ``frame_stride``; every
+    other frame is freed when it leaves the dense window. A model whose layers
+    see different windows (a few global layers over a long dilated window,
+    local layers over a short dense one) keeps only what some layer reads and
+    masks per layer (:meth:`SessionKVState.history_frame_indexes` says which
+    frames it got). The kept set is a function of the frame counter alone
+    (:func:`kept_history`), so snapshots, rewind points and parked sessions
+    carry no more than before. 0 (the default): no strided tail.
     """
 
     num_layers: int
@@ -80,6 +92,8 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float32
     max_position_frames: int | None = None
     history_rewrites: bool = False
+    strided_window_frames: int = 0
+    frame_stride: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -112,13 +126,42 @@ class KVCacheSpec:
         for name in ("model_owned_bytes_per_session", "model_owned_bytes_fixed", "model_owned_bytes_per_forward_row"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0")
-        if self.max_position_frames is not None and self.max_position_frames < self.sink_frames + self.window_frames:
+        self._check_strided_tail()
+        widest = max(self.window_frames, self.strided_window_frames)
+        if self.max_position_frames is not None and self.max_position_frames < self.sink_frames + widest:
             raise SpecError(
-                f"max_position_frames ({self.max_position_frames}) must hold the sink and the window "
-                f"({self.sink_frames} + {self.window_frames} frames)"
+                f"max_position_frames ({self.max_position_frames}) must hold the sink and the widest window "
+                f"({self.sink_frames} + {widest} frames)"
             )
         if not self.dtype.is_floating_point:
             raise SpecError(f"dtype must be a floating point dtype, got {self.dtype}")
+
+    def _check_strided_tail(self) -> None:
+        _positive("frame_stride", self.frame_stride)
+        strided = self.strided_window_frames
+        if not isinstance(strided, int) or isinstance(strided, bool) or strided < 0:
+            raise SpecError(f"strided_window_frames must be an integer >= 0, got {strided!r}")
+        if not strided:
+            if self.frame_stride != 1:
+                raise SpecError(f"frame_stride ({self.frame_stride}) needs a strided_window_frames to apply to")
+            return
+        if self.frame_stride < 2:
+            raise SpecError("a strided window needs frame_stride >= 2 (a stride of 1 is a wider dense window)")
+        if strided % self.frame_stride:
+            raise SpecError(
+                f"strided_window_frames ({strided}) must be a multiple of frame_stride ({self.frame_stride})"
+            )
+        if strided <= self.window_frames:
+            raise SpecError(
+                f"strided_window_frames ({strided}) must be wider than the dense window_frames ({self.window_frames})"
+            )
+        if self.history_rewrites:
+            raise SpecError(
+                "a strided window cannot go with history_rewrites: a rewrite recomputes a contiguous window, "
+                "and the frames a strided tail kept would no longer be the ones it saw"
+            )
+        if self.reset_at_boundary:
+            raise SpecError("a strided window cannot go with reset_at_boundary: that keeps no window between chunks")
 
     @property
     def branch_names(self) -> tuple[str, ...]:
@@ -130,9 +173,25 @@ class KVCacheSpec:
         return self.window_frames - self.frames_per_chunk
 
     @property
+    def strided_history_frames(self) -> int:
+        """Frames back (before the current chunk) the strided tail reaches; 0 without one."""
+        return max(0, self.strided_window_frames - self.frames_per_chunk)
+
+    @property
     def resident_frames(self) -> int:
-        """Frames a session keeps between chunks, per branch."""
-        return self.sink_frames + self.history_window_frames
+        """The most frames a session keeps between chunks, per branch: the sink, the dense window and, in the
+        strided tail's worst phase, its multiples of the stride beyond the dense window."""
+        strided = -(-(self.strided_history_frames - self.history_window_frames) // self.frame_stride)
+        return self.sink_frames + self.history_window_frames + (strided if self.strided_window_frames else 0)
+
+    def kept_history(self, first: int, committed: int) -> list[int]:
+        """Absolute indexes of the non-sink frames kept between chunks once ``committed`` frames are (frames
+        before ``first`` are the sink's): see :func:`kept_history`."""
+        if self.reset_at_boundary:
+            return []
+        return kept_history(
+            first, committed, self.history_window_frames, self.strided_history_frames, self.frame_stride
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -145,3 +204,16 @@ class KVCacheSpec:
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
         return sum(self.cross_attention_lengths.values()) * per_token * len(self.kv_branches)
+
+
+def kept_history(first: int, committed: int, history: int, strided_history: int = 0, stride: int = 1) -> list[int]:
+    """Absolute indexes, ascending, of the frames from ``first`` on a session keeps once ``committed`` frames are.
+
+    The dense window's last ``history`` frames, and before them, within the last
+    ``strided_history`` frames, those whose index is a multiple of ``stride``.
+    """
+    dense_start = max(first, committed - history)
+    strided_start = max(first, committed - strided_history)
+    strided_start += -strided_start % stride
+    strided = range(strided_start, dense_start, stride) if strided_history > history else range(0)
+    return [*strided, *range(dense_start, committed)]

@@ -20,9 +20,10 @@ Per-layer windows: every ``global_attn_period``-th layer (from
 ``global_attn_offset``) is a *global* layer that sees ``global_window`` frames,
 of which only every ``global_pinned_dilation``-th (by absolute frame index) and
 the current frame; the others are *local* layers that see the last
-``local_window`` frames. The runner keeps one window per session for every
-layer, so the pipeline declares the widest and each layer masks its own
-(:meth:`WaypointConfig.layer_window`).
+``local_window`` frames. The runner keeps one history per session for every
+layer: the pipeline declares the local window dense and the global one as a
+strided tail (:attr:`WaypointConfig.kept_windows`), and each layer masks what
+it does not see (:meth:`WaypointConfig.layer_window`).
 """
 
 from __future__ import annotations
@@ -99,8 +100,25 @@ class WaypointConfig:
 
     @property
     def window_frames(self) -> int:
-        """The widest layer's window: what a session keeps for every layer."""
+        """The widest layer's window."""
         return max(self.layer_window(layer)[0] for layer in range(self.n_layers))
+
+    @property
+    def kept_windows(self) -> tuple[int, int, int]:
+        """``(dense, strided, stride)``: what a session keeps for every layer, as the runner's KV spec says it.
+
+        The last ``dense`` frames (the widest undilated window), and of the last
+        ``strided`` frames those whose index is a multiple of ``stride`` (the
+        dilated global window, where it reaches further back); ``(widest, 0, 1)``
+        when no dilated window reaches past the dense one, or dilations differ.
+        """
+        windows = {self.layer_window(layer) for layer in range(self.n_layers)}
+        dense = max((frames for frames, dilation in windows if dilation == 1), default=1)
+        beyond = {(frames, dilation) for frames, dilation in windows if dilation > 1 and frames > dense}
+        if len(beyond) != 1 or len({dilation for _, dilation in windows if dilation > 1}) != 1:
+            return self.window_frames, 0, 1
+        ((strided, stride),) = beyond
+        return dense, strided, stride
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,10 +4,11 @@ A chunk is the published engine's ``gen_frame`` (``world_engine`` commit
 208c909824d906bf441122b7c40b9b4e1050d7c3): noise drawn for one latent frame,
 the scheduler's sigmas walked with one non-committing pass each (Euler steps of
 the predicted velocity), then one committing pass of the clean frame at sigma 0
-that writes its K/V into the session's history, then the decode. The runner's
-window is the widest layer's (the current frame and the frames before it; no
-sink): a layer with a narrower or dilated window masks the frames it does not
-see (:meth:`~arstream.models.waypoint.config.WaypointConfig.layer_window`).
+that writes its K/V into the session's history, then the decode. The runner keeps
+the local window's frames and, of the dilated global window, the frames on the
+dilation's beat (a strided tail; no sink): each layer masks the kept frames it
+does not see (:meth:`~arstream.models.waypoint.config.WaypointConfig.layer_window`),
+by their absolute indexes.
 
 A rollout's first chunk (a start, a ``reset``) is instead the published
 ``append_frame`` of the session's start image (:mod:`~arstream.models.waypoint.seed`):
@@ -143,7 +144,7 @@ class PagedAttention:
         # Each layer's mask over the gathered frames (absolute indexes: the dilation's phase), None where a layer
         # sees them all; [B, 1, 1, visible tokens] for SDPA.
         # Built on the CPU (no device round trip to find a mask that hides nothing).
-        frames = torch.tensor([list(range(s.frame_start - s.history_frames(), s.frame_start + 1)) for s in self.states])
+        frames = torch.tensor([s.history_frame_indexes() for s in self.states])
         masks: dict[tuple[int, int], torch.Tensor | None] = {}
         for window, dilation in {cfg.layer_window(layer) for layer in range(cfg.n_layers)}:
             seen = visible_frames(frames, window, dilation)
@@ -236,6 +237,8 @@ class WaypointPipeline(SessionStateBinding):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.cfg
+        # the local window dense, the dilated global window's frames on its beat behind it
+        dense, strided, stride = cfg.kept_windows
         return KVCacheSpec(
             num_layers=cfg.n_layers,
             num_kv_heads=cfg.n_kv_heads,
@@ -243,7 +246,9 @@ class WaypointPipeline(SessionStateBinding):
             tokens_per_frame=cfg.tokens_per_frame,
             frames_per_chunk=1,
             sink_frames=0,
-            window_frames=cfg.window_frames,
+            window_frames=dense,
+            strided_window_frames=strided,
+            frame_stride=stride,
             session_capacity=self.session_capacity,
             dtype=self.dtype,
             max_position_frames=cfg.n_frames,

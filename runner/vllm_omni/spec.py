@@ -43,6 +43,14 @@ def to_omni_spec(spec: KVCacheSpec) -> ARDiffusionKVCacheSpec:
             "the vllm-omni runtime cannot count history rewrites or shared model-owned state yet "
             "(history_rewrites, model_owned_bytes_fixed, model_owned_bytes_per_forward_row): use --runtime arstream"
         )
+    if spec.strided_window_frames:
+        # vLLM-Omni keeps one contiguous window per session: it would keep (and show the model) every frame of the
+        # strided window, not the ones the spec names, and count its capacity for all of them
+        raise UnsupportedConfiguration(
+            "the vllm-omni runtime keeps one contiguous window and cannot keep a strided window "
+            f"(strided_window_frames={spec.strided_window_frames}, frame_stride={spec.frame_stride}): "
+            "use --runtime arstream"
+        )
     return ARDiffusionKVCacheSpec(
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from arstream.app.plan import fit_plan
 from arstream.app.settings import Settings
+from arstream.models.registry import load_pipeline
 from arstream.models.wan.components import module_bytes
 from arstream.models.waypoint.config import WaypointConfig, config_to_yaml, get_config
 from arstream.models.waypoint.decoder import Decoder
@@ -164,11 +165,13 @@ def mixed_pipeline(mixed_published: Published) -> WaypointPipeline:
 def test_per_layer_windows_equal_the_reference_batched_out_of_phase(
     mixed_pipeline: WaypointPipeline, mixed_published: Published
 ) -> None:
-    """Dilated global and local layers: the session keeps the widest window and each layer masks its own. Session
-    a runs a frame ahead of b, so once batched the rows keep different frames of the dilated layer."""
+    """Dilated global and local layers: the session keeps the local window and the global one's frames on its beat,
+    and each layer masks what it does not see. Session a runs a frame ahead of b, so once batched the rows keep
+    different frames of the dilated layer."""
     pipeline, files = mixed_pipeline, mixed_published[1]
     assert [pipeline.cfg.layer_window(layer) for layer in range(3)] == [(2, 1), (6, 2), (2, 1)]
-    assert pipeline.kv_cache_spec().window_frames == 6
+    spec = pipeline.kv_cache_spec()  # the local window dense, the global one strided behind it
+    assert (spec.window_frames, spec.strided_window_frames, spec.frame_stride) == (2, 6, 2)
     runner = ARRunner(pipeline, kv_budget_bytes=BUDGET, max_batch_sessions=2)
     latents: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     runner.execute_tick(tick("a", 0))
@@ -198,6 +201,36 @@ def test_per_layer_windows_equal_the_reference_batched_out_of_phase(
     for session in ("a", "b"):
         runner.close_session(session)
     assert runner.pool.num_free == runner.pool.num_blocks
+
+
+def test_a_session_keeps_the_local_window_and_the_global_windows_beat_and_nothing_else(
+    mixed_pipeline: WaypointPipeline,
+) -> None:
+    """The pool holds only what some layer reads: the frame before the current one (the local window) and, of the
+    five before it, the even ones (the dilated global window); the plan counts that many. Dropping the strided
+    frames or keeping the global window dense changes what is held."""
+    spec = mixed_pipeline.kv_cache_spec()
+    assert spec.resident_frames == 3  # one dense, two on the dilation's beat
+    runner = ARRunner(mixed_pipeline, kv_budget_bytes=BUDGET)
+    for c in range(MIXED_CHUNKS):
+        runner.execute_tick(tick("a", c))
+        committed = c + 1
+        kept = sorted({committed - 1} | {f for f in range(max(0, committed - 5), committed) if f % 2 == 0})
+        state = runner.sessions.kv_state("a")
+        assert state is not None and state.history_frame_indexes() == [*kept, committed], c
+        assert runner.pool.num_used == len(kept), c  # the frames off the beat went back to the pool
+    runner.close_session("a")
+    assert runner.pool.num_free == runner.pool.num_blocks
+
+
+def test_the_released_shape_keeps_the_local_window_and_the_global_windows_beat() -> None:
+    """Waypoint-1.5 (built on the meta device, as `arstream plan` does): of the 127 frames before the current one,
+    the 15 of the local window and the 14 further back on the dilation's beat, not all 127."""
+    pipeline = load_pipeline("waypoint-1.5", "meta", config="1.5")
+    assert isinstance(pipeline, WaypointPipeline)
+    spec = pipeline.kv_cache_spec()
+    assert (spec.window_frames, spec.strided_window_frames, spec.frame_stride) == (16, 128, 8)
+    assert spec.resident_frames == 15 + 14
 
 
 def test_a_session_runs_past_the_rotary_table(pipeline: WaypointPipeline) -> None:

@@ -259,6 +259,42 @@ def test_a_rotary_table_shorter_than_the_window_is_refused() -> None:
         make_pool(max_position_frames=6)
 
 
+STRIDED = {"strided_window_frames": 12, "frame_stride": 3}  # tiny_spec's 4 dense history frames, then every 3rd of 10
+
+
+def strided_kept(committed: int) -> list[int]:
+    """The frames a tiny_spec session with STRIDED keeps after its sink (frame 0), counted frame by frame."""
+    return [f for f in range(1, committed) if f >= committed - 4 or (f >= committed - 10 and f % 3 == 0)]
+
+
+def test_a_strided_tail_keeps_the_dense_window_and_the_strides_multiples_and_frees_the_rest() -> None:
+    pool = make_pool(**STRIDED)
+    state = SessionKVState(pool, "a")
+    assert pool.spec.resident_frames == 1 + 4 + 2  # the sink, the dense window, the tail's worst phase
+    held_most = 0
+    for _ in range(12):
+        start, visible = state.frame_start, state.history_frame_indexes()
+        seen = commit_chunk(state, [float(start), float(start + 1)])  # each frame's K is its own index
+        assert seen == list(map(float, visible))  # the chunk read the frames it was told it sees, in that order
+        kept = strided_kept(state.frame_start)
+        assert state.history_frame_indexes() == [0, *kept, state.frame_start, state.frame_start + 1]
+        assert pool.num_used == 1 + len(kept)  # every other frame went back to the pool
+        held_most = max(held_most, pool.num_used)
+    assert held_most == pool.spec.resident_frames  # the plan's worst phase is reached, not just bounded
+    state.release()
+    assert pool.num_used == 0
+
+
+def test_strided_frames_keep_their_distances_past_the_rotary_table() -> None:
+    state = SessionKVState(make_pool(max_position_frames=13, **STRIDED), "a")
+    for _ in range(30):
+        indexes, positions = state.history_frame_indexes(), state.frame_positions()
+        shift = indexes[-1] - positions[-1]
+        assert positions[0] == 0 and positions[1:] == [i - shift for i in indexes[1:]]
+        assert 0 < positions[1] and positions[-1] == min(indexes[-1], 12)
+        commit_chunk(state, [0.0, 0.0])
+
+
 @pytest.mark.parametrize("rows_in_order", [True, False])
 def test_batched_rows_see_their_own_history_and_chunk(rows_in_order: bool) -> None:
     """write_and_gather_rows: rows in staging rows 0..n-1 (one write, views) or not (per row) give the same K/V."""

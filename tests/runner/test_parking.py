@@ -46,6 +46,10 @@ def _loaded(name: str, **options: Any) -> ARPipeline:
 PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     # a short window, so parked boundaries hold blocks that slid out of the live window
     "fake-kv": lambda: FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2),
+    # a strided tail behind a short dense window: the kept frames are sparse, their phase set by the frame counter
+    "fake-kv-strided": lambda: FakeKVPipeline(
+        sink_frames=1, window_frames=4, frames_per_chunk=2, strided_window_frames=12, frame_stride=3
+    ),
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # KV, action caches, VAE feature cache, control history, noise, and a start image
     "matrix-game-2": lambda: _loaded("matrix-game-2", config="tiny", random_init=True),

@@ -107,6 +107,13 @@ def test_over_allocation_says_how_many_are_free() -> None:
         ({"kv_branches": (KVBranch("a", 1),)}, "local_index"),
         ({"dtype": torch.int32}, "floating point"),
         ({"cross_attention_lengths": {"text": 0}}, "cross_attention_lengths"),
+        ({"strided_window_frames": 12, "frame_stride": 5}, r"multiple of frame_stride \(5\)"),
+        ({"strided_window_frames": 6, "frame_stride": 3}, "wider than the dense window_frames"),
+        ({"strided_window_frames": 12, "frame_stride": 1}, "frame_stride >= 2"),
+        ({"frame_stride": 3}, "needs a strided_window_frames"),
+        ({"strided_window_frames": 12, "frame_stride": 3, "history_rewrites": True}, "cannot go with history_rewrites"),
+        ({"strided_window_frames": 12, "frame_stride": 3, "reset_at_boundary": True}, "cannot go with reset_at_boundary"),
+        ({"strided_window_frames": 12, "frame_stride": 3, "max_position_frames": 12}, "the widest window"),
     ],
 )
 def test_inconsistent_specs_say_what_was_expected(overrides: dict[str, Any], message: str) -> None:

@@ -50,6 +50,10 @@ def _loaded(name: str, **options: Any) -> ARPipeline:
 PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     # a short window, so boundaries reach back past window slides (evicted blocks kept by a boundary, sink kept)
     "fake-kv": lambda: FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2),
+    # a strided tail behind a short dense window: boundaries keep sparse histories, each its own phase
+    "fake-kv-strided": lambda: FakeKVPipeline(
+        sink_frames=1, window_frames=4, frames_per_chunk=2, strided_window_frames=12, frame_stride=3
+    ),
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # tiny matrix-game-2 (random weights, seeded): KV, action caches, VAE feature cache, control history, noise
     "matrix-game-2": lambda: _loaded("matrix-game-2", config="tiny", random_init=True),

@@ -76,6 +76,8 @@ def test_boundary_frames_are_the_sink_and_the_window_as_they_were() -> None:
     # sink 1, window history 4, chunks of 2: boundary 5 holds frame 0 and frames 6..9
     assert boundary_frames(5, 2, 1, 4) == ((0, 1), (6, 10))
     assert boundary_frames(0, 2, 1, 4) == ((0, 0), (1, 0))  # before the first chunk: nothing
+    # with a strided tail of 10 history frames every 3rd: boundary 7 also holds frames 6 and 9 (one range each)
+    assert boundary_frames(7, 2, 1, 4, 10, 3) == ((0, 1), (6, 7), (9, 10), (10, 14))
 
 
 def test_the_last_k_schedule_costs_what_the_old_rewind_points_did() -> None:
@@ -84,8 +86,12 @@ def test_the_last_k_schedule_costs_what_the_old_rewind_points_did() -> None:
         assert RewindSchedule.last(k).peak(spec) == RewindPeak(frames=spec.resident_frames + k * 2, copies=k)
 
 
-def test_a_runner_holds_exactly_the_schedules_boundaries_and_its_peak_blocks() -> None:
-    pipeline = FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2)
+@pytest.mark.parametrize(("strided", "stride"), [(0, 1), (12, 3)], ids=["dense", "strided"])
+def test_a_runner_holds_exactly_the_schedules_boundaries_and_its_peak_blocks(strided: int, stride: int) -> None:
+    # strided: boundaries hold sparse histories of their own phase, each frame counted once
+    pipeline = FakeKVPipeline(
+        sink_frames=1, window_frames=6, frames_per_chunk=2, strided_window_frames=strided, frame_stride=stride
+    )
     schedule = RewindSchedule(dense=2, horizon=12)
     runner = ARRunner(pipeline, kv_budget_bytes=1 << 20, rewind=schedule)
     peak = schedule.peak(pipeline.kv_cache_spec())

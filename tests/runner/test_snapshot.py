@@ -41,6 +41,10 @@ SEED = 1234
 PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     # a short window, so the export happens after the window has slid (evicted blocks, sink kept)
     "fake-kv": lambda: FakeKVPipeline(sink_frames=1, window_frames=6, frames_per_chunk=2),
+    # a strided tail behind a short dense window: the moved tables are sparse, rebuilt from the frame counter
+    "fake-kv-strided": lambda: FakeKVPipeline(
+        sink_frames=1, window_frames=4, frames_per_chunk=2, strided_window_frames=12, frame_stride=3
+    ),
     "tiny-world": lambda: load_tiny_world(torch.device("cpu")),
     # tiny matrix-game-2 (random weights, seeded): KV, action caches, VAE feature cache, control history, noise
     "matrix-game-2": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True),
@@ -159,6 +163,12 @@ def test_another_config_is_refused() -> None:
     assert target.pool.num_free == target.blocks_free_at_start
 
 
+def test_a_strided_session_is_refused_by_a_replica_whose_spec_keeps_no_strided_tail() -> None:
+    target = runner_for_sessions(FakeKVPipeline(window_frames=4), 2)
+    _refused(target, _fake_snapshot(window_frames=4, strided_window_frames=12, frame_stride=3), SnapshotRefused,
+             "another model config")  # fmt: skip
+
+
 def test_a_full_replica_refuses_and_evicts_nobody() -> None:
     target = runner_for_sessions(FakeKVPipeline(), 2)
     _run(target, "a", range(2))
@@ -172,6 +182,19 @@ def test_a_snapshot_that_does_not_fit_the_spec_is_refused_without_leaking() -> N
     snapshot.tensors["kv/main"] = snapshot.tensors["kv/main"][:, :, :, :1].contiguous()  # a token short per frame
     target = runner_for_sessions(FakeKVPipeline(), 2)
     _refused(target, snapshot, SnapshotError, "does not fit")
+    assert target.pool.num_free == target.blocks_free_at_start
+
+
+@pytest.mark.parametrize("model", ["fake-kv", "fake-kv-strided"])
+def test_a_snapshot_whose_window_is_not_what_its_frame_counter_keeps_is_refused(model: str) -> None:
+    """The kept frames are a function of the frame counter (a strided tail's too): a history a frame short would
+    continue with every position after the gap wrong, so it is refused before a block is placed."""
+    source = runner_for_sessions(PIPELINES[model](), 2)
+    _run(source, "s", range(5))
+    snapshot = parse_snapshot(snapshot_bytes(export_session(source, "s")))
+    snapshot.tensors["kv/main"] = snapshot.tensors["kv/main"][:, :, :-1].contiguous()
+    target = runner_for_sessions(PIPELINES[model](), 2)
+    _refused(target, snapshot, SnapshotError, "window frames where this spec keeps")
     assert target.pool.num_free == target.blocks_free_at_start
 
 

@@ -17,7 +17,8 @@ import pytest
 from arstream.models.fake import FakeKVPipeline
 from arstream.runner.rewind_schedule import RewindSchedule
 from arstream.runner.runner import runner_for_sessions
-from arstream.runner.snapshot_stream import import_pieces, plan_export
+from arstream.runner.snapshot import SnapshotError
+from arstream.runner.snapshot_stream import import_pieces, parse_snapshot, plan_export, snapshot_bytes
 from arstream.runner.types import TickRequest
 
 SESSION = "s-00000000000000bb"
@@ -100,3 +101,22 @@ def test_an_import_cut_short_in_the_points_bytes_leaves_the_pool_as_it_was() -> 
     assert target.stats().blocks_free < free
     job.abort(target)
     assert target.stats().blocks_free == free and target.resident_sessions() == []
+
+
+def test_a_point_whose_window_is_not_what_its_counter_keeps_is_refused_without_leaking() -> None:
+    """A strided tail: each point's tables are sparse, and their frames a function of the point's counter; a point
+    a frame short is refused before anything is placed."""
+    def strided(rewind: RewindSchedule | None = SCHEDULE) -> Any:
+        pipeline = FakeKVPipeline(window_frames=4, strided_window_frames=12, frame_stride=3)
+        return runner_for_sessions(pipeline, 2, rewind=rewind)
+
+    source = strided()
+    for i in range(PLAYED):
+        source.execute_tick(TickRequest(session_id=SESSION, request_id=i))
+    snapshot = parse_snapshot(snapshot_of(source))
+    snapshot.header["rewind"]["boundaries"][-2]["tables"]["window"]["main"].pop(0)
+    target = strided()
+    free = target.stats().blocks_free
+    with pytest.raises(SnapshotError, match="rewind section is malformed.*window frames where the spec keeps"):
+        stream_into(target, snapshot_bytes(snapshot))
+    assert target.stats().blocks_free == free and not target.is_resident(SESSION)

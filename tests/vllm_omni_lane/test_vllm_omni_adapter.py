@@ -73,6 +73,13 @@ def test_a_spec_whose_capacity_terms_vllm_omni_lacks_is_refused(declared: dict[s
         to_omni_spec(spec)
 
 
+def test_a_strided_window_is_refused_when_the_runtime_is_built() -> None:
+    # vLLM-Omni keeps one contiguous window: it would show the model frames the spec drops
+    pipeline = FakeKVPipeline(window_frames=4, strided_window_frames=12, frame_stride=3)
+    with pytest.raises(UnsupportedConfiguration, match="cannot keep a strided window.*--runtime arstream"):
+        build_runtime("vllm-omni", pipeline, kv_budget_bytes=BUDGET)
+
+
 def test_a_tick_survives_vllm_omnis_tick_protocol() -> None:
     tick = TickRequest(
         session_id="s-1",
