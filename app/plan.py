@@ -116,6 +116,8 @@ class FitPlan:
     rewind: str = "off"
     park_sessions: int = 0
     replica_devices: int = 1  # P: serve's --devices
+    device_kind: str = "GPU"  # what the plan's devices are: "CPU" where --devices names CPUs only (cpu,cpu)
+    picture: str = ""  # the card's frame size (WxH): a test config's is plain to see
     kv_heads: int = 0  # the model's attention heads (every KV block's, whole)
     device_kv_heads: int = 0  # what each device of the replica holds of them
     activation_bytes: int | None = None  # estimated, one batched session on one device (None: not a Wan DiT)
@@ -145,14 +147,17 @@ class FitPlan:
         where = f"{self.devices} GPU(s)"
         if self.replica_devices > 1:
             where = f"{self.devices} replica(s), each over {self.replica_devices} devices"
-        device = "GPU" if self.replica_devices == 1 else "device"
+        device = self.device_kind if self.replica_devices == 1 else "device"
         lines = [
-            f"plan: {self.model} {json.dumps(self.options)} on {where} of {gib(self.gpu_memory_bytes)}",
+            f"plan: {self.model} {json.dumps(self.options)} at {self.picture} "
+            f"on {where} of {gib(self.gpu_memory_bytes)}",
             "  component      device   weights                               bytes",
         ]
         for c in self.components:
-            lines.append(f"  {c.name:<14} {c.device:<8} {c.weights:<36} {gib(c.bytes):>11}")
-        lines.append(f"  weights on the GPU: {gib(self.gpu_weights_bytes)}; CUDA context {gib(CUDA_CONTEXT_BYTES)}")
+            where_held = self.device_kind.lower() if c.on_gpu else c.device
+            lines.append(f"  {c.name:<14} {where_held:<8} {c.weights:<36} {gib(c.bytes):>11}")
+        held = f"the {device}" if self.replica_devices == 1 else "each device"
+        lines.append(f"  weights on {held}: {gib(self.gpu_weights_bytes)}; CUDA context {gib(CUDA_CONTEXT_BYTES)}")
         if self.replica_devices > 1:
             lines.append(
                 f"  over {self.replica_devices} devices (--devices): each holds the weights whole and "
@@ -191,7 +196,7 @@ class FitPlan:
             else:
                 lines.append(
                     f"  sessions: {self.session_capacity} per replica{capped} (its devices hold the same blocks), "
-                    f"{self.sessions} on {self.devices} replica(s) of {self.replica_devices} devices ({self.gpus} GPUs)"
+                    f"{self.sessions} on {self.devices} replica(s) of {self.replica_devices} devices ({self.gpus} {self.device_kind}s)"
                 )
         return "\n".join(lines)
 
@@ -249,6 +254,8 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
         model_owned_per_session=spec.model_owned_bytes_per_session, replica_devices=world,
         kv_heads=whole.num_kv_heads, device_kv_heads=spec.num_kv_heads,
         activation_bytes=activation_bytes(pipeline, whole, world),
+        picture=f"{card.get('width')}x{card.get('height')}",
+        device_kind="CPU" if world > 1 and all(d.startswith("cpu") for d in settings.replica_devices()) else "GPU",
         batch_rows=settings.max_batch_sessions or default_max_batch_sessions(GPU),
     )  # fmt: skip
     if "weights" in settings.model_options and settings.model_options["weights"] == "fp8":

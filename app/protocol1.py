@@ -7,7 +7,7 @@ back only when its last frame (or its error) has been written. A controller
 can pass control to one of its viewers: the two live sessions swap roles.
 
 Viewers get every chunk the controller gets (app/viewer_feed.py, to the
-audience of app/viewers.py).
+audience of app/viewers.py). What ``ready`` says to each role is app/protocol1_ready.py's.
 """
 
 from __future__ import annotations
@@ -23,19 +23,18 @@ from .outbox import QueuedChunk, QueuedText, ViewerChunk
 from .protocol import CLOSE_NORMAL, ClientMessage, CloseMessage, CloseReason, ErrorCode, InputMessage
 from .protocol import PassControlMessage, PingMessage, ProtocolError, RecordMessage, TickMessage, WebRTCOfferMessage
 from .protocol import ack_message, closed_message, controls_problem, dumps, error_message, moved_message
-from .protocol import parse_client_message, pong_message, ready_message, recording_message, role_message, too_large
+from .protocol import parse_client_message, pong_message, recording_message, role_message, too_large
 from .protocol import with_prepared_prompt
+from .protocol1_ready import ROLE_CONTROLLER, ROLE_VIEWER, send_ready
 from .session import Session, TickJob
 from .viewer_feed import ViewerFeed
-from .webrtc import SessionVideo, webrtc_ice_servers
+from .webrtc import SessionVideo
 from .writer import send_chunk_on_websocket
 from .worker import OutcomeKind, TickOutcome
 
 log = logging.getLogger("arstream.session")
 
 PATH = "/v1/sessions"
-ROLE_CONTROLLER = "controller"
-ROLE_VIEWER = "viewer"
 BINARY_REFUSED = "binary messages from the client are not part of protocol 1"
 
 
@@ -56,38 +55,7 @@ class Protocol1(Dialect):
         return await Handshake(opening, self).open()
 
     def ready(self, live: SessionPort, started: Started) -> None:
-        gate, settings, session, watch = live.gate, live.gate.settings, started.session, live.watch
-        if watch is not None:
-            (codec, quality), card = watch.format, gate.model_card
-            message = ready_message(
-                session_id=session.id, model_card=card, codec=codec, role=ROLE_VIEWER, viewer_id=watch.viewer_id,
-                quality=quality, max_pending_ticks=settings.max_pending_ticks,
-                max_message_bytes=settings.max_message_bytes, idle_timeout_s=settings.idle_timeout_s,
-                ice_servers=webrtc_ice_servers(settings, session.id),
-            )
-            live.outbox.push(QueuedText(dumps(message), is_reply=True))
-            log.info("session=%s viewer %s joined codec=%s", session.id, watch.viewer_id, codec)
-            gate.shares.audience_changed(session, gate.controller(session.id))
-            return
-        message = ready_message(
-            session_id=session.id,
-            model_card=gate.model_card,
-            codec=session.codec,
-            max_pending_ticks=settings.max_pending_ticks,
-            max_message_bytes=settings.max_message_bytes,
-            idle_timeout_s=settings.idle_timeout_s,
-            resume=started.ticket,
-            resumed=started.resumed,
-            max_start_image_bytes=settings.max_start_image_bytes if gate.start_image_names else None,
-            share=gate.shares.token(session.id),
-            rewind_points=gate.rewind_points,
-            rewind_seconds=gate.rewind_seconds,
-            branched_from=started.branched_from,
-            record=None if settings.record_dir is None else session.record_to is not None,
-            ice_servers=webrtc_ice_servers(settings, session.id),
-        )
-        live.outbox.push(QueuedText(dumps(message), is_reply=True))
-        log.info("session=%s started codec=%s", session.id, session.codec)
+        send_ready(live, started)
 
     # ---- messages in ------------------------------------------------------------------------------
 

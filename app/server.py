@@ -417,6 +417,9 @@ async def serve(server: ARStreamServer) -> int:
         token_required = server.hub.settings.auth_token is not None
         for line in network_lines(server.config.host, server.bound_port, token_required=token_required):
             print(line, flush=True)
+        if server.hub.model_card.get("weights") == "random":  # the page says so too: the picture is not broken
+            print(f"Model {server.hub.model_card.get('name')}: random weights (a test set-up), so its pictures are "
+                  "noise; docs/models.md says how to load a checkpoint.", flush=True)  # fmt: skip
         capacity = capacity_line(server.hub.stats(), server.hub.rewind_seconds)
         if capacity:
             print(capacity, flush=True)

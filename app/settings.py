@@ -828,12 +828,20 @@ SETTING_GROUPS: tuple[type[SettingGroup], ...] = tuple(
     base for base in Settings.__bases__ if isinstance(base, type) and issubclass(base, SettingGroup)
 )
 
+# What a JSON flag's value looks like typed in a shell (single quotes keep the JSON's double quotes).
+_JSON_EXAMPLES: dict[type, str] = {
+    dict: """'{"config": "tiny"}'""",
+    list: """'[{"urls": ["turn:turn.example.net:3478"]}]'""",
+}
+
+
 def _json_value(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"expected JSON, got {text!r}: {exc}") from None
+            example = _JSON_EXAMPLES[kind]
+            raise argparse.ArgumentTypeError(f"expected JSON such as {example}, got {text!r}: {exc}") from None
         if not isinstance(value, kind):
             raise argparse.ArgumentTypeError(f"expected a JSON {kind.__name__}, got {type(value).__name__}")
         return value

@@ -22,6 +22,9 @@ tensors' shapes and bytes.
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,6 +33,54 @@ from torch import nn
 WEIGHTS = ("int8", "fp8", "w8a8")
 FP8_MIN_CAPABILITY = (8, 9)
 W8A8_DEVICES = ("cpu", "cuda", "meta")  # torchao's int8 matmul runs on these (meta: shapes only, for the plan)
+
+
+# What torchao, and diffusers (which imports it where it is installed), log once on import that is no news to a user
+# of these models: kernel libraries built for another Python or GPU that torchao goes on without, its Triton kernels
+# missing where there is no Triton (a CPU install; int8, fp8 and w8a8 run without them), torchao's enums
+# registered in a way torch now calls deprecated, and diffusers' note on torchao-serialized checkpoints (none is
+# loaded here). Each is matched by its logger and its own words, so any other warning still shows.
+def _skipped_kernel_library(record: logging.LogRecord) -> bool:
+    return str(record.msg).startswith("Failed to load ") and "Could not load this library" in str(record.msg)
+
+
+def _no_triton(record: logging.LogRecord) -> bool:
+    return str(record.msg).startswith("Warning: Detected no triton")
+
+
+def _torchao_enum_registered(record: logging.LogRecord) -> bool:
+    registered = record.args[0] if isinstance(record.args, tuple) and record.args else None
+    module = str(getattr(registered, "__module__", ""))
+    return str(record.msg).startswith("%s is an Enum subclass") and module.startswith("torchao")
+
+
+def _serialized_checkpoints_note(record: logging.LogRecord) -> bool:
+    return str(record.msg).startswith("Unable to import `torchao` Tensor objects")
+
+
+HARMLESS_IMPORT_LOGS: dict[str, Callable[[logging.LogRecord], bool]] = {
+    "torchao": _skipped_kernel_library,
+    "torchao.kernel.intmm": _no_triton,
+    "torch.utils._pytree": _torchao_enum_registered,
+    "diffusers.quantizers.torchao.torchao_quantizer": _serialized_checkpoints_note,
+}
+
+
+@contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Import torchao, or a library that imports it, without its known harmless warnings (the rest still show)."""
+    loggers = [logging.getLogger(name) for name in HARMLESS_IMPORT_LOGS]
+
+    def keep(record: logging.LogRecord) -> bool:  # a logger's filters see only its own records
+        return not HARMLESS_IMPORT_LOGS[record.name](record)
+
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 class QuantizationUnavailable(ValueError):
@@ -63,11 +114,12 @@ def check_weights_option(weights: str | None, device: torch.device | str) -> Non
 
 
 def _config(weights: str) -> Any:
-    from torchao.quantization import (
-        Float8WeightOnlyConfig,
-        Int8DynamicActivationInt8WeightConfig,
-        Int8WeightOnlyConfig,
-    )
+    with quiet_torchao_import():
+        from torchao.quantization import (
+            Float8WeightOnlyConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+        )
 
     if weights == "int8":
         return Int8WeightOnlyConfig()
@@ -89,7 +141,8 @@ def quantize_blocks(
     """
     if weights is None:
         return
-    from torchao.quantization import quantize_
+    with quiet_torchao_import():
+        from torchao.quantization import quantize_
 
     first_holder: dict[int, nn.Linear] = {}
     sharers: list[tuple[nn.Linear, nn.Linear]] = []

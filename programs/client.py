@@ -711,6 +711,10 @@ def run(args: argparse.Namespace) -> int:
         hint = " (check the --keys names against the model's controls)" if exc.code == "invalid_controls" else ""
         print(f"arstream client: {exc}{hint}", file=sys.stderr)
         return 1
+    except ConnectionRefusedError:
+        print(f"arstream client: nothing listens at {args.url}: start the server there (arstream serve), or check "
+              "the host and port it printed", file=sys.stderr)  # fmt: skip
+        return 1
     except (SessionClosed, wire.WireError, websockets.InvalidHandshake, OSError) as exc:
         print(f"arstream client: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

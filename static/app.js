@@ -239,6 +239,9 @@ function showModel(card) {
   look.configure(card);
   debug.looking = look.active;
   if (look.active && !looked) showLookHint();
+  // With a camera a drag on the world looks around (look.js); without one it steers like a joystick (input.js).
+  $('howto-drag').textContent = look.active
+    ? '; drag on the world to look around' : ', or drag on the world like a joystick';
   const linked = params.get('model');
   if (linked && linked !== card.name) notice(`This link was made for ${linked}; this server runs ${card.name}.`);
   fit();
@@ -481,6 +484,8 @@ const connection = new Connection({
     onState,
     onReady(_session, ready) {
       showDelivery(null);
+      // WebRTC is a choice only where this server answers offers and this browser can play a track
+      $('delivery-row').hidden = !(ready.webrtc && webrtcSupported());
       if (!ready.resumed) lastChunkIndex = null;  // another world: its first rewind counts from its own chunks
       // The same world picked up again (a move to another server, a reconnect): its first chunk says whether its
       // rewind points came with it.

@@ -191,7 +191,8 @@ export class Session {
     this.ready = message;
     this.role = message.role || 'controller';  // a server without viewers sends no role: the controller
     this.hooks.onReady(this, message);
-    if (this.webrtc) this.offerTrack();  // a viewer's frames may come on a track of its own too
+    // A viewer's frames may come on a track of its own too; a server without `ready.webrtc` answers no offer.
+    if (this.webrtc && message.webrtc) this.offerTrack();
     this.pump(performance.now());
   }
 

@@ -16,7 +16,10 @@ from .extra import check_longlive_extra
 
 check_longlive_extra()  # before transformers is imported (here and by the modules below)
 
-from transformers import UMT5EncoderModel  # noqa: E402 - after the check, which names what is missing
+from ..quantize import check_weights_option, quantize_blocks, quiet_torchao_import  # noqa: E402 - after the check
+
+with quiet_torchao_import():  # transformers imports torchao where it is installed
+    from transformers import UMT5EncoderModel
 
 from . import checkpoint as ckpt  # noqa: E402
 from .config import LongLiveConfig, get_config
@@ -26,7 +29,6 @@ from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, um
 from ..wan.checkpoint import find_file, load_vae
 from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
-from ..quantize import check_weights_option, quantize_blocks
 from ..wan.vae import StreamingVAE, build_vae
 
 

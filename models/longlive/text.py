@@ -27,13 +27,17 @@ from .extra import check_longlive_extra
 check_longlive_extra()
 
 import ftfy  # noqa: E402 - after the check, which names what is missing
-from transformers import (  # noqa: E402
-    AutoTokenizer,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    UMT5Config,
-    UMT5EncoderModel,
-)
+
+from ..quantize import quiet_torchao_import  # noqa: E402
+
+with quiet_torchao_import():  # transformers imports torchao where it is installed
+    from transformers import (
+        AutoTokenizer,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
 
 # Where Wan keeps umT5's tokenizer beside its weights (a transformers tokenizer directory).
 TOKENIZER_DIR = "google/umt5-xxl"

@@ -26,9 +26,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..quantize import quiet_torchao_import
+
 try:
-    from diffusers import AutoencoderKLWan
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    with quiet_torchao_import():  # diffusers imports torchao where it is installed
+        from diffusers import AutoencoderKLWan
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 except ImportError as exc:  # pragma: no cover - the extra is part of the test install
     raise ImportError(
         "the Wan models need diffusers' AutoencoderKLWan: pip install 'arstream[wan]'"

@@ -162,7 +162,7 @@ CONFIGS: dict[str, WaypointConfig] = {
     # Waypoint-1.5-1B (720p) and Waypoint-1.5-1B-360P: the 360p tier halves the token grid
     "1.5": _RELEASE_1_5,
     "1.5-360p": replace(_RELEASE_1_5, height=8, width=16, image_height=360, image_width=640),
-    # CPU tests and ``arstream serve --model waypoint-1.5 --model-option config=tiny``: random weights
+    # CPU tests and ``arstream serve --model waypoint-1.5 --model-options '{"config": "tiny"}'``: random weights
     "tiny": WaypointConfig(
         d_model=32,
         n_heads=2,  # heads of 16 channels: the rotary split needs head_size a multiple of 16

@@ -260,7 +260,7 @@ def random_encoder(cfg: WaypointConfig, seed: int = 0) -> PictureEncoder:
 def load_waypoint(
     device: torch.device | str = "cpu",
     *,
-    config: str = "tiny",
+    config: str | None = None,
     weights_path: str | Path | None = None,
     ae_path: str | Path | None = None,
     seed: int = 0,
@@ -279,7 +279,9 @@ def load_waypoint(
     Without ``weights_path`` the weights are random (``random_init`` may say so,
     as other models' options do; the card says ``weights: random`` either way),
     and only the ``tiny`` configs load: random weights at the published scale
-    are no use to anyone and take gigabytes.
+    are no use to anyone and take gigabytes. No ``config`` is ``tiny-1.5``
+    (Waypoint-1.5's own path, the model's name) without files, and ``tiny`` as
+    the base of a published folder, whose ``config.yaml`` decides its shapes.
 
     A session starts from a start image (:mod:`.seed`): ``image`` (a file,
     the default, named by its stem) or else the built-in picture, and the
@@ -298,6 +300,8 @@ def load_waypoint(
             f"load_waypoint got unknown options {sorted(options)}; expected config, weights_path, ae_path, seed, "
             "session_capacity, dtype, random_init, image, images, image_cache, from_noise, weights"
         )
+    if config is None:  # a bare --model waypoint-1.5 serves Waypoint-1.5's own path (TAEHV, four frames a chunk)
+        config = "tiny-1.5" if weights_path is None else "tiny"
     if from_noise and (image is not None or images is not None):
         raise ValueError("waypoint takes from_noise or start images (image, images), not both")
     base = get_config(config)

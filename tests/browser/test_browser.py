@@ -111,6 +111,19 @@ def test_details_show_model_latency_and_kv_blocks(server: LiveServer, page: Any)
     assert page.inner_text("#hud-status") == "streaming"
 
 
+def test_a_server_without_webrtc_is_offered_none_and_the_menu_does_not_offer_it(server: LiveServer, page: Any) -> None:
+    """This server has no --webrtc (its `ready` has no `webrtc`): a link asking for WebRTC still plays on the
+    WebSocket, with no offer sent to be refused, and the details have no delivery choice to make."""
+    sent: list[str] = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(str(payload))))
+    page.goto(server.base_url + "/?delivery=webrtc")
+    wait_frames_drawn(page, 4)
+    page.click("#details summary")
+    assert page.is_visible("#codec") and not page.is_visible("#delivery")
+    assert not any("webrtc_offer" in message for message in sent), sent
+    assert debug(page)["errors"] == [] and page.text_content("#hud-delivery") == "WebSocket"
+
+
 def test_codec_prompt_focus_reset_and_stop(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/?autoconnect=0")
     assert page.is_visible("#prompt-form"), "this model's card says it reads prompts"

@@ -16,7 +16,7 @@ pytestmark = browser_marks
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with running_server(fake_settings(model="waypoint-1.5", torch_threads=1)) as live:
+    with running_server(fake_settings(model="waypoint-1.5", model_options={"config": "tiny"}, torch_threads=1)) as live:
         yield live
 
 
@@ -26,6 +26,7 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     page.goto(server.base_url + "/")
     wait_frames_drawn(page, 2)
     assert debug(page)["looking"] is True
+    assert "; drag on the world to look around." in page.inner_text(".howto")  # not a joystick: the drag looks
     ticks = [m for m in sent if m["type"] == "tick"]
     assert ticks and all(t["controls"] == {"mouse": [0, 0], "scroll": 0, "buttons": []} for t in ticks)
 

@@ -151,6 +151,7 @@ def test_the_page_plays_by_webrtc_when_asked_and_keys_steer(
         until(page, "window.arstreamDebug.delivery === 'webrtc'")
         assert page.text_content("#hud-delivery") == "WebRTC (H264)"
         assert page.is_visible("#screen-video")
+        assert page.evaluate("document.getElementById('delivery-row').hidden") is False  # the menu offers it
         until(page, "window.arstreamDebug.trackFramesShown > 8")
         until(page, "window.arstreamDebug.inputChannelOpen()")
         taken = server.stats()["webrtc"]["channel_inputs"]
@@ -216,22 +217,34 @@ def test_the_page_stays_on_the_websocket_by_default(server: LiveServer, page: An
     assert webrtc_track.open_peer_connections() == 0
 
 
-def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(page: Any) -> None:
-    with running_server(fake_settings(), FakeKVPipeline(width=64, height=64)) as off:  # no --webrtc
-        page.goto(off.base_url + "/?delivery=webrtc")
-        wait(page, "window.arstreamDebug.errors.some((e) => e.code === 'webrtc_failed')")
-        drawn = debug(page)["framesDrawn"]
-        wait(page, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
-        page.keyboard.down("d")  # no data channel: the key goes on the WebSocket, and steers
-        wait(page, "window.arstreamDebug.sentEventIds.length === 1")
-        press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
-        wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
-        page.keyboard.up("d")
-        state = debug(page)
-        assert state["channelInputs"] == 0
-        assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
-        assert page.text_content("#hud-delivery") == "WebSocket (WebRTC could not connect)"
-        assert not page.is_visible("#screen-video")
+# Makes the server refuse this page's offer (webrtc_failed: its SDP cannot be used).
+UNUSABLE_OFFER_SCRIPT = r"""
+const send = WebSocket.prototype.send;
+WebSocket.prototype.send = function (data) {
+  if (typeof data === 'string' && data.includes('"webrtc_offer"')) {
+    data = JSON.stringify({ ...JSON.parse(data), sdp: 'v=0' });
+  }
+  return send.call(this, data);
+};
+"""
+
+
+def test_the_page_falls_back_to_the_websocket_when_the_server_refuses_the_offer(server: LiveServer, page: Any) -> None:
+    page.add_init_script(UNUSABLE_OFFER_SCRIPT)
+    page.goto(server.base_url + "/?delivery=webrtc")
+    wait(page, "window.arstreamDebug.errors.some((e) => e.code === 'webrtc_failed')")
+    drawn = debug(page)["framesDrawn"]
+    wait(page, f"window.arstreamDebug.framesDrawn > {drawn + 4}")
+    page.keyboard.down("d")  # no data channel: the key goes on the WebSocket, and steers
+    wait(page, "window.arstreamDebug.sentEventIds.length === 1")
+    press = page.evaluate("window.arstreamDebug.sentEventIds[0]")
+    wait(page, f"window.arstreamDebug.appliedEventIds.includes({press})")
+    page.keyboard.up("d")
+    state = debug(page)
+    assert state["channelInputs"] == 0
+    assert state["delivery"] == "websocket" and state["trackFramesShown"] == 0
+    assert page.text_content("#hud-delivery") == "WebSocket (WebRTC could not connect)"
+    assert not page.is_visible("#screen-video")
 
 
 # Makes this page's WebRTC unable to connect: its offer goes without ICE candidates (and promises more), and it

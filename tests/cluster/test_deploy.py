@@ -192,6 +192,23 @@ def test_the_turn_relay_is_a_profile_of_its_own_and_relays_only_to_the_replicas(
         assert environment["ARSTREAM_WEBRTC_TURN_SECRET"] == "${ARSTREAM_TURN_SECRET:-}", name
 
 
+def test_the_replicas_webrtc_settings_load_from_compose_with_each_tracks_bitrate_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With WebRTC on, each replica's WebRTC variables (their compose defaults) load as the server reads them, the
+    bitrate bounds among them: aiortc's H.264 bounds, so what the relay carries has a ceiling."""
+    from arstream.app.settings import Settings
+
+    for name, service in replica_services().items():
+        webrtc = {key: compose_default(value) for key, value in service["environment"].items() if "WEBRTC" in key}
+        for variable in [variable for variable in os.environ if variable.startswith("ARSTREAM_")]:
+            monkeypatch.delenv(variable)
+        for key, value in {**webrtc, "ARSTREAM_WEBRTC": "true"}.items():
+            monkeypatch.setenv(key, value)
+        settings = Settings()
+        assert (settings.webrtc_min_bitrate_kbps, settings.webrtc_max_bitrate_kbps) == (500, 3000), name
+
+
 def test_prometheus_finds_every_replica_by_dns_and_loads_the_alert_rules() -> None:
     result = run_tool(tool("promtool"), "check", "config", "deploy/prometheus/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -97,5 +97,6 @@ def test_the_replicas_admit_the_relay_on_their_webrtc_ports_and_load_their_setti
     monkeypatch.setenv("ARSTREAM_WEBRTC_TURN_SECRET", "from-the-secret")
     settings = Settings()
     assert settings.webrtc and settings.webrtc_port_range() == ports
+    assert (settings.webrtc_min_bitrate_kbps, settings.webrtc_max_bitrate_kbps) == (500, 3000)
     urls: list[Any] = [server["urls"] for server in settings.webrtc_ice_servers]
     assert urls == [["turn:turn.example.net:3478?transport=udp"]]

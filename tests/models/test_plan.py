@@ -218,6 +218,23 @@ def test_krea_14b_over_devices_matches_a_hand_computation(capsys: pytest.Capture
     assert "each holds the weights whole and 20 of the 40 attention heads of every KV block" in outs[2], outs[2]
 
 
+def test_a_plan_over_cpu_devices_calls_them_cpus_not_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    options = json.dumps(TINY["krea-realtime"])
+    code, out, document = plan_cli(capsys, "--model", "krea-realtime", "--model-options", options,
+                                   "--gpu-memory", "2GiB", "--devices", "cpu,cpu")  # fmt: skip
+    assert code == 0 and document["gpus"] == 2, out
+    assert "1 replica(s) of 2 devices (2 CPUs)" in out and "weights on each device" in out, out
+    assert "GPU" not in out and " gpu " not in out, out
+
+
+def test_the_plan_names_the_picture_size_so_a_test_config_is_plain_to_see(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for options, picture in (("{}", "128x72"), ('{"config": "1.5"}', "1280x720")):
+        code, out, _ = plan_cli(capsys, "--model", "waypoint-1.5", "--model-options", options, "--gpu-memory", "80GB")
+        assert out.startswith(f"plan: waypoint-1.5 {options} at {picture} on 1 GPU(s)"), out
+
+
 def test_a_device_count_that_does_not_divide_the_heads_is_refused_naming_both(capsys: pytest.CaptureFixture[str]) -> None:
     for model, config, world, heads in (("krea-realtime", "14b", 3, 40), ("matrix-game-2", "1.3b", 8, 12)):
         devices = ",".join(f"cuda:{i}" for i in range(world))

@@ -186,3 +186,33 @@ def test_w8a8_is_refused_where_its_int8_matmul_does_not_run_and_fp8_on_a_gpu_wit
         check_weights_option("fp8", torch.device("cuda"))
     for weights in ("int8", "w8a8"):
         check_weights_option(weights, torch.device("cuda"))
+
+
+def test_building_the_wan_models_prints_none_of_torchaos_import_warnings() -> None:
+    """torchao, imported by diffusers and transformers where it is installed, logged kernel libraries it skipped,
+    enums torch calls deprecated, and a note on torchao checkpoints: noise before every plan and start. A fresh
+    interpreter, as a user's: torchao logs only on its first import."""
+    import subprocess
+    import sys
+
+    build = (
+        "import logging; logging.basicConfig(); "  # as serve does: a library's logger with a NullHandler shows too
+        "from arstream.models.registry import load_pipeline; "
+        "load_pipeline('longlive', 'meta', config='tiny'); "
+        "load_pipeline('matrix-game-2', 'meta', config='tiny', weights='int8'); "
+        "load_pipeline('waypoint-1.5', 'meta', config='1.5', weights='w8a8')"
+    )
+    done = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "torchao" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr
+
+
+def test_a_torchao_warning_not_known_to_be_harmless_still_shows(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from arstream.models.quantize import quiet_torchao_import
+
+    with quiet_torchao_import(), caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_cutlass_90a.abi3.so: Could not load this library")
+        logging.getLogger("torchao").warning("something torchao's users should hear")
+    assert [r.getMessage() for r in caplog.records] == ["something torchao's users should hear"]

@@ -236,3 +236,13 @@ def test_config_yaml_keys_of_the_later_engine(tmp_path: Path) -> None:
         for base in ("tiny", "1.5", "tiny-1.5"):  # no base lends its own size to another grid
             with pytest.raises(ValueError, match=rf"config\.yaml: cannot serve keys .*{named}"):
                 config_from_yaml(path, get_config(base))
+
+
+def test_a_bare_waypoint_1_5_serves_waypoint_1_5s_own_path() -> None:
+    """``--model waypoint-1.5`` with no config: tiny-1.5 (TAEHV, four frames a chunk), not Waypoint-1's decoder."""
+    from arstream.models.registry import load_pipeline
+
+    pipeline = load_pipeline("waypoint-1.5", "cpu")
+    assert isinstance(pipeline, WaypointPipeline)
+    card = pipeline.model_card()
+    assert (card["width"], card["height"], card["frames_per_chunk"], card["fps"]) == (128, 72, 4, 60), card

@@ -1,4 +1,4 @@
-"""The whole server path with waypoint-1.5 (tiny, random weights): real CLI, uvicorn and websockets."""
+"""The whole server path with waypoint-1.5 (tiny and tiny-1.5, random weights): real CLI, uvicorn and websockets."""
 
 import asyncio
 from collections.abc import Iterator
@@ -10,17 +10,21 @@ import pytest
 from test_hardening_start_image import b64, png
 
 from arstream.programs import client
-from servers import LiveServer, server_process, session_client
+from servers import LiveServer, server_process, session_client, wait_until
 
 
 def test_serve_streams_a_world_driven_by_any_key_and_mouse_deltas(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--model", "waypoint-1.5", "--torch-threads", "1", "--max-batch-sessions", "2"]
+    tiny = ["--model-options", '{"config": "tiny"}']  # Waypoint-1's decoder, one frame a chunk
+    args = ["--model", "waypoint-1.5", *tiny, "--torch-threads", "1", "--max-batch-sessions", "2"]
     with server_process(args) as server:
         server.wait_ready()
         card = server.get("/v1/model").json()
         assert (card["name"], card["width"], card["height"], card["frames_per_chunk"]) == ("waypoint-1.5", 40, 24, 1)
+        # the terminal says what the page says: random weights draw noise (the capacity line is printed after it)
+        wait_until(lambda: any(line.startswith("Sessions: ") for line in server.output), attempts=2400)
+        assert any("random weights (a test set-up), so its pictures are noise" in line for line in server.output)
         assert set(card["controls"]["properties"]) == {"buttons", "mouse", "scroll"}
         # the page maps inputs from the card: browser key codes and mouse buttons to button ids, pointer deltas
         assert card["inputs"]["buttons"]["codes"]["KeyW"] == 87 and card["inputs"]["mouse"]["kind"] == "pointer_delta"

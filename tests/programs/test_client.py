@@ -206,6 +206,18 @@ def test_client_rejects_a_bad_key_script_before_connecting(capsys: pytest.Captur
     assert "at least 1" in capsys.readouterr().err
 
 
+def test_a_server_not_running_is_said_with_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as bound:  # bound, never listening: a connection to it is refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        assert client.main([url, "--keys", "w", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"arstream client: nothing listens at {url}: start the server there (arstream serve)"), err
+    assert "Errno" not in err
+
+
 def test_client_leaves_no_kv_behind(server: LiveServer, baseline: int, tmp_path: Path) -> None:
     assert client.main([server.base_url, "--keys", "w*3", "--out", str(tmp_path)]) == 0
     # The worker thread releases the session just after `closed` goes out: wait for it.

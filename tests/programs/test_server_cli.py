@@ -159,6 +159,7 @@ def test_serve_flags_are_the_settings_fields_with_their_descriptions(capsys: pyt
         (["serve", "--jpeg-quality", "0"], "--jpeg-quality (ARSTREAM_JPEG_QUALITY): Input should be greater than or equal to 1"),
         (["serve", "--model", "nope"], "--model (ARSTREAM_MODEL): unknown model 'nope'; expected one of"),
         (["serve", "--model-options", "not json"], "argument --model-options: expected JSON"),
+        (["serve", "--model-options", "config=tiny"], """expected JSON such as '{"config": "tiny"}', got 'config=tiny'"""),
         (["serve", "--model-options", "[1]"], "argument --model-options: expected a JSON dict, got list"),
         (["serve", "--codec", "png"], "--codec (ARSTREAM_CODEC): Input should be 'jpeg', 'raw'"),
         (["serve", "--port", "x"], "argument --port: invalid int value: 'x'"),

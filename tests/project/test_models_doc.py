@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one 
 
 def test_the_section_gives_the_default_longlive_matrix_game_waypoint_and_the_fake() -> None:
     models = [settings_from_argv(shlex.split(line)).model for line in LINES]
-    # Waypoint twice: its tiny config (Waypoint-1's decoder) and tiny-1.5 (four frames a chunk)
+    # Waypoint twice: its default tiny-1.5 (four frames a chunk) and tiny (Waypoint-1's decoder)
     assert models == ["tiny-world", "longlive", "matrix-game-2", "waypoint-1.5", "waypoint-1.5", "fake-kv"], LINES
 
 

@@ -59,7 +59,7 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "krea-realtime": lambda: _loaded("krea-realtime", config="tiny", random_init=True),
     # not Wan: one latent frame a chunk, no sink, K unrotated, a stateless decoder; its KV and noise carry the
     # continuation (it reads buttons and mouse, not these keys: tests/models/test_waypoint.py steers it)
-    "waypoint-1.5": lambda: _loaded("waypoint-1.5", random_init=True),
+    "waypoint-1.5": lambda: _loaded("waypoint-1.5", config="tiny", random_init=True),
 }
 
 

@@ -52,7 +52,7 @@ PIPELINES: dict[str, Callable[[], ARPipeline]] = {
     "matrix-game-2-taehv": lambda: load_pipeline("matrix-game-2", "cpu", config="tiny", random_init=True, decoder="taehv"),
     # not Wan: one latent frame a chunk, no sink, K unrotated, a stateless decoder; its KV and noise carry the
     # continuation (it reads buttons and mouse, not these keys: tests/models/test_waypoint.py steers it)
-    "waypoint-1.5": lambda: load_pipeline("waypoint-1.5", "cpu", random_init=True),
+    "waypoint-1.5": lambda: load_pipeline("waypoint-1.5", "cpu", config="tiny", random_init=True),
 }
 
 
