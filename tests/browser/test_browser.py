@@ -126,7 +126,8 @@ def test_a_server_without_webrtc_is_offered_none_and_the_menu_does_not_offer_it(
 
 def test_codec_prompt_focus_reset_and_stop(server: LiveServer, page: Any) -> None:
     page.goto(server.base_url + "/?autoconnect=0")
-    assert page.is_visible("#prompt-form"), "this model's card says it reads prompts"
+    # the page shows the prompt box once it has read the card (/v1/model), which it fetches after load
+    page.wait_for_selector("#prompt-form", state="visible")  # this model's card says it reads prompts
     page.click("#details summary")
     page.select_option("#codec", "raw")
     page.click("#overlay-action")  # Play
