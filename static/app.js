@@ -210,6 +210,12 @@ function onState(state, view) {
 
 // ---- model card -------------------------------------------------------------------------
 
+function kbd(text) {
+  const key = document.createElement('kbd');
+  key.textContent = text;
+  return key;
+}
+
 function showModel(card) {
   model = card;
   const what = card.description ? `: ${card.description}` : '';
@@ -218,8 +224,16 @@ function showModel(card) {
   document.body.dataset.steer = keyed ? 'keys' : 'prompt';
   hud.steerBy(keyed ? 'key' : 'prompt');
   debug.steering = keyed ? 'keys' : 'prompt';
-  $('player').setAttribute('aria-label', keyed ? 'World view: use W A S D or the arrow keys to move'
-    : `World view: type a prompt to change what ${card.name} draws`);
+  // A card that maps keys itself (`inputs`: waypoint-1.5) takes any key it lists, each as its own button, so the
+  // arrows are not W A S D there; the pad still holds W A S D.
+  const ownKeys = Object.values(card.inputs || {}).some((input) => input && input.kind === 'keys');
+  const mouseButtons = Object.keys(keyInput(card).mouseButtons).length > 0;
+  $('player').setAttribute('aria-label', !keyed ? `World view: type a prompt to change what ${card.name} draws`
+    : ownKeys ? 'World view: hold any key to play; W A S D move' : 'World view: use W A S D or the arrow keys to move');
+  $('howto-keys').replaceChildren(...(ownKeys
+    ? ['Hold any key (', kbd('W'), ' ', kbd('A'), ' ', kbd('S'), ' ', kbd('D'), ' move)',
+      mouseButtons ? ' or a mouse button over the world' : '', ', hold the pad']
+    : ['Hold ', kbd('W'), ' ', kbd('A'), ' ', kbd('S'), ' ', kbd('D'), ' or the arrow keys, hold the pad']));
   const doing = debug.role === 'viewer'
     ? `watching someone ${keyed ? 'steer' : 'prompt'}` : keyed ? 'steering' : 'prompting';
   // Random weights (a test set-up) draw noise: say so, or the page looks broken.
