@@ -71,6 +71,7 @@ const debug = {
   resumed: 0,
   stalls: 0,
   stallReasons: [],     // what the page said about each stall it explained
+  stallLog: [],         // each stall: the session's chunks arrived by then, and what was said ('' nothing)
   heldKeys: [],
   startImage: null, // what the next fresh session starts from: {name} or {upload: file name}; null: the default
   looking: false,   // the model has a camera: mouse movement over the player turns it
@@ -373,7 +374,11 @@ const player = new Player($('screen'), {
     if (connection.state !== 'streaming' || !session || !session.pacer) return;
     debug.stalls += 1;
     session.pacer.noteStall();
-    explainStall();
+    // The pacer plans from the chunk latencies it has seen: in a session's first chunks too few, and those need not
+    // be typical (waypoint's first chunk, its start image, costs next to nothing; its next one primes the decoder).
+    // Running dry there is the pacer learning the pace, not a slow network or a busy server: nothing is said.
+    const arrived = session.pacer.latencies.length;
+    pushBounded(debug.stallLog, { arrived, said: arrived >= LEARNING_CHUNKS ? explainStall() : '' });
   },
 });
 
@@ -394,13 +399,15 @@ function showDelivery(state) {
 }
 
 const STALL_NOTICE_EVERY_MS = 20000;  // a stalling stream says why at most this often
+const LEARNING_CHUNKS = 4;  // a session's stalls are explained once this many of its chunks have arrived
 let stallSaidAt = -Infinity;
 
-/** The picture ran out of frames: say why, in plain words, from the server's compute time per chunk. */
+/** The picture ran out of frames: say why, in plain words, from the server's compute time per chunk; the words
+ * said ('' when nothing is). */
 function explainStall() {
   const now = performance.now();
   // (a notice already on the world says something else that matters now: it is not replaced)
-  if (now - stallSaidAt < STALL_NOTICE_EVERY_MS || !model || debug.framesDrawn === 0 || !$('notice').hidden) return;
+  if (now - stallSaidAt < STALL_NOTICE_EVERY_MS || !model || debug.framesDrawn === 0 || !$('notice').hidden) return '';
   stallSaidAt = now;
   const playMs = (1000 * model.frames_per_chunk) / model.fps;  // how long a chunk's frames play
   const computeMs = median(hud.samples.compute);
@@ -410,6 +417,7 @@ function explainStall() {
     : 'they are slow to arrive (the network, or a server busy with other sessions)';
   notice(`Waiting for frames: ${why}.`);
   debug.stallReasons.push(why);
+  return why;
 }
 
 /** Below this width the fps badge and the role badge do not fit side by side on the picture. */
