@@ -335,7 +335,7 @@ def _with_remedies(plan: FitPlan) -> FitPlan:
 
 def _already(plan: FitPlan, remedy: str) -> bool:
     options = plan.options
-    return (remedy.startswith('weights "int8"') and options.get("weights") in ("int8", "fp8")) or (
+    return (remedy.startswith('weights "int8"') and options.get("weights") in ("int8", "fp8", "w8a8")) or (
         remedy.startswith("text_encoder_device")
         and (plan.model not in TEXT_ENCODER_MODELS or "text_encoder_device" in options)
     )

@@ -18,13 +18,15 @@ ends (so a run cut short by a timeout still returns what it measured):
    P = 1. Never measured before, so it runs second; Krea at P = 1 first, the
    figure sequence parallelism must divide. Variants past
    ``--devices-deadline-s`` are skipped, and named.
-1c. ``waypoint``: Waypoint-1.5 (random weights, bf16) at 720p and at 360p,
-   one session and a batch, through bench serve's bare runner: ms per chunk
-   (one latent frame, four video frames) once the local window is full,
-   frames per second against the published 56 fps (BF16, 720p, RTX 5090),
-   and the peak GPU memory against ``arstream plan``'s figure. Never measured
-   either, so it runs third, 720p first; a config past
-   ``--waypoint-deadline-s`` is skipped, and named (on a CPU: ``tiny-1.5``).
+1c. ``waypoint``: Waypoint-1.5 (random weights, bf16) at 720p, at 720p with
+   ``w8a8`` weights (int8 weights and activations), and at 360p, one session
+   and a batch, through bench serve's bare runner: ms per chunk (one latent
+   frame, four video frames) once the local window is full, frames per second
+   against the published 56 fps (BF16) and 72 fps (w8a8) at 720p on an RTX
+   5090, w8a8's fps beside bf16's (``side_by_side``), and the peak GPU memory
+   against ``arstream plan``'s figure. Never measured either, so it runs
+   third, 720p first; a variant past ``--waypoint-deadline-s`` is skipped,
+   and named (on a CPU: ``tiny-1.5`` and ``tiny-1.5/w8a8``).
 2. ``tiny_world``: ``bench serve`` at 16 batched sessions (2 on a CPU):
    server_vs_runner.
 3. ``matrix_game``: ``bench serve`` of matrix-game-2 (random weights, SDPA
@@ -123,8 +125,8 @@ class Profile:
     devices_counts: tuple[int, ...] = (1, 2, 4)
     devices_chunks: int = 6
     devices_deadline_s: float = math.inf
-    # the waypoint phase: (config, dtype) in the order they run, session counts, untimed and timed chunks each
-    waypoint_configs: tuple[tuple[str, str], ...] = ()
+    # the waypoint phase: (config, dtype, weights) in the order they run, session counts, untimed and timed chunks
+    waypoint_configs: tuple[tuple[str, str, str | None], ...] = ()
     waypoint_sessions: tuple[int, ...] = (1, 4)
     waypoint_fill_chunks: int = 16
     waypoint_chunks: int = 8
@@ -169,12 +171,12 @@ def profile_for(device: str) -> Profile:
             ),
             devices_chunks=6,
             devices_deadline_s=240.0,
-            waypoint_configs=(("1.5", "bfloat16"), ("1.5-360p", "bfloat16")),
+            waypoint_configs=(("1.5", "bfloat16", None), ("1.5", "bfloat16", "w8a8"), ("1.5-360p", "bfloat16", None)),
             # 16 untimed chunks fill the local layers' window (the steady state's cost), then 8 are timed
             waypoint_sessions=(1, 4),
             waypoint_fill_chunks=16,
             waypoint_chunks=8,
-            # each config: about 10 s of drawing 1.28 B random weights on the CPU, warm-up, 2 x 24 rounds
+            # each variant: about 10 s of drawing 1.28 B random weights on the CPU, warm-up, 2 x 24 rounds
             waypoint_deadline_s=90.0,
         )
     return Profile(
@@ -206,7 +208,7 @@ def profile_for(device: str) -> Profile:
         ),
         devices_counts=(1, 2),  # two gloo ranks on the CPU
         devices_chunks=2,
-        waypoint_configs=(("tiny-1.5", "float32"),),
+        waypoint_configs=(("tiny-1.5", "float32", None), ("tiny-1.5", "float32", "w8a8")),
         waypoint_sessions=(1, 2),
         waypoint_fill_chunks=1,
         waypoint_chunks=2,
@@ -611,12 +613,17 @@ def devices_sweep(
 
 # ---- phase 1c: Waypoint-1.5 at 720p and 360p ----------------------------------------------------------------
 
-# Overworld's published BF16 figure, for one session at 720p on an RTX 5090 (another card than the check's)
-WAYPOINT_PUBLISHED_FPS = {"1.5": 56.0}
-WAYPOINT_PUBLISHED_ON = "RTX 5090, BF16, 720p, one session (Overworld's Waypoint-1.5 release)"
+# Overworld's published figures, for one session at 720p on an RTX 5090 (another card than the check's), by variant
+WAYPOINT_PUBLISHED_FPS = {"1.5": 56.0, "1.5/w8a8": 72.0}
+WAYPOINT_PUBLISHED_ON = "RTX 5090, 720p, one session: 56 fps BF16, 72 fps w8a8 (Overworld's Waypoint-1.5 release)"
 
 
-def waypoint_pipeline(device: str, config: str, dtype: str) -> Any:
+def waypoint_variant_name(config: str, weights: str | None) -> str:
+    """``1.5`` (the model's dtype) or ``1.5/w8a8``."""
+    return config if weights is None else f"{config}/{weights}"
+
+
+def waypoint_pipeline(device: str, config: str, dtype: str, weights: str | None = None) -> Any:
     """Waypoint at ``config``'s shape with seeded random weights, on ``device`` in ``dtype``.
 
     The loader draws random weights for the tiny configs only (at the published
@@ -625,15 +632,20 @@ def waypoint_pipeline(device: str, config: str, dtype: str) -> Any:
     GPU alike.
     """
     from ..models.waypoint.config import get_config as waypoint_config
-    from ..models.waypoint.loading import random_weights
+    from ..models.waypoint.loading import quantize_dit, random_weights
     from ..models.waypoint.pipeline import WaypointPipeline
 
     held = getattr(torch, dtype)
     model, decoder = random_weights(waypoint_config(config))
-    return WaypointPipeline(model.to(held), decoder.to(held), torch.device(device), random_weights=True)
+    model = quantize_dit(model.to(held), weights, torch.device(device))  # as the loader does with its ``weights``
+    pipeline = WaypointPipeline(model, decoder.to(held), torch.device(device), random_weights=True)
+    pipeline.weights = weights
+    return pipeline
 
 
-def waypoint_variant_figures(profile: Profile, device: str, config: str, dtype: str) -> dict[str, Any]:
+def waypoint_variant_figures(
+    profile: Profile, device: str, config: str, dtype: str, weights: str | None = None
+) -> dict[str, Any]:
     """One config through bench serve's bare runner at each of ``profile.waypoint_sessions`` (all batched in one
     forward): ms a chunk once the window has filled, video fps, and the peak memory against the plan's."""
     from ..app.plan import fit_plan
@@ -645,7 +657,7 @@ def waypoint_variant_figures(profile: Profile, device: str, config: str, dtype: 
 
     where = torch.device(device)
     largest = max(profile.waypoint_sessions)
-    options = {"config": config, "dtype": dtype}
+    options = {"config": config, "dtype": dtype, **({"weights": weights} if weights else {})}
     # what `arstream plan` says the runner below holds: the server's defaults, every session in one forward
     plan = fit_plan(
         Settings(model="waypoint-1.5", model_options=options, max_batch_sessions=largest), gpu_memory_bytes=80 * 10**9
@@ -654,7 +666,7 @@ def waypoint_variant_figures(profile: Profile, device: str, config: str, dtype: 
     if where.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where)
     started = time.perf_counter()
-    pipeline = waypoint_pipeline(device, config, dtype)
+    pipeline = waypoint_pipeline(device, config, dtype, weights)
     loaded_s = time.perf_counter() - started
     defaults = Settings()
     rewind = rewind_for(pipeline, seconds=defaults.rewind_seconds, budget_bytes=defaults.rewind_budget_bytes())
@@ -665,7 +677,7 @@ def waypoint_variant_figures(profile: Profile, device: str, config: str, dtype: 
     )  # warmed up at every batch size
     warmup_s = time.perf_counter() - started
     controls = {"buttons": [key_codes(pipeline.cfg.n_buttons)["KeyW"]], "mouse": [0.1, 0.0]}  # walking, turning
-    published = WAYPOINT_PUBLISHED_FPS.get(config)
+    published = WAYPOINT_PUBLISHED_FPS.get(waypoint_variant_name(config, weights))
     counts: dict[str, Any] = {}
     for sessions in profile.waypoint_sessions:
         session_ids = [f"waypoint-{row}" for row in range(sessions)]
@@ -733,16 +745,46 @@ def waypoint_sweep(
         sessions=list(profile.waypoint_sessions), published_on=WAYPOINT_PUBLISHED_ON, variants={}, skipped={}, errors={}
     )
     pace_s: float | None = None
-    for config, dtype in profile.waypoint_configs:
+    for config, dtype, weights in profile.waypoint_configs:
+        name = waypoint_variant_name(config, weights)
         left = time_left_s()
         if left <= 0 or (pace_s is not None and pace_s > left):
-            report["skipped"][config] = f"{max(left, 0):.0f} s left of --waypoint-deadline-s"
+            report["skipped"][name] = f"{max(left, 0):.0f} s left of --waypoint-deadline-s"
         else:
-            measure = functools.partial(waypoint_variant_figures, profile, device, config, dtype)
-            pace_s = run_variant(report, config, measure, "waypoint")
+            measure = functools.partial(waypoint_variant_figures, profile, device, config, dtype, weights)
+            pace_s = run_variant(report, name, measure, "waypoint")
+        report["side_by_side"] = waypoint_side_by_side(profile, report["variants"])
         save()
     if report["errors"]:
         raise RuntimeError(f"{len(report['errors'])} waypoint config(s) failed: {sorted(report['errors'])}")
+
+
+def waypoint_side_by_side(profile: Profile, variants: dict[str, Any]) -> dict[str, Any]:
+    """Each quantized variant's fps per session beside its config's unquantized one, at each session count both
+    measured, and the published figures for both (measured on another card: the ratios are what compare)."""
+    pairs: dict[str, Any] = {}
+    for config, _dtype, weights in profile.waypoint_configs:
+        name = waypoint_variant_name(config, weights)
+        if weights is None or name not in variants or config not in variants:
+            continue
+        mine, plain = variants[name]["sessions"], variants[config]["sessions"]
+        published, published_plain = WAYPOINT_PUBLISHED_FPS.get(name), WAYPOINT_PUBLISHED_FPS.get(config)
+        pairs[name] = {
+            "sessions": {
+                count: {
+                    "fps_per_session": mine[count]["fps_per_session"],
+                    "unquantized_fps_per_session": plain[count]["fps_per_session"],
+                    "speedup": round(mine[count]["fps_per_session"] / plain[count]["fps_per_session"], 3),
+                }
+                for count in mine.keys() & plain.keys()
+            },
+            "published_fps": published,
+            "published_unquantized_fps": published_plain,
+            "published_speedup": (
+                None if published is None or published_plain is None else round(published / published_plain, 3)
+            ),
+        }
+    return pairs
 
 
 # ---- phase 6: what fits, and what quantized weights and compiled forwards give --------------------------

@@ -31,9 +31,9 @@ MODELS = (
      WEIGHTS),
     ("krea-realtime", {"config": "14b"}, "krea-realtime 14b", WEIGHTS),
     ("krea-realtime", {"config": "14b", "text_encoder_device": "cpu"}, "krea-realtime 14b, umT5 on the CPU", WEIGHTS),
-    # no quantized weights offered (the `weights` option is the Wan models')
-    ("waypoint-1.5", {"config": "1.5"}, "waypoint-1.5 720p", (None,)),
-    ("waypoint-1.5", {"config": "1.5-360p"}, "waypoint-1.5 360p", (None,)),
+    # w8a8 holds the same bytes as int8 (its activations are quantized on the fly); fp8 too
+    ("waypoint-1.5", {"config": "1.5"}, "waypoint-1.5 720p", (None, "int8")),
+    ("waypoint-1.5", {"config": "1.5-360p"}, "waypoint-1.5 360p", (None, "int8")),
 )
 # The per-P table: the models that span devices; P = 8 shows the refusal for the 1.3B models' 12 heads.
 DEVICE_COUNTS = (1, 2, 4, 8)

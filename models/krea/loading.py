@@ -60,7 +60,7 @@ def load_krea(
     text_encoder_device: str | None = None,
 ) -> KreaPipeline:
     """Build Krea Realtime from a directory in the published layout, or ``random_init`` (fused the same way);
-    ``weights`` (int8, fp8) and ``text_encoder_device`` as LongLive's (:func:`load_parts`), and on the meta device
+    ``weights`` (int8, fp8, w8a8) and ``text_encoder_device`` as LongLive's (:func:`load_parts`), and on the meta device
     (``arstream plan``) its shapes and bytes only."""
     overrides = {} if prompt_blend_chunks is None else {"prompt_blend_chunks": int(prompt_blend_chunks)}
     cfg = get_config(config, **overrides)

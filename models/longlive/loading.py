@@ -16,7 +16,7 @@ from .extra import check_longlive_extra
 
 check_longlive_extra()  # before transformers is imported (here and by the modules below)
 
-from ..wan.quantize import quiet_torchao_import  # noqa: E402 - after the check, which names what is missing
+from ..quantize import check_weights_option, quantize_blocks, quiet_torchao_import  # noqa: E402 - after the check
 
 with quiet_torchao_import():  # transformers imports torchao where it is installed
     from transformers import UMT5EncoderModel
@@ -29,7 +29,6 @@ from .text import TOKENIZER_DIR, TextEncoder, byte_tokenizer, load_tokenizer, um
 from ..wan.checkpoint import find_file, load_vae
 from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
-from ..wan.quantize import check_weights_option, quantize_blocks
 from ..wan.vae import StreamingVAE, build_vae
 
 
@@ -74,8 +73,8 @@ def load_parts(
     ``tokenizer`` directory the prompts go through a byte-level tokenizer.
     Nothing is downloaded.
 
-    ``weights`` ``int8`` or ``fp8`` quantizes the DiT's block weights after
-    loading (:mod:`arstream.models.wan.quantize`); the KV pool holds ``kv_dtype``
+    ``weights`` ``int8``, ``fp8`` or ``w8a8`` quantizes the DiT's block weights after
+    loading (:mod:`arstream.models.quantize`); the KV pool holds ``kv_dtype``
     (default: ``dtype``). On the meta device nothing is read or initialised:
     the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
     ``prepare_dit``: what the family does to its DiT once it is loaded, before it is quantized (Krea fuses q/k/v).

@@ -28,7 +28,7 @@ check_longlive_extra()
 
 import ftfy  # noqa: E402 - after the check, which names what is missing
 
-from ..wan.quantize import quiet_torchao_import  # noqa: E402
+from ..quantize import quiet_torchao_import  # noqa: E402
 
 with quiet_torchao_import():  # transformers imports torchao where it is installed
     from transformers import (

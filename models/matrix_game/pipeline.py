@@ -54,7 +54,7 @@ from .images import (
 from .kv import ActionHistory, PagedChunkContext, action_history_bytes
 from ..wan.components import component, held_as
 from ..wan.loading import check_weights_source, torch_dtype
-from ..wan.quantize import check_weights_option, quantize_blocks
+from ..quantize import check_weights_option, quantize_blocks
 from ..wan.compile import compile_blocks
 from ..wan.geometry import backbone_kv_spec
 from ..wan.parallel import HeadParallel
@@ -539,8 +539,8 @@ def load_matrix_game(
     ``random_init``) in ``vae_dtype`` instead of the Wan VAE's decoder, on
     ``decode_device`` if given (another GPU: the latents go there, frames come back).
 
-    ``weights`` ``int8`` or ``fp8`` quantizes the DiT's block weights after
-    loading (:mod:`arstream.models.wan.quantize`); the KV pool holds ``kv_dtype``
+    ``weights`` ``int8``, ``fp8`` or ``w8a8`` quantizes the DiT's block weights after
+    loading (:mod:`arstream.models.quantize`); the KV pool holds ``kv_dtype``
     (default: ``dtype``). On the meta device nothing is read or initialised:
     the pipeline has the shapes and bytes of one on a GPU (``arstream plan``).
     """

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .quantize import quiet_torchao_import
+from ..quantize import quiet_torchao_import
 
 try:
     with quiet_torchao_import():  # diffusers imports torchao where it is installed

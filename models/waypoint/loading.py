@@ -35,6 +35,7 @@ from .encoder import AEEncoder, PictureEncoder, TAEHVEncoder, taehv_encoder_widt
 from .pipeline import WaypointPipeline
 from .seed import offered_pictures
 from .taehv_frames import FramesDecoder, taehv_shape
+from ..quantize import check_weights_option, quantize_blocks
 from ..wan.checkpoint import CheckpointError, read_state_dict
 from ..wan_decoders.taehv import decoder_keys, fit_time_grow, shape_of
 
@@ -43,6 +44,9 @@ TAEHV_FILES = ("taehv1_5.pth", "taehv1_5.safetensors")
 # weight-normed convolutions in the published decoder: each ``X.weight`` is stored as these two
 WEIGHT_NORM = (".parametrizations.weight.original0", ".parametrizations.weight.original1")
 _SHOWN = 8  # keys named in an error, at most
+# the control fusion's first linear splits its weight by input (the frame's tokens, the control) rather than
+# concatenate the control onto every token; a quantized weight cannot be split so, and it stays in the model's dtype
+CONTROL_FUSION_INPUT = ("ctrl_mlpfusion.mlp.fc1",)
 
 
 class WaypointWeightsError(ValueError):
@@ -228,6 +232,17 @@ def _load_model(weights_path: Path, cfg: WaypointConfig) -> WaypointDiT:
     return model
 
 
+def quantize_dit(model: WaypointDiT, weights: str | None, device: torch.device) -> WaypointDiT:
+    """The DiT with its block linears quantized to ``weights`` (the model option; None: as it is), on ``device``
+    (torchao's kernels follow the tensors' device, so it is quantized where it runs)."""
+    if weights is None:
+        return model
+    check_weights_option(weights, device)
+    model = model.to(device)
+    quantize_blocks(model, weights, blocks="transformer.blocks.", keep=CONTROL_FUSION_INPUT)
+    return model
+
+
 def random_weights(cfg: WaypointConfig, seed: int = 0) -> tuple[WaypointDiT, Decoder | FramesDecoder]:
     model = WaypointDiT(cfg)
     model.init_random(seed)
@@ -256,6 +271,7 @@ def load_waypoint(
     images: str | None = None,
     image_cache: int = 4,
     from_noise: bool = False,
+    weights: str | None = None,
     **options: Any,
 ) -> WaypointPipeline:
     """``--model waypoint-1.5``: the published files at ``weights_path``, or seeded random weights of ``config``.
@@ -273,11 +289,16 @@ def load_waypoint(
     encoded on first use and the last ``image_cache`` kept. ``from_noise``
     starts every session from noise instead (no encoder read, no start images
     offered: a ``start`` with an image is refused).
+
+    ``weights`` (``int8``, ``fp8``, ``w8a8``) quantizes the DiT's block linears
+    once the files are read (:mod:`arstream.models.quantize`), all but the
+    control fusion's first (``CONTROL_FUSION_INPUT``); the decoder and the
+    encoder stay in ``dtype``.
     """
     if options:
         raise TypeError(
             f"load_waypoint got unknown options {sorted(options)}; expected config, weights_path, ae_path, seed, "
-            "session_capacity, dtype, random_init, image, images, image_cache, from_noise"
+            "session_capacity, dtype, random_init, image, images, image_cache, from_noise, weights"
         )
     if config is None:  # a bare --model waypoint-1.5 serves Waypoint-1.5's own path (TAEHV, four frames a chunk)
         config = "tiny-1.5" if weights_path is None else "tiny"
@@ -285,6 +306,7 @@ def load_waypoint(
         raise ValueError("waypoint takes from_noise or start images (image, images), not both")
     base = get_config(config)
     target = torch.device(device)
+    check_weights_option(weights, target)
     # bf16 on a GPU (and on the meta device that stands in for one in ``arstream plan``), fp32 on the CPU
     dtype = dtype or ("float32" if target.type == "cpu" else "bfloat16")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -308,11 +330,14 @@ def load_waypoint(
         raise ValueError(f"waypoint config {config!r} needs weights_path (the published folder); only the tiny ones run "
                          "on random weights")
     model, decoder = model.to(torch_dtype), decoder.to(torch_dtype)
+    model = quantize_dit(model, weights, target)
     cfg = model.cfg
     pictures = None
     if encoder is not None and target.type != "meta":
         pictures = offered_pictures(image, images, cfg.image_height, cfg.image_width)
-    return WaypointPipeline(
+    pipeline = WaypointPipeline(
         model, decoder, target, session_capacity=session_capacity, random_weights=weights_path is None,
         encoder=None if encoder is None else encoder.to(torch_dtype), start_images=pictures, image_cache=image_cache,
     )
+    pipeline.weights = weights  # the model card's DiT entry says how its weights are held
+    return pipeline

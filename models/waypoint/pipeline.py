@@ -198,6 +198,8 @@ class _Session:
 class WaypointPipeline(SessionStateBinding):
     """Implements ``ARPipeline``, ``SupportsBatchedChunks``, ``SupportsWarmup`` and ``SupportsSessionTransfer``."""
 
+    weights: str | None = None  # the DiT's quantized weights (the loader's ``weights`` option), None: in its dtype
+
     def __init__(
         self, model: WaypointDiT, decoder: Decoder | FramesDecoder, device: torch.device, *, name: str = "waypoint-1.5",
         session_capacity: int = 64, random_weights: bool = False, encoder: PictureEncoder | None = None,
@@ -276,7 +278,7 @@ class WaypointPipeline(SessionStateBinding):
             # offered by name (the first is the default); a model that lists any also takes a client's own pixels
             **({"start_images": self.seeds.names} if self.seeds is not None else {}),
             "components": [
-                component("dit", self.model, self.device, held_as(self.dtype)),
+                component("dit", self.model, self.device, held_as(self.dtype, self.weights)),
                 component("decoder", self.decoder, self.device, held_as(self.dtype)),
                 *([component("encoder", self.encoder, self.device, held_as(self.dtype))]
                   if self.encoder is not None else []),

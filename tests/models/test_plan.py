@@ -24,6 +24,7 @@ from arstream.app.plan import PlanDoesNotFit, check_plan_fits, fit_plan
 from arstream.app.settings import Settings
 from arstream.cli import main
 from arstream.models.registry import load_pipeline
+from arstream.models.waypoint.pipeline import WaypointPipeline
 from arstream.runner.runner import ARRunner
 from arstream.runner.runtimes import shard_planned_pipeline
 from arstream.runner.types import ParkingPolicy
@@ -37,6 +38,7 @@ TINY = {
     "matrix-game-2": {"config": "tiny", "random_init": True, "weights": "int8"},
     "longlive": {"config": "tiny", "random_init": True, "weights": "int8", "text_encoder_device": "cpu"},
     "krea-realtime": {"config": "tiny", "random_init": True, "weights": "int8", "text_encoder_device": "cpu"},
+    "waypoint-1.5": {"config": "tiny-1.5", "random_init": True, "weights": "int8"},
 }
 
 
@@ -60,7 +62,9 @@ def allocated(*modules: nn.Module | torch.Tensor) -> int:
 
 def loaded_modules(pipeline: Any) -> dict[str, nn.Module]:
     modules = {"dit": pipeline.model}
-    if hasattr(pipeline, "text"):
+    if isinstance(pipeline, WaypointPipeline):  # its own decoder and start-image encoder
+        modules |= {"decoder": pipeline.decoder, "encoder": pipeline.encoder}
+    elif hasattr(pipeline, "text"):
         modules |= {"text_encoder": pipeline.text.model, "vae": pipeline.vae.vae}
     else:
         modules |= {"vae": pipeline.vae.vae, "clip": pipeline._clip}

@@ -137,3 +137,30 @@ def test_a_world_starts_from_an_uploaded_picture(server_1_5: LiveServer) -> None
     code, first = asyncio.run(refused(png(np.zeros((100, 1, 3), np.uint8))))
     assert (code, first["code"]) == (4004, "invalid_image") and "too narrow" in first["message"]
     server.settled(start_free)
+
+
+def test_serve_streams_frames_from_int8_weights() -> None:
+    """`--model-options '{"weights": "int8"}'`: the DiT's block linears quantized after loading, said on the card,
+    and a session's chunks come back whole; closing it gives back every block."""
+    args = ["--model", "waypoint-1.5", "--model-options", '{"weights": "int8"}', "--torch-threads", "1"]
+    with server_process(args) as server:
+        server.wait_ready()
+        card = server.get("/v1/model").json()
+        (dit,) = [c for c in card["components"] if c["name"] == "dit"]
+        assert dit["weights"] == "int8 (float32 compute)", dit
+        shape = (card["height"], card["width"], 3)
+        start_free = server.stats()["kv"]["blocks_free"]
+
+        async def session() -> list[tuple[int, int]]:
+            seen = []
+            async with session_client(server.ws_url, start={"seed": 5, "codec": "raw"}) as client:
+                for tick_id in range(3):
+                    await client.send(type="tick", tick_id=tick_id, controls={"buttons": [87], "mouse": [0.5, 0.0]})
+                for _ in range(3):
+                    chunk, frames = await client.recv_chunk()
+                    assert [pixels.shape for _, pixels in frames] == [shape] * card["frames_per_chunk"]
+                    seen.append((chunk["chunk_index"], chunk["frames"]))
+            return seen
+
+        assert asyncio.run(session()) == [(index, card["frames_per_chunk"]) for index in range(3)]
+        server.settled(start_free)

@@ -98,16 +98,26 @@ def test_gpu_check_runs_from_a_fresh_clone_in_cpu_mode(tmp_path: Path) -> None:
     assert set(devices["speedup"]) == {"krea-realtime/P=2", "matrix-game-2/P=2"}
 
     waypoint = result["waypoint"]  # Waypoint-1.5's tiny config, one session and two batched, a few chunks each
-    assert waypoint["errors"] == {} and waypoint["skipped"] == {} and list(waypoint["variants"]) == ["tiny-1.5"]
-    figures = waypoint["variants"]["tiny-1.5"]
-    assert figures["options"] == {"config": "tiny-1.5", "dtype": "float32"} and figures["video_frames_per_chunk"] == 4
-    assert sorted(figures["sessions"]) == ["1", "2"]
-    for count, run in figures["sessions"].items():
-        assert_positive(run, ("chunk_ms_p50", "fps_total", "fps_per_session"), f"waypoint, {count} session(s)")
-        assert run["chunks"] == 2 and run["fps_per_session_vs_published"] is None  # published: 720p only
-    # the plan's figure is what the runner was sized for: its weights and the pool for these sessions
-    assert figures["plan_bytes"] == figures["plan_weights_bytes"] + figures["kv_budget_bytes"]
-    assert figures["peak_allocated_bytes"] is None  # the allocator's figure is CUDA's
+    assert waypoint["errors"] == {} and waypoint["skipped"] == {}
+    assert list(waypoint["variants"]) == ["tiny-1.5", "tiny-1.5/w8a8"]  # its own and int8 weights and activations
+    for name, quantized in (("tiny-1.5", {}), ("tiny-1.5/w8a8", {"weights": "w8a8"})):
+        figures = waypoint["variants"][name]
+        assert figures["options"] == {"config": "tiny-1.5", "dtype": "float32", **quantized}, name
+        assert figures["video_frames_per_chunk"] == 4 and sorted(figures["sessions"]) == ["1", "2"]
+        for count, run in figures["sessions"].items():
+            keys = ("chunk_ms_p50", "fps_total", "fps_per_session")
+            assert_positive(run, keys, f"waypoint {name}, {count} session(s)")
+            assert run["chunks"] == 2 and run["fps_per_session_vs_published"] is None  # published: 720p only
+        # the plan's figure is what the runner was sized for: its weights and the pool for these sessions
+        assert figures["plan_bytes"] == figures["plan_weights_bytes"] + figures["kv_budget_bytes"]
+        assert figures["peak_allocated_bytes"] is None  # the allocator's figure is CUDA's
+    plain, w8a8 = waypoint["variants"]["tiny-1.5"], waypoint["variants"]["tiny-1.5/w8a8"]
+    assert w8a8["plan_weights_bytes"] < plain["plan_weights_bytes"]  # the plan counts the quantized block weights
+    side = waypoint["side_by_side"]["tiny-1.5/w8a8"]  # w8a8's fps beside float32's, each session count
+    assert sorted(side["sessions"]) == ["1", "2"] and side["published_fps"] is None
+    for count, pair in side["sessions"].items():
+        assert pair["fps_per_session"] == w8a8["sessions"][count]["fps_per_session"]
+        assert pair["unquantized_fps_per_session"] == plain["sessions"][count]["fps_per_session"]
 
     fit = result["fit"]
     eager = {f"{m}/{w}/eager" for m in ("matrix-game-2", "longlive") for w in ("float32", "int8", "fp8")}
@@ -272,12 +282,13 @@ def test_the_waypoint_phase_runs_720p_first_and_names_what_its_deadline_leaves_n
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     measured: list[str] = []
+    out_of_memory = {("1.5", None)}
 
-    def fake_variant(profile: Any, device: str, config: str, dtype: str) -> dict[str, Any]:
-        measured.append(f"{config}/{dtype}")
-        if config == "1.5":
+    def fake_variant(profile: Any, device: str, config: str, dtype: str, weights: str | None) -> dict[str, Any]:
+        measured.append(f"{config}/{weights or dtype}")
+        if (config, weights) in out_of_memory:
             raise RuntimeError("CUDA out of memory")
-        return {"sessions": {}}
+        return {"sessions": {"1": {"fps_per_session": 2.0 if weights else 1.0}}}
 
     monkeypatch.setattr(gpu_check, "waypoint_variant_figures", fake_variant)
     profile = gpu_check.profile_for("cuda")
@@ -286,13 +297,24 @@ def test_the_waypoint_phase_runs_720p_first_and_names_what_its_deadline_leaves_n
     saves: list[int] = []
     with pytest.raises(RuntimeError, match="1 waypoint config"):
         gpu_check.waypoint_sweep(profile, "cuda", report, time_left_s=lambda: math.inf, save=lambda: saves.append(1))
-    # 720p first; a config that fails says why and the next still runs; the JSON is rewritten after each
-    assert measured == ["1.5/bfloat16", "1.5-360p/bfloat16"] and len(saves) == 2
-    assert report["errors"] == {"1.5": "RuntimeError: CUDA out of memory"} and report["variants"] == {
-        "1.5-360p": {"sessions": {}}
-    }
+    # 720p first, bf16 then w8a8; a variant that fails says why and the next still runs; the JSON is rewritten after
+    # each; w8a8 has no bf16 figure beside it to compare with
+    assert measured == ["1.5/bfloat16", "1.5/w8a8", "1.5-360p/bfloat16"] and len(saves) == 3
+    assert report["errors"] == {"1.5": "RuntimeError: CUDA out of memory"} and list(report["variants"]) == [
+        "1.5/w8a8", "1.5-360p"
+    ]
+    assert report["side_by_side"] == {}
     assert report["published_on"].startswith("RTX 5090")  # another card than the check's: the JSON says which
 
     measured.clear()
+    out_of_memory.clear()
+    gpu_check.waypoint_sweep(profile, "cuda", report := {}, time_left_s=lambda: math.inf, save=lambda: None)
+    assert report["side_by_side"]["1.5/w8a8"] == {
+        "sessions": {"1": {"fps_per_session": 2.0, "unquantized_fps_per_session": 1.0, "speedup": 2.0}},
+        "published_fps": 72.0, "published_unquantized_fps": 56.0, "published_speedup": 1.286,
+    }
+
+    measured.clear()
     gpu_check.waypoint_sweep(profile, "cuda", report := {}, time_left_s=lambda: 0.0, save=lambda: None)
-    assert measured == [] and report["skipped"] == {c: "0 s left of --waypoint-deadline-s" for c in ("1.5", "1.5-360p")}
+    skipped = ("1.5", "1.5/w8a8", "1.5-360p")
+    assert measured == [] and report["skipped"] == {c: "0 s left of --waypoint-deadline-s" for c in skipped}
