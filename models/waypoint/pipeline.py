@@ -63,6 +63,9 @@ REMEMBERED_CHOICES_PER_SESSION_SLOT = 4
 # The largest mouse velocity a control may carry (the published engine takes any float; a bound keeps
 # a malformed client from feeding the embedding values it never saw).
 MOUSE_LIMIT = 1000.0
+# Control units per pixel of pointer movement: Overworld's own client (Biome) sends the movement in pixels times
+# its default mouse sensitivity, 1.8, and its server sums it between generations: one movement per latent frame.
+MOUSE_PER_PIXEL = 1.8
 
 # Browser keys (KeyboardEvent.code) and mouse buttons -> the model's button ids. The published engine names
 # Owl-Control's keycodes, which we read as Windows virtual-key codes (letters and digits their ASCII capitals,
@@ -271,7 +274,7 @@ class WaypointPipeline(SessionStateBinding):
             "inputs": {
                 "buttons": {"kind": "keys", "codes": key_codes(cfg.n_buttons),
                             "mouse_buttons": mouse_buttons(cfg.n_buttons)},
-                "mouse": {"kind": "pointer_delta"},
+                "mouse": {"kind": "pointer_delta", "per_pixel": MOUSE_PER_PIXEL},
                 "scroll": {"kind": "wheel_sign"},
             },
             **({"weights": "random"} if self.random_weights else {}),

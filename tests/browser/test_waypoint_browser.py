@@ -51,8 +51,12 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
     moved = [t["controls"]["mouse"] for t in sent if t["type"] == "tick" and t["controls"]["mouse"] != [0, 0]]
     assert moved, "no tick carried the movement"
-    # 0.01 unit a pixel, one frame a chunk: the ticks' sum is the whole movement, x right and y down
-    assert sum(m[0] for m in moved) == pytest.approx(40 * 0.01) and sum(m[1] for m in moved) == pytest.approx(20 * 0.01)
+    # the card's units a pixel, once a chunk (not spread over its frames): the ticks' sum is the whole movement,
+    # x right and y down, in Overworld's client's units (1.8 a pixel)
+    per_pixel = server.get("/v1/model").json()["inputs"]["mouse"]["per_pixel"]
+    assert per_pixel == pytest.approx(1.8)
+    assert sum(m[0] for m in moved) == pytest.approx(40 * per_pixel)
+    assert sum(m[1] for m in moved) == pytest.approx(20 * per_pixel)
     held = [t["controls"]["buttons"] for t in sent if t["type"] == "tick"][-1]
     assert held == [81]  # the held key goes with every tick beside the mouse
 
@@ -102,7 +106,7 @@ def test_mouse_buttons_reach_waypoint_as_its_buttons_and_a_drag_still_looks(serv
     wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
     assert inputs() == [[right], []]
     moved = [t["controls"]["mouse"] for t in sent if t["type"] == "tick" and t["controls"]["mouse"] != [0, 0]]
-    assert moved and sum(m[0] for m in moved) == pytest.approx(30 * 0.01)  # the drag looked, as before
+    assert moved and sum(m[0] for m in moved) == pytest.approx(30 * 1.8)  # the drag looked, as before
 
     page.mouse.down()  # locked: the left button is the model's
     applied(3)
