@@ -365,6 +365,8 @@ def stats_document(replica: ReplicaView) -> dict[str, Any] | None:
             "sessions_resident": runner_stats.sessions_resident,
             "sink_frames": runner_stats.sink_frames,
             "window_frames": runner_stats.window_frames,
+            "strided_window_frames": runner_stats.strided_window_frames,
+            "frame_stride": runner_stats.frame_stride,
             "frames_per_chunk": runner_stats.frames_per_chunk,
             "scratch_blocks": runner_stats.scratch_blocks,
         },

@@ -108,6 +108,7 @@ class FitPlan:
     block_bytes: int = 0
     kv_dtype: str = ""
     resident_frames: int = 0
+    kv_window: str = ""  # the frames a session keeps between chunks, in words (KVCacheSpec.kept_window_text)
     branches: int = 1
     per_session_bytes: int = 0  # KV, model-owned state, rewind points
     model_owned_per_session: int = 0
@@ -175,6 +176,7 @@ class FitPlan:
                 f"{gib(self.block_bytes)}, {self.kv_dtype}) + model-owned {gib(self.model_owned_per_session)}"
                 f" + rewind points {gib(self.per_session_bytes - kv - self.model_owned_per_session)}"
             )
+            lines.append(f"  KV a session keeps between chunks: {self.kv_window}")
             lines.append(f"  once per {device}: {gib(self.fixed_bytes)} (in-flight chunks, staging rows, shared state)")
         if self.activation_bytes is not None:
             lines.append(
@@ -250,6 +252,7 @@ def fit_plan(settings: Settings, *, gpu_memory_bytes: int, devices: int = 1, pip
         model=settings.model, options=dict(settings.model_options), gpu_memory_bytes=gpu_memory_bytes,
         devices=devices, components=components, kv_budget_bytes=budget, memory_fraction=fraction,
         session_cap=spec.session_capacity, block_bytes=spec.block_bytes, resident_frames=spec.resident_frames,
+        kv_window=spec.kept_window_text,
         kv_dtype=str(spec.dtype).removeprefix("torch."), branches=len(spec.kv_branches),
         model_owned_per_session=spec.model_owned_bytes_per_session, replica_devices=world,
         kv_heads=whole.num_kv_heads, device_kv_heads=spec.num_kv_heads,
@@ -409,6 +412,8 @@ def plan_document(plan: FitPlan) -> dict[str, Any]:
         "kv_heads": plan.kv_heads,
         "device_kv_heads": plan.device_kv_heads,
         "block_bytes": plan.block_bytes,
+        "resident_frames": plan.resident_frames,
+        "kv_window": plan.kv_window,
         "activation_bytes": plan.activation_bytes,
         "batch_rows": plan.batch_rows,
         "components": [c.__dict__ for c in plan.components],

@@ -176,15 +176,12 @@ class ARRunner:
         # Rewind points cost capacity (a lot where the model's own state is large): say how much.
         without = plan_pool(spec, budget, max_batch_sessions=max_batch_sessions).session_capacity
         log.info(
-            "model memory (KV pool): %.0f MiB, room for %d sessions%s; each remembers its first %d and last %d "
-            "frames%s; rewind: %s; up to %d session(s) per forward%s [%d blocks of %d bytes, +%d scratch]",
+            "model memory (KV pool): %.0f MiB, room for %d sessions%s; each remembers %s; rewind: %s; "
+            "up to %d session(s) per forward%s [%d blocks of %d bytes, +%d scratch]",
             self.plan.num_blocks * self.plan.block_bytes / 2**20,
             self.plan.session_capacity,
             f" ({without} without rewind)" if without != self.plan.session_capacity else "",
-            spec.sink_frames,
-            spec.history_window_frames,
-            (f", and every {spec.frame_stride}th of the last {spec.strided_history_frames}"
-             if spec.strided_window_frames else ""),
+            spec.kept_window_text,
             (self.rewind.describe(spec) if self.rewind else 'off'),
             self.batch_limit,
             "" if self.batches or max_batch_sessions == 1 else " (the pipeline does not batch)",

@@ -184,6 +184,15 @@ class KVCacheSpec:
         strided = -(-(self.strided_history_frames - self.history_window_frames) // self.frame_stride)
         return self.sink_frames + self.history_window_frames + (strided if self.strided_window_frames else 0)
 
+    @property
+    def kept_window_text(self) -> str:
+        """The frames a session keeps between chunks, in words (the runner's log, `arstream plan`)."""
+        kept = f"its first {self.sink_frames} and last {self.history_window_frames} frames"
+        if self.strided_window_frames:
+            kept += (f", and of the last {self.strided_history_frames} the frames whose index is a multiple of "
+                     f"{self.frame_stride}")
+        return kept
+
     def kept_history(self, first: int, committed: int) -> list[int]:
         """Absolute indexes of the non-sink frames kept between chunks once ``committed`` frames are (frames
         before ``first`` are the sink's): see :func:`kept_history`."""

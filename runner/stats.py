@@ -89,6 +89,9 @@ class RunnerStats:
     evictions_total: int
     failures_total: int
     chunks_total: int
+    # a strided tail behind the dense window (KVCacheSpec): 0 and 1 where there is none
+    strided_window_frames: int = 0
+    frame_stride: int = 1
     # most sessions in one forward (the runtime's batch_limit, not the max_batch_sessions setting)
     batch_limit: int = 1
     batched_forwards_total: int = 0
@@ -175,6 +178,8 @@ class RunnerStats:
             restore_failures_total=counters.restore_failures_total,
             sink_frames=spec.sink_frames,
             window_frames=spec.window_frames,
+            strided_window_frames=spec.strided_window_frames,
+            frame_stride=spec.frame_stride,
             frames_per_chunk=spec.frames_per_chunk,
             evictions_total=counters.evictions_total,
             failures_total=counters.failures_total,

@@ -71,6 +71,7 @@ const debug = {
   resumed: 0,
   stalls: 0,
   stallReasons: [],     // what the page said about each stall it explained
+  stallLog: [],         // each stall: the session's chunks arrived by then, and what was said ('' nothing)
   heldKeys: [],
   startImage: null, // what the next fresh session starts from: {name} or {upload: file name}; null: the default
   looking: false,   // the model has a camera: mouse movement over the player turns it
@@ -210,6 +211,12 @@ function onState(state, view) {
 
 // ---- model card -------------------------------------------------------------------------
 
+function kbd(text) {
+  const key = document.createElement('kbd');
+  key.textContent = text;
+  return key;
+}
+
 function showModel(card) {
   model = card;
   const what = card.description ? `: ${card.description}` : '';
@@ -218,8 +225,16 @@ function showModel(card) {
   document.body.dataset.steer = keyed ? 'keys' : 'prompt';
   hud.steerBy(keyed ? 'key' : 'prompt');
   debug.steering = keyed ? 'keys' : 'prompt';
-  $('player').setAttribute('aria-label', keyed ? 'World view: use W A S D or the arrow keys to move'
-    : `World view: type a prompt to change what ${card.name} draws`);
+  // A card that maps keys itself (`inputs`: waypoint-1.5) takes any key it lists, each as its own button, so the
+  // arrows are not W A S D there; the pad still holds W A S D.
+  const ownKeys = Object.values(card.inputs || {}).some((input) => input && input.kind === 'keys');
+  const mouseButtons = Object.keys(keyInput(card).mouseButtons).length > 0;
+  $('player').setAttribute('aria-label', !keyed ? `World view: type a prompt to change what ${card.name} draws`
+    : ownKeys ? 'World view: hold any key to play; W A S D move' : 'World view: use W A S D or the arrow keys to move');
+  $('howto-keys').replaceChildren(...(ownKeys
+    ? ['Hold any key (', kbd('W'), ' ', kbd('A'), ' ', kbd('S'), ' ', kbd('D'), ' move)',
+      mouseButtons ? ' or a mouse button over the world' : '', ', hold the pad']
+    : ['Hold ', kbd('W'), ' ', kbd('A'), ' ', kbd('S'), ' ', kbd('D'), ' or the arrow keys, hold the pad']));
   const doing = debug.role === 'viewer'
     ? `watching someone ${keyed ? 'steer' : 'prompt'}` : keyed ? 'steering' : 'prompting';
   // Random weights (a test set-up) draw noise: say so, or the page looks broken.
@@ -359,7 +374,11 @@ const player = new Player($('screen'), {
     if (connection.state !== 'streaming' || !session || !session.pacer) return;
     debug.stalls += 1;
     session.pacer.noteStall();
-    explainStall();
+    // The pacer plans from the chunk latencies it has seen: in a session's first chunks too few, and those need not
+    // be typical (waypoint's first chunk, its start image, costs next to nothing; its next one primes the decoder).
+    // Running dry there is the pacer learning the pace, not a slow network or a busy server: nothing is said.
+    const arrived = session.pacer.latencies.length;
+    pushBounded(debug.stallLog, { arrived, said: arrived >= LEARNING_CHUNKS ? explainStall() : '' });
   },
 });
 
@@ -380,13 +399,15 @@ function showDelivery(state) {
 }
 
 const STALL_NOTICE_EVERY_MS = 20000;  // a stalling stream says why at most this often
+const LEARNING_CHUNKS = 4;  // a session's stalls are explained once this many of its chunks have arrived
 let stallSaidAt = -Infinity;
 
-/** The picture ran out of frames: say why, in plain words, from the server's compute time per chunk. */
+/** The picture ran out of frames: say why, in plain words, from the server's compute time per chunk; the words
+ * said ('' when nothing is). */
 function explainStall() {
   const now = performance.now();
   // (a notice already on the world says something else that matters now: it is not replaced)
-  if (now - stallSaidAt < STALL_NOTICE_EVERY_MS || !model || debug.framesDrawn === 0 || !$('notice').hidden) return;
+  if (now - stallSaidAt < STALL_NOTICE_EVERY_MS || !model || debug.framesDrawn === 0 || !$('notice').hidden) return '';
   stallSaidAt = now;
   const playMs = (1000 * model.frames_per_chunk) / model.fps;  // how long a chunk's frames play
   const computeMs = median(hud.samples.compute);
@@ -396,6 +417,7 @@ function explainStall() {
     : 'they are slow to arrive (the network, or a server busy with other sessions)';
   notice(`Waiting for frames: ${why}.`);
   debug.stallReasons.push(why);
+  return why;
 }
 
 /** Below this width the fps badge and the role badge do not fit side by side on the picture. */

@@ -6,8 +6,10 @@
 // ticks and each tick carries it spread over its chunk's frames, clamped to
 // the schema's bounds. A model without a camera gets none of this. A card may
 // instead name a field of kind `pointer_delta` in its `inputs` (waypoint-1.5's
-// `mouse`: the pointer's velocity as [dx, dy]): the same movement is sent there,
-// as screen axes (x right, y down) in the same units; and a field of kind
+// `mouse`): the pointer's movement since the last tick as [dx, dy], screen axes
+// (x right, y down), in CSS pixels times the input's `per_pixel` (default 1),
+// not spread over the frames (the model takes one movement a chunk, as
+// Overworld's engine sums the movement between generations); and a field of kind
 // `wheel_sign` gets the wheel's direction over the player since the last tick
 // (1 rolled away, -1 towards, 0 still).
 
@@ -51,7 +53,8 @@ function pointerDelta(card, properties) {
     const min = Number.isFinite(items.minimum) ? items.minimum : -Infinity;
     const max = Number.isFinite(items.maximum) ? items.maximum : Infinity;
     const axes = [{ name: 0, screen: 'x', sign: 1, min, max }, { name: 1, screen: 'y', sign: 1, min, max }];
-    return { field, array: true, axes };
+    const perPixel = Number.isFinite(input.per_pixel) ? input.per_pixel : 1;
+    return { field, array: true, axes, perPixel };
   }
   return null;
 }
@@ -65,12 +68,15 @@ export function wheelField(card) {
   return null;
 }
 
-/** The camera values for `dx, dy` pixels of movement spread over `frames` frames, within the bounds. */
+/**
+ * The camera values for `dx, dy` pixels of movement, within the bounds: a camera's rotation spread over
+ * `frames` frames, a pointer delta's movement for the whole chunk.
+ */
 export function cameraValues(control, dx, dy, frames) {
   const values = control.array ? [] : {};
   for (const axis of control.axes) {
     const px = axis.screen === 'x' ? dx : dy;
-    const value = (axis.sign * px * UNITS_PER_PX) / Math.max(1, frames);
+    const value = control.array ? axis.sign * px * control.perPixel : (axis.sign * px * UNITS_PER_PX) / Math.max(1, frames);
     values[axis.name] = Math.min(axis.max, Math.max(axis.min, value)) + 0;  // + 0 turns -0 into 0
   }
   return values;

@@ -63,13 +63,17 @@ REMEMBERED_CHOICES_PER_SESSION_SLOT = 4
 # The largest mouse velocity a control may carry (the published engine takes any float; a bound keeps
 # a malformed client from feeding the embedding values it never saw).
 MOUSE_LIMIT = 1000.0
+# Control units per pixel of pointer movement: Overworld's own client (Biome) sends the movement in pixels times
+# its default mouse sensitivity, 1.8, and its server sums it between generations: one movement per latent frame.
+MOUSE_PER_PIXEL = 1.8
 
-# Browser keys (KeyboardEvent.code) and mouse buttons -> the model's button ids. The published engine names
-# Owl-Control's keycodes, which we read as Windows virtual-key codes (letters and digits their ASCII capitals,
-# mouse buttons 1, 2 and 4); the table was not checked against Owl-Control's own source here.
+# Browser keys (KeyboardEvent.code) and mouse buttons -> the model's button ids: Windows virtual-key codes, as
+# Overworld's own client (Biome's keymap) sends them: letters and digits their ASCII capitals, one code for either
+# Shift (16) and either Ctrl (17), mouse buttons left 1, right 2, middle 4. Alt, Escape and Backspace, which that
+# client does not send, take their virtual-key codes too.
 _NAMED_KEYS = {
     "Space": 32, "Enter": 13, "Escape": 27, "Tab": 9, "Backspace": 8,
-    "ShiftLeft": 160, "ShiftRight": 161, "ControlLeft": 162, "ControlRight": 163, "AltLeft": 164, "AltRight": 165,
+    "ShiftLeft": 16, "ShiftRight": 16, "ControlLeft": 17, "ControlRight": 17, "AltLeft": 18, "AltRight": 18,
     "ArrowLeft": 37, "ArrowUp": 38, "ArrowRight": 39, "ArrowDown": 40,
 }
 
@@ -271,7 +275,7 @@ class WaypointPipeline(SessionStateBinding):
             "inputs": {
                 "buttons": {"kind": "keys", "codes": key_codes(cfg.n_buttons),
                             "mouse_buttons": mouse_buttons(cfg.n_buttons)},
-                "mouse": {"kind": "pointer_delta"},
+                "mouse": {"kind": "pointer_delta", "per_pixel": MOUSE_PER_PIXEL},
                 "scroll": {"kind": "wheel_sign"},
             },
             **({"weights": "random"} if self.random_weights else {}),

@@ -93,6 +93,8 @@ def test_page_streams_frames_and_a_key_press_reaches_the_screen(server: LiveServ
     assert page.locator("#screen[role=img]").count() == 1
     assert "fake-kv" in page.get_attribute("#screen", "aria-label")
     assert page.get_attribute("#overlay", "role") == "status"
+    # a card without `inputs` is driven by W A S D, the arrows the same keys
+    assert page.inner_text(".howto").startswith("Hold W A S D or the arrow keys, hold the pad, or drag on the world")
 
 
 def test_details_show_model_latency_and_kv_blocks(server: LiveServer, page: Any) -> None:

@@ -7,7 +7,7 @@ see ``http://192.168.1.5:PORT/``: its Origin is that name, not a loopback one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -22,6 +22,8 @@ from browser_helpers import (
     wait,
     wait_frames_drawn,
 )
+from arstream.models.fake import FakeKVPipeline
+from arstream.runner.types import PendingDecode, TickRequest
 from servers import fake_settings, running_server
 
 pytestmark = browser_marks
@@ -99,3 +101,28 @@ def test_a_stalling_stream_says_why_on_the_world(
         assert "ms, and it plays for 125 ms: this machine draws the world slower than it plays" in said, said
     finally:
         context.close()
+
+
+class FreeFirstChunk(FakeKVPipeline):
+    """A session's first chunk costs nothing and its second a second, as waypoint's do (its start image is no
+    forward; its first generated frame primes the decoder): the page runs dry once while the session starts."""
+
+    def _forward(self, ticks: Sequence[TickRequest]) -> list[PendingDecode]:
+        self.compute_delay_s = 1.0 if any(self.bound_state(t.session_id).chunk_index == 1 for t in ticks) else 0.0
+        return super()._forward(ticks)
+
+
+def test_running_dry_while_a_session_starts_is_not_blamed_on_the_network(
+    lan_browser: Any, errors: PageErrors
+) -> None:
+    with running_server(fake_settings(), FreeFirstChunk()) as server:
+        context = open_context(lan_browser, viewport={"width": 1280, "height": 800})
+        try:
+            page = new_page(context, errors)
+            page.goto(server.base_url + "/")
+            wait(page, "window.arstreamDebug.stallLog.length >= 1")
+            # the first stall: chunk 0 played, chunk 1 a second away; the pacer had seen one chunk, so nothing is said
+            assert page.evaluate("window.arstreamDebug.stallLog[0]") == {"arrived": 1, "said": ""}
+            wait_frames_drawn(page, 8)  # and the world plays on
+        finally:
+            context.close()

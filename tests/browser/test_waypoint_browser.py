@@ -26,7 +26,11 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     page.goto(server.base_url + "/")
     wait_frames_drawn(page, 2)
     assert debug(page)["looking"] is True
-    assert "; drag on the world to look around." in page.inner_text(".howto")  # not a joystick: the drag looks
+    # any key is its own button here (the arrows are not W A S D), the mouse buttons count, and the drag looks
+    howto = page.inner_text(".howto")
+    assert howto.startswith("Hold any key (W A S D move) or a mouse button over the world, hold the pad; drag on the "
+                            "world to look around."), howto
+    assert "arrow keys" not in page.get_attribute("#player", "aria-label")
     ticks = [m for m in sent if m["type"] == "tick"]
     assert ticks and all(t["controls"] == {"mouse": [0, 0], "scroll": 0, "buttons": []} for t in ticks)
 
@@ -47,8 +51,12 @@ def test_any_key_and_the_pointer_reach_waypoint_as_its_buttons_and_mouse(server:
     wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
     moved = [t["controls"]["mouse"] for t in sent if t["type"] == "tick" and t["controls"]["mouse"] != [0, 0]]
     assert moved, "no tick carried the movement"
-    # 0.01 unit a pixel, one frame a chunk: the ticks' sum is the whole movement, x right and y down
-    assert sum(m[0] for m in moved) == pytest.approx(40 * 0.01) and sum(m[1] for m in moved) == pytest.approx(20 * 0.01)
+    # the card's units a pixel, once a chunk (not spread over its frames): the ticks' sum is the whole movement,
+    # x right and y down, in Overworld's client's units (1.8 a pixel)
+    per_pixel = server.get("/v1/model").json()["inputs"]["mouse"]["per_pixel"]
+    assert per_pixel == pytest.approx(1.8)
+    assert sum(m[0] for m in moved) == pytest.approx(40 * per_pixel)
+    assert sum(m[1] for m in moved) == pytest.approx(20 * per_pixel)
     held = [t["controls"]["buttons"] for t in sent if t["type"] == "tick"][-1]
     assert held == [81]  # the held key goes with every tick beside the mouse
 
@@ -98,7 +106,7 @@ def test_mouse_buttons_reach_waypoint_as_its_buttons_and_a_drag_still_looks(serv
     wait(page, f"window.arstreamDebug.sentTickIds.length > {before + 1}")
     assert inputs() == [[right], []]
     moved = [t["controls"]["mouse"] for t in sent if t["type"] == "tick" and t["controls"]["mouse"] != [0, 0]]
-    assert moved and sum(m[0] for m in moved) == pytest.approx(30 * 0.01)  # the drag looked, as before
+    assert moved and sum(m[0] for m in moved) == pytest.approx(30 * 1.8)  # the drag looked, as before
 
     page.mouse.down()  # locked: the left button is the model's
     applied(3)

@@ -227,12 +227,22 @@ def test_a_plan_over_cpu_devices_calls_them_cpus_not_gpus(capsys: pytest.Capture
     assert "GPU" not in out and " gpu " not in out, out
 
 
-def test_the_plan_names_the_picture_size_so_a_test_config_is_plain_to_see(
+def test_the_plan_names_the_picture_size_and_the_kv_window_a_session_keeps(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for options, picture in (("{}", "128x72"), ('{"config": "1.5"}', "1280x720")):
-        code, out, _ = plan_cli(capsys, "--model", "waypoint-1.5", "--model-options", options, "--gpu-memory", "80GB")
+    """A test config's picture is plain to see; so is the window, with the strided tail the released shape keeps
+    (the 15 frames of its local window and, further back, the global window's frames on the dilation's beat)."""
+    released = "its first 0 and last 15 frames, and of the last 127 the frames whose index is a multiple of 8"
+    for options, picture, kept, frames in (
+        ("{}", "128x72", "its first 0 and last 3 frames", 3),
+        ('{"config": "1.5"}', "1280x720", released, 15 + 14),
+    ):
+        code, out, document = plan_cli(
+            capsys, "--model", "waypoint-1.5", "--model-options", options, "--gpu-memory", "80GB"
+        )
         assert out.startswith(f"plan: waypoint-1.5 {options} at {picture} on 1 GPU(s)"), out
+        assert f"({frames} frames x " in out and f"\n  KV a session keeps between chunks: {kept}\n" in out, out
+        assert (document["resident_frames"], document["kv_window"]) == (frames, kept)
 
 
 def test_a_device_count_that_does_not_divide_the_heads_is_refused_naming_both(capsys: pytest.CaptureFixture[str]) -> None:

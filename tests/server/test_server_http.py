@@ -69,6 +69,8 @@ def test_stats_document_has_the_protocol_fields() -> None:
         "sessions_resident",
         "sink_frames",
         "window_frames",
+        "strided_window_frames",
+        "frame_stride",
         "frames_per_chunk",
     } <= set(stats["kv"])
     assert {"connected", "active", "evictions_total", "failures_total"} <= set(stats["sessions"])
@@ -77,6 +79,14 @@ def test_stats_document_has_the_protocol_fields() -> None:
     assert stats["kv"]["blocks_free"] == stats["kv"]["blocks_total"]  # warm-up left the pool as it found it
     assert stats["chunks"]["total"] == 0  # warm-up chunks are not traffic
     assert (stats["kv"]["sink_frames"], stats["kv"]["window_frames"], stats["kv"]["frames_per_chunk"]) == (1, 6, 2)
+    assert (stats["kv"]["strided_window_frames"], stats["kv"]["frame_stride"]) == (0, 1)  # no strided tail
+
+
+def test_stats_say_the_strided_tail_a_session_keeps() -> None:
+    options = {"window_frames": 4, "strided_window_frames": 12, "frame_stride": 3}
+    with running_server(fake_settings(model_options=options)) as server:
+        kv = server.stats()["kv"]
+    assert (kv["sink_frames"], kv["window_frames"], kv["strided_window_frames"], kv["frame_stride"]) == (1, 4, 12, 3)
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
