@@ -21,7 +21,6 @@ with a warning; until then it holds its encoder cache.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,8 @@ import torch
 
 from .config import MatrixGameConfig
 from ..wan.vae import FeatureCache, StreamingVAE, cache_bytes
-from ...runner.types import StartImage, centre_crop_box
+from ..start_images import EncodedStartImages
+from ...runner.types import centre_crop_box
 
 log = logging.getLogger("arstream.models.matrix_game")
 
@@ -189,11 +189,12 @@ class ImageEncodings:
     stream: ConditionStream
 
 
-class StartImages:
+class StartImages(EncodedStartImages[ImageEncodings]):
     """The images a model offers (encoded at load, kept) and clients' own (encoded on first use, an LRU by digest).
 
     ``offered`` is ordered: the first is the default. ``encode`` turns a
-    prepared image ``[3, H, W]`` (and its name, if offered) into its encodings.
+    prepared image ``[3, H, W]`` (and its name, if offered) into its encodings;
+    a client's pixels are prepared as Matrix-Game prepares its start image.
     """
 
     def __init__(
@@ -204,47 +205,13 @@ class StartImages:
         *,
         capacity: int = 4,
     ) -> None:
-        if not offered:
-            raise ValueError("a matrix-game model offers at least one start image")
-        if capacity < 1:
-            raise ValueError(f"image_cache must be at least 1, got {capacity}")
+        super().__init__(
+            {name: encode(image, name) for name, image in offered.items()},
+            lambda pixels: encode(prepare_image(pixels, cfg), None),
+            capacity=capacity,
+            model="a matrix-game model",
+        )
         self.cfg = cfg
-        self._encode = encode
-        self.capacity = capacity
-        self._offered = {name: encode(image, name) for name, image in offered.items()}
-        self._clients: OrderedDict[str, ImageEncodings] = OrderedDict()
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._offered)
-
-    @property
-    def default(self) -> ImageEncodings:
-        return next(iter(self._offered.values()))
-
-    def cached_digests(self) -> list[str]:
-        return list(self._clients)
-
-    def resolve(self, start: StartImage | None) -> ImageEncodings:
-        """The encodings of a session's start image (None: the default); a bad choice raises ValueError."""
-        if start is None:
-            return self.default
-        if start.name is not None:
-            if start.name not in self._offered:
-                raise ValueError(f"unknown start image {start.name!r}; this model offers {self.names}")
-            return self._offered[start.name]
-        if start.pixels is None:
-            raise ValueError("a start image needs a name or pixels")
-        cached = self._clients.get(start.digest)
-        if cached is not None:
-            self._clients.move_to_end(start.digest)
-            return cached
-        encodings = self._encode(prepare_image(start.pixels, self.cfg), None)
-        self._clients[start.digest] = encodings
-        while len(self._clients) > self.capacity:
-            # sessions still using an evicted image keep their own reference to it
-            self._clients.popitem(last=False)
-        return encodings
 
 
 def stack_conditions(streams: Sequence[ConditionStream], starts: Sequence[int], count: int) -> torch.Tensor:

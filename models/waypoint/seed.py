@@ -29,7 +29,6 @@ encoded on first use and kept in a small LRU by digest.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from ..matrix_game.images import DEFAULT_NAME, image_files, read_pixels, sky_and_ground
+from ..start_images import EncodedStartImages
 from ...runner.types import StartImage, centre_crop_box
 
 
@@ -78,7 +78,7 @@ def offered_pictures(image: str | None, images: str | None, height: int, width: 
     return offered
 
 
-class SeedImages:
+class SeedImages(EncodedStartImages[Seed]):
     """The pictures a model offers (encoded at load, kept) and clients' own (an LRU by digest)."""
 
     def __init__(
@@ -86,23 +86,13 @@ class SeedImages:
         size: tuple[int, int], *, capacity: int = 4,
     ) -> None:
         """``size``: the frame's (height, width); pictures of another size (not cut by the server) are fitted."""
-        if not offered:
-            raise ValueError("waypoint offers at least one start image")
-        if capacity < 1:
-            raise ValueError(f"image_cache must be at least 1, got {capacity}")
         self._encode = encode
         self.frames_per_chunk = frames_per_chunk
         self.size = size
-        self.capacity = capacity
-        self._offered = {name: self._seed(pixels) for name, pixels in offered.items()}
-        self._clients: OrderedDict[str, Seed] = OrderedDict()
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._offered)
-
-    def cached_digests(self) -> list[str]:
-        return list(self._clients)
+        super().__init__(
+            {name: self._seed(pixels) for name, pixels in offered.items()}, self._seed, capacity=capacity,
+            model="waypoint",
+        )
 
     def _seed(self, pixels: np.ndarray) -> Seed:
         if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3 or min(pixels.shape[:2]) < 1:
@@ -114,28 +104,8 @@ class SeedImages:
         frames = np.repeat(np.ascontiguousarray(pixels, dtype=np.uint8)[None], self.frames_per_chunk, axis=0)
         return Seed(latent=latent, frames=frames)
 
-    def resolve(self, start: StartImage | None) -> Seed:
-        """The seed of a session's start image (None: the default); a bad choice raises ValueError."""
-        if start is None:
-            return next(iter(self._offered.values()))
-        if start.name is not None:
-            if start.name not in self._offered:
-                raise ValueError(f"unknown start image {start.name!r}; this model offers {self.names}")
-            return self._offered[start.name]
-        if start.pixels is None:
-            raise ValueError("a start image needs a name or pixels")
-        cached = self._clients.get(start.digest)
-        if cached is not None:
-            self._clients.move_to_end(start.digest)
-            return cached
-        seed = self._seed(start.pixels)
-        self._clients[start.digest] = seed
-        while len(self._clients) > self.capacity:
-            self._clients.popitem(last=False)  # a session still starting from it keeps its own reference
-        return seed
-
     def offered_latents(self) -> dict[str, torch.Tensor]:
-        return {name: seed.latent for name, seed in self._offered.items()}
+        return {name: seed.latent for name, seed in self.offered().items()}
 
 
 def append_seeds(model: Any, ctx: Any, latents: torch.Tensor, controls: torch.Tensor) -> None:
