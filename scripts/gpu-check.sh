@@ -17,12 +17,14 @@
 #   Everything is tee'd to $OUT/gpu-check.txt ($OUT, else ./out) and the JSON, rewritten after every
 #   phase, is $OUT/gpu-check.json, so a run cut short by a timeout still returns what it measured.
 #   Its last line is the JSON object; the exit status is 0 only when every phase ran.
-# On a CPU:   scripts/gpu-check.sh --cpu   (or DEVICE=cpu): tiny configs, the same code path and JSON keys;
+# On a CPU:   scripts/gpu-check.sh --cpu   (or DEVICE=cpu): tiny configs, the same code path and JSON keys, with
+#   the checkout's .venv unless PYTHON is given;
 #   tests/programs/test_gpu_check.py runs it so from a fresh clone.
 # Knobs: PYTHON (python3), DEVICE (cuda), OUT (./out), WHEELS (build/gpu-check-wheels), DEADLINE_S.
 set -euo pipefail
 CHECKOUT="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS="${WHEELS:-$CHECKOUT/build/gpu-check-wheels}"
+PYTHON_GIVEN="${PYTHON:-}"
 PYTHON="${PYTHON:-python3}"
 CARRY_LIMIT_MIB=64
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -50,6 +52,11 @@ fi
 
 DEVICE="${DEVICE:-cuda}"
 [[ "${1:-}" == "--cpu" ]] && DEVICE=cpu
+# On a CPU machine the bare python3 has none of the server's packages and there are no carried wheels: the
+# checkout's own venv (the README's set-up makes it) is what a CPU rehearsal runs with, unless PYTHON names one.
+if [[ "$DEVICE" == cpu && -z "$PYTHON_GIVEN" && -x "$CHECKOUT/.venv/bin/python" ]]; then
+    PYTHON="$CHECKOUT/.venv/bin/python"
+fi
 OUT_DIR="${OUT:-$PWD/out}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
